@@ -1,0 +1,2 @@
+//! The distribution tool: pins upstream sources plus cherry-picked patches and builds
+//! reproducible, dated, multi-arch OCI images of the engine.
