@@ -1,0 +1,5 @@
+//! A registry client (OCI distribution API): pull with digest verification, push with
+//! HEAD-before-upload and cross-repository mounts, Bearer and Basic auth.
+pub mod auth;
+pub mod client;
+pub mod reference;
