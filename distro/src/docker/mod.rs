@@ -1,1 +1,538 @@
-//! Docker.
+//! Docker: `distro load` (a tar `docker load` accepts) and `distro run` (GPUs when present).
+//!
+//! The load tar is an OCI layout for one platform plus Docker's `manifest.json`: Docker 25 and
+//! later read the layout, older daemons (Debian bookworm ships 20.10) read `manifest.json`,
+//! whose `Layers` point at the gzipped layer blobs (those daemons decompress while loading).
+use crate::image::digest::Digest;
+use crate::image::error::bad_input;
+use crate::image::json::canonical;
+use crate::image::layout::{Layout, REF_NAME};
+use crate::image::manifest::{Descriptor, OCI_INDEX, is_index};
+use crate::image::platform::Platform;
+use crate::image::progress::Progress;
+use crate::registry::auth::{Credential, Credentials};
+use crate::registry::reference::Reference;
+use anyhow::{Context, Result, anyhow, bail};
+use bollard::Docker;
+use bollard::models::{ContainerCreateBody, DeviceRequest, HostConfig};
+use bollard::query_parameters::{
+    CreateImageOptionsBuilder, ImportImageOptionsBuilder, KillContainerOptionsBuilder,
+    LogsOptionsBuilder, RemoveContainerOptionsBuilder, WaitContainerOptionsBuilder,
+};
+use futures_util::StreamExt;
+use serde_json::{Value, json};
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::Path;
+use std::time::Duration;
+
+/// One image to put in a load tar: its platform manifest and the tags it gets.
+#[derive(Clone, Debug)]
+pub struct LoadImage {
+    /// The platform manifest.
+    pub manifest: Descriptor,
+    /// `repo:tag` names.
+    pub repo_tags: Vec<String>,
+}
+
+/// Picks, from `layout`, the images to load: for each selected ref (all when `refs` is empty),
+/// the manifest for `platform`, tagged `repo:REF`.
+pub fn select(
+    layout: &Layout,
+    refs: &[String],
+    platform: &Platform,
+    repo: &str,
+) -> Result<Vec<LoadImage>> {
+    let all = layout.refs()?;
+    if all.is_empty() {
+        return Err(bad_input(format!(
+            "{}: the layout has no refs",
+            layout.dir.display()
+        )));
+    }
+    for r in refs {
+        if !all.iter().any(|(n, _)| n == r) {
+            let names: Vec<&str> = all.iter().map(|(n, _)| n.as_str()).collect();
+            return Err(bad_input(format!(
+                "{}: no ref {r:?} (refs: {})",
+                layout.dir.display(),
+                names.join(", ")
+            )));
+        }
+    }
+    let mut by_manifest: BTreeMap<Digest, LoadImage> = BTreeMap::new();
+    for (name, d) in all
+        .iter()
+        .filter(|(n, _)| refs.is_empty() || refs.contains(n))
+    {
+        let manifest = if is_index(&d.media_type) {
+            let v: Value = serde_json::from_slice(&layout.store.read(&d.digest)?)?;
+            let entry = v["manifests"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .find(|m| m.get("platform").is_some_and(|p| platform.matches(p)))
+                .ok_or_else(|| bad_input(format!("ref {name:?} has no {platform} image")))?;
+            let mut m: Descriptor = serde_json::from_value(entry.clone())?;
+            m.platform = None;
+            m
+        } else {
+            d.clone()
+        };
+        let tag = if name.is_empty() { "latest" } else { name };
+        let r = Reference::parse(&format!("{repo}:{tag}"))?;
+        // Docker names Docker Hub images without the registry.
+        let display = if r.registry == "docker.io" {
+            format!(
+                "{}:{tag}",
+                r.repository
+                    .strip_prefix("library/")
+                    .unwrap_or(&r.repository)
+            )
+        } else {
+            format!("{}:{tag}", r.name())
+        };
+        by_manifest
+            .entry(manifest.digest.clone())
+            .or_insert_with(|| LoadImage {
+                manifest: Descriptor {
+                    annotations: None,
+                    ..manifest
+                },
+                repo_tags: vec![],
+            })
+            .repo_tags
+            .push(display);
+    }
+    Ok(by_manifest.into_values().collect())
+}
+
+/// Writes the load tar for `images` to `out`.
+pub fn write_load_tar(layout: &Layout, images: &[LoadImage], out: impl Write) -> Result<()> {
+    let mut entries: BTreeMap<String, TarSource> = BTreeMap::new();
+    let mut docker_manifest = Vec::new();
+    let mut index_entries = Vec::new();
+    for img in images {
+        let m: Value = serde_json::from_slice(&layout.store.read(&img.manifest.digest)?)?;
+        let config: Descriptor = serde_json::from_value(m["config"].clone())?;
+        let layers: Vec<Descriptor> = serde_json::from_value(m["layers"].clone())?;
+        let blob = |d: &Digest| format!("blobs/sha256/{}", d.hex());
+        for d in std::iter::once(&img.manifest.digest)
+            .chain(std::iter::once(&config.digest))
+            .chain(layers.iter().map(|l| &l.digest))
+        {
+            entries.insert(blob(d), TarSource::File(layout.store.path(d)));
+        }
+        docker_manifest.push(json!({
+            "Config": blob(&config.digest),
+            "RepoTags": img.repo_tags,
+            "Layers": layers.iter().map(|l| blob(&l.digest)).collect::<Vec<_>>(),
+        }));
+        for t in &img.repo_tags {
+            let tag = t.rsplit_once(':').map(|(_, t)| t).unwrap_or(t);
+            let mut d = img.manifest.clone();
+            d.annotations = Some(BTreeMap::from([
+                ("io.containerd.image.name".to_string(), t.clone()),
+                (REF_NAME.to_string(), tag.to_string()),
+            ]));
+            index_entries.push(d);
+        }
+    }
+    entries.insert(
+        "manifest.json".into(),
+        TarSource::Bytes(canonical(&json!(docker_manifest))),
+    );
+    entries.insert(
+        "index.json".into(),
+        TarSource::Bytes(canonical(
+            &json!({"schemaVersion": 2, "mediaType": OCI_INDEX, "manifests": index_entries}),
+        )),
+    );
+    entries.insert(
+        "oci-layout".into(),
+        TarSource::Bytes(br#"{"imageLayoutVersion":"1.0.0"}"#.to_vec()),
+    );
+    let mut b = tar::Builder::new(out);
+    let mut dirs = vec!["blobs/".to_string(), "blobs/sha256/".to_string()];
+    dirs.retain(|_| entries.keys().any(|k| k.starts_with("blobs/")));
+    for d in dirs {
+        let mut h = header(tar::EntryType::Directory, 0, 0o755);
+        b.append_data(&mut h, d, std::io::empty())?;
+    }
+    for (name, src) in entries {
+        match src {
+            TarSource::Bytes(bytes) => {
+                let mut h = header(tar::EntryType::Regular, bytes.len() as u64, 0o644);
+                b.append_data(&mut h, &name, bytes.as_slice())?;
+            }
+            TarSource::File(path) => {
+                let f = std::fs::File::open(&path)
+                    .with_context(|| format!("opening {}", path.display()))?;
+                let mut h = header(tar::EntryType::Regular, f.metadata()?.len(), 0o644);
+                b.append_data(&mut h, &name, f)?;
+            }
+        }
+    }
+    b.into_inner()?.flush()?;
+    Ok(())
+}
+
+enum TarSource {
+    Bytes(Vec<u8>),
+    File(std::path::PathBuf),
+}
+
+fn header(kind: tar::EntryType, size: u64, mode: u32) -> tar::Header {
+    let mut h = tar::Header::new_gnu();
+    h.set_entry_type(kind);
+    h.set_size(size);
+    h.set_mode(mode);
+    h.set_uid(0);
+    h.set_gid(0);
+    h.set_mtime(0);
+    h
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")
+}
+
+async fn connect() -> Result<Docker> {
+    // Containers run for hours (training); the client's default two-minute timeout would cut
+    // the log stream.
+    let d = Docker::connect_with_local_defaults()
+        .context("connecting to the Docker engine")?
+        .with_timeout(Duration::from_secs(60 * 60 * 24 * 365));
+    d.negotiate_version()
+        .await
+        .context("connecting to the Docker engine (is dockerd running? DOCKER_HOST?)")
+}
+
+/// The daemon's platform.
+async fn daemon_platform(d: &Docker) -> Result<Platform> {
+    let info = d.info().await.context("docker info")?;
+    match info.architecture.as_deref() {
+        Some("x86_64") | Some("amd64") => Platform::parse("linux/amd64"),
+        Some("aarch64") | Some("arm64") => Platform::parse("linux/arm64"),
+        other => bail!("the Docker engine runs on {other:?}, which this tool does not build for"),
+    }
+}
+
+/// `distro load`: imports images of `layout_dir` into the Docker engine (or writes the tar to
+/// `output`). Returns the `repo:tag` names.
+pub fn load(
+    layout_dir: &Path,
+    refs: &[String],
+    platform: Option<&Platform>,
+    repo: &str,
+    output: Option<&Path>,
+    progress: &Progress,
+) -> Result<Vec<String>> {
+    let layout = Layout::open(layout_dir)?;
+    if let Some(out) = output {
+        let p = platform
+            .cloned()
+            .or_else(Platform::host)
+            .ok_or_else(|| anyhow!("pass --platform"))?;
+        let images = select(&layout, refs, &p, repo)?;
+        let tmp = crate::image::fsutil::temp_beside(out);
+        let f =
+            std::fs::File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
+        let res = write_load_tar(&layout, &images, std::io::BufWriter::new(f))
+            .and_then(|_| crate::image::fsutil::commit_temp(&tmp, out));
+        if res.is_err() {
+            let _ = std::fs::remove_file(&tmp);
+        }
+        res?;
+        return Ok(images.into_iter().flat_map(|i| i.repo_tags).collect());
+    }
+    runtime()?.block_on(async {
+        let docker = connect().await?;
+        let p = match platform {
+            Some(p) => p.clone(),
+            None => daemon_platform(&docker).await?,
+        };
+        let images = select(&layout, refs, &p, repo)?;
+        let step = progress.step(format!("loading {p} image into Docker"));
+        // Stream the tar through a pipe: a writer thread produces it while the request sends it.
+        let (tx, rx) = tokio::sync::mpsc::channel::<std::io::Result<bytes_chunk::Chunk>>(8);
+        let writer_layout = Layout::new(&layout.dir);
+        let writer_images = images.clone();
+        let writer = std::thread::spawn(move || -> Result<()> {
+            let sink = bytes_chunk::ChannelWriter::new(tx);
+            write_load_tar(&writer_layout, &writer_images, sink)
+        });
+        let body = bollard::body_try_stream(tokio_stream_from(rx));
+        let mut stream = docker.import_image(
+            ImportImageOptionsBuilder::default().quiet(true).build(),
+            body,
+            None,
+        );
+        let mut messages = Vec::new();
+        while let Some(item) = stream.next().await {
+            let info = item.context("docker load")?;
+            if let Some(s) = info.stream {
+                messages.push(s.trim().to_string());
+            }
+        }
+        writer
+            .join()
+            .map_err(|_| anyhow!("the tar writer panicked"))??;
+        step.done(messages.join("; "));
+        Ok(images.into_iter().flat_map(|i| i.repo_tags).collect())
+    })
+}
+
+fn tokio_stream_from(
+    mut rx: tokio::sync::mpsc::Receiver<std::io::Result<bytes_chunk::Chunk>>,
+) -> impl futures_util::Stream<Item = std::io::Result<bytes_chunk::Chunk>> {
+    futures_util::stream::poll_fn(move |cx| rx.poll_recv(cx))
+}
+
+mod bytes_chunk {
+    //! A blocking `Write` that feeds an async channel, so a tar written on a thread streams
+    //! into the Docker request without landing on disk.
+    pub type Chunk = bytes::Bytes;
+    pub struct ChannelWriter {
+        tx: tokio::sync::mpsc::Sender<std::io::Result<Chunk>>,
+        buf: Vec<u8>,
+    }
+    impl ChannelWriter {
+        pub fn new(tx: tokio::sync::mpsc::Sender<std::io::Result<Chunk>>) -> Self {
+            ChannelWriter {
+                tx,
+                buf: Vec::with_capacity(1 << 20),
+            }
+        }
+        fn send(&mut self) -> std::io::Result<()> {
+            if self.buf.is_empty() {
+                return Ok(());
+            }
+            let chunk = Chunk::from(std::mem::replace(
+                &mut self.buf,
+                Vec::with_capacity(1 << 20),
+            ));
+            self.tx
+                .blocking_send(Ok(chunk))
+                .map_err(|_| std::io::Error::other("docker closed the load request"))
+        }
+    }
+    impl std::io::Write for ChannelWriter {
+        fn write(&mut self, data: &[u8]) -> std::io::Result<usize> {
+            self.buf.extend_from_slice(data);
+            if self.buf.len() >= 1 << 20 {
+                self.send()?;
+            }
+            Ok(data.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            self.send()
+        }
+    }
+    impl Drop for ChannelWriter {
+        fn drop(&mut self) {
+            let _ = self.send();
+        }
+    }
+}
+
+/// Whether to request GPUs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Gpus {
+    /// All GPUs when the engine has an NVIDIA runtime or the host has NVIDIA devices.
+    Auto,
+    /// All GPUs, always (fails where there are none, as `docker run --gpus=all` does).
+    All,
+    /// No GPUs.
+    None,
+}
+
+/// Options of `distro run`.
+#[derive(Clone, Debug)]
+pub struct RunOptions {
+    /// Image reference.
+    pub image: String,
+    /// Command (empty: the image's default, `engine info`).
+    pub cmd: Vec<String>,
+    /// `KEY=VALUE` environment additions.
+    pub env: Vec<String>,
+    /// GPU request.
+    pub gpus: Gpus,
+    /// Keep the container after it exits.
+    pub keep: bool,
+    /// Platform to pull when the image is not local.
+    pub platform: Option<Platform>,
+}
+
+/// The `--gpus=all` device request.
+pub fn all_gpus() -> DeviceRequest {
+    DeviceRequest {
+        driver: Some(String::new()),
+        count: Some(-1),
+        capabilities: Some(vec![vec!["gpu".into()]]),
+        ..Default::default()
+    }
+}
+
+async fn gpus_present(d: &Docker) -> bool {
+    let nvidia_runtime = d
+        .info()
+        .await
+        .ok()
+        .and_then(|i| i.runtimes)
+        .is_some_and(|r| r.contains_key("nvidia"));
+    let hook = std::env::var_os("PATH").is_some_and(|p| {
+        std::env::split_paths(&p).any(|dir| dir.join("nvidia-container-runtime-hook").is_file())
+    });
+    nvidia_runtime || (Path::new("/dev/nvidiactl").exists() && hook)
+}
+
+/// `distro run`: runs `opts.image`, streaming its output; returns the container's exit code.
+pub fn run(opts: &RunOptions, progress: &Progress) -> Result<i64> {
+    runtime()?.block_on(async {
+        let docker = connect().await?;
+        if docker.inspect_image(&opts.image).await.is_err() {
+            pull(&docker, &opts.image, opts.platform.as_ref(), progress).await?;
+        }
+        let gpus = match opts.gpus {
+            Gpus::All => true,
+            Gpus::None => false,
+            Gpus::Auto => gpus_present(&docker).await,
+        };
+        let body = ContainerCreateBody {
+            image: Some(opts.image.clone()),
+            cmd: (!opts.cmd.is_empty()).then(|| opts.cmd.clone()),
+            env: (!opts.env.is_empty()).then(|| opts.env.clone()),
+            attach_stdout: Some(true),
+            attach_stderr: Some(true),
+            tty: Some(false),
+            host_config: Some(HostConfig {
+                device_requests: gpus.then(|| vec![all_gpus()]),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let created = docker
+            .create_container(None, body)
+            .await
+            .with_context(|| format!("creating a container of {}", opts.image))?;
+        let id = created.id;
+        let result = run_container(&docker, &id).await;
+        if !opts.keep {
+            let _ = docker
+                .remove_container(
+                    &id,
+                    Some(RemoveContainerOptionsBuilder::default().force(true).build()),
+                )
+                .await;
+        }
+        result
+    })
+}
+
+async fn run_container(docker: &Docker, id: &str) -> Result<i64> {
+    docker
+        .start_container(id, None)
+        .await
+        .context("starting the container")?;
+    let mut logs = docker.logs(
+        id,
+        Some(
+            LogsOptionsBuilder::default()
+                .follow(true)
+                .stdout(true)
+                .stderr(true)
+                .build(),
+        ),
+    );
+    let stream_logs = async {
+        while let Some(item) = logs.next().await {
+            match item.context("reading the container's output")? {
+                bollard::container::LogOutput::StdErr { message } => {
+                    let mut e = std::io::stderr().lock();
+                    e.write_all(&message)?;
+                    e.flush()?;
+                }
+                other => {
+                    let mut o = std::io::stdout().lock();
+                    o.write_all(&other.into_bytes())?;
+                    o.flush()?;
+                }
+            }
+        }
+        anyhow::Ok(())
+    };
+    tokio::select! {
+        r = stream_logs => r?,
+        _ = tokio::signal::ctrl_c() => {
+            let _ = docker.kill_container(id, Some(KillContainerOptionsBuilder::default().signal("SIGINT").build())).await;
+        }
+    }
+    let mut wait = docker.wait_container(
+        id,
+        Some(
+            WaitContainerOptionsBuilder::default()
+                .condition("not-running")
+                .build(),
+        ),
+    );
+    match wait.next().await {
+        Some(Ok(r)) => Ok(r.status_code),
+        Some(Err(bollard::errors::Error::DockerContainerWaitError { code, .. })) => Ok(code),
+        Some(Err(e)) => Err(e).context("waiting for the container"),
+        None => bail!("the Docker engine ended the wait without an exit code"),
+    }
+}
+
+async fn pull(
+    docker: &Docker,
+    image: &str,
+    platform: Option<&Platform>,
+    progress: &Progress,
+) -> Result<()> {
+    let r = Reference::parse(image)?;
+    let step = progress.step(format!("pulling {image}"));
+    let found = Credentials::from_environment(None)?.lookup(r.api_host())?;
+    let creds = found.map(|f| {
+        let mut c = bollard::auth::DockerCredentials {
+            serveraddress: Some(r.registry.clone()),
+            ..Default::default()
+        };
+        match f.credential {
+            Credential::Basic { user, password } => {
+                c.username = Some(user);
+                c.password = Some(password);
+            }
+            Credential::Identity(t) => c.identitytoken = Some(t),
+            Credential::Registry(t) => c.registrytoken = Some(t),
+        }
+        c
+    });
+    let mut b = CreateImageOptionsBuilder::default().from_image(&format!(
+        "{}",
+        Reference {
+            tag: None,
+            digest: None,
+            ..r.clone()
+        }
+    ));
+    let t = r
+        .digest
+        .as_ref()
+        .map(|d| d.to_string())
+        .or(r.tag.clone())
+        .unwrap_or_else(|| "latest".into());
+    b = b.tag(&t);
+    if let Some(p) = platform {
+        b = b.platform(&p.to_string());
+    }
+    let mut s = docker.create_image(Some(b.build()), None, creds);
+    while let Some(item) = s.next().await {
+        item.with_context(|| format!("pulling {image}"))?;
+    }
+    step.done("pulled");
+    Ok(())
+}

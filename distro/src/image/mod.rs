@@ -1,8 +1,20 @@
 //! Image building: definitions, layers, config, manifests, index, OCI layout, SBOM.
+pub mod base;
+pub mod build;
+pub mod cli;
+pub mod config;
 pub mod def;
 pub mod digest;
+pub mod engine_build;
 pub mod error;
 pub mod fsutil;
 pub mod json;
 pub mod layer;
+pub mod layout;
+pub mod manifest;
 pub mod platform;
+pub mod progress;
+pub mod sbom;
+pub mod sources;
+pub mod store;
+pub mod workspace;

@@ -2,4 +2,6 @@
 //! HEAD-before-upload and cross-repository mounts, Bearer and Basic auth.
 pub mod auth;
 pub mod client;
+pub mod pull;
+pub mod push;
 pub mod reference;

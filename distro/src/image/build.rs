@@ -1,0 +1,433 @@
+//! `distro build`: the pipeline. Each step is a function of its inputs:
+//! workspace + definition -> engine binaries -> layers -> configs -> manifests -> index ->
+//! layout and/or registry. Layer blobs are cached by a key of their exact inputs, so an
+//! unchanged input rebuilds nothing.
+use super::base;
+use super::config::{AddedLayer, image_config, parse_date, rfc3339, utc_date};
+use super::def::ImageDef;
+use super::digest::Digest;
+use super::engine_build::{CratePatch, Stage};
+use super::error::bad_input;
+use super::fsutil::write_atomic;
+use super::layer::{Layer, LayerSpec, MODE_EXEC, MODE_FILE};
+use super::layout::Layout;
+use super::manifest::{
+    Descriptor, OCI_CONFIG, OCI_INDEX, OCI_LAYER_GZIP, OCI_MANIFEST, image_index, image_manifest,
+};
+use super::platform::Platform;
+use super::progress::Progress;
+use super::sbom::{SbomInput, sbom};
+use super::store::BlobStore;
+use super::workspace::Workspace;
+use crate::registry::auth::Credentials;
+use crate::registry::client::Client;
+use crate::registry::push::{BlobFile, ManifestDoc, PushOptions, PushPlan, PushReport, push};
+use crate::registry::reference::Reference;
+use anyhow::{Context, Result};
+use std::collections::BTreeMap;
+use std::fs;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+/// What the pinned sources contribute to a build (from the sources library: the build's
+/// manifest lock, the patch files it applied, the patched crates to wire in, the pins).
+#[derive(Clone, Debug, Default)]
+pub struct SourcesInput {
+    /// Text of the build's manifest lock (`/opt/distro/manifest.lock`), when there is a manifest.
+    pub lock_text: Option<String>,
+    /// Applied patch files: path relative to `patches/` and bytes (`/opt/distro/patches/`).
+    pub patch_files: Vec<(String, Vec<u8>)>,
+    /// Patched crates wired into the engine build.
+    pub crate_patches: Vec<CratePatch>,
+    /// Annotations describing each source's pin (`io.github.llm-distro.source.NAME.*`).
+    pub annotations: BTreeMap<String, String>,
+}
+
+/// Options of one build.
+#[derive(Clone, Debug, Default)]
+pub struct BuildOptions {
+    /// Image definition name (`images/<name>.toml`).
+    pub image: String,
+    /// Platforms (default: the definition's).
+    pub platforms: Option<Vec<Platform>>,
+    /// Tag date `YYYY-MM-DD`; also makes the build ignore `SOURCE_DATE_EPOCH`.
+    pub date: Option<String>,
+    /// Base image override.
+    pub base: Option<Reference>,
+    /// OCI layout to write.
+    pub output: Option<PathBuf>,
+    /// Repository to push to.
+    pub push: Option<Reference>,
+    /// Registries reachable over plain HTTP.
+    pub insecure: Vec<String>,
+    /// Upload chunk size (forces chunked uploads).
+    pub chunk_size: Option<u64>,
+    /// Where to find the workspace (any directory inside it).
+    pub start_dir: PathBuf,
+    /// What the pinned sources contribute.
+    pub sources: SourcesInput,
+}
+
+/// What a build produced.
+#[derive(Clone, Debug)]
+pub struct BuildResult {
+    /// Digest of the multi-arch index.
+    pub index_digest: Digest,
+    /// The tags (`NAME-YYYY-MM-DD`, `NAME`).
+    pub tags: Vec<String>,
+    /// The layout written, if any.
+    pub layout: Option<PathBuf>,
+    /// The push report, if pushed.
+    pub pushed: Option<PushReport>,
+}
+
+/// Prefix of the annotations that carry upstream pins.
+pub const PIN_ANNOTATION_PREFIX: &str = "io.github.llm-distro.source.";
+
+/// The cache directory: `$DISTRO_CACHE_DIR`, else `<workspace>/target/distro`.
+pub fn cache_dir(ws: &Workspace) -> PathBuf {
+    std::env::var_os("DISTRO_CACHE_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| ws.root.join("target/distro"))
+}
+
+/// Resolves the epoch and the tag date. With `--date`, the epoch is the commit time whatever the
+/// environment says; without it, `SOURCE_DATE_EPOCH` (else the commit time) and today's date.
+pub fn epoch_and_date(ws: &Workspace, date: Option<&str>) -> Result<(u64, String)> {
+    if let Some(d) = date {
+        if parse_date(d).is_none() {
+            return Err(bad_input(format!(
+                "--date {d:?} is not a date in YYYY-MM-DD form"
+            )));
+        }
+        return Ok((ws.commit_time, d.to_string()));
+    }
+    let epoch = match std::env::var("SOURCE_DATE_EPOCH") {
+        Ok(s) if !s.is_empty() => s.trim().parse::<u64>().map_err(|_| {
+            bad_input(format!(
+                "SOURCE_DATE_EPOCH={s:?} is not a Unix time in seconds"
+            ))
+        })?,
+        _ => ws.commit_time,
+    };
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    Ok((epoch, utc_date(now)))
+}
+
+/// A layer, cached by its key: built (tar + gzip) only when no blob with that key is stored.
+fn cached_layer(spec: &LayerSpec, epoch: u64, cache: &Path, store: &BlobStore) -> Result<Layer> {
+    let key = spec.cache_key(epoch);
+    let meta = cache.join("layers").join(format!("{key}.json"));
+    if let Ok(bytes) = fs::read(&meta)
+        && let Ok(v) = serde_json::from_slice::<serde_json::Value>(&bytes)
+        && let (Some(d), Some(diff), Some(size)) = (
+            v["digest"].as_str(),
+            v["diff_id"].as_str(),
+            v["size"].as_u64(),
+        )
+        && let (Ok(digest), Ok(diff_id)) = (Digest::parse(d), Digest::parse(diff))
+        && store.size(&digest) == Some(size)
+    {
+        return Ok(Layer {
+            digest,
+            diff_id,
+            size,
+        });
+    }
+    let (layer, gz) = spec.build(epoch)?;
+    store.put(&gz)?;
+    let v =
+        serde_json::json!({"digest": layer.digest, "diff_id": layer.diff_id, "size": layer.size});
+    write_atomic(&meta, &serde_json::to_vec(&v)?)?;
+    Ok(layer)
+}
+
+fn file_mode(path: &Path) -> Result<u32> {
+    let m = fs::metadata(path).with_context(|| format!("reading {}", path.display()))?;
+    Ok(if m.permissions().mode() & 0o111 != 0 {
+        MODE_EXEC
+    } else {
+        MODE_FILE
+    })
+}
+
+/// Runs the build.
+pub fn build(opts: &BuildOptions, progress: &Progress) -> Result<BuildResult> {
+    let ws = Workspace::open(&opts.start_dir)?;
+    let def_path = ws.root.join("images").join(format!("{}.toml", opts.image));
+    let def = ImageDef::load(&def_path)?;
+    let platforms = opts
+        .platforms
+        .clone()
+        .unwrap_or_else(|| def.platforms.clone());
+    let (epoch, date) = epoch_and_date(&ws, opts.date.as_deref())?;
+    let version = format!("{}-{date}", def.name);
+    let tags = vec![version.clone(), def.name.clone()];
+    let cache = cache_dir(&ws);
+    let store = BlobStore::new(cache.join("store"));
+    let base_ref = opts.base.clone().unwrap_or_else(|| def.base.clone());
+    if base_ref.digest.is_none() {
+        progress.info(format!("warning: base {base_ref} is not pinned by digest; the build is only as reproducible as that tag"));
+    }
+    let creds = Credentials::from_environment(opts.push.as_ref().map(|r| r.api_host()))?;
+    let client = Client::new(creds, opts.insecure.clone())?;
+
+    // 1. Base image.
+    let base = base::resolve(&client, &base_ref, &platforms, &store, progress)?;
+
+    // 2. Engine binaries, all platforms in one cargo run.
+    let stage = Stage::prepare(&ws, &cache, &opts.sources.crate_patches, progress)?;
+    let built = stage.build(&platforms, &def.binaries, progress)?;
+
+    // 3. Layers that do not depend on the platform.
+    let step = progress.step("assembling layers");
+    let mut trees = LayerSpec::new();
+    for t in &def.trees {
+        let mut any = false;
+        for f in ws.files_under(&t.src) {
+            let rel = &f[t.src.trim_end_matches('/').len() + 1..];
+            let src = ws.root.join(f);
+            trees.add_file(
+                &format!("{}/{rel}", t.dest.trim_end_matches('/')),
+                Arc::new(fs::read(&src)?),
+                file_mode(&src)?,
+            )?;
+            any = true;
+        }
+        if !any && !t.optional {
+            return Err(bad_input(format!(
+                "{}: tree {:?} has no tracked files (mark it optional = true if that is fine)",
+                def_path.display(),
+                t.src
+            )));
+        }
+    }
+    let tree_layer = if trees.is_empty() {
+        None
+    } else {
+        Some(cached_layer(&trees, epoch, &cache, &store)?)
+    };
+
+    // 4. Per platform: binaries layer, /opt/distro layer, config, manifest.
+    let base_name = Reference {
+        tag: base_ref.tag.clone(),
+        digest: None,
+        ..base_ref.clone()
+    }
+    .to_string();
+    let mut annotations: BTreeMap<String, String> = BTreeMap::from([
+        ("org.opencontainers.image.created".into(), rfc3339(epoch)),
+        ("org.opencontainers.image.revision".into(), ws.revision()),
+        ("org.opencontainers.image.version".into(), version.clone()),
+        ("org.opencontainers.image.title".into(), def.name.clone()),
+        (
+            "org.opencontainers.image.description".into(),
+            def.description.clone(),
+        ),
+        (
+            "org.opencontainers.image.base.name".into(),
+            base_name.clone(),
+        ),
+        (
+            "org.opencontainers.image.base.digest".into(),
+            base.digest.to_string(),
+        ),
+    ]);
+    if let Some(r) = &ws.repository {
+        annotations.insert("org.opencontainers.image.source".into(), r.clone());
+    }
+    annotations.extend(opts.sources.annotations.clone());
+    let mut manifests: Vec<(Platform, Descriptor)> = Vec::new();
+    let mut blobs: Vec<Digest> = Vec::new();
+    let mut push_blobs: Vec<BlobFile> = Vec::new();
+    let mut manifest_docs: Vec<ManifestDoc> = Vec::new();
+    let roots: Vec<String> = def.binaries.iter().map(|b| b.package.clone()).collect();
+    for p in &platforms {
+        let bp = &base.platforms[p];
+        let mut bins = LayerSpec::new();
+        for b in &def.binaries {
+            let path = &built[&(p.clone(), b.bin_name().to_string())];
+            bins.add_file(&b.dest, Arc::new(fs::read(path)?), MODE_EXEC)?;
+        }
+        for f in &def.files {
+            bins.add_file(&f.dest, Arc::new(f.content.clone().into_bytes()), f.mode)?;
+        }
+        let bin_layer = cached_layer(&bins, epoch, &cache, &store)?;
+
+        let metadata = stage.metadata(p)?;
+        let sbom_bytes = sbom(&SbomInput {
+            image: &def.name,
+            version: &version,
+            platform: p,
+            epoch,
+            revision: &ws.revision(),
+            repository: ws.repository.as_deref(),
+            lock: stage.lock(),
+            metadata: &metadata,
+            roots: &roots,
+            base_name: base_ref.name(),
+            base_tag: base_ref.tag.clone(),
+            base_digest: &bp.manifest_digest,
+        })?;
+        let mut distro = LayerSpec::new();
+        distro.add_file(
+            "/opt/distro/sbom.spdx.json",
+            Arc::new(sbom_bytes),
+            MODE_FILE,
+        )?;
+        distro.add_file(
+            "/opt/distro/Cargo.lock",
+            Arc::new(stage.lock().to_vec()),
+            MODE_FILE,
+        )?;
+        if let Some(l) = &opts.sources.lock_text {
+            distro.add_file(
+                "/opt/distro/manifest.lock",
+                Arc::new(l.clone().into_bytes()),
+                MODE_FILE,
+            )?;
+        }
+        distro.add_dir("/opt/distro/patches")?;
+        for (rel, bytes) in &opts.sources.patch_files {
+            distro.add_file(
+                &format!("/opt/distro/patches/{rel}"),
+                Arc::new(bytes.clone()),
+                MODE_FILE,
+            )?;
+        }
+        let distro_layer = cached_layer(&distro, epoch, &cache, &store)?;
+
+        let bin_paths: Vec<&str> = def
+            .binaries
+            .iter()
+            .map(|b| b.dest.as_str())
+            .chain(def.files.iter().map(|f| f.dest.as_str()))
+            .collect();
+        let mut ours = vec![(bin_layer, format!("binaries: {}", bin_paths.join(" ")))];
+        if let Some(t) = &tree_layer {
+            ours.push((
+                t.clone(),
+                "trees: ".to_string()
+                    + &def
+                        .trees
+                        .iter()
+                        .map(|t| t.dest.as_str())
+                        .collect::<Vec<_>>()
+                        .join(" "),
+            ));
+        }
+        ours.push((
+            distro_layer,
+            "/opt/distro: manifest lock, patches, Cargo.lock, SBOM".into(),
+        ));
+
+        let added: Vec<AddedLayer> = ours
+            .iter()
+            .map(|(l, what)| AddedLayer {
+                diff_id: l.diff_id.clone(),
+                created_by: format!("distro build: {what}"),
+            })
+            .collect();
+        let mut labels = annotations.clone();
+        labels.insert(
+            "org.opencontainers.image.base.digest".into(),
+            bp.manifest_digest.to_string(),
+        );
+        let config = image_config(&bp.config, &def, p, epoch, &added, &labels)?;
+        let config_desc = Descriptor::of(OCI_CONFIG, &config);
+        store.put(&config)?;
+        let mut layers = bp.layers.clone();
+        layers.extend(ours.iter().map(|(l, _)| Descriptor {
+            media_type: OCI_LAYER_GZIP.into(),
+            digest: l.digest.clone(),
+            size: l.size,
+            platform: None,
+            annotations: None,
+        }));
+        let manifest = image_manifest(&config_desc, &layers, &labels)?;
+        store.put(&manifest)?;
+        let md = Descriptor::of(OCI_MANIFEST, &manifest);
+        for d in std::iter::once(&config_desc).chain(&layers) {
+            if !blobs.contains(&d.digest) {
+                blobs.push(d.digest.clone());
+                let from_base = bp.layers.iter().any(|b| b.digest == d.digest);
+                push_blobs.push(BlobFile {
+                    digest: d.digest.clone(),
+                    size: d.size,
+                    path: store.path(&d.digest),
+                    mount_from: from_base.then(|| base_ref.repository.clone()),
+                });
+            }
+        }
+        blobs.push(md.digest.clone());
+        manifest_docs.push(ManifestDoc::new(OCI_MANIFEST, manifest));
+        manifests.push((p.clone(), md));
+    }
+    let index = image_index(&manifests, &annotations)?;
+    store.put(&index)?;
+    let index_desc = Descriptor::of(OCI_INDEX, &index);
+    blobs.push(index_desc.digest.clone());
+    step.done(format!("{} layers", blobs.len()));
+
+    // 5. Publish.
+    let layout_dir = match (&opts.output, &opts.push) {
+        (Some(o), _) => Some(o.clone()),
+        (None, None) => Some(cache.join("oci")),
+        (None, Some(_)) => None,
+    };
+    if let Some(dir) = &layout_dir {
+        let step = progress.step(format!("writing OCI layout {}", dir.display()));
+        let refs: Vec<(String, Descriptor)> = tags
+            .iter()
+            .map(|t| (t.clone(), index_desc.clone()))
+            .collect();
+        Layout::new(dir).write(&store, &blobs, &refs)?;
+        step.done(tags.join(", "));
+    }
+    let pushed = match &opts.push {
+        Some(repo) => {
+            let index_doc = ManifestDoc::new(OCI_INDEX, index.clone());
+            manifest_docs.push(index_doc.clone());
+            let plan = PushPlan {
+                blobs: push_blobs
+                    .into_iter()
+                    .map(|mut b| {
+                        // Mounts only work within one registry.
+                        if base_ref.api_host() != repo.api_host() {
+                            b.mount_from = None;
+                        }
+                        b
+                    })
+                    .collect(),
+                manifests: manifest_docs,
+                tags: tags
+                    .iter()
+                    .map(|t| (t.clone(), index_doc.clone()))
+                    .collect(),
+            };
+            let step = progress.step(format!("pushing to {}", repo.name()));
+            let report = push(
+                &client,
+                repo,
+                &plan,
+                &PushOptions {
+                    chunk_size: opts.chunk_size,
+                },
+                progress,
+            )?;
+            step.done(report.to_string());
+            Some(report)
+        }
+        None => None,
+    };
+    Ok(BuildResult {
+        index_digest: index_desc.digest,
+        tags,
+        layout: layout_dir,
+        pushed,
+    })
+}

@@ -1,0 +1,168 @@
+//! OCI descriptors, image manifests and image indexes, as canonical JSON.
+//!
+//! Only OCI media types are written. Docker media types met in a base image are translated
+//! (the blob bytes are the same; only the descriptor's type changes), never mixed in.
+use super::digest::Digest;
+use super::json::canonical;
+use super::platform::Platform;
+use anyhow::{Result, bail};
+use serde::{Deserialize, Serialize};
+use serde_json::{Value, json};
+use std::collections::BTreeMap;
+
+/// `application/vnd.oci.image.index.v1+json`.
+pub const OCI_INDEX: &str = "application/vnd.oci.image.index.v1+json";
+/// `application/vnd.oci.image.manifest.v1+json`.
+pub const OCI_MANIFEST: &str = "application/vnd.oci.image.manifest.v1+json";
+/// `application/vnd.oci.image.config.v1+json`.
+pub const OCI_CONFIG: &str = "application/vnd.oci.image.config.v1+json";
+/// `application/vnd.oci.image.layer.v1.tar+gzip`.
+pub const OCI_LAYER_GZIP: &str = "application/vnd.oci.image.layer.v1.tar+gzip";
+/// Docker's manifest list (read only).
+pub const DOCKER_LIST: &str = "application/vnd.docker.distribution.manifest.list.v2+json";
+/// Docker's image manifest (read only).
+pub const DOCKER_MANIFEST: &str = "application/vnd.docker.distribution.manifest.v2+json";
+/// Every manifest type we can read, for `Accept` headers.
+pub const ACCEPT_MANIFESTS: &str = "application/vnd.oci.image.index.v1+json, application/vnd.oci.image.manifest.v1+json, application/vnd.docker.distribution.manifest.list.v2+json;q=0.9, application/vnd.docker.distribution.manifest.v2+json;q=0.9";
+
+/// The OCI media type for a layer or config media type found in a base image.
+pub fn to_oci_media_type(mt: &str) -> Result<&'static str> {
+    Ok(match mt {
+        "application/vnd.oci.image.layer.v1.tar+gzip"
+        | "application/vnd.docker.image.rootfs.diff.tar.gzip" => OCI_LAYER_GZIP,
+        "application/vnd.oci.image.layer.v1.tar+zstd" => {
+            "application/vnd.oci.image.layer.v1.tar+zstd"
+        }
+        "application/vnd.oci.image.layer.v1.tar"
+        | "application/vnd.docker.image.rootfs.diff.tar" => {
+            "application/vnd.oci.image.layer.v1.tar"
+        }
+        "application/vnd.oci.image.config.v1+json"
+        | "application/vnd.docker.container.image.v1+json" => OCI_CONFIG,
+        other => bail!("media type {other:?} is not supported in a base image"),
+    })
+}
+
+/// Whether `mt` is an index (OCI or Docker list).
+pub fn is_index(mt: &str) -> bool {
+    mt == OCI_INDEX || mt == DOCKER_LIST
+}
+
+/// An OCI content descriptor.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Descriptor {
+    /// Media type.
+    #[serde(rename = "mediaType")]
+    pub media_type: String,
+    /// Digest of the content.
+    pub digest: Digest,
+    /// Size of the content in bytes.
+    pub size: u64,
+    /// Platform (index entries only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub platform: Option<Value>,
+    /// Annotations.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub annotations: Option<BTreeMap<String, String>>,
+}
+
+impl Descriptor {
+    /// A descriptor of `bytes` with `media_type`.
+    pub fn of(media_type: &str, bytes: &[u8]) -> Descriptor {
+        Descriptor {
+            media_type: media_type.into(),
+            digest: Digest::of(bytes),
+            size: bytes.len() as u64,
+            platform: None,
+            annotations: None,
+        }
+    }
+}
+
+/// Canonical bytes of an image manifest.
+pub fn image_manifest(
+    config: &Descriptor,
+    layers: &[Descriptor],
+    annotations: &BTreeMap<String, String>,
+) -> Result<Vec<u8>> {
+    let mut v = json!({
+        "schemaVersion": 2,
+        "mediaType": OCI_MANIFEST,
+        "config": config,
+        "layers": layers,
+    });
+    if !annotations.is_empty() {
+        v["annotations"] = serde_json::to_value(annotations)?;
+    }
+    Ok(canonical(&v))
+}
+
+/// Canonical bytes of an image index over per-platform manifests.
+pub fn image_index(
+    manifests: &[(Platform, Descriptor)],
+    annotations: &BTreeMap<String, String>,
+) -> Result<Vec<u8>> {
+    let entries: Vec<Descriptor> = manifests
+        .iter()
+        .map(|(p, d)| Descriptor {
+            platform: Some(p.to_json()),
+            annotations: None,
+            ..d.clone()
+        })
+        .collect();
+    let mut v = json!({
+        "schemaVersion": 2,
+        "mediaType": OCI_INDEX,
+        "manifests": entries,
+    });
+    if !annotations.is_empty() {
+        v["annotations"] = serde_json::to_value(annotations)?;
+    }
+    Ok(canonical(&v))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn manifest_and_index_shape() {
+        let cfg = Descriptor::of(OCI_CONFIG, b"{}");
+        let layer = Descriptor::of(OCI_LAYER_GZIP, b"x");
+        let m = image_manifest(
+            &cfg,
+            &[layer],
+            &BTreeMap::from([("k".to_string(), "v".to_string())]),
+        )
+        .unwrap();
+        let v: Value = serde_json::from_slice(&m).unwrap();
+        assert_eq!(v["mediaType"], OCI_MANIFEST);
+        assert_eq!(v["config"]["mediaType"], OCI_CONFIG);
+        assert!(v["config"].get("platform").is_none());
+        let md = Descriptor::of(OCI_MANIFEST, &m);
+        let arm = Platform::parse("linux/arm64").unwrap();
+        let idx = image_index(&[(arm, md)], &BTreeMap::new()).unwrap();
+        let v: Value = serde_json::from_slice(&idx).unwrap();
+        assert_eq!(v["manifests"][0]["platform"]["variant"], "v8");
+        assert!(v.get("annotations").is_none());
+        // Canonical: no whitespace, sorted keys.
+        let s = String::from_utf8(idx).unwrap();
+        assert!(s.starts_with(r#"{"manifests":[{"digest":"sha256:"#), "{s}");
+        assert!(!s.contains(' '));
+    }
+
+    #[test]
+    fn docker_types_translate() {
+        assert_eq!(
+            to_oci_media_type("application/vnd.docker.image.rootfs.diff.tar.gzip").unwrap(),
+            OCI_LAYER_GZIP
+        );
+        assert_eq!(
+            to_oci_media_type("application/vnd.docker.container.image.v1+json").unwrap(),
+            OCI_CONFIG
+        );
+        assert!(
+            to_oci_media_type("application/vnd.docker.image.rootfs.foreign.diff.tar.gzip").is_err()
+        );
+    }
+}

@@ -1,0 +1,184 @@
+//! A content-addressed blob store (`<root>/blobs/sha256/<hex>`, the OCI layout's own shape).
+//!
+//! Blobs land through a temporary file and are renamed into place only after their digest
+//! checked out, so a name in the store always matches its content.
+use super::digest::{Digest, HashingWriter};
+use super::fsutil::{commit_temp, temp_beside, write_atomic};
+use anyhow::{Context, Result, bail};
+use std::fs::{self, File};
+use std::io::{BufWriter, Read, Write};
+use std::path::{Path, PathBuf};
+
+/// A blob store rooted at a directory.
+#[derive(Clone, Debug)]
+pub struct BlobStore {
+    root: PathBuf,
+}
+
+impl BlobStore {
+    /// A store under `root` (created on first write).
+    pub fn new(root: impl Into<PathBuf>) -> BlobStore {
+        BlobStore { root: root.into() }
+    }
+
+    /// The store's root directory.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// Where blob `d` lives (whether or not it is there).
+    pub fn path(&self, d: &Digest) -> PathBuf {
+        self.root.join("blobs/sha256").join(d.hex())
+    }
+
+    /// Whether blob `d` is present.
+    pub fn has(&self, d: &Digest) -> bool {
+        self.path(d).is_file()
+    }
+
+    /// Size of blob `d`, if present.
+    pub fn size(&self, d: &Digest) -> Option<u64> {
+        fs::metadata(self.path(d)).ok().map(|m| m.len())
+    }
+
+    /// Stores `bytes`, returning their digest (a no-op when already present).
+    pub fn put(&self, bytes: &[u8]) -> Result<Digest> {
+        let d = Digest::of(bytes);
+        if !self.has(&d) {
+            write_atomic(&self.path(&d), bytes)?;
+        }
+        Ok(d)
+    }
+
+    /// Streams `reader` into the store, refusing it unless it hashes to `expected` (and has
+    /// `expected_size`, when given). Returns the number of bytes read.
+    pub fn put_verified(
+        &self,
+        reader: &mut dyn Read,
+        expected: &Digest,
+        expected_size: Option<u64>,
+        what: &str,
+    ) -> Result<u64> {
+        let path = self.path(expected);
+        fs::create_dir_all(path.parent().expect("blob path has a parent"))?;
+        let tmp = temp_beside(&path);
+        let result = (|| -> Result<u64> {
+            let f = File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
+            let mut w = HashingWriter::new(BufWriter::with_capacity(1 << 20, f));
+            std::io::copy(reader, &mut w).with_context(|| format!("downloading {what}"))?;
+            let (got, len, mut inner) = w.finish();
+            inner.flush()?;
+            if &got != expected {
+                bail!(
+                    "{what}: content does not match its digest {expected} (got {got}, {len} bytes); refusing it"
+                );
+            }
+            if let Some(size) = expected_size
+                && size != len
+            {
+                bail!("{what}: size {len} does not match the descriptor's {size}; refusing it");
+            }
+            commit_temp(&tmp, &path)?;
+            Ok(len)
+        })();
+        if result.is_err() {
+            let _ = fs::remove_file(&tmp);
+        }
+        result
+    }
+
+    /// Reads blob `d` whole, checking its digest (for small blobs: manifests, configs).
+    pub fn read(&self, d: &Digest) -> Result<Vec<u8>> {
+        let bytes = fs::read(self.path(d)).with_context(|| format!("reading blob {d}"))?;
+        if &Digest::of(&bytes) != d {
+            bail!(
+                "blob {d} in {} is corrupt (its content has another digest)",
+                self.root.display()
+            );
+        }
+        Ok(bytes)
+    }
+
+    /// Puts blob `d` from `other` into this store: a hard link when both are on one file system,
+    /// a copy otherwise.
+    pub fn link_from(&self, other: &BlobStore, d: &Digest) -> Result<()> {
+        if self.has(d) {
+            return Ok(());
+        }
+        let src = other.path(d);
+        let dst = self.path(d);
+        fs::create_dir_all(dst.parent().expect("blob path has a parent"))?;
+        let tmp = temp_beside(&dst);
+        if fs::hard_link(&src, &tmp).is_err() {
+            fs::copy(&src, &tmp)
+                .with_context(|| format!("copying {} to {}", src.display(), tmp.display()))?;
+        }
+        commit_temp(&tmp, &dst)
+    }
+
+    /// Every digest in the store.
+    pub fn list(&self) -> Result<Vec<Digest>> {
+        let dir = self.root.join("blobs/sha256");
+        let mut out = Vec::new();
+        let Ok(rd) = fs::read_dir(&dir) else {
+            return Ok(out);
+        };
+        for e in rd {
+            let name = e?.file_name().to_string_lossy().into_owned();
+            if let Ok(d) = Digest::parse(&format!("sha256:{name}")) {
+                out.push(d);
+            }
+        }
+        out.sort();
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn verified_puts_refuse_tampered_content() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = BlobStore::new(dir.path());
+        let d = Digest::of(b"good");
+        assert!(
+            s.put_verified(&mut &b"evil"[..], &d, None, "blob x")
+                .is_err()
+        );
+        assert!(!s.has(&d));
+        assert!(
+            s.put_verified(&mut &b"good"[..], &d, Some(5), "blob x")
+                .is_err(),
+            "size checked"
+        );
+        assert_eq!(
+            s.put_verified(&mut &b"good"[..], &d, Some(4), "blob x")
+                .unwrap(),
+            4
+        );
+        assert_eq!(s.read(&d).unwrap(), b"good");
+        // Nothing but the blob is left in the directory.
+        assert_eq!(s.list().unwrap(), vec![d.clone()]);
+        assert_eq!(
+            fs::read_dir(dir.path().join("blobs/sha256"))
+                .unwrap()
+                .count(),
+            1
+        );
+        // A corrupted file is noticed on read.
+        fs::write(s.path(&d), b"bad!").unwrap();
+        assert!(s.read(&d).is_err());
+    }
+
+    #[test]
+    fn link_between_stores() {
+        let a = tempfile::tempdir().unwrap();
+        let b = tempfile::tempdir().unwrap();
+        let (sa, sb) = (BlobStore::new(a.path()), BlobStore::new(b.path()));
+        let d = sa.put(b"x").unwrap();
+        sb.link_from(&sa, &d).unwrap();
+        assert_eq!(sb.read(&d).unwrap(), b"x");
+    }
+}

@@ -1,0 +1,105 @@
+//! The workspace being built: its root, revision, commit time and git-tracked files.
+use super::error::bad_input;
+use anyhow::{Context, Result, bail};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// A git checkout of the project.
+#[derive(Clone, Debug)]
+pub struct Workspace {
+    /// Top-level directory.
+    pub root: PathBuf,
+    /// Commit id of `HEAD`.
+    pub commit: String,
+    /// True when tracked files differ from `HEAD`.
+    pub dirty: bool,
+    /// Committer time of `HEAD` (Unix seconds): the default `SOURCE_DATE_EPOCH`.
+    pub commit_time: u64,
+    /// Tracked files (relative, `/`-separated, sorted), as present in the working tree.
+    pub files: Vec<String>,
+    /// `workspace.package.repository` from the root `Cargo.toml`, if any.
+    pub repository: Option<String>,
+}
+
+fn git(root: &Path, args: &[&str]) -> Result<Vec<u8>> {
+    let out = Command::new("git")
+        .arg("-C")
+        .arg(root)
+        .args(args)
+        .output()
+        .with_context(|| format!("running git {}", args.join(" ")))?;
+    if !out.status.success() {
+        bail!(
+            "git {} failed: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(out.stdout)
+}
+
+impl Workspace {
+    /// Opens the git checkout containing `start`.
+    pub fn open(start: &Path) -> Result<Workspace> {
+        let top = git(start, &["rev-parse", "--show-toplevel"]).map_err(|e| {
+            bad_input(format!(
+                "{}: not inside a git checkout of the project ({e:#})",
+                start.display()
+            ))
+        })?;
+        let root = PathBuf::from(String::from_utf8_lossy(&top).trim());
+        let head = git(&root, &["log", "-1", "--format=%H %ct"]).map_err(|e| {
+            bad_input(format!(
+                "{}: the checkout has no commit to build ({e:#})",
+                root.display()
+            ))
+        })?;
+        let head = String::from_utf8_lossy(&head);
+        let (commit, time) = head
+            .trim()
+            .split_once(' ')
+            .context("unexpected git log output")?;
+        let dirty = !git(&root, &["status", "--porcelain", "--untracked-files=no"])?.is_empty();
+        let mut files: Vec<String> = git(&root, &["ls-files", "-z", "--cached"])?
+            .split(|&b| b == 0)
+            .filter(|p| !p.is_empty())
+            .map(|p| String::from_utf8_lossy(p).into_owned())
+            .filter(|p| root.join(p).symlink_metadata().is_ok_and(|m| !m.is_dir()))
+            .collect();
+        files.sort();
+        files.dedup();
+        let repository = std::fs::read_to_string(root.join("Cargo.toml"))
+            .ok()
+            .and_then(|t| t.parse::<toml::Table>().ok())
+            .and_then(|t| {
+                t.get("workspace")?
+                    .get("package")?
+                    .get("repository")?
+                    .as_str()
+                    .map(String::from)
+            });
+        Ok(Workspace {
+            root,
+            commit: commit.to_string(),
+            dirty,
+            commit_time: time.parse().context("commit time")?,
+            files,
+            repository,
+        })
+    }
+
+    /// The revision recorded in the image: the commit, with `-dirty` when the tree differs.
+    pub fn revision(&self) -> String {
+        if self.dirty {
+            format!("{}-dirty", self.commit)
+        } else {
+            self.commit.clone()
+        }
+    }
+
+    /// Tracked files under directory `dir` (relative to the root).
+    pub fn files_under<'a>(&'a self, dir: &str) -> impl Iterator<Item = &'a String> + 'a {
+        let prefix = format!("{}/", dir.trim_end_matches('/'));
+        self.files.iter().filter(move |f| f.starts_with(&prefix))
+    }
+}
