@@ -1,0 +1,616 @@
+//! Finite-difference checks of every op's backward pass, through the [`Backend`] interface.
+//!
+//! Each check takes the scalar `L = Σ c ⊙ op(inputs)` for a fixed random `c`, runs the op's
+//! backward with `dout = c`, and compares the gradient of every input with central differences
+//! `(L(x + h) - L(x - h)) / 2h`, element by element, as a relative error in norm per input.
+
+use super::Cpu;
+use crate::backend::{AttnShape, Backend, BufKind, ExpertWeights, MatMul, MoeDispatch, View};
+use crate::rng;
+
+const H: f32 = 1e-2;
+// f32 forward passes leave errors near 2e-5 here; a 1% error in any sizeable part of a gradient
+// exceeds this.
+const TOLERANCE: f64 = 5e-4;
+
+fn random(n: usize, stream: u64, scale: f64) -> Vec<f32> {
+    (0..n)
+        .map(|i| (scale * (2.0 * rng::uniform(42, stream, i as u64) - 1.0)) as f32)
+        .collect()
+}
+
+fn upload(cpu: &mut Cpu, host: &[f32]) -> View {
+    let v = cpu.alloc(BufKind::Activations, host.len());
+    cpu.upload(v, host);
+    v
+}
+
+fn download(cpu: &mut Cpu, v: View) -> Vec<f32> {
+    let mut out = vec![0f32; v.len];
+    cpu.download(v, &mut out);
+    out
+}
+
+type Forward<'a> = &'a dyn Fn(&mut Cpu, &[View]) -> View;
+type Backward<'a> = &'a dyn Fn(&mut Cpu, &[View], View) -> Vec<View>;
+
+/// Checks the gradients `backward` gives for every input of `forward` (which returns its output
+/// view; inputs are uploaded afresh for every evaluation, so in-place ops are fine).
+fn check(name: &str, inputs: &[Vec<f32>], forward: Forward, backward: Backward) {
+    let mut cpu = Cpu::new();
+    let views: Vec<View> = inputs.iter().map(|x| upload(&mut cpu, x)).collect();
+    let out = forward(&mut cpu, &views);
+    let c = random(out.len, 99, 1.0);
+    let dout = upload(&mut cpu, &c);
+    for (v, x) in views.iter().zip(inputs) {
+        cpu.upload(*v, x);
+    }
+    let grads: Vec<Vec<f32>> = backward(&mut cpu, &views, dout)
+        .into_iter()
+        .map(|g| download(&mut cpu, g))
+        .collect();
+    assert_eq!(grads.len(), inputs.len(), "{name}: one gradient per input");
+
+    let objective = |host: &[Vec<f32>]| -> f64 {
+        let mut cpu = Cpu::new();
+        let views: Vec<View> = host.iter().map(|x| upload(&mut cpu, x)).collect();
+        let out = forward(&mut cpu, &views);
+        download(&mut cpu, out)
+            .iter()
+            .zip(&c)
+            .map(|(o, c)| *o as f64 * *c as f64)
+            .sum()
+    };
+    for (i, analytic) in grads.iter().enumerate() {
+        let mut host = inputs.to_vec();
+        let (mut err, mut norm) = (0f64, 0f64);
+        for j in 0..host[i].len() {
+            let x = host[i][j];
+            host[i][j] = x + H;
+            let plus = objective(&host);
+            host[i][j] = x - H;
+            let minus = objective(&host);
+            host[i][j] = x;
+            let numeric = (plus - minus) / (2.0 * H as f64);
+            err += (numeric - analytic[j] as f64).powi(2);
+            norm += numeric.powi(2);
+        }
+        let relative = err.sqrt() / norm.sqrt().max(1e-8);
+        assert!(
+            relative < TOLERANCE,
+            "{name}: input {i} gradient off by {relative:.2e} (relative, in norm)"
+        );
+    }
+}
+
+#[test]
+fn matmul_in_all_layouts() {
+    let (m, n, k) = (3, 4, 5);
+    for (a_t, b_t) in [(false, false), (false, true), (true, false), (true, true)] {
+        let shape = MatMul {
+            m,
+            n,
+            k,
+            a_t,
+            b_t,
+            accumulate: false,
+        };
+        check(
+            &format!("matmul a_t={a_t} b_t={b_t}"),
+            &[random(m * k, 1, 1.0), random(k * n, 2, 1.0)],
+            &|cpu, x| {
+                let out = cpu.alloc(BufKind::Activations, m * n);
+                cpu.matmul(out, x[0], x[1], shape);
+                out
+            },
+            &|cpu, x, dout| {
+                // dA = dout · op(B)ᵀ and dB = op(A)ᵀ · dout, in each operand's storage layout.
+                let (da, db) = (
+                    cpu.alloc(BufKind::Activations, m * k),
+                    cpu.alloc(BufKind::Activations, k * n),
+                );
+                if a_t {
+                    cpu.matmul(
+                        da,
+                        x[1],
+                        dout,
+                        MatMul {
+                            m: k,
+                            n: m,
+                            k: n,
+                            a_t: b_t,
+                            b_t: true,
+                            accumulate: false,
+                        },
+                    );
+                } else {
+                    cpu.matmul(
+                        da,
+                        dout,
+                        x[1],
+                        MatMul {
+                            m,
+                            n: k,
+                            k: n,
+                            a_t: false,
+                            b_t: !b_t,
+                            accumulate: false,
+                        },
+                    );
+                }
+                if b_t {
+                    cpu.matmul(
+                        db,
+                        dout,
+                        x[0],
+                        MatMul {
+                            m: n,
+                            n: k,
+                            k: m,
+                            a_t: true,
+                            b_t: a_t,
+                            accumulate: false,
+                        },
+                    );
+                } else {
+                    cpu.matmul(
+                        db,
+                        x[0],
+                        dout,
+                        MatMul {
+                            m: k,
+                            n,
+                            k: m,
+                            a_t: !a_t,
+                            b_t: false,
+                            accumulate: false,
+                        },
+                    );
+                }
+                vec![da, db]
+            },
+        );
+    }
+}
+
+#[test]
+fn linear_layer_helpers() {
+    let (n, inp, out) = (4, 3, 5);
+    check(
+        "linear",
+        &[random(n * inp, 1, 1.0), random(out * inp, 2, 1.0)],
+        &|cpu, x| {
+            let y = cpu.alloc(BufKind::Activations, n * out);
+            cpu.matmul(y, x[0], x[1], MatMul::linear(n, inp, out));
+            y
+        },
+        &|cpu, x, dy| {
+            let (dx, dw) = (
+                cpu.alloc(BufKind::Activations, n * inp),
+                cpu.alloc(BufKind::Activations, out * inp),
+            );
+            cpu.matmul(dx, dy, x[1], MatMul::linear_dx(n, inp, out));
+            cpu.matmul(dw, dy, x[0], MatMul::linear_dw(n, inp, out));
+            vec![dx, dw]
+        },
+    );
+}
+
+#[test]
+fn rmsnorm() {
+    let (rows, d) = (5, 7);
+    check(
+        "rmsnorm",
+        &[random(rows * d, 1, 2.0), random(d, 2, 1.5)],
+        &|cpu, x| {
+            let (out, rstd) = (
+                cpu.alloc(BufKind::Activations, rows * d),
+                cpu.alloc(BufKind::Activations, rows),
+            );
+            cpu.rmsnorm_forward(out, rstd, x[0], x[1], d, 1e-5);
+            out
+        },
+        &|cpu, x, dout| {
+            let (out, rstd) = (
+                cpu.alloc(BufKind::Activations, rows * d),
+                cpu.alloc(BufKind::Activations, rows),
+            );
+            cpu.rmsnorm_forward(out, rstd, x[0], x[1], d, 1e-5);
+            let (dx, dw) = (
+                cpu.alloc(BufKind::Activations, rows * d),
+                cpu.alloc(BufKind::Activations, d),
+            );
+            cpu.rmsnorm_backward(dx, dw, dout, x[0], x[1], rstd, d);
+            vec![dx, dw]
+        },
+    );
+}
+
+#[test]
+fn embedding() {
+    let (v, d, tokens) = (6, 4, [3u32, 0, 3, 5, 1]);
+    check(
+        "embedding",
+        &[random(v * d, 1, 1.0)],
+        &|cpu, x| {
+            let (out, idx) = (
+                cpu.alloc(BufKind::Activations, tokens.len() * d),
+                cpu.alloc_idx(tokens.len()),
+            );
+            cpu.upload_idx(idx, &tokens);
+            cpu.embedding_forward(out, x[0], idx, d);
+            out
+        },
+        &|cpu, _, dout| {
+            let (dtable, idx) = (
+                cpu.alloc(BufKind::Activations, v * d),
+                cpu.alloc_idx(tokens.len()),
+            );
+            cpu.upload_idx(idx, &tokens);
+            cpu.embedding_backward(dtable, dout, idx, d);
+            vec![dtable]
+        },
+    );
+}
+
+#[test]
+fn swiglu() {
+    let (rows, f) = (3, 5);
+    check(
+        "swiglu",
+        &[random(rows * 2 * f, 1, 3.0)],
+        &|cpu, x| {
+            let h = cpu.alloc(BufKind::Activations, rows * f);
+            cpu.swiglu_forward(h, x[0], f);
+            h
+        },
+        &|cpu, x, dh| {
+            let dgu = cpu.alloc(BufKind::Activations, rows * 2 * f);
+            cpu.swiglu_backward(dgu, dh, x[0], f);
+            vec![dgu]
+        },
+    );
+}
+
+#[test]
+fn cross_entropy() {
+    let (rows, v, targets) = (4, 9, [2u32, 8, 0, 2]);
+    check(
+        "cross_entropy",
+        &[random(rows * v, 1, 3.0)],
+        &|cpu, x| {
+            let (losses, t) = (cpu.alloc(BufKind::Activations, rows), cpu.alloc_idx(rows));
+            cpu.upload_idx(t, &targets);
+            let logits = cpu.alloc(BufKind::Activations, rows * v);
+            cpu.copy(logits, x[0]);
+            cpu.cross_entropy(losses, logits, t, v, None);
+            losses
+        },
+        &|cpu, x, dloss| {
+            // The fused gradient is for a uniform weight per row; weight rows one at a time.
+            let mut c = vec![0f32; rows];
+            cpu.download(dloss, &mut c);
+            let (losses, t, dlogits) = (
+                cpu.alloc(BufKind::Activations, 1),
+                cpu.alloc_idx(1),
+                cpu.alloc(BufKind::Activations, rows * v),
+            );
+            for (r, &target) in targets.iter().enumerate() {
+                cpu.upload_idx(t, &[target]);
+                let row = dlogits.at(r * v, v);
+                cpu.copy(row, x[0].at(r * v, v));
+                cpu.cross_entropy(losses, row, t, v, Some(c[r]));
+            }
+            vec![dlogits]
+        },
+    );
+}
+
+fn attention_shapes() -> Vec<AttnShape> {
+    let s = |batch, n_heads, n_kv_heads, window| AttnShape {
+        batch,
+        seq: 6,
+        n_heads,
+        n_kv_heads,
+        head_dim: 4,
+        window,
+    };
+    vec![
+        s(2, 2, 2, 0),
+        s(1, 4, 2, 0),
+        s(1, 3, 1, 0),
+        s(2, 2, 1, 3),
+        s(1, 2, 2, 1),
+    ]
+}
+
+#[test]
+fn attention_mha_gqa_mqa_and_windows() {
+    for shape in attention_shapes() {
+        let n = shape.rows();
+        let forward = |cpu: &mut Cpu, qkv: View| {
+            let (out, lse) = (
+                cpu.alloc(BufKind::Activations, n * shape.q_width()),
+                cpu.alloc(BufKind::Activations, n * shape.n_heads),
+            );
+            cpu.attention_forward(out, lse, qkv, shape);
+            (out, lse)
+        };
+        check(
+            &format!("attention {shape:?}"),
+            &[random(n * shape.qkv_width(), 1, 1.5)],
+            &|cpu, x| forward(cpu, x[0]).0,
+            &|cpu, x, dout| {
+                let (out, lse) = forward(cpu, x[0]);
+                let dqkv = cpu.alloc(BufKind::Activations, n * shape.qkv_width());
+                cpu.attention_backward(dqkv, dout, x[0], out, lse, shape);
+                vec![dqkv]
+            },
+        );
+    }
+}
+
+#[test]
+fn attention_matches_a_dense_softmax() {
+    let shape = AttnShape {
+        batch: 1,
+        seq: 5,
+        n_heads: 2,
+        n_kv_heads: 1,
+        head_dim: 4,
+        window: 2,
+    };
+    let qkv = random(shape.rows() * shape.qkv_width(), 3, 1.0);
+    let mut cpu = Cpu::new();
+    let x = upload(&mut cpu, &qkv);
+    let (out, lse) = (
+        cpu.alloc(BufKind::Activations, 5 * 8),
+        cpu.alloc(BufKind::Activations, 10),
+    );
+    cpu.attention_forward(out, lse, x, shape);
+    let out = download(&mut cpu, out);
+    let w = shape.qkv_width();
+    for i in 0..5 {
+        for h in 0..2 {
+            let q = &qkv[i * w + h * 4..][..4];
+            let keys: Vec<usize> = (0..=i).filter(|&j| j + 2 > i).collect();
+            let scores: Vec<f64> = keys
+                .iter()
+                .map(|&j| {
+                    q.iter()
+                        .zip(&qkv[j * w + 8..][..4])
+                        .map(|(a, b)| (a * b) as f64)
+                        .sum::<f64>()
+                        / 2.0
+                })
+                .collect();
+            let z: f64 = scores.iter().map(|s| s.exp()).sum();
+            for c in 0..4 {
+                let want: f64 = keys
+                    .iter()
+                    .zip(&scores)
+                    .map(|(&j, s)| s.exp() / z * qkv[j * w + 12 + c] as f64)
+                    .sum();
+                assert!((out[i * 8 + h * 4 + c] as f64 - want).abs() < 1e-6);
+            }
+        }
+    }
+}
+
+#[test]
+fn rope_and_its_inverse() {
+    let shape = AttnShape {
+        batch: 2,
+        seq: 3,
+        n_heads: 2,
+        n_kv_heads: 1,
+        head_dim: 4,
+        window: 0,
+    };
+    let table = random(shape.seq * 2 * 2, 5, 1.0);
+    // A real table holds (cos θ, sin θ); any (a, b) still gives a linear map whose transpose
+    // the inverse must be, so normalise to keep it a rotation.
+    let table: Vec<f32> = table
+        .chunks(2)
+        .flat_map(|p| {
+            let r = (p[0] * p[0] + p[1] * p[1]).sqrt();
+            [p[0] / r, p[1] / r]
+        })
+        .collect();
+    let n = shape.rows() * shape.qkv_width();
+    check(
+        "rope",
+        &[random(n, 1, 1.0)],
+        &|cpu, x| {
+            let t = upload(cpu, &table);
+            cpu.rope(x[0], t, shape, false);
+            x[0]
+        },
+        &|cpu, _, dout| {
+            let t = upload(cpu, &table);
+            let d = cpu.alloc(BufKind::Activations, n);
+            cpu.copy(d, dout);
+            cpu.rope(d, t, shape, true);
+            vec![d]
+        },
+    );
+}
+
+/// The whole mixture-of-experts MLP as the model composes it: router, route, gather, expert
+/// SwiGLU, combine; inputs are the token rows, the router and the experts' weights.
+#[test]
+fn mixture_of_experts_block() {
+    let (n, d, f, e, k) = (6, 4, 3, 4, 2);
+    let stride = 3 * f * d;
+    let plan = |cpu: &mut Cpu| {
+        let idx = cpu.alloc_idx(3 * n * k + e + 1);
+        MoeDispatch {
+            tokens: n,
+            experts: e,
+            top_k: k,
+            expert: idx.at(0, n * k),
+            weight: cpu.alloc(BufKind::Activations, n * k),
+            slot_row: idx.at(n * k, n * k),
+            row_slot: idx.at(2 * n * k, n * k),
+            offsets: idx.at(3 * n * k, e + 1),
+            stats: cpu.alloc(BufKind::Activations, 2 * e),
+        }
+    };
+    let alloc = |cpu: &mut Cpu, len| cpu.alloc(BufKind::Activations, len);
+    type Acts = (MoeDispatch, View, View, View, View, View, View);
+    let forward = |cpu: &mut Cpu, x: &[View]| -> Acts {
+        let dispatch = plan(cpu);
+        let (logits, probs, xe, gu, h, ye, out) = (
+            alloc(cpu, n * e),
+            alloc(cpu, n * e),
+            alloc(cpu, n * k * d),
+            alloc(cpu, n * k * 2 * f),
+            alloc(cpu, n * k * f),
+            alloc(cpu, n * k * d),
+            alloc(cpu, n * d),
+        );
+        let gate_up = ExpertWeights {
+            first: x[2].at(0, 2 * f * d),
+            stride,
+        };
+        let down = ExpertWeights {
+            first: x[2].at(2 * f * d, d * f),
+            stride,
+        };
+        cpu.matmul(logits, x[0], x[1], MatMul::linear(n, d, e));
+        cpu.moe_route(probs, logits, dispatch);
+        cpu.moe_gather(xe, x[0], dispatch, d);
+        cpu.moe_expert_matmul(gu, xe, gate_up, dispatch, MatMul::linear(0, d, 2 * f));
+        cpu.swiglu_forward(h, gu, f);
+        cpu.moe_expert_matmul(ye, h, down, dispatch, MatMul::linear(0, f, d));
+        cpu.moe_combine(out, ye, dispatch, d);
+        (dispatch, probs, xe, gu, h, ye, out)
+    };
+    check(
+        "moe",
+        &[
+            random(n * d, 1, 1.0),
+            random(e * d, 2, 1.0),
+            random(e * stride, 3, 1.0),
+        ],
+        &|cpu, x| forward(cpu, x).6,
+        &|cpu, x, dout| {
+            let (dispatch, probs, xe, gu, h, ye, _) = forward(cpu, x);
+            let (dx, drouter_w, dexperts) =
+                (alloc(cpu, n * d), alloc(cpu, e * d), alloc(cpu, e * stride));
+            let (dye, dweight, dh, dgu, dxe, drouter, counts) = (
+                alloc(cpu, n * k * d),
+                alloc(cpu, n * k),
+                alloc(cpu, n * k * f),
+                alloc(cpu, n * k * 2 * f),
+                alloc(cpu, n * k * d),
+                alloc(cpu, n * e),
+                alloc(cpu, e),
+            );
+            let gate_up = ExpertWeights {
+                first: x[2].at(0, 2 * f * d),
+                stride,
+            };
+            let down = ExpertWeights {
+                first: x[2].at(2 * f * d, d * f),
+                stride,
+            };
+            let dgate_up = ExpertWeights {
+                first: dexperts.at(0, 2 * f * d),
+                stride,
+            };
+            let ddown = ExpertWeights {
+                first: dexperts.at(2 * f * d, d * f),
+                stride,
+            };
+            cpu.moe_combine_backward(dye, dweight, dout, ye, dispatch, d);
+            cpu.moe_expert_matmul(dh, dye, down, dispatch, MatMul::linear_dx(0, f, d));
+            cpu.moe_expert_matmul_dw(ddown, dye, h, dispatch, f, d);
+            cpu.swiglu_backward(dgu, dh, gu, f);
+            cpu.moe_expert_matmul(dxe, dgu, gate_up, dispatch, MatMul::linear_dx(0, d, 2 * f));
+            cpu.moe_expert_matmul_dw(dgate_up, dgu, xe, dispatch, d, 2 * f);
+            cpu.moe_gather_backward(dx, dxe, dispatch, d);
+            cpu.moe_route_backward(drouter, dweight, probs, dispatch, counts, 0.0);
+            cpu.matmul(dx, drouter, x[1], MatMul::linear_dx(n, d, e).accumulating());
+            cpu.matmul(drouter_w, drouter, x[0], MatMul::linear_dw(n, d, e));
+            vec![dx, drouter_w, dexperts]
+        },
+    );
+}
+
+/// The load-balancing term: `L = aux_scale · Σ_e counts[e] · Σ_t p[t, e]` with the counts held
+/// fixed, as a function of the router logits.
+#[test]
+fn load_balancing_gradient() {
+    let (n, e, k) = (5, 4, 2);
+    let counts = [3f32, 1.0, 4.0, 2.0];
+    let plan = |cpu: &mut Cpu| {
+        let idx = cpu.alloc_idx(3 * n * k + e + 1);
+        MoeDispatch {
+            tokens: n,
+            experts: e,
+            top_k: k,
+            expert: idx.at(0, n * k),
+            weight: cpu.alloc(BufKind::Activations, n * k),
+            slot_row: idx.at(n * k, n * k),
+            row_slot: idx.at(2 * n * k, n * k),
+            offsets: idx.at(3 * n * k, e + 1),
+            stats: cpu.alloc(BufKind::Activations, 2 * e),
+        }
+    };
+    check(
+        "load balancing",
+        &[random(n * e, 1, 2.0)],
+        &|cpu, x| {
+            let (dispatch, probs) = (plan(cpu), cpu.alloc(BufKind::Activations, n * e));
+            cpu.moe_route(probs, x[0], dispatch);
+            // Σ_t p[t, e] for each e, then weighted by counts through a 1 x E product.
+            let (sums, c, out) = (
+                cpu.alloc(BufKind::Activations, e),
+                upload(cpu, &counts),
+                cpu.alloc(BufKind::Activations, 1),
+            );
+            let ones = upload(cpu, &vec![1.0; n]);
+            cpu.matmul(
+                sums,
+                ones,
+                probs,
+                MatMul {
+                    m: 1,
+                    n: e,
+                    k: n,
+                    a_t: false,
+                    b_t: false,
+                    accumulate: false,
+                },
+            );
+            cpu.matmul(
+                out,
+                sums,
+                c,
+                MatMul {
+                    m: 1,
+                    n: 1,
+                    k: e,
+                    a_t: false,
+                    b_t: false,
+                    accumulate: false,
+                },
+            );
+            out
+        },
+        &|cpu, x, dout| {
+            let mut scale = [0f32];
+            cpu.download(dout, &mut scale);
+            let (dispatch, probs) = (plan(cpu), cpu.alloc(BufKind::Activations, n * e));
+            cpu.moe_route(probs, x[0], dispatch);
+            let (drouter, zeros, c) = (
+                cpu.alloc(BufKind::Activations, n * e),
+                cpu.alloc(BufKind::Activations, n * k),
+                upload(cpu, &counts),
+            );
+            cpu.moe_route_backward(drouter, zeros, probs, dispatch, c, scale[0]);
+            vec![drouter]
+        },
+    );
+}

@@ -1,0 +1,439 @@
+//! The CPU backend: the f32 reference.
+//!
+//! Kernels are plain functions over slices, one file per op with its forward and backward side
+//! by side. Parallel loops split work into chunks whose boundaries do not depend on the number of
+//! threads, and every reduction adds its chunk partials in a fixed order, so results are bitwise
+//! identical whatever the scheduling. Matrix products go through the `gemm` crate, whose threads
+//! split the output (never the contracted dimension), which keeps them deterministic too.
+
+mod adamw;
+mod attention;
+mod embedding;
+mod loss;
+mod matmul;
+mod moe;
+mod norm;
+mod reduce;
+mod rope;
+mod swiglu;
+
+#[cfg(test)]
+mod gradcheck;
+
+use super::{
+    AdamWStep, AttnShape, Backend, BufId, BufKind, ExpertWeights, IdxView, MatMul, MoeDispatch,
+    Segment, View,
+};
+
+/// Rows handled by one task in row-parallel kernels with cross-row reductions; fixed so that
+/// partial sums do not depend on the thread count.
+const ROW_CHUNK: usize = 16;
+
+/// The CPU backend. Buffers live in host memory; ops run on the global rayon pool.
+#[derive(Default)]
+pub struct Cpu {
+    mem: Memory<f32>,
+    idx: Memory<u32>,
+    /// Reusable space for per-chunk partial results of reductions (grows once, on first use).
+    scratch: Vec<f64>,
+}
+
+/// Where a view lies: (buffer, offset, length).
+trait Region: Copy + std::fmt::Debug {
+    fn span(self) -> (usize, usize, usize);
+}
+
+impl Region for View {
+    fn span(self) -> (usize, usize, usize) {
+        (self.buf.0 as usize, self.offset, self.len)
+    }
+}
+
+impl Region for IdxView {
+    fn span(self) -> (usize, usize, usize) {
+        (self.buf.0 as usize, self.offset, self.len)
+    }
+}
+
+/// Host buffers of one element type.
+struct Memory<T>(Vec<Box<[T]>>);
+
+impl<T> Default for Memory<T> {
+    fn default() -> Self {
+        Memory(Vec::new())
+    }
+}
+
+impl<T> Memory<T> {
+    fn push(&mut self, buf: Box<[T]>) -> BufId {
+        self.0.push(buf);
+        BufId(self.0.len() as u32 - 1)
+    }
+
+    fn get(&self, v: impl Region) -> &[T] {
+        let (buf, offset, len) = v.span();
+        &self.0[buf][offset..offset + len]
+    }
+
+    /// One writable view and several read-only ones (see [`Memory::io_many`]).
+    fn io<R: Region, const N: usize>(&mut self, out: R, inputs: [R; N]) -> (&mut [T], [&[T]; N]) {
+        let ([out], inputs) = self.io_many([out], inputs);
+        (out, inputs)
+    }
+
+    /// Several writable views and several read-only ones. No writable view may overlap any other
+    /// view: this check is what makes handing out the slices sound.
+    fn io_many<R: Region, const M: usize, const N: usize>(
+        &mut self,
+        outs: [R; M],
+        inputs: [R; N],
+    ) -> ([&mut [T]; M], [&[T]; N]) {
+        for v in outs.iter().chain(inputs.iter()) {
+            let (buf, offset, len) = v.span();
+            assert!(
+                offset + len <= self.0[buf].len(),
+                "view {v:?} out of bounds"
+            );
+        }
+        let overlap = |a: (usize, usize, usize), b: (usize, usize, usize)| {
+            a.0 == b.0 && a.1 < b.1 + b.2 && b.1 < a.1 + a.2
+        };
+        for (i, o) in outs.iter().enumerate() {
+            for other in outs.iter().skip(i + 1).chain(inputs.iter()) {
+                assert!(
+                    !overlap(o.span(), other.span()),
+                    "op output {o:?} overlaps {other:?}"
+                );
+            }
+        }
+        let bufs = &mut self.0;
+        let outs = outs.map(|v| {
+            let (buf, offset, len) = v.span();
+            // SAFETY: in bounds and disjoint from every other view handed out here (checked
+            // above); `&mut self` rules out any other access while the slices live.
+            unsafe { std::slice::from_raw_parts_mut(bufs[buf].as_mut_ptr().add(offset), len) }
+        });
+        let inputs = inputs.map(|v| {
+            let (buf, offset, len) = v.span();
+            // SAFETY: as above; read-only views may overlap each other.
+            unsafe { std::slice::from_raw_parts(bufs[buf].as_ptr().add(offset), len) }
+        });
+        (outs, inputs)
+    }
+}
+
+/// Grows the scratch to `n` entries and returns them.
+fn scratch(scratch: &mut Vec<f64>, n: usize) -> &mut [f64] {
+    if scratch.len() < n {
+        scratch.resize(n, 0.0);
+    }
+    &mut scratch[..n]
+}
+
+impl Cpu {
+    /// A CPU backend on the global rayon pool.
+    pub fn new() -> Cpu {
+        Cpu::default()
+    }
+}
+
+impl Backend for Cpu {
+    fn describe(&self) -> String {
+        format!("cpu ({} threads)", rayon::current_num_threads())
+    }
+
+    fn alloc(&mut self, _kind: BufKind, len: usize) -> View {
+        // vec! of zeros maps pages lazily; touching them now keeps page faults out of step 1.
+        let mut buf = vec![0.0f32; len].into_boxed_slice();
+        reduce::fill(&mut buf, 0.0);
+        View {
+            buf: self.mem.push(buf),
+            offset: 0,
+            len,
+        }
+    }
+
+    fn alloc_idx(&mut self, len: usize) -> IdxView {
+        IdxView {
+            buf: self.idx.push(vec![0; len].into_boxed_slice()),
+            offset: 0,
+            len,
+        }
+    }
+
+    fn upload(&mut self, dst: View, src: &[f32]) {
+        self.mem.io(dst, []).0.copy_from_slice(src);
+    }
+
+    fn upload_idx(&mut self, dst: IdxView, src: &[u32]) {
+        self.idx.io(dst, []).0.copy_from_slice(src);
+    }
+
+    fn download(&mut self, src: View, dst: &mut [f32]) {
+        dst.copy_from_slice(self.mem.get(src));
+    }
+
+    fn download_idx(&mut self, src: IdxView, dst: &mut [u32]) {
+        dst.copy_from_slice(self.idx.get(src));
+    }
+
+    fn fill(&mut self, dst: View, value: f32) {
+        reduce::fill(self.mem.io(dst, []).0, value);
+    }
+
+    fn copy(&mut self, dst: View, src: View) {
+        let (out, [src]) = self.mem.io(dst, [src]);
+        reduce::copy(out, src);
+    }
+
+    fn add(&mut self, dst: View, src: View) {
+        let (out, [src]) = self.mem.io(dst, [src]);
+        reduce::add(out, src);
+    }
+
+    fn sum(&mut self, out: View, x: View) {
+        let partials = scratch(&mut self.scratch, reduce::partial_count(x.len));
+        let total = reduce::sum(self.mem.get(x), partials, |v| v as f64);
+        self.mem.io(out.at(0, 1), []).0[0] = total as f32;
+    }
+
+    fn sum_squares(&mut self, out: View, x: View) {
+        let partials = scratch(&mut self.scratch, reduce::partial_count(x.len));
+        let total = reduce::sum(self.mem.get(x), partials, |v| (v as f64) * (v as f64));
+        self.mem.io(out.at(0, 1), []).0[0] = total as f32;
+    }
+
+    fn matmul(&mut self, out: View, a: View, b: View, shape: MatMul) {
+        let (out, [a, b]) = self.mem.io(out, [a, b]);
+        matmul::matmul(out, a, b, shape);
+    }
+
+    fn embedding_forward(&mut self, out: View, table: View, tokens: IdxView, d: usize) {
+        let (out, [table]) = self.mem.io(out, [table]);
+        embedding::forward(out, table, self.idx.get(tokens), d);
+    }
+
+    fn embedding_backward(&mut self, dtable: View, dout: View, tokens: IdxView, d: usize) {
+        let (dtable, [dout]) = self.mem.io(dtable, [dout]);
+        embedding::backward(dtable, dout, self.idx.get(tokens), d);
+    }
+
+    fn rmsnorm_forward(&mut self, out: View, rstd: View, x: View, w: View, d: usize, eps: f32) {
+        let ([out, rstd], [x, w]) = self.mem.io_many([out, rstd], [x, w]);
+        norm::forward(out, rstd, x, w, d, eps);
+    }
+
+    fn rmsnorm_backward(
+        &mut self,
+        dx: View,
+        dw: View,
+        dout: View,
+        x: View,
+        w: View,
+        rstd: View,
+        d: usize,
+    ) {
+        let partials = scratch(&mut self.scratch, (x.len / d).div_ceil(ROW_CHUNK) * d);
+        let ([dx, dw], [dout, x, w, rstd]) = self.mem.io_many([dx, dw], [dout, x, w, rstd]);
+        norm::backward(dx, dw, dout, x, w, rstd, d, partials);
+    }
+
+    fn rope(&mut self, qkv: View, rope: View, shape: AttnShape, inverse: bool) {
+        let (qkv, [rope]) = self.mem.io(qkv, [rope]);
+        rope::apply(qkv, rope, shape, inverse);
+    }
+
+    fn attention_forward(&mut self, out: View, lse: View, qkv: View, shape: AttnShape) {
+        let ([out, lse], [qkv]) = self.mem.io_many([out, lse], [qkv]);
+        attention::forward(out, lse, qkv, shape);
+    }
+
+    fn attention_backward(
+        &mut self,
+        dqkv: View,
+        dout: View,
+        qkv: View,
+        out: View,
+        lse: View,
+        shape: AttnShape,
+    ) {
+        let (dqkv, [dout, qkv, out, lse]) = self.mem.io(dqkv, [dout, qkv, out, lse]);
+        attention::backward(dqkv, dout, qkv, out, lse, shape);
+    }
+
+    fn swiglu_forward(&mut self, h: View, gu: View, f: usize) {
+        let (h, [gu]) = self.mem.io(h, [gu]);
+        swiglu::forward(h, gu, f);
+    }
+
+    fn swiglu_backward(&mut self, dgu: View, dh: View, gu: View, f: usize) {
+        let (dgu, [dh, gu]) = self.mem.io(dgu, [dh, gu]);
+        swiglu::backward(dgu, dh, gu, f);
+    }
+
+    fn cross_entropy(
+        &mut self,
+        losses: View,
+        logits: View,
+        targets: IdxView,
+        v: usize,
+        grad_scale: Option<f32>,
+    ) {
+        let ([losses, logits], []) = self.mem.io_many([losses, logits], []);
+        loss::cross_entropy(losses, logits, self.idx.get(targets), v, grad_scale);
+    }
+
+    fn moe_route(&mut self, probs: View, router_logits: View, dispatch: MoeDispatch) {
+        let ([probs, weight, stats], [logits]) = self
+            .mem
+            .io_many([probs, dispatch.weight, dispatch.stats], [router_logits]);
+        let ([expert, slot_row, row_slot, offsets], []) = self.idx.io_many(
+            [
+                dispatch.expert,
+                dispatch.slot_row,
+                dispatch.row_slot,
+                dispatch.offsets,
+            ],
+            [],
+        );
+        let tables = moe::Tables {
+            expert,
+            slot_row,
+            row_slot,
+            offsets,
+        };
+        moe::route(probs, weight, stats, tables, logits, dispatch);
+    }
+
+    fn moe_gather(&mut self, xe: View, x: View, dispatch: MoeDispatch, d: usize) {
+        let (xe, [x]) = self.mem.io(xe, [x]);
+        moe::gather(xe, x, self.idx.get(dispatch.row_slot), dispatch.top_k, d);
+    }
+
+    fn moe_gather_backward(&mut self, dx: View, dxe: View, dispatch: MoeDispatch, d: usize) {
+        let (dx, [dxe]) = self.mem.io(dx, [dxe]);
+        moe::gather_backward(dx, dxe, self.idx.get(dispatch.slot_row), dispatch.top_k, d);
+    }
+
+    fn moe_expert_matmul(
+        &mut self,
+        out: View,
+        a: View,
+        weights: ExpertWeights,
+        dispatch: MoeDispatch,
+        shape: MatMul,
+    ) {
+        let offsets = self.idx.get(dispatch.offsets).to_vec();
+        for e in 0..dispatch.experts {
+            let (first, rows) = (offsets[e] as usize, (offsets[e + 1] - offsets[e]) as usize);
+            if rows > 0 {
+                let shape = MatMul { m: rows, ..shape };
+                let (out, [a, w]) = self.mem.io(
+                    out.rows(first, rows, shape.n),
+                    [a.rows(first, rows, shape.k), weights.expert(e)],
+                );
+                matmul::matmul(out, a, w, shape);
+            }
+        }
+    }
+
+    fn moe_expert_matmul_dw(
+        &mut self,
+        dweights: ExpertWeights,
+        dy: View,
+        x: View,
+        dispatch: MoeDispatch,
+        inp: usize,
+        out: usize,
+    ) {
+        let offsets = self.idx.get(dispatch.offsets).to_vec();
+        for e in 0..dispatch.experts {
+            let (first, rows) = (offsets[e] as usize, (offsets[e + 1] - offsets[e]) as usize);
+            if rows > 0 {
+                let (dw, [dy, x]) = self.mem.io(
+                    dweights.expert(e),
+                    [dy.rows(first, rows, out), x.rows(first, rows, inp)],
+                );
+                matmul::matmul(dw, dy, x, MatMul::linear_dw(rows, inp, out));
+            }
+        }
+    }
+
+    fn moe_combine(&mut self, out: View, ye: View, dispatch: MoeDispatch, d: usize) {
+        let (out, [ye, weight]) = self.mem.io(out, [ye, dispatch.weight]);
+        moe::combine(
+            out,
+            ye,
+            weight,
+            self.idx.get(dispatch.slot_row),
+            dispatch.top_k,
+            d,
+        );
+    }
+
+    fn moe_combine_backward(
+        &mut self,
+        dye: View,
+        dweight: View,
+        dout: View,
+        ye: View,
+        dispatch: MoeDispatch,
+        d: usize,
+    ) {
+        let ([dye, dweight], [dout, ye, weight]) = self
+            .mem
+            .io_many([dye, dweight], [dout, ye, dispatch.weight]);
+        let (slot_row, row_slot) = (
+            self.idx.get(dispatch.slot_row),
+            self.idx.get(dispatch.row_slot),
+        );
+        moe::combine_backward(
+            dye,
+            dweight,
+            dout,
+            ye,
+            weight,
+            slot_row,
+            row_slot,
+            dispatch.top_k,
+            d,
+        );
+    }
+
+    fn moe_route_backward(
+        &mut self,
+        drouter: View,
+        dweight: View,
+        probs: View,
+        dispatch: MoeDispatch,
+        counts: View,
+        aux_scale: f32,
+    ) {
+        let (drouter, [dweight, probs, weight, counts]) = self
+            .mem
+            .io(drouter, [dweight, probs, dispatch.weight, counts]);
+        moe::route_backward(
+            drouter,
+            dweight,
+            probs,
+            weight,
+            counts,
+            self.idx.get(dispatch.expert),
+            dispatch,
+            aux_scale,
+        );
+    }
+
+    fn adamw(
+        &mut self,
+        params: View,
+        grads: View,
+        m: View,
+        v: View,
+        segments: &[Segment],
+        step: AdamWStep,
+    ) {
+        let ([params, grads, m, v], []) = self.mem.io_many([params, grads, m, v], []);
+        adamw::step(params, grads, m, v, segments, step);
+    }
+}

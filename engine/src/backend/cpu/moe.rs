@@ -1,0 +1,194 @@
+//! Mixtral mixture-of-experts routing, dispatch and combine.
+//!
+//! route:    p = softmax(router_logits);  the top-k experts e_1..e_k of each token (ties to the
+//!           lower index);  w_j = p_{e_j} / Σ_m p_{e_m}
+//! combine:  y_t = Σ_j w_j · expert_{e_j}(x_t)
+//! backward: dw_j = dy_t · expert_{e_j}(x_t);  for the chosen experts
+//!           dp_{e_i} = (dw_i - Σ_j dw_j w_j) / Σ_m p_{e_m};  plus the load-balancing term;
+//!           dlogits = p ⊙ (dp - p · dp)
+//!
+//! Dispatched rows are grouped by expert, each expert's rows in token order (a stable counting
+//! sort), so every expert's tokens form one contiguous block for its matrix products.
+
+use crate::backend::MoeDispatch;
+use rayon::prelude::*;
+
+/// The writable routing tables of one dispatch.
+pub struct Tables<'a> {
+    /// `[N · k]` expert of each slot.
+    pub expert: &'a mut [u32],
+    /// `[N · k]` dispatched row of each slot.
+    pub slot_row: &'a mut [u32],
+    /// `[N · k]` slot of each dispatched row.
+    pub row_slot: &'a mut [u32],
+    /// `[E + 1]` first dispatched row of each expert.
+    pub offsets: &'a mut [u32],
+}
+
+/// Softmax, top-k, renormalised weights, dispatch tables and statistics (`[counts | Σ p]`).
+pub fn route(
+    probs: &mut [f32],
+    weight: &mut [f32],
+    stats: &mut [f32],
+    t: Tables,
+    logits: &[f32],
+    d: MoeDispatch,
+) {
+    let (e, k) = (d.experts, d.top_k);
+    probs
+        .par_chunks_mut(e)
+        .zip(logits.par_chunks(e))
+        .zip(t.expert.par_chunks_mut(k))
+        .zip(weight.par_chunks_mut(k))
+        .for_each(|(((p, z), chosen), w)| {
+            let max = z.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+            p.iter_mut().zip(z).for_each(|(p, &z)| *p = (z - max).exp());
+            let sum: f32 = p.iter().sum();
+            p.iter_mut().for_each(|p| *p /= sum);
+            for j in 0..k {
+                let mut best = usize::MAX;
+                for (x, &px) in p.iter().enumerate() {
+                    if !chosen[..j].contains(&(x as u32)) && (best == usize::MAX || px > p[best]) {
+                        best = x;
+                    }
+                }
+                chosen[j] = best as u32;
+                w[j] = p[best];
+            }
+            let total: f32 = w.iter().sum();
+            w.iter_mut().for_each(|w| *w /= total);
+        });
+
+    // Stable counting sort of the slots by expert; `offsets` doubles as the cursor.
+    let offsets = t.offsets;
+    offsets.fill(0);
+    for &x in t.expert.iter() {
+        offsets[x as usize + 1] += 1;
+    }
+    for x in 0..e {
+        offsets[x + 1] += offsets[x];
+    }
+    for (slot, &x) in t.expert.iter().enumerate() {
+        let row = offsets[x as usize];
+        offsets[x as usize] += 1;
+        t.slot_row[slot] = row;
+        t.row_slot[row as usize] = slot as u32;
+    }
+    for x in (1..=e).rev() {
+        offsets[x] = offsets[x - 1];
+    }
+    offsets[0] = 0;
+
+    let (counts, prob_sums) = stats.split_at_mut(e);
+    for x in 0..e {
+        counts[x] = (offsets[x + 1] - offsets[x]) as f32;
+        prob_sums[x] = probs.chunks_exact(e).map(|p| p[x] as f64).sum::<f64>() as f32;
+    }
+}
+
+/// `xe[r] = x[row_slot[r] / k]`.
+pub fn gather(xe: &mut [f32], x: &[f32], row_slot: &[u32], k: usize, d: usize) {
+    xe.par_chunks_mut(d)
+        .zip(row_slot.par_iter())
+        .for_each(|(row, &slot)| {
+            let t = slot as usize / k;
+            row.copy_from_slice(&x[t * d..(t + 1) * d]);
+        });
+}
+
+/// `dx[t] = Σ_j dxe[slot_row[t·k + j]]`.
+pub fn gather_backward(dx: &mut [f32], dxe: &[f32], slot_row: &[u32], k: usize, d: usize) {
+    dx.par_chunks_mut(d)
+        .zip(slot_row.par_chunks(k))
+        .for_each(|(row, rows)| {
+            row.fill(0.0);
+            for &r in rows {
+                row.iter_mut()
+                    .zip(&dxe[r as usize * d..][..d])
+                    .for_each(|(a, b)| *a += b);
+            }
+        });
+}
+
+/// `out[t] = Σ_j weight[t·k + j] · ye[slot_row[t·k + j]]`.
+pub fn combine(out: &mut [f32], ye: &[f32], weight: &[f32], slot_row: &[u32], k: usize, d: usize) {
+    out.par_chunks_mut(d)
+        .zip(slot_row.par_chunks(k))
+        .zip(weight.par_chunks(k))
+        .for_each(|((row, rows), w)| {
+            row.fill(0.0);
+            for (&r, &w) in rows.iter().zip(w) {
+                row.iter_mut()
+                    .zip(&ye[r as usize * d..][..d])
+                    .for_each(|(a, y)| *a += w * y);
+            }
+        });
+}
+
+/// `dye[r] = weight[s] · dout[s / k]` for the slot s of each row, and
+/// `dweight[s] = dout[s / k] · ye[slot_row[s]]`.
+pub fn combine_backward(
+    dye: &mut [f32],
+    dweight: &mut [f32],
+    dout: &[f32],
+    ye: &[f32],
+    weight: &[f32],
+    slot_row: &[u32],
+    row_slot: &[u32],
+    k: usize,
+    d: usize,
+) {
+    dye.par_chunks_mut(d)
+        .zip(row_slot.par_iter())
+        .for_each(|(row, &s)| {
+            let (s, t) = (s as usize, s as usize / k);
+            row.iter_mut()
+                .zip(&dout[t * d..(t + 1) * d])
+                .for_each(|(g, o)| *g = weight[s] * o);
+        });
+    dweight
+        .par_iter_mut()
+        .zip(slot_row.par_iter())
+        .enumerate()
+        .for_each(|(s, (dw, &r))| {
+            let t = s / k;
+            *dw = dout[t * d..(t + 1) * d]
+                .iter()
+                .zip(&ye[r as usize * d..][..d])
+                .map(|(a, b)| a * b)
+                .sum();
+        });
+}
+
+/// Gradient of the router logits (overwritten), from the gradient of the renormalised weights
+/// and `aux_scale · counts[e]` on every probability of expert e (the load-balancing loss).
+pub fn route_backward(
+    drouter: &mut [f32],
+    dweight: &[f32],
+    probs: &[f32],
+    weight: &[f32],
+    counts: &[f32],
+    expert: &[u32],
+    d: MoeDispatch,
+    aux_scale: f32,
+) {
+    let (e, k) = (d.experts, d.top_k);
+    drouter
+        .par_chunks_mut(e)
+        .zip(probs.par_chunks(e))
+        .zip(expert.par_chunks(k))
+        .zip(dweight.par_chunks(k).zip(weight.par_chunks(k)))
+        .for_each(|(((dr, p), chosen), (dw, w))| {
+            // dr first holds dL/dp, then becomes dL/dlogits in place.
+            dr.iter_mut()
+                .zip(counts)
+                .for_each(|(g, &c)| *g = aux_scale * c);
+            let chosen_sum: f32 = chosen.iter().map(|&x| p[x as usize]).sum();
+            let c: f32 = dw.iter().zip(w).map(|(a, b)| a * b).sum();
+            for (&x, &g) in chosen.iter().zip(dw) {
+                dr[x as usize] += (g - c) / chosen_sum;
+            }
+            let dot: f32 = dr.iter().zip(p).map(|(g, p)| g * p).sum();
+            dr.iter_mut().zip(p).for_each(|(g, &p)| *g = p * (*g - dot));
+        });
+}

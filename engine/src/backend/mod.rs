@@ -1,0 +1,453 @@
+//! The backend interface: memory and the small set of ops a transformer step needs.
+//!
+//! The model ([`crate::model`]) is written once against [`Backend`]; a backend owns its memory
+//! and hands out [`View`]s (buffer, offset, length) that the model arranges into a plan before
+//! the first step. No op allocates tensors, and none returns data to the host: the model reads
+//! back only the scalars it logs, with [`Backend::download`].
+//!
+//! Conventions shared by every op:
+//! - matrices are row-major; `[N, D]` means N rows of D contiguous elements;
+//! - `N = B · T` token rows, ordered batch-major (row `b · T + t`);
+//! - gradients of parameters accumulate (`+=`), so micro-batches add up until the optimizer
+//!   consumes and zeroes them; gradients of activations are overwritten unless an op says so;
+//! - outputs never overlap inputs (backends may check), except where an op works in place.
+//!
+//! The CPU backend ([`cpu::Cpu`]) is the f32 reference: deterministic, bit for bit, whatever the
+//! thread scheduling.
+
+pub mod cpu;
+
+/// Identifies one buffer of a backend.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct BufId(pub u32);
+
+/// A contiguous range of elements of one buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct View {
+    /// The buffer.
+    pub buf: BufId,
+    /// First element.
+    pub offset: usize,
+    /// Number of elements.
+    pub len: usize,
+}
+
+impl View {
+    /// The sub-range `[offset, offset + len)` of this view.
+    pub fn at(self, offset: usize, len: usize) -> View {
+        assert!(
+            offset + len <= self.len,
+            "view [{offset}, {}) outside a view of {}",
+            offset + len,
+            self.len
+        );
+        View {
+            buf: self.buf,
+            offset: self.offset + offset,
+            len,
+        }
+    }
+
+    /// Rows `[first, first + count)` of a row-major matrix with `width` columns.
+    pub fn rows(self, first: usize, count: usize, width: usize) -> View {
+        self.at(first * width, count * width)
+    }
+
+    /// Whether two views share an element.
+    pub fn overlaps(self, other: View) -> bool {
+        self.buf == other.buf
+            && self.offset < other.offset + other.len
+            && other.offset < self.offset + self.len
+    }
+}
+
+/// A contiguous range of a buffer of `u32` indices (tokens, routing tables).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct IdxView {
+    /// The buffer.
+    pub buf: BufId,
+    /// First element.
+    pub offset: usize,
+    /// Number of elements.
+    pub len: usize,
+}
+
+impl IdxView {
+    /// The sub-range `[offset, offset + len)` of this view.
+    pub fn at(self, offset: usize, len: usize) -> IdxView {
+        assert!(
+            offset + len <= self.len,
+            "index view [{offset}, {}) outside a view of {}",
+            offset + len,
+            self.len
+        );
+        IdxView {
+            buf: self.buf,
+            offset: self.offset + offset,
+            len,
+        }
+    }
+}
+
+/// What a buffer holds. A backend may keep kinds at different precisions: the CPU keeps all in
+/// f32; a GPU backend keeps activations and the compute copy of parameters in bf16.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BufKind {
+    /// The flat parameter buffer.
+    Params,
+    /// The flat gradient buffer (same layout as the parameters).
+    Grads,
+    /// Optimizer moments (same layout as the parameters).
+    OptState,
+    /// Activations and scratch planned for a batch shape.
+    Activations,
+    /// Small f32 values: losses, norms, statistics, RoPE tables.
+    Scalars,
+}
+
+/// `out[m, n] (+)= op(a)[m, k] · op(b)[k, n]`, where `op(x)` is `x` or its transpose.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MatMul {
+    /// Rows of the output.
+    pub m: usize,
+    /// Columns of the output.
+    pub n: usize,
+    /// The contracted dimension.
+    pub k: usize,
+    /// `a` is stored `[k, m]` and used transposed (else stored `[m, k]`).
+    pub a_t: bool,
+    /// `b` is stored `[n, k]` and used transposed (else stored `[k, n]`).
+    pub b_t: bool,
+    /// Add to `out` instead of overwriting it.
+    pub accumulate: bool,
+}
+
+impl MatMul {
+    /// `y[N, O] = x[N, I] · W[O, I]ᵀ`: a linear layer with a weight stored `[out, in]`.
+    pub fn linear(n: usize, inp: usize, out: usize) -> MatMul {
+        MatMul {
+            m: n,
+            n: out,
+            k: inp,
+            a_t: false,
+            b_t: true,
+            accumulate: false,
+        }
+    }
+
+    /// `dx[N, I] = dy[N, O] · W[O, I]`: the input gradient of [`MatMul::linear`].
+    pub fn linear_dx(n: usize, inp: usize, out: usize) -> MatMul {
+        MatMul {
+            m: n,
+            n: inp,
+            k: out,
+            a_t: false,
+            b_t: false,
+            accumulate: false,
+        }
+    }
+
+    /// `dW[O, I] += dy[N, O]ᵀ · x[N, I]`: the weight gradient of [`MatMul::linear`].
+    pub fn linear_dw(n: usize, inp: usize, out: usize) -> MatMul {
+        MatMul {
+            m: out,
+            n: inp,
+            k: n,
+            a_t: true,
+            b_t: false,
+            accumulate: true,
+        }
+    }
+
+    /// The same product, accumulating into the output.
+    pub fn accumulating(self) -> MatMul {
+        MatMul {
+            accumulate: true,
+            ..self
+        }
+    }
+
+    /// Floating-point operations of the product (2 per multiply-add).
+    pub fn flops(&self) -> f64 {
+        2.0 * self.m as f64 * self.n as f64 * self.k as f64
+    }
+}
+
+/// Shape of causal attention over a packed `qkv` buffer whose rows are
+/// `[q: n_heads · head_dim | k: n_kv_heads · head_dim | v: n_kv_heads · head_dim]`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AttnShape {
+    /// Sequences.
+    pub batch: usize,
+    /// Tokens per sequence.
+    pub seq: usize,
+    /// Query heads.
+    pub n_heads: usize,
+    /// Key/value heads (divides `n_heads`).
+    pub n_kv_heads: usize,
+    /// Width of a head.
+    pub head_dim: usize,
+    /// Sliding window W (query i sees keys j with i - W < j <= i); 0 for none.
+    pub window: usize,
+}
+
+impl AttnShape {
+    /// Width of a packed qkv row.
+    pub fn qkv_width(&self) -> usize {
+        (self.n_heads + 2 * self.n_kv_heads) * self.head_dim
+    }
+
+    /// Width of the attention output row (all query heads).
+    pub fn q_width(&self) -> usize {
+        self.n_heads * self.head_dim
+    }
+
+    /// Token rows.
+    pub fn rows(&self) -> usize {
+        self.batch * self.seq
+    }
+
+    /// First key (inclusive) query `i` may attend to.
+    pub fn first_key(&self, i: usize) -> usize {
+        if self.window == 0 {
+            0
+        } else {
+            (i + 1).saturating_sub(self.window)
+        }
+    }
+}
+
+/// Routing tables of one mixture-of-experts layer for `N` tokens, each sent to `k` experts.
+/// Rows of the dispatched (expert-major) activations are grouped by expert.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MoeDispatch {
+    /// Tokens.
+    pub tokens: usize,
+    /// Experts.
+    pub experts: usize,
+    /// Experts per token.
+    pub top_k: usize,
+    /// `[N · k]`: the expert chosen in each of a token's k slots (slot `t · k + j`).
+    pub expert: IdxView,
+    /// `[N · k]`: the renormalised routing weight of each slot.
+    pub weight: View,
+    /// `[N · k]`: the dispatched row of each slot.
+    pub slot_row: IdxView,
+    /// `[N · k]`: the slot each dispatched row comes from (its token is `slot / k`).
+    pub row_slot: IdxView,
+    /// `[E + 1]`: dispatched rows of expert e are `offsets[e] .. offsets[e + 1]`.
+    pub offsets: IdxView,
+    /// `[2 · E]`: tokens routed to each expert (over all slots), then the sum over tokens of each
+    /// expert's router probability; the inputs of the load-balancing loss.
+    pub stats: View,
+}
+
+/// The weights of all experts of a layer for one projection: expert e's weight is the view
+/// `first` moved `e · stride` elements on (experts are stored back to back, each a block holding
+/// all its projections).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ExpertWeights {
+    /// Expert 0's weight.
+    pub first: View,
+    /// Elements from one expert's block to the next.
+    pub stride: usize,
+}
+
+impl ExpertWeights {
+    /// Expert `e`'s weight.
+    pub fn expert(&self, e: usize) -> View {
+        View {
+            offset: self.first.offset + e * self.stride,
+            ..self.first
+        }
+    }
+}
+
+/// One AdamW update: hyper-parameters of this step.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AdamWStep {
+    /// Learning rate of this step.
+    pub lr: f32,
+    /// First-moment decay.
+    pub beta1: f32,
+    /// Second-moment decay.
+    pub beta2: f32,
+    /// Denominator epsilon.
+    pub eps: f32,
+    /// Decoupled weight decay (applied to decaying segments only).
+    pub weight_decay: f32,
+    /// 1-based step number, for bias correction.
+    pub t: u64,
+    /// Multiplies every gradient first (global-norm clipping).
+    pub grad_scale: f32,
+}
+
+/// A range of the flat parameter buffer and whether it decays.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Segment {
+    /// First element.
+    pub offset: usize,
+    /// Number of elements.
+    pub len: usize,
+    /// Whether weight decay applies.
+    pub decay: bool,
+}
+
+/// A compute device and the ops of a training step.
+pub trait Backend {
+    /// Short device description for logs (e.g. `cpu (2 threads)`).
+    fn describe(&self) -> String;
+
+    /// Allocates a zero-filled buffer of `len` elements and returns a view of all of it.
+    fn alloc(&mut self, kind: BufKind, len: usize) -> View;
+    /// Allocates a zero-filled index buffer.
+    fn alloc_idx(&mut self, len: usize) -> IdxView;
+    /// Copies host data into a view (`src.len() == dst.len`).
+    fn upload(&mut self, dst: View, src: &[f32]);
+    /// Copies host indices into an index view.
+    fn upload_idx(&mut self, dst: IdxView, src: &[u32]);
+    /// Copies a view to the host (`dst.len() == src.len`). Waits for pending work.
+    fn download(&mut self, src: View, dst: &mut [f32]);
+    /// Copies an index view to the host.
+    fn download_idx(&mut self, src: IdxView, dst: &mut [u32]);
+    /// Sets every element of a view.
+    fn fill(&mut self, dst: View, value: f32);
+    /// `dst = src`.
+    fn copy(&mut self, dst: View, src: View);
+    /// `dst += src`.
+    fn add(&mut self, dst: View, src: View);
+    /// `out[0] = Σ x`.
+    fn sum(&mut self, out: View, x: View);
+    /// `out[0] = Σ x²`.
+    fn sum_squares(&mut self, out: View, x: View);
+
+    /// General matrix product, see [`MatMul`].
+    fn matmul(&mut self, out: View, a: View, b: View, shape: MatMul);
+
+    /// `out[n] = table[tokens[n]]`, rows of width `d`.
+    fn embedding_forward(&mut self, out: View, table: View, tokens: IdxView, d: usize);
+    /// `dtable[tokens[n]] += dout[n]`.
+    fn embedding_backward(&mut self, dtable: View, dout: View, tokens: IdxView, d: usize);
+
+    /// `out = x · rstd · w` with `rstd = 1 / sqrt(mean(x²) + eps)` per row of width `d`;
+    /// saves `rstd` for the backward pass.
+    fn rmsnorm_forward(&mut self, out: View, rstd: View, x: View, w: View, d: usize, eps: f32);
+    /// Adds the input gradient to `dx` (`+=`: the residual stream's gradient) and the weight
+    /// gradient to `dw`.
+    fn rmsnorm_backward(
+        &mut self,
+        dx: View,
+        dw: View,
+        dout: View,
+        x: View,
+        w: View,
+        rstd: View,
+        d: usize,
+    );
+
+    /// Rotates the q and k parts of packed qkv rows by RoPE, in place; `inverse` rotates back
+    /// (the backward pass). `rope` is `[seq, head_dim / 2]` pairs `(cos, sin)` interleaved.
+    fn rope(&mut self, qkv: View, rope: View, shape: AttnShape, inverse: bool);
+
+    /// Causal (optionally windowed) grouped-query attention over packed qkv rows:
+    /// `out[N, H · Dh]`, and the log-sum-exp of each query's scores `lse[N, H]` for the
+    /// backward pass. Scores are scaled by `1 / sqrt(Dh)`.
+    fn attention_forward(&mut self, out: View, lse: View, qkv: View, shape: AttnShape);
+    /// Gradient of [`Backend::attention_forward`] with respect to the packed qkv rows (`=`).
+    fn attention_backward(
+        &mut self,
+        dqkv: View,
+        dout: View,
+        qkv: View,
+        out: View,
+        lse: View,
+        shape: AttnShape,
+    );
+
+    /// `h = silu(gate) ⊙ up` where rows of `gu` are `[gate (f) | up (f)]`.
+    fn swiglu_forward(&mut self, h: View, gu: View, f: usize);
+    /// Gradient of [`Backend::swiglu_forward`] with respect to `gu` (`=`).
+    fn swiglu_backward(&mut self, dgu: View, dh: View, gu: View, f: usize);
+
+    /// Per-row cross-entropy of `logits[N, V]` against `targets[N]` into `losses[N]`
+    /// (`lse(row) - row[target]`). With `grad_scale = Some(s)`, overwrites the logits with the
+    /// gradient `s · (softmax(row) - onehot(target))`.
+    fn cross_entropy(
+        &mut self,
+        losses: View,
+        logits: View,
+        targets: IdxView,
+        v: usize,
+        grad_scale: Option<f32>,
+    );
+
+    /// Mixtral routing of `router_logits[N, E]`: `probs = softmax(logits)` (saved), the top-k
+    /// experts of each token (ties to the lower index), their probabilities renormalised to sum
+    /// to one, the dispatch tables and the layer's load-balancing statistics.
+    fn moe_route(&mut self, probs: View, router_logits: View, dispatch: MoeDispatch);
+    /// `xe[r] = x[row_slot[r] / k]`: gathers token rows of width `d` into dispatched order.
+    fn moe_gather(&mut self, xe: View, x: View, dispatch: MoeDispatch, d: usize);
+    /// `x[t] = Σ_j xe[slot_row[t·k + j]]` (`=`): the backward pass of [`Backend::moe_gather`].
+    fn moe_gather_backward(&mut self, dx: View, dxe: View, dispatch: MoeDispatch, d: usize);
+    /// For every expert e, `out_e = a_e · op(W_e)` over its dispatched rows
+    /// `offsets[e] .. offsets[e + 1]` of `a` and `out`. `shape` is that of one expert's product;
+    /// its `m` is ignored (each expert's row count is used).
+    fn moe_expert_matmul(
+        &mut self,
+        out: View,
+        a: View,
+        weights: ExpertWeights,
+        dispatch: MoeDispatch,
+        shape: MatMul,
+    );
+    /// For every expert e, `dW_e += dy_eᵀ · x_e` over its dispatched rows: the weight gradient of
+    /// a [`MatMul::linear`] expert projection with `inp` inputs and `out` outputs.
+    fn moe_expert_matmul_dw(
+        &mut self,
+        dweights: ExpertWeights,
+        dy: View,
+        x: View,
+        dispatch: MoeDispatch,
+        inp: usize,
+        out: usize,
+    );
+    /// `out[t] = Σ_j weight[t·k + j] · ye[slot_row[t·k + j]]` (`=`).
+    fn moe_combine(&mut self, out: View, ye: View, dispatch: MoeDispatch, d: usize);
+    /// Backward of [`Backend::moe_combine`]: `dye[slot_row[s]] = weight[s] · dout[t]` and
+    /// `dweight[s] = dout[t] · ye[slot_row[s]]` (both `=`).
+    fn moe_combine_backward(
+        &mut self,
+        dye: View,
+        dweight: View,
+        dout: View,
+        ye: View,
+        dispatch: MoeDispatch,
+        d: usize,
+    );
+    /// Gradient of the router logits (`=`) from the gradient of the renormalised weights and of
+    /// the load-balancing loss: `aux_scale · counts[e]` is added to the gradient of every
+    /// token's probability of expert e (`counts` holds the tokens routed to each expert over
+    /// the whole model, as the loss uses them).
+    fn moe_route_backward(
+        &mut self,
+        drouter: View,
+        dweight: View,
+        probs: View,
+        dispatch: MoeDispatch,
+        counts: View,
+        aux_scale: f32,
+    );
+
+    /// Global squared norm of the gradients in `out[0]`, and AdamW over the flat buffers with
+    /// `grad_scale` applied first; decoupled weight decay on decaying segments; zeroes the
+    /// gradients afterwards, ready for the next step's accumulation.
+    fn adamw(
+        &mut self,
+        params: View,
+        grads: View,
+        m: View,
+        v: View,
+        segments: &[Segment],
+        step: AdamWStep,
+    );
+}

@@ -1,0 +1,180 @@
+//! Parameter counts and training FLOPs of a model, by formula (no allocation).
+//!
+//! FLOP convention (written in `docs/recipes.md` too): a multiply-add is 2 FLOPs and a training
+//! step (forward + backward) costs 3 forward passes, so a token costs
+//!
+//! ```text
+//! 6 · N_matmul  +  12 · L · H · Dh · K̄
+//! ```
+//!
+//! where `N_matmul` counts the weights that take part in a matrix product for that token (every
+//! projection and the output head, only the `top_k` experts a token is routed to, not the input
+//! embedding, which is a lookup), and `K̄` is the mean number of keys a query attends to. Causal
+//! halving is applied: with the causal mask `K̄ = (S + 1) / 2`, and with a sliding window `W` each
+//! query counts `min(i + 1, W)` keys. Element-wise work (norms, softmax, RoPE, the optimizer) is not
+//! counted, as in MaxText, torchtitan and llm.c.
+
+use super::ModelConfig;
+
+/// Parameter counts of a model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ParamCount {
+    /// Every parameter stored.
+    pub total: u64,
+    /// Parameters a single token uses (differs from `total` only for mixture-of-experts models).
+    pub active: u64,
+    /// The input embedding table (counted once when tied to the output head).
+    pub embedding: u64,
+}
+
+impl ModelConfig {
+    /// Parameters of one attention block's projections (q, k, v, o).
+    fn attention_params(&self) -> u64 {
+        let (d, q, kv) = (
+            self.d_model as u64,
+            self.q_dim() as u64,
+            self.kv_dim() as u64,
+        );
+        d * q + 2 * d * kv + q * d
+    }
+
+    /// Parameters of one SwiGLU MLP (gate, up, down).
+    fn mlp_params(&self) -> u64 {
+        3 * self.d_model as u64 * self.mlp_dim as u64
+    }
+
+    /// Matrix parameters of one layer that a token multiplies with: attention, the router and the
+    /// MLPs of the experts it is sent to.
+    fn layer_matmul_params_active(&self) -> u64 {
+        let d = self.d_model as u64;
+        let mlp = match &self.moe {
+            None => self.mlp_params(),
+            Some(moe) => d * moe.num_experts as u64 + moe.top_k as u64 * self.mlp_params(),
+        };
+        self.attention_params() + mlp
+    }
+
+    /// Counts the model's parameters.
+    pub fn param_count(&self) -> ParamCount {
+        let d = self.d_model as u64;
+        let embedding = self.vocab_size as u64 * d;
+        let head = if self.tie_embeddings { 0 } else { embedding };
+        let norms_per_layer = 2 * d;
+        let (mlp_total, mlp_active) = match &self.moe {
+            None => (self.mlp_params(), self.mlp_params()),
+            Some(moe) => {
+                let router = d * moe.num_experts as u64;
+                (
+                    router + moe.num_experts as u64 * self.mlp_params(),
+                    router + moe.top_k as u64 * self.mlp_params(),
+                )
+            }
+        };
+        let layer = |mlp: u64| self.attention_params() + mlp + norms_per_layer;
+        let layers = self.n_layers as u64;
+        let total = embedding + head + layers * layer(mlp_total) + d;
+        let active = embedding + head + layers * layer(mlp_active) + d;
+        ParamCount {
+            total,
+            active,
+            embedding,
+        }
+    }
+
+    /// Mean number of keys a query attends to in a sequence of `seq_len` tokens (`K̄`).
+    pub fn mean_keys_attended(&self, seq_len: usize) -> f64 {
+        if seq_len == 0 {
+            return 0.0;
+        }
+        let sum: u64 = (0..seq_len).map(|i| self.keys_attended(i) as u64).sum();
+        sum as f64 / seq_len as f64
+    }
+
+    /// Training FLOPs per token at sequence length `seq_len`, by the convention in this module.
+    pub fn train_flops_per_token(&self, seq_len: usize) -> f64 {
+        let matmul = self.n_layers as f64 * self.layer_matmul_params_active() as f64
+            + (self.vocab_size * self.d_model) as f64;
+        let attention = 12.0
+            * self.n_layers as f64
+            * self.n_heads as f64
+            * self.head_dim as f64
+            * self.mean_keys_attended(seq_len);
+        6.0 * matmul + attention
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::config::{Family, ModelConfig, MoeConfig};
+
+    fn llama(
+        vocab: usize,
+        d: usize,
+        layers: usize,
+        heads: usize,
+        kv: usize,
+        mlp: usize,
+    ) -> ModelConfig {
+        ModelConfig {
+            vocab_size: vocab,
+            d_model: d,
+            n_layers: layers,
+            n_heads: heads,
+            n_kv_heads: kv,
+            head_dim: d / heads,
+            mlp_dim: mlp,
+            max_seq_len: 4096,
+            ..ModelConfig::default()
+        }
+    }
+
+    #[test]
+    fn published_parameter_counts() {
+        assert_eq!(
+            llama(128256, 4096, 32, 32, 8, 14336).param_count().total,
+            8_030_261_248
+        );
+        assert_eq!(
+            llama(32000, 4096, 32, 32, 32, 11008).param_count().total,
+            6_738_415_616
+        );
+        let mistral = ModelConfig {
+            family: Family::Mistral,
+            sliding_window: 4096,
+            ..llama(32000, 4096, 32, 32, 8, 14336)
+        };
+        assert_eq!(mistral.param_count().total, 7_241_732_096);
+        let mixtral = ModelConfig {
+            family: Family::Mixtral,
+            moe: Some(MoeConfig {
+                num_experts: 8,
+                top_k: 2,
+                aux_loss_coef: 0.02,
+            }),
+            ..llama(32000, 4096, 32, 32, 8, 14336)
+        };
+        let count = mixtral.param_count();
+        assert_eq!(count.total, 46_702_792_704);
+        assert_eq!(count.active, 12_879_925_248);
+        let tied = ModelConfig {
+            tie_embeddings: true,
+            ..llama(128256, 2048, 16, 32, 8, 8192)
+        };
+        assert_eq!(tied.param_count().total, 1_235_814_400, "llama3.2-1b");
+    }
+
+    #[test]
+    fn flops_follow_the_convention() {
+        let m = llama(32000, 1024, 1, 8, 8, 11008);
+        // 6 * (attention 4*1024^2 + mlp 3*1024*11008 + head 32000*1024) + 12*8*128*32.5 at S = 64.
+        let expected = 6.0 * (4.0 * 1024.0 * 1024.0 + 3.0 * 1024.0 * 11008.0 + 32000.0 * 1024.0)
+            + 12.0 * 8.0 * 128.0 * 32.5;
+        assert_eq!(m.train_flops_per_token(64), expected);
+        let windowed = ModelConfig {
+            sliding_window: 4,
+            ..m.clone()
+        };
+        // keys per query: 1, 2, 3, 4, 4, 4, 4, 4 -> mean 3.25
+        assert_eq!(windowed.mean_keys_attended(8), 3.25);
+    }
+}

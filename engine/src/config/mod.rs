@@ -1,0 +1,435 @@
+//! The training configuration: what a recipe says once defaults, `extends` and overrides are applied.
+//!
+//! Every key is documented in `docs/recipes.md`; the doc comments here are the short form of it.
+//! A [`Config`] is plain data. [`recipe`] builds one from TOML layers and [`Config::validate`]
+//! rejects what cannot train, naming the keys involved.
+
+pub mod count;
+pub mod recipe;
+
+use serde::{Deserialize, Serialize};
+
+pub use recipe::{Override, Resolved, resolve};
+
+/// A full training configuration.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    /// One line on what the recipe is for.
+    pub description: String,
+    /// A recipe this one starts from: a built-in name or a path relative to this file. Its keys
+    /// apply first; this file's keys win.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub extends: Option<String>,
+    /// The model architecture.
+    pub model: ModelConfig,
+    /// Batch shape, length of the run and seeding.
+    pub train: TrainConfig,
+    /// AdamW and the learning-rate schedule.
+    pub optim: OptimConfig,
+    /// Where training tokens come from.
+    pub data: DataConfig,
+}
+
+/// Which Hugging Face architecture the model corresponds to (names of tensors and config keys on
+/// import and export). The computation is the same family for all three.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Family {
+    /// `LlamaForCausalLM`: Llama 2, Llama 3, 3.1, 3.2 and the AXLearn fuji models.
+    #[default]
+    Llama,
+    /// `MistralForCausalLM`: Llama with an optional sliding attention window.
+    Mistral,
+    /// `MixtralForCausalLM`: Mistral with a mixture-of-experts MLP.
+    Mixtral,
+}
+
+/// The transformer: a decoder-only stack of pre-norm attention and (SwiGLU or MoE) MLP blocks.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ModelConfig {
+    /// Hugging Face architecture the tensors and config map to.
+    pub family: Family,
+    /// Number of token ids.
+    pub vocab_size: usize,
+    /// Width of the residual stream.
+    pub d_model: usize,
+    /// Number of transformer blocks.
+    pub n_layers: usize,
+    /// Number of query heads.
+    pub n_heads: usize,
+    /// Number of key/value heads; must divide `n_heads` (equal: MHA, 1: MQA).
+    pub n_kv_heads: usize,
+    /// Width of one attention head; independent of `d_model`.
+    pub head_dim: usize,
+    /// Hidden width of the SwiGLU MLP (of each expert for MoE).
+    pub mlp_dim: usize,
+    /// RMSNorm epsilon.
+    pub norm_eps: f64,
+    /// RoPE base.
+    pub rope_theta: f64,
+    /// Llama 3.1 frequency scaling of RoPE; absent means none.
+    pub rope_scaling: Option<RopeScaling>,
+    /// Longest sequence the model supports (`max_position_embeddings`).
+    pub max_seq_len: usize,
+    /// Sliding attention window W (query i sees keys j with i - W < j <= i); 0 means none.
+    pub sliding_window: usize,
+    /// Whether the output projection shares the input embedding matrix.
+    pub tie_embeddings: bool,
+    /// Standard deviation of the normal initialisation of weight matrices.
+    pub init_std: f64,
+    /// Mixture-of-experts MLP; absent means a dense SwiGLU MLP.
+    pub moe: Option<MoeConfig>,
+}
+
+impl Default for ModelConfig {
+    fn default() -> Self {
+        ModelConfig {
+            family: Family::Llama,
+            vocab_size: 0,
+            d_model: 0,
+            n_layers: 0,
+            n_heads: 0,
+            n_kv_heads: 0,
+            head_dim: 0,
+            mlp_dim: 0,
+            norm_eps: 1e-5,
+            rope_theta: 10_000.0,
+            rope_scaling: None,
+            max_seq_len: 0,
+            sliding_window: 0,
+            tie_embeddings: false,
+            init_std: 0.02,
+            moe: None,
+        }
+    }
+}
+
+/// Llama 3.1 RoPE frequency scaling (`rope_type = "llama3"` in Hugging Face configs).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RopeScaling {
+    /// Divisor of the low frequencies.
+    pub factor: f64,
+    /// Wavelengths above `original_max_seq_len / low_freq_factor` are divided by `factor`.
+    pub low_freq_factor: f64,
+    /// Wavelengths below `original_max_seq_len / high_freq_factor` are kept.
+    pub high_freq_factor: f64,
+    /// Context length the model was pre-trained with before scaling.
+    pub original_max_seq_len: usize,
+}
+
+impl Default for RopeScaling {
+    fn default() -> Self {
+        RopeScaling {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_seq_len: 8192,
+        }
+    }
+}
+
+/// Mixtral-style mixture of experts: softmax over all experts, keep the top k, renormalise.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MoeConfig {
+    /// Number of experts per layer.
+    pub num_experts: usize,
+    /// Experts each token is sent to.
+    pub top_k: usize,
+    /// Coefficient of the load-balancing auxiliary loss added to the objective.
+    pub aux_loss_coef: f64,
+}
+
+impl Default for MoeConfig {
+    fn default() -> Self {
+        MoeConfig {
+            num_experts: 8,
+            top_k: 2,
+            aux_loss_coef: 0.02,
+        }
+    }
+}
+
+/// The shape of a step and the length of the run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TrainConfig {
+    /// Tokens per sequence.
+    pub seq_len: usize,
+    /// Sequences per device per micro-batch.
+    pub batch_size: usize,
+    /// Micro-batches accumulated into one optimizer step.
+    pub grad_accum: usize,
+    /// Optimizer steps to run.
+    pub steps: usize,
+    /// Seed of initialisation and data order.
+    pub seed: u64,
+    /// Peak TFLOP/s of one device used for MFU; 0 means the device table (GPU) or a measured
+    /// GEMM rate (CPU).
+    pub peak_tflops: f64,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        TrainConfig {
+            seq_len: 0,
+            batch_size: 1,
+            grad_accum: 1,
+            steps: 100,
+            seed: 1234,
+            peak_tflops: 0.0,
+        }
+    }
+}
+
+/// Shape of the learning rate over the run.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Schedule {
+    /// Linear warmup, then cosine decay to `lr * min_lr_ratio` at `decay_steps`.
+    #[default]
+    Cosine,
+    /// Linear warmup, then constant.
+    Constant,
+}
+
+/// AdamW with decoupled weight decay and global-norm gradient clipping.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct OptimConfig {
+    /// Peak learning rate.
+    pub lr: f64,
+    /// Learning-rate schedule after warmup.
+    pub schedule: Schedule,
+    /// Steps of linear warmup from 0 to `lr`.
+    pub warmup_steps: usize,
+    /// Step at which the cosine reaches its floor; 0 means `train.steps`.
+    pub decay_steps: usize,
+    /// Floor of the cosine as a fraction of `lr`.
+    pub min_lr_ratio: f64,
+    /// Decay rate of the first moment.
+    pub beta1: f64,
+    /// Decay rate of the second moment.
+    pub beta2: f64,
+    /// Added to the root of the second moment.
+    pub eps: f64,
+    /// Decoupled weight decay of matrices (embeddings and projections); norms never decay.
+    pub weight_decay: f64,
+    /// Clip the global gradient norm to this value; 0 disables clipping.
+    pub grad_clip: f64,
+}
+
+impl Default for OptimConfig {
+    fn default() -> Self {
+        OptimConfig {
+            lr: 3e-4,
+            schedule: Schedule::Cosine,
+            warmup_steps: 0,
+            decay_steps: 0,
+            min_lr_ratio: 0.1,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.1,
+            grad_clip: 1.0,
+        }
+    }
+}
+
+/// Where the training tokens come from.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DataSource {
+    /// The public-domain English text embedded in the binary, as byte tokens.
+    #[default]
+    Embedded,
+    /// Uniformly random tokens from the seed.
+    Synthetic,
+}
+
+/// The training data.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DataConfig {
+    /// Token source.
+    pub source: DataSource,
+}
+
+impl ModelConfig {
+    /// Width of all query heads together.
+    pub fn q_dim(&self) -> usize {
+        self.n_heads * self.head_dim
+    }
+
+    /// Width of all key (or value) heads together.
+    pub fn kv_dim(&self) -> usize {
+        self.n_kv_heads * self.head_dim
+    }
+
+    /// Number of keys query `i` (0-based) attends to in a sequence.
+    pub fn keys_attended(&self, i: usize) -> usize {
+        match self.sliding_window {
+            0 => i + 1,
+            w => (i + 1).min(w),
+        }
+    }
+}
+
+impl Config {
+    /// Checks everything a training run needs to be consistent; errors name the keys involved.
+    pub fn validate(&self) -> Result<(), String> {
+        let m = &self.model;
+        let positive = [
+            ("model.vocab_size", m.vocab_size),
+            ("model.d_model", m.d_model),
+            ("model.n_layers", m.n_layers),
+            ("model.n_heads", m.n_heads),
+            ("model.n_kv_heads", m.n_kv_heads),
+            ("model.head_dim", m.head_dim),
+            ("model.mlp_dim", m.mlp_dim),
+            ("model.max_seq_len", m.max_seq_len),
+            ("train.seq_len", self.train.seq_len),
+            ("train.batch_size", self.train.batch_size),
+            ("train.grad_accum", self.train.grad_accum),
+        ];
+        for (key, value) in positive {
+            if value == 0 {
+                return Err(format!("{key} must be greater than 0"));
+            }
+        }
+        if !m.n_heads.is_multiple_of(m.n_kv_heads) {
+            return Err(format!(
+                "model.n_heads = {} is not divisible by model.n_kv_heads = {} (grouped-query attention \
+                 shares each key/value head among n_heads / n_kv_heads query heads)",
+                m.n_heads, m.n_kv_heads
+            ));
+        }
+        if !m.head_dim.is_multiple_of(2) {
+            return Err(format!(
+                "model.head_dim = {} must be even (RoPE rotates pairs of dimensions)",
+                m.head_dim
+            ));
+        }
+        if self.train.seq_len > m.max_seq_len {
+            return Err(format!(
+                "train.seq_len = {} is longer than model.max_seq_len = {}",
+                self.train.seq_len, m.max_seq_len
+            ));
+        }
+        let finite_positive = [
+            ("model.norm_eps", m.norm_eps),
+            ("model.rope_theta", m.rope_theta),
+            ("model.init_std", m.init_std),
+        ];
+        for (key, value) in finite_positive {
+            if !positive_number(value) {
+                return Err(format!("{key} = {value} must be a positive number"));
+            }
+        }
+        if let Some(s) = &m.rope_scaling {
+            if !at_least(s.factor, 1.0) {
+                return Err(format!(
+                    "model.rope_scaling.factor = {} must be at least 1",
+                    s.factor
+                ));
+            }
+            if !(positive_number(s.low_freq_factor) && s.high_freq_factor > s.low_freq_factor) {
+                return Err(format!(
+                    "model.rope_scaling.high_freq_factor = {} must be greater than model.rope_scaling.low_freq_factor = {} (and both positive)",
+                    s.high_freq_factor, s.low_freq_factor
+                ));
+            }
+            if s.original_max_seq_len == 0 {
+                return Err(
+                    "model.rope_scaling.original_max_seq_len must be greater than 0".into(),
+                );
+            }
+        }
+        match (m.family, &m.moe) {
+            (Family::Mixtral, None) => {
+                return Err(
+                    "model.family = \"mixtral\" needs a [model.moe] table (num_experts, top_k)"
+                        .into(),
+                );
+            }
+            (Family::Llama | Family::Mistral, Some(_)) => {
+                return Err(format!(
+                    "model.moe is set but model.family = \"{}\"; mixture-of-experts models use model.family = \"mixtral\"",
+                    if m.family == Family::Llama {
+                        "llama"
+                    } else {
+                        "mistral"
+                    }
+                ));
+            }
+            _ => {}
+        }
+        if m.family == Family::Llama && m.sliding_window != 0 {
+            return Err(
+                "model.sliding_window is set but model.family = \"llama\" has no sliding window; use model.family = \"mistral\""
+                    .into(),
+            );
+        }
+        if let Some(moe) = &m.moe {
+            if moe.num_experts == 0 || moe.top_k == 0 {
+                return Err(
+                    "model.moe.num_experts and model.moe.top_k must be greater than 0".into(),
+                );
+            }
+            if moe.top_k > moe.num_experts {
+                return Err(format!(
+                    "model.moe.top_k = {} is larger than model.moe.num_experts = {}",
+                    moe.top_k, moe.num_experts
+                ));
+            }
+            if !at_least(moe.aux_loss_coef, 0.0) {
+                return Err(format!(
+                    "model.moe.aux_loss_coef = {} must be a non-negative number",
+                    moe.aux_loss_coef
+                ));
+            }
+        }
+        let o = &self.optim;
+        if !at_least(o.lr, 0.0) {
+            return Err(format!("optim.lr = {} must be a non-negative number", o.lr));
+        }
+        if !(0.0..1.0).contains(&o.beta1) || !(0.0..1.0).contains(&o.beta2) {
+            return Err(format!(
+                "optim.beta1 = {} and optim.beta2 = {} must lie in [0, 1)",
+                o.beta1, o.beta2
+            ));
+        }
+        if !positive_number(o.eps) {
+            return Err(format!("optim.eps = {} must be positive", o.eps));
+        }
+        if !at_least(o.weight_decay, 0.0) || !at_least(o.grad_clip, 0.0) {
+            return Err("optim.weight_decay and optim.grad_clip must be non-negative".into());
+        }
+        if !(0.0..=1.0).contains(&o.min_lr_ratio) {
+            return Err(format!(
+                "optim.min_lr_ratio = {} must lie in [0, 1]",
+                o.min_lr_ratio
+            ));
+        }
+        if !at_least(self.train.peak_tflops, 0.0) {
+            return Err(format!(
+                "train.peak_tflops = {} must be non-negative",
+                self.train.peak_tflops
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Finite and greater than zero (false for NaN).
+fn positive_number(x: f64) -> bool {
+    x.is_finite() && x > 0.0
+}
+
+/// Finite and at least `min` (false for NaN).
+fn at_least(x: f64, min: f64) -> bool {
+    x.is_finite() && x >= min
+}

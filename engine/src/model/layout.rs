@@ -1,0 +1,228 @@
+//! The flat parameter layout: every tensor is a named range of one buffer.
+//!
+//! Names are Hugging Face's, so import and export are a matter of copying ranges. Tensors a
+//! single product reads together are adjacent — q, k, v; gate and up; each expert's three
+//! projections — so the model multiplies by them at once, and each layer is one contiguous range
+//! (for per-layer collectives later).
+//!
+//! Weight decay rule: matrices decay (embeddings, projections, router, experts, output head);
+//! vectors (RMSNorm weights) do not.
+
+use crate::config::ModelConfig;
+
+/// One named tensor of the flat buffer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Tensor {
+    /// Hugging Face name, e.g. `model.layers.0.self_attn.q_proj.weight`.
+    pub name: String,
+    /// Shape, row-major (`[out, in]` for projections, as PyTorch's `nn.Linear` stores them).
+    pub shape: Vec<usize>,
+    /// First element in the flat buffer.
+    pub offset: usize,
+    /// Whether weight decay applies.
+    pub decay: bool,
+}
+
+impl Tensor {
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    /// Whether the tensor has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Offsets of one layer's tensors.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LayerOffsets {
+    /// `input_layernorm.weight` `[D]`.
+    pub ln1: usize,
+    /// `q_proj`, `k_proj`, `v_proj` back to back: `[(H + 2 KV) · Dh, D]`.
+    pub qkv: usize,
+    /// `o_proj` `[D, H · Dh]`.
+    pub o: usize,
+    /// `post_attention_layernorm.weight` `[D]`.
+    pub ln2: usize,
+    /// The MLP.
+    pub mlp: MlpOffsets,
+    /// The layer's range of the flat buffer.
+    pub range: std::ops::Range<usize>,
+}
+
+/// Offsets of an MLP's tensors.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum MlpOffsets {
+    /// SwiGLU: `gate_proj` and `up_proj` back to back `[2F, D]`, then `down_proj` `[D, F]`.
+    Dense {
+        /// Gate and up projections.
+        gate_up: usize,
+        /// Down projection.
+        down: usize,
+    },
+    /// Mixture of experts: the router `[E, D]`, then each expert's block of `w1` (gate) and `w3`
+    /// (up) back to back `[2F, D]` and `w2` (down) `[D, F]`.
+    Moe {
+        /// `block_sparse_moe.gate.weight`.
+        router: usize,
+        /// Expert 0's block.
+        experts: usize,
+        /// Elements per expert block (`3 · F · D`).
+        stride: usize,
+    },
+}
+
+/// The parameter layout of a model.
+#[derive(Debug, Clone)]
+pub struct Layout {
+    /// Every tensor, in buffer order.
+    pub tensors: Vec<Tensor>,
+    /// Total elements.
+    pub len: usize,
+    /// `model.embed_tokens.weight` `[V, D]`.
+    pub embed: usize,
+    /// Per-layer offsets.
+    pub layers: Vec<LayerOffsets>,
+    /// `model.norm.weight` `[D]`.
+    pub norm: usize,
+    /// The output head `[V, D]`: `lm_head.weight`, or the embedding when tied.
+    pub head: usize,
+}
+
+impl Layout {
+    /// Lays out the tensors of a model.
+    pub fn new(m: &ModelConfig) -> Layout {
+        let (d, v, f) = (m.d_model, m.vocab_size, m.mlp_dim);
+        let mut b = Builder {
+            tensors: Vec::new(),
+            len: 0,
+        };
+        let embed = b.push("model.embed_tokens.weight", &[v, d], true);
+        let mut layers = Vec::with_capacity(m.n_layers);
+        for i in 0..m.n_layers {
+            let p = format!("model.layers.{i}");
+            let start = b.len;
+            let ln1 = b.push(&format!("{p}.input_layernorm.weight"), &[d], false);
+            let qkv = b.push(
+                &format!("{p}.self_attn.q_proj.weight"),
+                &[m.q_dim(), d],
+                true,
+            );
+            b.push(
+                &format!("{p}.self_attn.k_proj.weight"),
+                &[m.kv_dim(), d],
+                true,
+            );
+            b.push(
+                &format!("{p}.self_attn.v_proj.weight"),
+                &[m.kv_dim(), d],
+                true,
+            );
+            let o = b.push(
+                &format!("{p}.self_attn.o_proj.weight"),
+                &[d, m.q_dim()],
+                true,
+            );
+            let ln2 = b.push(&format!("{p}.post_attention_layernorm.weight"), &[d], false);
+            let mlp = match &m.moe {
+                None => {
+                    let gate_up = b.push(&format!("{p}.mlp.gate_proj.weight"), &[f, d], true);
+                    b.push(&format!("{p}.mlp.up_proj.weight"), &[f, d], true);
+                    let down = b.push(&format!("{p}.mlp.down_proj.weight"), &[d, f], true);
+                    MlpOffsets::Dense { gate_up, down }
+                }
+                Some(moe) => {
+                    let router = b.push(
+                        &format!("{p}.block_sparse_moe.gate.weight"),
+                        &[moe.num_experts, d],
+                        true,
+                    );
+                    let experts = b.len;
+                    for e in 0..moe.num_experts {
+                        let q = format!("{p}.block_sparse_moe.experts.{e}");
+                        b.push(&format!("{q}.w1.weight"), &[f, d], true);
+                        b.push(&format!("{q}.w3.weight"), &[f, d], true);
+                        b.push(&format!("{q}.w2.weight"), &[d, f], true);
+                    }
+                    MlpOffsets::Moe {
+                        router,
+                        experts,
+                        stride: 3 * f * d,
+                    }
+                }
+            };
+            layers.push(LayerOffsets {
+                ln1,
+                qkv,
+                o,
+                ln2,
+                mlp,
+                range: start..b.len,
+            });
+        }
+        let norm = b.push("model.norm.weight", &[d], false);
+        let head = if m.tie_embeddings {
+            embed
+        } else {
+            b.push("lm_head.weight", &[v, d], true)
+        };
+        Layout {
+            tensors: b.tensors,
+            len: b.len,
+            embed,
+            layers,
+            norm,
+            head,
+        }
+    }
+
+    /// The tensor with this name.
+    pub fn get(&self, name: &str) -> Option<&Tensor> {
+        self.tensors.iter().find(|t| t.name == name)
+    }
+}
+
+struct Builder {
+    tensors: Vec<Tensor>,
+    len: usize,
+}
+
+impl Builder {
+    fn push(&mut self, name: &str, shape: &[usize], decay: bool) -> usize {
+        let offset = self.len;
+        let t = Tensor {
+            name: name.to_owned(),
+            shape: shape.to_vec(),
+            offset,
+            decay,
+        };
+        self.len += t.len();
+        self.tensors.push(t);
+        offset
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::recipe::resolve;
+
+    #[test]
+    fn layout_covers_the_parameter_count_without_gaps() {
+        for name in ["tiny-llama2", "tiny-mixtral", "tiny-mistral", "llama3.2-1b"] {
+            let m = resolve(name, &[]).unwrap().config.model;
+            let layout = Layout::new(&m);
+            assert_eq!(layout.len as u64, m.param_count().total, "{name}");
+            let mut next = 0;
+            for t in &layout.tensors {
+                assert_eq!(t.offset, next, "{}", t.name);
+                next += t.len();
+            }
+        }
+        let tied = Layout::new(&resolve("llama3.2-1b", &[]).unwrap().config.model);
+        assert_eq!(tied.head, tied.embed);
+        assert!(tied.get("lm_head.weight").is_none());
+    }
+}

@@ -1,0 +1,571 @@
+//! The transformer, written once against [`Backend`]: its parameter layout, the activation plan
+//! for a batch shape, and the forward and backward passes.
+//!
+//! A block is pre-norm: `x + attn(rmsnorm(x))`, then `+ mlp(rmsnorm(·))`; the MLP is SwiGLU or
+//! a Mixtral mixture of experts. The output head reads the final RMSNorm.
+
+pub mod init;
+pub mod layout;
+pub mod rope;
+
+use crate::backend::{
+    AttnShape, Backend, BufKind, ExpertWeights, IdxView, MatMul, MoeDispatch, View,
+};
+use crate::config::ModelConfig;
+pub use layout::{Layout, MlpOffsets, Tensor};
+
+/// A model: its configuration and parameter layout.
+#[derive(Debug, Clone)]
+pub struct Model {
+    /// The architecture.
+    pub config: ModelConfig,
+    /// Where each tensor lives in the flat buffers.
+    pub layout: Layout,
+}
+
+/// Activations of one layer kept for the backward pass.
+struct LayerActs {
+    /// `[N, D]` input of the layer (the residual stream).
+    x: View,
+    ln1: View,
+    rstd1: View,
+    /// `[N, (H + 2 KV) · Dh]` q, k (after RoPE) and v.
+    qkv: View,
+    /// `[N, H · Dh]` attention output, before `o_proj`.
+    attn: View,
+    /// `[N, H]` log-sum-exp of the attention scores.
+    lse: View,
+    /// `[N, D]` residual stream after attention.
+    xmid: View,
+    ln2: View,
+    rstd2: View,
+    mlp: MlpActs,
+}
+
+#[allow(clippy::large_enum_variant)] // one per layer, built once
+enum MlpActs {
+    Dense {
+        /// `[N, 2F]` gate and up projections.
+        gu: View,
+        /// `[N, F]` SwiGLU output.
+        h: View,
+    },
+    Moe {
+        /// `[N, E]` router logits.
+        logits: View,
+        /// `[N, E]` router probabilities.
+        probs: View,
+        dispatch: MoeDispatch,
+        /// `[N · k, D]` inputs gathered in dispatch order.
+        xe: View,
+        /// `[N · k, 2F]`, `[N · k, F]`, `[N · k, D]` the experts' activations and outputs.
+        gu: View,
+        h: View,
+        ye: View,
+    },
+}
+
+/// Everything a step uses on the device for one batch shape, planned before the first step:
+/// the flat parameter and gradient buffers, the inputs, the activations and the scratch of the
+/// backward pass. Nothing is allocated afterwards.
+pub struct Plan {
+    /// Sequences per micro-batch.
+    pub batch: usize,
+    /// Tokens per sequence.
+    pub seq: usize,
+    /// The flat parameter buffer.
+    pub params: View,
+    /// The flat gradient buffer (same layout).
+    pub grads: View,
+    /// `[N]` input tokens.
+    pub tokens: IdxView,
+    /// `[N]` next-token targets.
+    pub targets: IdxView,
+    /// `[N]` per-token cross-entropy.
+    pub losses: View,
+    /// `[N, V]` logits; after a training forward pass, their gradient.
+    pub logits: View,
+    /// `[4]`: sum of the losses; the squared gradient norm; spare.
+    pub scalars: View,
+    rope: View,
+    layers: Vec<LayerActs>,
+    x_out: View,
+    lnf: View,
+    rstdf: View,
+    /// `[E]` tokens routed to each expert over all layers (MoE).
+    counts: View,
+    /// `[N, D]` the MoE layer's combined output before the residual add.
+    moe_out: View,
+    // Backward scratch, shared by the layers.
+    dres: View,
+    dln: View,
+    dqkv: View,
+    dattn: View,
+    dgu: View,
+    dh: View,
+    dye: View,
+    dxe: View,
+    dweight: View,
+    drouter: View,
+}
+
+/// Index of `Plan::scalars` holding the sum of the per-token losses.
+pub const LOSS_SUM: usize = 0;
+/// Index of `Plan::scalars` holding the squared gradient norm.
+pub const GRAD_NORM_SQ: usize = 1;
+
+impl Model {
+    /// A model with the layout of `config`.
+    pub fn new(config: &ModelConfig) -> Model {
+        Model {
+            config: config.clone(),
+            layout: Layout::new(config),
+        }
+    }
+
+    fn attn_shape(&self, batch: usize, seq: usize) -> AttnShape {
+        let m = &self.config;
+        AttnShape {
+            batch,
+            seq,
+            n_heads: m.n_heads,
+            n_kv_heads: m.n_kv_heads,
+            head_dim: m.head_dim,
+            window: m.sliding_window,
+        }
+    }
+
+    /// Allocates the flat buffers, the inputs and the activations for micro-batches of `batch`
+    /// sequences of `seq` tokens. Parameters start at zero; see [`init`] and [`Backend::upload`].
+    pub fn plan<B: Backend>(&self, be: &mut B, batch: usize, seq: usize) -> Plan {
+        let params = be.alloc(BufKind::Params, self.layout.len);
+        let grads = be.alloc(BufKind::Grads, self.layout.len);
+        let n = batch * seq;
+        let idx_len = 2 * n + self.routing_idx_len(n);
+        let idx = be.alloc_idx(idx_len);
+        let mut total = 0;
+        self.plan_activations(batch, seq, idx, &mut |len| {
+            let v = View {
+                buf: params.buf,
+                offset: total,
+                len,
+            };
+            total += len;
+            v
+        });
+        let acts = be.alloc(BufKind::Activations, total);
+        let mut next = 0;
+        let mut plan = self.plan_activations(batch, seq, idx, &mut |len| {
+            let v = acts.at(next, len);
+            next += len;
+            v
+        });
+        plan.params = params;
+        plan.grads = grads;
+        let table = rope::table(&self.config, seq);
+        plan.rope = be.alloc(BufKind::Scalars, table.len());
+        be.upload(plan.rope, &table);
+        plan
+    }
+
+    /// Index entries the routing tables of all MoE layers take.
+    fn routing_idx_len(&self, n: usize) -> usize {
+        match &self.config.moe {
+            None => 0,
+            Some(moe) => self.config.n_layers * (3 * n * moe.top_k + moe.num_experts + 1),
+        }
+    }
+
+    /// Carves every activation out of `take`, in a fixed order (run once to measure, once to
+    /// place).
+    fn plan_activations(
+        &self,
+        batch: usize,
+        seq: usize,
+        idx: IdxView,
+        take: &mut dyn FnMut(usize) -> View,
+    ) -> Plan {
+        let m = &self.config;
+        let (n, d, f, v) = (batch * seq, m.d_model, m.mlp_dim, m.vocab_size);
+        let (q, qkv) = (m.q_dim(), m.q_dim() + 2 * m.kv_dim());
+        let (experts, k) = m
+            .moe
+            .as_ref()
+            .map_or((0, 1), |moe| (moe.num_experts, moe.top_k));
+        let mut next_idx = 2 * n;
+        let mut take_idx = |len: usize| {
+            let v = idx.at(next_idx, len);
+            next_idx += len;
+            v
+        };
+        let layers = (0..m.n_layers)
+            .map(|_| {
+                let x = take(n * d);
+                let (ln1, rstd1, qkv_v, attn, lse, xmid, ln2, rstd2) = (
+                    take(n * d),
+                    take(n),
+                    take(n * qkv),
+                    take(n * q),
+                    take(n * m.n_heads),
+                    take(n * d),
+                    take(n * d),
+                    take(n),
+                );
+                let mlp = match &m.moe {
+                    None => MlpActs::Dense {
+                        gu: take(n * 2 * f),
+                        h: take(n * f),
+                    },
+                    Some(_) => {
+                        let rows = n * k;
+                        let dispatch = MoeDispatch {
+                            tokens: n,
+                            experts,
+                            top_k: k,
+                            expert: take_idx(rows),
+                            weight: take(rows),
+                            slot_row: take_idx(rows),
+                            row_slot: take_idx(rows),
+                            offsets: take_idx(experts + 1),
+                            stats: take(2 * experts),
+                        };
+                        MlpActs::Moe {
+                            logits: take(n * experts),
+                            probs: take(n * experts),
+                            dispatch,
+                            xe: take(rows * d),
+                            gu: take(rows * 2 * f),
+                            h: take(rows * f),
+                            ye: take(rows * d),
+                        }
+                    }
+                };
+                LayerActs {
+                    x,
+                    ln1,
+                    rstd1,
+                    qkv: qkv_v,
+                    attn,
+                    lse,
+                    xmid,
+                    ln2,
+                    rstd2,
+                    mlp,
+                }
+            })
+            .collect();
+        let mlp_rows = n * k;
+        let moe = m.moe.is_some();
+        let some =
+            |take: &mut dyn FnMut(usize) -> View, len: usize| if moe { take(len) } else { take(0) };
+        Plan {
+            batch,
+            seq,
+            params: take(0),
+            grads: take(0),
+            tokens: idx.at(0, n),
+            targets: idx.at(n, n),
+            x_out: take(n * d),
+            lnf: take(n * d),
+            rstdf: take(n),
+            logits: take(n * v),
+            losses: take(n),
+            scalars: take(4),
+            rope: take(0),
+            layers,
+            counts: some(take, experts),
+            moe_out: some(take, n * d),
+            dres: take(n * d),
+            dln: take(n * d),
+            dqkv: take(n * qkv),
+            dattn: take(n * q),
+            dgu: take(mlp_rows * 2 * f),
+            dh: take(mlp_rows * f),
+            dye: some(take, mlp_rows * d),
+            dxe: some(take, mlp_rows * d),
+            dweight: some(take, mlp_rows),
+            drouter: some(take, n * experts),
+        }
+    }
+
+    /// The forward pass over the tokens in `plan.tokens`: logits, per-token losses against
+    /// `plan.targets`, and their sum in `plan.scalars[LOSS_SUM]`. With `grad_scale`, the logits
+    /// are replaced by the gradient of `grad_scale · Σ losses`, ready for [`Model::backward`].
+    pub fn forward<B: Backend>(&self, be: &mut B, p: &Plan, grad_scale: Option<f32>) {
+        let (m, l) = (&self.config, &self.layout);
+        let (n, d, f, v) = (p.batch * p.seq, m.d_model, m.mlp_dim, m.vocab_size);
+        let (q, qkv) = (m.q_dim(), m.q_dim() + 2 * m.kv_dim());
+        let eps = m.norm_eps as f32;
+        let shape = self.attn_shape(p.batch, p.seq);
+        let w = |offset: usize, len: usize| p.params.at(offset, len);
+
+        be.embedding_forward(
+            p.layers.first().map_or(p.x_out, |a| a.x),
+            w(l.embed, v * d),
+            p.tokens,
+            d,
+        );
+        for (i, (a, o)) in p.layers.iter().zip(&l.layers).enumerate() {
+            let out = p.layers.get(i + 1).map_or(p.x_out, |next| next.x);
+            be.rmsnorm_forward(a.ln1, a.rstd1, a.x, w(o.ln1, d), d, eps);
+            be.matmul(a.qkv, a.ln1, w(o.qkv, qkv * d), MatMul::linear(n, d, qkv));
+            be.rope(a.qkv, p.rope, shape, false);
+            be.attention_forward(a.attn, a.lse, a.qkv, shape);
+            be.copy(a.xmid, a.x);
+            be.matmul(
+                a.xmid,
+                a.attn,
+                w(o.o, d * q),
+                MatMul::linear(n, q, d).accumulating(),
+            );
+            be.rmsnorm_forward(a.ln2, a.rstd2, a.xmid, w(o.ln2, d), d, eps);
+            be.copy(out, a.xmid);
+            match (&a.mlp, &o.mlp) {
+                (MlpActs::Dense { gu, h }, MlpOffsets::Dense { gate_up, down }) => {
+                    be.matmul(
+                        *gu,
+                        a.ln2,
+                        w(*gate_up, 2 * f * d),
+                        MatMul::linear(n, d, 2 * f),
+                    );
+                    be.swiglu_forward(*h, *gu, f);
+                    be.matmul(
+                        out,
+                        *h,
+                        w(*down, d * f),
+                        MatMul::linear(n, f, d).accumulating(),
+                    );
+                }
+                (
+                    MlpActs::Moe {
+                        logits,
+                        probs,
+                        dispatch,
+                        xe,
+                        gu,
+                        h,
+                        ye,
+                    },
+                    MlpOffsets::Moe {
+                        router,
+                        experts,
+                        stride,
+                    },
+                ) => {
+                    let (gate_up, down) = expert_weights(p.params, *experts, *stride, d, f);
+                    be.matmul(
+                        *logits,
+                        a.ln2,
+                        w(*router, dispatch.experts * d),
+                        MatMul::linear(n, d, dispatch.experts),
+                    );
+                    be.moe_route(*probs, *logits, *dispatch);
+                    be.moe_gather(*xe, a.ln2, *dispatch, d);
+                    be.moe_expert_matmul(*gu, *xe, gate_up, *dispatch, MatMul::linear(0, d, 2 * f));
+                    be.swiglu_forward(*h, *gu, f);
+                    be.moe_expert_matmul(*ye, *h, down, *dispatch, MatMul::linear(0, f, d));
+                    be.moe_combine(p.moe_out, *ye, *dispatch, d);
+                    be.add(out, p.moe_out);
+                }
+                _ => unreachable!("activations planned for another MLP kind"),
+            }
+        }
+        be.rmsnorm_forward(p.lnf, p.rstdf, p.x_out, w(l.norm, d), d, eps);
+        be.matmul(p.logits, p.lnf, w(l.head, v * d), MatMul::linear(n, d, v));
+        be.cross_entropy(p.losses, p.logits, p.targets, v, grad_scale);
+        be.sum(p.scalars.at(LOSS_SUM, 1), p.losses);
+        if m.moe.is_some() {
+            be.fill(p.counts, 0.0);
+            for a in &p.layers {
+                if let MlpActs::Moe { dispatch, .. } = &a.mlp {
+                    be.add(p.counts, dispatch.stats.at(0, dispatch.experts));
+                }
+            }
+        }
+    }
+
+    /// The load-balancing loss of the last forward pass (0 without experts), as Hugging Face
+    /// computes it for Mixtral over all layers' router outputs together:
+    /// `E · Σ_e (tokens routed to e / T) · (Σ router probability of e / T)`, `T = layers · N`.
+    pub fn aux_loss<B: Backend>(&self, be: &mut B, p: &Plan) -> f64 {
+        let Some(moe) = &self.config.moe else {
+            return 0.0;
+        };
+        let e = moe.num_experts;
+        let (mut counts, mut prob_sums) = (vec![0f64; e], vec![0f64; e]);
+        let mut stats = vec![0f32; 2 * e];
+        for a in &p.layers {
+            if let MlpActs::Moe { dispatch, .. } = &a.mlp {
+                be.download(dispatch.stats, &mut stats);
+                for x in 0..e {
+                    counts[x] += stats[x] as f64;
+                    prob_sums[x] += stats[e + x] as f64;
+                }
+            }
+        }
+        let total = (self.config.n_layers * p.batch * p.seq) as f64;
+        e as f64
+            * counts
+                .iter()
+                .zip(&prob_sums)
+                .map(|(c, s)| c * s)
+                .sum::<f64>()
+            / (total * total)
+    }
+
+    /// Multiplier that turns the load-balancing loss's gradient into the [`Backend`]'s
+    /// `aux_scale`: `coef · E / T²` times the objective's weight of this micro-batch.
+    pub fn aux_scale(&self, p: &Plan, weight: f32) -> f32 {
+        let Some(moe) = &self.config.moe else {
+            return 0.0;
+        };
+        let total = (self.config.n_layers * p.batch * p.seq) as f64;
+        (moe.aux_loss_coef * moe.num_experts as f64 / (total * total)) as f32 * weight
+    }
+
+    /// The backward pass, after a forward pass with `grad_scale`: accumulates the gradient of
+    /// the objective into `plan.grads`. `aux_scale` comes from [`Model::aux_scale`].
+    pub fn backward<B: Backend>(&self, be: &mut B, p: &Plan, aux_scale: f32) {
+        let (m, l) = (&self.config, &self.layout);
+        let (n, d, f, v) = (p.batch * p.seq, m.d_model, m.mlp_dim, m.vocab_size);
+        let (q, qkv) = (m.q_dim(), m.q_dim() + 2 * m.kv_dim());
+        let shape = self.attn_shape(p.batch, p.seq);
+        let w = |offset: usize, len: usize| p.params.at(offset, len);
+        let g = |offset: usize, len: usize| p.grads.at(offset, len);
+
+        // Output head and final norm; `dres` then carries the residual stream's gradient down.
+        be.matmul(
+            p.dln,
+            p.logits,
+            w(l.head, v * d),
+            MatMul::linear_dx(n, d, v),
+        );
+        be.matmul(
+            g(l.head, v * d),
+            p.logits,
+            p.lnf,
+            MatMul::linear_dw(n, d, v),
+        );
+        be.fill(p.dres, 0.0);
+        be.rmsnorm_backward(
+            p.dres,
+            g(l.norm, d),
+            p.dln,
+            p.x_out,
+            w(l.norm, d),
+            p.rstdf,
+            d,
+        );
+
+        for (a, o) in p.layers.iter().zip(&l.layers).rev() {
+            match (&a.mlp, &o.mlp) {
+                (MlpActs::Dense { gu, h }, MlpOffsets::Dense { gate_up, down }) => {
+                    let (dgu, dh) = (p.dgu.at(0, n * 2 * f), p.dh.at(0, n * f));
+                    be.matmul(dh, p.dres, w(*down, d * f), MatMul::linear_dx(n, f, d));
+                    be.matmul(g(*down, d * f), p.dres, *h, MatMul::linear_dw(n, f, d));
+                    be.swiglu_backward(dgu, dh, *gu, f);
+                    be.matmul(
+                        p.dln,
+                        dgu,
+                        w(*gate_up, 2 * f * d),
+                        MatMul::linear_dx(n, d, 2 * f),
+                    );
+                    be.matmul(
+                        g(*gate_up, 2 * f * d),
+                        dgu,
+                        a.ln2,
+                        MatMul::linear_dw(n, d, 2 * f),
+                    );
+                }
+                (
+                    MlpActs::Moe {
+                        probs,
+                        dispatch,
+                        xe,
+                        gu,
+                        h,
+                        ye,
+                        ..
+                    },
+                    MlpOffsets::Moe {
+                        router,
+                        experts,
+                        stride,
+                    },
+                ) => {
+                    let (gate_up, down) = expert_weights(p.params, *experts, *stride, d, f);
+                    let (dgate_up, ddown) = expert_weights(p.grads, *experts, *stride, d, f);
+                    let e = dispatch.experts;
+                    be.moe_combine_backward(p.dye, p.dweight, p.dres, *ye, *dispatch, d);
+                    be.moe_expert_matmul(p.dh, p.dye, down, *dispatch, MatMul::linear_dx(0, f, d));
+                    be.moe_expert_matmul_dw(ddown, p.dye, *h, *dispatch, f, d);
+                    be.swiglu_backward(p.dgu, p.dh, *gu, f);
+                    be.moe_expert_matmul(
+                        p.dxe,
+                        p.dgu,
+                        gate_up,
+                        *dispatch,
+                        MatMul::linear_dx(0, d, 2 * f),
+                    );
+                    be.moe_expert_matmul_dw(dgate_up, p.dgu, *xe, *dispatch, d, 2 * f);
+                    be.moe_gather_backward(p.dln, p.dxe, *dispatch, d);
+                    be.moe_route_backward(
+                        p.drouter, p.dweight, *probs, *dispatch, p.counts, aux_scale,
+                    );
+                    be.matmul(
+                        p.dln,
+                        p.drouter,
+                        w(*router, e * d),
+                        MatMul::linear_dx(n, d, e).accumulating(),
+                    );
+                    be.matmul(
+                        g(*router, e * d),
+                        p.drouter,
+                        a.ln2,
+                        MatMul::linear_dw(n, d, e),
+                    );
+                }
+                _ => unreachable!("activations planned for another MLP kind"),
+            }
+            be.rmsnorm_backward(p.dres, g(o.ln2, d), p.dln, a.xmid, w(o.ln2, d), a.rstd2, d);
+            be.matmul(p.dattn, p.dres, w(o.o, d * q), MatMul::linear_dx(n, q, d));
+            be.matmul(g(o.o, d * q), p.dres, a.attn, MatMul::linear_dw(n, q, d));
+            be.attention_backward(p.dqkv, p.dattn, a.qkv, a.attn, a.lse, shape);
+            be.rope(p.dqkv, p.rope, shape, true);
+            be.matmul(
+                p.dln,
+                p.dqkv,
+                w(o.qkv, qkv * d),
+                MatMul::linear_dx(n, d, qkv),
+            );
+            be.matmul(
+                g(o.qkv, qkv * d),
+                p.dqkv,
+                a.ln1,
+                MatMul::linear_dw(n, d, qkv),
+            );
+            be.rmsnorm_backward(p.dres, g(o.ln1, d), p.dln, a.x, w(o.ln1, d), a.rstd1, d);
+        }
+        be.embedding_backward(g(l.embed, v * d), p.dres, p.tokens, d);
+    }
+}
+
+/// The experts' `[w1; w3]` (gate and up) and `w2` (down) weights inside a flat buffer.
+fn expert_weights(
+    buf: View,
+    experts: usize,
+    stride: usize,
+    d: usize,
+    f: usize,
+) -> (ExpertWeights, ExpertWeights) {
+    (
+        ExpertWeights {
+            first: buf.at(experts, 2 * f * d),
+            stride,
+        },
+        ExpertWeights {
+            first: buf.at(experts + 2 * f * d, d * f),
+            stride,
+        },
+    )
+}
