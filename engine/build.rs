@@ -19,15 +19,8 @@ fn main() {
     );
     for name in names {
         let path = dir.join(format!("{name}.toml"));
-        out += &format!(
-            "    ({name:?}, include_str!({:?})),\n",
-            path.display().to_string()
-        );
+        out += &format!("    ({name:?}, include_str!({:?})),\n", path.display().to_string());
     }
     out += "];\n";
-    fs::write(
-        Path::new(&env::var("OUT_DIR").unwrap()).join("recipes.rs"),
-        out,
-    )
-    .unwrap();
+    fs::write(Path::new(&env::var("OUT_DIR").unwrap()).join("recipes.rs"), out).unwrap();
 }

@@ -1,11 +1,14 @@
 //! A training engine for Llama 2/3, Mistral and Mixtral style models.
 //!
 //! Data flows: recipe ([`config`]) → [`model::Model`] (parameter layout) → [`model::Plan`]
-//! (device memory for a batch shape) → the trainer loop: forward, loss, backward, optimizer,
-//! metrics. Every op has an explicit forward and backward ([`backend`]); the CPU backend is the
-//! f32 reference.
+//! (device memory for a batch shape) → [`train::Trainer`]: batch from [`data`], forward, loss,
+//! backward, optimizer, metrics. Every op has an explicit forward and backward ([`backend`]);
+//! the CPU backend is the f32 reference.
 
 pub mod backend;
 pub mod config;
+pub mod data;
+pub mod fsutil;
 pub mod model;
 pub mod rng;
+pub mod train;

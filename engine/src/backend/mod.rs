@@ -35,17 +35,8 @@ pub struct View {
 impl View {
     /// The sub-range `[offset, offset + len)` of this view.
     pub fn at(self, offset: usize, len: usize) -> View {
-        assert!(
-            offset + len <= self.len,
-            "view [{offset}, {}) outside a view of {}",
-            offset + len,
-            self.len
-        );
-        View {
-            buf: self.buf,
-            offset: self.offset + offset,
-            len,
-        }
+        assert!(offset + len <= self.len, "view [{offset}, {}) outside a view of {}", offset + len, self.len);
+        View { buf: self.buf, offset: self.offset + offset, len }
     }
 
     /// Rows `[first, first + count)` of a row-major matrix with `width` columns.
@@ -55,9 +46,7 @@ impl View {
 
     /// Whether two views share an element.
     pub fn overlaps(self, other: View) -> bool {
-        self.buf == other.buf
-            && self.offset < other.offset + other.len
-            && other.offset < self.offset + self.len
+        self.buf == other.buf && self.offset < other.offset + other.len && other.offset < self.offset + self.len
     }
 }
 
@@ -75,17 +64,8 @@ pub struct IdxView {
 impl IdxView {
     /// The sub-range `[offset, offset + len)` of this view.
     pub fn at(self, offset: usize, len: usize) -> IdxView {
-        assert!(
-            offset + len <= self.len,
-            "index view [{offset}, {}) outside a view of {}",
-            offset + len,
-            self.len
-        );
-        IdxView {
-            buf: self.buf,
-            offset: self.offset + offset,
-            len,
-        }
+        assert!(offset + len <= self.len, "index view [{offset}, {}) outside a view of {}", offset + len, self.len);
+        IdxView { buf: self.buf, offset: self.offset + offset, len }
     }
 }
 
@@ -125,46 +105,22 @@ pub struct MatMul {
 impl MatMul {
     /// `y[N, O] = x[N, I] · W[O, I]ᵀ`: a linear layer with a weight stored `[out, in]`.
     pub fn linear(n: usize, inp: usize, out: usize) -> MatMul {
-        MatMul {
-            m: n,
-            n: out,
-            k: inp,
-            a_t: false,
-            b_t: true,
-            accumulate: false,
-        }
+        MatMul { m: n, n: out, k: inp, a_t: false, b_t: true, accumulate: false }
     }
 
     /// `dx[N, I] = dy[N, O] · W[O, I]`: the input gradient of [`MatMul::linear`].
     pub fn linear_dx(n: usize, inp: usize, out: usize) -> MatMul {
-        MatMul {
-            m: n,
-            n: inp,
-            k: out,
-            a_t: false,
-            b_t: false,
-            accumulate: false,
-        }
+        MatMul { m: n, n: inp, k: out, a_t: false, b_t: false, accumulate: false }
     }
 
     /// `dW[O, I] += dy[N, O]ᵀ · x[N, I]`: the weight gradient of [`MatMul::linear`].
     pub fn linear_dw(n: usize, inp: usize, out: usize) -> MatMul {
-        MatMul {
-            m: out,
-            n: inp,
-            k: n,
-            a_t: true,
-            b_t: false,
-            accumulate: true,
-        }
+        MatMul { m: out, n: inp, k: n, a_t: true, b_t: false, accumulate: true }
     }
 
     /// The same product, accumulating into the output.
     pub fn accumulating(self) -> MatMul {
-        MatMul {
-            accumulate: true,
-            ..self
-        }
+        MatMul { accumulate: true, ..self }
     }
 
     /// Floating-point operations of the product (2 per multiply-add).
@@ -209,11 +165,7 @@ impl AttnShape {
 
     /// First key (inclusive) query `i` may attend to.
     pub fn first_key(&self, i: usize) -> usize {
-        if self.window == 0 {
-            0
-        } else {
-            (i + 1).saturating_sub(self.window)
-        }
+        if self.window == 0 { 0 } else { (i + 1).saturating_sub(self.window) }
     }
 }
 
@@ -256,10 +208,7 @@ pub struct ExpertWeights {
 impl ExpertWeights {
     /// Expert `e`'s weight.
     pub fn expert(&self, e: usize) -> View {
-        View {
-            offset: self.first.offset + e * self.stride,
-            ..self.first
-        }
+        View { offset: self.first.offset + e * self.stride, ..self.first }
     }
 }
 
@@ -278,8 +227,17 @@ pub struct AdamWStep {
     pub weight_decay: f32,
     /// 1-based step number, for bias correction.
     pub t: u64,
-    /// Multiplies every gradient first (global-norm clipping).
-    pub grad_scale: f32,
+    /// Clip the global gradient norm to this; 0 disables clipping.
+    pub max_grad_norm: f32,
+}
+
+impl AdamWStep {
+    /// The factor gradients are multiplied by before the update, given their squared global
+    /// norm: `min(1, max_grad_norm / norm)`.
+    pub fn clip_scale(&self, norm_squared: f32) -> f32 {
+        let norm = norm_squared.sqrt();
+        if self.max_grad_norm > 0.0 && norm > self.max_grad_norm { self.max_grad_norm / norm } else { 1.0 }
+    }
 }
 
 /// A range of the flat parameter buffer and whether it decays.
@@ -334,16 +292,7 @@ pub trait Backend {
     fn rmsnorm_forward(&mut self, out: View, rstd: View, x: View, w: View, d: usize, eps: f32);
     /// Adds the input gradient to `dx` (`+=`: the residual stream's gradient) and the weight
     /// gradient to `dw`.
-    fn rmsnorm_backward(
-        &mut self,
-        dx: View,
-        dw: View,
-        dout: View,
-        x: View,
-        w: View,
-        rstd: View,
-        d: usize,
-    );
+    fn rmsnorm_backward(&mut self, dx: View, dw: View, dout: View, x: View, w: View, rstd: View, d: usize);
 
     /// Rotates the q and k parts of packed qkv rows by RoPE, in place; `inverse` rotates back
     /// (the backward pass). `rope` is `[seq, head_dim / 2]` pairs `(cos, sin)` interleaved.
@@ -354,15 +303,7 @@ pub trait Backend {
     /// backward pass. Scores are scaled by `1 / sqrt(Dh)`.
     fn attention_forward(&mut self, out: View, lse: View, qkv: View, shape: AttnShape);
     /// Gradient of [`Backend::attention_forward`] with respect to the packed qkv rows (`=`).
-    fn attention_backward(
-        &mut self,
-        dqkv: View,
-        dout: View,
-        qkv: View,
-        out: View,
-        lse: View,
-        shape: AttnShape,
-    );
+    fn attention_backward(&mut self, dqkv: View, dout: View, qkv: View, out: View, lse: View, shape: AttnShape);
 
     /// `h = silu(gate) ⊙ up` where rows of `gu` are `[gate (f) | up (f)]`.
     fn swiglu_forward(&mut self, h: View, gu: View, f: usize);
@@ -372,14 +313,7 @@ pub trait Backend {
     /// Per-row cross-entropy of `logits[N, V]` against `targets[N]` into `losses[N]`
     /// (`lse(row) - row[target]`). With `grad_scale = Some(s)`, overwrites the logits with the
     /// gradient `s · (softmax(row) - onehot(target))`.
-    fn cross_entropy(
-        &mut self,
-        losses: View,
-        logits: View,
-        targets: IdxView,
-        v: usize,
-        grad_scale: Option<f32>,
-    );
+    fn cross_entropy(&mut self, losses: View, logits: View, targets: IdxView, v: usize, grad_scale: Option<f32>);
 
     /// Mixtral routing of `router_logits[N, E]`: `probs = softmax(logits)` (saved), the top-k
     /// experts of each token (ties to the lower index), their probabilities renormalised to sum
@@ -392,14 +326,7 @@ pub trait Backend {
     /// For every expert e, `out_e = a_e · op(W_e)` over its dispatched rows
     /// `offsets[e] .. offsets[e + 1]` of `a` and `out`. `shape` is that of one expert's product;
     /// its `m` is ignored (each expert's row count is used).
-    fn moe_expert_matmul(
-        &mut self,
-        out: View,
-        a: View,
-        weights: ExpertWeights,
-        dispatch: MoeDispatch,
-        shape: MatMul,
-    );
+    fn moe_expert_matmul(&mut self, out: View, a: View, weights: ExpertWeights, dispatch: MoeDispatch, shape: MatMul);
     /// For every expert e, `dW_e += dy_eᵀ · x_e` over its dispatched rows: the weight gradient of
     /// a [`MatMul::linear`] expert projection with `inp` inputs and `out` outputs.
     fn moe_expert_matmul_dw(
@@ -415,15 +342,7 @@ pub trait Backend {
     fn moe_combine(&mut self, out: View, ye: View, dispatch: MoeDispatch, d: usize);
     /// Backward of [`Backend::moe_combine`]: `dye[slot_row[s]] = weight[s] · dout[t]` and
     /// `dweight[s] = dout[t] · ye[slot_row[s]]` (both `=`).
-    fn moe_combine_backward(
-        &mut self,
-        dye: View,
-        dweight: View,
-        dout: View,
-        ye: View,
-        dispatch: MoeDispatch,
-        d: usize,
-    );
+    fn moe_combine_backward(&mut self, dye: View, dweight: View, dout: View, ye: View, dispatch: MoeDispatch, d: usize);
     /// Gradient of the router logits (`=`) from the gradient of the renormalised weights and of
     /// the load-balancing loss: `aux_scale · counts[e]` is added to the gradient of every
     /// token's probability of expert e (`counts` holds the tokens routed to each expert over
@@ -438,15 +357,17 @@ pub trait Backend {
         aux_scale: f32,
     );
 
-    /// Global squared norm of the gradients in `out[0]`, and AdamW over the flat buffers with
-    /// `grad_scale` applied first; decoupled weight decay on decaying segments; zeroes the
-    /// gradients afterwards, ready for the next step's accumulation.
+    /// AdamW over the flat buffers: gradients clipped first by [`AdamWStep::clip_scale`] of the
+    /// squared global norm held in `norm_squared[0]` (read on the device: no host round trip),
+    /// decoupled weight decay on decaying segments; zeroes the gradients afterwards, ready for
+    /// the next step's accumulation.
     fn adamw(
         &mut self,
         params: View,
         grads: View,
         m: View,
         v: View,
+        norm_squared: View,
         segments: &[Segment],
         step: AdamWStep,
     );

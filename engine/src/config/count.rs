@@ -30,11 +30,7 @@ pub struct ParamCount {
 impl ModelConfig {
     /// Parameters of one attention block's projections (q, k, v, o).
     fn attention_params(&self) -> u64 {
-        let (d, q, kv) = (
-            self.d_model as u64,
-            self.q_dim() as u64,
-            self.kv_dim() as u64,
-        );
+        let (d, q, kv) = (self.d_model as u64, self.q_dim() as u64, self.kv_dim() as u64);
         d * q + 2 * d * kv + q * d
     }
 
@@ -64,21 +60,14 @@ impl ModelConfig {
             None => (self.mlp_params(), self.mlp_params()),
             Some(moe) => {
                 let router = d * moe.num_experts as u64;
-                (
-                    router + moe.num_experts as u64 * self.mlp_params(),
-                    router + moe.top_k as u64 * self.mlp_params(),
-                )
+                (router + moe.num_experts as u64 * self.mlp_params(), router + moe.top_k as u64 * self.mlp_params())
             }
         };
         let layer = |mlp: u64| self.attention_params() + mlp + norms_per_layer;
         let layers = self.n_layers as u64;
         let total = embedding + head + layers * layer(mlp_total) + d;
         let active = embedding + head + layers * layer(mlp_active) + d;
-        ParamCount {
-            total,
-            active,
-            embedding,
-        }
+        ParamCount { total, active, embedding }
     }
 
     /// Mean number of keys a query attends to in a sequence of `seq_len` tokens (`K̄`).
@@ -92,13 +81,10 @@ impl ModelConfig {
 
     /// Training FLOPs per token at sequence length `seq_len`, by the convention in this module.
     pub fn train_flops_per_token(&self, seq_len: usize) -> f64 {
-        let matmul = self.n_layers as f64 * self.layer_matmul_params_active() as f64
-            + (self.vocab_size * self.d_model) as f64;
-        let attention = 12.0
-            * self.n_layers as f64
-            * self.n_heads as f64
-            * self.head_dim as f64
-            * self.mean_keys_attended(seq_len);
+        let matmul =
+            self.n_layers as f64 * self.layer_matmul_params_active() as f64 + (self.vocab_size * self.d_model) as f64;
+        let attention =
+            12.0 * self.n_layers as f64 * self.n_heads as f64 * self.head_dim as f64 * self.mean_keys_attended(seq_len);
         6.0 * matmul + attention
     }
 }
@@ -107,14 +93,7 @@ impl ModelConfig {
 mod tests {
     use crate::config::{Family, ModelConfig, MoeConfig};
 
-    fn llama(
-        vocab: usize,
-        d: usize,
-        layers: usize,
-        heads: usize,
-        kv: usize,
-        mlp: usize,
-    ) -> ModelConfig {
+    fn llama(vocab: usize, d: usize, layers: usize, heads: usize, kv: usize, mlp: usize) -> ModelConfig {
         ModelConfig {
             vocab_size: vocab,
             d_model: d,
@@ -130,36 +109,20 @@ mod tests {
 
     #[test]
     fn published_parameter_counts() {
-        assert_eq!(
-            llama(128256, 4096, 32, 32, 8, 14336).param_count().total,
-            8_030_261_248
-        );
-        assert_eq!(
-            llama(32000, 4096, 32, 32, 32, 11008).param_count().total,
-            6_738_415_616
-        );
-        let mistral = ModelConfig {
-            family: Family::Mistral,
-            sliding_window: 4096,
-            ..llama(32000, 4096, 32, 32, 8, 14336)
-        };
+        assert_eq!(llama(128256, 4096, 32, 32, 8, 14336).param_count().total, 8_030_261_248);
+        assert_eq!(llama(32000, 4096, 32, 32, 32, 11008).param_count().total, 6_738_415_616);
+        let mistral =
+            ModelConfig { family: Family::Mistral, sliding_window: 4096, ..llama(32000, 4096, 32, 32, 8, 14336) };
         assert_eq!(mistral.param_count().total, 7_241_732_096);
         let mixtral = ModelConfig {
             family: Family::Mixtral,
-            moe: Some(MoeConfig {
-                num_experts: 8,
-                top_k: 2,
-                aux_loss_coef: 0.02,
-            }),
+            moe: Some(MoeConfig { num_experts: 8, top_k: 2, aux_loss_coef: 0.02 }),
             ..llama(32000, 4096, 32, 32, 8, 14336)
         };
         let count = mixtral.param_count();
         assert_eq!(count.total, 46_702_792_704);
         assert_eq!(count.active, 12_879_925_248);
-        let tied = ModelConfig {
-            tie_embeddings: true,
-            ..llama(128256, 2048, 16, 32, 8, 8192)
-        };
+        let tied = ModelConfig { tie_embeddings: true, ..llama(128256, 2048, 16, 32, 8, 8192) };
         assert_eq!(tied.param_count().total, 1_235_814_400, "llama3.2-1b");
     }
 
@@ -167,13 +130,10 @@ mod tests {
     fn flops_follow_the_convention() {
         let m = llama(32000, 1024, 1, 8, 8, 11008);
         // 6 * (attention 4*1024^2 + mlp 3*1024*11008 + head 32000*1024) + 12*8*128*32.5 at S = 64.
-        let expected = 6.0 * (4.0 * 1024.0 * 1024.0 + 3.0 * 1024.0 * 11008.0 + 32000.0 * 1024.0)
-            + 12.0 * 8.0 * 128.0 * 32.5;
+        let expected =
+            6.0 * (4.0 * 1024.0 * 1024.0 + 3.0 * 1024.0 * 11008.0 + 32000.0 * 1024.0) + 12.0 * 8.0 * 128.0 * 32.5;
         assert_eq!(m.train_flops_per_token(64), expected);
-        let windowed = ModelConfig {
-            sliding_window: 4,
-            ..m.clone()
-        };
+        let windowed = ModelConfig { sliding_window: 4, ..m.clone() };
         // keys per query: 1, 2, 3, 4, 4, 4, 4, 4 -> mean 3.25
         assert_eq!(windowed.mean_keys_attended(8), 3.25);
     }

@@ -122,12 +122,7 @@ pub struct RopeScaling {
 
 impl Default for RopeScaling {
     fn default() -> Self {
-        RopeScaling {
-            factor: 8.0,
-            low_freq_factor: 1.0,
-            high_freq_factor: 4.0,
-            original_max_seq_len: 8192,
-        }
+        RopeScaling { factor: 8.0, low_freq_factor: 1.0, high_freq_factor: 4.0, original_max_seq_len: 8192 }
     }
 }
 
@@ -145,11 +140,7 @@ pub struct MoeConfig {
 
 impl Default for MoeConfig {
     fn default() -> Self {
-        MoeConfig {
-            num_experts: 8,
-            top_k: 2,
-            aux_loss_coef: 0.02,
-        }
+        MoeConfig { num_experts: 8, top_k: 2, aux_loss_coef: 0.02 }
     }
 }
 
@@ -174,14 +165,7 @@ pub struct TrainConfig {
 
 impl Default for TrainConfig {
     fn default() -> Self {
-        TrainConfig {
-            seq_len: 0,
-            batch_size: 1,
-            grad_accum: 1,
-            steps: 100,
-            seed: 1234,
-            peak_tflops: 0.0,
-        }
+        TrainConfig { seq_len: 0, batch_size: 1, grad_accum: 1, steps: 100, seed: 1234, peak_tflops: 0.0 }
     }
 }
 
@@ -308,10 +292,7 @@ impl Config {
             ));
         }
         if !m.head_dim.is_multiple_of(2) {
-            return Err(format!(
-                "model.head_dim = {} must be even (RoPE rotates pairs of dimensions)",
-                m.head_dim
-            ));
+            return Err(format!("model.head_dim = {} must be even (RoPE rotates pairs of dimensions)", m.head_dim));
         }
         if self.train.seq_len > m.max_seq_len {
             return Err(format!(
@@ -319,11 +300,8 @@ impl Config {
                 self.train.seq_len, m.max_seq_len
             ));
         }
-        let finite_positive = [
-            ("model.norm_eps", m.norm_eps),
-            ("model.rope_theta", m.rope_theta),
-            ("model.init_std", m.init_std),
-        ];
+        let finite_positive =
+            [("model.norm_eps", m.norm_eps), ("model.rope_theta", m.rope_theta), ("model.init_std", m.init_std)];
         for (key, value) in finite_positive {
             if !positive_number(value) {
                 return Err(format!("{key} = {value} must be a positive number"));
@@ -331,10 +309,7 @@ impl Config {
         }
         if let Some(s) = &m.rope_scaling {
             if !at_least(s.factor, 1.0) {
-                return Err(format!(
-                    "model.rope_scaling.factor = {} must be at least 1",
-                    s.factor
-                ));
+                return Err(format!("model.rope_scaling.factor = {} must be at least 1", s.factor));
             }
             if !(positive_number(s.low_freq_factor) && s.high_freq_factor > s.low_freq_factor) {
                 return Err(format!(
@@ -343,26 +318,17 @@ impl Config {
                 ));
             }
             if s.original_max_seq_len == 0 {
-                return Err(
-                    "model.rope_scaling.original_max_seq_len must be greater than 0".into(),
-                );
+                return Err("model.rope_scaling.original_max_seq_len must be greater than 0".into());
             }
         }
         match (m.family, &m.moe) {
             (Family::Mixtral, None) => {
-                return Err(
-                    "model.family = \"mixtral\" needs a [model.moe] table (num_experts, top_k)"
-                        .into(),
-                );
+                return Err("model.family = \"mixtral\" needs a [model.moe] table (num_experts, top_k)".into());
             }
             (Family::Llama | Family::Mistral, Some(_)) => {
                 return Err(format!(
                     "model.moe is set but model.family = \"{}\"; mixture-of-experts models use model.family = \"mixtral\"",
-                    if m.family == Family::Llama {
-                        "llama"
-                    } else {
-                        "mistral"
-                    }
+                    if m.family == Family::Llama { "llama" } else { "mistral" }
                 ));
             }
             _ => {}
@@ -375,9 +341,7 @@ impl Config {
         }
         if let Some(moe) = &m.moe {
             if moe.num_experts == 0 || moe.top_k == 0 {
-                return Err(
-                    "model.moe.num_experts and model.moe.top_k must be greater than 0".into(),
-                );
+                return Err("model.moe.num_experts and model.moe.top_k must be greater than 0".into());
             }
             if moe.top_k > moe.num_experts {
                 return Err(format!(
@@ -386,10 +350,7 @@ impl Config {
                 ));
             }
             if !at_least(moe.aux_loss_coef, 0.0) {
-                return Err(format!(
-                    "model.moe.aux_loss_coef = {} must be a non-negative number",
-                    moe.aux_loss_coef
-                ));
+                return Err(format!("model.moe.aux_loss_coef = {} must be a non-negative number", moe.aux_loss_coef));
             }
         }
         let o = &self.optim;
@@ -397,10 +358,7 @@ impl Config {
             return Err(format!("optim.lr = {} must be a non-negative number", o.lr));
         }
         if !(0.0..1.0).contains(&o.beta1) || !(0.0..1.0).contains(&o.beta2) {
-            return Err(format!(
-                "optim.beta1 = {} and optim.beta2 = {} must lie in [0, 1)",
-                o.beta1, o.beta2
-            ));
+            return Err(format!("optim.beta1 = {} and optim.beta2 = {} must lie in [0, 1)", o.beta1, o.beta2));
         }
         if !positive_number(o.eps) {
             return Err(format!("optim.eps = {} must be positive", o.eps));
@@ -409,16 +367,10 @@ impl Config {
             return Err("optim.weight_decay and optim.grad_clip must be non-negative".into());
         }
         if !(0.0..=1.0).contains(&o.min_lr_ratio) {
-            return Err(format!(
-                "optim.min_lr_ratio = {} must lie in [0, 1]",
-                o.min_lr_ratio
-            ));
+            return Err(format!("optim.min_lr_ratio = {} must lie in [0, 1]", o.min_lr_ratio));
         }
         if !at_least(self.train.peak_tflops, 0.0) {
-            return Err(format!(
-                "train.peak_tflops = {} must be non-negative",
-                self.train.peak_tflops
-            ));
+            return Err(format!("train.peak_tflops = {} must be non-negative", self.train.peak_tflops));
         }
         Ok(())
     }

@@ -36,12 +36,7 @@ pub struct Override {
 impl Override {
     /// Splits a whitespace-separated list of `key=value` overrides (the `ENGINE_FLAGS` form).
     pub fn from_list(list: &str, origin: &str) -> Vec<Override> {
-        list.split_whitespace()
-            .map(|text| Override {
-                text: text.to_owned(),
-                origin: origin.to_owned(),
-            })
-            .collect()
+        list.split_whitespace().map(|text| Override { text: text.to_owned(), origin: origin.to_owned() }).collect()
     }
 }
 
@@ -73,30 +68,19 @@ pub fn resolve(recipe: &str, overrides: &[Override]) -> Result<Resolved> {
     for (label, table) in &layers {
         merge(&mut merged, table, "", label, &mut provenance);
     }
-    let config = Config::deserialize(Value::Table(merged))
-        .map_err(|e| anyhow!("recipe `{name}`: {}", e.message()))?;
+    let config = Config::deserialize(Value::Table(merged)).map_err(|e| anyhow!("recipe `{name}`: {}", e.message()))?;
     config.validate().map_err(|message| {
         // Say where the keys the message names were set, when an override set them.
         let mut origins: Vec<String> = provenance
             .iter()
-            .filter(|(key, origin)| {
-                message.contains(key.as_str()) && !origin.starts_with("recipe ")
-            })
+            .filter(|(key, origin)| message.contains(key.as_str()) && !origin.starts_with("recipe "))
             .map(|(key, origin)| format!("{key} from {origin}"))
             .collect();
         origins.dedup();
-        let suffix = if origins.is_empty() {
-            String::new()
-        } else {
-            format!(" ({})", origins.join("; "))
-        };
+        let suffix = if origins.is_empty() { String::new() } else { format!(" ({})", origins.join("; ")) };
         anyhow!("recipe `{name}`: {message}{suffix}")
     })?;
-    Ok(Resolved {
-        name,
-        config,
-        provenance,
-    })
+    Ok(Resolved { name, config, provenance })
 }
 
 /// Where a recipe's text comes from.
@@ -113,25 +97,13 @@ fn locate(reference: &str, base_dir: Option<&Path>) -> Result<(String, Source)> 
             Some(dir) => dir.join(reference),
             None => PathBuf::from(reference),
         };
-        let name = path
-            .file_stem()
-            .and_then(|s| s.to_str())
-            .unwrap_or(reference)
-            .to_owned();
+        let name = path.file_stem().and_then(|s| s.to_str()).unwrap_or(reference).to_owned();
         return Ok((name, Source::File(path)));
     }
     match builtin().iter().find(|(name, _)| *name == reference) {
-        Some((name, text)) => Ok((
-            name.to_string(),
-            Source::Builtin {
-                name: name.to_string(),
-                text,
-            },
-        )),
+        Some((name, text)) => Ok((name.to_string(), Source::Builtin { name: name.to_string(), text })),
         None => {
-            let hint = closest(reference)
-                .map(|n| format!(" (did you mean `{n}`?)"))
-                .unwrap_or_default();
+            let hint = closest(reference).map(|n| format!(" (did you mean `{n}`?)")).unwrap_or_default();
             bail!(
                 "unknown recipe `{reference}`{hint}; `engine recipes list` shows the {} built-in recipes, or pass a path to a .toml file",
                 builtin().len()
@@ -150,9 +122,7 @@ fn closest(name: &str) -> Option<&'static str> {
             row[0] = i + 1;
             for j in 0..b.len() {
                 let cur = row[j + 1];
-                row[j + 1] = (prev + usize::from(ca != b[j]))
-                    .min(row[j] + 1)
-                    .min(cur + 1);
+                row[j + 1] = (prev + usize::from(ca != b[j])).min(row[j] + 1).min(cur + 1);
                 prev = cur;
             }
         }
@@ -167,11 +137,7 @@ fn closest(name: &str) -> Option<&'static str> {
 }
 
 /// Loads a recipe and, first, the recipes it extends; pushes their layers base first.
-fn load_chain(
-    source: Source,
-    layers: &mut Vec<(String, Table)>,
-    seen: &mut Vec<String>,
-) -> Result<()> {
+fn load_chain(source: Source, layers: &mut Vec<(String, Table)>, seen: &mut Vec<String>) -> Result<()> {
     let (label, text, dir): (String, String, Option<PathBuf>) = match source {
         Source::Builtin { name, text } => (format!("recipe {name}"), text.to_owned(), None),
         Source::File(path) => {
@@ -182,17 +148,13 @@ fn load_chain(
         }
     };
     if seen.contains(&label) {
-        bail!(
-            "{label}: `extends` forms a cycle: {} -> {label}",
-            seen.join(" -> ")
-        );
+        bail!("{label}: `extends` forms a cycle: {} -> {label}", seen.join(" -> "));
     }
     seen.push(label.clone());
     let where_ = label.trim_start_matches("recipe ");
     let table = parse_layer(&text).map_err(|message| anyhow!("{where_}:{message}"))?;
     if let Some(parent) = table.get("extends").and_then(Value::as_str) {
-        let (_, parent_source) =
-            locate(parent, dir.as_deref()).with_context(|| format!("{where_}: extends"))?;
+        let (_, parent_source) = locate(parent, dir.as_deref()).with_context(|| format!("{where_}: extends"))?;
         load_chain(parent_source, layers, seen)?;
     }
     layers.push((label, table));
@@ -222,25 +184,17 @@ fn line_column(text: &str, offset: usize) -> (usize, usize) {
 
 /// Checks that a table holds only known keys of the right types.
 fn check_layer_table(table: &Table) -> std::result::Result<(), String> {
-    Config::deserialize(Value::Table(table.clone()))
-        .map(|_| ())
-        .map_err(|e| e.message().to_owned())
+    Config::deserialize(Value::Table(table.clone())).map(|_| ()).map_err(|e| e.message().to_owned())
 }
 
 /// Turns `a.b.c=value` into the table `{a = {b = {c = value}}}`. The value is read as TOML
 /// (numbers, booleans, arrays, quoted strings); anything else is taken as a bare string, so that
 /// `optim.schedule=constant` needs no quotes.
 fn override_table(text: &str) -> Result<Table> {
-    let (key, raw) = text
-        .split_once('=')
-        .ok_or_else(|| anyhow!("expected key=value"))?;
+    let (key, raw) = text.split_once('=').ok_or_else(|| anyhow!("expected key=value"))?;
     let key = key.trim();
-    let valid = |part: &str| {
-        !part.is_empty()
-            && part
-                .chars()
-                .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
-    };
+    let valid =
+        |part: &str| !part.is_empty() && part.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-');
     if !key.split('.').all(valid) {
         bail!("`{key}` is not a dotted key like model.d_model");
     }
@@ -262,19 +216,9 @@ fn override_table(text: &str) -> Result<Table> {
 }
 
 /// Deep-merges `layer` into `into`: tables merge key by key, any other value replaces.
-fn merge(
-    into: &mut Table,
-    layer: &Table,
-    prefix: &str,
-    label: &str,
-    provenance: &mut BTreeMap<String, String>,
-) {
+fn merge(into: &mut Table, layer: &Table, prefix: &str, label: &str, provenance: &mut BTreeMap<String, String>) {
     for (key, value) in layer {
-        let path = if prefix.is_empty() {
-            key.clone()
-        } else {
-            format!("{prefix}.{key}")
-        };
+        let path = if prefix.is_empty() { key.clone() } else { format!("{prefix}.{key}") };
         match (into.get_mut(key), value) {
             (Some(Value::Table(existing)), Value::Table(incoming)) => {
                 merge(existing, incoming, &path, label, provenance)
@@ -298,10 +242,7 @@ mod tests {
     use super::*;
 
     fn set(text: &str) -> Override {
-        Override {
-            text: text.into(),
-            origin: "--set".into(),
-        }
+        Override { text: text.into(), origin: "--set".into() }
     }
 
     #[test]
@@ -315,11 +256,7 @@ mod tests {
 
     #[test]
     fn overrides_win_and_are_typed() {
-        let r = resolve(
-            "tiny-llama2",
-            &[set("model.n_layers=3"), set("optim.schedule=constant")],
-        )
-        .unwrap();
+        let r = resolve("tiny-llama2", &[set("model.n_layers=3"), set("optim.schedule=constant")]).unwrap();
         assert_eq!(r.config.model.n_layers, 3);
         assert_eq!(r.config.optim.schedule, crate::config::Schedule::Constant);
         assert_eq!(r.provenance["model.n_layers"], "--set model.n_layers=3");
@@ -329,29 +266,14 @@ mod tests {
     fn errors_name_the_problem_and_its_source() {
         let err = |recipe: &str, o: &[Override]| format!("{:#}", resolve(recipe, o).unwrap_err());
         assert!(err("tiny-lama2", &[]).contains("did you mean `tiny-llama2`"));
-        assert!(
-            err("tiny-llama2", &[set("model.d_modl=3")])
-                .contains("--set model.d_modl=3: unknown field `d_modl`")
-        );
-        assert!(
-            err("tiny-llama2", &[set("model.d_model=big")])
-                .contains("--set model.d_model=big: invalid type")
-        );
+        assert!(err("tiny-llama2", &[set("model.d_modl=3")]).contains("--set model.d_modl=3: unknown field `d_modl`"));
+        assert!(err("tiny-llama2", &[set("model.d_model=big")]).contains("--set model.d_model=big: invalid type"));
         let e = err("tiny-llama2", &[set("model.n_kv_heads=3")]);
-        assert!(
-            e.contains("not divisible") && e.contains("model.n_kv_heads from --set"),
-            "{e}"
-        );
+        assert!(e.contains("not divisible") && e.contains("model.n_kv_heads from --set"), "{e}");
         assert!(err("tiny-llama2", &[set("model.moe.top_k=9")]).contains("mixtral"));
         assert!(err("tiny-mixtral", &[set("model.moe.top_k=9")]).contains("top_k = 9 is larger"));
-        assert!(
-            err("tiny-llama2", &[set("train.seq_len=100000")])
-                .contains("longer than model.max_seq_len")
-        );
-        assert!(
-            err("tiny-llama2", &[set("model.d_model=0")])
-                .contains("model.d_model must be greater than 0")
-        );
+        assert!(err("tiny-llama2", &[set("train.seq_len=100000")]).contains("longer than model.max_seq_len"));
+        assert!(err("tiny-llama2", &[set("model.d_model=0")]).contains("model.d_model must be greater than 0"));
         assert!(err("tiny-llama2", &[set("nonsense")]).contains("expected key=value"));
     }
 
@@ -360,25 +282,15 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("engine-recipe-test-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let bad = dir.join("bad.toml");
-        std::fs::write(
-            &bad,
-            "extends = \"tiny-llama2\"\n[model]\nd_model = 64\nheads = 4\n",
-        )
-        .unwrap();
+        std::fs::write(&bad, "extends = \"tiny-llama2\"\n[model]\nd_model = 64\nheads = 4\n").unwrap();
         let e = format!("{:#}", resolve(bad.to_str().unwrap(), &[]).unwrap_err());
         assert!(e.contains("bad.toml:4:1: unknown field `heads`"), "{e}");
         let good = dir.join("good.toml");
         std::fs::write(&good, "extends = \"tiny-llama2\"\n[model]\nn_layers = 2\n").unwrap();
         let r = resolve(good.to_str().unwrap(), &[]).unwrap();
         assert_eq!((r.config.model.n_layers, r.config.model.d_model), (2, 1024));
-        let e = format!(
-            "{:#}",
-            resolve(dir.join("missing.toml").to_str().unwrap(), &[]).unwrap_err()
-        );
-        assert!(
-            e.contains("cannot read recipe file") && e.contains("missing.toml"),
-            "{e}"
-        );
+        let e = format!("{:#}", resolve(dir.join("missing.toml").to_str().unwrap(), &[]).unwrap_err());
+        assert!(e.contains("cannot read recipe file") && e.contains("missing.toml"), "{e}");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -95,36 +95,17 @@ impl Layout {
     /// Lays out the tensors of a model.
     pub fn new(m: &ModelConfig) -> Layout {
         let (d, v, f) = (m.d_model, m.vocab_size, m.mlp_dim);
-        let mut b = Builder {
-            tensors: Vec::new(),
-            len: 0,
-        };
+        let mut b = Builder { tensors: Vec::new(), len: 0 };
         let embed = b.push("model.embed_tokens.weight", &[v, d], true);
         let mut layers = Vec::with_capacity(m.n_layers);
         for i in 0..m.n_layers {
             let p = format!("model.layers.{i}");
             let start = b.len;
             let ln1 = b.push(&format!("{p}.input_layernorm.weight"), &[d], false);
-            let qkv = b.push(
-                &format!("{p}.self_attn.q_proj.weight"),
-                &[m.q_dim(), d],
-                true,
-            );
-            b.push(
-                &format!("{p}.self_attn.k_proj.weight"),
-                &[m.kv_dim(), d],
-                true,
-            );
-            b.push(
-                &format!("{p}.self_attn.v_proj.weight"),
-                &[m.kv_dim(), d],
-                true,
-            );
-            let o = b.push(
-                &format!("{p}.self_attn.o_proj.weight"),
-                &[d, m.q_dim()],
-                true,
-            );
+            let qkv = b.push(&format!("{p}.self_attn.q_proj.weight"), &[m.q_dim(), d], true);
+            b.push(&format!("{p}.self_attn.k_proj.weight"), &[m.kv_dim(), d], true);
+            b.push(&format!("{p}.self_attn.v_proj.weight"), &[m.kv_dim(), d], true);
+            let o = b.push(&format!("{p}.self_attn.o_proj.weight"), &[d, m.q_dim()], true);
             let ln2 = b.push(&format!("{p}.post_attention_layernorm.weight"), &[d], false);
             let mlp = match &m.moe {
                 None => {
@@ -134,11 +115,7 @@ impl Layout {
                     MlpOffsets::Dense { gate_up, down }
                 }
                 Some(moe) => {
-                    let router = b.push(
-                        &format!("{p}.block_sparse_moe.gate.weight"),
-                        &[moe.num_experts, d],
-                        true,
-                    );
+                    let router = b.push(&format!("{p}.block_sparse_moe.gate.weight"), &[moe.num_experts, d], true);
                     let experts = b.len;
                     for e in 0..moe.num_experts {
                         let q = format!("{p}.block_sparse_moe.experts.{e}");
@@ -146,36 +123,14 @@ impl Layout {
                         b.push(&format!("{q}.w3.weight"), &[f, d], true);
                         b.push(&format!("{q}.w2.weight"), &[d, f], true);
                     }
-                    MlpOffsets::Moe {
-                        router,
-                        experts,
-                        stride: 3 * f * d,
-                    }
+                    MlpOffsets::Moe { router, experts, stride: 3 * f * d }
                 }
             };
-            layers.push(LayerOffsets {
-                ln1,
-                qkv,
-                o,
-                ln2,
-                mlp,
-                range: start..b.len,
-            });
+            layers.push(LayerOffsets { ln1, qkv, o, ln2, mlp, range: start..b.len });
         }
         let norm = b.push("model.norm.weight", &[d], false);
-        let head = if m.tie_embeddings {
-            embed
-        } else {
-            b.push("lm_head.weight", &[v, d], true)
-        };
-        Layout {
-            tensors: b.tensors,
-            len: b.len,
-            embed,
-            layers,
-            norm,
-            head,
-        }
+        let head = if m.tie_embeddings { embed } else { b.push("lm_head.weight", &[v, d], true) };
+        Layout { tensors: b.tensors, len: b.len, embed, layers, norm, head }
     }
 
     /// The tensor with this name.
@@ -192,12 +147,7 @@ struct Builder {
 impl Builder {
     fn push(&mut self, name: &str, shape: &[usize], decay: bool) -> usize {
         let offset = self.len;
-        let t = Tensor {
-            name: name.to_owned(),
-            shape: shape.to_vec(),
-            offset,
-            decay,
-        };
+        let t = Tensor { name: name.to_owned(), shape: shape.to_vec(), offset, decay };
         self.len += t.len();
         self.tensors.push(t);
         offset

@@ -7,10 +7,10 @@
 pub mod init;
 pub mod layout;
 pub mod rope;
+#[cfg(test)]
+mod tests;
 
-use crate::backend::{
-    AttnShape, Backend, BufKind, ExpertWeights, IdxView, MatMul, MoeDispatch, View,
-};
+use crate::backend::{AttnShape, Backend, BufKind, ExpertWeights, IdxView, MatMul, MoeDispatch, View};
 use crate::config::ModelConfig;
 pub use layout::{Layout, MlpOffsets, Tensor};
 
@@ -117,10 +117,7 @@ pub const GRAD_NORM_SQ: usize = 1;
 impl Model {
     /// A model with the layout of `config`.
     pub fn new(config: &ModelConfig) -> Model {
-        Model {
-            config: config.clone(),
-            layout: Layout::new(config),
-        }
+        Model { config: config.clone(), layout: Layout::new(config) }
     }
 
     fn attn_shape(&self, batch: usize, seq: usize) -> AttnShape {
@@ -145,11 +142,7 @@ impl Model {
         let idx = be.alloc_idx(idx_len);
         let mut total = 0;
         self.plan_activations(batch, seq, idx, &mut |len| {
-            let v = View {
-                buf: params.buf,
-                offset: total,
-                len,
-            };
+            let v = View { buf: params.buf, offset: total, len };
             total += len;
             v
         });
@@ -178,20 +171,11 @@ impl Model {
 
     /// Carves every activation out of `take`, in a fixed order (run once to measure, once to
     /// place).
-    fn plan_activations(
-        &self,
-        batch: usize,
-        seq: usize,
-        idx: IdxView,
-        take: &mut dyn FnMut(usize) -> View,
-    ) -> Plan {
+    fn plan_activations(&self, batch: usize, seq: usize, idx: IdxView, take: &mut dyn FnMut(usize) -> View) -> Plan {
         let m = &self.config;
         let (n, d, f, v) = (batch * seq, m.d_model, m.mlp_dim, m.vocab_size);
         let (q, qkv) = (m.q_dim(), m.q_dim() + 2 * m.kv_dim());
-        let (experts, k) = m
-            .moe
-            .as_ref()
-            .map_or((0, 1), |moe| (moe.num_experts, moe.top_k));
+        let (experts, k) = m.moe.as_ref().map_or((0, 1), |moe| (moe.num_experts, moe.top_k));
         let mut next_idx = 2 * n;
         let mut take_idx = |len: usize| {
             let v = idx.at(next_idx, len);
@@ -212,10 +196,7 @@ impl Model {
                     take(n),
                 );
                 let mlp = match &m.moe {
-                    None => MlpActs::Dense {
-                        gu: take(n * 2 * f),
-                        h: take(n * f),
-                    },
+                    None => MlpActs::Dense { gu: take(n * 2 * f), h: take(n * f) },
                     Some(_) => {
                         let rows = n * k;
                         let dispatch = MoeDispatch {
@@ -240,24 +221,12 @@ impl Model {
                         }
                     }
                 };
-                LayerActs {
-                    x,
-                    ln1,
-                    rstd1,
-                    qkv: qkv_v,
-                    attn,
-                    lse,
-                    xmid,
-                    ln2,
-                    rstd2,
-                    mlp,
-                }
+                LayerActs { x, ln1, rstd1, qkv: qkv_v, attn, lse, xmid, ln2, rstd2, mlp }
             })
             .collect();
         let mlp_rows = n * k;
         let moe = m.moe.is_some();
-        let some =
-            |take: &mut dyn FnMut(usize) -> View, len: usize| if moe { take(len) } else { take(0) };
+        let some = |take: &mut dyn FnMut(usize) -> View, len: usize| if moe { take(len) } else { take(0) };
         Plan {
             batch,
             seq,
@@ -299,12 +268,7 @@ impl Model {
         let shape = self.attn_shape(p.batch, p.seq);
         let w = |offset: usize, len: usize| p.params.at(offset, len);
 
-        be.embedding_forward(
-            p.layers.first().map_or(p.x_out, |a| a.x),
-            w(l.embed, v * d),
-            p.tokens,
-            d,
-        );
+        be.embedding_forward(p.layers.first().map_or(p.x_out, |a| a.x), w(l.embed, v * d), p.tokens, d);
         for (i, (a, o)) in p.layers.iter().zip(&l.layers).enumerate() {
             let out = p.layers.get(i + 1).map_or(p.x_out, |next| next.x);
             be.rmsnorm_forward(a.ln1, a.rstd1, a.x, w(o.ln1, d), d, eps);
@@ -312,53 +276,21 @@ impl Model {
             be.rope(a.qkv, p.rope, shape, false);
             be.attention_forward(a.attn, a.lse, a.qkv, shape);
             be.copy(a.xmid, a.x);
-            be.matmul(
-                a.xmid,
-                a.attn,
-                w(o.o, d * q),
-                MatMul::linear(n, q, d).accumulating(),
-            );
+            be.matmul(a.xmid, a.attn, w(o.o, d * q), MatMul::linear(n, q, d).accumulating());
             be.rmsnorm_forward(a.ln2, a.rstd2, a.xmid, w(o.ln2, d), d, eps);
             be.copy(out, a.xmid);
             match (&a.mlp, &o.mlp) {
                 (MlpActs::Dense { gu, h }, MlpOffsets::Dense { gate_up, down }) => {
-                    be.matmul(
-                        *gu,
-                        a.ln2,
-                        w(*gate_up, 2 * f * d),
-                        MatMul::linear(n, d, 2 * f),
-                    );
+                    be.matmul(*gu, a.ln2, w(*gate_up, 2 * f * d), MatMul::linear(n, d, 2 * f));
                     be.swiglu_forward(*h, *gu, f);
-                    be.matmul(
-                        out,
-                        *h,
-                        w(*down, d * f),
-                        MatMul::linear(n, f, d).accumulating(),
-                    );
+                    be.matmul(out, *h, w(*down, d * f), MatMul::linear(n, f, d).accumulating());
                 }
                 (
-                    MlpActs::Moe {
-                        logits,
-                        probs,
-                        dispatch,
-                        xe,
-                        gu,
-                        h,
-                        ye,
-                    },
-                    MlpOffsets::Moe {
-                        router,
-                        experts,
-                        stride,
-                    },
+                    MlpActs::Moe { logits, probs, dispatch, xe, gu, h, ye },
+                    MlpOffsets::Moe { router, experts, stride },
                 ) => {
                     let (gate_up, down) = expert_weights(p.params, *experts, *stride, d, f);
-                    be.matmul(
-                        *logits,
-                        a.ln2,
-                        w(*router, dispatch.experts * d),
-                        MatMul::linear(n, d, dispatch.experts),
-                    );
+                    be.matmul(*logits, a.ln2, w(*router, dispatch.experts * d), MatMul::linear(n, d, dispatch.experts));
                     be.moe_route(*probs, *logits, *dispatch);
                     be.moe_gather(*xe, a.ln2, *dispatch, d);
                     be.moe_expert_matmul(*gu, *xe, gate_up, *dispatch, MatMul::linear(0, d, 2 * f));
@@ -404,13 +336,7 @@ impl Model {
             }
         }
         let total = (self.config.n_layers * p.batch * p.seq) as f64;
-        e as f64
-            * counts
-                .iter()
-                .zip(&prob_sums)
-                .map(|(c, s)| c * s)
-                .sum::<f64>()
-            / (total * total)
+        e as f64 * counts.iter().zip(&prob_sums).map(|(c, s)| c * s).sum::<f64>() / (total * total)
     }
 
     /// Multiplier that turns the load-balancing loss's gradient into the [`Backend`]'s
@@ -434,28 +360,10 @@ impl Model {
         let g = |offset: usize, len: usize| p.grads.at(offset, len);
 
         // Output head and final norm; `dres` then carries the residual stream's gradient down.
-        be.matmul(
-            p.dln,
-            p.logits,
-            w(l.head, v * d),
-            MatMul::linear_dx(n, d, v),
-        );
-        be.matmul(
-            g(l.head, v * d),
-            p.logits,
-            p.lnf,
-            MatMul::linear_dw(n, d, v),
-        );
+        be.matmul(p.dln, p.logits, w(l.head, v * d), MatMul::linear_dx(n, d, v));
+        be.matmul(g(l.head, v * d), p.logits, p.lnf, MatMul::linear_dw(n, d, v));
         be.fill(p.dres, 0.0);
-        be.rmsnorm_backward(
-            p.dres,
-            g(l.norm, d),
-            p.dln,
-            p.x_out,
-            w(l.norm, d),
-            p.rstdf,
-            d,
-        );
+        be.rmsnorm_backward(p.dres, g(l.norm, d), p.dln, p.x_out, w(l.norm, d), p.rstdf, d);
 
         for (a, o) in p.layers.iter().zip(&l.layers).rev() {
             match (&a.mlp, &o.mlp) {
@@ -464,35 +372,10 @@ impl Model {
                     be.matmul(dh, p.dres, w(*down, d * f), MatMul::linear_dx(n, f, d));
                     be.matmul(g(*down, d * f), p.dres, *h, MatMul::linear_dw(n, f, d));
                     be.swiglu_backward(dgu, dh, *gu, f);
-                    be.matmul(
-                        p.dln,
-                        dgu,
-                        w(*gate_up, 2 * f * d),
-                        MatMul::linear_dx(n, d, 2 * f),
-                    );
-                    be.matmul(
-                        g(*gate_up, 2 * f * d),
-                        dgu,
-                        a.ln2,
-                        MatMul::linear_dw(n, d, 2 * f),
-                    );
+                    be.matmul(p.dln, dgu, w(*gate_up, 2 * f * d), MatMul::linear_dx(n, d, 2 * f));
+                    be.matmul(g(*gate_up, 2 * f * d), dgu, a.ln2, MatMul::linear_dw(n, d, 2 * f));
                 }
-                (
-                    MlpActs::Moe {
-                        probs,
-                        dispatch,
-                        xe,
-                        gu,
-                        h,
-                        ye,
-                        ..
-                    },
-                    MlpOffsets::Moe {
-                        router,
-                        experts,
-                        stride,
-                    },
-                ) => {
+                (MlpActs::Moe { probs, dispatch, xe, gu, h, ye, .. }, MlpOffsets::Moe { router, experts, stride }) => {
                     let (gate_up, down) = expert_weights(p.params, *experts, *stride, d, f);
                     let (dgate_up, ddown) = expert_weights(p.grads, *experts, *stride, d, f);
                     let e = dispatch.experts;
@@ -500,30 +383,12 @@ impl Model {
                     be.moe_expert_matmul(p.dh, p.dye, down, *dispatch, MatMul::linear_dx(0, f, d));
                     be.moe_expert_matmul_dw(ddown, p.dye, *h, *dispatch, f, d);
                     be.swiglu_backward(p.dgu, p.dh, *gu, f);
-                    be.moe_expert_matmul(
-                        p.dxe,
-                        p.dgu,
-                        gate_up,
-                        *dispatch,
-                        MatMul::linear_dx(0, d, 2 * f),
-                    );
+                    be.moe_expert_matmul(p.dxe, p.dgu, gate_up, *dispatch, MatMul::linear_dx(0, d, 2 * f));
                     be.moe_expert_matmul_dw(dgate_up, p.dgu, *xe, *dispatch, d, 2 * f);
                     be.moe_gather_backward(p.dln, p.dxe, *dispatch, d);
-                    be.moe_route_backward(
-                        p.drouter, p.dweight, *probs, *dispatch, p.counts, aux_scale,
-                    );
-                    be.matmul(
-                        p.dln,
-                        p.drouter,
-                        w(*router, e * d),
-                        MatMul::linear_dx(n, d, e).accumulating(),
-                    );
-                    be.matmul(
-                        g(*router, e * d),
-                        p.drouter,
-                        a.ln2,
-                        MatMul::linear_dw(n, d, e),
-                    );
+                    be.moe_route_backward(p.drouter, p.dweight, *probs, *dispatch, p.counts, aux_scale);
+                    be.matmul(p.dln, p.drouter, w(*router, e * d), MatMul::linear_dx(n, d, e).accumulating());
+                    be.matmul(g(*router, e * d), p.drouter, a.ln2, MatMul::linear_dw(n, d, e));
                 }
                 _ => unreachable!("activations planned for another MLP kind"),
             }
@@ -532,18 +397,8 @@ impl Model {
             be.matmul(g(o.o, d * q), p.dres, a.attn, MatMul::linear_dw(n, q, d));
             be.attention_backward(p.dqkv, p.dattn, a.qkv, a.attn, a.lse, shape);
             be.rope(p.dqkv, p.rope, shape, true);
-            be.matmul(
-                p.dln,
-                p.dqkv,
-                w(o.qkv, qkv * d),
-                MatMul::linear_dx(n, d, qkv),
-            );
-            be.matmul(
-                g(o.qkv, qkv * d),
-                p.dqkv,
-                a.ln1,
-                MatMul::linear_dw(n, d, qkv),
-            );
+            be.matmul(p.dln, p.dqkv, w(o.qkv, qkv * d), MatMul::linear_dx(n, d, qkv));
+            be.matmul(g(o.qkv, qkv * d), p.dqkv, a.ln1, MatMul::linear_dw(n, d, qkv));
             be.rmsnorm_backward(p.dres, g(o.ln1, d), p.dln, a.x, w(o.ln1, d), a.rstd1, d);
         }
         be.embedding_backward(g(l.embed, v * d), p.dres, p.tokens, d);
@@ -551,21 +406,9 @@ impl Model {
 }
 
 /// The experts' `[w1; w3]` (gate and up) and `w2` (down) weights inside a flat buffer.
-fn expert_weights(
-    buf: View,
-    experts: usize,
-    stride: usize,
-    d: usize,
-    f: usize,
-) -> (ExpertWeights, ExpertWeights) {
+fn expert_weights(buf: View, experts: usize, stride: usize, d: usize, f: usize) -> (ExpertWeights, ExpertWeights) {
     (
-        ExpertWeights {
-            first: buf.at(experts, 2 * f * d),
-            stride,
-        },
-        ExpertWeights {
-            first: buf.at(experts + 2 * f * d, d * f),
-            stride,
-        },
+        ExpertWeights { first: buf.at(experts, 2 * f * d), stride },
+        ExpertWeights { first: buf.at(experts + 2 * f * d, d * f), stride },
     )
 }

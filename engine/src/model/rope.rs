@@ -13,12 +13,8 @@ pub fn inv_freq(m: &ModelConfig) -> Vec<f32> {
     let Some(s) = &m.rope_scaling else {
         return freqs.collect();
     };
-    let (factor, low, high, old) = (
-        s.factor as f32,
-        s.low_freq_factor as f32,
-        s.high_freq_factor as f32,
-        s.original_max_seq_len as f32,
-    );
+    let (factor, low, high, old) =
+        (s.factor as f32, s.low_freq_factor as f32, s.high_freq_factor as f32, s.original_max_seq_len as f32);
     let (low_wavelen, high_wavelen) = (old / low, old / high);
     freqs
         .map(|f| {
@@ -57,23 +53,11 @@ mod tests {
 
     #[test]
     fn llama3_scaling_divides_low_frequencies_and_keeps_high_ones() {
-        let m = ModelConfig {
-            head_dim: 128,
-            rope_theta: 500000.0,
-            ..ModelConfig::default()
-        };
+        let m = ModelConfig { head_dim: 128, rope_theta: 500000.0, ..ModelConfig::default() };
         let plain = inv_freq(&m);
-        let scaled = inv_freq(&ModelConfig {
-            rope_scaling: Some(RopeScaling::default()),
-            ..m
-        });
+        let scaled = inv_freq(&ModelConfig { rope_scaling: Some(RopeScaling::default()), ..m });
         assert_eq!(plain[0], scaled[0]);
         assert_eq!(scaled[63], plain[63] / 8.0);
-        assert!(
-            scaled
-                .iter()
-                .zip(&plain)
-                .all(|(s, p)| s <= p && *s >= p / 8.0)
-        );
+        assert!(scaled.iter().zip(&plain).all(|(s, p)| s <= p && *s >= p / 8.0));
     }
 }

@@ -22,20 +22,12 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
 /// Column offsets of query head `h`, and of the key and value heads it reads.
 fn columns(s: &AttnShape, h: usize) -> (usize, usize, usize) {
     let g = h / (s.n_heads / s.n_kv_heads);
-    (
-        h * s.head_dim,
-        (s.n_heads + g) * s.head_dim,
-        (s.n_heads + s.n_kv_heads + g) * s.head_dim,
-    )
+    (h * s.head_dim, (s.n_heads + g) * s.head_dim, (s.n_heads + s.n_kv_heads + g) * s.head_dim)
 }
 
 /// Last query (inclusive) that sees key `j`.
 fn last_query(s: &AttnShape, j: usize) -> usize {
-    if s.window == 0 {
-        s.seq - 1
-    } else {
-        (j + s.window - 1).min(s.seq - 1)
-    }
+    if s.window == 0 { s.seq - 1 } else { (j + s.window - 1).min(s.seq - 1) }
 }
 
 /// `out[N, H · Dh]` and `lse[N, H]`, with an online softmax per query.
@@ -44,67 +36,46 @@ pub fn forward(out: &mut [f32], lse: &mut [f32], qkv: &[f32], s: AttnShape) {
     let scale = 1.0 / (dh as f32).sqrt();
     assert_eq!(qkv.len(), s.rows() * w);
     assert_eq!(lse.len(), s.rows() * s.n_heads);
-    out.par_chunks_mut(s.q_width())
-        .zip(lse.par_chunks_mut(s.n_heads))
-        .enumerate()
-        .for_each(|(row, (o, l))| {
-            let (b, i) = (row / s.seq, row % s.seq);
-            for h in 0..s.n_heads {
-                let (qc, kc, vc) = columns(&s, h);
-                let q = &qkv[row * w + qc..][..dh];
-                let acc = &mut o[h * dh..(h + 1) * dh];
-                acc.fill(0.0);
-                let (mut max, mut sum) = (f32::NEG_INFINITY, 0f32);
-                for j in s.first_key(i)..=i {
-                    let key_row = (b * s.seq + j) * w;
-                    let score = dot(q, &qkv[key_row + kc..][..dh]) * scale;
-                    if score > max {
-                        let c = (max - score).exp();
-                        sum *= c;
-                        acc.iter_mut().for_each(|a| *a *= c);
-                        max = score;
-                    }
-                    let p = (score - max).exp();
-                    sum += p;
-                    acc.iter_mut()
-                        .zip(&qkv[key_row + vc..][..dh])
-                        .for_each(|(a, v)| *a += p * v);
+    out.par_chunks_mut(s.q_width()).zip(lse.par_chunks_mut(s.n_heads)).enumerate().for_each(|(row, (o, l))| {
+        let (b, i) = (row / s.seq, row % s.seq);
+        for h in 0..s.n_heads {
+            let (qc, kc, vc) = columns(&s, h);
+            let q = &qkv[row * w + qc..][..dh];
+            let acc = &mut o[h * dh..(h + 1) * dh];
+            acc.fill(0.0);
+            let (mut max, mut sum) = (f32::NEG_INFINITY, 0f32);
+            for j in s.first_key(i)..=i {
+                let key_row = (b * s.seq + j) * w;
+                let score = dot(q, &qkv[key_row + kc..][..dh]) * scale;
+                if score > max {
+                    let c = (max - score).exp();
+                    sum *= c;
+                    acc.iter_mut().for_each(|a| *a *= c);
+                    max = score;
                 }
-                acc.iter_mut().for_each(|a| *a /= sum);
-                l[h] = max + sum.ln();
+                let p = (score - max).exp();
+                sum += p;
+                acc.iter_mut().zip(&qkv[key_row + vc..][..dh]).for_each(|(a, v)| *a += p * v);
             }
-        });
+            acc.iter_mut().for_each(|a| *a /= sum);
+            l[h] = max + sum.ln();
+        }
+    });
 }
 
 /// Gradient with respect to the packed qkv rows (overwritten).
-pub fn backward(
-    dqkv: &mut [f32],
-    dout: &[f32],
-    qkv: &[f32],
-    out: &[f32],
-    lse: &[f32],
-    s: AttnShape,
-) {
+pub fn backward(dqkv: &mut [f32], dout: &[f32], qkv: &[f32], out: &[f32], lse: &[f32], s: AttnShape) {
     let (w, dh, qw) = (s.qkv_width(), s.head_dim, s.q_width());
     let scale = 1.0 / (dh as f32).sqrt();
     // Probability, its gradient and D for query row `qi` of head h against key row `kj`.
     let terms = |qi: usize, kj: usize, h: usize| {
         let (qc, kc, vc) = columns(&s, h);
-        let (q, k, v) = (
-            &qkv[qi * w + qc..][..dh],
-            &qkv[kj * w + kc..][..dh],
-            &qkv[kj * w + vc..][..dh],
-        );
+        let (q, k, v) = (&qkv[qi * w + qc..][..dh], &qkv[kj * w + kc..][..dh], &qkv[kj * w + vc..][..dh]);
         let d_out = &dout[qi * qw + h * dh..][..dh];
         let p = (dot(q, k) * scale - lse[qi * s.n_heads + h]).exp();
         (p, dot(d_out, v), d_out)
     };
-    let big_d = |qi: usize, h: usize| {
-        dot(
-            &dout[qi * qw + h * dh..][..dh],
-            &out[qi * qw + h * dh..][..dh],
-        )
-    };
+    let big_d = |qi: usize, h: usize| dot(&dout[qi * qw + h * dh..][..dh], &out[qi * qw + h * dh..][..dh]);
 
     // Pass 1, per query row: dq.
     dqkv.par_chunks_mut(w).enumerate().for_each(|(row, dr)| {
@@ -118,9 +89,7 @@ pub fn backward(
                 let kj = b * s.seq + j;
                 let (p, dp, _) = terms(row, kj, h);
                 let ds = p * (dp - d);
-                dq.iter_mut()
-                    .zip(&qkv[kj * w + kc..][..dh])
-                    .for_each(|(g, k)| *g += ds * k);
+                dq.iter_mut().zip(&qkv[kj * w + kc..][..dh]).for_each(|(g, k)| *g += ds * k);
             }
             dq.iter_mut().for_each(|g| *g *= scale);
         }
@@ -134,10 +103,7 @@ pub fn backward(
         let (_, kv) = dr.split_at_mut(qw);
         let (dk_all, dv_all) = kv.split_at_mut(s.n_kv_heads * dh);
         for g in 0..s.n_kv_heads {
-            let (dk, dv) = (
-                &mut dk_all[g * dh..(g + 1) * dh],
-                &mut dv_all[g * dh..(g + 1) * dh],
-            );
+            let (dk, dv) = (&mut dk_all[g * dh..(g + 1) * dh], &mut dv_all[g * dh..(g + 1) * dh]);
             dk.fill(0.0);
             dv.fill(0.0);
             for h in g * group..(g + 1) * group {
@@ -146,9 +112,7 @@ pub fn backward(
                     let qi = b * s.seq + i;
                     let (p, dp, d_out) = terms(qi, row, h);
                     let ds = p * (dp - big_d(qi, h));
-                    dk.iter_mut()
-                        .zip(&qkv[qi * w + qc..][..dh])
-                        .for_each(|(g, q)| *g += ds * q);
+                    dk.iter_mut().zip(&qkv[qi * w + qc..][..dh]).for_each(|(g, q)| *g += ds * q);
                     dv.iter_mut().zip(d_out).for_each(|(g, o)| *g += p * o);
                 }
             }

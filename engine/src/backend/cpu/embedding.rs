@@ -8,12 +8,10 @@ use rayon::prelude::*;
 /// Gathers one table row per token.
 pub fn forward(out: &mut [f32], table: &[f32], tokens: &[u32], d: usize) {
     assert_eq!(out.len(), tokens.len() * d);
-    out.par_chunks_mut(d)
-        .zip(tokens.par_iter())
-        .for_each(|(row, &t)| {
-            let t = t as usize;
-            row.copy_from_slice(&table[t * d..(t + 1) * d]);
-        });
+    out.par_chunks_mut(d).zip(tokens.par_iter()).for_each(|(row, &t)| {
+        let t = t as usize;
+        row.copy_from_slice(&table[t * d..(t + 1) * d]);
+    });
 }
 
 /// Adds each token's output gradient to its table row. Tokens repeat, so rows are visited in
@@ -22,9 +20,6 @@ pub fn backward(dtable: &mut [f32], dout: &[f32], tokens: &[u32], d: usize) {
     assert_eq!(dout.len(), tokens.len() * d);
     for (row, &t) in dout.chunks_exact(d).zip(tokens) {
         let t = t as usize;
-        dtable[t * d..(t + 1) * d]
-            .iter_mut()
-            .zip(row)
-            .for_each(|(g, x)| *g += x);
+        dtable[t * d..(t + 1) * d].iter_mut().zip(row).for_each(|(g, x)| *g += x);
     }
 }

@@ -14,9 +14,7 @@ const H: f32 = 1e-2;
 const TOLERANCE: f64 = 5e-4;
 
 fn random(n: usize, stream: u64, scale: f64) -> Vec<f32> {
-    (0..n)
-        .map(|i| (scale * (2.0 * rng::uniform(42, stream, i as u64) - 1.0)) as f32)
-        .collect()
+    (0..n).map(|i| (scale * (2.0 * rng::uniform(42, stream, i as u64) - 1.0)) as f32).collect()
 }
 
 fn upload(cpu: &mut Cpu, host: &[f32]) -> View {
@@ -45,21 +43,14 @@ fn check(name: &str, inputs: &[Vec<f32>], forward: Forward, backward: Backward) 
     for (v, x) in views.iter().zip(inputs) {
         cpu.upload(*v, x);
     }
-    let grads: Vec<Vec<f32>> = backward(&mut cpu, &views, dout)
-        .into_iter()
-        .map(|g| download(&mut cpu, g))
-        .collect();
+    let grads: Vec<Vec<f32>> = backward(&mut cpu, &views, dout).into_iter().map(|g| download(&mut cpu, g)).collect();
     assert_eq!(grads.len(), inputs.len(), "{name}: one gradient per input");
 
     let objective = |host: &[Vec<f32>]| -> f64 {
         let mut cpu = Cpu::new();
         let views: Vec<View> = host.iter().map(|x| upload(&mut cpu, x)).collect();
         let out = forward(&mut cpu, &views);
-        download(&mut cpu, out)
-            .iter()
-            .zip(&c)
-            .map(|(o, c)| *o as f64 * *c as f64)
-            .sum()
+        download(&mut cpu, out).iter().zip(&c).map(|(o, c)| *o as f64 * *c as f64).sum()
     };
     for (i, analytic) in grads.iter().enumerate() {
         let mut host = inputs.to_vec();
@@ -76,10 +67,7 @@ fn check(name: &str, inputs: &[Vec<f32>], forward: Forward, backward: Backward) 
             norm += numeric.powi(2);
         }
         let relative = err.sqrt() / norm.sqrt().max(1e-8);
-        assert!(
-            relative < TOLERANCE,
-            "{name}: input {i} gradient off by {relative:.2e} (relative, in norm)"
-        );
+        assert!(relative < TOLERANCE, "{name}: input {i} gradient off by {relative:.2e} (relative, in norm)");
     }
 }
 
@@ -87,14 +75,7 @@ fn check(name: &str, inputs: &[Vec<f32>], forward: Forward, backward: Backward) 
 fn matmul_in_all_layouts() {
     let (m, n, k) = (3, 4, 5);
     for (a_t, b_t) in [(false, false), (false, true), (true, false), (true, true)] {
-        let shape = MatMul {
-            m,
-            n,
-            k,
-            a_t,
-            b_t,
-            accumulate: false,
-        };
+        let shape = MatMul { m, n, k, a_t, b_t, accumulate: false };
         check(
             &format!("matmul a_t={a_t} b_t={b_t}"),
             &[random(m * k, 1, 1.0), random(k * n, 2, 1.0)],
@@ -105,67 +86,16 @@ fn matmul_in_all_layouts() {
             },
             &|cpu, x, dout| {
                 // dA = dout · op(B)ᵀ and dB = op(A)ᵀ · dout, in each operand's storage layout.
-                let (da, db) = (
-                    cpu.alloc(BufKind::Activations, m * k),
-                    cpu.alloc(BufKind::Activations, k * n),
-                );
+                let (da, db) = (cpu.alloc(BufKind::Activations, m * k), cpu.alloc(BufKind::Activations, k * n));
                 if a_t {
-                    cpu.matmul(
-                        da,
-                        x[1],
-                        dout,
-                        MatMul {
-                            m: k,
-                            n: m,
-                            k: n,
-                            a_t: b_t,
-                            b_t: true,
-                            accumulate: false,
-                        },
-                    );
+                    cpu.matmul(da, x[1], dout, MatMul { m: k, n: m, k: n, a_t: b_t, b_t: true, accumulate: false });
                 } else {
-                    cpu.matmul(
-                        da,
-                        dout,
-                        x[1],
-                        MatMul {
-                            m,
-                            n: k,
-                            k: n,
-                            a_t: false,
-                            b_t: !b_t,
-                            accumulate: false,
-                        },
-                    );
+                    cpu.matmul(da, dout, x[1], MatMul { m, n: k, k: n, a_t: false, b_t: !b_t, accumulate: false });
                 }
                 if b_t {
-                    cpu.matmul(
-                        db,
-                        dout,
-                        x[0],
-                        MatMul {
-                            m: n,
-                            n: k,
-                            k: m,
-                            a_t: true,
-                            b_t: a_t,
-                            accumulate: false,
-                        },
-                    );
+                    cpu.matmul(db, dout, x[0], MatMul { m: n, n: k, k: m, a_t: true, b_t: a_t, accumulate: false });
                 } else {
-                    cpu.matmul(
-                        db,
-                        x[0],
-                        dout,
-                        MatMul {
-                            m: k,
-                            n,
-                            k: m,
-                            a_t: !a_t,
-                            b_t: false,
-                            accumulate: false,
-                        },
-                    );
+                    cpu.matmul(db, x[0], dout, MatMul { m: k, n, k: m, a_t: !a_t, b_t: false, accumulate: false });
                 }
                 vec![da, db]
             },
@@ -185,10 +115,7 @@ fn linear_layer_helpers() {
             y
         },
         &|cpu, x, dy| {
-            let (dx, dw) = (
-                cpu.alloc(BufKind::Activations, n * inp),
-                cpu.alloc(BufKind::Activations, out * inp),
-            );
+            let (dx, dw) = (cpu.alloc(BufKind::Activations, n * inp), cpu.alloc(BufKind::Activations, out * inp));
             cpu.matmul(dx, dy, x[1], MatMul::linear_dx(n, inp, out));
             cpu.matmul(dw, dy, x[0], MatMul::linear_dw(n, inp, out));
             vec![dx, dw]
@@ -203,23 +130,14 @@ fn rmsnorm() {
         "rmsnorm",
         &[random(rows * d, 1, 2.0), random(d, 2, 1.5)],
         &|cpu, x| {
-            let (out, rstd) = (
-                cpu.alloc(BufKind::Activations, rows * d),
-                cpu.alloc(BufKind::Activations, rows),
-            );
+            let (out, rstd) = (cpu.alloc(BufKind::Activations, rows * d), cpu.alloc(BufKind::Activations, rows));
             cpu.rmsnorm_forward(out, rstd, x[0], x[1], d, 1e-5);
             out
         },
         &|cpu, x, dout| {
-            let (out, rstd) = (
-                cpu.alloc(BufKind::Activations, rows * d),
-                cpu.alloc(BufKind::Activations, rows),
-            );
+            let (out, rstd) = (cpu.alloc(BufKind::Activations, rows * d), cpu.alloc(BufKind::Activations, rows));
             cpu.rmsnorm_forward(out, rstd, x[0], x[1], d, 1e-5);
-            let (dx, dw) = (
-                cpu.alloc(BufKind::Activations, rows * d),
-                cpu.alloc(BufKind::Activations, d),
-            );
+            let (dx, dw) = (cpu.alloc(BufKind::Activations, rows * d), cpu.alloc(BufKind::Activations, d));
             cpu.rmsnorm_backward(dx, dw, dout, x[0], x[1], rstd, d);
             vec![dx, dw]
         },
@@ -233,19 +151,13 @@ fn embedding() {
         "embedding",
         &[random(v * d, 1, 1.0)],
         &|cpu, x| {
-            let (out, idx) = (
-                cpu.alloc(BufKind::Activations, tokens.len() * d),
-                cpu.alloc_idx(tokens.len()),
-            );
+            let (out, idx) = (cpu.alloc(BufKind::Activations, tokens.len() * d), cpu.alloc_idx(tokens.len()));
             cpu.upload_idx(idx, &tokens);
             cpu.embedding_forward(out, x[0], idx, d);
             out
         },
         &|cpu, _, dout| {
-            let (dtable, idx) = (
-                cpu.alloc(BufKind::Activations, v * d),
-                cpu.alloc_idx(tokens.len()),
-            );
+            let (dtable, idx) = (cpu.alloc(BufKind::Activations, v * d), cpu.alloc_idx(tokens.len()));
             cpu.upload_idx(idx, &tokens);
             cpu.embedding_backward(dtable, dout, idx, d);
             vec![dtable]
@@ -290,11 +202,8 @@ fn cross_entropy() {
             // The fused gradient is for a uniform weight per row; weight rows one at a time.
             let mut c = vec![0f32; rows];
             cpu.download(dloss, &mut c);
-            let (losses, t, dlogits) = (
-                cpu.alloc(BufKind::Activations, 1),
-                cpu.alloc_idx(1),
-                cpu.alloc(BufKind::Activations, rows * v),
-            );
+            let (losses, t, dlogits) =
+                (cpu.alloc(BufKind::Activations, 1), cpu.alloc_idx(1), cpu.alloc(BufKind::Activations, rows * v));
             for (r, &target) in targets.iter().enumerate() {
                 cpu.upload_idx(t, &[target]);
                 let row = dlogits.at(r * v, v);
@@ -307,21 +216,8 @@ fn cross_entropy() {
 }
 
 fn attention_shapes() -> Vec<AttnShape> {
-    let s = |batch, n_heads, n_kv_heads, window| AttnShape {
-        batch,
-        seq: 6,
-        n_heads,
-        n_kv_heads,
-        head_dim: 4,
-        window,
-    };
-    vec![
-        s(2, 2, 2, 0),
-        s(1, 4, 2, 0),
-        s(1, 3, 1, 0),
-        s(2, 2, 1, 3),
-        s(1, 2, 2, 1),
-    ]
+    let s = |batch, n_heads, n_kv_heads, window| AttnShape { batch, seq: 6, n_heads, n_kv_heads, head_dim: 4, window };
+    vec![s(2, 2, 2, 0), s(1, 4, 2, 0), s(1, 3, 1, 0), s(2, 2, 1, 3), s(1, 2, 2, 1)]
 }
 
 #[test]
@@ -352,21 +248,11 @@ fn attention_mha_gqa_mqa_and_windows() {
 
 #[test]
 fn attention_matches_a_dense_softmax() {
-    let shape = AttnShape {
-        batch: 1,
-        seq: 5,
-        n_heads: 2,
-        n_kv_heads: 1,
-        head_dim: 4,
-        window: 2,
-    };
+    let shape = AttnShape { batch: 1, seq: 5, n_heads: 2, n_kv_heads: 1, head_dim: 4, window: 2 };
     let qkv = random(shape.rows() * shape.qkv_width(), 3, 1.0);
     let mut cpu = Cpu::new();
     let x = upload(&mut cpu, &qkv);
-    let (out, lse) = (
-        cpu.alloc(BufKind::Activations, 5 * 8),
-        cpu.alloc(BufKind::Activations, 10),
-    );
+    let (out, lse) = (cpu.alloc(BufKind::Activations, 5 * 8), cpu.alloc(BufKind::Activations, 10));
     cpu.attention_forward(out, lse, x, shape);
     let out = download(&mut cpu, out);
     let w = shape.qkv_width();
@@ -376,21 +262,11 @@ fn attention_matches_a_dense_softmax() {
             let keys: Vec<usize> = (0..=i).filter(|&j| j + 2 > i).collect();
             let scores: Vec<f64> = keys
                 .iter()
-                .map(|&j| {
-                    q.iter()
-                        .zip(&qkv[j * w + 8..][..4])
-                        .map(|(a, b)| (a * b) as f64)
-                        .sum::<f64>()
-                        / 2.0
-                })
+                .map(|&j| q.iter().zip(&qkv[j * w + 8..][..4]).map(|(a, b)| (a * b) as f64).sum::<f64>() / 2.0)
                 .collect();
             let z: f64 = scores.iter().map(|s| s.exp()).sum();
             for c in 0..4 {
-                let want: f64 = keys
-                    .iter()
-                    .zip(&scores)
-                    .map(|(&j, s)| s.exp() / z * qkv[j * w + 12 + c] as f64)
-                    .sum();
+                let want: f64 = keys.iter().zip(&scores).map(|(&j, s)| s.exp() / z * qkv[j * w + 12 + c] as f64).sum();
                 assert!((out[i * 8 + h * 4 + c] as f64 - want).abs() < 1e-6);
             }
         }
@@ -399,14 +275,7 @@ fn attention_matches_a_dense_softmax() {
 
 #[test]
 fn rope_and_its_inverse() {
-    let shape = AttnShape {
-        batch: 2,
-        seq: 3,
-        n_heads: 2,
-        n_kv_heads: 1,
-        head_dim: 4,
-        window: 0,
-    };
+    let shape = AttnShape { batch: 2, seq: 3, n_heads: 2, n_kv_heads: 1, head_dim: 4, window: 0 };
     let table = random(shape.seq * 2 * 2, 5, 1.0);
     // A real table holds (cos θ, sin θ); any (a, b) still gives a linear map whose transpose
     // the inverse must be, so normalise to keep it a rotation.
@@ -469,14 +338,8 @@ fn mixture_of_experts_block() {
             alloc(cpu, n * k * d),
             alloc(cpu, n * d),
         );
-        let gate_up = ExpertWeights {
-            first: x[2].at(0, 2 * f * d),
-            stride,
-        };
-        let down = ExpertWeights {
-            first: x[2].at(2 * f * d, d * f),
-            stride,
-        };
+        let gate_up = ExpertWeights { first: x[2].at(0, 2 * f * d), stride };
+        let down = ExpertWeights { first: x[2].at(2 * f * d, d * f), stride };
         cpu.matmul(logits, x[0], x[1], MatMul::linear(n, d, e));
         cpu.moe_route(probs, logits, dispatch);
         cpu.moe_gather(xe, x[0], dispatch, d);
@@ -488,16 +351,11 @@ fn mixture_of_experts_block() {
     };
     check(
         "moe",
-        &[
-            random(n * d, 1, 1.0),
-            random(e * d, 2, 1.0),
-            random(e * stride, 3, 1.0),
-        ],
+        &[random(n * d, 1, 1.0), random(e * d, 2, 1.0), random(e * stride, 3, 1.0)],
         &|cpu, x| forward(cpu, x).6,
         &|cpu, x, dout| {
             let (dispatch, probs, xe, gu, h, ye, _) = forward(cpu, x);
-            let (dx, drouter_w, dexperts) =
-                (alloc(cpu, n * d), alloc(cpu, e * d), alloc(cpu, e * stride));
+            let (dx, drouter_w, dexperts) = (alloc(cpu, n * d), alloc(cpu, e * d), alloc(cpu, e * stride));
             let (dye, dweight, dh, dgu, dxe, drouter, counts) = (
                 alloc(cpu, n * k * d),
                 alloc(cpu, n * k),
@@ -507,22 +365,10 @@ fn mixture_of_experts_block() {
                 alloc(cpu, n * e),
                 alloc(cpu, e),
             );
-            let gate_up = ExpertWeights {
-                first: x[2].at(0, 2 * f * d),
-                stride,
-            };
-            let down = ExpertWeights {
-                first: x[2].at(2 * f * d, d * f),
-                stride,
-            };
-            let dgate_up = ExpertWeights {
-                first: dexperts.at(0, 2 * f * d),
-                stride,
-            };
-            let ddown = ExpertWeights {
-                first: dexperts.at(2 * f * d, d * f),
-                stride,
-            };
+            let gate_up = ExpertWeights { first: x[2].at(0, 2 * f * d), stride };
+            let down = ExpertWeights { first: x[2].at(2 * f * d, d * f), stride };
+            let dgate_up = ExpertWeights { first: dexperts.at(0, 2 * f * d), stride };
+            let ddown = ExpertWeights { first: dexperts.at(2 * f * d, d * f), stride };
             cpu.moe_combine_backward(dye, dweight, dout, ye, dispatch, d);
             cpu.moe_expert_matmul(dh, dye, down, dispatch, MatMul::linear_dx(0, f, d));
             cpu.moe_expert_matmul_dw(ddown, dye, h, dispatch, f, d);
@@ -565,38 +411,11 @@ fn load_balancing_gradient() {
             let (dispatch, probs) = (plan(cpu), cpu.alloc(BufKind::Activations, n * e));
             cpu.moe_route(probs, x[0], dispatch);
             // Σ_t p[t, e] for each e, then weighted by counts through a 1 x E product.
-            let (sums, c, out) = (
-                cpu.alloc(BufKind::Activations, e),
-                upload(cpu, &counts),
-                cpu.alloc(BufKind::Activations, 1),
-            );
+            let (sums, c, out) =
+                (cpu.alloc(BufKind::Activations, e), upload(cpu, &counts), cpu.alloc(BufKind::Activations, 1));
             let ones = upload(cpu, &vec![1.0; n]);
-            cpu.matmul(
-                sums,
-                ones,
-                probs,
-                MatMul {
-                    m: 1,
-                    n: e,
-                    k: n,
-                    a_t: false,
-                    b_t: false,
-                    accumulate: false,
-                },
-            );
-            cpu.matmul(
-                out,
-                sums,
-                c,
-                MatMul {
-                    m: 1,
-                    n: 1,
-                    k: e,
-                    a_t: false,
-                    b_t: false,
-                    accumulate: false,
-                },
-            );
+            cpu.matmul(sums, ones, probs, MatMul { m: 1, n: e, k: n, a_t: false, b_t: false, accumulate: false });
+            cpu.matmul(out, sums, c, MatMul { m: 1, n: 1, k: e, a_t: false, b_t: false, accumulate: false });
             out
         },
         &|cpu, x, dout| {
@@ -604,11 +423,8 @@ fn load_balancing_gradient() {
             cpu.download(dout, &mut scale);
             let (dispatch, probs) = (plan(cpu), cpu.alloc(BufKind::Activations, n * e));
             cpu.moe_route(probs, x[0], dispatch);
-            let (drouter, zeros, c) = (
-                cpu.alloc(BufKind::Activations, n * e),
-                cpu.alloc(BufKind::Activations, n * k),
-                upload(cpu, &counts),
-            );
+            let (drouter, zeros, c) =
+                (cpu.alloc(BufKind::Activations, n * e), cpu.alloc(BufKind::Activations, n * k), upload(cpu, &counts));
             cpu.moe_route_backward(drouter, zeros, probs, dispatch, c, scale[0]);
             vec![drouter]
         },

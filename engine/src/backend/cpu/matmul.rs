@@ -21,11 +21,8 @@ pub fn matmul(out: &mut [f32], a: &[f32], b: &[f32], s: MatMul) {
     let (a_cs, a_rs) = if s.a_t { (s.m, 1) } else { (1, s.k) };
     let (b_cs, b_rs) = if s.b_t { (s.k, 1) } else { (1, s.n) };
     let threads = rayon::current_num_threads();
-    let parallelism = if threads > 1 && s.flops() > 2e6 {
-        gemm::Parallelism::Rayon(threads)
-    } else {
-        gemm::Parallelism::None
-    };
+    let parallelism =
+        if threads > 1 && s.flops() > 2e6 { gemm::Parallelism::Rayon(threads) } else { gemm::Parallelism::None };
     // SAFETY: the slices hold exactly the elements the shapes and strides address (asserted).
     unsafe {
         gemm::gemm(
@@ -63,16 +60,8 @@ mod tests {
             for j in 0..s.n {
                 let mut acc = 0f64;
                 for p in 0..s.k {
-                    let x = if s.a_t {
-                        a[p * s.m + i]
-                    } else {
-                        a[i * s.k + p]
-                    };
-                    let y = if s.b_t {
-                        b[j * s.k + p]
-                    } else {
-                        b[p * s.n + j]
-                    };
+                    let x = if s.a_t { a[p * s.m + i] } else { a[i * s.k + p] };
+                    let y = if s.b_t { b[j * s.k + p] } else { b[p * s.n + j] };
                     acc += x as f64 * y as f64;
                 }
                 out[i * s.n + j] = acc as f32;
@@ -87,14 +76,7 @@ mod tests {
         let a: Vec<f32> = (0..m * k).map(|i| (i as f32 * 0.37).sin()).collect();
         let b: Vec<f32> = (0..k * n).map(|i| (i as f32 * 0.11).cos()).collect();
         for (a_t, b_t) in [(false, false), (false, true), (true, false), (true, true)] {
-            let s = MatMul {
-                m,
-                n,
-                k,
-                a_t,
-                b_t,
-                accumulate: false,
-            };
+            let s = MatMul { m, n, k, a_t, b_t, accumulate: false };
             let mut out = vec![1f32; m * n];
             matmul(&mut out, &a, &b, s);
             let want = naive(&a, &b, s);

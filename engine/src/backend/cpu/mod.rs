@@ -21,8 +21,7 @@ mod swiglu;
 mod gradcheck;
 
 use super::{
-    AdamWStep, AttnShape, Backend, BufId, BufKind, ExpertWeights, IdxView, MatMul, MoeDispatch,
-    Segment, View,
+    AdamWStep, AttnShape, Backend, BufId, BufKind, ExpertWeights, IdxView, MatMul, MoeDispatch, Segment, View,
 };
 
 /// Rows handled by one task in row-parallel kernels with cross-row reductions; fixed so that
@@ -90,20 +89,13 @@ impl<T> Memory<T> {
     ) -> ([&mut [T]; M], [&[T]; N]) {
         for v in outs.iter().chain(inputs.iter()) {
             let (buf, offset, len) = v.span();
-            assert!(
-                offset + len <= self.0[buf].len(),
-                "view {v:?} out of bounds"
-            );
+            assert!(offset + len <= self.0[buf].len(), "view {v:?} out of bounds");
         }
-        let overlap = |a: (usize, usize, usize), b: (usize, usize, usize)| {
-            a.0 == b.0 && a.1 < b.1 + b.2 && b.1 < a.1 + a.2
-        };
+        let overlap =
+            |a: (usize, usize, usize), b: (usize, usize, usize)| a.0 == b.0 && a.1 < b.1 + b.2 && b.1 < a.1 + a.2;
         for (i, o) in outs.iter().enumerate() {
             for other in outs.iter().skip(i + 1).chain(inputs.iter()) {
-                assert!(
-                    !overlap(o.span(), other.span()),
-                    "op output {o:?} overlaps {other:?}"
-                );
+                assert!(!overlap(o.span(), other.span()), "op output {o:?} overlaps {other:?}");
             }
         }
         let bufs = &mut self.0;
@@ -143,22 +135,15 @@ impl Backend for Cpu {
     }
 
     fn alloc(&mut self, _kind: BufKind, len: usize) -> View {
-        // vec! of zeros maps pages lazily; touching them now keeps page faults out of step 1.
+        // vec! of zeros maps pages lazily; touching them now, from all threads, keeps the page
+        // faults out of the first step.
         let mut buf = vec![0.0f32; len].into_boxed_slice();
         reduce::fill(&mut buf, 0.0);
-        View {
-            buf: self.mem.push(buf),
-            offset: 0,
-            len,
-        }
+        View { buf: self.mem.push(buf), offset: 0, len }
     }
 
     fn alloc_idx(&mut self, len: usize) -> IdxView {
-        IdxView {
-            buf: self.idx.push(vec![0; len].into_boxed_slice()),
-            offset: 0,
-            len,
-        }
+        IdxView { buf: self.idx.push(vec![0; len].into_boxed_slice()), offset: 0, len }
     }
 
     fn upload(&mut self, dst: View, src: &[f32]) {
@@ -223,16 +208,7 @@ impl Backend for Cpu {
         norm::forward(out, rstd, x, w, d, eps);
     }
 
-    fn rmsnorm_backward(
-        &mut self,
-        dx: View,
-        dw: View,
-        dout: View,
-        x: View,
-        w: View,
-        rstd: View,
-        d: usize,
-    ) {
+    fn rmsnorm_backward(&mut self, dx: View, dw: View, dout: View, x: View, w: View, rstd: View, d: usize) {
         let partials = scratch(&mut self.scratch, (x.len / d).div_ceil(ROW_CHUNK) * d);
         let ([dx, dw], [dout, x, w, rstd]) = self.mem.io_many([dx, dw], [dout, x, w, rstd]);
         norm::backward(dx, dw, dout, x, w, rstd, d, partials);
@@ -248,15 +224,7 @@ impl Backend for Cpu {
         attention::forward(out, lse, qkv, shape);
     }
 
-    fn attention_backward(
-        &mut self,
-        dqkv: View,
-        dout: View,
-        qkv: View,
-        out: View,
-        lse: View,
-        shape: AttnShape,
-    ) {
+    fn attention_backward(&mut self, dqkv: View, dout: View, qkv: View, out: View, lse: View, shape: AttnShape) {
         let (dqkv, [dout, qkv, out, lse]) = self.mem.io(dqkv, [dout, qkv, out, lse]);
         attention::backward(dqkv, dout, qkv, out, lse, shape);
     }
@@ -271,37 +239,17 @@ impl Backend for Cpu {
         swiglu::backward(dgu, dh, gu, f);
     }
 
-    fn cross_entropy(
-        &mut self,
-        losses: View,
-        logits: View,
-        targets: IdxView,
-        v: usize,
-        grad_scale: Option<f32>,
-    ) {
+    fn cross_entropy(&mut self, losses: View, logits: View, targets: IdxView, v: usize, grad_scale: Option<f32>) {
         let ([losses, logits], []) = self.mem.io_many([losses, logits], []);
         loss::cross_entropy(losses, logits, self.idx.get(targets), v, grad_scale);
     }
 
     fn moe_route(&mut self, probs: View, router_logits: View, dispatch: MoeDispatch) {
-        let ([probs, weight, stats], [logits]) = self
-            .mem
-            .io_many([probs, dispatch.weight, dispatch.stats], [router_logits]);
-        let ([expert, slot_row, row_slot, offsets], []) = self.idx.io_many(
-            [
-                dispatch.expert,
-                dispatch.slot_row,
-                dispatch.row_slot,
-                dispatch.offsets,
-            ],
-            [],
-        );
-        let tables = moe::Tables {
-            expert,
-            slot_row,
-            row_slot,
-            offsets,
-        };
+        let ([probs, weight, stats], [logits]) =
+            self.mem.io_many([probs, dispatch.weight, dispatch.stats], [router_logits]);
+        let ([expert, slot_row, row_slot, offsets], []) =
+            self.idx.io_many([dispatch.expert, dispatch.slot_row, dispatch.row_slot, dispatch.offsets], []);
+        let tables = moe::Tables { expert, slot_row, row_slot, offsets };
         moe::route(probs, weight, stats, tables, logits, dispatch);
     }
 
@@ -315,23 +263,14 @@ impl Backend for Cpu {
         moe::gather_backward(dx, dxe, self.idx.get(dispatch.slot_row), dispatch.top_k, d);
     }
 
-    fn moe_expert_matmul(
-        &mut self,
-        out: View,
-        a: View,
-        weights: ExpertWeights,
-        dispatch: MoeDispatch,
-        shape: MatMul,
-    ) {
+    fn moe_expert_matmul(&mut self, out: View, a: View, weights: ExpertWeights, dispatch: MoeDispatch, shape: MatMul) {
         let offsets = self.idx.get(dispatch.offsets).to_vec();
         for e in 0..dispatch.experts {
             let (first, rows) = (offsets[e] as usize, (offsets[e + 1] - offsets[e]) as usize);
             if rows > 0 {
                 let shape = MatMul { m: rows, ..shape };
-                let (out, [a, w]) = self.mem.io(
-                    out.rows(first, rows, shape.n),
-                    [a.rows(first, rows, shape.k), weights.expert(e)],
-                );
+                let (out, [a, w]) =
+                    self.mem.io(out.rows(first, rows, shape.n), [a.rows(first, rows, shape.k), weights.expert(e)]);
                 matmul::matmul(out, a, w, shape);
             }
         }
@@ -350,10 +289,8 @@ impl Backend for Cpu {
         for e in 0..dispatch.experts {
             let (first, rows) = (offsets[e] as usize, (offsets[e + 1] - offsets[e]) as usize);
             if rows > 0 {
-                let (dw, [dy, x]) = self.mem.io(
-                    dweights.expert(e),
-                    [dy.rows(first, rows, out), x.rows(first, rows, inp)],
-                );
+                let (dw, [dy, x]) =
+                    self.mem.io(dweights.expert(e), [dy.rows(first, rows, out), x.rows(first, rows, inp)]);
                 matmul::matmul(dw, dy, x, MatMul::linear_dw(rows, inp, out));
             }
         }
@@ -361,14 +298,7 @@ impl Backend for Cpu {
 
     fn moe_combine(&mut self, out: View, ye: View, dispatch: MoeDispatch, d: usize) {
         let (out, [ye, weight]) = self.mem.io(out, [ye, dispatch.weight]);
-        moe::combine(
-            out,
-            ye,
-            weight,
-            self.idx.get(dispatch.slot_row),
-            dispatch.top_k,
-            d,
-        );
+        moe::combine(out, ye, weight, self.idx.get(dispatch.slot_row), dispatch.top_k, d);
     }
 
     fn moe_combine_backward(
@@ -380,24 +310,9 @@ impl Backend for Cpu {
         dispatch: MoeDispatch,
         d: usize,
     ) {
-        let ([dye, dweight], [dout, ye, weight]) = self
-            .mem
-            .io_many([dye, dweight], [dout, ye, dispatch.weight]);
-        let (slot_row, row_slot) = (
-            self.idx.get(dispatch.slot_row),
-            self.idx.get(dispatch.row_slot),
-        );
-        moe::combine_backward(
-            dye,
-            dweight,
-            dout,
-            ye,
-            weight,
-            slot_row,
-            row_slot,
-            dispatch.top_k,
-            d,
-        );
+        let ([dye, dweight], [dout, ye, weight]) = self.mem.io_many([dye, dweight], [dout, ye, dispatch.weight]);
+        let (slot_row, row_slot) = (self.idx.get(dispatch.slot_row), self.idx.get(dispatch.row_slot));
+        moe::combine_backward(dye, dweight, dout, ye, weight, slot_row, row_slot, dispatch.top_k, d);
     }
 
     fn moe_route_backward(
@@ -409,9 +324,8 @@ impl Backend for Cpu {
         counts: View,
         aux_scale: f32,
     ) {
-        let (drouter, [dweight, probs, weight, counts]) = self
-            .mem
-            .io(drouter, [dweight, probs, dispatch.weight, counts]);
+        let (drouter, [dweight, probs, weight, counts]) =
+            self.mem.io(drouter, [dweight, probs, dispatch.weight, counts]);
         moe::route_backward(
             drouter,
             dweight,
@@ -430,10 +344,41 @@ impl Backend for Cpu {
         grads: View,
         m: View,
         v: View,
+        norm_squared: View,
         segments: &[Segment],
         step: AdamWStep,
     ) {
+        let scale = step.clip_scale(self.mem.get(norm_squared)[0]);
         let ([params, grads, m, v], []) = self.mem.io_many([params, grads, m, v], []);
-        adamw::step(params, grads, m, v, segments, step);
+        adamw::step(params, grads, m, v, segments, step, scale);
     }
+}
+
+/// The machine's f32 GEMM rate in TFLOP/s on the current thread pool: the best of a few
+/// 1024 × 1024 × 1024 products (about 0.1 s). The CPU's "peak" for MFU unless the user sets one.
+pub fn measure_peak_tflops() -> f64 {
+    let n = 1024;
+    let a: Vec<f32> = (0..n * n).map(|i| (i % 17) as f32 * 0.01).collect();
+    let mut out = vec![0f32; n * n];
+    let shape = MatMul { m: n, n, k: n, a_t: false, b_t: false, accumulate: false };
+    let mut best = f64::INFINITY;
+    for _ in 0..4 {
+        let start = std::time::Instant::now();
+        matmul::matmul(&mut out, &a, &a, shape);
+        best = best.min(start.elapsed().as_secs_f64());
+    }
+    shape.flops() / best / 1e12
+}
+
+/// The processor's model name, from `/proc/cpuinfo` where there is one.
+pub fn model_name() -> String {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split(':').nth(1))
+                .map(|s| s.trim().to_owned())
+        })
+        .unwrap_or_else(|| std::env::consts::ARCH.to_owned())
 }

@@ -26,14 +26,7 @@ pub struct Tables<'a> {
 }
 
 /// Softmax, top-k, renormalised weights, dispatch tables and statistics (`[counts | Σ p]`).
-pub fn route(
-    probs: &mut [f32],
-    weight: &mut [f32],
-    stats: &mut [f32],
-    t: Tables,
-    logits: &[f32],
-    d: MoeDispatch,
-) {
+pub fn route(probs: &mut [f32], weight: &mut [f32], stats: &mut [f32], t: Tables, logits: &[f32], d: MoeDispatch) {
     let (e, k) = (d.experts, d.top_k);
     probs
         .par_chunks_mut(e)
@@ -88,41 +81,30 @@ pub fn route(
 
 /// `xe[r] = x[row_slot[r] / k]`.
 pub fn gather(xe: &mut [f32], x: &[f32], row_slot: &[u32], k: usize, d: usize) {
-    xe.par_chunks_mut(d)
-        .zip(row_slot.par_iter())
-        .for_each(|(row, &slot)| {
-            let t = slot as usize / k;
-            row.copy_from_slice(&x[t * d..(t + 1) * d]);
-        });
+    xe.par_chunks_mut(d).zip(row_slot.par_iter()).for_each(|(row, &slot)| {
+        let t = slot as usize / k;
+        row.copy_from_slice(&x[t * d..(t + 1) * d]);
+    });
 }
 
 /// `dx[t] = Σ_j dxe[slot_row[t·k + j]]`.
 pub fn gather_backward(dx: &mut [f32], dxe: &[f32], slot_row: &[u32], k: usize, d: usize) {
-    dx.par_chunks_mut(d)
-        .zip(slot_row.par_chunks(k))
-        .for_each(|(row, rows)| {
-            row.fill(0.0);
-            for &r in rows {
-                row.iter_mut()
-                    .zip(&dxe[r as usize * d..][..d])
-                    .for_each(|(a, b)| *a += b);
-            }
-        });
+    dx.par_chunks_mut(d).zip(slot_row.par_chunks(k)).for_each(|(row, rows)| {
+        row.fill(0.0);
+        for &r in rows {
+            row.iter_mut().zip(&dxe[r as usize * d..][..d]).for_each(|(a, b)| *a += b);
+        }
+    });
 }
 
 /// `out[t] = Σ_j weight[t·k + j] · ye[slot_row[t·k + j]]`.
 pub fn combine(out: &mut [f32], ye: &[f32], weight: &[f32], slot_row: &[u32], k: usize, d: usize) {
-    out.par_chunks_mut(d)
-        .zip(slot_row.par_chunks(k))
-        .zip(weight.par_chunks(k))
-        .for_each(|((row, rows), w)| {
-            row.fill(0.0);
-            for (&r, &w) in rows.iter().zip(w) {
-                row.iter_mut()
-                    .zip(&ye[r as usize * d..][..d])
-                    .for_each(|(a, y)| *a += w * y);
-            }
-        });
+    out.par_chunks_mut(d).zip(slot_row.par_chunks(k)).zip(weight.par_chunks(k)).for_each(|((row, rows), w)| {
+        row.fill(0.0);
+        for (&r, &w) in rows.iter().zip(w) {
+            row.iter_mut().zip(&ye[r as usize * d..][..d]).for_each(|(a, y)| *a += w * y);
+        }
+    });
 }
 
 /// `dye[r] = weight[s] · dout[s / k]` for the slot s of each row, and
@@ -138,26 +120,14 @@ pub fn combine_backward(
     k: usize,
     d: usize,
 ) {
-    dye.par_chunks_mut(d)
-        .zip(row_slot.par_iter())
-        .for_each(|(row, &s)| {
-            let (s, t) = (s as usize, s as usize / k);
-            row.iter_mut()
-                .zip(&dout[t * d..(t + 1) * d])
-                .for_each(|(g, o)| *g = weight[s] * o);
-        });
-    dweight
-        .par_iter_mut()
-        .zip(slot_row.par_iter())
-        .enumerate()
-        .for_each(|(s, (dw, &r))| {
-            let t = s / k;
-            *dw = dout[t * d..(t + 1) * d]
-                .iter()
-                .zip(&ye[r as usize * d..][..d])
-                .map(|(a, b)| a * b)
-                .sum();
-        });
+    dye.par_chunks_mut(d).zip(row_slot.par_iter()).for_each(|(row, &s)| {
+        let (s, t) = (s as usize, s as usize / k);
+        row.iter_mut().zip(&dout[t * d..(t + 1) * d]).for_each(|(g, o)| *g = weight[s] * o);
+    });
+    dweight.par_iter_mut().zip(slot_row.par_iter()).enumerate().for_each(|(s, (dw, &r))| {
+        let t = s / k;
+        *dw = dout[t * d..(t + 1) * d].iter().zip(&ye[r as usize * d..][..d]).map(|(a, b)| a * b).sum();
+    });
 }
 
 /// Gradient of the router logits (overwritten), from the gradient of the renormalised weights
@@ -180,9 +150,7 @@ pub fn route_backward(
         .zip(dweight.par_chunks(k).zip(weight.par_chunks(k)))
         .for_each(|(((dr, p), chosen), (dw, w))| {
             // dr first holds dL/dp, then becomes dL/dlogits in place.
-            dr.iter_mut()
-                .zip(counts)
-                .for_each(|(g, &c)| *g = aux_scale * c);
+            dr.iter_mut().zip(counts).for_each(|(g, &c)| *g = aux_scale * c);
             let chosen_sum: f32 = chosen.iter().map(|&x| p[x as usize]).sum();
             let c: f32 = dw.iter().zip(w).map(|(a, b)| a * b).sum();
             for (&x, &g) in chosen.iter().zip(dw) {

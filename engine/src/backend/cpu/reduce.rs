@@ -18,28 +18,21 @@ pub fn fill(x: &mut [f32], value: f32) {
 /// `dst = src`.
 pub fn copy(dst: &mut [f32], src: &[f32]) {
     assert_eq!(dst.len(), src.len());
-    dst.par_chunks_mut(CHUNK)
-        .zip(src.par_chunks(CHUNK))
-        .for_each(|(d, s)| d.copy_from_slice(s));
+    dst.par_chunks_mut(CHUNK).zip(src.par_chunks(CHUNK)).for_each(|(d, s)| d.copy_from_slice(s));
 }
 
 /// `dst += src`.
 pub fn add(dst: &mut [f32], src: &[f32]) {
     assert_eq!(dst.len(), src.len());
-    dst.par_chunks_mut(CHUNK)
-        .zip(src.par_chunks(CHUNK))
-        .for_each(|(d, s)| {
-            d.iter_mut().zip(s).for_each(|(d, s)| *d += s);
-        });
+    dst.par_chunks_mut(CHUNK).zip(src.par_chunks(CHUNK)).for_each(|(d, s)| {
+        d.iter_mut().zip(s).for_each(|(d, s)| *d += s);
+    });
 }
 
 /// `Σ f(x[i])` in f64: fixed chunks summed into `partials` in parallel, then added in order.
 pub fn sum(x: &[f32], partials: &mut [f64], f: impl Fn(f32) -> f64 + Sync) -> f64 {
     assert_eq!(partials.len(), partial_count(x.len()));
-    partials
-        .par_iter_mut()
-        .zip(x.par_chunks(CHUNK))
-        .for_each(|(p, c)| *p = lanes_sum(c, &f));
+    partials.par_iter_mut().zip(x.par_chunks(CHUNK)).for_each(|(p, c)| *p = lanes_sum(c, &f));
     partials.iter().sum()
 }
 
@@ -66,20 +59,12 @@ mod tests {
         let expected: f64 = x.iter().map(|&v| v as f64).sum();
         let mut partials = vec![0.0; partial_count(x.len())];
         assert_eq!(sum(&x, &mut partials, |v| v as f64), expected);
-        let y: Vec<f32> = (0..50_000)
-            .map(|i| ((i * 7919) % 1000) as f32 * 1e-3)
-            .collect();
+        let y: Vec<f32> = (0..50_000).map(|i| ((i * 7919) % 1000) as f32 * 1e-3).collect();
         let mut p = vec![0.0; partial_count(y.len())];
-        let one = rayon::ThreadPoolBuilder::new()
-            .num_threads(1)
-            .build()
-            .unwrap()
-            .install(|| sum(&y, &mut p, |v| v as f64));
-        let many = rayon::ThreadPoolBuilder::new()
-            .num_threads(3)
-            .build()
-            .unwrap()
-            .install(|| sum(&y, &mut p, |v| v as f64));
+        let one =
+            rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap().install(|| sum(&y, &mut p, |v| v as f64));
+        let many =
+            rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap().install(|| sum(&y, &mut p, |v| v as f64));
         assert_eq!(one.to_bits(), many.to_bits());
     }
 }

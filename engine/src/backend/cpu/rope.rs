@@ -13,10 +13,7 @@ use rayon::prelude::*;
 pub fn apply(qkv: &mut [f32], table: &[f32], s: AttnShape, inverse: bool) {
     let (width, half) = (s.qkv_width(), s.head_dim / 2);
     assert_eq!(qkv.len(), s.rows() * width);
-    assert!(
-        table.len() >= s.seq * half * 2,
-        "RoPE table shorter than the sequence"
-    );
+    assert!(table.len() >= s.seq * half * 2, "RoPE table shorter than the sequence");
     let sign = if inverse { -1.0 } else { 1.0 };
     qkv.par_chunks_mut(width).enumerate().for_each(|(row, r)| {
         let t = row % s.seq;

@@ -1,0 +1,102 @@
+//! Command-line interface: argument definitions and dispatch to one module per command.
+
+mod bench;
+mod info;
+mod recipes;
+mod train;
+
+use anyhow::{Context, Result};
+use clap::{Args, Parser, Subcommand};
+use engine::config::{self, Override, Resolved};
+
+/// Trains Llama, Mistral and Mixtral style models with explicit forward and backward passes.
+#[derive(Parser)]
+#[command(name = "engine", version, about, max_term_width = 100)]
+pub struct Cli {
+    /// CPU threads for the CPU backend [default: all cores; env: ENGINE_THREADS]
+    #[arg(long, global = true, value_name = "N")]
+    threads: Option<usize>,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Train a model from a recipe on the embedded corpus or synthetic tokens.
+    Train(train::TrainArgs),
+    /// List the built-in recipes, or show one resolved with its parameter count and FLOPs.
+    #[command(subcommand)]
+    Recipes(recipes::RecipesCommand),
+    /// Measure step time, tokens/s, TFLOP/s and MFU of recipes, and the GEMM rate.
+    Bench(bench::BenchArgs),
+    /// Show the devices, versions and flags in effect.
+    Info,
+}
+
+/// A recipe and its overrides, shared by the commands that resolve one.
+#[derive(Args, Clone)]
+pub struct RecipeArgs {
+    /// A built-in recipe name (see `engine recipes list`) or a path to a recipe TOML file.
+    #[arg(long, value_name = "NAME|FILE")]
+    recipe: String,
+    /// Override a recipe key, e.g. `--set model.n_layers=4` (repeatable; applied after
+    /// ENGINE_DEFAULT_FLAGS and ENGINE_FLAGS).
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    set: Vec<String>,
+}
+
+impl RecipeArgs {
+    /// Resolves the recipe with, in order, `ENGINE_DEFAULT_FLAGS`, `ENGINE_FLAGS`, `--set` and
+    /// `extra` overrides.
+    pub fn resolve(&self, extra: &[Override]) -> Result<Resolved> {
+        let mut overrides = Vec::new();
+        for var in ["ENGINE_DEFAULT_FLAGS", "ENGINE_FLAGS"] {
+            if let Ok(list) = std::env::var(var) {
+                overrides.extend(Override::from_list(&list, var));
+            }
+        }
+        overrides.extend(self.set.iter().map(|s| Override { text: s.clone(), origin: "--set".into() }));
+        overrides.extend_from_slice(extra);
+        config::resolve(&self.recipe, &overrides)
+    }
+}
+
+/// Runs a parsed command line.
+pub fn run(cli: Cli) -> Result<()> {
+    let threads = match cli.threads {
+        Some(n) => Some(n),
+        None => match std::env::var("ENGINE_THREADS") {
+            Ok(v) => Some(v.trim().parse().with_context(|| format!("ENGINE_THREADS = `{v}` is not a number"))?),
+            Err(_) => None,
+        },
+    };
+    if let Some(n) = threads {
+        anyhow::ensure!(n > 0, "--threads must be at least 1");
+        rayon::ThreadPoolBuilder::new().num_threads(n).build_global().context("cannot start the thread pool")?;
+    }
+    match cli.command {
+        Command::Train(args) => train::run(args),
+        Command::Recipes(cmd) => recipes::run(cmd),
+        Command::Bench(args) => bench::run(args),
+        Command::Info => info::run(),
+    }
+}
+
+/// Panics are bugs: report them in one line with where they happened, without a backtrace
+/// unless RUST_BACKTRACE asks for one, and exit with 101 as Rust does.
+pub fn install_panic_hook() {
+    if std::env::var_os("RUST_BACKTRACE").is_some() {
+        return;
+    }
+    std::panic::set_hook(Box::new(|info| {
+        let message = info
+            .payload()
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| info.payload().downcast_ref::<String>().cloned())
+            .unwrap_or_default();
+        let place = info.location().map(|l| format!(" at {}:{}", l.file(), l.line())).unwrap_or_default();
+        eprintln!("internal error: {message}{place} (please report it; RUST_BACKTRACE=1 shows more)");
+        std::process::exit(101);
+    }));
+}

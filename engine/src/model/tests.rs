@@ -1,0 +1,176 @@
+//! Whole-model checks: the backward pass against finite differences of the training objective
+//! (mean cross-entropy + coefficient × load-balancing loss) for a small model of each family,
+//! and determinism across thread counts.
+
+use super::{LOSS_SUM, Model, Plan, init};
+use crate::backend::Backend;
+use crate::backend::cpu::Cpu;
+use crate::config::{Family, ModelConfig, MoeConfig, RopeScaling};
+use crate::rng;
+
+fn small(family: Family) -> ModelConfig {
+    ModelConfig {
+        family,
+        vocab_size: 37,
+        d_model: 16,
+        n_layers: 2,
+        n_heads: 4,
+        n_kv_heads: 2,
+        head_dim: 6,
+        mlp_dim: 24,
+        max_seq_len: 64,
+        init_std: 0.3,
+        ..ModelConfig::default()
+    }
+}
+
+/// A model with its parameters, and a batch of tokens uploaded.
+struct Setup {
+    model: Model,
+    cpu: Cpu,
+    plan: Plan,
+    params: Vec<f32>,
+}
+
+fn setup(config: ModelConfig, batch: usize, seq: usize) -> Setup {
+    let model = Model::new(&config);
+    let mut cpu = Cpu::new();
+    let plan = model.plan(&mut cpu, batch, seq);
+    let params = init::params(&model, 5);
+    cpu.upload(plan.params, &params);
+    let n = batch * seq;
+    let stream: Vec<u32> = (0..=n).map(|i| (rng::bits(11, 0, i as u64) % config.vocab_size as u64) as u32).collect();
+    cpu.upload_idx(plan.tokens, &stream[..n]);
+    cpu.upload_idx(plan.targets, &stream[1..]);
+    Setup { model, cpu, plan, params }
+}
+
+impl Setup {
+    /// The objective at the current parameters, in f64 from the per-token losses.
+    fn objective(&mut self) -> f64 {
+        self.model.forward(&mut self.cpu, &self.plan, None);
+        let mut losses = vec![0f32; self.plan.losses.len];
+        self.cpu.download(self.plan.losses, &mut losses);
+        let ce = losses.iter().map(|&l| l as f64).sum::<f64>() / losses.len() as f64;
+        let coef = self.model.config.moe.as_ref().map_or(0.0, |m| m.aux_loss_coef);
+        ce + coef * self.model.aux_loss(&mut self.cpu, &self.plan)
+    }
+
+    /// The analytic gradient of [`Setup::objective`].
+    fn gradient(&mut self) -> Vec<f32> {
+        let n = self.plan.losses.len as f32;
+        self.cpu.fill(self.plan.grads, 0.0);
+        self.model.forward(&mut self.cpu, &self.plan, Some(1.0 / n));
+        let aux = self.model.aux_scale(&self.plan, 1.0);
+        self.model.backward(&mut self.cpu, &self.plan, aux);
+        let mut g = vec![0f32; self.plan.grads.len];
+        self.cpu.download(self.plan.grads, &mut g);
+        g
+    }
+
+    fn set_params(&mut self, p: &[f32]) {
+        self.cpu.upload(self.plan.params, p);
+    }
+}
+
+/// For every tensor, compares the directional derivative along a direction close to the
+/// gradient with central differences of the objective.
+fn check_model(name: &str, config: ModelConfig, batch: usize, seq: usize) {
+    let mut s = setup(config, batch, seq);
+    let grad = s.gradient();
+    let base = s.params.clone();
+    let tensors = s.model.layout.tensors.clone();
+    for (stream, t) in tensors.iter().enumerate() {
+        let range = t.offset..t.offset + t.len();
+        let g = &grad[range.clone()];
+        let g_norm = g.iter().map(|&x| (x as f64).powi(2)).sum::<f64>().sqrt();
+        // Half along the gradient, half random: a wrong magnitude or direction both show. An
+        // expert no token was routed to has no gradient: then the objective must not move.
+        let noise: Vec<f64> = (0..t.len()).map(|i| 2.0 * rng::uniform(3, stream as u64, i as u64) - 1.0).collect();
+        let noise_norm = noise.iter().map(|x| x * x).sum::<f64>().sqrt();
+        let along = if g_norm > 0.0 { 1.0 / g_norm } else { 0.0 };
+        let u: Vec<f64> = g.iter().zip(&noise).map(|(&g, &r)| g as f64 * along + r / noise_norm).collect();
+        let analytic: f64 = g.iter().zip(&u).map(|(&g, &u)| g as f64 * u).sum();
+        // Small enough that curvature stays below the tolerance, large enough for f32 noise.
+        let h = 3e-3;
+        let mut eval = |sign: f64| {
+            let mut p = base.clone();
+            for (x, d) in p[range.clone()].iter_mut().zip(&u) {
+                *x += (sign * h * d) as f32;
+            }
+            s.set_params(&p);
+            s.objective()
+        };
+        let numeric = (eval(1.0) - eval(-1.0)) / (2.0 * h);
+        if g_norm == 0.0 {
+            assert!(
+                t.name.contains("experts") && numeric.abs() < 1e-4,
+                "{name}: {}: no gradient, yet {numeric:e}",
+                t.name
+            );
+            continue;
+        }
+        let relative = (numeric - analytic).abs() / analytic.abs();
+        assert!(
+            relative < 2e-3,
+            "{name}: {}: analytic {analytic:.6e} vs numeric {numeric:.6e} ({relative:.1e})",
+            t.name
+        );
+    }
+}
+
+#[test]
+fn llama_with_rope_scaling() {
+    let config = ModelConfig {
+        rope_scaling: Some(RopeScaling {
+            factor: 4.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 2.0,
+            original_max_seq_len: 8,
+        }),
+        rope_theta: 50.0,
+        ..small(Family::Llama)
+    };
+    check_model("llama", config, 2, 7);
+}
+
+#[test]
+fn mistral_with_a_window_shorter_than_the_sequence() {
+    check_model("mistral", ModelConfig { sliding_window: 3, n_kv_heads: 1, ..small(Family::Mistral) }, 2, 8);
+}
+
+#[test]
+fn mixtral_top2_of_4_with_the_auxiliary_loss() {
+    let moe = MoeConfig { num_experts: 4, top_k: 2, aux_loss_coef: 0.5 };
+    check_model("mixtral", ModelConfig { moe: Some(moe), ..small(Family::Mixtral) }, 2, 12);
+}
+
+#[test]
+fn tied_embeddings() {
+    check_model("tied", ModelConfig { tie_embeddings: true, n_kv_heads: 4, ..small(Family::Llama) }, 1, 9);
+}
+
+/// One training step's gradients and loss, on a rayon pool of `threads` threads.
+fn step_bits(config: &ModelConfig, threads: usize) -> (Vec<u32>, u32) {
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+    pool.install(|| {
+        let mut s = setup(config.clone(), 2, 16);
+        let g = s.gradient();
+        let mut loss = [0f32; 1];
+        s.cpu.download(s.plan.scalars.at(LOSS_SUM, 1), &mut loss);
+        (g.iter().map(|x| x.to_bits()).collect(), loss[0].to_bits())
+    })
+}
+
+#[test]
+fn gradients_are_bitwise_identical_whatever_the_thread_count() {
+    for config in [
+        ModelConfig { d_model: 96, mlp_dim: 160, ..small(Family::Llama) },
+        ModelConfig { moe: Some(MoeConfig::default()), d_model: 64, ..small(Family::Mixtral) },
+    ] {
+        let one = step_bits(&config, 1);
+        for threads in [2, 3, 5] {
+            assert!(one == step_bits(&config, threads), "{:?} differs with {threads} threads", config.family);
+        }
+    }
+}

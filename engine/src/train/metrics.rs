@@ -1,0 +1,80 @@
+//! What every step reports: a human-readable line and a JSON object in `metrics.jsonl`.
+//!
+//! Throughput follows the FLOP convention of [`crate::config::count`]; MFU is TFLOP/s per
+//! device over the device's peak (on CPU, a measured f32 GEMM rate unless `train.peak_tflops`
+//! is set).
+
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::Path;
+
+use anyhow::{Context, Result};
+use serde::Serialize;
+
+/// Metrics of one optimizer step.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct StepMetrics {
+    /// 1-based step number.
+    pub step: u64,
+    /// Mean next-token cross-entropy over the step's tokens.
+    pub loss: f64,
+    /// Load-balancing loss, averaged over micro-batches (mixture-of-experts models only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub aux_loss: Option<f64>,
+    /// Learning rate used.
+    pub lr: f64,
+    /// Global gradient norm before clipping.
+    pub grad_norm: f64,
+    /// Wall time of the step.
+    pub step_time_s: f64,
+    /// Tokens processed per second (all micro-batches of this device).
+    pub tokens_per_s: f64,
+    /// Achieved TFLOP/s of this device.
+    pub tflops_per_device: f64,
+    /// Model FLOP utilisation: `tflops_per_device` over the device's peak.
+    pub mfu: f64,
+}
+
+impl StepMetrics {
+    /// The one-line summary printed for every step.
+    pub fn line(&self, total_steps: usize) -> String {
+        let width = total_steps.to_string().len();
+        let aux = self.aux_loss.map(|a| format!(" | aux {a:.4}")).unwrap_or_default();
+        format!(
+            "step {:>width$}/{total_steps} | loss {:.4}{aux} | lr {:.2e} | grad norm {:.3} | {:.3} s | {:.0} tok/s | {:.3} TFLOP/s | MFU {:.1}%",
+            self.step,
+            self.loss,
+            self.lr,
+            self.grad_norm,
+            self.step_time_s,
+            self.tokens_per_s,
+            self.tflops_per_device,
+            100.0 * self.mfu,
+        )
+    }
+}
+
+/// Appends one JSON object per step to `metrics.jsonl`, flushed at every step so that a killed
+/// run keeps every completed step.
+pub struct JsonlWriter {
+    out: BufWriter<File>,
+}
+
+impl JsonlWriter {
+    /// Opens (appending) `path`.
+    pub fn append(path: &Path) -> Result<JsonlWriter> {
+        let file = File::options()
+            .create(true)
+            .append(true)
+            .open(path)
+            .with_context(|| format!("cannot open {} for writing", path.display()))?;
+        Ok(JsonlWriter { out: BufWriter::new(file) })
+    }
+
+    /// Writes one record.
+    pub fn write(&mut self, record: &impl Serialize) -> Result<()> {
+        serde_json::to_writer(&mut self.out, record)?;
+        self.out.write_all(b"\n")?;
+        self.out.flush().context("cannot write metrics")
+    }
+}

@@ -1,0 +1,177 @@
+//! The `engine` command as a user runs it: training lowers the loss, runs are reproducible,
+//! recipes report the published sizes, and bad input gets one clear line and exit code 2.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn engine(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_engine"))
+        .args(args)
+        .env_remove("ENGINE_FLAGS")
+        .env_remove("ENGINE_DEFAULT_FLAGS")
+        .output()
+        .expect("engine runs")
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("engine-cli-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// The losses recorded in a run directory's metrics.jsonl.
+fn losses(run_dir: &Path) -> Vec<f64> {
+    std::fs::read_to_string(run_dir.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"].as_f64().unwrap())
+        .collect()
+}
+
+fn train(recipe: &str, run_dir: &Path, extra: &[&str]) -> Output {
+    let mut args = vec!["train", "--recipe", recipe, "--run-dir", run_dir.to_str().unwrap()];
+    args.extend_from_slice(extra);
+    let out = engine(&args);
+    assert!(out.status.success(), "{recipe}: {}", String::from_utf8_lossy(&out.stderr));
+    out
+}
+
+#[test]
+fn each_seed_configuration_learns() {
+    let dir = scratch("learns");
+    for recipe in ["tiny-llama2", "tiny-mistral", "tiny-mixtral"] {
+        let run = dir.join(recipe);
+        train(recipe, &run, &["--steps", "8"]);
+        let l = losses(&run);
+        assert_eq!(l.len(), 8);
+        assert!(l[7] < 0.9 * l[0], "{recipe}: loss {} -> {}", l[0], l[7]);
+        let record: serde_json::Value =
+            serde_json::from_str(std::fs::read_to_string(run.join("metrics.jsonl")).unwrap().lines().next().unwrap())
+                .unwrap();
+        for key in ["step", "loss", "lr", "grad_norm", "step_time_s", "tokens_per_s", "tflops_per_device", "mfu"] {
+            assert!(record[key].is_number(), "{recipe}: metrics lack {key}");
+        }
+        assert!(run.join("summary.json").exists() && run.join("config.toml").exists());
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn the_same_seed_gives_bitwise_identical_losses() {
+    let dir = scratch("determinism");
+    let small = ["--steps", "4", "--set", "model.vocab_size=512", "--set", "model.d_model=256"];
+    let runs: Vec<Vec<u64>> = ["a", "b"]
+        .iter()
+        .map(|name| {
+            let run = dir.join(name);
+            train("tiny-mixtral", &run, &small);
+            losses(&run).iter().map(|l| l.to_bits()).collect()
+        })
+        .collect();
+    assert_eq!(runs[0], runs[1]);
+    let other = dir.join("other-seed");
+    let mut args = small.to_vec();
+    args.extend(["--set", "train.seed=99"]);
+    train("tiny-mixtral", &other, &args);
+    assert_ne!(losses(&other).iter().map(|l| l.to_bits()).collect::<Vec<_>>(), runs[0]);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn recipes_show_the_published_parameter_counts() {
+    for (recipe, count) in [
+        ("llama3-8b", "8,030,261,248"),
+        ("llama2-7b", "6,738,415,616"),
+        ("mistral-7b", "7,241,732,096"),
+        ("mixtral-8x7b", "46,702,792,704"),
+    ] {
+        let out = engine(&["recipes", "show", recipe]);
+        let text = String::from_utf8(out.stdout).unwrap();
+        assert!(out.status.success() && text.contains(count), "{recipe}: {text}");
+        assert!(text.contains("Causal halving is applied"));
+    }
+    let list = String::from_utf8(engine(&["recipes", "list"]).stdout).unwrap();
+    for recipe in ["tiny-llama2", "llama3.1-405b", "fuji-1B-v3", "fuji-70B-v1", "mixtral-8x7b"] {
+        assert!(list.contains(recipe), "{recipe} missing from the list");
+    }
+}
+
+#[test]
+fn overrides_apply_in_order_defaults_then_user_flags_then_the_command_line() {
+    let show = |default_flags: &str, flags: &str, set: &[&str]| {
+        let mut args = vec!["recipes", "show", "tiny-llama2"];
+        for s in set {
+            args.extend(["--set", s]);
+        }
+        let out = Command::new(env!("CARGO_BIN_EXE_engine"))
+            .args(&args)
+            .env("ENGINE_DEFAULT_FLAGS", default_flags)
+            .env("ENGINE_FLAGS", flags)
+            .output()
+            .unwrap();
+        String::from_utf8(out.stdout).unwrap()
+    };
+    assert!(show("train.steps=7 train.seed=3", "", &[]).contains("steps = 7"));
+    let text = show("train.steps=7 train.seed=3", "train.steps=8", &[]);
+    assert!(text.contains("steps = 8") && text.contains("seed = 3"), "ENGINE_FLAGS adds to the defaults: {text}");
+    assert!(show("train.steps=7", "train.steps=8", &["train.steps=9"]).contains("steps = 9"));
+}
+
+/// Bad input: exit code 2, one line on stderr naming the problem, no panic, no run directory.
+#[test]
+fn bad_input_gets_one_clear_line() {
+    let dir = scratch("errors");
+    let bad_toml = dir.join("bad.toml");
+    std::fs::write(&bad_toml, "[model]\nd_model = 64\nn_layers = \"two\"\n").unwrap();
+    let bad_str = bad_toml.to_str().unwrap();
+    let cases: [(&[&str], &str); 11] = [
+        (&["--recipe", "tiny-lama2"], "unknown recipe `tiny-lama2` (did you mean `tiny-llama2`?)"),
+        (&["--recipe", "tiny-llama2", "--set", "model.n_headz=4"], "unknown field `n_headz`"),
+        (&["--recipe", "tiny-llama2", "--set", "train.seq_len=long"], "--set train.seq_len=long: invalid type"),
+        (
+            &["--recipe", "tiny-llama2", "--set", "model.n_kv_heads=3"],
+            "model.n_heads = 8 is not divisible by model.n_kv_heads = 3",
+        ),
+        (
+            &["--recipe", "tiny-mixtral", "--set", "model.moe.top_k=9"],
+            "model.moe.top_k = 9 is larger than model.moe.num_experts = 8",
+        ),
+        (
+            &["--recipe", "tiny-llama2", "--set", "train.seq_len=5000"],
+            "train.seq_len = 5000 is longer than model.max_seq_len = 4096",
+        ),
+        (&["--recipe", "tiny-llama2", "--set", "model.n_layers=0"], "model.n_layers must be greater than 0"),
+        (&["--recipe", "tiny-llama2", "--set", "model.vocab_size=100"], "model.vocab_size = 100"),
+        (&["--recipe", "/nonexistent/recipe.toml"], "cannot read recipe file /nonexistent/recipe.toml"),
+        (&["--recipe", bad_str], "bad.toml:3:12: invalid type"),
+        (&["--recipe", "tiny-llama2", "--steps", "many"], "invalid value 'many'"),
+    ];
+    for (i, (args, expected)) in cases.iter().enumerate() {
+        let run = dir.join(format!("run-{i}"));
+        let mut full = vec!["train", "--run-dir", run.to_str().unwrap()];
+        full.extend_from_slice(args);
+        let out = engine(&full);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains(expected), "{args:?}: expected `{expected}` in: {stderr}");
+        assert!(!stderr.contains("panicked") && !stderr.contains("backtrace"), "{args:?}: {stderr}");
+        if !expected.starts_with("invalid value") {
+            assert_eq!(stderr.trim_end().lines().count(), 1, "{args:?}: more than one line: {stderr}");
+        }
+        assert!(!run.exists(), "{args:?} left a run directory behind");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_run_directory_is_never_reused_silently() {
+    let dir = scratch("reuse");
+    let run = dir.join("run");
+    train("tiny-mistral", &run, &["--steps", "1", "--set", "model.d_model=64"]);
+    let out = engine(&["train", "--recipe", "tiny-mistral", "--steps", "1", "--run-dir", run.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("already holds a run"));
+    assert_eq!(losses(&run).len(), 1);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
