@@ -181,7 +181,7 @@ pub fn build(opts: &BuildOptions, progress: &Progress) -> Result<BuildResult> {
 
     // 2. Engine binaries, all platforms in one cargo run.
     let stage = Stage::prepare(&ws, &cache, &opts.sources.crate_patches, progress)?;
-    let built = stage.build(&platforms, &def.binaries, progress)?;
+    let built = stage.build(&platforms, &def.binaries, &ws.revision(), progress)?;
 
     // 3. Layers that do not depend on the platform.
     let step = progress.step("assembling layers");

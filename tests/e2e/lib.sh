@@ -1,0 +1,137 @@
+# Shared helpers for the image end-to-end tests: installs what is missing, starts (and later
+# stops) dockerd and two local registries, and builds a small multi-arch Debian base image that
+# stands in for the CUDA base offline. Sourced by tests/e2e/images.sh.
+#
+# Everything it starts is recorded and stopped by e2e_cleanup; what it caches (debootstrap
+# root filesystems) lives under $WORK/cache and is reused by later runs.
+
+log() { printf '== %s\n' "$*" >&2; }
+die() { printf 'FAIL: %s\n' "$*" >&2; exit 1; }
+
+E2E_PIDS=()
+E2E_STARTED_DOCKERD=0
+
+e2e_install() {
+    local pkgs=(docker.io skopeo umoci docker-registry debootstrap qemu-user-static binfmt-support
+        apache2-utils gcc-aarch64-linux-gnu libc6-dev-arm64-cross jq curl git)
+    local missing=()
+    for p in "${pkgs[@]}"; do
+        dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
+    done
+    if ((${#missing[@]})); then
+        log "installing ${missing[*]}"
+        DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y "${missing[@]}" >"$WORK/apt.log" 2>&1 \
+            || { apt-get -o DPkg::Lock::Timeout=600 update >>"$WORK/apt.log" 2>&1 &&
+                 DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y "${missing[@]}" >>"$WORK/apt.log" 2>&1; } \
+            || die "apt-get install failed (see $WORK/apt.log)"
+    fi
+    rustup target list --installed | grep -qx aarch64-unknown-linux-gnu || rustup target add aarch64-unknown-linux-gnu >&2
+}
+
+# arm64 binaries (debootstrap's second stage, docker run of the arm64 image) run under qemu.
+e2e_binfmt() {
+    if [ ! -e /proc/sys/fs/binfmt_misc/register ]; then
+        mount -t binfmt_misc binfmt_misc /proc/sys/fs/binfmt_misc || die "cannot mount binfmt_misc"
+    fi
+    if [ ! -e /proc/sys/fs/binfmt_misc/qemu-aarch64 ]; then
+        update-binfmts --enable qemu-aarch64 >&2 || die "cannot register qemu-aarch64"
+    fi
+}
+
+e2e_dockerd() {
+    if docker info >/dev/null 2>&1; then return; fi
+    log "starting dockerd"
+    setsid dockerd >"$WORK/dockerd.log" 2>&1 &
+    E2E_STARTED_DOCKERD=$!
+    for _ in $(seq 1 60); do
+        docker info >/dev/null 2>&1 && return
+        sleep 1
+    done
+    die "dockerd did not come up (see $WORK/dockerd.log)"
+}
+
+# e2e_registry NAME PORT [htpasswd-file]: a docker-registry on 127.0.0.1:PORT with its own
+# config and storage under $WORK/NAME.
+e2e_registry() {
+    local name=$1 port=$2 htpasswd=${3:-}
+    local dir="$WORK/$name"
+    mkdir -p "$dir/storage"
+    {
+        echo "version: 0.1"
+        echo "log: {level: warn}"
+        echo "storage: {filesystem: {rootdirectory: $dir/storage}, delete: {enabled: true}}"
+        echo "http: {addr: 127.0.0.1:$port, secret: e2e-$name}"
+        if [ -n "$htpasswd" ]; then
+            echo "auth: {htpasswd: {realm: e2e-$name, path: $htpasswd}}"
+        fi
+    } >"$dir/config.yml"
+    setsid docker-registry serve "$dir/config.yml" >"$dir/registry.log" 2>&1 &
+    E2E_PIDS+=($!)
+    for _ in $(seq 1 50); do
+        code=$(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$port/v2/" || true)
+        [ "$code" = 200 ] || [ "$code" = 401 ] && return
+        sleep 0.2
+    done
+    die "registry $name did not come up (see $dir/registry.log)"
+}
+
+e2e_cleanup() {
+    local pid
+    for pid in "${E2E_PIDS[@]}"; do
+        kill "$pid" 2>/dev/null || true
+    done
+    if [ "$E2E_STARTED_DOCKERD" != 0 ]; then
+        kill "$E2E_STARTED_DOCKERD" 2>/dev/null || true
+        for _ in $(seq 1 30); do kill -0 "$E2E_STARTED_DOCKERD" 2>/dev/null || break; sleep 0.5; done
+    fi
+}
+
+# e2e_rootfs ARCH: a debootstrap --variant=minbase Debian bookworm, as a tar, cached.
+e2e_rootfs() {
+    local arch=$1
+    local tarball="$WORK/cache/rootfs-bookworm-$arch.tar"
+    if [ -s "$tarball" ]; then echo "$tarball"; return; fi
+    mkdir -p "$WORK/cache"
+    local dir="$WORK/cache/rootfs-$arch"
+    rm -rf "$dir"
+    log "debootstrap bookworm $arch (cached in $tarball for later runs)"
+    debootstrap --variant=minbase --arch="$arch" bookworm "$dir" "${DEBIAN_MIRROR:-http://deb.debian.org/debian}" \
+        >"$WORK/cache/debootstrap-$arch.log" 2>&1 || die "debootstrap $arch failed (see $WORK/cache/debootstrap-$arch.log)"
+    # Drop what varies per run and has no place in an image.
+    rm -rf "$dir"/var/cache/apt/archives/*.deb "$dir"/var/lib/apt/lists/* "$dir"/var/log/* "$dir"/dev/* "$dir"/proc/* "$dir"/sys/*
+    tar --numeric-owner --sort=name -C "$dir" -cf "$tarball.tmp" . && mv "$tarball.tmp" "$tarball"
+    rm -rf "$dir"
+    echo "$tarball"
+}
+
+# e2e_base REGISTRY REPO: pushes a two-platform Debian image to REGISTRY/REPO:bookworm (per-arch
+# images built with umoci, copied with skopeo, joined by an OCI index).
+e2e_base() {
+    local registry=$1 repo=$2
+    local layout="$WORK/base-oci"
+    rm -rf "$layout"
+    umoci init --layout "$layout" >&2
+    local entries=() arch digest size
+    for arch in amd64 arm64; do
+        local rootfs
+        rootfs=$(e2e_rootfs "$arch")
+        umoci new --image "$layout:$arch" >&2
+        umoci raw add-layer --image "$layout:$arch" "$rootfs" >&2
+        umoci config --image "$layout:$arch" --architecture "$arch" --os linux \
+            --config.env PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin --config.cmd /bin/bash >&2
+        skopeo copy -q "oci:$layout:$arch" "docker://$registry/$repo:bookworm-$arch" --dest-tls-verify=false >&2
+        # Hash the stored bytes themselves ($(...) would drop a trailing newline).
+        curl -sf -H 'Accept: application/vnd.oci.image.manifest.v1+json' -o "$WORK/base-manifest.json" \
+            "http://$registry/v2/$repo/manifests/bookworm-$arch" || die "fetching the $arch base manifest failed"
+        digest=sha256:$(sha256sum <"$WORK/base-manifest.json" | cut -d' ' -f1)
+        size=$(wc -c <"$WORK/base-manifest.json")
+        local variant=""
+        [ "$arch" = arm64 ] && variant=',"variant":"v8"'
+        entries+=("{\"mediaType\":\"application/vnd.oci.image.manifest.v1+json\",\"digest\":\"$digest\",\"size\":$size,\"platform\":{\"architecture\":\"$arch\",\"os\":\"linux\"$variant}}")
+    done
+    local index
+    index="{\"schemaVersion\":2,\"mediaType\":\"application/vnd.oci.image.index.v1+json\",\"manifests\":[$(IFS=,; echo "${entries[*]}")]}"
+    curl -sf -X PUT -H 'Content-Type: application/vnd.oci.image.index.v1+json' --data-binary "$index" \
+        "http://$registry/v2/$repo/manifests/bookworm" >&2 || die "pushing the base index failed"
+    echo "sha256:$(printf '%s' "$index" | sha256sum | cut -d' ' -f1)"
+}
