@@ -25,11 +25,7 @@ enum Command {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_target(false)
-        .without_time()
-        .init();
+    tracing_subscriber::fmt().with_writer(std::io::stderr).with_target(false).without_time().init();
     let result = match cli.command {
         Command::Build(a) => cli::build_cmd(a),
         Command::Push(a) => cli::push_cmd(a),
@@ -39,18 +35,9 @@ fn main() -> ExitCode {
     match result {
         Ok(code) => code,
         Err(e) => {
-            let line = format!("{e:#}")
-                .lines()
-                .map(str::trim)
-                .filter(|l| !l.is_empty())
-                .collect::<Vec<_>>()
-                .join("; ");
+            let line = format!("{e:#}").lines().map(str::trim).filter(|l| !l.is_empty()).collect::<Vec<_>>().join("; ");
             eprintln!("error: {line}");
-            ExitCode::from(if distro::image::error::is_bad_input(&e) {
-                2
-            } else {
-                1
-            })
+            ExitCode::from(if distro::image::error::is_bad_input(&e) { 2 } else { 1 })
         }
     }
 }

@@ -16,8 +16,8 @@ use anyhow::{Context, Result, anyhow, bail};
 use bollard::Docker;
 use bollard::models::{ContainerCreateBody, DeviceRequest, HostConfig};
 use bollard::query_parameters::{
-    CreateImageOptionsBuilder, ImportImageOptionsBuilder, KillContainerOptionsBuilder,
-    LogsOptionsBuilder, RemoveContainerOptionsBuilder, WaitContainerOptionsBuilder,
+    CreateImageOptionsBuilder, ImportImageOptionsBuilder, KillContainerOptionsBuilder, LogsOptionsBuilder,
+    RemoveContainerOptionsBuilder, WaitContainerOptionsBuilder,
 };
 use futures_util::StreamExt;
 use serde_json::{Value, json};
@@ -37,34 +37,19 @@ pub struct LoadImage {
 
 /// Picks, from `layout`, the images to load: for each selected ref (all when `refs` is empty),
 /// the manifest for `platform`, tagged `repo:REF`.
-pub fn select(
-    layout: &Layout,
-    refs: &[String],
-    platform: &Platform,
-    repo: &str,
-) -> Result<Vec<LoadImage>> {
+pub fn select(layout: &Layout, refs: &[String], platform: &Platform, repo: &str) -> Result<Vec<LoadImage>> {
     let all = layout.refs()?;
     if all.is_empty() {
-        return Err(bad_input(format!(
-            "{}: the layout has no refs",
-            layout.dir.display()
-        )));
+        return Err(bad_input(format!("{}: the layout has no refs", layout.dir.display())));
     }
     for r in refs {
         if !all.iter().any(|(n, _)| n == r) {
             let names: Vec<&str> = all.iter().map(|(n, _)| n.as_str()).collect();
-            return Err(bad_input(format!(
-                "{}: no ref {r:?} (refs: {})",
-                layout.dir.display(),
-                names.join(", ")
-            )));
+            return Err(bad_input(format!("{}: no ref {r:?} (refs: {})", layout.dir.display(), names.join(", "))));
         }
     }
     let mut by_manifest: BTreeMap<Digest, LoadImage> = BTreeMap::new();
-    for (name, d) in all
-        .iter()
-        .filter(|(n, _)| refs.is_empty() || refs.contains(n))
-    {
+    for (name, d) in all.iter().filter(|(n, _)| refs.is_empty() || refs.contains(n)) {
         let manifest = if is_index(&d.media_type) {
             let v: Value = serde_json::from_slice(&layout.store.read(&d.digest)?)?;
             let entry = v["manifests"]
@@ -83,24 +68,13 @@ pub fn select(
         let r = Reference::parse(&format!("{repo}:{tag}"))?;
         // Docker names Docker Hub images without the registry.
         let display = if r.registry == "docker.io" {
-            format!(
-                "{}:{tag}",
-                r.repository
-                    .strip_prefix("library/")
-                    .unwrap_or(&r.repository)
-            )
+            format!("{}:{tag}", r.repository.strip_prefix("library/").unwrap_or(&r.repository))
         } else {
             format!("{}:{tag}", r.name())
         };
         by_manifest
             .entry(manifest.digest.clone())
-            .or_insert_with(|| LoadImage {
-                manifest: Descriptor {
-                    annotations: None,
-                    ..manifest
-                },
-                repo_tags: vec![],
-            })
+            .or_insert_with(|| LoadImage { manifest: Descriptor { annotations: None, ..manifest }, repo_tags: vec![] })
             .repo_tags
             .push(display);
     }
@@ -138,20 +112,12 @@ pub fn write_load_tar(layout: &Layout, images: &[LoadImage], out: impl Write) ->
             index_entries.push(d);
         }
     }
-    entries.insert(
-        "manifest.json".into(),
-        TarSource::Bytes(canonical(&json!(docker_manifest))),
-    );
+    entries.insert("manifest.json".into(), TarSource::Bytes(canonical(&json!(docker_manifest))));
     entries.insert(
         "index.json".into(),
-        TarSource::Bytes(canonical(
-            &json!({"schemaVersion": 2, "mediaType": OCI_INDEX, "manifests": index_entries}),
-        )),
+        TarSource::Bytes(canonical(&json!({"schemaVersion": 2, "mediaType": OCI_INDEX, "manifests": index_entries}))),
     );
-    entries.insert(
-        "oci-layout".into(),
-        TarSource::Bytes(br#"{"imageLayoutVersion":"1.0.0"}"#.to_vec()),
-    );
+    entries.insert("oci-layout".into(), TarSource::Bytes(br#"{"imageLayoutVersion":"1.0.0"}"#.to_vec()));
     let mut b = tar::Builder::new(out);
     let mut dirs = vec!["blobs/".to_string(), "blobs/sha256/".to_string()];
     dirs.retain(|_| entries.keys().any(|k| k.starts_with("blobs/")));
@@ -166,8 +132,7 @@ pub fn write_load_tar(layout: &Layout, images: &[LoadImage], out: impl Write) ->
                 b.append_data(&mut h, &name, bytes.as_slice())?;
             }
             TarSource::File(path) => {
-                let f = std::fs::File::open(&path)
-                    .with_context(|| format!("opening {}", path.display()))?;
+                let f = std::fs::File::open(&path).with_context(|| format!("opening {}", path.display()))?;
                 let mut h = header(tar::EntryType::Regular, f.metadata()?.len(), 0o644);
                 b.append_data(&mut h, &name, f)?;
             }
@@ -194,10 +159,7 @@ fn header(kind: tar::EntryType, size: u64, mode: u32) -> tar::Header {
 }
 
 fn runtime() -> Result<tokio::runtime::Runtime> {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .context("starting the async runtime")
+    tokio::runtime::Builder::new_current_thread().enable_all().build().context("starting the async runtime")
 }
 
 async fn connect() -> Result<Docker> {
@@ -206,9 +168,7 @@ async fn connect() -> Result<Docker> {
     let d = Docker::connect_with_local_defaults()
         .context("connecting to the Docker engine")?
         .with_timeout(Duration::from_secs(60 * 60 * 24 * 365));
-    d.negotiate_version()
-        .await
-        .context("connecting to the Docker engine (is dockerd running? DOCKER_HOST?)")
+    d.negotiate_version().await.context("connecting to the Docker engine (is dockerd running? DOCKER_HOST?)")
 }
 
 /// The daemon's platform.
@@ -233,14 +193,10 @@ pub fn load(
 ) -> Result<Vec<String>> {
     let layout = Layout::open(layout_dir)?;
     if let Some(out) = output {
-        let p = platform
-            .cloned()
-            .or_else(Platform::host)
-            .ok_or_else(|| anyhow!("pass --platform"))?;
+        let p = platform.cloned().or_else(Platform::host).ok_or_else(|| anyhow!("pass --platform"))?;
         let images = select(&layout, refs, &p, repo)?;
         let tmp = crate::image::fsutil::temp_beside(out);
-        let f =
-            std::fs::File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
+        let f = std::fs::File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
         let res = write_load_tar(&layout, &images, std::io::BufWriter::new(f))
             .and_then(|_| crate::image::fsutil::commit_temp(&tmp, out));
         if res.is_err() {
@@ -266,11 +222,7 @@ pub fn load(
             write_load_tar(&writer_layout, &writer_images, sink)
         });
         let body = bollard::body_try_stream(tokio_stream_from(rx));
-        let mut stream = docker.import_image(
-            ImportImageOptionsBuilder::default().quiet(true).build(),
-            body,
-            None,
-        );
+        let mut stream = docker.import_image(ImportImageOptionsBuilder::default().quiet(true).build(), body, None);
         let mut messages = Vec::new();
         while let Some(item) = stream.next().await {
             let info = item.context("docker load")?;
@@ -278,9 +230,7 @@ pub fn load(
                 messages.push(s.trim().to_string());
             }
         }
-        writer
-            .join()
-            .map_err(|_| anyhow!("the tar writer panicked"))??;
+        writer.join().map_err(|_| anyhow!("the tar writer panicked"))??;
         step.done(messages.join("; "));
         Ok(images.into_iter().flat_map(|i| i.repo_tags).collect())
     })
@@ -302,22 +252,14 @@ mod bytes_chunk {
     }
     impl ChannelWriter {
         pub fn new(tx: tokio::sync::mpsc::Sender<std::io::Result<Chunk>>) -> Self {
-            ChannelWriter {
-                tx,
-                buf: Vec::with_capacity(1 << 20),
-            }
+            ChannelWriter { tx, buf: Vec::with_capacity(1 << 20) }
         }
         fn send(&mut self) -> std::io::Result<()> {
             if self.buf.is_empty() {
                 return Ok(());
             }
-            let chunk = Chunk::from(std::mem::replace(
-                &mut self.buf,
-                Vec::with_capacity(1 << 20),
-            ));
-            self.tx
-                .blocking_send(Ok(chunk))
-                .map_err(|_| std::io::Error::other("docker closed the load request"))
+            let chunk = Chunk::from(std::mem::replace(&mut self.buf, Vec::with_capacity(1 << 20)));
+            self.tx.blocking_send(Ok(chunk)).map_err(|_| std::io::Error::other("docker closed the load request"))
         }
     }
     impl std::io::Write for ChannelWriter {
@@ -378,15 +320,9 @@ pub fn all_gpus() -> DeviceRequest {
 }
 
 async fn gpus_present(d: &Docker) -> bool {
-    let nvidia_runtime = d
-        .info()
-        .await
-        .ok()
-        .and_then(|i| i.runtimes)
-        .is_some_and(|r| r.contains_key("nvidia"));
-    let hook = std::env::var_os("PATH").is_some_and(|p| {
-        std::env::split_paths(&p).any(|dir| dir.join("nvidia-container-runtime-hook").is_file())
-    });
+    let nvidia_runtime = d.info().await.ok().and_then(|i| i.runtimes).is_some_and(|r| r.contains_key("nvidia"));
+    let hook = std::env::var_os("PATH")
+        .is_some_and(|p| std::env::split_paths(&p).any(|dir| dir.join("nvidia-container-runtime-hook").is_file()));
     nvidia_runtime || (Path::new("/dev/nvidiactl").exists() && hook)
 }
 
@@ -409,10 +345,7 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> Result<i64> {
             attach_stdout: Some(true),
             attach_stderr: Some(true),
             tty: Some(false),
-            host_config: Some(HostConfig {
-                device_requests: gpus.then(|| vec![all_gpus()]),
-                ..Default::default()
-            }),
+            host_config: Some(HostConfig { device_requests: gpus.then(|| vec![all_gpus()]), ..Default::default() }),
             ..Default::default()
         };
         let created = docker
@@ -422,32 +355,16 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> Result<i64> {
         let id = created.id;
         let result = run_container(&docker, &id).await;
         if !opts.keep {
-            let _ = docker
-                .remove_container(
-                    &id,
-                    Some(RemoveContainerOptionsBuilder::default().force(true).build()),
-                )
-                .await;
+            let _ =
+                docker.remove_container(&id, Some(RemoveContainerOptionsBuilder::default().force(true).build())).await;
         }
         result
     })
 }
 
 async fn run_container(docker: &Docker, id: &str) -> Result<i64> {
-    docker
-        .start_container(id, None)
-        .await
-        .context("starting the container")?;
-    let mut logs = docker.logs(
-        id,
-        Some(
-            LogsOptionsBuilder::default()
-                .follow(true)
-                .stdout(true)
-                .stderr(true)
-                .build(),
-        ),
-    );
+    docker.start_container(id, None).await.context("starting the container")?;
+    let mut logs = docker.logs(id, Some(LogsOptionsBuilder::default().follow(true).stdout(true).stderr(true).build()));
     let stream_logs = async {
         while let Some(item) = logs.next().await {
             match item.context("reading the container's output")? {
@@ -471,14 +388,8 @@ async fn run_container(docker: &Docker, id: &str) -> Result<i64> {
             let _ = docker.kill_container(id, Some(KillContainerOptionsBuilder::default().signal("SIGINT").build())).await;
         }
     }
-    let mut wait = docker.wait_container(
-        id,
-        Some(
-            WaitContainerOptionsBuilder::default()
-                .condition("not-running")
-                .build(),
-        ),
-    );
+    let mut wait =
+        docker.wait_container(id, Some(WaitContainerOptionsBuilder::default().condition("not-running").build()));
     match wait.next().await {
         Some(Ok(r)) => Ok(r.status_code),
         Some(Err(bollard::errors::Error::DockerContainerWaitError { code, .. })) => Ok(code),
@@ -487,20 +398,12 @@ async fn run_container(docker: &Docker, id: &str) -> Result<i64> {
     }
 }
 
-async fn pull(
-    docker: &Docker,
-    image: &str,
-    platform: Option<&Platform>,
-    progress: &Progress,
-) -> Result<()> {
+async fn pull(docker: &Docker, image: &str, platform: Option<&Platform>, progress: &Progress) -> Result<()> {
     let r = Reference::parse(image)?;
     let step = progress.step(format!("pulling {image}"));
     let found = Credentials::from_environment(None)?.lookup(r.api_host())?;
     let creds = found.map(|f| {
-        let mut c = bollard::auth::DockerCredentials {
-            serveraddress: Some(r.registry.clone()),
-            ..Default::default()
-        };
+        let mut c = bollard::auth::DockerCredentials { serveraddress: Some(r.registry.clone()), ..Default::default() };
         match f.credential {
             Credential::Basic { user, password } => {
                 c.username = Some(user);
@@ -511,20 +414,9 @@ async fn pull(
         }
         c
     });
-    let mut b = CreateImageOptionsBuilder::default().from_image(&format!(
-        "{}",
-        Reference {
-            tag: None,
-            digest: None,
-            ..r.clone()
-        }
-    ));
-    let t = r
-        .digest
-        .as_ref()
-        .map(|d| d.to_string())
-        .or(r.tag.clone())
-        .unwrap_or_else(|| "latest".into());
+    let mut b = CreateImageOptionsBuilder::default()
+        .from_image(&format!("{}", Reference { tag: None, digest: None, ..r.clone() }));
+    let t = r.digest.as_ref().map(|d| d.to_string()).or(r.tag.clone()).unwrap_or_else(|| "latest".into());
     b = b.tag(&t);
     if let Some(p) = platform {
         b = b.platform(&p.to_string());

@@ -46,31 +46,25 @@ pub fn resolve(
     store: &BlobStore,
     progress: &Progress,
 ) -> Result<BaseImage> {
-    let (top_bytes, top_digest, top_type) = match reference.digest.as_ref().filter(|d| store.has(d))
-    {
+    let (top_bytes, top_digest, top_type) = match reference.digest.as_ref().filter(|d| store.has(d)) {
         Some(d) => {
             let bytes = store.read(d)?;
-            let mt = media_type_of(&bytes)
-                .ok_or_else(|| anyhow!("cached manifest {d} has no mediaType"))?;
+            let mt = media_type_of(&bytes).ok_or_else(|| anyhow!("cached manifest {d} has no mediaType"))?;
             (bytes, d.clone(), mt)
         }
         None => {
             let step = progress.step(format!("resolving base {reference}"));
-            let f = client
-                .fetch_manifest(reference)
-                .with_context(|| format!("pulling base image {reference}"))?;
+            let f = client.fetch_manifest(reference).with_context(|| format!("pulling base image {reference}"))?;
             store.put(&f.bytes)?;
             step.done(f.digest.to_string());
             (f.bytes, f.digest, f.media_type)
         }
     };
-    let top: Value = serde_json::from_slice(&top_bytes)
-        .with_context(|| format!("{reference}: manifest is not JSON"))?;
+    let top: Value =
+        serde_json::from_slice(&top_bytes).with_context(|| format!("{reference}: manifest is not JSON"))?;
     let mut out = BTreeMap::new();
     if is_index(&top_type) {
-        let entries = top["manifests"]
-            .as_array()
-            .ok_or_else(|| anyhow!("{reference}: index without manifests"))?;
+        let entries = top["manifests"].as_array().ok_or_else(|| anyhow!("{reference}: index without manifests"))?;
         for p in platforms {
             let entry = entries
                 .iter()
@@ -79,20 +73,10 @@ pub fn resolve(
             let d = Digest::parse(entry["digest"].as_str().unwrap_or(""))
                 .with_context(|| format!("{reference}: index entry for {p}"))?;
             let bytes = manifest_bytes(client, reference, &d, store)?;
-            out.insert(
-                p.clone(),
-                platform_part(client, reference, d, &bytes, store, progress)?,
-            );
+            out.insert(p.clone(), platform_part(client, reference, d, &bytes, store, progress)?);
         }
     } else {
-        let part = platform_part(
-            client,
-            reference,
-            top_digest.clone(),
-            &top_bytes,
-            store,
-            progress,
-        )?;
+        let part = platform_part(client, reference, top_digest.clone(), &top_bytes, store, progress)?;
         let arch = part.config["architecture"].as_str().unwrap_or("");
         for p in platforms {
             if p.architecture != arch {
@@ -101,11 +85,7 @@ pub fn resolve(
             out.insert(p.clone(), part.clone());
         }
     }
-    Ok(BaseImage {
-        reference: reference.clone(),
-        digest: top_digest,
-        platforms: out,
-    })
+    Ok(BaseImage { reference: reference.clone(), digest: top_digest, platforms: out })
 }
 
 fn media_type_of(bytes: &[u8]) -> Option<String> {
@@ -113,12 +93,7 @@ fn media_type_of(bytes: &[u8]) -> Option<String> {
     v.get("mediaType").and_then(Value::as_str).map(String::from)
 }
 
-fn manifest_bytes(
-    client: &Client,
-    r: &Reference,
-    d: &Digest,
-    store: &BlobStore,
-) -> Result<Vec<u8>> {
+fn manifest_bytes(client: &Client, r: &Reference, d: &Digest, store: &BlobStore) -> Result<Vec<u8>> {
     if store.has(d) {
         return store.read(d);
     }
@@ -135,14 +110,12 @@ fn platform_part(
     store: &BlobStore,
     progress: &Progress,
 ) -> Result<BasePlatform> {
-    let m: Value = serde_json::from_slice(bytes)
-        .with_context(|| format!("{r}: manifest {manifest_digest} is not JSON"))?;
+    let m: Value =
+        serde_json::from_slice(bytes).with_context(|| format!("{r}: manifest {manifest_digest} is not JSON"))?;
     let desc = |v: &Value| -> Result<Descriptor> {
-        let mut d: Descriptor = serde_json::from_value(v.clone())
-            .with_context(|| format!("{r}: bad descriptor in {manifest_digest}"))?;
-        d.media_type = to_oci_media_type(&d.media_type)
-            .with_context(|| format!("{r}: {manifest_digest}"))?
-            .to_string();
+        let mut d: Descriptor =
+            serde_json::from_value(v.clone()).with_context(|| format!("{r}: bad descriptor in {manifest_digest}"))?;
+        d.media_type = to_oci_media_type(&d.media_type).with_context(|| format!("{r}: {manifest_digest}"))?.to_string();
         d.annotations = None;
         d.platform = None;
         Ok(d)
@@ -159,32 +132,16 @@ fn platform_part(
         .collect::<Result<_>>()?;
     for d in std::iter::once(&config_desc).chain(&layers) {
         if !store.has(&d.digest) {
-            let step = progress.step(format!(
-                "pulling {} ({} bytes) from {}",
-                d.digest,
-                d.size,
-                r.name()
-            ));
+            let step = progress.step(format!("pulling {} ({} bytes) from {}", d.digest, d.size, r.name()));
             client.fetch_blob(r, &d.digest, Some(d.size), store)?;
             step.done("verified");
         }
     }
     let config: Value = serde_json::from_slice(&store.read(&config_desc.digest)?)
         .with_context(|| format!("{r}: config {} is not JSON", config_desc.digest))?;
-    let diff_ids = config["rootfs"]["diff_ids"]
-        .as_array()
-        .map(Vec::len)
-        .unwrap_or(0);
+    let diff_ids = config["rootfs"]["diff_ids"].as_array().map(Vec::len).unwrap_or(0);
     if diff_ids != layers.len() {
-        bail!(
-            "{r}: config lists {diff_ids} diff_ids for {} layers",
-            layers.len()
-        );
+        bail!("{r}: config lists {diff_ids} diff_ids for {} layers", layers.len());
     }
-    Ok(BasePlatform {
-        manifest_digest,
-        config,
-        config_digest: config_desc.digest,
-        layers,
-    })
+    Ok(BasePlatform { manifest_digest, config, config_digest: config_desc.digest, layers })
 }

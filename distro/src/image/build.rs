@@ -11,9 +11,7 @@ use super::error::bad_input;
 use super::fsutil::write_atomic;
 use super::layer::{Layer, LayerSpec, MODE_EXEC, MODE_FILE};
 use super::layout::Layout;
-use super::manifest::{
-    Descriptor, OCI_CONFIG, OCI_INDEX, OCI_LAYER_GZIP, OCI_MANIFEST, image_index, image_manifest,
-};
+use super::manifest::{Descriptor, OCI_CONFIG, OCI_INDEX, OCI_LAYER_GZIP, OCI_MANIFEST, image_index, image_manifest};
 use super::platform::Platform;
 use super::progress::Progress;
 use super::sbom::{SbomInput, sbom};
@@ -74,7 +72,7 @@ pub struct BuildOptions {
 pub struct BuildResult {
     /// Digest of the multi-arch index.
     pub index_digest: Digest,
-    /// The tags (`NAME-YYYY-MM-DD`, `NAME`).
+    /// The tags (`NAME-YYYY-MM-DD`, `NAME`, and `NAME-YYYY-MM-DD-ARCH` per platform).
     pub tags: Vec<String>,
     /// The layout written, if any.
     pub layout: Option<PathBuf>,
@@ -87,9 +85,7 @@ pub const PIN_ANNOTATION_PREFIX: &str = "io.github.llm-distro.source.";
 
 /// The cache directory: `$DISTRO_CACHE_DIR`, else `<workspace>/target/distro`.
 pub fn cache_dir(ws: &Workspace) -> PathBuf {
-    std::env::var_os("DISTRO_CACHE_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| ws.root.join("target/distro"))
+    std::env::var_os("DISTRO_CACHE_DIR").map(PathBuf::from).unwrap_or_else(|| ws.root.join("target/distro"))
 }
 
 /// Resolves the epoch and the tag date. With `--date`, the epoch is the commit time whatever the
@@ -97,24 +93,18 @@ pub fn cache_dir(ws: &Workspace) -> PathBuf {
 pub fn epoch_and_date(ws: &Workspace, date: Option<&str>) -> Result<(u64, String)> {
     if let Some(d) = date {
         if parse_date(d).is_none() {
-            return Err(bad_input(format!(
-                "--date {d:?} is not a date in YYYY-MM-DD form"
-            )));
+            return Err(bad_input(format!("--date {d:?} is not a date in YYYY-MM-DD form")));
         }
         return Ok((ws.commit_time, d.to_string()));
     }
     let epoch = match std::env::var("SOURCE_DATE_EPOCH") {
-        Ok(s) if !s.is_empty() => s.trim().parse::<u64>().map_err(|_| {
-            bad_input(format!(
-                "SOURCE_DATE_EPOCH={s:?} is not a Unix time in seconds"
-            ))
-        })?,
+        Ok(s) if !s.is_empty() => s
+            .trim()
+            .parse::<u64>()
+            .map_err(|_| bad_input(format!("SOURCE_DATE_EPOCH={s:?} is not a Unix time in seconds")))?,
         _ => ws.commit_time,
     };
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0);
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
     Ok((epoch, utc_date(now)))
 }
 
@@ -124,35 +114,22 @@ fn cached_layer(spec: &LayerSpec, epoch: u64, cache: &Path, store: &BlobStore) -
     let meta = cache.join("layers").join(format!("{key}.json"));
     if let Ok(bytes) = fs::read(&meta)
         && let Ok(v) = serde_json::from_slice::<serde_json::Value>(&bytes)
-        && let (Some(d), Some(diff), Some(size)) = (
-            v["digest"].as_str(),
-            v["diff_id"].as_str(),
-            v["size"].as_u64(),
-        )
+        && let (Some(d), Some(diff), Some(size)) = (v["digest"].as_str(), v["diff_id"].as_str(), v["size"].as_u64())
         && let (Ok(digest), Ok(diff_id)) = (Digest::parse(d), Digest::parse(diff))
         && store.size(&digest) == Some(size)
     {
-        return Ok(Layer {
-            digest,
-            diff_id,
-            size,
-        });
+        return Ok(Layer { digest, diff_id, size });
     }
     let (layer, gz) = spec.build(epoch)?;
     store.put(&gz)?;
-    let v =
-        serde_json::json!({"digest": layer.digest, "diff_id": layer.diff_id, "size": layer.size});
+    let v = serde_json::json!({"digest": layer.digest, "diff_id": layer.diff_id, "size": layer.size});
     write_atomic(&meta, &serde_json::to_vec(&v)?)?;
     Ok(layer)
 }
 
 fn file_mode(path: &Path) -> Result<u32> {
     let m = fs::metadata(path).with_context(|| format!("reading {}", path.display()))?;
-    Ok(if m.permissions().mode() & 0o111 != 0 {
-        MODE_EXEC
-    } else {
-        MODE_FILE
-    })
+    Ok(if m.permissions().mode() & 0o111 != 0 { MODE_EXEC } else { MODE_FILE })
 }
 
 /// Runs the build.
@@ -160,18 +137,16 @@ pub fn build(opts: &BuildOptions, progress: &Progress) -> Result<BuildResult> {
     let ws = Workspace::open(&opts.start_dir)?;
     let def_path = ws.root.join("images").join(format!("{}.toml", opts.image));
     let def = ImageDef::load(&def_path)?;
-    let platforms = opts
-        .platforms
-        .clone()
-        .unwrap_or_else(|| def.platforms.clone());
+    let platforms = opts.platforms.clone().unwrap_or_else(|| def.platforms.clone());
     let (epoch, date) = epoch_and_date(&ws, opts.date.as_deref())?;
     let version = format!("{}-{date}", def.name);
-    let tags = vec![version.clone(), def.name.clone()];
     let cache = cache_dir(&ws);
     let store = BlobStore::new(cache.join("store"));
     let base_ref = opts.base.clone().unwrap_or_else(|| def.base.clone());
     if base_ref.digest.is_none() {
-        progress.info(format!("warning: base {base_ref} is not pinned by digest; the build is only as reproducible as that tag"));
+        progress.info(format!(
+            "warning: base {base_ref} is not pinned by digest; the build is only as reproducible as that tag"
+        ));
     }
     let creds = Credentials::from_environment(opts.push.as_ref().map(|r| r.api_host()))?;
     let client = Client::new(creds, opts.insecure.clone())?;
@@ -206,36 +181,18 @@ pub fn build(opts: &BuildOptions, progress: &Progress) -> Result<BuildResult> {
             )));
         }
     }
-    let tree_layer = if trees.is_empty() {
-        None
-    } else {
-        Some(cached_layer(&trees, epoch, &cache, &store)?)
-    };
+    let tree_layer = if trees.is_empty() { None } else { Some(cached_layer(&trees, epoch, &cache, &store)?) };
 
     // 4. Per platform: binaries layer, /opt/distro layer, config, manifest.
-    let base_name = Reference {
-        tag: base_ref.tag.clone(),
-        digest: None,
-        ..base_ref.clone()
-    }
-    .to_string();
+    let base_name = Reference { tag: base_ref.tag.clone(), digest: None, ..base_ref.clone() }.to_string();
     let mut annotations: BTreeMap<String, String> = BTreeMap::from([
         ("org.opencontainers.image.created".into(), rfc3339(epoch)),
         ("org.opencontainers.image.revision".into(), ws.revision()),
         ("org.opencontainers.image.version".into(), version.clone()),
         ("org.opencontainers.image.title".into(), def.name.clone()),
-        (
-            "org.opencontainers.image.description".into(),
-            def.description.clone(),
-        ),
-        (
-            "org.opencontainers.image.base.name".into(),
-            base_name.clone(),
-        ),
-        (
-            "org.opencontainers.image.base.digest".into(),
-            base.digest.to_string(),
-        ),
+        ("org.opencontainers.image.description".into(), def.description.clone()),
+        ("org.opencontainers.image.base.name".into(), base_name.clone()),
+        ("org.opencontainers.image.base.digest".into(), base.digest.to_string()),
     ]);
     if let Some(r) = &ws.repository {
         annotations.insert("org.opencontainers.image.source".into(), r.clone());
@@ -274,69 +231,34 @@ pub fn build(opts: &BuildOptions, progress: &Progress) -> Result<BuildResult> {
             base_digest: &bp.manifest_digest,
         })?;
         let mut distro = LayerSpec::new();
-        distro.add_file(
-            "/opt/distro/sbom.spdx.json",
-            Arc::new(sbom_bytes),
-            MODE_FILE,
-        )?;
-        distro.add_file(
-            "/opt/distro/Cargo.lock",
-            Arc::new(stage.lock().to_vec()),
-            MODE_FILE,
-        )?;
+        distro.add_file("/opt/distro/sbom.spdx.json", Arc::new(sbom_bytes), MODE_FILE)?;
+        distro.add_file("/opt/distro/Cargo.lock", Arc::new(stage.lock().to_vec()), MODE_FILE)?;
         if let Some(l) = &opts.sources.lock_text {
-            distro.add_file(
-                "/opt/distro/manifest.lock",
-                Arc::new(l.clone().into_bytes()),
-                MODE_FILE,
-            )?;
+            distro.add_file("/opt/distro/manifest.lock", Arc::new(l.clone().into_bytes()), MODE_FILE)?;
         }
         distro.add_dir("/opt/distro/patches")?;
         for (rel, bytes) in &opts.sources.patch_files {
-            distro.add_file(
-                &format!("/opt/distro/patches/{rel}"),
-                Arc::new(bytes.clone()),
-                MODE_FILE,
-            )?;
+            distro.add_file(&format!("/opt/distro/patches/{rel}"), Arc::new(bytes.clone()), MODE_FILE)?;
         }
         let distro_layer = cached_layer(&distro, epoch, &cache, &store)?;
 
-        let bin_paths: Vec<&str> = def
-            .binaries
-            .iter()
-            .map(|b| b.dest.as_str())
-            .chain(def.files.iter().map(|f| f.dest.as_str()))
-            .collect();
+        let bin_paths: Vec<&str> =
+            def.binaries.iter().map(|b| b.dest.as_str()).chain(def.files.iter().map(|f| f.dest.as_str())).collect();
         let mut ours = vec![(bin_layer, format!("binaries: {}", bin_paths.join(" ")))];
         if let Some(t) = &tree_layer {
             ours.push((
                 t.clone(),
-                "trees: ".to_string()
-                    + &def
-                        .trees
-                        .iter()
-                        .map(|t| t.dest.as_str())
-                        .collect::<Vec<_>>()
-                        .join(" "),
+                "trees: ".to_string() + &def.trees.iter().map(|t| t.dest.as_str()).collect::<Vec<_>>().join(" "),
             ));
         }
-        ours.push((
-            distro_layer,
-            "/opt/distro: manifest lock, patches, Cargo.lock, SBOM".into(),
-        ));
+        ours.push((distro_layer, "/opt/distro: manifest lock, patches, Cargo.lock, SBOM".into()));
 
         let added: Vec<AddedLayer> = ours
             .iter()
-            .map(|(l, what)| AddedLayer {
-                diff_id: l.diff_id.clone(),
-                created_by: format!("distro build: {what}"),
-            })
+            .map(|(l, what)| AddedLayer { diff_id: l.diff_id.clone(), created_by: format!("distro build: {what}") })
             .collect();
         let mut labels = annotations.clone();
-        labels.insert(
-            "org.opencontainers.image.base.digest".into(),
-            bp.manifest_digest.to_string(),
-        );
+        labels.insert("org.opencontainers.image.base.digest".into(), bp.manifest_digest.to_string());
         let config = image_config(&bp.config, &def, p, epoch, &added, &labels)?;
         let config_desc = Descriptor::of(OCI_CONFIG, &config);
         store.put(&config)?;
@@ -373,7 +295,14 @@ pub fn build(opts: &BuildOptions, progress: &Progress) -> Result<BuildResult> {
     blobs.push(index_desc.digest.clone());
     step.done(format!("{} layers", blobs.len()));
 
-    // 5. Publish.
+    // 5. Publish. The multi-arch tags point at the index; one dated tag per platform points at
+    // that platform's manifest, for tools that cannot pick a platform from an index (umoci).
+    let mut refs: Vec<(String, Descriptor)> =
+        vec![(version.clone(), index_desc.clone()), (def.name.clone(), index_desc.clone())];
+    for (p, md) in &manifests {
+        refs.push((format!("{version}-{}", p.architecture), md.clone()));
+    }
+    let tags: Vec<String> = refs.iter().map(|(n, _)| n.clone()).collect();
     let layout_dir = match (&opts.output, &opts.push) {
         (Some(o), _) => Some(o.clone()),
         (None, None) => Some(cache.join("oci")),
@@ -381,10 +310,6 @@ pub fn build(opts: &BuildOptions, progress: &Progress) -> Result<BuildResult> {
     };
     if let Some(dir) = &layout_dir {
         let step = progress.step(format!("writing OCI layout {}", dir.display()));
-        let refs: Vec<(String, Descriptor)> = tags
-            .iter()
-            .map(|t| (t.clone(), index_desc.clone()))
-            .collect();
         Layout::new(dir).write(&store, &blobs, &refs)?;
         step.done(tags.join(", "));
     }
@@ -403,31 +328,24 @@ pub fn build(opts: &BuildOptions, progress: &Progress) -> Result<BuildResult> {
                         b
                     })
                     .collect(),
-                manifests: manifest_docs,
-                tags: tags
+                manifests: manifest_docs.clone(),
+                tags: refs
                     .iter()
-                    .map(|t| (t.clone(), index_doc.clone()))
+                    .map(|(t, d)| {
+                        let doc = manifest_docs
+                            .iter()
+                            .find(|m| m.digest == d.digest)
+                            .expect("every ref's document is in the plan");
+                        (t.clone(), doc.clone())
+                    })
                     .collect(),
             };
             let step = progress.step(format!("pushing to {}", repo.name()));
-            let report = push(
-                &client,
-                repo,
-                &plan,
-                &PushOptions {
-                    chunk_size: opts.chunk_size,
-                },
-                progress,
-            )?;
+            let report = push(&client, repo, &plan, &PushOptions { chunk_size: opts.chunk_size }, progress)?;
             step.done(report.to_string());
             Some(report)
         }
         None => None,
     };
-    Ok(BuildResult {
-        index_digest: index_desc.digest,
-        tags,
-        layout: layout_dir,
-        pushed,
-    })
+    Ok(BuildResult { index_digest: index_desc.digest, tags, layout: layout_dir, pushed })
 }

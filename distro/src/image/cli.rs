@@ -122,12 +122,7 @@ pub fn build_cmd(a: BuildArgs) -> Result<ExitCode> {
     let platforms = if a.platform.is_empty() {
         None
     } else {
-        Some(
-            a.platform
-                .iter()
-                .map(|p| Platform::parse(p))
-                .collect::<Result<Vec<_>>>()?,
-        )
+        Some(a.platform.iter().map(|p| Platform::parse(p)).collect::<Result<Vec<_>>>()?)
     };
     let start_dir = std::env::current_dir()?;
     let opts = BuildOptions {
@@ -135,17 +130,9 @@ pub fn build_cmd(a: BuildArgs) -> Result<ExitCode> {
         image: a.image,
         platforms,
         date: a.date,
-        base: a
-            .base
-            .as_deref()
-            .map(|b| parse_ref(b, "--base"))
-            .transpose()?,
+        base: a.base.as_deref().map(|b| parse_ref(b, "--base")).transpose()?,
         output: a.output,
-        push: a
-            .push
-            .as_deref()
-            .map(|p| parse_ref(p, "--push"))
-            .transpose()?,
+        push: a.push.as_deref().map(|p| parse_ref(p, "--push")).transpose()?,
         insecure: a.insecure,
         chunk_size: a.chunk_size,
         start_dir,
@@ -163,9 +150,7 @@ pub fn push_cmd(a: PushArgs) -> Result<ExitCode> {
     let progress = Progress::new();
     let target = parse_ref(&a.repo, "REPO")?;
     if target.digest.is_some() {
-        return Err(bad_input(
-            "REPO: push to a repository or REPO:TAG, not a digest",
-        ));
+        return Err(bad_input("REPO: push to a repository or REPO:TAG, not a digest"));
     }
     let layout = Layout::open(&a.layout)?;
     let refs = layout.refs()?;
@@ -174,30 +159,20 @@ pub fn push_cmd(a: PushArgs) -> Result<ExitCode> {
             Some(r) => vec![r.clone()],
             None => {
                 let names: Vec<&str> = refs.iter().map(|(n, _)| n.as_str()).collect();
-                return Err(bad_input(format!(
-                    "{}: no ref {t:?} (refs: {})",
-                    a.layout.display(),
-                    names.join(", ")
-                )));
+                return Err(bad_input(format!("{}: no ref {t:?} (refs: {})", a.layout.display(), names.join(", "))));
             }
         },
         None => refs.into_iter().filter(|(n, _)| !n.is_empty()).collect(),
     };
     if selected.is_empty() {
-        return Err(bad_input(format!(
-            "{}: nothing to push (no named refs)",
-            a.layout.display()
-        )));
+        return Err(bad_input(format!("{}: nothing to push (no named refs)", a.layout.display())));
     }
     let mut plan = PushPlan::default();
     let mut seen = std::collections::BTreeSet::new();
     for (name, d) in &selected {
         // Children before parents: reachable() lists the root last... order them explicitly.
         let all = layout.reachable(d)?;
-        for x in all
-            .iter()
-            .filter(|x| !x.media_type.contains("manifest") && !is_index(&x.media_type))
-        {
+        for x in all.iter().filter(|x| !x.media_type.contains("manifest") && !is_index(&x.media_type)) {
             if seen.insert(x.digest.clone()) {
                 plan.blobs.push(BlobFile {
                     digest: x.digest.clone(),
@@ -209,18 +184,11 @@ pub fn push_cmd(a: PushArgs) -> Result<ExitCode> {
         }
         for x in all.iter().filter(|x| x.media_type == OCI_MANIFEST) {
             if seen.insert(x.digest.clone()) {
-                plan.manifests.push(ManifestDoc::new(
-                    &x.media_type,
-                    layout.store.read(&x.digest)?,
-                ));
+                plan.manifests.push(ManifestDoc::new(&x.media_type, layout.store.read(&x.digest)?));
             }
         }
         let root = ManifestDoc::new(
-            if is_index(&d.media_type) {
-                OCI_INDEX
-            } else {
-                &d.media_type
-            },
+            if is_index(&d.media_type) { OCI_INDEX } else { &d.media_type },
             layout.store.read(&d.digest)?,
         );
         if seen.insert(d.digest.clone()) {
@@ -228,37 +196,15 @@ pub fn push_cmd(a: PushArgs) -> Result<ExitCode> {
         }
         plan.tags.insert(name.clone(), root);
     }
-    let client = Client::new(
-        Credentials::from_environment(Some(target.api_host()))?,
-        a.insecure,
-    )?;
-    let step = progress.step(format!(
-        "pushing {} to {}",
-        a.layout.display(),
-        target.name()
-    ));
-    let report = push(
-        &client,
-        &target,
-        &plan,
-        &PushOptions {
-            chunk_size: a.chunk_size,
-        },
-        &progress,
-    )?;
+    let client = Client::new(Credentials::from_environment(Some(target.api_host()))?, a.insecure)?;
+    let step = progress.step(format!("pushing {} to {}", a.layout.display(), target.name()));
+    let report = push(&client, &target, &plan, &PushOptions { chunk_size: a.chunk_size }, &progress)?;
     step.done(report.to_string());
     let by_tag: BTreeMap<&String, &ManifestDoc> = plan.tags.iter().collect();
     for (tag, doc) in by_tag {
         progress.info(format!("{}:{tag} {}", target.name(), doc.digest));
     }
-    println!(
-        "{}",
-        plan.tags
-            .values()
-            .last()
-            .map(|d| d.digest.to_string())
-            .unwrap_or_default()
-    );
+    println!("{}", plan.tags.values().last().map(|d| d.digest.to_string()).unwrap_or_default());
     Ok(ExitCode::SUCCESS)
 }
 
@@ -266,14 +212,7 @@ pub fn push_cmd(a: PushArgs) -> Result<ExitCode> {
 pub fn load_cmd(a: LoadArgs) -> Result<ExitCode> {
     let progress = Progress::new();
     let platform = a.platform.as_deref().map(Platform::parse).transpose()?;
-    let names = docker::load(
-        &a.layout,
-        &a.refs,
-        platform.as_ref(),
-        &a.repo,
-        a.output.as_deref(),
-        &progress,
-    )?;
+    let names = docker::load(&a.layout, &a.refs, platform.as_ref(), &a.repo, a.output.as_deref(), &progress)?;
     for n in names {
         println!("{n}");
     }
@@ -297,7 +236,5 @@ pub fn run_cmd(a: RunArgs) -> Result<ExitCode> {
         platform: a.platform.as_deref().map(Platform::parse).transpose()?,
     };
     let code = docker::run(&opts, &progress)?;
-    Ok(ExitCode::from(
-        u8::try_from(code.rem_euclid(256)).unwrap_or(1),
-    ))
+    Ok(ExitCode::from(u8::try_from(code.rem_euclid(256)).unwrap_or(1)))
 }

@@ -18,16 +18,8 @@ pub struct AddedLayer {
 
 /// Fields of the base's `config` object kept as they are (OCI image-spec fields only; Docker's
 /// extensions such as `Healthcheck` or `OnBuild` are dropped with the Docker media types).
-const KEPT_FROM_BASE: &[&str] = &[
-    "User",
-    "ExposedPorts",
-    "Volumes",
-    "StopSignal",
-    "Entrypoint",
-    "WorkingDir",
-    "Labels",
-    "Env",
-];
+const KEPT_FROM_BASE: &[&str] =
+    &["User", "ExposedPorts", "Volumes", "StopSignal", "Entrypoint", "WorkingDir", "Labels", "Env"];
 
 /// Builds the canonical config bytes for `platform`.
 pub fn image_config(
@@ -39,11 +31,7 @@ pub fn image_config(
     labels: &BTreeMap<String, String>,
 ) -> Result<Vec<u8>> {
     let created = rfc3339(epoch);
-    let base_cfg = base
-        .get("config")
-        .and_then(Value::as_object)
-        .cloned()
-        .unwrap_or_default();
+    let base_cfg = base.get("config").and_then(Value::as_object).cloned().unwrap_or_default();
     let mut cfg = Map::new();
     for k in KEPT_FROM_BASE {
         if let Some(v) = base_cfg.get(*k).filter(|v| !v.is_null()) {
@@ -61,29 +49,18 @@ pub fn image_config(
     let mut all_labels: BTreeMap<String, String> = base_cfg
         .get("Labels")
         .and_then(Value::as_object)
-        .map(|m| {
-            m.iter()
-                .filter_map(|(k, v)| v.as_str().map(|s| (k.clone(), s.to_string())))
-                .collect()
-        })
+        .map(|m| m.iter().filter_map(|(k, v)| v.as_str().map(|s| (k.clone(), s.to_string()))).collect())
         .unwrap_or_default();
     all_labels.extend(def.labels.clone());
     all_labels.extend(labels.clone());
     cfg.insert("Labels".into(), json!(all_labels));
 
-    let mut diff_ids: Vec<Value> = base["rootfs"]["diff_ids"]
-        .as_array()
-        .cloned()
-        .unwrap_or_default();
+    let mut diff_ids: Vec<Value> = base["rootfs"]["diff_ids"].as_array().cloned().unwrap_or_default();
     diff_ids.extend(added.iter().map(|a| json!(a.diff_id)));
-    let mut history: Vec<Value> = base
-        .get("history")
-        .and_then(Value::as_array)
-        .cloned()
-        .unwrap_or_default();
-    history.extend(added.iter().map(
-        |a| json!({"created": created, "created_by": a.created_by, "comment": "distro build"}),
-    ));
+    let mut history: Vec<Value> = base.get("history").and_then(Value::as_array).cloned().unwrap_or_default();
+    history.extend(
+        added.iter().map(|a| json!({"created": created, "created_by": a.created_by, "comment": "distro build"})),
+    );
 
     let mut v = json!({
         "created": created,
@@ -109,18 +86,11 @@ pub fn image_config(
 pub fn merge_env(base_env: Option<&Value>, def: &ImageDef) -> Vec<String> {
     let mut env: Vec<String> = base_env
         .and_then(Value::as_array)
-        .map(|a| {
-            a.iter()
-                .filter_map(|v| v.as_str().map(String::from))
-                .collect()
-        })
+        .map(|a| a.iter().filter_map(|v| v.as_str().map(String::from)).collect())
         .unwrap_or_default();
     for (k, var) in &def.env {
         let entry = format!("{k}={}", var.value);
-        match env
-            .iter_mut()
-            .find(|e| e.split_once('=').map(|(n, _)| n) == Some(k.as_str()))
-        {
+        match env.iter_mut().find(|e| e.split_once('=').map(|(n, _)| n) == Some(k.as_str())) {
             Some(e) => *e = entry,
             None => env.push(entry),
         }
@@ -132,12 +102,7 @@ pub fn merge_env(base_env: Option<&Value>, def: &ImageDef) -> Vec<String> {
 pub fn rfc3339(epoch: u64) -> String {
     let (y, m, d) = civil_from_days((epoch / 86_400) as i64);
     let s = epoch % 86_400;
-    format!(
-        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
-        s / 3600,
-        s / 60 % 60,
-        s % 60
-    )
+    format!("{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z", s / 3600, s / 60 % 60, s % 60)
 }
 
 /// `YYYY-MM-DD` (UTC) for a Unix time.
@@ -198,10 +163,7 @@ mod tests {
         assert_eq!(parse_date("2001-02-29"), None);
         assert_eq!(parse_date("2025-13-01"), None);
         assert_eq!(parse_date("2025-1-01"), None);
-        assert_eq!(
-            utc_date(parse_date("2031-07-04").unwrap() as u64 * 86_400 + 86_399),
-            "2031-07-04"
-        );
+        assert_eq!(utc_date(parse_date("2031-07-04").unwrap() as u64 * 86_400 + 86_399), "2031-07-04");
     }
 
     fn def() -> ImageDef {
@@ -235,38 +197,18 @@ reason = "r"
             "container_config": {"junk": true}
         });
         let p = Platform::parse("linux/arm64").unwrap();
-        let added = [AddedLayer {
-            diff_id: Digest::of(b"t"),
-            created_by: "engine".into(),
-        }];
-        let labels = BTreeMap::from([(
-            "org.opencontainers.image.revision".to_string(),
-            "abc".to_string(),
-        )]);
+        let added = [AddedLayer { diff_id: Digest::of(b"t"), created_by: "engine".into() }];
+        let labels = BTreeMap::from([("org.opencontainers.image.revision".to_string(), "abc".to_string())]);
         let bytes = image_config(&base, &def(), &p, 86_400, &added, &labels).unwrap();
         let v: Value = serde_json::from_slice(&bytes).unwrap();
         assert_eq!(v["created"], "1970-01-02T00:00:00Z");
         assert_eq!(v["variant"], "v8");
-        assert_eq!(
-            v["config"]["Env"],
-            json!([
-                "PATH=/usr/local/bin:/usr/bin:/bin",
-                "LANG=C",
-                "NCCL_DEBUG=WARN"
-            ])
-        );
-        assert_eq!(
-            v["config"]["Entrypoint"],
-            json!(["/entry.sh"]),
-            "base entrypoint kept"
-        );
+        assert_eq!(v["config"]["Env"], json!(["PATH=/usr/local/bin:/usr/bin:/bin", "LANG=C", "NCCL_DEBUG=WARN"]));
+        assert_eq!(v["config"]["Entrypoint"], json!(["/entry.sh"]), "base entrypoint kept");
         assert_eq!(v["config"]["Cmd"], json!(["engine", "info"]));
         assert_eq!(v["config"]["WorkingDir"], "/opt/engine");
         assert_eq!(v["config"]["Labels"]["maintainer"], "x");
-        assert_eq!(
-            v["config"]["Labels"]["org.opencontainers.image.revision"],
-            "abc"
-        );
+        assert_eq!(v["config"]["Labels"]["org.opencontainers.image.revision"], "abc");
         assert!(v["config"].get("Healthcheck").is_none());
         assert!(v.get("container_config").is_none());
         assert_eq!(v["rootfs"]["diff_ids"].as_array().unwrap().len(), 2);

@@ -128,98 +128,53 @@ pub const RESERVED_ENV: &[&str] = &["ENGINE_FLAGS"];
 impl ImageDef {
     /// Reads and validates `path`; errors name the file, line and key.
     pub fn load(path: &Path) -> Result<ImageDef> {
-        let text = std::fs::read_to_string(path).map_err(|e| {
-            bad_input(format!(
-                "{}: cannot read image definition: {e}",
-                path.display()
-            ))
-        })?;
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| bad_input(format!("{}: cannot read image definition: {e}", path.display())))?;
         Self::parse(&text, &path.display().to_string())
     }
 
     /// Parses definition text; `origin` names it in errors.
     pub fn parse(text: &str, origin: &str) -> Result<ImageDef> {
         let raw: Raw = toml::from_str(text).map_err(|e| {
-            let line = e
-                .span()
-                .map(|s| format!(":{}", line_of(text, s.start)))
-                .unwrap_or_default();
+            let line = e.span().map(|s| format!(":{}", line_of(text, s.start))).unwrap_or_default();
             bad_input(format!("{origin}{line}: {}", e.message().trim()))
         })?;
         let at = |span: std::ops::Range<usize>, key: &str, msg: String| {
-            bad_input(format!(
-                "{origin}:{}: {key}: {msg}",
-                line_of(text, span.start)
-            ))
+            bad_input(format!("{origin}:{}: {key}: {msg}", line_of(text, span.start)))
         };
 
         let name = raw.name.get_ref().clone();
-        if name.is_empty()
-            || !name
-                .bytes()
-                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-        {
-            return Err(at(
-                raw.name.span(),
-                "name",
-                format!("{name:?} must be lowercase letters, digits and '-'"),
-            ));
+        if name.is_empty() || !name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-') {
+            return Err(at(raw.name.span(), "name", format!("{name:?} must be lowercase letters, digits and '-'")));
         }
         let mut platforms = Vec::new();
         for p in &raw.platforms {
-            let platform = Platform::parse(p.get_ref())
-                .map_err(|e| at(p.span(), "platforms", e.to_string()))?;
+            let platform = Platform::parse(p.get_ref()).map_err(|e| at(p.span(), "platforms", e.to_string()))?;
             if platforms.contains(&platform) {
-                return Err(at(
-                    p.span(),
-                    "platforms",
-                    format!("{} is listed twice", p.get_ref()),
-                ));
+                return Err(at(p.span(), "platforms", format!("{} is listed twice", p.get_ref())));
             }
             platforms.push(platform);
         }
         if platforms.is_empty() {
-            return Err(bad_input(format!(
-                "{origin}: platforms: at least one platform is needed"
-            )));
+            return Err(bad_input(format!("{origin}: platforms: at least one platform is needed")));
         }
-        let base = Reference::parse(raw.base.get_ref())
-            .map_err(|e| at(raw.base.span(), "base", format!("{e:#}")))?;
+        let base = Reference::parse(raw.base.get_ref()).map_err(|e| at(raw.base.span(), "base", format!("{e:#}")))?;
         if raw.cmd.is_empty() {
-            return Err(bad_input(format!(
-                "{origin}: cmd: the default command cannot be empty"
-            )));
+            return Err(bad_input(format!("{origin}: cmd: the default command cannot be empty")));
         }
         let workdir = match raw.workdir {
             Some(w) if !w.get_ref().starts_with('/') => {
-                return Err(at(
-                    w.span(),
-                    "workdir",
-                    format!("{:?} must be absolute", w.get_ref()),
-                ));
+                return Err(at(w.span(), "workdir", format!("{:?} must be absolute", w.get_ref())));
             }
             w => w.map(Spanned::into_inner),
         };
         let mut dests: BTreeMap<String, ()> = BTreeMap::new();
         let mut check_dest = |span: std::ops::Range<usize>, key: &str, dest: &str| -> Result<()> {
-            if !dest.starts_with('/')
-                || dest
-                    .split('/')
-                    .skip(1)
-                    .any(|c| c.is_empty() || c == "." || c == "..")
-            {
-                return Err(at(
-                    span,
-                    key,
-                    format!("dest {dest:?} must be a clean absolute path"),
-                ));
+            if !dest.starts_with('/') || dest.split('/').skip(1).any(|c| c.is_empty() || c == "." || c == "..") {
+                return Err(at(span, key, format!("dest {dest:?} must be a clean absolute path")));
             }
             if dest.starts_with("/opt/distro") {
-                return Err(at(
-                    span,
-                    key,
-                    format!("dest {dest:?}: /opt/distro is written by the build itself"),
-                ));
+                return Err(at(span, key, format!("dest {dest:?}: /opt/distro is written by the build itself")));
             }
             if dests.insert(dest.to_string(), ()).is_some() {
                 return Err(at(span, key, format!("dest {dest:?} is used twice")));
@@ -235,11 +190,7 @@ impl ImageDef {
         for f in raw.file {
             check_dest(f.span(), "file", &f.get_ref().dest)?;
             if f.get_ref().mode > 0o777 {
-                return Err(at(
-                    f.span(),
-                    "file.mode",
-                    format!("{:o} is not a permission mode", f.get_ref().mode),
-                ));
+                return Err(at(f.span(), "file.mode", format!("{:o} is not a permission mode", f.get_ref().mode)));
             }
             files.push(f.into_inner());
         }
@@ -248,11 +199,7 @@ impl ImageDef {
             check_dest(t.span(), "tree", &t.get_ref().dest)?;
             let src = &t.get_ref().src;
             if src.starts_with('/') || src.split('/').any(|c| c == "..") {
-                return Err(at(
-                    t.span(),
-                    "tree.src",
-                    format!("{src:?} must be relative to the workspace"),
-                ));
+                return Err(at(t.span(), "tree.src", format!("{src:?} must be relative to the workspace")));
             }
             trees.push(t.into_inner());
         }
@@ -262,26 +209,17 @@ impl ImageDef {
                 && !k.starts_with(|c: char| c.is_ascii_digit())
                 && k.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_');
             if !valid {
-                return Err(at(
-                    v.span(),
-                    &format!("env.{k}"),
-                    "not a valid variable name".into(),
-                ));
+                return Err(at(v.span(), &format!("env.{k}"), "not a valid variable name".into()));
             }
             if RESERVED_ENV.contains(&k.as_str()) {
                 return Err(at(
                     v.span(),
                     &format!("env.{k}"),
-                    "is the user's variable; put the image's defaults in ENGINE_DEFAULT_FLAGS"
-                        .into(),
+                    "is the user's variable; put the image's defaults in ENGINE_DEFAULT_FLAGS".into(),
                 ));
             }
             if v.get_ref().reason.trim().is_empty() {
-                return Err(at(
-                    v.span(),
-                    &format!("env.{k}.reason"),
-                    "every baked-in flag needs a reason".into(),
-                ));
+                return Err(at(v.span(), &format!("env.{k}.reason"), "every baked-in flag needs a reason".into()));
             }
             env.insert(k, v.into_inner());
         }

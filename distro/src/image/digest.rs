@@ -20,11 +20,7 @@ impl Digest {
         let Some(h) = s.strip_prefix("sha256:") else {
             bail!("digest {s:?} is not sha256:<hex>");
         };
-        if h.len() != 64
-            || !h
-                .bytes()
-                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
-        {
+        if h.len() != 64 || !h.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)) {
             bail!("digest {s:?} is not sha256 followed by 64 lowercase hex digits");
         }
         Ok(Digest(s.to_string()))
@@ -88,20 +84,12 @@ pub struct HashingWriter<W> {
 impl<W: Write> HashingWriter<W> {
     /// Wraps `inner`.
     pub fn new(inner: W) -> Self {
-        HashingWriter {
-            inner,
-            hasher: Sha256::new(),
-            len: 0,
-        }
+        HashingWriter { inner, hasher: Sha256::new(), len: 0 }
     }
 
     /// The digest and length of everything written, and the inner writer.
     pub fn finish(self) -> (Digest, u64, W) {
-        (
-            Digest(format!("sha256:{}", hex(&self.hasher.finalize()))),
-            self.len,
-            self.inner,
-        )
+        (Digest(format!("sha256:{}", hex(&self.hasher.finalize()))), self.len, self.inner)
     }
 }
 
@@ -147,18 +135,10 @@ mod tests {
     #[test]
     fn known_digest_and_parse() {
         let d = Digest::of(b"");
-        assert_eq!(
-            d.as_str(),
-            "sha256:e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
-        );
+        assert_eq!(d.as_str(), "sha256:e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855");
         assert_eq!(Digest::parse(d.as_str()).unwrap(), d);
         assert!(Digest::parse("sha512:abcd").is_err());
-        assert!(
-            Digest::parse(
-                "sha256:E3B0C44298FC1C149AFBF4C8996FB92427AE41E4649B934CA495991B7852B855"
-            )
-            .is_err()
-        );
+        assert!(Digest::parse("sha256:E3B0C44298FC1C149AFBF4C8996FB92427AE41E4649B934CA495991B7852B855").is_err());
         assert!(Digest::parse("sha256:e3b0").is_err());
     }
 

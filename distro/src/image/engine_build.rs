@@ -64,12 +64,7 @@ pub struct Stage {
 
 impl Stage {
     /// Syncs the stage with the workspace and the patched trees, and derives the lock.
-    pub fn prepare(
-        ws: &Workspace,
-        cache: &Path,
-        patches: &[CratePatch],
-        progress: &Progress,
-    ) -> Result<Stage> {
+    pub fn prepare(ws: &Workspace, cache: &Path, patches: &[CratePatch], progress: &Progress) -> Result<Stage> {
         let dir = cache.join("stage/ws");
         let mut keep: BTreeSet<PathBuf> = BTreeSet::new();
         let mut manifests = KeyHasher::new("manifests-v1");
@@ -95,24 +90,14 @@ impl Stage {
                 sync_file(&p.tree_dir.join(&rel), &dst)?;
                 keep.insert(dst);
             }
-            let crate_dir = if p.subdir.is_empty() {
-                base
-            } else {
-                base.join(&p.subdir)
-            };
-            manifests
-                .part(p.krate.as_bytes())
-                .part(p.tree_id.as_bytes())
-                .part(p.subdir.as_bytes());
+            let crate_dir = if p.subdir.is_empty() { base } else { base.join(&p.subdir) };
+            manifests.part(p.krate.as_bytes()).part(p.tree_id.as_bytes()).part(p.subdir.as_bytes());
             staged_patches.push((p.krate.clone(), crate_dir));
         }
         remove_stale(&dir, &keep)?;
 
         let original = fs::read(ws.root.join("Cargo.lock")).map_err(|e| {
-            bad_input(format!(
-                "{}/Cargo.lock: {e} (the build needs the committed lock)",
-                ws.root.display()
-            ))
+            bad_input(format!("{}/Cargo.lock: {e} (the build needs the committed lock)", ws.root.display()))
         })?;
         let mut stage = Stage {
             target_dir: cache.join("cargo-target"),
@@ -126,9 +111,7 @@ impl Stage {
             let mut k = KeyHasher::new("derived-lock-v1");
             k.part(&original);
             for p in patches {
-                k.part(p.krate.as_bytes())
-                    .part(p.tree_id.as_bytes())
-                    .part(p.subdir.as_bytes());
+                k.part(p.krate.as_bytes()).part(p.tree_id.as_bytes()).part(p.subdir.as_bytes());
             }
             let cached = cache.join("locks").join(k.finish());
             stage.lock = match fs::read(&cached) {
@@ -136,11 +119,8 @@ impl Stage {
                 Err(_) => {
                     let step = progress.step("deriving the lock with patched crates");
                     write_if_changed(&stage.dir.join("Cargo.lock"), &original)?;
-                    let out = stage
-                        .cargo()
-                        .args(["metadata", "--format-version", "1"])
-                        .stdout(Stdio::null())
-                        .output()?;
+                    let out =
+                        stage.cargo().args(["metadata", "--format-version", "1"]).stdout(Stdio::null()).output()?;
                     if !out.status.success() {
                         bail!(
                             "cargo could not resolve the workspace with the patched crates: {}",
@@ -171,22 +151,13 @@ impl Stage {
     fn cargo(&self) -> Command {
         let mut c = Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()));
         c.current_dir(&self.dir);
-        c.env("CARGO_TARGET_DIR", &self.target_dir);
         for (krate, path) in &self.patches {
-            c.arg("--config").arg(format!(
-                "patch.crates-io.{krate}.path={}",
-                toml_string(&path.to_string_lossy())
-            ));
+            c.arg("--config").arg(format!("patch.crates-io.{krate}.path={}", toml_string(&path.to_string_lossy())));
         }
-        for v in [
-            "RUSTFLAGS",
-            "CARGO_BUILD_RUSTFLAGS",
-            "CARGO_ENCODED_RUSTFLAGS",
-            "CARGO_TARGET_DIR",
-            "CARGO_BUILD_TARGET",
-        ] {
+        for v in ["RUSTFLAGS", "CARGO_BUILD_RUSTFLAGS", "CARGO_ENCODED_RUSTFLAGS", "CARGO_BUILD_TARGET"] {
             c.env_remove(v);
         }
+        c.env("CARGO_TARGET_DIR", &self.target_dir);
         let mut remaps = vec![
             (self.dir.clone(), "/build".to_string()),
             (self.target_dir.clone(), "/target".to_string()),
@@ -195,23 +166,24 @@ impl Stage {
         if let Some(r) = rustup_home() {
             remaps.push((r, "/rustup".to_string()));
         }
-        let flags: Vec<String> = remaps
-            .iter()
-            .map(|(from, to)| format!("--remap-path-prefix={}={to}", from.display()))
-            .collect();
+        let flags: Vec<String> =
+            remaps.iter().map(|(from, to)| format!("--remap-path-prefix={}={to}", from.display())).collect();
         c.env("CARGO_ENCODED_RUSTFLAGS", flags.join("\x1f"));
         c
     }
 
     /// Builds `binaries` for `platforms` in one cargo run; returns each binary's path by
-    /// (platform, binary name).
+    /// (platform, binary name). `revision` reaches the engine as `ENGINE_REVISION` (what
+    /// `engine info` prints).
     pub fn build(
         &self,
         platforms: &[Platform],
         binaries: &[Binary],
+        revision: &str,
         progress: &Progress,
     ) -> Result<BTreeMap<(Platform, String), PathBuf>> {
         let mut c = self.cargo();
+        c.env("ENGINE_REVISION", revision);
         c.args(["build", "--release", "--locked"]);
         let packages: BTreeSet<&str> = binaries.iter().map(|b| b.package.as_str()).collect();
         for p in packages {
@@ -223,14 +195,8 @@ impl Stage {
         let host = Platform::host();
         for p in platforms {
             c.args(["--target", p.rust_target()]);
-            let var = format!(
-                "CARGO_TARGET_{}_LINKER",
-                p.rust_target().to_uppercase().replace('-', "_")
-            );
-            if host
-                .as_ref()
-                .map(|h| h.architecture != p.architecture)
-                .unwrap_or(true)
+            let var = format!("CARGO_TARGET_{}_LINKER", p.rust_target().to_uppercase().replace('-', "_"));
+            if host.as_ref().map(|h| h.architecture != p.architecture).unwrap_or(true)
                 && std::env::var_os(&var).is_none()
             {
                 c.env(var, p.cross_linker());
@@ -242,11 +208,7 @@ impl Stage {
         let names: Vec<String> = platforms.iter().map(|p| p.to_string()).collect();
         let step = progress.step(format!(
             "building {} for {}",
-            binaries
-                .iter()
-                .map(|b| b.bin_name())
-                .collect::<Vec<_>>()
-                .join(", "),
+            binaries.iter().map(|b| b.bin_name()).collect::<Vec<_>>().join(", "),
             names.join(", ")
         ));
         let status = c.stdin(Stdio::null()).status().context("running cargo")?;
@@ -257,11 +219,7 @@ impl Stage {
         let mut out = BTreeMap::new();
         for p in platforms {
             for b in binaries {
-                let path = self
-                    .target_dir
-                    .join(p.rust_target())
-                    .join("release")
-                    .join(b.bin_name());
+                let path = self.target_dir.join(p.rust_target()).join("release").join(b.bin_name());
                 if !path.is_file() {
                     bail!("cargo did not produce {}", path.display());
                 }
@@ -275,12 +233,8 @@ impl Stage {
     /// the stage's manifests and lock.
     pub fn metadata(&self, platform: &Platform) -> Result<Value> {
         let mut k = KeyHasher::new("metadata-v1");
-        k.part(self.manifests_key.as_bytes())
-            .part(platform.rust_target().as_bytes());
-        let cached = self
-            .cache
-            .join("metadata")
-            .join(format!("{}.json", k.finish()));
+        k.part(self.manifests_key.as_bytes()).part(platform.rust_target().as_bytes());
+        let cached = self.cache.join("metadata").join(format!("{}.json", k.finish()));
         let bytes = match fs::read(&cached) {
             Ok(b) => b,
             Err(_) => {
@@ -297,10 +251,7 @@ impl Stage {
                     .output()
                     .context("running cargo metadata")?;
                 if !out.status.success() {
-                    bail!(
-                        "cargo metadata failed: {}",
-                        String::from_utf8_lossy(&out.stderr).trim()
-                    );
+                    bail!("cargo metadata failed: {}", String::from_utf8_lossy(&out.stderr).trim());
                 }
                 write_atomic(&cached, &out.stdout)?;
                 out.stdout
@@ -314,26 +265,13 @@ impl Stage {
 /// of which must now be a path entry (a patch cargo did not use is an error).
 pub fn check_derived_lock(original: &[u8], derived: &[u8], patched: &[&str]) -> Result<()> {
     let parse = |b: &[u8], what: &str| -> Result<BTreeMap<(String, String), toml::Table>> {
-        let t: toml::Table = toml::from_str(std::str::from_utf8(b)?)
-            .with_context(|| format!("parsing the {what} lock"))?;
+        let t: toml::Table =
+            toml::from_str(std::str::from_utf8(b)?).with_context(|| format!("parsing the {what} lock"))?;
         let mut m = BTreeMap::new();
-        for p in t
-            .get("package")
-            .and_then(|p| p.as_array())
-            .cloned()
-            .unwrap_or_default()
-        {
+        for p in t.get("package").and_then(|p| p.as_array()).cloned().unwrap_or_default() {
             let p = p.as_table().cloned().unwrap_or_default();
-            let name = p
-                .get("name")
-                .and_then(|v| v.as_str())
-                .unwrap_or("")
-                .to_string();
-            let version = p
-                .get("version")
-                .and_then(|v| v.as_str())
-                .unwrap_or("")
-                .to_string();
+            let name = p.get("name").and_then(|v| v.as_str()).unwrap_or("").to_string();
+            let version = p.get("version").and_then(|v| v.as_str()).unwrap_or("").to_string();
             m.insert((name, version), p);
         }
         Ok(m)
@@ -376,9 +314,7 @@ pub fn check_derived_lock(original: &[u8], derived: &[u8], patched: &[&str]) -> 
         }
     }
     for p in patched {
-        let used = d
-            .iter()
-            .any(|((n, _), e)| n == p && !e.contains_key("source"));
+        let used = d.iter().any(|((n, _), e)| n == p && !e.contains_key("source"));
         if !used {
             problems.push(format!("the patched {p} was not used (its version does not satisfy the workspace's requirement, or nothing depends on it)"));
         }
@@ -399,9 +335,7 @@ fn toml_string(s: &str) -> String {
 fn cargo_home() -> PathBuf {
     std::env::var_os("CARGO_HOME")
         .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cargo")
-        })
+        .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cargo"))
 }
 
 fn rustup_home() -> Option<PathBuf> {
@@ -428,36 +362,27 @@ fn sync_file(src: &Path, dst: &Path) -> Result<()> {
         fs::remove_file(dst)?;
     }
     write_if_changed(dst, &bytes)?;
-    let mode = if meta.permissions().mode() & 0o111 != 0 {
-        0o755
-    } else {
-        0o644
-    };
+    let mode = if meta.permissions().mode() & 0o111 != 0 { 0o755 } else { 0o644 };
     if fs::metadata(dst)?.permissions().mode() & 0o777 != mode {
         fs::set_permissions(dst, fs::Permissions::from_mode(mode))?;
     }
     Ok(())
 }
 
-/// Every file under `dir` (relative paths), skipping `.git`.
+/// Every file under `dir` (relative paths), skipping `.git` (and a top-level `target`, which
+/// is never a tracked file and must never be cleaned as if it were one).
 fn walk_files(dir: &Path) -> Result<Vec<PathBuf>> {
     let mut out = Vec::new();
     let mut todo = vec![PathBuf::new()];
     while let Some(rel) = todo.pop() {
-        for e in fs::read_dir(dir.join(&rel))
-            .with_context(|| format!("reading {}", dir.join(&rel).display()))?
-        {
+        for e in fs::read_dir(dir.join(&rel)).with_context(|| format!("reading {}", dir.join(&rel).display()))? {
             let e = e?;
             let name = e.file_name();
-            if name == ".git" {
+            if name == ".git" || (rel.as_os_str().is_empty() && name == "target") {
                 continue;
             }
             let r = rel.join(&name);
-            if e.file_type()?.is_dir() {
-                todo.push(r)
-            } else {
-                out.push(r)
-            }
+            if e.file_type()?.is_dir() { todo.push(r) } else { out.push(r) }
         }
     }
     out.sort();
@@ -500,7 +425,8 @@ checksum = "bb"
 
     #[test]
     fn derived_lock_may_only_change_patched_crates() {
-        let patched_b = ORIGINAL.replace("source = \"registry+https://github.com/rust-lang/crates.io-index\"\nchecksum = \"bb\"\n", "");
+        let patched_b = ORIGINAL
+            .replace("source = \"registry+https://github.com/rust-lang/crates.io-index\"\nchecksum = \"bb\"\n", "");
         check_derived_lock(ORIGINAL.as_bytes(), patched_b.as_bytes(), &["b"]).unwrap();
         // The patch was not used: b still comes from the registry.
         let e = check_derived_lock(ORIGINAL.as_bytes(), ORIGINAL.as_bytes(), &["b"]).unwrap_err();

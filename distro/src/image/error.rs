@@ -26,9 +26,5 @@ pub fn is_bad_input(err: &anyhow::Error) -> bool {
 
 /// 1-based line number of byte offset `pos` in `text`, for messages that name a line.
 pub fn line_of(text: &str, pos: usize) -> usize {
-    text.as_bytes()[..pos.min(text.len())]
-        .iter()
-        .filter(|&&b| b == b'\n')
-        .count()
-        + 1
+    text.as_bytes()[..pos.min(text.len())].iter().filter(|&&b| b == b'\n').count() + 1
 }

@@ -9,10 +9,7 @@ static COUNTER: AtomicU64 = AtomicU64::new(0);
 
 /// A temporary path beside `path` (same directory, so the final rename is atomic).
 pub fn temp_beside(path: &Path) -> PathBuf {
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
+    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
     let n = COUNTER.fetch_add(1, Ordering::Relaxed);
     path.with_file_name(format!(".{name}.tmp-{}-{n}", std::process::id()))
 }
@@ -25,10 +22,8 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     let tmp = temp_beside(path);
     let result = (|| -> Result<()> {
         let mut f = File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
-        f.write_all(bytes)
-            .with_context(|| format!("writing {}", tmp.display()))?;
-        f.sync_all()
-            .with_context(|| format!("syncing {}", tmp.display()))?;
+        f.write_all(bytes).with_context(|| format!("writing {}", tmp.display()))?;
+        f.sync_all().with_context(|| format!("syncing {}", tmp.display()))?;
         drop(f);
         fs::rename(&tmp, path).with_context(|| format!("renaming into {}", path.display()))?;
         sync_dir(path.parent())
@@ -41,9 +36,7 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
 
 /// Moves a finished temporary file into place (fsynced first) and syncs the directory.
 pub fn commit_temp(tmp: &Path, path: &Path) -> Result<()> {
-    File::open(tmp)?
-        .sync_all()
-        .with_context(|| format!("syncing {}", tmp.display()))?;
+    File::open(tmp)?.sync_all().with_context(|| format!("syncing {}", tmp.display()))?;
     fs::rename(tmp, path).with_context(|| format!("renaming into {}", path.display()))?;
     sync_dir(path.parent())
 }
@@ -62,14 +55,8 @@ pub fn write_if_changed(path: &Path, bytes: &[u8]) -> Result<bool> {
 
 fn sync_dir(dir: Option<&Path>) -> Result<()> {
     if let Some(dir) = dir {
-        let dir = if dir.as_os_str().is_empty() {
-            Path::new(".")
-        } else {
-            dir
-        };
-        File::open(dir)
-            .and_then(|d| d.sync_all())
-            .with_context(|| format!("syncing {}", dir.display()))?;
+        let dir = if dir.as_os_str().is_empty() { Path::new(".") } else { dir };
+        File::open(dir).and_then(|d| d.sync_all()).with_context(|| format!("syncing {}", dir.display()))?;
     }
     Ok(())
 }
@@ -88,10 +75,7 @@ mod tests {
         assert!(write_if_changed(&p, b"two").unwrap());
         assert_eq!(fs::read(&p).unwrap(), b"two");
         // No temporary files are left behind.
-        let names: Vec<_> = fs::read_dir(p.parent().unwrap())
-            .unwrap()
-            .map(|e| e.unwrap().file_name())
-            .collect();
+        let names: Vec<_> = fs::read_dir(p.parent().unwrap()).unwrap().map(|e| e.unwrap().file_name()).collect();
         assert_eq!(names, vec![std::ffi::OsString::from("file")]);
     }
 }

@@ -83,9 +83,6 @@ mod tests {
     #[test]
     fn keys_sort_by_bytes_not_by_locale() {
         let v = json!({"b": 0, "B": 0, "_": 0, "a": 0, "ä": 0});
-        assert_eq!(
-            String::from_utf8(canonical(&v)).unwrap(),
-            r#"{"B":0,"_":0,"a":0,"b":0,"ä":0}"#
-        );
+        assert_eq!(String::from_utf8(canonical(&v)).unwrap(), r#"{"B":0,"_":0,"a":0,"b":0,"ä":0}"#);
     }
 }

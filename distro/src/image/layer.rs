@@ -68,51 +68,28 @@ impl LayerSpec {
     pub fn add_file(&mut self, dest: &str, content: Arc<Vec<u8>>, mode: u32) -> Result<()> {
         let path = normalize(dest)?;
         self.add_parents(&path);
-        self.insert(
-            path,
-            Entry {
-                kind: EntryKind::File(content),
-                mode: mode & 0o777,
-            },
-        )
+        self.insert(path, Entry { kind: EntryKind::File(content), mode: mode & 0o777 })
     }
 
     /// Adds a directory (and its parents).
     pub fn add_dir(&mut self, dest: &str) -> Result<()> {
         let path = normalize(dest)?;
         self.add_parents(&path);
-        self.insert(
-            path,
-            Entry {
-                kind: EntryKind::Dir,
-                mode: MODE_EXEC,
-            },
-        )
+        self.insert(path, Entry { kind: EntryKind::Dir, mode: MODE_EXEC })
     }
 
     /// Adds a symbolic link at `dest` pointing to `target`.
     pub fn add_symlink(&mut self, dest: &str, target: &str) -> Result<()> {
         let path = normalize(dest)?;
         self.add_parents(&path);
-        self.insert(
-            path,
-            Entry {
-                kind: EntryKind::Symlink(target.to_string()),
-                mode: 0o777,
-            },
-        )
+        self.insert(path, Entry { kind: EntryKind::Symlink(target.to_string()), mode: 0o777 })
     }
 
     fn add_parents(&mut self, path: &str) {
         let mut end = 0;
         while let Some(i) = path[end..].find('/') {
             end += i;
-            self.entries
-                .entry(path[..end].to_string())
-                .or_insert(Entry {
-                    kind: EntryKind::Dir,
-                    mode: MODE_EXEC,
-                });
+            self.entries.entry(path[..end].to_string()).or_insert(Entry { kind: EntryKind::Dir, mode: MODE_EXEC });
             end += 1;
         }
     }
@@ -191,23 +168,16 @@ impl LayerSpec {
         let tar = self.tar(epoch)?;
         let diff_id = Digest::of(&tar);
         let gz = gzip(&tar)?;
-        Ok((
-            Layer {
-                digest: Digest::of(&gz),
-                diff_id,
-                size: gz.len() as u64,
-            },
-            gz,
-        ))
+        Ok((Layer { digest: Digest::of(&gz), diff_id, size: gz.len() as u64 }, gz))
     }
 }
 
 /// Gzip with a fixed header (mtime 0, no name, OS "unknown") and the pinned level.
 pub fn gzip(data: &[u8]) -> Result<Vec<u8>> {
-    let mut enc = GzBuilder::new().mtime(0).operating_system(255).write(
-        Vec::with_capacity(data.len() / 2),
-        Compression::new(GZIP_LEVEL),
-    );
+    let mut enc = GzBuilder::new()
+        .mtime(0)
+        .operating_system(255)
+        .write(Vec::with_capacity(data.len() / 2), Compression::new(GZIP_LEVEL));
     enc.write_all(data)?;
     Ok(enc.finish()?)
 }
@@ -218,14 +188,8 @@ fn normalize(dest: &str) -> Result<String> {
         return Err(bad_input(format!("image path {dest:?} must be absolute")));
     };
     let rel = rel.trim_end_matches('/');
-    if rel.is_empty()
-        || rel
-            .split('/')
-            .any(|c| c.is_empty() || c == "." || c == "..")
-    {
-        return Err(bad_input(format!(
-            "image path {dest:?} is not a clean absolute path"
-        )));
+    if rel.is_empty() || rel.split('/').any(|c| c.is_empty() || c == "." || c == "..") {
+        return Err(bad_input(format!("image path {dest:?} is not a clean absolute path")));
     }
     Ok(rel.to_string())
 }
@@ -238,25 +202,10 @@ mod tests {
     fn sample() -> LayerSpec {
         let mut s = LayerSpec::new();
         // Added out of order on purpose.
-        s.add_file(
-            "/usr/local/bin/test-all",
-            Arc::new(b"#!/bin/sh\n".to_vec()),
-            0o755,
-        )
-        .unwrap();
-        s.add_file(
-            "/opt/engine/recipes/a.toml",
-            Arc::new(b"x = 1\n".to_vec()),
-            0o644,
-        )
-        .unwrap();
+        s.add_file("/usr/local/bin/test-all", Arc::new(b"#!/bin/sh\n".to_vec()), 0o755).unwrap();
+        s.add_file("/opt/engine/recipes/a.toml", Arc::new(b"x = 1\n".to_vec()), 0o644).unwrap();
         s.add_symlink("/opt/engine/latest", "recipes").unwrap();
-        s.add_file(
-            &format!("/opt/{}", "long/".repeat(40) + "file"),
-            Arc::new(vec![7; 3000]),
-            0o600,
-        )
-        .unwrap();
+        s.add_file(&format!("/opt/{}", "long/".repeat(40) + "file"), Arc::new(vec![7; 3000]), 0o600).unwrap();
         s
     }
 
@@ -273,13 +222,7 @@ mod tests {
             assert_eq!(h.mtime().unwrap(), 1_700_000_000);
             assert!(h.username().unwrap().unwrap_or("").is_empty());
             assert!(!e.path_bytes().is_empty());
-            paths.push(
-                e.path()
-                    .unwrap()
-                    .to_string_lossy()
-                    .trim_end_matches('/')
-                    .to_string(),
-            );
+            paths.push(e.path().unwrap().to_string_lossy().trim_end_matches('/').to_string());
         }
         let mut sorted = paths.clone();
         sorted.sort();
@@ -324,9 +267,7 @@ mod tests {
         assert_eq!(&gz[4..8], &[0, 0, 0, 0]);
         assert_eq!(gz[9], 255);
         let mut out = Vec::new();
-        flate2::read::GzDecoder::new(gz.as_slice())
-            .read_to_end(&mut out)
-            .unwrap();
+        flate2::read::GzDecoder::new(gz.as_slice()).read_to_end(&mut out).unwrap();
         assert_eq!(out, b"hello");
     }
 
@@ -334,9 +275,8 @@ mod tests {
     fn gzip_backend_is_pinned() {
         // A golden digest: if a dependency switches flate2 to a C zlib, or miniz_oxide changes
         // its output, every layer digest changes; this test says so first.
-        let data: Vec<u8> = (0..100_000u32)
-            .map(|i| (i.wrapping_mul(2_654_435_761) >> 24) as u8 ^ (i % 7) as u8)
-            .collect();
+        let data: Vec<u8> =
+            (0..100_000u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 24) as u8 ^ (i % 7) as u8).collect();
         let gz = gzip(&data).unwrap();
         assert_eq!(Digest::of(&gz).as_str(), GOLDEN);
     }
@@ -349,9 +289,6 @@ mod tests {
         assert!(s.add_file("/a/../b", Arc::new(vec![]), 0o644).is_err());
         s.add_file("/a/b", Arc::new(vec![]), 0o644).unwrap();
         assert!(s.add_file("/a/b", Arc::new(vec![1]), 0o644).is_err());
-        assert!(
-            s.add_file("/a", Arc::new(vec![]), 0o644).is_err(),
-            "a file over a directory"
-        );
+        assert!(s.add_file("/a", Arc::new(vec![]), 0o644).is_err(), "a file over a directory");
     }
 }

@@ -31,18 +31,15 @@ impl Layout {
     /// A layout at `dir` (created on write).
     pub fn new(dir: impl Into<PathBuf>) -> Layout {
         let dir = dir.into();
-        Layout {
-            store: BlobStore::new(&dir),
-            dir,
-        }
+        Layout { store: BlobStore::new(&dir), dir }
     }
 
     /// Opens an existing layout, checking its `oci-layout` marker.
     pub fn open(dir: &Path) -> Result<Layout> {
         let marker = fs::read(dir.join("oci-layout"))
             .map_err(|e| bad_input(format!("{}: not an OCI image layout ({e})", dir.display())))?;
-        let v: Value = serde_json::from_slice(&marker)
-            .map_err(|e| bad_input(format!("{}/oci-layout: {e}", dir.display())))?;
+        let v: Value =
+            serde_json::from_slice(&marker).map_err(|e| bad_input(format!("{}/oci-layout: {e}", dir.display())))?;
         if v["imageLayoutVersion"] != "1.0.0" {
             return Err(bad_input(format!(
                 "{}/oci-layout: unsupported imageLayoutVersion {}",
@@ -61,21 +58,14 @@ impl Layout {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
             Err(e) => return Err(e).with_context(|| format!("reading {}", path.display())),
         };
-        let v: Value = serde_json::from_slice(&text)
-            .map_err(|e| bad_input(format!("{}: {e}", path.display())))?;
+        let v: Value = serde_json::from_slice(&text).map_err(|e| bad_input(format!("{}: {e}", path.display())))?;
         let mut out = Vec::new();
-        for m in v["manifests"]
-            .as_array()
-            .ok_or_else(|| bad_input(format!("{}: no manifests array", path.display())))?
+        for m in
+            v["manifests"].as_array().ok_or_else(|| bad_input(format!("{}: no manifests array", path.display())))?
         {
-            let d: Descriptor = serde_json::from_value(m.clone())
-                .map_err(|e| bad_input(format!("{}: {e}", path.display())))?;
-            let name = d
-                .annotations
-                .as_ref()
-                .and_then(|a| a.get(REF_NAME))
-                .cloned()
-                .unwrap_or_default();
+            let d: Descriptor =
+                serde_json::from_value(m.clone()).map_err(|e| bad_input(format!("{}: {e}", path.display())))?;
+            let name = d.annotations.as_ref().and_then(|a| a.get(REF_NAME)).cloned().unwrap_or_default();
             out.push((name, d));
         }
         Ok(out)
@@ -83,14 +73,8 @@ impl Layout {
 
     /// Adds `blobs` (from `from`) and sets `refs` (replacing same-named ones, keeping others),
     /// then removes blobs nothing references any more.
-    pub fn write(
-        &self,
-        from: &BlobStore,
-        blobs: &[Digest],
-        refs: &[(String, Descriptor)],
-    ) -> Result<()> {
-        fs::create_dir_all(&self.dir)
-            .with_context(|| format!("creating {}", self.dir.display()))?;
+    pub fn write(&self, from: &BlobStore, blobs: &[Digest], refs: &[(String, Descriptor)]) -> Result<()> {
+        fs::create_dir_all(&self.dir).with_context(|| format!("creating {}", self.dir.display()))?;
         if fs::read(self.dir.join("oci-layout")).ok().as_deref() != Some(OCI_LAYOUT) {
             write_atomic(&self.dir.join("oci-layout"), OCI_LAYOUT)?;
         }
@@ -101,11 +85,8 @@ impl Layout {
             self.store.link_from(from, d)?;
         }
         let ours: BTreeSet<&str> = refs.iter().map(|(n, _)| n.as_str()).collect();
-        let mut entries: Vec<(String, Descriptor)> = self
-            .refs()?
-            .into_iter()
-            .filter(|(n, _)| !ours.contains(n.as_str()))
-            .collect();
+        let mut entries: Vec<(String, Descriptor)> =
+            self.refs()?.into_iter().filter(|(n, _)| !ours.contains(n.as_str())).collect();
         for (name, d) in refs {
             let mut d = d.clone();
             let mut ann = d.annotations.take().unwrap_or_default();
@@ -135,20 +116,14 @@ impl Layout {
             if !seen.insert(d.digest.clone()) {
                 continue;
             }
-            if d.media_type.ends_with("+json")
-                && (is_index(&d.media_type) || d.media_type.contains("manifest"))
-            {
+            if d.media_type.ends_with("+json") && (is_index(&d.media_type) || d.media_type.contains("manifest")) {
                 let v: Value = serde_json::from_slice(&self.store.read(&d.digest)?)
                     .with_context(|| format!("{} in {}", d.digest, self.dir.display()))?;
-                let children = v["manifests"]
-                    .as_array()
-                    .into_iter()
-                    .flatten()
-                    .chain(v["layers"].as_array().into_iter().flatten());
+                let children =
+                    v["manifests"].as_array().into_iter().flatten().chain(v["layers"].as_array().into_iter().flatten());
                 for c in children.chain(v.get("config")) {
                     todo.push(
-                        serde_json::from_value(c.clone())
-                            .map_err(|e| anyhow!("{}: bad descriptor: {e}", d.digest))?,
+                        serde_json::from_value(c.clone()).map_err(|e| anyhow!("{}: bad descriptor: {e}", d.digest))?,
                     );
                 }
             }
@@ -166,8 +141,7 @@ impl Layout {
         }
         for d in self.store.list()? {
             if !live.contains(&d) {
-                fs::remove_file(self.store.path(&d))
-                    .with_context(|| format!("removing unreferenced blob {d}"))?;
+                fs::remove_file(self.store.path(&d)).with_context(|| format!("removing unreferenced blob {d}"))?;
             }
         }
         Ok(())
@@ -217,23 +191,12 @@ mod tests {
         let out = tempfile::tempdir().unwrap();
         let layout = Layout::new(out.path().join("oci"));
         let (blobs1, d1) = mk(b"one");
-        layout
-            .write(
-                &store,
-                &blobs1,
-                &[("a".into(), d1.clone()), ("b".into(), d1.clone())],
-            )
-            .unwrap();
+        layout.write(&store, &blobs1, &[("a".into(), d1.clone()), ("b".into(), d1.clone())]).unwrap();
         let refs = Layout::open(&layout.dir).unwrap().refs().unwrap();
-        assert_eq!(
-            refs.iter().map(|r| r.0.as_str()).collect::<Vec<_>>(),
-            ["a", "b"]
-        );
+        assert_eq!(refs.iter().map(|r| r.0.as_str()).collect::<Vec<_>>(), ["a", "b"]);
         // Re-pointing "a" keeps "b"; nothing is collected while "b" still needs it.
         let (blobs2, d2) = mk(b"two");
-        layout
-            .write(&store, &blobs2, &[("a".into(), d2.clone())])
-            .unwrap();
+        layout.write(&store, &blobs2, &[("a".into(), d2.clone())]).unwrap();
         assert_eq!(layout.store.list().unwrap().len(), 5);
         // Re-pointing "b" too drops the first image's unique blobs.
         layout.write(&store, &blobs2, &[("b".into(), d2)]).unwrap();

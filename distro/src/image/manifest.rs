@@ -28,17 +28,14 @@ pub const ACCEPT_MANIFESTS: &str = "application/vnd.oci.image.index.v1+json, app
 /// The OCI media type for a layer or config media type found in a base image.
 pub fn to_oci_media_type(mt: &str) -> Result<&'static str> {
     Ok(match mt {
-        "application/vnd.oci.image.layer.v1.tar+gzip"
-        | "application/vnd.docker.image.rootfs.diff.tar.gzip" => OCI_LAYER_GZIP,
-        "application/vnd.oci.image.layer.v1.tar+zstd" => {
-            "application/vnd.oci.image.layer.v1.tar+zstd"
+        "application/vnd.oci.image.layer.v1.tar+gzip" | "application/vnd.docker.image.rootfs.diff.tar.gzip" => {
+            OCI_LAYER_GZIP
         }
-        "application/vnd.oci.image.layer.v1.tar"
-        | "application/vnd.docker.image.rootfs.diff.tar" => {
+        "application/vnd.oci.image.layer.v1.tar+zstd" => "application/vnd.oci.image.layer.v1.tar+zstd",
+        "application/vnd.oci.image.layer.v1.tar" | "application/vnd.docker.image.rootfs.diff.tar" => {
             "application/vnd.oci.image.layer.v1.tar"
         }
-        "application/vnd.oci.image.config.v1+json"
-        | "application/vnd.docker.container.image.v1+json" => OCI_CONFIG,
+        "application/vnd.oci.image.config.v1+json" | "application/vnd.docker.container.image.v1+json" => OCI_CONFIG,
         other => bail!("media type {other:?} is not supported in a base image"),
     })
 }
@@ -98,17 +95,10 @@ pub fn image_manifest(
 }
 
 /// Canonical bytes of an image index over per-platform manifests.
-pub fn image_index(
-    manifests: &[(Platform, Descriptor)],
-    annotations: &BTreeMap<String, String>,
-) -> Result<Vec<u8>> {
+pub fn image_index(manifests: &[(Platform, Descriptor)], annotations: &BTreeMap<String, String>) -> Result<Vec<u8>> {
     let entries: Vec<Descriptor> = manifests
         .iter()
-        .map(|(p, d)| Descriptor {
-            platform: Some(p.to_json()),
-            annotations: None,
-            ..d.clone()
-        })
+        .map(|(p, d)| Descriptor { platform: Some(p.to_json()), annotations: None, ..d.clone() })
         .collect();
     let mut v = json!({
         "schemaVersion": 2,
@@ -129,12 +119,7 @@ mod tests {
     fn manifest_and_index_shape() {
         let cfg = Descriptor::of(OCI_CONFIG, b"{}");
         let layer = Descriptor::of(OCI_LAYER_GZIP, b"x");
-        let m = image_manifest(
-            &cfg,
-            &[layer],
-            &BTreeMap::from([("k".to_string(), "v".to_string())]),
-        )
-        .unwrap();
+        let m = image_manifest(&cfg, &[layer], &BTreeMap::from([("k".to_string(), "v".to_string())])).unwrap();
         let v: Value = serde_json::from_slice(&m).unwrap();
         assert_eq!(v["mediaType"], OCI_MANIFEST);
         assert_eq!(v["config"]["mediaType"], OCI_CONFIG);
@@ -153,16 +138,8 @@ mod tests {
 
     #[test]
     fn docker_types_translate() {
-        assert_eq!(
-            to_oci_media_type("application/vnd.docker.image.rootfs.diff.tar.gzip").unwrap(),
-            OCI_LAYER_GZIP
-        );
-        assert_eq!(
-            to_oci_media_type("application/vnd.docker.container.image.v1+json").unwrap(),
-            OCI_CONFIG
-        );
-        assert!(
-            to_oci_media_type("application/vnd.docker.image.rootfs.foreign.diff.tar.gzip").is_err()
-        );
+        assert_eq!(to_oci_media_type("application/vnd.docker.image.rootfs.diff.tar.gzip").unwrap(), OCI_LAYER_GZIP);
+        assert_eq!(to_oci_media_type("application/vnd.docker.container.image.v1+json").unwrap(), OCI_CONFIG);
+        assert!(to_oci_media_type("application/vnd.docker.image.rootfs.foreign.diff.tar.gzip").is_err());
     }
 }

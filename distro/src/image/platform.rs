@@ -21,20 +21,12 @@ impl Platform {
     pub fn parse(s: &str) -> Result<Platform> {
         let parts: Vec<&str> = s.split('/').collect();
         let p = match parts.as_slice() {
-            ["linux", "amd64"] => Platform {
-                os: "linux".into(),
-                architecture: "amd64".into(),
-                variant: None,
-            },
-            ["linux", "arm64"] | ["linux", "arm64", "v8"] => Platform {
-                os: "linux".into(),
-                architecture: "arm64".into(),
-                variant: Some("v8".into()),
-            },
+            ["linux", "amd64"] => Platform { os: "linux".into(), architecture: "amd64".into(), variant: None },
+            ["linux", "arm64"] | ["linux", "arm64", "v8"] => {
+                Platform { os: "linux".into(), architecture: "arm64".into(), variant: Some("v8".into()) }
+            }
             _ => {
-                return Err(bad_input(format!(
-                    "platform {s:?} is not supported (use linux/amd64 or linux/arm64)"
-                )));
+                return Err(bad_input(format!("platform {s:?} is not supported (use linux/amd64 or linux/arm64)")));
             }
         };
         Ok(p)
@@ -113,10 +105,7 @@ mod tests {
     fn parse_and_match() {
         let arm = Platform::parse("linux/arm64").unwrap();
         assert_eq!(arm, Platform::parse("linux/arm64/v8").unwrap());
-        assert_eq!(
-            arm.to_json(),
-            json!({"os":"linux","architecture":"arm64","variant":"v8"})
-        );
+        assert_eq!(arm.to_json(), json!({"os":"linux","architecture":"arm64","variant":"v8"}));
         assert!(arm.matches(&json!({"os":"linux","architecture":"arm64"})));
         assert!(!arm.matches(&json!({"os":"linux","architecture":"arm64","variant":"v9"})));
         let amd = Platform::parse("linux/amd64").unwrap();

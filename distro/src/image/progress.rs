@@ -19,11 +19,8 @@ pub struct Step {
 impl Progress {
     /// Bars on a terminal (unless `TERM=dumb`), lines otherwise.
     pub fn new() -> Progress {
-        let tty = std::io::stderr().is_terminal()
-            && std::env::var("TERM").map(|t| t != "dumb").unwrap_or(true);
-        Progress {
-            multi: tty.then(|| MultiProgress::with_draw_target(ProgressDrawTarget::stderr())),
-        }
+        let tty = std::io::stderr().is_terminal() && std::env::var("TERM").map(|t| t != "dumb").unwrap_or(true);
+        Progress { multi: tty.then(|| MultiProgress::with_draw_target(ProgressDrawTarget::stderr())) }
     }
 
     /// Plain lines only.
@@ -47,10 +44,7 @@ impl Progress {
         let bar = match &self.multi {
             Some(m) => {
                 let b = m.add(ProgressBar::new_spinner());
-                b.set_style(
-                    ProgressStyle::with_template("{spinner} {msg} {elapsed}")
-                        .expect("valid template"),
-                );
+                b.set_style(ProgressStyle::with_template("{spinner} {msg} {elapsed}").expect("valid template"));
                 b.set_message(msg.clone());
                 b.enable_steady_tick(Duration::from_millis(120));
                 Some(b)
@@ -60,11 +54,7 @@ impl Progress {
                 None
             }
         };
-        Step {
-            bar,
-            msg,
-            start: Instant::now(),
-        }
+        Step { bar, msg, start: Instant::now() }
     }
 
     /// A byte counter for a transfer of `total` bytes (hidden without a terminal).
@@ -73,11 +63,9 @@ impl Progress {
             Some(m) => {
                 let b = m.add(ProgressBar::new(total));
                 b.set_style(
-                    ProgressStyle::with_template(
-                        "{msg} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec}",
-                    )
-                    .expect("valid template")
-                    .progress_chars("=> "),
+                    ProgressStyle::with_template("{msg} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec}")
+                        .expect("valid template")
+                        .progress_chars("=> "),
                 );
                 b.set_message(msg.into());
                 b
@@ -96,12 +84,7 @@ impl Default for Progress {
 impl Step {
     /// Finishes the step with a short result.
     pub fn done(self, result: impl AsRef<str>) {
-        let line = format!(
-            "{}: {} ({:.2?})",
-            self.msg,
-            result.as_ref(),
-            self.start.elapsed()
-        );
+        let line = format!("{}: {} ({:.2?})", self.msg, result.as_ref(), self.start.elapsed());
         match self.bar {
             Some(b) => {
                 b.set_style(ProgressStyle::with_template("{msg}").expect("valid template"));

@@ -39,30 +39,16 @@ pub struct SbomInput<'a> {
 
 fn spdx_id(prefix: &str, name: &str, version: &str) -> String {
     let clean = |s: &str| {
-        s.chars()
-            .map(|c| {
-                if c.is_ascii_alphanumeric() || c == '.' || c == '-' {
-                    c
-                } else {
-                    '-'
-                }
-            })
-            .collect::<String>()
+        s.chars().map(|c| if c.is_ascii_alphanumeric() || c == '.' || c == '-' { c } else { '-' }).collect::<String>()
     };
     format!("SPDXRef-{prefix}-{}-{}", clean(name), clean(version))
 }
 
 /// Renders the SBOM as canonical JSON.
 pub fn sbom(input: &SbomInput) -> Result<Vec<u8>> {
-    let lock: toml::Table =
-        toml::from_str(std::str::from_utf8(input.lock)?).context("parsing Cargo.lock")?;
+    let lock: toml::Table = toml::from_str(std::str::from_utf8(input.lock)?).context("parsing Cargo.lock")?;
     let mut checksums: BTreeMap<(String, String), String> = BTreeMap::new();
-    for p in lock
-        .get("package")
-        .and_then(|p| p.as_array())
-        .into_iter()
-        .flatten()
-    {
+    for p in lock.get("package").and_then(|p| p.as_array()).into_iter().flatten() {
         if let (Some(n), Some(v), Some(c)) = (
             p.get("name").and_then(|x| x.as_str()),
             p.get("version").and_then(|x| x.as_str()),
@@ -84,17 +70,11 @@ pub fn sbom(input: &SbomInput) -> Result<Vec<u8>> {
         .iter()
         .filter_map(|n| n["id"].as_str().map(|id| (id, n)))
         .collect();
-    let members: BTreeSet<&str> = meta["workspace_members"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter_map(Value::as_str)
-        .collect();
+    let members: BTreeSet<&str> =
+        meta["workspace_members"].as_array().into_iter().flatten().filter_map(Value::as_str).collect();
     let roots: Vec<&str> = packages
         .iter()
-        .filter(|(id, p)| {
-            members.contains(*id) && input.roots.iter().any(|r| p["name"] == r.as_str())
-        })
+        .filter(|(id, p)| members.contains(*id) && input.roots.iter().any(|r| p["name"] == r.as_str()))
         .map(|(id, _)| *id)
         .collect();
 
@@ -109,12 +89,8 @@ pub fn sbom(input: &SbomInput) -> Result<Vec<u8>> {
             let Some(pkg) = dep["pkg"].as_str() else {
                 continue;
             };
-            let kinds: Vec<Option<&str>> = dep["dep_kinds"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .map(|k| k["kind"].as_str())
-                .collect();
+            let kinds: Vec<Option<&str>> =
+                dep["dep_kinds"].as_array().into_iter().flatten().map(|k| k["kind"].as_str()).collect();
             let normal = kinds.iter().any(|k| k.is_none());
             let build_edge = kinds.contains(&Some("build"));
             if !normal && !build_edge {
@@ -122,11 +98,7 @@ pub fn sbom(input: &SbomInput) -> Result<Vec<u8>> {
             }
             let dep_in_build = in_build || !normal;
             edges.insert((id, pkg, dep_in_build));
-            let new = if dep_in_build {
-                !linked.contains(pkg) && build.insert(pkg)
-            } else {
-                linked.insert(pkg)
-            };
+            let new = if dep_in_build { !linked.contains(pkg) && build.insert(pkg) } else { linked.insert(pkg) };
             if new {
                 todo.push((pkg, dep_in_build));
             }
@@ -135,11 +107,7 @@ pub fn sbom(input: &SbomInput) -> Result<Vec<u8>> {
     build.retain(|p| !linked.contains(p));
 
     let base_purpose = |id: &str| {
-        if roots.contains(&id) {
-            "APPLICATION"
-        } else {
-            "LIBRARY"
-        }
+        if roots.contains(&id) { "APPLICATION" } else { "LIBRARY" }
     };
     let mut pkgs = Vec::new();
     let mut ids: BTreeMap<&str, String> = BTreeMap::new();
@@ -151,27 +119,17 @@ pub fn sbom(input: &SbomInput) -> Result<Vec<u8>> {
         ids.insert(id, sid.clone());
         let source = p["source"].as_str();
         let (download, comment) = match source {
-            Some(s) if s.starts_with("registry+") => (
-                format!("https://crates.io/api/v1/crates/{name}/{version}/download"),
-                None,
-            ),
+            Some(s) if s.starts_with("registry+") => {
+                (format!("https://crates.io/api/v1/crates/{name}/{version}/download"), None)
+            }
             Some(s) if s.starts_with("git+") => (s.to_string(), None),
             _ if members.contains(id) => match input.repository {
-                Some(r) => (
-                    format!("git+{r}@{}", input.revision.trim_end_matches("-dirty")),
-                    None,
-                ),
+                Some(r) => (format!("git+{r}@{}", input.revision.trim_end_matches("-dirty")), None),
                 None => ("NOASSERTION".into(), None),
             },
-            _ => (
-                "NOASSERTION".into(),
-                Some("patched source; see /opt/distro/manifest.lock and /opt/distro/patches"),
-            ),
+            _ => ("NOASSERTION".into(), Some("patched source; see /opt/distro/manifest.lock and /opt/distro/patches")),
         };
-        let license = p["license"]
-            .as_str()
-            .map(|l| l.replace('/', " OR "))
-            .unwrap_or_else(|| "NOASSERTION".into());
+        let license = p["license"].as_str().map(|l| l.replace('/', " OR ")).unwrap_or_else(|| "NOASSERTION".into());
         let mut pkg = json!({
             "SPDXID": sid,
             "name": name,
@@ -192,11 +150,7 @@ pub fn sbom(input: &SbomInput) -> Result<Vec<u8>> {
         }
         pkgs.push(pkg);
     }
-    let base_repo_tail = input
-        .base_name
-        .rsplit('/')
-        .next()
-        .unwrap_or(&input.base_name);
+    let base_repo_tail = input.base_name.rsplit('/').next().unwrap_or(&input.base_name);
     pkgs.push(json!({
         "SPDXID": "SPDXRef-BaseImage",
         "name": input.base_name,
@@ -228,7 +182,9 @@ pub fn sbom(input: &SbomInput) -> Result<Vec<u8>> {
         json!({"spdxElementId": "SPDXRef-Image", "relationshipType": "DESCENDANT_OF", "relatedSpdxElement": "SPDXRef-BaseImage"}),
     ];
     for r in &roots {
-        rels.push(json!({"spdxElementId": "SPDXRef-Image", "relationshipType": "CONTAINS", "relatedSpdxElement": ids[r]}));
+        rels.push(
+            json!({"spdxElementId": "SPDXRef-Image", "relationshipType": "CONTAINS", "relatedSpdxElement": ids[r]}),
+        );
     }
     for (from, to, is_build) in &edges {
         rels.push(if *is_build {
@@ -241,9 +197,7 @@ pub fn sbom(input: &SbomInput) -> Result<Vec<u8>> {
     rels.dedup();
 
     let mut k = KeyHasher::new("spdx-namespace-v1");
-    k.part(input.lock)
-        .part(input.base_digest.as_str().as_bytes())
-        .part(input.revision.as_bytes());
+    k.part(input.lock).part(input.base_digest.as_str().as_bytes()).part(input.revision.as_bytes());
     let ns_base = input.repository.unwrap_or("https://spdx.invalid/distro");
     let doc = json!({
         "spdxVersion": "SPDX-2.3",
@@ -323,37 +277,15 @@ checksum = "111"
         assert_eq!(bytes, sbom(&input).unwrap(), "deterministic");
         let v: Value = serde_json::from_slice(&bytes).unwrap();
         assert_eq!(v["spdxVersion"], "SPDX-2.3");
-        let names: Vec<&str> = v["packages"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|p| p["name"].as_str().unwrap())
-            .collect();
-        assert!(
-            names.contains(&"serde") && names.contains(&"cc") && !names.contains(&"proptest"),
-            "{names:?}"
-        );
-        let serde = v["packages"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|p| p["name"] == "serde")
-            .unwrap();
+        let names: Vec<&str> = v["packages"].as_array().unwrap().iter().map(|p| p["name"].as_str().unwrap()).collect();
+        assert!(names.contains(&"serde") && names.contains(&"cc") && !names.contains(&"proptest"), "{names:?}");
+        let serde = v["packages"].as_array().unwrap().iter().find(|p| p["name"] == "serde").unwrap();
         assert_eq!(serde["licenseDeclared"], "MIT OR Apache-2.0");
         assert_eq!(serde["checksums"][0]["checksumValue"], "abc");
-        let engine = v["packages"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|p| p["name"] == "engine")
-            .unwrap();
+        let engine = v["packages"].as_array().unwrap().iter().find(|p| p["name"] == "engine").unwrap();
         assert_eq!(engine["downloadLocation"], "git+https://github.com/x/y@abc");
         let rels = v["relationships"].to_string();
-        assert!(
-            rels.contains("BUILD_DEPENDENCY_OF")
-                && rels.contains("DEPENDS_ON")
-                && rels.contains("DESCENDANT_OF")
-        );
+        assert!(rels.contains("BUILD_DEPENDENCY_OF") && rels.contains("DEPENDS_ON") && rels.contains("DESCENDANT_OF"));
         assert_eq!(v["creationInfo"]["created"], "1970-01-01T00:00:00Z");
     }
 }

@@ -8,12 +8,7 @@ use std::path::Path;
 
 /// Resolves the build's sources: the lock of record plus `--patch`/`--source` overrides, and the
 /// patched trees to wire into the engine build.
-pub fn collect(
-    start: &Path,
-    patches: &[String],
-    overrides: &[String],
-    _progress: &Progress,
-) -> Result<SourcesInput> {
+pub fn collect(start: &Path, patches: &[String], overrides: &[String], _progress: &Progress) -> Result<SourcesInput> {
     let ws = super::workspace::Workspace::open(start)?;
     if !ws.root.join("images/manifest.toml").exists() {
         if let Some(p) = patches.first().or(overrides.first()) {
@@ -23,7 +18,5 @@ pub fn collect(
         }
         return Ok(SourcesInput::default());
     }
-    Err(bad_input(
-        "images/manifest.toml is present but this build of distro cannot read it yet",
-    ))
+    Err(bad_input("images/manifest.toml is present but this build of distro cannot read it yet"))
 }

@@ -69,9 +69,7 @@ impl BlobStore {
             let (got, len, mut inner) = w.finish();
             inner.flush()?;
             if &got != expected {
-                bail!(
-                    "{what}: content does not match its digest {expected} (got {got}, {len} bytes); refusing it"
-                );
+                bail!("{what}: content does not match its digest {expected} (got {got}, {len} bytes); refusing it");
             }
             if let Some(size) = expected_size
                 && size != len
@@ -91,10 +89,7 @@ impl BlobStore {
     pub fn read(&self, d: &Digest) -> Result<Vec<u8>> {
         let bytes = fs::read(self.path(d)).with_context(|| format!("reading blob {d}"))?;
         if &Digest::of(&bytes) != d {
-            bail!(
-                "blob {d} in {} is corrupt (its content has another digest)",
-                self.root.display()
-            );
+            bail!("blob {d} in {} is corrupt (its content has another digest)", self.root.display());
         }
         Ok(bytes)
     }
@@ -110,8 +105,7 @@ impl BlobStore {
         fs::create_dir_all(dst.parent().expect("blob path has a parent"))?;
         let tmp = temp_beside(&dst);
         if fs::hard_link(&src, &tmp).is_err() {
-            fs::copy(&src, &tmp)
-                .with_context(|| format!("copying {} to {}", src.display(), tmp.display()))?;
+            fs::copy(&src, &tmp).with_context(|| format!("copying {} to {}", src.display(), tmp.display()))?;
         }
         commit_temp(&tmp, &dst)
     }
@@ -143,30 +137,14 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let s = BlobStore::new(dir.path());
         let d = Digest::of(b"good");
-        assert!(
-            s.put_verified(&mut &b"evil"[..], &d, None, "blob x")
-                .is_err()
-        );
+        assert!(s.put_verified(&mut &b"evil"[..], &d, None, "blob x").is_err());
         assert!(!s.has(&d));
-        assert!(
-            s.put_verified(&mut &b"good"[..], &d, Some(5), "blob x")
-                .is_err(),
-            "size checked"
-        );
-        assert_eq!(
-            s.put_verified(&mut &b"good"[..], &d, Some(4), "blob x")
-                .unwrap(),
-            4
-        );
+        assert!(s.put_verified(&mut &b"good"[..], &d, Some(5), "blob x").is_err(), "size checked");
+        assert_eq!(s.put_verified(&mut &b"good"[..], &d, Some(4), "blob x").unwrap(), 4);
         assert_eq!(s.read(&d).unwrap(), b"good");
         // Nothing but the blob is left in the directory.
         assert_eq!(s.list().unwrap(), vec![d.clone()]);
-        assert_eq!(
-            fs::read_dir(dir.path().join("blobs/sha256"))
-                .unwrap()
-                .count(),
-            1
-        );
+        assert_eq!(fs::read_dir(dir.path().join("blobs/sha256")).unwrap().count(), 1);
         // A corrupted file is noticed on read.
         fs::write(s.path(&d), b"bad!").unwrap();
         assert!(s.read(&d).is_err());

@@ -29,11 +29,7 @@ fn git(root: &Path, args: &[&str]) -> Result<Vec<u8>> {
         .output()
         .with_context(|| format!("running git {}", args.join(" ")))?;
     if !out.status.success() {
-        bail!(
-            "git {} failed: {}",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stderr).trim()
-        );
+        bail!("git {} failed: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim());
     }
     Ok(out.stdout)
 }
@@ -41,24 +37,13 @@ fn git(root: &Path, args: &[&str]) -> Result<Vec<u8>> {
 impl Workspace {
     /// Opens the git checkout containing `start`.
     pub fn open(start: &Path) -> Result<Workspace> {
-        let top = git(start, &["rev-parse", "--show-toplevel"]).map_err(|e| {
-            bad_input(format!(
-                "{}: not inside a git checkout of the project ({e:#})",
-                start.display()
-            ))
-        })?;
+        let top = git(start, &["rev-parse", "--show-toplevel"])
+            .map_err(|e| bad_input(format!("{}: not inside a git checkout of the project ({e:#})", start.display())))?;
         let root = PathBuf::from(String::from_utf8_lossy(&top).trim());
-        let head = git(&root, &["log", "-1", "--format=%H %ct"]).map_err(|e| {
-            bad_input(format!(
-                "{}: the checkout has no commit to build ({e:#})",
-                root.display()
-            ))
-        })?;
+        let head = git(&root, &["log", "-1", "--format=%H %ct"])
+            .map_err(|e| bad_input(format!("{}: the checkout has no commit to build ({e:#})", root.display())))?;
         let head = String::from_utf8_lossy(&head);
-        let (commit, time) = head
-            .trim()
-            .split_once(' ')
-            .context("unexpected git log output")?;
+        let (commit, time) = head.trim().split_once(' ').context("unexpected git log output")?;
         let dirty = !git(&root, &["status", "--porcelain", "--untracked-files=no"])?.is_empty();
         let mut files: Vec<String> = git(&root, &["ls-files", "-z", "--cached"])?
             .split(|&b| b == 0)
@@ -71,13 +56,7 @@ impl Workspace {
         let repository = std::fs::read_to_string(root.join("Cargo.toml"))
             .ok()
             .and_then(|t| t.parse::<toml::Table>().ok())
-            .and_then(|t| {
-                t.get("workspace")?
-                    .get("package")?
-                    .get("repository")?
-                    .as_str()
-                    .map(String::from)
-            });
+            .and_then(|t| t.get("workspace")?.get("package")?.get("repository")?.as_str().map(String::from));
         Ok(Workspace {
             root,
             commit: commit.to_string(),
@@ -90,11 +69,7 @@ impl Workspace {
 
     /// The revision recorded in the image: the commit, with `-dirty` when the tree differs.
     pub fn revision(&self) -> String {
-        if self.dirty {
-            format!("{}-dirty", self.commit)
-        } else {
-            self.commit.clone()
-        }
+        if self.dirty { format!("{}-dirty", self.commit) } else { self.commit.clone() }
     }
 
     /// Tracked files under directory `dir` (relative to the root).

@@ -50,10 +50,7 @@ pub fn parse_challenges(header: &str) -> Vec<Challenge> {
             i += 1; // not a token character: skip it rather than loop forever
             continue;
         }
-        let mut ch = Challenge {
-            scheme: scheme.to_ascii_lowercase(),
-            params: BTreeMap::new(),
-        };
+        let mut ch = Challenge { scheme: scheme.to_ascii_lowercase(), params: BTreeMap::new() };
         loop {
             skip(&mut i, b" \t");
             // A parameter is `name =`; anything else starts the next challenge.
@@ -112,11 +109,7 @@ pub struct Scope {
 impl Scope {
     /// `repository:NAME:ACTIONS`.
     pub fn repository(name: &str, actions: &[&str]) -> Scope {
-        Scope {
-            kind: "repository".into(),
-            name: name.into(),
-            actions: actions.iter().map(|a| a.to_string()).collect(),
-        }
+        Scope { kind: "repository".into(), name: name.into(), actions: actions.iter().map(|a| a.to_string()).collect() }
     }
 
     /// Parses one scope; `None` when it has no type or no actions.
@@ -126,16 +119,8 @@ impl Scope {
         if kind.is_empty() || name.is_empty() {
             return None;
         }
-        let actions: BTreeSet<String> = actions
-            .split(',')
-            .filter(|a| !a.is_empty())
-            .map(String::from)
-            .collect();
-        Some(Scope {
-            kind: kind.into(),
-            name: name.into(),
-            actions,
-        })
+        let actions: BTreeSet<String> = actions.split(',').filter(|a| !a.is_empty()).map(String::from).collect();
+        Some(Scope { kind: kind.into(), name: name.into(), actions })
     }
 
     /// Parses a space-separated list (the `scope` parameter may carry several).
@@ -149,13 +134,7 @@ impl Scope {
         for s in scopes {
             by.entry((s.kind, s.name)).or_default().extend(s.actions);
         }
-        by.into_iter()
-            .map(|((kind, name), actions)| Scope {
-                kind,
-                name,
-                actions,
-            })
-            .collect()
+        by.into_iter().map(|((kind, name), actions)| Scope { kind, name, actions }).collect()
     }
 }
 
@@ -258,18 +237,12 @@ impl fmt::Debug for AuthEntry {
 const DOCKER_HUB_KEY: &str = "https://index.docker.io/v1/";
 
 fn is_docker_hub(host: &str) -> bool {
-    matches!(
-        host,
-        "docker.io" | "index.docker.io" | "registry-1.docker.io"
-    )
+    matches!(host, "docker.io" | "index.docker.io" | "registry-1.docker.io")
 }
 
 /// The host part of a config key (`https://host:5000/v1/` -> `host:5000`).
 fn key_host(key: &str) -> &str {
-    let k = key
-        .strip_prefix("https://")
-        .or_else(|| key.strip_prefix("http://"))
-        .unwrap_or(key);
+    let k = key.strip_prefix("https://").or_else(|| key.strip_prefix("http://")).unwrap_or(key);
     k.split('/').next().unwrap_or(k)
 }
 
@@ -329,26 +302,14 @@ impl DockerConfig {
                 .decode(a.trim())
                 .ok()
                 .and_then(|d| String::from_utf8(d).ok())
-                .ok_or_else(|| {
-                    bad_input(format!(
-                        "docker config: auths.{key}.auth is not base64 of user:password"
-                    ))
-                })?;
+                .ok_or_else(|| bad_input(format!("docker config: auths.{key}.auth is not base64 of user:password")))?;
             let Some((user, password)) = decoded.split_once(':') else {
-                bail!(bad_input(format!(
-                    "docker config: auths.{key}.auth is not base64 of user:password"
-                )));
+                bail!(bad_input(format!("docker config: auths.{key}.auth is not base64 of user:password")));
             };
-            return Ok(Some(Credential::Basic {
-                user: user.into(),
-                password: password.into(),
-            }));
+            return Ok(Some(Credential::Basic { user: user.into(), password: password.into() }));
         }
         match (&e.username, &e.password) {
-            (Some(u), Some(p)) if !u.is_empty() => Ok(Some(Credential::Basic {
-                user: u.clone(),
-                password: p.clone(),
-            })),
+            (Some(u), Some(p)) if !u.is_empty() => Ok(Some(Credential::Basic { user: u.clone(), password: p.clone() })),
             _ => Ok(None),
         }
     }
@@ -356,11 +317,7 @@ impl DockerConfig {
 
 /// Runs `docker-credential-<helper> get` for `host`.
 pub fn run_helper(helper: &str, host: &str) -> Result<Option<Credential>> {
-    let server = if is_docker_hub(host) {
-        DOCKER_HUB_KEY.to_string()
-    } else {
-        host.to_string()
-    };
+    let server = if is_docker_hub(host) { DOCKER_HUB_KEY.to_string() } else { host.to_string() };
     let program = format!("docker-credential-{helper}");
     let mut child = Command::new(&program)
         .arg("get")
@@ -369,11 +326,7 @@ pub fn run_helper(helper: &str, host: &str) -> Result<Option<Credential>> {
         .stderr(Stdio::piped())
         .spawn()
         .with_context(|| format!("running {program} (configured in the docker config)"))?;
-    child
-        .stdin
-        .take()
-        .expect("piped")
-        .write_all(server.as_bytes())?;
+    child.stdin.take().expect("piped").write_all(server.as_bytes())?;
     let out = child.wait_with_output()?;
     let stdout = String::from_utf8_lossy(&out.stdout);
     if !out.status.success() {
@@ -390,19 +343,15 @@ pub fn run_helper(helper: &str, host: &str) -> Result<Option<Credential>> {
         #[serde(rename = "Secret", default)]
         secret: String,
     }
-    let r: Reply = serde_json::from_slice(&out.stdout).map_err(|e| {
-        anyhow::anyhow!("{program} get returned something that is not its JSON reply: {e}")
-    })?;
+    let r: Reply = serde_json::from_slice(&out.stdout)
+        .map_err(|e| anyhow::anyhow!("{program} get returned something that is not its JSON reply: {e}"))?;
     if r.secret.is_empty() {
         return Ok(None);
     }
     Ok(Some(if r.username == "<token>" {
         Credential::Identity(r.secret)
     } else {
-        Credential::Basic {
-            user: r.username,
-            password: r.secret,
-        }
+        Credential::Basic { user: r.username, password: r.secret }
     }))
 }
 
@@ -429,25 +378,15 @@ impl Credentials {
     pub fn from_environment(push_host: Option<&str>) -> Result<Credentials> {
         let user = std::env::var(ENV_USER).ok().filter(|u| !u.is_empty());
         let password = std::env::var(ENV_PASSWORD).ok();
-        let host = std::env::var(ENV_REGISTRY)
-            .ok()
-            .filter(|h| !h.is_empty())
-            .or(push_host.map(String::from));
+        let host = std::env::var(ENV_REGISTRY).ok().filter(|h| !h.is_empty()).or(push_host.map(String::from));
         let env = match (user, password, host) {
-            (Some(user), Some(password), Some(host)) => {
-                Some((host, Credential::Basic { user, password }))
-            }
+            (Some(user), Some(password), Some(host)) => Some((host, Credential::Basic { user, password })),
             (Some(_), None, _) => {
-                return Err(bad_input(format!(
-                    "{ENV_USER} is set but {ENV_PASSWORD} is not"
-                )));
+                return Err(bad_input(format!("{ENV_USER} is set but {ENV_PASSWORD} is not")));
             }
             _ => None,
         };
-        Ok(Credentials {
-            env,
-            config: DockerConfig::load_default()?,
-        })
+        Ok(Credentials { env, config: DockerConfig::load_default()? })
     }
 
     /// Credentials from explicit parts (tests, embedding).
@@ -460,31 +399,21 @@ impl Credentials {
         if let Some((h, c)) = &self.env
             && key_matches(h, host)
         {
-            return Ok(Some(Found {
-                credential: c.clone(),
-                origin: format!("{ENV_USER}/{ENV_PASSWORD}"),
-            }));
+            return Ok(Some(Found { credential: c.clone(), origin: format!("{ENV_USER}/{ENV_PASSWORD}") }));
         }
         let Some(cfg) = &self.config else {
             return Ok(None);
         };
         if let Some((_, helper)) = cfg.cred_helpers.iter().find(|(k, _)| key_matches(k, host)) {
-            return Ok(run_helper(helper, host)?.map(|credential| Found {
-                credential,
-                origin: format!("docker-credential-{helper}"),
-            }));
+            return Ok(run_helper(helper, host)?
+                .map(|credential| Found { credential, origin: format!("docker-credential-{helper}") }));
         }
         if let Some(c) = cfg.inline_for(host)? {
-            return Ok(Some(Found {
-                credential: c,
-                origin: "docker config auths".into(),
-            }));
+            return Ok(Some(Found { credential: c, origin: "docker config auths".into() }));
         }
         if let Some(helper) = cfg.helper_for(host) {
-            return Ok(run_helper(helper, host)?.map(|credential| Found {
-                credential,
-                origin: format!("docker-credential-{helper}"),
-            }));
+            return Ok(run_helper(helper, host)?
+                .map(|credential| Found { credential, origin: format!("docker-credential-{helper}") }));
         }
         Ok(None)
     }
@@ -503,10 +432,7 @@ mod tests {
         assert_eq!(c[0].scheme, "bearer");
         assert_eq!(c[0].params["realm"], "https://auth.docker.io/token");
         assert_eq!(c[0].params["service"], "registry.docker.io");
-        assert_eq!(
-            Scope::parse_list(&c[0].params["scope"]),
-            vec![Scope::repository("library/ubuntu", &["pull"])]
-        );
+        assert_eq!(Scope::parse_list(&c[0].params["scope"]), vec![Scope::repository("library/ubuntu", &["pull"])]);
     }
 
     #[test]
@@ -526,9 +452,7 @@ mod tests {
 
     #[test]
     fn several_challenges_quotes_and_tokens() {
-        let c = parse_challenges(
-            r#"Basic realm="Registry \"x\", y", Bearer realm=https://a/t,service=s"#,
-        );
+        let c = parse_challenges(r#"Basic realm="Registry \"x\", y", Bearer realm=https://a/t,service=s"#);
         assert_eq!(c.len(), 2);
         assert_eq!(c[0].scheme, "basic");
         assert_eq!(c[0].params["realm"], r#"Registry "x", y"#);
@@ -540,19 +464,10 @@ mod tests {
 
     #[test]
     fn scopes_parse_and_merge() {
-        let s = Scope::parse_list(
-            "repository:a/b:pull repository:a/b:push,pull repository:c:pull registry:catalog:*",
-        );
+        let s = Scope::parse_list("repository:a/b:pull repository:a/b:push,pull repository:c:pull registry:catalog:*");
         let m = Scope::merge(s);
         let text: Vec<String> = m.iter().map(|s| s.to_string()).collect();
-        assert_eq!(
-            text,
-            [
-                "registry:catalog:*",
-                "repository:a/b:pull,push",
-                "repository:c:pull"
-            ]
-        );
+        assert_eq!(text, ["registry:catalog:*", "repository:a/b:pull,push", "repository:c:pull"]);
         // A name holding ':' (e.g. a plugin-qualified type) keeps it.
         let s = Scope::parse("repository(plugin):a:b:pull").unwrap();
         assert_eq!(s.name, "a:b");
@@ -576,22 +491,13 @@ mod tests {
         .unwrap();
         assert_eq!(
             cfg.inline_for("registry-1.docker.io").unwrap(),
-            Some(Credential::Basic {
-                user: "user".into(),
-                password: "pa:ss".into()
-            })
+            Some(Credential::Basic { user: "user".into(), password: "pa:ss".into() })
         );
         assert_eq!(
             cfg.inline_for("localhost:5000").unwrap(),
-            Some(Credential::Basic {
-                user: "u".into(),
-                password: "p".into()
-            })
+            Some(Credential::Basic { user: "u".into(), password: "p".into() })
         );
-        assert_eq!(
-            cfg.inline_for("ghcr.io").unwrap(),
-            Some(Credential::Identity("refresh".into()))
-        );
+        assert_eq!(cfg.inline_for("ghcr.io").unwrap(), Some(Credential::Identity("refresh".into())));
         assert_eq!(cfg.inline_for("localhost:5001").unwrap(), None);
         assert_eq!(cfg.helper_for("nvcr.io"), Some("pass"));
         assert_eq!(cfg.helper_for("quay.io"), Some("desktop"));
@@ -603,15 +509,9 @@ mod tests {
 
     #[test]
     fn secrets_never_in_debug() {
-        let c = Credential::Basic {
-            user: "me".into(),
-            password: "hunter2".into(),
-        };
+        let c = Credential::Basic { user: "me".into(), password: "hunter2".into() };
         assert!(!format!("{c:?}").contains("hunter2"));
-        let f = Found {
-            credential: Credential::Identity("tok123".into()),
-            origin: "x".into(),
-        };
+        let f = Found { credential: Credential::Identity("tok123".into()), origin: "x".into() };
         assert!(!format!("{f:?}").contains("tok123"));
         assert_eq!(c.basic_header().unwrap(), "Basic bWU6aHVudGVyMg==");
     }
@@ -619,13 +519,7 @@ mod tests {
     #[test]
     fn env_credentials_stay_on_their_host() {
         let creds = Credentials::new(
-            Some((
-                "localhost:5000".into(),
-                Credential::Basic {
-                    user: "u".into(),
-                    password: "p".into(),
-                },
-            )),
+            Some(("localhost:5000".into(), Credential::Basic { user: "u".into(), password: "p".into() })),
             None,
         );
         assert!(creds.lookup("localhost:5000").unwrap().is_some());
@@ -646,24 +540,14 @@ mod tests {
         .unwrap();
         use std::os::unix::fs::PermissionsExt;
         std::fs::set_permissions(&helper, std::fs::Permissions::from_mode(0o755)).unwrap();
-        let path = format!(
-            "{}:{}",
-            dir.path().display(),
-            std::env::var("PATH").unwrap_or_default()
-        );
+        let path = format!("{}:{}", dir.path().display(), std::env::var("PATH").unwrap_or_default());
         // SAFETY: tests in this module that read PATH tolerate the extra directory.
         unsafe { std::env::set_var("PATH", path) };
         assert_eq!(
             run_helper("fake", "reg.example").unwrap(),
-            Some(Credential::Basic {
-                user: "bob".into(),
-                password: "s3".into()
-            })
+            Some(Credential::Basic { user: "bob".into(), password: "s3".into() })
         );
-        assert_eq!(
-            run_helper("fake", "tok.example").unwrap(),
-            Some(Credential::Identity("rt".into()))
-        );
+        assert_eq!(run_helper("fake", "tok.example").unwrap(), Some(Credential::Identity("rt".into())));
         assert_eq!(run_helper("fake", "other.example").unwrap(), None);
         assert!(run_helper("missing-helper-xyz", "reg.example").is_err());
     }

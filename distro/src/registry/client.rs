@@ -72,13 +72,9 @@ impl Payload {
             Payload::Bytes(b) => Some(Body::from(b.as_ref().clone())),
             Payload::File { path, offset, len } => {
                 use std::io::{Seek, SeekFrom};
-                let mut f = std::fs::File::open(path)
-                    .with_context(|| format!("opening {}", path.display()))?;
+                let mut f = std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
                 f.seek(SeekFrom::Start(*offset))?;
-                let reader = Counting {
-                    inner: f.take(*len),
-                    progress: progress.cloned(),
-                };
+                let reader = Counting { inner: f.take(*len), progress: progress.cloned() };
                 Some(Body::sized(reader, *len))
             }
         })
@@ -119,14 +115,7 @@ pub struct Request {
 impl Request {
     /// A request without body.
     pub fn new(method: Method, url: Url, scopes: Vec<Scope>) -> Request {
-        Request {
-            method,
-            url,
-            scopes,
-            headers: Vec::new(),
-            body: Payload::Empty,
-            blob_body: false,
-        }
+        Request { method, url, scopes, headers: Vec::new(), body: Payload::Empty, blob_body: false }
     }
     /// Adds a header.
     pub fn header(mut self, name: &'static str, value: impl Into<String>) -> Request {
@@ -172,11 +161,7 @@ pub struct Retry {
 
 impl Default for Retry {
     fn default() -> Self {
-        Retry {
-            attempts: 5,
-            base_delay: Duration::from_millis(250),
-            max_delay: Duration::from_secs(8),
-        }
+        Retry { attempts: 5, base_delay: Duration::from_millis(250), max_delay: Duration::from_secs(8) }
     }
 }
 
@@ -202,28 +187,15 @@ pub fn is_loopback(host: &str) -> bool {
     let h = if let Some(rest) = host.strip_prefix('[') {
         rest.split(']').next().unwrap_or(rest)
     } else {
-        host.rsplit_once(':')
-            .map(|(h, p)| {
-                if p.bytes().all(|b| b.is_ascii_digit()) {
-                    h
-                } else {
-                    host
-                }
-            })
-            .unwrap_or(host)
+        host.rsplit_once(':').map(|(h, p)| if p.bytes().all(|b| b.is_ascii_digit()) { h } else { host }).unwrap_or(host)
     };
-    h == "localhost"
-        || h == "::1"
-        || h.parse::<std::net::Ipv4Addr>()
-            .is_ok_and(|ip| ip.is_loopback())
+    h == "localhost" || h == "::1" || h.parse::<std::net::Ipv4Addr>().is_ok_and(|ip| ip.is_loopback())
 }
 
 /// Whether two URLs share an origin (scheme, host, port): the only case where credentials may
 /// follow a redirect.
 pub fn same_origin(a: &Url, b: &Url) -> bool {
-    a.scheme() == b.scheme()
-        && a.host_str() == b.host_str()
-        && a.port_or_known_default() == b.port_or_known_default()
+    a.scheme() == b.scheme() && a.host_str() == b.host_str() && a.port_or_known_default() == b.port_or_known_default()
 }
 
 fn install_crypto_provider() {
@@ -261,20 +233,13 @@ impl Client {
 
     /// `https://host` (or `http://host` for loopback/insecure registries).
     pub fn base_url(&self, host: &str) -> Result<Url> {
-        let scheme = if self.plain_http_allowed(host) {
-            "http"
-        } else {
-            "https"
-        };
-        Url::parse(&format!("{scheme}://{host}/"))
-            .map_err(|e| anyhow!("registry host {host:?}: {e}"))
+        let scheme = if self.plain_http_allowed(host) { "http" } else { "https" };
+        Url::parse(&format!("{scheme}://{host}/")).map_err(|e| anyhow!("registry host {host:?}: {e}"))
     }
 
     /// `<base>/v2/<repository>/<rest>`.
     pub fn api_url(&self, host: &str, repository: &str, rest: &str) -> Result<Url> {
-        Ok(self
-            .base_url(host)?
-            .join(&format!("v2/{repository}/{rest}"))?)
+        Ok(self.base_url(host)?.join(&format!("v2/{repository}/{rest}"))?)
     }
 
     /// Sends `req` to registry `host`: authenticates on a 401 challenge (once), follows
@@ -310,22 +275,11 @@ impl Client {
                         }
                         None => no_credentials_hint(host),
                     };
-                    bail!(
-                        "{host}: authentication failed: {what} ({})",
-                        error_text(resp)
-                    );
+                    bail!("{host}: authentication failed: {what} ({})", error_text(resp));
                 }
-                Ok(resp)
-                    if is_retryable_status(resp.status().as_u16())
-                        && attempt < self.retry.attempts =>
-                {
+                Ok(resp) if is_retryable_status(resp.status().as_u16()) && attempt < self.retry.attempts => {
                     let wait = self.backoff(attempt, retry_after(&resp));
-                    tracing::warn!(
-                        "{} {}: HTTP {}; retrying in {wait:?}",
-                        req.method,
-                        redact(&req.url),
-                        resp.status()
-                    );
+                    tracing::warn!("{} {}: HTTP {}; retrying in {wait:?}", req.method, redact(&req.url), resp.status());
                     std::thread::sleep(wait);
                 }
                 Ok(resp) => return Ok(resp),
@@ -334,19 +288,11 @@ impl Client {
     }
 
     fn backoff(&self, attempt: u32, retry_after: Option<Duration>) -> Duration {
-        let exp = self
-            .retry
-            .base_delay
-            .saturating_mul(1u32 << (attempt - 1).min(16));
+        let exp = self.retry.base_delay.saturating_mul(1u32 << (attempt - 1).min(16));
         retry_after.unwrap_or(exp).min(self.retry.max_delay)
     }
 
-    fn send_following_redirects(
-        &self,
-        origin: &Url,
-        req: &Request,
-        auth: Option<&str>,
-    ) -> Result<Response> {
+    fn send_following_redirects(&self, origin: &Url, req: &Request, auth: Option<&str>) -> Result<Response> {
         let mut url = req.url.clone();
         let mut method = req.method.clone();
         let mut body = req.body.clone();
@@ -361,22 +307,14 @@ impl Client {
                 b = b.header("Authorization", a);
             }
             let progress = self.progress.lock().expect("progress lock").clone();
-            if let Some(payload) = body.body(if req.blob_body {
-                progress.as_ref()
-            } else {
-                None
-            })? {
-                b = b
-                    .header("Content-Length", body.len().to_string())
-                    .body(payload);
+            if let Some(payload) = body.body(if req.blob_body { progress.as_ref() } else { None })? {
+                b = b.header("Content-Length", body.len().to_string()).body(payload);
             } else if method == Method::PUT || method == Method::POST || method == Method::PATCH {
                 b = b.header("Content-Length", "0");
             }
             let resp = b.send()?;
             if req.blob_body {
-                self.stats
-                    .blob_bytes_sent
-                    .fetch_add(body.len(), Ordering::Relaxed);
+                self.stats.blob_bytes_sent.fetch_add(body.len(), Ordering::Relaxed);
             }
             let status = resp.status().as_u16();
             if !matches!(status, 301 | 302 | 303 | 307 | 308) {
@@ -385,14 +323,9 @@ impl Client {
             let Some(loc) = resp.headers().get("location").and_then(|v| v.to_str().ok()) else {
                 return Ok(resp);
             };
-            let next = url
-                .join(loc)
-                .with_context(|| format!("bad redirect Location {loc:?}"))?;
+            let next = url.join(loc).with_context(|| format!("bad redirect Location {loc:?}"))?;
             if next.scheme() == "http" && url.scheme() == "https" {
-                bail!(
-                    "refusing a redirect from https to plain http ({})",
-                    redact(&next)
-                );
+                bail!("refusing a redirect from https to plain http ({})", redact(&next));
             }
             // 303, and 301/302 after a POST, turn into a GET without body (as browsers do).
             if status == 303 || (matches!(status, 301 | 302) && method == Method::POST) {
@@ -407,38 +340,18 @@ impl Client {
     /// The `Authorization` value for a request to `host` with `scopes`, fetching a token when
     /// the registry is known to use Bearer auth.
     fn auth_header(&self, host: &str, scopes: &[Scope]) -> Result<Option<String>> {
-        let scheme = self
-            .hosts
-            .lock()
-            .expect("hosts lock")
-            .entry(host.to_string())
-            .or_default()
-            .scheme
-            .clone();
+        let scheme = self.hosts.lock().expect("hosts lock").entry(host.to_string()).or_default().scheme.clone();
         match scheme {
             AuthScheme::Unknown => Ok(None),
-            AuthScheme::Basic => Ok(self
-                .creds
-                .lookup(host)?
-                .and_then(|f| f.credential.basic_header())),
+            AuthScheme::Basic => Ok(self.creds.lookup(host)?.and_then(|f| f.credential.basic_header())),
             AuthScheme::Bearer { realm, service } => {
                 let key = scope_key(scopes);
-                if let Some(t) = self
-                    .hosts
-                    .lock()
-                    .expect("hosts lock")
-                    .get(host)
-                    .and_then(|s| s.tokens.get(&key))
-                {
+                if let Some(t) = self.hosts.lock().expect("hosts lock").get(host).and_then(|s| s.tokens.get(&key)) {
                     return Ok(Some(format!("Bearer {t}")));
                 }
                 let token = self.fetch_token(host, &realm, service.as_deref(), scopes)?;
                 let mut hosts = self.hosts.lock().expect("hosts lock");
-                hosts
-                    .entry(host.to_string())
-                    .or_default()
-                    .tokens
-                    .insert(key, token.clone());
+                hosts.entry(host.to_string()).or_default().tokens.insert(key, token.clone());
                 Ok(Some(format!("Bearer {token}")))
             }
         }
@@ -457,79 +370,49 @@ impl Client {
         let mut hosts = self.hosts.lock().expect("hosts lock");
         let state = hosts.entry(host.to_string()).or_default();
         if let Some(b) = bearer {
-            let realm = b
-                .params
-                .get("realm")
-                .cloned()
-                .ok_or_else(|| anyhow!("{host}: Bearer challenge without realm"))?;
+            let realm =
+                b.params.get("realm").cloned().ok_or_else(|| anyhow!("{host}: Bearer challenge without realm"))?;
             let service = b.params.get("service").cloned();
-            state.scheme = AuthScheme::Bearer {
-                realm: realm.clone(),
-                service: service.clone(),
-            };
+            state.scheme = AuthScheme::Bearer { realm: realm.clone(), service: service.clone() };
             drop(hosts);
             // The challenge may ask for more than we planned (e.g. pull on a mount source).
             let mut wanted = scopes.to_vec();
             if let Some(s) = b.params.get("scope") {
                 wanted.extend(Scope::parse_list(s));
             }
-            let token =
-                self.fetch_token(host, &realm, service.as_deref(), &Scope::merge(wanted))?;
+            let token = self.fetch_token(host, &realm, service.as_deref(), &Scope::merge(wanted))?;
             let mut hosts = self.hosts.lock().expect("hosts lock");
-            hosts
-                .entry(host.to_string())
-                .or_default()
-                .tokens
-                .insert(scope_key(scopes), token);
+            hosts.entry(host.to_string()).or_default().tokens.insert(scope_key(scopes), token);
             Ok(())
         } else if basic {
             state.scheme = AuthScheme::Basic;
             drop(hosts);
             match self.creds.lookup(host)? {
                 Some(f) if f.credential.basic_header().is_some() => Ok(()),
-                Some(f) => bail!(
-                    "{host} wants Basic auth but the credential from {} is a token",
-                    f.origin
-                ),
-                None => bail!(
-                    "{host}: authentication required: {}",
-                    no_credentials_hint(host)
-                ),
+                Some(f) => bail!("{host} wants Basic auth but the credential from {} is a token", f.origin),
+                None => bail!("{host}: authentication required: {}", no_credentials_hint(host)),
             }
         } else {
             bail!("{host}: HTTP 401 without a usable WWW-Authenticate challenge")
         }
     }
 
-    fn fetch_token(
-        &self,
-        host: &str,
-        realm: &str,
-        service: Option<&str>,
-        scopes: &[Scope],
-    ) -> Result<String> {
-        let realm_url = Url::parse(realm)
-            .with_context(|| format!("{host}: token realm {realm:?} is not a URL"))?;
+    fn fetch_token(&self, host: &str, realm: &str, service: Option<&str>, scopes: &[Scope]) -> Result<String> {
+        let realm_url = Url::parse(realm).with_context(|| format!("{host}: token realm {realm:?} is not a URL"))?;
         let found = self.creds.lookup(host)?;
         let realm_host = realm_url.host_str().unwrap_or("").to_string();
         let realm_hostport = match realm_url.port() {
             Some(p) => format!("{realm_host}:{p}"),
             None => realm_host.clone(),
         };
-        if found.is_some()
-            && realm_url.scheme() != "https"
-            && !self.plain_http_allowed(&realm_hostport)
-        {
-            bail!(
-                "{host}: refusing to send credentials to a token realm over plain http ({realm_host})"
-            );
+        if found.is_some() && realm_url.scheme() != "https" && !self.plain_http_allowed(&realm_hostport) {
+            bail!("{host}: refusing to send credentials to a token realm over plain http ({realm_host})");
         }
         let mut req = match found.as_ref().map(|f| &f.credential) {
             Some(Credential::Registry(t)) => return Ok(t.clone()),
             Some(Credential::Identity(refresh)) => {
                 let mut form = url::form_urlencoded::Serializer::new(String::new());
-                form.append_pair("grant_type", "refresh_token")
-                    .append_pair("refresh_token", refresh);
+                form.append_pair("grant_type", "refresh_token").append_pair("refresh_token", refresh);
                 form.append_pair("client_id", "distro");
                 if let Some(s) = service {
                     form.append_pair("service", s);
@@ -560,28 +443,21 @@ impl Client {
         let resp = loop {
             attempt += 1;
             match self.send_following_redirects(&realm_url, &req, basic.as_deref()) {
-                Ok(r)
-                    if is_retryable_status(r.status().as_u16())
-                        && attempt < self.retry.attempts =>
-                {
+                Ok(r) if is_retryable_status(r.status().as_u16()) && attempt < self.retry.attempts => {
                     std::thread::sleep(self.backoff(attempt, retry_after(&r)));
                 }
                 Err(e) if is_transient(&e) && attempt < self.retry.attempts => {
                     std::thread::sleep(self.backoff(attempt, None));
                 }
                 other => {
-                    break other
-                        .with_context(|| format!("{host}: getting a token from {realm_host}"))?;
+                    break other.with_context(|| format!("{host}: getting a token from {realm_host}"))?;
                 }
             }
         };
         let status = resp.status();
         if status == 401 || status == 403 {
             let why = match &found {
-                Some(f) => format!(
-                    "the token service rejected the credentials from {}",
-                    f.origin
-                ),
+                Some(f) => format!("the token service rejected the credentials from {}", f.origin),
                 None => no_credentials_hint(host),
             };
             bail!("{host}: authentication failed at {realm_host}: {why}");
@@ -596,9 +472,7 @@ impl Client {
             #[serde(default)]
             access_token: Option<String>,
         }
-        let bytes = resp
-            .bytes()
-            .with_context(|| format!("{host}: reading the token reply from {realm_host}"))?;
+        let bytes = resp.bytes().with_context(|| format!("{host}: reading the token reply from {realm_host}"))?;
         let reply: TokenReply = serde_json::from_slice(&bytes)
             .with_context(|| format!("{host}: the token reply from {realm_host} is not JSON"))?;
         reply
@@ -610,11 +484,7 @@ impl Client {
 }
 
 fn scope_key(scopes: &[Scope]) -> String {
-    Scope::merge(scopes.iter().cloned())
-        .iter()
-        .map(|s| s.to_string())
-        .collect::<Vec<_>>()
-        .join(" ")
+    Scope::merge(scopes.iter().cloned()).iter().map(|s| s.to_string()).collect::<Vec<_>>().join(" ")
 }
 
 fn no_credentials_hint(host: &str) -> String {
@@ -638,10 +508,7 @@ fn is_transient(e: &anyhow::Error) -> bool {
 
 fn retry_after(resp: &Response) -> Option<Duration> {
     let v = resp.headers().get("retry-after")?.to_str().ok()?;
-    v.trim()
-        .parse::<u64>()
-        .ok()
-        .map(|s| Duration::from_secs(s.min(30)))
+    v.trim().parse::<u64>().ok().map(|s| Duration::from_secs(s.min(30)))
 }
 
 /// A URL without its query (upload locations carry opaque state; signed blob URLs carry keys).
@@ -668,21 +535,13 @@ pub fn error_text(resp: Response) -> String {
     }
     match serde_json::from_str::<Errors>(&body) {
         Ok(e) if !e.errors.is_empty() => {
-            let parts: Vec<String> = e
-                .errors
-                .iter()
-                .map(|i| format!("{}: {}", i.code, i.message))
-                .collect();
+            let parts: Vec<String> = e.errors.iter().map(|i| format!("{}: {}", i.code, i.message)).collect();
             format!("HTTP {status}: {}", parts.join("; "))
         }
         _ => {
             let snippet: String = body.chars().take(200).collect();
             let snippet = snippet.split_whitespace().collect::<Vec<_>>().join(" ");
-            if snippet.is_empty() {
-                format!("HTTP {status}")
-            } else {
-                format!("HTTP {status}: {snippet}")
-            }
+            if snippet.is_empty() { format!("HTTP {status}") } else { format!("HTTP {status}: {snippet}") }
         }
     }
 }
@@ -693,22 +552,10 @@ mod tests {
 
     #[test]
     fn loopback_detection() {
-        for h in [
-            "localhost",
-            "localhost:5000",
-            "127.0.0.1:5000",
-            "127.1.2.3",
-            "[::1]:5000",
-            "::1",
-        ] {
+        for h in ["localhost", "localhost:5000", "127.0.0.1:5000", "127.1.2.3", "[::1]:5000", "::1"] {
             assert!(is_loopback(h), "{h}");
         }
-        for h in [
-            "ghcr.io",
-            "10.0.0.1:5000",
-            "localhost.evil.com",
-            "128.0.0.1",
-        ] {
+        for h in ["ghcr.io", "10.0.0.1:5000", "localhost.evil.com", "128.0.0.1"] {
             assert!(!is_loopback(h), "{h}");
         }
     }
@@ -716,26 +563,11 @@ mod tests {
     #[test]
     fn credentials_stay_within_origin() {
         let reg = Url::parse("https://ghcr.io/").unwrap();
-        assert!(same_origin(
-            &reg,
-            &Url::parse("https://ghcr.io/v2/x/blobs/sha256:1").unwrap()
-        ));
-        assert!(same_origin(
-            &reg,
-            &Url::parse("https://ghcr.io:443/v2/").unwrap()
-        ));
-        assert!(!same_origin(
-            &reg,
-            &Url::parse("https://pkg-containers.githubusercontent.com/ghcr1/blobs").unwrap()
-        ));
-        assert!(!same_origin(
-            &reg,
-            &Url::parse("http://ghcr.io/v2/").unwrap()
-        ));
-        assert!(!same_origin(
-            &reg,
-            &Url::parse("https://ghcr.io:8443/v2/").unwrap()
-        ));
+        assert!(same_origin(&reg, &Url::parse("https://ghcr.io/v2/x/blobs/sha256:1").unwrap()));
+        assert!(same_origin(&reg, &Url::parse("https://ghcr.io:443/v2/").unwrap()));
+        assert!(!same_origin(&reg, &Url::parse("https://pkg-containers.githubusercontent.com/ghcr1/blobs").unwrap()));
+        assert!(!same_origin(&reg, &Url::parse("http://ghcr.io/v2/").unwrap()));
+        assert!(!same_origin(&reg, &Url::parse("https://ghcr.io:8443/v2/").unwrap()));
     }
 
     #[test]
@@ -750,9 +582,6 @@ mod tests {
         assert_eq!(c.backoff(1, None), Duration::from_millis(250));
         assert_eq!(c.backoff(2, None), Duration::from_millis(500));
         assert_eq!(c.backoff(10, None), Duration::from_secs(8));
-        assert_eq!(
-            c.backoff(1, Some(Duration::from_secs(3))),
-            Duration::from_secs(3)
-        );
+        assert_eq!(c.backoff(1, Some(Duration::from_secs(3))), Duration::from_secs(3));
     }
 }

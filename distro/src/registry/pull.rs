@@ -29,81 +29,46 @@ impl Client {
     /// against the requested digest, and against `Docker-Content-Digest` when the registry sends it.
     pub fn fetch_manifest(&self, r: &Reference) -> Result<Fetched> {
         let host = r.api_host();
-        let url = self.api_url(
-            host,
-            &r.repository,
-            &format!("manifests/{}", r.manifest_ref()),
-        )?;
-        let resp = self.send(
-            host,
-            &Request::new(Method::GET, url, pull_scope(r)).header("Accept", ACCEPT_MANIFESTS),
-        )?;
+        let url = self.api_url(host, &r.repository, &format!("manifests/{}", r.manifest_ref()))?;
+        let resp =
+            self.send(host, &Request::new(Method::GET, url, pull_scope(r)).header("Accept", ACCEPT_MANIFESTS))?;
         if !resp.status().is_success() {
             bail!("{r}: fetching the manifest: {}", error_text(resp));
         }
-        let header_digest = resp
-            .headers()
-            .get("docker-content-digest")
-            .and_then(|v| v.to_str().ok())
-            .map(String::from);
-        let content_type = resp
-            .headers()
-            .get("content-type")
-            .and_then(|v| v.to_str().ok())
-            .map(String::from);
-        let bytes = resp
-            .bytes()
-            .with_context(|| format!("{r}: reading the manifest"))?
-            .to_vec();
+        let header_digest = resp.headers().get("docker-content-digest").and_then(|v| v.to_str().ok()).map(String::from);
+        let content_type = resp.headers().get("content-type").and_then(|v| v.to_str().ok()).map(String::from);
+        let bytes = resp.bytes().with_context(|| format!("{r}: reading the manifest"))?.to_vec();
         let digest = Digest::of(&bytes);
         if let Some(want) = &r.digest
             && want != &digest
         {
-            bail!(
-                "{r}: the registry returned a manifest with digest {digest}, not the requested one; refusing it"
-            );
+            bail!("{r}: the registry returned a manifest with digest {digest}, not the requested one; refusing it");
         }
         if let Some(h) = header_digest
             && h != digest.as_str()
         {
-            bail!(
-                "{r}: Docker-Content-Digest {h} does not match the manifest's digest {digest}; refusing it"
-            );
+            bail!("{r}: Docker-Content-Digest {h} does not match the manifest's digest {digest}; refusing it");
         }
-        let doc: serde_json::Value = serde_json::from_slice(&bytes)
-            .with_context(|| format!("{r}: the manifest is not JSON"))?;
+        let doc: serde_json::Value =
+            serde_json::from_slice(&bytes).with_context(|| format!("{r}: the manifest is not JSON"))?;
         let media_type = doc
             .get("mediaType")
             .and_then(|v| v.as_str())
             .map(String::from)
             .or(content_type.map(|c| c.split(';').next().unwrap_or("").trim().to_string()))
             .ok_or_else(|| anyhow!("{r}: the manifest has no media type"))?;
-        Ok(Fetched {
-            bytes,
-            digest,
-            media_type,
-        })
+        Ok(Fetched { bytes, digest, media_type })
     }
 
     /// The digest the registry holds for `r`'s tag or digest, without fetching it (`None` when
     /// absent).
     pub fn manifest_digest(&self, r: &Reference, scopes: Vec<Scope>) -> Result<Option<Digest>> {
         let host = r.api_host();
-        let url = self.api_url(
-            host,
-            &r.repository,
-            &format!("manifests/{}", r.manifest_ref()),
-        )?;
-        let resp = self.send(
-            host,
-            &Request::new(Method::HEAD, url, scopes).header("Accept", ACCEPT_MANIFESTS),
-        )?;
+        let url = self.api_url(host, &r.repository, &format!("manifests/{}", r.manifest_ref()))?;
+        let resp = self.send(host, &Request::new(Method::HEAD, url, scopes).header("Accept", ACCEPT_MANIFESTS))?;
         match resp.status().as_u16() {
             200 => {
-                let h = resp
-                    .headers()
-                    .get("docker-content-digest")
-                    .and_then(|v| v.to_str().ok());
+                let h = resp.headers().get("docker-content-digest").and_then(|v| v.to_str().ok());
                 Ok(h.and_then(|h| Digest::parse(h).ok()))
             }
             404 => Ok(None),
@@ -112,13 +77,7 @@ impl Client {
     }
 
     /// Downloads blob `d` of repository `r` into `store`, verifying digest and size.
-    pub fn fetch_blob(
-        &self,
-        r: &Reference,
-        d: &Digest,
-        size: Option<u64>,
-        store: &BlobStore,
-    ) -> Result<u64> {
+    pub fn fetch_blob(&self, r: &Reference, d: &Digest, size: Option<u64>, store: &BlobStore) -> Result<u64> {
         let host = r.api_host();
         let url = self.api_url(host, &r.repository, &format!("blobs/{d}"))?;
         let resp = self.send(host, &Request::new(Method::GET, url, pull_scope(r)))?;
@@ -127,9 +86,7 @@ impl Client {
         }
         let mut reader = resp;
         let n = store.put_verified(&mut reader, d, size, &format!("blob {d} from {}", r.name()))?;
-        self.stats
-            .blob_bytes_received
-            .fetch_add(n, Ordering::Relaxed);
+        self.stats.blob_bytes_received.fetch_add(n, Ordering::Relaxed);
         Ok(n)
     }
 }

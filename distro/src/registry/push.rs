@@ -42,11 +42,7 @@ pub struct ManifestDoc {
 impl ManifestDoc {
     /// A document from its bytes.
     pub fn new(media_type: &str, bytes: Vec<u8>) -> ManifestDoc {
-        ManifestDoc {
-            digest: Digest::of(&bytes),
-            media_type: media_type.into(),
-            bytes: Arc::new(bytes),
-        }
+        ManifestDoc { digest: Digest::of(&bytes), media_type: media_type.into(), bytes: Arc::new(bytes) }
     }
 }
 
@@ -88,11 +84,7 @@ impl std::fmt::Display for PushReport {
         write!(
             f,
             "blobs: {} uploaded, {} already present, {} mounted; blob bytes sent: {}; manifest bytes sent: {}",
-            self.uploaded,
-            self.present,
-            self.mounted,
-            self.blob_bytes_sent,
-            self.manifest_bytes_sent
+            self.uploaded, self.present, self.mounted, self.blob_bytes_sent, self.manifest_bytes_sent
         )
     }
 }
@@ -120,11 +112,7 @@ pub fn push(
         put_manifest(client, host, target, &m.digest.to_string(), m)?;
     }
     for (tag, m) in &plan.tags {
-        if client
-            .manifest_digest(&target.with_tag(tag), scopes.clone())?
-            .as_ref()
-            == Some(&m.digest)
-        {
+        if client.manifest_digest(&target.with_tag(tag), scopes.clone())?.as_ref() == Some(&m.digest) {
             continue;
         }
         put_manifest(client, host, target, tag, m)?;
@@ -157,38 +145,22 @@ fn push_scopes(target: &Reference, mount_from: Option<&str>) -> Vec<Scope> {
     s
 }
 
-fn put_manifest(
-    client: &Client,
-    host: &str,
-    target: &Reference,
-    reference: &str,
-    m: &ManifestDoc,
-) -> Result<()> {
+fn put_manifest(client: &Client, host: &str, target: &Reference, reference: &str, m: &ManifestDoc) -> Result<()> {
     let url = client.api_url(host, &target.repository, &format!("manifests/{reference}"))?;
     let req = Request::new(Method::PUT, url, push_scopes(target, None))
         .header("Content-Type", m.media_type.clone())
         .body(Payload::Bytes(m.bytes.clone()), false);
     let resp = client.send(host, &req)?;
     if resp.status().as_u16() != 201 && !resp.status().is_success() {
-        bail!(
-            "{}: putting manifest {reference}: {}",
-            target.name(),
-            error_text(resp)
-        );
+        bail!("{}: putting manifest {reference}: {}", target.name(), error_text(resp));
     }
     check_digest_header(&resp, &m.digest, &format!("manifest {reference}"))?;
-    client
-        .stats
-        .manifest_bytes_sent
-        .fetch_add(m.bytes.len() as u64, Ordering::Relaxed);
+    client.stats.manifest_bytes_sent.fetch_add(m.bytes.len() as u64, Ordering::Relaxed);
     Ok(())
 }
 
 fn check_digest_header(resp: &Response, want: &Digest, what: &str) -> Result<()> {
-    if let Some(h) = resp
-        .headers()
-        .get("docker-content-digest")
-        .and_then(|v| v.to_str().ok())
+    if let Some(h) = resp.headers().get("docker-content-digest").and_then(|v| v.to_str().ok())
         && h != want.as_str()
     {
         bail!("{what}: the registry stored digest {h}, expected {want}");
@@ -218,15 +190,9 @@ fn push_blob(
     // Start an upload session, asking for a mount when another repository has the blob.
     let mut start = client.api_url(host, &target.repository, "blobs/uploads/")?;
     if let Some(from) = &blob.mount_from {
-        start
-            .query_pairs_mut()
-            .append_pair("mount", blob.digest.as_str())
-            .append_pair("from", from);
+        start.query_pairs_mut().append_pair("mount", blob.digest.as_str()).append_pair("from", from);
     }
-    let resp = client.send(
-        host,
-        &Request::new(Method::POST, start.clone(), scopes.clone()),
-    )?;
+    let resp = client.send(host, &Request::new(Method::POST, start.clone(), scopes.clone()))?;
     let status = resp.status().as_u16();
     if status == 201 && blob.mount_from.is_some() {
         check_digest_header(&resp, &blob.digest, "mounted blob")?;
@@ -277,9 +243,7 @@ fn location(resp: &Response) -> Result<Url> {
         .and_then(|v| v.to_str().ok())
         .ok_or_else(|| anyhow!("the registry started an upload without a Location"))?;
     // Relative locations resolve against the URL that answered (after any redirect).
-    resp.url()
-        .join(loc)
-        .with_context(|| format!("bad upload Location {loc:?}"))
+    resp.url().join(loc).with_context(|| format!("bad upload Location {loc:?}"))
 }
 
 fn with_digest(mut url: Url, d: &Digest) -> Url {
@@ -287,23 +251,10 @@ fn with_digest(mut url: Url, d: &Digest) -> Url {
     url
 }
 
-fn upload_monolithic(
-    client: &Client,
-    host: &str,
-    scopes: &[Scope],
-    loc: Url,
-    blob: &BlobFile,
-) -> Result<()> {
+fn upload_monolithic(client: &Client, host: &str, scopes: &[Scope], loc: Url, blob: &BlobFile) -> Result<()> {
     let req = Request::new(Method::PUT, with_digest(loc, &blob.digest), scopes.to_vec())
         .header("Content-Type", "application/octet-stream")
-        .body(
-            Payload::File {
-                path: blob.path.clone(),
-                offset: 0,
-                len: blob.size,
-            },
-            true,
-        );
+        .body(Payload::File { path: blob.path.clone(), offset: 0, len: blob.size }, true);
     let resp = client.send(host, &req)?;
     match resp.status().as_u16() {
         201 | 204 => check_digest_header(&resp, &blob.digest, "uploaded blob"),
@@ -327,29 +278,15 @@ fn upload_chunked(
         let req = Request::new(Method::PATCH, loc.clone(), scopes.to_vec())
             .header("Content-Type", "application/octet-stream")
             .header("Content-Range", format!("{}-{}", offset, offset + len - 1))
-            .body(
-                Payload::File {
-                    path: blob.path.clone(),
-                    offset,
-                    len,
-                },
-                true,
-            );
+            .body(Payload::File { path: blob.path.clone(), offset, len }, true);
         let resp = client.send(host, &req)?;
         if resp.status().as_u16() != 202 {
-            bail!(
-                "uploading bytes {offset}.. to {}: {}",
-                redact(&loc),
-                error_text(resp)
-            );
+            bail!("uploading bytes {offset}.. to {}: {}", redact(&loc), error_text(resp));
         }
         loc = location(&resp)?;
         offset += len;
     }
-    let resp = client.send(
-        host,
-        &Request::new(Method::PUT, with_digest(loc, &blob.digest), scopes.to_vec()),
-    )?;
+    let resp = client.send(host, &Request::new(Method::PUT, with_digest(loc, &blob.digest), scopes.to_vec()))?;
     match resp.status().as_u16() {
         201 | 204 => check_digest_header(&resp, &blob.digest, "uploaded blob"),
         _ => bail!("finishing a chunked upload: {}", error_text(resp)),

@@ -1,0 +1,233 @@
+//! The registry client against small HTTP servers on loopback: what it sends where (credentials
+//! never follow a redirect to another origin), the Bearer token flow, retries, and refusing
+//! content that does not match its digest.
+use distro::image::digest::Digest;
+use distro::image::store::BlobStore;
+use distro::registry::auth::{Credential, Credentials};
+use distro::registry::client::{Client, Retry};
+use distro::registry::reference::Reference;
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpListener;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+#[derive(Clone, Debug)]
+struct Req {
+    method: String,
+    path: String,
+    headers: BTreeMap<String, String>,
+}
+
+struct Resp {
+    status: u16,
+    headers: Vec<(String, String)>,
+    body: Vec<u8>,
+}
+
+fn resp(status: u16, headers: &[(&str, &str)], body: &[u8]) -> Resp {
+    Resp { status, headers: headers.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(), body: body.to_vec() }
+}
+
+type Log = Arc<Mutex<Vec<Req>>>;
+
+/// A one-request-per-connection HTTP/1.1 server; returns its port and the requests it saw.
+fn serve(handler: impl Fn(&Req) -> Resp + Send + Sync + 'static) -> (u16, Log) {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let log: Log = Arc::default();
+    let seen = log.clone();
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut stream) = stream else { continue };
+            let mut reader = BufReader::new(stream.try_clone().unwrap());
+            let mut line = String::new();
+            if reader.read_line(&mut line).unwrap_or(0) == 0 {
+                continue;
+            }
+            let mut parts = line.split_whitespace();
+            let method = parts.next().unwrap_or("").to_string();
+            let path = parts.next().unwrap_or("").to_string();
+            let mut headers = BTreeMap::new();
+            loop {
+                let mut h = String::new();
+                reader.read_line(&mut h).unwrap();
+                let h = h.trim_end();
+                if h.is_empty() {
+                    break;
+                }
+                if let Some((k, v)) = h.split_once(':') {
+                    headers.insert(k.trim().to_ascii_lowercase(), v.trim().to_string());
+                }
+            }
+            let len: usize = headers.get("content-length").and_then(|l| l.parse().ok()).unwrap_or(0);
+            let mut body = vec![0; len];
+            reader.read_exact(&mut body).unwrap();
+            let req = Req { method, path, headers };
+            seen.lock().unwrap().push(req.clone());
+            let r = handler(&req);
+            let mut out =
+                format!("HTTP/1.1 {} X\r\nContent-Length: {}\r\nConnection: close\r\n", r.status, r.body.len());
+            for (k, v) in &r.headers {
+                out += &format!("{k}: {v}\r\n");
+            }
+            out += "\r\n";
+            let _ = stream.write_all(out.as_bytes());
+            let _ = stream.write_all(&r.body);
+        }
+    });
+    (port, log)
+}
+
+fn client(host: &str, cred: Option<Credential>) -> Client {
+    let mut c = Client::new(Credentials::new(cred.map(|c| (host.to_string(), c)), None), vec![]).unwrap();
+    c.retry = Retry { attempts: 4, base_delay: Duration::from_millis(10), max_delay: Duration::from_millis(50) };
+    c
+}
+
+fn basic() -> Credential {
+    Credential::Basic { user: "user".into(), password: "secret".into() }
+}
+
+#[test]
+fn credentials_do_not_follow_a_redirect_to_another_origin() {
+    let body = b"layer bytes".to_vec();
+    let digest = Digest::of(&body);
+    let blob = body.clone();
+    let (storage, storage_log) = serve(move |_| resp(200, &[], &blob));
+    let (registry, registry_log) = serve(move |r| {
+        if !r.headers.contains_key("authorization") {
+            return resp(401, &[("WWW-Authenticate", r#"Basic realm="test""#)], b"");
+        }
+        let loc = format!("http://127.0.0.1:{storage}/blobs/x?signature=s3cr3t");
+        resp(307, &[("Location", &loc)], b"")
+    });
+    let host = format!("127.0.0.1:{registry}");
+    let c = client(&host, Some(basic()));
+    let dir = tempfile::tempdir().unwrap();
+    let store = BlobStore::new(dir.path());
+    let r = Reference::parse(&format!("{host}/repo:tag")).unwrap();
+    c.fetch_blob(&r, &digest, Some(body.len() as u64), &store).unwrap();
+    assert_eq!(store.read(&digest).unwrap(), body);
+    let reg = registry_log.lock().unwrap();
+    assert!(reg.iter().any(|q| q.headers.get("authorization").is_some_and(|a| a.starts_with("Basic "))));
+    let sto = storage_log.lock().unwrap();
+    assert_eq!(sto.len(), 1);
+    assert_eq!(sto[0].method, "GET");
+    assert!(
+        !sto[0].headers.contains_key("authorization"),
+        "credentials leaked to another origin: {:?}",
+        sto[0].headers
+    );
+}
+
+#[test]
+fn bearer_flow_with_scope_and_basic_credentials_at_the_realm() {
+    let manifest =
+        br#"{"schemaVersion":2,"mediaType":"application/vnd.oci.image.manifest.v1+json","config":{},"layers":[]}"#
+            .to_vec();
+    let digest = Digest::of(&manifest);
+    let port = Arc::new(Mutex::new(0u16));
+    let p2 = port.clone();
+    let m = manifest.clone();
+    let (registry, log) = serve(move |r| {
+        let me = *p2.lock().unwrap();
+        if r.path.starts_with("/token") {
+            // user:secret
+            if r.headers.get("authorization").map(String::as_str) != Some("Basic dXNlcjpzZWNyZXQ=") {
+                return resp(401, &[], b"");
+            }
+            return resp(200, &[("Content-Type", "application/json")], br#"{"access_token":"tok-1"}"#);
+        }
+        if r.headers.get("authorization").map(String::as_str) != Some("Bearer tok-1") {
+            let ch =
+                format!(r#"Bearer realm="http://127.0.0.1:{me}/token",service="svc",scope="repository:team/app:pull""#);
+            return resp(401, &[("WWW-Authenticate", &ch)], b"");
+        }
+        resp(200, &[("Content-Type", "application/vnd.oci.image.manifest.v1+json")], &m)
+    });
+    *port.lock().unwrap() = registry;
+    let host = format!("127.0.0.1:{registry}");
+    let c = client(&host, Some(basic()));
+    let f = c.fetch_manifest(&Reference::parse(&format!("{host}/team/app:v1")).unwrap()).unwrap();
+    assert_eq!(f.digest, digest);
+    assert_eq!(f.media_type, "application/vnd.oci.image.manifest.v1+json");
+    let log = log.lock().unwrap();
+    let token_req = log.iter().find(|r| r.path.starts_with("/token")).expect("token requested");
+    assert!(token_req.path.contains("service=svc"), "{}", token_req.path);
+    assert!(token_req.path.contains("scope=repository%3Ateam%2Fapp%3Apull"), "{}", token_req.path);
+    // A second request reuses the token: no new token request.
+    drop(log);
+    c.fetch_manifest(&Reference::parse(&format!("{host}/team/app:v1")).unwrap()).unwrap();
+}
+
+#[test]
+fn no_credentials_is_a_clear_error() {
+    let (registry, _) = serve(|_| resp(401, &[("WWW-Authenticate", r#"Basic realm="x""#)], b""));
+    let host = format!("127.0.0.1:{registry}");
+    let c = client(&host, None);
+    let e = c.fetch_manifest(&Reference::parse(&format!("{host}/a:b")).unwrap()).unwrap_err();
+    let msg = format!("{e:#}");
+    assert!(msg.contains("no credentials found") && msg.contains("docker login"), "{msg}");
+}
+
+#[test]
+fn rejected_credentials_name_their_origin_not_their_value() {
+    let (registry, _) = serve(|_| resp(401, &[("WWW-Authenticate", r#"Basic realm="x""#)], b""));
+    let host = format!("127.0.0.1:{registry}");
+    let c = client(&host, Some(basic()));
+    let msg = format!("{:#}", c.fetch_manifest(&Reference::parse(&format!("{host}/a:b")).unwrap()).unwrap_err());
+    assert!(msg.contains("rejected the credentials from DISTRO_REGISTRY_USER"), "{msg}");
+    assert!(!msg.contains("secret"), "{msg}");
+}
+
+#[test]
+fn transient_failures_are_retried() {
+    let count = Arc::new(Mutex::new(0));
+    let c2 = count.clone();
+    let manifest = br#"{"mediaType":"application/vnd.oci.image.index.v1+json","manifests":[]}"#.to_vec();
+    let m = manifest.clone();
+    let (registry, _) = serve(move |_| {
+        let mut n = c2.lock().unwrap();
+        *n += 1;
+        if *n <= 2 { resp(503, &[("Retry-After", "0")], b"busy") } else { resp(200, &[], &m) }
+    });
+    let host = format!("127.0.0.1:{registry}");
+    let f = client(&host, None).fetch_manifest(&Reference::parse(&format!("{host}/a:b")).unwrap()).unwrap();
+    assert_eq!(f.digest, Digest::of(&manifest));
+    assert_eq!(*count.lock().unwrap(), 3);
+}
+
+#[test]
+fn content_that_does_not_match_its_digest_is_refused() {
+    let good = br#"{"mediaType":"application/vnd.oci.image.index.v1+json","manifests":[]}"#.to_vec();
+    let wanted = Digest::of(&good);
+    let (registry, _) = serve(|r| {
+        if r.path.contains("/blobs/") {
+            resp(200, &[], b"tampered layer")
+        } else {
+            resp(200, &[], br#"{"mediaType":"application/vnd.oci.image.index.v1+json","manifests":[{}]}"#)
+        }
+    });
+    let host = format!("127.0.0.1:{registry}");
+    let c = client(&host, None);
+    let e = c.fetch_manifest(&Reference::parse(&format!("{host}/a@{wanted}")).unwrap()).unwrap_err();
+    assert!(format!("{e:#}").contains("refusing it"), "{e:#}");
+    let dir = tempfile::tempdir().unwrap();
+    let store = BlobStore::new(dir.path());
+    let layer = Digest::of(b"original layer");
+    let e = c.fetch_blob(&Reference::parse(&format!("{host}/a:b")).unwrap(), &layer, None, &store).unwrap_err();
+    assert!(format!("{e:#}").contains("does not match its digest"), "{e:#}");
+    assert!(!store.has(&layer));
+    // A tag's manifest whose Docker-Content-Digest header disagrees with its bytes is refused too.
+    let (registry, _) = serve(|_| {
+        resp(
+            200,
+            &[("Docker-Content-Digest", "sha256:0000000000000000000000000000000000000000000000000000000000000000")],
+            br#"{"mediaType":"x"}"#,
+        )
+    });
+    let host = format!("127.0.0.1:{registry}");
+    let e = client(&host, None).fetch_manifest(&Reference::parse(&format!("{host}/a:b")).unwrap()).unwrap_err();
+    assert!(format!("{e:#}").contains("does not match"), "{e:#}");
+}
