@@ -21,6 +21,8 @@ enum Command {
     Load(cli::LoadArgs),
     /// Run an image with Docker (all GPUs when present), streaming its output; exits with its code.
     Run(cli::RunArgs),
+    /// Write the SPDX SBOM of the workspace's engine for one platform (used by the Dockerfile).
+    Sbom(cli::SbomArgs),
 }
 
 fn main() -> ExitCode {
@@ -31,6 +33,7 @@ fn main() -> ExitCode {
         Command::Push(a) => cli::push_cmd(a),
         Command::Load(a) => cli::load_cmd(a),
         Command::Run(a) => cli::run_cmd(a),
+        Command::Sbom(a) => cli::sbom_cmd(a),
     };
     match result {
         Ok(code) => code,

@@ -53,6 +53,29 @@ pub struct BuildArgs {
     pub chunk_size: Option<u64>,
 }
 
+/// `distro sbom`.
+#[derive(Args, Debug)]
+pub struct SbomArgs {
+    /// Image definition: images/NAME.toml.
+    #[arg(long, default_value = "engine", value_name = "NAME")]
+    pub image: String,
+    /// Platform the SBOM describes.
+    #[arg(long, value_name = "P")]
+    pub platform: String,
+    /// Base image (default: the definition's).
+    #[arg(long, value_name = "REF")]
+    pub base: Option<String>,
+    /// Tag date; the version is NAME-DATE.
+    #[arg(long, value_name = "YYYY-MM-DD")]
+    pub date: Option<String>,
+    /// Revision, when the workspace is not a git checkout (e.g. a Docker build context).
+    #[arg(long, value_name = "REV")]
+    pub revision: Option<String>,
+    /// Write here instead of stdout.
+    #[arg(long, value_name = "FILE")]
+    pub output: Option<PathBuf>,
+}
+
 /// `distro push`.
 #[derive(Args, Debug)]
 pub struct PushArgs {
@@ -145,7 +168,55 @@ pub fn build_cmd(a: BuildArgs) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// Runs `distro push`; prints the pushed digest(s), the last line being the last ref's.
+/// Runs `distro sbom`: the SPDX document of the committed lock (without source patches) for
+/// one platform. The Dockerfile uses it; `distro build` makes its own, from the build's lock.
+pub fn sbom_cmd(a: SbomArgs) -> Result<ExitCode> {
+    let platform = Platform::parse(&a.platform)?;
+    let start = std::env::current_dir()?;
+    let ws = match super::workspace::Workspace::open(&start) {
+        Ok(ws) => ws,
+        Err(_) => super::workspace::Workspace::plain(&start, a.revision.as_deref())?,
+    };
+    let def = super::def::ImageDef::load(&ws.root.join("images").join(format!("{}.toml", a.image)))?;
+    let base = match &a.base {
+        Some(b) => parse_ref(b, "--base")?,
+        None => def.base.clone(),
+    };
+    let (epoch, date) = super::build::epoch_and_date(&ws, a.date.as_deref())?;
+    let lock = std::fs::read(ws.root.join("Cargo.lock"))?;
+    let out = std::process::Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()))
+        .current_dir(&ws.root)
+        .args(["metadata", "--format-version", "1", "--locked", "--filter-platform", platform.rust_target()])
+        .output()?;
+    if !out.status.success() {
+        anyhow::bail!("cargo metadata failed: {}", String::from_utf8_lossy(&out.stderr).trim());
+    }
+    let metadata: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    let unknown = super::digest::Digest::of(b"");
+    let bytes = super::sbom::sbom(&super::sbom::SbomInput {
+        image: &def.name,
+        version: &format!("{}-{date}", def.name),
+        platform: &platform,
+        epoch,
+        revision: &a.revision.clone().unwrap_or_else(|| ws.revision()),
+        repository: ws.repository.as_deref(),
+        lock: &lock,
+        metadata: &metadata,
+        roots: &def.binaries.iter().map(|b| b.package.clone()).collect::<Vec<_>>(),
+        base_name: base.name(),
+        base_tag: base.tag.clone(),
+        // Without a registry the platform manifest is unknown: the index digest stands in.
+        base_digest: base.digest.as_ref().unwrap_or(&unknown),
+    })?;
+    match a.output {
+        Some(p) => super::fsutil::write_atomic(&p, &bytes)?,
+        None => println!("{}", String::from_utf8_lossy(&bytes)),
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Runs `distro push`; prints `REPO:TAG DIGEST` per tag on stdout, the multi-arch index's
+/// digest last.
 pub fn push_cmd(a: PushArgs) -> Result<ExitCode> {
     let progress = Progress::new();
     let target = parse_ref(&a.repo, "REPO")?;
@@ -201,10 +272,14 @@ pub fn push_cmd(a: PushArgs) -> Result<ExitCode> {
     let report = push(&client, &target, &plan, &PushOptions { chunk_size: a.chunk_size }, &progress)?;
     step.done(report.to_string());
     let by_tag: BTreeMap<&String, &ManifestDoc> = plan.tags.iter().collect();
-    for (tag, doc) in by_tag {
-        progress.info(format!("{}:{tag} {}", target.name(), doc.digest));
+    for (tag, doc) in &by_tag {
+        println!("{}:{tag} {}", target.name(), doc.digest);
     }
-    println!("{}", plan.tags.values().last().map(|d| d.digest.to_string()).unwrap_or_default());
+    // Last: the multi-arch index (what build prints), else the one image pushed.
+    let last = by_tag.values().find(|d| d.media_type == OCI_INDEX).or(by_tag.values().next());
+    if let Some(d) = last {
+        println!("{}", d.digest);
+    }
     Ok(ExitCode::SUCCESS)
 }
 

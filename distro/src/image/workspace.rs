@@ -67,6 +67,34 @@ impl Workspace {
         })
     }
 
+    /// A workspace without git (a Docker build context): the nearest directory holding a
+    /// `Cargo.toml` with `[workspace]`; the commit is `revision` (or `unknown`) and the commit
+    /// time `SOURCE_DATE_EPOCH` (or 0).
+    pub fn plain(start: &Path, revision: Option<&str>) -> Result<Workspace> {
+        let mut dir = Some(start);
+        while let Some(d) = dir {
+            let text = std::fs::read_to_string(d.join("Cargo.toml")).unwrap_or_default();
+            if text.parse::<toml::Table>().ok().is_some_and(|t| t.contains_key("workspace")) {
+                let repository = text
+                    .parse::<toml::Table>()
+                    .ok()
+                    .and_then(|t| t.get("workspace")?.get("package")?.get("repository")?.as_str().map(String::from));
+                let commit_time =
+                    std::env::var("SOURCE_DATE_EPOCH").ok().and_then(|s| s.trim().parse().ok()).unwrap_or(0);
+                return Ok(Workspace {
+                    root: d.to_path_buf(),
+                    commit: revision.unwrap_or("unknown").to_string(),
+                    dirty: false,
+                    commit_time,
+                    files: Vec::new(),
+                    repository,
+                });
+            }
+            dir = d.parent();
+        }
+        Err(bad_input(format!("{}: not inside a cargo workspace", start.display())))
+    }
+
     /// The revision recorded in the image: the commit, with `-dirty` when the tree differs.
     pub fn revision(&self) -> String {
         if self.dirty { format!("{}-dirty", self.commit) } else { self.commit.clone() }

@@ -1,0 +1,190 @@
+#!/usr/bin/env bash
+# End-to-end test of `distro build|push|load|run` against real parts: a Docker engine (Debian
+# docker.io), two OCI registries (Debian docker-registry, one with htpasswd auth), skopeo and
+# umoci as independent validators, qemu-user-static for arm64, and a small multi-arch Debian
+# base (debootstrap) served from the local registry in place of the CUDA base.
+#
+# Idempotent: installs what is missing, starts dockerd only if none runs, starts its own
+# registries on loopback, and stops what it started. Caches debootstrap output under $WORK.
+#
+#   tests/e2e/images.sh            # needs root (apt, dockerd, binfmt_misc)
+#
+# Environment: DISTRO_E2E_WORK (work dir, default target/e2e-images), DISTRO_E2E_PORT (first of
+# two registry ports, default 5701), DEBIAN_MIRROR.
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+WORK=${DISTRO_E2E_WORK:-$ROOT/target/e2e-images}
+PORT=${DISTRO_E2E_PORT:-5701}
+PLAIN=127.0.0.1:$PORT
+AUTH=127.0.0.1:$((PORT + 1))
+DATE=2026-01-02
+mkdir -p "$WORK"
+# shellcheck source=tests/e2e/lib.sh
+source "$ROOT/tests/e2e/lib.sh"
+
+T0=$(date +%s)
+phase() { log "[$(($(date +%s) - T0))s] $*"; }
+cleanup() {
+    local rc=$?
+    docker rmi -f "$PLAIN/distro:engine-$DATE" distro:engine "distro:engine-$DATE" distro:engine-$DATE-arm64 >/dev/null 2>&1 || true
+    e2e_cleanup
+    [ $rc = 0 ] && log "PASS: images e2e in $(($(date +%s) - T0))s" || log "FAILED (rc=$rc); logs under $WORK"
+}
+trap cleanup EXIT
+
+expect_fail() { # expect_fail CODE PATTERN CMD...: CMD must exit with CODE and print PATTERN on stderr
+    local code=$1 pattern=$2 rc=0
+    shift 2
+    "$@" >"$WORK/out.txt" 2>"$WORK/err.txt" || rc=$?
+    [ "$rc" = "$code" ] || die "expected exit $code from '$*', got $rc: $(cat "$WORK/err.txt")"
+    grep -q -- "$pattern" "$WORK/err.txt" || die "'$*' did not say '$pattern': $(cat "$WORK/err.txt")"
+    [ "$(grep -c . "$WORK/err.txt")" -le 1 ] || [ "$code" != 2 ] || die "bad input must be reported on one line: $(cat "$WORK/err.txt")"
+}
+
+phase "setup: packages, binfmt, dockerd, registries"
+e2e_install
+e2e_binfmt
+e2e_dockerd
+rm -rf "$WORK/registry-plain" "$WORK/registry-auth"
+htpasswd -Bbc "$WORK/htpasswd" e2euser e2epass 2>/dev/null
+e2e_registry registry-plain "$PORT"
+e2e_registry registry-auth "$((PORT + 1))" "$WORK/htpasswd"
+
+phase "base image: debootstrap amd64+arm64, umoci, skopeo -> $PLAIN/debian:bookworm"
+BASE_DIGEST=$(e2e_base "$PLAIN" debian)
+BASE="$PLAIN/debian:bookworm@$BASE_DIGEST"
+
+phase "building distro"
+cargo build --release --locked -p distro --manifest-path "$ROOT/Cargo.toml" >&2
+DISTRO=$(cd "$ROOT" && cargo metadata --format-version 1 --no-deps | jq -r .target_directory)/release/distro
+
+phase "bad input: one line, exit code 2"
+(cd "$ROOT" && expect_fail 2 "YYYY-MM-DD" "$DISTRO" build --date 2026-13-01 --base "$BASE")
+(cd "$ROOT" && expect_fail 2 "linux/s390x" "$DISTRO" build --platform linux/s390x --base "$BASE")
+(cd "$ROOT" && expect_fail 2 "not an OCI image layout" "$DISTRO" push "$WORK/nope" "$PLAIN/x")
+
+phase "build A in the checkout ($ROOT)"
+A_OUT="$WORK/oci-a"
+(cd "$ROOT" && "$DISTRO" build --base "$BASE" --date "$DATE" --output "$A_OUT" >"$WORK/a.digest" 2>"$WORK/a.log") \
+    || die "build A failed: $(tail -5 "$WORK/a.log")"
+A=$(tail -1 "$WORK/a.digest")
+[[ $A == sha256:* ]] || die "the last line of stdout is not a digest: $A"
+
+phase "build B: another directory, another process and cache, random SOURCE_DATE_EPOCH"
+B_SRC="$WORK/src-b"
+rm -rf "$B_SRC"
+git clone -q "$ROOT" "$B_SRC"
+git -C "$B_SRC" checkout -q "$(git -C "$ROOT" rev-parse HEAD)"
+# The checkout's uncommitted changes to tracked files, so both build the same content.
+git -C "$ROOT" diff HEAD --binary | git -C "$B_SRC" apply --allow-empty
+(cd "$B_SRC" && SOURCE_DATE_EPOCH=$((RANDOM * RANDOM)) "$DISTRO" build --base "$BASE" --date "$DATE" \
+    --output "$WORK/oci-b" >"$WORK/b.digest" 2>"$WORK/b.log") || die "build B failed: $(tail -5 "$WORK/b.log")"
+B=$(tail -1 "$WORK/b.digest")
+[ "$A" = "$B" ] || die "not reproducible: $A (in $ROOT) != $B (in $B_SRC)"
+for arch in amd64 arm64; do
+    cmp "$ROOT/target/distro/cargo-target/$([ $arch = amd64 ] && echo x86_64 || echo aarch64)-unknown-linux-gnu/release/engine" \
+        "$B_SRC/target/distro/cargo-target/$([ $arch = amd64 ] && echo x86_64 || echo aarch64)-unknown-linux-gnu/release/engine" \
+        || die "engine binaries for $arch differ between the two directories"
+done
+log "same digest from both directories: $A"
+
+phase "no-op rebuild"
+S=$(date +%s%N)
+(cd "$ROOT" && "$DISTRO" build --base "$BASE" --date "$DATE" --output "$A_OUT" >"$WORK/a2.digest" 2>"$WORK/a2.log")
+log "no-op build: $(((($(date +%s%N) - S)) / 1000000)) ms"
+[ "$(tail -1 "$WORK/a2.digest")" = "$A" ] || die "a no-op rebuild changed the digest"
+
+phase "validators: skopeo inspect, umoci unpack"
+skopeo inspect --raw "oci:$A_OUT:engine-$DATE" | jq -e '.mediaType == "application/vnd.oci.image.index.v1+json" and (.manifests | length) == 2' >/dev/null \
+    || die "skopeo: the index is not a two-platform OCI index"
+skopeo inspect --raw "oci:$A_OUT:engine-$DATE" | jq -e '.manifests[] | select(.platform.architecture == "arm64") | .platform.variant == "v8"' >/dev/null \
+    || die "arm64 has no v8 variant in the index"
+skopeo inspect "oci:$A_OUT:engine-$DATE" | jq -e --arg d "$A" '.Digest == $d and .Labels["org.opencontainers.image.base.name"] != null' >/dev/null \
+    || die "skopeo inspect of the layout disagrees"
+skopeo inspect --config "oci:$A_OUT:engine-$DATE-arm64" | jq -e '.variant == "v8" and .architecture == "arm64"' >/dev/null \
+    || die "arm64 config has no v8 variant"
+if skopeo inspect --raw "oci:$A_OUT:engine-$DATE" | grep -q 'application/vnd.docker'; then die "Docker media types in the index"; fi
+for arch in amd64 arm64; do
+    rm -rf "$WORK/bundle-$arch"
+    umoci unpack --image "$A_OUT:engine-$DATE-$arch" "$WORK/bundle-$arch" >&2 || die "umoci unpack $arch failed"
+    R="$WORK/bundle-$arch/rootfs"
+    for f in usr/local/bin/engine usr/local/bin/test-all opt/engine/recipes/tiny-llama2.toml opt/distro/sbom.spdx.json opt/distro/Cargo.lock; do
+        [ -e "$R/$f" ] || die "$arch image lacks /$f"
+    done
+    [ -x "$R/usr/local/bin/test-all" ] || die "test-all is not executable"
+    jq -e '.spdxVersion == "SPDX-2.3" and ([.packages[].name] | index("gemm")) != null' "$R/opt/distro/sbom.spdx.json" >/dev/null \
+        || die "$arch SBOM is not SPDX 2.3 with the engine's crates"
+    jq -e '.process.env | index("CUDA_DEVICE_MAX_CONNECTIONS=1") != null' "$WORK/bundle-$arch/config.json" >/dev/null \
+        || die "$arch image lacks the baked-in flags"
+done
+file "$WORK/bundle-arm64/rootfs/usr/local/bin/engine" | grep -q aarch64 || die "the arm64 engine is not an aarch64 binary"
+
+phase "push: without credentials (must fail clearly), with, again (no blob bytes), chunked, with mounts"
+expect_fail 1 "no credentials found for $AUTH" env -u DISTRO_REGISTRY_USER -u DISTRO_REGISTRY_PASSWORD DOCKER_CONFIG="$WORK/no-docker-config" \
+    "$DISTRO" push "$A_OUT" "$AUTH/distro"
+expect_fail 1 "rejected the credentials" env DISTRO_REGISTRY_USER=e2euser DISTRO_REGISTRY_PASSWORD=wrong DOCKER_CONFIG="$WORK/no-docker-config" \
+    "$DISTRO" push "$A_OUT" "$AUTH/distro"
+if grep -q wrong "$WORK/err.txt"; then die "a password was printed"; fi
+S=$(date +%s%N)
+DISTRO_REGISTRY_USER=e2euser DISTRO_REGISTRY_PASSWORD=e2epass DOCKER_CONFIG="$WORK/no-docker-config" \
+    "$DISTRO" push "$A_OUT" "$AUTH/distro" >"$WORK/push1.out" 2>"$WORK/push1.log"
+log "push: $(((($(date +%s%N) - S)) / 1000000)) ms, $(grep -o 'blob bytes sent: [0-9]*' "$WORK/push1.log")"
+# Credentials from a docker config file this time (the `docker login` path).
+mkdir -p "$WORK/docker-config"
+printf '{"auths":{"%s":{"auth":"%s"}}}' "$AUTH" "$(printf e2euser:e2epass | base64)" >"$WORK/docker-config/config.json"
+DOCKER_CONFIG="$WORK/docker-config" "$DISTRO" push "$A_OUT" "$AUTH/distro" >"$WORK/push2.out" 2>"$WORK/push2.log"
+grep -q 'blob bytes sent: 0;' "$WORK/push2.log" || die "re-push sent blob bytes: $(grep 'blob bytes' "$WORK/push2.log")"
+skopeo inspect --creds e2euser:e2epass --tls-verify=false "docker://$AUTH/distro:engine-$DATE" | jq -e --arg d "$A" '.Digest == $d' >/dev/null \
+    || die "the authenticated registry does not serve the pushed index"
+"$DISTRO" push "$A_OUT" "$PLAIN/chunked:engine-$DATE" --chunk-size 3000000 >/dev/null 2>"$WORK/push3.log"
+skopeo inspect --tls-verify=false "docker://$PLAIN/chunked:engine-$DATE" | jq -e --arg d "$A" '.Digest == $d' >/dev/null \
+    || die "chunked upload did not produce the same index"
+(cd "$ROOT" && "$DISTRO" build --base "$BASE" --date "$DATE" --push "$PLAIN/distro" >"$WORK/push4.out" 2>"$WORK/push4.log")
+[ "$(tail -1 "$WORK/push4.out")" = "$A" ] || die "build --push printed another digest"
+grep -q ' 2 mounted' "$WORK/push4.log" || die "base layers were not mounted from the base repository: $(grep blobs: "$WORK/push4.log")"
+
+phase "docker pull + run, amd64 and arm64 (qemu)"
+docker pull -q "$PLAIN/distro:engine-$DATE" >&2
+docker run --rm "$PLAIN/distro:engine-$DATE" >"$WORK/info.txt" 2>&1 || die "engine info (default command) failed"
+grep -q "$(git -C "$ROOT" rev-parse HEAD)" "$WORK/info.txt" || die "engine info does not show the revision: $(head -3 "$WORK/info.txt")"
+grep -q "CUDA_DEVICE_MAX_CONNECTIONS=1" "$WORK/info.txt" || die "engine info does not show the baked flags"
+docker run --rm "$PLAIN/distro:engine-$DATE" engine train --recipe tiny-llama2 --steps 5 >"$WORK/train-amd64.txt" 2>&1 \
+    || die "amd64 training failed: $(tail -3 "$WORK/train-amd64.txt")"
+grep -q '^done: loss' "$WORK/train-amd64.txt" || die "amd64 training did not finish"
+# Under emulation the full tiny-llama2 takes ~10 minutes on 2 cores, so arm64 trains the same
+# recipe shrunk through ENGINE_FLAGS (which also shows user flags adding to the image's).
+SMALL="model.d_model=128 model.n_heads=2 model.n_kv_heads=2 model.head_dim=64 model.mlp_dim=256 model.vocab_size=512"
+docker rmi -f "$PLAIN/distro:engine-$DATE" >/dev/null
+docker pull -q --platform linux/arm64 "$PLAIN/distro:engine-$DATE" >&2
+[ "$(docker image inspect "$PLAIN/distro:engine-$DATE" --format '{{.Architecture}}')" = arm64 ] || die "docker pulled the wrong platform"
+docker run --rm --platform linux/arm64 -e ENGINE_FLAGS="$SMALL" "$PLAIN/distro:engine-$DATE" \
+    engine train --recipe tiny-llama2 --steps 5 >"$WORK/train-arm64.txt" 2>&1 || die "arm64 training failed: $(tail -3 "$WORK/train-arm64.txt")"
+grep -q '^done: loss' "$WORK/train-arm64.txt" || die "arm64 training did not finish"
+docker run --rm --platform linux/arm64 "$PLAIN/distro:engine-$DATE" uname -m | grep -q aarch64 || die "not an arm64 container"
+log "amd64: $(grep '^done' "$WORK/train-amd64.txt")"
+log "arm64: $(grep '^done' "$WORK/train-arm64.txt")"
+
+phase "distro load (bollard) + distro run; load tar for docker load"
+"$DISTRO" load "$A_OUT" --ref engine >"$WORK/load.out" 2>"$WORK/load.log" || die "distro load failed: $(cat "$WORK/load.log")"
+grep -qx "distro:engine" "$WORK/load.out" || die "distro load did not report distro:engine"
+"$DISTRO" run distro:engine -e ENGINE_FLAGS=train.steps=2 -- engine train --recipe tiny-llama2 >"$WORK/run.txt" 2>&1 \
+    || die "distro run failed: $(tail -3 "$WORK/run.txt")"
+grep -q '^step 2/2' "$WORK/run.txt" || die "distro run did not stream the engine's output (or ENGINE_FLAGS was not applied)"
+rc=0; "$DISTRO" run distro:engine -- sh -c 'exit 3' >/dev/null 2>&1 || rc=$?
+[ "$rc" = 3 ] || die "distro run returned $rc, not the container's exit code 3"
+"$DISTRO" load "$A_OUT" --ref "engine-$DATE" --platform linux/arm64 --output "$WORK/engine-arm64.tar" >/dev/null 2>&1
+docker load -i "$WORK/engine-arm64.tar" >&2
+[ "$(docker image inspect "distro:engine-$DATE" --format '{{.Architecture}}')" = arm64 ] || die "docker load of the arm64 tar gave another platform"
+
+phase "tampered base blob on pull is rejected"
+LAYER=$(skopeo inspect --raw --tls-verify=false "docker://$PLAIN/debian:bookworm-amd64" | jq -r '.layers[0].digest')
+DATA="$WORK/registry-plain/storage/docker/registry/v2/blobs/sha256/${LAYER:7:2}/${LAYER:7}/data"
+[ -f "$DATA" ] || die "cannot find the base layer in the registry's storage"
+cp "$DATA" "$WORK/layer.orig"
+printf 'tampered' | dd of="$DATA" bs=1 seek=1000 conv=notrunc 2>/dev/null
+(cd "$ROOT" && expect_fail 1 "does not match its digest" env DISTRO_CACHE_DIR="$WORK/tamper-cache" \
+    "$DISTRO" build --base "$BASE" --date "$DATE" --platform linux/amd64 --output "$WORK/oci-tamper")
+[ ! -e "$WORK/oci-tamper/index.json" ] || die "a layout was written from a tampered base"
+cp "$WORK/layer.orig" "$DATA"
+rm -rf "$WORK/tamper-cache"
