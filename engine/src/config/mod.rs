@@ -161,11 +161,24 @@ pub struct TrainConfig {
     /// Peak TFLOP/s of one device used for MFU; 0 means the device table (GPU) or a measured
     /// GEMM rate (CPU).
     pub peak_tflops: f64,
+    /// Steps left out of the run's performance summary (warm-up, compilation, profiling).
+    pub perf_warmup_steps: usize,
+    /// Step (1-based) whose per-op times are written as a Chrome trace; 0 disables profiling.
+    pub profile_step: usize,
 }
 
 impl Default for TrainConfig {
     fn default() -> Self {
-        TrainConfig { seq_len: 0, batch_size: 1, grad_accum: 1, steps: 100, seed: 1234, peak_tflops: 0.0 }
+        TrainConfig {
+            seq_len: 0,
+            batch_size: 1,
+            grad_accum: 1,
+            steps: 100,
+            seed: 1234,
+            peak_tflops: 0.0,
+            perf_warmup_steps: 7,
+            profile_step: 6,
+        }
     }
 }
 
