@@ -168,6 +168,7 @@ pub fn lock(args: LockArgs) -> Result<()> {
 pub fn fetch(args: FetchArgs) -> Result<()> {
     let manifest = args.manifest.load()?;
     let cache = Cache::from_env()?;
+    manifest.select(&args.names)?;
     let lock = Lock::load(&manifest.lock_path())?;
     if lock.is_none() && args.sources.is_empty() && args.patches.is_empty() {
         return Err(bad_input(format!(

@@ -47,7 +47,6 @@ const SETTINGS: &[&str] = &[
     "diff.noprefix=false",
     "diff.mnemonicPrefix=false",
     "diff.renames=true",
-    "diff.external=",
     "i18n.commitEncoding=UTF-8",
     "i18n.logOutputEncoding=UTF-8",
     "init.defaultBranch=distro",

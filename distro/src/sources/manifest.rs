@@ -374,7 +374,12 @@ pub fn lexical_join(base: &Path, rel: &Path) -> PathBuf {
     if rel.is_absolute() {
         return rel.to_path_buf();
     }
-    let mut out = base.to_path_buf();
+    // "." adds nothing to a relative path but noise in messages ("./patches/...").
+    let mut out = if base == Path::new(".") {
+        PathBuf::new()
+    } else {
+        base.to_path_buf()
+    };
     for c in rel.components() {
         match c {
             Component::CurDir => {}
@@ -772,7 +777,11 @@ patches = []
         );
         assert_eq!(
             lexical_join(Path::new("."), Path::new("..")),
-            Path::new("./..")
+            Path::new("..")
+        );
+        assert_eq!(
+            lexical_join(Path::new("."), Path::new("patches/x")),
+            Path::new("patches/x")
         );
         let m = Manifest::parse(Path::new("/p/m.toml"), "root = \".\"\n").unwrap();
         assert_eq!(m.root, Path::new("/p"));

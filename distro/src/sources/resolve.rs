@@ -1,7 +1,7 @@
 //! From manifest to lock to patched trees: resolving sources (with one-run overrides and extra
 //! patches) and materialising a lock's trees into the cache.
 
-use anyhow::{Context, Result, anyhow, bail};
+use anyhow::{Context, Result, bail};
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
@@ -346,7 +346,7 @@ fn selection<'m>(
     for o in &overrides.sources {
         manifest
             .source(&o.name)
-            .map_err(|e| anyhow!("--source {}: {e}", o.name))?;
+            .map_err(|e| e.context(format!("--source {}", o.name)))?;
     }
     manifest.select(&wanted)
 }
@@ -456,7 +456,7 @@ fn resolve_source(
                 let url = manifest.fetch_url(&g.url);
                 let repo = cache.open_repo(&upstream::repo_key(&url))?;
                 upstream::ensure_commit(&repo, &url, &g.tracking_ref, commit)
-                    .map_err(|e| anyhow!("{}: {e:#}", manifest.at(g.commit_loc)))?;
+                    .map_err(|e| e.context(manifest.at(g.commit_loc)))?;
                 let base = Base {
                     commit: commit.clone(),
                     label: "the pinned commit".into(),
@@ -635,5 +635,11 @@ mod tests {
             err.to_string().contains("write it as NAME=pull/1/head"),
             "{err}"
         );
+        let over = Overrides {
+            sources: vec!["nope=/x#main".parse().unwrap()],
+            extra_patches: vec![],
+        };
+        let err = selection(&m, &[], &over).unwrap_err();
+        assert_eq!(crate::error::exit_code(&err), 2, "{err:#}");
     }
 }
