@@ -27,6 +27,10 @@ enum Command {
 }
 
 fn main() -> ExitCode {
+    // A panic is a bug in distro: one line saying so, not a backtrace.
+    std::panic::set_hook(Box::new(|info| {
+        eprintln!("error: internal error (a bug in distro, please report it): {info}");
+    }));
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Sources(args) => cmd::sources(args),

@@ -80,22 +80,11 @@ fn registry(dir: &Path) -> Registry {
 }
 
 fn sha256(bytes: &[u8]) -> String {
-    let out = Command::new("sha256sum")
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .and_then(|mut c| {
-            use std::io::Write;
-            c.stdin.take().unwrap().write_all(bytes)?;
-            c.wait_with_output()
-        })
-        .unwrap();
-    String::from_utf8(out.stdout)
-        .unwrap()
-        .split_whitespace()
-        .next()
-        .unwrap()
-        .to_owned()
+    use sha2::Digest;
+    sha2::Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
 }
 
 /// A `git format-patch` mbox that changes `helper` to return 8, made against the crate's files.

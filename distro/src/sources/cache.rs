@@ -108,6 +108,7 @@ impl Cache {
     /// Opens (creating if needed) and locks the repository `repos/<key>`, recovering it if an
     /// earlier run left it mid-operation.
     pub fn open_repo(&self, key: &str) -> Result<Repo> {
+        super::git::check_version()?;
         let repos = self.root.join("repos");
         fs::create_dir_all(&repos).with_context(|| format!("creating {}", repos.display()))?;
         let dir = repos.join(key);

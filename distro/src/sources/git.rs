@@ -219,6 +219,36 @@ impl Git {
     }
 }
 
+/// The oldest git that honours `GIT_CONFIG_GLOBAL`, which the isolation depends on.
+pub const MIN_GIT: (u32, u32) = (2, 32);
+
+/// Checks once per process that the `git` on `PATH` is new enough for the isolation to hold.
+pub fn check_version() -> Result<()> {
+    static CHECKED: std::sync::OnceLock<std::result::Result<(), String>> =
+        std::sync::OnceLock::new();
+    CHECKED
+        .get_or_init(|| {
+            let out = output(Command::new("git").arg("--version")).map_err(|e| format!("{e:#}"))?;
+            let text = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+            match parse_version(&text) {
+                Some(v) if v >= MIN_GIT => Ok(()),
+                _ => Err(format!(
+                    "distro needs git {}.{} or newer (found `{text}`); install a newer git",
+                    MIN_GIT.0, MIN_GIT.1
+                )),
+            }
+        })
+        .clone()
+        .map_err(|e| anyhow::anyhow!(e))
+}
+
+/// `(major, minor)` from `git version 2.47.3` (or `git version 2.39.2.windows.1`).
+fn parse_version(text: &str) -> Option<(u32, u32)> {
+    let v = text.strip_prefix("git version ")?;
+    let mut parts = v.split('.');
+    Some((parts.next()?.parse().ok()?, parts.next()?.parse().ok()?))
+}
+
 /// Runs `cmd`, capturing stdout and stderr; fails only when `git` cannot be started.
 pub fn output(cmd: &mut Command) -> Result<Output> {
     cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
@@ -303,6 +333,15 @@ mod tests {
             )
         );
         assert!(crate::sources::hash::is_object_id(&id));
+    }
+
+    #[test]
+    fn git_versions_are_parsed_and_checked() {
+        assert_eq!(parse_version("git version 2.47.3"), Some((2, 47)));
+        assert_eq!(parse_version("git version 2.39.2.windows.1"), Some((2, 39)));
+        assert_eq!(parse_version("hub version 1"), None);
+        assert!(parse_version("git version 2.31.0").unwrap() < MIN_GIT);
+        check_version().unwrap();
     }
 
     #[test]

@@ -134,7 +134,7 @@ pub fn resolve(
     let extras = assign_extra_patches(manifest, overrides)?;
     let mut lock = Lock::default();
     for source in selection(manifest, names, overrides)? {
-        let entry = resolve_source(manifest, source, overrides, &extras, cache)?;
+        let entry = resolve_source(manifest, source, overrides, &extras, cache, None)?;
         lock.sources.insert(source.name.clone(), entry);
     }
     Ok(lock)
@@ -159,11 +159,14 @@ pub fn lock_for_run(
     for source in selection(manifest, names, overrides)? {
         let touched = overrides.sources.iter().any(|o| o.name == source.name)
             || extras.iter().any(|(n, _)| n == &source.name);
+        let locked = lock.and_then(|l| l.sources.get(&source.name));
+        let status = lock_status(manifest, source, locked);
         let entry = if touched {
-            resolve_source(manifest, source, overrides, &extras, cache)?
+            // A current entry still vouches for the pin (e.g. the crate's checksum).
+            let recorded = locked.filter(|_| status == LockStatus::Current);
+            resolve_source(manifest, source, overrides, &extras, cache, recorded)?
         } else {
-            let locked = lock.and_then(|l| l.sources.get(&source.name));
-            match lock_status(manifest, source, locked) {
+            match status {
                 LockStatus::Current => locked.cloned().expect("current implies present"),
                 LockStatus::Missing => {
                     return Err(bad_input(format!(
@@ -394,13 +397,15 @@ fn is_ref_spec(patch: &str) -> bool {
         && !Path::new(patch).exists()
 }
 
-/// Resolves one source with the overrides that concern it.
+/// Resolves one source with the overrides that concern it. `recorded` is its current lock
+/// entry, if any: a crate must still have the checksum recorded there.
 fn resolve_source(
     manifest: &Manifest,
     source: &Source,
     overrides: &Overrides,
     extras: &[(String, ExtraPatch)],
     cache: &Cache,
+    recorded: Option<&LockedSource>,
 ) -> Result<LockedSource> {
     let name = &source.name;
     let mut patches = read_source_patches(manifest, source)?;
@@ -479,7 +484,11 @@ fn resolve_source(
                     )));
                 };
                 let repo = cache.open_repo(&crates::repo_key(c))?;
-                let (commit, release) = crates::import(cache, &repo, c, version, None)?;
+                let expected = recorded.and_then(|r| match &r.origin {
+                    Origin::Crate { checksum, .. } => Some(checksum.as_str()),
+                    Origin::Git { .. } => None,
+                });
+                let (commit, release) = crates::import(cache, &repo, c, version, expected)?;
                 let base = Base {
                     commit,
                     label: format!("crate {} {version}", c.name),
