@@ -135,33 +135,69 @@ fn patches_apply_in_order_and_fetch_verifies_the_lock() {
 
 #[test]
 fn a_conflicting_patch_is_reported_and_nothing_is_written() {
+    // Two sources. In `foo`, upstream merges one patch and rewrites the lines another patches;
+    // `bar` moves on and its patch still applies.
     let f = fixture();
     let root = &f.project.root;
+    let p0 =
+        f.up.patch_setting_line(&f.pin, 15, "line 15 (fixed)", "Fix line 15");
+    f.project.write_file("patches/foo/0000-line15.patch", &p0);
+    let bar = Upstream::new(f.up.dir.parent().unwrap().join("bar"));
+    let bar_pin = bar.head();
+    let pb = bar.patch_setting_line(&bar_pin, 1, "bar line 1", "Bar fix");
+    f.project.write_file("patches/bar/0001-bar.patch", &pb);
+    f.project.write_manifest(&format!(
+        "{}\n{}",
+        git_source("bar", &bar.url(), &bar_pin, &["patches/bar/0001-bar.patch"]),
+        git_source(
+            "foo",
+            &f.up.url(),
+            &f.pin,
+            &[
+                "patches/foo/0000-line15.patch",
+                "patches/foo/0001-first.patch",
+                "patches/foo/0002-second.patch"
+            ],
+        )
+    ));
     f.machine.run(root, &["lock"]).ok();
-    // Upstream rewrites the line the patches touch.
+    f.up.change_line(15, "line 15 (fixed)", "Upstream takes the line-15 fix");
     let tip =
         f.up.change_line(3, "line 3 rewritten upstream", "Upstream rewrite");
+    bar.change_line(20, "bar line 20", "Bar upstream work");
     let (manifest, lock) = (f.project.manifest(), f.project.lock());
 
     let run = f.machine.run(root, &["bump"]);
     assert_eq!(run.code, 1, "{}", run.stderr);
     for needle in [
-        "patches/foo/0001-first.patch",
-        tip.as_str(),
-        "lib.txt",
-        "hunk #1 @@ -1,6 +1,6 @@",
+        "conflict in source `foo`",
+        "patch:    patches/foo/0001-first.patch",
+        &format!("upstream: {tip} (the tip of `main`)"),
+        "commit:   1/1 \"First fix\"",
+        "lib.txt: ",
+        "hunk #1 @@ -1,6 +1,6 @@ failed",
+        "merged:   patches/foo/0000-line15.patch is already upstream (would be dropped)",
     ] {
         assert!(
             run.stderr.contains(needle),
-            "stderr lacks {needle}: {}",
+            "stderr lacks {needle:?}:\n{}",
             run.stderr
         );
     }
+    assert!(
+        !run.stderr.contains("conflict in source `bar`"),
+        "{}",
+        run.stderr
+    );
     let line = run.error_line();
     assert!(
-        line.contains("nothing was written") && line.contains(&tip) && line.contains("lib.txt"),
+        line.contains("1 patch no longer applies; nothing was written")
+            && line.contains("patches/foo/0001-first.patch")
+            && line.contains(&tip)
+            && line.contains("lib.txt"),
         "{line}"
     );
+    assert_eq!(run.stdout, "");
     assert_eq!(f.project.manifest(), manifest);
     assert_eq!(f.project.lock(), lock);
 }

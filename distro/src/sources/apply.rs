@@ -71,6 +71,9 @@ pub struct Conflict {
     pub files: Vec<FileFailure>,
     /// What `git am` said.
     pub git_message: String,
+    /// Earlier patches of the series found already upstream (when merges are being detected):
+    /// they would be dropped, were it not for this conflict.
+    pub merged_earlier: Vec<String>,
 }
 
 /// One file of a conflicting patch.
@@ -138,6 +141,11 @@ impl Conflict {
             out.push_str(&format!("{file}\n"));
         }
         out.push_str(&format!("  git:      {}\n", self.git_message));
+        for m in &self.merged_earlier {
+            out.push_str(&format!(
+                "  merged:   {m} is already upstream (would be dropped)\n"
+            ));
+        }
         out
     }
 }
@@ -191,7 +199,16 @@ pub fn apply_series(
             let conflict = diagnose(repo, source, base, patch, &scratch, &stderr_summary(&out));
             let _ = repo.git.output(["am", "--abort"]);
             repo.checkout_clean(&before)?;
-            return Ok(Err(conflict?));
+            let mut conflict = conflict?;
+            if options.merged_if.is_some() {
+                conflict.merged_earlier = patches
+                    .iter()
+                    .zip(&outcomes)
+                    .filter(|(_, o)| **o != Outcome::Applied)
+                    .map(|(p, _)| p.label())
+                    .collect();
+            }
+            return Ok(Err(conflict));
         }
         let after = repo.git.rev_parse("HEAD")?;
         if after == before {
@@ -290,6 +307,7 @@ fn diagnose(
         failing_commit,
         files,
         git_message: git_message.to_owned(),
+        merged_earlier: Vec::new(),
     })
 }
 
@@ -371,6 +389,7 @@ mod tests {
                 problem: None,
             }],
             git_message: "Patch failed at 0001 Change b".into(),
+            merged_earlier: vec!["patches/foo/0001-a.patch".into()],
         };
         let line = c.to_string();
         assert!(!line.contains('\n'));
@@ -384,5 +403,9 @@ mod tests {
             assert!(line.contains(needle), "{line} lacks {needle}");
         }
         assert!(c.report().contains("  failed:   b.txt: hunk #1"));
+        assert!(
+            c.report()
+                .contains("  merged:   patches/foo/0001-a.patch is already upstream")
+        );
     }
 }
