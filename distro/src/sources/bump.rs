@@ -208,7 +208,7 @@ fn bump_crate(
     let SourceKind::Crate(c) = &source.kind else {
         unreachable!()
     };
-    let newest = crates::resolve(cache, c, &c.tracking_req)?;
+    let newest = crates::resolve(cache, &manifest.root, c, &c.tracking_req)?;
     let current = lock_status(manifest, source, locked) == LockStatus::Current;
     if c.version.as_deref() == Some(newest.version.as_str()) && current {
         return Ok(Outcome3::Unchanged);
@@ -217,7 +217,7 @@ fn bump_crate(
     let repo = cache.open_repo(&crates::repo_key(c))?;
     let old_base = match &c.version {
         Some(old) if old != &newest.version => {
-            let (commit, _) = crates::import(cache, &repo, c, old, None)?;
+            let (commit, _) = crates::import(cache, &manifest.root, &repo, c, old, None)?;
             Some(Base {
                 commit,
                 label: format!("crate {} {old}", c.name),
@@ -225,8 +225,14 @@ fn bump_crate(
         }
         _ => None,
     };
-    let (commit, release) =
-        crates::import(cache, &repo, c, &newest.version, Some(&newest.checksum))?;
+    let (commit, release) = crates::import(
+        cache,
+        &manifest.root,
+        &repo,
+        c,
+        &newest.version,
+        Some(&newest.checksum),
+    )?;
     let new_base = Base {
         commit,
         label: format!("crate {} {}", c.name, release.version),

@@ -80,11 +80,21 @@ fn is_permanent(stderr: &str) -> bool {
     PERMANENT.iter().any(|p| stderr.contains(p))
 }
 
-/// Runs a Cargo command in `dir` with retries; permanent failures are bad input.
-fn cargo(dir: &Path, args: &[&str], what: &str) -> Result<()> {
+/// Runs `cargo SUBCOMMAND --manifest-path PROJECT/Cargo.toml ARGS` for the scratch `project`,
+/// with retries; permanent failures are bad input.
+///
+/// Cargo runs in the project root (`cwd`), so the project's `rust-toolchain.toml` picks the same
+/// Cargo on every machine (how it unpacks crates decides the tree ids in the lock), and the
+/// project's `.cargo/config.toml` (mirrors, source replacement) applies.
+fn cargo(cwd: &Path, project: &Path, subcommand: &str, args: &[&str], what: &str) -> Result<()> {
+    let cwd = if cwd.is_dir() { cwd } else { project };
+    let manifest = project.join("Cargo.toml");
     let result = net::retry(net::Policy::from_env(), what, || {
         let mut cmd = Command::new("cargo");
-        cmd.current_dir(dir)
+        cmd.current_dir(cwd)
+            .arg(subcommand)
+            .arg("--manifest-path")
+            .arg(&manifest)
             .args(args)
             .env("CARGO_TERM_COLOR", "never")
             .env_remove("CARGO_TARGET_DIR");
@@ -125,17 +135,20 @@ struct LockedPackage {
 
 /// Resolves the newest release of `spec.name` matching `requirement` (Cargo's syntax:
 /// `*`, `0.19`, `=0.19.10`, ...). Yanked and pre-release versions are skipped as Cargo does.
-pub fn resolve(cache: &Cache, spec: &CrateSpec, requirement: &str) -> Result<Release> {
+/// `root` is the project root Cargo runs in.
+pub fn resolve(cache: &Cache, root: &Path, spec: &CrateSpec, requirement: &str) -> Result<Release> {
     let scratch = cache.scratch()?;
-    resolve_in(scratch.path(), spec, requirement)
+    resolve_in(root, scratch.path(), spec, requirement)
 }
 
-fn resolve_in(dir: &Path, spec: &CrateSpec, requirement: &str) -> Result<Release> {
+fn resolve_in(root: &Path, dir: &Path, spec: &CrateSpec, requirement: &str) -> Result<Release> {
     scratch_project(dir, spec, requirement)?;
     eprintln!("distro: resolving crate {} {requirement}", spec.name);
     cargo(
+        root,
         dir,
-        &["generate-lockfile", "--quiet"],
+        "generate-lockfile",
+        &["--quiet"],
         &format!("resolving crate {} {requirement}", spec.name),
     )?;
     let text =
@@ -166,9 +179,10 @@ struct VendorChecksums {
 
 /// Makes sure release `version` of the crate is imported in `repo` and returns the import
 /// commit and the release. With `expected_checksum` (from the lock) a registry that now serves
-/// different bytes is an error.
+/// different bytes is an error. `root` is the project root Cargo runs in.
 pub fn import(
     cache: &Cache,
+    root: &Path,
     repo: &Repo,
     spec: &CrateSpec,
     version: &str,
@@ -187,7 +201,7 @@ pub fn import(
         }
     }
     let scratch = cache.scratch()?;
-    let release = resolve_in(scratch.path(), spec, &format!("={version}"))?;
+    let release = resolve_in(root, scratch.path(), spec, &format!("={version}"))?;
     if let Some(sum) = expected_checksum
         && sum != release.checksum
     {
@@ -202,21 +216,21 @@ pub fn import(
         return Ok((commit, release));
     }
     eprintln!("distro: downloading crate {} {version}", spec.name);
+    let vendor = scratch.path().join("vendor");
+    let vendor_arg = vendor.to_str().context("non-UTF-8 cache path")?;
     cargo(
+        root,
         scratch.path(),
+        "vendor",
         &[
-            "vendor",
             "--quiet",
             "--versioned-dirs",
             "--respect-source-config",
-            "vendor",
+            vendor_arg,
         ],
         &format!("downloading crate {} {version}", spec.name),
     )?;
-    let unpacked = scratch
-        .path()
-        .join("vendor")
-        .join(format!("{}-{version}", spec.name));
+    let unpacked = vendor.join(format!("{}-{version}", spec.name));
     let sums_path = unpacked.join(".cargo-checksum.json");
     let sums: VendorChecksums = serde_json::from_slice(
         &fs::read(&sums_path).with_context(|| format!("reading {}", sums_path.display()))?,

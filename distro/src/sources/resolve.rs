@@ -249,7 +249,7 @@ fn materialise_source(
             if let Some(dir) = cached_tree(cache, &repo, &locked.tree)? {
                 return Ok(fetched(dir));
             }
-            let (commit, _) = crates::import(cache, &repo, &spec, version, Some(checksum))?;
+            let (commit, _) = crates::import(cache, root, &repo, &spec, version, Some(checksum))?;
             (
                 repo,
                 Base {
@@ -488,7 +488,8 @@ fn resolve_source(
                     Origin::Crate { checksum, .. } => Some(checksum.as_str()),
                     Origin::Git { .. } => None,
                 });
-                let (commit, release) = crates::import(cache, &repo, c, version, expected)?;
+                let (commit, release) =
+                    crates::import(cache, &manifest.root, &repo, c, version, expected)?;
                 let base = Base {
                     commit,
                     label: format!("crate {} {version}", c.name),
