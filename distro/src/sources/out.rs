@@ -90,3 +90,18 @@ fn render(trees: &BTreeMap<String, String>) -> String {
     }
     out
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn marker_round_trips() {
+        let mut trees = BTreeMap::new();
+        trees.insert("cudarc".to_owned(), "a".repeat(40));
+        trees.insert("odd name".to_owned(), "b".repeat(40));
+        let text = render(&trees);
+        let back: Marker = toml::from_str(&text).unwrap();
+        assert_eq!(back.trees, trees);
+    }
+}

@@ -101,3 +101,62 @@ pub fn checkout_tree(repo: &Repo, tree: &str, dir: &Path, scratch: &Path) -> Res
     let _ = fs::remove_file(&index);
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    fn repo_with_files(cache: &Cache) -> (Repo, String) {
+        let repo = cache.open_repo("t").unwrap();
+        let d = repo.dir();
+        fs::create_dir_all(d.join("bin")).unwrap();
+        fs::write(d.join("bin/run.sh"), "#!/bin/sh\n").unwrap();
+        fs::set_permissions(d.join("bin/run.sh"), fs::Permissions::from_mode(0o755)).unwrap();
+        fs::write(d.join("crlf.txt"), "a\r\nb\r\n").unwrap();
+        std::os::unix::fs::symlink("bin/run.sh", d.join("run")).unwrap();
+        repo.git.run(["add", "-A"]).unwrap();
+        repo.git.run(["commit", "-q", "-m", "x"]).unwrap();
+        let tree = repo.git.rev_parse("HEAD^{tree}").unwrap();
+        (repo, tree)
+    }
+
+    #[test]
+    fn materialised_trees_hash_back_to_their_id_and_are_repaired() {
+        let dir = tempfile::tempdir().unwrap();
+        let cache = Cache::at(dir.path());
+        let (repo, tree) = repo_with_files(&cache);
+        let out = materialise_tree(&cache, &repo, &tree).unwrap();
+        assert_eq!(out, cache.tree_dir(&tree));
+        assert_eq!(fs::read(out.join("crlf.txt")).unwrap(), b"a\r\nb\r\n");
+        assert!(fs::symlink_metadata(out.join("run")).unwrap().is_symlink());
+        let scratch = cache.scratch().unwrap();
+        assert_eq!(hash_dir(&repo, &out, scratch.path()).unwrap(), tree);
+        // A modified copy no longer hashes to the id, and is checked out again.
+        fs::set_permissions(out.join("bin/run.sh"), fs::Permissions::from_mode(0o644)).unwrap();
+        assert_ne!(hash_dir(&repo, &out, scratch.path()).unwrap(), tree);
+        materialise_tree(&cache, &repo, &tree).unwrap();
+        assert_eq!(hash_dir(&repo, &out, scratch.path()).unwrap(), tree);
+    }
+
+    #[test]
+    fn submodules_are_refused_by_path() {
+        let dir = tempfile::tempdir().unwrap();
+        let cache = Cache::at(dir.path());
+        let (repo, _) = repo_with_files(&cache);
+        let head = repo.git.rev_parse("HEAD").unwrap();
+        repo.git
+            .run([
+                "update-index",
+                "--add",
+                "--cacheinfo",
+                &format!("160000,{head},third_party/sub"),
+            ])
+            .unwrap();
+        let tree = repo.git.run(["write-tree"]).unwrap();
+        let err = check_no_submodules(&repo, &tree, "foo")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("git submodule at `third_party/sub`"), "{err}");
+    }
+}
