@@ -19,21 +19,13 @@ pub fn bad_input(message: impl Into<String>) -> anyhow::Error {
 
 /// The exit code for `err`: 2 when any error in its chain is [`BadInput`], else 1.
 pub fn exit_code(err: &anyhow::Error) -> u8 {
-    if err.chain().any(|e| e.is::<BadInput>()) {
-        2
-    } else {
-        1
-    }
+    if err.chain().any(|e| e.is::<BadInput>()) { 2 } else { 1 }
 }
 
 /// The error chain on a single line (`outer: inner: root cause`), newlines folded to `; `.
 pub fn one_line(err: &anyhow::Error) -> String {
     let text = format!("{err:#}");
-    text.lines()
-        .map(str::trim)
-        .filter(|l| !l.is_empty())
-        .collect::<Vec<_>>()
-        .join("; ")
+    text.lines().map(str::trim).filter(|l| !l.is_empty()).collect::<Vec<_>>().join("; ")
 }
 
 /// Prints `error: ...` on stderr and returns the exit code; what `main` calls on failure.
@@ -49,18 +41,14 @@ mod tests {
 
     #[test]
     fn bad_input_anywhere_in_the_chain_gives_exit_code_2() {
-        let err = Err::<(), _>(bad_input("unknown key"))
-            .context("reading images/manifest.toml")
-            .unwrap_err();
+        let err = Err::<(), _>(bad_input("unknown key")).context("reading images/manifest.toml").unwrap_err();
         assert_eq!(exit_code(&err), 2);
         assert_eq!(exit_code(&anyhow::anyhow!("network down")), 1);
     }
 
     #[test]
     fn chain_is_printed_on_one_line() {
-        let err = Err::<(), _>(anyhow::anyhow!("git said:\nfatal: no\n"))
-            .context("fetching main")
-            .unwrap_err();
+        let err = Err::<(), _>(anyhow::anyhow!("git said:\nfatal: no\n")).context("fetching main").unwrap_err();
         assert_eq!(one_line(&err), "fetching main: git said:; fatal: no");
     }
 }

@@ -13,23 +13,11 @@ fn extra_patches_for_one_build_are_recorded_in_that_builds_lock() {
     let up = Upstream::new(tmp.path().join("upstream"));
     let pin = up.head();
     let project = Project::new(tmp.path().join("project"));
-    project.write_file(
-        "patches/foo/0001-a.patch",
-        &up.patch_setting_line(&pin, 2, "line 2 (a)", "A"),
-    );
-    project.write_manifest(&git_source(
-        "foo",
-        &up.url(),
-        &pin,
-        &["patches/foo/0001-a.patch"],
-    ));
+    project.write_file("patches/foo/0001-a.patch", &up.patch_setting_line(&pin, 2, "line 2 (a)", "A"));
+    project.write_manifest(&git_source("foo", &up.url(), &pin, &["patches/foo/0001-a.patch"]));
     // A build-only patch kept outside the project, and a PR only this build wants.
     let outside = tmp.path().join("try-this.patch");
-    fs::write(
-        &outside,
-        up.patch_setting_line(&pin, 9, "line 9 (try)", "Try"),
-    )
-    .unwrap();
+    fs::write(&outside, up.patch_setting_line(&pin, 9, "line 9 (try)", "Try")).unwrap();
     up.git(&["checkout", "-q", "-b", "pr", &pin]);
     up.change_line(12, "line 12 (PR)", "PR");
     up.git(&["update-ref", "refs/pull/5/head", "HEAD"]);
@@ -51,11 +39,8 @@ fn extra_patches_for_one_build_are_recorded_in_that_builds_lock() {
     let build = lock_for_run(&manifest, Some(&lock), &[], &overrides, &cache).unwrap();
     let foo = &build.sources["foo"];
     assert!(matches!(&foo.origin, Origin::Git { commit, .. } if commit == &pin));
-    let entries: Vec<(&str, bool, bool)> = foo
-        .patches
-        .iter()
-        .map(|p| (p.entry.as_str(), p.extra, p.file.is_some()))
-        .collect();
+    let entries: Vec<(&str, bool, bool)> =
+        foo.patches.iter().map(|p| (p.entry.as_str(), p.extra, p.file.is_some())).collect();
     assert_eq!(
         entries,
         vec![
@@ -89,16 +74,8 @@ fn materialise_rejects_a_lock_that_does_not_match_its_inputs() {
     let up = Upstream::new(tmp.path().join("upstream"));
     let pin = up.head();
     let project = Project::new(tmp.path().join("project"));
-    project.write_file(
-        "patches/foo/0001-a.patch",
-        &up.patch_setting_line(&pin, 2, "line 2 (a)", "A"),
-    );
-    project.write_manifest(&git_source(
-        "foo",
-        &up.url(),
-        &pin,
-        &["patches/foo/0001-a.patch"],
-    ));
+    project.write_file("patches/foo/0001-a.patch", &up.patch_setting_line(&pin, 2, "line 2 (a)", "A"));
+    project.write_manifest(&git_source("foo", &up.url(), &pin, &["patches/foo/0001-a.patch"]));
     let cache = Cache::at(tmp.path().join("cache"));
     let manifest = Manifest::load(&project.manifest_path()).unwrap();
     let mut lock = distro::sources::resolve(&manifest, &[], &Overrides::default(), &cache).unwrap();
@@ -106,19 +83,12 @@ fn materialise_rejects_a_lock_that_does_not_match_its_inputs() {
     lock.sources.get_mut("foo").unwrap().tree = "0".repeat(40);
     let err = materialise(&lock, &manifest.root, &cache).unwrap_err();
     let msg = format!("{err:#}");
-    assert!(
-        msg.contains(&format!("gives tree {real}")) && msg.contains("the lock records tree 0000"),
-        "{msg}"
-    );
+    assert!(msg.contains(&format!("gives tree {real}")) && msg.contains("the lock records tree 0000"), "{msg}");
 
     // A cached tree someone modified is detected and checked out again.
     lock.sources.get_mut("foo").unwrap().tree = real;
     let trees = materialise(&lock, &manifest.root, &cache).unwrap();
     fs::write(trees[0].dir.join("lib.txt"), "tampered").unwrap();
     let trees = materialise(&lock, &manifest.root, &cache).unwrap();
-    assert!(
-        fs::read_to_string(trees[0].dir.join("lib.txt"))
-            .unwrap()
-            .contains("line 2 (a)")
-    );
+    assert!(fs::read_to_string(trees[0].dir.join("lib.txt")).unwrap().contains("line 2 (a)"));
 }

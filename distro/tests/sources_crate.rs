@@ -39,23 +39,12 @@ fn registry(dir: &Path) -> Registry {
         fs::write(src.join(".gitignore"), "/target\n*.log\n").unwrap();
         fs::write(src.join("notes.log"), "kept\n").unwrap();
         let out = Command::new("cargo")
-            .args([
-                "package",
-                "--quiet",
-                "--no-verify",
-                "--offline",
-                "--allow-dirty",
-                "--target-dir",
-            ])
+            .args(["package", "--quiet", "--no-verify", "--offline", "--allow-dirty", "--target-dir"])
             .arg(dir.join("target"))
             .current_dir(&src)
             .output()
             .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         let name = format!("fixcrate-{version}.crate");
         let bytes = fs::read(dir.join("target/package").join(&name)).unwrap();
         let sum = sha256(&bytes);
@@ -70,21 +59,18 @@ fn registry(dir: &Path) -> Registry {
     fs::create_dir_all(&cargo_home).unwrap();
     fs::write(
         cargo_home.join("config.toml"),
-        format!("[source.crates-io]\nreplace-with = \"fixture\"\n\n[source.fixture]\nlocal-registry = \"{}\"\n", reg.display()),
+        format!(
+            "[source.crates-io]\nreplace-with = \"fixture\"\n\n[source.fixture]\nlocal-registry = \"{}\"\n",
+            reg.display()
+        ),
     )
     .unwrap();
-    Registry {
-        cargo_home,
-        checksums,
-    }
+    Registry { cargo_home, checksums }
 }
 
 fn sha256(bytes: &[u8]) -> String {
     use sha2::Digest;
-    sha2::Sha256::digest(bytes)
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
+    sha2::Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// A `git format-patch` mbox that changes `helper` to return 8, made against the crate's files.
@@ -95,17 +81,9 @@ fn helper_patch(dir: &Path) -> Vec<u8> {
     git(&work, &["init", "-q", "-b", "main"]);
     git(&work, &["add", "-A"]);
     git(&work, &["commit", "-q", "-m", "base"]);
-    fs::write(
-        work.join("src/lib.rs"),
-        lib_rs(41).replace("    7\n", "    8\n"),
-    )
-    .unwrap();
+    fs::write(work.join("src/lib.rs"), lib_rs(41).replace("    7\n", "    8\n")).unwrap();
     git(&work, &["commit", "-q", "-am", "Make helper return 8"]);
-    format!(
-        "{}\n",
-        git(&work, &["format-patch", "-1", "--stdout", "--full-index"])
-    )
-    .into_bytes()
+    format!("{}\n", git(&work, &["format-patch", "-1", "--stdout", "--full-index"])).into_bytes()
 }
 
 #[test]
@@ -113,10 +91,7 @@ fn crate_sources_lock_fetch_and_bump_through_cargo() {
     let tmp = tempfile::tempdir().unwrap();
     let reg = registry(tmp.path());
     let project = Project::new(tmp.path().join("project"));
-    project.write_file(
-        "patches/fixcrate/0001-helper.patch",
-        &helper_patch(tmp.path()),
-    );
+    project.write_file("patches/fixcrate/0001-helper.patch", &helper_patch(tmp.path()));
     project.write_manifest(
         "[sources.fixcrate]\ncrate = \"fixcrate\"\nversion = \"0.1.0\"\npatches = [\"patches/fixcrate/0001-helper.patch\"]\n",
     );
@@ -126,14 +101,8 @@ fn crate_sources_lock_fetch_and_bump_through_cargo() {
 
     a.run(root, &["lock"]).ok();
     let lock = project.lock();
-    assert!(
-        lock.contains("kind = \"crate\"\ncrate = \"fixcrate\"\nversion = \"0.1.0\""),
-        "{lock}"
-    );
-    assert!(
-        lock.contains(&format!("checksum = \"{}\"", reg.checksums[0].1)),
-        "{lock}"
-    );
+    assert!(lock.contains("kind = \"crate\"\ncrate = \"fixcrate\"\nversion = \"0.1.0\""), "{lock}");
+    assert!(lock.contains(&format!("checksum = \"{}\"", reg.checksums[0].1)), "{lock}");
 
     // Another machine (other HOME, cache and git dates) gets the same bytes.
     let b = Machine::new(&tmp.path().join("b"))
@@ -159,20 +128,14 @@ fn crate_sources_lock_fetch_and_bump_through_cargo() {
     let run = a.run(root, &["bump"]).ok();
     assert_eq!(run.stdout, "fixcrate\t0.1.0 -> 0.2.0\n");
     assert!(project.manifest().contains("version = \"0.2.0\""));
-    assert!(
-        project
-            .lock()
-            .contains(&format!("checksum = \"{}\"", reg.checksums[1].1))
-    );
+    assert!(project.lock().contains(&format!("checksum = \"{}\"", reg.checksums[1].1)));
     let run = a.run(root, &["fetch", "--out", "vendor"]).ok();
     assert!(run.stdout.starts_with("fixcrate\t"));
     let src = fs::read_to_string(root.join("vendor/fixcrate/src/lib.rs")).unwrap();
     assert!(src.contains("    42\n") && src.contains("    8\n"), "{src}");
 
     // A version the registry does not have is bad input, named in one line.
-    project.write_manifest(
-        "[sources.fixcrate]\ncrate = \"fixcrate\"\nversion = \"9.9.9\"\npatches = []\n",
-    );
+    project.write_manifest("[sources.fixcrate]\ncrate = \"fixcrate\"\nversion = \"9.9.9\"\npatches = []\n");
     let run = a.run(root, &["lock"]);
     assert_eq!(run.code, 2, "{}", run.stderr);
     assert!(run.error_line().contains("fixcrate"), "{}", run.stderr);
@@ -190,25 +153,15 @@ fn the_projects_cudarc_pin_matches_its_lock() {
     if let Some(home) = std::env::var_os("CARGO_HOME") {
         m = m.with_env("CARGO_HOME", home.to_str().unwrap());
     } else if let Some(home) = std::env::var_os("HOME") {
-        m = m.with_env(
-            "CARGO_HOME",
-            Path::new(&home).join(".cargo").to_str().unwrap(),
-        );
+        m = m.with_env("CARGO_HOME", Path::new(&home).join(".cargo").to_str().unwrap());
     }
     let run = m.run(root, &["sources"]).ok();
-    let cudarc = run
-        .stdout
-        .lines()
-        .find(|l| l.starts_with("cudarc "))
-        .expect("cudarc is pinned");
+    let cudarc = run.stdout.lines().find(|l| l.starts_with("cudarc ")).expect("cudarc is pinned");
     assert!(cudarc.ends_with("current"), "{}", run.stdout);
     let run = m.run(root, &["fetch", "cudarc"]).ok();
     let lock = fs::read_to_string(root.join("images/manifest.lock")).unwrap();
     let tree = run.stdout.split('\t').nth(1).unwrap();
-    assert!(
-        lock.contains(&format!("tree = \"{tree}\"")),
-        "{tree} not in the lock"
-    );
+    assert!(lock.contains(&format!("tree = \"{tree}\"")), "{tree} not in the lock");
     let dir = PathBuf::from(run.stdout.trim_end().split('\t').nth(2).unwrap());
     assert!(dir.join("Cargo.toml").exists() && dir.join("src/lib.rs").exists());
 }

@@ -35,19 +35,10 @@ fn fixture() -> Fixture {
         "foo",
         &up.url(),
         &pin,
-        &[
-            "patches/foo/0001-first.patch",
-            "patches/foo/0002-second.patch",
-        ],
+        &["patches/foo/0001-first.patch", "patches/foo/0002-second.patch"],
     ));
     let machine = Machine::new(&tmp.path().join("machine"));
-    Fixture {
-        _tmp: tmp,
-        up,
-        project,
-        machine,
-        pin,
-    }
+    Fixture { _tmp: tmp, up, project, machine, pin }
 }
 
 #[test]
@@ -66,21 +57,10 @@ fn patches_apply_in_order_and_fetch_verifies_the_lock() {
     assert!(lock.contains(&format!("tree = \"{tree}\"")));
 
     let run = f.machine.run(root, &["sources"]).ok();
-    assert!(
-        run.stdout
-            .lines()
-            .nth(1)
-            .unwrap()
-            .ends_with("2        current"),
-        "{}",
-        run.stdout
-    );
+    assert!(run.stdout.lines().nth(1).unwrap().ends_with("2        current"), "{}", run.stdout);
 
     let run = f.machine.run(root, &["fetch", "--out", "vendor"]).ok();
-    assert_eq!(
-        run.stdout.trim(),
-        format!("foo\t{tree}\t{}", Path::new("vendor/foo").display())
-    );
+    assert_eq!(run.stdout.trim(), format!("foo\t{tree}\t{}", Path::new("vendor/foo").display()));
     let fetched = fs::read_to_string(root.join("vendor/foo/lib.txt")).unwrap();
     assert!(fetched.contains("line 3 (second)\n") && !fetched.contains("line 3\n"));
     // A second fetch finds the cached tree and the unmodified copy.
@@ -89,22 +69,12 @@ fn patches_apply_in_order_and_fetch_verifies_the_lock() {
     fs::write(root.join("vendor/foo/lib.txt"), "mine").unwrap();
     let run = f.machine.run(root, &["fetch", "--out", "vendor"]);
     assert_eq!(run.code, 2);
-    assert!(
-        run.error_line().contains("has local changes"),
-        "{}",
-        run.stderr
-    );
+    assert!(run.error_line().contains("has local changes"), "{}", run.stderr);
 
     // The patched commit was made by the fixed identity, on top of the pin.
     let repos = fs::read_dir(f.machine.cache.join("repos")).unwrap();
-    let repo = repos
-        .map(|e| e.unwrap().path())
-        .find(|p| p.is_dir())
-        .unwrap();
-    let log = git(
-        &repo,
-        &["log", "--format=%s|%an|%cn|%cd", "--date=raw", "-3", "HEAD"],
-    );
+    let repo = repos.map(|e| e.unwrap().path()).find(|p| p.is_dir()).unwrap();
+    let log = git(&repo, &["log", "--format=%s|%an|%cn|%cd", "--date=raw", "-3", "HEAD"]);
     assert_eq!(
         log,
         "Second fix|Up Stream|distro|946684800 +0000\nFirst fix|Up Stream|distro|946684800 +0000\nInitial import|Up Stream|Up Stream|1700000000 +0000"
@@ -116,18 +86,11 @@ fn patches_apply_in_order_and_fetch_verifies_the_lock() {
         "foo",
         &f.up.url(),
         &f.pin,
-        &[
-            "patches/foo/0002-second.patch",
-            "patches/foo/0001-first.patch",
-        ],
+        &["patches/foo/0002-second.patch", "patches/foo/0001-first.patch"],
     ));
     let run = f.machine.run(root, &["lock"]);
     assert_eq!(run.code, 1);
-    assert!(
-        run.error_line().contains("patches/foo/0002-second.patch"),
-        "{}",
-        run.stderr
-    );
+    assert!(run.error_line().contains("patches/foo/0002-second.patch"), "{}", run.stderr);
     assert_eq!(f.project.lock(), before);
     let run = f.machine.run(root, &["sources"]).ok();
     assert!(run.stdout.contains("stale"), "{}", run.stdout);
@@ -139,8 +102,7 @@ fn a_conflicting_patch_is_reported_and_nothing_is_written() {
     // `bar` moves on and its patch still applies.
     let f = fixture();
     let root = &f.project.root;
-    let p0 =
-        f.up.patch_setting_line(&f.pin, 15, "line 15 (fixed)", "Fix line 15");
+    let p0 = f.up.patch_setting_line(&f.pin, 15, "line 15 (fixed)", "Fix line 15");
     f.project.write_file("patches/foo/0000-line15.patch", &p0);
     let bar = Upstream::new(f.up.dir.parent().unwrap().join("bar"));
     let bar_pin = bar.head();
@@ -153,17 +115,12 @@ fn a_conflicting_patch_is_reported_and_nothing_is_written() {
             "foo",
             &f.up.url(),
             &f.pin,
-            &[
-                "patches/foo/0000-line15.patch",
-                "patches/foo/0001-first.patch",
-                "patches/foo/0002-second.patch"
-            ],
+            &["patches/foo/0000-line15.patch", "patches/foo/0001-first.patch", "patches/foo/0002-second.patch"],
         )
     ));
     f.machine.run(root, &["lock"]).ok();
     f.up.change_line(15, "line 15 (fixed)", "Upstream takes the line-15 fix");
-    let tip =
-        f.up.change_line(3, "line 3 rewritten upstream", "Upstream rewrite");
+    let tip = f.up.change_line(3, "line 3 rewritten upstream", "Upstream rewrite");
     bar.change_line(20, "bar line 20", "Bar upstream work");
     let (manifest, lock) = (f.project.manifest(), f.project.lock());
 
@@ -178,17 +135,9 @@ fn a_conflicting_patch_is_reported_and_nothing_is_written() {
         "hunk #1 @@ -1,6 +1,6 @@ failed",
         "merged:   patches/foo/0000-line15.patch is already upstream (would be dropped)",
     ] {
-        assert!(
-            run.stderr.contains(needle),
-            "stderr lacks {needle:?}:\n{}",
-            run.stderr
-        );
+        assert!(run.stderr.contains(needle), "stderr lacks {needle:?}:\n{}", run.stderr);
     }
-    assert!(
-        !run.stderr.contains("conflict in source `bar`"),
-        "{}",
-        run.stderr
-    );
+    assert!(!run.stderr.contains("conflict in source `bar`"), "{}", run.stderr);
     let line = run.error_line();
     assert!(
         line.contains("1 patch no longer applies; nothing was written")
@@ -207,8 +156,7 @@ fn a_patch_merged_upstream_is_dropped_on_bump() {
     let f = fixture();
     let root = &f.project.root;
     // A second, independent patch on line 15 that upstream merges (as its own commit).
-    let p3 =
-        f.up.patch_setting_line(&f.pin, 15, "line 15 (fixed)", "Fix line 15");
+    let p3 = f.up.patch_setting_line(&f.pin, 15, "line 15 (fixed)", "Fix line 15");
     f.project.write_file("patches/foo/0003-line15.patch", &p3);
     f.project.write_manifest(&format!(
         "# Upstreams of the engine.\n{}",
@@ -216,68 +164,30 @@ fn a_patch_merged_upstream_is_dropped_on_bump() {
             "foo",
             &f.up.url(),
             &f.pin,
-            &[
-                "patches/foo/0001-first.patch",
-                "patches/foo/0002-second.patch",
-                "patches/foo/0003-line15.patch"
-            ],
+            &["patches/foo/0001-first.patch", "patches/foo/0002-second.patch", "patches/foo/0003-line15.patch"],
         )
     ));
     f.machine.run(root, &["lock"]).ok();
-    f.up.change_line(
-        15,
-        "line 15 (fixed)",
-        "Apply the line-15 fix (reworded by the maintainer)",
-    );
+    f.up.change_line(15, "line 15 (fixed)", "Apply the line-15 fix (reworded by the maintainer)");
     f.up.write("other.txt", "unrelated\n");
     let tip = f.up.commit("Unrelated upstream work");
 
     let run = f.machine.run(root, &["bump", "--dry-run"]).ok();
-    assert!(
-        run.stdout
-            .contains("dropped patches/foo/0003-line15.patch (merged upstream)"),
-        "{}",
-        run.stdout
-    );
-    assert!(
-        !f.project.manifest().contains(&tip),
-        "--dry-run wrote the manifest"
-    );
+    assert!(run.stdout.contains("dropped patches/foo/0003-line15.patch (merged upstream)"), "{}", run.stdout);
+    assert!(!f.project.manifest().contains(&tip), "--dry-run wrote the manifest");
 
     let run = f.machine.run(root, &["bump"]).ok();
-    assert!(
-        run.stdout.contains(&format!("foo\t{} -> {tip}", f.pin)),
-        "{}",
-        run.stdout
-    );
-    assert!(
-        run.stdout
-            .contains("dropped patches/foo/0003-line15.patch (merged upstream)"),
-        "{}",
-        run.stdout
-    );
+    assert!(run.stdout.contains(&format!("foo\t{} -> {tip}", f.pin)), "{}", run.stdout);
+    assert!(run.stdout.contains("dropped patches/foo/0003-line15.patch (merged upstream)"), "{}", run.stdout);
     let manifest = f.project.manifest();
-    assert!(
-        manifest.starts_with("# Upstreams of the engine.\n"),
-        "comments must survive: {manifest}"
-    );
+    assert!(manifest.starts_with("# Upstreams of the engine.\n"), "comments must survive: {manifest}");
     assert!(manifest.contains(&format!("commit = \"{tip}\"")));
-    assert!(
-        !manifest.contains("0003-line15") && manifest.contains("0002-second"),
-        "{manifest}"
-    );
+    assert!(!manifest.contains("0003-line15") && manifest.contains("0002-second"), "{manifest}");
     let lock = f.project.lock();
-    assert!(
-        !lock.contains("0003-line15") && lock.contains(&format!("commit = \"{tip}\"")),
-        "{lock}"
-    );
+    assert!(!lock.contains("0003-line15") && lock.contains(&format!("commit = \"{tip}\"")), "{lock}");
     // The file is left for the maintainer to delete.
     assert!(root.join("patches/foo/0003-line15.patch").exists());
-    assert!(
-        run.stderr.contains("git rm patches/foo/0003-line15.patch"),
-        "{}",
-        run.stderr
-    );
+    assert!(run.stderr.contains("git rm patches/foo/0003-line15.patch"), "{}", run.stderr);
 
     let run = f.machine.run(root, &["fetch", "--out", "out"]).ok();
     assert!(run.stdout.starts_with("foo\t"));
@@ -308,8 +218,7 @@ fn bump_with_nothing_new_changes_nothing() {
     assert_eq!(mtimes(&f.project), before, "files were rewritten");
 
     // With something new, --dry-run reports it and still writes nothing.
-    let tip =
-        f.up.change_line(19, "line 19 upstream", "More upstream work");
+    let tip = f.up.change_line(19, "line 19 upstream", "More upstream work");
     let run = f.machine.run(root, &["bump", "--dry-run"]).ok();
     assert!(run.stdout.contains(&format!("-> {tip}")), "{}", run.stdout);
     assert_eq!((f.project.manifest(), f.project.lock()), (manifest, lock));
@@ -324,12 +233,7 @@ fn the_lock_is_byte_identical_across_machines_directories_and_times() {
     let make = |dir: &str| {
         let p = Project::new(tmp.path().join(dir).join("checkout"));
         p.write_file("patches/foo/0001-seven.patch", &patch);
-        p.write_manifest(&git_source(
-            "foo",
-            &format!("file://{}", up.url()),
-            &pin,
-            &["patches/foo/0001-seven.patch"],
-        ));
+        p.write_manifest(&git_source("foo", &format!("file://{}", up.url()), &pin, &["patches/foo/0001-seven.patch"]));
         p
     };
     let (a, b) = (make("a"), make("b/deeper"));
@@ -344,19 +248,12 @@ fn the_lock_is_byte_identical_across_machines_directories_and_times() {
         .with_env("GIT_COMMITTER_EMAIL", "other@example.invalid")
         .with_env("TZ", "America/Denver");
     // Machine B's user has a global git config that would change line endings and prefixes.
-    fs::write(
-        mb.home.join(".gitconfig"),
-        "[core]\n\tautocrlf = true\n[diff]\n\tnoprefix = true\n[user]\n\tname = B\n",
-    )
-    .unwrap();
+    fs::write(mb.home.join(".gitconfig"), "[core]\n\tautocrlf = true\n[diff]\n\tnoprefix = true\n[user]\n\tname = B\n")
+        .unwrap();
     ma.run(&a.root, &["lock"]).ok();
     // Machine B runs from elsewhere, naming the manifest.
     let manifest_b = b.manifest_path();
-    mb.run(
-        tmp.path(),
-        &["lock", "--manifest", manifest_b.to_str().unwrap()],
-    )
-    .ok();
+    mb.run(tmp.path(), &["lock", "--manifest", manifest_b.to_str().unwrap()]).ok();
     let (la, lb) = (a.lock(), b.lock());
     assert_eq!(la, lb);
     // Had the callers' git dates or identities leaked into the patched commit, `head` would
@@ -365,10 +262,7 @@ fn the_lock_is_byte_identical_across_machines_directories_and_times() {
     // The only path in the lock is the upstream URL, as the manifest writes it.
     let tmp_str = tmp.path().to_str().unwrap();
     for line in la.lines().filter(|l| l.contains(tmp_str)) {
-        assert!(
-            line.starts_with("url = \"file://"),
-            "a path leaked into the lock: {line}"
-        );
+        assert!(line.starts_with("url = \"file://"), "a path leaked into the lock: {line}");
     }
     // And the fetched trees are the same too.
     let ra = ma.run(&a.root, &["fetch"]).ok();
@@ -385,60 +279,25 @@ fn source_override_and_extra_patches_apply_for_one_run() {
     let lock_before = f.project.lock();
     // A fork with a feature branch.
     let fork_dir = f.up.dir.parent().unwrap().join("fork");
-    git(
-        f.up.dir.parent().unwrap(),
-        &[
-            "clone",
-            "-q",
-            f.up.dir.to_str().unwrap(),
-            fork_dir.to_str().unwrap(),
-        ],
-    );
+    git(f.up.dir.parent().unwrap(), &["clone", "-q", f.up.dir.to_str().unwrap(), fork_dir.to_str().unwrap()]);
     let fork = Upstream { dir: fork_dir };
     fork.git(&["checkout", "-q", "-b", "feature"]);
     fork.write("feature.txt", "from the fork\n");
     let feature = fork.commit("Fork feature");
-    let extra =
-        f.up.patch_setting_line(&f.pin, 10, "line 10 (extra)", "Extra for one build");
+    let extra = f.up.patch_setting_line(&f.pin, 10, "line 10 (extra)", "Extra for one build");
     fs::write(root.join("extra.patch"), &extra).unwrap();
 
     let spec = format!("foo={}#feature", fork.url());
     let run = f
         .machine
-        .run(
-            root,
-            &[
-                "fetch",
-                "--source",
-                &spec,
-                "--patch",
-                "foo=extra.patch",
-                "--out",
-                "o",
-                "--lock-out",
-                "run.lock",
-            ],
-        )
+        .run(root, &["fetch", "--source", &spec, "--patch", "foo=extra.patch", "--out", "o", "--lock-out", "run.lock"])
         .ok();
-    assert!(
-        run.stderr.contains("overridden for this run"),
-        "{}",
-        run.stderr
-    );
+    assert!(run.stderr.contains("overridden for this run"), "{}", run.stderr);
     let lib = fs::read_to_string(root.join("o/foo/lib.txt")).unwrap();
-    assert!(
-        lib.contains("line 3 (second)") && lib.contains("line 10 (extra)"),
-        "{lib}"
-    );
-    assert_eq!(
-        fs::read_to_string(root.join("o/foo/feature.txt")).unwrap(),
-        "from the fork\n"
-    );
+    assert!(lib.contains("line 3 (second)") && lib.contains("line 10 (extra)"), "{lib}");
+    assert_eq!(fs::read_to_string(root.join("o/foo/feature.txt")).unwrap(), "from the fork\n");
     let run_lock = fs::read_to_string(root.join("run.lock")).unwrap();
-    assert!(
-        run_lock.contains(&format!("commit = \"{feature}\"")),
-        "{run_lock}"
-    );
+    assert!(run_lock.contains(&format!("commit = \"{feature}\"")), "{run_lock}");
     assert!(run_lock.contains("ref = \"feature\"") && run_lock.contains("overridden = true"));
     assert!(
         run_lock.contains("entry = \"extra.patch\"\nfile = \"extra.patch\"\nsha256 = ")
@@ -453,11 +312,7 @@ fn source_override_and_extra_patches_apply_for_one_run() {
     // A bad override is bad input.
     let run = f.machine.run(root, &["fetch", "--source", "nope=/x#main"]);
     assert_eq!(run.code, 2);
-    assert!(
-        run.error_line().contains("no source named `nope`"),
-        "{}",
-        run.stderr
-    );
+    assert!(run.error_line().contains("no source named `nope`"), "{}", run.stderr);
 }
 
 #[test]
@@ -466,18 +321,9 @@ fn malformed_manifests_and_bad_inputs_are_one_line_errors() {
     let root = &f.project.root;
     let good = f.project.manifest();
     let cases: Vec<(String, &str)> = vec![
-        (
-            good.replace("tracking_ref = \"main\"", "tracking_ref = main"),
-            "images/manifest.toml:3:16: ",
-        ),
-        (
-            format!("{good}branch = \"dev\"\n"),
-            "images/manifest.toml:6:1: unknown field `branch`",
-        ),
-        (
-            good.replace(&f.pin, "abc123"),
-            "images/manifest.toml:4:10: `commit` must be a full commit id",
-        ),
+        (good.replace("tracking_ref = \"main\"", "tracking_ref = main"), "images/manifest.toml:3:16: "),
+        (format!("{good}branch = \"dev\"\n"), "images/manifest.toml:6:1: unknown field `branch`"),
+        (good.replace(&f.pin, "abc123"), "images/manifest.toml:4:10: `commit` must be a full commit id"),
         (
             good.replace("0002-second.patch", "0009-gone.patch"),
             "images/manifest.toml:5:44: patch file patches/foo/0009-gone.patch does not exist",
@@ -494,35 +340,21 @@ fn malformed_manifests_and_bad_inputs_are_one_line_errors() {
     // The missing commit is named in one line with its manifest position.
     let run = f.machine.run(root, &["lock"]);
     assert!(
-        run.error_line().contains(&format!(
-            "images/manifest.toml:4:10: commit {} does not exist",
-            "0".repeat(40)
-        )),
+        run.error_line().contains(&format!("images/manifest.toml:4:10: commit {} does not exist", "0".repeat(40))),
         "{}",
         run.stderr
     );
     // No manifest at all, and unknown source names.
     let run = f.machine.run(f.up.dir.as_path(), &["sources"]);
     assert_eq!(run.code, 2);
-    assert!(
-        run.error_line()
-            .contains("manifest images/manifest.toml not found")
-    );
+    assert!(run.error_line().contains("manifest images/manifest.toml not found"));
     f.project.write_manifest(&good);
     let run = f.machine.run(root, &["fetch", "bar"]);
     assert_eq!(run.code, 2);
-    assert!(
-        run.error_line().contains("no source named `bar`"),
-        "{}",
-        run.stderr
-    );
+    assert!(run.error_line().contains("no source named `bar`"), "{}", run.stderr);
     let run = f.machine.run(root, &["fetch"]);
     assert_eq!(run.code, 2);
-    assert!(
-        run.error_line().contains("run `distro lock`"),
-        "{}",
-        run.stderr
-    );
+    assert!(run.error_line().contains("run `distro lock`"), "{}", run.stderr);
 }
 
 #[test]
@@ -532,26 +364,14 @@ fn a_repository_left_mid_am_is_recovered() {
     f.machine.run(root, &["lock"]).ok();
     let lock = f.project.lock();
     // Simulate a crash in the middle of `git am`: stop am on a patch that cannot apply.
-    let repo = fs::read_dir(f.machine.cache.join("repos"))
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .find(|p| p.is_dir())
-        .unwrap();
+    let repo =
+        fs::read_dir(f.machine.cache.join("repos")).unwrap().map(|e| e.unwrap().path()).find(|p| p.is_dir()).unwrap();
     let bad = f.up.patch_setting_line(&f.pin, 3, "x", "Never applies");
-    let bad = String::from_utf8(bad)
-        .unwrap()
-        .replace("-line 3\n", "-no such line\n");
+    let bad = String::from_utf8(bad).unwrap().replace("-line 3\n", "-no such line\n");
     fs::write(f.project.root.join("bad.patch"), bad).unwrap();
     let out = std::process::Command::new("git")
         .current_dir(&repo)
-        .args([
-            "-c",
-            "user.name=x",
-            "-c",
-            "user.email=x@y",
-            "am",
-            f.project.root.join("bad.patch").to_str().unwrap(),
-        ])
+        .args(["-c", "user.name=x", "-c", "user.email=x@y", "am", f.project.root.join("bad.patch").to_str().unwrap()])
         .output()
         .unwrap();
     assert!(!out.status.success());
@@ -559,11 +379,7 @@ fn a_repository_left_mid_am_is_recovered() {
     fs::write(repo.join("lib.txt"), "half-applied junk\n").unwrap();
 
     let run = f.machine.run(root, &["lock"]).ok();
-    assert!(
-        run.stderr.contains("left in the middle of `git am`"),
-        "{}",
-        run.stderr
-    );
+    assert!(run.stderr.contains("left in the middle of `git am`"), "{}", run.stderr);
     assert!(!repo.join(".git/rebase-apply").exists());
     assert_eq!(f.project.lock(), lock);
 }
@@ -588,29 +404,15 @@ fn pull_refs_are_exported_by_patches_refresh_and_dropped_once_merged() {
     // Builds never fetch patches: the ref must be exported first.
     let run = m.run(root, &["lock"]);
     assert_eq!(run.code, 2);
-    assert!(
-        run.error_line()
-            .contains("run `distro patches refresh foo`"),
-        "{}",
-        run.stderr
-    );
+    assert!(run.error_line().contains("run `distro patches refresh foo`"), "{}", run.stderr);
 
     let run = m.run(root, &["patches", "refresh"]).ok();
-    assert_eq!(
-        run.stdout,
-        "new\tfoo\tpull/123/head\tpatches/foo/PR-123.patch\n"
-    );
+    assert_eq!(run.stdout, "new\tfoo\tpull/123/head\tpatches/foo/PR-123.patch\n");
     let exported = fs::read_to_string(root.join("patches/foo/PR-123.patch")).unwrap();
-    assert!(
-        exported.contains("Subject: [PATCH 1/2] PR part 1")
-            && exported.contains("Subject: [PATCH 2/2] PR part 2")
-    );
+    assert!(exported.contains("Subject: [PATCH 1/2] PR part 1") && exported.contains("Subject: [PATCH 2/2] PR part 2"));
     assert!(exported.contains(&format!("From {pr_head} ")));
     let run = m.run(root, &["patches", "refresh", "foo"]).ok();
-    assert_eq!(
-        run.stdout,
-        "unchanged\tfoo\tpull/123/head\tpatches/foo/PR-123.patch\n"
-    );
+    assert_eq!(run.stdout, "unchanged\tfoo\tpull/123/head\tpatches/foo/PR-123.patch\n");
 
     // The PR gets another commit, reworking its own first change: refresh reports it.
     up.git(&["checkout", "-q", "pr"]);
@@ -618,24 +420,13 @@ fn pull_refs_are_exported_by_patches_refresh_and_dropped_once_merged() {
     up.git(&["update-ref", "refs/pull/123/head", "HEAD"]);
     up.git(&["checkout", "-q", "main"]);
     let run = m.run(root, &["patches", "refresh"]).ok();
-    assert!(
-        run.stdout.starts_with("changed\tfoo\tpull/123/head"),
-        "{}",
-        run.stdout
-    );
+    assert!(run.stdout.starts_with("changed\tfoo\tpull/123/head"), "{}", run.stdout);
 
     let run = m.run(root, &["lock"]).ok();
     assert!(run.stdout.starts_with("foo\t"));
-    assert!(
-        project
-            .lock()
-            .contains("entry = \"pull/123/head\"\nfile = \"patches/foo/PR-123.patch\"")
-    );
+    assert!(project.lock().contains("entry = \"pull/123/head\"\nfile = \"patches/foo/PR-123.patch\""));
     m.run(root, &["fetch", "--out", "o"]).ok();
-    assert_eq!(
-        fs::read_to_string(root.join("o/foo/added.txt")).unwrap(),
-        "new file from the PR\n"
-    );
+    assert_eq!(fs::read_to_string(root.join("o/foo/added.txt")).unwrap(), "new file from the PR\n");
 
     // Upstream squash-merges the PR. Replaying its commits one by one would conflict (part 1's
     // line 5 against the squashed final line 5); bump sees that the PR's combined change is
@@ -643,12 +434,7 @@ fn pull_refs_are_exported_by_patches_refresh_and_dropped_once_merged() {
     up.git(&["merge", "-q", "--squash", "pr"]);
     let tip = up.commit("Squash-merge PR #123");
     let run = m.run(root, &["bump"]).ok();
-    assert!(
-        run.stdout
-            .contains("dropped pull/123/head (merged upstream)"),
-        "{}",
-        run.stdout
-    );
+    assert!(run.stdout.contains("dropped pull/123/head (merged upstream)"), "{}", run.stdout);
     assert!(project.manifest().contains("patches = []") && project.manifest().contains(&tip));
     let run = m.run(root, &["patches", "refresh"]).ok();
     assert_eq!(run.stdout, "", "{}", run.stdout);
@@ -659,20 +445,14 @@ fn network_failures_are_retried_then_reported_once() {
     let tmp = tempfile::tempdir().unwrap();
     let project = Project::new(tmp.path().join("project"));
     // Nothing listens on port 9 of the loopback: every attempt is refused.
-    project.write_manifest("[sources.foo]\nurl = \"http://127.0.0.1:9/foo.git\"\ntracking_ref = \"main\"\npatches = []\n");
+    project
+        .write_manifest("[sources.foo]\nurl = \"http://127.0.0.1:9/foo.git\"\ntracking_ref = \"main\"\npatches = []\n");
     let m = Machine::new(&tmp.path().join("machine")).with_env("DISTRO_NET_ATTEMPTS", "3");
     let run = m.run(&project.root, &["bump"]);
     assert_eq!(run.code, 1);
-    assert!(
-        run.stderr.contains("(attempt 1 of 3)") && run.stderr.contains("(attempt 2 of 3)"),
-        "{}",
-        run.stderr
-    );
+    assert!(run.stderr.contains("(attempt 1 of 3)") && run.stderr.contains("(attempt 2 of 3)"), "{}", run.stderr);
     let line = run.error_line();
-    assert!(
-        line.contains("failed after 3 attempts") && line.contains("http://127.0.0.1:9/foo.git"),
-        "{line}"
-    );
+    assert!(line.contains("failed after 3 attempts") && line.contains("http://127.0.0.1:9/foo.git"), "{line}");
     assert_eq!(run.stderr.matches("error: ").count(), 1, "{}", run.stderr);
 }
 
@@ -681,27 +461,16 @@ fn a_new_source_is_pinned_by_bump_and_a_stale_lock_blocks_fetch() {
     let tmp = tempfile::tempdir().unwrap();
     let up = Upstream::new(tmp.path().join("upstream"));
     let project = Project::new(tmp.path().join("project"));
-    project.write_manifest(&format!(
-        "[sources.foo]\nurl = \"{}\"\ntracking_ref = \"main\"\npatches = []\n",
-        up.url()
-    ));
+    project.write_manifest(&format!("[sources.foo]\nurl = \"{}\"\ntracking_ref = \"main\"\npatches = []\n", up.url()));
     let m = Machine::new(&tmp.path().join("machine"));
     let root = &project.root;
     let run = m.run(root, &["lock"]);
     assert_eq!(run.code, 2);
-    assert!(
-        run.error_line().contains("run `distro bump foo`"),
-        "{}",
-        run.stderr
-    );
+    assert!(run.error_line().contains("run `distro bump foo`"), "{}", run.stderr);
 
     let run = m.run(root, &["bump", "foo"]).ok();
     assert_eq!(run.stdout, format!("foo\t(unpinned) -> {}\n", up.head()));
-    assert!(
-        project
-            .manifest()
-            .contains(&format!("commit = \"{}\"", up.head()))
-    );
+    assert!(project.manifest().contains(&format!("commit = \"{}\"", up.head())));
     m.run(root, &["lock", "--check"]).ok();
 
     // Edit a pinned input by hand: the lock no longer matches, and fetch refuses it.
@@ -711,19 +480,13 @@ fn a_new_source_is_pinned_by_bump_and_a_stale_lock_blocks_fetch() {
     let run = m.run(root, &["fetch"]);
     assert_eq!(run.code, 2);
     assert!(
-        run.error_line().contains(
-            "the lock entry for source `foo` is stale (the pin changed); run `distro lock foo`"
-        ),
+        run.error_line().contains("the lock entry for source `foo` is stale (the pin changed); run `distro lock foo`"),
         "{}",
         run.stderr
     );
     let run = m.run(root, &["lock", "--check"]);
     assert_eq!(run.code, 1);
-    assert!(
-        run.error_line().contains("is not what the manifest gives"),
-        "{}",
-        run.stderr
-    );
+    assert!(run.error_line().contains("is not what the manifest gives"), "{}", run.stderr);
     m.run(root, &["lock", "foo"]).ok();
     m.run(root, &["fetch"]).ok();
 }

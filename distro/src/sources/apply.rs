@@ -125,26 +125,17 @@ impl Conflict {
     pub fn report(&self) -> String {
         let mut out = format!("conflict in source `{}`:\n", self.source);
         out.push_str(&format!("  patch:    {}\n", self.patch));
-        out.push_str(&format!(
-            "  upstream: {} ({})\n",
-            self.upstream_commit, self.upstream
-        ));
+        out.push_str(&format!("  upstream: {} ({})\n", self.upstream_commit, self.upstream));
         if let Some(c) = &self.failing_commit {
             out.push_str(&format!("  commit:   {c}\n"));
         }
         for (i, file) in self.files.iter().enumerate() {
-            out.push_str(if i == 0 {
-                "  failed:   "
-            } else {
-                "            "
-            });
+            out.push_str(if i == 0 { "  failed:   " } else { "            " });
             out.push_str(&format!("{file}\n"));
         }
         out.push_str(&format!("  git:      {}\n", self.git_message));
         for m in &self.merged_earlier {
-            out.push_str(&format!(
-                "  merged:   {m} is already upstream (would be dropped)\n"
-            ));
+            out.push_str(&format!("  merged:   {m} is already upstream (would be dropped)\n"));
         }
         out
     }
@@ -187,14 +178,7 @@ pub fn apply_series(
         let path = scratch.path().join(format!("{i}.patch"));
         fs::write(&path, &patch.bytes)?;
         let path_str = path.to_str().context("non-UTF-8 cache path")?;
-        let out = repo.git.output([
-            "am",
-            "--3way",
-            "--keep-cr",
-            "--quiet",
-            "--no-gpg-sign",
-            path_str,
-        ])?;
+        let out = repo.git.output(["am", "--3way", "--keep-cr", "--quiet", "--no-gpg-sign", path_str])?;
         if !out.status.success() {
             let conflict = diagnose(repo, source, base, patch, &scratch, &stderr_summary(&out));
             let _ = repo.git.output(["am", "--abort"]);
@@ -218,26 +202,14 @@ pub fn apply_series(
         }
         outcomes.push(Outcome::Applied);
         effects.push(if options.record_effects {
-            Some(repo.git.run_bytes([
-                "diff",
-                "--full-index",
-                "--binary",
-                "--no-color",
-                &before,
-                &after,
-            ])?)
+            Some(repo.git.run_bytes(["diff", "--full-index", "--binary", "--no-color", &before, &after])?)
         } else {
             None
         });
     }
     let head = repo.git.rev_parse("HEAD")?;
     let tree = repo.git.rev_parse("HEAD^{tree}")?;
-    Ok(Ok(Applied {
-        head,
-        tree,
-        outcomes,
-        effects,
-    }))
+    Ok(Ok(Applied { head, tree, outcomes, effects }))
 }
 
 /// Works out what failed while `git am` is stopped on a patch: the failing commit, the files
@@ -253,13 +225,8 @@ fn diagnose(
 ) -> Result<Conflict> {
     let state = repo.git_dir().join("rebase-apply");
     let read = |name: &str| fs::read_to_string(state.join(name)).unwrap_or_default();
-    let subject = read("info")
-        .lines()
-        .find_map(|l| l.strip_prefix("Subject: ").map(str::to_owned));
-    let (next, last) = (
-        read("next").trim().to_owned(),
-        read("last").trim().to_owned(),
-    );
+    let subject = read("info").lines().find_map(|l| l.strip_prefix("Subject: ").map(str::to_owned));
+    let (next, last) = (read("next").trim().to_owned(), read("last").trim().to_owned());
     let failing_commit = match (subject, next.is_empty()) {
         (Some(s), false) => Some(format!("{next}/{last} \"{s}\"")),
         (Some(s), true) => Some(format!("\"{s}\"")),
@@ -281,13 +248,8 @@ fn diagnose(
     for file in parse_hunks(&String::from_utf8_lossy(&failing)) {
         repo.git.run(["reset", "--quiet", "--hard"])?;
         repo.git.run(["clean", "-ffdxq"])?;
-        let out = repo.git.output([
-            "apply",
-            "--reject",
-            "--verbose",
-            &format!("--include={}", file.path),
-            failing_str,
-        ])?;
+        let out =
+            repo.git.output(["apply", "--reject", "--verbose", &format!("--include={}", file.path), failing_str])?;
         let stderr = String::from_utf8_lossy(&out.stderr);
         let mut failure = parse_reject_output(&stderr, &file.path, &file.hunks);
         if conflicted.contains(&file.path) && failure.problem.is_none() {
@@ -314,11 +276,7 @@ fn diagnose(
 /// Reads `git apply --reject --verbose` output (C locale) for one file: its rejected hunks
 /// (named with their headers from `hunks`) and any file-level error.
 fn parse_reject_output(stderr: &str, path: &str, hunks: &[String]) -> FileFailure {
-    let mut failure = FileFailure {
-        path: path.to_owned(),
-        hunks: Vec::new(),
-        problem: None,
-    };
+    let mut failure = FileFailure { path: path.to_owned(), hunks: Vec::new(), problem: None };
     for line in stderr.lines() {
         if let Some(rest) = line.strip_prefix("Rejected hunk #") {
             let n: usize = rest.trim_end_matches('.').parse().unwrap_or(0);
@@ -351,26 +309,16 @@ mod tests {
     #[test]
     fn rejected_hunks_are_named_with_their_headers() {
         let stderr = "Checking patch src/a.rs...\nerror: while searching for:\nold\nerror: patch failed: src/a.rs:10\nApplying patch src/a.rs with 1 reject...\nHunk #1 applied cleanly.\nRejected hunk #2.\n";
-        let hunks = vec![
-            "@@ -1,3 +1,3 @@".to_owned(),
-            "@@ -10,3 +10,3 @@ fn f()".to_owned(),
-        ];
+        let hunks = vec!["@@ -1,3 +1,3 @@".to_owned(), "@@ -10,3 +10,3 @@ fn f()".to_owned()];
         let f = parse_reject_output(stderr, "src/a.rs", &hunks);
         assert_eq!(f.hunks, vec!["#2 @@ -10,3 +10,3 @@ fn f()"]);
         assert_eq!(f.problem, None);
-        assert_eq!(
-            f.to_string(),
-            "src/a.rs: hunk #2 @@ -10,3 +10,3 @@ fn f() failed"
-        );
+        assert_eq!(f.to_string(), "src/a.rs: hunk #2 @@ -10,3 +10,3 @@ fn f() failed");
     }
 
     #[test]
     fn missing_files_are_a_file_level_problem() {
-        let f = parse_reject_output(
-            "Checking patch b.txt...\nerror: b.txt: No such file or directory\n",
-            "b.txt",
-            &[],
-        );
+        let f = parse_reject_output("Checking patch b.txt...\nerror: b.txt: No such file or directory\n", "b.txt", &[]);
         assert_eq!(f.problem.as_deref(), Some("does not exist upstream"));
         assert_eq!(f.to_string(), "b.txt: does not exist upstream");
     }
@@ -383,29 +331,16 @@ mod tests {
             upstream_commit: "a".repeat(40),
             upstream: "the tip of `main`".into(),
             failing_commit: Some("1/1 \"Change b\"".into()),
-            files: vec![FileFailure {
-                path: "b.txt".into(),
-                hunks: vec!["#1 @@ -1 +1 @@".into()],
-                problem: None,
-            }],
+            files: vec![FileFailure { path: "b.txt".into(), hunks: vec!["#1 @@ -1 +1 @@".into()], problem: None }],
             git_message: "Patch failed at 0001 Change b".into(),
             merged_earlier: vec!["patches/foo/0001-a.patch".into()],
         };
         let line = c.to_string();
         assert!(!line.contains('\n'));
-        for needle in [
-            "patches/foo/0002-b.patch",
-            &"a".repeat(40),
-            "b.txt",
-            "hunk #1 @@ -1 +1 @@",
-            "Change b",
-        ] {
+        for needle in ["patches/foo/0002-b.patch", &"a".repeat(40), "b.txt", "hunk #1 @@ -1 +1 @@", "Change b"] {
             assert!(line.contains(needle), "{line} lacks {needle}");
         }
         assert!(c.report().contains("  failed:   b.txt: hunk #1"));
-        assert!(
-            c.report()
-                .contains("  merged:   patches/foo/0001-a.patch is already upstream")
-        );
+        assert!(c.report().contains("  merged:   patches/foo/0001-a.patch is already upstream"));
     }
 }

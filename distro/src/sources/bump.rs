@@ -59,12 +59,7 @@ pub struct Written {
 }
 
 /// Works out the bump of the selected sources (all when `names` is empty) without writing.
-pub fn plan(
-    manifest: &Manifest,
-    lock: Option<&Lock>,
-    names: &[String],
-    cache: &Cache,
-) -> Result<Plan> {
+pub fn plan(manifest: &Manifest, lock: Option<&Lock>, names: &[String], cache: &Cache) -> Result<Plan> {
     let mut changes = Vec::new();
     let mut unchanged = Vec::new();
     let mut conflicts = Vec::new();
@@ -82,8 +77,8 @@ pub fn plan(
         }
     }
 
-    let original = std::fs::read_to_string(&manifest.path)
-        .with_context(|| format!("reading {}", manifest.path.display()))?;
+    let original =
+        std::fs::read_to_string(&manifest.path).with_context(|| format!("reading {}", manifest.path.display()))?;
     let edits: Vec<SourceEdit> = changes
         .iter()
         .filter(|c| c.old.as_deref() != Some(c.new.as_str()) || !c.dropped.is_empty())
@@ -93,36 +88,21 @@ pub fn plan(
             drop_patches: c.dropped.clone(),
         })
         .collect();
-    let manifest_text = if edits.is_empty() {
-        original
-    } else {
-        edit_manifest(&original, &edits)?
-    };
+    let manifest_text = if edits.is_empty() { original } else { edit_manifest(&original, &edits)? };
     let mut new_lock = lock.cloned().unwrap_or_default();
     for c in &changes {
         new_lock.sources.insert(c.name.clone(), c.locked.clone());
     }
     if names.is_empty() {
-        new_lock
-            .sources
-            .retain(|name, _| manifest.sources.contains_key(name));
+        new_lock.sources.retain(|name, _| manifest.sources.contains_key(name));
     }
-    Ok(Plan {
-        changes,
-        unchanged,
-        conflicts,
-        manifest_text,
-        lock_text: new_lock.render(),
-    })
+    Ok(Plan { changes, unchanged, conflicts, manifest_text, lock_text: new_lock.render() })
 }
 
 /// Writes the manifest and lock of a conflict-free plan, each atomically and only if its bytes
 /// change (the manifest first: if the lock then failed, `distro sources` shows it stale).
 pub fn write(manifest: &Manifest, plan: &Plan) -> Result<Written> {
-    assert!(
-        plan.conflicts.is_empty(),
-        "a plan with conflicts must not be written"
-    );
+    assert!(plan.conflicts.is_empty(), "a plan with conflicts must not be written");
     Ok(Written {
         manifest: write_if_changed(&manifest.path, plan.manifest_text.as_bytes())?,
         lock: write_if_changed(&manifest.lock_path(), plan.lock_text.as_bytes())?,
@@ -142,15 +122,8 @@ fn pin_key(source: &Source) -> &'static str {
     }
 }
 
-fn bump_git(
-    manifest: &Manifest,
-    source: &Source,
-    locked: Option<&LockedSource>,
-    cache: &Cache,
-) -> Result<Outcome3> {
-    let SourceKind::Git(g) = &source.kind else {
-        unreachable!()
-    };
+fn bump_git(manifest: &Manifest, source: &Source, locked: Option<&LockedSource>, cache: &Cache) -> Result<Outcome3> {
+    let SourceKind::Git(g) = &source.kind else { unreachable!() };
     let url = manifest.fetch_url(&g.url);
     let repo = cache.open_repo(&upstream::repo_key(&url))?;
     let tip = upstream::fetch_ref(&repo, &url, &g.tracking_ref)?;
@@ -160,54 +133,25 @@ fn bump_git(
     }
     let patches = read_source_patches(manifest, source)?;
     let old_base = match &g.commit {
-        Some(old) if old != &tip => {
-            match upstream::ensure_commit(&repo, &url, &g.tracking_ref, old) {
-                Ok(()) => Some(Base {
-                    commit: old.clone(),
-                    label: "the old pin".into(),
-                }),
-                Err(e) => {
-                    eprintln!(
-                        "distro: warning: source `{}`: the old pin is gone upstream ({e:#}); merged patches are detected only when they change nothing",
-                        source.name
-                    );
-                    None
-                }
+        Some(old) if old != &tip => match upstream::ensure_commit(&repo, &url, &g.tracking_ref, old) {
+            Ok(()) => Some(Base { commit: old.clone(), label: "the old pin".into() }),
+            Err(e) => {
+                eprintln!(
+                    "distro: warning: source `{}`: the old pin is gone upstream ({e:#}); merged patches are detected only when they change nothing",
+                    source.name
+                );
+                None
             }
-        }
+        },
         _ => None,
     };
-    let new_base = Base {
-        commit: tip.clone(),
-        label: format!("the tip of `{}`", g.tracking_ref),
-    };
-    let origin = Origin::Git {
-        url: g.url.clone(),
-        git_ref: g.tracking_ref.clone(),
-        commit: tip.clone(),
-    };
-    rebase_patches(
-        cache,
-        &repo,
-        source,
-        &patches,
-        old_base,
-        new_base,
-        origin,
-        g.commit.clone(),
-        tip,
-    )
+    let new_base = Base { commit: tip.clone(), label: format!("the tip of `{}`", g.tracking_ref) };
+    let origin = Origin::Git { url: g.url.clone(), git_ref: g.tracking_ref.clone(), commit: tip.clone() };
+    rebase_patches(cache, &repo, source, &patches, old_base, new_base, origin, g.commit.clone(), tip)
 }
 
-fn bump_crate(
-    manifest: &Manifest,
-    source: &Source,
-    locked: Option<&LockedSource>,
-    cache: &Cache,
-) -> Result<Outcome3> {
-    let SourceKind::Crate(c) = &source.kind else {
-        unreachable!()
-    };
+fn bump_crate(manifest: &Manifest, source: &Source, locked: Option<&LockedSource>, cache: &Cache) -> Result<Outcome3> {
+    let SourceKind::Crate(c) = &source.kind else { unreachable!() };
     let newest = crates::resolve(cache, &manifest.root, c, &c.tracking_req)?;
     let current = lock_status(manifest, source, locked) == LockStatus::Current;
     if c.version.as_deref() == Some(newest.version.as_str()) && current {
@@ -218,42 +162,19 @@ fn bump_crate(
     let old_base = match &c.version {
         Some(old) if old != &newest.version => {
             let (commit, _) = crates::import(cache, &manifest.root, &repo, c, old, None)?;
-            Some(Base {
-                commit,
-                label: format!("crate {} {old}", c.name),
-            })
+            Some(Base { commit, label: format!("crate {} {old}", c.name) })
         }
         _ => None,
     };
-    let (commit, release) = crates::import(
-        cache,
-        &manifest.root,
-        &repo,
-        c,
-        &newest.version,
-        Some(&newest.checksum),
-    )?;
-    let new_base = Base {
-        commit,
-        label: format!("crate {} {}", c.name, release.version),
-    };
+    let (commit, release) = crates::import(cache, &manifest.root, &repo, c, &newest.version, Some(&newest.checksum))?;
+    let new_base = Base { commit, label: format!("crate {} {}", c.name, release.version) };
     let origin = Origin::Crate {
         name: c.name.clone(),
         version: release.version.clone(),
         checksum: release.checksum,
         registry: c.registry.clone(),
     };
-    rebase_patches(
-        cache,
-        &repo,
-        source,
-        &patches,
-        old_base,
-        new_base,
-        origin,
-        c.version.clone(),
-        release.version,
-    )
+    rebase_patches(cache, &repo, source, &patches, old_base, new_base, origin, c.version.clone(), release.version)
 }
 
 /// Applies `patches` on the new base, skipping those already merged; `old_base` (when the pin
@@ -273,10 +194,7 @@ fn rebase_patches(
     let name = &source.name;
     let mut effects: Vec<Option<Vec<u8>>> = vec![None; patches.len()];
     if let Some(old) = &old_base {
-        let options = apply::Options {
-            record_effects: true,
-            merged_if: None,
-        };
+        let options = apply::Options { record_effects: true, merged_if: None };
         match apply::apply_series(cache, repo, name, old, patches, options)? {
             Ok(applied) => effects = applied.effects,
             Err(c) => eprintln!(
@@ -285,10 +203,7 @@ fn rebase_patches(
             ),
         }
     }
-    let options = apply::Options {
-        record_effects: false,
-        merged_if: Some(&effects),
-    };
+    let options = apply::Options { record_effects: false, merged_if: Some(&effects) };
     let applied = match apply::apply_series(cache, repo, name, &new_base, patches, options)? {
         Ok(a) => a,
         Err(conflict) => return Ok(Outcome3::Conflict(Box::new(conflict))),
@@ -305,18 +220,6 @@ fn rebase_patches(
     for p in patches {
         cache.store_patch(&p.bytes)?;
     }
-    let locked = LockedSource {
-        origin,
-        overridden: false,
-        patches: kept,
-        tree: applied.tree,
-        head: applied.head,
-    };
-    Ok(Outcome3::Changed(Box::new(Change {
-        name: name.clone(),
-        old: old_pin,
-        new: new_pin,
-        dropped,
-        locked,
-    })))
+    let locked = LockedSource { origin, overridden: false, patches: kept, tree: applied.tree, head: applied.head };
+    Ok(Outcome3::Changed(Box::new(Change { name: name.clone(), old: old_pin, new: new_pin, dropped, locked })))
 }

@@ -38,11 +38,7 @@ impl Cache {
     /// The cache from the environment: `DISTRO_CACHE_DIR`, else `$XDG_CACHE_HOME/distro`, else
     /// `$HOME/.cache/distro`.
     pub fn from_env() -> Result<Cache> {
-        let var = |k: &str| {
-            std::env::var_os(k)
-                .filter(|v| !v.is_empty())
-                .map(PathBuf::from)
-        };
+        let var = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty()).map(PathBuf::from);
         let root = if let Some(dir) = var("DISTRO_CACHE_DIR") {
             dir
         } else if let Some(xdg) = var("XDG_CACHE_HOME").filter(|p| p.is_absolute()) {
@@ -50,9 +46,7 @@ impl Cache {
         } else if let Some(home) = var("HOME") {
             home.join(".cache").join("distro")
         } else {
-            bail!(
-                "cannot find a cache directory: set DISTRO_CACHE_DIR (or XDG_CACHE_HOME or HOME)"
-            );
+            bail!("cannot find a cache directory: set DISTRO_CACHE_DIR (or XDG_CACHE_HOME or HOME)");
         };
         Ok(Cache::at(root))
     }
@@ -61,9 +55,7 @@ impl Cache {
     /// git runs in directories below it).
     pub fn at(root: impl Into<PathBuf>) -> Cache {
         let root = root.into();
-        Cache {
-            root: std::path::absolute(&root).unwrap_or(root),
-        }
+        Cache { root: std::path::absolute(&root).unwrap_or(root) }
     }
 
     /// The cache's root directory.
@@ -122,12 +114,8 @@ impl Cache {
         match lock.try_lock() {
             Ok(()) => {}
             Err(fs::TryLockError::WouldBlock) => {
-                eprintln!(
-                    "distro: waiting for another distro process using {}",
-                    dir.display()
-                );
-                lock.lock()
-                    .with_context(|| format!("locking {}", lock_path.display()))?;
+                eprintln!("distro: waiting for another distro process using {}", dir.display());
+                lock.lock().with_context(|| format!("locking {}", lock_path.display()))?;
             }
             Err(fs::TryLockError::Error(e)) => {
                 return Err(e).with_context(|| format!("locking {}", lock_path.display()));
@@ -183,12 +171,7 @@ impl Repo {
             let _ = self.git.output(["am", "--abort"]);
             remove_all(&gd.join("rebase-apply"))?;
         }
-        for leftover in [
-            "rebase-merge",
-            "MERGE_HEAD",
-            "CHERRY_PICK_HEAD",
-            "REVERT_HEAD",
-        ] {
+        for leftover in ["rebase-merge", "MERGE_HEAD", "CHERRY_PICK_HEAD", "REVERT_HEAD"] {
             remove_all(&gd.join(leftover))?;
         }
         Ok(())
@@ -197,8 +180,7 @@ impl Repo {
     /// Checks out `commit` (detached) and removes every file not in it, so nothing from an
     /// earlier use of the working tree can leak into the next result.
     pub fn checkout_clean(&self, commit: &str) -> Result<()> {
-        self.git
-            .run(["checkout", "--quiet", "--detach", "--force", commit])?;
+        self.git.run(["checkout", "--quiet", "--detach", "--force", commit])?;
         self.git.run(["clean", "-ffdxq"])?;
         Ok(())
     }
@@ -230,10 +212,7 @@ mod tests {
         // A patch that cannot apply leaves .git/rebase-apply behind, as a crash would.
         let patch = "From 0 Mon Sep 17 00:00:00 2001\nFrom: a <a@b>\nDate: Thu, 1 Jan 2015 00:00:00 +0000\nSubject: [PATCH] x\n\n---\ndiff --git a/f b/f\n--- a/f\n+++ b/f\n@@ -1 +1 @@\n-zzz\n+2\n";
         fs::write(dir.path().join("p.patch"), patch).unwrap();
-        let out = repo
-            .git
-            .output(["am", dir.path().join("p.patch").to_str().unwrap()])
-            .unwrap();
+        let out = repo.git.output(["am", dir.path().join("p.patch").to_str().unwrap()]).unwrap();
         assert!(!out.status.success());
         assert!(repo.git_dir().join("rebase-apply").exists());
         drop(repo);
@@ -245,9 +224,6 @@ mod tests {
     #[test]
     fn tree_dirs_are_named_by_tree_id() {
         let c = Cache::at("/x");
-        assert_eq!(
-            c.tree_dir(&"a".repeat(40)),
-            Path::new("/x/trees").join("a".repeat(40))
-        );
+        assert_eq!(c.tree_dir(&"a".repeat(40)), Path::new("/x/trees").join("a".repeat(40)));
     }
 }

@@ -119,11 +119,7 @@ pub fn sources(args: SourcesArgs) -> Result<()> {
         print!("{}", status::table(&rows));
     }
     if let Some(lock) = &lock {
-        for name in lock
-            .sources
-            .keys()
-            .filter(|n| !manifest.sources.contains_key(*n))
-        {
+        for name in lock.sources.keys().filter(|n| !manifest.sources.contains_key(*n)) {
             eprintln!(
                 "distro: the lock has an entry for `{name}`, which is not in the manifest; `distro lock` removes it"
             );
@@ -138,11 +134,7 @@ pub fn lock(args: LockArgs) -> Result<()> {
     let cache = Cache::from_env()?;
     let old = Lock::load(&manifest.lock_path())?;
     let fresh = resolve(&manifest, &args.names, &Overrides::default(), &cache)?;
-    let mut new = if args.names.is_empty() {
-        Lock::default()
-    } else {
-        old.clone().unwrap_or_default()
-    };
+    let mut new = if args.names.is_empty() { Lock::default() } else { old.clone().unwrap_or_default() };
     for (name, entry) in &fresh.sources {
         new.sources.insert(name.clone(), entry.clone());
         println!("{name}\t{}", entry.tree);
@@ -150,10 +142,7 @@ pub fn lock(args: LockArgs) -> Result<()> {
     let path = manifest.lock_path();
     if args.check {
         if old.as_ref() != Some(&new) {
-            anyhow::bail!(
-                "{} is not what the manifest gives; run `distro lock` and commit the result",
-                path.display()
-            );
+            anyhow::bail!("{} is not what the manifest gives; run `distro lock` and commit the result", path.display());
         }
         eprintln!("distro: {} is current", path.display());
     } else if write_if_changed(&path, new.render().as_bytes())? {
@@ -176,10 +165,7 @@ pub fn fetch(args: FetchArgs) -> Result<()> {
             manifest.lock_path().display()
         )));
     }
-    let overrides = Overrides {
-        sources: args.sources,
-        extra_patches: args.patches,
-    };
+    let overrides = Overrides { sources: args.sources, extra_patches: args.patches };
     let run_lock = lock_for_run(&manifest, lock.as_ref(), &args.names, &overrides, &cache)?;
     let fetched = materialise(&run_lock, &manifest.root, &cache)?;
     let dirs = match &args.out {
@@ -187,8 +173,7 @@ pub fn fetch(args: FetchArgs) -> Result<()> {
         None => fetched.iter().map(|f| f.dir.clone()).collect(),
     };
     if let Some(path) = &args.lock_out {
-        write_if_changed(path, run_lock.render().as_bytes())
-            .with_context(|| format!("writing {}", path.display()))?;
+        write_if_changed(path, run_lock.render().as_bytes()).with_context(|| format!("writing {}", path.display()))?;
     }
     for (f, dir) in fetched.iter().zip(&dirs) {
         println!("{}\t{}\t{}", f.name, f.tree, dir.display());
@@ -208,10 +193,7 @@ pub fn bump(args: BumpArgs) -> Result<()> {
         }
         for c in &plan.changes {
             for d in &c.dropped {
-                eprintln!(
-                    "distro: (would drop {d} from `{}`: merged upstream)",
-                    c.name
-                );
+                eprintln!("distro: (would drop {d} from `{}`: merged upstream)", c.name);
             }
         }
         let first = &plan.conflicts[0];
@@ -219,11 +201,7 @@ pub fn bump(args: BumpArgs) -> Result<()> {
             "{} patch{} no longer appl{}; nothing was written. First: {first}. Refresh or rebase the patch, or remove it from the manifest, then run `distro bump` again",
             plan.conflicts.len(),
             if plan.conflicts.len() == 1 { "" } else { "es" },
-            if plan.conflicts.len() == 1 {
-                "ies"
-            } else {
-                "y"
-            },
+            if plan.conflicts.len() == 1 { "ies" } else { "y" },
         );
     }
     for c in &plan.changes {
@@ -256,15 +234,10 @@ pub fn bump(args: BumpArgs) -> Result<()> {
     }
     for c in &plan.changes {
         for d in &c.dropped {
-            let file = manifest.sources[&c.name]
-                .patches
-                .iter()
-                .find(|p| p.spec.text() == d)
-                .map(|p| p.spec.file(&c.name));
+            let file =
+                manifest.sources[&c.name].patches.iter().find(|p| p.spec.text() == d).map(|p| p.spec.file(&c.name));
             if let Some(file) = file.filter(|f| manifest.project_path(f).exists()) {
-                eprintln!(
-                    "distro: {file} is no longer used; delete it with `git rm {file}` when you are ready"
-                );
+                eprintln!("distro: {file} is no longer used; delete it with `git rm {file}` when you are ready");
             }
         }
     }
@@ -284,14 +257,10 @@ pub fn patches(command: PatchesCommand) -> Result<()> {
             if done.is_empty() {
                 eprintln!("distro: no upstream-ref patches in the selected sources");
             }
-            if done
-                .iter()
-                .any(|r| matches!(r.status, refresh::Refresh::New | refresh::Refresh::Changed))
+            if done.iter().any(|r| matches!(r.status, refresh::Refresh::New | refresh::Refresh::Changed))
                 && !args.dry_run
             {
-                eprintln!(
-                    "distro: patches changed; run `distro lock` (or `distro bump`) to update the lock"
-                );
+                eprintln!("distro: patches changed; run `distro lock` (or `distro bump`) to update the lock");
             }
             Ok(())
         }

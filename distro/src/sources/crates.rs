@@ -111,11 +111,7 @@ fn cargo(cwd: &Path, project: &Path, subcommand: &str, args: &[&str], what: &str
     });
     result.map_err(|e| {
         let text = e.to_string();
-        if is_permanent(&text) {
-            bad_input(text)
-        } else {
-            e
-        }
+        if is_permanent(&text) { bad_input(text) } else { e }
     })
 }
 
@@ -144,32 +140,19 @@ pub fn resolve(cache: &Cache, root: &Path, spec: &CrateSpec, requirement: &str) 
 fn resolve_in(root: &Path, dir: &Path, spec: &CrateSpec, requirement: &str) -> Result<Release> {
     scratch_project(dir, spec, requirement)?;
     eprintln!("distro: resolving crate {} {requirement}", spec.name);
-    cargo(
-        root,
-        dir,
-        "generate-lockfile",
-        &["--quiet"],
-        &format!("resolving crate {} {requirement}", spec.name),
-    )?;
-    let text =
-        fs::read_to_string(dir.join("Cargo.lock")).context("reading the scratch Cargo.lock")?;
+    cargo(root, dir, "generate-lockfile", &["--quiet"], &format!("resolving crate {} {requirement}", spec.name))?;
+    let text = fs::read_to_string(dir.join("Cargo.lock")).context("reading the scratch Cargo.lock")?;
     let lock: CargoLock = toml::from_str(&text).context("parsing the scratch Cargo.lock")?;
     let pkg = lock
         .package
         .into_iter()
         .find(|p| p.name == spec.name && p.source.is_some())
         .ok_or_else(|| anyhow!("cargo did not resolve crate {}", spec.name))?;
-    let checksum = pkg.checksum.filter(|c| is_sha256(c)).ok_or_else(|| {
-        anyhow!(
-            "the registry gave no SHA-256 checksum for crate {} {}",
-            spec.name,
-            pkg.version
-        )
-    })?;
-    Ok(Release {
-        version: pkg.version,
-        checksum,
-    })
+    let checksum = pkg
+        .checksum
+        .filter(|c| is_sha256(c))
+        .ok_or_else(|| anyhow!("the registry gave no SHA-256 checksum for crate {} {}", spec.name, pkg.version))?;
+    Ok(Release { version: pkg.version, checksum })
 }
 
 #[derive(Deserialize)]
@@ -191,13 +174,7 @@ pub fn import(
     if let Some(sum) = expected_checksum {
         let r = import_ref(version, sum);
         if let Ok(commit) = repo.git.rev_parse(&r) {
-            return Ok((
-                commit,
-                Release {
-                    version: version.to_owned(),
-                    checksum: sum.to_owned(),
-                },
-            ));
+            return Ok((commit, Release { version: version.to_owned(), checksum: sum.to_owned() }));
         }
     }
     let scratch = cache.scratch()?;
@@ -222,20 +199,14 @@ pub fn import(
         root,
         scratch.path(),
         "vendor",
-        &[
-            "--quiet",
-            "--versioned-dirs",
-            "--respect-source-config",
-            vendor_arg,
-        ],
+        &["--quiet", "--versioned-dirs", "--respect-source-config", vendor_arg],
         &format!("downloading crate {} {version}", spec.name),
     )?;
     let unpacked = vendor.join(format!("{}-{version}", spec.name));
     let sums_path = unpacked.join(".cargo-checksum.json");
-    let sums: VendorChecksums = serde_json::from_slice(
-        &fs::read(&sums_path).with_context(|| format!("reading {}", sums_path.display()))?,
-    )
-    .with_context(|| format!("parsing {}", sums_path.display()))?;
+    let sums: VendorChecksums =
+        serde_json::from_slice(&fs::read(&sums_path).with_context(|| format!("reading {}", sums_path.display()))?)
+            .with_context(|| format!("parsing {}", sums_path.display()))?;
     if sums.package.as_deref() != Some(release.checksum.as_str()) {
         bail!(
             "crate {} {version}: cargo vendor unpacked a crate with checksum {:?}, expected {}",
@@ -253,33 +224,15 @@ pub fn import(
 
 /// Commits every file of `dir` as a root commit with the fixed identity and date, so the
 /// import of a release has the same id everywhere.
-fn commit_directory(
-    repo: &Repo,
-    dir: &Path,
-    spec: &CrateSpec,
-    release: &Release,
-) -> Result<String> {
+fn commit_directory(repo: &Repo, dir: &Path, spec: &CrateSpec, release: &Release) -> Result<String> {
     let index = dir.parent().unwrap_or(dir).join("distro-import.index");
     let git_dir = format!("--git-dir={}", repo.git_dir().display());
     let env: [(&str, &OsStr); 1] = [("GIT_INDEX_FILE", index.as_os_str())];
     let in_dir = Git::new(dir);
-    in_dir.run_env(
-        [
-            git_dir.as_str(),
-            "--work-tree=.",
-            "add",
-            "--all",
-            "--force",
-            "--",
-            ".",
-        ],
-        &env,
-    )?;
+    in_dir.run_env([git_dir.as_str(), "--work-tree=.", "add", "--all", "--force", "--", "."], &env)?;
     let tree = in_dir.run_env([git_dir.as_str(), "write-tree"], &env)?;
-    let message = format!(
-        "Import crate {} {}\n\nsha256 of the .crate file: {}\n",
-        spec.name, release.version, release.checksum
-    );
+    let message =
+        format!("Import crate {} {}\n\nsha256 of the .crate file: {}\n", spec.name, release.version, release.checksum);
     repo.git.run(["commit-tree", &tree, "-m", &message])
 }
 
@@ -319,14 +272,8 @@ mod tests {
 
     #[test]
     fn resolution_failures_that_retrying_cannot_fix() {
-        assert!(is_permanent(
-            "error: failed to select a version for the requirement `x = \"=9.9.9\"`"
-        ));
-        assert!(is_permanent(
-            "error: no matching package named `nope` found"
-        ));
-        assert!(!is_permanent(
-            "error: failed to download from `https://h/x`: timed out"
-        ));
+        assert!(is_permanent("error: failed to select a version for the requirement `x = \"=9.9.9\"`"));
+        assert!(is_permanent("error: no matching package named `nope` found"));
+        assert!(!is_permanent("error: failed to download from `https://h/x`: timed out"));
     }
 }

@@ -17,20 +17,13 @@ pub struct SourceEdit {
 
 /// Applies `edits` to manifest `text` and returns the new text.
 pub fn edit_manifest(text: &str, edits: &[SourceEdit]) -> Result<String> {
-    let mut doc: DocumentMut = text
-        .parse()
-        .context("re-reading the manifest for editing")?;
+    let mut doc: DocumentMut = text.parse().context("re-reading the manifest for editing")?;
     for edit in edits {
         let table = doc
             .get_mut("sources")
             .and_then(|s| s.get_mut(&edit.name))
             .and_then(Item::as_table_like_mut)
-            .ok_or_else(|| {
-                anyhow!(
-                    "source `{}` vanished from the manifest while editing",
-                    edit.name
-                )
-            })?;
+            .ok_or_else(|| anyhow!("source `{}` vanished from the manifest while editing", edit.name))?;
         let (key, new) = &edit.pin;
         match table.get_mut(key).and_then(Item::as_value_mut) {
             Some(value) => {
@@ -48,28 +41,15 @@ pub fn edit_manifest(text: &str, edits: &[SourceEdit]) -> Result<String> {
         let patches = table
             .get_mut("patches")
             .and_then(Item::as_array_mut)
-            .ok_or_else(|| {
-                anyhow!(
-                    "source `{}` has no `patches` array to drop patches from",
-                    edit.name
-                )
-            })?;
+            .ok_or_else(|| anyhow!("source `{}` has no `patches` array to drop patches from", edit.name))?;
         for entry in &edit.drop_patches {
-            let Some(i) = patches
-                .iter()
-                .position(|v| v.as_str() == Some(entry.as_str()))
-            else {
+            let Some(i) = patches.iter().position(|v| v.as_str() == Some(entry.as_str())) else {
                 continue;
             };
             let removed = patches.remove(i);
             // On one line (`["a", "b"]`), the element that becomes first takes the removed
             // one's spacing; on several lines each element keeps its own (and its comments).
-            let prefix = removed
-                .decor()
-                .prefix()
-                .and_then(|p| p.as_str())
-                .unwrap_or("")
-                .to_owned();
+            let prefix = removed.decor().prefix().and_then(|p| p.as_str()).unwrap_or("").to_owned();
             if i == 0
                 && !prefix.contains('\n')
                 && let Some(first) = patches.get_mut(0)
@@ -105,11 +85,7 @@ patches = ["patches/c/x.patch", "patches/c/y.patch"]
     fn pins_change_and_comments_stay() {
         let out = edit_manifest(
             TEXT,
-            &[SourceEdit {
-                name: "foo".into(),
-                pin: ("commit", "bbbb".into()),
-                drop_patches: vec![],
-            }],
+            &[SourceEdit { name: "foo".into(), pin: ("commit", "bbbb".into()), drop_patches: vec![] }],
         )
         .unwrap();
         assert_eq!(out, TEXT.replace("\"aaaa\"", "\"bbbb\""));
@@ -133,14 +109,8 @@ patches = ["patches/c/x.patch", "patches/c/y.patch"]
             ],
         )
         .unwrap();
-        assert!(
-            out.contains("patches = [\n  \"pull/7/head\",  # upstream PR\n]"),
-            "{out}"
-        );
+        assert!(out.contains("patches = [\n  \"pull/7/head\",  # upstream PR\n]"), "{out}");
         assert!(!out.contains("aarch64"), "{out}");
-        assert!(
-            out.contains("patches = [\"patches/c/y.patch\"]\nversion = \"1.0.0\"\n"),
-            "{out}"
-        );
+        assert!(out.contains("patches = [\"patches/c/y.patch\"]\nversion = \"1.0.0\"\n"), "{out}");
     }
 }

@@ -15,24 +15,17 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
         _ => Path::new("."),
     };
     fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    let mode = fs::metadata(path)
-        .map(|m| m.permissions().mode() & 0o7777)
-        .unwrap_or(0o644);
+    let mode = fs::metadata(path).map(|m| m.permissions().mode() & 0o7777).unwrap_or(0o644);
     let mut tmp = tempfile::Builder::new()
         .prefix(".distro-")
         .suffix(".tmp")
         .tempfile_in(dir)
         .with_context(|| format!("creating a temporary file in {}", dir.display()))?;
     tmp.write_all(bytes)
-        .and_then(|_| {
-            tmp.as_file()
-                .set_permissions(fs::Permissions::from_mode(mode))
-        })
+        .and_then(|_| tmp.as_file().set_permissions(fs::Permissions::from_mode(mode)))
         .and_then(|_| tmp.as_file().sync_all())
         .with_context(|| format!("writing {}", path.display()))?;
-    tmp.persist(path)
-        .map_err(|e| e.error)
-        .with_context(|| format!("replacing {}", path.display()))?;
+    tmp.persist(path).map_err(|e| e.error).with_context(|| format!("replacing {}", path.display()))?;
     // The rename is durable only once the directory entry is on disk.
     if let Ok(d) = fs::File::open(dir) {
         let _ = d.sync_all();
@@ -65,13 +58,11 @@ pub fn copy_tree(src: &Path, dst: &Path) -> Result<()> {
         let kind = entry.file_type()?;
         if kind.is_symlink() {
             let target = fs::read_link(&from)?;
-            std::os::unix::fs::symlink(&target, &to)
-                .with_context(|| format!("creating link {}", to.display()))?;
+            std::os::unix::fs::symlink(&target, &to).with_context(|| format!("creating link {}", to.display()))?;
         } else if kind.is_dir() {
             copy_tree(&from, &to)?;
         } else {
-            fs::copy(&from, &to)
-                .with_context(|| format!("copying {} to {}", from.display(), to.display()))?;
+            fs::copy(&from, &to).with_context(|| format!("copying {} to {}", from.display(), to.display()))?;
         }
     }
     Ok(())
@@ -81,9 +72,7 @@ pub fn copy_tree(src: &Path, dst: &Path) -> Result<()> {
 pub fn remove_all(path: &Path) -> Result<()> {
     match fs::symlink_metadata(path) {
         Err(_) => Ok(()),
-        Ok(m) if m.is_dir() => {
-            fs::remove_dir_all(path).with_context(|| format!("removing {}", path.display()))
-        }
+        Ok(m) if m.is_dir() => fs::remove_dir_all(path).with_context(|| format!("removing {}", path.display())),
         Ok(_) => fs::remove_file(path).with_context(|| format!("removing {}", path.display())),
     }
 }
@@ -100,10 +89,7 @@ mod tests {
         fs::set_permissions(&p, fs::Permissions::from_mode(0o640)).unwrap();
         write_atomic(&p, b"new").unwrap();
         assert_eq!(fs::read_to_string(&p).unwrap(), "new");
-        assert_eq!(
-            fs::metadata(&p).unwrap().permissions().mode() & 0o777,
-            0o640
-        );
+        assert_eq!(fs::metadata(&p).unwrap().permissions().mode() & 0o777, 0o640);
         // No temporary file is left behind.
         assert_eq!(fs::read_dir(dir.path()).unwrap().count(), 1);
     }
@@ -127,14 +113,8 @@ mod tests {
         std::os::unix::fs::symlink("sub/run.sh", src.join("link")).unwrap();
         let dst = dir.path().join("dst");
         copy_tree(&src, &dst).unwrap();
-        assert_eq!(
-            fs::read_link(dst.join("link")).unwrap(),
-            Path::new("sub/run.sh")
-        );
-        let mode = fs::metadata(dst.join("sub/run.sh"))
-            .unwrap()
-            .permissions()
-            .mode();
+        assert_eq!(fs::read_link(dst.join("link")).unwrap(), Path::new("sub/run.sh"));
+        let mode = fs::metadata(dst.join("sub/run.sh")).unwrap().permissions().mode();
         assert_eq!(mode & 0o111, 0o111);
     }
 }

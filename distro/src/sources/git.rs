@@ -202,9 +202,7 @@ impl Git {
         I: IntoIterator<Item = S>,
         S: AsRef<OsStr>,
     {
-        self.output(args)
-            .map(|o| o.status.success())
-            .unwrap_or(false)
+        self.output(args).map(|o| o.status.success()).unwrap_or(false)
     }
 
     /// True when `rev` names an object of type commit in this repository.
@@ -224,8 +222,7 @@ pub const MIN_GIT: (u32, u32) = (2, 32);
 
 /// Checks once per process that the `git` on `PATH` is new enough for the isolation to hold.
 pub fn check_version() -> Result<()> {
-    static CHECKED: std::sync::OnceLock<std::result::Result<(), String>> =
-        std::sync::OnceLock::new();
+    static CHECKED: std::sync::OnceLock<std::result::Result<(), String>> = std::sync::OnceLock::new();
     CHECKED
         .get_or_init(|| {
             let out = output(Command::new("git").arg("--version")).map_err(|e| format!("{e:#}"))?;
@@ -281,11 +278,7 @@ pub fn describe(cmd: &Command) -> String {
 /// The meaningful lines of a command's stderr on one line (hints dropped), for error messages.
 pub fn stderr_summary(out: &Output) -> String {
     let text = String::from_utf8_lossy(&out.stderr);
-    let lines: Vec<&str> = text
-        .lines()
-        .map(str::trim)
-        .filter(|l| !l.is_empty() && !l.starts_with("hint:"))
-        .collect();
+    let lines: Vec<&str> = text.lines().map(str::trim).filter(|l| !l.is_empty() && !l.starts_with("hint:")).collect();
     if lines.is_empty() {
         return format!("exit status {}", out.status);
     }
@@ -293,9 +286,7 @@ pub fn stderr_summary(out: &Output) -> String {
     // Keep messages readable: the end of git's output names the actual failure.
     if joined.len() > 600 {
         let cut = joined.len() - 600;
-        let start = (cut..joined.len())
-            .find(|i| joined.is_char_boundary(*i))
-            .unwrap_or(cut);
+        let start = (cut..joined.len()).find(|i| joined.is_char_boundary(*i)).unwrap_or(cut);
         format!("...{}", &joined[start..])
     } else {
         joined
@@ -318,19 +309,10 @@ mod tests {
         cmd.env("GIT_AUTHOR_NAME_UNRELATED", "x");
         assert!(output(&mut cmd).unwrap().status.success());
         let id = git.rev_parse("HEAD").unwrap();
-        let log = git
-            .run([
-                "log",
-                "-1",
-                "--format=%an <%ae> %ad|%cn <%ce> %cd",
-                "--date=raw",
-            ])
-            .unwrap();
+        let log = git.run(["log", "-1", "--format=%an <%ae> %ad|%cn <%ce> %cd", "--date=raw"]).unwrap();
         assert_eq!(
             log,
-            format!(
-                "{IDENTITY_NAME} <{IDENTITY_EMAIL}> {FIXED_DATE}|{IDENTITY_NAME} <{IDENTITY_EMAIL}> {FIXED_DATE}"
-            )
+            format!("{IDENTITY_NAME} <{IDENTITY_EMAIL}> {FIXED_DATE}|{IDENTITY_NAME} <{IDENTITY_EMAIL}> {FIXED_DATE}")
         );
         assert!(crate::sources::hash::is_object_id(&id));
     }

@@ -14,9 +14,7 @@ pub fn sha256_hex(bytes: &[u8]) -> String {
 
 /// True when `s` is a full git object id (SHA-1: 40, SHA-256: 64 lowercase hex digits).
 pub fn is_object_id(s: &str) -> bool {
-    (s.len() == 40 || s.len() == 64)
-        && s.bytes()
-            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+    (s.len() == 40 || s.len() == 64) && s.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
 }
 
 /// True when `s` is 64 lowercase hex digits (a SHA-256 in the lock).
@@ -30,10 +28,7 @@ mod tests {
 
     #[test]
     fn sha256_of_known_input() {
-        assert_eq!(
-            sha256_hex(b"abc"),
-            "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
-        );
+        assert_eq!(sha256_hex(b"abc"), "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
     }
 
     #[test]

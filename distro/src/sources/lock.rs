@@ -146,24 +146,14 @@ impl Lock {
     pub fn parse(text: &str) -> Result<Lock> {
         let raw: RawLock = toml::from_str(text).map_err(|e| {
             let loc = super::manifest::Loc::at(text, e.span().map(|s| s.start).unwrap_or(0));
-            anyhow::anyhow!(
-                "line {}, column {}: {}",
-                loc.line,
-                loc.column,
-                e.message().trim()
-            )
+            anyhow::anyhow!("line {}, column {}: {}", loc.line, loc.column, e.message().trim())
         })?;
         if raw.version != LOCK_VERSION {
-            anyhow::bail!(
-                "lock format version {} is not supported (this distro writes {LOCK_VERSION})",
-                raw.version
-            );
+            anyhow::bail!("lock format version {} is not supported (this distro writes {LOCK_VERSION})", raw.version);
         }
         let mut sources = BTreeMap::new();
         for (name, r) in raw.sources {
-            let need = |v: Option<String>, key: &str| {
-                v.ok_or_else(|| anyhow::anyhow!("source `{name}` lacks `{key}`"))
-            };
+            let need = |v: Option<String>, key: &str| v.ok_or_else(|| anyhow::anyhow!("source `{name}` lacks `{key}`"));
             let origin = match r.kind.as_str() {
                 "git" => Origin::Git {
                     url: need(r.url, "url")?,
@@ -189,28 +179,12 @@ impl Lock {
             let mut patches = Vec::new();
             for p in r.patches {
                 if !is_sha256(&p.sha256) {
-                    anyhow::bail!(
-                        "patch `{}` of source `{name}` has a malformed sha256",
-                        p.entry
-                    );
+                    anyhow::bail!("patch `{}` of source `{name}` has a malformed sha256", p.entry);
                 }
-                patches.push(LockedPatch {
-                    entry: p.entry,
-                    file: p.file,
-                    sha256: p.sha256,
-                    extra: p.extra,
-                });
+                patches.push(LockedPatch { entry: p.entry, file: p.file, sha256: p.sha256, extra: p.extra });
             }
-            sources.insert(
-                name,
-                LockedSource {
-                    origin,
-                    overridden: r.overridden,
-                    patches,
-                    tree: r.tree,
-                    head: r.head,
-                },
-            );
+            sources
+                .insert(name, LockedSource { origin, overridden: r.overridden, patches, tree: r.tree, head: r.head });
         }
         Ok(Lock { sources })
     }
@@ -225,22 +199,13 @@ impl Lock {
         for (name, s) in &self.sources {
             let _ = writeln!(out, "\n[sources.{}]", key(name));
             match &s.origin {
-                Origin::Git {
-                    url,
-                    git_ref,
-                    commit,
-                } => {
+                Origin::Git { url, git_ref, commit } => {
                     let _ = writeln!(out, "kind = \"git\"");
                     let _ = writeln!(out, "url = {}", string(url));
                     let _ = writeln!(out, "ref = {}", string(git_ref));
                     let _ = writeln!(out, "commit = {}", string(commit));
                 }
-                Origin::Crate {
-                    name: krate,
-                    version,
-                    checksum,
-                    registry,
-                } => {
+                Origin::Crate { name: krate, version, checksum, registry } => {
                     let _ = writeln!(out, "kind = \"crate\"");
                     let _ = writeln!(out, "crate = {}", string(krate));
                     let _ = writeln!(out, "version = {}", string(version));
@@ -279,10 +244,7 @@ fn string(s: &str) -> String {
 }
 
 fn key(k: &str) -> String {
-    if !k.is_empty()
-        && k.chars()
-            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
-    {
+    if !k.is_empty() && k.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_') {
         k.to_owned()
     } else {
         string(k)
@@ -299,11 +261,7 @@ mod tests {
         lock.sources.insert(
             "foo".into(),
             LockedSource {
-                origin: Origin::Git {
-                    url: "../up/foo \"q\".git".into(),
-                    git_ref: "main".into(),
-                    commit: id('a'),
-                },
+                origin: Origin::Git { url: "../up/foo \"q\".git".into(), git_ref: "main".into(), commit: id('a') },
                 overridden: false,
                 patches: vec![
                     LockedPatch {
@@ -312,12 +270,7 @@ mod tests {
                         sha256: "1".repeat(64),
                         extra: false,
                     },
-                    LockedPatch {
-                        entry: "/tmp/x.patch".into(),
-                        file: None,
-                        sha256: "2".repeat(64),
-                        extra: true,
-                    },
+                    LockedPatch { entry: "/tmp/x.patch".into(), file: None, sha256: "2".repeat(64), extra: true },
                 ],
                 tree: id('b'),
                 head: id('c'),
@@ -354,26 +307,11 @@ mod tests {
     #[test]
     fn malformed_locks_are_rejected() {
         let text = sample().render().replace(&"b".repeat(40), "nothex");
-        assert!(
-            Lock::parse(&text)
-                .unwrap_err()
-                .to_string()
-                .contains("malformed")
-        );
+        assert!(Lock::parse(&text).unwrap_err().to_string().contains("malformed"));
         let text = sample().render().replace("version = 1", "version = 9");
-        assert!(
-            Lock::parse(&text)
-                .unwrap_err()
-                .to_string()
-                .contains("not supported")
-        );
-        let text = sample()
-            .render()
-            .replace("kind = \"git\"", "kind = \"git\"\nextra_key = 1");
+        assert!(Lock::parse(&text).unwrap_err().to_string().contains("not supported"));
+        let text = sample().render().replace("kind = \"git\"", "kind = \"git\"\nextra_key = 1");
         let e = Lock::parse(&text).unwrap_err().to_string();
-        assert!(
-            e.contains("unknown field `extra_key`") && e.starts_with("line "),
-            "{e}"
-        );
+        assert!(e.contains("unknown field `extra_key`") && e.starts_with("line "), "{e}");
     }
 }

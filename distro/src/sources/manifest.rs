@@ -30,10 +30,7 @@ impl Loc {
         let before = &text[..floor_char_boundary(text, offset)];
         let line = before.matches('\n').count() + 1;
         let line_start = before.rfind('\n').map(|i| i + 1).unwrap_or(0);
-        Loc {
-            line,
-            column: before[line_start..].chars().count() + 1,
-        }
+        Loc { line, column: before[line_start..].chars().count() + 1 }
     }
 }
 
@@ -139,9 +136,7 @@ impl PatchSpec {
             let path = Path::new(entry);
             let clean = path.components().all(|c| matches!(c, Component::Normal(_)));
             if !clean || !entry.starts_with(&prefix) || entry.len() == prefix.len() {
-                return Err(format!(
-                    "patch file `{entry}` must be a relative path under `{prefix}` (without `..`)"
-                ));
+                return Err(format!("patch file `{entry}` must be a relative path under `{prefix}` (without `..`)"));
             }
             return Ok(PatchSpec::File(entry.to_owned()));
         }
@@ -179,13 +174,8 @@ fn validate_ref(r: &str) -> std::result::Result<(), String> {
         || r.contains("..")
         || r.contains("//")
         || r.contains("@{")
-        || r.chars()
-            .any(|c| c.is_whitespace() || c.is_control() || "~^:?*[\\".contains(c));
-    if bad {
-        Err("is not a valid git ref name".into())
-    } else {
-        Ok(())
-    }
+        || r.chars().any(|c| c.is_whitespace() || c.is_control() || "~^:?*[\\".contains(c));
+    if bad { Err("is not a valid git ref name".into()) } else { Ok(()) }
 }
 
 /// The file name an upstream ref is exported to: `pull/123/head` → `PR-123.patch`,
@@ -195,10 +185,7 @@ pub fn ref_file_name(r: &str) -> String {
     match parts.as_slice() {
         ["pull", n, "head"] => format!("PR-{n}.patch"),
         ["merge-requests", n, "head"] => format!("MR-{n}.patch"),
-        _ => format!(
-            "{}.patch",
-            r.strip_prefix("refs/").unwrap_or(r).replace('/', "-")
-        ),
+        _ => format!("{}.patch", r.strip_prefix("refs/").unwrap_or(r).replace('/', "-")),
     }
 }
 
@@ -246,12 +233,7 @@ impl Manifest {
     pub fn parse(path: &Path, text: &str) -> Result<Manifest> {
         let err_at = |offset: usize, msg: &str| {
             let loc = Loc::at(text, offset);
-            bad_input(format!(
-                "{}:{}:{}: {msg}",
-                path.display(),
-                loc.line,
-                loc.column
-            ))
+            bad_input(format!("{}:{}:{}: {msg}", path.display(), loc.line, loc.column))
         };
         let raw: RawManifest = toml::from_str(text).map_err(|e| {
             let offset = e.span().map(|s| s.start).unwrap_or(0);
@@ -261,18 +243,11 @@ impl Manifest {
             Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
             _ => PathBuf::from("."),
         };
-        let root_rel = raw
-            .root
-            .as_ref()
-            .map(|r| r.get_ref().as_str())
-            .unwrap_or("..");
+        let root_rel = raw.root.as_ref().map(|r| r.get_ref().as_str()).unwrap_or("..");
         if let Some(r) = &raw.root
             && r.get_ref().is_empty()
         {
-            return Err(err_at(
-                r.span().start,
-                "`root` must not be empty (use \".\" for the manifest's directory)",
-            ));
+            return Err(err_at(r.span().start, "`root` must not be empty (use \".\" for the manifest's directory)"));
         }
         let root = lexical_join(&dir, Path::new(root_rel));
 
@@ -283,11 +258,7 @@ impl Manifest {
                 .map_err(|(offset, msg)| err_at(offset, &msg))?;
             sources.insert(name, source);
         }
-        Ok(Manifest {
-            path: path.to_path_buf(),
-            root,
-            sources,
-        })
+        Ok(Manifest { path: path.to_path_buf(), root, sources })
     }
 
     /// The lock file that belongs to this manifest: the same path with the `.lock` extension.
@@ -307,11 +278,7 @@ impl Manifest {
             bad_input(format!(
                 "no source named `{name}` in {} (sources: {})",
                 self.path.display(),
-                if known.is_empty() {
-                    "none".into()
-                } else {
-                    known.join(", ")
-                }
+                if known.is_empty() { "none".into() } else { known.join(", ") }
             ))
         })
     }
@@ -343,17 +310,8 @@ pub fn fetch_url(url: &str, base: &Path) -> String {
         return url.to_owned();
     }
     let p = lexical_join(base, Path::new(url));
-    let abs = if p.is_absolute() {
-        p
-    } else {
-        std::env::current_dir()
-            .map(|d| lexical_join(&d, &p))
-            .unwrap_or(p)
-    };
-    abs.canonicalize()
-        .unwrap_or(abs)
-        .to_string_lossy()
-        .into_owned()
+    let abs = if p.is_absolute() { p } else { std::env::current_dir().map(|d| lexical_join(&d, &p)).unwrap_or(p) };
+    abs.canonicalize().unwrap_or(abs).to_string_lossy().into_owned()
 }
 
 /// True for URLs git reaches through a transport (`https://`, `ssh://`, `file://`, `host:path`),
@@ -375,17 +333,12 @@ pub fn lexical_join(base: &Path, rel: &Path) -> PathBuf {
         return rel.to_path_buf();
     }
     // "." adds nothing to a relative path but noise in messages ("./patches/...").
-    let mut out = if base == Path::new(".") {
-        PathBuf::new()
-    } else {
-        base.to_path_buf()
-    };
+    let mut out = if base == Path::new(".") { PathBuf::new() } else { base.to_path_buf() };
     for c in rel.components() {
         match c {
             Component::CurDir => {}
             Component::ParentDir => {
-                let last_is_normal =
-                    matches!(out.components().next_back(), Some(Component::Normal(_)));
+                let last_is_normal = matches!(out.components().next_back(), Some(Component::Normal(_)));
                 if last_is_normal {
                     out.pop();
                 } else {
@@ -415,24 +368,15 @@ pub fn is_exact_version(v: &str) -> bool {
     };
     let nums: Vec<&str> = core.split('.').collect();
     nums.len() == 3
-        && nums
-            .iter()
-            .all(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
-        && rest
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || "-+.".contains(c))
+        && nums.iter().all(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+        && rest.chars().all(|c| c.is_ascii_alphanumeric() || "-+.".contains(c))
         && !rest.ends_with(['-', '+', '.'])
         && rest != "-"
 }
 
 type SpanError = (usize, String);
 
-fn validate_source(
-    name: &str,
-    raw: RawSource,
-    table: usize,
-    text: &str,
-) -> std::result::Result<Source, SpanError> {
+fn validate_source(name: &str, raw: RawSource, table: usize, text: &str) -> std::result::Result<Source, SpanError> {
     if !valid_name(name) {
         return Err((
             table,
@@ -442,9 +386,7 @@ fn validate_source(
         ));
     }
     let loc_of = |offset: usize| Loc::at(text, offset);
-    let check_nonempty = |field: &Option<Spanned<String>>,
-                          key: &str|
-     -> std::result::Result<(), SpanError> {
+    let check_nonempty = |field: &Option<Spanned<String>>, key: &str| -> std::result::Result<(), SpanError> {
         match field {
             Some(v) if v.get_ref().trim().is_empty() || v.get_ref().trim() != v.get_ref() => Err((
                 v.span().start,
@@ -469,25 +411,19 @@ fn validate_source(
         (Some(_), Some(k)) => {
             return Err((
                 k.span().start,
-                format!(
-                    "source `{name}` has both `url` and `crate`; a source is either a git repository or a crate"
-                ),
+                format!("source `{name}` has both `url` and `crate`; a source is either a git repository or a crate"),
             ));
         }
         (None, None) => {
             return Err((
                 table,
-                format!(
-                    "source `{name}` needs `url` (a git repository) or `crate` (a crate from a registry)"
-                ),
+                format!("source `{name}` needs `url` (a git repository) or `crate` (a crate from a registry)"),
             ));
         }
         (Some(url), None) => {
-            for (field, key) in [
-                (&raw.version, "version"),
-                (&raw.tracking_req, "tracking_req"),
-                (&raw.registry, "registry"),
-            ] {
+            for (field, key) in
+                [(&raw.version, "version"), (&raw.tracking_req, "tracking_req"), (&raw.registry, "registry")]
+            {
                 if let Some(f) = field {
                     return Err((
                         f.span().start,
@@ -505,32 +441,21 @@ fn validate_source(
                     ),
                 ));
             };
-            if validate_ref(tracking_ref.get_ref()).is_err()
-                || tracking_ref.get_ref().starts_with('-')
-            {
+            if validate_ref(tracking_ref.get_ref()).is_err() || tracking_ref.get_ref().starts_with('-') {
                 return Err((
                     tracking_ref.span().start,
-                    format!(
-                        "`tracking_ref` `{}` is not a valid git ref name",
-                        tracking_ref.get_ref()
-                    ),
+                    format!("`tracking_ref` `{}` is not a valid git ref name", tracking_ref.get_ref()),
                 ));
             }
             if url.get_ref().chars().any(char::is_whitespace) || url.get_ref().starts_with('-') {
-                return Err((
-                    url.span().start,
-                    format!("`url` `{}` is not a git URL or path", url.get_ref()),
-                ));
+                return Err((url.span().start, format!("`url` `{}` is not a git URL or path", url.get_ref())));
             }
             if let Some(c) = &raw.commit
                 && !is_object_id(c.get_ref())
             {
                 return Err((
                     c.span().start,
-                    format!(
-                        "`commit` must be a full commit id (40 lowercase hex digits), not `{}`",
-                        c.get_ref()
-                    ),
+                    format!("`commit` must be a full commit id (40 lowercase hex digits), not `{}`", c.get_ref()),
                 ));
             }
             SourceKind::Git(GitSpec {
@@ -552,14 +477,8 @@ fn validate_source(
                 }
             }
             let crate_name = krate.get_ref();
-            if !crate_name
-                .chars()
-                .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
-            {
-                return Err((
-                    krate.span().start,
-                    format!("`crate` `{crate_name}` is not a valid crate name"),
-                ));
+            if !crate_name.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_') {
+                return Err((krate.span().start, format!("`crate` `{crate_name}` is not a valid crate name")));
             }
             if let Some(v) = &raw.version
                 && !is_exact_version(v.get_ref())
@@ -577,26 +496,14 @@ fn validate_source(
             {
                 return Err((
                     r.span().start,
-                    format!(
-                        "`registry` `{}` is not a registry name from Cargo's configuration",
-                        r.get_ref()
-                    ),
+                    format!("`registry` `{}` is not a registry name from Cargo's configuration", r.get_ref()),
                 ));
             }
             SourceKind::Crate(CrateSpec {
                 name: crate_name.clone(),
                 version: raw.version.as_ref().map(|v| v.get_ref().clone()),
-                version_loc: loc_of(
-                    raw.version
-                        .as_ref()
-                        .map(|v| v.span().start)
-                        .unwrap_or(table),
-                ),
-                tracking_req: raw
-                    .tracking_req
-                    .as_ref()
-                    .map(|r| r.get_ref().clone())
-                    .unwrap_or_else(|| "*".into()),
+                version_loc: loc_of(raw.version.as_ref().map(|v| v.span().start).unwrap_or(table)),
+                tracking_req: raw.tracking_req.as_ref().map(|r| r.get_ref().clone()).unwrap_or_else(|| "*".into()),
                 registry: raw.registry.as_ref().map(|r| r.get_ref().clone()),
             })
         }
@@ -616,25 +523,11 @@ fn validate_source(
             ));
         }
         if let Some(prev) = seen_files.insert(spec.file(name), spec.text().to_owned()) {
-            return Err((
-                offset,
-                format!(
-                    "patch `{}` is listed twice (it is the same file as `{prev}`)",
-                    spec.text()
-                ),
-            ));
+            return Err((offset, format!("patch `{}` is listed twice (it is the same file as `{prev}`)", spec.text())));
         }
-        patches.push(PatchEntry {
-            spec,
-            loc: loc_of(offset),
-        });
+        patches.push(PatchEntry { spec, loc: loc_of(offset) });
     }
-    Ok(Source {
-        name: name.to_owned(),
-        kind,
-        patches,
-        loc: loc_of(table),
-    })
+    Ok(Source { name: name.to_owned(), kind, patches, loc: loc_of(table) })
 }
 
 #[cfg(test)]
@@ -671,26 +564,13 @@ patches = []
         assert_eq!(m.root, Path::new("."));
         assert_eq!(m.lock_path(), Path::new("images/manifest.lock"));
         let foo = &m.sources["foo"];
-        let SourceKind::Git(g) = &foo.kind else {
-            panic!()
-        };
+        let SourceKind::Git(g) = &foo.kind else { panic!() };
         assert_eq!(g.commit.as_deref(), Some(C));
-        assert_eq!(
-            g.commit_loc,
-            Loc {
-                line: 5,
-                column: 10
-            }
-        );
+        assert_eq!(g.commit_loc, Loc { line: 5, column: 10 });
         assert_eq!(foo.patches[1].spec, PatchSpec::Ref("pull/123/head".into()));
         assert_eq!(foo.patches[1].spec.file("foo"), "patches/foo/PR-123.patch");
-        let SourceKind::Crate(c) = &m.sources["cudarc"].kind else {
-            panic!()
-        };
-        assert_eq!(
-            (c.version.as_deref(), c.tracking_req.as_str()),
-            (Some("0.19.10"), "*")
-        );
+        let SourceKind::Crate(c) = &m.sources["cudarc"].kind else { panic!() };
+        assert_eq!((c.version.as_deref(), c.tracking_req.as_str()), (Some("0.19.10"), "*"));
     }
 
     #[test]
@@ -702,39 +582,30 @@ patches = []
 
     #[test]
     fn unknown_keys_are_rejected_with_position() {
-        let e = err(&format!(
-            "[sources.foo]\nurl = \"x\"\ntracking_ref = \"main\"\ncommit = \"{C}\"\nbranch = \"dev\"\n"
-        ));
-        assert!(
-            e.starts_with("images/manifest.toml:5:1: unknown field `branch`"),
-            "{e}"
-        );
+        let e =
+            err(&format!("[sources.foo]\nurl = \"x\"\ntracking_ref = \"main\"\ncommit = \"{C}\"\nbranch = \"dev\"\n"));
+        assert!(e.starts_with("images/manifest.toml:5:1: unknown field `branch`"), "{e}");
         let e = err("[source.foo]\n");
-        assert!(
-            e.starts_with("images/manifest.toml:1:2: unknown field `source`"),
-            "{e}"
-        );
+        assert!(e.starts_with("images/manifest.toml:1:2: unknown field `source`"), "{e}");
     }
 
     #[test]
     fn semantic_errors_point_at_the_value() {
         let e = err("[sources.foo]\nurl = \"x\"\ntracking_ref = \"main\"\ncommit = \"abc\"\n");
-        assert!(
-            e.starts_with("images/manifest.toml:4:10: `commit` must be a full commit id"),
-            "{e}"
-        );
+        assert!(e.starts_with("images/manifest.toml:4:10: `commit` must be a full commit id"), "{e}");
         let e = err("[sources.c]\ncrate = \"c\"\nversion = \"^1.0\"\n");
-        assert!(
-            e.starts_with("images/manifest.toml:3:11: `version` must be an exact version"),
-            "{e}"
-        );
+        assert!(e.starts_with("images/manifest.toml:3:11: `version` must be an exact version"), "{e}");
         let e = err("[sources.foo]\nurl = \"x\"\n");
         assert!(e.contains("needs `tracking_ref`"), "{e}");
         let e = err("[sources.foo]\nurl = \"x\"\ncrate = \"y\"\n");
         assert!(e.contains("both `url` and `crate`"), "{e}");
-        let e =
-            err("[sources.foo]\nurl = \"x\"\ntracking_ref = \"main\"\npatches = [\"fix.patch\"]\n");
-        assert!(e.starts_with("images/manifest.toml:4:12: patch file `fix.patch` must be a relative path under `patches/foo/`"), "{e}");
+        let e = err("[sources.foo]\nurl = \"x\"\ntracking_ref = \"main\"\npatches = [\"fix.patch\"]\n");
+        assert!(
+            e.starts_with(
+                "images/manifest.toml:4:12: patch file `fix.patch` must be a relative path under `patches/foo/`"
+            ),
+            "{e}"
+        );
         let e = err(
             "[sources.foo]\nurl = \"x\"\ntracking_ref = \"main\"\npatches = [\"pull/1/head\", \"patches/foo/PR-1.patch\"]\n",
         );
@@ -767,22 +638,10 @@ patches = []
 
     #[test]
     fn root_is_resolved_lexically() {
-        assert_eq!(
-            lexical_join(Path::new("images"), Path::new("..")),
-            Path::new(".")
-        );
-        assert_eq!(
-            lexical_join(Path::new("/p/images"), Path::new("../patches/x")),
-            Path::new("/p/patches/x")
-        );
-        assert_eq!(
-            lexical_join(Path::new("."), Path::new("..")),
-            Path::new("..")
-        );
-        assert_eq!(
-            lexical_join(Path::new("."), Path::new("patches/x")),
-            Path::new("patches/x")
-        );
+        assert_eq!(lexical_join(Path::new("images"), Path::new("..")), Path::new("."));
+        assert_eq!(lexical_join(Path::new("/p/images"), Path::new("../patches/x")), Path::new("/p/patches/x"));
+        assert_eq!(lexical_join(Path::new("."), Path::new("..")), Path::new(".."));
+        assert_eq!(lexical_join(Path::new("."), Path::new("patches/x")), Path::new("patches/x"));
         let m = Manifest::parse(Path::new("/p/m.toml"), "root = \".\"\n").unwrap();
         assert_eq!(m.root, Path::new("/p"));
     }

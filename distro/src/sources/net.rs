@@ -29,10 +29,7 @@ impl Policy {
     /// The policy from `DISTRO_NET_ATTEMPTS` and `DISTRO_NET_BACKOFF_MS`.
     pub fn from_env() -> Policy {
         let num = |key: &str, default: u64| {
-            std::env::var(key)
-                .ok()
-                .and_then(|v| v.trim().parse::<u64>().ok())
-                .unwrap_or(default)
+            std::env::var(key).ok().and_then(|v| v.trim().parse::<u64>().ok()).unwrap_or(default)
         };
         Policy {
             attempts: num("DISTRO_NET_ATTEMPTS", 3).clamp(1, 20) as u32,
@@ -43,11 +40,7 @@ impl Policy {
 
 /// Runs `op` until it succeeds, fails permanently, or the attempts of `policy` are used up.
 /// `what` names the operation in progress messages and in the final error.
-pub fn retry<T>(
-    policy: Policy,
-    what: &str,
-    mut op: impl FnMut() -> std::result::Result<T, Failure>,
-) -> Result<T> {
+pub fn retry<T>(policy: Policy, what: &str, mut op: impl FnMut() -> std::result::Result<T, Failure>) -> Result<T> {
     let mut delay = policy.first_backoff;
     for attempt in 1..=policy.attempts {
         match op() {
@@ -78,30 +71,20 @@ mod tests {
     use super::*;
 
     fn fast(attempts: u32) -> Policy {
-        Policy {
-            attempts,
-            first_backoff: Duration::from_millis(1),
-        }
+        Policy { attempts, first_backoff: Duration::from_millis(1) }
     }
 
     #[test]
     fn transient_failures_are_retried_then_reported_once() {
         let mut calls = 0;
-        let err = retry(
-            fast(3),
-            "fetching main",
-            || -> std::result::Result<(), _> {
-                calls += 1;
-                Err(Failure::Transient(format!("refused {calls}")))
-            },
-        )
+        let err = retry(fast(3), "fetching main", || -> std::result::Result<(), _> {
+            calls += 1;
+            Err(Failure::Transient(format!("refused {calls}")))
+        })
         .unwrap_err();
         assert_eq!(calls, 3);
         let msg = err.to_string();
-        assert!(
-            msg.starts_with("fetching main failed after 3 attempts: refused 3"),
-            "{msg}"
-        );
+        assert!(msg.starts_with("fetching main failed after 3 attempts: refused 3"), "{msg}");
     }
 
     #[test]
@@ -121,11 +104,7 @@ mod tests {
         let mut calls = 0;
         let v = retry(fast(3), "x", || {
             calls += 1;
-            if calls < 2 {
-                Err(Failure::Transient("t".into()))
-            } else {
-                Ok(7)
-            }
+            if calls < 2 { Err(Failure::Transient("t".into())) } else { Ok(7) }
         })
         .unwrap();
         assert_eq!((v, calls), (7, 2));

@@ -19,18 +19,11 @@ const MARKER: &str = ".distro-fetch.toml";
 /// Copies each fetched tree to `out/NAME` and returns the copies' paths. An existing
 /// `out/NAME` is replaced only if distro wrote it and nobody changed it since; anything else
 /// is an error that asks the user to move it away.
-pub fn copy_out(
-    fetched: &[FetchedSource],
-    out: &Path,
-    root: &Path,
-    cache: &Cache,
-) -> Result<Vec<PathBuf>> {
+pub fn copy_out(fetched: &[FetchedSource], out: &Path, root: &Path, cache: &Cache) -> Result<Vec<PathBuf>> {
     fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
     let marker_path = out.join(MARKER);
     let mut marker: BTreeMap<String, String> = match fs::read_to_string(&marker_path) {
-        Ok(text) => toml::from_str::<Marker>(&text)
-            .map(|m| m.trees)
-            .unwrap_or_default(),
+        Ok(text) => toml::from_str::<Marker>(&text).map(|m| m.trees).unwrap_or_default(),
         Err(_) => BTreeMap::new(),
     };
     let mut paths = Vec::new();
@@ -62,8 +55,7 @@ pub fn copy_out(
         let staging = out.join(format!(".{}.distro-tmp", f.name));
         remove_all(&staging)?;
         copy_tree(&f.dir, &staging)?;
-        fs::rename(&staging, &dest)
-            .with_context(|| format!("moving the copy into {}", dest.display()))?;
+        fs::rename(&staging, &dest).with_context(|| format!("moving the copy into {}", dest.display()))?;
         marker.insert(f.name.clone(), f.tree.clone());
         write_atomic(&marker_path, render(&marker).as_bytes())?;
         paths.push(dest);
@@ -78,15 +70,10 @@ struct Marker {
 }
 
 fn render(trees: &BTreeMap<String, String>) -> String {
-    let mut out = String::from(
-        "# Written by `distro fetch --out`: the git tree id of each source copied here.\n[trees]\n",
-    );
+    let mut out =
+        String::from("# Written by `distro fetch --out`: the git tree id of each source copied here.\n[trees]\n");
     for (name, tree) in trees {
-        out.push_str(&format!(
-            "{} = {}\n",
-            toml::Value::String(name.clone()),
-            toml::Value::String(tree.clone())
-        ));
+        out.push_str(&format!("{} = {}\n", toml::Value::String(name.clone()), toml::Value::String(tree.clone())));
     }
     out
 }

@@ -27,13 +27,7 @@ impl PatchFile {
     /// A patch from its bytes.
     pub fn new(entry: String, file: Option<String>, bytes: Vec<u8>, extra: bool) -> PatchFile {
         let sha256 = sha256_hex(&bytes);
-        PatchFile {
-            entry,
-            file,
-            bytes,
-            sha256,
-            extra,
-        }
+        PatchFile { entry, file, bytes, sha256, extra }
     }
 
     /// How the lock records this patch.
@@ -105,14 +99,8 @@ pub fn parse_hunks(patch: &str) -> Vec<FileHunks> {
             in_diff = true;
             old_path = None;
             // Until ---/+++ lines name it, take the b/ side of the header.
-            let path = rest
-                .rsplit_once(" b/")
-                .map(|(_, b)| b.to_owned())
-                .unwrap_or_else(|| rest.to_owned());
-            files.push(FileHunks {
-                path,
-                hunks: Vec::new(),
-            });
+            let path = rest.rsplit_once(" b/").map(|(_, b)| b.to_owned()).unwrap_or_else(|| rest.to_owned());
+            files.push(FileHunks { path, hunks: Vec::new() });
         } else if !in_diff {
             continue;
         } else if let Some(p) = line.strip_prefix("--- ") {
@@ -151,38 +139,19 @@ mod tests {
             vec![
                 FileHunks {
                     path: "src/a.rs".into(),
-                    hunks: vec![
-                        "@@ -1,3 +1,3 @@ fn main() {".into(),
-                        "@@ -10,2 +10,2 @@".into()
-                    ]
+                    hunks: vec!["@@ -1,3 +1,3 @@ fn main() {".into(), "@@ -10,2 +10,2 @@".into()]
                 },
-                FileHunks {
-                    path: "gone.txt".into(),
-                    hunks: vec!["@@ -1 +0,0 @@".into()]
-                },
-                FileHunks {
-                    path: "new file.txt".into(),
-                    hunks: vec!["@@ -0,0 +1 @@".into()]
-                },
+                FileHunks { path: "gone.txt".into(), hunks: vec!["@@ -1 +0,0 @@".into()] },
+                FileHunks { path: "new file.txt".into(), hunks: vec!["@@ -0,0 +1 @@".into()] },
             ]
         );
     }
 
     #[test]
     fn labels_name_ref_and_file() {
-        let p = PatchFile::new(
-            "pull/1/head".into(),
-            Some("patches/x/PR-1.patch".into()),
-            b"x".to_vec(),
-            false,
-        );
+        let p = PatchFile::new("pull/1/head".into(), Some("patches/x/PR-1.patch".into()), b"x".to_vec(), false);
         assert_eq!(p.label(), "pull/1/head (patches/x/PR-1.patch)");
-        let p = PatchFile::new(
-            "patches/x/a.patch".into(),
-            Some("patches/x/a.patch".into()),
-            b"x".to_vec(),
-            false,
-        );
+        let p = PatchFile::new("patches/x/a.patch".into(), Some("patches/x/a.patch".into()), b"x".to_vec(), false);
         assert_eq!(p.label(), "patches/x/a.patch");
     }
 }

@@ -53,12 +53,7 @@ pub struct Refreshed {
 /// Exports every upstream-ref patch of the selected sources (all when `names` is empty). All
 /// refs are fetched before anything is written; each file is replaced atomically, and only when
 /// its content changes. With `dry_run` nothing is written.
-pub fn refresh(
-    manifest: &Manifest,
-    names: &[String],
-    cache: &Cache,
-    dry_run: bool,
-) -> Result<Vec<Refreshed>> {
+pub fn refresh(manifest: &Manifest, names: &[String], cache: &Cache, dry_run: bool) -> Result<Vec<Refreshed>> {
     let mut exports = Vec::new();
     for source in manifest.select(names)? {
         let SourceKind::Git(g) = &source.kind else {
@@ -96,12 +91,7 @@ pub fn refresh(
         if let (Some(new), false, Refresh::New | Refresh::Changed) = (&mbox, dry_run, status) {
             write_atomic(&path, new)?;
         }
-        out.push(Refreshed {
-            source,
-            git_ref,
-            file,
-            status,
-        });
+        out.push(Refreshed { source, git_ref, file, status });
     }
     Ok(out)
 }

@@ -33,9 +33,7 @@ impl FromStr for SourceOverride {
 
     /// Parses `NAME=URL#REF` (`#REF` optional; the last `#` separates it).
     fn from_str(spec: &str) -> std::result::Result<Self, String> {
-        let (name, rest) = spec
-            .split_once('=')
-            .ok_or_else(|| format!("`{spec}` is not NAME=URL#REF"))?;
+        let (name, rest) = spec.split_once('=').ok_or_else(|| format!("`{spec}` is not NAME=URL#REF"))?;
         let (url, git_ref) = match rest.rsplit_once('#') {
             Some((u, r)) => (u, Some(r.to_owned())),
             None => (rest, None),
@@ -47,16 +45,9 @@ impl FromStr for SourceOverride {
             url.to_owned()
         } else {
             // A local path on the command line is relative to the current directory.
-            std::path::absolute(url)
-                .map_err(|e| format!("{url}: {e}"))?
-                .to_string_lossy()
-                .into_owned()
+            std::path::absolute(url).map_err(|e| format!("{url}: {e}"))?.to_string_lossy().into_owned()
         };
-        Ok(SourceOverride {
-            name: name.to_owned(),
-            url,
-            git_ref,
-        })
+        Ok(SourceOverride { name: name.to_owned(), url, git_ref })
     }
 }
 
@@ -125,12 +116,7 @@ pub struct FetchedSource {
 /// `distro lock`; the lock it returns holds only the selected sources.
 ///
 /// Fails with a [`apply::Conflict`] in the error chain when a patch does not apply.
-pub fn resolve(
-    manifest: &Manifest,
-    names: &[String],
-    overrides: &Overrides,
-    cache: &Cache,
-) -> Result<Lock> {
+pub fn resolve(manifest: &Manifest, names: &[String], overrides: &Overrides, cache: &Cache) -> Result<Lock> {
     let extras = assign_extra_patches(manifest, overrides)?;
     let mut lock = Lock::default();
     for source in selection(manifest, names, overrides)? {
@@ -157,8 +143,8 @@ pub fn lock_for_run(
     let extras = assign_extra_patches(manifest, overrides)?;
     let mut out = Lock::default();
     for source in selection(manifest, names, overrides)? {
-        let touched = overrides.sources.iter().any(|o| o.name == source.name)
-            || extras.iter().any(|(n, _)| n == &source.name);
+        let touched =
+            overrides.sources.iter().any(|o| o.name == source.name) || extras.iter().any(|(n, _)| n == &source.name);
         let locked = lock.and_then(|l| l.sources.get(&source.name));
         let status = lock_status(manifest, source, locked);
         let entry = if touched {
@@ -199,18 +185,12 @@ pub fn materialise(lock: &Lock, root: &Path, cache: &Cache) -> Result<Vec<Fetche
     lock.sources
         .iter()
         .map(|(name, locked)| {
-            materialise_source(name, locked, root, cache)
-                .with_context(|| format!("fetching source `{name}`"))
+            materialise_source(name, locked, root, cache).with_context(|| format!("fetching source `{name}`"))
         })
         .collect()
 }
 
-fn materialise_source(
-    name: &str,
-    locked: &LockedSource,
-    root: &Path,
-    cache: &Cache,
-) -> Result<FetchedSource> {
+fn materialise_source(name: &str, locked: &LockedSource, root: &Path, cache: &Cache) -> Result<FetchedSource> {
     let fetched = |dir: PathBuf| FetchedSource {
         name: name.to_owned(),
         dir,
@@ -219,44 +199,23 @@ fn materialise_source(
         origin: locked.origin.clone(),
     };
     let (repo, base) = match &locked.origin {
-        Origin::Git {
-            url,
-            git_ref,
-            commit,
-        } => {
+        Origin::Git { url, git_ref, commit } => {
             let url = fetch_url(url, root);
             let repo = cache.open_repo(&upstream::repo_key(&url))?;
             if let Some(dir) = cached_tree(cache, &repo, &locked.tree)? {
                 return Ok(fetched(dir));
             }
             upstream::ensure_commit(&repo, &url, git_ref, commit)?;
-            (
-                repo,
-                Base {
-                    commit: commit.clone(),
-                    label: format!("the locked commit on `{git_ref}`"),
-                },
-            )
+            (repo, Base { commit: commit.clone(), label: format!("the locked commit on `{git_ref}`") })
         }
-        Origin::Crate {
-            name: krate,
-            version,
-            checksum,
-            registry,
-        } => {
+        Origin::Crate { name: krate, version, checksum, registry } => {
             let spec = crate_spec(krate, registry.clone());
             let repo = cache.open_repo(&crates::repo_key(&spec))?;
             if let Some(dir) = cached_tree(cache, &repo, &locked.tree)? {
                 return Ok(fetched(dir));
             }
             let (commit, _) = crates::import(cache, root, &repo, &spec, version, Some(checksum))?;
-            (
-                repo,
-                Base {
-                    commit,
-                    label: format!("crate {krate} {version}"),
-                },
-            )
+            (repo, Base { commit, label: format!("crate {krate} {version}") })
         }
     };
     let patches = locked
@@ -300,20 +259,14 @@ fn materialise_source(
 pub(crate) fn repo_for_origin(cache: &Cache, origin: &Origin, root: &Path) -> Result<Repo> {
     match origin {
         Origin::Git { url, .. } => cache.open_repo(&upstream::repo_key(&fetch_url(url, root))),
-        Origin::Crate { name, registry, .. } => {
-            cache.open_repo(&crates::repo_key(&crate_spec(name, registry.clone())))
-        }
+        Origin::Crate { name, registry, .. } => cache.open_repo(&crates::repo_key(&crate_spec(name, registry.clone()))),
     }
 }
 
 /// The cached tree `tree` if it is present and intact.
 fn cached_tree(cache: &Cache, repo: &Repo, tree: &str) -> Result<Option<PathBuf>> {
     let dir = cache.tree_dir(tree);
-    if !dir.is_dir()
-        || !repo
-            .git
-            .succeeds(["cat-file", "-e", &format!("{tree}^{{tree}}")])
-    {
+    if !dir.is_dir() || !repo.git.succeeds(["cat-file", "-e", &format!("{tree}^{{tree}}")]) {
         return Ok(None);
     }
     // materialise_tree verifies the copy and rebuilds it from the object if it was modified.
@@ -331,34 +284,20 @@ fn crate_spec(name: &str, registry: Option<String>) -> CrateSpec {
 }
 
 /// The selected sources plus every source an override names.
-fn selection<'m>(
-    manifest: &'m Manifest,
-    names: &[String],
-    overrides: &Overrides,
-) -> Result<Vec<&'m Source>> {
+fn selection<'m>(manifest: &'m Manifest, names: &[String], overrides: &Overrides) -> Result<Vec<&'m Source>> {
     let mut wanted: Vec<String> = names.to_vec();
     if !names.is_empty() {
         wanted.extend(overrides.sources.iter().map(|o| o.name.clone()));
-        wanted.extend(
-            overrides
-                .extra_patches
-                .iter()
-                .filter_map(|p| p.source.clone()),
-        );
+        wanted.extend(overrides.extra_patches.iter().filter_map(|p| p.source.clone()));
     }
     for o in &overrides.sources {
-        manifest
-            .source(&o.name)
-            .map_err(|e| e.context(format!("--source {}", o.name)))?;
+        manifest.source(&o.name).map_err(|e| e.context(format!("--source {}", o.name)))?;
     }
     manifest.select(&wanted)
 }
 
 /// Pairs every extra patch with its source (inferring it where possible).
-fn assign_extra_patches(
-    manifest: &Manifest,
-    overrides: &Overrides,
-) -> Result<Vec<(String, ExtraPatch)>> {
+fn assign_extra_patches(manifest: &Manifest, overrides: &Overrides) -> Result<Vec<(String, ExtraPatch)>> {
     overrides
         .extra_patches
         .iter()
@@ -385,15 +324,11 @@ fn infer_source(manifest: &Manifest, patch: &str) -> Option<String> {
             return Some(pair[1].to_owned());
         }
     }
-    (manifest.sources.len() == 1)
-        .then(|| manifest.sources.keys().next().cloned())
-        .flatten()
+    (manifest.sources.len() == 1).then(|| manifest.sources.keys().next().cloned()).flatten()
 }
 
 fn is_ref_spec(patch: &str) -> bool {
-    (patch.starts_with("pull/")
-        || patch.starts_with("refs/")
-        || patch.starts_with("merge-requests/"))
+    (patch.starts_with("pull/") || patch.starts_with("refs/") || patch.starts_with("merge-requests/"))
         && !Path::new(patch).exists()
 }
 
@@ -409,11 +344,7 @@ fn resolve_source(
 ) -> Result<LockedSource> {
     let name = &source.name;
     let mut patches = read_source_patches(manifest, source)?;
-    let extra: Vec<&ExtraPatch> = extras
-        .iter()
-        .filter(|(n, _)| n == name)
-        .map(|(_, p)| p)
-        .collect();
+    let extra: Vec<&ExtraPatch> = extras.iter().filter(|(n, _)| n == name).map(|(_, p)| p).collect();
     let over = overrides.sources.iter().find(|o| &o.name == name);
     let overridden = over.is_some();
 
@@ -431,23 +362,9 @@ fn resolve_source(
         let url = fetch_url(&o.url, Path::new("."));
         let repo = cache.open_repo(&upstream::repo_key(&url))?;
         let commit = upstream::fetch_ref(&repo, &url, &git_ref)?;
-        eprintln!(
-            "distro: source `{name}` overridden for this run: {}#{git_ref} ({commit})",
-            o.url
-        );
-        let base = Base {
-            commit: commit.clone(),
-            label: format!("`{git_ref}` of {}", o.url),
-        };
-        (
-            repo,
-            base,
-            Origin::Git {
-                url: o.url.clone(),
-                git_ref,
-                commit,
-            },
-        )
+        eprintln!("distro: source `{name}` overridden for this run: {}#{git_ref} ({commit})", o.url);
+        let base = Base { commit: commit.clone(), label: format!("`{git_ref}` of {}", o.url) };
+        (repo, base, Origin::Git { url: o.url.clone(), git_ref, commit })
     } else {
         match &source.kind {
             SourceKind::Git(g) => {
@@ -462,18 +379,11 @@ fn resolve_source(
                 let repo = cache.open_repo(&upstream::repo_key(&url))?;
                 upstream::ensure_commit(&repo, &url, &g.tracking_ref, commit)
                     .map_err(|e| e.context(manifest.at(g.commit_loc)))?;
-                let base = Base {
-                    commit: commit.clone(),
-                    label: "the pinned commit".into(),
-                };
+                let base = Base { commit: commit.clone(), label: "the pinned commit".into() };
                 (
                     repo,
                     base,
-                    Origin::Git {
-                        url: g.url.clone(),
-                        git_ref: g.tracking_ref.clone(),
-                        commit: commit.clone(),
-                    },
+                    Origin::Git { url: g.url.clone(), git_ref: g.tracking_ref.clone(), commit: commit.clone() },
                 )
             }
             SourceKind::Crate(c) => {
@@ -488,12 +398,8 @@ fn resolve_source(
                     Origin::Crate { checksum, .. } => Some(checksum.as_str()),
                     Origin::Git { .. } => None,
                 });
-                let (commit, release) =
-                    crates::import(cache, &manifest.root, &repo, c, version, expected)?;
-                let base = Base {
-                    commit,
-                    label: format!("crate {} {version}", c.name),
-                };
+                let (commit, release) = crates::import(cache, &manifest.root, &repo, c, version, expected)?;
+                let base = Base { commit, label: format!("crate {} {version}", c.name) };
                 let origin = Origin::Crate {
                     name: c.name.clone(),
                     version: release.version,
@@ -539,10 +445,7 @@ fn read_extra_patch(
         };
         let fetch = fetch_url(url, &manifest.root);
         let bytes = upstream::export_ref(repo, &fetch, git_ref, &p.patch)?.ok_or_else(|| {
-            bad_input(format!(
-                "--patch {}: it has no commits that are not already on `{git_ref}`",
-                p.patch
-            ))
+            bad_input(format!("--patch {}: it has no commits that are not already on `{git_ref}`", p.patch))
         })?;
         return Ok(PatchFile::new(p.patch.clone(), None, bytes, true));
     }
@@ -550,10 +453,7 @@ fn read_extra_patch(
     let bytes = std::fs::read(path).map_err(|e| bad_input(format!("--patch {}: {e}", p.patch)))?;
     // A file inside the project is recorded by its project path; others only by their hash.
     let file = match (path.canonicalize(), manifest.root.canonicalize()) {
-        (Ok(abs), Ok(root)) => abs
-            .strip_prefix(&root)
-            .ok()
-            .map(|r| r.to_string_lossy().into_owned()),
+        (Ok(abs), Ok(root)) => abs.strip_prefix(&root).ok().map(|r| r.to_string_lossy().into_owned()),
         _ => None,
     };
     Ok(PatchFile::new(p.patch.clone(), file, bytes, true))
@@ -561,13 +461,7 @@ fn read_extra_patch(
 
 /// Applies a series where every patch must apply; a conflict is reported on stderr in detail
 /// and becomes the error.
-fn apply_strict(
-    cache: &Cache,
-    repo: &Repo,
-    name: &str,
-    base: &Base,
-    patches: &[PatchFile],
-) -> Result<apply::Applied> {
+fn apply_strict(cache: &Cache, repo: &Repo, name: &str, base: &Base, patches: &[PatchFile]) -> Result<apply::Applied> {
     match apply::apply_series(cache, repo, name, base, patches, apply::Options::default())? {
         Ok(applied) => {
             for (p, o) in patches.iter().zip(&applied.outcomes) {
@@ -597,11 +491,7 @@ mod tests {
         let o: SourceOverride = "foo=https://h/x.git#pull/1/head".parse().unwrap();
         assert_eq!(
             o,
-            SourceOverride {
-                name: "foo".into(),
-                url: "https://h/x.git".into(),
-                git_ref: Some("pull/1/head".into())
-            }
+            SourceOverride { name: "foo".into(), url: "https://h/x.git".into(), git_ref: Some("pull/1/head".into()) }
         );
         let o: SourceOverride = "foo=https://h/x.git".parse().unwrap();
         assert_eq!(o.git_ref, None);
@@ -614,13 +504,7 @@ mod tests {
     #[test]
     fn extra_patches_parse_and_infer_their_source() {
         let p: ExtraPatch = "foo=pull/2/head".parse().unwrap();
-        assert_eq!(
-            p,
-            ExtraPatch {
-                source: Some("foo".into()),
-                patch: "pull/2/head".into()
-            }
-        );
+        assert_eq!(p, ExtraPatch { source: Some("foo".into()), patch: "pull/2/head".into() });
         let p: ExtraPatch = "patches/bar/x.patch".parse().unwrap();
         assert_eq!(p.source, None);
         let m = Manifest::parse(
@@ -628,27 +512,15 @@ mod tests {
             "[sources.foo]\nurl = \"u\"\ntracking_ref = \"main\"\n[sources.bar]\nurl = \"v\"\ntracking_ref = \"main\"\n",
         )
         .unwrap();
-        assert_eq!(
-            infer_source(&m, "patches/bar/x.patch").as_deref(),
-            Some("bar")
-        );
+        assert_eq!(infer_source(&m, "patches/bar/x.patch").as_deref(), Some("bar"));
         assert_eq!(infer_source(&m, "/tmp/x.patch"), None);
         let err = assign_extra_patches(
             &m,
-            &Overrides {
-                sources: vec![],
-                extra_patches: vec![p.clone(), "pull/1/head".parse().unwrap()],
-            },
+            &Overrides { sources: vec![], extra_patches: vec![p.clone(), "pull/1/head".parse().unwrap()] },
         )
         .unwrap_err();
-        assert!(
-            err.to_string().contains("write it as NAME=pull/1/head"),
-            "{err}"
-        );
-        let over = Overrides {
-            sources: vec!["nope=/x#main".parse().unwrap()],
-            extra_patches: vec![],
-        };
+        assert!(err.to_string().contains("write it as NAME=pull/1/head"), "{err}");
+        let over = Overrides { sources: vec!["nope=/x#main".parse().unwrap()], extra_patches: vec![] };
         let err = selection(&m, &[], &over).unwrap_err();
         assert_eq!(crate::error::exit_code(&err), 2, "{err:#}");
     }

@@ -30,11 +30,7 @@ impl fmt::Display for LockStatus {
 }
 
 /// Compares `source` with its lock entry. Cheap: no network, no git; patch files are hashed.
-pub fn lock_status(
-    manifest: &Manifest,
-    source: &Source,
-    locked: Option<&LockedSource>,
-) -> LockStatus {
+pub fn lock_status(manifest: &Manifest, source: &Source, locked: Option<&LockedSource>) -> LockStatus {
     let Some(locked) = locked else {
         return LockStatus::Missing;
     };
@@ -42,28 +38,13 @@ pub fn lock_status(
         return LockStatus::Stale("the lock holds a one-run override or extra patch".into());
     }
     let origin_matches = match (&source.kind, &locked.origin) {
-        (
-            SourceKind::Git(g),
-            Origin::Git {
-                url,
-                git_ref,
-                commit,
-            },
-        ) => {
+        (SourceKind::Git(g), Origin::Git { url, git_ref, commit }) => {
             if g.url != *url || g.tracking_ref != *git_ref {
                 return LockStatus::Stale("url or tracking_ref changed".into());
             }
             g.commit.as_deref() == Some(commit.as_str())
         }
-        (
-            SourceKind::Crate(c),
-            Origin::Crate {
-                name,
-                version,
-                registry,
-                ..
-            },
-        ) => {
+        (SourceKind::Crate(c), Origin::Crate { name, version, registry, .. }) => {
             if c.name != *name || c.registry != *registry {
                 return LockStatus::Stale("crate or registry changed".into());
             }
@@ -119,16 +100,8 @@ pub fn rows(manifest: &Manifest, lock: Option<&Lock>) -> Vec<SourceRow> {
         .map(|s| {
             let status = lock_status(manifest, s, lock.and_then(|l| l.sources.get(&s.name)));
             let (kind, pin, tracking) = match &s.kind {
-                SourceKind::Git(g) => (
-                    "git",
-                    g.commit.clone().unwrap_or_default(),
-                    g.tracking_ref.clone(),
-                ),
-                SourceKind::Crate(c) => (
-                    "crate",
-                    c.version.clone().unwrap_or_default(),
-                    c.tracking_req.clone(),
-                ),
+                SourceKind::Git(g) => ("git", g.commit.clone().unwrap_or_default(), g.tracking_ref.clone()),
+                SourceKind::Crate(c) => ("crate", c.version.clone().unwrap_or_default(), c.tracking_req.clone()),
             };
             SourceRow {
                 name: s.name.clone(),
@@ -152,20 +125,9 @@ pub fn table(rows: &[SourceRow]) -> String {
     let cells: Vec<[String; 6]> = rows
         .iter()
         .map(|r| {
-            let pin = if r.kind == "git" && r.pin.len() > 12 {
-                r.pin[..12].to_owned()
-            } else {
-                r.pin.clone()
-            };
+            let pin = if r.kind == "git" && r.pin.len() > 12 { r.pin[..12].to_owned() } else { r.pin.clone() };
             let pin = if pin.is_empty() { "-".into() } else { pin };
-            [
-                r.name.clone(),
-                r.kind.into(),
-                pin,
-                r.tracking.clone(),
-                r.patches.to_string(),
-                r.lock.clone(),
-            ]
+            [r.name.clone(), r.kind.into(), pin, r.tracking.clone(), r.patches.to_string(), r.lock.clone()]
         })
         .collect();
     let mut widths = header.map(str::len);
@@ -176,11 +138,7 @@ pub fn table(rows: &[SourceRow]) -> String {
     }
     let mut out = String::new();
     let mut line = |cols: Vec<&str>| {
-        let text: Vec<String> = cols
-            .iter()
-            .zip(widths)
-            .map(|(c, w)| format!("{c:<w$}"))
-            .collect();
+        let text: Vec<String> = cols.iter().zip(widths).map(|(c, w)| format!("{c:<w$}")).collect();
         out.push_str(text.join("  ").trim_end());
         out.push('\n');
     };
@@ -208,11 +166,7 @@ mod tests {
 
     fn locked(commit: &str) -> LockedSource {
         LockedSource {
-            origin: Origin::Git {
-                url: "u".into(),
-                git_ref: "main".into(),
-                commit: commit.into(),
-            },
+            origin: Origin::Git { url: "u".into(), git_ref: "main".into(), commit: commit.into() },
             overridden: false,
             patches: vec![LockedPatch {
                 entry: "patches/foo/a.patch".into(),
@@ -233,15 +187,9 @@ mod tests {
         let foo = &m.sources["foo"];
         assert_eq!(lock_status(&m, foo, Some(&locked(&a))), LockStatus::Current);
         assert_eq!(lock_status(&m, foo, None), LockStatus::Missing);
-        assert!(matches!(
-            lock_status(&m, foo, Some(&locked(&"d".repeat(40)))),
-            LockStatus::Stale(_)
-        ));
+        assert!(matches!(lock_status(&m, foo, Some(&locked(&"d".repeat(40)))), LockStatus::Stale(_)));
         std::fs::write(dir.path().join("patches/foo/a.patch"), "changed").unwrap();
-        assert_eq!(
-            lock_status(&m, foo, Some(&locked(&a))),
-            LockStatus::Stale("patches/foo/a.patch changed".into())
-        );
+        assert_eq!(lock_status(&m, foo, Some(&locked(&a))), LockStatus::Stale("patches/foo/a.patch changed".into()));
     }
 
     #[test]
@@ -253,17 +201,8 @@ mod tests {
         lock.sources.insert("foo".into(), locked(&a));
         let text = table(&rows(&m, Some(&lock)));
         let lines: Vec<&str> = text.lines().collect();
-        assert_eq!(
-            lines[0],
-            "NAME  KIND   PIN           TRACKING  PATCHES  LOCK"
-        );
-        assert_eq!(
-            lines[1],
-            "c     crate  1.0.0         *         0        missing"
-        );
-        assert_eq!(
-            lines[2],
-            "foo   git    aaaaaaaaaaaa  main      1        current"
-        );
+        assert_eq!(lines[0], "NAME  KIND   PIN           TRACKING  PATCHES  LOCK");
+        assert_eq!(lines[1], "c     crate  1.0.0         *         0        missing");
+        assert_eq!(lines[2], "foo   git    aaaaaaaaaaaa  main      1        current");
     }
 }

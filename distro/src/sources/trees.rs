@@ -34,18 +34,7 @@ pub fn hash_dir(repo: &Repo, dir: &Path, scratch: &Path) -> Result<String> {
     let git_dir = format!("--git-dir={}", repo.git_dir().display());
     let env: [(&str, &OsStr); 1] = [("GIT_INDEX_FILE", index.as_os_str())];
     let g = Git::new(dir);
-    g.run_env(
-        [
-            git_dir.as_str(),
-            "--work-tree=.",
-            "add",
-            "--all",
-            "--force",
-            "--",
-            ".",
-        ],
-        &env,
-    )?;
+    g.run_env([git_dir.as_str(), "--work-tree=.", "add", "--all", "--force", "--", "."], &env)?;
     g.run_env([git_dir.as_str(), "write-tree"], &env)
 }
 
@@ -59,10 +48,7 @@ pub fn materialise_tree(cache: &Cache, repo: &Repo, tree: &str) -> Result<PathBu
         if hash_dir(repo, &dest, scratch.path())? == tree {
             return Ok(dest);
         }
-        eprintln!(
-            "distro: warning: {} was modified in the cache; checking it out again",
-            dest.display()
-        );
+        eprintln!("distro: warning: {} was modified in the cache; checking it out again", dest.display());
         remove_all(&dest)?;
     }
     let staging = scratch.path().join("tree");
@@ -88,16 +74,7 @@ pub fn checkout_tree(repo: &Repo, tree: &str, dir: &Path, scratch: &Path) -> Res
     let env: [(&str, &OsStr); 1] = [("GIT_INDEX_FILE", index.as_os_str())];
     let g = Git::new(dir);
     g.run_env([git_dir.as_str(), "--work-tree=.", "read-tree", tree], &env)?;
-    g.run_env(
-        [
-            git_dir.as_str(),
-            "--work-tree=.",
-            "checkout-index",
-            "--all",
-            "--force",
-        ],
-        &env,
-    )?;
+    g.run_env([git_dir.as_str(), "--work-tree=.", "checkout-index", "--all", "--force"], &env)?;
     let _ = fs::remove_file(&index);
     Ok(())
 }
@@ -145,18 +122,9 @@ mod tests {
         let cache = Cache::at(dir.path());
         let (repo, _) = repo_with_files(&cache);
         let head = repo.git.rev_parse("HEAD").unwrap();
-        repo.git
-            .run([
-                "update-index",
-                "--add",
-                "--cacheinfo",
-                &format!("160000,{head},third_party/sub"),
-            ])
-            .unwrap();
+        repo.git.run(["update-index", "--add", "--cacheinfo", &format!("160000,{head},third_party/sub")]).unwrap();
         let tree = repo.git.run(["write-tree"]).unwrap();
-        let err = check_no_submodules(&repo, &tree, "foo")
-            .unwrap_err()
-            .to_string();
+        let err = check_no_submodules(&repo, &tree, "foo").unwrap_err().to_string();
         assert!(err.contains("git submodule at `third_party/sub`"), "{err}");
     }
 }

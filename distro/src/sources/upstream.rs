@@ -11,21 +11,10 @@ use crate::error::bad_input;
 
 /// The cache repository key for a git URL (as git will fetch it): readable and unique.
 pub fn repo_key(fetch_url: &str) -> String {
-    let tail = fetch_url
-        .trim_end_matches('/')
-        .rsplit(['/', ':'])
-        .next()
-        .unwrap_or("repo")
-        .trim_end_matches(".git");
+    let tail = fetch_url.trim_end_matches('/').rsplit(['/', ':']).next().unwrap_or("repo").trim_end_matches(".git");
     let tail: String = tail
         .chars()
-        .map(|c| {
-            if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
-                c
-            } else {
-                '_'
-            }
-        })
+        .map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' { c } else { '_' })
         .take(40)
         .collect();
     format!("git-{tail}-{}", &sha256_hex(fetch_url.as_bytes())[..16])
@@ -33,10 +22,7 @@ pub fn repo_key(fetch_url: &str) -> String {
 
 /// Where a fetched upstream ref is kept in the cache repository.
 fn local_ref(git_ref: &str) -> String {
-    format!(
-        "refs/distro/upstream/{}",
-        git_ref.strip_prefix("refs/").unwrap_or(git_ref)
-    )
+    format!("refs/distro/upstream/{}", git_ref.strip_prefix("refs/").unwrap_or(git_ref))
 }
 
 fn is_permanent(stderr: &str) -> bool {
@@ -86,25 +72,21 @@ pub fn fetch_ref(repo: &Repo, url: &str, git_ref: &str) -> Result<String> {
     eprintln!("distro: fetching {git_ref} from {url}");
     if is_object_id(git_ref) {
         if !repo.git.has_commit(git_ref) {
-            fetch(
-                repo,
-                url,
-                git_ref,
-                &format!("fetching commit {git_ref} from {url}"),
-            )?;
+            fetch(repo, url, git_ref, &format!("fetching commit {git_ref} from {url}"))?;
         }
         keep(repo, git_ref)?;
         return Ok(git_ref.to_owned());
     }
     let local = local_ref(git_ref);
-    fetch(repo, url, &format!("+{git_ref}:{local}"), &format!("fetching {git_ref} from {url}"))
-        .map_err(|e| {
-            if e.to_string().contains("couldn't find remote ref") {
-                bad_input(format!("{url} has no ref `{git_ref}`: check the name (a branch such as `main`, a tag, or `pull/123/head`)"))
-            } else {
-                e
-            }
-        })?;
+    fetch(repo, url, &format!("+{git_ref}:{local}"), &format!("fetching {git_ref} from {url}")).map_err(|e| {
+        if e.to_string().contains("couldn't find remote ref") {
+            bad_input(format!(
+                "{url} has no ref `{git_ref}`: check the name (a branch such as `main`, a tag, or `pull/123/head`)"
+            ))
+        } else {
+            e
+        }
+    })?;
     repo.git
         .rev_parse(&format!("{local}^{{commit}}"))
         .with_context(|| format!("{git_ref} at {url} does not point to a commit"))
@@ -120,12 +102,7 @@ pub fn ensure_commit(repo: &Repo, url: &str, tracking_ref: &str, commit: &str) -
     if !repo.git.has_commit(commit) {
         // Servers that allow it (GitHub does) serve any commit by id; others refuse, which is
         // fine: the commit is then missing upstream as far as we can tell.
-        let _ = fetch(
-            repo,
-            url,
-            commit,
-            &format!("fetching commit {commit} from {url}"),
-        );
+        let _ = fetch(repo, url, commit, &format!("fetching commit {commit} from {url}"));
     }
     if !repo.git.has_commit(commit) {
         return Err(bad_input(format!(
@@ -137,8 +114,7 @@ pub fn ensure_commit(repo: &Repo, url: &str, tracking_ref: &str, commit: &str) -
 
 /// Keeps `commit` reachable from a ref, so no garbage collection can drop a pin.
 fn keep(repo: &Repo, commit: &str) -> Result<()> {
-    repo.git
-        .run(["update-ref", &format!("refs/distro/pins/{commit}"), commit])?;
+    repo.git.run(["update-ref", &format!("refs/distro/pins/{commit}"), commit])?;
     Ok(())
 }
 
@@ -146,12 +122,7 @@ fn keep(repo: &Repo, commit: &str) -> Result<()> {
 /// there as equivalent patches) as one mbox, the way `git format-patch` writes it, with full
 /// blob ids so `git am --3way` can fall back to a merge. `None` when there are no such commits
 /// (the ref was merged upstream).
-pub fn export_ref(
-    repo: &Repo,
-    url: &str,
-    tracking_ref: &str,
-    git_ref: &str,
-) -> Result<Option<Vec<u8>>> {
+pub fn export_ref(repo: &Repo, url: &str, tracking_ref: &str, git_ref: &str) -> Result<Option<Vec<u8>>> {
     let tip = fetch_ref(repo, url, tracking_ref)?;
     let head = fetch_ref(repo, url, git_ref)?;
     let mbox = repo.git.run_bytes([
@@ -183,26 +154,15 @@ mod tests {
     #[test]
     fn refs_are_kept_under_a_distro_namespace() {
         assert_eq!(local_ref("main"), "refs/distro/upstream/main");
-        assert_eq!(
-            local_ref("pull/12/head"),
-            "refs/distro/upstream/pull/12/head"
-        );
+        assert_eq!(local_ref("pull/12/head"), "refs/distro/upstream/pull/12/head");
         assert_eq!(local_ref("refs/heads/x"), "refs/distro/upstream/heads/x");
     }
 
     #[test]
     fn missing_refs_and_repositories_are_permanent() {
-        assert!(is_permanent(
-            "fatal: couldn't find remote ref refs/heads/nope"
-        ));
-        assert!(is_permanent(
-            "fatal: '/x' does not appear to be a git repository"
-        ));
-        assert!(!is_permanent(
-            "fatal: unable to access 'https://h/': Could not resolve host: h"
-        ));
-        assert!(!is_permanent(
-            "fatal: unable to connect to 127.0.0.1: Connection refused"
-        ));
+        assert!(is_permanent("fatal: couldn't find remote ref refs/heads/nope"));
+        assert!(is_permanent("fatal: '/x' does not appear to be a git repository"));
+        assert!(!is_permanent("fatal: unable to access 'https://h/': Could not resolve host: h"));
+        assert!(!is_permanent("fatal: unable to connect to 127.0.0.1: Connection refused"));
     }
 }

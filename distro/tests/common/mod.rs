@@ -21,12 +21,7 @@ pub fn git(dir: &Path, args: &[&str]) -> String {
         .env("GIT_COMMITTER_DATE", "1700000000 +0000")
         .output()
         .expect("git runs");
-    assert!(
-        out.status.success(),
-        "git {args:?} in {} failed: {}",
-        dir.display(),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert!(out.status.success(), "git {args:?} in {} failed: {}", dir.display(), String::from_utf8_lossy(&out.stderr));
     String::from_utf8(out.stdout).unwrap().trim_end().to_owned()
 }
 
@@ -37,16 +32,7 @@ pub fn lines(n: usize) -> String {
 
 /// `text` with line `n` (from 1) replaced by `new`.
 pub fn set_line(text: &str, n: usize, new: &str) -> String {
-    text.lines()
-        .enumerate()
-        .map(|(i, l)| {
-            if i + 1 == n {
-                format!("{new}\n")
-            } else {
-                format!("{l}\n")
-            }
-        })
-        .collect()
+    text.lines().enumerate().map(|(i, l)| if i + 1 == n { format!("{new}\n") } else { format!("{l}\n") }).collect()
 }
 
 /// An upstream git repository with a working tree.
@@ -162,22 +148,14 @@ pub struct Run {
 impl Run {
     /// Panics with the output unless the run succeeded.
     pub fn ok(self) -> Run {
-        assert_eq!(
-            self.code, 0,
-            "distro failed:\nstdout: {}\nstderr: {}",
-            self.stdout, self.stderr
-        );
+        assert_eq!(self.code, 0, "distro failed:\nstdout: {}\nstderr: {}", self.stdout, self.stderr);
         self
     }
 
     /// The last stderr line, which must be the single `error: ` line.
     pub fn error_line(&self) -> &str {
         let last = self.stderr.lines().last().unwrap_or("");
-        assert!(
-            last.starts_with("error: "),
-            "no error line in stderr: {}",
-            self.stderr
-        );
+        assert!(last.starts_with("error: "), "no error line in stderr: {}", self.stderr);
         assert!(!self.stderr.contains("panicked"), "{}", self.stderr);
         last
     }
@@ -193,11 +171,7 @@ pub struct Machine {
 impl Machine {
     pub fn new(dir: &Path) -> Machine {
         fs::create_dir_all(dir.join("home")).unwrap();
-        Machine {
-            home: dir.join("home"),
-            cache: dir.join("cache"),
-            env: Vec::new(),
-        }
+        Machine { home: dir.join("home"), cache: dir.join("cache"), env: Vec::new() }
     }
 
     pub fn with_env(mut self, key: &str, value: &str) -> Machine {

@@ -185,7 +185,15 @@ impl<B: Backend> Backend for Traced<B> {
     fn moe_combine(&mut self, out: View, ye: View, dispatch: MoeDispatch, d: usize) {
         self.time("moe_combine", |b| b.moe_combine(out, ye, dispatch, d))
     }
-    fn moe_combine_backward(&mut self, dye: View, dweight: View, dout: View, ye: View, dispatch: MoeDispatch, d: usize) {
+    fn moe_combine_backward(
+        &mut self,
+        dye: View,
+        dweight: View,
+        dout: View,
+        ye: View,
+        dispatch: MoeDispatch,
+        d: usize,
+    ) {
         self.time("moe_combine_backward", |b| b.moe_combine_backward(dye, dweight, dout, ye, dispatch, d))
     }
     fn moe_route_backward(

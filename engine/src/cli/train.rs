@@ -110,7 +110,8 @@ pub fn run(args: TrainArgs) -> Result<()> {
         bar.finish_and_clear();
     }
     if !history.is_empty() {
-        let summary = summarise(&resolved.name, config, &history, trainer.backend.describe(), peak, trainer.flops_per_step());
+        let summary =
+            summarise(&resolved.name, config, &history, trainer.backend.describe(), peak, trainer.flops_per_step());
         write_atomic(&run_dir.join("summary.json"), serde_json::to_string_pretty(&summary)?.as_bytes())?;
         println!(
             "done: loss {:.4} -> {:.4} in {} steps; step time median {:.3} s, p90 {:.3} s (leaving out {} warm-up/profiled steps); {:.0} tokens/s, {:.3} TFLOP/s, MFU {:.1}%",
