@@ -173,7 +173,7 @@ fn fill(group: &str, sizes: [i64; 3], total: usize, what: &str) -> Result<[usize
         [] => Err(format!(
             "{formula} = {known}, but there are {total} {what}: the {group} sizes must multiply to the {what} (or set one to -1 to fill)"
         )),
-        [i] if total % known == 0 => {
+        [i] if total.is_multiple_of(known) => {
             let mut out = sizes.map(|s| s.max(1) as usize);
             out[*i] = total / known;
             Ok(out)
