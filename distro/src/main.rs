@@ -1,6 +1,7 @@
-//! `distro`: command-line definitions and dispatch only; the work lives in the library.
+//! The `distro` command line: argument definitions and dispatch to the library.
 use clap::{Parser, Subcommand};
 use distro::image::cli;
+use distro::sources::cmd;
 use std::process::ExitCode;
 
 /// Builds reproducible, dated, multi-arch OCI images of the engine.
@@ -13,6 +14,17 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// List the upstream sources: kind, pin, tracking ref, patch count, lock status.
+    Sources(cmd::SourcesArgs),
+    /// Resolve the manifest as pinned (fetch, apply patches) and write the lock.
+    Lock(cmd::LockArgs),
+    /// Materialise the patched source trees, verifying the lock.
+    Fetch(cmd::FetchArgs),
+    /// Move pins to the tip of their tracking refs, drop patches merged upstream.
+    Bump(cmd::BumpArgs),
+    /// Manage patches.
+    #[command(subcommand)]
+    Patches(cmd::PatchesCommand),
     /// Build the image natively (no Docker daemon): OCI layout and/or push; prints the index digest.
     Build(cli::BuildArgs),
     /// Push an OCI image layout to a registry.
@@ -26,9 +38,19 @@ enum Command {
 }
 
 fn main() -> ExitCode {
+    // A panic is a bug in distro: one line saying so, not a backtrace.
+    std::panic::set_hook(Box::new(|info| {
+        eprintln!("error: internal error (a bug in distro, please report it): {info}");
+    }));
     let cli = Cli::parse();
     tracing_subscriber::fmt().with_writer(std::io::stderr).with_target(false).without_time().init();
+    let done = |r: anyhow::Result<()>| r.map(|()| ExitCode::SUCCESS);
     let result = match cli.command {
+        Command::Sources(args) => done(cmd::sources(args)),
+        Command::Lock(args) => done(cmd::lock(args)),
+        Command::Fetch(args) => done(cmd::fetch(args)),
+        Command::Bump(args) => done(cmd::bump(args)),
+        Command::Patches(command) => done(cmd::patches(command)),
         Command::Build(a) => cli::build_cmd(a),
         Command::Push(a) => cli::push_cmd(a),
         Command::Load(a) => cli::load_cmd(a),
@@ -37,10 +59,6 @@ fn main() -> ExitCode {
     };
     match result {
         Ok(code) => code,
-        Err(e) => {
-            let line = format!("{e:#}").lines().map(str::trim).filter(|l| !l.is_empty()).collect::<Vec<_>>().join("; ");
-            eprintln!("error: {line}");
-            ExitCode::from(if distro::image::error::is_bad_input(&e) { 2 } else { 1 })
-        }
+        Err(err) => distro::error::report(&err),
     }
 }

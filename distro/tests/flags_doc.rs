@@ -32,3 +32,25 @@ fn engine_definition_is_valid_and_pinned() {
     assert!(def.files.iter().any(|f| f.dest == "/usr/local/bin/test-all" && f.mode == 0o755));
     assert!(!def.env.contains_key("ENGINE_FLAGS"));
 }
+
+#[test]
+fn dockerfile_sets_the_same_flags() {
+    let def = ImageDef::load(&root().join("images/engine.toml")).unwrap();
+    let text = std::fs::read_to_string(root().join("Dockerfile")).unwrap();
+    // The runtime stage's one ENV instruction, continued over lines with `\`.
+    let runtime = &text[text.find("AS runtime").expect("a runtime stage")..];
+    let start = runtime.find("\nENV ").expect("an ENV in the runtime stage") + 5;
+    let mut env = BTreeMap::new();
+    for line in runtime[start..].lines() {
+        let item = line.trim().trim_end_matches('\\').trim();
+        let (k, v) = item.split_once('=').expect("KEY=VALUE");
+        env.insert(k.to_string(), v.trim_matches('"').to_string());
+        if !line.trim_end().ends_with('\\') {
+            break;
+        }
+    }
+    let defined: BTreeMap<String, String> = def.env.iter().map(|(k, v)| (k.clone(), v.value.clone())).collect();
+    assert_eq!(env, defined, "Dockerfile ENV and images/engine.toml [env] differ");
+    assert!(runtime.contains(r#"CMD ["engine", "info"]"#));
+    assert!(runtime.contains("WORKDIR /opt/engine"));
+}

@@ -8,6 +8,7 @@
 pub mod backend;
 pub mod config;
 pub mod data;
+pub mod dist;
 pub mod fsutil;
 pub mod model;
 pub mod rng;

@@ -1,27 +1,10 @@
-//! Errors that mean "the input is wrong" (exit code 2) as opposed to failures (exit code 1).
-use std::fmt;
-
-/// A problem with what the user gave us: a file, a key, a flag. `main` prints it on one line and
-/// exits with code 2; everything else exits with 1.
-#[derive(Debug)]
-pub struct BadInput(pub String);
-
-impl fmt::Display for BadInput {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl std::error::Error for BadInput {}
-
-/// Returns an `anyhow::Error` carrying [`BadInput`].
-pub fn bad_input(msg: impl Into<String>) -> anyhow::Error {
-    anyhow::Error::new(BadInput(msg.into()))
-}
+//! Errors that mean "the input is wrong" (exit code 2): the crate's [`crate::error::BadInput`],
+//! plus helpers for messages that name a line.
+pub use crate::error::{BadInput, bad_input};
 
 /// True when `err` (or any error in its chain) is a [`BadInput`].
 pub fn is_bad_input(err: &anyhow::Error) -> bool {
-    err.chain().any(|e| e.is::<BadInput>())
+    crate::error::exit_code(err) == 2
 }
 
 /// 1-based line number of byte offset `pos` in `text`, for messages that name a line.

@@ -16,6 +16,7 @@
 //! thread scheduling.
 
 pub mod cpu;
+pub mod traced;
 
 /// Identifies one buffer of a backend.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -255,6 +256,8 @@ pub struct Segment {
 pub trait Backend {
     /// Short device description for logs (e.g. `cpu (2 threads)`).
     fn describe(&self) -> String;
+    /// Waits until every op issued so far has finished (a no-op where ops are synchronous).
+    fn synchronize(&mut self) {}
 
     /// Allocates a zero-filled buffer of `len` elements and returns a view of all of it.
     fn alloc(&mut self, kind: BufKind, len: usize) -> View;

@@ -9,6 +9,7 @@ use std::time::Instant;
 use anyhow::Result;
 use clap::Args;
 use engine::backend::cpu::{self, Cpu};
+use engine::backend::traced::Traced;
 use engine::backend::{Backend, BufKind, MatMul};
 use engine::config::Override;
 use engine::fsutil::write_atomic;
@@ -37,6 +38,9 @@ pub struct BenchArgs {
     /// Also write the results as JSON to this file.
     #[arg(long, value_name = "FILE")]
     json: Option<PathBuf>,
+    /// After measuring, time every op of one more step and print where the time goes.
+    #[arg(long)]
+    profile: bool,
 }
 
 #[derive(Serialize)]
@@ -79,7 +83,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         let resolved = recipe.resolve(&[steps])?;
         let config = &resolved.config;
         let peak = if config.train.peak_tflops > 0.0 { config.train.peak_tflops } else { peak };
-        let mut trainer = Trainer::new(Cpu::new(), config)?;
+        let mut trainer = Trainer::new(Traced::new(Cpu::new()), config)?;
         let mut times = Vec::with_capacity(args.steps);
         for i in 0..total {
             let m = trainer.train_step(peak);
@@ -104,6 +108,9 @@ pub fn run(args: BenchArgs) -> Result<()> {
             m.d_model,
             m.vocab_size
         );
+        if args.profile {
+            print_profile(&mut trainer, peak);
+        }
         results.push(RecipeResult {
             recipe: resolved.name.clone(),
             device: trainer.backend.describe(),
@@ -119,6 +126,25 @@ pub fn run(args: BenchArgs) -> Result<()> {
         write_atomic(&path, serde_json::to_string_pretty(&report)?.as_bytes())?;
     }
     Ok(())
+}
+
+/// Times every op of one step and prints the ops by total time.
+fn print_profile(trainer: &mut Trainer<Traced<Cpu>>, peak: f64) {
+    trainer.backend.start();
+    let start = Instant::now();
+    trainer.train_step(peak);
+    let total = start.elapsed().as_secs_f64() * 1e6;
+    let mut per_op: std::collections::BTreeMap<&str, (f64, usize)> = Default::default();
+    for s in trainer.backend.stop() {
+        let e = per_op.entry(s.name).or_default();
+        e.0 += s.duration_us;
+        e.1 += 1;
+    }
+    let mut rows: Vec<_> = per_op.into_iter().collect();
+    rows.sort_by(|a, b| b.1.0.total_cmp(&a.1.0));
+    for (name, (us, calls)) in rows {
+        println!("    {name:<24} {:>9.2} ms {:>5.1}%  ({calls} calls)", us / 1e3, 100.0 * us / total);
+    }
 }
 
 /// Rate of the three products of an output head `[n, d] x [v, d]ᵀ` (forward, input and weight

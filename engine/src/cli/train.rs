@@ -7,6 +7,7 @@ use anyhow::{Result, bail};
 use clap::Args;
 use engine::backend::Backend;
 use engine::backend::cpu::{self, Cpu};
+use engine::backend::traced::{Traced, chrome_trace};
 use engine::config::Override;
 use engine::fsutil::write_atomic;
 use engine::train::metrics::JsonlWriter;
@@ -37,8 +38,13 @@ struct Summary {
     steps: u64,
     first_loss: f64,
     final_loss: f64,
+    /// Steps the performance figures leave out: the first `train.perf_warmup_steps` and the
+    /// profiled one.
+    perf_steps_excluded: usize,
     median_step_time_s: f64,
+    p90_step_time_s: f64,
     tokens_per_s: f64,
+    tflops_per_device: f64,
     mfu: f64,
     device: String,
     peak_tflops: f64,
@@ -53,10 +59,11 @@ pub fn run(args: TrainArgs) -> Result<()> {
     let resolved = args.recipe.resolve(&extra)?;
     let config = &resolved.config;
 
-    // Everything that can fail on bad input fails before the run directory exists.
-    let mut trainer = Trainer::new(Cpu::new(), config)?;
-    let run_dir = prepare_run_dir(args.run_dir.as_deref(), &resolved.name)?;
+    // Measured before the model's buffers exist, on a quiet heap.
     let peak = if config.train.peak_tflops > 0.0 { config.train.peak_tflops } else { cpu::measure_peak_tflops() };
+    // Everything that can fail on bad input fails before the run directory exists.
+    let mut trainer = Trainer::new(Traced::new(Cpu::new()), config)?;
+    let run_dir = prepare_run_dir(args.run_dir.as_deref(), &resolved.name)?;
     write_atomic(&run_dir.join("config.toml"), toml::to_string(config)?.as_bytes())?;
     let mut metrics = JsonlWriter::append(&run_dir.join("metrics.jsonl"))?;
 
@@ -74,8 +81,17 @@ pub fn run(args: TrainArgs) -> Result<()> {
     let steps = config.train.steps;
     let bar = progress_bar(steps);
     let mut history: Vec<StepMetrics> = Vec::with_capacity(steps);
-    for _ in 0..steps {
+    for step in 1..=steps {
+        let profiled = step == config.train.profile_step;
+        if profiled {
+            trainer.backend.start();
+        }
         let m = trainer.train_step(peak);
+        if profiled {
+            let trace = chrome_trace(&trainer.backend.stop(), &format!("{} step {step}", resolved.name));
+            let path = run_dir.join(format!("trace-step-{step}.json"));
+            write_atomic(&path, serde_json::to_string(&trace)?.as_bytes())?;
+        }
         if !m.loss.is_finite() {
             bail!("step {}: the loss is {} (diverged); lower optim.lr or raise optim.warmup_steps", m.step, m.loss);
         }
@@ -93,37 +109,60 @@ pub fn run(args: TrainArgs) -> Result<()> {
     if let Some(bar) = bar {
         bar.finish_and_clear();
     }
-    if let (Some(first), Some(last)) = (history.first(), history.last()) {
-        let summary = summarise(&resolved.name, &history, trainer.backend.describe(), peak);
+    if !history.is_empty() {
+        let summary =
+            summarise(&resolved.name, config, &history, trainer.backend.describe(), peak, trainer.flops_per_step());
         write_atomic(&run_dir.join("summary.json"), serde_json::to_string_pretty(&summary)?.as_bytes())?;
         println!(
-            "done: loss {:.4} -> {:.4} in {} steps; median step {:.3} s, {:.0} tokens/s, MFU {:.1}%",
-            first.loss,
-            last.loss,
-            history.len(),
+            "done: loss {:.4} -> {:.4} in {} steps; step time median {:.3} s, p90 {:.3} s (leaving out {} warm-up/profiled steps); {:.0} tokens/s, {:.3} TFLOP/s, MFU {:.1}%",
+            summary.first_loss,
+            summary.final_loss,
+            summary.steps,
             summary.median_step_time_s,
+            summary.p90_step_time_s,
+            summary.perf_steps_excluded,
             summary.tokens_per_s,
+            summary.tflops_per_device,
             100.0 * summary.mfu
         );
     }
     Ok(())
 }
 
-fn summarise(recipe: &str, history: &[StepMetrics], device: String, peak_tflops: f64) -> Summary {
-    // The first step pays one-off costs (page faults, thread start-up): leave it out when others exist.
-    let timed = if history.len() > 1 { &history[1..] } else { history };
-    let mut times: Vec<f64> = timed.iter().map(|m| m.step_time_s).collect();
+/// The run's summary. Step times leave out the first `perf_warmup_steps` steps and the profiled
+/// one, unless that would leave nothing.
+fn summarise(
+    recipe: &str,
+    config: &engine::config::Config,
+    history: &[StepMetrics],
+    device: String,
+    peak_tflops: f64,
+    flops_per_step: f64,
+) -> Summary {
+    let t = &config.train;
+    let kept: Vec<f64> = history
+        .iter()
+        .filter(|m| m.step as usize > t.perf_warmup_steps && m.step as usize != t.profile_step)
+        .map(|m| m.step_time_s)
+        .collect();
+    let mut times = if kept.is_empty() { history.iter().map(|m| m.step_time_s).collect() } else { kept };
+    let excluded = history.len() - times.len();
     times.sort_by(f64::total_cmp);
     let median = times[times.len() / 2];
-    let last = history.last().expect("at least one step");
+    let p90 = times[((times.len() as f64 * 0.9).ceil() as usize).clamp(1, times.len()) - 1];
+    let tokens_per_step = (t.batch_size * t.seq_len * t.grad_accum) as f64;
+    let tflops = flops_per_step / median / 1e12;
     Summary {
         recipe: recipe.to_owned(),
-        steps: last.step,
+        steps: history.len() as u64,
         first_loss: history[0].loss,
-        final_loss: last.loss,
+        final_loss: history[history.len() - 1].loss,
+        perf_steps_excluded: excluded,
         median_step_time_s: median,
-        tokens_per_s: last.tokens_per_s * last.step_time_s / median,
-        mfu: last.mfu * last.step_time_s / median,
+        p90_step_time_s: p90,
+        tokens_per_s: tokens_per_step / median,
+        tflops_per_device: tflops,
+        mfu: if peak_tflops > 0.0 { tflops / peak_tflops } else { 0.0 },
         device,
         peak_tflops,
     }

@@ -35,6 +35,8 @@ pub struct Cpu {
     idx: Memory<u32>,
     /// Reusable space for per-chunk partial results of reductions (grows once, on first use).
     scratch: Vec<f64>,
+    /// Reusable space for the transposes of some matrix products (grows once, on first use).
+    gemm: matmul::Scratch,
 }
 
 /// Where a view lies: (buffer, offset, length).
@@ -190,7 +192,7 @@ impl Backend for Cpu {
 
     fn matmul(&mut self, out: View, a: View, b: View, shape: MatMul) {
         let (out, [a, b]) = self.mem.io(out, [a, b]);
-        matmul::matmul(out, a, b, shape);
+        matmul::matmul(out, a, b, shape, &mut self.gemm);
     }
 
     fn embedding_forward(&mut self, out: View, table: View, tokens: IdxView, d: usize) {
@@ -271,7 +273,7 @@ impl Backend for Cpu {
                 let shape = MatMul { m: rows, ..shape };
                 let (out, [a, w]) =
                     self.mem.io(out.rows(first, rows, shape.n), [a.rows(first, rows, shape.k), weights.expert(e)]);
-                matmul::matmul(out, a, w, shape);
+                matmul::matmul(out, a, w, shape, &mut self.gemm);
             }
         }
     }
@@ -291,7 +293,7 @@ impl Backend for Cpu {
             if rows > 0 {
                 let (dw, [dy, x]) =
                     self.mem.io(dweights.expert(e), [dy.rows(first, rows, out), x.rows(first, rows, inp)]);
-                matmul::matmul(dw, dy, x, MatMul::linear_dw(rows, inp, out));
+                matmul::matmul(dw, dy, x, MatMul::linear_dw(rows, inp, out), &mut self.gemm);
             }
         }
     }
@@ -364,7 +366,7 @@ pub fn measure_peak_tflops() -> f64 {
     let mut best = f64::INFINITY;
     for _ in 0..4 {
         let start = std::time::Instant::now();
-        matmul::matmul(&mut out, &a, &a, shape);
+        matmul::matmul(&mut out, &a, &a, shape, &mut matmul::Scratch::default());
         best = best.min(start.elapsed().as_secs_f64());
     }
     shape.flops() / best / 1e12

@@ -1,0 +1,157 @@
+#!/usr/bin/env python3
+"""The PyTorch peer of `engine bench`: trains the same architecture with Hugging Face
+transformers and torch.optim.AdamW, and prints its step time as JSON.
+
+The model comes from the engine's own resolved recipe (`engine recipes show`), so both sides
+train exactly the same shapes. CPU: f32, eager, the given thread count. CUDA: bf16 weights and
+activations, SDPA attention, fused AdamW, eager or torch.compile.
+
+    python3 bench/torch_train.py --recipe tiny-llama2 --threads 2
+    python3 bench/torch_train.py --recipe llama3.2-1b --device cuda --compile --set train.seq_len=4096
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import tomllib
+
+
+def resolved_recipe(engine, recipe, sets):
+    """The engine's resolved recipe as a dict (the TOML part of `engine recipes show`)."""
+    cmd = [engine, "recipes", "show", recipe]
+    for s in sets:
+        cmd += ["--set", s]
+    text = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    return tomllib.loads(text.split("\n# size")[0])
+
+
+def hf_config(model):
+    """A transformers config for the engine's model section."""
+    import transformers
+
+    common = dict(
+        vocab_size=model["vocab_size"],
+        hidden_size=model["d_model"],
+        intermediate_size=model["mlp_dim"],
+        num_hidden_layers=model["n_layers"],
+        num_attention_heads=model["n_heads"],
+        num_key_value_heads=model["n_kv_heads"],
+        head_dim=model["head_dim"],
+        rms_norm_eps=model["norm_eps"],
+        max_position_embeddings=model["max_seq_len"],
+        tie_word_embeddings=model["tie_embeddings"],
+        initializer_range=model["init_std"],
+        attention_dropout=0.0,
+    )
+    rope = {"rope_type": "default", "rope_theta": model["rope_theta"]}
+    scaling = model.get("rope_scaling")
+    if scaling:
+        rope = {
+            "rope_type": "llama3",
+            "rope_theta": model["rope_theta"],
+            "factor": scaling["factor"],
+            "low_freq_factor": scaling["low_freq_factor"],
+            "high_freq_factor": scaling["high_freq_factor"],
+            "original_max_position_embeddings": scaling["original_max_seq_len"],
+        }
+    family = model["family"]
+    if family == "llama":
+        return transformers.LlamaConfig(rope_parameters=rope, **common)
+    window = model["sliding_window"] or None
+    if family == "mistral":
+        return transformers.MistralConfig(rope_parameters=rope, sliding_window=window, **common)
+    moe = model["moe"]
+    return transformers.MixtralConfig(
+        rope_parameters=rope,
+        sliding_window=window,
+        num_local_experts=moe["num_experts"],
+        num_experts_per_tok=moe["top_k"],
+        router_aux_loss_coef=moe["aux_loss_coef"],
+        output_router_logits=True,
+        **common,
+    )
+
+
+def main():
+    here = os.path.dirname(os.path.abspath(__file__))
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--recipe", required=True)
+    ap.add_argument("--set", action="append", default=[], help="recipe override KEY=VALUE")
+    ap.add_argument("--engine", default=os.path.join(here, "..", "target", "release", "engine"))
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--compile", action="store_true", help="torch.compile the model (CUDA)")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=2)
+    args = ap.parse_args()
+
+    import torch
+    import transformers
+
+    torch.set_num_threads(args.threads)
+    recipe = resolved_recipe(args.engine, args.recipe, args.set)
+    train, optim = recipe["train"], recipe["optim"]
+    config = hf_config(recipe["model"])
+    cuda = args.device == "cuda"
+    if cuda:
+        config._attn_implementation = "sdpa"
+    torch.manual_seed(train["seed"])
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model = model.to(device=args.device, dtype=torch.bfloat16 if cuda else torch.float32)
+    model.train()
+    opt = torch.optim.AdamW(
+        model.parameters(),
+        lr=optim["lr"],
+        betas=(optim["beta1"], optim["beta2"]),
+        eps=optim["eps"],
+        weight_decay=optim["weight_decay"],
+        fused=cuda,
+    )
+    step_fn = model
+    if args.compile:
+        step_fn = torch.compile(model)
+    batch, seq = train["batch_size"], train["seq_len"]
+    vocab = recipe["model"]["vocab_size"]
+    gen = torch.Generator().manual_seed(0)
+    times, losses = [], []
+    for step in range(args.warmup + args.steps):
+        ids = torch.randint(0, vocab, (batch, seq + 1), generator=gen).to(args.device)
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = step_fn(input_ids=ids[:, :-1], labels=ids[:, 1:].contiguous())
+        out.loss.backward()
+        if optim["grad_clip"] > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), optim["grad_clip"])
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss = out.loss.item()  # synchronises, like the engine's logged loss
+        elapsed = time.perf_counter() - start
+        if step >= args.warmup:
+            times.append(elapsed)
+            losses.append(loss)
+    median = statistics.median(times)
+    tokens = batch * seq
+    json.dump(
+        {
+            "peer": "pytorch" + (" + torch.compile" if args.compile else " eager"),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "recipe": args.recipe,
+            "device": args.device,
+            "threads": args.threads,
+            "median_step_time_s": median,
+            "tokens_per_s": tokens / median,
+            "final_loss": losses[-1],
+        },
+        sys.stdout,
+    )
+    print()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+//! Error kinds that decide the exit code, and the one-line rendering `main` prints.
+//!
+//! Exit codes: 0 success, 1 the operation failed (network, git, a patch that no longer applies),
+//! 2 the input is wrong (command line, manifest, lock, a patch file) and the user must fix it.
+
+use std::process::ExitCode;
+
+/// An error caused by the user's input (manifest, lock, arguments, patch files): exit code 2.
+///
+/// Wrap it anywhere in an `anyhow` chain; [`exit_code`] looks through the whole chain.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct BadInput(pub String);
+
+/// Builds an [`anyhow::Error`] carrying [`BadInput`].
+pub fn bad_input(message: impl Into<String>) -> anyhow::Error {
+    BadInput(message.into()).into()
+}
+
+/// The exit code for `err`: 2 when any error in its chain is [`BadInput`], else 1.
+pub fn exit_code(err: &anyhow::Error) -> u8 {
+    if err.chain().any(|e| e.is::<BadInput>()) { 2 } else { 1 }
+}
+
+/// The error chain on a single line (`outer: inner: root cause`), newlines folded to `; `.
+pub fn one_line(err: &anyhow::Error) -> String {
+    let text = format!("{err:#}");
+    text.lines().map(str::trim).filter(|l| !l.is_empty()).collect::<Vec<_>>().join("; ")
+}
+
+/// Prints `error: ...` on stderr and returns the exit code; what `main` calls on failure.
+pub fn report(err: &anyhow::Error) -> ExitCode {
+    eprintln!("error: {}", one_line(err));
+    ExitCode::from(exit_code(err))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use anyhow::Context;
+
+    #[test]
+    fn bad_input_anywhere_in_the_chain_gives_exit_code_2() {
+        let err = Err::<(), _>(bad_input("unknown key")).context("reading images/manifest.toml").unwrap_err();
+        assert_eq!(exit_code(&err), 2);
+        assert_eq!(exit_code(&anyhow::anyhow!("network down")), 1);
+    }
+
+    #[test]
+    fn chain_is_printed_on_one_line() {
+        let err = Err::<(), _>(anyhow::anyhow!("git said:\nfatal: no\n")).context("fetching main").unwrap_err();
+        assert_eq!(one_line(&err), "fetching main: git said:; fatal: no");
+    }
+}

@@ -1,0 +1,112 @@
+//! Retries for network operations (`git fetch`, `cargo`): a few attempts with exponential
+//! backoff, then one clear error naming what failed and how often it was tried.
+//!
+//! `DISTRO_NET_ATTEMPTS` (default 3) and `DISTRO_NET_BACKOFF_MS` (first delay, default 1000,
+//! doubled after each failure) tune it; tests set a tiny backoff.
+
+use anyhow::{Result, anyhow};
+use std::time::Duration;
+
+/// The outcome of one failed attempt.
+#[derive(Debug)]
+pub enum Failure {
+    /// Worth retrying (connection refused, timeout, a server error).
+    Transient(String),
+    /// Retrying cannot help (the ref or repository does not exist); fail at once.
+    Permanent(String),
+}
+
+/// How many attempts and how long to wait between them.
+#[derive(Clone, Copy, Debug)]
+pub struct Policy {
+    /// Total number of attempts, at least 1.
+    pub attempts: u32,
+    /// Delay before the second attempt; doubled for each later one.
+    pub first_backoff: Duration,
+}
+
+impl Policy {
+    /// The policy from `DISTRO_NET_ATTEMPTS` and `DISTRO_NET_BACKOFF_MS`.
+    pub fn from_env() -> Policy {
+        let num = |key: &str, default: u64| {
+            std::env::var(key).ok().and_then(|v| v.trim().parse::<u64>().ok()).unwrap_or(default)
+        };
+        Policy {
+            attempts: num("DISTRO_NET_ATTEMPTS", 3).clamp(1, 20) as u32,
+            first_backoff: Duration::from_millis(num("DISTRO_NET_BACKOFF_MS", 1000)),
+        }
+    }
+}
+
+/// Runs `op` until it succeeds, fails permanently, or the attempts of `policy` are used up.
+/// `what` names the operation in progress messages and in the final error.
+pub fn retry<T>(policy: Policy, what: &str, mut op: impl FnMut() -> std::result::Result<T, Failure>) -> Result<T> {
+    let mut delay = policy.first_backoff;
+    for attempt in 1..=policy.attempts {
+        match op() {
+            Ok(v) => return Ok(v),
+            Err(Failure::Permanent(msg)) => return Err(anyhow!("{what} failed: {msg}")),
+            Err(Failure::Transient(msg)) if attempt == policy.attempts => {
+                return Err(anyhow!(
+                    "{what} failed after {attempt} attempt{}: {msg}; check the network and the URL, then run the command again",
+                    if attempt == 1 { "" } else { "s" }
+                ));
+            }
+            Err(Failure::Transient(msg)) => {
+                eprintln!(
+                    "distro: {what} failed (attempt {attempt} of {}), retrying in {:.1}s: {msg}",
+                    policy.attempts,
+                    delay.as_secs_f64()
+                );
+                std::thread::sleep(delay);
+                delay = delay.saturating_mul(2);
+            }
+        }
+    }
+    unreachable!("the loop returns on its last attempt")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fast(attempts: u32) -> Policy {
+        Policy { attempts, first_backoff: Duration::from_millis(1) }
+    }
+
+    #[test]
+    fn transient_failures_are_retried_then_reported_once() {
+        let mut calls = 0;
+        let err = retry(fast(3), "fetching main", || -> std::result::Result<(), _> {
+            calls += 1;
+            Err(Failure::Transient(format!("refused {calls}")))
+        })
+        .unwrap_err();
+        assert_eq!(calls, 3);
+        let msg = err.to_string();
+        assert!(msg.starts_with("fetching main failed after 3 attempts: refused 3"), "{msg}");
+    }
+
+    #[test]
+    fn permanent_failures_are_not_retried() {
+        let mut calls = 0;
+        let err = retry(fast(5), "fetching x", || -> std::result::Result<(), _> {
+            calls += 1;
+            Err(Failure::Permanent("no such ref".into()))
+        })
+        .unwrap_err();
+        assert_eq!(calls, 1);
+        assert_eq!(err.to_string(), "fetching x failed: no such ref");
+    }
+
+    #[test]
+    fn success_after_a_failure() {
+        let mut calls = 0;
+        let v = retry(fast(3), "x", || {
+            calls += 1;
+            if calls < 2 { Err(Failure::Transient("t".into())) } else { Ok(7) }
+        })
+        .unwrap();
+        assert_eq!((v, calls), (7, 2));
+    }
+}

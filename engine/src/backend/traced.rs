@@ -1,0 +1,222 @@
+//! A backend wrapper that times every op, for the profiling window of a run: one step written as
+//! a Chrome trace (`chrome://tracing`, Perfetto) of per-op durations.
+//!
+//! While recording, each op waits for the device to finish ([`Backend::synchronize`]), so the
+//! durations are the ops' own; the profiled step is therefore slower than the others and is
+//! left out of performance summaries.
+
+use std::time::Instant;
+
+use super::{AdamWStep, AttnShape, Backend, BufKind, ExpertWeights, IdxView, MatMul, MoeDispatch, Segment, View};
+
+/// One timed op.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Span {
+    /// The op (the backend method's name).
+    pub name: &'static str,
+    /// Start, in microseconds since recording began.
+    pub start_us: f64,
+    /// Duration in microseconds.
+    pub duration_us: f64,
+}
+
+/// A backend whose ops can be timed.
+pub struct Traced<B: Backend> {
+    /// The backend doing the work.
+    pub inner: B,
+    recording: Option<Instant>,
+    spans: Vec<Span>,
+}
+
+impl<B: Backend> Traced<B> {
+    /// Wraps a backend; nothing is recorded until [`Traced::start`].
+    pub fn new(inner: B) -> Traced<B> {
+        Traced { inner, recording: None, spans: Vec::new() }
+    }
+
+    /// Starts recording (clearing earlier spans).
+    pub fn start(&mut self) {
+        self.inner.synchronize();
+        self.spans.clear();
+        self.recording = Some(Instant::now());
+    }
+
+    /// Stops recording and returns the spans.
+    pub fn stop(&mut self) -> Vec<Span> {
+        self.recording = None;
+        std::mem::take(&mut self.spans)
+    }
+
+    fn time(&mut self, name: &'static str, op: impl FnOnce(&mut B)) {
+        let Some(origin) = self.recording else { return op(&mut self.inner) };
+        let start = Instant::now();
+        op(&mut self.inner);
+        self.inner.synchronize();
+        let end = Instant::now();
+        self.spans.push(Span {
+            name,
+            start_us: (start - origin).as_secs_f64() * 1e6,
+            duration_us: (end - start).as_secs_f64() * 1e6,
+        });
+    }
+}
+
+/// The Chrome trace-event JSON of a list of spans (complete events on one track), with a summary
+/// per op name in the metadata.
+pub fn chrome_trace(spans: &[Span], label: &str) -> serde_json::Value {
+    let events: Vec<serde_json::Value> = spans
+        .iter()
+        .map(|s| serde_json::json!({"name": s.name, "ph": "X", "ts": s.start_us, "dur": s.duration_us, "pid": 0, "tid": 0}))
+        .collect();
+    let mut totals: std::collections::BTreeMap<&str, (f64, usize)> = Default::default();
+    for s in spans {
+        let t = totals.entry(s.name).or_default();
+        t.0 += s.duration_us;
+        t.1 += 1;
+    }
+    let summary: serde_json::Map<String, serde_json::Value> = totals
+        .into_iter()
+        .map(|(name, (us, calls))| (name.to_owned(), serde_json::json!({"total_us": us, "calls": calls})))
+        .collect();
+    serde_json::json!({"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"label": label, "per_op": summary}})
+}
+
+impl<B: Backend> Backend for Traced<B> {
+    fn describe(&self) -> String {
+        self.inner.describe()
+    }
+    fn synchronize(&mut self) {
+        self.inner.synchronize()
+    }
+    fn alloc(&mut self, kind: BufKind, len: usize) -> View {
+        self.inner.alloc(kind, len)
+    }
+    fn alloc_idx(&mut self, len: usize) -> IdxView {
+        self.inner.alloc_idx(len)
+    }
+    fn upload(&mut self, dst: View, src: &[f32]) {
+        self.time("upload", |b| b.upload(dst, src))
+    }
+    fn upload_idx(&mut self, dst: IdxView, src: &[u32]) {
+        self.time("upload_idx", |b| b.upload_idx(dst, src))
+    }
+    fn download(&mut self, src: View, dst: &mut [f32]) {
+        self.time("download", |b| b.download(src, dst))
+    }
+    fn download_idx(&mut self, src: IdxView, dst: &mut [u32]) {
+        self.time("download_idx", |b| b.download_idx(src, dst))
+    }
+    fn fill(&mut self, dst: View, value: f32) {
+        self.time("fill", |b| b.fill(dst, value))
+    }
+    fn copy(&mut self, dst: View, src: View) {
+        self.time("copy", |b| b.copy(dst, src))
+    }
+    fn add(&mut self, dst: View, src: View) {
+        self.time("add", |b| b.add(dst, src))
+    }
+    fn sum(&mut self, out: View, x: View) {
+        self.time("sum", |b| b.sum(out, x))
+    }
+    fn sum_squares(&mut self, out: View, x: View) {
+        self.time("sum_squares", |b| b.sum_squares(out, x))
+    }
+    fn matmul(&mut self, out: View, a: View, b: View, shape: MatMul) {
+        let name = match (shape.a_t, shape.b_t) {
+            (false, true) => "matmul_forward",
+            (false, false) => "matmul_dx",
+            (true, _) => "matmul_dw",
+        };
+        self.time(name, |be| be.matmul(out, a, b, shape))
+    }
+    fn embedding_forward(&mut self, out: View, table: View, tokens: IdxView, d: usize) {
+        self.time("embedding_forward", |b| b.embedding_forward(out, table, tokens, d))
+    }
+    fn embedding_backward(&mut self, dtable: View, dout: View, tokens: IdxView, d: usize) {
+        self.time("embedding_backward", |b| b.embedding_backward(dtable, dout, tokens, d))
+    }
+    fn rmsnorm_forward(&mut self, out: View, rstd: View, x: View, w: View, d: usize, eps: f32) {
+        self.time("rmsnorm_forward", |b| b.rmsnorm_forward(out, rstd, x, w, d, eps))
+    }
+    fn rmsnorm_backward(&mut self, dx: View, dw: View, dout: View, x: View, w: View, rstd: View, d: usize) {
+        self.time("rmsnorm_backward", |b| b.rmsnorm_backward(dx, dw, dout, x, w, rstd, d))
+    }
+    fn rope(&mut self, qkv: View, rope: View, shape: AttnShape, inverse: bool) {
+        self.time(if inverse { "rope_backward" } else { "rope_forward" }, |b| b.rope(qkv, rope, shape, inverse))
+    }
+    fn attention_forward(&mut self, out: View, lse: View, qkv: View, shape: AttnShape) {
+        self.time("attention_forward", |b| b.attention_forward(out, lse, qkv, shape))
+    }
+    fn attention_backward(&mut self, dqkv: View, dout: View, qkv: View, out: View, lse: View, shape: AttnShape) {
+        self.time("attention_backward", |b| b.attention_backward(dqkv, dout, qkv, out, lse, shape))
+    }
+    fn swiglu_forward(&mut self, h: View, gu: View, f: usize) {
+        self.time("swiglu_forward", |b| b.swiglu_forward(h, gu, f))
+    }
+    fn swiglu_backward(&mut self, dgu: View, dh: View, gu: View, f: usize) {
+        self.time("swiglu_backward", |b| b.swiglu_backward(dgu, dh, gu, f))
+    }
+    fn cross_entropy(&mut self, losses: View, logits: View, targets: IdxView, v: usize, grad_scale: Option<f32>) {
+        self.time("cross_entropy", |b| b.cross_entropy(losses, logits, targets, v, grad_scale))
+    }
+    fn moe_route(&mut self, probs: View, router_logits: View, dispatch: MoeDispatch) {
+        self.time("moe_route", |b| b.moe_route(probs, router_logits, dispatch))
+    }
+    fn moe_gather(&mut self, xe: View, x: View, dispatch: MoeDispatch, d: usize) {
+        self.time("moe_gather", |b| b.moe_gather(xe, x, dispatch, d))
+    }
+    fn moe_gather_backward(&mut self, dx: View, dxe: View, dispatch: MoeDispatch, d: usize) {
+        self.time("moe_gather_backward", |b| b.moe_gather_backward(dx, dxe, dispatch, d))
+    }
+    fn moe_expert_matmul(&mut self, out: View, a: View, weights: ExpertWeights, dispatch: MoeDispatch, shape: MatMul) {
+        self.time("moe_expert_matmul", |b| b.moe_expert_matmul(out, a, weights, dispatch, shape))
+    }
+    fn moe_expert_matmul_dw(
+        &mut self,
+        dweights: ExpertWeights,
+        dy: View,
+        x: View,
+        dispatch: MoeDispatch,
+        inp: usize,
+        out: usize,
+    ) {
+        self.time("moe_expert_matmul_dw", |b| b.moe_expert_matmul_dw(dweights, dy, x, dispatch, inp, out))
+    }
+    fn moe_combine(&mut self, out: View, ye: View, dispatch: MoeDispatch, d: usize) {
+        self.time("moe_combine", |b| b.moe_combine(out, ye, dispatch, d))
+    }
+    fn moe_combine_backward(
+        &mut self,
+        dye: View,
+        dweight: View,
+        dout: View,
+        ye: View,
+        dispatch: MoeDispatch,
+        d: usize,
+    ) {
+        self.time("moe_combine_backward", |b| b.moe_combine_backward(dye, dweight, dout, ye, dispatch, d))
+    }
+    fn moe_route_backward(
+        &mut self,
+        drouter: View,
+        dweight: View,
+        probs: View,
+        dispatch: MoeDispatch,
+        counts: View,
+        aux_scale: f32,
+    ) {
+        self.time("moe_route_backward", |b| b.moe_route_backward(drouter, dweight, probs, dispatch, counts, aux_scale))
+    }
+    fn adamw(
+        &mut self,
+        params: View,
+        grads: View,
+        m: View,
+        v: View,
+        norm_squared: View,
+        segments: &[Segment],
+        step: AdamWStep,
+    ) {
+        self.time("adamw", |b| b.adamw(params, grads, m, v, norm_squared, segments, step))
+    }
+}

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The whole test suite, as CI runs it (.ci/run calls this script).
+#
+# Installs what the tests need when it is missing (Debian packages, Rust components), then runs:
+# formatting, lints, the unit and integration tests of every crate, and the end-to-end tests in
+# tests/e2e/ against real parts (git, a Docker engine, OCI registries).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+started=$SECONDS
+section() { printf '\n== %s (at %ds)\n' "$*" $((SECONDS - started)); }
+
+section "toolchain"
+rustup component list --installed 2>/dev/null | grep -q '^rustfmt' || rustup component add rustfmt clippy
+cargo --version
+
+section "format"
+cargo fmt --all -- --check
+
+section "lints"
+cargo clippy --release --workspace --all-targets --locked -- -D warnings
+
+section "unit and integration tests"
+cargo test --release --workspace --locked
+
+for script in tests/e2e/*.sh; do
+    [ -e "$script" ] || continue
+    section "end to end: $script"
+    bash "$script"
+done
+
+section "all tests passed"
