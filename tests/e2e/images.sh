@@ -183,7 +183,7 @@ DATA="$WORK/registry-plain/storage/docker/registry/v2/blobs/sha256/${LAYER:7:2}/
 [ -f "$DATA" ] || die "cannot find the base layer in the registry's storage"
 cp "$DATA" "$WORK/layer.orig"
 printf 'tampered' | dd of="$DATA" bs=1 seek=1000 conv=notrunc 2>/dev/null
-(cd "$ROOT" && expect_fail 1 "does not match its digest" env DISTRO_CACHE_DIR="$WORK/tamper-cache" \
+(cd "$ROOT" && expect_fail 1 "does not match its digest" env DISTRO_TARGET_DIR="$WORK/tamper-cache" \
     "$DISTRO" build --base "$BASE" --date "$DATE" --platform linux/amd64 --output "$WORK/oci-tamper")
 [ ! -e "$WORK/oci-tamper/index.json" ] || die "a layout was written from a tampered base"
 cp "$WORK/layer.orig" "$DATA"

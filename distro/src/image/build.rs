@@ -63,8 +63,10 @@ pub struct BuildOptions {
     pub chunk_size: Option<u64>,
     /// Where to find the workspace (any directory inside it).
     pub start_dir: PathBuf,
-    /// What the pinned sources contribute.
-    pub sources: SourcesInput,
+    /// Extra patches for this build (`--patch [SOURCE=]PATH`).
+    pub patches: Vec<String>,
+    /// Source overrides for this build (`--source NAME=URL#REF`).
+    pub source_overrides: Vec<String>,
 }
 
 /// What a build produced.
@@ -83,9 +85,10 @@ pub struct BuildResult {
 /// Prefix of the annotations that carry upstream pins.
 pub const PIN_ANNOTATION_PREFIX: &str = "io.github.llm-distro.source.";
 
-/// The cache directory: `$DISTRO_CACHE_DIR`, else `<workspace>/target/distro`.
+/// The build directory: `$DISTRO_TARGET_DIR`, else `<workspace>/target/distro` (the sources
+/// cache, `$DISTRO_CACHE_DIR`, is another, per-user directory).
 pub fn cache_dir(ws: &Workspace) -> PathBuf {
-    std::env::var_os("DISTRO_CACHE_DIR").map(PathBuf::from).unwrap_or_else(|| ws.root.join("target/distro"))
+    std::env::var_os("DISTRO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| ws.root.join("target/distro"))
 }
 
 /// Resolves the epoch and the tag date. With `--date`, the epoch is the commit time whatever the
@@ -154,8 +157,11 @@ pub fn build(opts: &BuildOptions, progress: &Progress) -> Result<BuildResult> {
     // 1. Base image.
     let base = base::resolve(&client, &base_ref, &platforms, &store, progress)?;
 
+    // 2. The pinned sources (after the base, so a bad base fails before any fetching).
+    let sources = super::sources::collect(&ws, &opts.patches, &opts.source_overrides, progress)?;
+
     // 2. Engine binaries, all platforms in one cargo run.
-    let stage = Stage::prepare(&ws, &cache, &opts.sources.crate_patches, progress)?;
+    let stage = Stage::prepare(&ws, &cache, &sources.crate_patches, progress)?;
     let built = stage.build(&platforms, &def.binaries, &ws.revision(), progress)?;
 
     // 3. Layers that do not depend on the platform.
@@ -197,7 +203,7 @@ pub fn build(opts: &BuildOptions, progress: &Progress) -> Result<BuildResult> {
     if let Some(r) = &ws.repository {
         annotations.insert("org.opencontainers.image.source".into(), r.clone());
     }
-    annotations.extend(opts.sources.annotations.clone());
+    annotations.extend(sources.annotations.clone());
     let mut manifests: Vec<(Platform, Descriptor)> = Vec::new();
     let mut blobs: Vec<Digest> = Vec::new();
     let mut push_blobs: Vec<BlobFile> = Vec::new();
@@ -233,11 +239,11 @@ pub fn build(opts: &BuildOptions, progress: &Progress) -> Result<BuildResult> {
         let mut distro = LayerSpec::new();
         distro.add_file("/opt/distro/sbom.spdx.json", Arc::new(sbom_bytes), MODE_FILE)?;
         distro.add_file("/opt/distro/Cargo.lock", Arc::new(stage.lock().to_vec()), MODE_FILE)?;
-        if let Some(l) = &opts.sources.lock_text {
+        if let Some(l) = &sources.lock_text {
             distro.add_file("/opt/distro/manifest.lock", Arc::new(l.clone().into_bytes()), MODE_FILE)?;
         }
         distro.add_dir("/opt/distro/patches")?;
-        for (rel, bytes) in &opts.sources.patch_files {
+        for (rel, bytes) in &sources.patch_files {
             distro.add_file(&format!("/opt/distro/patches/{rel}"), Arc::new(bytes.clone()), MODE_FILE)?;
         }
         let distro_layer = cached_layer(&distro, epoch, &cache, &store)?;

@@ -6,7 +6,6 @@ use super::layout::Layout;
 use super::manifest::{Descriptor, OCI_INDEX, OCI_MANIFEST, is_index};
 use super::platform::Platform;
 use super::progress::Progress;
-use super::sources;
 use crate::docker::{self, Gpus, RunOptions};
 use crate::registry::auth::Credentials;
 use crate::registry::client::Client;
@@ -149,7 +148,8 @@ pub fn build_cmd(a: BuildArgs) -> Result<ExitCode> {
     };
     let start_dir = std::env::current_dir()?;
     let opts = BuildOptions {
-        sources: sources::collect(&start_dir, &a.patch, &a.source, &progress)?,
+        patches: a.patch,
+        source_overrides: a.source,
         image: a.image,
         platforms,
         date: a.date,
