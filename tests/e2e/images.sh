@@ -95,6 +95,29 @@ S=$(date +%s%N)
 log "no-op build: $(((($(date +%s%N) - S)) / 1000000)) ms"
 [ "$(tail -1 "$WORK/a2.digest")" = "$A" ] || die "a no-op rebuild changed the digest"
 
+phase "--patch: the lock and the annotations change"
+rm -rf "$WORK/patch"
+(cd "$ROOT" && "$DISTRO" fetch --out "$WORK/patch/fetch" >/dev/null 2>"$WORK/fetch.log") || die "distro fetch failed: $(cat "$WORK/fetch.log")"
+SRC=$(ls "$WORK/patch/fetch" | head -1)
+[ -n "$SRC" ] || die "images/manifest.toml has no source to patch"
+(
+    cd "$WORK/patch/fetch/$SRC"
+    g() { git -c user.name=e2e -c user.email=e2e@example.invalid -c commit.gpgsign=false "$@"; }
+    g init -q && g add -A && g commit -qm base
+    echo "e2e test patch" >E2E-PATCH && g add E2E-PATCH && g commit -qm "e2e: a test patch"
+    g format-patch -q -1 -o "$WORK/patch"
+)
+PATCH=$(ls "$WORK/patch"/*.patch)
+(cd "$ROOT" && "$DISTRO" build --base "$BASE" --date "$DATE" --platform linux/amd64 --patch "$SRC=$PATCH" \
+    --output "$WORK/oci-patch" >"$WORK/patch.digest" 2>"$WORK/patch.log") || die "build --patch failed: $(tail -5 "$WORK/patch.log")"
+ann() { skopeo inspect --raw "oci:$1:engine-$DATE" | jq -r --arg k "io.github.llm-distro.source.$SRC.$2" '.annotations[$k]'; }
+[ "$(ann "$A_OUT" patches)" != "$(ann "$WORK/oci-patch" patches)" ] || die "the patch count annotation did not change"
+[ "$(ann "$A_OUT" tree)" != "$(ann "$WORK/oci-patch" tree)" ] || die "the tree annotation did not change"
+rm -rf "$WORK/bundle-patch"
+umoci unpack --image "$WORK/oci-patch:engine-$DATE-amd64" "$WORK/bundle-patch" >&2
+grep -q 'extra = true' "$WORK/bundle-patch/rootfs/opt/distro/manifest.lock" || die "the image's lock does not record the extra patch"
+cmp "$PATCH" "$WORK/bundle-patch/rootfs/opt/distro/patches/$SRC/$(basename "$PATCH")" || die "the applied patch is not in /opt/distro/patches"
+
 phase "validators: skopeo inspect, umoci unpack"
 skopeo inspect --raw "oci:$A_OUT:engine-$DATE" | jq -e '.mediaType == "application/vnd.oci.image.index.v1+json" and (.manifests | length) == 2' >/dev/null \
     || die "skopeo: the index is not a two-platform OCI index"

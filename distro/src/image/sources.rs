@@ -62,12 +62,15 @@ pub fn collect(ws: &Workspace, patches: &[String], overrides: &[String], progres
             .ok_or_else(|| {
                 anyhow::anyhow!("source {name}: patch {} is neither in the project nor in the cache", patch.entry)
             })?;
-            let file_name = patch
-                .file
-                .as_deref()
+            // The patch's own file name (project file, or a `--patch` path); a ref has none.
+            let named = patch.file.as_deref().or(Some(patch.entry.as_str()).filter(|e| e.ends_with(".patch")));
+            let mut file_name = named
                 .and_then(|f| Path::new(f).file_name())
                 .map(|n| n.to_string_lossy().into_owned())
                 .unwrap_or_else(|| format!("{}.patch", &patch.sha256[..12]));
+            if input.patch_files.iter().any(|(p, _)| *p == format!("{name}/{file_name}")) {
+                file_name = format!("{}-{file_name}", &patch.sha256[..12]);
+            }
             input.patch_files.push((format!("{name}/{file_name}"), bytes));
         }
     }
