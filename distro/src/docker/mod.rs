@@ -428,3 +428,82 @@ async fn pull(docker: &Docker, image: &str, platform: Option<&Platform>, progres
     step.done("pulled");
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::image::manifest::{OCI_CONFIG, OCI_LAYER_GZIP, OCI_MANIFEST, image_index, image_manifest};
+    use crate::image::store::BlobStore;
+
+    #[test]
+    fn gpu_request_is_the_api_form_of_gpus_all() {
+        let hc = HostConfig { device_requests: Some(vec![all_gpus()]), ..Default::default() };
+        let v = serde_json::to_value(&hc).unwrap();
+        assert_eq!(v["DeviceRequests"], json!([{"Driver": "", "Count": -1, "Capabilities": [["gpu"]]}]));
+    }
+
+    #[test]
+    fn load_tar_has_layout_and_docker_manifest() {
+        let src = tempfile::tempdir().unwrap();
+        let store = BlobStore::new(src.path());
+        let layer = store.put(b"layer").unwrap();
+        let config = store.put(br#"{"architecture":"arm64"}"#).unwrap();
+        let cd = Descriptor {
+            media_type: OCI_CONFIG.into(),
+            digest: config.clone(),
+            size: 23,
+            platform: None,
+            annotations: None,
+        };
+        let ld = Descriptor {
+            media_type: OCI_LAYER_GZIP.into(),
+            digest: layer.clone(),
+            size: 5,
+            platform: None,
+            annotations: None,
+        };
+        let m = image_manifest(&cd, &[ld], &BTreeMap::new()).unwrap();
+        let md = Descriptor::of(OCI_MANIFEST, &m);
+        store.put(&m).unwrap();
+        let arm = Platform::parse("linux/arm64").unwrap();
+        let idx = image_index(&[(arm.clone(), md.clone())], &BTreeMap::new()).unwrap();
+        let id = Descriptor::of(OCI_INDEX, &idx);
+        store.put(&idx).unwrap();
+        let out = tempfile::tempdir().unwrap();
+        let layout = Layout::new(out.path());
+        layout
+            .write(
+                &store,
+                &[layer.clone(), config.clone(), md.digest.clone(), id.digest.clone()],
+                &[("engine".into(), id)],
+            )
+            .unwrap();
+
+        let images = select(&layout, &[], &arm, "localhost:5000/distro").unwrap();
+        assert_eq!(images.len(), 1);
+        assert_eq!(images[0].repo_tags, ["localhost:5000/distro:engine"]);
+        assert!(select(&layout, &[], &Platform::parse("linux/amd64").unwrap(), "distro").is_err());
+        assert!(select(&layout, &["nope".into()], &arm, "distro").is_err());
+
+        let mut tar_bytes = Vec::new();
+        write_load_tar(&layout, &select(&layout, &[], &arm, "distro").unwrap(), &mut tar_bytes).unwrap();
+        let mut a = tar::Archive::new(tar_bytes.as_slice());
+        let mut files = BTreeMap::new();
+        for e in a.entries().unwrap() {
+            let mut e = e.unwrap();
+            let name = e.path().unwrap().to_string_lossy().into_owned();
+            let mut body = Vec::new();
+            std::io::Read::read_to_end(&mut e, &mut body).unwrap();
+            files.insert(name, body);
+        }
+        let dm: Value = serde_json::from_slice(&files["manifest.json"]).unwrap();
+        assert_eq!(dm[0]["RepoTags"], json!(["distro:engine"]));
+        assert_eq!(dm[0]["Config"], format!("blobs/sha256/{}", config.hex()));
+        assert_eq!(dm[0]["Layers"], json!([format!("blobs/sha256/{}", layer.hex())]));
+        let index: Value = serde_json::from_slice(&files["index.json"]).unwrap();
+        assert_eq!(index["manifests"][0]["digest"], md.digest.as_str());
+        assert_eq!(index["manifests"][0]["annotations"]["io.containerd.image.name"], "distro:engine");
+        assert!(files.contains_key("oci-layout"));
+        assert_eq!(files[&format!("blobs/sha256/{}", layer.hex())], b"layer");
+    }
+}
