@@ -77,6 +77,8 @@ ARG TARGETPLATFORM
 ARG BASE
 ARG REVISION=unknown
 ARG DATE
+# The SBOM's creation time (default 0: pass the commit time for a meaningful one).
+ARG SOURCE_DATE_EPOCH=0
 COPY . .
 RUN cargo build --release --locked -p distro \
  && target/release/distro sbom --platform "$TARGETPLATFORM" --base "$BASE" --revision "$REVISION" \

@@ -65,6 +65,7 @@ S=$(date +%s)
 DOCKER_BUILDKIT=1 /usr/bin/docker build --platform "$PLATFORM" -f "$ROOT/Dockerfile" \
     --build-arg RUST_IMAGE="$BUILDER" --build-arg BASE="$BASE" \
     --build-arg REVISION="$(git -C "$ROOT" rev-parse HEAD)" --build-arg DATE="$DATE" \
+    --build-arg SOURCE_DATE_EPOCH="$(git -C "$ROOT" log -1 --format=%ct)" \
     -t "distro-dockerfile:engine-$ARCH" "$ROOT" >"$WORK/dockerfile-build.log" 2>&1 \
     || die "docker build failed: $(tail -20 "$WORK/dockerfile-build.log")"
 log "docker build: $(($(date +%s) - S)) s"
