@@ -76,7 +76,8 @@ IMG="distro-dockerfile:engine-$ARCH"
 docker run --rm --platform "$PLATFORM" "$IMG" sh -c \
     'test -x /usr/local/bin/engine && test -x /usr/local/bin/test-all && test -f /opt/engine/recipes/tiny-llama2.toml && test -f /opt/distro/sbom.spdx.json && test -f /opt/distro/Cargo.lock' \
     || die "the image lacks files of the native layout"
-docker image inspect "$IMG" --format '{{json .Config.Cmd}} {{.Config.WorkingDir}}' | grep -q '\["engine","info"\] /opt/engine' || die "command or working dir differ"
+[ "$(docker image inspect "$IMG" --format '{{json .Config.Cmd}} {{.Config.WorkingDir}}')" = '["engine","info"] /opt/engine' ] \
+    || die "command or working dir differ"
 ENV_JSON=$(docker image inspect "$IMG" --format '{{json .Config.Env}}')
 while read -r kv; do
     printf '%s' "$ENV_JSON" | jq -e --arg kv "$kv" 'index($kv) != null' >/dev/null || die "the image lacks $kv"
@@ -86,5 +87,6 @@ SMALL="model.d_model=128 model.n_heads=2 model.n_kv_heads=2 model.head_dim=64 mo
 docker run --rm --platform "$PLATFORM" -e ENGINE_FLAGS="$SMALL" "$IMG" engine train --recipe tiny-llama2 --steps 2 \
     >"$WORK/dockerfile-train.txt" 2>&1 || die "training in the Dockerfile image failed: $(tail -3 "$WORK/dockerfile-train.txt")"
 grep -q '^done: loss' "$WORK/dockerfile-train.txt" || die "training did not finish"
-docker run --rm --platform "$PLATFORM" "$IMG" engine info | grep -q "$(git -C "$ROOT" rev-parse HEAD)" || die "engine info lacks the revision"
+docker run --rm --platform "$PLATFORM" "$IMG" engine info >"$WORK/dockerfile-info.txt" 2>&1 || die "engine info failed"
+grep -q "$(git -C "$ROOT" rev-parse HEAD)" "$WORK/dockerfile-info.txt" || die "engine info lacks the revision"
 log "PASS: Dockerfile build for $PLATFORM in $(($(date +%s) - T0))s"

@@ -127,7 +127,11 @@ skopeo inspect "oci:$A_OUT:engine-$DATE" | jq -e --arg d "$A" '.Digest == $d and
     || die "skopeo inspect of the layout disagrees"
 skopeo inspect --config "oci:$A_OUT:engine-$DATE-arm64" | jq -e '.variant == "v8" and .architecture == "arm64"' >/dev/null \
     || die "arm64 config has no v8 variant"
-if skopeo inspect --raw "oci:$A_OUT:engine-$DATE" | grep -q 'application/vnd.docker'; then die "Docker media types in the index"; fi
+INDEX_JSON=$(skopeo inspect --raw "oci:$A_OUT:engine-$DATE")
+case "$INDEX_JSON" in *application/vnd.docker*) die "Docker media types in the index" ;; esac
+for m in $(printf '%s' "$INDEX_JSON" | jq -r '.manifests[].digest'); do
+    case "$(cat "$A_OUT/blobs/sha256/${m#sha256:}")" in *application/vnd.docker*) die "Docker media types in manifest $m" ;; esac
+done
 for arch in amd64 arm64; do
     rm -rf "$WORK/bundle-$arch"
     umoci unpack --image "$A_OUT:engine-$DATE-$arch" "$WORK/bundle-$arch" >&2 || die "umoci unpack $arch failed"
@@ -184,7 +188,7 @@ docker pull -q --platform linux/arm64 "$PLAIN/distro:engine-$DATE" >&2
 docker run --rm --platform linux/arm64 -e ENGINE_FLAGS="$SMALL" "$PLAIN/distro:engine-$DATE" \
     engine train --recipe tiny-llama2 --steps 5 >"$WORK/train-arm64.txt" 2>&1 || die "arm64 training failed: $(tail -3 "$WORK/train-arm64.txt")"
 grep -q '^done: loss' "$WORK/train-arm64.txt" || die "arm64 training did not finish"
-docker run --rm --platform linux/arm64 "$PLAIN/distro:engine-$DATE" uname -m | grep -q aarch64 || die "not an arm64 container"
+[ "$(docker run --rm --platform linux/arm64 "$PLAIN/distro:engine-$DATE" uname -m)" = aarch64 ] || die "not an arm64 container"
 log "amd64: $(grep '^done' "$WORK/train-amd64.txt")"
 log "arm64: $(grep '^done' "$WORK/train-arm64.txt")"
 

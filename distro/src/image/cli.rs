@@ -241,7 +241,8 @@ pub fn push_cmd(a: PushArgs) -> Result<ExitCode> {
     let mut plan = PushPlan::default();
     let mut seen = std::collections::BTreeSet::new();
     for (name, d) in &selected {
-        // Children before parents: reachable() lists the root last... order them explicitly.
+        // Blobs first, then platform manifests, then the root (index), so that nothing is
+        // pushed before what it references.
         let all = layout.reachable(d)?;
         for x in all.iter().filter(|x| !x.media_type.contains("manifest") && !is_index(&x.media_type)) {
             if seen.insert(x.digest.clone()) {
