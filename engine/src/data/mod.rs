@@ -5,6 +5,17 @@
 //! [`VALIDATION_FRACTION`] of the windows for validation, and visits the training windows in a
 //! seeded random order per epoch. Its position (epoch, index) is exact and resumable, and each
 //! data-parallel rank takes a disjoint, interleaved slice of every epoch's order.
+//!
+//! Sources: the embedded corpus (byte tokens), synthetic tokens, and memory-mapped token shards
+//! ([`shard`]) that `engine data prepare` ([`prepare`]) writes with a real tokenizer
+//! ([`tokenizer`], [`sentencepiece`]).
+
+pub mod prepare;
+pub mod sentencepiece;
+pub mod shard;
+pub mod tokenizer;
+
+use std::path::Path;
 
 use anyhow::{Result, bail};
 
@@ -78,12 +89,20 @@ pub fn open(data: &DataConfig, vocab_size: usize, seed: u64) -> Result<Box<dyn T
     let source: Box<dyn TokenSource> = match data.source {
         DataSource::Embedded => Box::new(Bytes(CORPUS)),
         DataSource::Synthetic => Box::new(Synthetic { vocab: vocab_size, seed }),
+        DataSource::Shards => Box::new(shard::Shards::open(Path::new(&data.path))?),
     };
     if source.vocab_needed() > vocab_size {
-        bail!(
-            "data.source = \"embedded\" uses byte tokens 0..255, more than model.vocab_size = {vocab_size}; \
-             raise model.vocab_size or use data.source = \"synthetic\""
-        );
+        match data.source {
+            DataSource::Shards => bail!(
+                "the shards in data.path = {} were written with a tokenizer of {} tokens, more than model.vocab_size = {vocab_size}",
+                data.path,
+                source.vocab_needed()
+            ),
+            _ => bail!(
+                "data.source = \"embedded\" uses byte tokens 0..255, more than model.vocab_size = {vocab_size}; \
+                 raise model.vocab_size or use data.source = \"synthetic\""
+            ),
+        }
     }
     Ok(source)
 }
@@ -163,6 +182,11 @@ impl Loader {
     /// Number of validation samples.
     pub fn validation_samples(&self) -> usize {
         self.val_windows
+    }
+
+    /// Tokens in the source.
+    pub fn source_len(&self) -> usize {
+        self.source.len()
     }
 
     /// Fills `tokens` and `targets` (`batch · seq_len` each) with this rank's next samples.
