@@ -375,6 +375,22 @@ pub fn remove_temporaries(parent: &Path) -> Result<Vec<PathBuf>> {
     Ok(removed)
 }
 
+/// Renames the complete checkpoints newer than `step` to `superseded-step-N` (a run resumed
+/// from `step` replaces what followed it; they are kept for the user to inspect or remove, but
+/// no longer count as checkpoints). Returns their new paths.
+pub fn set_aside_after(parent: &Path, step: u64) -> Result<Vec<PathBuf>> {
+    let mut moved = Vec::new();
+    for (s, dir) in list(parent)?.into_iter().filter(|(s, _)| *s > step) {
+        let to = parent.join(format!("superseded-{}-{}", dir_name(s), std::process::id()));
+        fs::rename(&dir, &to).with_context(|| format!("cannot move {} aside", dir.display()))?;
+        moved.push(to);
+    }
+    if !moved.is_empty() {
+        fsutil::sync_dir(parent)?;
+    }
+    Ok(moved)
+}
+
 /// Removes the oldest complete checkpoints beyond the newest `keep` (0 keeps all). Each is
 /// renamed away first, so a half-removed directory never looks like a checkpoint.
 pub fn prune(parent: &Path, keep: usize) -> Result<()> {

@@ -268,6 +268,39 @@ mod tests {
     }
 
     #[test]
+    fn shard_sources_load_like_any_other() {
+        let dir = tempfile::tempdir().unwrap();
+        for (name, start) in [("a.tok", 0u32), ("b.tok", 5000)] {
+            let mut w = shard::ShardWriter::create(&dir.path().join(name), 70_000, 0).unwrap();
+            w.push_document(&(start..start + 5000).collect::<Vec<_>>()).unwrap();
+            w.finish().unwrap();
+        }
+        let config = DataConfig { source: DataSource::Shards, path: dir.path().display().to_string() };
+        let open_rank = |rank| Loader::new(open(&config, 70_000, 1).unwrap(), 99, 3, rank, 2).unwrap();
+        let (mut r0, mut r1) = (open_rank(0), open_rank(1));
+        assert_eq!(r0.source_len(), 10_000);
+        let (mut a, mut b, mut ya, mut yb) = (vec![0; 99], vec![0; 99], vec![0; 99], vec![0; 99]);
+        let mut seen = std::collections::HashSet::new();
+        for _ in 0..20 {
+            r0.next_batch(&mut a, &mut ya);
+            r1.next_batch(&mut b, &mut yb);
+            // A window of a stream counting up: consecutive tokens, targets one ahead.
+            assert!(a.windows(2).all(|w| w[1] == w[0] + 1) && ya[0] == a[0] + 1);
+            assert!(seen.insert(a[0]) && seen.insert(b[0]), "ranks read the same sample");
+        }
+        let mut resumed = open_rank(0);
+        resumed.seek(r0.position());
+        r0.next_batch(&mut a, &mut ya);
+        resumed.next_batch(&mut b, &mut yb);
+        assert_eq!(a, b);
+        // The validation windows are the last ones, never trained on.
+        r0.validation_batch(0, &mut a, &mut ya);
+        assert!(a[0] as usize >= r0.train_samples() * 99);
+        let e = open(&config, 60_000, 1).err().unwrap().to_string();
+        assert!(e.contains("70000 tokens, more than model.vocab_size = 60000"), "{e}");
+    }
+
+    #[test]
     fn byte_tokens_need_a_vocabulary_of_256() {
         let err = open(&DataConfig::default(), 100, 0).err().unwrap().to_string();
         assert!(err.contains("model.vocab_size = 100"), "{err}");

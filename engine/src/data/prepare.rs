@@ -94,6 +94,7 @@ pub fn prepare(opts: &PrepareOptions) -> Result<PrepareReport> {
         bail!("--shard-tokens must be at least 1");
     }
     let files = input_files(&opts.inputs)?;
+    let created = !opts.out.exists();
     check_out_dir(&opts.out)?;
 
     let mut written: Vec<PathBuf> = Vec::new();
@@ -101,6 +102,9 @@ pub fn prepare(opts: &PrepareOptions) -> Result<PrepareReport> {
     if result.is_err() {
         for path in &written {
             let _ = std::fs::remove_file(path);
+        }
+        if created {
+            let _ = std::fs::remove_dir(&opts.out);
         }
     }
     result

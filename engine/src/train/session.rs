@@ -91,6 +91,11 @@ pub fn run<B: Backend>(trainer: &mut Trainer<Traced<B>>, s: &Session) -> Result<
     for stale in checkpoint::remove_temporaries(&checkpoints)? {
         println!("removed {}, left by a save that did not finish", stale.display());
     }
+    if first > 0 {
+        for moved in checkpoint::set_aside_after(&checkpoints, first)? {
+            println!("moved {} aside: it follows step {first}, which this run continues from", moved.display());
+        }
+    }
     let mut saver = (config.train.checkpoint_every > 0)
         .then(|| Saver::new(&checkpoints, &config, &trainer.model.layout, s.extras.clone()));
 
