@@ -313,7 +313,8 @@ fn read_documents(
             if text.trim().is_empty() {
                 continue;
             }
-            let record: Record = serde_json::from_str(text).map_err(|e| anyhow!("{}:{number}: {e}", path.display()))?;
+            let record: Record = serde_json::from_str(text.trim_end_matches(['\n', '\r']))
+                .map_err(|e| anyhow!("{}:{number}: {e}", path.display()))?;
             let text =
                 record.text.ok_or_else(|| anyhow!("{}:{number}: the object has no `text` field", path.display()))?;
             push(text, &mut batch, &mut batch_bytes)?;

@@ -25,8 +25,21 @@ pub struct EventWriter {
 
 impl EventWriter {
     /// Creates `dir/events.out.tfevents.SECONDS.HOST.PID` and writes its version record.
+    /// TensorBoard reads a directory's event files in name order, so SECONDS is made larger
+    /// than that of any file already there (a resumed run may start within the same second).
     pub fn create(dir: &Path) -> Result<EventWriter> {
-        let name = format!("events.out.tfevents.{}.{}.{}", now().trunc() as u64, hostname(), std::process::id());
+        const PREFIX: &str = "events.out.tfevents.";
+        let latest = std::fs::read_dir(dir)
+            .map(|entries| {
+                entries
+                    .filter_map(|e| e.ok()?.file_name().into_string().ok())
+                    .filter_map(|n| n.strip_prefix(PREFIX)?.split('.').next()?.parse::<u64>().ok())
+                    .max()
+            })
+            .ok()
+            .flatten();
+        let seconds = (now().trunc() as u64).max(latest.map_or(0, |l| l + 1));
+        let name = format!("{PREFIX}{seconds}.{}.{}", hostname(), std::process::id());
         let path = dir.join(name);
         let file = File::create(&path).with_context(|| format!("cannot create {}", path.display()))?;
         let mut w = EventWriter { path, out: BufWriter::new(file) };
@@ -46,7 +59,7 @@ impl EventWriter {
         let mut event = event_header(now(), step);
         let mut log = Vec::new();
         varint_field(&mut log, 1, 1); // status = START
-        bytes_field(&mut event, 6, &log);
+        bytes_field(&mut event, 7, &log); // Event.session_log
         self.record(&event)
     }
 
