@@ -6,6 +6,7 @@ mod eval;
 mod export_hf;
 mod import_hf;
 mod info;
+mod launch;
 mod recipes;
 mod train;
 
@@ -45,6 +46,11 @@ enum Command {
     Bench(bench::BenchArgs),
     /// Show the devices, versions and flags in effect.
     Info,
+    /// Start one process per local device, each running the given engine command.
+    Launch(launch::LaunchArgs),
+    /// Multi-process diagnostics.
+    #[command(subcommand)]
+    Dist(launch::DistCommand),
 }
 
 /// A recipe and its overrides, shared by the commands that resolve one.
@@ -97,6 +103,8 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Recipes(cmd) => recipes::run(cmd),
         Command::Bench(args) => bench::run(args),
         Command::Info => info::run(),
+        Command::Launch(args) => launch::launch(args),
+        Command::Dist(cmd) => launch::check(cmd),
     }
 }
 

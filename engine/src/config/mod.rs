@@ -29,6 +29,8 @@ pub struct Config {
     pub optim: OptimConfig,
     /// Where training tokens come from.
     pub data: DataConfig,
+    /// How devices split the work: data, fsdp and tensor axes, within and across nodes.
+    pub mesh: MeshConfig,
 }
 
 /// Which Hugging Face architecture the model corresponds to (names of tensors and config keys on
@@ -270,6 +272,34 @@ pub struct DataConfig {
     /// With `source = "shards"`: a directory of shards (read in name order) or one shard file.
     /// A relative path is relative to the working directory.
     pub path: String,
+}
+
+/// The device mesh: three parallel axes, each split into an intra-node (`ici`) and an
+/// inter-node (`dcn`) size, as in MaxText, Pax and AXLearn. The `ici` sizes multiply to the
+/// devices per node and the `dcn` sizes to the number of nodes; one size per group may be -1,
+/// meaning "whatever fills it".
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MeshConfig {
+    /// Data parallelism within a node: replicas that all-reduce gradients.
+    pub ici_data: i64,
+    /// Fully sharded data parallelism within a node: parameters, gradients and optimizer state
+    /// sharded, parameters gathered per layer.
+    pub ici_fsdp: i64,
+    /// Tensor parallelism within a node: attention heads, MLP columns and experts split.
+    pub ici_tensor: i64,
+    /// Data parallelism across nodes.
+    pub dcn_data: i64,
+    /// Fully sharded data parallelism across nodes.
+    pub dcn_fsdp: i64,
+    /// Tensor parallelism across nodes.
+    pub dcn_tensor: i64,
+}
+
+impl Default for MeshConfig {
+    fn default() -> Self {
+        MeshConfig { ici_data: -1, ici_fsdp: 1, ici_tensor: 1, dcn_data: -1, dcn_fsdp: 1, dcn_tensor: 1 }
+    }
 }
 
 impl ModelConfig {
