@@ -1,14 +1,15 @@
 //! Safetensors files: writing f32 host buffers (optionally as bf16 or f16) and reading tensors of
 //! any float dtype back as f32, through the `safetensors` crate and memory maps.
 
-use std::borrow::Cow;
 use std::collections::HashMap;
 use std::fs::File;
+use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, anyhow, bail};
 use memmap2::Mmap;
-use safetensors::tensor::{Dtype, SafeTensors, TensorView};
+use safetensors::tensor::{Dtype, Metadata, SafeTensors, TensorInfo, TensorView};
+use sha2::{Digest, Sha256};
 
 /// The element type a file is written in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -59,59 +60,86 @@ fn f32_bytes(x: &[f32]) -> &[u8] {
     unsafe { std::slice::from_raw_parts(x.as_ptr().cast::<u8>(), std::mem::size_of_val(x)) }
 }
 
-/// One tensor to write: its data in f32 and its shape.
-struct Out<'a> {
-    data: &'a [f32],
-    shape: Vec<usize>,
-    dtype: FloatType,
+/// A writer that hashes everything passing through it.
+struct Hashing<W: Write> {
+    inner: W,
+    hasher: Sha256,
 }
 
-impl safetensors::View for Out<'_> {
-    fn dtype(&self) -> Dtype {
-        match self.dtype {
-            FloatType::F32 => Dtype::F32,
-            FloatType::Bf16 => Dtype::BF16,
-            FloatType::F16 => Dtype::F16,
-        }
+impl<W: Write> Write for Hashing<W> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let n = self.inner.write(buf)?;
+        self.hasher.update(&buf[..n]);
+        Ok(n)
     }
 
-    fn shape(&self) -> &[usize] {
-        &self.shape
-    }
-
-    fn data(&self) -> Cow<'_, [u8]> {
-        match self.dtype {
-            FloatType::F32 => Cow::Borrowed(f32_bytes(self.data)),
-            FloatType::Bf16 => {
-                Cow::Owned(self.data.iter().flat_map(|&x| half::bf16::from_f32(x).to_bits().to_le_bytes()).collect())
-            }
-            FloatType::F16 => {
-                Cow::Owned(self.data.iter().flat_map(|&x| half::f16::from_f32(x).to_bits().to_le_bytes()).collect())
-            }
-        }
-    }
-
-    fn data_len(&self) -> usize {
-        self.data.len() * if self.dtype == FloatType::F32 { 4 } else { 2 }
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.inner.flush()
     }
 }
 
-/// Writes `tensors` (name, f32 data, shape) to `path` in `dtype`, with `{"format": "pt"}`
-/// metadata (which transformers expects): under a temporary name, flushed, then renamed.
-pub fn write(path: &Path, tensors: &[(String, &[f32], Vec<usize>)], dtype: FloatType) -> Result<()> {
-    let views = tensors.iter().map(|(name, data, shape)| {
-        debug_assert_eq!(data.len(), shape.iter().product::<usize>());
-        (name.clone(), Out { data, shape: shape.clone(), dtype })
-    });
+/// Writes `tensors` (name, f32 data, shape) to `path` in `dtype`, in the order given, with
+/// `{"format": "pt"}` metadata (which transformers expects): under a temporary name, flushed,
+/// then renamed. The header comes from the `safetensors` crate; the data is streamed (no copy
+/// of the whole file in memory) and hashed on the way. Returns the file's SHA-256 in hex.
+pub fn write(path: &Path, tensors: &[(String, &[f32], Vec<usize>)], dtype: FloatType) -> Result<String> {
+    let (st_dtype, width) = match dtype {
+        FloatType::F32 => (Dtype::F32, 4),
+        FloatType::Bf16 => (Dtype::BF16, 2),
+        FloatType::F16 => (Dtype::F16, 2),
+    };
+    let mut offset = 0;
+    let infos = tensors
+        .iter()
+        .map(|(name, data, shape)| {
+            assert_eq!(data.len(), shape.iter().product::<usize>(), "{name}: data and shape disagree");
+            let info = TensorInfo {
+                dtype: st_dtype,
+                shape: shape.clone(),
+                data_offsets: (offset, offset + data.len() * width),
+            };
+            offset += data.len() * width;
+            (name.clone(), info)
+        })
+        .collect();
     let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
+    let header =
+        Metadata::new(Some(metadata), infos).map_err(|e| anyhow!("cannot describe {}: {e}", path.display()))?;
+    let mut header = serde_json::to_vec(&header)?;
+    // The data starts 8-byte aligned, as the crate's own writer pads it.
+    header.resize(header.len().next_multiple_of(8), b' ');
+
     let name = path.file_name().context("no file name")?.to_string_lossy();
     let tmp = path.with_file_name(format!(".{name}.tmp-{}", std::process::id()));
-    let result = (|| -> Result<()> {
-        safetensors::serialize_to_file(views, Some(metadata), &tmp).map_err(|e| anyhow!("{e}"))?;
-        File::open(&tmp)?.sync_all()?;
+    let result = (|| -> Result<String> {
+        let file = File::create(&tmp)?;
+        let mut out = BufWriter::with_capacity(1 << 22, Hashing { inner: file, hasher: Sha256::new() });
+        out.write_all(&(header.len() as u64).to_le_bytes())?;
+        out.write_all(&header)?;
+        let mut buf = Vec::new();
+        for (_, data, _) in tensors {
+            match dtype {
+                FloatType::F32 => out.write_all(f32_bytes(data))?,
+                _ => {
+                    for chunk in data.chunks(1 << 16) {
+                        buf.clear();
+                        for &x in chunk {
+                            let bits = match dtype {
+                                FloatType::Bf16 => half::bf16::from_f32(x).to_bits(),
+                                _ => half::f16::from_f32(x).to_bits(),
+                            };
+                            buf.extend_from_slice(&bits.to_le_bytes());
+                        }
+                        out.write_all(&buf)?;
+                    }
+                }
+            }
+        }
+        let hashing = out.into_inner().map_err(|e| e.into_error())?;
+        hashing.inner.sync_all()?;
         std::fs::rename(&tmp, path)?;
         crate::fsutil::sync_dir(path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new(".")))?;
-        Ok(())
+        Ok(crate::data::prepare::hex(&hashing.hasher.finalize()))
     })();
     if result.is_err() {
         let _ = std::fs::remove_file(&tmp);
@@ -196,7 +224,8 @@ mod tests {
                 FloatType::Bf16 => values.iter().map(|&x| half::bf16::from_f32(x).to_f32()).collect(),
                 FloatType::F16 => values.iter().map(|&x| half::f16::from_f32(x).to_f32()).collect(),
             };
-            write(&path, &[("w".into(), &rounded, vec![5])], dtype).unwrap();
+            let sha = write(&path, &[("w".into(), &rounded, vec![5])], dtype).unwrap();
+            assert_eq!(sha, crate::data::prepare::sha256_file(&path).unwrap());
             let m = Mapped::open(&path).unwrap();
             let t = m.tensors();
             let mut out = [0f32; 5];

@@ -171,10 +171,15 @@ fn write_into(
     pause: Option<u64>,
 ) -> Result<()> {
     let mut files = BTreeMap::new();
-    let mut add = |name: &str| -> Result<()> {
+    // Records a file written, with its hash when the writer computed it on the way.
+    let mut add = |name: &str, sha256: Option<String>| -> Result<()> {
         let path = dir.join(name);
         let bytes = fs::metadata(&path)?.len();
-        files.insert(name.to_owned(), FileSum { bytes, sha256: sha256_file(&path)? });
+        let sha256 = match sha256 {
+            Some(h) => h,
+            None => sha256_file(&path)?,
+        };
+        files.insert(name.to_owned(), FileSum { bytes, sha256 });
         Ok(())
     };
     let tensors: Vec<(String, &[f32], Vec<usize>)> = layout
@@ -182,8 +187,8 @@ fn write_into(
         .iter()
         .map(|t| (t.name.clone(), &snap.params[t.offset..t.offset + t.len()], t.shape.clone()))
         .collect();
-    tensors::write(&dir.join(MODEL_FILE), &tensors, FloatType::F32)?;
-    add(MODEL_FILE)?;
+    let sha = tensors::write(&dir.join(MODEL_FILE), &tensors, FloatType::F32)?;
+    add(MODEL_FILE, Some(sha))?;
     if pause == Some(snap.step) {
         eprintln!("{PAUSE_HOOK}: the save of step {} stops after {MODEL_FILE}", snap.step);
         loop {
@@ -197,19 +202,19 @@ fn write_into(
                 moments.push((format!("{prefix}.{}", t.name), &buf[t.offset..t.offset + t.len()], t.shape.clone()));
             }
         }
-        tensors::write(&dir.join(OPTIMIZER_FILE), &moments, FloatType::F32)?;
-        add(OPTIMIZER_FILE)?;
+        let sha = tensors::write(&dir.join(OPTIMIZER_FILE), &moments, FloatType::F32)?;
+        add(OPTIMIZER_FILE, Some(sha))?;
     }
     let config_text = toml::to_string(config)?;
     write_atomic(&dir.join(CONFIG_FILE), config_text.as_bytes())?;
-    add(CONFIG_FILE)?;
+    add(CONFIG_FILE, None)?;
     for (name, bytes) in &extras.files {
         let path = dir.join(name);
         if let Some(parent) = path.parent() {
             fs::create_dir_all(parent)?;
         }
         write_atomic(&path, bytes)?;
-        add(name)?;
+        add(name, None)?;
     }
     let state = State {
         format: FORMAT.into(),
@@ -425,6 +430,8 @@ pub fn latest(parent: &Path) -> Result<Option<Checkpoint>> {
 /// Configuration keys that may change between a run and its resumption: they do not change
 /// what the next step computes (`train.steps` moves the end of the run and, with a cosine
 /// schedule whose `decay_steps` is 0, the schedule too; `data.path` may move, the data may not).
+/// The `mesh.*` keys may change too: checkpoints hold the whole, unsharded state, and the data
+/// position counts the samples of all ranks.
 pub const RESUMABLE_KEYS: [&str; 11] = [
     "description",
     "extends",
@@ -440,7 +447,7 @@ pub const RESUMABLE_KEYS: [&str; 11] = [
 ];
 
 /// The keys whose values differ between a checkpoint's configuration and the current one, other
-/// than [`RESUMABLE_KEYS`], as `key (checkpoint A, now B)`.
+/// than [`RESUMABLE_KEYS`] and `mesh.*`, as `key (checkpoint A, now B)`.
 pub fn incompatible_keys(saved: &Config, now: &Config) -> Vec<String> {
     fn flatten(prefix: &str, v: &toml::Value, out: &mut BTreeMap<String, String>) {
         match v {
@@ -460,7 +467,7 @@ pub fn incompatible_keys(saved: &Config, now: &Config) -> Vec<String> {
     flatten("", &toml::Value::try_from(now).expect("configs serialize"), &mut b);
     let keys: std::collections::BTreeSet<&String> = a.keys().chain(b.keys()).collect();
     keys.into_iter()
-        .filter(|k| !RESUMABLE_KEYS.contains(&k.as_str()) && a.get(*k) != b.get(*k))
+        .filter(|k| !RESUMABLE_KEYS.contains(&k.as_str()) && !k.starts_with("mesh.") && a.get(*k) != b.get(*k))
         .map(|k| {
             let show = |m: &BTreeMap<String, String>| m.get(k).cloned().unwrap_or_else(|| "unset".into());
             format!("{k} (checkpoint {}, now {})", show(&a), show(&b))

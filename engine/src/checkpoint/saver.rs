@@ -38,9 +38,17 @@ pub struct Saver {
 }
 
 impl Saver {
-    /// A saver writing under `parent` (`RUN_DIR/checkpoints`).
+    /// A saver writing under `parent` (`RUN_DIR/checkpoints`). Allocates and touches the host
+    /// buffers of the snapshots now, so that the first save does not page in fresh memory on
+    /// the step loop's critical path.
     pub fn new(parent: &Path, config: &Config, layout: &Layout, extras: Extras) -> Saver {
         let pause = std::env::var(super::PAUSE_HOOK).ok().and_then(|v| v.trim().parse().ok());
+        let warm = || {
+            let mut v = vec![0f32; layout.len];
+            v.fill(1.0); // calloc'd pages are only mapped when written
+            v
+        };
+        let spare = Snapshot { params: warm(), moments: Some((warm(), warm())), ..Snapshot::default() };
         Saver {
             parent: parent.to_path_buf(),
             config: Arc::new(config.clone()),
@@ -49,7 +57,7 @@ impl Saver {
             keep_last: config.train.keep_last,
             pause,
             running: None,
-            spare: None,
+            spare: Some(spare),
         }
     }
 
@@ -74,8 +82,8 @@ impl Saver {
         }
     }
 
-    /// Starts saving `snapshot` in the background, after waiting for the previous save (whose
-    /// report is returned).
+    /// Starts saving `snapshot` in the background, after waiting for the previous save if it
+    /// is still running (whose report is returned).
     pub fn submit(&mut self, snapshot: Snapshot) -> Result<Option<SaveReport>> {
         let previous = self.wait()?;
         let (parent, config, layout, extras) =

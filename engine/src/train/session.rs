@@ -144,11 +144,13 @@ pub fn run<B: Backend>(trainer: &mut Trainer<Traced<B>>, s: &Session) -> Result<
             m.eval_loss = Some(trainer.eval_loss(config.train.eval_steps).0);
         }
         if let Some(saver) = saver.as_mut().filter(|_| every(config.train.checkpoint_every)) {
+            // Waiting for the previous save first lets the snapshot reuse its (warm) buffers.
             let start = Instant::now();
-            let snapshot = trainer.snapshot(saver.take_buffers());
-            if let Some(done) = saver.submit(snapshot)? {
+            if let Some(done) = saver.wait()? {
                 say(&saved_line(&done));
             }
+            let snapshot = trainer.snapshot(saver.take_buffers());
+            saver.submit(snapshot)?;
             m.checkpoint_s = Some(start.elapsed().as_secs_f64());
         }
         metrics.write(&m)?;
