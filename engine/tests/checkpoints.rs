@@ -47,15 +47,29 @@ fn bytes(p: &Path) -> Vec<u8> {
     std::fs::read(p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
 }
 
-/// Both promises of a crash: killed while saving step 6, the run resumes from step 3 and ends
-/// with the same losses, parameters and optimizer state, bit for bit, as a run never killed.
+/// The acceptance scenario: a corpus prepared with a real tokenizer, a run killed with SIGKILL
+/// while saving step 6 resumes from step 3 and ends with the same losses, parameters and
+/// optimizer state, bit for bit, as a run never killed.
 #[test]
 fn a_run_killed_during_a_save_resumes_from_the_previous_checkpoint_bitwise() {
     let dir = scratch("kill");
+    let shards = dir.join("shards");
+    ok(&[
+        "data",
+        "prepare",
+        "--tokenizer",
+        s(&fixture("tokenizers/bytelevel-bpe.json")),
+        "--input",
+        concat!(env!("CARGO_MANIFEST_DIR"), "/data/shakespeare.txt"),
+        "--out",
+        s(&shards),
+    ]);
+    let path = format!("data.path={}", shards.display());
+    let data = ["--set", "data.source=shards", "--set", &path, "--set", "model.vocab_size=512"];
     let (whole, killed) = (dir.join("whole"), dir.join("killed"));
-    ok(&train_args(&whole, "8", &[]));
+    ok(&train_args(&whole, "8", &data));
 
-    let mut child = engine_cmd(&train_args(&killed, "8", &[]))
+    let mut child = engine_cmd(&train_args(&killed, "8", &data))
         .env("ENGINE_TEST_PAUSE_SAVE", "6")
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
@@ -76,7 +90,7 @@ fn a_run_killed_during_a_save_resumes_from_the_previous_checkpoint_bitwise() {
     assert!(names.iter().any(|n| n.starts_with(".tmp-step-000006")), "the half-written save is gone: {names:?}");
     assert!(!names.contains(&"step-000006".to_string()));
 
-    let out = ok(&train_args(&killed, "8", &["--resume"]));
+    let out = ok(&train_args(&killed, "8", &[&data[..], &["--resume"]].concat()));
     assert!(out.contains("resuming after step 3"), "{out}");
     assert_eq!(loss_bits(&killed), loss_bits(&whole), "the losses of the resumed run differ");
     for file in ["model.safetensors", "optimizer.safetensors"] {

@@ -107,6 +107,24 @@ fn check_against_transformers(model: &str, source: &[&str], dir: &Path) {
     }
 }
 
+/// A token shard cut into sequences evaluates like the same tokens given as JSON.
+#[test]
+fn eval_reads_token_shards() {
+    let dir = scratch("hf-shard");
+    let tokens: Vec<Vec<u32>> =
+        serde_json::from_slice(&std::fs::read(fixture("hf/llama/tokens.json")).unwrap()).unwrap();
+    let shard = dir.join("tokens.tok");
+    let mut w = engine::data::shard::ShardWriter::create(&shard, 512, 1).unwrap();
+    w.push_document(&tokens.concat()).unwrap();
+    w.push_document(&[7, 7, 7]).unwrap(); // a partial last sequence, dropped
+    w.finish().unwrap();
+    let llama = fixture("hf/llama");
+    let from_shard = ok(&["eval", "--hf", s(&llama), "--tokens", s(&shard), "--seq-len", "16"]);
+    let from_json = ok(&["eval", "--hf", s(&llama), "--tokens", s(&fixture("hf/llama/tokens.json"))]);
+    assert_eq!(from_shard, from_json);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn eval_agrees_with_transformers_for_the_three_architectures() {
     let dir = scratch("hf-eval");

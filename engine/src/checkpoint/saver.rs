@@ -37,6 +37,20 @@ pub struct Saver {
     spare: Option<Snapshot>,
 }
 
+/// A run that stops early (an error, a diverged loss) still finishes the save in progress, so
+/// that its last checkpoint is not lost to a half-written temporary directory.
+impl Drop for Saver {
+    fn drop(&mut self) {
+        if let Some(handle) = self.running.take() {
+            match handle.join() {
+                Ok(Ok((report, _))) => println!("saved checkpoint {}", report.dir.display()),
+                Ok(Err(e)) => eprintln!("warning: the last checkpoint was not saved: {e:#}"),
+                Err(_) => eprintln!("warning: the checkpoint thread panicked"),
+            }
+        }
+    }
+}
+
 impl Saver {
     /// A saver writing under `parent` (`RUN_DIR/checkpoints`). Allocates and touches the host
     /// buffers of the snapshots now, so that the first save does not page in fresh memory on

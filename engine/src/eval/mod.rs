@@ -74,8 +74,12 @@ pub struct Batch {
 /// cut into consecutive sequences of `seq_len` tokens (a last partial one is dropped).
 pub fn read_tokens(path: &Path, seq_len: usize) -> Result<Batch> {
     let p = path.display();
-    let bytes = std::fs::read(path).with_context(|| format!("cannot read {p}"))?;
-    if bytes.starts_with(crate::data::shard::MAGIC) {
+    let mut magic = [0u8; 8];
+    let is_shard = std::fs::File::open(path)
+        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut magic))
+        .map(|()| &magic == crate::data::shard::MAGIC)
+        .unwrap_or(false);
+    if is_shard {
         let shard = Shard::open(path)?;
         let rows = shard.len() / seq_len;
         if rows == 0 {
@@ -85,6 +89,7 @@ pub fn read_tokens(path: &Path, seq_len: usize) -> Result<Batch> {
         shard.read(0, &mut tokens);
         return Ok(Batch { tokens, rows, seq: seq_len });
     }
+    let bytes = std::fs::read(path).with_context(|| format!("cannot read {p}"))?;
     let rows: Vec<Vec<u64>> = serde_json::from_slice(&bytes)
         .map_err(|e| anyhow!("{p} is neither a token shard nor a JSON array of token-id arrays: {e}"))?;
     let seq = rows.first().map_or(0, Vec::len);
