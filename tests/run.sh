@@ -24,7 +24,9 @@ section "python tools for the tests"
 # TensorBoard's own reader opens the engine's event files (engine/tests/metrics.rs); the test
 # fails rather than skips when ENGINE_TEST_REQUIRE_PYTHON=1.
 if ! python3 -c "import venv, ensurepip" 2>/dev/null; then
-    $(command -v sudo || true) apt-get -o DPkg::Lock::Timeout=600 install -y python3-venv
+    sudo=$(command -v sudo || true)
+    $sudo apt-get -o DPkg::Lock::Timeout=600 update
+    $sudo apt-get -o DPkg::Lock::Timeout=600 install -y python3-venv
 fi
 venv=target/test-venv
 if ! "$venv/bin/python" -c "import tensorboard" 2>/dev/null; then
