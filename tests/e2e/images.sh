@@ -20,8 +20,8 @@ PLAIN=127.0.0.1:$PORT
 AUTH=127.0.0.1:$((PORT + 1))
 DATE=2026-01-02
 mkdir -p "$WORK"
-# shellcheck source=tests/e2e/lib.sh
-source "$ROOT/tests/e2e/lib.sh"
+# shellcheck source=tests/e2e/lib/images-common.sh
+source "$ROOT/tests/e2e/lib/images-common.sh"
 
 T0=$(date +%s)
 phase() { log "[$(($(date +%s) - T0))s] $*"; }

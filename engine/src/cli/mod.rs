@@ -1,6 +1,10 @@
 //! Command-line interface: argument definitions and dispatch to one module per command.
 
 mod bench;
+mod data;
+mod eval;
+mod export_hf;
+mod import_hf;
 mod info;
 mod launch;
 mod recipes;
@@ -23,8 +27,18 @@ pub struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Train a model from a recipe on the embedded corpus or synthetic tokens.
+    /// Train a model from a recipe: on the embedded corpus, synthetic tokens or prepared shards;
+    /// from scratch, a Hugging Face model, or a checkpoint to resume.
     Train(train::TrainArgs),
+    /// Prepare training data: tokenize text and JSONL files into token shards.
+    #[command(subcommand)]
+    Data(data::DataCommand),
+    /// Convert a Hugging Face model directory into an engine checkpoint.
+    ImportHf(import_hf::ImportArgs),
+    /// Convert an engine checkpoint into a Hugging Face model directory.
+    ExportHf(export_hf::ExportArgs),
+    /// Evaluate a model: loss, perplexity, logits and gradients on tokens, or LAMBADA accuracy.
+    Eval(eval::EvalArgs),
     /// List the built-in recipes, or show one resolved with its parameter count and FLOPs.
     #[command(subcommand)]
     Recipes(recipes::RecipesCommand),
@@ -82,6 +96,10 @@ pub fn run(cli: Cli) -> Result<()> {
     }
     match cli.command {
         Command::Train(args) => train::run(args),
+        Command::Data(cmd) => data::run(cmd),
+        Command::ImportHf(args) => import_hf::run(args),
+        Command::ExportHf(args) => export_hf::run(args),
+        Command::Eval(args) => eval::run(args),
         Command::Recipes(cmd) => recipes::run(cmd),
         Command::Bench(args) => bench::run(args),
         Command::Info => info::run(),

@@ -2,16 +2,17 @@
 # Builds the root Dockerfile with BuildKit, offline, for one platform (default linux/arm64, the
 # cross-compiled one), and checks the result against the native build's layout, env and entry.
 #
-# Opt-in and slow (~15-20 minutes cold on 2 cores): not part of tests/e2e/images.sh. Needs
+# Opt-in and slow (~15-20 minutes cold on 2 cores): it lives in manual/ so that tests/run.sh,
+# which runs tests/e2e/*.sh, does not pick it up. Needs
 # root. Without network access to Docker Hub, `rust:1.95.0-bookworm` is replaced by a local
 # stand-in built from the debootstrap base plus this machine's pinned toolchain (and gcc from
 # Debian); the CUDA base by the local Debian base. buildx is not needed: Docker's embedded
 # BuildKit builds one platform per run (multi-platform in one run needs buildx).
 #
-#   tests/e2e/dockerfile.sh [PLATFORM]
+#   tests/e2e/manual/dockerfile.sh [PLATFORM]
 set -euo pipefail
 
-ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+ROOT=$(cd "$(dirname "$0")/../../.." && pwd)
 WORK=${DISTRO_E2E_WORK:-$ROOT/target/e2e-images}
 PORT=${DISTRO_E2E_DOCKERFILE_PORT:-5711}
 PLATFORM=${1:-linux/arm64}
@@ -19,8 +20,8 @@ ARCH=${PLATFORM#linux/}
 REGISTRY=127.0.0.1:$PORT
 DATE=2026-01-02
 mkdir -p "$WORK"
-# shellcheck source=tests/e2e/lib.sh
-source "$ROOT/tests/e2e/lib.sh"
+# shellcheck source=tests/e2e/lib/images-common.sh
+source "$ROOT/tests/e2e/lib/images-common.sh"
 T0=$(date +%s)
 phase() { log "[$(($(date +%s) - T0))s] $*"; }
 trap e2e_cleanup EXIT
