@@ -1,6 +1,7 @@
 # Shared helpers for the image end-to-end tests: installs what is missing, starts (and later
 # stops) dockerd and two local registries, and builds a small multi-arch Debian base image that
-# stands in for the CUDA base offline. Sourced by tests/e2e/images.sh.
+# stands in for the CUDA base offline. Sourced by tests/e2e/images.sh and
+# tests/e2e/manual/dockerfile.sh (this file lives outside tests/e2e/*.sh, which tests/run.sh runs).
 #
 # Everything it starts is recorded and stopped by e2e_cleanup; what it caches (debootstrap
 # root filesystems) lives under $WORK/cache and is reused by later runs.
