@@ -13,7 +13,8 @@
 //! derived lock, which is shipped in the image (`/opt/distro/Cargo.lock`) and feeds the SBOM.
 //! Without patches the derived lock is the committed one, byte for byte.
 //!
-//! Reproducibility: `--remap-path-prefix` maps the stage, the cargo target dir, `CARGO_HOME` and
+//! Reproducibility: `--remap-path-prefix` (and `-ffile-prefix-map` in `CFLAGS`/`CXXFLAGS` for
+//! C code built by build scripts) maps the stage, the cargo target dir, `CARGO_HOME` and
 //! `RUSTUP_HOME` to fixed names, the patched trees sit inside the stage (cargo hashes paths
 //! inside the workspace relative to it, so symbol names do not depend on where the project
 //! lives), and the user's RUSTFLAGS are not let in.
@@ -169,6 +170,17 @@ impl Stage {
         let flags: Vec<String> =
             remaps.iter().map(|(from, to)| format!("--remap-path-prefix={}={to}", from.display())).collect();
         c.env("CARGO_ENCODED_RUSTFLAGS", flags.join("\x1f"));
+        // The same for C and C++ compiled by build scripts (cc-rs reads CFLAGS/CXXFLAGS):
+        // `-ffile-prefix-map` covers both debug info and `__FILE__`.
+        let c_maps: Vec<String> =
+            remaps.iter().map(|(from, to)| format!("-ffile-prefix-map={}={to}", from.display())).collect();
+        for var in ["CFLAGS", "CXXFLAGS"] {
+            let mut v = std::env::var(var).unwrap_or_default();
+            for m in &c_maps {
+                v = format!("{v} {m}");
+            }
+            c.env(var, v.trim());
+        }
         c
     }
 
