@@ -38,6 +38,10 @@ enum Command {
 }
 
 fn main() -> ExitCode {
+    // Inside `distro build`, cargo runs distro as its RUSTC_WRAPPER (reproducible paths).
+    if let Some(code) = distro::image::engine_build::run_as_rustc_wrapper() {
+        return code;
+    }
     // A panic is a bug in distro: one line saying so, not a backtrace.
     std::panic::set_hook(Box::new(|info| {
         eprintln!("error: internal error (a bug in distro, please report it): {info}");

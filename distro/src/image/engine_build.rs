@@ -13,7 +13,8 @@
 //! derived lock, which is shipped in the image (`/opt/distro/Cargo.lock`) and feeds the SBOM.
 //! Without patches the derived lock is the committed one, byte for byte.
 //!
-//! Reproducibility: `--remap-path-prefix` (and `-ffile-prefix-map` in `CFLAGS`/`CXXFLAGS` for
+//! Reproducibility: `--remap-path-prefix` on every rustc run (distro is cargo's `RUSTC_WRAPPER`,
+//! so proc macros and build scripts get it too; `-ffile-prefix-map` in `CFLAGS`/`CXXFLAGS` for
 //! C code built by build scripts) maps the stage, the cargo target dir, `CARGO_HOME` and
 //! `RUSTUP_HOME` to fixed names, the patched trees sit inside the stage (cargo hashes paths
 //! inside the workspace relative to it, so symbol names do not depend on where the project
@@ -46,6 +47,46 @@ pub struct CratePatch {
     pub tree_id: String,
     /// Directory of the crate inside the tree (empty when at the root).
     pub subdir: String,
+}
+
+/// Set (to the `FROM=TO` remaps, separated by 0x1f) when distro runs as cargo's `RUSTC_WRAPPER`.
+pub const WRAPPER_REMAPS_ENV: &str = "DISTRO_RUSTC_WRAPPER_REMAPS";
+/// The user's own `RUSTC_WRAPPER` (e.g. sccache), which distro's wrapper calls in turn.
+pub const WRAPPER_INNER_ENV: &str = "DISTRO_RUSTC_WRAPPER_INNER";
+/// Overrides the program used as the wrapper (default: the running distro executable; tests
+/// that drive the library set it to the distro binary).
+pub const WRAPPER_EXE_ENV: &str = "DISTRO_RUSTC_WRAPPER_EXE";
+
+fn wrapper_program() -> PathBuf {
+    std::env::var_os(WRAPPER_EXE_ENV)
+        .map(PathBuf::from)
+        .or_else(|| std::env::current_exe().ok())
+        .unwrap_or_else(|| PathBuf::from("distro"))
+}
+
+/// When distro runs as cargo's `RUSTC_WRAPPER` for a stage build (`argv` = distro, rustc,
+/// rustc's arguments), runs rustc with the stage's `--remap-path-prefix` flags added and never
+/// returns; otherwise returns `None`. `main` calls this first.
+pub fn run_as_rustc_wrapper() -> Option<std::process::ExitCode> {
+    use std::os::unix::process::CommandExt;
+    let remaps = std::env::var(WRAPPER_REMAPS_ENV).ok()?;
+    let mut args = std::env::args_os().skip(1);
+    let rustc = args.next()?;
+    let mut cmd = match std::env::var_os(WRAPPER_INNER_ENV) {
+        Some(inner) => {
+            let mut c = Command::new(inner);
+            c.arg(&rustc);
+            c
+        }
+        None => Command::new(&rustc),
+    };
+    cmd.args(args);
+    for r in remaps.split('\x1f').filter(|r| !r.is_empty()) {
+        cmd.arg(format!("--remap-path-prefix={r}"));
+    }
+    let err = cmd.exec();
+    eprintln!("error: distro (as RUSTC_WRAPPER) could not run {}: {err}", Path::new(&rustc).display());
+    Some(std::process::ExitCode::from(1))
 }
 
 /// Directory in the stage holding patched trees.
@@ -167,9 +208,16 @@ impl Stage {
         if let Some(r) = rustup_home() {
             remaps.push((r, "/rustup".to_string()));
         }
-        let flags: Vec<String> =
-            remaps.iter().map(|(from, to)| format!("--remap-path-prefix={}={to}", from.display())).collect();
-        c.env("CARGO_ENCODED_RUSTFLAGS", flags.join("\x1f"));
+        // Every rustc run, for the target and for the host (proc macros and build scripts, which
+        // RUSTFLAGS would not reach under --target), goes through distro as RUSTC_WRAPPER, which
+        // adds the remaps: a proc macro's crate hash depends on its OUT_DIR path, and dependents
+        // record that hash, so unremapped host artifacts would make the engine path-dependent.
+        let maps: Vec<String> = remaps.iter().map(|(from, to)| format!("{}={to}", from.display())).collect();
+        c.env(WRAPPER_REMAPS_ENV, maps.join("\x1f"));
+        if let Some(inner) = std::env::var_os("RUSTC_WRAPPER").filter(|w| !w.is_empty()) {
+            c.env(WRAPPER_INNER_ENV, inner);
+        }
+        c.env("RUSTC_WRAPPER", wrapper_program());
         // The same for C and C++ compiled by build scripts (cc-rs reads CFLAGS/CXXFLAGS):
         // `-ffile-prefix-map` covers both debug info and `__FILE__`.
         let c_maps: Vec<String> =
