@@ -89,6 +89,9 @@ pub fn run_as_rustc_wrapper() -> Option<std::process::ExitCode> {
     Some(std::process::ExitCode::from(1))
 }
 
+/// Version of the way the stage runs rustc; bump it when that changes (see `Stage::target_dir`).
+pub const BUILD_SCHEME: &str = "v2";
+
 /// Directory in the stage holding patched trees.
 const STAGE_SOURCES: &str = ".distro-sources";
 
@@ -142,7 +145,9 @@ impl Stage {
             bad_input(format!("{}/Cargo.lock: {e} (the build needs the committed lock)", ws.root.display()))
         })?;
         let mut stage = Stage {
-            target_dir: cache.join("cargo-target"),
+            // The name carries the build scheme's version: how rustc is invoked (the wrapper and
+            // its remaps) is not part of cargo's fingerprints, so a new scheme needs a fresh dir.
+            target_dir: cache.join(format!("cargo-target-{BUILD_SCHEME}")),
             dir,
             cache: cache.to_path_buf(),
             patches: staged_patches,
