@@ -259,6 +259,18 @@ pub trait Backend {
     /// Waits until every op issued so far has finished (a no-op where ops are synchronous).
     fn synchronize(&mut self) {}
 
+    /// Begins a section of work that repeats identically — the same ops on the same views, with
+    /// no host read-back inside — each time it runs (a micro-batch's forward and backward pass),
+    /// so that a backend may record it once and replay it (a CUDA graph). Returns true when the
+    /// caller is to issue the section's ops and then call [`Backend::end_section`]; false when
+    /// the backend has replayed the recorded section itself (the caller issues nothing). Inputs
+    /// the section reads (tokens) are uploaded before it begins.
+    fn begin_section(&mut self, _key: u32) -> bool {
+        true
+    }
+    /// Ends the section [`Backend::begin_section`] began.
+    fn end_section(&mut self, _key: u32) {}
+
     /// Allocates a zero-filled buffer of `len` elements and returns a view of all of it.
     fn alloc(&mut self, kind: BufKind, len: usize) -> View;
     /// Allocates a zero-filled index buffer.

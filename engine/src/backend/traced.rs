@@ -26,12 +26,14 @@ pub struct Traced<B: Backend> {
     pub inner: B,
     recording: Option<Instant>,
     spans: Vec<Span>,
+    /// A section began while recording: its ops run (and are timed) one by one, not replayed.
+    section_bypassed: bool,
 }
 
 impl<B: Backend> Traced<B> {
     /// Wraps a backend; nothing is recorded until [`Traced::start`].
     pub fn new(inner: B) -> Traced<B> {
-        Traced { inner, recording: None, spans: Vec::new() }
+        Traced { inner, recording: None, spans: Vec::new(), section_bypassed: false }
     }
 
     /// Starts recording (clearing earlier spans).
@@ -87,6 +89,15 @@ impl<B: Backend> Backend for Traced<B> {
     }
     fn synchronize(&mut self) {
         self.inner.synchronize()
+    }
+    fn begin_section(&mut self, key: u32) -> bool {
+        self.section_bypassed = self.recording.is_some();
+        self.section_bypassed || self.inner.begin_section(key)
+    }
+    fn end_section(&mut self, key: u32) {
+        if !std::mem::take(&mut self.section_bypassed) {
+            self.inner.end_section(key)
+        }
     }
     fn alloc(&mut self, kind: BufKind, len: usize) -> View {
         self.inner.alloc(kind, len)
