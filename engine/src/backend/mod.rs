@@ -16,6 +16,7 @@
 //! thread scheduling.
 
 pub mod cpu;
+pub mod cuda;
 pub mod traced;
 
 /// Identifies one buffer of a backend.
