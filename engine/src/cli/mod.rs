@@ -1,6 +1,8 @@
 //! Command-line interface: argument definitions and dispatch to one module per command.
 
 mod bench;
+mod device;
+mod gpu_test;
 mod info;
 mod recipes;
 mod train;
@@ -16,6 +18,10 @@ pub struct Cli {
     /// CPU threads for the CPU backend [default: all cores; env: ENGINE_THREADS]
     #[arg(long, global = true, value_name = "N")]
     threads: Option<usize>,
+    /// Device to train and benchmark on: the first CUDA GPU when there is one (auto), the CPU,
+    /// or a CUDA GPU or an error [default: auto; env: ENGINE_DEVICE]
+    #[arg(long, global = true, value_enum, value_name = "DEVICE")]
+    device: Option<device::DeviceArg>,
     #[command(subcommand)]
     command: Command,
 }
@@ -31,6 +37,9 @@ enum Command {
     Bench(bench::BenchArgs),
     /// Show the devices, versions and flags in effect.
     Info,
+    /// Check the CUDA backend against the CPU reference on this machine's GPU (or its CPU
+    /// emulator): every kernel, model parity, graphs, recomputation, memory, training.
+    GpuTest(gpu_test::GpuTestArgs),
 }
 
 /// A recipe and its overrides, shared by the commands that resolve one.
@@ -74,11 +83,16 @@ pub fn run(cli: Cli) -> Result<()> {
         anyhow::ensure!(n > 0, "--threads must be at least 1");
         rayon::ThreadPoolBuilder::new().num_threads(n).build_global().context("cannot start the thread pool")?;
     }
+    let device = match cli.device {
+        Some(d) => d,
+        None => device::DeviceArg::from_env()?.unwrap_or_default(),
+    };
     match cli.command {
-        Command::Train(args) => train::run(args),
+        Command::Train(args) => train::run(args, device),
         Command::Recipes(cmd) => recipes::run(cmd),
-        Command::Bench(args) => bench::run(args),
+        Command::Bench(args) => bench::run(args, device),
         Command::Info => info::run(),
+        Command::GpuTest(args) => gpu_test::run(args),
     }
 }
 

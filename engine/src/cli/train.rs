@@ -6,9 +6,8 @@ use std::path::{Path, PathBuf};
 use anyhow::{Result, bail};
 use clap::Args;
 use engine::backend::Backend;
-use engine::backend::cpu::{self, Cpu};
 use engine::backend::traced::{Traced, chrome_trace};
-use engine::config::Override;
+use engine::config::{Override, Resolved};
 use engine::fsutil::write_atomic;
 use engine::train::metrics::JsonlWriter;
 use engine::train::{StepMetrics, Trainer};
@@ -16,6 +15,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 
 use super::RecipeArgs;
+use super::device::{self, DeviceArg, Opened};
 use super::recipes::group;
 
 #[derive(Args)]
@@ -50,32 +50,43 @@ struct Summary {
     peak_tflops: f64,
 }
 
-pub fn run(args: TrainArgs) -> Result<()> {
+pub fn run(args: TrainArgs, device: DeviceArg) -> Result<()> {
     let extra: Vec<Override> = args
         .steps
         .map(|s| Override { text: format!("train.steps={s}"), origin: "--steps".into() })
         .into_iter()
         .collect();
     let resolved = args.recipe.resolve(&extra)?;
-    let config = &resolved.config;
+    let opened = device::open(device, Some(&resolved.config))?;
+    // Measured (on CPU) before the model's buffers exist, on a quiet heap.
+    let peak = device::peak(&opened, &resolved.config);
+    match opened {
+        Opened::Cpu(be) => train_on(args, &resolved, be, peak),
+        Opened::Cuda(be) => train_on(args, &resolved, *be, peak),
+    }
+}
 
-    // Measured before the model's buffers exist, on a quiet heap.
-    let peak = if config.train.peak_tflops > 0.0 { config.train.peak_tflops } else { cpu::measure_peak_tflops() };
+fn train_on<B: Backend>(
+    args: TrainArgs,
+    resolved: &Resolved,
+    backend: B,
+    (peak, peak_source): (f64, String),
+) -> Result<()> {
+    let config = &resolved.config;
     // Everything that can fail on bad input fails before the run directory exists.
-    let mut trainer = Trainer::new(Traced::new(Cpu::new()), config)?;
+    let mut trainer = Trainer::new(Traced::new(backend), config)?;
     let run_dir = prepare_run_dir(args.run_dir.as_deref(), &resolved.name)?;
     write_atomic(&run_dir.join("config.toml"), toml::to_string(config)?.as_bytes())?;
     let mut metrics = JsonlWriter::append(&run_dir.join("metrics.jsonl"))?;
 
     let count = config.model.param_count();
     println!(
-        "training {} ({} parameters) on {}, {} tokens per step, peak {:.3} TFLOP/s{}; run directory {}",
+        "training {} ({} parameters) on {}, {} tokens per step, peak {:.3} TFLOP/s ({peak_source}); run directory {}",
         resolved.name,
         group(count.total),
         trainer.backend.describe(),
         trainer.tokens_per_step(),
         peak,
-        if config.train.peak_tflops > 0.0 { " (train.peak_tflops)" } else { " (measured f32 GEMM rate)" },
         run_dir.display()
     );
     let steps = config.train.steps;

@@ -6,6 +6,7 @@
 
 pub mod init;
 pub mod layout;
+pub mod memory;
 pub mod rope;
 #[cfg(test)]
 mod tests;
@@ -121,6 +122,10 @@ pub const GRAD_NORM_SQ: usize = 1;
 /// that the host reads the losses once per step.
 pub const LOSS_ACCUM: usize = 2;
 
+/// Every planned activation starts at a multiple of this many elements (128 bytes in bf16), so
+/// that kernels may move rows 16 bytes at a time whatever the batch shape.
+const ALIGN: usize = 64;
+
 /// Elements of the buffers [`Model::plan`] allocates for one batch shape, by kind.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ActivationSizes {
@@ -168,7 +173,7 @@ impl Model {
         let mut plan = self.plan_activations(batch, seq, idx, &mut |kind, len| {
             let (buf, i) = if kind == BufKind::Scalars { (stats, 1) } else { (acts, 0) };
             let v = buf.at(next[i], len);
-            next[i] += len;
+            next[i] += len.next_multiple_of(ALIGN);
             v
         });
         plan.params = params;
@@ -188,7 +193,7 @@ impl Model {
         let mut sizes = ActivationSizes { activations: 0, scalars: 0, indices: idx_len };
         self.plan_activations(batch, seq, idx, &mut |kind, len| {
             let total = if kind == BufKind::Scalars { &mut sizes.scalars } else { &mut sizes.activations };
-            *total += len;
+            *total += len.next_multiple_of(ALIGN);
             View { buf: BufId(u32::MAX), offset: 0, len }
         });
         sizes

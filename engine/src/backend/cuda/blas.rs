@@ -26,13 +26,78 @@ use crate::backend::MatMul;
 /// Workspace cuBLASLt may use per product (what NVIDIA recommends for Hopper).
 pub const WORKSPACE_BYTES: usize = 32 << 20;
 
+/// One product in cuBLASLt's (column-major, BLAS) terms: `C[m, n] = op(A)[m, k] · op(B)[k, n]
+/// + beta · C`, element `(i, j)` of a matrix at `i + j · ld`; `op(A)` is `Aᵀ` when `transa`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Gemm {
+    /// Rows of C.
+    pub m: usize,
+    /// Columns of C.
+    pub n: usize,
+    /// The contracted dimension.
+    pub k: usize,
+    /// A is stored `k × m` and used transposed (else stored `m × k`).
+    pub transa: bool,
+    /// B is stored `n × k` and used transposed (else stored `k × n`).
+    pub transb: bool,
+    /// A's address and leading dimension.
+    pub a: CUdeviceptr,
+    /// Leading dimension of A.
+    pub lda: usize,
+    /// B's address.
+    pub b: CUdeviceptr,
+    /// Leading dimension of B.
+    pub ldb: usize,
+    /// C's address (also the output).
+    pub c: CUdeviceptr,
+    /// Leading dimension of C.
+    pub ldc: usize,
+    /// Type of A and B.
+    pub inputs: DType,
+    /// Type of C.
+    pub output: DType,
+    /// 0 overwrites C, 1 accumulates into it.
+    pub beta: f32,
+}
+
+impl Gemm {
+    /// The row-major `out[m, n] (+)= op(a)[m, k] · op(b)[k, n]` of [`MatMul`] as the column-major
+    /// `outᵀ = op(b)ᵀ · op(a)ᵀ`: cuBLASLt's A is our `b`, its B our `a`, each used transposed
+    /// exactly when ours is.
+    pub fn row_major(
+        s: MatMul,
+        out: CUdeviceptr,
+        a: CUdeviceptr,
+        b: CUdeviceptr,
+        inputs: DType,
+        output: DType,
+    ) -> Gemm {
+        Gemm {
+            m: s.n,
+            n: s.m,
+            k: s.k,
+            transa: s.b_t,
+            transb: s.a_t,
+            a: b,
+            lda: if s.b_t { s.k } else { s.n },
+            b: a,
+            ldb: if s.a_t { s.m } else { s.k },
+            c: out,
+            ldc: s.n,
+            inputs,
+            output,
+            beta: if s.accumulate { 1.0 } else { 0.0 },
+        }
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 struct Key {
     m: usize,
     n: usize,
     k: usize,
-    a_t: bool,
-    b_t: bool,
+    transa: bool,
+    transb: bool,
     inputs: DType,
     output: DType,
     align: [u32; 3],
@@ -70,33 +135,24 @@ impl Blas {
         Ok(Blas { handle, workspace, plans: HashMap::new() })
     }
 
-    /// `out (+)= op(a) · op(b)` on `stream`, `a` and `b` of type `inputs`, `out` of `output`.
-    pub fn matmul(
-        &mut self,
-        stream: CUstream,
-        out: CUdeviceptr,
-        output: DType,
-        a: CUdeviceptr,
-        b: CUdeviceptr,
-        inputs: DType,
-        s: MatMul,
-    ) -> Result<(), String> {
+    /// Runs one product on `stream`.
+    pub fn gemm(&mut self, stream: CUstream, g: &Gemm) -> Result<(), String> {
         let key = Key {
-            m: s.m,
-            n: s.n,
-            k: s.k,
-            a_t: s.a_t,
-            b_t: s.b_t,
-            inputs,
-            output,
-            align: [alignment(b), alignment(a), alignment(out)],
+            m: g.m,
+            n: g.n,
+            k: g.k,
+            transa: g.transa,
+            transb: g.transb,
+            inputs: g.inputs,
+            output: g.output,
+            align: [alignment(g.a), alignment(g.b), alignment(g.c)],
         };
         if !self.plans.contains_key(&key) {
-            let plan = self.plan(key).map_err(|e| format!("cuBLASLt has no algorithm for {s:?} ({e})"))?;
+            let plan = self.plan(key, g).map_err(|e| format!("cuBLASLt has no algorithm for {g:?} ({e})"))?;
             self.plans.insert(key, plan);
         }
         let plan = &self.plans[&key];
-        let (alpha, beta) = (1f32, if s.accumulate { 1f32 } else { 0f32 });
+        let alpha = 1f32;
         let [la, lb, lc] = plan.layouts;
         // SAFETY: the plan's descriptors live in `self`; pointers are device addresses of the
         // sizes the layouts describe (the backend checks the views' lengths).
@@ -105,14 +161,14 @@ impl Blas {
                 self.handle,
                 plan.desc,
                 (&alpha as *const f32).cast(),
-                (&beta as *const f32).cast(),
-                b as *const c_void,
+                (&g.beta as *const f32).cast(),
+                g.a as *const c_void,
                 la,
-                a as *const c_void,
+                g.b as *const c_void,
                 lb,
-                out as *const c_void,
+                g.c as *const c_void,
                 lc,
-                out as *mut c_void,
+                g.c as *mut c_void,
                 lc,
                 &plan.algo,
                 self.workspace as *mut c_void,
@@ -120,29 +176,27 @@ impl Blas {
                 stream as ltsys::cudaStream_t,
             )
         }
-        .map_err(|e| format!("cuBLASLt matmul {s:?}: {e}"))
+        .map_err(|e| format!("cuBLASLt matmul {g:?}: {e}"))
     }
 
-    fn plan(&self, key: Key) -> Result<Plan, lt::CublasError> {
-        let (m, n, k) = (key.m as u64, key.n as u64, key.k as u64);
-        let (ab, cd) = (data_type(key.inputs), data_type(key.output));
-        // Library A = our b, as stored: [k, n] row-major (col-major n × k) or [n, k] (k × n).
-        let la = if key.b_t {
-            lt::create_matrix_layout(ab, k, n, k as i64)?
+    fn plan(&self, key: Key, g: &Gemm) -> Result<Plan, lt::CublasError> {
+        let (m, n, k) = (g.m as u64, g.n as u64, g.k as u64);
+        let (ab, cd) = (data_type(g.inputs), data_type(g.output));
+        // Layouts describe the matrices as stored (before the transpose).
+        let la = if g.transa {
+            lt::create_matrix_layout(ab, k, m, g.lda as i64)?
         } else {
-            lt::create_matrix_layout(ab, n, k, n as i64)?
+            lt::create_matrix_layout(ab, m, k, g.lda as i64)?
         };
-        // Library B = our a: [m, k] row-major (col-major k × m) or [k, m] (m × k).
-        let lb = if key.a_t {
-            lt::create_matrix_layout(ab, m, k, m as i64)?
+        let lb = if g.transb {
+            lt::create_matrix_layout(ab, n, k, g.ldb as i64)?
         } else {
-            lt::create_matrix_layout(ab, k, m, k as i64)?
+            lt::create_matrix_layout(ab, k, n, g.ldb as i64)?
         };
-        let lc = lt::create_matrix_layout(cd, n, m, n as i64)?;
+        let lc = lt::create_matrix_layout(cd, m, n, g.ldc as i64)?;
         let desc = lt::create_matmul_desc(cublasComputeType_t::CUBLAS_COMPUTE_32F, cudaDataType::CUDA_R_32F)?;
         // cublasOperation_t (declared by cuBLAS, not cuBLASLt's bindings): N = 0, T = 1.
-        let op = |t: bool| t as i32;
-        let (ta, tb) = (op(key.b_t), op(key.a_t));
+        let (ta, tb) = (g.transa as i32, g.transb as i32);
         let pref = lt::create_matmul_pref()?;
         // SAFETY: attributes written from values of the sizes the attributes take.
         let algo = unsafe {

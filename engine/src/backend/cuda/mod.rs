@@ -16,22 +16,68 @@
 //! Libraries are loaded at run time ([`device`]): the engine builds and runs without CUDA.
 
 mod blas;
+pub mod check;
 pub mod device;
+mod driver;
+pub mod emulator;
 pub mod kernels;
 pub mod nvrtc;
 
 use std::collections::HashMap;
-use std::ffi::{CString, c_void};
-use std::sync::Arc;
 
-use cudarc::driver::sys::{self, CUdeviceptr, CUfunction};
-use cudarc::driver::{CudaContext, CudaGraph, CudaStream, result};
+use cudarc::driver::sys::CUdeviceptr;
 
 use super::{AdamWStep, AttnShape, Backend, BufKind, ExpertWeights, IdxView, MatMul, MoeDispatch, Segment, View};
 use crate::config::ModelConfig;
-use blas::Blas;
+use blas::Gemm;
 pub use device::DeviceInfo;
-use kernels::MODULES;
+
+/// What the backend needs from a device: zeroed memory, copies, kernel launches, cuBLASLt
+/// products, and capture and replay of work. [`driver::Gpu`] drives a GPU; the
+/// [`emulator::Emulator`] runs the same kernel sources on the CPU, for tests without a GPU.
+/// Work is issued in order; only `download` and `synchronize` wait for it.
+trait Device {
+    /// The device.
+    fn info(&self) -> &DeviceInfo;
+    /// Largest dynamic shared memory a block may have.
+    fn max_shared_memory(&self) -> usize;
+    /// Zero-filled device memory.
+    fn alloc(&mut self, bytes: usize) -> Result<CUdeviceptr, String>;
+    /// Frees what `alloc` returned (nothing may be pending on it).
+    fn free(&mut self, ptr: CUdeviceptr);
+    /// Host to device, in order with the work issued.
+    fn upload(&mut self, dst: CUdeviceptr, src: &[u8]);
+    /// Device to host, after all work issued.
+    fn download(&mut self, dst: &mut [u8], src: CUdeviceptr);
+    /// Device to device.
+    fn copy(&mut self, dst: CUdeviceptr, src: CUdeviceptr, bytes: usize);
+    /// Sets `count` 4-byte words to zero.
+    fn zero_u32(&mut self, dst: CUdeviceptr, count: usize);
+    /// Runs a kernel; `args` are its parameters, each in an 8-byte slot.
+    fn launch(&mut self, kernel: &'static str, grid: (u32, u32, u32), block: u32, smem: usize, args: &mut [u64]);
+    /// A product with cuBLASLt's semantics.
+    fn gemm(&mut self, g: &Gemm);
+    /// Waits for all work issued.
+    fn synchronize(&mut self);
+    /// Starts recording the work issued instead of doing it.
+    fn begin_capture(&mut self);
+    /// Stops recording; returns the recording's number.
+    fn end_capture(&mut self) -> usize;
+    /// Issues a recording's work again.
+    fn replay(&mut self, graph: usize);
+    /// Free and total device memory in bytes.
+    fn memory(&self) -> (usize, usize);
+}
+
+/// Bytes of plain numbers (f32, u16, u32, u64), for copies to and from the device.
+fn bytes_of<T: Copy>(x: &[T]) -> &[u8] {
+    // SAFETY: T is a plain number type here: every byte is initialised, any alignment is 1.
+    unsafe { std::slice::from_raw_parts(x.as_ptr().cast(), std::mem::size_of_val(x)) }
+}
+fn bytes_of_mut<T: Copy>(x: &mut [T]) -> &mut [u8] {
+    // SAFETY: as above; every bit pattern is a valid f32, u16 or u32.
+    unsafe { std::slice::from_raw_parts_mut(x.as_mut_ptr().cast(), std::mem::size_of_val(x)) }
+}
 
 /// Element type of a view as the ops see it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -88,11 +134,17 @@ pub fn check_model(m: &ModelConfig) -> Result<(), String> {
 pub fn scratch_bytes(m: &ModelConfig, batch: usize, seq: usize, sm_count: usize) -> usize {
     let rows = batch * seq;
     let (norm_blocks, _) = norm_backward_blocks(rows, sm_count);
-    blas::WORKSPACE_BYTES + SUM_BLOCKS * 8 + norm_blocks * m.d_model * 4 + rows * m.n_heads * (m.head_dim + 1) * 4
+    blas::WORKSPACE_BYTES
+        + sum_blocks(sm_count) * 8
+        + norm_blocks * m.d_model * 4
+        + rows * m.n_heads * (m.head_dim + 1) * 4
 }
 
-/// Blocks of the first pass of a sum (fixed by the element count alone: deterministic).
-const SUM_BLOCKS: usize = 1024;
+/// Most blocks of the first pass of a sum: eight per multiprocessor (the grid depends on the
+/// element count and the device only, so a sum is deterministic on a given device).
+fn sum_blocks(sm_count: usize) -> usize {
+    (8 * sm_count).clamp(8, 1024)
+}
 
 /// Blocks and rows per block of the RMSNorm backward pass (two blocks per multiprocessor).
 fn norm_backward_blocks(rows: usize, sm_count: usize) -> (usize, usize) {
@@ -123,7 +175,7 @@ enum Arg {
 enum Section {
     Eager(u32),
     Capturing,
-    Graph(CudaGraph),
+    Graph(usize),
 }
 
 /// Scratch the backend owns, grown on first use (during the eager run of a section, never while
@@ -140,10 +192,6 @@ const SCRATCH_KINDS: usize = 5;
 
 /// The CUDA backend on one device. See the [module documentation](self).
 pub struct Cuda {
-    info: DeviceInfo,
-    max_smem: usize,
-    funcs: HashMap<&'static str, CUfunction>,
-    smem_raised: HashMap<&'static str, usize>,
     bufs: Vec<Buffer>,
     idx: Vec<(CUdeviceptr, usize)>,
     scratch: [(CUdeviceptr, usize); SCRATCH_KINDS],
@@ -151,79 +199,23 @@ pub struct Cuda {
     sections: HashMap<u32, Section>,
     capturing: bool,
     allocated: usize,
-    blas: Blas,
-    workspace: CUdeviceptr,
-    modules: Vec<sys::CUmodule>,
-    raw: sys::CUstream,
-    stream: Arc<CudaStream>,
-    ctx: Arc<CudaContext>,
+    dev: Box<dyn Device>,
 }
 
 impl Cuda {
-    /// Opens device `ordinal`: checks the driver, the device and the libraries, compiles (or
+    /// Opens GPU `ordinal`: checks the driver, the device and the libraries, and compiles (or
     /// loads from the cache) every kernel module for the device's architecture.
     pub fn new(ordinal: usize) -> Result<Cuda, String> {
-        let devices = device::probe()?;
-        let info = devices
-            .get(ordinal)
-            .cloned()
-            .ok_or_else(|| format!("there is no CUDA device {ordinal} ({} found)", devices.len()))?;
-        if info.capability.0 < 8 {
-            return Err(format!(
-                "{} has compute capability {}.{}; the CUDA backend needs 8.0 or newer (bf16 tensor cores: A100, H100, \
-                 H200, L4, L40S, B200 ...)",
-                info.name, info.capability.0, info.capability.1
-            ));
-        }
-        nvrtc::version()?;
-        // SAFETY: only tries to open the library.
-        if !unsafe { cudarc::cublaslt::sys::is_culib_present() } {
-            return Err(format!(
-                "cuBLASLt (libcublasLt.so.13) was not found on the library path nor in {}; install the CUDA 13 \
-                 toolkit's cuBLAS or point {} at its lib directory",
-                device::LIB_PATH_VAR,
-                device::LIB_PATH_VAR
-            ));
-        }
-        let ctx = CudaContext::new(ordinal).map_err(|e| format!("cannot open CUDA device {ordinal}: {e}"))?;
-        // One stream, raw allocations: cudarc's per-slice event tracking has nothing to guard.
-        // SAFETY: no cudarc slices are used by this backend.
-        unsafe { ctx.disable_event_tracking() };
-        let stream = ctx.new_stream().map_err(|e| format!("cannot create a CUDA stream: {e}"))?;
-        let raw = stream.cu_stream();
-        let arch = (info.capability.0 * 10 + info.capability.1) as u32;
-        let max_smem = ctx
-            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
-            .map_err(|e| e.to_string())? as usize;
+        Ok(Cuda::on(Box::new(driver::Gpu::open(ordinal)?)))
+    }
 
-        // Compile (or load) every module, in parallel: NVRTC programs are independent.
-        use rayon::prelude::*;
-        let cubins: Vec<Result<(Vec<u8>, bool), String>> =
-            MODULES.par_iter().map(|m| nvrtc::load_or_compile(m, arch)).collect();
-        let (mut modules, mut funcs) = (Vec::new(), HashMap::new());
-        for (m, cubin) in MODULES.iter().zip(cubins) {
-            let (cubin, _) = cubin?;
-            // SAFETY: a CUBIN produced by NVRTC for this device's architecture.
-            let module = unsafe { result::module::load_data(cubin.as_ptr().cast()) }
-                .map_err(|e| format!("cannot load kernel module {}: {e}", m.name))?;
-            modules.push(module);
-            for &k in m.kernels {
-                let name = CString::new(k).expect("kernel names hold no NUL byte");
-                // SAFETY: a loaded module.
-                let f = unsafe { result::module::get_function(module, name) }
-                    .map_err(|e| format!("kernel {k} missing from module {}: {e}", m.name))?;
-                funcs.insert(k, f);
-            }
-        }
-        // SAFETY: a plain device allocation.
-        let workspace = unsafe { result::malloc_sync(blas::WORKSPACE_BYTES) }
-            .map_err(|e| format!("cannot allocate the cuBLASLt workspace: {e}"))?;
-        let blas = Blas::new(workspace)?;
-        Ok(Cuda {
-            info,
-            max_smem,
-            funcs,
-            smem_raised: HashMap::new(),
+    /// The backend on the CPU emulator: the same kernels and host code, no GPU (slow; tests).
+    pub fn emulated() -> Result<Cuda, String> {
+        Ok(Cuda::on(Box::new(emulator::Emulator::open()?)))
+    }
+
+    fn on(dev: Box<dyn Device>) -> Cuda {
+        Cuda {
             bufs: Vec::new(),
             idx: Vec::new(),
             scratch: [(0, 0); SCRATCH_KINDS],
@@ -231,29 +223,29 @@ impl Cuda {
             sections: HashMap::new(),
             capturing: false,
             allocated: blas::WORKSPACE_BYTES,
-            blas,
-            workspace,
-            modules,
-            raw,
-            stream,
-            ctx,
-        })
+            dev,
+        }
     }
 
     /// The device.
     pub fn info(&self) -> &DeviceInfo {
-        &self.info
+        self.dev.info()
     }
 
     /// Dense bf16 peak of the device in TFLOP/s, from [`device::PEAK_BF16_TFLOPS`].
     pub fn peak_tflops(&self) -> Option<f64> {
-        device::peak_tflops(&self.info.name)
+        device::peak_tflops(&self.dev.info().name)
+    }
+
+    /// Free and total device memory in bytes.
+    pub fn device_memory(&self) -> (usize, usize) {
+        self.dev.memory()
     }
 
     /// Bytes this backend has allocated, and bytes in use on the device (all processes and the
     /// CUDA context included).
     pub fn memory_in_use(&self) -> (usize, usize) {
-        let (free, total) = result::mem_get_info().unwrap_or((0, 0));
+        let (free, total) = self.dev.memory();
         (self.allocated, total - free)
     }
 
@@ -261,9 +253,8 @@ impl Cuda {
 
     fn device_alloc(&mut self, bytes: usize, what: &str) -> CUdeviceptr {
         assert!(!self.capturing, "internal error: device allocation ({what}) inside a captured section");
-        // SAFETY: plain allocation, zeroed before use.
-        let ptr = unsafe { result::malloc_sync(bytes.max(1)) }.unwrap_or_else(|e| {
-            let (free, total) = result::mem_get_info().unwrap_or((0, 0));
+        let ptr = self.dev.alloc(bytes).unwrap_or_else(|e| {
+            let (free, total) = self.dev.memory();
             panic!(
                 "CUDA out of memory allocating {:.2} GiB for {what} ({:.2} GiB free of {:.2} GiB): lower \
                  train.batch_size or set train.remat (see `engine recipes show`) ({e})",
@@ -272,8 +263,6 @@ impl Cuda {
                 gib(total)
             )
         });
-        // SAFETY: the allocation just made.
-        unsafe { result::memset_d8_sync(ptr, 0, bytes.max(1)) }.expect("memset of a fresh allocation");
         self.allocated += bytes;
         ptr
     }
@@ -347,9 +336,8 @@ impl Cuda {
             return ptr;
         }
         if ptr != 0 {
-            // SAFETY: our allocation, no longer referenced once replaced (stream-ordered use).
-            self.synchronize();
-            unsafe { result::free_sync(ptr) }.expect("free of a scratch buffer");
+            self.synchronize(); // pending work may still use the old buffer
+            self.dev.free(ptr);
             self.allocated -= size;
         }
         let ptr = self.device_alloc(bytes, "scratch");
@@ -360,24 +348,8 @@ impl Cuda {
     // ---- launching ---------------------------------------------------------------------------
 
     fn launch(&mut self, name: &'static str, grid: (u32, u32, u32), block: u32, smem: usize, args: &[Arg]) {
-        let f = *self.funcs.get(name).unwrap_or_else(|| panic!("internal error: no kernel {name}"));
-        if smem > 48 * 1024 && self.smem_raised.get(name).copied().unwrap_or(0) < smem {
-            assert!(
-                smem <= self.max_smem,
-                "internal error: {name} needs {smem} bytes of shared memory, the device has {}",
-                self.max_smem
-            );
-            // SAFETY: a loaded function; the value is within the device's opt-in limit.
-            unsafe {
-                result::function::set_function_attribute(
-                    f,
-                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    smem as i32,
-                )
-            }
-            .unwrap_or_else(|e| panic!("internal error: cannot give {name} {smem} bytes of shared memory: {e}"));
-            self.smem_raised.insert(name, smem);
-        }
+        let limit = self.dev.max_shared_memory();
+        assert!(smem <= limit, "internal error: {name} needs {smem} bytes of shared memory, the device has {limit}");
         let mut slots: Vec<u64> = args
             .iter()
             .map(|a| match *a {
@@ -387,20 +359,14 @@ impl Cuda {
                 Arg::F(f) => f.to_bits() as u64,
             })
             .collect();
-        let mut params: Vec<*mut c_void> = slots.iter_mut().map(|s| (s as *mut u64).cast()).collect();
-        if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
-            return;
+        if grid.0 > 0 && grid.1 > 0 && grid.2 > 0 {
+            self.dev.launch(name, grid, block, smem, &mut slots);
         }
-        // SAFETY: argument slots outlive the call (the driver copies them); each kernel's
-        // parameter list is matched by the call sites below (little-endian: a 4-byte parameter
-        // reads the low half of its slot).
-        unsafe { result::launch_kernel(f, grid, (block, 1, 1), smem as u32, self.raw, &mut params) }
-            .unwrap_or_else(|e| panic!("internal error: CUDA kernel {name} failed to launch: {e}"));
     }
 
     /// A grid-stride launch over `n` items, 256 threads a block.
     fn launch_1d(&mut self, name: &'static str, n: u64, args: &[Arg]) {
-        let cap = 32 * self.info.sm_count.max(1) as u64;
+        let cap = 32 * self.dev.info().sm_count.max(1) as u64;
         self.launch(name, (n.div_ceil(256).clamp(1, cap) as u32, 1, 1), 256, 0, args);
     }
 
@@ -421,8 +387,9 @@ impl Cuda {
         self.expect(out, DType::F32, "sum", "out");
         let out_ptr = self.out(out.at(0, 1), "sum");
         let (xp, t) = self.exact(x);
-        let parts = self.scratch(Scratch::SumPartials, SUM_BLOCKS * 8);
-        let blocks = (x.len as u64).div_ceil(256).clamp(1, SUM_BLOCKS as u64) as u32;
+        let most = sum_blocks(self.dev.info().sm_count as usize);
+        let parts = self.scratch(Scratch::SumPartials, most * 8);
+        let blocks = (x.len as u64).div_ceil(256).clamp(1, most as u64) as u32;
         let name = match (t, squares) {
             (DType::F32, false) => "sum_partials_f32",
             (DType::Bf16, false) => "sum_partials_bf16",
@@ -433,8 +400,10 @@ impl Cuda {
         self.launch("sum_finish", (1, 1, 1), 256, 0, &[Arg::P(parts), Arg::I(blocks as i32), Arg::P(out_ptr)]);
     }
 
+    /// Host transfers and waits have no place in a captured section: the graph would not redo
+    /// them at replay.
     fn sync_check(&self, what: &str) {
-        assert!(!self.capturing, "internal error: {what} waits for the device inside a captured section");
+        assert!(!self.capturing, "internal error: {what} inside a captured section");
     }
 }
 
@@ -444,56 +413,37 @@ fn gib(bytes: usize) -> f64 {
 
 impl Drop for Cuda {
     fn drop(&mut self) {
-        let _ = self.ctx.bind_to_thread();
-        let _ = self.stream.synchronize();
-        self.sections.clear();
-        // SAFETY: every pointer below was allocated by this backend and is freed once; the
-        // stream is idle.
-        unsafe {
-            for b in &self.bufs {
-                let _ = result::free_sync(b.ptr);
-                if b.compute != 0 {
-                    let _ = result::free_sync(b.compute);
-                }
-            }
-            for &(p, _) in &self.idx {
-                let _ = result::free_sync(p);
-            }
-            for &(p, size) in &self.scratch {
-                if size > 0 {
-                    let _ = result::free_sync(p);
-                }
-            }
-            let _ = result::free_sync(self.workspace);
-            for &m in &self.modules {
-                let _ = result::module::unload(m);
-            }
+        self.capturing = false;
+        self.dev.synchronize();
+        let scratch: Vec<CUdeviceptr> = self.scratch.iter().filter(|s| s.1 > 0).map(|s| s.0).collect();
+        let bufs = self.bufs.iter().flat_map(|b| [b.ptr, b.compute]).filter(|&p| p != 0);
+        for p in bufs.chain(self.idx.iter().map(|i| i.0)).chain(scratch).collect::<Vec<_>>() {
+            self.dev.free(p);
         }
     }
 }
 
 impl Backend for Cuda {
     fn describe(&self) -> String {
-        let i = &self.info;
+        let i = self.dev.info();
         format!("cuda:{} {} (sm_{}{}, {:.0} GiB)", i.ordinal, i.name, i.capability.0, i.capability.1, gib(i.memory))
     }
 
     fn synchronize(&mut self) {
         self.sync_check("synchronize");
-        self.stream.synchronize().unwrap_or_else(|e| panic!("CUDA error during the step: {e}"));
+        self.dev.synchronize();
     }
 
     fn begin_section(&mut self, key: u32) -> bool {
         match self.sections.entry(key).or_insert(Section::Eager(0)) {
             Section::Graph(g) => {
-                g.launch().unwrap_or_else(|e| panic!("internal error: CUDA graph launch failed: {e}"));
+                self.dev.replay(*g);
                 false
             }
+            // The first run is eager: it allocates scratch and plans the products.
             Section::Eager(0) => true,
             state @ Section::Eager(_) => {
-                self.stream
-                    .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-                    .unwrap_or_else(|e| panic!("internal error: cannot start a CUDA graph capture: {e}"));
+                self.dev.begin_capture();
                 *state = Section::Capturing;
                 self.capturing = true;
                 true
@@ -508,15 +458,9 @@ impl Backend for Cuda {
             Section::Eager(n) => *n += 1,
             Section::Capturing => {
                 self.capturing = false;
-                let graph = self
-                    .stream
-                    .end_capture(sys::CUgraphInstantiate_flags(0))
-                    .unwrap_or_else(|e| {
-                        panic!("CUDA graph capture of the step failed ({e}); run with --set train.cuda_graphs=false")
-                    })
-                    .expect("a captured graph");
+                let graph = self.dev.end_capture();
                 // The capture recorded the work without doing it: do it now.
-                graph.launch().unwrap_or_else(|e| panic!("internal error: CUDA graph launch failed: {e}"));
+                self.dev.replay(graph);
                 *state = Section::Graph(graph);
             }
             Section::Graph(_) => panic!("internal error: end of a replayed section"),
@@ -538,52 +482,46 @@ impl Backend for Cuda {
 
     fn upload(&mut self, dst: View, src: &[f32]) {
         assert_eq!(dst.len, src.len(), "internal error: upload length");
+        self.sync_check("upload");
         let (ptr, t) = self.exact(dst);
-        // SAFETY: `ptr` addresses `dst.len` elements of type `t`; pageable sources are staged
-        // by the driver before the call returns.
-        let copied = match t {
-            DType::F32 => unsafe { result::memcpy_htod_async(ptr, src, self.raw) },
+        match t {
+            DType::F32 => self.dev.upload(ptr, bytes_of(src)),
             DType::Bf16 => {
                 let host: Vec<u16> = src.iter().map(|&x| half::bf16::from_f32(x).to_bits()).collect();
-                unsafe { result::memcpy_htod_async(ptr, &host, self.raw) }
+                self.dev.upload(ptr, bytes_of(&host))
             }
-        };
-        copied.unwrap_or_else(|e| panic!("CUDA upload failed: {e}"));
+        }
         self.refresh_compute_copy(dst);
     }
 
     fn upload_idx(&mut self, dst: IdxView, src: &[u32]) {
         assert_eq!(dst.len, src.len(), "internal error: upload length");
+        self.sync_check("upload_idx");
         let ptr = self.iptr(dst);
-        // SAFETY: as in `upload`.
-        unsafe { result::memcpy_htod_async(ptr, src, self.raw) }.unwrap_or_else(|e| panic!("CUDA upload failed: {e}"));
+        self.dev.upload(ptr, bytes_of(src));
     }
 
     fn download(&mut self, src: View, dst: &mut [f32]) {
         assert_eq!(src.len, dst.len(), "internal error: download length");
-        self.synchronize();
+        self.sync_check("download");
         let (ptr, t) = self.exact(src);
-        // SAFETY: `ptr` addresses `src.len` elements of type `t`; the stream is idle.
-        let copied = match t {
-            DType::F32 => unsafe { result::memcpy_dtoh_sync(dst, ptr) },
+        match t {
+            DType::F32 => self.dev.download(bytes_of_mut(dst), ptr),
             DType::Bf16 => {
                 let mut host = vec![0u16; dst.len()];
-                let r = unsafe { result::memcpy_dtoh_sync(&mut host, ptr) };
+                self.dev.download(bytes_of_mut(&mut host), ptr);
                 for (d, h) in dst.iter_mut().zip(&host) {
                     *d = half::bf16::from_bits(*h).to_f32();
                 }
-                r
             }
-        };
-        copied.unwrap_or_else(|e| panic!("CUDA error during the step: {e}"));
+        }
     }
 
     fn download_idx(&mut self, src: IdxView, dst: &mut [u32]) {
         assert_eq!(src.len, dst.len(), "internal error: download length");
-        self.synchronize();
+        self.sync_check("download_idx");
         let ptr = self.iptr(src);
-        // SAFETY: as in `download`.
-        unsafe { result::memcpy_dtoh_sync(dst, ptr) }.unwrap_or_else(|e| panic!("CUDA error during the step: {e}"));
+        self.dev.download(bytes_of_mut(dst), ptr);
     }
 
     fn fill(&mut self, dst: View, value: f32) {
@@ -598,11 +536,7 @@ impl Backend for Cuda {
         assert!(!dst.overlaps(src), "internal error: copy onto itself");
         let ((dp, dt), (sp, st)) = (self.exact(dst), self.exact(src));
         match (dt, st) {
-            _ if dt == st => {
-                // SAFETY: both ranges lie inside their buffers (checked by `exact`).
-                unsafe { result::memcpy_dtod_async(dp, sp, dst.len * dt.size(), self.raw) }
-                    .unwrap_or_else(|e| panic!("internal error: CUDA copy failed: {e}"))
-            }
+            _ if dt == st => self.dev.copy(dp, sp, dst.len * dt.size()),
             (DType::Bf16, _) => {
                 self.launch_1d("copy_bf16_f32", dst.len as u64, &[Arg::P(dp), Arg::P(sp), Arg::U(dst.len as u64)])
             }
@@ -649,7 +583,7 @@ impl Backend for Cuda {
             return;
         }
         let (ap, bp) = (self.ptr(a), self.ptr(b));
-        self.blas.matmul(self.raw, o, ot, ap, bp, inputs, s).unwrap_or_else(|e| panic!("internal error: {e}"));
+        self.dev.gemm(&Gemm::row_major(s, o, ap, bp, inputs, ot));
     }
 
     fn embedding_forward(&mut self, out: View, table: View, tokens: IdxView, d: usize) {
@@ -694,7 +628,7 @@ impl Backend for Cuda {
         self.expect(dw, DType::F32, "rmsnorm_backward", "dw");
         self.expect(rstd, DType::F32, "rmsnorm_backward", "rstd");
         let rows = x.len / d;
-        let (blocks, per_block) = norm_backward_blocks(rows, self.info.sm_count as usize);
+        let (blocks, per_block) = norm_backward_blocks(rows, self.dev.info().sm_count as usize);
         let partial = self.scratch(Scratch::NormPartials, blocks * d * 4);
         let (dxp, dwp) = (self.out(dx, "rmsnorm_backward"), self.out(dw, "rmsnorm_backward"));
         let (g, xp, wp, r) = (self.ptr(dout), self.ptr(x), self.ptr(w), self.ptr(rstd));
@@ -753,6 +687,7 @@ impl Backend for Cuda {
             _ => "attention_forward_hd128",
         };
         let (o, l, q) = (self.out(out, "attention"), self.out(lse, "attention"), self.ptr(qkv));
+        assert!(Self::aligned16(&[o, q]), "internal error: attention rows must start 16-byte aligned");
         let args = [
             Arg::P(o),
             Arg::P(l),
@@ -779,12 +714,10 @@ impl Backend for Cuda {
         let dq = self.scratch(Scratch::AttnDq, rows * heads * dh * 4);
         let (dqkv_p, g, q, o, l) =
             (self.out(dqkv, "attention"), self.ptr(dout), self.ptr(qkv), self.ptr(out), self.ptr(lse));
+        assert!(Self::aligned16(&[dqkv_p, g, q, o]), "internal error: attention rows must start 16-byte aligned");
         let args = [Arg::P(big_d), Arg::P(g), Arg::P(o), Arg::U(rows as u64), Arg::I(heads as i32), Arg::I(dh as i32)];
         self.launch("attention_backward_dot", (((rows * heads) as u64 * 32).div_ceil(256) as u32, 1, 1), 256, 0, &args);
-        // SAFETY: the scratch holds rows · heads · dh f32.
-        unsafe { sys::cuMemsetD32Async(dq, 0, rows * heads * dh, self.raw) }
-            .result()
-            .unwrap_or_else(|e| panic!("internal error: CUDA memset failed: {e}"));
+        self.dev.zero_u32(dq, rows * heads * dh);
         let hd = kernels::attention_hd(dh);
         let name = match hd {
             16 => "attention_backward_hd16",
@@ -1058,10 +991,7 @@ impl Backend for Cuda {
         let runs = adam_runs(segments);
         if runs != self.adam_runs {
             let table = self.scratch(Scratch::AdamRuns, runs.len().max(3) * 8);
-            // SAFETY: the scratch holds the table; the copy is ordered before the kernel.
-            unsafe { result::memcpy_htod_async(table, &runs, self.raw) }
-                .unwrap_or_else(|e| panic!("CUDA upload failed: {e}"));
-            self.synchronize(); // `runs` is a temporary: make sure the driver has read it
+            self.dev.upload(table, bytes_of(&runs));
             self.adam_runs = runs;
         }
         let table = self.scratch[Scratch::AdamRuns as usize].0;

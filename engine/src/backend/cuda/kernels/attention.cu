@@ -45,7 +45,7 @@ template <int HD>
 __device__ void attention_forward_impl(bf16* out, float* lse, const bf16* qkv, int seq, int heads, int kv_heads, int dh,
                                        int window, float scale) {
     constexpr int LD = HD + 8, BR = 64, BC = 64;
-    extern __shared__ uint4 smem_raw[];  // uint4: 16-byte aligned, as cp.async and ldmatrix need
+    DYNAMIC_SMEM(uint4, smem_raw);  // uint4: 16-byte aligned, as cp.async and ldmatrix need
     bf16* Qs = (bf16*)smem_raw;
     bf16* Ks = Qs + BR * LD;       // [2][BC][LD]
     bf16* Vs = Ks + 2 * BC * LD;   // [2][BC][LD]
@@ -221,7 +221,7 @@ __device__ void attention_backward_impl(bf16* dqkv, float* dq_acc, const bf16* d
                                         const float* big_d, int seq, int heads, int kv_heads, int dh, int window,
                                         float scale) {
     constexpr int LD = HD + 8, BC = 64, LDS = BR + 8;
-    extern __shared__ uint4 smem_raw[];
+    DYNAMIC_SMEM(uint4, smem_raw);
     bf16* Ks = (bf16*)smem_raw;  // [BC][LD]
     bf16* Vs = Ks + BC * LD;      // [BC][LD]
     bf16* Qs = Vs + BC * LD;      // [BR][LD]

@@ -5,6 +5,9 @@
 // conversions and the tensor-core and async-copy instructions are written here as inline PTX.
 // Everything targets sm_80 and newer (cvt.rn.bf16, cp.async, ldmatrix, mma.m16n8k16.bf16).
 //
+// The tests also compile these sources for the CPU (ENGINE_EMULATION, see emu/): there the
+// inline-PTX helpers are declared here and defined by the emulator after PTX's definitions.
+//
 // Conventions: element counts and offsets are 64-bit (`u64`); buffers are row-major; bf16 holds
 // activations and the compute copy of parameters; f32 holds master weights, gradients, optimizer
 // state and statistics; every reduction accumulates in f32 or f64.
@@ -19,6 +22,12 @@ struct alignas(2) bf16 {
 
 __device__ __forceinline__ float bf2f(bf16 v) { return __uint_as_float(((u32)v.bits) << 16); }
 
+#ifndef ENGINE_EMULATION
+// A shared-memory address as the PTX instructions take it.
+typedef u32 smem_t;
+// Dynamic shared memory of a kernel (its size is given at launch).
+#define DYNAMIC_SMEM(type, name) extern __shared__ type name[]
+
 // Round to nearest even (NaN stays NaN), as the tensor cores and PyTorch round.
 __device__ __forceinline__ bf16 f2bf(float f) {
     bf16 r;
@@ -32,6 +41,20 @@ __device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
     return r;
 }
+#else  // smem_t comes from the emulator's prelude
+#define DYNAMIC_SMEM(type, name) type* name = (type*)emu_dynamic_smem()
+inline bf16 f2bf(float f);
+inline u32 pack_bf16(float lo, float hi);
+inline void mma_bf16(float* c, const u32* a, u32 b0, u32 b1);
+inline smem_t smem_addr(const void* p);
+inline void ldmatrix_x4(u32* r, smem_t addr);
+inline void ldmatrix_x4_trans(u32* r, smem_t addr);
+inline void cp_async16(smem_t dst, const void* src, int bytes);
+inline void cp_async_commit();
+template <int N>
+inline void cp_async_wait();
+inline void red_add(float* p, float v);
+#endif
 __device__ __forceinline__ float lo_f(u32 v) { return __uint_as_float(v << 16); }
 __device__ __forceinline__ float hi_f(u32 v) { return __uint_as_float(v & 0xffff0000u); }
 
@@ -96,6 +119,7 @@ __device__ __forceinline__ double block_sum_f64(double v, double* scratch) {
 // The C fragments of two adjacent n-tiles are, once packed to bf16, exactly the A fragment of
 // one 16×16 tile: how softmax probabilities feed the next product without shared memory.
 
+#ifndef ENGINE_EMULATION
 __device__ __forceinline__ void mma_bf16(float* c, const u32* a, u32 b0, u32 b1) {
     asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
@@ -104,17 +128,17 @@ __device__ __forceinline__ void mma_bf16(float* c, const u32* a, u32 b0, u32 b1)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-__device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ smem_t smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 
 // Four 8×8 b16 matrices from shared memory; lane l gives the row address of matrix l / 8, row
 // l % 8. Without .trans lane i receives row i / 4, columns 2(i % 4)..+1 of each matrix.
-__device__ __forceinline__ void ldmatrix_x4(u32* r, u32 addr) {
+__device__ __forceinline__ void ldmatrix_x4(u32* r, smem_t addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(addr));
 }
 // The same, transposed: lane i receives column i / 4, rows 2(i % 4)..+1.
-__device__ __forceinline__ void ldmatrix_x4_trans(u32* r, u32 addr) {
+__device__ __forceinline__ void ldmatrix_x4_trans(u32* r, smem_t addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(addr));
@@ -122,7 +146,7 @@ __device__ __forceinline__ void ldmatrix_x4_trans(u32* r, u32 addr) {
 
 // 16-byte asynchronous copy global -> shared; `bytes` < 16 zero-fills the rest (0: all zeros,
 // and the source is not read).
-__device__ __forceinline__ void cp_async16(u32 dst, const void* src, int bytes) {
+__device__ __forceinline__ void cp_async16(smem_t dst, const void* src, int bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
@@ -133,6 +157,7 @@ __device__ __forceinline__ void cp_async_wait() {
 
 // Fire-and-forget f32 add to global memory.
 __device__ __forceinline__ void red_add(float* p, float v) { asm volatile("red.global.add.f32 [%0], %1;" ::"l"(p), "f"(v)); }
+#endif
 
 // ---- Vector access: V = 8 moves 16 bytes (8 bf16) at once, V = 1 one element -----------------
 // Callers choose V = 8 only when the row width is a multiple of 8 and the rows are 16-byte

@@ -41,8 +41,8 @@ __device__ __forceinline__ void store8(bf16* tile, int row, int k, uint4 v, bool
 template <int MODE, typename TC>
 __device__ void grouped_gemm(TC* c, const bf16* a, const bf16* b, u64 b_stride, u64 c_stride, const u32* offsets,
                              int experts, int m_dim, int n_dim, int k_dim, int accumulate, int vec) {
-    __shared__ alignas(16) bf16 As[2][BM * LDS];
-    __shared__ alignas(16) bf16 Bs[2][BN * LDS];
+    alignas(16) __shared__ bf16 As[2][BM * LDS];
+    alignas(16) __shared__ bf16 Bs[2][BN * LDS];
     int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wm = warp >> 2, wn = warp & 3;
     int e, rows_m, kdim, m0;
     u64 first;

@@ -75,7 +75,7 @@ extern "C" __global__ void moe_route(float* probs, float* weight, u32* expert, c
 // One block of 1024 threads. Dynamic shared memory: (2 + 32) · e u32.
 extern "C" __global__ void moe_dispatch(u32* slot_row, u32* row_slot, u32* offsets, const u32* expert, u64 slots,
                                         int e) {
-    extern __shared__ u32 sh[];
+    DYNAMIC_SMEM(u32, sh);
     u32 *counts = sh, *cursor = sh + e, *warp_counts = sh + 2 * e;
     int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     for (int x = tid; x < e; x += blockDim.x) counts[x] = 0;

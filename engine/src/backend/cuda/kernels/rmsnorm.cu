@@ -46,7 +46,7 @@ extern "C" __global__ void rmsnorm_forward_v8(bf16* out, float* rstd, const bf16
 template <int V>
 __device__ void rmsnorm_backward_impl(bf16* dx, float* dw_partial, const bf16* dy, const bf16* x, const bf16* w,
                                       const float* rstd, u64 rows, int d, int rows_per_block) {
-    extern __shared__ float dw_s[];
+    DYNAMIC_SMEM(float, dw_s);
     __shared__ float scratch[32];
     for (int j = threadIdx.x; j < d; j += blockDim.x) dw_s[j] = 0.f;
     __syncthreads();
