@@ -43,6 +43,21 @@ cargo fmt --all -- --check
 section "lints"
 cargo clippy --release --workspace --all-targets --locked -- -D warnings
 
+section "python tools for the tests"
+# TensorBoard's own reader opens the engine's event files (engine/tests/metrics.rs); the test
+# fails rather than skips when ENGINE_TEST_REQUIRE_PYTHON=1.
+if ! python3 -c "import venv, ensurepip" 2>/dev/null; then
+    sudo=$(command -v sudo || true)
+    $sudo apt-get -o DPkg::Lock::Timeout=600 update
+    $sudo apt-get -o DPkg::Lock::Timeout=600 install -y python3-venv
+fi
+venv=target/test-venv
+if ! "$venv/bin/python" -c "import tensorboard" 2>/dev/null; then
+    python3 -m venv "$venv"
+    "$venv/bin/pip" install --quiet tensorboard
+fi
+export ENGINE_TEST_PYTHON="$PWD/$venv/bin/python" ENGINE_TEST_REQUIRE_PYTHON=1
+
 section "unit and integration tests"
 cargo test --release --workspace --locked
 

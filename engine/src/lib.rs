@@ -6,9 +6,14 @@
 //! the CPU backend is the f32 reference.
 
 pub mod backend;
+pub mod checkpoint;
 pub mod config;
 pub mod data;
+pub mod dist;
+pub mod eval;
 pub mod fsutil;
+pub mod hf;
 pub mod model;
 pub mod rng;
+pub mod tensors;
 pub mod train;

@@ -1,9 +1,14 @@
 //! Command-line interface: argument definitions and dispatch to one module per command.
 
 mod bench;
+mod data;
 mod device;
+mod eval;
+mod export_hf;
 mod gpu_test;
+mod import_hf;
 mod info;
+mod launch;
 mod recipes;
 mod train;
 
@@ -28,8 +33,18 @@ pub struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Train a model from a recipe on the embedded corpus or synthetic tokens.
+    /// Train a model from a recipe: on the embedded corpus, synthetic tokens or prepared shards;
+    /// from scratch, a Hugging Face model, or a checkpoint to resume.
     Train(train::TrainArgs),
+    /// Prepare training data: tokenize text and JSONL files into token shards.
+    #[command(subcommand)]
+    Data(data::DataCommand),
+    /// Convert a Hugging Face model directory into an engine checkpoint.
+    ImportHf(import_hf::ImportArgs),
+    /// Convert an engine checkpoint into a Hugging Face model directory.
+    ExportHf(export_hf::ExportArgs),
+    /// Evaluate a model: loss, perplexity, logits and gradients on tokens, or LAMBADA accuracy.
+    Eval(eval::EvalArgs),
     /// List the built-in recipes, or show one resolved with its parameter count and FLOPs.
     #[command(subcommand)]
     Recipes(recipes::RecipesCommand),
@@ -37,6 +52,11 @@ enum Command {
     Bench(bench::BenchArgs),
     /// Show the devices, versions and flags in effect.
     Info,
+    /// Start one process per local device, each running the given engine command.
+    Launch(launch::LaunchArgs),
+    /// Multi-process diagnostics.
+    #[command(subcommand)]
+    Dist(launch::DistCommand),
     /// Check the CUDA backend against the CPU reference on this machine's GPU (or its CPU
     /// emulator): every kernel, model parity, graphs, recomputation, memory, training.
     GpuTest(gpu_test::GpuTestArgs),
@@ -89,9 +109,15 @@ pub fn run(cli: Cli) -> Result<()> {
     };
     match cli.command {
         Command::Train(args) => train::run(args, device),
+        Command::Data(cmd) => data::run(cmd),
+        Command::ImportHf(args) => import_hf::run(args),
+        Command::ExportHf(args) => export_hf::run(args),
+        Command::Eval(args) => eval::run(args),
         Command::Recipes(cmd) => recipes::run(cmd),
         Command::Bench(args) => bench::run(args, device),
         Command::Info => info::run(),
+        Command::Launch(args) => launch::launch(args),
+        Command::Dist(cmd) => launch::check(cmd),
         Command::GpuTest(args) => gpu_test::run(args),
     }
 }

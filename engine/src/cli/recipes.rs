@@ -123,15 +123,4 @@ fn attention_flops(c: &Config) -> f64 {
     12.0 * (m.n_layers * m.n_heads * m.head_dim) as f64 * m.mean_keys_attended(c.train.seq_len)
 }
 
-/// `8030261248` → `8,030,261,248`.
-pub fn group(n: u64) -> String {
-    let digits = n.to_string();
-    let mut out = String::new();
-    for (i, ch) in digits.chars().enumerate() {
-        if i > 0 && (digits.len() - i).is_multiple_of(3) {
-            out.push(',');
-        }
-        out.push(ch);
-    }
-    out
-}
+pub use engine::config::count::group;

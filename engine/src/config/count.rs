@@ -89,6 +89,19 @@ impl ModelConfig {
     }
 }
 
+/// `n` with thousands separators: `8,030,261,248`.
+pub fn group(n: u64) -> String {
+    let digits = n.to_string();
+    let mut out = String::new();
+    for (i, ch) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i).is_multiple_of(3) {
+            out.push(',');
+        }
+        out.push(ch);
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use crate::config::{Family, ModelConfig, MoeConfig};

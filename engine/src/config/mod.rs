@@ -29,6 +29,8 @@ pub struct Config {
     pub optim: OptimConfig,
     /// Where training tokens come from.
     pub data: DataConfig,
+    /// How devices split the work: data, fsdp and tensor axes, within and across nodes.
+    pub mesh: MeshConfig,
 }
 
 /// Which Hugging Face architecture the model corresponds to (names of tensors and config keys on
@@ -165,6 +167,14 @@ pub struct TrainConfig {
     pub perf_warmup_steps: usize,
     /// Step (1-based) whose per-op times are written as a Chrome trace; 0 disables profiling.
     pub profile_step: usize,
+    /// Save a checkpoint every this many steps (and at the last step); 0 disables checkpoints.
+    pub checkpoint_every: usize,
+    /// Complete checkpoints kept in the run directory (the oldest are removed); 0 keeps all.
+    pub keep_last: usize,
+    /// Evaluate on the validation split every this many steps (and at the last step); 0 never.
+    pub eval_every: usize,
+    /// Batches of `batch_size` validation sequences one evaluation reads.
+    pub eval_steps: usize,
     /// Activation recomputation: which activations the backward pass recomputes instead of
     /// keeping them from the forward pass.
     pub remat: Remat,
@@ -199,6 +209,10 @@ impl Default for TrainConfig {
             peak_tflops: 0.0,
             perf_warmup_steps: 7,
             profile_step: 6,
+            checkpoint_every: 0,
+            keep_last: 3,
+            eval_every: 0,
+            eval_steps: 10,
             remat: Remat::None,
             cuda_graphs: true,
         }
@@ -268,6 +282,8 @@ pub enum DataSource {
     Embedded,
     /// Uniformly random tokens from the seed.
     Synthetic,
+    /// Token shards written by `engine data prepare` (`data.path`).
+    Shards,
 }
 
 /// The training data.
@@ -276,6 +292,37 @@ pub enum DataSource {
 pub struct DataConfig {
     /// Token source.
     pub source: DataSource,
+    /// With `source = "shards"`: a directory of shards (read in name order) or one shard file.
+    /// A relative path is relative to the working directory.
+    pub path: String,
+}
+
+/// The device mesh: three parallel axes, each split into an intra-node (`ici`) and an
+/// inter-node (`dcn`) size, as in MaxText, Pax and AXLearn. The `ici` sizes multiply to the
+/// devices per node and the `dcn` sizes to the number of nodes; one size per group may be -1,
+/// meaning "whatever fills it".
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MeshConfig {
+    /// Data parallelism within a node: replicas that all-reduce gradients.
+    pub ici_data: i64,
+    /// Fully sharded data parallelism within a node: parameters, gradients and optimizer state
+    /// sharded, parameters gathered per layer.
+    pub ici_fsdp: i64,
+    /// Tensor parallelism within a node: attention heads, MLP columns and experts split.
+    pub ici_tensor: i64,
+    /// Data parallelism across nodes.
+    pub dcn_data: i64,
+    /// Fully sharded data parallelism across nodes.
+    pub dcn_fsdp: i64,
+    /// Tensor parallelism across nodes.
+    pub dcn_tensor: i64,
+}
+
+impl Default for MeshConfig {
+    fn default() -> Self {
+        MeshConfig { ici_data: -1, ici_fsdp: 1, ici_tensor: 1, dcn_data: -1, dcn_fsdp: 1, dcn_tensor: 1 }
+    }
 }
 
 impl ModelConfig {
@@ -404,6 +451,20 @@ impl Config {
         }
         if !(0.0..=1.0).contains(&o.min_lr_ratio) {
             return Err(format!("optim.min_lr_ratio = {} must lie in [0, 1]", o.min_lr_ratio));
+        }
+        match (self.data.source, self.data.path.is_empty()) {
+            (DataSource::Shards, true) => {
+                return Err(
+                    "data.source = \"shards\" needs data.path (a directory written by `engine data prepare`)".into()
+                );
+            }
+            (DataSource::Embedded | DataSource::Synthetic, false) => {
+                return Err("data.path is set but data.source is not \"shards\"; set data.source = \"shards\"".into());
+            }
+            _ => {}
+        }
+        if self.train.eval_every > 0 && self.train.eval_steps == 0 {
+            return Err("train.eval_every is set but train.eval_steps = 0; evaluate at least one batch".into());
         }
         if !at_least(self.train.peak_tflops, 0.0) {
             return Err(format!("train.peak_tflops = {} must be non-negative", self.train.peak_tflops));

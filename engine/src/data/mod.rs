@@ -5,6 +5,17 @@
 //! [`VALIDATION_FRACTION`] of the windows for validation, and visits the training windows in a
 //! seeded random order per epoch. Its position (epoch, index) is exact and resumable, and each
 //! data-parallel rank takes a disjoint, interleaved slice of every epoch's order.
+//!
+//! Sources: the embedded corpus (byte tokens), synthetic tokens, and memory-mapped token shards
+//! ([`shard`]) that `engine data prepare` ([`prepare`]) writes with a real tokenizer
+//! ([`tokenizer`], [`sentencepiece`]).
+
+pub mod prepare;
+pub mod sentencepiece;
+pub mod shard;
+pub mod tokenizer;
+
+use std::path::Path;
 
 use anyhow::{Result, bail};
 
@@ -78,12 +89,20 @@ pub fn open(data: &DataConfig, vocab_size: usize, seed: u64) -> Result<Box<dyn T
     let source: Box<dyn TokenSource> = match data.source {
         DataSource::Embedded => Box::new(Bytes(CORPUS)),
         DataSource::Synthetic => Box::new(Synthetic { vocab: vocab_size, seed }),
+        DataSource::Shards => Box::new(shard::Shards::open(Path::new(&data.path))?),
     };
     if source.vocab_needed() > vocab_size {
-        bail!(
-            "data.source = \"embedded\" uses byte tokens 0..255, more than model.vocab_size = {vocab_size}; \
-             raise model.vocab_size or use data.source = \"synthetic\""
-        );
+        match data.source {
+            DataSource::Shards => bail!(
+                "the shards in data.path = {} were written with a tokenizer of {} tokens, more than model.vocab_size = {vocab_size}",
+                data.path,
+                source.vocab_needed()
+            ),
+            _ => bail!(
+                "data.source = \"embedded\" uses byte tokens 0..255, more than model.vocab_size = {vocab_size}; \
+                 raise model.vocab_size or use data.source = \"synthetic\""
+            ),
+        }
     }
     Ok(source)
 }
@@ -165,6 +184,11 @@ impl Loader {
         self.val_windows
     }
 
+    /// Tokens in the source.
+    pub fn source_len(&self) -> usize {
+        self.source.len()
+    }
+
     /// Fills `tokens` and `targets` (`batch · seq_len` each) with this rank's next samples.
     pub fn next_batch(&mut self, tokens: &mut [u32], targets: &mut [u32]) {
         let usable = (self.train_windows / self.world) * self.world;
@@ -241,6 +265,39 @@ mod tests {
             r1.next_batch(&mut b, &mut y);
             assert_ne!(a, b);
         }
+    }
+
+    #[test]
+    fn shard_sources_load_like_any_other() {
+        let dir = tempfile::tempdir().unwrap();
+        for (name, start) in [("a.tok", 0u32), ("b.tok", 5000)] {
+            let mut w = shard::ShardWriter::create(&dir.path().join(name), 70_000, 0).unwrap();
+            w.push_document(&(start..start + 5000).collect::<Vec<_>>()).unwrap();
+            w.finish().unwrap();
+        }
+        let config = DataConfig { source: DataSource::Shards, path: dir.path().display().to_string() };
+        let open_rank = |rank| Loader::new(open(&config, 70_000, 1).unwrap(), 99, 3, rank, 2).unwrap();
+        let (mut r0, mut r1) = (open_rank(0), open_rank(1));
+        assert_eq!(r0.source_len(), 10_000);
+        let (mut a, mut b, mut ya, mut yb) = (vec![0; 99], vec![0; 99], vec![0; 99], vec![0; 99]);
+        let mut seen = std::collections::HashSet::new();
+        for _ in 0..20 {
+            r0.next_batch(&mut a, &mut ya);
+            r1.next_batch(&mut b, &mut yb);
+            // A window of a stream counting up: consecutive tokens, targets one ahead.
+            assert!(a.windows(2).all(|w| w[1] == w[0] + 1) && ya[0] == a[0] + 1);
+            assert!(seen.insert(a[0]) && seen.insert(b[0]), "ranks read the same sample");
+        }
+        let mut resumed = open_rank(0);
+        resumed.seek(r0.position());
+        r0.next_batch(&mut a, &mut ya);
+        resumed.next_batch(&mut b, &mut yb);
+        assert_eq!(a, b);
+        // The validation windows are the last ones, never trained on.
+        r0.validation_batch(0, &mut a, &mut ya);
+        assert!(a[0] as usize >= r0.train_samples() * 99);
+        let e = open(&config, 60_000, 1).err().unwrap().to_string();
+        assert!(e.contains("70000 tokens, more than model.vocab_size = 60000"), "{e}");
     }
 
     #[test]

@@ -33,6 +33,13 @@ pub struct StepMetrics {
     pub tflops_per_device: f64,
     /// Model FLOP utilisation: `tflops_per_device` over the device's peak.
     pub mfu: f64,
+    /// Mean cross-entropy on the validation split, on steps that evaluate (`train.eval_every`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub eval_loss: Option<f64>,
+    /// Seconds the step loop spent on a checkpoint after this step: copying the state to the
+    /// host, and waiting for the previous save if it was still writing.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub checkpoint_s: Option<f64>,
 }
 
 impl StepMetrics {
@@ -40,8 +47,9 @@ impl StepMetrics {
     pub fn line(&self, total_steps: usize) -> String {
         let width = total_steps.to_string().len();
         let aux = self.aux_loss.map(|a| format!(" | aux {a:.4}")).unwrap_or_default();
+        let eval = self.eval_loss.map(|e| format!(" | eval loss {e:.4}")).unwrap_or_default();
         format!(
-            "step {:>width$}/{total_steps} | loss {:.4}{aux} | lr {:.2e} | grad norm {:.3} | {:.3} s | {:.0} tok/s | {:.3} TFLOP/s | MFU {:.1}%",
+            "step {:>width$}/{total_steps} | loss {:.4}{aux}{eval} | lr {:.2e} | grad norm {:.3} | {:.3} s | {:.0} tok/s | {:.3} TFLOP/s | MFU {:.1}%",
             self.step,
             self.loss,
             self.lr,

@@ -7,12 +7,15 @@
 
 pub mod metrics;
 pub mod schedule;
+pub mod session;
+pub mod tensorboard;
 
 use std::time::Instant;
 
-use anyhow::Result;
+use anyhow::{Result, bail};
 
 use crate::backend::{AdamWStep, Backend, BufKind, Segment, View};
+use crate::checkpoint::Snapshot;
 use crate::config::Config;
 use crate::data::{self, Loader};
 use crate::model::{GRAD_NORM_SQ, LOSS_ACCUM, LOSS_SUM, Model, Plan, init};
@@ -144,9 +147,86 @@ impl<B: Backend> Trainer<B> {
             tokens_per_s: self.tokens_per_step() as f64 / step_time_s,
             tflops_per_device: tflops,
             mfu: if peak_tflops > 0.0 { tflops / peak_tflops } else { 0.0 },
+            eval_loss: None,
+            checkpoint_s: None,
         }
     }
 }
 
 /// The [`Backend::begin_section`] key of a micro-batch's forward and backward pass.
 pub const SECTION_MICRO_BATCH: u32 = 0;
+
+impl<B: Backend> Trainer<B> {
+    /// Replaces the parameters (e.g. by imported ones), in layout order.
+    pub fn load_params(&mut self, params: &[f32]) -> Result<()> {
+        if params.len() != self.plan.params.len {
+            bail!("{} parameters given, the model has {}", params.len(), self.plan.params.len);
+        }
+        self.backend.upload(self.plan.params, params);
+        Ok(())
+    }
+
+    /// Copies the training state to the host, into `into`'s buffers (reused when their size
+    /// fits, so that a save does not page in fresh memory).
+    pub fn snapshot(&mut self, into: Snapshot) -> Snapshot {
+        let n = self.plan.params.len;
+        let (mut params, moments) = (into.params, into.moments);
+        let (mut m, mut v) = moments.unwrap_or_default();
+        for buf in [&mut params, &mut m, &mut v] {
+            buf.resize(n, 0.0);
+        }
+        self.backend.download(self.plan.params, &mut params);
+        self.backend.download(self.moments.0, &mut m);
+        self.backend.download(self.moments.1, &mut v);
+        Snapshot {
+            step: self.step,
+            position: self.loader.position(),
+            data_tokens: self.loader.source_len() as u64,
+            params,
+            moments: Some((m, v)),
+        }
+    }
+
+    /// Continues from a snapshot: parameters, moments, step and data position.
+    pub fn restore(&mut self, snap: &Snapshot) -> Result<()> {
+        let Some((m, v)) = &snap.moments else {
+            bail!("the checkpoint has no optimizer state (an imported model?): it can start a run, not resume one");
+        };
+        if snap.data_tokens != self.loader.source_len() as u64 {
+            bail!(
+                "the training data holds {} tokens, {} when the checkpoint was saved: a run resumes on the same data",
+                self.loader.source_len(),
+                snap.data_tokens
+            );
+        }
+        self.load_params(&snap.params)?;
+        self.backend.upload(self.moments.0, m);
+        self.backend.upload(self.moments.1, v);
+        self.step = snap.step;
+        self.loader.seek(snap.position);
+        Ok(())
+    }
+
+    /// Mean next-token cross-entropy over the first `batches · batch_size` validation samples
+    /// (the same samples at every evaluation), and the tokens it covers.
+    pub fn eval_loss(&mut self, batches: usize) -> (f64, usize) {
+        let (p, be) = (&self.plan, &mut self.backend);
+        let batch = self.config.train.batch_size;
+        let mut sum = 0f64;
+        for i in 0..batches {
+            self.loader.validation_batch(i * batch, &mut self.tokens, &mut self.targets);
+            be.upload_idx(p.tokens, &self.tokens);
+            be.upload_idx(p.targets, &self.targets);
+            self.model.forward(be, p, None);
+            sum += read_scalar(be, p.scalars.at(LOSS_SUM, 1));
+        }
+        let tokens = batches * self.tokens.len();
+        (sum / tokens as f64, tokens)
+    }
+}
+
+fn read_scalar<B: Backend>(be: &mut B, v: View) -> f64 {
+    let mut x = [0f32];
+    be.download(v, &mut x);
+    x[0] as f64
+}

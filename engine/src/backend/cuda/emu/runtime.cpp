@@ -29,8 +29,9 @@ static std::string g_kernel;  // for messages
 }
 
 // A reusable barrier whose count shrinks when a participant exits. Arrivals are counted under a
-// mutex; waiters spin (yielding) on the generation, which on a machine with far fewer cores than
-// emulated threads is much cheaper than sleeping and waking each of them.
+// mutex; waiters first spin (yielding) on the generation, which on a machine with far fewer cores
+// than emulated threads is much cheaper than sleeping and waking each of them, then sleep on it
+// (a futex), so that a long wait or a busy machine does not burn the cores.
 struct Barrier {
     std::mutex m;
     int count = 0, waiting = 0;
@@ -39,30 +40,29 @@ struct Barrier {
         std::lock_guard<std::mutex> l(m);
         count = n, waiting = 0;
     }
-    void wait(const char* what) {
+    void wait([[maybe_unused]] const char* what) {
         long g;
         {
             std::lock_guard<std::mutex> l(m);
             g = generation.load();
             if (++waiting == count) {
-                waiting = 0;
-                generation.fetch_add(1);
+                release_locked();
                 return;
             }
         }
-        auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
-        for (long spins = 0; generation.load() == g; spins++) {
-            std::this_thread::yield();
-            if (spins % 4096 == 4095 && std::chrono::steady_clock::now() > deadline) emu_fail(what);
-        }
+        // A barrier that never completes is reported by the launch watchdog.
+        for (int spins = 0; spins < 64 && generation.load() == g; spins++) std::this_thread::yield();
+        while (generation.load() == g) generation.wait(g);  // returns on a change (or spuriously)
     }
     void leave() {
         std::lock_guard<std::mutex> l(m);
         count--;
-        if (waiting > 0 && waiting == count) {
-            waiting = 0;
-            generation.fetch_add(1);
-        }
+        if (waiting > 0 && waiting == count) release_locked();
+    }
+    void release_locked() {
+        waiting = 0;
+        generation.fetch_add(1);
+        generation.notify_all();
     }
 };
 
@@ -198,6 +198,26 @@ static Pool& pool() {
     return *p;
 }
 
+// Fails a launch that runs longer than any of the checks' should: a thread that never reaches
+// a barrier, or a kernel that never ends.
+static std::atomic<long> g_launch_started_ms{0};
+static void start_watchdog() {
+    static std::once_flag once;
+    std::call_once(once, [] {
+        std::thread([] {
+            for (;;) {
+                std::this_thread::sleep_for(std::chrono::seconds(1));
+                long started = g_launch_started_ms.load();
+                long now = std::chrono::duration_cast<std::chrono::milliseconds>(
+                               std::chrono::steady_clock::now().time_since_epoch())
+                               .count();
+                if (started != 0 && now - started > 300000)
+                    emu_fail("still running after 5 minutes: a barrier some thread never reaches, or an endless loop");
+            }
+        }).detach();
+    });
+}
+
 // Runs kernel `name` over the grid, one block at a time. Returns 0, or 1 for an unknown kernel
 // or configuration (with a message in `err`).
 extern "C" int emu_launch(const char* name, unsigned gx, unsigned gy, unsigned gz, unsigned threads, unsigned smem,
@@ -217,8 +237,13 @@ extern "C" int emu_launch(const char* name, unsigned gx, unsigned gy, unsigned g
     blockDim = dim3{threads, 1, 1};
     Pool& p = pool();
     p.grow((int)threads);
+    start_watchdog();
+    g_launch_started_ms = std::chrono::duration_cast<std::chrono::milliseconds>(
+                              std::chrono::steady_clock::now().time_since_epoch())
+                              .count();
     for (unsigned z = 0; z < gz; z++)
         for (unsigned y = 0; y < gy; y++)
             for (unsigned x = 0; x < gx; x++) p.run_block(it->second, args, dim3{x, y, z}, (int)threads);
+    g_launch_started_ms = 0;
     return 0;
 }

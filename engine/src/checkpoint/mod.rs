@@ -1,0 +1,498 @@
+//! Checkpoints: one directory per saved step, written so that a crash never leaves one that
+//! looks complete but is not (docs/checkpoints.md).
+//!
+//! ```text
+//! RUN_DIR/checkpoints/step-000120/
+//!   model.safetensors      parameters, f32, under their Hugging Face names
+//!   optimizer.safetensors  AdamW moments: exp_avg.NAME and exp_avg_sq.NAME, f32
+//!   config.toml            the resolved configuration
+//!   hf/...                 files of the Hugging Face model this one started from (optional)
+//!   state.json             step, data position, seed, config hash, SHA-256 of every other file
+//! ```
+//!
+//! A save writes everything into `.tmp-step-000120-PID`, flushes every file, writes `state.json`
+//! last, flushes the directory, and renames it to `step-000120`: a directory under a `step-*`
+//! name is complete. Loading verifies every file's size and SHA-256 against `state.json` and
+//! refuses a damaged checkpoint, naming the file.
+//!
+//! The engine's randomness is counter-based ([`crate::rng`]): initialisation and data order are
+//! pure functions of the seed, so the seed and the loader's position are the whole random state.
+
+mod saver;
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result, anyhow, bail};
+use serde::{Deserialize, Serialize};
+
+use crate::config::Config;
+use crate::data::Position;
+use crate::data::prepare::{hex, sha256_file};
+use crate::fsutil::{self, write_atomic};
+use crate::model::Layout;
+use crate::tensors::{self, FloatType, Mapped};
+pub use saver::{SaveReport, Saver};
+
+/// `state.json`'s `format`.
+pub const FORMAT: &str = "engine-checkpoint";
+/// The layout version this engine writes and reads.
+pub const VERSION: u32 = 1;
+/// The parameters.
+pub const MODEL_FILE: &str = "model.safetensors";
+/// The optimizer moments.
+pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
+/// The resolved configuration.
+pub const CONFIG_FILE: &str = "config.toml";
+/// The training state and checksums; written last.
+pub const STATE_FILE: &str = "state.json";
+/// Environment variable of the crash test: the save of this step stops after its first file
+/// (and prints a line saying so), so that a test can kill the process in the middle of a save.
+pub const PAUSE_HOOK: &str = "ENGINE_TEST_PAUSE_SAVE";
+
+/// Size and SHA-256 of one file of a checkpoint.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileSum {
+    /// Length in bytes.
+    pub bytes: u64,
+    /// SHA-256, lower-case hex.
+    pub sha256: String,
+}
+
+/// `state.json`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct State {
+    /// Always [`FORMAT`].
+    pub format: String,
+    /// Layout version ([`VERSION`]).
+    pub version: u32,
+    /// Optimizer steps completed.
+    pub step: u64,
+    /// Where the loader continues.
+    pub data_position: Position,
+    /// Tokens in the training data when saved (a resumed run must read the same data).
+    pub data_tokens: u64,
+    /// The seed: with the data position, all of the engine's random state.
+    pub seed: u64,
+    /// SHA-256 of `config.toml`.
+    pub config_sha256: String,
+    /// Every other file of the checkpoint (relative path → size and hash).
+    pub files: BTreeMap<String, FileSum>,
+    /// The engine that wrote it.
+    pub engine_version: String,
+    /// The dtype of the Hugging Face weights the model was imported from, kept for export.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hf_dtype: Option<String>,
+}
+
+/// Everything a checkpoint holds, on the host.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Snapshot {
+    /// Optimizer steps completed.
+    pub step: u64,
+    /// The loader's position.
+    pub position: Position,
+    /// Tokens in the training data.
+    pub data_tokens: u64,
+    /// Parameters in layout order.
+    pub params: Vec<f32>,
+    /// AdamW first and second moments in layout order; none for an imported model.
+    pub moments: Option<(Vec<f32>, Vec<f32>)>,
+}
+
+/// What to write besides the snapshot.
+#[derive(Debug, Clone, Default)]
+pub struct Extras {
+    /// Files copied into the checkpoint as they are (relative path, contents): the Hugging Face
+    /// model's config and tokenizer, for export.
+    pub files: Vec<(String, Vec<u8>)>,
+    /// See [`State::hf_dtype`].
+    pub hf_dtype: Option<String>,
+}
+
+/// The name of the directory of step `step`.
+pub fn dir_name(step: u64) -> String {
+    format!("step-{step:06}")
+}
+
+/// Writes a checkpoint of `snap` as `parent/step-NNNNNN` (see the module doc). `pause` is the
+/// crash test's hook: the step whose save stops after its first file.
+pub fn write(
+    parent: &Path,
+    config: &Config,
+    layout: &Layout,
+    snap: &Snapshot,
+    extras: &Extras,
+    pause: Option<u64>,
+) -> Result<PathBuf> {
+    fs::create_dir_all(parent).with_context(|| format!("cannot create {}", parent.display()))?;
+    let dir = parent.join(dir_name(snap.step));
+    write_dir(&dir, config, layout, snap, extras, pause)?;
+    Ok(dir)
+}
+
+/// Writes a checkpoint directory at `dir` (which must not exist): into a temporary sibling,
+/// flushed, then renamed.
+pub fn write_dir(
+    dir: &Path,
+    config: &Config,
+    layout: &Layout,
+    snap: &Snapshot,
+    extras: &Extras,
+    pause: Option<u64>,
+) -> Result<()> {
+    if dir.exists() {
+        bail!("{} already exists", dir.display());
+    }
+    let parent = dir.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let name = dir.file_name().context("checkpoint path has no name")?.to_string_lossy();
+    let tmp = parent.join(format!(".tmp-{name}-{}", std::process::id()));
+    let _ = fs::remove_dir_all(&tmp);
+    fs::create_dir(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
+    let result = write_into(&tmp, config, layout, snap, extras, pause).and_then(|()| {
+        fs::rename(&tmp, dir)?;
+        fsutil::sync_dir(parent)?;
+        Ok(())
+    });
+    if let Err(e) = result {
+        let _ = fs::remove_dir_all(&tmp);
+        return Err(e.context(format!("cannot write checkpoint {}", dir.display())));
+    }
+    Ok(())
+}
+
+fn write_into(
+    dir: &Path,
+    config: &Config,
+    layout: &Layout,
+    snap: &Snapshot,
+    extras: &Extras,
+    pause: Option<u64>,
+) -> Result<()> {
+    let mut files = BTreeMap::new();
+    // Records a file written, with its hash when the writer computed it on the way.
+    let mut add = |name: &str, sha256: Option<String>| -> Result<()> {
+        let path = dir.join(name);
+        let bytes = fs::metadata(&path)?.len();
+        let sha256 = match sha256 {
+            Some(h) => h,
+            None => sha256_file(&path)?,
+        };
+        files.insert(name.to_owned(), FileSum { bytes, sha256 });
+        Ok(())
+    };
+    let tensors: Vec<(String, &[f32], Vec<usize>)> = layout
+        .tensors
+        .iter()
+        .map(|t| (t.name.clone(), &snap.params[t.offset..t.offset + t.len()], t.shape.clone()))
+        .collect();
+    let sha = tensors::write(&dir.join(MODEL_FILE), &tensors, FloatType::F32)?;
+    add(MODEL_FILE, Some(sha))?;
+    if pause == Some(snap.step) {
+        eprintln!("{PAUSE_HOOK}: the save of step {} stops after {MODEL_FILE}", snap.step);
+        loop {
+            std::thread::sleep(std::time::Duration::from_secs(3600));
+        }
+    }
+    if let Some((m, v)) = &snap.moments {
+        let mut moments = Vec::with_capacity(2 * layout.tensors.len());
+        for (prefix, buf) in [("exp_avg", m), ("exp_avg_sq", v)] {
+            for t in &layout.tensors {
+                moments.push((format!("{prefix}.{}", t.name), &buf[t.offset..t.offset + t.len()], t.shape.clone()));
+            }
+        }
+        let sha = tensors::write(&dir.join(OPTIMIZER_FILE), &moments, FloatType::F32)?;
+        add(OPTIMIZER_FILE, Some(sha))?;
+    }
+    let config_text = toml::to_string(config)?;
+    write_atomic(&dir.join(CONFIG_FILE), config_text.as_bytes())?;
+    add(CONFIG_FILE, None)?;
+    for (name, bytes) in &extras.files {
+        let path = dir.join(name);
+        if let Some(parent) = path.parent() {
+            fs::create_dir_all(parent)?;
+        }
+        write_atomic(&path, bytes)?;
+        add(name, None)?;
+    }
+    let state = State {
+        format: FORMAT.into(),
+        version: VERSION,
+        step: snap.step,
+        data_position: snap.position,
+        data_tokens: snap.data_tokens,
+        seed: config.train.seed,
+        config_sha256: hex(&sha2_of(config_text.as_bytes())),
+        files,
+        engine_version: env!("CARGO_PKG_VERSION").into(),
+        hf_dtype: extras.hf_dtype.clone(),
+    };
+    write_atomic(&dir.join(STATE_FILE), serde_json::to_string_pretty(&state)?.as_bytes())?;
+    for sub in extras.files.iter().filter_map(|(n, _)| Path::new(n).parent()).filter(|p| !p.as_os_str().is_empty()) {
+        fsutil::sync_dir(&dir.join(sub))?;
+    }
+    fsutil::sync_dir(dir)?;
+    Ok(())
+}
+
+fn sha2_of(bytes: &[u8]) -> Vec<u8> {
+    use sha2::Digest;
+    sha2::Sha256::digest(bytes).to_vec()
+}
+
+/// A verified checkpoint.
+#[derive(Debug, Clone)]
+pub struct Checkpoint {
+    /// Its directory.
+    pub dir: PathBuf,
+    /// Its `state.json`.
+    pub state: State,
+    /// Its configuration.
+    pub config: Config,
+}
+
+impl Checkpoint {
+    /// Opens a checkpoint directory and verifies every file against `state.json`: a missing,
+    /// truncated or altered file is an error naming it.
+    pub fn open(dir: &Path) -> Result<Checkpoint> {
+        let d = dir.display();
+        let state_path = dir.join(STATE_FILE);
+        let text = fs::read(&state_path).map_err(|e| {
+            if dir.exists() {
+                anyhow!("checkpoint {d} is incomplete: cannot read {STATE_FILE}: {e}")
+            } else {
+                anyhow!("checkpoint {d} does not exist")
+            }
+        })?;
+        let state: State = serde_json::from_slice(&text)
+            .map_err(|e| anyhow!("checkpoint {d} is damaged: {STATE_FILE} is not a valid checkpoint state ({e})"))?;
+        if state.format != FORMAT || state.version != VERSION {
+            bail!(
+                "checkpoint {d}: format {} version {}, this engine reads {FORMAT} version {VERSION}",
+                state.format,
+                state.version
+            );
+        }
+        for (name, sum) in &state.files {
+            let path = dir.join(name);
+            let bytes =
+                fs::metadata(&path).map_err(|e| anyhow!("checkpoint {d} is damaged: {name} is missing ({e})"))?.len();
+            if bytes != sum.bytes {
+                bail!("checkpoint {d} is damaged: {name} is {bytes} bytes, {} when saved (truncated?)", sum.bytes);
+            }
+            if sha256_file(&path)? != sum.sha256 {
+                bail!("checkpoint {d} is damaged: {name} does not match its SHA-256 in {STATE_FILE} (corrupted)");
+            }
+        }
+        if !state.files.contains_key(MODEL_FILE) || !state.files.contains_key(CONFIG_FILE) {
+            bail!("checkpoint {d} is damaged: {STATE_FILE} lists no {MODEL_FILE} or {CONFIG_FILE}");
+        }
+        let config_text = fs::read_to_string(dir.join(CONFIG_FILE))?;
+        let config: Config =
+            toml::from_str(&config_text).map_err(|e| anyhow!("checkpoint {d}: {CONFIG_FILE}: {}", e.message()))?;
+        config.validate().map_err(|e| anyhow!("checkpoint {d}: {CONFIG_FILE}: {e}"))?;
+        Ok(Checkpoint { dir: dir.to_path_buf(), state, config })
+    }
+
+    /// The parameters, in the layout of `layout` (which must be the checkpoint's model's).
+    pub fn params(&self, layout: &Layout) -> Result<Vec<f32>> {
+        read_tensors(&self.dir.join(MODEL_FILE), layout, "")
+    }
+
+    /// The AdamW moments, if the checkpoint has them.
+    pub fn moments(&self, layout: &Layout) -> Result<Option<(Vec<f32>, Vec<f32>)>> {
+        if !self.state.files.contains_key(OPTIMIZER_FILE) {
+            return Ok(None);
+        }
+        let path = self.dir.join(OPTIMIZER_FILE);
+        Ok(Some((read_tensors(&path, layout, "exp_avg.")?, read_tensors(&path, layout, "exp_avg_sq.")?)))
+    }
+
+    /// Files under `hf/` (the Hugging Face model's config and tokenizer), for export.
+    pub fn hf_files(&self) -> Result<Vec<(String, Vec<u8>)>> {
+        (self.state.files.keys())
+            .filter(|n| n.starts_with("hf/"))
+            .map(|n| Ok((n.clone(), fs::read(self.dir.join(n))?)))
+            .collect()
+    }
+
+    /// The full snapshot (parameters, moments, position) for resuming training.
+    pub fn snapshot(&self, layout: &Layout) -> Result<Snapshot> {
+        Ok(Snapshot {
+            step: self.state.step,
+            position: self.state.data_position,
+            data_tokens: self.state.data_tokens,
+            params: self.params(layout)?,
+            moments: self.moments(layout)?,
+        })
+    }
+}
+
+/// Reads every tensor of `layout`, named `prefix + name`, from a safetensors file into one flat
+/// buffer; a missing or misshapen tensor is an error naming it.
+fn read_tensors(path: &Path, layout: &Layout, prefix: &str) -> Result<Vec<f32>> {
+    let file = Mapped::open(path)?;
+    let st = file.tensors();
+    let mut out = vec![0f32; layout.len];
+    for t in &layout.tensors {
+        let name = format!("{prefix}{}", t.name);
+        let view = st.tensor(&name).map_err(|_| anyhow!("{}: tensor {name} is missing", path.display()))?;
+        if view.shape() != t.shape.as_slice() {
+            bail!("{}: tensor {name} has shape {:?}, the model needs {:?}", path.display(), view.shape(), t.shape);
+        }
+        tensors::read_f32(&name, &view, &mut out[t.offset..t.offset + t.len()])?;
+    }
+    Ok(out)
+}
+
+/// The complete checkpoints under `parent` (directories named `step-N`), oldest first.
+/// Temporary directories of saves that did not finish are not listed.
+pub fn list(parent: &Path) -> Result<Vec<(u64, PathBuf)>> {
+    if !parent.exists() {
+        return Ok(Vec::new());
+    }
+    let mut out: Vec<(u64, PathBuf)> = fs::read_dir(parent)
+        .with_context(|| format!("cannot list {}", parent.display()))?
+        .filter_map(|e| e.ok())
+        .filter_map(|e| {
+            let name = e.file_name().into_string().ok()?;
+            let step = name.strip_prefix("step-")?.parse().ok()?;
+            e.path().is_dir().then(|| (step, e.path()))
+        })
+        .collect();
+    out.sort();
+    Ok(out)
+}
+
+/// Removes what interrupted saves left under `parent` (`.tmp-*` directories); returns them.
+pub fn remove_temporaries(parent: &Path) -> Result<Vec<PathBuf>> {
+    let mut removed = Vec::new();
+    if !parent.exists() {
+        return Ok(removed);
+    }
+    for e in fs::read_dir(parent)?.filter_map(|e| e.ok()) {
+        if e.file_name().to_string_lossy().starts_with(".tmp-") {
+            fs::remove_dir_all(e.path()).with_context(|| format!("cannot remove {}", e.path().display()))?;
+            removed.push(e.path());
+        }
+    }
+    Ok(removed)
+}
+
+/// Renames the complete checkpoints newer than `step` to `superseded-step-N` (a run resumed
+/// from `step` replaces what followed it; they are kept for the user to inspect or remove, but
+/// no longer count as checkpoints). Returns their new paths.
+pub fn set_aside_after(parent: &Path, step: u64) -> Result<Vec<PathBuf>> {
+    let mut moved = Vec::new();
+    for (s, dir) in list(parent)?.into_iter().filter(|(s, _)| *s > step) {
+        let to = parent.join(format!("superseded-{}-{}", dir_name(s), std::process::id()));
+        fs::rename(&dir, &to).with_context(|| format!("cannot move {} aside", dir.display()))?;
+        moved.push(to);
+    }
+    if !moved.is_empty() {
+        fsutil::sync_dir(parent)?;
+    }
+    Ok(moved)
+}
+
+/// Removes the oldest complete checkpoints beyond the newest `keep` (0 keeps all). Each is
+/// renamed away first, so a half-removed directory never looks like a checkpoint.
+pub fn prune(parent: &Path, keep: usize) -> Result<()> {
+    let all = list(parent)?;
+    if keep == 0 || all.len() <= keep {
+        return Ok(());
+    }
+    for (step, dir) in &all[..all.len() - keep] {
+        let doomed = parent.join(format!(".tmp-removing-{}", dir_name(*step)));
+        fs::rename(dir, &doomed).with_context(|| format!("cannot remove {}", dir.display()))?;
+        fs::remove_dir_all(&doomed).with_context(|| format!("cannot remove {}", doomed.display()))?;
+    }
+    fsutil::sync_dir(parent)?;
+    Ok(())
+}
+
+/// The newest complete checkpoint under `parent`, verified. A damaged newest checkpoint is an
+/// error (naming the file and the previous checkpoint), never skipped silently.
+pub fn latest(parent: &Path) -> Result<Option<Checkpoint>> {
+    let all = list(parent)?;
+    let Some((_, newest)) = all.last() else { return Ok(None) };
+    Checkpoint::open(newest).map(Some).map_err(|e| match all.len() {
+        1 => e,
+        n => e.context(format!(
+            "the previous checkpoint is {}; resume from it with --resume {} after checking the damage",
+            all[n - 2].1.display(),
+            all[n - 2].1.display()
+        )),
+    })
+}
+
+/// Configuration keys that may change between a run and its resumption: they do not change
+/// what the next step computes (`train.steps` moves the end of the run and, with a cosine
+/// schedule whose `decay_steps` is 0, the schedule too; `data.path` may move, the data may not).
+/// The `mesh.*` keys may change too: checkpoints hold the whole, unsharded state, and the data
+/// position counts the samples of all ranks.
+pub const RESUMABLE_KEYS: [&str; 11] = [
+    "description",
+    "extends",
+    "train.steps",
+    "train.peak_tflops",
+    "train.perf_warmup_steps",
+    "train.profile_step",
+    "train.checkpoint_every",
+    "train.keep_last",
+    "train.eval_every",
+    "train.eval_steps",
+    "data.path",
+];
+
+/// The keys whose values differ between a checkpoint's configuration and the current one, other
+/// than [`RESUMABLE_KEYS`] and `mesh.*`, as `key (checkpoint A, now B)`.
+pub fn incompatible_keys(saved: &Config, now: &Config) -> Vec<String> {
+    fn flatten(prefix: &str, v: &toml::Value, out: &mut BTreeMap<String, String>) {
+        match v {
+            toml::Value::Table(t) => {
+                for (k, v) in t {
+                    let key = if prefix.is_empty() { k.clone() } else { format!("{prefix}.{k}") };
+                    flatten(&key, v, out);
+                }
+            }
+            other => {
+                out.insert(prefix.to_owned(), other.to_string());
+            }
+        }
+    }
+    let (mut a, mut b) = (BTreeMap::new(), BTreeMap::new());
+    flatten("", &toml::Value::try_from(saved).expect("configs serialize"), &mut a);
+    flatten("", &toml::Value::try_from(now).expect("configs serialize"), &mut b);
+    let keys: std::collections::BTreeSet<&String> = a.keys().chain(b.keys()).collect();
+    keys.into_iter()
+        .filter(|k| !RESUMABLE_KEYS.contains(&k.as_str()) && !k.starts_with("mesh.") && a.get(*k) != b.get(*k))
+        .map(|k| {
+            let show = |m: &BTreeMap<String, String>| m.get(k).cloned().unwrap_or_else(|| "unset".into());
+            format!("{k} (checkpoint {}, now {})", show(&a), show(&b))
+        })
+        .collect()
+}
+
+/// The checkpoint a run resumes from: `explicit` if given, else the newest complete one under
+/// `parent`; verified, and refused (naming the keys) if `config` differs in what matters.
+pub fn resume_point(parent: &Path, explicit: Option<&Path>, config: &Config) -> Result<Checkpoint> {
+    let ck = match explicit {
+        Some(dir) => Checkpoint::open(dir)?,
+        None => latest(parent)?
+            .ok_or_else(|| anyhow!("--resume: no complete checkpoint in {} to resume from", parent.display()))?,
+    };
+    let differ = incompatible_keys(&ck.config, config);
+    if !differ.is_empty() {
+        bail!(
+            "cannot resume from {}: the configuration differs in {}; resume with the checkpoint's settings (its config.toml) or start a new run",
+            ck.dir.display(),
+            differ.join(", ")
+        );
+    }
+    Ok(ck)
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,115 @@
+use super::*;
+use crate::config::{Override, resolve};
+use crate::model::{Model, init};
+
+fn small() -> Config {
+    let set = |t: &str| Override { text: t.into(), origin: "--set".into() };
+    resolve(
+        "tiny-llama2",
+        &[
+            set("model.vocab_size=300"),
+            set("model.d_model=16"),
+            set("model.mlp_dim=32"),
+            set("model.n_heads=2"),
+            set("model.n_kv_heads=1"),
+            set("model.head_dim=8"),
+        ],
+    )
+    .unwrap()
+    .config
+}
+
+fn snapshot(config: &Config, step: u64) -> (Layout, Snapshot) {
+    let model = Model::new(&config.model);
+    let params = init::params(&model, 3);
+    let m: Vec<f32> = params.iter().map(|x| x * 0.5).collect();
+    let v: Vec<f32> = params.iter().map(|x| x * x).collect();
+    let snap =
+        Snapshot { step, position: Position { epoch: 1, index: 7 }, data_tokens: 1000, params, moments: Some((m, v)) };
+    (model.layout, snap)
+}
+
+#[test]
+fn a_checkpoint_reads_back_exactly() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = small();
+    let (layout, snap) = snapshot(&config, 12);
+    let extras = Extras { files: vec![("hf/config.json".into(), b"{}".to_vec())], hf_dtype: Some("bfloat16".into()) };
+    let path = write(dir.path(), &config, &layout, &snap, &extras, None).unwrap();
+    assert_eq!(path, dir.path().join("step-000012"));
+    let ck = Checkpoint::open(&path).unwrap();
+    assert_eq!(ck.config, config);
+    assert_eq!((ck.state.step, ck.state.seed, ck.state.hf_dtype.as_deref()), (12, config.train.seed, Some("bfloat16")));
+    assert_eq!(ck.snapshot(&layout).unwrap(), snap);
+    assert_eq!(ck.hf_files().unwrap(), extras.files);
+    // No temporary directory is left behind.
+    assert_eq!(fs::read_dir(dir.path()).unwrap().count(), 1);
+}
+
+#[test]
+fn damage_is_detected_and_named() {
+    let config = small();
+    let (layout, snap) = snapshot(&config, 3);
+    type Damage = fn(&Path);
+    let cases: [(&str, Damage); 4] = [
+        ("model.safetensors is", |d| {
+            let p = d.join(MODEL_FILE);
+            let b = fs::read(&p).unwrap();
+            fs::write(&p, &b[..b.len() / 2]).unwrap();
+        }),
+        ("optimizer.safetensors does not match its SHA-256", |d| {
+            let p = d.join(OPTIMIZER_FILE);
+            let mut b = fs::read(&p).unwrap();
+            let n = b.len() - 5;
+            b[n] ^= 1;
+            fs::write(&p, b).unwrap();
+        }),
+        ("config.toml is missing", |d| fs::remove_file(d.join(CONFIG_FILE)).unwrap()),
+        ("state.json is not a valid checkpoint state", |d| fs::write(d.join(STATE_FILE), "{\"step\":").unwrap()),
+    ];
+    for (expected, damage) in cases {
+        let dir = tempfile::tempdir().unwrap();
+        let path = write(dir.path(), &config, &layout, &snap, &Extras::default(), None).unwrap();
+        damage(&path);
+        let e = format!("{:#}", Checkpoint::open(&path).unwrap_err());
+        assert!(e.contains("is damaged") && e.contains(expected), "{expected}: {e}");
+    }
+}
+
+#[test]
+fn the_newest_complete_checkpoint_is_found_and_old_ones_pruned() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = small();
+    let (layout, mut snap) = snapshot(&config, 0);
+    for step in [2, 4, 6] {
+        snap.step = step;
+        write(dir.path(), &config, &layout, &snap, &Extras::default(), None).unwrap();
+    }
+    // What a save killed in the middle leaves: ignored, then removed.
+    fs::create_dir(dir.path().join(".tmp-step-000008-99")).unwrap();
+    assert_eq!(list(dir.path()).unwrap().iter().map(|(s, _)| *s).collect::<Vec<_>>(), [2, 4, 6]);
+    assert_eq!(latest(dir.path()).unwrap().unwrap().state.step, 6);
+    assert_eq!(remove_temporaries(dir.path()).unwrap().len(), 1);
+    prune(dir.path(), 2).unwrap();
+    assert_eq!(list(dir.path()).unwrap().iter().map(|(s, _)| *s).collect::<Vec<_>>(), [4, 6]);
+    assert_eq!(fs::read_dir(dir.path()).unwrap().count(), 2);
+    // A damaged newest checkpoint is an error that points at the previous one.
+    fs::remove_file(dir.path().join("step-000006").join(MODEL_FILE)).unwrap();
+    let e = format!("{:#}", latest(dir.path()).unwrap_err());
+    assert!(e.contains("model.safetensors is missing") && e.contains("step-000004"), "{e}");
+}
+
+#[test]
+fn differing_keys_are_named_and_run_controls_may_change() {
+    let a = small();
+    let mut b = a.clone();
+    b.train.steps += 10;
+    b.train.checkpoint_every = 5;
+    assert!(incompatible_keys(&a, &b).is_empty());
+    b.model.d_model = 32;
+    b.optim.lr = 1.0;
+    let keys = incompatible_keys(&a, &b);
+    assert_eq!(keys.len(), 2, "{keys:?}");
+    assert!(keys[0].starts_with("model.d_model (checkpoint 16, now 32)"), "{keys:?}");
+    assert!(keys[1].starts_with("optim.lr"), "{keys:?}");
+}

@@ -1,0 +1,78 @@
+//! `engine data prepare`: tokenize text and JSONL files into token shards.
+
+use std::io::IsTerminal;
+use std::path::PathBuf;
+
+use anyhow::Result;
+use clap::{Args, Subcommand};
+use engine::data::prepare::{PrepareOptions, prepare};
+
+#[derive(Subcommand)]
+pub enum DataCommand {
+    /// Tokenize text and JSONL files into token shards (docs/data.md).
+    Prepare(PrepareArgs),
+}
+
+#[derive(Args)]
+pub struct PrepareArgs {
+    /// A Hugging Face tokenizer.json, a SentencePiece .model file, or a directory holding one.
+    #[arg(long, value_name = "FILE")]
+    tokenizer: PathBuf,
+    /// Input files or directories (repeatable; directories are read recursively in name order).
+    /// `.jsonl` files hold one JSON object with a `text` field per line; other files are text.
+    #[arg(long = "input", value_name = "PATH", required = true, num_args = 1..)]
+    inputs: Vec<PathBuf>,
+    /// Directory for the shards and prepare.json (created).
+    #[arg(long, value_name = "DIR")]
+    out: PathBuf,
+    /// The end-of-sequence token closing every document [default: the tokenizer's].
+    #[arg(long, value_name = "TOKEN")]
+    eos: Option<String>,
+    /// In text files, a line equal to LINE separates documents [default: one document per file].
+    #[arg(long, value_name = "LINE")]
+    separator: Option<String>,
+    /// Start a new shard once the current one holds this many tokens.
+    #[arg(long, value_name = "N", default_value_t = 1 << 28)]
+    shard_tokens: u64,
+    /// Check that the tokenizer fits this recipe's model.vocab_size.
+    #[arg(long, value_name = "NAME|FILE")]
+    recipe: Option<String>,
+}
+
+pub fn run(cmd: DataCommand) -> Result<()> {
+    let DataCommand::Prepare(args) = cmd;
+    let max_vocab = match &args.recipe {
+        Some(recipe) => {
+            let r = super::RecipeArgs { recipe: recipe.clone(), set: Vec::new() }.resolve(&[])?;
+            Some((r.config.model.vocab_size, r.name))
+        }
+        None => None,
+    };
+    let opts = PrepareOptions {
+        tokenizer: args.tokenizer,
+        inputs: args.inputs,
+        out: args.out.clone(),
+        eos: args.eos,
+        separator: args.separator,
+        shard_tokens: args.shard_tokens,
+        max_vocab,
+        progress: std::io::stderr().is_terminal(),
+    };
+    let r = prepare(&opts)?;
+    println!(
+        "prepared {} documents, {} tokens in {} shard(s) of {}-bit tokens (vocabulary {}, end of sequence {:?} = {}) from {:.1} MB in {:.2} s: {:.0} tokens/s, {:.1} MB/s -> {}",
+        r.documents,
+        r.tokens,
+        r.shards.len(),
+        8 * r.token_bytes,
+        r.vocab_size,
+        r.eos_token,
+        r.eos_id,
+        r.input_bytes as f64 / 1e6,
+        r.seconds,
+        r.tokens as f64 / r.seconds,
+        r.input_bytes as f64 / 1e6 / r.seconds,
+        args.out.display()
+    );
+    Ok(())
+}

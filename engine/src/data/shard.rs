@@ -1,0 +1,346 @@
+//! Token shards: the binary files `engine data prepare` writes and the loader memory-maps.
+//!
+//! A shard is a 64-byte header followed by the tokens, all little-endian (docs/data.md):
+//!
+//! | offset | size | field |
+//! |---|---|---|
+//! | 0 | 8 | magic `LLMDTOKS` |
+//! | 8 | 4 | format version (1) |
+//! | 12 | 4 | bytes per token: 2 (u16) or 4 (u32) |
+//! | 16 | 8 | number of tokens |
+//! | 24 | 8 | number of documents (each closed by the end-of-sequence token) |
+//! | 32 | 4 | vocabulary size of the tokenizer (every token is below it) |
+//! | 36 | 4 | the end-of-sequence token |
+//! | 40 | 24 | reserved, zero |
+//!
+//! The file is exactly `64 + tokens · bytes per token` long, so a truncated shard is refused.
+
+use std::fs::File;
+use std::io::{BufWriter, Seek, SeekFrom, Write};
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result, bail};
+use memmap2::Mmap;
+
+use super::TokenSource;
+use crate::fsutil;
+
+/// The first eight bytes of every shard.
+pub const MAGIC: &[u8; 8] = b"LLMDTOKS";
+/// The format version this engine writes and reads.
+pub const VERSION: u32 = 1;
+/// Bytes before the first token.
+pub const HEADER_LEN: usize = 64;
+/// File name extension of shards.
+pub const EXTENSION: &str = "tok";
+
+/// What a shard's header says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Header {
+    /// Bytes per token: 2 or 4.
+    pub token_bytes: u32,
+    /// Number of tokens.
+    pub tokens: u64,
+    /// Number of documents.
+    pub documents: u64,
+    /// Vocabulary size of the tokenizer that wrote the shard.
+    pub vocab_size: u32,
+    /// The end-of-sequence token closing every document.
+    pub eos: u32,
+}
+
+impl Header {
+    /// The header's 64 bytes.
+    pub fn to_bytes(&self) -> [u8; HEADER_LEN] {
+        let mut b = [0u8; HEADER_LEN];
+        b[0..8].copy_from_slice(MAGIC);
+        b[8..12].copy_from_slice(&VERSION.to_le_bytes());
+        b[12..16].copy_from_slice(&self.token_bytes.to_le_bytes());
+        b[16..24].copy_from_slice(&self.tokens.to_le_bytes());
+        b[24..32].copy_from_slice(&self.documents.to_le_bytes());
+        b[32..36].copy_from_slice(&self.vocab_size.to_le_bytes());
+        b[36..40].copy_from_slice(&self.eos.to_le_bytes());
+        b
+    }
+
+    /// Parses and checks a header; `len` is the file's length, `path` names it in errors.
+    pub fn parse(bytes: &[u8], len: u64, path: &Path) -> Result<Header> {
+        let p = path.display();
+        if bytes.len() < HEADER_LEN || &bytes[0..8] != MAGIC {
+            bail!("{p} is not a token shard (no `LLMDTOKS` header); shards are written by `engine data prepare`");
+        }
+        let u32_at = |o: usize| u32::from_le_bytes(bytes[o..o + 4].try_into().expect("4 bytes"));
+        let u64_at = |o: usize| u64::from_le_bytes(bytes[o..o + 8].try_into().expect("8 bytes"));
+        let version = u32_at(8);
+        if version != VERSION {
+            bail!("{p}: shard format version {version}, this engine reads version {VERSION}");
+        }
+        let h = Header {
+            token_bytes: u32_at(12),
+            tokens: u64_at(16),
+            documents: u64_at(24),
+            vocab_size: u32_at(32),
+            eos: u32_at(36),
+        };
+        if h.token_bytes != 2 && h.token_bytes != 4 {
+            bail!("{p}: {} bytes per token (expected 2 or 4)", h.token_bytes);
+        }
+        let expected = HEADER_LEN as u64 + h.tokens * h.token_bytes as u64;
+        if len != expected {
+            bail!(
+                "{p} is {len} bytes but its header announces {} tokens ({expected} bytes): the shard is truncated or damaged",
+                h.tokens
+            );
+        }
+        Ok(h)
+    }
+}
+
+/// Bytes per token for a vocabulary: 2 when every id fits in a u16.
+pub fn token_bytes_for(vocab_size: usize) -> u32 {
+    if vocab_size <= 1 << 16 { 2 } else { 4 }
+}
+
+/// One memory-mapped shard.
+pub struct Shard {
+    /// Where it is.
+    pub path: PathBuf,
+    /// Its header.
+    pub header: Header,
+    map: Mmap,
+}
+
+impl Shard {
+    /// Maps and checks a shard.
+    pub fn open(path: &Path) -> Result<Shard> {
+        let file = File::open(path).with_context(|| format!("cannot open shard {}", path.display()))?;
+        let len = file.metadata()?.len();
+        // SAFETY: the map is read-only; shards are written once under a temporary name and
+        // renamed, never modified in place.
+        let map = unsafe { Mmap::map(&file) }.with_context(|| format!("cannot map {}", path.display()))?;
+        let header = Header::parse(&map, len, path)?;
+        Ok(Shard { path: path.to_path_buf(), header, map })
+    }
+
+    /// Number of tokens.
+    pub fn len(&self) -> usize {
+        self.header.tokens as usize
+    }
+
+    /// Whether the shard holds no token.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Copies tokens `start .. start + out.len()`.
+    pub fn read(&self, start: usize, out: &mut [u32]) {
+        let data = &self.map[HEADER_LEN..];
+        match self.header.token_bytes {
+            2 => {
+                let bytes = &data[start * 2..(start + out.len()) * 2];
+                for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                    *o = u16::from_le_bytes([b[0], b[1]]) as u32;
+                }
+            }
+            _ => {
+                let bytes = &data[start * 4..(start + out.len()) * 4];
+                for (o, b) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+                    *o = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                }
+            }
+        }
+    }
+
+    /// All tokens (for tools and tests; the loader reads windows).
+    pub fn tokens(&self) -> Vec<u32> {
+        let mut out = vec![0; self.len()];
+        self.read(0, &mut out);
+        out
+    }
+}
+
+/// The shards a path names: a shard file, or every `*.tok` file of a directory in name order.
+pub fn list(path: &Path) -> Result<Vec<PathBuf>> {
+    let meta = std::fs::metadata(path).with_context(|| format!("data path {}", path.display()))?;
+    if !meta.is_dir() {
+        return Ok(vec![path.to_path_buf()]);
+    }
+    let mut files: Vec<PathBuf> = std::fs::read_dir(path)
+        .with_context(|| format!("cannot list {}", path.display()))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|e| e == EXTENSION) && p.is_file())
+        .collect();
+    files.sort();
+    if files.is_empty() {
+        bail!("{} holds no token shards (*.{EXTENSION}); write some with `engine data prepare`", path.display());
+    }
+    Ok(files)
+}
+
+/// Several shards read as one stream of tokens, in order.
+pub struct Shards {
+    shards: Vec<Shard>,
+    /// `starts[i]` is the stream position of shard i's first token; the last entry is the total.
+    starts: Vec<usize>,
+}
+
+impl Shards {
+    /// Opens the shards a path names (see [`list`]).
+    pub fn open(path: &Path) -> Result<Shards> {
+        let shards = list(path)?.iter().map(|p| Shard::open(p)).collect::<Result<Vec<_>>>()?;
+        let mut starts = vec![0];
+        for s in &shards {
+            starts.push(starts.last().unwrap() + s.len());
+        }
+        Ok(Shards { shards, starts })
+    }
+
+    /// The shards, in stream order.
+    pub fn shards(&self) -> &[Shard] {
+        &self.shards
+    }
+}
+
+impl TokenSource for Shards {
+    fn len(&self) -> usize {
+        *self.starts.last().expect("at least the zero start")
+    }
+
+    fn read(&self, start: usize, out: &mut [u32]) {
+        let (mut pos, mut done) = (start, 0);
+        while done < out.len() {
+            // The shard holding `pos`: the last one starting at or before it.
+            let i = self.starts.partition_point(|&s| s <= pos) - 1;
+            let shard = &self.shards[i];
+            let offset = pos - self.starts[i];
+            let n = (shard.len() - offset).min(out.len() - done);
+            shard.read(offset, &mut out[done..done + n]);
+            done += n;
+            pos += n;
+        }
+    }
+
+    fn vocab_needed(&self) -> usize {
+        self.shards.iter().map(|s| s.header.vocab_size as usize).max().unwrap_or(0)
+    }
+}
+
+/// Writes one shard: under a temporary name, then flushed and renamed into place. Dropped
+/// unfinished, it removes its temporary file.
+pub struct ShardWriter {
+    path: PathBuf,
+    tmp: PathBuf,
+    out: Option<BufWriter<File>>,
+    header: Header,
+}
+
+impl Drop for ShardWriter {
+    fn drop(&mut self) {
+        if self.out.take().is_some() {
+            let _ = std::fs::remove_file(&self.tmp);
+        }
+    }
+}
+
+impl ShardWriter {
+    /// Starts a shard at `path` for a tokenizer with this vocabulary and end-of-sequence token.
+    pub fn create(path: &Path, vocab_size: usize, eos: u32) -> Result<ShardWriter> {
+        let name = path.file_name().context("shard path has no file name")?.to_string_lossy();
+        let tmp = path.with_file_name(format!(".{name}.tmp-{}", std::process::id()));
+        let file = File::create(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
+        let header = Header {
+            token_bytes: token_bytes_for(vocab_size),
+            tokens: 0,
+            documents: 0,
+            vocab_size: vocab_size as u32,
+            eos,
+        };
+        let mut out = BufWriter::with_capacity(1 << 20, file);
+        out.write_all(&header.to_bytes())?;
+        Ok(ShardWriter { path: path.to_path_buf(), tmp, out: Some(out), header })
+    }
+
+    /// Tokens written so far.
+    pub fn tokens(&self) -> u64 {
+        self.header.tokens
+    }
+
+    /// Appends one document's tokens (the caller has closed it with the end-of-sequence token).
+    pub fn push_document(&mut self, tokens: &[u32]) -> Result<()> {
+        let mut buf = Vec::with_capacity(tokens.len() * self.header.token_bytes as usize);
+        for &t in tokens {
+            debug_assert!(t < self.header.vocab_size);
+            match self.header.token_bytes {
+                2 => buf.extend_from_slice(&(t as u16).to_le_bytes()),
+                _ => buf.extend_from_slice(&t.to_le_bytes()),
+            }
+        }
+        let out = self.out.as_mut().expect("open until finished");
+        out.write_all(&buf).with_context(|| format!("cannot write {}", self.tmp.display()))?;
+        self.header.tokens += tokens.len() as u64;
+        self.header.documents += 1;
+        Ok(())
+    }
+
+    /// Writes the final header, flushes the file to disk and renames it into place.
+    pub fn finish(mut self) -> Result<Header> {
+        let mut out = self.out.take().expect("open until finished");
+        let result = (|| -> Result<()> {
+            out.seek(SeekFrom::Start(0))?;
+            out.write_all(&self.header.to_bytes())?;
+            let file = out.into_inner().map_err(|e| e.into_error())?;
+            file.sync_all()?;
+            std::fs::rename(&self.tmp, &self.path)?;
+            fsutil::sync_dir(self.path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new(".")))?;
+            Ok(())
+        })();
+        if result.is_err() {
+            let _ = std::fs::remove_file(&self.tmp);
+        }
+        result.with_context(|| format!("cannot write shard {}", self.path.display()))?;
+        Ok(self.header)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn write(path: &Path, vocab: usize, docs: &[&[u32]]) {
+        let mut w = ShardWriter::create(path, vocab, 0).unwrap();
+        for d in docs {
+            w.push_document(d).unwrap();
+        }
+        w.finish().unwrap();
+    }
+
+    #[test]
+    fn shards_read_back_as_one_stream_whatever_the_width() {
+        let dir = tempfile::tempdir().unwrap();
+        write(&dir.path().join("a.tok"), 1000, &[&[1, 2, 3], &[4, 0]]);
+        write(&dir.path().join("b.tok"), 100_000, &[&[99_999, 5, 0]]);
+        let s = Shards::open(dir.path()).unwrap();
+        assert_eq!(s.shards()[0].header.token_bytes, 2);
+        assert_eq!(s.shards()[1].header.token_bytes, 4);
+        assert_eq!((s.len(), s.vocab_needed()), (8, 100_000));
+        let mut out = vec![0; 5];
+        s.read(3, &mut out);
+        assert_eq!(out, [4, 0, 99_999, 5, 0]);
+        assert_eq!(s.shards()[0].header.documents, 2);
+    }
+
+    #[test]
+    fn truncated_and_foreign_files_are_refused_by_name() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("a.tok");
+        write(&path, 1000, &[&[1, 2, 3]]);
+        let bytes = std::fs::read(&path).unwrap();
+        std::fs::write(&path, &bytes[..bytes.len() - 1]).unwrap();
+        let e = Shard::open(&path).err().unwrap().to_string();
+        assert!(e.contains("a.tok") && e.contains("truncated"), "{e}");
+        std::fs::write(&path, b"hello").unwrap();
+        assert!(Shard::open(&path).err().unwrap().to_string().contains("not a token shard"));
+        let empty = tempfile::tempdir().unwrap();
+        assert!(Shards::open(empty.path()).err().unwrap().to_string().contains("holds no token shards"));
+    }
+}

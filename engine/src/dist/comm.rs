@@ -1,0 +1,176 @@
+//! Collectives: the operations devices use to combine their work.
+//!
+//! One interface, [`Collectives`], over backend buffers. Groups are the ranks of one mesh axis
+//! ([`crate::dist::mesh::Mesh::group`]), listed in axis order; every member calls the same
+//! operation with buffers of the same size. Two implementations: NCCL for GPUs (one process per
+//! GPU) and [`Virtual`] for CPU devices running as threads of one process, so that every
+//! sharding path runs without GPUs. Sums are added in group order, so results are deterministic.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Barrier, Mutex};
+
+use crate::backend::{Backend, View};
+
+/// Collective operations of one device.
+pub trait Collectives<B: Backend> {
+    /// This device's global rank.
+    fn rank(&self) -> usize;
+    /// `buf = Σ_group buf`, in place.
+    fn all_reduce_sum(&mut self, be: &mut B, buf: View, group: &[usize]);
+    /// `output = (Σ_group input)[shard]`: the member at position i of the group receives the i-th
+    /// of `group.len()` equal parts of the sum (`input.len = output.len · group.len()`).
+    fn reduce_scatter_sum(&mut self, be: &mut B, input: View, output: View, group: &[usize]);
+    /// `output = concat_group(input)`, members in group order (`output.len = input.len ·
+    /// group.len()`).
+    fn all_gather(&mut self, be: &mut B, input: View, output: View, group: &[usize]);
+}
+
+/// Devices of one process meeting in shared memory: create one [`Virtual`] per device with
+/// [`Virtual::devices`] and move each to its own thread.
+pub struct Virtual {
+    rank: usize,
+    shared: Arc<Shared>,
+    staging: Vec<f32>,
+}
+
+struct Shared {
+    /// Each device's contribution to the collective in progress.
+    slots: Vec<Mutex<Vec<f32>>>,
+    /// One barrier per group, created on first use.
+    barriers: Mutex<HashMap<Vec<usize>, Arc<Barrier>>>,
+}
+
+impl Virtual {
+    /// Handles for `n` virtual devices, ranks `0..n`.
+    pub fn devices(n: usize) -> Vec<Virtual> {
+        let shared = Arc::new(Shared {
+            slots: (0..n).map(|_| Mutex::new(Vec::new())).collect(),
+            barriers: Mutex::new(HashMap::new()),
+        });
+        (0..n).map(|rank| Virtual { rank, shared: shared.clone(), staging: Vec::new() }).collect()
+    }
+
+    fn barrier(&self, group: &[usize]) -> Arc<Barrier> {
+        let mut map = self.shared.barriers.lock().expect("barrier map");
+        map.entry(group.to_vec()).or_insert_with(|| Arc::new(Barrier::new(group.len()))).clone()
+    }
+
+    /// Publishes `data`, waits for the group, runs `combine` over every member's data in group
+    /// order, and waits again so nobody overwrites a slot still being read.
+    fn exchange(&mut self, data: &[f32], group: &[usize], combine: impl FnOnce(&[&[f32]])) {
+        assert!(group.contains(&self.rank), "rank {} is not in group {group:?}", self.rank);
+        let barrier = self.barrier(group);
+        {
+            let mut slot = self.shared.slots[self.rank].lock().expect("slot");
+            slot.clear();
+            slot.extend_from_slice(data);
+        }
+        barrier.wait();
+        {
+            let guards: Vec<_> = group.iter().map(|&r| self.shared.slots[r].lock().expect("slot")).collect();
+            let views: Vec<&[f32]> = guards.iter().map(|g| g.as_slice()).collect();
+            combine(&views);
+        }
+        barrier.wait();
+    }
+}
+
+impl<B: Backend> Collectives<B> for Virtual {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn all_reduce_sum(&mut self, be: &mut B, buf: View, group: &[usize]) {
+        let mut data = std::mem::take(&mut self.staging);
+        data.resize(buf.len, 0.0);
+        be.download(buf, &mut data);
+        let mut sum = vec![0f32; buf.len];
+        self.exchange(&data, group, |parts| {
+            for part in parts {
+                sum.iter_mut().zip(*part).for_each(|(s, x)| *s += x);
+            }
+        });
+        be.upload(buf, &sum);
+        self.staging = data;
+    }
+
+    fn reduce_scatter_sum(&mut self, be: &mut B, input: View, output: View, group: &[usize]) {
+        assert_eq!(input.len, output.len * group.len(), "reduce-scatter sizes");
+        let me = group.iter().position(|&r| r == self.rank).expect("member");
+        let mut data = std::mem::take(&mut self.staging);
+        data.resize(input.len, 0.0);
+        be.download(input, &mut data);
+        let mut mine = vec![0f32; output.len];
+        self.exchange(&data, group, |parts| {
+            for part in parts {
+                mine.iter_mut().zip(&part[me * output.len..(me + 1) * output.len]).for_each(|(s, x)| *s += x);
+            }
+        });
+        be.upload(output, &mine);
+        self.staging = data;
+    }
+
+    fn all_gather(&mut self, be: &mut B, input: View, output: View, group: &[usize]) {
+        assert_eq!(output.len, input.len * group.len(), "all-gather sizes");
+        let mut data = std::mem::take(&mut self.staging);
+        data.resize(input.len, 0.0);
+        be.download(input, &mut data);
+        let mut all = Vec::with_capacity(output.len);
+        self.exchange(&data, group, |parts| parts.iter().for_each(|p| all.extend_from_slice(p)));
+        be.upload(output, &all);
+        self.staging = data;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::{BufKind, cpu::Cpu};
+
+    /// Runs `f(rank, comm, backend)` on `n` virtual devices, each on its own thread.
+    fn on_devices<T: Send + 'static>(
+        n: usize,
+        f: impl Fn(usize, &mut Virtual, &mut Cpu) -> T + Send + Sync + 'static,
+    ) -> Vec<T> {
+        let f = Arc::new(f);
+        let handles: Vec<_> = Virtual::devices(n)
+            .into_iter()
+            .enumerate()
+            .map(|(rank, mut comm)| {
+                let f = f.clone();
+                std::thread::spawn(move || f(rank, &mut comm, &mut Cpu::new()))
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().expect("device thread")).collect()
+    }
+
+    #[test]
+    fn all_reduce_reduce_scatter_and_all_gather_in_groups() {
+        let results = on_devices(4, |rank, comm, cpu| {
+            let buf = cpu.alloc(BufKind::Grads, 4);
+            cpu.upload(buf, &[rank as f32, 1.0, 2.0 * rank as f32, 0.5]);
+            // Two groups of two: {0, 2} and {1, 3}.
+            let group = if rank % 2 == 0 { vec![0, 2] } else { vec![1, 3] };
+            Collectives::<Cpu>::all_reduce_sum(comm, cpu, buf, &group);
+            let mut reduced = vec![0f32; 4];
+            cpu.download(buf, &mut reduced);
+
+            let (input, shard) = (cpu.alloc(BufKind::Grads, 4), cpu.alloc(BufKind::Grads, 1));
+            cpu.upload(input, &[1.0, 2.0, 3.0, 4.0].map(|x| x * (rank + 1) as f32));
+            Collectives::<Cpu>::reduce_scatter_sum(comm, cpu, input, shard, &[0, 1, 2, 3]);
+            let mut scattered = [0f32];
+            cpu.download(shard, &mut scattered);
+
+            let gathered = cpu.alloc(BufKind::Params, 4);
+            Collectives::<Cpu>::all_gather(comm, cpu, shard, gathered, &[0, 1, 2, 3]);
+            let mut all = vec![0f32; 4];
+            cpu.download(gathered, &mut all);
+            (reduced, scattered[0], all)
+        });
+        assert_eq!(results[0].0, vec![2.0, 2.0, 4.0, 1.0]);
+        assert_eq!(results[3].0, vec![4.0, 2.0, 8.0, 1.0]);
+        // Σ (rank + 1) = 10: member i gets 10 · (i + 1).
+        assert_eq!(results.iter().map(|r| r.1).collect::<Vec<_>>(), vec![10.0, 20.0, 30.0, 40.0]);
+        assert!(results.iter().all(|r| r.2 == vec![10.0, 20.0, 30.0, 40.0]));
+    }
+}

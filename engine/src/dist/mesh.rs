@@ -1,0 +1,251 @@
+//! The device mesh: how ranks map onto the data, fsdp and tensor axes.
+//!
+//! Each axis has an intra-node (`ici`) and an inter-node (`dcn`) size; the axis size is their
+//! product. Ranks are numbered node by node (`rank = node · devices_per_node + local_rank`).
+//! Inside a node the tensor axis varies fastest, then fsdp, then data, so that the chattiest
+//! collectives (tensor parallelism) stay between neighbouring devices; across nodes the same
+//! order applies to the node index, and an axis's global coordinate is
+//! `dcn_coordinate · ici_size + ici_coordinate`.
+//!
+//! Batch semantics follow Pax and MaxText: the global batch is `train.batch_size` × devices,
+//! whatever the strategy. Data and fsdp ranks read disjoint samples; the devices of a tensor
+//! group share theirs, so each group reads `batch_size · tensor` sequences per micro-batch.
+
+use crate::config::{MeshConfig, ModelConfig};
+
+/// The three parallel axes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Axis {
+    /// Replicas that all-reduce gradients.
+    Data,
+    /// Replicas that shard parameters, gradients and optimizer state.
+    Fsdp,
+    /// Devices that split heads, MLP columns and experts.
+    Tensor,
+}
+
+/// A resolved mesh for a given number of nodes and devices per node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Mesh {
+    /// Intra-node sizes `[data, fsdp, tensor]`.
+    pub ici: [usize; 3],
+    /// Inter-node sizes `[data, fsdp, tensor]`.
+    pub dcn: [usize; 3],
+}
+
+/// A rank's coordinates on the three axes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Coords {
+    /// Position on the data axis.
+    pub data: usize,
+    /// Position on the fsdp axis.
+    pub fsdp: usize,
+    /// Position on the tensor axis.
+    pub tensor: usize,
+}
+
+const NAMES: [&str; 3] = ["data", "fsdp", "tensor"];
+
+impl Mesh {
+    /// The single-device mesh.
+    pub fn single() -> Mesh {
+        Mesh { ici: [1; 3], dcn: [1; 3] }
+    }
+
+    /// Resolves the configured sizes for `nodes` nodes of `devices_per_node` devices, filling a
+    /// -1 in each group. Errors spell out the arithmetic.
+    pub fn resolve(cfg: &MeshConfig, devices_per_node: usize, nodes: usize) -> Result<Mesh, String> {
+        let ici = fill("ici", [cfg.ici_data, cfg.ici_fsdp, cfg.ici_tensor], devices_per_node, "devices per node")?;
+        let dcn = fill("dcn", [cfg.dcn_data, cfg.dcn_fsdp, cfg.dcn_tensor], nodes, "nodes")?;
+        Ok(Mesh { ici, dcn })
+    }
+
+    /// Size of an axis (intra-node × inter-node).
+    pub fn size(&self, axis: Axis) -> usize {
+        let i = axis as usize;
+        self.ici[i] * self.dcn[i]
+    }
+
+    /// Devices per node.
+    pub fn devices_per_node(&self) -> usize {
+        self.ici.iter().product()
+    }
+
+    /// Total devices.
+    pub fn devices(&self) -> usize {
+        self.devices_per_node() * self.dcn.iter().product::<usize>()
+    }
+
+    /// Ranks that read distinct samples: data × fsdp.
+    pub fn batch_shards(&self) -> usize {
+        self.size(Axis::Data) * self.size(Axis::Fsdp)
+    }
+
+    /// The coordinates of a global rank.
+    pub fn coords(&self, rank: usize) -> Coords {
+        let per_node = self.devices_per_node();
+        let (node, local) = (rank / per_node, rank % per_node);
+        let split = |index: usize, sizes: [usize; 3]| {
+            let tensor = index % sizes[2];
+            let fsdp = (index / sizes[2]) % sizes[1];
+            let data = index / (sizes[2] * sizes[1]);
+            [data, fsdp, tensor]
+        };
+        let (i, d) = (split(local, self.ici), split(node, self.dcn));
+        let axis = |a: usize| d[a] * self.ici[a] + i[a];
+        Coords { data: axis(0), fsdp: axis(1), tensor: axis(2) }
+    }
+
+    /// The global rank at some coordinates (the inverse of [`Mesh::coords`]).
+    pub fn rank(&self, c: Coords) -> usize {
+        let at = [c.data, c.fsdp, c.tensor];
+        let (i, d): (Vec<usize>, Vec<usize>) = (0..3).map(|a| (at[a] % self.ici[a], at[a] / self.ici[a])).unzip();
+        let local = (i[0] * self.ici[1] + i[1]) * self.ici[2] + i[2];
+        let node = (d[0] * self.dcn[1] + d[1]) * self.dcn[2] + d[2];
+        node * self.devices_per_node() + local
+    }
+
+    /// The ranks that share every coordinate with `rank` but `axis`, in axis order: the group a
+    /// collective over that axis runs in.
+    pub fn group(&self, rank: usize, axis: Axis) -> Vec<usize> {
+        let c = self.coords(rank);
+        (0..self.size(axis))
+            .map(|k| {
+                let mut g = c;
+                match axis {
+                    Axis::Data => g.data = k,
+                    Axis::Fsdp => g.fsdp = k,
+                    Axis::Tensor => g.tensor = k,
+                }
+                self.rank(g)
+            })
+            .collect()
+    }
+
+    /// Checks that the model splits evenly over the tensor axis.
+    pub fn check_model(&self, m: &ModelConfig) -> Result<(), String> {
+        let tp = self.size(Axis::Tensor);
+        if tp == 1 {
+            return Ok(());
+        }
+        let mut must_divide = vec![
+            ("model.n_heads", m.n_heads, "each tensor-parallel device takes whole query heads"),
+            ("model.n_kv_heads", m.n_kv_heads, "each tensor-parallel device takes whole key/value heads"),
+        ];
+        match &m.moe {
+            Some(moe) => {
+                must_divide.push(("model.moe.num_experts", moe.num_experts, "experts are split over the tensor axis"))
+            }
+            None => must_divide.push(("model.mlp_dim", m.mlp_dim, "each device takes a slice of the MLP's columns")),
+        }
+        for (key, value, why) in must_divide {
+            if value % tp != 0 {
+                return Err(format!(
+                    "mesh: the tensor axis has {} = {tp} devices, which does not divide {key} = {value} ({why}); {value} mod {tp} = {}",
+                    describe_axis(self, 2),
+                    value % tp
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `ici_tensor x dcn_tensor = 2 x 1`, for messages.
+fn describe_axis(mesh: &Mesh, a: usize) -> String {
+    format!("ici_{0} x dcn_{0} = {1} x {2}", NAMES[a], mesh.ici[a], mesh.dcn[a])
+}
+
+/// Resolves one group of sizes whose product must be `total`, filling at most one -1.
+fn fill(group: &str, sizes: [i64; 3], total: usize, what: &str) -> Result<[usize; 3], String> {
+    let keys: Vec<String> = NAMES.iter().map(|n| format!("mesh.{group}_{n}")).collect();
+    for (key, &s) in keys.iter().zip(&sizes) {
+        if s == 0 || s < -1 {
+            return Err(format!("{key} = {s}: a mesh size is a positive number, or -1 to fill"));
+        }
+    }
+    let fills: Vec<usize> = (0..3).filter(|&i| sizes[i] == -1).collect();
+    let known: usize = sizes.iter().filter(|&&s| s > 0).map(|&s| s as usize).product();
+    let product = sizes.iter().map(|s| if *s == -1 { "-1".to_string() } else { s.to_string() }).collect::<Vec<_>>();
+    let formula = format!("{} = {}", keys.join(" x "), product.join(" x "));
+    match fills.as_slice() {
+        [] if known == total => Ok(sizes.map(|s| s as usize)),
+        [] => Err(format!(
+            "{formula} = {known}, but there are {total} {what}: the {group} sizes must multiply to the {what} (or set one to -1 to fill)"
+        )),
+        [i] if total.is_multiple_of(known) => {
+            let mut out = sizes.map(|s| s.max(1) as usize);
+            out[*i] = total / known;
+            Ok(out)
+        }
+        [i] => Err(format!(
+            "{formula}: the known sizes multiply to {known}, which does not divide the {total} {what}, so {} = -1 cannot fill it",
+            keys[*i]
+        )),
+        _ => Err(format!("{formula}: at most one {group} size may be -1")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(ici: [i64; 3], dcn: [i64; 3]) -> MeshConfig {
+        MeshConfig {
+            ici_data: ici[0],
+            ici_fsdp: ici[1],
+            ici_tensor: ici[2],
+            dcn_data: dcn[0],
+            dcn_fsdp: dcn[1],
+            dcn_tensor: dcn[2],
+        }
+    }
+
+    #[test]
+    fn fills_and_spells_out_the_arithmetic() {
+        let m = Mesh::resolve(&cfg([-1, 2, 2], [-1, 1, 1]), 8, 4).unwrap();
+        assert_eq!((m.ici, m.dcn, m.devices()), ([2, 2, 2], [4, 1, 1], 32));
+        assert_eq!((m.size(Axis::Data), m.batch_shards()), (8, 16));
+        let e = Mesh::resolve(&cfg([2, 2, 1], [1, 1, 1]), 8, 1).unwrap_err();
+        assert!(
+            e.contains(
+                "mesh.ici_data x mesh.ici_fsdp x mesh.ici_tensor = 2 x 2 x 1 = 4, but there are 8 devices per node"
+            ),
+            "{e}"
+        );
+        let e = Mesh::resolve(&cfg([-1, 3, 1], [1, 1, 1]), 8, 1).unwrap_err();
+        assert!(
+            e.contains("multiply to 3, which does not divide the 8 devices per node, so mesh.ici_data = -1"),
+            "{e}"
+        );
+        assert!(Mesh::resolve(&cfg([-1, -1, 1], [1, 1, 1]), 8, 1).unwrap_err().contains("at most one"));
+        assert!(Mesh::resolve(&cfg([0, 1, 1], [1, 1, 1]), 1, 1).unwrap_err().contains("mesh.ici_data = 0"));
+        let e = Mesh::resolve(&cfg([8, 1, 1], [-1, 1, 1]), 8, 1).map(|m| m.dcn).unwrap();
+        assert_eq!(e, [1, 1, 1]);
+    }
+
+    #[test]
+    fn ranks_and_coordinates_are_a_bijection_with_tensor_innermost() {
+        let m = Mesh::resolve(&cfg([2, 2, 2], [2, 1, 1]), 8, 2).unwrap();
+        let mut seen = std::collections::HashSet::new();
+        for r in 0..m.devices() {
+            let c = m.coords(r);
+            assert_eq!(m.rank(c), r);
+            assert!(seen.insert((c.data, c.fsdp, c.tensor)));
+        }
+        // Tensor groups are neighbouring ranks on one node; data groups span nodes.
+        assert_eq!(m.group(5, Axis::Tensor), vec![4, 5]);
+        assert_eq!(m.group(0, Axis::Fsdp), vec![0, 2]);
+        assert_eq!(m.group(0, Axis::Data), vec![0, 4, 8, 12]);
+    }
+
+    #[test]
+    fn the_model_must_split_over_the_tensor_axis() {
+        let m = Mesh::resolve(&cfg([1, 1, 3], [1, 1, 1]), 3, 1).unwrap();
+        let model = ModelConfig { n_heads: 8, n_kv_heads: 8, mlp_dim: 96, ..ModelConfig::default() };
+        let e = m.check_model(&model).unwrap_err();
+        assert!(e.contains("does not divide model.n_heads = 8") && e.contains("8 mod 3 = 2"), "{e}");
+        let ok = ModelConfig { n_heads: 6, n_kv_heads: 3, mlp_dim: 96, ..model };
+        assert!(m.check_model(&ok).is_ok());
+    }
+}

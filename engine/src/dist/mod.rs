@@ -1,0 +1,6 @@
+//! Training on many devices: the mesh that places ranks on the data, fsdp and tensor axes, the
+//! collectives that combine their work, and the rendezvous that starts a job.
+
+pub mod comm;
+pub mod mesh;
+pub mod rendezvous;

@@ -1,0 +1,218 @@
+//! Evaluation of a model on the CPU reference backend (f32): the loss of token sequences, with
+//! the logits and the gradients of the training objective on request ([`evaluate`]), and
+//! LAMBADA's last-word accuracy ([`lambada`]).
+//!
+//! The loss is transformers' for `labels = input_ids`: the mean next-token cross-entropy over
+//! all predicted positions (every position but the last of each sequence). For mixture-of-experts
+//! models the load-balancing loss is Mixtral's, over all tokens of the batch and all layers, and
+//! the gradient is that of `loss + router_aux_loss_coef · aux_loss`.
+
+pub mod lambada;
+
+use std::path::Path;
+
+use anyhow::{Context, Result, anyhow, bail};
+use serde::Serialize;
+
+use crate::backend::Backend;
+use crate::backend::cpu::Cpu;
+use crate::checkpoint::Checkpoint;
+use crate::config::ModelConfig;
+use crate::data::shard::Shard;
+use crate::hf::HfModel;
+use crate::model::{Model, Plan};
+pub use lambada::{LambadaResult, lambada};
+
+/// A model's architecture and parameters, loaded from a checkpoint or a Hugging Face directory.
+pub struct Loaded {
+    /// The model.
+    pub model: Model,
+    /// Its parameters in layout order.
+    pub params: Vec<f32>,
+    /// Where it came from, for messages.
+    pub source: String,
+}
+
+impl Loaded {
+    /// Loads an engine checkpoint (verified) or a Hugging Face model directory.
+    pub fn open(checkpoint: Option<&Path>, hf: Option<&Path>) -> Result<Loaded> {
+        match (checkpoint, hf) {
+            (Some(dir), None) => {
+                let ck = Checkpoint::open(dir)?;
+                let model = Model::new(&ck.config.model);
+                let params = ck.params(&model.layout)?;
+                Ok(Loaded { model, params, source: dir.display().to_string() })
+            }
+            (None, Some(dir)) => {
+                let hf = HfModel::open(dir)?;
+                let model = Model::new(&hf.model);
+                let params = hf.params(&model.layout)?;
+                Ok(Loaded { model, params, source: dir.display().to_string() })
+            }
+            _ => bail!("name the model with exactly one of --checkpoint CKPT and --hf DIR"),
+        }
+    }
+
+    /// The architecture.
+    pub fn config(&self) -> &ModelConfig {
+        &self.model.config
+    }
+}
+
+/// Sequences of equal length, row-major.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Batch {
+    /// All tokens, `rows · seq`.
+    pub tokens: Vec<u32>,
+    /// Sequences.
+    pub rows: usize,
+    /// Tokens per sequence.
+    pub seq: usize,
+}
+
+/// Reads `FILE` of `--tokens`: a JSON array of equally long token-id arrays, or a token shard
+/// cut into consecutive sequences of `seq_len` tokens (a last partial one is dropped).
+pub fn read_tokens(path: &Path, seq_len: usize) -> Result<Batch> {
+    let p = path.display();
+    let mut magic = [0u8; 8];
+    let is_shard = std::fs::File::open(path)
+        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut magic))
+        .map(|()| &magic == crate::data::shard::MAGIC)
+        .unwrap_or(false);
+    if is_shard {
+        let shard = Shard::open(path)?;
+        let rows = shard.len() / seq_len;
+        if rows == 0 {
+            bail!("{p} holds {} tokens, fewer than one sequence of --seq-len {seq_len}", shard.len());
+        }
+        let mut tokens = vec![0; rows * seq_len];
+        shard.read(0, &mut tokens);
+        return Ok(Batch { tokens, rows, seq: seq_len });
+    }
+    let bytes = std::fs::read(path).with_context(|| format!("cannot read {p}"))?;
+    let rows: Vec<Vec<u64>> = serde_json::from_slice(&bytes)
+        .map_err(|e| anyhow!("{p} is neither a token shard nor a JSON array of token-id arrays: {e}"))?;
+    let seq = rows.first().map_or(0, Vec::len);
+    if rows.is_empty() || seq < 2 {
+        bail!("{p}: give at least one sequence of at least two tokens");
+    }
+    if let Some(i) = rows.iter().position(|r| r.len() != seq) {
+        bail!("{p}: sequence {i} has {} tokens, sequence 0 has {seq}; all must be equally long", rows[i].len());
+    }
+    let tokens = rows.iter().flatten().map(|&t| u32::try_from(t).unwrap_or(u32::MAX)).collect();
+    Ok(Batch { tokens, rows: rows.len(), seq })
+}
+
+/// What `engine eval` prints.
+#[derive(Debug, Clone, Serialize)]
+pub struct EvalResult {
+    /// Mean next-token cross-entropy over the predicted positions.
+    pub loss: f64,
+    /// Mixtral's load-balancing loss (mixture-of-experts models).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub aux_loss: Option<f64>,
+    /// `exp(loss)`.
+    pub perplexity: f64,
+    /// Predicted positions: `sequences · (seq_len - 1)`.
+    pub tokens: usize,
+    /// Sequences.
+    pub sequences: usize,
+    /// Tokens per sequence.
+    pub seq_len: usize,
+}
+
+/// Logits and gradients, when asked for.
+#[derive(Debug, Default)]
+pub struct Dumps {
+    /// `[rows, seq, vocab]`.
+    pub logits: Option<Vec<f32>>,
+    /// The gradient of the objective, in layout order.
+    pub grads: Option<Vec<f32>>,
+}
+
+/// Evaluates `batch` in one pass (so that the load-balancing loss covers the whole batch, as in
+/// transformers).
+pub fn evaluate(m: &Loaded, batch: &Batch, want_logits: bool, want_grads: bool) -> Result<(EvalResult, Dumps)> {
+    let c = m.config();
+    let (rows, seq, v) = (batch.rows, batch.seq, c.vocab_size);
+    if seq > c.max_seq_len {
+        bail!("sequences of {seq} tokens are longer than the model's max_position_embeddings = {}", c.max_seq_len);
+    }
+    if let Some(i) = batch.tokens.iter().position(|&t| t as usize >= v) {
+        bail!(
+            "token {} (sequence {}, position {}) is outside the vocabulary of {v}",
+            batch.tokens[i],
+            i / seq,
+            i % seq
+        );
+    }
+    let mut cpu = Cpu::new();
+    let plan = m.model.plan(&mut cpu, rows, seq);
+    cpu.upload(plan.params, &m.params);
+    // Targets: the next token; the last position of each sequence has none (masked below).
+    let targets: Vec<u32> = (0..rows * seq).map(|i| if i % seq + 1 < seq { batch.tokens[i + 1] } else { 0 }).collect();
+    cpu.upload_idx(plan.tokens, &batch.tokens);
+    cpu.upload_idx(plan.targets, &targets);
+    let predicted = rows * (seq - 1);
+
+    m.model.forward(&mut cpu, &plan, None);
+    let mut losses = vec![0f32; rows * seq];
+    cpu.download(plan.losses, &mut losses);
+    let loss = losses.iter().enumerate().filter(|(i, _)| i % seq + 1 < seq).map(|(_, &l)| l as f64).sum::<f64>()
+        / predicted as f64;
+    let aux_loss = c.moe.as_ref().map(|_| m.model.aux_loss(&mut cpu, &plan));
+    let mut dumps = Dumps::default();
+    if want_logits {
+        let mut logits = vec![0f32; rows * seq * v];
+        cpu.download(plan.logits, &mut logits);
+        dumps.logits = Some(logits);
+    }
+    if want_grads {
+        dumps.grads = Some(gradient(m, &mut cpu, &plan, seq, predicted));
+    }
+    let result =
+        EvalResult { loss, aux_loss, perplexity: loss.exp(), tokens: predicted, sequences: rows, seq_len: seq };
+    Ok((result, dumps))
+}
+
+/// The gradient of `mean cross-entropy + coef · aux` with respect to every parameter.
+fn gradient(m: &Loaded, cpu: &mut Cpu, plan: &Plan, seq: usize, predicted: usize) -> Vec<f32> {
+    let v = m.config().vocab_size;
+    cpu.fill(plan.grads, 0.0);
+    m.model.forward(cpu, plan, Some(1.0 / predicted as f32));
+    // The logits now hold their gradient; the last position of each sequence predicts nothing.
+    let mut dlogits = vec![0f32; plan.logits.len];
+    cpu.download(plan.logits, &mut dlogits);
+    for row in dlogits.chunks_exact_mut(v).skip(seq - 1).step_by(seq) {
+        row.fill(0.0);
+    }
+    cpu.upload(plan.logits, &dlogits);
+    let aux = m.model.aux_scale(plan, 1.0);
+    m.model.backward(cpu, plan, aux);
+    let mut grads = vec![0f32; plan.grads.len];
+    cpu.download(plan.grads, &mut grads);
+    grads
+}
+
+/// Writes the dumps as safetensors: `logits` `[rows, seq, vocab]`, and one tensor per parameter
+/// under its Hugging Face name.
+pub fn write_dumps(
+    m: &Loaded,
+    batch: &Batch,
+    dumps: &Dumps,
+    logits: Option<&Path>,
+    grads: Option<&Path>,
+) -> Result<()> {
+    use crate::tensors::{FloatType, write};
+    if let (Some(path), Some(l)) = (logits, &dumps.logits) {
+        let shape = vec![batch.rows, batch.seq, m.config().vocab_size];
+        write(path, &[("logits".into(), l.as_slice(), shape)], FloatType::F32)?;
+    }
+    if let (Some(path), Some(g)) = (grads, &dumps.grads) {
+        let list: Vec<(String, &[f32], Vec<usize>)> = (m.model.layout.tensors.iter())
+            .map(|t| (t.name.clone(), &g[t.offset..t.offset + t.len()], t.shape.clone()))
+            .collect();
+        write(path, &list, FloatType::F32)?;
+    }
+    Ok(())
+}

@@ -1,0 +1,324 @@
+//! Hugging Face models: `LlamaForCausalLM`, `MistralForCausalLM` and `MixtralForCausalLM`
+//! directories (`config.json` and `model.safetensors` or a sharded
+//! `model.safetensors.index.json`) read into the engine's layout, and written back.
+//!
+//! The engine's tensor names are Hugging Face's, so import and export copy ranges of the flat
+//! parameter buffer. Mixtral experts are read under both spellings: the per-expert
+//! `block_sparse_moe.experts.E.w1/w2/w3.weight` of checkpoints (what transformers writes) and
+//! the fused `mlp.experts.gate_up_proj` / `down_proj` of transformers 5's modules; they are
+//! written per expert. Tensors are read as f32 from F32, BF16 or F16 and written in the dtype the
+//! model was imported in (so an import/export round trip is byte-exact) or the one asked for.
+
+pub mod config;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result, anyhow, bail};
+use serde_json::{Value, json};
+
+use crate::checkpoint::{self, Checkpoint, Extras, Snapshot};
+use crate::config::{Config, ModelConfig, TrainConfig};
+use crate::fsutil;
+use crate::model::{Layout, MlpOffsets};
+use crate::tensors::{self, FloatType, Mapped};
+
+/// Files of a model directory that travel with the model through import, training and export.
+pub const CARRIED: [&str; 6] = [
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+];
+
+/// A Hugging Face model directory, opened.
+pub struct HfModel {
+    /// The directory.
+    pub dir: PathBuf,
+    /// Its `config.json`.
+    pub raw_config: Value,
+    /// The architecture it describes.
+    pub model: ModelConfig,
+    /// The dtype of its weights (that of the embedding).
+    pub dtype: FloatType,
+    files: Vec<Mapped>,
+    /// Tensor name → index into `files`.
+    index: BTreeMap<String, usize>,
+}
+
+impl HfModel {
+    /// Opens a model directory: reads `config.json`, maps the weight files, checks dtypes.
+    pub fn open(dir: &Path) -> Result<HfModel> {
+        let d = dir.display();
+        let config_path = dir.join("config.json");
+        let text = fs::read(&config_path).with_context(|| format!("cannot read {}", config_path.display()))?;
+        let raw_config: Value =
+            serde_json::from_slice(&text).map_err(|e| anyhow!("{} is not valid JSON: {e}", config_path.display()))?;
+        let file_label = config_path.display().to_string();
+        let model = config::parse(&raw_config, &file_label)?;
+        engine_config(&model, "").validate().map_err(|e| anyhow!("{file_label}: {e}"))?;
+
+        let index_path = dir.join("model.safetensors.index.json");
+        let names: Vec<String> = if index_path.exists() {
+            let index: Value = serde_json::from_slice(&fs::read(&index_path)?)
+                .map_err(|e| anyhow!("{} is not valid JSON: {e}", index_path.display()))?;
+            let map =
+                index["weight_map"].as_object().ok_or_else(|| anyhow!("{} has no weight_map", index_path.display()))?;
+            let files: BTreeSet<String> = map.values().filter_map(|v| v.as_str().map(str::to_owned)).collect();
+            files.into_iter().collect()
+        } else if dir.join("model.safetensors").exists() {
+            vec!["model.safetensors".into()]
+        } else {
+            bail!(
+                "{d} holds neither model.safetensors nor model.safetensors.index.json (only safetensors weights are read; \
+                 save the model with transformers' save_pretrained to get them)"
+            );
+        };
+        let mut files = Vec::new();
+        let mut index = BTreeMap::new();
+        for name in names {
+            let mapped = Mapped::open(&dir.join(&name))?;
+            for (tensor, view) in mapped.tensors().iter() {
+                tensors::float_type(tensor, &view).with_context(|| format!("{}", dir.join(&name).display()))?;
+                index.insert(tensor.to_owned(), files.len());
+            }
+            files.push(mapped);
+        }
+        let dtype = match index.get("model.embed_tokens.weight") {
+            Some(&f) => {
+                let st = files[f].tensors();
+                tensors::float_type("model.embed_tokens.weight", &st.tensor("model.embed_tokens.weight")?)?
+            }
+            None => bail!("{d}: tensor model.embed_tokens.weight is missing"),
+        };
+        Ok(HfModel { dir: dir.to_path_buf(), raw_config, model, dtype, files, index })
+    }
+
+    /// Reads tensor `name` (whose shape must be `shape`) as f32 into `out`.
+    fn read(&self, name: &str, shape: &[usize], out: &mut [f32]) -> Result<()> {
+        let &f = self.index.get(name).ok_or_else(|| anyhow!("{}: tensor {name} is missing", self.dir.display()))?;
+        let st = self.files[f].tensors();
+        let view = st.tensor(name)?;
+        if view.shape() != shape {
+            bail!(
+                "{}: tensor {name} has shape {:?}, config.json implies {shape:?}",
+                self.files[f].path.display(),
+                view.shape()
+            );
+        }
+        tensors::read_f32(name, &view, out)
+    }
+
+    /// The parameters in the layout of `layout` (made from this model's config). Every tensor
+    /// must be present with its shape, and every tensor of the files must be used.
+    pub fn params(&self, layout: &Layout) -> Result<Vec<f32>> {
+        let m = &self.model;
+        let mut out = vec![0f32; layout.len];
+        let mut used = BTreeSet::new();
+        // transformers 5's fused experts, when the files hold them instead of per-expert tensors.
+        let mut fused_layers = BTreeSet::new();
+        for (i, l) in layout.layers.iter().enumerate() {
+            let MlpOffsets::Moe { experts, stride, .. } = l.mlp else { continue };
+            let gate_up = format!("model.layers.{i}.mlp.experts.gate_up_proj");
+            if !self.index.contains_key(&gate_up) {
+                continue;
+            }
+            let (e, f, d) = (m.moe.as_ref().expect("MoE layout").num_experts, m.mlp_dim, m.d_model);
+            let down = format!("model.layers.{i}.mlp.experts.down_proj");
+            let mut buf = vec![0f32; e * 2 * f * d];
+            self.read(&gate_up, &[e, 2 * f, d], &mut buf)?;
+            for x in 0..e {
+                let at = experts + x * stride;
+                out[at..at + 2 * f * d].copy_from_slice(&buf[x * 2 * f * d..(x + 1) * 2 * f * d]);
+            }
+            buf.truncate(e * d * f);
+            self.read(&down, &[e, d, f], &mut buf)?;
+            for x in 0..e {
+                let at = experts + x * stride + 2 * f * d;
+                out[at..at + d * f].copy_from_slice(&buf[x * d * f..(x + 1) * d * f]);
+            }
+            used.extend([gate_up, down]);
+            fused_layers.insert(format!("model.layers.{i}.block_sparse_moe.experts."));
+        }
+        for t in &layout.tensors {
+            if fused_layers.iter().any(|p| t.name.starts_with(p.as_str())) {
+                continue;
+            }
+            // The router is `block_sparse_moe.gate` in checkpoints, `mlp.gate` in transformers 5.
+            let name = if self.index.contains_key(&t.name) {
+                t.name.clone()
+            } else {
+                t.name.replace(".block_sparse_moe.gate.", ".mlp.gate.")
+            };
+            let name = if self.index.contains_key(&name) { name } else { t.name.clone() };
+            self.read(&name, &t.shape, &mut out[t.offset..t.offset + t.len()])?;
+            used.insert(name);
+        }
+        let unexpected: Vec<&String> = (self.index.keys())
+            .filter(|n| !used.contains(*n))
+            .filter(|n| !(n.ends_with("rotary_emb.inv_freq") || m.tie_embeddings && *n == "lm_head.weight"))
+            .collect();
+        if !unexpected.is_empty() {
+            let shown: Vec<&str> = unexpected.iter().take(5).map(|s| s.as_str()).collect();
+            bail!(
+                "{}: {} tensor(s) that a {} with this config.json does not have: {}{}",
+                self.dir.display(),
+                unexpected.len(),
+                config::ARCHITECTURES.iter().find(|a| a.1 == m.family).expect("known").0,
+                shown.join(", "),
+                if unexpected.len() > 5 { ", ..." } else { "" }
+            );
+        }
+        Ok(out)
+    }
+
+    /// The files that travel with the model ([`CARRIED`]), under `hf/`, and its dtype.
+    pub fn extras(&self) -> Result<Extras> {
+        let mut files = Vec::new();
+        for name in CARRIED {
+            let path = self.dir.join(name);
+            if path.exists() {
+                files.push((
+                    format!("hf/{name}"),
+                    fs::read(&path).with_context(|| format!("cannot read {}", path.display()))?,
+                ));
+            }
+        }
+        Ok(Extras { files, hf_dtype: Some(self.dtype.torch_name().into()) })
+    }
+}
+
+/// A configuration holding `model`, with the training defaults and a sequence length the model
+/// supports (what an imported checkpoint records).
+pub fn engine_config(model: &ModelConfig, description: &str) -> Config {
+    Config {
+        description: description.into(),
+        model: model.clone(),
+        train: TrainConfig { seq_len: model.max_seq_len.min(2048), ..TrainConfig::default() },
+        ..Config::default()
+    }
+}
+
+/// What an import did.
+#[derive(Debug)]
+pub struct ImportReport {
+    /// The architecture.
+    pub model: ModelConfig,
+    /// Parameters read.
+    pub params: usize,
+    /// The dtype of the weights read.
+    pub dtype: FloatType,
+}
+
+/// `engine import-hf DIR --out CKPT`: writes the model as a checkpoint directory (no optimizer
+/// state, step 0), carrying its config and tokenizer files for a later export.
+pub fn import(dir: &Path, out: &Path) -> Result<ImportReport> {
+    let hf = HfModel::open(dir)?;
+    let layout = Layout::new(&hf.model);
+    let params = hf.params(&layout)?;
+    let config = engine_config(&hf.model, &format!("imported from {}", dir.display()));
+    let snap = Snapshot { params, ..Snapshot::default() };
+    checkpoint::write_dir(out, &config, &layout, &snap, &hf.extras()?, None)?;
+    Ok(ImportReport { params: layout.len, model: hf.model, dtype: hf.dtype })
+}
+
+/// What an export wrote.
+#[derive(Debug)]
+pub struct ExportReport {
+    /// The weight files, in order.
+    pub files: Vec<String>,
+    /// Their dtype.
+    pub dtype: FloatType,
+}
+
+/// `engine export-hf CKPT --out DIR`: `config.json`, the weights (one `model.safetensors`, or
+/// shards of at most `max_shard_bytes` with an index) and the carried files, written into a
+/// temporary directory and renamed to `out`. `dtype` defaults to the imported model's, else f32.
+pub fn export(ck: &Checkpoint, out: &Path, dtype: Option<FloatType>, max_shard_bytes: u64) -> Result<ExportReport> {
+    if out.exists() && fs::read_dir(out).map(|mut d| d.next().is_some()).unwrap_or(true) {
+        bail!("--out {} already exists and is not empty; choose another directory", out.display());
+    }
+    let dtype = dtype.or_else(|| ck.state.hf_dtype.as_deref().and_then(FloatType::parse)).unwrap_or(FloatType::F32);
+    let layout = Layout::new(&ck.config.model);
+    let params = ck.params(&layout)?;
+    let carried = ck.hf_files()?;
+    let base: Option<Value> = carried
+        .iter()
+        .find(|(n, _)| n == "hf/config.json")
+        .map(|(_, b)| serde_json::from_slice(b))
+        .transpose()
+        .context("the checkpoint's hf/config.json is not valid JSON")?;
+    let config_json = config::write(&ck.config.model, base.as_ref(), dtype.torch_name());
+
+    let parent = out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    fs::create_dir_all(parent).with_context(|| format!("cannot create {}", parent.display()))?;
+    let name = out.file_name().context("--out has no name")?.to_string_lossy();
+    let tmp = parent.join(format!(".{name}.tmp-{}", std::process::id()));
+    let _ = fs::remove_dir_all(&tmp);
+    fs::create_dir(&tmp)?;
+    let result = (|| -> Result<Vec<String>> {
+        let width = if dtype == FloatType::F32 { 4 } else { 2 };
+        let mut shards: Vec<Vec<&crate::model::Tensor>> = vec![Vec::new()];
+        let mut size = 0u64;
+        for t in &layout.tensors {
+            let bytes = (t.len() * width) as u64;
+            if size > 0 && size + bytes > max_shard_bytes {
+                shards.push(Vec::new());
+                size = 0;
+            }
+            shards.last_mut().expect("one shard").push(t);
+            size += bytes;
+        }
+        let n = shards.len();
+        let mut names = Vec::new();
+        let mut weight_map = serde_json::Map::new();
+        for (i, shard) in shards.iter().enumerate() {
+            let file = if n == 1 {
+                "model.safetensors".to_string()
+            } else {
+                format!("model-{:05}-of-{n:05}.safetensors", i + 1)
+            };
+            let list: Vec<(String, &[f32], Vec<usize>)> = shard
+                .iter()
+                .map(|t| (t.name.clone(), &params[t.offset..t.offset + t.len()], t.shape.clone()))
+                .collect();
+            tensors::write(&tmp.join(&file), &list, dtype)?;
+            for t in shard {
+                weight_map.insert(t.name.clone(), json!(file));
+            }
+            names.push(file);
+        }
+        if n > 1 {
+            let total: usize = layout.tensors.iter().map(|t| t.len() * width).sum();
+            let index = json!({"metadata": {"total_size": total}, "weight_map": weight_map});
+            fsutil::write_atomic(
+                &tmp.join("model.safetensors.index.json"),
+                serde_json::to_string_pretty(&index)?.as_bytes(),
+            )?;
+        }
+        fsutil::write_atomic(&tmp.join("config.json"), serde_json::to_string_pretty(&config_json)?.as_bytes())?;
+        for (file, bytes) in &carried {
+            let file = file.trim_start_matches("hf/");
+            if file != "config.json" {
+                fsutil::write_atomic(&tmp.join(file), bytes)?;
+            }
+        }
+        fsutil::sync_dir(&tmp)?;
+        if out.exists() {
+            fs::remove_dir(out)?;
+        }
+        fs::rename(&tmp, out)?;
+        fsutil::sync_dir(parent)?;
+        Ok(names)
+    })();
+    match result {
+        Ok(files) => Ok(ExportReport { files, dtype }),
+        Err(e) => {
+            let _ = fs::remove_dir_all(&tmp);
+            Err(e.context(format!("cannot export to {}", out.display())))
+        }
+    }
+}

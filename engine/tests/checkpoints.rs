@@ -1,0 +1,176 @@
+//! The checkpoint promises, through the real binary: a resumed run continues bitwise identically;
+//! a run killed with SIGKILL in the middle of a save resumes from the previous complete
+//! checkpoint; a truncated or corrupted checkpoint is detected and reported, never loaded; an
+//! incompatible configuration is refused with the differing keys named.
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::Stdio;
+
+use common::*;
+
+/// A model small enough for a step to take milliseconds, on the embedded corpus.
+const SMALL: [&str; 16] = [
+    "--set",
+    "model.vocab_size=256",
+    "--set",
+    "model.d_model=32",
+    "--set",
+    "model.mlp_dim=48",
+    "--set",
+    "model.n_heads=2",
+    "--set",
+    "model.n_kv_heads=1",
+    "--set",
+    "model.head_dim=16",
+    "--set",
+    "train.seq_len=32",
+    "--set",
+    "train.batch_size=2",
+];
+
+fn train_args<'a>(run: &'a Path, steps: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
+    let mut args = vec!["train", "--recipe", "tiny-mixtral", "--run-dir", s(run), "--steps", steps];
+    args.extend_from_slice(&SMALL);
+    args.extend_from_slice(&["--set", "model.moe.num_experts=4", "--set", "train.checkpoint_every=3"]);
+    args.extend_from_slice(extra);
+    args
+}
+
+fn loss_bits(run: &Path) -> Vec<(u64, u64)> {
+    metrics(run).iter().map(|m| (m["step"].as_u64().unwrap(), m["loss"].as_f64().unwrap().to_bits())).collect()
+}
+
+fn bytes(p: &Path) -> Vec<u8> {
+    std::fs::read(p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
+}
+
+/// The acceptance scenario: a corpus prepared with a real tokenizer, a run killed with SIGKILL
+/// while saving step 6 resumes from step 3 and ends with the same losses, parameters and
+/// optimizer state, bit for bit, as a run never killed.
+#[test]
+fn a_run_killed_during_a_save_resumes_from_the_previous_checkpoint_bitwise() {
+    let dir = scratch("kill");
+    let shards = dir.join("shards");
+    ok(&[
+        "data",
+        "prepare",
+        "--tokenizer",
+        s(&fixture("tokenizers/bytelevel-bpe.json")),
+        "--input",
+        concat!(env!("CARGO_MANIFEST_DIR"), "/data/shakespeare.txt"),
+        "--out",
+        s(&shards),
+    ]);
+    let path = format!("data.path={}", shards.display());
+    let data = ["--set", "data.source=shards", "--set", &path, "--set", "model.vocab_size=512"];
+    let (whole, killed) = (dir.join("whole"), dir.join("killed"));
+    ok(&train_args(&whole, "8", &data));
+
+    let mut child = engine_cmd(&train_args(&killed, "8", &data))
+        .env("ENGINE_TEST_PAUSE_SAVE", "6")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = BufReader::new(child.stderr.take().unwrap());
+    for line in stderr.lines() {
+        if line.unwrap().contains("the save of step 6 stops") {
+            break;
+        }
+    }
+    child.kill().unwrap(); // SIGKILL
+    child.wait().unwrap();
+    let ckpts = killed.join("checkpoints");
+    let names: Vec<String> =
+        std::fs::read_dir(&ckpts).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+    assert!(names.contains(&"step-000003".to_string()), "{names:?}");
+    assert!(names.iter().any(|n| n.starts_with(".tmp-step-000006")), "the half-written save is gone: {names:?}");
+    assert!(!names.contains(&"step-000006".to_string()));
+
+    let out = ok(&train_args(&killed, "8", &[&data[..], &["--resume"]].concat()));
+    assert!(out.contains("resuming after step 3"), "{out}");
+    assert_eq!(loss_bits(&killed), loss_bits(&whole), "the losses of the resumed run differ");
+    for file in ["model.safetensors", "optimizer.safetensors"] {
+        let (a, b) = (whole.join("checkpoints/step-000008").join(file), ckpts.join("step-000008").join(file));
+        assert!(bytes(&a) == bytes(&b), "{file} differs after resuming");
+    }
+    assert!(!std::fs::read_dir(&ckpts).unwrap().any(|e| e.unwrap().file_name().to_string_lossy().starts_with(".tmp")));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A run stopped at step 4 and continued to step 8 (`--steps`, a key that may change) equals a
+/// run of 8 steps, here with a constant schedule so that the length does not change the rates.
+#[test]
+fn extending_a_run_continues_it_bitwise() {
+    let dir = scratch("extend");
+    let (whole, parts) = (dir.join("whole"), dir.join("parts"));
+    let constant = ["--set", "optim.schedule=constant", "--set", "optim.warmup_steps=2"];
+    ok(&train_args(&whole, "8", &constant));
+    ok(&train_args(&parts, "4", &constant));
+    let ck = parts.join("checkpoints/step-000004");
+    let out = ok(&train_args(&parts, "8", &[&constant[..], &["--resume", s(&ck)]].concat()));
+    assert!(out.contains("resuming after step 4"), "{out}");
+    assert_eq!(loss_bits(&parts), loss_bits(&whole));
+    assert_eq!(
+        bytes(&whole.join("checkpoints/step-000008/model.safetensors")),
+        bytes(&parts.join("checkpoints/step-000008/model.safetensors"))
+    );
+    // keep_last (3 by default): steps 3, 6 and 8 remain of 3, 4, 6 and 8.
+    let mut kept: Vec<String> = std::fs::read_dir(parts.join("checkpoints"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    kept.sort();
+    assert_eq!(kept, ["step-000004", "step-000006", "step-000008"]);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn damaged_checkpoints_are_reported_never_loaded() {
+    let dir = scratch("damaged");
+    let run = dir.join("run");
+    ok(&train_args(&run, "6", &[]));
+    let newest = run.join("checkpoints/step-000006");
+    let model = newest.join("model.safetensors");
+    let original = bytes(&model);
+
+    std::fs::write(&model, &original[..original.len() - 100]).unwrap();
+    let e = fails(&train_args(&run, "9", &["--resume"]), "model.safetensors is");
+    assert!(e.contains("step-000006 is damaged") && e.contains("truncated"), "{e}");
+    assert!(e.contains("--resume") && e.contains("step-000003"), "the error points at the previous checkpoint: {e}");
+
+    let mut flipped = original.clone();
+    let at = flipped.len() - 7;
+    flipped[at] ^= 0x40;
+    std::fs::write(&model, &flipped).unwrap();
+    fails(&train_args(&run, "9", &["--resume"]), "model.safetensors does not match its SHA-256");
+    fails(&["eval", "--checkpoint", s(&newest), "--tokens", "x.json"], "model.safetensors does not match its SHA-256");
+    fails(&["export-hf", s(&newest), "--out", s(&dir.join("export"))], "is damaged");
+    assert!(!dir.join("export").exists());
+
+    // The previous checkpoint, named explicitly, still resumes; the damaged one is moved aside.
+    let out = ok(&train_args(&run, "9", &["--resume", s(&run.join("checkpoints/step-000003"))]));
+    assert!(out.contains("resuming after step 3") && out.contains("superseded-step-000006"), "{out}");
+    assert_eq!(metrics(&run).len(), 9);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn an_incompatible_configuration_is_refused_with_the_keys_named() {
+    let dir = scratch("incompatible");
+    let run = dir.join("run");
+    ok(&train_args(&run, "3", &[]));
+    let e = fails(
+        &train_args(&run, "6", &["--set", "model.d_model=64", "--set", "optim.lr=0.05", "--resume"]),
+        "cannot resume",
+    );
+    assert!(e.contains("model.d_model (checkpoint 32, now 64)") && e.contains("optim.lr"), "{e}");
+    assert!(!e.contains("train.steps"), "train.steps may change: {e}");
+    fails(&train_args(&dir.join("empty"), "6", &["--resume"]), "no complete checkpoint");
+    fails(&train_args(&run, "6", &[]), "already holds a run");
+    assert_eq!(metrics(&run).len(), 3, "a refused resumption leaves the run as it was");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

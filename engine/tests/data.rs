@@ -1,0 +1,278 @@
+//! `engine data prepare` as a user runs it: shards hold exactly what the reference tokenizer
+//! libraries make of the documents, each closed by the end-of-sequence token; training reads
+//! them; bad input gets one line naming the file and line, and leaves no shards behind.
+
+mod common;
+
+use std::path::Path;
+
+use common::*;
+use engine::data::shard::{Shard, Shards};
+use engine::data::{TokenSource, prepare::PrepareReport};
+
+fn expected() -> serde_json::Value {
+    serde_json::from_slice(&std::fs::read(fixture("tokenizers/expected.json")).unwrap()).unwrap()
+}
+
+fn ids(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array().unwrap().iter().map(|i| i.as_u64().unwrap() as u32).collect()
+}
+
+fn report(out: &Path) -> PrepareReport {
+    serde_json::from_slice(&std::fs::read(out.join("prepare.json")).unwrap()).unwrap()
+}
+
+/// Every fixture tokenizer (tokenizer.json; SentencePiece Unigram and BPE), JSONL input: the
+/// shard is the reference encodings of the non-empty documents, each followed by the EOS id.
+#[test]
+fn shards_hold_the_reference_tokenization() {
+    let dir = scratch("prepare");
+    let want = expected();
+    for name in ["bytelevel-bpe.json", "spm-unigram.model", "spm-bpe.model", "spm-bpe-nfkc.model"] {
+        let e = &want[name];
+        let jsonl = dir.join(format!("{name}.jsonl"));
+        let texts = e["texts"].as_array().unwrap();
+        let lines: Vec<String> = texts.iter().map(|t| serde_json::json!({"text": t, "id": 1}).to_string()).collect();
+        std::fs::write(&jsonl, lines.join("\n") + "\n\n").unwrap();
+        let out = dir.join(format!("{name}-shards"));
+        let stdout = ok(&[
+            "data",
+            "prepare",
+            "--tokenizer",
+            s(&fixture(&format!("tokenizers/{name}"))),
+            "--input",
+            s(&jsonl),
+            "--out",
+            s(&out),
+        ]);
+        let eos = e["eos_id"].as_u64().unwrap() as u32;
+        let mut stream = Vec::new();
+        let mut documents = 0;
+        for (text, reference) in texts.iter().zip(e["ids"].as_array().unwrap()) {
+            if text.as_str().unwrap().is_empty() {
+                continue; // an empty document is no document
+            }
+            stream.extend(ids(reference));
+            stream.push(eos);
+            documents += 1;
+        }
+        let shards = Shards::open(&out).unwrap();
+        let mut got = vec![0; shards.len()];
+        shards.read(0, &mut got);
+        assert_eq!(got, stream, "{name}");
+        let r = report(&out);
+        assert_eq!((r.documents, r.tokens, r.eos_id), (documents, stream.len() as u64, eos), "{name}");
+        assert!(stdout.contains(&format!("prepared {documents} documents, {} tokens", stream.len())), "{stdout}");
+        assert!(stdout.contains("tokens/s"), "the report gives the throughput: {stdout}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Plain text: one document per file, or documents between separator lines; directories are
+/// read in name order; shards are cut at the size asked for and read back as one stream.
+#[test]
+fn text_files_directories_and_shard_sizes() {
+    let dir = scratch("prepare-text");
+    let tokenizer = fixture("tokenizers/spm-bpe.model");
+    let corpus = dir.join("corpus");
+    std::fs::create_dir_all(corpus.join("b")).unwrap();
+    std::fs::write(corpus.join("a.txt"), "First file.\nSecond line.\n").unwrap();
+    std::fs::write(corpus.join("b/c.txt"), "one\n===\ntwo\nlines\n===\n\n===\nthree").unwrap();
+    let out = dir.join("shards");
+    ok(&[
+        "data",
+        "prepare",
+        "--tokenizer",
+        s(&tokenizer),
+        "--input",
+        s(&corpus),
+        "--out",
+        s(&out),
+        "--separator",
+        "===",
+        "--shard-tokens",
+        "8",
+    ]);
+    let r = report(&out);
+    assert_eq!(r.inputs.len(), 2);
+    assert!(r.inputs[0].ends_with("a.txt") && r.inputs[1].ends_with("c.txt"));
+    assert_eq!(r.documents, 5, "a.txt, then one / two lines / (blank line) / three");
+    assert!(r.shards.len() > 1, "{:?}", r.shards);
+    let first = Shard::open(&out.join(&r.shards[0])).unwrap();
+    assert!(first.len() >= 8 && first.header.documents >= 1);
+    // The documents, tokenized one by one with the same tokenizer, make up the stream.
+    let t = engine::data::tokenizer::TextTokenizer::open(&tokenizer).unwrap();
+    let mut want = Vec::new();
+    for doc in ["First file.\nSecond line.\n", "one\n", "two\nlines\n", "\n", "three"] {
+        want.extend(t.encode(doc).unwrap());
+        want.push(2);
+    }
+    let shards = Shards::open(&out).unwrap();
+    let mut got = vec![0; shards.len()];
+    shards.read(0, &mut got);
+    assert_eq!(got, want);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A run trains on prepared shards (and the loss goes down).
+#[test]
+fn training_reads_prepared_shards() {
+    let dir = scratch("prepare-train");
+    let out = dir.join("shards");
+    ok(&[
+        "data",
+        "prepare",
+        "--tokenizer",
+        s(&fixture("tokenizers/bytelevel-bpe.json")),
+        "--input",
+        s(Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/data/shakespeare.txt"))),
+        "--out",
+        s(&out),
+    ]);
+    let run = dir.join("run");
+    let path = format!("data.path={}", out.display());
+    ok(&[
+        "train",
+        "--recipe",
+        "tiny-llama2",
+        "--run-dir",
+        s(&run),
+        "--steps",
+        "12",
+        "--set",
+        "data.source=shards",
+        "--set",
+        &path,
+        "--set",
+        "model.vocab_size=512",
+        "--set",
+        "model.d_model=64",
+        "--set",
+        "model.mlp_dim=128",
+        "--set",
+        "model.n_heads=4",
+        "--set",
+        "model.head_dim=16",
+        "--set",
+        "model.n_kv_heads=2",
+        "--set",
+        "train.batch_size=4",
+        "--set",
+        "optim.lr=3e-3",
+    ]);
+    let m = metrics(&run);
+    assert!(m[11]["loss"].as_f64().unwrap() < 0.9 * m[0]["loss"].as_f64().unwrap(), "{m:?}");
+    let e = fails(
+        &[
+            "train",
+            "--recipe",
+            "tiny-llama2",
+            "--run-dir",
+            s(&dir.join("r2")),
+            "--set",
+            "data.source=shards",
+            "--set",
+            &path,
+            "--set",
+            "model.vocab_size=300",
+        ],
+        "a tokenizer of 512 tokens, more than model.vocab_size = 300",
+    );
+    assert!(e.contains(&out.display().to_string()));
+    fails(
+        &["train", "--recipe", "tiny-llama2", "--run-dir", s(&dir.join("r3")), "--set", "data.source=shards"],
+        "needs data.path",
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Bad input: one line naming the file (and line), exit code 2, and no shard left behind.
+#[test]
+fn bad_input_is_named_with_file_and_line() {
+    let dir = scratch("prepare-errors");
+    let tok = fixture("tokenizers/spm-unigram.model");
+    let good = dir.join("good.jsonl");
+    std::fs::write(&good, "{\"text\": \"fine\"}\n".repeat(3)).unwrap();
+    let write = |name: &str, bytes: &[u8]| {
+        let p = dir.join(name);
+        std::fs::write(&p, bytes).unwrap();
+        p
+    };
+    let small = write("small.toml", b"extends = \"tiny-llama2\"\n[model]\nvocab_size = 500\n");
+    let cases: Vec<(Vec<String>, String)> = vec![
+        (
+            vec![s(&dir.join("missing.txt")).into()],
+            "input ".to_string() + s(&dir.join("missing.txt")) + ": No such file",
+        ),
+        (
+            vec![s(&good).into(), s(&write("utf8.jsonl", b"{\"text\": \"ok\"}\n{\"text\": \"caf\xe9\"}\n")).into()],
+            "utf8.jsonl:2: not valid UTF-8".into(),
+        ),
+        (vec![s(&write("latin1.txt", b"line one\nline \xff two\n")).into()], "latin1.txt:2: not valid UTF-8".into()),
+        (
+            vec![s(&write("json.jsonl", b"{\"text\": \"ok\"}\n\n{\"text\": \"unclosed}\n")).into()],
+            "json.jsonl:3: EOF while parsing".into(),
+        ),
+        (
+            vec![s(&write("field.jsonl", b"{\"content\": \"x\"}\n")).into()],
+            "field.jsonl:1: the object has no `text` field".into(),
+        ),
+        (
+            vec![s(&write("type.jsonl", b"{\"text\": 5}\n")).into()],
+            "type.jsonl:1: invalid type: integer `5`, expected a string".into(),
+        ),
+    ];
+    for (i, (inputs, expected)) in cases.iter().enumerate() {
+        let out = dir.join(format!("out-{i}"));
+        let mut args = vec!["data", "prepare", "--tokenizer", s(&tok), "--out", s(&out)];
+        for input in inputs {
+            args.extend(["--input", input.as_str()]);
+        }
+        fails(&args, expected);
+        assert!(!out.exists(), "{expected}: {} was left behind", out.display());
+    }
+    let out = dir.join("out");
+    fails(
+        &["data", "prepare", "--tokenizer", s(&tok), "--input", s(&good), "--out", s(&out), "--recipe", s(&small)],
+        "has a vocabulary of 600 tokens, more than model.vocab_size = 500 of recipe `small`",
+    );
+    fails(
+        &["data", "prepare", "--tokenizer", s(&dir.join("nope.json")), "--input", s(&good), "--out", s(&out)],
+        "cannot read tokenizer",
+    );
+    fails(
+        &["data", "prepare", "--tokenizer", s(&good), "--input", s(&good), "--out", s(&out)],
+        "good.jsonl is not a valid tokenizer.json",
+    );
+    let garbage = write("garbage.model", &[0xff, 0x00, 0x13, 0x37]);
+    fails(
+        &["data", "prepare", "--tokenizer", s(&garbage), "--input", s(&good), "--out", s(&out)],
+        "neither a tokenizer.json nor a SentencePiece .model file",
+    );
+    fails(
+        &["data", "prepare", "--tokenizer", s(&tok), "--input", s(&good), "--out", s(&out), "--eos", "<nope>"],
+        "--eos <nope>: no such token",
+    );
+    ok(&["data", "prepare", "--tokenizer", s(&tok), "--input", s(&good), "--out", s(&out)]);
+    fails(&["data", "prepare", "--tokenizer", s(&tok), "--input", s(&good), "--out", s(&out)], "already holds shards");
+    // A truncated shard is refused by name when training reads it.
+    let shard = out.join("shard-00000.tok");
+    let bytes = std::fs::read(&shard).unwrap();
+    std::fs::write(&shard, &bytes[..bytes.len() - 2]).unwrap();
+    let path = format!("data.path={}", out.display());
+    fails(
+        &[
+            "train",
+            "--recipe",
+            "tiny-llama2",
+            "--run-dir",
+            s(&dir.join("run")),
+            "--set",
+            "data.source=shards",
+            "--set",
+            &path,
+        ],
+        "shard-00000.tok is",
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}

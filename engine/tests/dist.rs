@@ -1,0 +1,116 @@
+//! Rendezvous with real processes on loopback: every rank meets, a missing rank is named, and
+//! `engine launch` starts one process per device under each launcher convention.
+
+use std::net::TcpListener;
+use std::process::{Child, Command, Output, Stdio};
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+fn engine(args: &[&str], env: &[(&str, String)]) -> Child {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_engine"));
+    cmd.args(args).stdout(Stdio::piped()).stderr(Stdio::piped());
+    for var in
+        ["RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "SLURM_PROCID", "JAX_COORDINATOR_ADDRESS"]
+    {
+        cmd.env_remove(var);
+    }
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.spawn().expect("engine starts")
+}
+
+fn text(out: &Output) -> (String, String) {
+    (String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+/// The token every rank printed (they must agree).
+fn tokens(stdout: &str) -> Vec<&str> {
+    stdout.lines().filter_map(|l| l.rsplit_once("token ").map(|(_, t)| t)).collect()
+}
+
+#[test]
+fn launch_starts_one_process_per_device_and_they_meet() {
+    let out =
+        engine(&["launch", "--nproc", "3", "--", "dist", "check", "--timeout", "20"], &[]).wait_with_output().unwrap();
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stderr}");
+    let t = tokens(&stdout);
+    assert_eq!(t.len(), 3, "{stdout}");
+    assert!(t.iter().all(|x| *x == t[0]));
+    for r in 0..3 {
+        assert!(stdout.contains(&format!("rank {r} of 3")), "{stdout}");
+    }
+}
+
+#[test]
+fn a_rank_that_never_arrives_is_named() {
+    let port = free_port().to_string();
+    let children: Vec<Child> = (0..3)
+        .map(|rank| {
+            let env = [
+                ("MASTER_ADDR", "127.0.0.1".to_string()),
+                ("MASTER_PORT", port.clone()),
+                ("RANK", rank.to_string()),
+                ("WORLD_SIZE", "4".to_string()),
+            ];
+            engine(&["dist", "check", "--timeout", "3"], &env)
+        })
+        .collect();
+    let outs: Vec<Output> = children.into_iter().map(|c| c.wait_with_output().unwrap()).collect();
+    let (_, rank0) = text(&outs[0]);
+    assert_eq!(outs[0].status.code(), Some(2));
+    assert!(rank0.contains("rendezvous timed out after 3 s: rank(s) 3 of 4 never arrived"), "{rank0}");
+    assert_eq!(rank0.trim_end().lines().count(), 1, "{rank0}");
+    for out in &outs[1..] {
+        let (_, stderr) = text(out);
+        assert_eq!(out.status.code(), Some(2));
+        assert!(stderr.contains("rank 0 says: rendezvous timed out") && stderr.contains("rank(s) 3 of 4"), "{stderr}");
+    }
+}
+
+#[test]
+fn vertex_style_nodes_each_launch_their_devices() {
+    let port = free_port().to_string();
+    let nodes: Vec<Child> = (0..2)
+        .map(|node| {
+            let env = [
+                ("JAX_COORDINATOR_ADDRESS", "127.0.0.1".to_string()),
+                ("JAX_COORDINATOR_PORT", port.clone()),
+                ("NODE_RANK", node.to_string()),
+                ("NNODES", "2".to_string()),
+                ("GPUS_PER_NODE", "2".to_string()),
+            ];
+            engine(&["launch", "--nproc", "2", "--", "dist", "check", "--timeout", "20"], &env)
+        })
+        .collect();
+    let stdout: String = nodes
+        .into_iter()
+        .map(|c| {
+            let out = c.wait_with_output().unwrap();
+            let (stdout, stderr) = text(&out);
+            assert!(out.status.success(), "{stderr}");
+            stdout
+        })
+        .collect();
+    let t = tokens(&stdout);
+    assert_eq!(t.len(), 4, "{stdout}");
+    assert!(t.iter().all(|x| *x == t[0]));
+    assert!(stdout.contains("rank 3 of 4 (local 1 of 2), 2 node(s), via MaxText/Vertex"), "{stdout}");
+}
+
+#[test]
+fn launch_refuses_a_mismatched_node_description() {
+    let env = [
+        ("JAX_COORDINATOR_ADDRESS", "127.0.0.1".to_string()),
+        ("JAX_COORDINATOR_PORT", "1".to_string()),
+        ("NODE_RANK", "0".to_string()),
+        ("NNODES", "1".to_string()),
+        ("GPUS_PER_NODE", "8".to_string()),
+    ];
+    let out = engine(&["launch", "--nproc", "2", "--", "dist", "check"], &env).wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(text(&out).1.contains("GPUS_PER_NODE = 8 but --nproc 2"));
+}

@@ -1,0 +1,387 @@
+//! Hugging Face interoperability against transformers' own numbers (tests/fixtures/hf, made by
+//! its generate.py): loss, load-balancing loss, logits and gradients of tiny Llama, Mistral and
+//! Mixtral models; byte-exact import/export round trips; fine-tuning from a Hugging Face model;
+//! clear errors for models the engine cannot read; LAMBADA accuracy.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use common::*;
+use engine::tensors::Mapped;
+
+const MODELS: [&str; 3] = ["llama", "mistral", "mixtral"];
+
+/// Every tensor of a safetensors file (or of a model directory's weight files `model*.safetensors`):
+/// dtype, shape, bytes.
+fn tensors(path: &Path) -> BTreeMap<String, (String, Vec<usize>, Vec<u8>)> {
+    let files: Vec<std::path::PathBuf> = if path.is_dir() {
+        let mut f: Vec<_> = std::fs::read_dir(path)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| {
+                let name = p.file_name().unwrap().to_string_lossy();
+                name.starts_with("model") && name.ends_with(".safetensors")
+            })
+            .collect();
+        f.sort();
+        f
+    } else {
+        vec![path.to_path_buf()]
+    };
+    let mut out = BTreeMap::new();
+    for f in files {
+        let m = Mapped::open(&f).unwrap();
+        for (name, view) in m.tensors().iter() {
+            out.insert(name.to_owned(), (format!("{:?}", view.dtype()), view.shape().to_vec(), view.data().to_vec()));
+        }
+    }
+    out
+}
+
+/// Asserts two tensor maps are equal, naming the first difference (not printing megabytes).
+fn assert_same(
+    a: &BTreeMap<String, (String, Vec<usize>, Vec<u8>)>,
+    b: &BTreeMap<String, (String, Vec<usize>, Vec<u8>)>,
+    what: &str,
+) {
+    assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>(), "{what}: tensor names");
+    for (name, (dtype, shape, bytes)) in a {
+        let (d, sh, by) = &b[name];
+        assert_eq!((dtype, shape), (d, sh), "{what}: {name}");
+        assert!(bytes == by, "{what}: the bytes of {name} differ");
+    }
+}
+
+fn f32s(bytes: &[u8]) -> Vec<f32> {
+    bytes.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect()
+}
+
+fn expected(model: &str) -> serde_json::Value {
+    serde_json::from_slice(&std::fs::read(fixture(&format!("hf/{model}/expected.json"))).unwrap()).unwrap()
+}
+
+/// Loss within 1e-5 relative, logits within 1e-4 absolute, each parameter's gradient within
+/// 1e-4 relative in norm, of transformers' eager f32 computation.
+fn check_against_transformers(model: &str, source: &[&str], dir: &Path) {
+    let (logits, grads) =
+        (dir.join(format!("{model}-logits.safetensors")), dir.join(format!("{model}-grads.safetensors")));
+    let tokens = fixture(&format!("hf/{model}/tokens.json"));
+    let mut args = vec!["eval"];
+    args.extend_from_slice(source);
+    args.extend(["--tokens", s(&tokens), "--dump-logits", s(&logits), "--dump-grads", s(&grads)]);
+    let out: serde_json::Value = serde_json::from_str(ok(&args).trim()).unwrap();
+    let want = expected(model);
+    let rel = |a: f64, b: f64| (a - b).abs() / b.abs();
+    let loss = out["loss"].as_f64().unwrap();
+    assert!(rel(loss, want["loss"].as_f64().unwrap()) < 1e-5, "{model}: loss {loss} vs {}", want["loss"]);
+    assert!((out["perplexity"].as_f64().unwrap() - loss.exp()).abs() < 1e-9);
+    assert_eq!(out["tokens"], 30);
+    match want.get("aux_loss") {
+        Some(aux) => {
+            let got = out["aux_loss"].as_f64().unwrap();
+            assert!(rel(got, aux.as_f64().unwrap()) < 1e-5, "{model}: aux loss {got} vs {aux}");
+        }
+        None => assert!(out.get("aux_loss").is_none()),
+    }
+
+    let (ours, theirs) = (tensors(&logits), tensors(&fixture(&format!("hf/{model}/logits.safetensors"))));
+    assert_eq!(ours["logits"].1, theirs["logits"].1);
+    let worst =
+        f32s(&ours["logits"].2).iter().zip(f32s(&theirs["logits"].2)).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+    assert!(worst < 1e-4, "{model}: logits differ by up to {worst}");
+
+    let (ours, theirs) = (tensors(&grads), tensors(&fixture(&format!("hf/{model}/grads.safetensors"))));
+    assert_eq!(ours.keys().collect::<Vec<_>>(), theirs.keys().collect::<Vec<_>>(), "{model}: gradient names");
+    for (name, (_, shape, bytes)) in &theirs {
+        assert_eq!(&ours[name].1, shape, "{model}: {name}");
+        let (a, b) = (f32s(&ours[name].2), f32s(bytes));
+        let diff = a.iter().zip(&b).map(|(x, y)| ((x - y) as f64).powi(2)).sum::<f64>().sqrt();
+        let norm = b.iter().map(|y| (*y as f64).powi(2)).sum::<f64>().sqrt();
+        assert!(
+            norm > 0.0 && diff / norm < 1e-4,
+            "{model}: gradient of {name} differs by {:.2e} relative",
+            diff / norm
+        );
+    }
+}
+
+/// A token shard cut into sequences evaluates like the same tokens given as JSON.
+#[test]
+fn eval_reads_token_shards() {
+    let dir = scratch("hf-shard");
+    let tokens: Vec<Vec<u32>> =
+        serde_json::from_slice(&std::fs::read(fixture("hf/llama/tokens.json")).unwrap()).unwrap();
+    let shard = dir.join("tokens.tok");
+    let mut w = engine::data::shard::ShardWriter::create(&shard, 512, 1).unwrap();
+    w.push_document(&tokens.concat()).unwrap();
+    w.push_document(&[7, 7, 7]).unwrap(); // a partial last sequence, dropped
+    w.finish().unwrap();
+    let llama = fixture("hf/llama");
+    let from_shard = ok(&["eval", "--hf", s(&llama), "--tokens", s(&shard), "--seq-len", "16"]);
+    let from_json = ok(&["eval", "--hf", s(&llama), "--tokens", s(&fixture("hf/llama/tokens.json"))]);
+    assert_eq!(from_shard, from_json);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn eval_agrees_with_transformers_for_the_three_architectures() {
+    let dir = scratch("hf-eval");
+    for model in MODELS {
+        let hf = fixture(&format!("hf/{model}"));
+        check_against_transformers(model, &["--hf", s(&hf)], &dir);
+        // The same through an imported checkpoint.
+        let ck = dir.join(format!("{model}-ckpt"));
+        ok(&["import-hf", s(&hf), "--out", s(&ck)]);
+        check_against_transformers(model, &["--checkpoint", s(&ck)], &dir);
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Import then export gives back every tensor byte for byte, in the original dtype (f32, bf16),
+/// whether the original was one file or shards, and whether the export is sharded or not.
+#[test]
+fn import_then_export_is_byte_exact() {
+    let dir = scratch("hf-roundtrip");
+    for model in MODELS {
+        let hf = fixture(&format!("hf/{model}"));
+        let original = tensors(&hf);
+        let ck = dir.join(format!("{model}-ckpt"));
+        ok(&["import-hf", s(&hf), "--out", s(&ck)]);
+        for (name, shard) in [("whole", "5GB"), ("sharded", "20KB")] {
+            let out = dir.join(format!("{model}-{name}"));
+            ok(&["export-hf", s(&ck), "--out", s(&out), "--max-shard-size", shard]);
+            assert_same(&tensors(&out), &original, &format!("{model} ({name}) round trip"));
+            assert_eq!(out.join("model.safetensors.index.json").exists(), name == "sharded", "{model} {name}");
+            let config: serde_json::Value =
+                serde_json::from_slice(&std::fs::read(out.join("config.json")).unwrap()).unwrap();
+            let source: serde_json::Value =
+                serde_json::from_slice(&std::fs::read(hf.join("config.json")).unwrap()).unwrap();
+            for key in [
+                "architectures",
+                "vocab_size",
+                "hidden_size",
+                "num_key_value_heads",
+                "bos_token_id",
+                "tie_word_embeddings",
+            ] {
+                assert_eq!(config.get(key), source.get(key), "{model}: config.json {key}");
+            }
+            assert_eq!(
+                config.get("rope_parameters").is_some(),
+                source.get("rope_parameters").is_some(),
+                "{model}: RoPE spelling"
+            );
+            // What comes out reads back in.
+            check_against_transformers(model, &["--hf", s(&out)], &dir);
+        }
+    }
+    let llama = dir.join("llama-whole");
+    assert_eq!(
+        std::fs::read(llama.join("tokenizer.json")).unwrap(),
+        std::fs::read(fixture("hf/llama/tokenizer.json")).unwrap(),
+        "the tokenizer travels with the model"
+    );
+    fails(&["export-hf", s(&dir.join("llama-ckpt")), "--out", s(&llama)], "already exists and is not empty");
+    fails(&["export-hf", s(&dir.join("llama-ckpt")), "--out", s(&dir.join("x")), "--dtype", "f8"], "--dtype f8");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// transformers loads what the engine exports and computes the same logits (needs Python with
+/// torch and transformers: ENGINE_TEST_TORCH_PYTHON; skipped without).
+#[test]
+fn transformers_loads_the_export() {
+    let Some(python) = python_with("ENGINE_TEST_TORCH_PYTHON", "transformers", false) else { return };
+    let dir = scratch("hf-transformers");
+    for model in MODELS {
+        let ck = dir.join(format!("{model}-ckpt"));
+        let out = dir.join(model);
+        ok(&["import-hf", s(&fixture(&format!("hf/{model}"))), "--out", s(&ck)]);
+        ok(&["export-hf", s(&ck), "--out", s(&out), "--dtype", "f32"]);
+        let script = r#"
+import json, sys, torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+out, fixture = sys.argv[1], sys.argv[2]
+m = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager")
+ids = torch.tensor(json.load(open(fixture + "/tokens.json")))
+with torch.no_grad():
+    logits = m(input_ids=ids).logits
+ref = load_file(fixture + "/logits.safetensors")["logits"]
+print(type(m).__name__, (logits - ref).abs().max().item())
+"#;
+        let run = std::process::Command::new(&python)
+            .args(["-c", script, s(&out), s(&fixture(&format!("hf/{model}")))])
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&run.stdout);
+        assert!(run.status.success(), "{model}: {}", String::from_utf8_lossy(&run.stderr));
+        let (class, diff) = text.trim().rsplit_once(' ').unwrap();
+        assert!(class.to_lowercase().starts_with(model), "{model}: loaded as {class}");
+        assert!(diff.parse::<f64>().unwrap() < 1e-4, "{model}: transformers' logits of the export differ by {diff}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// `train --init-from-hf`: the model and its weights come from the directory (a step with a
+/// zero learning rate leaves them exactly as imported), and checkpoints carry its files.
+#[test]
+fn fine_tuning_starts_from_the_hugging_face_weights() {
+    let dir = scratch("hf-finetune");
+    let hf = fixture("hf/llama");
+    let run = dir.join("run");
+    let out = ok(&[
+        "train",
+        "--recipe",
+        "tiny-llama2",
+        "--init-from-hf",
+        s(&hf),
+        "--run-dir",
+        s(&run),
+        "--steps",
+        "2",
+        "--set",
+        "train.seq_len=16",
+        "--set",
+        "optim.lr=0",
+        "--set",
+        "train.checkpoint_every=1",
+    ]);
+    assert!(out.contains("training tiny-llama2"), "{out}");
+    let config = std::fs::read_to_string(run.join("config.toml")).unwrap();
+    assert!(
+        config.contains("d_model = 64")
+            && config.contains("vocab_size = 512")
+            && config.contains("tie_embeddings = true"),
+        "the model is the directory's: {config}"
+    );
+    let ck = run.join("checkpoints/step-000002");
+    let exported = dir.join("exported");
+    ok(&["export-hf", s(&ck), "--out", s(&exported)]);
+    assert_same(&tensors(&exported), &tensors(&hf), "zero learning rate: the weights are the imported ones");
+    assert!(exported.join("tokenizer.json").exists());
+    // With a learning rate the model moves, and the loss on the fixture tokens goes down.
+    let run2 = dir.join("run2");
+    ok(&[
+        "train",
+        "--recipe",
+        "tiny-llama2",
+        "--init-from-hf",
+        s(&hf),
+        "--run-dir",
+        s(&run2),
+        "--steps",
+        "6",
+        "--set",
+        "train.seq_len=16",
+        "--set",
+        "optim.lr=1e-2",
+        "--set",
+        "train.checkpoint_every=6",
+    ]);
+    let m = metrics(&run2);
+    assert!(m[5]["loss"].as_f64().unwrap() < m[0]["loss"].as_f64().unwrap(), "fine-tuning did not lower the loss");
+    fails(
+        &[
+            "train",
+            "--recipe",
+            "tiny-llama2",
+            "--init-from-hf",
+            s(&hf),
+            "--run-dir",
+            s(&dir.join("r3")),
+            "--set",
+            "model.d_model=8",
+        ],
+        "conflicts with --init-from-hf",
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A model directory the engine cannot read gets one line naming what is wrong.
+#[test]
+fn unreadable_models_are_named() {
+    let dir = scratch("hf-errors");
+    let copy = |name: &str, edit: &dyn Fn(&mut serde_json::Value)| {
+        let d = dir.join(name);
+        std::fs::create_dir_all(&d).unwrap();
+        for f in ["model.safetensors", "tokenizer.json"] {
+            std::fs::copy(fixture("hf/llama").join(f), d.join(f)).unwrap();
+        }
+        let mut c: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(fixture("hf/llama/config.json")).unwrap()).unwrap();
+        edit(&mut c);
+        std::fs::write(d.join("config.json"), serde_json::to_vec(&c).unwrap()).unwrap();
+        d
+    };
+    let cases: Vec<(std::path::PathBuf, &str)> = vec![
+        (
+            copy("gpt2", &|c| c["architectures"] = serde_json::json!(["GPT2LMHeadModel"])),
+            "architecture `GPT2LMHeadModel` is not supported",
+        ),
+        (
+            copy("deeper", &|c| c["num_hidden_layers"] = 3.into()),
+            "tensor model.layers.2.input_layernorm.weight is missing",
+        ),
+        (
+            copy("wider", &|c| c["intermediate_size"] = 100.into()),
+            "tensor model.layers.0.mlp.gate_proj.weight has shape [96, 64], config.json implies [100, 64]",
+        ),
+        (
+            copy("shallower", &|c| c["num_hidden_layers"] = 1.into()),
+            "tensor(s) that a LlamaForCausalLM with this config.json does not have: model.layers.1.",
+        ),
+        (
+            copy("yarn", &|c| c["rope_scaling"] = serde_json::json!({"rope_type": "yarn", "factor": 4.0})),
+            "rope_scaling.rope_type = \"yarn\" is not supported",
+        ),
+        (dir.join("nothing"), "cannot read"),
+    ];
+    let ck = dir.join("ck");
+    for (model, expected) in &cases {
+        fails(&["import-hf", s(model), "--out", s(&ck)], expected);
+        assert!(!ck.exists(), "a failed import left {}", ck.display());
+        fails(&["eval", "--hf", s(model), "--tokens", s(&fixture("hf/llama/tokens.json"))], expected);
+    }
+    let bad_tokens = dir.join("tokens.json");
+    std::fs::write(&bad_tokens, "[[1, 2, 3], [4, 5]]").unwrap();
+    fails(
+        &["eval", "--hf", s(&fixture("hf/llama")), "--tokens", s(&bad_tokens)],
+        "sequence 1 has 2 tokens, sequence 0 has 3",
+    );
+    std::fs::write(&bad_tokens, "[[1, 2, 3], [4, 5, 600]]").unwrap();
+    fails(
+        &["eval", "--hf", s(&fixture("hf/llama")), "--tokens", s(&bad_tokens)],
+        "token 600 (sequence 1, position 2) is outside the vocabulary of 512",
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn lambada_accuracy_agrees_with_transformers() {
+    let want: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(fixture("lambada/expected.json")).unwrap()).unwrap();
+    let (data, llama, tokenizer) =
+        (fixture("lambada/lambada.jsonl"), fixture("hf/llama"), fixture("tokenizers/bytelevel-bpe.json"));
+    // The tokenizer comes from the model directory, or is named.
+    for extra in [vec![], vec!["--tokenizer", s(&tokenizer)]] {
+        let mut args = vec!["eval", "--hf", s(&llama), "--task", "lambada", "--data", s(&data)];
+        args.extend(extra);
+        let got: serde_json::Value = serde_json::from_str(ok(&args).trim()).unwrap();
+        assert_eq!(got["per_example"], want["per_example"]);
+        assert_eq!(
+            (got["correct"].as_u64(), got["examples"].as_u64()),
+            (want["correct"].as_u64(), want["examples"].as_u64())
+        );
+        assert!((got["accuracy"].as_f64().unwrap() - 0.5).abs() < 1e-12);
+    }
+    let dir = scratch("lambada");
+    let bad = dir.join("bad.jsonl");
+    std::fs::write(&bad, "{\"text\": \"a b\"}\n{\"text\": \"nospace\"}\n").unwrap();
+    fails(
+        &["eval", "--hf", s(&fixture("hf/llama")), "--task", "lambada", "--data", s(&bad)],
+        "bad.jsonl:2: the text has no space",
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
