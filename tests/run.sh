@@ -32,7 +32,7 @@ need_deb() {  # need_deb COMMAND PACKAGE: install the Debian package when the co
 need_deb c++ g++
 if [ ! -e "$NVRTC_DIR/nvidia/cu13/lib/libnvrtc.so.13" ]; then
     python3 -m pip --version >/dev/null 2>&1 || need_deb pip3 python3-pip
-    python3 -m pip install --quiet --disable-pip-version-check --no-deps --target "$NVRTC_DIR" \
+    PIP_ROOT_USER_ACTION=ignore python3 -m pip install --quiet --disable-pip-version-check --no-deps --target "$NVRTC_DIR" \
         "nvidia-cuda-nvrtc==$NVRTC_VERSION"
 fi
 export ENGINE_CUDA_LIB_PATH="$NVRTC_DIR/nvidia/cu13/lib" ENGINE_REQUIRE_NVRTC=1 ENGINE_REQUIRE_EMULATOR=1
