@@ -137,11 +137,12 @@ pub fn attention_backward_br(hd: usize) -> usize {
     if hd >= 128 { 32 } else { 64 }
 }
 
-/// Dynamic shared memory of the attention backward kernel: keys, values, a query tile and its
-/// output gradient (rows of `hd + 8`), dSᵀ (64 × (BR + 8)), and two f32 rows of BR.
+/// Dynamic shared memory of the attention backward kernel: keys and values, two buffers each of
+/// a query tile and its output gradient (rows of `hd + 8`), dSᵀ (64 × (BR + 8)), and two
+/// buffers each of the tile's log-sum-exp and D (f32).
 pub fn attention_backward_smem(hd: usize) -> usize {
     let br = attention_backward_br(hd);
-    (2 * 64 * (hd + 8) + 2 * br * (hd + 8) + 64 * (br + 8)) * 2 + 2 * br * 4
+    (2 * 64 * (hd + 8) + 4 * br * (hd + 8) + 64 * (br + 8)) * 2 + 4 * br * 4
 }
 
 #[cfg(test)]

@@ -78,6 +78,11 @@ inline void cp_async_wait() {
 }
 
 inline void red_add(float* p, float v) { std::atomic_ref<float>(*p).fetch_add(v); }
+inline void red_add2(float* p, float a, float b) {
+    if ((uintptr_t)p % 8 != 0) emu_fail("red.v2 address not 8-byte aligned");
+    red_add(p, a);
+    red_add(p + 1, b);
+}
 
 // Registration of the kernels for emu_launch.
 void emu_register(const char* name, EmuEntry entry);

@@ -222,13 +222,13 @@ __device__ void attention_backward_impl(bf16* dqkv, float* dq_acc, const bf16* d
                                         float scale) {
     constexpr int LD = HD + 8, BC = 64, LDS = BR + 8;
     DYNAMIC_SMEM(uint4, smem_raw);
-    bf16* Ks = (bf16*)smem_raw;  // [BC][LD]
-    bf16* Vs = Ks + BC * LD;      // [BC][LD]
-    bf16* Qs = Vs + BC * LD;      // [BR][LD]
-    bf16* dOs = Qs + BR * LD;     // [BR][LD]
-    bf16* dSs = dOs + BR * LD;    // [BC][LDS]: dSᵀ, keys × queries
-    float* lse_s = (float*)(dSs + BC * LDS);  // [BR]
-    float* d_s = lse_s + BR;                  // [BR]
+    bf16* Ks = (bf16*)smem_raw;     // [BC][LD]
+    bf16* Vs = Ks + BC * LD;         // [BC][LD]
+    bf16* Qs_buf = Vs + BC * LD;     // [2][BR][LD]: the tile in use and the next one
+    bf16* dOs_buf = Qs_buf + 2 * BR * LD;  // [2][BR][LD]
+    bf16* dSs = dOs_buf + 2 * BR * LD;     // [BC][LDS]: dSᵀ, keys × queries
+    float* lse_buf = (float*)(dSs + BC * LDS);  // [2][BR]
+    float* d_buf = lse_buf + 2 * BR;            // [2][BR]
 
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, group = lane >> 2, tig = lane & 3;
     int k0 = blockIdx.x * BC, g = blockIdx.y, b = blockIdx.z, per_group = heads / kv_heads;
@@ -250,19 +250,34 @@ __device__ void attention_backward_impl(bf16* dqkv, float* dq_acc, const bf16* d
     int q_end = window ? min(seq, k0 + BC - 1 + window) : seq;  // queries that see some key here
     int qt_first = k0 / BR, qt_end = (q_end + BR - 1) / BR;
 
-    for (int h = g * per_group; h < (g + 1) * per_group; h++) {
-        for (int qt = qt_first; qt < qt_end; qt++) {
-            int q0 = qt * BR;
-            load_tile_async<BR, HD>(Qs, qkv, row0, q0, seq, width, h * dh, dh);
-            load_tile_async<BR, HD>(dOs, dout, row0, q0, seq, out_width, h * dh, dh);
-            cp_async_commit();
-            for (int i = threadIdx.x; i < BR; i += blockDim.x) {
-                bool ok = q0 + i < seq;
-                lse_s[i] = ok ? lse[(row0 + q0 + i) * heads + h] * LOG2E : POS_INF;
-                d_s[i] = ok ? big_d[(row0 + q0 + i) * heads + h] : 0.f;
-            }
+    // The (query head, query tile) pairs this block visits, in order; the next pair's Q, dO,
+    // log-sum-exp and D are fetched while the current one is computed.
+    int q_tiles = qt_end - qt_first, steps = per_group * q_tiles;
+    auto fetch = [&](int step, int buf) {
+        int h = g * per_group + step / q_tiles, q0 = (qt_first + step % q_tiles) * BR;
+        load_tile_async<BR, HD>(Qs_buf + buf * BR * LD, qkv, row0, q0, seq, width, h * dh, dh);
+        load_tile_async<BR, HD>(dOs_buf + buf * BR * LD, dout, row0, q0, seq, out_width, h * dh, dh);
+        cp_async_commit();
+        for (int i = threadIdx.x; i < BR; i += blockDim.x) {
+            bool ok = q0 + i < seq;
+            lse_buf[buf * BR + i] = ok ? lse[(row0 + q0 + i) * heads + h] * LOG2E : POS_INF;
+            d_buf[buf * BR + i] = ok ? big_d[(row0 + q0 + i) * heads + h] : 0.f;
+        }
+    };
+    fetch(0, 0);
+    for (int step = 0; step < steps; step++) {
+        int buf = step & 1, h = g * per_group + step / q_tiles, q0 = (qt_first + step % q_tiles) * BR;
+        // The other buffer was last read before the barrier that ended the previous step.
+        if (step + 1 < steps) {
+            fetch(step + 1, buf ^ 1);
+            cp_async_wait<1>();
+        } else {
             cp_async_wait<0>();
-            __syncthreads();
+        }
+        __syncthreads();
+        const bf16 *Qs = Qs_buf + buf * BR * LD, *dOs = dOs_buf + buf * BR * LD;
+        const float *lse_s = lse_buf + buf * BR, *d_s = d_buf + buf * BR;
+        {
 
             // Sᵀ = K Qᵀ: this warp's 16 keys × BR queries.
             float st[BR / 8][4];
@@ -373,13 +388,10 @@ __device__ void attention_backward_impl(bf16* dqkv, float* dq_acc, const bf16* d
 #pragma unroll
                 for (int i = 0; i < NT_PER_WARP; i++) {
                     int col = (nt0 + i) * 8 + tig * 2;
-                    if (col < dh) {
-                        red_add(dst + col, acc[i][2 * r]);
-                        red_add(dst + col + 1, acc[i][2 * r + 1]);
-                    }
+                    if (col < dh) red_add2(dst + col, acc[i][2 * r], acc[i][2 * r + 1]);
                 }
             }
-            __syncthreads();  // Qs, dOs, dSs are refilled next
+            __syncthreads();  // dSs and this step's buffers are refilled next
         }
     }
 

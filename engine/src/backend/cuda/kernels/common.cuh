@@ -54,6 +54,7 @@ inline void cp_async_commit();
 template <int N>
 inline void cp_async_wait();
 inline void red_add(float* p, float v);
+inline void red_add2(float* p, float a, float b);
 #endif
 __device__ __forceinline__ float lo_f(u32 v) { return __uint_as_float(v << 16); }
 __device__ __forceinline__ float hi_f(u32 v) { return __uint_as_float(v & 0xffff0000u); }
@@ -156,7 +157,19 @@ __device__ __forceinline__ void cp_async_wait() {
 }
 
 // Fire-and-forget f32 add to global memory.
-__device__ __forceinline__ void red_add(float* p, float v) { asm volatile("red.global.add.f32 [%0], %1;" ::"l"(p), "f"(v)); }
+__device__ __forceinline__ void red_add(float* p, float v) {
+    asm volatile("red.global.add.f32 [%0], %1;" ::"l"(p), "f"(v) : "memory");
+}
+
+// p[0] += a, p[1] += b (p 8-byte aligned): one vector reduction on sm_90, two before it.
+__device__ __forceinline__ void red_add2(float* p, float a, float b) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(p), "f"(a), "f"(b) : "memory");
+#else
+    red_add(p, a);
+    red_add(p + 1, b);
+#endif
+}
 #endif
 
 // ---- Vector access: V = 8 moves 16 bytes (8 bf16) at once, V = 1 one element -----------------
