@@ -297,6 +297,12 @@ pub trait Backend {
 
     /// General matrix product, see [`MatMul`].
     fn matmul(&mut self, out: View, a: View, b: View, shape: MatMul);
+    /// `out = c + op(a) · op(b)` (`shape.accumulate` is ignored): a residual add in the
+    /// product's epilogue, where the backend can read `c` and write `out` in one pass.
+    fn matmul_add(&mut self, out: View, a: View, b: View, c: View, shape: MatMul) {
+        self.copy(out, c);
+        self.matmul(out, a, b, shape.accumulating());
+    }
 
     /// `out[n] = table[tokens[n]]`, rows of width `d`.
     fn embedding_forward(&mut self, out: View, table: View, tokens: IdxView, d: usize);

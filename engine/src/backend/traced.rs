@@ -140,6 +140,9 @@ impl<B: Backend> Backend for Traced<B> {
         };
         self.time(name, |be| be.matmul(out, a, b, shape))
     }
+    fn matmul_add(&mut self, out: View, a: View, b: View, c: View, shape: MatMul) {
+        self.time("matmul_forward", |be| be.matmul_add(out, a, b, c, shape))
+    }
     fn embedding_forward(&mut self, out: View, table: View, tokens: IdxView, d: usize) {
         self.time("embedding_forward", |b| b.embedding_forward(out, table, tokens, d))
     }

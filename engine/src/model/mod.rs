@@ -349,18 +349,14 @@ impl Model {
         be.matmul(a.qkv, a.ln1, w(o.qkv, qkv * d), MatMul::linear(n, d, qkv));
         be.rope(a.qkv, p.rope, shape, false);
         be.attention_forward(a.attn, a.lse, a.qkv, shape);
-        be.copy(a.xmid, a.x);
-        be.matmul(a.xmid, a.attn, w(o.o, d * q), MatMul::linear(n, q, d).accumulating());
+        be.matmul_add(a.xmid, a.attn, w(o.o, d * q), a.x, MatMul::linear(n, q, d));
         be.rmsnorm_forward(a.ln2, a.rstd2, a.xmid, w(o.ln2, d), d, eps);
-        if let Some(out) = out {
-            be.copy(out, a.xmid);
-        }
         match (&a.mlp, &o.mlp) {
             (MlpActs::Dense { gu, h }, MlpOffsets::Dense { gate_up, down }) => {
                 be.matmul(*gu, a.ln2, w(*gate_up, 2 * f * d), MatMul::linear(n, d, 2 * f));
                 be.swiglu_forward(*h, *gu, f);
                 if let Some(out) = out {
-                    be.matmul(out, *h, w(*down, d * f), MatMul::linear(n, f, d).accumulating());
+                    be.matmul_add(out, *h, w(*down, d * f), a.xmid, MatMul::linear(n, f, d));
                 }
             }
             (MlpActs::Moe { logits, probs, dispatch, xe, gu, h, ye }, MlpOffsets::Moe { router, experts, stride }) => {
@@ -373,6 +369,7 @@ impl Model {
                 be.moe_expert_matmul(*ye, *h, down, *dispatch, MatMul::linear(0, f, d));
                 if let Some(out) = out {
                     be.moe_combine(p.moe_out, *ye, *dispatch, d);
+                    be.copy(out, a.xmid);
                     be.add(out, p.moe_out);
                 }
             }

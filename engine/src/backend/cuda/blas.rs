@@ -48,9 +48,11 @@ pub struct Gemm {
     pub b: CUdeviceptr,
     /// Leading dimension of B.
     pub ldb: usize,
-    /// C's address (also the output).
+    /// C's address (read when `beta` is not 0).
     pub c: CUdeviceptr,
-    /// Leading dimension of C.
+    /// The output D's address (C's layout; may be C).
+    pub d: CUdeviceptr,
+    /// Leading dimension of C and D.
     pub ldc: usize,
     /// Type of A and B.
     pub inputs: DType,
@@ -83,6 +85,7 @@ impl Gemm {
             b: a,
             ldb: if s.a_t { s.m } else { s.k },
             c: out,
+            d: out,
             ldc: s.n,
             inputs,
             output,
@@ -145,7 +148,7 @@ impl Blas {
             transb: g.transb,
             inputs: g.inputs,
             output: g.output,
-            align: [alignment(g.a), alignment(g.b), alignment(g.c)],
+            align: [alignment(g.a), alignment(g.b), alignment(g.c).min(alignment(g.d))],
         };
         if !self.plans.contains_key(&key) {
             let plan = self.plan(key, g).map_err(|e| format!("cuBLASLt has no algorithm for {g:?} ({e})"))?;
@@ -168,7 +171,7 @@ impl Blas {
                 lb,
                 g.c as *const c_void,
                 lc,
-                g.c as *mut c_void,
+                g.d as *mut c_void,
                 lc,
                 &plan.algo,
                 self.workspace as *mut c_void,

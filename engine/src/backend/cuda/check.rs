@@ -309,16 +309,18 @@ fn matmul(gpu: Cuda, m: usize, n: usize, k: usize) -> Result<String, String> {
     let (y, res) = (t.alloc(ACT, m * n), t.random(ACT, m * n, 1.0));
     let dy = t.random(ACT, m * n, 1.0);
     let (dx, dw) = (t.alloc(ACT, m * k), t.random(GRAD, n * k, 0.1));
-    let logits = t.alloc(F32S, m * n);
+    let (logits, stream, sum) = (t.alloc(F32S, m * n), t.random(ACT, m * n, 1.0), t.alloc(ACT, m * n));
     t.both(|be| {
         be.matmul(y, x, w, MatMul::linear(m, k, n));
         be.matmul(res, x, w, MatMul::linear(m, k, n).accumulating());
+        be.matmul_add(sum, x, w, stream, MatMul::linear(m, k, n));
         be.matmul(dx, dy, w, MatMul::linear_dx(m, k, n));
         be.matmul(dw, dy, x, MatMul::linear_dw(m, k, n));
         be.matmul(logits, x, w, MatMul::linear(m, k, n));
     });
     t.check("x·Wᵀ", y, BF16)?;
     t.check("residual + x·Wᵀ", res, BF16)?;
+    t.check("residual + x·Wᵀ into another buffer", sum, BF16)?;
     t.check("dy·W", dx, BF16)?;
     t.check("dW += dyᵀ·x (f32)", dw, F32)?;
     t.check("x·Wᵀ into f32", logits, F32)?;

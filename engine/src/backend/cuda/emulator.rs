@@ -254,7 +254,7 @@ fn read(ptr: CUdeviceptr, t: DType, n: usize) -> Vec<f32> {
     }
 }
 
-/// cuBLASLt's product, in f32: `C = op(A) · op(B) + beta · C`, column-major.
+/// cuBLASLt's product, in f32: `D = op(A) · op(B) + beta · C`, column-major.
 fn gemm(g: &Gemm) {
     let (a_rows, a_cols) = if g.transa { (g.k, g.m) } else { (g.m, g.k) };
     let (b_rows, b_cols) = if g.transb { (g.n, g.k) } else { (g.k, g.n) };
@@ -298,8 +298,8 @@ fn gemm(g: &Gemm) {
             // SAFETY: inside C's span.
             unsafe {
                 match g.output {
-                    DType::F32 => *(g.c as *mut f32).add(at) = c[at],
-                    DType::Bf16 => *(g.c as *mut u16).add(at) = half::bf16::from_f32(c[at]).to_bits(),
+                    DType::F32 => *(g.d as *mut f32).add(at) = c[at],
+                    DType::Bf16 => *(g.d as *mut u16).add(at) = half::bf16::from_f32(c[at]).to_bits(),
                 }
             }
         }

@@ -586,6 +586,21 @@ impl Backend for Cuda {
         self.dev.gemm(&Gemm::row_major(s, o, ap, bp, inputs, ot));
     }
 
+    fn matmul_add(&mut self, out: View, a: View, b: View, c: View, s: MatMul) {
+        assert_eq!(c.len, out.len, "internal error: matmul_add: c and out differ in length");
+        assert_eq!(self.dtype(c), self.dtype(out), "internal error: matmul_add: c and out differ in type");
+        assert!(!c.overlaps(out) || c == out, "internal error: matmul_add: c overlaps out");
+        assert_eq!(a.len, s.m * s.k, "internal error: matmul_add: a is not {}x{}", s.m, s.k);
+        assert_eq!(b.len, s.k * s.n, "internal error: matmul_add: b is not {}x{}", s.k, s.n);
+        let inputs = self.dtype(a);
+        self.expect(b, inputs, "matmul_add", "b (the same type as a)");
+        let (o, cp) = (self.out(out, "matmul_add"), self.ptr(c));
+        let (ap, bp) = (self.ptr(a), self.ptr(b));
+        let mut g = Gemm::row_major(s.accumulating(), o, ap, bp, inputs, self.dtype(out));
+        g.c = cp;
+        self.dev.gemm(&g);
+    }
+
     fn embedding_forward(&mut self, out: View, table: View, tokens: IdxView, d: usize) {
         self.expect(out, DType::Bf16, "embedding_forward", "out");
         self.expect(table, DType::Bf16, "embedding_forward", "table");
