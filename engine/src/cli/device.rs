@@ -5,7 +5,7 @@ use engine::backend::cpu::{self, Cpu};
 use engine::backend::cuda::{self, Cuda, device};
 use engine::config::Config;
 use engine::model::Model;
-use engine::model::memory::{self, Target};
+use engine::model::memory::{self, Target, gib};
 
 /// Which device to run on.
 #[derive(clap::ValueEnum, Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -80,7 +80,6 @@ pub fn open(arg: DeviceArg, config: Option<&Config>) -> Result<Opened> {
         let need = memory::estimate(&model, c.train.batch_size, c.train.seq_len, target).total();
         let (free, total) = backend.device_memory();
         if need > free {
-            let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
             bail!(
                 "training needs about {:.1} GiB of GPU memory but {} has {:.1} GiB free of {:.1} GiB: lower \
                  train.batch_size (raise train.grad_accum to keep the tokens per step), set train.remat=minimal or \

@@ -27,7 +27,7 @@ use crate::backend::{
     AdamWStep, AttnShape, Backend, BufKind, ExpertWeights, IdxView, MatMul, MoeDispatch, Segment, View,
 };
 use crate::config::{Config, Remat, recipe};
-use crate::model::memory::{self, Target};
+use crate::model::memory::{self, Target, gib};
 use crate::model::{LOSS_SUM, Model, Plan, init};
 use crate::rng;
 use crate::train::Trainer;
@@ -607,17 +607,22 @@ fn parity(gpu: Cuda, name: &str, extra: &[&str], scale: Scale) -> Result<String,
     Ok(notes.join(", "))
 }
 
-/// Losses of `steps` training steps of a tiny configuration.
-fn train_losses(gpu: Cuda, config: &Config, steps: usize) -> Result<Vec<f64>, String> {
+/// Losses of `steps` training steps of a tiny configuration, and the sections recorded.
+fn train_losses(gpu: Cuda, config: &Config, steps: usize) -> Result<(Vec<f64>, usize), String> {
     let mut trainer = Trainer::new(gpu, config).map_err(|e| format!("{e:#}"))?;
-    Ok((0..steps).map(|_| trainer.train_step(0.0).loss).collect())
+    let losses = (0..steps).map(|_| trainer.train_step(0.0).loss).collect();
+    Ok((losses, trainer.backend.recorded_sections()))
 }
 
 fn graphs(gpu: Cuda, open: &mut Open, scale: Scale) -> Result<String, String> {
     let steps = 4;
-    let graphs = train_losses(gpu, &tiny("tiny-llama2", scale, &[]), steps)?;
-    let eager = train_losses(open()?, &tiny("tiny-llama2", scale, &["train.cuda_graphs=false"]), steps)?;
-    // Steps 3 and 4 replay the graph; atomics make the last bits differ from run to run.
+    let (graphs, recorded) = train_losses(gpu, &tiny("tiny-llama2", scale, &[]), steps)?;
+    let (eager, none) = train_losses(open()?, &tiny("tiny-llama2", scale, &["train.cuda_graphs=false"]), steps)?;
+    if recorded != 1 || none != 0 {
+        return Err(format!("{recorded} graphs recorded with train.cuda_graphs, {none} without (want 1 and 0)"));
+    }
+    // Step 1 runs eagerly, step 2 is captured, 3 and 4 replay; atomics make the last bits differ
+    // from run to run.
     for (i, (a, b)) in graphs.iter().zip(&eager).enumerate() {
         if (a - b).abs() > 2e-3 * b.abs() {
             return Err(format!("step {}: loss {a} with graphs, {b} without", i + 1));
@@ -652,7 +657,6 @@ fn memory_estimate(gpu: Cuda, scale: Scale) -> Result<String, String> {
     let mut trainer = Trainer::new(gpu, &config).map_err(|e| format!("{e:#}"))?;
     trainer.train_step(0.0);
     let (allocated, in_use) = trainer.backend.memory_in_use();
-    let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
     let detail = format!(
         "estimate {:.4} GiB, allocated {:.4} GiB, device memory in use {:.3} GiB",
         gib(estimate),
@@ -665,7 +669,7 @@ fn memory_estimate(gpu: Cuda, scale: Scale) -> Result<String, String> {
 
 fn training(gpu: Cuda, name: &str, scale: Scale) -> Result<String, String> {
     let config = tiny(name, scale, &[&format!("train.steps={}", scale.train_steps)]);
-    let losses = train_losses(gpu, &config, scale.train_steps)?;
+    let (losses, _) = train_losses(gpu, &config, scale.train_steps)?;
     let tail = &losses[losses.len().saturating_sub(5)..];
     let last = tail.iter().sum::<f64>() / tail.len() as f64;
     let detail = format!("loss {:.3} -> {:.3} (mean of the last {})", losses[0], last, tail.len());

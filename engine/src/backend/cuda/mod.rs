@@ -29,6 +29,7 @@ use cudarc::driver::sys::CUdeviceptr;
 
 use super::{AdamWStep, AttnShape, Backend, BufKind, ExpertWeights, IdxView, MatMul, MoeDispatch, Segment, View};
 use crate::config::ModelConfig;
+use crate::model::memory::gib;
 use blas::Gemm;
 pub use device::DeviceInfo;
 
@@ -237,6 +238,11 @@ impl Cuda {
         device::peak_tflops(&self.dev.info().name)
     }
 
+    /// Sections recorded as graphs (and replayed since).
+    pub fn recorded_sections(&self) -> usize {
+        self.sections.values().filter(|s| matches!(s, Section::Graph(_))).count()
+    }
+
     /// Free and total device memory in bytes.
     pub fn device_memory(&self) -> (usize, usize) {
         self.dev.memory()
@@ -339,6 +345,8 @@ impl Cuda {
             self.synchronize(); // pending work may still use the old buffer
             self.dev.free(ptr);
             self.allocated -= size;
+            // Recorded sections point at the old buffer: record them again.
+            self.sections.clear();
         }
         let ptr = self.device_alloc(bytes, "scratch");
         self.scratch[which as usize] = (ptr, bytes);
@@ -407,10 +415,6 @@ impl Cuda {
     }
 }
 
-fn gib(bytes: usize) -> f64 {
-    bytes as f64 / (1u64 << 30) as f64
-}
-
 impl Drop for Cuda {
     fn drop(&mut self) {
         self.capturing = false;
@@ -453,7 +457,8 @@ impl Backend for Cuda {
     }
 
     fn end_section(&mut self, key: u32) {
-        let state = self.sections.get_mut(&key).expect("internal error: end of a section never begun");
+        // (A scratch buffer that grew during an eager run cleared the sections: count this run.)
+        let state = self.sections.entry(key).or_insert(Section::Eager(0));
         match state {
             Section::Eager(n) => *n += 1,
             Section::Capturing => {
