@@ -3,11 +3,16 @@
 transformers and torch.optim.AdamW, and prints its step time as JSON.
 
 The model comes from the engine's own resolved recipe (`engine recipes show`), so both sides
-train exactly the same shapes. CPU: f32, eager, the given thread count. CUDA: bf16 weights and
-activations, SDPA attention, fused AdamW, eager or torch.compile.
+train exactly the same shapes: batch, sequence, gradient accumulation. CPU: f32, eager, the
+given thread count. CUDA: bf16 weights and activations, SDPA attention, fused AdamW, eager or
+torch.compile (of the forward pass and the loss together). The loss is the mean next-token
+cross-entropy (plus the load-balancing term for Mixtral), as the engine computes it. Each step
+ends with `loss.item()`, which waits for the GPU, as the engine's logged loss does.
 
     python3 bench/torch_train.py --recipe tiny-llama2 --threads 2
     python3 bench/torch_train.py --recipe llama3.2-1b --device cuda --compile --set train.seq_len=4096
+
+bench/compare.py runs this and `engine bench` side by side.
 """
 
 import argparse
@@ -86,7 +91,7 @@ def main():
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--compile", action="store_true", help="torch.compile the model (CUDA)")
     ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=3, help="steps before measuring (torch.compile compiles in the first)")
     args = ap.parse_args()
 
     import torch
@@ -111,42 +116,56 @@ def main():
         weight_decay=optim["weight_decay"],
         fused=cuda,
     )
-    step_fn = model
-    if args.compile:
-        step_fn = torch.compile(model)
-    batch, seq = train["batch_size"], train["seq_len"]
     vocab = recipe["model"]["vocab_size"]
+    moe = recipe["model"].get("moe")
+
+    def loss_fn(inputs, targets):
+        """Mean next-token cross-entropy in f32 (plus the load-balancing loss for Mixtral)."""
+        kwargs = {"output_router_logits": True} if moe else {}
+        out = model(input_ids=inputs, **kwargs)
+        loss = torch.nn.functional.cross_entropy(out.logits.float().view(-1, vocab), targets.reshape(-1))
+        if moe:
+            loss = loss + moe["aux_loss_coef"] * out.aux_loss
+        return loss
+
+    step_fn = torch.compile(loss_fn) if args.compile else loss_fn
+    batch, seq, accum = train["batch_size"], train["seq_len"], train.get("grad_accum", 1)
     gen = torch.Generator().manual_seed(0)
     times, losses = [], []
     for step in range(args.warmup + args.steps):
-        ids = torch.randint(0, vocab, (batch, seq + 1), generator=gen).to(args.device)
+        batches = [torch.randint(0, vocab, (batch, seq + 1), generator=gen).to(args.device) for _ in range(accum)]
         if cuda:
             torch.cuda.synchronize()
         start = time.perf_counter()
-        out = step_fn(input_ids=ids[:, :-1], labels=ids[:, 1:].contiguous())
-        out.loss.backward()
+        total = 0.0
+        for ids in batches:
+            loss = step_fn(ids[:, :-1], ids[:, 1:]) / accum
+            loss.backward()
+            total = total + loss.detach()
         if optim["grad_clip"] > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), optim["grad_clip"])
         opt.step()
         opt.zero_grad(set_to_none=True)
-        loss = out.loss.item()  # synchronises, like the engine's logged loss
+        loss = float(total)  # waits for the device, like the engine's logged loss
         elapsed = time.perf_counter() - start
         if step >= args.warmup:
             times.append(elapsed)
             losses.append(loss)
     median = statistics.median(times)
-    tokens = batch * seq
+    tokens = batch * seq * accum
     json.dump(
         {
             "peer": "pytorch" + (" + torch.compile" if args.compile else " eager"),
             "torch": torch.__version__,
             "transformers": transformers.__version__,
             "recipe": args.recipe,
-            "device": args.device,
+            "device": torch.cuda.get_device_name() if cuda else args.device,
             "threads": args.threads,
+            "tokens_per_step": tokens,
             "median_step_time_s": median,
             "tokens_per_s": tokens / median,
             "final_loss": losses[-1],
+            "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
         },
         sys.stdout,
     )

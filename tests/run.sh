@@ -14,6 +14,29 @@ section "toolchain"
 rustup component list --installed 2>/dev/null | grep -q '^rustfmt' || rustup component add rustfmt clippy
 cargo --version
 
+section "CUDA kernel checks without a GPU: NVRTC and a C++ compiler"
+# CI has no GPU. The CUDA backend's kernels are checked in two ways that need none, both made
+# mandatory here (docs/cuda.md, "Testing"): engine/tests/nvrtc.rs compiles every kernel with
+# NVRTC itself for sm_80 and sm_90, and engine/tests/cuda_emulated.rs runs the backend on a CPU
+# emulator built with the host's C++20 compiler. NVRTC comes from NVIDIA's PyPI wheel, unpacked
+# into target/ (ignored by git, kept between runs) and pointed at by ENGINE_CUDA_LIB_PATH.
+NVRTC_VERSION=13.0.88
+NVRTC_DIR="$PWD/target/nvrtc-$NVRTC_VERSION"
+need_deb() {  # need_deb COMMAND PACKAGE: install the Debian package when the command is missing
+    command -v "$1" >/dev/null 2>&1 && return
+    local sudo=""
+    [ "$(id -u)" = 0 ] || sudo=sudo
+    $sudo apt-get -o DPkg::Lock::Timeout=600 update -qq
+    $sudo apt-get -o DPkg::Lock::Timeout=600 install -y -qq "$2"
+}
+need_deb c++ g++
+if [ ! -e "$NVRTC_DIR/nvidia/cu13/lib/libnvrtc.so.13" ]; then
+    python3 -m pip --version >/dev/null 2>&1 || need_deb pip3 python3-pip
+    PIP_ROOT_USER_ACTION=ignore python3 -m pip install --quiet --disable-pip-version-check --no-deps --target "$NVRTC_DIR" \
+        "nvidia-cuda-nvrtc==$NVRTC_VERSION"
+fi
+export ENGINE_CUDA_LIB_PATH="$NVRTC_DIR/nvidia/cu13/lib" ENGINE_REQUIRE_NVRTC=1 ENGINE_REQUIRE_EMULATOR=1
+
 section "format"
 cargo fmt --all -- --check
 

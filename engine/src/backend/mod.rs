@@ -16,6 +16,7 @@
 //! thread scheduling.
 
 pub mod cpu;
+pub mod cuda;
 pub mod traced;
 
 /// Identifies one buffer of a backend.
@@ -259,6 +260,18 @@ pub trait Backend {
     /// Waits until every op issued so far has finished (a no-op where ops are synchronous).
     fn synchronize(&mut self) {}
 
+    /// Begins a section of work that repeats identically — the same ops on the same views, with
+    /// no host read-back inside — each time it runs (a micro-batch's forward and backward pass),
+    /// so that a backend may record it once and replay it (a CUDA graph). Returns true when the
+    /// caller is to issue the section's ops and then call [`Backend::end_section`]; false when
+    /// the backend has replayed the recorded section itself (the caller issues nothing). Inputs
+    /// the section reads (tokens) are uploaded before it begins.
+    fn begin_section(&mut self, _key: u32) -> bool {
+        true
+    }
+    /// Ends the section [`Backend::begin_section`] began.
+    fn end_section(&mut self, _key: u32) {}
+
     /// Allocates a zero-filled buffer of `len` elements and returns a view of all of it.
     fn alloc(&mut self, kind: BufKind, len: usize) -> View;
     /// Allocates a zero-filled index buffer.
@@ -284,6 +297,12 @@ pub trait Backend {
 
     /// General matrix product, see [`MatMul`].
     fn matmul(&mut self, out: View, a: View, b: View, shape: MatMul);
+    /// `out = c + op(a) · op(b)` (`shape.accumulate` is ignored): a residual add in the
+    /// product's epilogue, where the backend can read `c` and write `out` in one pass.
+    fn matmul_add(&mut self, out: View, a: View, b: View, c: View, shape: MatMul) {
+        self.copy(out, c);
+        self.matmul(out, a, b, shape.accumulating());
+    }
 
     /// `out[n] = table[tokens[n]]`, rows of width `d`.
     fn embedding_forward(&mut self, out: View, table: View, tokens: IdxView, d: usize);

@@ -26,12 +26,14 @@ pub struct Traced<B: Backend> {
     pub inner: B,
     recording: Option<Instant>,
     spans: Vec<Span>,
+    /// A section began while recording: its ops run (and are timed) one by one, not replayed.
+    section_bypassed: bool,
 }
 
 impl<B: Backend> Traced<B> {
     /// Wraps a backend; nothing is recorded until [`Traced::start`].
     pub fn new(inner: B) -> Traced<B> {
-        Traced { inner, recording: None, spans: Vec::new() }
+        Traced { inner, recording: None, spans: Vec::new(), section_bypassed: false }
     }
 
     /// Starts recording (clearing earlier spans).
@@ -88,6 +90,15 @@ impl<B: Backend> Backend for Traced<B> {
     fn synchronize(&mut self) {
         self.inner.synchronize()
     }
+    fn begin_section(&mut self, key: u32) -> bool {
+        self.section_bypassed = self.recording.is_some();
+        self.section_bypassed || self.inner.begin_section(key)
+    }
+    fn end_section(&mut self, key: u32) {
+        if !std::mem::take(&mut self.section_bypassed) {
+            self.inner.end_section(key)
+        }
+    }
     fn alloc(&mut self, kind: BufKind, len: usize) -> View {
         self.inner.alloc(kind, len)
     }
@@ -128,6 +139,9 @@ impl<B: Backend> Backend for Traced<B> {
             (true, _) => "matmul_dw",
         };
         self.time(name, |be| be.matmul(out, a, b, shape))
+    }
+    fn matmul_add(&mut self, out: View, a: View, b: View, c: View, shape: MatMul) {
+        self.time("matmul_forward", |be| be.matmul_add(out, a, b, c, shape))
     }
     fn embedding_forward(&mut self, out: View, table: View, tokens: IdxView, d: usize) {
         self.time("embedding_forward", |b| b.embedding_forward(out, table, tokens, d))

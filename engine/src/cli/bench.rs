@@ -8,15 +8,16 @@ use std::time::Instant;
 
 use anyhow::Result;
 use clap::Args;
-use engine::backend::cpu::{self, Cpu};
+use engine::backend::cpu;
 use engine::backend::traced::Traced;
 use engine::backend::{Backend, BufKind, MatMul};
-use engine::config::Override;
+use engine::config::{Override, Resolved};
 use engine::fsutil::write_atomic;
 use engine::train::Trainer;
 use serde::Serialize;
 
 use super::RecipeArgs;
+use super::device::{self, DeviceArg, Opened};
 
 /// The seed images' test configurations, measured when no recipe is named.
 const DEFAULT_RECIPES: [&str; 3] = ["tiny-llama2", "tiny-mistral", "tiny-mixtral"];
@@ -52,25 +53,23 @@ struct RecipeResult {
     tokens_per_s: f64,
     tflops_per_device: f64,
     mfu: f64,
+    peak_tflops: f64,
 }
 
 #[derive(Serialize)]
 struct Report {
     machine: String,
     threads: usize,
-    gemm_1024_gflops: f64,
     recipes: Vec<RecipeResult>,
 }
 
-pub fn run(args: BenchArgs) -> Result<()> {
+pub fn run(args: BenchArgs, device: DeviceArg) -> Result<()> {
     anyhow::ensure!(args.steps > 0, "--steps must be at least 1");
     let names: Vec<String> =
         if args.recipes.is_empty() { DEFAULT_RECIPES.map(String::from).to_vec() } else { args.recipes.clone() };
-    let peak = cpu::measure_peak_tflops();
     let machine = cpu::model_name();
     let threads = rayon::current_num_threads();
     println!("machine: {machine}, {threads} threads");
-    println!("GEMM f32 1024x1024x1024: {:.1} GFLOP/s (the CPU peak used for MFU)", peak * 1e3);
     println!(
         "\n{:<16} {:>9} {:>12} {:>11} {:>10} {:>7}   GEMMs of the output head",
         "recipe", "tok/step", "step (med)", "tokens/s", "TFLOP/s", "MFU"
@@ -81,55 +80,73 @@ pub fn run(args: BenchArgs) -> Result<()> {
         let total = args.warmup + args.steps;
         let steps = Override { text: format!("train.steps={total}"), origin: "engine bench".into() };
         let resolved = recipe.resolve(&[steps])?;
-        let config = &resolved.config;
-        let peak = if config.train.peak_tflops > 0.0 { config.train.peak_tflops } else { peak };
-        let mut trainer = Trainer::new(Traced::new(Cpu::new()), config)?;
-        let mut times = Vec::with_capacity(args.steps);
-        for i in 0..total {
-            let m = trainer.train_step(peak);
-            if i >= args.warmup {
-                times.push(m.step_time_s);
-            }
-        }
-        times.sort_by(f64::total_cmp);
-        let median = times[times.len() / 2];
-        let tflops = trainer.flops_per_step() / median / 1e12;
-        let m = &config.model;
-        let n = config.train.batch_size * config.train.seq_len;
-        let head = head_gemm_gflops(n, m.d_model, m.vocab_size);
-        println!(
-            "{:<16} {:>9} {:>10.3} s {:>11.0} {:>10.3} {:>6.1}%   {head:.1} GFLOP/s ({n}x{}x{} fwd, dx, dw)",
-            resolved.name,
-            trainer.tokens_per_step(),
-            median,
-            trainer.tokens_per_step() as f64 / median,
-            tflops,
-            100.0 * tflops / peak,
-            m.d_model,
-            m.vocab_size
-        );
-        if args.profile {
-            print_profile(&mut trainer, peak);
-        }
-        results.push(RecipeResult {
-            recipe: resolved.name.clone(),
-            device: trainer.backend.describe(),
-            tokens_per_step: trainer.tokens_per_step(),
-            median_step_time_s: median,
-            tokens_per_s: trainer.tokens_per_step() as f64 / median,
-            tflops_per_device: tflops,
-            mfu: tflops / peak,
+        let opened = device::open(device, Some(&resolved.config))?;
+        let peak = device::peak(&opened, &resolved.config);
+        results.push(match opened {
+            Opened::Cpu(be) => bench_one(&args, &resolved, be, peak)?,
+            Opened::Cuda(be) => bench_one(&args, &resolved, *be, peak)?,
         });
     }
     if let Some(path) = args.json {
-        let report = Report { machine, threads, gemm_1024_gflops: peak * 1e3, recipes: results };
+        let report = Report { machine, threads, recipes: results };
         write_atomic(&path, serde_json::to_string_pretty(&report)?.as_bytes())?;
     }
     Ok(())
 }
 
+/// Measures one recipe on one backend and prints its line.
+fn bench_one<B: Backend>(
+    args: &BenchArgs,
+    resolved: &Resolved,
+    backend: B,
+    peak: (f64, String),
+) -> Result<RecipeResult> {
+    let (peak, peak_source) = peak;
+    let config = &resolved.config;
+    let mut trainer = Trainer::new(Traced::new(backend), config)?;
+    let mut times = Vec::with_capacity(args.steps);
+    for i in 0..args.warmup + args.steps {
+        let m = trainer.train_step(peak);
+        if i >= args.warmup {
+            times.push(m.step_time_s);
+        }
+    }
+    times.sort_by(f64::total_cmp);
+    let median = times[times.len() / 2];
+    let tflops = trainer.flops_per_step() / median / 1e12;
+    let mfu = if peak > 0.0 { tflops / peak } else { 0.0 };
+    let m = &config.model;
+    let n = config.train.batch_size * config.train.seq_len;
+    let head = head_gemm_tflops(&mut trainer.backend.inner, n, m.d_model, m.vocab_size);
+    println!(
+        "{:<16} {:>9} {:>10.3} s {:>11.0} {:>10.3} {:>6.1}%   {head:.3} TFLOP/s ({n}x{}x{} fwd, dx, dw)",
+        resolved.name,
+        trainer.tokens_per_step(),
+        median,
+        trainer.tokens_per_step() as f64 / median,
+        tflops,
+        100.0 * mfu,
+        m.d_model,
+        m.vocab_size
+    );
+    println!("    on {}, peak {peak:.1} TFLOP/s ({peak_source})", trainer.backend.describe());
+    if args.profile {
+        print_profile(&mut trainer, peak);
+    }
+    Ok(RecipeResult {
+        recipe: resolved.name.clone(),
+        device: trainer.backend.describe(),
+        tokens_per_step: trainer.tokens_per_step(),
+        median_step_time_s: median,
+        tokens_per_s: trainer.tokens_per_step() as f64 / median,
+        tflops_per_device: tflops,
+        mfu,
+        peak_tflops: peak,
+    })
+}
+
 /// Times every op of one step and prints the ops by total time.
-fn print_profile(trainer: &mut Trainer<Traced<Cpu>>, peak: f64) {
+fn print_profile<B: Backend>(trainer: &mut Trainer<Traced<B>>, peak: f64) {
     trainer.backend.start();
     let start = Instant::now();
     trainer.train_step(peak);
@@ -148,24 +165,25 @@ fn print_profile(trainer: &mut Trainer<Traced<Cpu>>, peak: f64) {
 }
 
 /// Rate of the three products of an output head `[n, d] x [v, d]ᵀ` (forward, input and weight
-/// gradients), best of three rounds, in GFLOP/s.
-fn head_gemm_gflops(n: usize, d: usize, v: usize) -> f64 {
-    let mut cpu = Cpu::new();
+/// gradients) on the benchmarked backend, best of three rounds, in TFLOP/s.
+fn head_gemm_tflops<B: Backend>(be: &mut B, n: usize, d: usize, v: usize) -> f64 {
     let (x, w, y) = (
-        cpu.alloc(BufKind::Activations, n * d),
-        cpu.alloc(BufKind::Params, v * d),
-        cpu.alloc(BufKind::Activations, n * v),
+        be.alloc(BufKind::Activations, n * d),
+        be.alloc(BufKind::Params, v * d),
+        be.alloc(BufKind::Activations, n * v),
     );
-    let (dx, dw) = (cpu.alloc(BufKind::Activations, n * d), cpu.alloc(BufKind::Grads, v * d));
+    let (dx, dw) = (be.alloc(BufKind::Activations, n * d), be.alloc(BufKind::Grads, v * d));
     let shapes = [MatMul::linear(n, d, v), MatMul::linear_dx(n, d, v), MatMul::linear_dw(n, d, v)];
     let flops: f64 = shapes.iter().map(MatMul::flops).sum();
     let mut best = f64::INFINITY;
     for _ in 0..3 {
+        be.synchronize();
         let start = Instant::now();
-        cpu.matmul(y, x, w, shapes[0]);
-        cpu.matmul(dx, y, w, shapes[1]);
-        cpu.matmul(dw, y, x, shapes[2]);
+        be.matmul(y, x, w, shapes[0]);
+        be.matmul(dx, y, w, shapes[1]);
+        be.matmul(dw, y, x, shapes[2]);
+        be.synchronize();
         best = best.min(start.elapsed().as_secs_f64());
     }
-    flops / best / 1e9
+    flops / best / 1e12
 }

@@ -2,6 +2,7 @@
 
 use anyhow::Result;
 use engine::backend::cpu;
+use engine::backend::cuda::{device, nvrtc};
 
 /// Where an image keeps the lock of the sources it was built from.
 const LOCK_IN_IMAGE: &str = "/opt/distro/manifest.lock";
@@ -11,6 +12,38 @@ pub fn run() -> Result<()> {
     println!("target        {}-{}", std::env::consts::ARCH, std::env::consts::OS);
     println!("\ndevices");
     println!("  cpu         {} ({} threads)", cpu::model_name(), rayon::current_num_threads());
+    match device::probe() {
+        Ok(devices) => {
+            for d in devices {
+                let peak = device::peak_tflops(&d.name)
+                    .map_or("not in the peak table".into(), |p| format!("{p} TFLOP/s dense bf16"));
+                println!(
+                    "  cuda:{}      {} (sm_{}{}, {:.0} GiB, {} SMs, {peak})",
+                    d.ordinal,
+                    d.name,
+                    d.capability.0,
+                    d.capability.1,
+                    d.memory as f64 / (1u64 << 30) as f64,
+                    d.sm_count
+                );
+            }
+        }
+        Err(e) => println!("  cuda        none: {e}"),
+    }
+    let (loaded, problems) = device::preload_libraries();
+    for path in loaded {
+        println!("  loaded      {path} ({})", device::LIB_PATH_VAR);
+    }
+    for p in problems {
+        println!("  warning     {p}");
+    }
+    match nvrtc::version() {
+        Ok((a, b)) => println!(
+            "  nvrtc       {a}.{b}; kernel cache {}",
+            nvrtc::cache_dir().map_or("off".into(), |d| d.display().to_string())
+        ),
+        Err(e) => println!("  nvrtc       none: {e}"),
+    }
     println!("\nflags in effect");
     let mut any = false;
     let mut vars: Vec<(String, String)> = std::env::vars()

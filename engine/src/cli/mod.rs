@@ -2,8 +2,10 @@
 
 mod bench;
 mod data;
+mod device;
 mod eval;
 mod export_hf;
+mod gpu_test;
 mod import_hf;
 mod info;
 mod launch;
@@ -21,6 +23,10 @@ pub struct Cli {
     /// CPU threads for the CPU backend [default: all cores; env: ENGINE_THREADS]
     #[arg(long, global = true, value_name = "N")]
     threads: Option<usize>,
+    /// Device to train and benchmark on: the first CUDA GPU when there is one (auto), the CPU,
+    /// or a CUDA GPU or an error [default: auto; env: ENGINE_DEVICE]
+    #[arg(long, global = true, value_enum, value_name = "DEVICE")]
+    device: Option<device::DeviceArg>,
     #[command(subcommand)]
     command: Command,
 }
@@ -51,6 +57,9 @@ enum Command {
     /// Multi-process diagnostics.
     #[command(subcommand)]
     Dist(launch::DistCommand),
+    /// Check the CUDA backend against the CPU reference on this machine's GPU (or its CPU
+    /// emulator): every kernel, model parity, graphs, recomputation, memory, training.
+    GpuTest(gpu_test::GpuTestArgs),
 }
 
 /// A recipe and its overrides, shared by the commands that resolve one.
@@ -94,17 +103,22 @@ pub fn run(cli: Cli) -> Result<()> {
         anyhow::ensure!(n > 0, "--threads must be at least 1");
         rayon::ThreadPoolBuilder::new().num_threads(n).build_global().context("cannot start the thread pool")?;
     }
+    let device = match cli.device {
+        Some(d) => d,
+        None => device::DeviceArg::from_env()?.unwrap_or_default(),
+    };
     match cli.command {
-        Command::Train(args) => train::run(args),
+        Command::Train(args) => train::run(args, device),
         Command::Data(cmd) => data::run(cmd),
         Command::ImportHf(args) => import_hf::run(args),
         Command::ExportHf(args) => export_hf::run(args),
         Command::Eval(args) => eval::run(args),
         Command::Recipes(cmd) => recipes::run(cmd),
-        Command::Bench(args) => bench::run(args),
+        Command::Bench(args) => bench::run(args, device),
         Command::Info => info::run(),
         Command::Launch(args) => launch::launch(args),
         Command::Dist(cmd) => launch::check(cmd),
+        Command::GpuTest(args) => gpu_test::run(args),
     }
 }
 

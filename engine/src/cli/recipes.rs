@@ -2,7 +2,9 @@
 
 use anyhow::Result;
 use clap::Subcommand;
-use engine::config::{Config, recipe};
+use engine::config::{Config, Remat, recipe};
+use engine::model::Model;
+use engine::model::memory::{self, Target};
 
 use super::RecipeArgs;
 
@@ -68,11 +70,52 @@ fn show(name: &str, c: &Config) -> String {
         seq,
         c.train.grad_accum
     );
+    out += &memory_table(c);
     out += "\nFLOP convention: a multiply-add is 2 FLOPs and training costs 3 forward passes, so a token costs\n\
             6 x (weights it multiplies with: projections, routed experts, output head; not the input lookup)\n\
             + 12 x layers x heads x head_dim x K, K = mean keys a query attends to. Causal halving is applied:\n\
             K = (seq_len + 1) / 2 under the causal mask, min(i + 1, window) per query with a sliding window.\n";
     out
+}
+
+/// Estimated memory per device for the recipe's batch shape, on CUDA (bf16 activations, f32
+/// master weights) and CPU (f32), and under each recomputation policy.
+fn memory_table(c: &Config) -> String {
+    let (batch, seq) = (c.train.batch_size, c.train.seq_len);
+    let gib = |b: usize| format!("{:.2} GiB", memory::gib(b));
+    let mut model = Model::new(&c.model);
+    model.remat = c.train.remat;
+    let gpu = memory::estimate(&model, batch, seq, Target::Cuda { sm_count: 132 });
+    let cpu = memory::estimate(&model, batch, seq, Target::Cpu);
+    let mut out = format!(
+        "\n# memory per device, micro-batch {batch} x {seq}, remat = {} (estimate; CUDA adds its context, ~0.5 GiB)\n",
+        remat_name(c.train.remat)
+    );
+    out += &format!("{:<28} {:>14} {:>14}\n", "", "cuda (bf16)", "cpu (f32)");
+    for (name, g, p) in [
+        ("parameters", gpu.parameters, cpu.parameters),
+        ("gradients", gpu.gradients, cpu.gradients),
+        ("AdamW moments", gpu.optimizer, cpu.optimizer),
+        ("activations", gpu.activations, cpu.activations),
+        ("backend scratch", gpu.scratch, cpu.scratch),
+        ("total", gpu.total(), cpu.total()),
+    ] {
+        out += &format!("{name:<28} {:>14} {:>14}\n", gib(g), gib(p));
+    }
+    for remat in [Remat::None, Remat::Minimal, Remat::Full] {
+        model.remat = remat;
+        let g = memory::estimate(&model, batch, seq, Target::Cuda { sm_count: 132 });
+        out += &format!("{:<28} {:>14}\n", format!("total with remat = {}", remat_name(remat)), gib(g.total()));
+    }
+    out
+}
+
+fn remat_name(r: Remat) -> &'static str {
+    match r {
+        Remat::None => "none",
+        Remat::Minimal => "minimal",
+        Remat::Full => "full",
+    }
 }
 
 fn attention_flops(c: &Config) -> f64 {

@@ -5,15 +5,16 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Result, anyhow, bail};
 use clap::Args;
-use engine::backend::cpu::{self, Cpu};
+use engine::backend::Backend;
 use engine::backend::traced::Traced;
-use engine::checkpoint::{self, Extras};
-use engine::config::Override;
+use engine::checkpoint::{self, Checkpoint, Extras};
+use engine::config::{Config, Override};
 use engine::hf::HfModel;
 use engine::train::Trainer;
 use engine::train::session::{self, CHECKPOINTS, Session};
 
 use super::RecipeArgs;
+use super::device::{self, DeviceArg, Opened};
 
 #[derive(Args)]
 pub struct TrainArgs {
@@ -37,7 +38,7 @@ pub struct TrainArgs {
     init_from_hf: Option<PathBuf>,
 }
 
-pub fn run(args: TrainArgs) -> Result<()> {
+pub fn run(args: TrainArgs, device: DeviceArg) -> Result<()> {
     let extra: Vec<Override> = args
         .steps
         .map(|s| Override { text: format!("train.steps={s}"), origin: "--steps".into() })
@@ -85,31 +86,47 @@ pub fn run(args: TrainArgs) -> Result<()> {
             None
         }
     };
-    // Measured before the model's buffers exist, on a quiet heap.
-    let peak = if config.train.peak_tflops > 0.0 { config.train.peak_tflops } else { cpu::measure_peak_tflops() };
-    let mut trainer = Trainer::new(Traced::new(Cpu::new()), config)?;
-    let mut extras = Extras::default();
-    if let Some(hf) = &hf {
-        trainer.load_params(&hf.params(&trainer.model.layout)?)?;
-        extras = hf.extras()?;
+    let opened = device::open(device, Some(config))?;
+    // Measured (on CPU) before the model's buffers exist, on a quiet heap.
+    let peak = device::peak(&opened, config);
+    let start = Start { name: resolved.name.clone(), run_dir, hf, checkpoint, peak };
+    match opened {
+        Opened::Cpu(be) => start.run(be, config),
+        Opened::Cuda(be) => start.run(*be, config),
     }
-    if let Some(ck) = &checkpoint {
-        trainer.restore(&ck.snapshot(&trainer.model.layout)?)?;
-        if extras.files.is_empty() {
-            extras = Extras { files: ck.hf_files()?, hf_dtype: ck.state.hf_dtype.clone() };
-        }
-    }
-    std::fs::create_dir_all(&run_dir).map_err(|e| anyhow!("cannot create run directory {}: {e}", run_dir.display()))?;
+}
 
-    let s = Session {
-        name: resolved.name.clone(),
-        run_dir,
-        peak_tflops: peak,
-        resumed_from: checkpoint.map(|c| c.dir),
-        extras,
-    };
-    session::run(&mut trainer, &s)?;
-    Ok(())
+/// What a run starts from, once everything that can fail on bad input has been checked.
+struct Start {
+    name: String,
+    run_dir: PathBuf,
+    hf: Option<HfModel>,
+    checkpoint: Option<Checkpoint>,
+    peak: (f64, String),
+}
+
+impl Start {
+    fn run<B: Backend>(self, backend: B, config: &Config) -> Result<()> {
+        let Start { name, run_dir, hf, checkpoint, peak: (peak, peak_source) } = self;
+        let mut trainer = Trainer::new(Traced::new(backend), config)?;
+        let mut extras = Extras::default();
+        if let Some(hf) = &hf {
+            trainer.load_params(&hf.params(&trainer.model.layout)?)?;
+            extras = hf.extras()?;
+        }
+        if let Some(ck) = &checkpoint {
+            trainer.restore(&ck.snapshot(&trainer.model.layout)?)?;
+            if extras.files.is_empty() {
+                extras = Extras { files: ck.hf_files()?, hf_dtype: ck.state.hf_dtype.clone() };
+            }
+        }
+        std::fs::create_dir_all(&run_dir)
+            .map_err(|e| anyhow!("cannot create run directory {}: {e}", run_dir.display()))?;
+        let s =
+            Session { name, run_dir, peak_tflops: peak, peak_source, resumed_from: checkpoint.map(|c| c.dir), extras };
+        session::run(&mut trainer, &s)?;
+        Ok(())
+    }
 }
 
 /// The first `runs/RECIPE[-N]` that holds no run.

@@ -175,6 +175,27 @@ pub struct TrainConfig {
     pub eval_every: usize,
     /// Batches of `batch_size` validation sequences one evaluation reads.
     pub eval_steps: usize,
+    /// Activation recomputation: which activations the backward pass recomputes instead of
+    /// keeping them from the forward pass.
+    pub remat: Remat,
+    /// Record each micro-batch's forward and backward pass once as a CUDA graph and replay it
+    /// (CUDA only; ignored on CPU).
+    pub cuda_graphs: bool,
+}
+
+/// Activation recomputation policy (`train.remat`): memory traded for compute.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Remat {
+    /// Keep every activation the backward pass reads.
+    #[default]
+    None,
+    /// Recompute the cheap element-wise activations (both RMSNorm outputs and the SwiGLU output)
+    /// from what is kept; one buffer of each serves all layers.
+    Minimal,
+    /// Keep only each layer's input; the backward pass runs the layer's forward pass again
+    /// (about a third more matrix FLOPs, which MFU does not count).
+    Full,
 }
 
 impl Default for TrainConfig {
@@ -192,6 +213,8 @@ impl Default for TrainConfig {
             keep_last: 3,
             eval_every: 0,
             eval_steps: 10,
+            remat: Remat::None,
+            cuda_graphs: true,
         }
     }
 }

@@ -6,13 +6,14 @@
 
 pub mod init;
 pub mod layout;
+pub mod memory;
 pub mod rope;
 #[cfg(test)]
 mod tests;
 
-use crate::backend::{AttnShape, Backend, BufKind, ExpertWeights, IdxView, MatMul, MoeDispatch, View};
-use crate::config::ModelConfig;
-pub use layout::{Layout, MlpOffsets, Tensor};
+use crate::backend::{AttnShape, Backend, BufId, BufKind, ExpertWeights, IdxView, MatMul, MoeDispatch, View};
+use crate::config::{ModelConfig, Remat};
+pub use layout::{LayerOffsets, Layout, MlpOffsets, Tensor};
 
 /// A model: its configuration and parameter layout.
 #[derive(Debug, Clone)]
@@ -21,9 +22,12 @@ pub struct Model {
     pub config: ModelConfig,
     /// Where each tensor lives in the flat buffers.
     pub layout: Layout,
+    /// Which activations the backward pass recomputes (`train.remat`); set before planning.
+    pub remat: Remat,
 }
 
-/// Activations of one layer kept for the backward pass.
+/// Activations of one layer kept for the backward pass. Under recomputation some of these views
+/// are shared by all layers and refilled before each layer's backward pass.
 struct LayerActs {
     /// `[N, D]` input of the layer (the residual stream).
     x: View,
@@ -85,7 +89,8 @@ pub struct Plan {
     pub losses: View,
     /// `[N, V]` logits; after a training forward pass, their gradient.
     pub logits: View,
-    /// `[4]`: sum of the losses; the squared gradient norm; spare.
+    /// `[4]`: sum of the losses ([`LOSS_SUM`]); the squared gradient norm ([`GRAD_NORM_SQ`]);
+    /// the step's accumulated loss sum ([`LOSS_ACCUM`]); spare.
     pub scalars: View,
     rope: View,
     layers: Vec<LayerActs>,
@@ -113,11 +118,29 @@ pub struct Plan {
 pub const LOSS_SUM: usize = 0;
 /// Index of `Plan::scalars` holding the squared gradient norm.
 pub const GRAD_NORM_SQ: usize = 1;
+/// Index of `Plan::scalars` where a step adds up its micro-batches' loss sums on the device, so
+/// that the host reads the losses once per step.
+pub const LOSS_ACCUM: usize = 2;
+
+/// Every planned activation starts at a multiple of this many elements (128 bytes in bf16), so
+/// that kernels may move rows 16 bytes at a time whatever the batch shape.
+const ALIGN: usize = 64;
+
+/// Elements of the buffers [`Model::plan`] allocates for one batch shape, by kind.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ActivationSizes {
+    /// [`BufKind::Activations`] elements (bf16 on a GPU).
+    pub activations: usize,
+    /// [`BufKind::Scalars`] elements (always f32), the RoPE table aside.
+    pub scalars: usize,
+    /// `u32` index entries (tokens, targets, routing tables).
+    pub indices: usize,
+}
 
 impl Model {
     /// A model with the layout of `config`.
     pub fn new(config: &ModelConfig) -> Model {
-        Model { config: config.clone(), layout: Layout::new(config) }
+        Model { config: config.clone(), layout: Layout::new(config), remat: Remat::None }
     }
 
     fn attn_shape(&self, batch: usize, seq: usize) -> AttnShape {
@@ -134,23 +157,23 @@ impl Model {
 
     /// Allocates the flat buffers, the inputs and the activations for micro-batches of `batch`
     /// sequences of `seq` tokens. Parameters start at zero; see [`init`] and [`Backend::upload`].
+    ///
+    /// Activations come from two buffers: [`BufKind::Activations`] for what the matrix products
+    /// read and write (bf16 on a GPU), [`BufKind::Scalars`] for the small statistics kept in f32
+    /// everywhere (norm and softmax statistics, losses, routing weights and probabilities).
     pub fn plan<B: Backend>(&self, be: &mut B, batch: usize, seq: usize) -> Plan {
         let params = be.alloc(BufKind::Params, self.layout.len);
         let grads = be.alloc(BufKind::Grads, self.layout.len);
         let n = batch * seq;
-        let idx_len = 2 * n + self.routing_idx_len(n);
-        let idx = be.alloc_idx(idx_len);
-        let mut total = 0;
-        self.plan_activations(batch, seq, idx, &mut |len| {
-            let v = View { buf: params.buf, offset: total, len };
-            total += len;
-            v
-        });
-        let acts = be.alloc(BufKind::Activations, total);
-        let mut next = 0;
-        let mut plan = self.plan_activations(batch, seq, idx, &mut |len| {
-            let v = acts.at(next, len);
-            next += len;
+        let idx = be.alloc_idx(2 * n + self.routing_idx_len(n));
+        let sizes = self.activation_elements(batch, seq);
+        let (acts, stats) =
+            (be.alloc(BufKind::Activations, sizes.activations), be.alloc(BufKind::Scalars, sizes.scalars));
+        let mut next = [0usize; 2];
+        let mut plan = self.plan_activations(batch, seq, idx, &mut |kind, len| {
+            let (buf, i) = if kind == BufKind::Scalars { (stats, 1) } else { (acts, 0) };
+            let v = buf.at(next[i], len);
+            next[i] += len.next_multiple_of(ALIGN);
             v
         });
         plan.params = params;
@@ -161,6 +184,21 @@ impl Model {
         plan
     }
 
+    /// Elements [`Model::plan`] takes for activations, statistics and indices at this batch
+    /// shape (under this model's recomputation policy).
+    pub fn activation_elements(&self, batch: usize, seq: usize) -> ActivationSizes {
+        let n = batch * seq;
+        let idx_len = 2 * n + self.routing_idx_len(n);
+        let idx = IdxView { buf: BufId(u32::MAX), offset: 0, len: idx_len };
+        let mut sizes = ActivationSizes { activations: 0, scalars: 0, indices: idx_len };
+        self.plan_activations(batch, seq, idx, &mut |kind, len| {
+            let total = if kind == BufKind::Scalars { &mut sizes.scalars } else { &mut sizes.activations };
+            *total += len.next_multiple_of(ALIGN);
+            View { buf: BufId(u32::MAX), offset: 0, len }
+        });
+        sizes
+    }
+
     /// Index entries the routing tables of all MoE layers take.
     fn routing_idx_len(&self, n: usize) -> usize {
         match &self.config.moe {
@@ -169,9 +207,17 @@ impl Model {
         }
     }
 
-    /// Carves every activation out of `take`, in a fixed order (run once to measure, once to
-    /// place).
-    fn plan_activations(&self, batch: usize, seq: usize, idx: IdxView, take: &mut dyn FnMut(usize) -> View) -> Plan {
+    /// Carves every activation out of `take` (kind, length), in a fixed order (run once to
+    /// measure, once to place). Activations the recomputation policy refills in the backward
+    /// pass are taken once and shared by all layers.
+    fn plan_activations(
+        &self,
+        batch: usize,
+        seq: usize,
+        idx: IdxView,
+        take: &mut dyn FnMut(BufKind, usize) -> View,
+    ) -> Plan {
+        use BufKind::{Activations as A, Scalars as S};
         let m = &self.config;
         let (n, d, f, v) = (batch * seq, m.d_model, m.mlp_dim, m.vocab_size);
         let (q, qkv) = (m.q_dim(), m.q_dim() + 2 * m.kv_dim());
@@ -182,78 +228,82 @@ impl Model {
             next_idx += len;
             v
         };
+        // Which activations one buffer serves for all layers: the cheap ones under `minimal`,
+        // all but the layer input (and the routing tables) under `full`.
+        let (full, minimal) = (self.remat == Remat::Full, self.remat != Remat::None);
+        let mut shared: std::collections::HashMap<&'static str, View> = Default::default();
+        let mut act = |name: &'static str, kind: BufKind, len: usize, share: bool| -> View {
+            if share { *shared.entry(name).or_insert_with(|| take(kind, len)) } else { take(kind, len) }
+        };
+        let rows = n * k;
         let layers = (0..m.n_layers)
             .map(|_| {
-                let x = take(n * d);
-                let (ln1, rstd1, qkv_v, attn, lse, xmid, ln2, rstd2) = (
-                    take(n * d),
-                    take(n),
-                    take(n * qkv),
-                    take(n * q),
-                    take(n * m.n_heads),
-                    take(n * d),
-                    take(n * d),
-                    take(n),
-                );
+                let x = act("x", A, n * d, false);
+                let ln1 = act("ln1", A, n * d, minimal);
+                let rstd1 = act("rstd1", S, n, full);
+                let qkv_v = act("qkv", A, n * qkv, full);
+                let attn = act("attn", A, n * q, full);
+                let lse = act("lse", S, n * m.n_heads, full);
+                let xmid = act("xmid", A, n * d, full);
+                let ln2 = act("ln2", A, n * d, minimal);
+                let rstd2 = act("rstd2", S, n, full);
                 let mlp = match &m.moe {
-                    None => MlpActs::Dense { gu: take(n * 2 * f), h: take(n * f) },
+                    None => MlpActs::Dense { gu: act("gu", A, n * 2 * f, full), h: act("h", A, n * f, minimal) },
                     Some(_) => {
-                        let rows = n * k;
                         let dispatch = MoeDispatch {
                             tokens: n,
                             experts,
                             top_k: k,
                             expert: take_idx(rows),
-                            weight: take(rows),
+                            weight: act("weight", S, rows, false),
                             slot_row: take_idx(rows),
                             row_slot: take_idx(rows),
                             offsets: take_idx(experts + 1),
-                            stats: take(2 * experts),
+                            stats: act("stats", S, 2 * experts, false),
                         };
                         MlpActs::Moe {
-                            logits: take(n * experts),
-                            probs: take(n * experts),
+                            logits: act("router_logits", S, n * experts, full),
+                            probs: act("probs", S, n * experts, full),
                             dispatch,
-                            xe: take(rows * d),
-                            gu: take(rows * 2 * f),
-                            h: take(rows * f),
-                            ye: take(rows * d),
+                            xe: act("xe", A, rows * d, full),
+                            gu: act("gu", A, rows * 2 * f, full),
+                            h: act("h", A, rows * f, minimal),
+                            ye: act("ye", A, rows * d, full),
                         }
                     }
                 };
                 LayerActs { x, ln1, rstd1, qkv: qkv_v, attn, lse, xmid, ln2, rstd2, mlp }
             })
             .collect();
-        let mlp_rows = n * k;
         let moe = m.moe.is_some();
-        let some = |take: &mut dyn FnMut(usize) -> View, len: usize| if moe { take(len) } else { take(0) };
+        let moe_only = |len: usize| if moe { len } else { 0 };
         Plan {
             batch,
             seq,
-            params: take(0),
-            grads: take(0),
+            params: take(A, 0),
+            grads: take(A, 0),
             tokens: idx.at(0, n),
             targets: idx.at(n, n),
-            x_out: take(n * d),
-            lnf: take(n * d),
-            rstdf: take(n),
-            logits: take(n * v),
-            losses: take(n),
-            scalars: take(4),
-            rope: take(0),
+            x_out: take(A, n * d),
+            lnf: take(A, n * d),
+            rstdf: take(S, n),
+            logits: take(A, n * v),
+            losses: take(S, n),
+            scalars: take(S, 4),
+            rope: take(S, 0),
             layers,
-            counts: some(take, experts),
-            moe_out: some(take, n * d),
-            dres: take(n * d),
-            dln: take(n * d),
-            dqkv: take(n * qkv),
-            dattn: take(n * q),
-            dgu: take(mlp_rows * 2 * f),
-            dh: take(mlp_rows * f),
-            dye: some(take, mlp_rows * d),
-            dxe: some(take, mlp_rows * d),
-            dweight: some(take, mlp_rows),
-            drouter: some(take, n * experts),
+            counts: take(S, moe_only(experts)),
+            moe_out: take(A, moe_only(n * d)),
+            dres: take(A, n * d),
+            dln: take(A, n * d),
+            dqkv: take(A, n * qkv),
+            dattn: take(A, n * q),
+            dgu: take(A, rows * 2 * f),
+            dh: take(A, rows * f),
+            dye: take(A, moe_only(rows * d)),
+            dxe: take(A, moe_only(rows * d)),
+            dweight: take(S, moe_only(rows)),
+            drouter: take(A, moe_only(n * experts)),
         }
     }
 
@@ -262,45 +312,14 @@ impl Model {
     /// are replaced by the gradient of `grad_scale · Σ losses`, ready for [`Model::backward`].
     pub fn forward<B: Backend>(&self, be: &mut B, p: &Plan, grad_scale: Option<f32>) {
         let (m, l) = (&self.config, &self.layout);
-        let (n, d, f, v) = (p.batch * p.seq, m.d_model, m.mlp_dim, m.vocab_size);
-        let (q, qkv) = (m.q_dim(), m.q_dim() + 2 * m.kv_dim());
+        let (n, d, v) = (p.batch * p.seq, m.d_model, m.vocab_size);
         let eps = m.norm_eps as f32;
-        let shape = self.attn_shape(p.batch, p.seq);
         let w = |offset: usize, len: usize| p.params.at(offset, len);
 
         be.embedding_forward(p.layers.first().map_or(p.x_out, |a| a.x), w(l.embed, v * d), p.tokens, d);
-        for (i, (a, o)) in p.layers.iter().zip(&l.layers).enumerate() {
+        for i in 0..p.layers.len() {
             let out = p.layers.get(i + 1).map_or(p.x_out, |next| next.x);
-            be.rmsnorm_forward(a.ln1, a.rstd1, a.x, w(o.ln1, d), d, eps);
-            be.matmul(a.qkv, a.ln1, w(o.qkv, qkv * d), MatMul::linear(n, d, qkv));
-            be.rope(a.qkv, p.rope, shape, false);
-            be.attention_forward(a.attn, a.lse, a.qkv, shape);
-            be.copy(a.xmid, a.x);
-            be.matmul(a.xmid, a.attn, w(o.o, d * q), MatMul::linear(n, q, d).accumulating());
-            be.rmsnorm_forward(a.ln2, a.rstd2, a.xmid, w(o.ln2, d), d, eps);
-            be.copy(out, a.xmid);
-            match (&a.mlp, &o.mlp) {
-                (MlpActs::Dense { gu, h }, MlpOffsets::Dense { gate_up, down }) => {
-                    be.matmul(*gu, a.ln2, w(*gate_up, 2 * f * d), MatMul::linear(n, d, 2 * f));
-                    be.swiglu_forward(*h, *gu, f);
-                    be.matmul(out, *h, w(*down, d * f), MatMul::linear(n, f, d).accumulating());
-                }
-                (
-                    MlpActs::Moe { logits, probs, dispatch, xe, gu, h, ye },
-                    MlpOffsets::Moe { router, experts, stride },
-                ) => {
-                    let (gate_up, down) = expert_weights(p.params, *experts, *stride, d, f);
-                    be.matmul(*logits, a.ln2, w(*router, dispatch.experts * d), MatMul::linear(n, d, dispatch.experts));
-                    be.moe_route(*probs, *logits, *dispatch);
-                    be.moe_gather(*xe, a.ln2, *dispatch, d);
-                    be.moe_expert_matmul(*gu, *xe, gate_up, *dispatch, MatMul::linear(0, d, 2 * f));
-                    be.swiglu_forward(*h, *gu, f);
-                    be.moe_expert_matmul(*ye, *h, down, *dispatch, MatMul::linear(0, f, d));
-                    be.moe_combine(p.moe_out, *ye, *dispatch, d);
-                    be.add(out, p.moe_out);
-                }
-                _ => unreachable!("activations planned for another MLP kind"),
-            }
+            self.layer_forward(be, p, i, Some(out));
         }
         be.rmsnorm_forward(p.lnf, p.rstdf, p.x_out, w(l.norm, d), d, eps);
         be.matmul(p.logits, p.lnf, w(l.head, v * d), MatMul::linear(n, d, v));
@@ -313,6 +332,68 @@ impl Model {
                     be.add(p.counts, dispatch.stats.at(0, dispatch.experts));
                 }
             }
+        }
+    }
+
+    /// Layer `i`'s forward pass from its input `p.layers[i].x`. With `out`, the layer's output
+    /// (the next residual stream) is written there; without, only the activations the backward
+    /// pass reads are refilled (recomputation under `remat = full`).
+    fn layer_forward<B: Backend>(&self, be: &mut B, p: &Plan, i: usize, out: Option<View>) {
+        let (m, a, o) = (&self.config, &p.layers[i], &self.layout.layers[i]);
+        let (n, d, f) = (p.batch * p.seq, m.d_model, m.mlp_dim);
+        let (q, qkv) = (m.q_dim(), m.q_dim() + 2 * m.kv_dim());
+        let eps = m.norm_eps as f32;
+        let shape = self.attn_shape(p.batch, p.seq);
+        let w = |offset: usize, len: usize| p.params.at(offset, len);
+        be.rmsnorm_forward(a.ln1, a.rstd1, a.x, w(o.ln1, d), d, eps);
+        be.matmul(a.qkv, a.ln1, w(o.qkv, qkv * d), MatMul::linear(n, d, qkv));
+        be.rope(a.qkv, p.rope, shape, false);
+        be.attention_forward(a.attn, a.lse, a.qkv, shape);
+        be.matmul_add(a.xmid, a.attn, w(o.o, d * q), a.x, MatMul::linear(n, q, d));
+        be.rmsnorm_forward(a.ln2, a.rstd2, a.xmid, w(o.ln2, d), d, eps);
+        match (&a.mlp, &o.mlp) {
+            (MlpActs::Dense { gu, h }, MlpOffsets::Dense { gate_up, down }) => {
+                be.matmul(*gu, a.ln2, w(*gate_up, 2 * f * d), MatMul::linear(n, d, 2 * f));
+                be.swiglu_forward(*h, *gu, f);
+                if let Some(out) = out {
+                    be.matmul_add(out, *h, w(*down, d * f), a.xmid, MatMul::linear(n, f, d));
+                }
+            }
+            (MlpActs::Moe { logits, probs, dispatch, xe, gu, h, ye }, MlpOffsets::Moe { router, experts, stride }) => {
+                let (gate_up, down) = expert_weights(p.params, *experts, *stride, d, f);
+                be.matmul(*logits, a.ln2, w(*router, dispatch.experts * d), MatMul::linear(n, d, dispatch.experts));
+                be.moe_route(*probs, *logits, *dispatch);
+                be.moe_gather(*xe, a.ln2, *dispatch, d);
+                be.moe_expert_matmul(*gu, *xe, gate_up, *dispatch, MatMul::linear(0, d, 2 * f));
+                be.swiglu_forward(*h, *gu, f);
+                be.moe_expert_matmul(*ye, *h, down, *dispatch, MatMul::linear(0, f, d));
+                if let Some(out) = out {
+                    be.moe_combine(p.moe_out, *ye, *dispatch, d);
+                    be.copy(out, a.xmid);
+                    be.add(out, p.moe_out);
+                }
+            }
+            _ => unreachable!("activations planned for another MLP kind"),
+        }
+    }
+
+    /// Refills the activations layer `i`'s backward pass reads that the recomputation policy
+    /// did not keep. The last layer needs nothing: the shared buffers still hold its values.
+    fn recompute<B: Backend>(&self, be: &mut B, p: &Plan, i: usize) {
+        if i + 1 == p.layers.len() {
+            return;
+        }
+        match self.remat {
+            Remat::None => {}
+            Remat::Minimal => {
+                let (m, a, o) = (&self.config, &p.layers[i], &self.layout.layers[i]);
+                let (d, eps) = (m.d_model, m.norm_eps as f32);
+                be.rmsnorm_forward(a.ln1, a.rstd1, a.x, p.params.at(o.ln1, d), d, eps);
+                be.rmsnorm_forward(a.ln2, a.rstd2, a.xmid, p.params.at(o.ln2, d), d, eps);
+                let (MlpActs::Dense { gu, h } | MlpActs::Moe { gu, h, .. }) = &a.mlp;
+                be.swiglu_forward(*h, *gu, m.mlp_dim);
+            }
+            Remat::Full => self.layer_forward(be, p, i, None),
         }
     }
 
@@ -365,7 +446,8 @@ impl Model {
         be.fill(p.dres, 0.0);
         be.rmsnorm_backward(p.dres, g(l.norm, d), p.dln, p.x_out, w(l.norm, d), p.rstdf, d);
 
-        for (a, o) in p.layers.iter().zip(&l.layers).rev() {
+        for (i, (a, o)) in p.layers.iter().zip(&l.layers).enumerate().rev() {
+            self.recompute(be, p, i);
             match (&a.mlp, &o.mlp) {
                 (MlpActs::Dense { gu, h }, MlpOffsets::Dense { gate_up, down }) => {
                     let (dgu, dh) = (p.dgu.at(0, n * 2 * f), p.dh.at(0, n * f));

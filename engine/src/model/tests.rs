@@ -5,7 +5,7 @@
 use super::{LOSS_SUM, Model, Plan, init};
 use crate::backend::Backend;
 use crate::backend::cpu::Cpu;
-use crate::config::{Family, ModelConfig, MoeConfig, RopeScaling};
+use crate::config::{Family, ModelConfig, MoeConfig, Remat, RopeScaling};
 use crate::rng;
 
 fn small(family: Family) -> ModelConfig {
@@ -33,7 +33,12 @@ struct Setup {
 }
 
 fn setup(config: ModelConfig, batch: usize, seq: usize) -> Setup {
-    let model = Model::new(&config);
+    setup_with(config, batch, seq, Remat::None)
+}
+
+fn setup_with(config: ModelConfig, batch: usize, seq: usize, remat: Remat) -> Setup {
+    let mut model = Model::new(&config);
+    model.remat = remat;
     let mut cpu = Cpu::new();
     let plan = model.plan(&mut cpu, batch, seq);
     let params = init::params(&model, 5);
@@ -172,5 +177,30 @@ fn gradients_are_bitwise_identical_whatever_the_thread_count() {
         for threads in [2, 3, 5] {
             assert!(one == step_bits(&config, threads), "{:?} differs with {threads} threads", config.family);
         }
+    }
+}
+
+/// Recomputation refills activations with the very ops that made them, so the gradients may not
+/// change by a bit; and each policy keeps less than the one before.
+#[test]
+fn recomputation_changes_memory_but_not_a_bit_of_the_gradients() {
+    let moe = MoeConfig { num_experts: 4, top_k: 2, aux_loss_coef: 0.5 };
+    for config in [
+        small(Family::Llama),
+        ModelConfig { sliding_window: 3, ..small(Family::Mistral) },
+        ModelConfig { moe: Some(moe), ..small(Family::Mixtral) },
+    ] {
+        let mut grads = Vec::new();
+        let mut sizes = Vec::new();
+        for remat in [Remat::None, Remat::Minimal, Remat::Full] {
+            let mut s = setup_with(config.clone(), 2, 9, remat);
+            sizes.push(s.model.activation_elements(2, 9));
+            grads.push(s.gradient().iter().map(|g| g.to_bits()).collect::<Vec<_>>());
+        }
+        assert!(grads[1] == grads[0], "{:?}: minimal recomputation changed the gradients", config.family);
+        assert!(grads[2] == grads[0], "{:?}: full recomputation changed the gradients", config.family);
+        assert!(sizes[1].activations < sizes[0].activations, "{:?}: {sizes:?}", config.family);
+        assert!(sizes[2].activations < sizes[1].activations, "{:?}: {sizes:?}", config.family);
+        assert!(sizes[2].scalars < sizes[0].scalars, "{:?}: {sizes:?}", config.family);
     }
 }

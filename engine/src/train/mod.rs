@@ -18,7 +18,7 @@ use crate::backend::{AdamWStep, Backend, BufKind, Segment, View};
 use crate::checkpoint::Snapshot;
 use crate::config::Config;
 use crate::data::{self, Loader};
-use crate::model::{GRAD_NORM_SQ, LOSS_SUM, Model, Plan, init};
+use crate::model::{GRAD_NORM_SQ, LOSS_ACCUM, LOSS_SUM, Model, Plan, init};
 pub use metrics::StepMetrics;
 
 /// A model being trained on a backend, with its optimizer state and data.
@@ -49,7 +49,8 @@ impl<B: Backend> Trainer<B> {
         let t = &config.train;
         let source = data::open(&config.data, config.model.vocab_size, t.seed)?;
         let loader = Loader::new(source, t.seq_len, t.seed, 0, 1)?;
-        let model = Model::new(&config.model);
+        let mut model = Model::new(&config.model);
+        model.remat = t.remat;
         let plan = model.plan(&mut backend, t.batch_size, t.seq_len);
         init::upload_params(&mut backend, plan.params, &model, t.seed);
         let moments =
@@ -83,21 +84,33 @@ impl<B: Backend> Trainer<B> {
     }
 
     /// Runs one optimizer step and reports it; `peak_tflops` is the device's peak for MFU.
+    ///
+    /// The host waits for the device once per step, to read the loss and gradient norm (and,
+    /// for mixture-of-experts models, once per micro-batch for the load-balancing statistics).
+    /// Each micro-batch's forward and backward pass is one [`Backend::begin_section`]: the same
+    /// ops on the same buffers every time, which the CUDA backend records once as a graph.
     pub fn train_step(&mut self, peak_tflops: f64) -> StepMetrics {
         let start = Instant::now();
         let (c, p, be) = (&self.config, &self.plan, &mut self.backend);
         let accum = c.train.grad_accum;
         let tokens = (c.train.batch_size * c.train.seq_len) as f32;
         let weight = 1.0 / accum as f32;
-        let (mut loss_sum, mut aux_sum) = (0f64, 0f64);
+        let aux_scale = self.model.aux_scale(p, weight);
+        let mut aux_sum = 0f64;
+        be.fill(p.scalars.at(LOSS_ACCUM, 1), 0.0);
         for _ in 0..accum {
             self.loader.next_batch(&mut self.tokens, &mut self.targets);
             be.upload_idx(p.tokens, &self.tokens);
             be.upload_idx(p.targets, &self.targets);
-            self.model.forward(be, p, Some(weight / tokens));
-            let aux_scale = self.model.aux_scale(p, weight);
-            self.model.backward(be, p, aux_scale);
-            loss_sum += read_scalar(be, p.scalars.at(LOSS_SUM, 1));
+            let graphs = c.train.cuda_graphs;
+            if !graphs || be.begin_section(SECTION_MICRO_BATCH) {
+                self.model.forward(be, p, Some(weight / tokens));
+                self.model.backward(be, p, aux_scale);
+                be.add(p.scalars.at(LOSS_ACCUM, 1), p.scalars.at(LOSS_SUM, 1));
+                if graphs {
+                    be.end_section(SECTION_MICRO_BATCH);
+                }
+            }
             aux_sum += self.model.aux_loss(be, p);
         }
 
@@ -117,7 +130,9 @@ impl<B: Backend> Trainer<B> {
         };
         let (m, v) = self.moments;
         be.adamw(p.params, p.grads, m, v, norm_sq, &self.segments, adamw);
-        let grad_norm = read_scalar(be, norm_sq).sqrt();
+        let mut scalars = [0f32; 4];
+        be.download(p.scalars, &mut scalars);
+        let (loss_sum, grad_norm) = (scalars[LOSS_ACCUM] as f64, (scalars[GRAD_NORM_SQ] as f64).sqrt());
         self.step += 1;
 
         let step_time_s = start.elapsed().as_secs_f64();
@@ -137,6 +152,9 @@ impl<B: Backend> Trainer<B> {
         }
     }
 }
+
+/// The [`Backend::begin_section`] key of a micro-batch's forward and backward pass.
+pub const SECTION_MICRO_BATCH: u32 = 0;
 
 impl<B: Backend> Trainer<B> {
     /// Replaces the parameters (e.g. by imported ones), in layout order.

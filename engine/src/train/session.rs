@@ -31,6 +31,8 @@ pub struct Session {
     pub run_dir: PathBuf,
     /// Peak TFLOP/s of the device, for MFU.
     pub peak_tflops: f64,
+    /// Where the peak comes from (`train.peak_tflops`, a device table, a measurement).
+    pub peak_source: String,
     /// The checkpoint the trainer was restored from, if the run resumes one.
     pub resumed_from: Option<PathBuf>,
     /// Files every checkpoint carries (the Hugging Face model's config and tokenizer).
@@ -101,13 +103,13 @@ pub fn run<B: Backend>(trainer: &mut Trainer<Traced<B>>, s: &Session) -> Result<
 
     let count = config.model.param_count();
     println!(
-        "training {} ({} parameters) on {}, {} tokens per step, peak {:.3} TFLOP/s{}; run directory {}",
+        "training {} ({} parameters) on {}, {} tokens per step, peak {:.3} TFLOP/s ({}); run directory {}",
         s.name,
         crate::config::count::group(count.total),
         trainer.backend.describe(),
         trainer.tokens_per_step(),
         s.peak_tflops,
-        if config.train.peak_tflops > 0.0 { " (train.peak_tflops)" } else { " (measured f32 GEMM rate)" },
+        s.peak_source,
         run_dir.display()
     );
     if let Some(from) = &s.resumed_from {

@@ -1,0 +1,384 @@
+//! A CPU stand-in for a GPU, so that the CUDA backend — its host code and the very kernel
+//! sources NVRTC compiles — runs where there is no GPU: in CI and on developers' machines.
+//!
+//! The kernel modules are compiled with the host's C++20 compiler (`$CXX`, else `c++`) against
+//! `emu/prelude.h` and `emu/ops.h`, which define CUDA's built-ins and emulate the inline-PTX
+//! helpers after the PTX ISA's definitions (the mma.sync and ldmatrix fragment layouts, cp.async
+//! completing only at wait_group), and linked with `emu/runtime.cpp` into a shared library that
+//! is cached like the kernels. Every CUDA thread of a block is an OS thread, so barriers and warp
+//! exchanges really synchronise; blocks run one after another. "Device memory" is host memory;
+//! products follow cuBLASLt's column-major definition through the `gemm` crate in f32 (bf16
+//! operands exactly converted, the result rounded once). Graphs are recorded lists of work.
+//!
+//! What it cannot show: timing, occupancy, bank conflicts, register or shared-memory limits
+//! (ptxas reports those: tests/nvrtc.rs), races that need real concurrency between blocks, and
+//! the CUDA driver's and cuBLASLt's own behaviour.
+
+use std::alloc::Layout;
+use std::collections::HashMap;
+use std::ffi::{CString, c_char, c_void};
+use std::path::PathBuf;
+use std::sync::Mutex;
+
+use cudarc::driver::sys::CUdeviceptr;
+use sha2::{Digest, Sha256};
+
+use super::blas::Gemm;
+use super::device::DeviceInfo;
+use super::kernels::{COMMON, MODULES};
+use super::{DType, Device, nvrtc};
+
+const PRELUDE: &str = include_str!("emu/prelude.h");
+const OPS: &str = include_str!("emu/ops.h");
+const RUNTIME: &str = include_str!("emu/runtime.cpp");
+
+type LaunchFn = unsafe extern "C" fn(*const c_char, u32, u32, u32, u32, u32, *mut *mut c_void, *mut c_char, i32) -> i32;
+
+/// The emulator's runtime is one per process: launches take turns.
+static LAUNCH: Mutex<()> = Mutex::new(());
+
+/// Work recorded for a graph.
+enum Work {
+    Launch { name: &'static str, grid: (u32, u32, u32), block: u32, smem: usize, args: Vec<u64> },
+    Copy { dst: CUdeviceptr, src: CUdeviceptr, bytes: usize },
+    Zero { dst: CUdeviceptr, count: usize },
+    Gemm(Gemm),
+}
+
+/// The emulated device. See the [module documentation](self).
+pub struct Emulator {
+    info: DeviceInfo,
+    launch_fn: LaunchFn,
+    allocations: HashMap<CUdeviceptr, Layout>,
+    recording: Option<Vec<Work>>,
+    graphs: Vec<Vec<Work>>,
+    /// With `ENGINE_EMULATOR_PROFILE=1`: seconds and launches per kernel, printed at the end.
+    profile: Option<HashMap<&'static str, (f64, usize)>>,
+}
+
+impl Emulator {
+    /// Builds (or finds in the cache) the emulated kernels and loads them.
+    pub fn open() -> Result<Emulator, String> {
+        let library = build()?;
+        let path = CString::new(library.to_string_lossy().as_bytes()).map_err(|e| e.to_string())?;
+        // SAFETY: loading a library this module built; it is never unloaded.
+        let handle = unsafe { libc::dlopen(path.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
+        if handle.is_null() {
+            return Err(format!("cannot load the CUDA emulator {}", library.display()));
+        }
+        // SAFETY: a symbol the runtime exports with this signature.
+        let sym = unsafe { libc::dlsym(handle, c"emu_launch".as_ptr()) };
+        if sym.is_null() {
+            return Err("the CUDA emulator has no emu_launch".into());
+        }
+        // SAFETY: emu_launch's C signature is LaunchFn.
+        let launch_fn: LaunchFn = unsafe { std::mem::transmute::<*mut c_void, LaunchFn>(sym) };
+        let info = DeviceInfo {
+            ordinal: 0,
+            name: "CPU emulator of an sm_90 GPU".into(),
+            capability: (9, 0),
+            memory: 64 << 30,
+            sm_count: 2,
+        };
+        let profile = std::env::var("ENGINE_EMULATOR_PROFILE").is_ok_and(|v| v == "1").then(HashMap::new);
+        Ok(Emulator { info, launch_fn, allocations: HashMap::new(), recording: None, graphs: Vec::new(), profile })
+    }
+
+    fn run(&mut self, work: &Work) {
+        match work {
+            Work::Launch { name, grid, block, smem, args } => {
+                let mut slots = args.clone();
+                let mut params: Vec<*mut c_void> = slots.iter_mut().map(|s| (s as *mut u64).cast()).collect();
+                let cname = CString::new(*name).expect("kernel names hold no NUL byte");
+                let mut err = [0 as c_char; 512];
+                let _turn = LAUNCH.lock().unwrap_or_else(|e| e.into_inner());
+                let start = std::time::Instant::now();
+                // SAFETY: the runtime reads `params.len()` slots as the kernel's parameters.
+                let rc = unsafe {
+                    (self.launch_fn)(
+                        cname.as_ptr(),
+                        grid.0,
+                        grid.1,
+                        grid.2,
+                        *block,
+                        *smem as u32,
+                        params.as_mut_ptr(),
+                        err.as_mut_ptr(),
+                        512,
+                    )
+                };
+                if rc != 0 {
+                    // SAFETY: the runtime wrote a NUL-terminated message.
+                    let msg = unsafe { std::ffi::CStr::from_ptr(err.as_ptr()) }.to_string_lossy().into_owned();
+                    panic!("internal error: emulated kernel launch failed: {msg}");
+                }
+                if let Some(p) = &mut self.profile {
+                    let e = p.entry(name).or_default();
+                    e.0 += start.elapsed().as_secs_f64();
+                    e.1 += 1;
+                }
+            }
+            // SAFETY (three arms): the backend keeps copies within its allocations.
+            Work::Copy { dst, src, bytes } => unsafe {
+                std::ptr::copy(*src as *const u8, *dst as *mut u8, *bytes);
+            },
+            Work::Zero { dst, count } => unsafe { std::ptr::write_bytes(*dst as *mut u32, 0, *count) },
+            Work::Gemm(g) => gemm(g),
+        }
+    }
+
+    fn issue(&mut self, work: Work) {
+        match &mut self.recording {
+            Some(list) => list.push(work),
+            None => self.run(&work),
+        }
+    }
+}
+
+impl Device for Emulator {
+    fn info(&self) -> &DeviceInfo {
+        &self.info
+    }
+
+    fn max_shared_memory(&self) -> usize {
+        227 * 1024
+    }
+
+    fn alloc(&mut self, bytes: usize) -> Result<CUdeviceptr, String> {
+        let layout = Layout::from_size_align(bytes.max(1), 256).map_err(|e| e.to_string())?;
+        // SAFETY: a non-zero size.
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        if ptr.is_null() {
+            return Err(format!("the emulator cannot allocate {bytes} bytes"));
+        }
+        self.allocations.insert(ptr as CUdeviceptr, layout);
+        Ok(ptr as CUdeviceptr)
+    }
+
+    fn free(&mut self, ptr: CUdeviceptr) {
+        if let Some(layout) = self.allocations.remove(&ptr) {
+            // SAFETY: allocated by `alloc` with this layout.
+            unsafe { std::alloc::dealloc(ptr as *mut u8, layout) }
+        }
+    }
+
+    fn upload(&mut self, dst: CUdeviceptr, src: &[u8]) {
+        assert!(self.recording.is_none(), "internal error: upload while recording");
+        // SAFETY: the backend keeps `dst` within an allocation of at least `src.len()` bytes.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst as *mut u8, src.len()) }
+    }
+
+    fn download(&mut self, dst: &mut [u8], src: CUdeviceptr) {
+        assert!(self.recording.is_none(), "internal error: download while recording");
+        // SAFETY: as in `upload`.
+        unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst.as_mut_ptr(), dst.len()) }
+    }
+
+    fn copy(&mut self, dst: CUdeviceptr, src: CUdeviceptr, bytes: usize) {
+        self.issue(Work::Copy { dst, src, bytes });
+    }
+
+    fn zero_u32(&mut self, dst: CUdeviceptr, count: usize) {
+        self.issue(Work::Zero { dst, count });
+    }
+
+    fn launch(&mut self, name: &'static str, grid: (u32, u32, u32), block: u32, smem: usize, args: &mut [u64]) {
+        self.issue(Work::Launch { name, grid, block, smem, args: args.to_vec() });
+    }
+
+    fn gemm(&mut self, g: &Gemm) {
+        self.issue(Work::Gemm(*g));
+    }
+
+    fn synchronize(&mut self) {
+        assert!(self.recording.is_none(), "internal error: synchronize while recording");
+    }
+
+    fn begin_capture(&mut self) {
+        assert!(self.recording.is_none(), "internal error: nested capture");
+        self.recording = Some(Vec::new());
+    }
+
+    fn end_capture(&mut self) -> usize {
+        let list = self.recording.take().expect("internal error: end of a capture never begun");
+        self.graphs.push(list);
+        self.graphs.len() - 1
+    }
+
+    fn replay(&mut self, graph: usize) {
+        let list = std::mem::take(&mut self.graphs[graph]);
+        for w in &list {
+            self.run(w);
+        }
+        self.graphs[graph] = list;
+    }
+
+    fn memory(&self) -> (usize, usize) {
+        let used: usize = self.allocations.values().map(|l| l.size()).sum();
+        (self.info.memory.saturating_sub(used), self.info.memory)
+    }
+}
+
+impl Drop for Emulator {
+    fn drop(&mut self) {
+        if let Some(p) = self.profile.take() {
+            let mut rows: Vec<_> = p.into_iter().collect();
+            rows.sort_by(|a, b| b.1.0.total_cmp(&a.1.0));
+            for (name, (seconds, launches)) in rows {
+                eprintln!("emulator: {name:<32} {seconds:8.2} s  {launches:6} launches");
+            }
+        }
+        for (ptr, layout) in self.allocations.drain() {
+            // SAFETY: allocated by `alloc` with this layout.
+            unsafe { std::alloc::dealloc(ptr as *mut u8, layout) }
+        }
+    }
+}
+
+/// Elements a column-major `rows × cols` matrix with leading dimension `ld` spans.
+fn span(rows: usize, cols: usize, ld: usize) -> usize {
+    if rows == 0 || cols == 0 { 0 } else { (cols - 1) * ld + rows }
+}
+
+/// Reads `n` elements of type `t` at `ptr` as f32.
+fn read(ptr: CUdeviceptr, t: DType, n: usize) -> Vec<f32> {
+    // SAFETY: the backend checked that the operands lie in their allocations.
+    unsafe {
+        match t {
+            DType::F32 => std::slice::from_raw_parts(ptr as *const f32, n).to_vec(),
+            DType::Bf16 => std::slice::from_raw_parts(ptr as *const u16, n)
+                .iter()
+                .map(|&b| half::bf16::from_bits(b).to_f32())
+                .collect(),
+        }
+    }
+}
+
+/// cuBLASLt's product, in f32: `D = op(A) · op(B) + beta · C`, column-major.
+fn gemm(g: &Gemm) {
+    let (a_rows, a_cols) = if g.transa { (g.k, g.m) } else { (g.m, g.k) };
+    let (b_rows, b_cols) = if g.transb { (g.n, g.k) } else { (g.k, g.n) };
+    let a = read(g.a, g.inputs, span(a_rows, a_cols, g.lda));
+    let b = read(g.b, g.inputs, span(b_rows, b_cols, g.ldb));
+    let c_len = span(g.m, g.n, g.ldc);
+    let mut c = if g.beta != 0.0 { read(g.c, g.output, c_len) } else { vec![0f32; c_len] };
+    // gemm takes (column stride, row stride) per operand.
+    let (a_cs, a_rs) = if g.transa { (1, g.lda) } else { (g.lda, 1) };
+    let (b_cs, b_rs) = if g.transb { (1, g.ldb) } else { (g.ldb, 1) };
+    if g.m > 0 && g.n > 0 {
+        // SAFETY: the buffers hold every element the shapes and strides address.
+        unsafe {
+            gemm::gemm(
+                g.m,
+                g.n,
+                g.k,
+                c.as_mut_ptr(),
+                g.ldc as isize,
+                1,
+                g.beta != 0.0,
+                a.as_ptr(),
+                a_cs as isize,
+                a_rs as isize,
+                b.as_ptr(),
+                b_cs as isize,
+                b_rs as isize,
+                1.0,
+                1.0,
+                false,
+                false,
+                false,
+                gemm::Parallelism::Rayon(rayon::current_num_threads()),
+            )
+        }
+    }
+    // Write back only the m × n elements (the rest of the span may belong to other data).
+    for j in 0..g.n {
+        for i in 0..g.m {
+            let at = i + j * g.ldc;
+            // SAFETY: inside C's span.
+            unsafe {
+                match g.output {
+                    DType::F32 => *(g.d as *mut f32).add(at) = c[at],
+                    DType::Bf16 => *(g.d as *mut u16).add(at) = half::bf16::from_f32(c[at]).to_bits(),
+                }
+            }
+        }
+    }
+}
+
+/// Builds the emulator library (or finds it built) and returns its path.
+fn build() -> Result<PathBuf, String> {
+    let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
+    let mut units: Vec<(String, String)> = vec![("runtime".into(), RUNTIME.to_string())];
+    for m in MODULES {
+        let mut text =
+            format!("#include \"prelude.h\"\n{COMMON}\n#include \"ops.h\"\n#line 1 \"{}.cu\"\n{}\n", m.name, m.source);
+        for k in m.kernels {
+            text += &format!("EMU_KERNEL({k})\n");
+        }
+        units.push((m.name.to_string(), text));
+    }
+    let mut hash = Sha256::new();
+    hash.update(format!("{cxx}\n{PRELUDE}\n{OPS}\n"));
+    for (name, text) in &units {
+        hash.update(format!("{name}\n{text}\n"));
+    }
+    let hex: String = hash.finalize().iter().take(8).map(|b| format!("{b:02x}")).collect();
+    let base = nvrtc::cache_dir().unwrap_or_else(std::env::temp_dir);
+    let dir = base.join(format!("emulator-{hex}"));
+    let library = dir.join("libengine_cuda_emulator.so");
+    if library.exists() {
+        return Ok(library);
+    }
+    // Build in a private directory, then move the library into place (concurrent builders each
+    // produce the same file).
+    let work = base.join(format!("emulator-{hex}.build-{}", std::process::id()));
+    std::fs::create_dir_all(&work).map_err(|e| format!("cannot create {}: {e}", work.display()))?;
+    let write = |name: &str, text: &str| {
+        std::fs::write(work.join(name), text).map_err(|e| format!("cannot write {}: {e}", work.join(name).display()))
+    };
+    write("prelude.h", PRELUDE)?;
+    write("ops.h", OPS)?;
+    for (name, text) in &units {
+        write(&format!("{name}.cpp"), text)?;
+    }
+    let compile = |name: &str| -> Result<(), String> {
+        let out = std::process::Command::new(&cxx)
+            .args(["-std=c++20", "-O1", "-fPIC", "-pthread", "-w", "-c"])
+            .arg(format!("{name}.cpp"))
+            .args(["-o", &format!("{name}.o")])
+            .current_dir(&work)
+            .output()
+            .map_err(|e| format!("cannot run the C++ compiler `{cxx}` (set CXX): {e}"))?;
+        if out.status.success() {
+            Ok(())
+        } else {
+            Err(format!("{cxx} cannot compile the emulated {name}.cu:\n{}", String::from_utf8_lossy(&out.stderr)))
+        }
+    };
+    let results: Vec<Result<(), String>> = std::thread::scope(|s| {
+        let jobs: Vec<_> = units.iter().map(|(name, _)| s.spawn(move || compile(name))).collect();
+        jobs.into_iter().map(|j| j.join().unwrap_or_else(|_| Err("compiler thread panicked".into()))).collect()
+    });
+    results.into_iter().collect::<Result<Vec<()>, String>>()?;
+    let objects: Vec<String> = units.iter().map(|(n, _)| format!("{n}.o")).collect();
+    let out = std::process::Command::new(&cxx)
+        .args(["-shared", "-pthread", "-o", "libengine_cuda_emulator.so"])
+        .args(&objects)
+        .current_dir(&work)
+        .output()
+        .map_err(|e| format!("cannot run `{cxx}`: {e}"))?;
+    if !out.status.success() {
+        return Err(format!("{cxx} cannot link the CUDA emulator:\n{}", String::from_utf8_lossy(&out.stderr)));
+    }
+    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+    std::fs::rename(work.join("libengine_cuda_emulator.so"), &library).map_err(|e| e.to_string())?;
+    let _ = std::fs::remove_dir_all(&work);
+    Ok(library)
+}
+
+/// Whether a C++ compiler for the emulator is at hand.
+pub fn compiler_available() -> bool {
+    let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
+    std::process::Command::new(cxx).arg("--version").output().is_ok_and(|o| o.status.success())
+}

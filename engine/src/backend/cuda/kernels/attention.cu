@@ -1,0 +1,433 @@
+// Flash attention, forward and backward, on the tensor cores: causal, grouped-query (query head
+// h reads key/value head h / (H / KV)), optional sliding window W (query i sees keys j with
+// i - W < j <= i), over packed qkv rows [q: H·dh | k: KV·dh | v: KV·dh].
+//
+// forward:  s_j = q·k_j / sqrt(dh),  lse = log Σ_j exp(s_j),  o = Σ_j exp(s_j - lse) v_j
+// backward: D = do·o,  dp_j = do·v_j,  ds_j = p_j (dp_j - D),
+//           dq = Σ_j ds_j k_j / sqrt(dh),  dk_j = Σ_i ds_ij q_i / sqrt(dh),  dv_j = Σ_i p_ij do_i
+//
+// HD is the head width padded to a multiple of 16 (16, 32, 64 or 128); the real width dh is a
+// multiple of 8 and the padding is zero-filled by cp.async, so it adds nothing to any product.
+// Blocks are 4 warps; a warp owns 16 rows of the tile (queries forward, keys backward).
+// Shared rows are HD + 8 elements long, which keeps ldmatrix free of bank conflicts.
+//
+// Forward (FlashAttention-2): one block per 64 queries of one head; key/value tiles of 64 are
+// double-buffered with cp.async; an online softmax in base 2 keeps a running maximum and sum
+// per row; the probabilities go from the score accumulators straight into the A operand of
+// P·V. Only the log-sum-exp is saved.
+//
+// Backward: `attention_backward_dot` computes D; then one block per 64 keys of one key/value
+// head walks every query tile of every query head of its group that sees those keys,
+// recomputes P from the saved log-sum-exp, and accumulates dK and dV in registers (written once,
+// no atomics); dQ is accumulated in f32 with atomics and converted by
+// `attention_backward_dq`.
+
+template <int HD>
+struct Smem {
+    static constexpr int LD = HD + 8;
+};
+
+// Copies rows [r0, r0 + ROWS) × [0, HD) of a head (columns col .. col + dh of rows of width
+// `width`) into shared memory, zero-filling rows at or past `limit` and columns at or past dh.
+template <int ROWS, int HD>
+__device__ __forceinline__ void load_tile_async(bf16* tile, const bf16* base, u64 row0, int r0, int limit, u64 width,
+                                                int col, int dh) {
+    constexpr int CHUNKS = ROWS * HD / 8, LD = HD + 8;
+    for (int ch = threadIdx.x; ch < CHUNKS; ch += blockDim.x) {
+        int r = ch / (HD / 8), cc = (ch % (HD / 8)) * 8;
+        bool ok = r0 + r < limit && cc < dh;
+        const bf16* src = ok ? base + (row0 + r0 + r) * width + col + cc : base;
+        cp_async16(smem_addr(tile + r * LD + cc), src, ok ? 16 : 0);
+    }
+}
+
+template <int HD>
+__device__ void attention_forward_impl(bf16* out, float* lse, const bf16* qkv, int seq, int heads, int kv_heads, int dh,
+                                       int window, float scale) {
+    constexpr int LD = HD + 8, BR = 64, BC = 64;
+    DYNAMIC_SMEM(uint4, smem_raw);  // uint4: 16-byte aligned, as cp.async and ldmatrix need
+    bf16* Qs = (bf16*)smem_raw;
+    bf16* Ks = Qs + BR * LD;       // [2][BC][LD]
+    bf16* Vs = Ks + 2 * BC * LD;   // [2][BC][LD]
+
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, group = lane >> 2, tig = lane & 3;
+    int q0 = (gridDim.x - 1 - blockIdx.x) * BR;  // longest rows first
+    int h = blockIdx.y, b = blockIdx.z, g = h / (heads / kv_heads);
+    u64 width = (u64)(heads + 2 * kv_heads) * dh, row0 = (u64)b * seq;
+    int qcol = h * dh, kcol = (heads + g) * dh, vcol = (heads + kv_heads + g) * dh;
+
+    int kv_first = window ? max(0, q0 - window + 1) : 0;
+    int kv_end = min(seq, q0 + BR);
+    int t_first = kv_first / BC, t_count = (kv_end + BC - 1) / BC - t_first;
+
+    load_tile_async<BR, HD>(Qs, qkv, row0, q0, seq, width, qcol, dh);
+    load_tile_async<BC, HD>(Ks, qkv, row0, t_first * BC, seq, width, kcol, dh);
+    load_tile_async<BC, HD>(Vs, qkv, row0, t_first * BC, seq, width, vcol, dh);
+    cp_async_commit();
+
+    float scale2 = scale * LOG2E;
+    u32 qf[HD / 16][4];
+    float o[HD / 8][4];
+#pragma unroll
+    for (int i = 0; i < HD / 8; i++) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
+    int row_a = q0 + warp * 16 + group;  // this thread's rows: row_a and row_a + 8
+
+    for (int it = 0; it < t_count; it++) {
+        int buf = it & 1, j0 = (t_first + it) * BC;
+        if (it + 1 < t_count) {
+            load_tile_async<BC, HD>(Ks + (buf ^ 1) * BC * LD, qkv, row0, j0 + BC, seq, width, kcol, dh);
+            load_tile_async<BC, HD>(Vs + (buf ^ 1) * BC * LD, qkv, row0, j0 + BC, seq, width, vcol, dh);
+            cp_async_commit();
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+        if (it == 0) {
+#pragma unroll
+            for (int kt = 0; kt < HD / 16; kt++)
+                ldmatrix_x4(qf[kt], smem_addr(Qs + (warp * 16 + (lane % 16)) * LD + kt * 16 + (lane / 16) * 8));
+        }
+        const bf16* K = Ks + buf * BC * LD;
+        const bf16* V = Vs + buf * BC * LD;
+
+        // S = Q Kᵀ for this warp's 16 rows × 64 keys.
+        float s[BC / 8][4];
+#pragma unroll
+        for (int i = 0; i < BC / 8; i++) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+#pragma unroll
+        for (int kt = 0; kt < HD / 16; kt++)
+#pragma unroll
+            for (int np = 0; np < BC / 16; np++) {
+                u32 r[4];
+                ldmatrix_x4(r, smem_addr(K + (np * 16 + (lane % 8) + (lane / 16) * 8) * LD + kt * 16 + ((lane / 8) % 2) * 8));
+                mma_bf16(s[2 * np], qf[kt], r[0], r[1]);
+                mma_bf16(s[2 * np + 1], qf[kt], r[2], r[3]);
+            }
+
+        // Scale to base 2, mask where the tile is not entirely visible to the whole block.
+        bool full = j0 + BC - 1 <= q0 && j0 + BC <= seq && (window == 0 || j0 > q0 + BR - 1 - window);
+#pragma unroll
+        for (int nt = 0; nt < BC / 8; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                float v = s[nt][e] * scale2;
+                if (!full) {
+                    int row = row_a + (e >> 1) * 8, key = j0 + nt * 8 + tig * 2 + (e & 1);
+                    bool ok = key <= row && key < seq && (window == 0 || key > row - window);
+                    v = ok ? v : NEG_INF;
+                }
+                s[nt][e] = v;
+            }
+
+        // Online softmax: rows are shared by the 4 lanes of a quad.
+        float mx[2] = {m[0], m[1]};
+#pragma unroll
+        for (int nt = 0; nt < BC / 8; nt++) {
+            mx[0] = fmaxf(mx[0], fmaxf(s[nt][0], s[nt][1]));
+            mx[1] = fmaxf(mx[1], fmaxf(s[nt][2], s[nt][3]));
+        }
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+        }
+        float base[2], alpha[2];
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            base[r] = mx[r] == NEG_INF ? 0.f : mx[r];  // a row that has seen no key yet
+            alpha[r] = exp2f(m[r] - base[r]);
+            m[r] = mx[r];
+            l[r] *= alpha[r];
+        }
+#pragma unroll
+        for (int nt = 0; nt < BC / 8; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                float p = exp2f(s[nt][e] - base[e >> 1]);
+                s[nt][e] = p;
+                l[e >> 1] += p;
+            }
+#pragma unroll
+        for (int dt = 0; dt < HD / 8; dt++) {
+            o[dt][0] *= alpha[0], o[dt][1] *= alpha[0];
+            o[dt][2] *= alpha[1], o[dt][3] *= alpha[1];
+        }
+
+        // O += P V: P's accumulators become A fragments; V (stored [key][d]) via ldmatrix.trans.
+#pragma unroll
+        for (int kk = 0; kk < BC / 16; kk++) {
+            u32 pa[4] = {pack_bf16(s[2 * kk][0], s[2 * kk][1]), pack_bf16(s[2 * kk][2], s[2 * kk][3]),
+                         pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]), pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+            for (int dp = 0; dp < HD / 16; dp++) {
+                u32 r[4];
+                ldmatrix_x4_trans(r, smem_addr(V + (kk * 16 + (lane % 16)) * LD + dp * 16 + (lane / 16) * 8));
+                mma_bf16(o[2 * dp], pa, r[0], r[1]);
+                mma_bf16(o[2 * dp + 1], pa, r[2], r[3]);
+            }
+        }
+        __syncthreads();  // every warp is done with this buffer before it is refilled
+    }
+
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+    }
+    u64 out_width = (u64)heads * dh;
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        int row = row_a + r * 8;
+        if (row >= seq) continue;
+        float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+        bf16* dst = out + (row0 + row) * out_width + qcol;
+#pragma unroll
+        for (int dt = 0; dt < HD / 8; dt++) {
+            int col = dt * 8 + tig * 2;
+            if (col < dh) *(u32*)(dst + col) = pack_bf16(o[dt][2 * r] * inv, o[dt][2 * r + 1] * inv);
+        }
+        if (tig == 0) lse[(row0 + row) * heads + h] = (m[r] + __log2f(l[r])) * LN2;
+    }
+}
+
+#define ATTENTION_FORWARD(HD)                                                                                        \
+    extern "C" __global__ void __launch_bounds__(128) attention_forward_hd##HD(                                     \
+        bf16* out, float* lse, const bf16* qkv, int seq, int heads, int kv_heads, int dh, int window, float scale) { \
+        attention_forward_impl<HD>(out, lse, qkv, seq, heads, kv_heads, dh, window, scale);                          \
+    }
+ATTENTION_FORWARD(16)
+ATTENTION_FORWARD(32)
+ATTENTION_FORWARD(64)
+ATTENTION_FORWARD(128)
+
+// D[row, h] = Σ_d dout[row, h, d] · out[row, h, d]   (one warp per (row, head))
+extern "C" __global__ void attention_backward_dot(float* big_d, const bf16* dout, const bf16* out, u64 rows, int heads,
+                                                  int dh) {
+    u64 w = global_thread() / 32;
+    int lane = threadIdx.x & 31;
+    if (w >= rows * heads) return;
+    const bf16 *a = dout + w * dh, *b = out + w * dh;  // rows of H·dh: (row, h) is at (row·H + h)·dh
+    float acc = 0.f;
+    for (int d = lane; d < dh; d += 32) acc += bf2f(a[d]) * bf2f(b[d]);
+    acc = warp_sum(acc);
+    if (lane == 0) big_d[w] = acc;
+}
+
+// BR: queries per inner tile (64, or 32 for HD = 128 to stay within registers).
+template <int HD, int BR>
+__device__ void attention_backward_impl(bf16* dqkv, float* dq_acc, const bf16* dout, const bf16* qkv, const float* lse,
+                                        const float* big_d, int seq, int heads, int kv_heads, int dh, int window,
+                                        float scale) {
+    constexpr int LD = HD + 8, BC = 64, LDS = BR + 8;
+    DYNAMIC_SMEM(uint4, smem_raw);
+    bf16* Ks = (bf16*)smem_raw;     // [BC][LD]
+    bf16* Vs = Ks + BC * LD;         // [BC][LD]
+    bf16* Qs_buf = Vs + BC * LD;     // [2][BR][LD]: the tile in use and the next one
+    bf16* dOs_buf = Qs_buf + 2 * BR * LD;  // [2][BR][LD]
+    bf16* dSs = dOs_buf + 2 * BR * LD;     // [BC][LDS]: dSᵀ, keys × queries
+    float* lse_buf = (float*)(dSs + BC * LDS);  // [2][BR]
+    float* d_buf = lse_buf + 2 * BR;            // [2][BR]
+
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, group = lane >> 2, tig = lane & 3;
+    int k0 = blockIdx.x * BC, g = blockIdx.y, b = blockIdx.z, per_group = heads / kv_heads;
+    u64 width = (u64)(heads + 2 * kv_heads) * dh, row0 = (u64)b * seq, out_width = (u64)heads * dh;
+    int kcol = (heads + g) * dh, vcol = (heads + kv_heads + g) * dh;
+    float scale2 = scale * LOG2E;
+
+    load_tile_async<BC, HD>(Ks, qkv, row0, k0, seq, width, kcol, dh);
+    load_tile_async<BC, HD>(Vs, qkv, row0, k0, seq, width, vcol, dh);
+    cp_async_commit();
+
+    float dk[HD / 8][4], dv[HD / 8][4];
+#pragma unroll
+    for (int i = 0; i < HD / 8; i++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) dk[i][e] = dv[i][e] = 0.f;
+    int key_a = k0 + warp * 16 + group;  // this thread's keys: key_a and key_a + 8
+
+    int q_end = window ? min(seq, k0 + BC - 1 + window) : seq;  // queries that see some key here
+    int qt_first = k0 / BR, qt_end = (q_end + BR - 1) / BR;
+
+    // The (query head, query tile) pairs this block visits, in order; the next pair's Q, dO,
+    // log-sum-exp and D are fetched while the current one is computed.
+    int q_tiles = qt_end - qt_first, steps = per_group * q_tiles;
+    auto fetch = [&](int step, int buf) {
+        int h = g * per_group + step / q_tiles, q0 = (qt_first + step % q_tiles) * BR;
+        load_tile_async<BR, HD>(Qs_buf + buf * BR * LD, qkv, row0, q0, seq, width, h * dh, dh);
+        load_tile_async<BR, HD>(dOs_buf + buf * BR * LD, dout, row0, q0, seq, out_width, h * dh, dh);
+        cp_async_commit();
+        for (int i = threadIdx.x; i < BR; i += blockDim.x) {
+            bool ok = q0 + i < seq;
+            lse_buf[buf * BR + i] = ok ? lse[(row0 + q0 + i) * heads + h] * LOG2E : POS_INF;
+            d_buf[buf * BR + i] = ok ? big_d[(row0 + q0 + i) * heads + h] : 0.f;
+        }
+    };
+    fetch(0, 0);
+    for (int step = 0; step < steps; step++) {
+        int buf = step & 1, h = g * per_group + step / q_tiles, q0 = (qt_first + step % q_tiles) * BR;
+        // The other buffer was last read before the barrier that ended the previous step.
+        if (step + 1 < steps) {
+            fetch(step + 1, buf ^ 1);
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+        const bf16 *Qs = Qs_buf + buf * BR * LD, *dOs = dOs_buf + buf * BR * LD;
+        const float *lse_s = lse_buf + buf * BR, *d_s = d_buf + buf * BR;
+        {
+
+            // Sᵀ = K Qᵀ: this warp's 16 keys × BR queries.
+            float st[BR / 8][4];
+#pragma unroll
+            for (int i = 0; i < BR / 8; i++) st[i][0] = st[i][1] = st[i][2] = st[i][3] = 0.f;
+#pragma unroll
+            for (int kt = 0; kt < HD / 16; kt++) {
+                u32 ka[4];
+                ldmatrix_x4(ka, smem_addr(Ks + (warp * 16 + (lane % 16)) * LD + kt * 16 + (lane / 16) * 8));
+#pragma unroll
+                for (int np = 0; np < BR / 16; np++) {
+                    u32 r[4];
+                    ldmatrix_x4(r, smem_addr(Qs + (np * 16 + (lane % 8) + (lane / 16) * 8) * LD + kt * 16 + ((lane / 8) % 2) * 8));
+                    mma_bf16(st[2 * np], ka, r[0], r[1]);
+                    mma_bf16(st[2 * np + 1], ka, r[2], r[3]);
+                }
+            }
+            // Pᵀ, zero where the query does not see the key.
+#pragma unroll
+            for (int nt = 0; nt < BR / 8; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    int key = key_a + (e >> 1) * 8, qi = nt * 8 + tig * 2 + (e & 1), q = q0 + qi;
+                    bool ok = key < seq && q < seq && key <= q && (window == 0 || key > q - window);
+                    st[nt][e] = ok ? exp2f(st[nt][e] * scale2 - lse_s[qi]) : 0.f;
+                }
+            // dV += Pᵀ dO   (dO stored [query][d]: ldmatrix.trans gives its (k = query, n = d) fragments)
+#pragma unroll
+            for (int kk = 0; kk < BR / 16; kk++) {
+                u32 pa[4] = {pack_bf16(st[2 * kk][0], st[2 * kk][1]), pack_bf16(st[2 * kk][2], st[2 * kk][3]),
+                             pack_bf16(st[2 * kk + 1][0], st[2 * kk + 1][1]),
+                             pack_bf16(st[2 * kk + 1][2], st[2 * kk + 1][3])};
+#pragma unroll
+                for (int dp = 0; dp < HD / 16; dp++) {
+                    u32 r[4];
+                    ldmatrix_x4_trans(r, smem_addr(dOs + (kk * 16 + (lane % 16)) * LD + dp * 16 + (lane / 16) * 8));
+                    mma_bf16(dv[2 * dp], pa, r[0], r[1]);
+                    mma_bf16(dv[2 * dp + 1], pa, r[2], r[3]);
+                }
+            }
+            // dPᵀ = V dOᵀ, then dSᵀ = Pᵀ ⊙ (dPᵀ - D) in place.
+            float dpt[BR / 8][4];
+#pragma unroll
+            for (int i = 0; i < BR / 8; i++) dpt[i][0] = dpt[i][1] = dpt[i][2] = dpt[i][3] = 0.f;
+#pragma unroll
+            for (int kt = 0; kt < HD / 16; kt++) {
+                u32 va[4];
+                ldmatrix_x4(va, smem_addr(Vs + (warp * 16 + (lane % 16)) * LD + kt * 16 + (lane / 16) * 8));
+#pragma unroll
+                for (int np = 0; np < BR / 16; np++) {
+                    u32 r[4];
+                    ldmatrix_x4(r, smem_addr(dOs + (np * 16 + (lane % 8) + (lane / 16) * 8) * LD + kt * 16 + ((lane / 8) % 2) * 8));
+                    mma_bf16(dpt[2 * np], va, r[0], r[1]);
+                    mma_bf16(dpt[2 * np + 1], va, r[2], r[3]);
+                }
+            }
+#pragma unroll
+            for (int nt = 0; nt < BR / 8; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) dpt[nt][e] = st[nt][e] * (dpt[nt][e] - d_s[nt * 8 + tig * 2 + (e & 1)]);
+            // dK += dSᵀ Q   (Q stored [query][d]: ldmatrix.trans)
+#pragma unroll
+            for (int kk = 0; kk < BR / 16; kk++) {
+                u32 da[4] = {pack_bf16(dpt[2 * kk][0], dpt[2 * kk][1]), pack_bf16(dpt[2 * kk][2], dpt[2 * kk][3]),
+                             pack_bf16(dpt[2 * kk + 1][0], dpt[2 * kk + 1][1]),
+                             pack_bf16(dpt[2 * kk + 1][2], dpt[2 * kk + 1][3])};
+#pragma unroll
+                for (int dp = 0; dp < HD / 16; dp++) {
+                    u32 r[4];
+                    ldmatrix_x4_trans(r, smem_addr(Qs + (kk * 16 + (lane % 16)) * LD + dp * 16 + (lane / 16) * 8));
+                    mma_bf16(dk[2 * dp], da, r[0], r[1]);
+                    mma_bf16(dk[2 * dp + 1], da, r[2], r[3]);
+                }
+            }
+            // dSᵀ to shared memory for dQ, which needs it with queries as rows.
+#pragma unroll
+            for (int nt = 0; nt < BR / 8; nt++)
+#pragma unroll
+                for (int r = 0; r < 2; r++)
+                    *(u32*)(dSs + (warp * 16 + group + r * 8) * LDS + nt * 8 + tig * 2) =
+                        pack_bf16(dpt[nt][2 * r], dpt[nt][2 * r + 1]);
+            __syncthreads();
+
+            // dQ (BR × HD) += dS K: the output tiles are split over the warps; dS comes from its
+            // transpose in shared memory (ldmatrix.trans), K (stored [key][d]) likewise.
+            constexpr int MT = BR / 16, NT_PER_WARP = (HD / 8) * MT / 4;
+            int mi = warp % MT, nt0 = (warp / MT) * NT_PER_WARP;
+            float acc[NT_PER_WARP][4];
+#pragma unroll
+            for (int i = 0; i < NT_PER_WARP; i++) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+#pragma unroll
+            for (int kk = 0; kk < BC / 16; kk++) {
+                u32 a[4];
+                ldmatrix_x4_trans(a, smem_addr(dSs + (kk * 16 + (lane % 8) + (lane / 16) * 8) * LDS + mi * 16 + ((lane / 8) % 2) * 8));
+#pragma unroll
+                for (int np = 0; np < NT_PER_WARP / 2; np++) {
+                    u32 r[4];
+                    ldmatrix_x4_trans(r, smem_addr(Ks + (kk * 16 + (lane % 16)) * LD + (nt0 + 2 * np) * 8 + (lane / 16) * 8));
+                    mma_bf16(acc[2 * np], a, r[0], r[1]);
+                    mma_bf16(acc[2 * np + 1], a, r[2], r[3]);
+                }
+            }
+#pragma unroll
+            for (int r = 0; r < 2; r++) {
+                int q = q0 + mi * 16 + group + r * 8;
+                if (q >= seq) continue;
+                float* dst = dq_acc + (row0 + q) * out_width + (u64)h * dh;
+#pragma unroll
+                for (int i = 0; i < NT_PER_WARP; i++) {
+                    int col = (nt0 + i) * 8 + tig * 2;
+                    if (col < dh) red_add2(dst + col, acc[i][2 * r], acc[i][2 * r + 1]);
+                }
+            }
+            __syncthreads();  // dSs and this step's buffers are refilled next
+        }
+    }
+
+    // dK (scaled) and dV for this block's keys, written once.
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        int key = key_a + r * 8;
+        if (key >= seq) continue;
+        bf16* row = dqkv + (row0 + key) * width;
+#pragma unroll
+        for (int dt = 0; dt < HD / 8; dt++) {
+            int col = dt * 8 + tig * 2;
+            if (col >= dh) continue;
+            *(u32*)(row + kcol + col) = pack_bf16(dk[dt][2 * r] * scale, dk[dt][2 * r + 1] * scale);
+            *(u32*)(row + vcol + col) = pack_bf16(dv[dt][2 * r], dv[dt][2 * r + 1]);
+        }
+    }
+}
+
+#define ATTENTION_BACKWARD(HD, BR)                                                                                  \
+    extern "C" __global__ void __launch_bounds__(128) attention_backward_hd##HD(                                   \
+        bf16* dqkv, float* dq_acc, const bf16* dout, const bf16* qkv, const float* lse, const float* big_d, int seq, \
+        int heads, int kv_heads, int dh, int window, float scale) {                                                  \
+        attention_backward_impl<HD, BR>(dqkv, dq_acc, dout, qkv, lse, big_d, seq, heads, kv_heads, dh, window,       \
+                                        scale);                                                                      \
+    }
+ATTENTION_BACKWARD(16, 64)
+ATTENTION_BACKWARD(32, 64)
+ATTENTION_BACKWARD(64, 64)
+ATTENTION_BACKWARD(128, 32)
+
+// dqkv[row, q columns] = scale · dq_acc[row]
+extern "C" __global__ void attention_backward_dq(bf16* dqkv, const float* dq_acc, u64 rows, int q_width, u64 width,
+                                                 float scale) {
+    for (u64 i = global_thread(); i < rows * q_width; i += global_stride()) {
+        u64 row = i / q_width;
+        dqkv[row * width + (i - row * q_width)] = f2bf(dq_acc[i] * scale);
+    }
+}

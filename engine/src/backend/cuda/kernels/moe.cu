@@ -1,0 +1,222 @@
+// Mixtral mixture-of-experts routing, dispatch and combine, without token dropping and without
+// host round trips: the dispatch tables are built on the device and the experts' products
+// (gemm.cu) read the per-expert row counts from them.
+//
+// route:    p = softmax(router_logits); top-k experts (ties to the lower index);
+//           w_j = p_{e_j} / Σ_m p_{e_m}                                       (one warp per token)
+// dispatch: a stable counting sort of the N·k slots by expert: rows of expert e are
+//           offsets[e] .. offsets[e + 1], each expert's slots in token order       (one block)
+// stats:    [tokens routed to e | Σ_t p_te], the inputs of the load-balancing loss
+// combine:  y_t = Σ_j w_tj · ye[slot_row[t·k + j]]
+// backward: dw_j = dy_t · ye_j;  dye = w · dy;  router gradient through the renormalisation and
+//           the softmax, plus aux_scale · counts[e] on every probability of expert e.
+//
+// Experts per layer are at most MAX_EXPERTS (8 per lane of a warp).
+
+#define MAX_PER_LANE 8
+
+extern "C" __global__ void moe_route(float* probs, float* weight, u32* expert, const float* logits, u64 n, int e,
+                                     int k) {
+    u64 token = global_thread() / 32;
+    int lane = threadIdx.x & 31;
+    if (token >= n) return;  // whole warps
+    float z[MAX_PER_LANE];
+    float mx = NEG_INF;
+#pragma unroll
+    for (int q = 0; q < MAX_PER_LANE; q++) {
+        int x = lane + 32 * q;
+        z[q] = x < e ? logits[token * e + x] : NEG_INF;
+        mx = fmaxf(mx, z[q]);
+    }
+    mx = warp_max(mx);
+    float s = 0.f;
+#pragma unroll
+    for (int q = 0; q < MAX_PER_LANE; q++) {
+        int x = lane + 32 * q;
+        z[q] = x < e ? __expf(z[q] - mx) : 0.f;
+        s += z[q];
+    }
+    s = warp_sum(s);
+#pragma unroll
+    for (int q = 0; q < MAX_PER_LANE; q++) {
+        int x = lane + 32 * q;
+        z[q] /= s;
+        if (x < e) probs[token * e + x] = z[q];
+    }
+    // Top-k by repeated arg-max; a chosen expert's probability is set to -1 (probabilities are
+    // >= 0, so it is never chosen again).
+    float total = 0.f;
+    for (int j = 0; j < k; j++) {
+        float best = -2.f;
+        int best_x = 0x7fffffff;
+#pragma unroll
+        for (int q = 0; q < MAX_PER_LANE; q++) {
+            int x = lane + 32 * q;
+            if (x < e && z[q] > best) best = z[q], best_x = x;  // q ascending: ties keep the lower
+        }
+        for (int o = 16; o > 0; o >>= 1) {
+            float ob = __shfl_xor_sync(0xffffffffu, best, o);
+            int ox = __shfl_xor_sync(0xffffffffu, best_x, o);
+            if (ob > best || (ob == best && ox < best_x)) best = ob, best_x = ox;
+        }
+#pragma unroll
+        for (int q = 0; q < MAX_PER_LANE; q++)
+            if (lane + 32 * q == best_x) z[q] = -1.f;
+        if (lane == 0) {
+            expert[token * k + j] = best_x;
+            weight[token * k + j] = best;
+        }
+        total += best;
+    }
+    if (lane == 0)
+        for (int j = 0; j < k; j++) weight[token * k + j] /= total;
+}
+
+// One block of 1024 threads. Dynamic shared memory: (2 + 32) · e u32.
+extern "C" __global__ void moe_dispatch(u32* slot_row, u32* row_slot, u32* offsets, const u32* expert, u64 slots,
+                                        int e) {
+    DYNAMIC_SMEM(u32, sh);
+    u32 *counts = sh, *cursor = sh + e, *warp_counts = sh + 2 * e;
+    int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    for (int x = tid; x < e; x += blockDim.x) counts[x] = 0;
+    __syncthreads();
+    for (u64 s = tid; s < slots; s += blockDim.x) atomicAdd(&counts[expert[s]], 1u);
+    __syncthreads();
+    if (tid == 0) {
+        u32 acc = 0;
+        for (int x = 0; x < e; x++) {
+            offsets[x] = acc;
+            cursor[x] = acc;
+            acc += counts[x];
+        }
+        offsets[e] = acc;
+    }
+    __syncthreads();
+    for (u64 base = 0; base < slots; base += blockDim.x) {
+        u64 s = base + tid;
+        bool valid = s < slots;
+        u32 x = valid ? expert[s] : 0xffffffffu;
+        u32 same = __match_any_sync(0xffffffffu, x);
+        u32 rank = __popc(same & ((1u << lane) - 1));
+        for (int i = tid; i < 32 * e; i += blockDim.x) warp_counts[i] = 0;
+        __syncthreads();
+        if (valid && rank == 0) warp_counts[warp * e + x] = __popc(same);
+        __syncthreads();
+        if (tid < e) {  // exclusive prefix over the warps, from the expert's cursor
+            u32 acc = cursor[tid];
+            for (int w = 0; w < 32; w++) {
+                u32 c = warp_counts[w * e + tid];
+                warp_counts[w * e + tid] = acc;
+                acc += c;
+            }
+            cursor[tid] = acc;
+        }
+        __syncthreads();
+        if (valid) {
+            u32 row = warp_counts[warp * e + x] + rank;
+            slot_row[s] = row;
+            row_slot[row] = (u32)s;
+        }
+        __syncthreads();
+    }
+}
+
+// One block per expert.
+extern "C" __global__ void moe_stats(float* stats, const u32* offsets, const float* probs, u64 n, int e) {
+    __shared__ double scratch[32];
+    int x = blockIdx.x;
+    double acc = 0.0;
+    for (u64 t = threadIdx.x; t < n; t += blockDim.x) acc += probs[t * e + x];
+    acc = block_sum_f64(acc, scratch);
+    if (threadIdx.x == 0) {
+        stats[x] = (float)(offsets[x + 1] - offsets[x]);
+        stats[e + x] = (float)acc;
+    }
+}
+
+// xe[r] = x[row_slot[r] / k]   (one block per dispatched row)
+extern "C" __global__ void moe_gather(bf16* xe, const bf16* x, const u32* row_slot, int k, int d) {
+    u64 r = blockIdx.x, t = row_slot[r] / k;
+    for (int j = threadIdx.x; j < d; j += blockDim.x) xe[r * d + j] = x[t * d + j];
+}
+
+// dx[t] = Σ_j dxe[slot_row[t·k + j]]   (one block per token)
+extern "C" __global__ void moe_gather_backward(bf16* dx, const bf16* dxe, const u32* slot_row, int k, int d) {
+    u64 t = blockIdx.x;
+    for (int j = threadIdx.x; j < d; j += blockDim.x) {
+        float acc = 0.f;
+        for (int s = 0; s < k; s++) acc += bf2f(dxe[(u64)slot_row[t * k + s] * d + j]);
+        dx[t * d + j] = f2bf(acc);
+    }
+}
+
+// out[t] = Σ_j weight[t·k + j] · ye[slot_row[t·k + j]]   (one block per token)
+extern "C" __global__ void moe_combine(bf16* out, const bf16* ye, const float* weight, const u32* slot_row, int k,
+                                       int d) {
+    u64 t = blockIdx.x;
+    for (int j = threadIdx.x; j < d; j += blockDim.x) {
+        float acc = 0.f;
+        for (int s = 0; s < k; s++) acc += weight[t * k + s] * bf2f(ye[(u64)slot_row[t * k + s] * d + j]);
+        out[t * d + j] = f2bf(acc);
+    }
+}
+
+// dye[r] = weight[s] · dout[s / k] for the slot s of row r   (one block per dispatched row)
+extern "C" __global__ void moe_combine_backward_rows(bf16* dye, const bf16* dout, const float* weight,
+                                                     const u32* row_slot, int k, int d) {
+    u64 r = blockIdx.x, s = row_slot[r], t = s / k;
+    float w = weight[s];
+    for (int j = threadIdx.x; j < d; j += blockDim.x) dye[r * d + j] = f2bf(w * bf2f(dout[t * d + j]));
+}
+
+// dweight[s] = dout[s / k] · ye[slot_row[s]]   (one warp per slot)
+extern "C" __global__ void moe_combine_backward_weights(float* dweight, const bf16* dout, const bf16* ye,
+                                                        const u32* slot_row, u64 slots, int k, int d) {
+    u64 s = global_thread() / 32;
+    int lane = threadIdx.x & 31;
+    if (s >= slots) return;
+    u64 t = s / k, r = slot_row[s];
+    float acc = 0.f;
+    for (int j = lane; j < d; j += 32) acc += bf2f(dout[t * d + j]) * bf2f(ye[r * d + j]);
+    acc = warp_sum(acc);
+    if (lane == 0) dweight[s] = acc;
+}
+
+// Router logits' gradient (one warp per token):
+//   g_e = aux_scale · counts[e] + Σ_j [e = e_j] (dw_j - Σ_i dw_i w_i) / Σ_i p_{e_i}
+//   drouter_e = p_e · (g_e - Σ_x g_x p_x)
+extern "C" __global__ void moe_route_backward(bf16* drouter, const float* dweight, const float* probs,
+                                              const float* weight, const float* counts, const u32* expert, u64 n,
+                                              int e, int k, float aux_scale) {
+    u64 token = global_thread() / 32;
+    int lane = threadIdx.x & 31;
+    if (token >= n) return;
+    float g[MAX_PER_LANE], p[MAX_PER_LANE];
+#pragma unroll
+    for (int q = 0; q < MAX_PER_LANE; q++) {
+        int x = lane + 32 * q;
+        p[q] = x < e ? probs[token * e + x] : 0.f;
+        g[q] = x < e ? aux_scale * counts[x] : 0.f;
+    }
+    float chosen_sum = 0.f, c = 0.f;
+    for (int j = 0; j < k; j++) {
+        chosen_sum += probs[token * e + expert[token * k + j]];
+        c += dweight[token * k + j] * weight[token * k + j];
+    }
+    for (int j = 0; j < k; j++) {
+        u32 x = expert[token * k + j];
+        float add = (dweight[token * k + j] - c) / chosen_sum;
+#pragma unroll
+        for (int q = 0; q < MAX_PER_LANE; q++)
+            if (lane + 32 * q == (int)x) g[q] += add;
+    }
+    float dot = 0.f;
+#pragma unroll
+    for (int q = 0; q < MAX_PER_LANE; q++) dot += g[q] * p[q];
+    dot = warp_sum(dot);
+#pragma unroll
+    for (int q = 0; q < MAX_PER_LANE; q++) {
+        int x = lane + 32 * q;
+        if (x < e) drouter[token * e + x] = f2bf(p[q] * (g[q] - dot));
+    }
+}

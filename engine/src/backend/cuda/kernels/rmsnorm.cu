@@ -1,0 +1,103 @@
+// RMSNorm over rows of width d, statistics in f32.
+//
+// forward:  r = 1 / sqrt(mean_j(x_j²) + eps),  y_j = w_j · (x_j · r)         (one block per row)
+// backward: dx_i += r · (dy_i w_i - x_i · c),  c = r² · mean_j(dy_j w_j x_j)
+//           dw_j += Σ_rows dy_j · x_j · r
+//
+// The `+=` into dx is the residual add of the backward pass: the residual stream's gradient
+// arrives in dx and leaves with the norm's contribution added, in one pass. (Forward, the
+// residual add is the epilogue of the GEMM that produces the stream: beta = 1 in cuBLASLt.)
+// The weight gradient is deterministic: each block sums its rows into shared memory and writes
+// one partial row; `rmsnorm_dw_finish` adds the partials in block order.
+
+template <int V>
+__device__ void rmsnorm_forward_impl(bf16* out, float* rstd, const bf16* x, const bf16* w, int d, float eps) {
+    __shared__ float scratch[32];
+    u64 row = blockIdx.x;
+    const bf16* xr = x + row * d;
+    bf16* yr = out + row * d;
+    float ss = 0.f;
+    for (int j = threadIdx.x * V; j < d; j += blockDim.x * V) {
+        float f[V];
+        loadv<V>(xr + j, f);
+#pragma unroll
+        for (int k = 0; k < V; k++) ss += f[k] * f[k];
+    }
+    ss = block_sum(ss, scratch);
+    float r = 1.f / sqrtf(ss / (float)d + eps);
+    if (threadIdx.x == 0) rstd[row] = r;
+    for (int j = threadIdx.x * V; j < d; j += blockDim.x * V) {
+        float f[V], g[V];
+        loadv<V>(xr + j, f);
+        loadv<V>(w + j, g);
+#pragma unroll
+        for (int k = 0; k < V; k++) f[k] = g[k] * (f[k] * r);
+        storev<V>(yr + j, f);
+    }
+}
+extern "C" __global__ void rmsnorm_forward(bf16* out, float* rstd, const bf16* x, const bf16* w, int d, float eps) {
+    rmsnorm_forward_impl<1>(out, rstd, x, w, d, eps);
+}
+extern "C" __global__ void rmsnorm_forward_v8(bf16* out, float* rstd, const bf16* x, const bf16* w, int d, float eps) {
+    rmsnorm_forward_impl<8>(out, rstd, x, w, d, eps);
+}
+
+// Dynamic shared memory: d floats (the block's weight-gradient row).
+template <int V>
+__device__ void rmsnorm_backward_impl(bf16* dx, float* dw_partial, const bf16* dy, const bf16* x, const bf16* w,
+                                      const float* rstd, u64 rows, int d, int rows_per_block) {
+    DYNAMIC_SMEM(float, dw_s);
+    __shared__ float scratch[32];
+    for (int j = threadIdx.x; j < d; j += blockDim.x) dw_s[j] = 0.f;
+    __syncthreads();
+    u64 first = (u64)blockIdx.x * rows_per_block;
+    u64 last = first + rows_per_block < rows ? first + rows_per_block : rows;
+    for (u64 row = first; row < last; row++) {
+        const bf16 *xr = x + row * d, *dyr = dy + row * d;
+        bf16* dxr = dx + row * d;
+        float r = rstd[row];
+        float dot = 0.f;
+        for (int j = threadIdx.x * V; j < d; j += blockDim.x * V) {
+            float a[V], b[V], c[V];
+            loadv<V>(dyr + j, a);
+            loadv<V>(w + j, b);
+            loadv<V>(xr + j, c);
+#pragma unroll
+            for (int k = 0; k < V; k++) dot += a[k] * b[k] * c[k];
+        }
+        dot = block_sum(dot, scratch);
+        float c = dot / (float)d * r * r;
+        for (int j = threadIdx.x * V; j < d; j += blockDim.x * V) {
+            float g[V], wv[V], xv[V], o[V];
+            loadv<V>(dyr + j, g);
+            loadv<V>(w + j, wv);
+            loadv<V>(xr + j, xv);
+            loadv<V>(dxr + j, o);
+#pragma unroll
+            for (int k = 0; k < V; k++) {
+                o[k] += r * (g[k] * wv[k] - xv[k] * c);
+                dw_s[j + k] += g[k] * xv[k] * r;
+            }
+            storev<V>(dxr + j, o);
+        }
+    }
+    __syncthreads();
+    for (int j = threadIdx.x; j < d; j += blockDim.x) dw_partial[(u64)blockIdx.x * d + j] = dw_s[j];
+}
+extern "C" __global__ void rmsnorm_backward(bf16* dx, float* dw_partial, const bf16* dy, const bf16* x, const bf16* w,
+                                            const float* rstd, u64 rows, int d, int rows_per_block) {
+    rmsnorm_backward_impl<1>(dx, dw_partial, dy, x, w, rstd, rows, d, rows_per_block);
+}
+extern "C" __global__ void rmsnorm_backward_v8(bf16* dx, float* dw_partial, const bf16* dy, const bf16* x,
+                                               const bf16* w, const float* rstd, u64 rows, int d, int rows_per_block) {
+    rmsnorm_backward_impl<8>(dx, dw_partial, dy, x, w, rstd, rows, d, rows_per_block);
+}
+
+// dw[j] += Σ_b partial[b, j], b in block order.
+extern "C" __global__ void rmsnorm_dw_finish(float* dw, const float* partial, int blocks, int d) {
+    for (u64 j = global_thread(); j < (u64)d; j += global_stride()) {
+        float s = 0.f;
+        for (int b = 0; b < blocks; b++) s += partial[(u64)b * d + j];
+        dw[j] += s;
+    }
+}

@@ -1,0 +1,95 @@
+//! `--device auto|cpu|cuda`: the backend a command runs on, and the device's peak for MFU.
+
+use anyhow::{Result, bail};
+use engine::backend::cpu::{self, Cpu};
+use engine::backend::cuda::{self, Cuda, device};
+use engine::config::Config;
+use engine::model::Model;
+use engine::model::memory::{self, Target, gib};
+
+/// Which device to run on.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum DeviceArg {
+    /// The first CUDA GPU when the driver and a device are present, else the CPU.
+    #[default]
+    Auto,
+    /// The f32 CPU reference.
+    Cpu,
+    /// The first CUDA GPU (an error when there is none).
+    Cuda,
+}
+
+impl DeviceArg {
+    /// `ENGINE_DEVICE`, when the flag is not given.
+    pub fn from_env() -> Result<Option<DeviceArg>> {
+        match std::env::var("ENGINE_DEVICE") {
+            Err(_) => Ok(None),
+            Ok(v) => match v.trim() {
+                "auto" => Ok(Some(DeviceArg::Auto)),
+                "cpu" => Ok(Some(DeviceArg::Cpu)),
+                "cuda" => Ok(Some(DeviceArg::Cuda)),
+                other => bail!("ENGINE_DEVICE = `{other}` is not one of auto, cpu, cuda"),
+            },
+        }
+    }
+}
+
+/// An opened backend.
+pub enum Opened {
+    /// The CPU.
+    Cpu(Cpu),
+    /// A GPU.
+    Cuda(Box<Cuda>),
+}
+
+/// The device's peak TFLOP/s for MFU and where the figure comes from: `train.peak_tflops` when
+/// set; else the dense bf16 table for a GPU, or a measured f32 GEMM rate on CPU.
+pub fn peak(opened: &Opened, config: &Config) -> (f64, String) {
+    if config.train.peak_tflops > 0.0 {
+        return (config.train.peak_tflops, "train.peak_tflops".into());
+    }
+    match opened {
+        Opened::Cpu(_) => (cpu::measure_peak_tflops(), "measured f32 GEMM rate".into()),
+        Opened::Cuda(gpu) => match gpu.peak_tflops() {
+            Some(p) => (p, format!("dense bf16 of {}", gpu.info().name)),
+            None => (0.0, format!("{} is not in the peak table: set train.peak_tflops for MFU", gpu.info().name)),
+        },
+    }
+}
+
+/// Opens the device `arg` names for training `config` (when given): on a GPU, the model must
+/// suit the kernels and its estimated memory must fit.
+pub fn open(arg: DeviceArg, config: Option<&Config>) -> Result<Opened> {
+    let gpu = match arg {
+        DeviceArg::Cpu => return Ok(Opened::Cpu(Cpu::new())),
+        DeviceArg::Auto if device::probe().is_err() => return Ok(Opened::Cpu(Cpu::new())),
+        DeviceArg::Auto => "a CUDA GPU was found but",
+        DeviceArg::Cuda => "--device cuda:",
+    };
+    if let Some(c) = config {
+        cuda::check_model(&c.model).map_err(|e| anyhow::anyhow!("{gpu} {e}"))?;
+    }
+    let backend = Cuda::new(0).map_err(|e| {
+        let hint = if arg == DeviceArg::Auto { " (--device cpu runs on the CPU)" } else { "" };
+        anyhow::anyhow!("{gpu} {e}{hint}")
+    })?;
+    if let Some(c) = config {
+        let mut model = Model::new(&c.model);
+        model.remat = c.train.remat;
+        let target = Target::Cuda { sm_count: backend.info().sm_count as usize };
+        let need = memory::estimate(&model, c.train.batch_size, c.train.seq_len, target).total();
+        let (free, total) = backend.device_memory();
+        if need > free {
+            bail!(
+                "training needs about {:.1} GiB of GPU memory but {} has {:.1} GiB free of {:.1} GiB: lower \
+                 train.batch_size (raise train.grad_accum to keep the tokens per step), set train.remat=minimal or \
+                 full (engine recipes show prints the estimates)",
+                gib(need),
+                backend.info().name,
+                gib(free),
+                gib(total)
+            );
+        }
+    }
+    Ok(Opened::Cuda(Box::new(backend)))
+}

@@ -1,0 +1,110 @@
+//! Device memory a training run takes, by what it holds, computed from the same activation plan
+//! and element sizes the backends use (no allocation).
+//!
+//! CUDA: parameters 6 bytes each (f32 master + bf16 copy), gradients 4, AdamW moments 8;
+//! activations 2 bytes (bf16), statistics and indices 4; plus the backend's scratch (the
+//! cuBLASLt workspace, reduction partials, the attention backward pass's f32 dQ). The CUDA
+//! context itself (about 0.5 GiB, more with many kernels loaded) and memory other processes
+//! hold come on top. CPU: everything f32.
+
+use super::Model;
+use crate::backend::BufKind;
+use crate::backend::cuda;
+
+/// Where the run trains.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Target {
+    /// The f32 reference.
+    Cpu,
+    /// A GPU with this many multiprocessors (it sizes a scratch buffer).
+    Cuda {
+        /// Streaming multiprocessors.
+        sm_count: usize,
+    },
+}
+
+/// Bytes per category.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Estimate {
+    /// Parameters (on CUDA: the f32 master and the bf16 copy).
+    pub parameters: usize,
+    /// Gradients (f32).
+    pub gradients: usize,
+    /// AdamW's two moments (f32).
+    pub optimizer: usize,
+    /// Activations, statistics, tokens and routing tables for one micro-batch, RoPE table.
+    pub activations: usize,
+    /// The backend's own scratch.
+    pub scratch: usize,
+}
+
+/// Bytes in GiB (2³⁰ bytes), for messages.
+pub fn gib(bytes: usize) -> f64 {
+    bytes as f64 / (1u64 << 30) as f64
+}
+
+impl Estimate {
+    /// Everything together.
+    pub fn total(&self) -> usize {
+        self.parameters + self.gradients + self.optimizer + self.activations + self.scratch
+    }
+}
+
+/// The memory `model` (with its recomputation policy) takes to train micro-batches of `batch`
+/// sequences of `seq` tokens on `target`.
+pub fn estimate(model: &Model, batch: usize, seq: usize, target: Target) -> Estimate {
+    let p = model.layout.len;
+    let a = model.activation_elements(batch, seq);
+    let rope = seq * model.config.head_dim;
+    let bytes = |kind| match target {
+        Target::Cpu => 4,
+        Target::Cuda { .. } => cuda::bytes_per_element(kind),
+    };
+    let scratch = match target {
+        // The reduction partials; the other scratch is a few rows.
+        Target::Cpu => p.div_ceil(1 << 14) * 8,
+        Target::Cuda { sm_count } => cuda::scratch_bytes(&model.config, batch, seq, sm_count),
+    };
+    Estimate {
+        parameters: p * bytes(BufKind::Params),
+        gradients: p * bytes(BufKind::Grads),
+        optimizer: 2 * p * bytes(BufKind::OptState),
+        activations: a.activations * bytes(BufKind::Activations)
+            + (a.scalars + rope) * bytes(BufKind::Scalars)
+            + a.indices * 4,
+        scratch,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{Remat, recipe::resolve};
+
+    #[test]
+    fn a_1b_model_needs_18_bytes_a_parameter_before_activations_on_cuda() {
+        let c = resolve("llama3.2-1b", &[]).unwrap().config;
+        let model = Model::new(&c.model);
+        let e = estimate(&model, 1, 4096, Target::Cuda { sm_count: 132 });
+        let p = model.layout.len;
+        assert_eq!(e.parameters + e.gradients + e.optimizer, 18 * p);
+        // 16 layers keep ~38k bf16 elements per token each, plus the bf16 logits.
+        let per_token = e.activations as f64 / 4096.0;
+        assert!((1.4e6..1.8e6).contains(&per_token), "{per_token} bytes per token");
+        let cpu = estimate(&model, 1, 4096, Target::Cpu);
+        assert_eq!(cpu.parameters + cpu.gradients + cpu.optimizer, 16 * p);
+    }
+
+    #[test]
+    fn recomputation_shrinks_the_activations() {
+        let c = resolve("llama3.2-1b", &[]).unwrap().config;
+        let mut model = Model::new(&c.model);
+        let target = Target::Cuda { sm_count: 132 };
+        let none = estimate(&model, 2, 2048, target).activations;
+        model.remat = Remat::Minimal;
+        let minimal = estimate(&model, 2, 2048, target).activations;
+        model.remat = Remat::Full;
+        let full = estimate(&model, 2, 2048, target).activations;
+        assert!(full < minimal && minimal < none, "{full} {minimal} {none}");
+    }
+}
