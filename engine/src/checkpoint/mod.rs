@@ -19,6 +19,7 @@
 //! pure functions of the seed, so the seed and the loader's position are the whole random state.
 
 mod saver;
+pub mod sharded;
 
 use std::collections::BTreeMap;
 use std::fs;
@@ -84,6 +85,10 @@ pub struct State {
     /// The dtype of the Hugging Face weights the model was imported from, kept for export.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hf_dtype: Option<String>,
+    /// For a sharded checkpoint (saved by a parallel run), the number of devices that saved it:
+    /// its data is in `shard-*` files ([`sharded`]) instead of the two safetensors files.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shards: Option<usize>,
 }
 
 /// Everything a checkpoint holds, on the host.
@@ -205,28 +210,49 @@ fn write_into(
         let sha = tensors::write(&dir.join(OPTIMIZER_FILE), &moments, FloatType::F32)?;
         add(OPTIMIZER_FILE, Some(sha))?;
     }
+    let head = Head { step: snap.step, position: snap.position, data_tokens: snap.data_tokens, shards: None };
+    seal(dir, config, head, files, extras)
+}
+
+/// What `state.json` says besides the files.
+pub(crate) struct Head {
+    step: u64,
+    position: Position,
+    data_tokens: u64,
+    shards: Option<usize>,
+}
+
+/// Completes a checkpoint directory whose data files are written and listed in `files`: the
+/// configuration, the extra files, then `state.json` last, everything flushed.
+fn seal(dir: &Path, config: &Config, head: Head, mut files: BTreeMap<String, FileSum>, extras: &Extras) -> Result<()> {
+    let mut add = |name: &str| -> Result<()> {
+        let path = dir.join(name);
+        files.insert(name.to_owned(), FileSum { bytes: fs::metadata(&path)?.len(), sha256: sha256_file(&path)? });
+        Ok(())
+    };
     let config_text = toml::to_string(config)?;
     write_atomic(&dir.join(CONFIG_FILE), config_text.as_bytes())?;
-    add(CONFIG_FILE, None)?;
+    add(CONFIG_FILE)?;
     for (name, bytes) in &extras.files {
         let path = dir.join(name);
         if let Some(parent) = path.parent() {
             fs::create_dir_all(parent)?;
         }
         write_atomic(&path, bytes)?;
-        add(name, None)?;
+        add(name)?;
     }
     let state = State {
         format: FORMAT.into(),
         version: VERSION,
-        step: snap.step,
-        data_position: snap.position,
-        data_tokens: snap.data_tokens,
+        step: head.step,
+        data_position: head.position,
+        data_tokens: head.data_tokens,
         seed: config.train.seed,
         config_sha256: hex(&sha2_of(config_text.as_bytes())),
         files,
         engine_version: env!("CARGO_PKG_VERSION").into(),
         hf_dtype: extras.hf_dtype.clone(),
+        shards: head.shards,
     };
     write_atomic(&dir.join(STATE_FILE), serde_json::to_string_pretty(&state)?.as_bytes())?;
     for sub in extras.files.iter().filter_map(|(n, _)| Path::new(n).parent()).filter(|p| !p.as_os_str().is_empty()) {
@@ -285,7 +311,7 @@ impl Checkpoint {
                 bail!("checkpoint {d} is damaged: {name} does not match its SHA-256 in {STATE_FILE} (corrupted)");
             }
         }
-        if !state.files.contains_key(MODEL_FILE) || !state.files.contains_key(CONFIG_FILE) {
+        if (state.shards.is_none() && !state.files.contains_key(MODEL_FILE)) || !state.files.contains_key(CONFIG_FILE) {
             bail!("checkpoint {d} is damaged: {STATE_FILE} lists no {MODEL_FILE} or {CONFIG_FILE}");
         }
         let config_text = fs::read_to_string(dir.join(CONFIG_FILE))?;
@@ -297,11 +323,25 @@ impl Checkpoint {
 
     /// The parameters, in the layout of `layout` (which must be the checkpoint's model's).
     pub fn params(&self, layout: &Layout) -> Result<Vec<f32>> {
+        if self.state.shards.is_some() {
+            return self.read_whole(sharded::Part::Params, layout);
+        }
         read_tensors(&self.dir.join(MODEL_FILE), layout, "")
+    }
+
+    /// `part` of a sharded checkpoint in single-device layout order.
+    fn read_whole(&self, part: sharded::Part, layout: &Layout) -> Result<Vec<f32>> {
+        let mut out = vec![0f32; layout.len];
+        self.read_chunks(part, &[sharded::Chunk { global: 0, local: 0, len: layout.len }], &mut out)?;
+        Ok(out)
     }
 
     /// The AdamW moments, if the checkpoint has them.
     pub fn moments(&self, layout: &Layout) -> Result<Option<(Vec<f32>, Vec<f32>)>> {
+        if self.state.shards.is_some() {
+            let (m, v) = (sharded::Part::ExpAvg, sharded::Part::ExpAvgSq);
+            return Ok(Some((self.read_whole(m, layout)?, self.read_whole(v, layout)?)));
+        }
         if !self.state.files.contains_key(OPTIMIZER_FILE) {
             return Ok(None);
         }

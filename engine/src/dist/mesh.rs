@@ -132,12 +132,12 @@ impl Mesh {
             ("model.n_heads", m.n_heads, "each tensor-parallel device takes whole query heads"),
             ("model.n_kv_heads", m.n_kv_heads, "each tensor-parallel device takes whole key/value heads"),
         ];
-        match &m.moe {
-            Some(moe) => {
-                must_divide.push(("model.moe.num_experts", moe.num_experts, "experts are split over the tensor axis"))
-            }
-            None => must_divide.push(("model.mlp_dim", m.mlp_dim, "each device takes a slice of the MLP's columns")),
-        }
+        let what = if m.moe.is_some() {
+            "each device takes a slice of every expert's MLP columns"
+        } else {
+            "each device takes a slice of the MLP's columns"
+        };
+        must_divide.push(("model.mlp_dim", m.mlp_dim, what));
         for (key, value, why) in must_divide {
             if value % tp != 0 {
                 return Err(format!(

@@ -2,5 +2,8 @@
 //! collectives that combine their work, and the rendezvous that starts a job.
 
 pub mod comm;
+pub mod devices;
 pub mod mesh;
+pub mod parallel;
 pub mod rendezvous;
+pub mod tensor;

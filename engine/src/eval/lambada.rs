@@ -114,7 +114,7 @@ pub fn lambada(m: &Loaded, tokenizer: &TextTokenizer, data: &Path) -> Result<Lam
         }
         cpu.upload_idx(plan.tokens, &tokens);
         cpu.upload_idx(plan.targets, &vec![0; batch * seq]);
-        m.model.forward(&mut cpu, &plan, None);
+        m.model.forward(&mut cpu, &plan, None, &mut crate::model::Alone);
         cpu.download(plan.logits, &mut logits);
         for (r, e) in group.iter().enumerate() {
             let correct = (e.target_start..e.tokens.len()).all(|i| {

@@ -155,7 +155,7 @@ pub fn evaluate(m: &Loaded, batch: &Batch, want_logits: bool, want_grads: bool) 
     cpu.upload_idx(plan.targets, &targets);
     let predicted = rows * (seq - 1);
 
-    m.model.forward(&mut cpu, &plan, None);
+    m.model.forward(&mut cpu, &plan, None, &mut crate::model::Alone);
     let mut losses = vec![0f32; rows * seq];
     cpu.download(plan.losses, &mut losses);
     let loss = losses.iter().enumerate().filter(|(i, _)| i % seq + 1 < seq).map(|(_, &l)| l as f64).sum::<f64>()
@@ -179,7 +179,7 @@ pub fn evaluate(m: &Loaded, batch: &Batch, want_logits: bool, want_grads: bool) 
 fn gradient(m: &Loaded, cpu: &mut Cpu, plan: &Plan, seq: usize, predicted: usize) -> Vec<f32> {
     let v = m.config().vocab_size;
     cpu.fill(plan.grads, 0.0);
-    m.model.forward(cpu, plan, Some(1.0 / predicted as f32));
+    m.model.forward(cpu, plan, Some(1.0 / predicted as f32), &mut crate::model::Alone);
     // The logits now hold their gradient; the last position of each sequence predicts nothing.
     let mut dlogits = vec![0f32; plan.logits.len];
     cpu.download(plan.logits, &mut dlogits);
@@ -188,7 +188,7 @@ fn gradient(m: &Loaded, cpu: &mut Cpu, plan: &Plan, seq: usize, predicted: usize
     }
     cpu.upload(plan.logits, &dlogits);
     let aux = m.model.aux_scale(plan, 1.0);
-    m.model.backward(cpu, plan, aux);
+    m.model.backward(cpu, plan, aux, &mut crate::model::Alone);
     let mut grads = vec![0f32; plan.grads.len];
     cpu.download(plan.grads, &mut grads);
     grads

@@ -133,6 +133,24 @@ impl Layout {
         Layout { tensors: b.tensors, len: b.len, embed, layers, norm, head }
     }
 
+    /// The units of the per-layer collectives, in buffer order: the embedding, each layer, the
+    /// head.
+    pub fn units(&self) -> Vec<super::Unit> {
+        let layers = (0..self.layers.len()).map(super::Unit::Layer);
+        std::iter::once(super::Unit::Embed).chain(layers).chain([super::Unit::Head]).collect()
+    }
+
+    /// The range of the flat buffer a unit covers.
+    pub fn unit_range(&self, unit: super::Unit) -> std::ops::Range<usize> {
+        let first = self.layers.first().map_or(self.norm, |l| l.range.start);
+        let last = self.layers.last().map_or(self.norm, |l| l.range.end);
+        match unit {
+            super::Unit::Embed => 0..first,
+            super::Unit::Layer(i) => self.layers[i].range.clone(),
+            super::Unit::Head => last..self.len,
+        }
+    }
+
     /// The tensor with this name.
     pub fn get(&self, name: &str) -> Option<&Tensor> {
         self.tensors.iter().find(|t| t.name == name)

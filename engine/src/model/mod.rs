@@ -24,7 +24,51 @@ pub struct Model {
     pub layout: Layout,
     /// Which activations the backward pass recomputes (`train.remat`); set before planning.
     pub remat: Remat,
+    /// Devices that share the global batch (data × fsdp), over which the load-balancing loss
+    /// averages: its routing statistics are summed over them ([`Exchange::batch_sum`]).
+    pub batch_shards: usize,
 }
+
+/// A stretch of the flat buffers the passes read or finish as one piece: the unit of the
+/// per-layer collectives (FSDP's gathers and reduce-scatters, data parallelism's buckets).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Unit {
+    /// Everything before the first layer: the token embedding.
+    Embed,
+    /// Layer `i`.
+    Layer(usize),
+    /// Everything after the last layer: the final norm and the output head (unless tied).
+    Head,
+}
+
+/// What the passes exchange with the other devices of a parallel run, at the points where
+/// the math needs it. A single device needs nothing: [`Alone`].
+///
+/// Tensor parallelism (Megatron-LM): each device of the tensor group holds a slice of the
+/// heads and of the MLP columns ([`crate::dist::tensor`]), so the products that leave a
+/// slice (`o_proj`, `down_proj`, the experts' `w2`) give partial sums, added up over the group
+/// before the residual add; in the backward pass the same happens to the gradient that
+/// reaches each RMSNorm from the sliced products.
+pub trait Exchange<B: Backend> {
+    /// Whether this device adds the residual stream to the partial sums of the sliced products
+    /// (exactly one device of a tensor group does, so that the sum counts it once).
+    fn adds_residual(&self) -> bool {
+        true
+    }
+    /// `buf = Σ_tensor group buf`, in place.
+    fn tensor_sum(&mut self, _be: &mut B, _buf: View) {}
+    /// `buf = Σ buf` over the devices that share the global batch (routing statistics).
+    fn batch_sum(&mut self, _be: &mut B, _buf: View) {}
+    /// Called before a pass first reads the parameters of `unit`.
+    fn params_needed(&mut self, _be: &mut B, _unit: Unit) {}
+    /// Called once the backward pass has written its last gradient into `unit`.
+    fn grads_ready(&mut self, _be: &mut B, _unit: Unit) {}
+}
+
+/// The [`Exchange`] of a single device: nothing to exchange.
+pub struct Alone;
+
+impl<B: Backend> Exchange<B> for Alone {}
 
 /// Activations of one layer kept for the backward pass. Under recomputation some of these views
 /// are shared by all layers and refilled before each layer's backward pass.
@@ -140,7 +184,7 @@ pub struct ActivationSizes {
 impl Model {
     /// A model with the layout of `config`.
     pub fn new(config: &ModelConfig) -> Model {
-        Model { config: config.clone(), layout: Layout::new(config), remat: Remat::None }
+        Model { config: config.clone(), layout: Layout::new(config), remat: Remat::None, batch_shards: 1 }
     }
 
     fn attn_shape(&self, batch: usize, seq: usize) -> AttnShape {
@@ -310,17 +354,20 @@ impl Model {
     /// The forward pass over the tokens in `plan.tokens`: logits, per-token losses against
     /// `plan.targets`, and their sum in `plan.scalars[LOSS_SUM]`. With `grad_scale`, the logits
     /// are replaced by the gradient of `grad_scale · Σ losses`, ready for [`Model::backward`].
-    pub fn forward<B: Backend>(&self, be: &mut B, p: &Plan, grad_scale: Option<f32>) {
+    pub fn forward<B: Backend>(&self, be: &mut B, p: &Plan, grad_scale: Option<f32>, ex: &mut dyn Exchange<B>) {
         let (m, l) = (&self.config, &self.layout);
         let (n, d, v) = (p.batch * p.seq, m.d_model, m.vocab_size);
         let eps = m.norm_eps as f32;
         let w = |offset: usize, len: usize| p.params.at(offset, len);
 
+        ex.params_needed(be, Unit::Embed);
         be.embedding_forward(p.layers.first().map_or(p.x_out, |a| a.x), w(l.embed, v * d), p.tokens, d);
         for i in 0..p.layers.len() {
+            ex.params_needed(be, Unit::Layer(i));
             let out = p.layers.get(i + 1).map_or(p.x_out, |next| next.x);
-            self.layer_forward(be, p, i, Some(out));
+            self.layer_forward(be, p, i, Some(out), ex);
         }
+        ex.params_needed(be, Unit::Head);
         be.rmsnorm_forward(p.lnf, p.rstdf, p.x_out, w(l.norm, d), d, eps);
         be.matmul(p.logits, p.lnf, w(l.head, v * d), MatMul::linear(n, d, v));
         be.cross_entropy(p.losses, p.logits, p.targets, v, grad_scale);
@@ -338,7 +385,7 @@ impl Model {
     /// Layer `i`'s forward pass from its input `p.layers[i].x`. With `out`, the layer's output
     /// (the next residual stream) is written there; without, only the activations the backward
     /// pass reads are refilled (recomputation under `remat = full`).
-    fn layer_forward<B: Backend>(&self, be: &mut B, p: &Plan, i: usize, out: Option<View>) {
+    fn layer_forward<B: Backend>(&self, be: &mut B, p: &Plan, i: usize, out: Option<View>, ex: &mut dyn Exchange<B>) {
         let (m, a, o) = (&self.config, &p.layers[i], &self.layout.layers[i]);
         let (n, d, f) = (p.batch * p.seq, m.d_model, m.mlp_dim);
         let (q, qkv) = (m.q_dim(), m.q_dim() + 2 * m.kv_dim());
@@ -349,26 +396,28 @@ impl Model {
         be.matmul(a.qkv, a.ln1, w(o.qkv, qkv * d), MatMul::linear(n, d, qkv));
         be.rope(a.qkv, p.rope, shape, false);
         be.attention_forward(a.attn, a.lse, a.qkv, shape);
-        be.matmul_add(a.xmid, a.attn, w(o.o, d * q), a.x, MatMul::linear(n, q, d));
+        row_parallel(be, ex, a.xmid, a.attn, w(o.o, d * q), a.x, MatMul::linear(n, q, d));
         be.rmsnorm_forward(a.ln2, a.rstd2, a.xmid, w(o.ln2, d), d, eps);
         match (&a.mlp, &o.mlp) {
             (MlpActs::Dense { gu, h }, MlpOffsets::Dense { gate_up, down }) => {
                 be.matmul(*gu, a.ln2, w(*gate_up, 2 * f * d), MatMul::linear(n, d, 2 * f));
                 be.swiglu_forward(*h, *gu, f);
                 if let Some(out) = out {
-                    be.matmul_add(out, *h, w(*down, d * f), a.xmid, MatMul::linear(n, f, d));
+                    row_parallel(be, ex, out, *h, w(*down, d * f), a.xmid, MatMul::linear(n, f, d));
                 }
             }
             (MlpActs::Moe { logits, probs, dispatch, xe, gu, h, ye }, MlpOffsets::Moe { router, experts, stride }) => {
                 let (gate_up, down) = expert_weights(p.params, *experts, *stride, d, f);
                 be.matmul(*logits, a.ln2, w(*router, dispatch.experts * d), MatMul::linear(n, d, dispatch.experts));
                 be.moe_route(*probs, *logits, *dispatch);
+                ex.batch_sum(be, dispatch.stats);
                 be.moe_gather(*xe, a.ln2, *dispatch, d);
                 be.moe_expert_matmul(*gu, *xe, gate_up, *dispatch, MatMul::linear(0, d, 2 * f));
                 be.swiglu_forward(*h, *gu, f);
                 be.moe_expert_matmul(*ye, *h, down, *dispatch, MatMul::linear(0, f, d));
                 if let Some(out) = out {
                     be.moe_combine(p.moe_out, *ye, *dispatch, d);
+                    ex.tensor_sum(be, p.moe_out);
                     be.copy(out, a.xmid);
                     be.add(out, p.moe_out);
                 }
@@ -379,7 +428,7 @@ impl Model {
 
     /// Refills the activations layer `i`'s backward pass reads that the recomputation policy
     /// did not keep. The last layer needs nothing: the shared buffers still hold its values.
-    fn recompute<B: Backend>(&self, be: &mut B, p: &Plan, i: usize) {
+    fn recompute<B: Backend>(&self, be: &mut B, p: &Plan, i: usize, ex: &mut dyn Exchange<B>) {
         if i + 1 == p.layers.len() {
             return;
         }
@@ -393,7 +442,7 @@ impl Model {
                 let (MlpActs::Dense { gu, h } | MlpActs::Moe { gu, h, .. }) = &a.mlp;
                 be.swiglu_forward(*h, *gu, m.mlp_dim);
             }
-            Remat::Full => self.layer_forward(be, p, i, None),
+            Remat::Full => self.layer_forward(be, p, i, None, ex),
         }
     }
 
@@ -416,7 +465,7 @@ impl Model {
                 }
             }
         }
-        let total = (self.config.n_layers * p.batch * p.seq) as f64;
+        let total = (self.config.n_layers * p.batch * p.seq * self.batch_shards) as f64;
         e as f64 * counts.iter().zip(&prob_sums).map(|(c, s)| c * s).sum::<f64>() / (total * total)
     }
 
@@ -426,13 +475,13 @@ impl Model {
         let Some(moe) = &self.config.moe else {
             return 0.0;
         };
-        let total = (self.config.n_layers * p.batch * p.seq) as f64;
+        let total = (self.config.n_layers * p.batch * p.seq * self.batch_shards) as f64;
         (moe.aux_loss_coef * moe.num_experts as f64 / (total * total)) as f32 * weight
     }
 
     /// The backward pass, after a forward pass with `grad_scale`: accumulates the gradient of
     /// the objective into `plan.grads`. `aux_scale` comes from [`Model::aux_scale`].
-    pub fn backward<B: Backend>(&self, be: &mut B, p: &Plan, aux_scale: f32) {
+    pub fn backward<B: Backend>(&self, be: &mut B, p: &Plan, aux_scale: f32, ex: &mut dyn Exchange<B>) {
         let (m, l) = (&self.config, &self.layout);
         let (n, d, f, v) = (p.batch * p.seq, m.d_model, m.mlp_dim, m.vocab_size);
         let (q, qkv) = (m.q_dim(), m.q_dim() + 2 * m.kv_dim());
@@ -445,9 +494,10 @@ impl Model {
         be.matmul(g(l.head, v * d), p.logits, p.lnf, MatMul::linear_dw(n, d, v));
         be.fill(p.dres, 0.0);
         be.rmsnorm_backward(p.dres, g(l.norm, d), p.dln, p.x_out, w(l.norm, d), p.rstdf, d);
+        ex.grads_ready(be, Unit::Head);
 
         for (i, (a, o)) in p.layers.iter().zip(&l.layers).enumerate().rev() {
-            self.recompute(be, p, i);
+            self.recompute(be, p, i, ex);
             match (&a.mlp, &o.mlp) {
                 (MlpActs::Dense { gu, h }, MlpOffsets::Dense { gate_up, down }) => {
                     let (dgu, dh) = (p.dgu.at(0, n * 2 * f), p.dh.at(0, n * f));
@@ -456,18 +506,21 @@ impl Model {
                     be.swiglu_backward(dgu, dh, *gu, f);
                     be.matmul(p.dln, dgu, w(*gate_up, 2 * f * d), MatMul::linear_dx(n, d, 2 * f));
                     be.matmul(g(*gate_up, 2 * f * d), dgu, a.ln2, MatMul::linear_dw(n, d, 2 * f));
+                    ex.tensor_sum(be, p.dln);
                 }
                 (MlpActs::Moe { probs, dispatch, xe, gu, h, ye, .. }, MlpOffsets::Moe { router, experts, stride }) => {
                     let (gate_up, down) = expert_weights(p.params, *experts, *stride, d, f);
                     let (dgate_up, ddown) = expert_weights(p.grads, *experts, *stride, d, f);
                     let e = dispatch.experts;
                     be.moe_combine_backward(p.dye, p.dweight, p.dres, *ye, *dispatch, d);
+                    ex.tensor_sum(be, p.dweight);
                     be.moe_expert_matmul(p.dh, p.dye, down, *dispatch, MatMul::linear_dx(0, f, d));
                     be.moe_expert_matmul_dw(ddown, p.dye, *h, *dispatch, f, d);
                     be.swiglu_backward(p.dgu, p.dh, *gu, f);
                     be.moe_expert_matmul(p.dxe, p.dgu, gate_up, *dispatch, MatMul::linear_dx(0, d, 2 * f));
                     be.moe_expert_matmul_dw(dgate_up, p.dgu, *xe, *dispatch, d, 2 * f);
                     be.moe_gather_backward(p.dln, p.dxe, *dispatch, d);
+                    ex.tensor_sum(be, p.dln);
                     be.moe_route_backward(p.drouter, p.dweight, *probs, *dispatch, p.counts, aux_scale);
                     be.matmul(p.dln, p.drouter, w(*router, e * d), MatMul::linear_dx(n, d, e).accumulating());
                     be.matmul(g(*router, e * d), p.drouter, a.ln2, MatMul::linear_dw(n, d, e));
@@ -481,10 +534,33 @@ impl Model {
             be.rope(p.dqkv, p.rope, shape, true);
             be.matmul(p.dln, p.dqkv, w(o.qkv, qkv * d), MatMul::linear_dx(n, d, qkv));
             be.matmul(g(o.qkv, qkv * d), p.dqkv, a.ln1, MatMul::linear_dw(n, d, qkv));
+            ex.tensor_sum(be, p.dln);
             be.rmsnorm_backward(p.dres, g(o.ln1, d), p.dln, a.x, w(o.ln1, d), a.rstd1, d);
+            ex.grads_ready(be, Unit::Layer(i));
         }
         be.embedding_backward(g(l.embed, v * d), p.dres, p.tokens, d);
+        ex.grads_ready(be, Unit::Embed);
     }
+}
+
+/// `out = a · bᵀ + residual` for a product whose inner dimension is split over the tensor
+/// group: each device's product is a partial sum, the group adds them up, and one device adds
+/// the residual so that it counts once.
+fn row_parallel<B: Backend>(
+    be: &mut B,
+    ex: &mut dyn Exchange<B>,
+    out: View,
+    a: View,
+    b: View,
+    residual: View,
+    shape: MatMul,
+) {
+    if ex.adds_residual() {
+        be.matmul_add(out, a, b, residual, shape);
+    } else {
+        be.matmul(out, a, b, shape);
+    }
+    ex.tensor_sum(be, out);
 }
 
 /// The experts' `[w1; w3]` (gate and up) and `w2` (down) weights inside a flat buffer.

@@ -53,7 +53,7 @@ fn setup_with(config: ModelConfig, batch: usize, seq: usize, remat: Remat) -> Se
 impl Setup {
     /// The objective at the current parameters, in f64 from the per-token losses.
     fn objective(&mut self) -> f64 {
-        self.model.forward(&mut self.cpu, &self.plan, None);
+        self.model.forward(&mut self.cpu, &self.plan, None, &mut crate::model::Alone);
         let mut losses = vec![0f32; self.plan.losses.len];
         self.cpu.download(self.plan.losses, &mut losses);
         let ce = losses.iter().map(|&l| l as f64).sum::<f64>() / losses.len() as f64;
@@ -65,9 +65,9 @@ impl Setup {
     fn gradient(&mut self) -> Vec<f32> {
         let n = self.plan.losses.len as f32;
         self.cpu.fill(self.plan.grads, 0.0);
-        self.model.forward(&mut self.cpu, &self.plan, Some(1.0 / n));
+        self.model.forward(&mut self.cpu, &self.plan, Some(1.0 / n), &mut crate::model::Alone);
         let aux = self.model.aux_scale(&self.plan, 1.0);
-        self.model.backward(&mut self.cpu, &self.plan, aux);
+        self.model.backward(&mut self.cpu, &self.plan, aux, &mut crate::model::Alone);
         let mut g = vec![0f32; self.plan.grads.len];
         self.cpu.download(self.plan.grads, &mut g);
         g

@@ -10,15 +10,21 @@ pub mod schedule;
 pub mod session;
 pub mod tensorboard;
 
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::{Result, bail};
 
 use crate::backend::{AdamWStep, Backend, BufKind, Segment, View};
-use crate::checkpoint::Snapshot;
+use crate::checkpoint::sharded::{self, Chunk, Part};
+use crate::checkpoint::{self, Checkpoint, Extras, Snapshot};
 use crate::config::Config;
 use crate::data::{self, Loader};
-use crate::model::{GRAD_NORM_SQ, LOSS_ACCUM, LOSS_SUM, Model, Plan, init};
+use crate::dist::comm::Collectives;
+use crate::dist::mesh::Mesh;
+use crate::dist::parallel::Parallel;
+use crate::dist::tensor::{TensorSlice, local_config};
+use crate::model::{Alone, Exchange, GRAD_NORM_SQ, LOSS_ACCUM, LOSS_SUM, Model, Plan, init};
 pub use metrics::StepMetrics;
 
 /// A model being trained on a backend, with its optimizer state and data.
@@ -37,6 +43,8 @@ pub struct Trainer<B: Backend> {
     pub step: u64,
     /// First and second AdamW moments (flat, parameter layout).
     pub moments: (View, View),
+    /// This device's part in a parallel run (none on a single device).
+    pub parallel: Option<Parallel<B>>,
     segments: Vec<Segment>,
     tokens: Vec<u32>,
     targets: Vec<u32>,
@@ -45,19 +53,56 @@ pub struct Trainer<B: Backend> {
 
 impl<B: Backend> Trainer<B> {
     /// Plans device memory, initialises the parameters from the seed and opens the data.
-    pub fn new(mut backend: B, config: &Config) -> Result<Trainer<B>> {
+    pub fn new(backend: B, config: &Config) -> Result<Trainer<B>> {
+        Trainer::build(backend, config, None)
+    }
+
+    /// A trainer for one device of a parallel run on `mesh`, talking to the others through
+    /// `comm` (whose rank says which device this is). The mesh has been checked against the
+    /// model ([`Mesh::check_model`]). Every device starts from the single-device
+    /// initialisation's values for its slice.
+    pub fn new_parallel(
+        backend: B,
+        config: &Config,
+        comm: Box<dyn Collectives<B> + Send>,
+        mesh: Mesh,
+    ) -> Result<Trainer<B>> {
+        Trainer::build(backend, config, Some((comm, mesh)))
+    }
+
+    fn build(
+        mut backend: B,
+        config: &Config,
+        parallel: Option<(Box<dyn Collectives<B> + Send>, Mesh)>,
+    ) -> Result<Trainer<B>> {
         let t = &config.train;
         let source = data::open(&config.data, config.model.vocab_size, t.seed)?;
-        let loader = Loader::new(source, t.seq_len, t.seed, 0, 1)?;
-        let mut model = Model::new(&config.model);
+        let (tensor, shards) = parallel
+            .as_ref()
+            .map_or((1, 1), |(_, mesh)| (mesh.size(crate::dist::mesh::Axis::Tensor), mesh.batch_shards()));
+        let mut model = Model::new(&local_config(&config.model, tensor));
         model.remat = t.remat;
-        let plan = model.plan(&mut backend, t.batch_size, t.seq_len);
-        init::upload_params(&mut backend, plan.params, &model, t.seed);
-        let moments =
-            (backend.alloc(BufKind::OptState, model.layout.len), backend.alloc(BufKind::OptState, model.layout.len));
+        model.batch_shards = shards;
+        // The devices of a tensor group share their samples: `batch_size · tensor` each.
+        let plan = model.plan(&mut backend, t.batch_size * tensor, t.seq_len);
+        let (parallel, loader) = match parallel {
+            None => {
+                init::upload_params(&mut backend, plan.params, &model, t.seed);
+                (None, Loader::new(source, t.seq_len, t.seed, 0, 1)?)
+            }
+            Some((comm, mesh)) => {
+                let slice = TensorSlice::new(&config.model, mesh.coords(comm.rank()).tensor, tensor);
+                init::upload_slice(&mut backend, plan.params, &slice, t.seed, config.model.init_std as f32);
+                let par = Parallel::new(&mut backend, comm, mesh, slice, plan.params, plan.grads);
+                let (rank, ranks) = par.batch_rank();
+                (Some(par), Loader::new(source, t.seq_len, t.seed, rank, ranks)?)
+            }
+        };
+        let moment_len = parallel.as_ref().map_or(model.layout.len, |p| p.moment_len());
+        let moments = (backend.alloc(BufKind::OptState, moment_len), backend.alloc(BufKind::OptState, moment_len));
         let segments =
             model.layout.tensors.iter().map(|t| Segment { offset: t.offset, len: t.len(), decay: t.decay }).collect();
-        let n = t.batch_size * t.seq_len;
+        let n = plan.batch * plan.seq;
         Ok(Trainer {
             backend,
             flops_per_token: config.model.train_flops_per_token(t.seq_len),
@@ -67,20 +112,28 @@ impl<B: Backend> Trainer<B> {
             loader,
             step: 0,
             moments,
+            parallel,
             segments,
             tokens: vec![0; n],
             targets: vec![0; n],
         })
     }
 
-    /// Tokens one optimizer step processes on this device.
-    pub fn tokens_per_step(&self) -> usize {
-        self.config.train.batch_size * self.config.train.seq_len * self.config.train.grad_accum
+    /// Devices of the run.
+    pub fn devices(&self) -> usize {
+        self.parallel.as_ref().map_or(1, |p| p.mesh.devices())
     }
 
-    /// Training FLOPs of one optimizer step on this device.
+    /// Tokens one optimizer step processes, all devices together (the global batch is
+    /// `train.batch_size` × devices sequences per micro-batch).
+    pub fn tokens_per_step(&self) -> usize {
+        let t = &self.config.train;
+        t.batch_size * self.devices() * t.seq_len * t.grad_accum
+    }
+
+    /// Training FLOPs of one optimizer step per device.
     pub fn flops_per_step(&self) -> f64 {
-        self.flops_per_token * self.tokens_per_step() as f64
+        self.flops_per_token * self.tokens_per_step() as f64 / self.devices() as f64
     }
 
     /// Runs one optimizer step and reports it; `peak_tflops` is the device's peak for MFU.
@@ -93,19 +146,28 @@ impl<B: Backend> Trainer<B> {
         let start = Instant::now();
         let (c, p, be) = (&self.config, &self.plan, &mut self.backend);
         let accum = c.train.grad_accum;
-        let tokens = (c.train.batch_size * c.train.seq_len) as f32;
+        let tokens = (p.batch * p.seq) as f32;
+        let shards = self.model.batch_shards;
         let weight = 1.0 / accum as f32;
         let aux_scale = self.model.aux_scale(p, weight);
         let mut aux_sum = 0f64;
         be.fill(p.scalars.at(LOSS_ACCUM, 1), 0.0);
-        for _ in 0..accum {
+        // Collectives inside a recorded section would need the communicator captured too.
+        let graphs = c.train.cuda_graphs && self.parallel.is_none();
+        for micro in 0..accum {
             self.loader.next_batch(&mut self.tokens, &mut self.targets);
             be.upload_idx(p.tokens, &self.tokens);
             be.upload_idx(p.targets, &self.targets);
-            let graphs = c.train.cuda_graphs;
+            let ex: &mut dyn Exchange<B> = match &mut self.parallel {
+                Some(par) => {
+                    par.sync = micro + 1 == accum;
+                    par
+                }
+                None => &mut Alone,
+            };
             if !graphs || be.begin_section(SECTION_MICRO_BATCH) {
-                self.model.forward(be, p, Some(weight / tokens));
-                self.model.backward(be, p, aux_scale);
+                self.model.forward(be, p, Some(weight / tokens / shards as f32), ex);
+                self.model.backward(be, p, aux_scale, ex);
                 be.add(p.scalars.at(LOSS_ACCUM, 1), p.scalars.at(LOSS_SUM, 1));
                 if graphs {
                     be.end_section(SECTION_MICRO_BATCH);
@@ -117,7 +179,6 @@ impl<B: Backend> Trainer<B> {
         let total_steps = c.train.steps;
         let lr = schedule::learning_rate(&c.optim, total_steps, self.step as usize);
         let norm_sq = p.scalars.at(GRAD_NORM_SQ, 1);
-        be.sum_squares(norm_sq, p.grads);
         let o = &c.optim;
         let adamw = AdamWStep {
             lr: lr as f32,
@@ -129,7 +190,20 @@ impl<B: Backend> Trainer<B> {
             max_grad_norm: o.grad_clip as f32,
         };
         let (m, v) = self.moments;
-        be.adamw(p.params, p.grads, m, v, norm_sq, &self.segments, adamw);
+        match &mut self.parallel {
+            None => {
+                be.sum_squares(norm_sq, p.grads);
+                be.adamw(p.params, p.grads, m, v, norm_sq, &self.segments, adamw);
+            }
+            Some(par) => {
+                par.grad_norm_squared(be, norm_sq, &self.segments);
+                let (params, grads, segments) = par.optimizer_buffers(&self.segments);
+                let segments = segments.to_vec();
+                be.adamw(params, grads, m, v, norm_sq, &segments, adamw);
+                par.after_step(be);
+                par.sum_over_batch(be, p.scalars.at(LOSS_ACCUM, 1));
+            }
+        }
         let mut scalars = [0f32; 4];
         be.download(p.scalars, &mut scalars);
         let (loss_sum, grad_norm) = (scalars[LOSS_ACCUM] as f64, (scalars[GRAD_NORM_SQ] as f64).sqrt());
@@ -139,7 +213,7 @@ impl<B: Backend> Trainer<B> {
         let tflops = self.flops_per_step() / step_time_s / 1e12;
         StepMetrics {
             step: self.step,
-            loss: loss_sum / (tokens as f64 * accum as f64),
+            loss: loss_sum / (tokens as f64 * accum as f64 * shards as f64),
             aux_loss: self.config.model.moe.as_ref().map(|_| aux_sum / accum as f64),
             lr,
             grad_norm,
@@ -157,13 +231,105 @@ impl<B: Backend> Trainer<B> {
 pub const SECTION_MICRO_BATCH: u32 = 0;
 
 impl<B: Backend> Trainer<B> {
-    /// Replaces the parameters (e.g. by imported ones), in layout order.
+    /// Replaces the parameters (e.g. by imported ones), given in single-device layout order:
+    /// each device of a parallel run takes its slice.
     pub fn load_params(&mut self, params: &[f32]) -> Result<()> {
-        if params.len() != self.plan.params.len {
-            bail!("{} parameters given, the model has {}", params.len(), self.plan.params.len);
+        let (p, be) = (&self.plan, &mut self.backend);
+        let Some(par) = &mut self.parallel else {
+            if params.len() != p.params.len {
+                bail!("{} parameters given, the model has {}", params.len(), p.params.len);
+            }
+            be.upload(p.params, params);
+            return Ok(());
+        };
+        let slice = &par.slice;
+        if params.len() != slice.global.len {
+            bail!("{} parameters given, the model has {}", params.len(), slice.global.len);
         }
-        self.backend.upload(self.plan.params, params);
+        let mut mine = Vec::new();
+        for (i, t) in slice.local.tensors.iter().enumerate() {
+            let g = &slice.global.tensors[slice.global_index[i]];
+            mine.resize(t.len(), 0.0);
+            slice.extract(i, &params[g.offset..g.offset + g.len()], &mut mine);
+            be.upload(p.params.at(t.offset, t.len()), &mine);
+        }
+        let (shard, _, _) = par.optimizer_buffers(&[]);
+        par.scatter_from_full(be, p.params, shard);
         Ok(())
+    }
+
+    /// Continues from a checkpoint saved on any mesh (resharding as needed): parameters,
+    /// moments, step and data position.
+    pub fn resume_from(&mut self, ck: &Checkpoint) -> Result<()> {
+        self.check_data(ck.state.data_tokens)?;
+        let (p, be) = (&self.plan, &mut self.backend);
+        let chunks = match &self.parallel {
+            Some(par) => par.chunks(),
+            None => vec![Chunk { global: 0, local: 0, len: p.params.len }],
+        };
+        let params = self.parallel.as_ref().map_or(p.params, |par| par.optimizer_buffers(&[]).0);
+        let mut host = vec![0f32; params.len];
+        for (part, view) in [(Part::Params, params), (Part::ExpAvg, self.moments.0), (Part::ExpAvgSq, self.moments.1)] {
+            ck.read_chunks(part, &chunks, &mut host)?;
+            be.upload(view, &host);
+        }
+        if let Some(par) = &mut self.parallel {
+            par.after_step(be);
+        }
+        self.step = ck.state.step;
+        self.loader.seek(ck.state.data_position);
+        Ok(())
+    }
+
+    fn check_data(&self, saved_tokens: u64) -> Result<()> {
+        if saved_tokens != self.loader.source_len() as u64 {
+            bail!(
+                "the training data holds {} tokens, {} when the checkpoint was saved: a run resumes on the same data",
+                self.loader.source_len(),
+                saved_tokens
+            );
+        }
+        Ok(())
+    }
+
+    /// Saves a sharded checkpoint of the current step under `parent` and prunes to
+    /// `train.keep_last` (see [`crate::checkpoint::sharded`]). Every device of the run calls
+    /// this at the same step; it returns once the checkpoint is complete on all of them.
+    pub fn save_sharded(&mut self, parent: &Path, extras: &Extras) -> Result<PathBuf> {
+        let (be, step) = (&mut self.backend, self.step);
+        let Some(par) = &mut self.parallel else { bail!("save_sharded: not a parallel run") };
+        let dir = parent.join(checkpoint::dir_name(step));
+        let tmp = parent.join(format!(".tmp-{}-sharded", checkpoint::dir_name(step)));
+        let (rank, devices) = (par.rank, par.mesh.devices());
+        let mut write = || -> Result<()> {
+            std::fs::create_dir_all(&tmp)?;
+            if par.saves() {
+                let (params, _, _) = par.optimizer_buffers(&[]);
+                let mut bufs = [vec![0f32; params.len], vec![0f32; params.len], vec![0f32; params.len]];
+                for (buf, view) in bufs.iter_mut().zip([params, self.moments.0, self.moments.1]) {
+                    be.download(view, buf);
+                }
+                sharded::write_part(&tmp, rank, devices, [&bufs[0], &bufs[1], &bufs[2]], &par.chunks())?;
+            }
+            Ok(())
+        };
+        let written = write();
+        if par.any_failed(be, written.is_err()) {
+            written?;
+            bail!("checkpoint {}: another device could not write its part", dir.display());
+        }
+        let sealed = if rank == 0 {
+            let head = (step, self.loader.position(), self.loader.source_len() as u64);
+            sharded::commit(&tmp, &dir, &self.config, head, devices, extras)
+                .and_then(|()| checkpoint::prune(parent, self.config.train.keep_last))
+        } else {
+            Ok(())
+        };
+        if par.any_failed(be, sealed.is_err()) {
+            sealed.map_err(|e| e.context(format!("cannot write checkpoint {}", dir.display())))?;
+            bail!("checkpoint {}: rank 0 could not complete it", dir.display());
+        }
+        Ok(dir)
     }
 
     /// Copies the training state to the host, into `into`'s buffers (reused when their size
@@ -192,13 +358,7 @@ impl<B: Backend> Trainer<B> {
         let Some((m, v)) = &snap.moments else {
             bail!("the checkpoint has no optimizer state (an imported model?): it can start a run, not resume one");
         };
-        if snap.data_tokens != self.loader.source_len() as u64 {
-            bail!(
-                "the training data holds {} tokens, {} when the checkpoint was saved: a run resumes on the same data",
-                self.loader.source_len(),
-                snap.data_tokens
-            );
-        }
+        self.check_data(snap.data_tokens)?;
         self.load_params(&snap.params)?;
         self.backend.upload(self.moments.0, m);
         self.backend.upload(self.moments.1, v);
@@ -211,16 +371,26 @@ impl<B: Backend> Trainer<B> {
     /// (the same samples at every evaluation), and the tokens it covers.
     pub fn eval_loss(&mut self, batches: usize) -> (f64, usize) {
         let (p, be) = (&self.plan, &mut self.backend);
-        let batch = self.config.train.batch_size;
+        // Each device of the batch group takes its own stretch of the validation samples.
+        let (rank, shards) = self.parallel.as_ref().map_or((0, 1), |par| par.batch_rank());
+        if let Some(par) = &mut self.parallel {
+            par.gather_all(be);
+        }
         let mut sum = 0f64;
         for i in 0..batches {
-            self.loader.validation_batch(i * batch, &mut self.tokens, &mut self.targets);
+            self.loader.validation_batch((i * shards + rank) * p.batch, &mut self.tokens, &mut self.targets);
             be.upload_idx(p.tokens, &self.tokens);
             be.upload_idx(p.targets, &self.targets);
-            self.model.forward(be, p, None);
+            match &mut self.parallel {
+                Some(par) => {
+                    self.model.forward(be, p, None, par);
+                    par.sum_over_batch(be, p.scalars.at(LOSS_SUM, 1));
+                }
+                None => self.model.forward(be, p, None, &mut Alone),
+            }
             sum += read_scalar(be, p.scalars.at(LOSS_SUM, 1));
         }
-        let tokens = batches * self.tokens.len();
+        let tokens = batches * self.tokens.len() * shards;
         (sum / tokens as f64, tokens)
     }
 }

@@ -561,8 +561,8 @@ fn model_step<B: Backend>(be: &mut B, model: &Model, plan: &Plan, params: &[f32]
     be.upload_idx(plan.tokens, &tokens[..n]);
     be.upload_idx(plan.targets, &tokens[1..=n]);
     be.fill(plan.grads, 0.0);
-    model.forward(be, plan, Some(1.0 / n as f32));
-    model.backward(be, plan, model.aux_scale(plan, 1.0));
+    model.forward(be, plan, Some(1.0 / n as f32), &mut crate::model::Alone);
+    model.backward(be, plan, model.aux_scale(plan, 1.0), &mut crate::model::Alone);
     let (mut loss, mut grads) = ([0f32], vec![0f32; plan.grads.len]);
     be.download(plan.scalars.at(LOSS_SUM, 1), &mut loss);
     be.download(plan.grads, &mut grads);

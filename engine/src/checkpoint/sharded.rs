@@ -1,0 +1,216 @@
+//! Sharded checkpoints: each device of a parallel run saves what it holds, and any mesh (one
+//! device included) loads what it needs, whatever mesh saved it.
+//!
+//! ```text
+//! step-000120/
+//!   shard-00000-of-00004.safetensors  the device's flat buffers: params, exp_avg, exp_avg_sq
+//!   shard-00000-of-00004.json         its chunks: [global, local, len] triples
+//!   ...                               (one pair per saving device)
+//!   config.toml, state.json           as in a single-device checkpoint; state.json says `shards`
+//! ```
+//!
+//! A device's buffers are its tensor-parallel slice, or its FSDP pieces of it; a chunk says
+//! that `len` elements from `local` in the device's buffers are elements `global..` of the
+//! single-device layout (Hugging Face order). Loading is the same for every mesh: the loader
+//! lists the chunks it needs in its own layout and copies each from whichever saved chunks
+//! cover it (resharding); a gap is an error. Devices that hold a copy of another's buffers
+//! (data-parallel replicas) do not save. A single-device checkpoint reads the same way, its
+//! tensors standing for one chunk each.
+//!
+//! Saving is collective: every device writes its pair into the same temporary directory, the
+//! devices wait for each other, then rank 0 hashes the files, writes `config.toml` and
+//! `state.json` and renames the directory, as for a single-device checkpoint.
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::path::Path;
+
+use anyhow::{Result, anyhow, bail};
+use serde::{Deserialize, Serialize};
+
+use super::{Checkpoint, Extras, FileSum, Head, MODEL_FILE, OPTIMIZER_FILE, seal};
+use crate::config::Config;
+use crate::data::Position;
+use crate::data::prepare::sha256_file;
+use crate::model::Layout;
+use crate::tensors::{self, FloatType, Mapped};
+
+/// `len` elements from `local` in a device's flat buffers are elements from `global` of the
+/// single-device layout.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Chunk {
+    /// First element in the single-device layout.
+    pub global: usize,
+    /// First element in the device's buffers.
+    pub local: usize,
+    /// Elements.
+    pub len: usize,
+}
+
+/// Which of a checkpoint's three buffers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Part {
+    /// The parameters.
+    Params,
+    /// AdamW's first moment.
+    ExpAvg,
+    /// AdamW's second moment.
+    ExpAvgSq,
+}
+
+impl Part {
+    fn name(self) -> &'static str {
+        match self {
+            Part::Params => "params",
+            Part::ExpAvg => "exp_avg",
+            Part::ExpAvgSq => "exp_avg_sq",
+        }
+    }
+}
+
+/// The base name of device `rank`'s files among `shards`.
+pub fn shard_name(rank: usize, shards: usize) -> String {
+    format!("shard-{rank:05}-of-{shards:05}")
+}
+
+/// Writes one device's files into the (temporary) checkpoint directory `dir`.
+pub fn write_part(dir: &Path, rank: usize, shards: usize, bufs: [&[f32]; 3], chunks: &[Chunk]) -> Result<()> {
+    let name = shard_name(rank, shards);
+    let triples: Vec<[usize; 3]> = chunks.iter().map(|c| [c.global, c.local, c.len]).collect();
+    crate::fsutil::write_atomic(&dir.join(format!("{name}.json")), serde_json::to_string(&triples)?.as_bytes())?;
+    let parts = [Part::Params, Part::ExpAvg, Part::ExpAvgSq];
+    let tensors: Vec<(String, &[f32], Vec<usize>)> =
+        parts.iter().zip(bufs).map(|(p, b)| (p.name().to_owned(), b, vec![b.len()])).collect();
+    tensors::write(&dir.join(format!("{name}.safetensors")), &tensors, FloatType::F32)?;
+    Ok(())
+}
+
+/// Completes a sharded checkpoint whose parts are all in `tmp`: hashes them, writes the
+/// configuration and `state.json`, flushes and renames `tmp` to `dir`.
+pub fn commit(
+    tmp: &Path,
+    dir: &Path,
+    config: &Config,
+    (step, position, data_tokens): (u64, Position, u64),
+    shards: usize,
+    extras: &Extras,
+) -> Result<()> {
+    let mut files = BTreeMap::new();
+    for entry in fs::read_dir(tmp)? {
+        let name = entry?.file_name().to_string_lossy().into_owned();
+        if name.starts_with("shard-") {
+            let path = tmp.join(&name);
+            files.insert(name, FileSum { bytes: fs::metadata(&path)?.len(), sha256: sha256_file(&path)? });
+        }
+    }
+    seal(tmp, config, Head { step, position, data_tokens, shards: Some(shards) }, files, extras)?;
+    if dir.exists() {
+        bail!("{} already exists", dir.display());
+    }
+    fs::rename(tmp, dir)?;
+    crate::fsutil::sync_dir(dir.parent().unwrap_or(Path::new(".")))?;
+    Ok(())
+}
+
+/// A saved chunk, and in which file and tensor it is.
+struct Saved {
+    chunk: Chunk,
+    file: usize,
+    tensor: String,
+}
+
+impl Checkpoint {
+    /// Fills `out` (a device's buffer) with `part` of this checkpoint, chunk by chunk; every
+    /// element of `out` a chunk names must be in the checkpoint.
+    pub fn read_chunks(&self, part: Part, chunks: &[Chunk], out: &mut [f32]) -> Result<()> {
+        let d = self.dir.display();
+        let (files, saved) = self.saved_chunks(part)?;
+        let mut missing = 0usize;
+        for need in chunks {
+            let end = need.global + need.len;
+            // Saved chunks are sorted by start and may repeat elements (replicated tensors):
+            // `next` is the first element not copied yet.
+            let mut next = need.global;
+            let first = saved.partition_point(|s| s.chunk.global + s.chunk.len <= need.global);
+            for s in saved[first..].iter().take_while(|s| s.chunk.global < end) {
+                let (lo, hi) = (next.max(s.chunk.global), end.min(s.chunk.global + s.chunk.len));
+                if lo >= hi {
+                    continue;
+                }
+                missing += lo - next;
+                let file = &files[s.file];
+                let st = file.tensors();
+                let view =
+                    st.tensor(&s.tensor).map_err(|_| anyhow!("checkpoint {d}: tensor {} is missing", s.tensor))?;
+                let data = view.data();
+                let from = s.chunk.local + (lo - s.chunk.global);
+                if (from + hi - lo) * 4 > data.len() {
+                    bail!("checkpoint {d}: {} is shorter than its chunks say", file.path.display());
+                }
+                let dst = &mut out[need.local + (lo - need.global)..need.local + (hi - need.global)];
+                for (o, b) in dst.iter_mut().zip(data[from * 4..].chunks_exact(4)) {
+                    *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                }
+                next = hi;
+            }
+            missing += end - next;
+        }
+        if missing > 0 {
+            bail!("checkpoint {d} does not hold {missing} of the {} elements this mesh needs", part.name());
+        }
+        Ok(())
+    }
+
+    /// Every saved chunk of `part`, sorted by global position, with the files they are in
+    /// (mapped file, tensor name).
+    fn saved_chunks(&self, part: Part) -> Result<(Vec<Mapped>, Vec<Saved>)> {
+        let mut files = Vec::new();
+        let mut saved = Vec::new();
+        match self.state.shards {
+            None => {
+                // One chunk per tensor, named as in a single-device checkpoint.
+                let (path, prefix) = match part {
+                    Part::Params => (self.dir.join(MODEL_FILE), ""),
+                    Part::ExpAvg => (self.dir.join(OPTIMIZER_FILE), "exp_avg."),
+                    Part::ExpAvgSq => (self.dir.join(OPTIMIZER_FILE), "exp_avg_sq."),
+                };
+                if part != Part::Params && !self.state.files.contains_key(OPTIMIZER_FILE) {
+                    bail!(
+                        "checkpoint {} has no optimizer state (an imported model?): it can start a run, not resume one",
+                        self.dir.display()
+                    );
+                }
+                let file = Mapped::open(&path)?;
+                for t in &Layout::new(&self.config.model).tensors {
+                    let tensor = format!("{prefix}{}", t.name);
+                    let st = file.tensors();
+                    let view =
+                        st.tensor(&tensor).map_err(|_| anyhow!("{}: tensor {tensor} is missing", path.display()))?;
+                    if tensors::float_type(&tensor, &view)? != FloatType::F32 || view.shape() != t.shape.as_slice() {
+                        bail!("{}: tensor {tensor} is not f32 of shape {:?}", path.display(), t.shape);
+                    }
+                    saved.push(Saved { chunk: Chunk { global: t.offset, local: 0, len: t.len() }, file: 0, tensor });
+                }
+                files.push(file);
+            }
+            Some(shards) => {
+                for entry in self.state.files.keys().filter(|n| n.starts_with("shard-") && n.ends_with(".json")) {
+                    let stem = entry.trim_end_matches(".json");
+                    let triples: Vec<[usize; 3]> = serde_json::from_slice(&fs::read(self.dir.join(entry))?)
+                        .map_err(|e| anyhow!("checkpoint {}: {entry}: {e}", self.dir.display()))?;
+                    let file = Mapped::open(&self.dir.join(format!("{stem}.safetensors")))?;
+                    for [global, local, len] in triples {
+                        let chunk = Chunk { global, local, len };
+                        saved.push(Saved { chunk, file: files.len(), tensor: part.name().to_owned() });
+                    }
+                    files.push(file);
+                }
+                if files.is_empty() {
+                    bail!("checkpoint {}: state.json lists none of its {shards} shards", self.dir.display());
+                }
+            }
+        }
+        saved.sort_by_key(|s| s.chunk.global);
+        Ok((files, saved))
+    }
+}

@@ -1,0 +1,180 @@
+//! Virtual CPU devices: `N` trainers on `N` threads of one process, one per rank of the mesh,
+//! meeting through [`Virtual`] collectives (as JAX's host device count does), so that every
+//! sharding path runs without GPUs.
+
+use anyhow::{Result, anyhow};
+
+use super::comm::Virtual;
+use super::mesh::Mesh;
+use crate::backend::cpu::Cpu;
+use crate::backend::traced::Traced;
+use crate::config::Config;
+use crate::train::Trainer;
+
+/// The mesh of `config` over `devices` devices of one node, checked against the model.
+pub fn mesh_for(config: &Config, devices: usize) -> Result<Mesh> {
+    let mesh = Mesh::resolve(&config.mesh, devices, 1).map_err(|e| anyhow!("{e}"))?;
+    mesh.check_model(&config.model).map_err(|e| anyhow!("{e}"))?;
+    Ok(mesh)
+}
+
+/// Builds a trainer for each of `devices` virtual devices and runs `f(rank, trainer)` on its
+/// own thread; returns the results in rank order (the first error, if any).
+///
+/// Every rank must make the same sequence of collective calls, as on real devices: `f` runs
+/// the same steps everywhere and leaves writing files to rank 0.
+pub fn run<T: Send>(
+    config: &Config,
+    devices: usize,
+    f: impl Fn(usize, &mut Trainer<Traced<Cpu>>) -> Result<T> + Sync,
+) -> Result<Vec<T>> {
+    let mesh = mesh_for(config, devices)?;
+    let f = &f;
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = Virtual::devices(devices)
+            .into_iter()
+            .enumerate()
+            .map(|(rank, comm)| {
+                scope.spawn(move || {
+                    let mut trainer = Trainer::new_parallel(Traced::new(Cpu::new()), config, Box::new(comm), mesh)?;
+                    f(rank, &mut trainer)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p))).collect()
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::recipe::{Override, resolve};
+
+    /// A tiny recipe made cheaper (smaller vocabulary and sequences), `steps` steps.
+    fn config(recipe: &str, extra: &[&str]) -> Config {
+        let base = ["model.vocab_size=512", "train.seq_len=32", "train.steps=20", "optim.warmup_steps=2"];
+        let sets = Override::from_list(&[&base[..], extra].concat().join(" "), "test");
+        resolve(recipe, &sets).unwrap().config
+    }
+
+    /// Losses of `steps` steps on one device with the global batch of `devices` devices.
+    fn single(config: &Config, devices: usize) -> Vec<f64> {
+        let mut c = config.clone();
+        c.train.batch_size *= devices;
+        let mut t = Trainer::new(Traced::new(Cpu::new()), &c).unwrap();
+        (0..c.train.steps).map(|_| t.train_step(0.0).loss).collect()
+    }
+
+    fn parallel(config: &Config, devices: usize) -> Vec<f64> {
+        let runs =
+            run(config, devices, |_, t| Ok((0..config.train.steps).map(|_| t.train_step(0.0).loss).collect())).unwrap();
+        let first: &Vec<f64> = &runs[0];
+        assert!(runs.iter().all(|r| r == first), "devices disagree on the loss");
+        first.clone()
+    }
+
+    fn assert_same_curve(name: &str, want: &[f64], got: &[f64]) {
+        for (step, (w, g)) in want.iter().zip(got).enumerate() {
+            let rel = (w - g).abs() / w.abs();
+            assert!(
+                rel <= 1e-5,
+                "{name}: step {}: loss {g} on the mesh, {w} on one device (relative {rel:.2e})",
+                step + 1
+            );
+        }
+    }
+
+    const MESHES: [(&str, [&str; 3], usize); 4] = [
+        ("DP=2", ["mesh.ici_data=2", "mesh.ici_fsdp=1", "mesh.ici_tensor=1"], 2),
+        ("FSDP=2", ["mesh.ici_data=1", "mesh.ici_fsdp=2", "mesh.ici_tensor=1"], 2),
+        ("TP=2", ["mesh.ici_data=1", "mesh.ici_fsdp=1", "mesh.ici_tensor=2"], 2),
+        ("DPxFSDPxTP=2x2x2", ["mesh.ici_data=2", "mesh.ici_fsdp=2", "mesh.ici_tensor=2"], 8),
+    ];
+
+    fn every_mesh_matches_one_device(recipe: &str, extra: &[&str]) {
+        for (name, mesh, devices) in MESHES {
+            let mut sets = extra.to_vec();
+            sets.extend(mesh);
+            let c = config(recipe, &sets);
+            assert_same_curve(&format!("{recipe} {name}"), &single(&c, devices), &parallel(&c, devices));
+        }
+    }
+
+    #[test]
+    fn llama_on_every_mesh_follows_the_single_device_curve() {
+        every_mesh_matches_one_device("tiny-llama2", &["model.mlp_dim=1024"]);
+    }
+
+    #[test]
+    fn mixtral_on_every_mesh_follows_the_single_device_curve_with_accumulation_and_recomputation() {
+        every_mesh_matches_one_device(
+            "tiny-mixtral",
+            &["model.mlp_dim=256", "train.grad_accum=2", "train.remat=\"full\""],
+        );
+    }
+
+    #[test]
+    fn mistral_splits_over_data_and_fsdp_but_not_its_single_head() {
+        for (name, mesh, devices) in &MESHES[..2] {
+            let c = config("tiny-mistral", mesh);
+            assert_same_curve(&format!("tiny-mistral {name}"), &single(&c, *devices), &parallel(&c, *devices));
+        }
+        let c = config("tiny-mistral", &MESHES[2].1);
+        let e = mesh_for(&c, 2).unwrap_err().to_string();
+        assert!(e.contains("does not divide model.n_heads = 1"), "{e}");
+    }
+
+    /// A checkpoint saved by one mesh continues the same curve on another mesh and on one
+    /// device; a single-device checkpoint continues on a mesh.
+    #[test]
+    fn checkpoints_reshard_between_meshes() {
+        use crate::checkpoint::{self, Checkpoint, Extras};
+        let tmp = std::env::temp_dir().join(format!("engine-reshard-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&tmp);
+        let mesh = |d: usize, f: usize, t: usize| {
+            [format!("mesh.ici_data={d}"), format!("mesh.ici_fsdp={f}"), format!("mesh.ici_tensor={t}")]
+        };
+        let with = |m: &[String; 3]| config("tiny-llama2", &["model.mlp_dim=1024", &m[0], &m[1], &m[2]]);
+        let (saved_on, steps) = (with(&mesh(1, 2, 2)), 20);
+        let half = steps as u64 / 2;
+
+        // FSDP=2 x TP=2 trains 20 steps, saving after step 10.
+        let parent = tmp.join("mesh");
+        let curve = &run(&saved_on, 4, |_, t| {
+            let mut losses = Vec::new();
+            for _ in 0..steps {
+                losses.push(t.train_step(0.0).loss);
+                if t.step == half {
+                    t.save_sharded(&parent, &Extras::default())?;
+                }
+            }
+            Ok(losses)
+        })
+        .unwrap()[0];
+        let ck = Checkpoint::open(&parent.join(checkpoint::dir_name(half))).unwrap();
+        assert_eq!(ck.state.shards, Some(4));
+        let rest = |t: &mut Trainer<Traced<Cpu>>, ck: &Checkpoint| -> Result<Vec<f64>> {
+            t.resume_from(ck)?;
+            Ok((half..steps as u64).map(|_| t.train_step(0.0).loss).collect())
+        };
+        // ... and continues the same on DP=2 x TP=2, and on one device.
+        let dp_tp = run(&with(&mesh(2, 1, 2)), 4, |_, t| rest(t, &ck)).unwrap().remove(0);
+        assert_same_curve("FSDPxTP -> DPxTP", &curve[half as usize..], &dp_tp);
+        let mut one = saved_on.clone();
+        one.train.batch_size *= 4;
+        let mut single = Trainer::new(Traced::new(Cpu::new()), &one).unwrap();
+        assert_same_curve("FSDPxTP -> one device", &curve[half as usize..], &rest(&mut single, &ck).unwrap());
+
+        // A single-device checkpoint continues on FSDP=2 x TP=2.
+        let mut single = Trainer::new(Traced::new(Cpu::new()), &one).unwrap();
+        let mut losses: Vec<f64> = (0..half).map(|_| single.train_step(0.0).loss).collect();
+        let snap = single.snapshot(Default::default());
+        let dir =
+            checkpoint::write(&tmp.join("one"), &one, &single.model.layout, &snap, &Extras::default(), None).unwrap();
+        losses.extend((half..steps as u64).map(|_| single.train_step(0.0).loss));
+        let ck = Checkpoint::open(&dir).unwrap();
+        let resumed = run(&saved_on, 4, |_, t| rest(t, &ck)).unwrap().remove(0);
+        assert_same_curve("one device -> FSDPxTP", &losses[half as usize..], &resumed);
+        std::fs::remove_dir_all(&tmp).unwrap();
+    }
+}

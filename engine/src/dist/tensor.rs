@@ -1,0 +1,178 @@
+//! Tensor parallelism: which slice of each tensor a device of the tensor group holds.
+//!
+//! Megatron-LM's split. A device of a group of `T` keeps `1/T` of the query and key/value heads
+//! and `1/T` of the MLP's columns (of every expert's, in a mixture of experts), so it runs the
+//! same model with `n_heads / T`, `n_kv_heads / T` and `mlp_dim / T`: its [`Layout`] is the
+//! layout of that *local* configuration. The products into a slice (`q_proj`, `k_proj`,
+//! `v_proj`, `gate_proj`, `up_proj`, `w1`, `w3`) take whole rows of the weight; the products
+//! out of it (`o_proj`, `down_proj`, `w2`) take whole columns and give partial sums that the
+//! group adds up ([`crate::model::Exchange`]). Everything else (embeddings, norms, router,
+//! output head) is replicated.
+//!
+//! A [`TensorSlice`] maps each local tensor onto the single-device layout as a strided [`Run`],
+//! which is all that initialisation, checkpoints and resharding need.
+
+use crate::config::ModelConfig;
+use crate::model::Layout;
+
+/// How a weight is split over the tensor group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Split {
+    /// Every device holds all of it.
+    Replicated,
+    /// Device `r` holds rows `[r · rows / T, (r + 1) · rows / T)` (output features).
+    Rows,
+    /// Device `r` holds columns `[r · cols / T, (r + 1) · cols / T)` (input features).
+    Cols,
+}
+
+/// How the tensor with this Hugging Face name is split.
+pub fn split_of(name: &str) -> Split {
+    const ROWS: [&str; 7] = ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", ".w1", ".w3"];
+    const COLS: [&str; 3] = ["o_proj", "down_proj", ".w2"];
+    let base = name.strip_suffix(".weight").unwrap_or(name);
+    if ROWS.iter().any(|s| base.ends_with(s)) {
+        Split::Rows
+    } else if COLS.iter().any(|s| base.ends_with(s)) {
+        Split::Cols
+    } else {
+        Split::Replicated
+    }
+}
+
+/// The configuration one device of a tensor group of `size` runs (see the module comment).
+/// The caller has checked divisibility ([`crate::dist::mesh::Mesh::check_model`]).
+pub fn local_config(m: &ModelConfig, size: usize) -> ModelConfig {
+    ModelConfig { n_heads: m.n_heads / size, n_kv_heads: m.n_kv_heads / size, mlp_dim: m.mlp_dim / size, ..m.clone() }
+}
+
+/// `count` chunks of `len` elements: local elements `local + i·len ..` are global elements
+/// `global + i·stride ..` of the single-device layout.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Run {
+    /// First local element.
+    pub local: usize,
+    /// First global element.
+    pub global: usize,
+    /// Elements per chunk.
+    pub len: usize,
+    /// Number of chunks.
+    pub count: usize,
+    /// Distance between chunks in the global layout.
+    pub stride: usize,
+}
+
+impl Run {
+    /// Elements covered.
+    pub fn elements(&self) -> usize {
+        self.len * self.count
+    }
+
+    /// The `(local, global, len)` pieces of this run that fall in local elements `range`.
+    pub fn pieces(&self, range: std::ops::Range<usize>) -> impl Iterator<Item = (usize, usize, usize)> + '_ {
+        (0..self.count).filter_map(move |i| {
+            let start = self.local + i * self.len;
+            let (lo, hi) = (start.max(range.start), (start + self.len).min(range.end));
+            (lo < hi).then(|| (lo, self.global + i * self.stride + (lo - start), hi - lo))
+        })
+    }
+}
+
+/// One device's slice of the model: its local layout, the single-device one, and a [`Run`] per
+/// local tensor, in layout order.
+#[derive(Debug, Clone)]
+pub struct TensorSlice {
+    /// The layout of the local configuration.
+    pub local: Layout,
+    /// The single-device layout.
+    pub global: Layout,
+    /// Where each local tensor comes from.
+    pub runs: Vec<Run>,
+    /// Index in `global.tensors` of each local tensor (its initialisation stream).
+    pub global_index: Vec<usize>,
+    /// Devices in the tensor group.
+    pub size: usize,
+}
+
+impl TensorSlice {
+    /// The slice device `rank` of a tensor group of `size` holds of `model`.
+    pub fn new(model: &ModelConfig, rank: usize, size: usize) -> TensorSlice {
+        let global = Layout::new(model);
+        let local = Layout::new(&local_config(model, size));
+        let mut runs = Vec::with_capacity(local.tensors.len());
+        let mut global_index = Vec::with_capacity(local.tensors.len());
+        for t in &local.tensors {
+            let i = global.tensors.iter().position(|g| g.name == t.name).expect("same tensor names");
+            let g = &global.tensors[i];
+            let run = match split_of(&t.name) {
+                _ if size == 1 => Run { local: t.offset, global: g.offset, len: t.len(), count: 1, stride: 0 },
+                Split::Replicated => Run { local: t.offset, global: g.offset, len: t.len(), count: 1, stride: 0 },
+                Split::Rows => {
+                    Run { local: t.offset, global: g.offset + rank * t.len(), len: t.len(), count: 1, stride: 0 }
+                }
+                Split::Cols => {
+                    let (rows, cols) = (t.shape[0], t.shape[1]);
+                    Run { local: t.offset, global: g.offset + rank * cols, len: cols, count: rows, stride: g.shape[1] }
+                }
+            };
+            runs.push(run);
+            global_index.push(i);
+        }
+        TensorSlice { local, global, runs, global_index, size }
+    }
+
+    /// Whether the local tensor at `index` is split (its gradient norm adds up over the group).
+    pub fn is_split(&self, index: usize) -> bool {
+        self.size > 1 && split_of(&self.local.tensors[index].name) != Split::Replicated
+    }
+
+    /// Copies the local elements of a global tensor (`values`, the whole of global tensor
+    /// `global_index[i]`) into `out` (the whole local tensor `i`).
+    pub fn extract(&self, i: usize, values: &[f32], out: &mut [f32]) {
+        let (run, base) = (self.runs[i], self.global.tensors[self.global_index[i]].offset);
+        for c in 0..run.count {
+            let from = run.global - base + c * run.stride;
+            out[c * run.len..(c + 1) * run.len].copy_from_slice(&values[from..from + run.len]);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::recipe::{Override, resolve};
+
+    /// The slices of a group cover every split tensor exactly once and every replicated one
+    /// on each device.
+    #[test]
+    fn the_slices_of_a_group_tile_the_model() {
+        for name in ["tiny-llama2", "tiny-mixtral"] {
+            let m = resolve(name, &Override::from_list("model.vocab_size=64", "test")).unwrap().config.model;
+            let global = Layout::new(&m);
+            let mut hits = vec![0u8; global.len];
+            for rank in 0..2 {
+                let slice = TensorSlice::new(&m, rank, 2);
+                assert_eq!(slice.runs.iter().map(Run::elements).sum::<usize>(), slice.local.len);
+                for run in &slice.runs {
+                    for (_, g, len) in run.pieces(run.local..run.local + run.elements()) {
+                        hits[g..g + len].iter_mut().for_each(|h| *h += 1);
+                    }
+                }
+            }
+            for t in &global.tensors {
+                let want = if split_of(&t.name) == Split::Replicated { 2 } else { 1 };
+                assert!(hits[t.offset..t.offset + t.len()].iter().all(|&h| h == want), "{name}: {}", t.name);
+            }
+        }
+    }
+
+    #[test]
+    fn names_map_to_megatron_splits() {
+        assert_eq!(split_of("model.layers.0.self_attn.k_proj.weight"), Split::Rows);
+        assert_eq!(split_of("model.layers.3.block_sparse_moe.experts.7.w3.weight"), Split::Rows);
+        assert_eq!(split_of("model.layers.0.mlp.down_proj.weight"), Split::Cols);
+        assert_eq!(split_of("model.layers.1.block_sparse_moe.experts.0.w2.weight"), Split::Cols);
+        assert_eq!(split_of("model.layers.1.block_sparse_moe.gate.weight"), Split::Replicated);
+        assert_eq!(split_of("lm_head.weight"), Split::Replicated);
+    }
+}
