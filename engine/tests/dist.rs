@@ -114,3 +114,50 @@ fn launch_refuses_a_mismatched_node_description() {
     assert_eq!(out.status.code(), Some(2));
     assert!(text(&out).1.contains("GPUS_PER_NODE = 8 but --nproc 2"));
 }
+
+/// The last step's loss in a run directory's metrics.
+fn last_loss(run: &std::path::Path) -> f64 {
+    let text = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
+    let last: serde_json::Value = serde_json::from_str(text.lines().last().unwrap()).unwrap();
+    last["loss"].as_f64().unwrap()
+}
+
+/// `engine train --devices 4` on FSDP x TP saves sharded checkpoints; the run resumes from one on
+/// DP x TP and on one device (global batch kept), and all three end on the same loss.
+#[test]
+fn virtual_devices_train_save_and_resume_on_another_mesh() {
+    let tmp = std::env::temp_dir().join(format!("engine-dist-cli-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    let small =
+        "model.vocab_size=512 model.mlp_dim=1024 train.seq_len=32 train.checkpoint_every=3 optim.warmup_steps=2";
+    let run = |name: &str, extra: &[&str]| {
+        let dir = tmp.join(name);
+        let mut args = vec!["train", "--recipe", "tiny-llama2", "--steps", "6", "--run-dir", dir.to_str().unwrap()];
+        args.extend(extra);
+        let out = engine(&args, &[("ENGINE_FLAGS", small.to_string())]).wait_with_output().unwrap();
+        let (stdout, stderr) = text(&out);
+        assert!(out.status.success(), "{args:?}: {stdout}{stderr}");
+        (dir, stdout)
+    };
+    let mesh = |d: &str, f: &str, t: &str| ["--set", d, "--set", f, "--set", t].map(str::to_string).to_vec();
+    let fsdp_tp = mesh("mesh.ici_data=1", "mesh.ici_fsdp=2", "mesh.ici_tensor=2");
+    let args: Vec<&str> = fsdp_tp.iter().map(String::as_str).chain(["--devices", "4"]).collect();
+    let (dir, stdout) = run("mesh", &args);
+    assert!(
+        stdout.contains("mesh data 1 x fsdp 2 x tensor 2") && stdout.contains("saved sharded checkpoint"),
+        "{stdout}"
+    );
+    let ck = dir.join("checkpoints/step-000003");
+    assert!(ck.join("shard-00003-of-00004.safetensors").exists());
+    let want = last_loss(&dir);
+
+    let dp_tp = mesh("mesh.ici_data=2", "mesh.ici_fsdp=1", "mesh.ici_tensor=2");
+    let mut args: Vec<&str> = dp_tp.iter().map(String::as_str).chain(["--devices", "4"]).collect();
+    args.extend(["--resume", ck.to_str().unwrap()]);
+    let (other, _) = run("other-mesh", &args);
+    let (one, _) = run("one-device", &["--set", "train.batch_size=4", "--resume", ck.to_str().unwrap()]);
+    for got in [last_loss(&other), last_loss(&one)] {
+        assert!((got - want).abs() <= 1e-5 * want.abs(), "loss {got} after resuming, {want} without");
+    }
+    std::fs::remove_dir_all(&tmp).unwrap();
+}

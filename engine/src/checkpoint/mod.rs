@@ -515,15 +515,20 @@ pub fn incompatible_keys(saved: &Config, now: &Config) -> Vec<String> {
         .collect()
 }
 
-/// The checkpoint a run resumes from: `explicit` if given, else the newest complete one under
-/// `parent`; verified, and refused (naming the keys) if `config` differs in what matters.
-pub fn resume_point(parent: &Path, explicit: Option<&Path>, config: &Config) -> Result<Checkpoint> {
+/// The checkpoint a run on `devices` devices resumes from: `explicit` if given, else the newest
+/// complete one under `parent`; verified, and refused (naming the keys) if `config` differs in
+/// what matters. `train.batch_size` may change with the device count when the global batch
+/// (`batch_size` × devices) stays the same.
+pub fn resume_point(parent: &Path, explicit: Option<&Path>, config: &Config, devices: usize) -> Result<Checkpoint> {
     let ck = match explicit {
         Some(dir) => Checkpoint::open(dir)?,
         None => latest(parent)?
             .ok_or_else(|| anyhow!("--resume: no complete checkpoint in {} to resume from", parent.display()))?,
     };
-    let differ = incompatible_keys(&ck.config, config);
+    let global = |c: &Config, d: usize| c.train.batch_size * d;
+    let same_global_batch = global(&ck.config, ck.state.shards.unwrap_or(1)) == global(config, devices);
+    let mut differ = incompatible_keys(&ck.config, config);
+    differ.retain(|k| !(same_global_batch && k.starts_with("train.batch_size ")));
     if !differ.is_empty() {
         bail!(
             "cannot resume from {}: the configuration differs in {}; resume with the checkpoint's settings (its config.toml) or start a new run",

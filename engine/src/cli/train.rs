@@ -10,6 +10,7 @@ use engine::backend::traced::Traced;
 use engine::checkpoint::{self, Checkpoint, Extras};
 use engine::config::{Config, Override};
 use engine::hf::HfModel;
+use engine::model::Layout;
 use engine::train::Trainer;
 use engine::train::session::{self, CHECKPOINTS, Session};
 
@@ -36,6 +37,10 @@ pub struct TrainArgs {
     /// [model] and the weights replace the initialisation.
     #[arg(long, value_name = "DIR")]
     init_from_hf: Option<PathBuf>,
+    /// Train on N virtual CPU devices (threads of this process) laid out by the recipe's
+    /// [mesh]: every parallel strategy without GPUs. The global batch is train.batch_size × N.
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    devices: usize,
 }
 
 pub fn run(args: TrainArgs, device: DeviceArg) -> Result<()> {
@@ -75,7 +80,7 @@ pub fn run(args: TrainArgs, device: DeviceArg) -> Result<()> {
         (None, None) => free_run_dir(&resolved.name),
     };
     let checkpoint = match resume {
-        Some(explicit) => Some(checkpoint::resume_point(&run_dir.join(CHECKPOINTS), explicit, config)?),
+        Some(explicit) => Some(checkpoint::resume_point(&run_dir.join(CHECKPOINTS), explicit, config, args.devices)?),
         None => {
             if run_dir.join("metrics.jsonl").exists() {
                 bail!(
@@ -86,6 +91,16 @@ pub fn run(args: TrainArgs, device: DeviceArg) -> Result<()> {
             None
         }
     };
+    if args.devices > 1 {
+        if device == DeviceArg::Cuda {
+            bail!(
+                "--devices runs virtual CPU devices; on GPUs, start one process per GPU with `engine launch --nproc N -- train ...`"
+            );
+        }
+        engine::dist::devices::mesh_for(config, args.devices)?;
+        let start = Start { name: resolved.name.clone(), run_dir, hf, checkpoint, peak: (0.0, String::new()) };
+        return start.run_virtual(config, args.devices);
+    }
     let opened = device::open(device, Some(config))?;
     // Measured (on CPU) before the model's buffers exist, on a quiet heap.
     let peak = device::peak(&opened, config);
@@ -107,25 +122,49 @@ struct Start {
 
 impl Start {
     fn run<B: Backend>(self, backend: B, config: &Config) -> Result<()> {
-        let Start { name, run_dir, hf, checkpoint, peak: (peak, peak_source) } = self;
         let mut trainer = Trainer::new(Traced::new(backend), config)?;
+        let session = self.prepare(&mut trainer, true)?;
+        session::run(&mut trainer, &session)?;
+        Ok(())
+    }
+
+    /// Runs `devices` virtual CPU devices, rank 0 reporting; the peak for MFU is measured once.
+    fn run_virtual(mut self, config: &Config, devices: usize) -> Result<()> {
+        self.peak = device::peak(&Opened::Cpu(engine::backend::cpu::Cpu::new()), config);
+        engine::dist::devices::run(config, devices, |rank, trainer| {
+            let session = self.prepare(trainer, rank == 0)?;
+            session::run(trainer, &session)
+        })?;
+        Ok(())
+    }
+
+    /// Loads the starting point into `trainer` and describes the session; the lead (rank 0)
+    /// creates the run directory.
+    fn prepare<B: Backend>(&self, trainer: &mut Trainer<B>, lead: bool) -> Result<Session> {
         let mut extras = Extras::default();
-        if let Some(hf) = &hf {
-            trainer.load_params(&hf.params(&trainer.model.layout)?)?;
+        if let Some(hf) = &self.hf {
+            trainer.load_params(&hf.params(&Layout::new(&trainer.config.model))?)?;
             extras = hf.extras()?;
         }
-        if let Some(ck) = &checkpoint {
-            trainer.restore(&ck.snapshot(&trainer.model.layout)?)?;
+        if let Some(ck) = &self.checkpoint {
+            trainer.resume_from(ck)?;
             if extras.files.is_empty() {
                 extras = Extras { files: ck.hf_files()?, hf_dtype: ck.state.hf_dtype.clone() };
             }
         }
-        std::fs::create_dir_all(&run_dir)
-            .map_err(|e| anyhow!("cannot create run directory {}: {e}", run_dir.display()))?;
-        let s =
-            Session { name, run_dir, peak_tflops: peak, peak_source, resumed_from: checkpoint.map(|c| c.dir), extras };
-        session::run(&mut trainer, &s)?;
-        Ok(())
+        if lead {
+            std::fs::create_dir_all(&self.run_dir)
+                .map_err(|e| anyhow!("cannot create run directory {}: {e}", self.run_dir.display()))?;
+        }
+        Ok(Session {
+            name: self.name.clone(),
+            run_dir: self.run_dir.clone(),
+            peak_tflops: self.peak.0,
+            peak_source: self.peak.1.clone(),
+            resumed_from: self.checkpoint.as_ref().map(|c| c.dir.clone()),
+            extras,
+            lead,
+        })
     }
 }
 

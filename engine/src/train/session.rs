@@ -37,6 +37,10 @@ pub struct Session {
     pub resumed_from: Option<PathBuf>,
     /// Files every checkpoint carries (the Hugging Face model's config and tokenizer).
     pub extras: Extras,
+    /// Whether this process or thread reports: writes the run directory's files and prints.
+    /// In a parallel run, rank 0 leads and the other devices only train (and save their
+    /// parts of sharded checkpoints).
+    pub lead: bool,
 }
 
 /// What `summary.json` holds at the end of a run; its presence marks the run complete.
@@ -80,54 +84,67 @@ pub fn run<B: Backend>(trainer: &mut Trainer<Traced<B>>, s: &Session) -> Result<
     let config = trainer.config.clone();
     let (steps, first) = (config.train.steps, trainer.step);
     let run_dir = &s.run_dir;
-    write_atomic(&run_dir.join("config.toml"), toml::to_string(&config)?.as_bytes())?;
-    if first > 0 {
-        forget_steps_after(&run_dir.join("metrics.jsonl"), first)?;
-    }
-    let mut metrics = JsonlWriter::append(&run_dir.join("metrics.jsonl"))?;
-    let mut events = EventWriter::create(run_dir)?;
-    if first > 0 {
-        events.session_start(first + 1)?;
-    }
     let checkpoints = run_dir.join(CHECKPOINTS);
-    for stale in checkpoint::remove_temporaries(&checkpoints)? {
-        println!("removed {}, left by a save that did not finish", stale.display());
-    }
-    if first > 0 {
-        for moved in checkpoint::set_aside_after(&checkpoints, first)? {
-            println!("moved {} aside: it follows step {first}, which this run continues from", moved.display());
+    let sharded = trainer.parallel.is_some();
+    let (mut metrics, mut events) = (None, None);
+    if s.lead {
+        write_atomic(&run_dir.join("config.toml"), toml::to_string(&config)?.as_bytes())?;
+        if first > 0 {
+            forget_steps_after(&run_dir.join("metrics.jsonl"), first)?;
+        }
+        metrics = Some(JsonlWriter::append(&run_dir.join("metrics.jsonl"))?);
+        let mut writer = EventWriter::create(run_dir)?;
+        if first > 0 {
+            writer.session_start(first + 1)?;
+        }
+        events = Some(writer);
+        for stale in checkpoint::remove_temporaries(&checkpoints)? {
+            println!("removed {}, left by a save that did not finish", stale.display());
+        }
+        if first > 0 {
+            for moved in checkpoint::set_aside_after(&checkpoints, first)? {
+                println!("moved {} aside: it follows step {first}, which this run continues from", moved.display());
+            }
         }
     }
-    let mut saver = (config.train.checkpoint_every > 0)
+    // A single device saves in the background; the devices of a parallel run save their
+    // parts together, in the foreground.
+    let mut saver = (config.train.checkpoint_every > 0 && s.lead && !sharded)
         .then(|| Saver::new(&checkpoints, &config, &trainer.model.layout, s.extras.clone()));
 
     let count = config.model.param_count();
-    println!(
-        "training {} ({} parameters) on {}, {} tokens per step, peak {:.3} TFLOP/s ({}); run directory {}",
-        s.name,
-        crate::config::count::group(count.total),
-        trainer.backend.describe(),
-        trainer.tokens_per_step(),
-        s.peak_tflops,
-        s.peak_source,
-        run_dir.display()
-    );
-    if let Some(from) = &s.resumed_from {
-        println!("resuming after step {first} from {}", from.display());
+    let quiet = !s.lead;
+    if !quiet {
+        println!(
+            "training {} ({} parameters) on {}, {} tokens per step, peak {:.3} TFLOP/s ({}); run directory {}",
+            s.name,
+            crate::config::count::group(count.total),
+            describe(trainer),
+            trainer.tokens_per_step(),
+            s.peak_tflops,
+            s.peak_source,
+            run_dir.display()
+        );
+        if let Some(from) = &s.resumed_from {
+            println!("resuming after step {first} from {}", from.display());
+        }
     }
     if first as usize >= steps {
-        println!("nothing to run: step {first} reached train.steps = {steps} (raise it with --steps to train on)");
+        if !quiet {
+            println!("nothing to run: step {first} reached train.steps = {steps} (raise it with --steps to train on)");
+        }
         return Ok(None);
     }
 
-    let bar = progress_bar(steps, first);
+    let bar = if quiet { None } else { progress_bar(steps, first) };
     let mut history: Vec<StepMetrics> = Vec::with_capacity(steps - first as usize);
     let say = |line: &str| match &bar {
+        _ if quiet => {}
         Some(bar) => bar.suspend(|| println!("{line}")),
         None => println!("{line}"),
     };
     for step in first as usize + 1..=steps {
-        let profiled = step == config.train.profile_step;
+        let profiled = step == config.train.profile_step && s.lead;
         if profiled {
             trainer.backend.start();
         }
@@ -145,6 +162,16 @@ pub fn run<B: Backend>(trainer: &mut Trainer<Traced<B>>, s: &Session) -> Result<
         if every(config.train.eval_every) {
             m.eval_loss = Some(trainer.eval_loss(config.train.eval_steps).0);
         }
+        if sharded && every(config.train.checkpoint_every) {
+            let start = Instant::now();
+            let dir = trainer.save_sharded(&checkpoints, &s.extras)?;
+            m.checkpoint_s = Some(start.elapsed().as_secs_f64());
+            say(&format!(
+                "saved sharded checkpoint {} (in the foreground, {:.2} s)",
+                dir.display(),
+                start.elapsed().as_secs_f64()
+            ));
+        }
         if let Some(saver) = saver.as_mut().filter(|_| every(config.train.checkpoint_every)) {
             // Waiting for the previous save first lets the snapshot reuse its (warm) buffers.
             let start = Instant::now();
@@ -155,8 +182,10 @@ pub fn run<B: Backend>(trainer: &mut Trainer<Traced<B>>, s: &Session) -> Result<
             saver.submit(snapshot)?;
             m.checkpoint_s = Some(start.elapsed().as_secs_f64());
         }
-        metrics.write(&m)?;
-        events.scalars(m.step, &scalars(&m))?;
+        if let (Some(metrics), Some(events)) = (metrics.as_mut(), events.as_mut()) {
+            metrics.write(&m)?;
+            events.scalars(m.step, &scalars(&m))?;
+        }
         say(&m.line(steps));
         if let Some(done) = saver.as_mut().map(Saver::poll).transpose()?.flatten() {
             say(&saved_line(&done));
@@ -174,15 +203,19 @@ pub fn run<B: Backend>(trainer: &mut Trainer<Traced<B>>, s: &Session) -> Result<
     {
         println!("{}", saved_line(&done));
     }
+    if quiet {
+        return Ok(None);
+    }
 
     let summary = summarise(
         &s.name,
         &config,
         first,
         &history,
-        trainer.backend.describe(),
+        describe(trainer),
         s.peak_tflops,
         trainer.flops_per_step(),
+        trainer.tokens_per_step() as f64,
     );
     write_atomic(&run_dir.join("summary.json"), serde_json::to_string_pretty(&summary)?.as_bytes())?;
     println!(
@@ -199,6 +232,17 @@ pub fn run<B: Backend>(trainer: &mut Trainer<Traced<B>>, s: &Session) -> Result<
         100.0 * summary.mfu
     );
     Ok(Some(summary))
+}
+
+/// The device, and the mesh in a parallel run.
+fn describe<B: Backend>(trainer: &Trainer<Traced<B>>) -> String {
+    match &trainer.parallel {
+        None => trainer.backend.describe(),
+        Some(p) => {
+            let [d, f, t] = [0, 1, 2].map(|a| p.mesh.ici[a] * p.mesh.dcn[a]);
+            format!("{} x {} (mesh data {d} x fsdp {f} x tensor {t})", p.mesh.devices(), trainer.backend.describe())
+        }
+    }
 }
 
 fn saved_line(done: &checkpoint::SaveReport) -> String {
@@ -248,6 +292,7 @@ fn summarise(
     device: String,
     peak_tflops: f64,
     flops_per_step: f64,
+    tokens_per_step: f64,
 ) -> Summary {
     let t = &config.train;
     let kept: Vec<f64> = history
@@ -260,7 +305,6 @@ fn summarise(
     times.sort_by(f64::total_cmp);
     let median = times[times.len() / 2];
     let p90 = times[((times.len() as f64 * 0.9).ceil() as usize).clamp(1, times.len()) - 1];
-    let tokens_per_step = (t.batch_size * t.seq_len * t.grad_accum) as f64;
     let tflops = flops_per_step / median / 1e12;
     Summary {
         recipe: recipe.to_owned(),
