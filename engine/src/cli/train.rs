@@ -91,6 +91,15 @@ pub fn run(args: TrainArgs, device: DeviceArg) -> Result<()> {
             None
         }
     };
+    let job = engine::dist::rendezvous::discover(|k| std::env::var(k).ok())?;
+    if job.world > 1 {
+        bail!(
+            "this process is rank {} of {} ({}), but training over NCCL across processes is not available yet: train on one GPU per job, or try the strategies on virtual CPU devices with --devices N (docs/parallel.md)",
+            job.rank,
+            job.world,
+            job.convention
+        );
+    }
     if args.devices > 1 {
         if device == DeviceArg::Cuda {
             bail!(
