@@ -161,3 +161,14 @@ fn virtual_devices_train_save_and_resume_on_another_mesh() {
     }
     std::fs::remove_dir_all(&tmp).unwrap();
 }
+
+/// A launched job trains on GPUs; asked for the CPU, every process says why it cannot.
+#[test]
+fn a_multi_process_job_on_the_cpu_is_refused_with_the_reason() {
+    let out = engine(&["launch", "--nproc", "2", "--", "--device", "cpu", "train", "--recipe", "tiny-llama2"], &[])
+        .wait_with_output()
+        .unwrap();
+    let (_, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("a multi-process job trains on one GPU per process"), "{stderr}");
+}

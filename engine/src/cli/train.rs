@@ -9,6 +9,9 @@ use engine::backend::Backend;
 use engine::backend::traced::Traced;
 use engine::checkpoint::{self, Checkpoint, Extras};
 use engine::config::{Config, Override};
+use engine::dist::mesh::Mesh;
+use engine::dist::nccl;
+use engine::dist::rendezvous::{self, Job};
 use engine::hf::HfModel;
 use engine::model::Layout;
 use engine::train::Trainer;
@@ -93,12 +96,16 @@ pub fn run(args: TrainArgs, device: DeviceArg) -> Result<()> {
     };
     let job = engine::dist::rendezvous::discover(|k| std::env::var(k).ok())?;
     if job.world > 1 {
-        bail!(
-            "this process is rank {} of {} ({}), but training over NCCL across processes is not available yet: train on one GPU per job, or try the strategies on virtual CPU devices with --devices N (docs/parallel.md)",
-            job.rank,
-            job.world,
-            job.convention
-        );
+        if device == DeviceArg::Cpu || args.devices > 1 {
+            bail!(
+                "this process is rank {} of {} ({}): a multi-process job trains on one GPU per process; virtual CPU devices run in one process (--devices N, without a launcher)",
+                job.rank,
+                job.world,
+                job.convention
+            );
+        }
+        let start = Start { name: resolved.name.clone(), run_dir, hf, checkpoint, peak: (0.0, String::new()) };
+        return start.run_job(config, &job);
     }
     if args.devices > 1 {
         if device == DeviceArg::Cuda {
@@ -144,6 +151,26 @@ impl Start {
             let session = self.prepare(trainer, rank == 0)?;
             session::run(trainer, &session)
         })?;
+        Ok(())
+    }
+
+    /// One process of a multi-process job: its GPU (the local rank), the NCCL communicator
+    /// (the unique id travels with the rendezvous), and the mesh over the job's nodes.
+    fn run_job(mut self, config: &Config, job: &Job) -> Result<()> {
+        let mesh = Mesh::resolve(&config.mesh, job.local_world, job.nodes()).map_err(|e| anyhow!("{e}"))?;
+        mesh.check_model(&config.model).map_err(|e| anyhow!("{e}"))?;
+        engine::backend::cuda::check_model(&config.model).map_err(|e| anyhow!("--device cuda: {e}"))?;
+        let gpu = engine::backend::cuda::Cuda::new(job.local_rank)
+            .map_err(|e| anyhow!("rank {} (local rank {}): {e}", job.rank, job.local_rank))?;
+        let opened = Opened::Cuda(Box::new(gpu));
+        self.peak = device::peak(&opened, config);
+        let Opened::Cuda(gpu) = opened else { unreachable!() };
+        let id = if job.rank == 0 { nccl::unique_id()? } else { Vec::new() };
+        let id = rendezvous::rendezvous(job, super::launch::rendezvous_timeout(None)?, move || id)?;
+        let comm = nccl::Nccl::init(&id, job.rank, job.world)?;
+        let mut trainer = Trainer::new_parallel(Traced::new(*gpu), config, Box::new(comm), mesh)?;
+        let session = self.prepare(&mut trainer, job.rank == 0)?;
+        session::run(&mut trainer, &session)?;
         Ok(())
     }
 

@@ -4,6 +4,7 @@
 pub mod comm;
 pub mod devices;
 pub mod mesh;
+pub mod nccl;
 pub mod parallel;
 pub mod rendezvous;
 pub mod tensor;

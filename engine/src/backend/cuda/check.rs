@@ -134,6 +134,9 @@ fn checks(scale: Scale) -> Vec<(String, Check)> {
     }
     add("mixture of experts: route, dispatch, experts, combine, backward", Box::new(|g, _| moe(g)));
     add("adamw with clipping and decay segments", Box::new(|g, _| adamw(g)));
+    if !scale.emulated {
+        add("nccl, world size 1: all-reduce, reduce-scatter, all-gather (f32, bf16)", Box::new(|g, _| nccl_alone(g)));
+    }
     for name in ["tiny-llama2", "tiny-mistral", "tiny-mixtral"] {
         add(
             &format!("{name}: loss and gradients against the f32 CPU model"),
@@ -674,4 +677,31 @@ fn training(gpu: Cuda, name: &str, scale: Scale) -> Result<String, String> {
     let last = tail.iter().sum::<f64>() / tail.len() as f64;
     let detail = format!("loss {:.3} -> {:.3} (mean of the last {})", losses[0], last, tail.len());
     if losses.iter().any(|l| !l.is_finite()) || last > 0.85 * losses[0] { Err(detail) } else { Ok(detail) }
+}
+
+/// NCCL on one GPU: every collective over a group of one leaves the data as it was, in f32 and
+/// in bf16, on the backend's stream.
+fn nccl_alone(mut gpu: Cuda) -> Result<String, String> {
+    use crate::dist::comm::Collectives;
+    use crate::dist::nccl::{Nccl, unique_id};
+    let id = unique_id().map_err(|e| e.to_string())?;
+    let mut comm = Nccl::init(&id, 0, 1).map_err(|e| e.to_string())?;
+    let n = 1000;
+    // Small integers: exact in bf16 too.
+    let x: Vec<f32> = (0..n).map(|i| (i % 200) as f32 - 100.0).collect();
+    let mut failures = Vec::new();
+    for kind in [BufKind::Grads, BufKind::Activations] {
+        let (a, b, c) = (gpu.alloc(kind, n), gpu.alloc(kind, n), gpu.alloc(kind, n));
+        gpu.upload(a, &x);
+        Collectives::<Cuda>::all_reduce_sum(&mut comm, &mut gpu, a, &[0]);
+        Collectives::<Cuda>::reduce_scatter_sum(&mut comm, &mut gpu, a, b, &[0]);
+        Collectives::<Cuda>::all_gather(&mut comm, &mut gpu, b, c, &[0]);
+        let mut got = vec![0f32; n];
+        gpu.download(c, &mut got);
+        if got != x {
+            let bad = got.iter().zip(&x).position(|(g, w)| g != w).unwrap_or(0);
+            failures.push(format!("{kind:?}: element {bad} is {} after the collectives, {} before", got[bad], x[bad]));
+        }
+    }
+    if failures.is_empty() { Ok(format!("{n} elements unchanged in f32 and bf16")) } else { Err(failures.join("; ")) }
 }

@@ -205,6 +205,10 @@ impl Device for Gpu {
     fn memory(&self) -> (usize, usize) {
         result::mem_get_info().unwrap_or((0, 0))
     }
+
+    fn stream(&self) -> Option<sys::CUstream> {
+        Some(self.raw)
+    }
 }
 
 impl Drop for Gpu {

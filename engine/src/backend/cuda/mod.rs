@@ -25,7 +25,7 @@ pub mod nvrtc;
 
 use std::collections::HashMap;
 
-use cudarc::driver::sys::CUdeviceptr;
+use cudarc::driver::sys::{self, CUdeviceptr};
 
 use super::{AdamWStep, AttnShape, Backend, BufKind, ExpertWeights, IdxView, MatMul, MoeDispatch, Segment, View};
 use crate::config::ModelConfig;
@@ -68,6 +68,11 @@ trait Device {
     fn replay(&mut self, graph: usize);
     /// Free and total device memory in bytes.
     fn memory(&self) -> (usize, usize);
+    /// The stream all work goes to, for a library that issues work itself (NCCL); none on
+    /// the emulator.
+    fn stream(&self) -> Option<sys::CUstream> {
+        None
+    }
 }
 
 /// Bytes of plain numbers (f32, u16, u32, u64), for copies to and from the device.
@@ -271,6 +276,19 @@ impl Cuda {
         });
         self.allocated += bytes;
         ptr
+    }
+
+    /// For a communication library that works in place on this backend's stream: the address
+    /// of a view's exact values (f32, or bf16 for activations), whether they are bf16, and the
+    /// stream (none on the emulator). After writing into a view, call [`Cuda::written`].
+    pub fn raw_view(&self, v: View) -> (CUdeviceptr, bool, Option<sys::CUstream>) {
+        let (ptr, dtype) = self.exact(v);
+        (ptr, dtype == DType::Bf16, self.dev.stream())
+    }
+
+    /// Tells the backend that `v` was written behind its back ([`Cuda::raw_view`]).
+    pub fn written(&mut self, v: View) {
+        self.refresh_compute_copy(v);
     }
 
     fn buffer(&self, v: View) -> &Buffer {

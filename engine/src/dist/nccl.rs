@@ -1,0 +1,158 @@
+//! NCCL collectives for GPUs: one process per GPU, communicators from a unique id that rank 0
+//! creates and the rendezvous hands to every rank ([`crate::dist::rendezvous`]).
+//!
+//! NCCL is loaded at run time (cudarc's dynamic loading, `libnccl.so.2`), like the other CUDA
+//! libraries. Every operation is issued on the backend's stream, in place on its buffers: no
+//! host round trip, ordered with the kernels around it. A group of the mesh (one axis's ranks)
+//! gets its own communicator, split from the world's the first time the group is used; every
+//! rank reaches that first use at the same point of the step (the passes are the same on every
+//! rank), which is what `ncclCommSplit`, a collective call, requires.
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+
+use anyhow::{Result, anyhow, bail};
+use cudarc::nccl::{result, sys};
+
+use super::comm::Collectives;
+use crate::backend::View;
+use crate::backend::cuda::Cuda;
+use crate::backend::traced::Traced;
+
+/// A process's NCCL communicators.
+pub struct Nccl {
+    rank: usize,
+    world: sys::ncclComm_t,
+    size: usize,
+    groups: HashMap<Vec<usize>, sys::ncclComm_t>,
+}
+
+// SAFETY: communicators are used by one thread at a time (the trainer's), as NCCL requires;
+// moving them to another thread between uses is allowed.
+unsafe impl Send for Nccl {}
+
+/// A new NCCL unique id (rank 0 creates it; the rendezvous hands it to the others).
+pub fn unique_id() -> Result<Vec<u8>> {
+    let id = result::get_uniqueid()
+        .map_err(|e| anyhow!("NCCL: cannot create a unique id: {e:?} (is libnccl.so.2 installed?)"))?;
+    Ok(id.internal.iter().map(|&c| c as u8).collect())
+}
+
+impl Nccl {
+    /// Joins the job's world communicator as `rank` of `size`, on the GPU current on this
+    /// thread (the backend's), with the id rank 0 created.
+    pub fn init(id: &[u8], rank: usize, size: usize) -> Result<Nccl> {
+        let mut unique = sys::ncclUniqueId { internal: [0; 128] };
+        if id.len() != unique.internal.len() {
+            bail!("NCCL: the unique id from rank 0 has {} bytes, {} expected", id.len(), unique.internal.len());
+        }
+        for (dst, &src) in unique.internal.iter_mut().zip(id) {
+            *dst = src as _;
+        }
+        let mut world = std::ptr::null_mut();
+        // SAFETY: a valid out pointer and id; collective over the `size` ranks of the job.
+        unsafe { result::comm_init_rank(&mut world, size as i32, unique, rank as i32) }
+            .map_err(|e| anyhow!("NCCL: rank {rank} of {size} cannot join the job: {e:?}"))?;
+        Ok(Nccl { rank, world, size, groups: HashMap::new() })
+    }
+
+    /// The communicator of `group`: the world's, or one split from it on first use.
+    fn comm(&mut self, group: &[usize]) -> sys::ncclComm_t {
+        if group.len() == self.size {
+            return self.world;
+        }
+        if let Some(&c) = self.groups.get(group) {
+            return c;
+        }
+        // Groups of one axis partition the ranks; the first member names the part.
+        let (color, key) = (group[0] as i32, group.iter().position(|&r| r == self.rank).expect("member") as i32);
+        let mut comm = std::ptr::null_mut();
+        // SAFETY: valid communicator and out pointer; every rank of the world splits here.
+        unsafe { sys::ncclCommSplit(self.world, color, key, &mut comm, std::ptr::null_mut()) }
+            .result()
+            .unwrap_or_else(|e| panic!("NCCL: cannot create the communicator of group {group:?}: {e:?}"));
+        self.groups.insert(group.to_vec(), comm);
+        comm
+    }
+}
+
+impl Drop for Nccl {
+    fn drop(&mut self) {
+        for comm in self.groups.values().copied().chain([self.world]) {
+            // SAFETY: communicators this struct created, destroyed once.
+            let _ = unsafe { result::comm_destroy(comm) };
+        }
+    }
+}
+
+/// Address, NCCL type and stream of a view.
+fn target(be: &Cuda, v: View) -> (*mut c_void, sys::ncclDataType_t, sys::cudaStream_t) {
+    let (ptr, bf16, stream) = be.raw_view(v);
+    let stream = stream.expect("NCCL needs a GPU, not the emulator");
+    let dtype = if bf16 { sys::ncclDataType_t::ncclBfloat16 } else { sys::ncclDataType_t::ncclFloat32 };
+    (ptr as *mut c_void, dtype, stream as sys::cudaStream_t)
+}
+
+fn check(op: &str, r: std::result::Result<result::NcclStatus, result::NcclError>) {
+    // A failed collective leaves the ranks out of step: nothing sensible can follow.
+    if let Err(e) = r {
+        panic!("NCCL {op} failed: {e:?}");
+    }
+}
+
+impl Collectives<Cuda> for Nccl {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn all_reduce_sum(&mut self, be: &mut Cuda, buf: View, group: &[usize]) {
+        let comm = self.comm(group);
+        let (ptr, dtype, stream) = target(be, buf);
+        // SAFETY: in place on a live device buffer of `buf.len` elements, on the backend's stream.
+        check("all-reduce", unsafe {
+            result::all_reduce(ptr, ptr, buf.len, dtype, sys::ncclRedOp_t::ncclSum, comm, stream)
+        });
+        be.written(buf);
+    }
+
+    fn reduce_scatter_sum(&mut self, be: &mut Cuda, input: View, output: View, group: &[usize]) {
+        assert_eq!(input.len, output.len * group.len(), "reduce-scatter sizes");
+        let comm = self.comm(group);
+        let ((src, t, stream), (dst, u, _)) = (target(be, input), target(be, output));
+        assert!(t == u, "internal error: reduce-scatter between element types");
+        // SAFETY: live device buffers of the asserted sizes, on the backend's stream.
+        check("reduce-scatter", unsafe {
+            result::reduce_scatter(src, dst, output.len, t, sys::ncclRedOp_t::ncclSum, comm, stream)
+        });
+        be.written(output);
+    }
+
+    fn all_gather(&mut self, be: &mut Cuda, input: View, output: View, group: &[usize]) {
+        assert_eq!(output.len, input.len * group.len(), "all-gather sizes");
+        let comm = self.comm(group);
+        let ((src, t, stream), (dst, u, _)) = (target(be, input), target(be, output));
+        assert!(t == u, "internal error: all-gather between element types");
+        // SAFETY: live device buffers of the asserted sizes, on the backend's stream.
+        check("all-gather", unsafe { result::all_gather(src, dst, input.len, t, comm, stream) });
+        be.written(output);
+    }
+}
+
+/// The same on a traced backend (the trainer's); collectives are not traced spans.
+impl Collectives<Traced<Cuda>> for Nccl {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn all_reduce_sum(&mut self, be: &mut Traced<Cuda>, buf: View, group: &[usize]) {
+        Collectives::<Cuda>::all_reduce_sum(self, &mut be.inner, buf, group)
+    }
+
+    fn reduce_scatter_sum(&mut self, be: &mut Traced<Cuda>, input: View, output: View, group: &[usize]) {
+        Collectives::<Cuda>::reduce_scatter_sum(self, &mut be.inner, input, output, group)
+    }
+
+    fn all_gather(&mut self, be: &mut Traced<Cuda>, input: View, output: View, group: &[usize]) {
+        Collectives::<Cuda>::all_gather(self, &mut be.inner, input, output, group)
+    }
+}
