@@ -7,6 +7,7 @@
 //! sharding path runs without GPUs. Sums are added in group order, so results are deterministic.
 
 use std::collections::HashMap;
+use std::sync::mpsc::{Receiver, Sender, channel};
 use std::sync::{Arc, Barrier, Mutex};
 
 use crate::backend::{Backend, View};
@@ -23,6 +24,14 @@ pub trait Collectives<B: Backend> {
     /// `output = concat_group(input)`, members in group order (`output.len = input.len ·
     /// group.len()`).
     fn all_gather(&mut self, be: &mut B, input: View, output: View, group: &[usize]);
+    /// Starts `buf = Σ_group buf` and returns at once: the sum runs while the caller goes on
+    /// computing (gradient buckets during the backward pass). `buf` must not be touched until
+    /// [`Collectives::wait`]. Started operations complete in the order they were started.
+    fn all_reduce_sum_start(&mut self, be: &mut B, buf: View, group: &[usize]) {
+        self.all_reduce_sum(be, buf, group);
+    }
+    /// Waits for every started operation; their results are then in their buffers.
+    fn wait(&mut self, _be: &mut B) {}
 }
 
 /// Devices of one process meeting in shared memory: create one [`Virtual`] per device with
@@ -31,7 +40,21 @@ pub struct Virtual {
     rank: usize,
     shared: Arc<Shared>,
     staging: Vec<f32>,
+    /// The second lane, where started operations run on a thread of their own.
+    lane: Lane,
 }
+
+/// Operations started and not yet waited for. A worker thread meets the other devices'
+/// workers over slots and barriers of its own (never mixing with the operations its device runs
+/// meanwhile) and sends each sum back.
+struct Lane {
+    shared: Arc<Shared>,
+    worker: Option<(Sender<Started>, Receiver<(View, Vec<f32>)>)>,
+    pending: usize,
+}
+
+/// A started operation: the buffer, this device's data, the group.
+type Started = (View, Vec<f32>, Vec<usize>);
 
 struct Shared {
     /// Each device's contribution to the collective in progress.
@@ -43,36 +66,57 @@ struct Shared {
 impl Virtual {
     /// Handles for `n` virtual devices, ranks `0..n`.
     pub fn devices(n: usize) -> Vec<Virtual> {
-        let shared = Arc::new(Shared {
-            slots: (0..n).map(|_| Mutex::new(Vec::new())).collect(),
-            barriers: Mutex::new(HashMap::new()),
-        });
-        (0..n).map(|rank| Virtual { rank, shared: shared.clone(), staging: Vec::new() }).collect()
+        let new = || {
+            Arc::new(Shared {
+                slots: (0..n).map(|_| Mutex::new(Vec::new())).collect(),
+                barriers: Mutex::new(HashMap::new()),
+            })
+        };
+        let (shared, lane) = (new(), new());
+        (0..n)
+            .map(|rank| Virtual {
+                rank,
+                shared: shared.clone(),
+                staging: Vec::new(),
+                lane: Lane { shared: lane.clone(), worker: None, pending: 0 },
+            })
+            .collect()
     }
 
-    fn barrier(&self, group: &[usize]) -> Arc<Barrier> {
-        let mut map = self.shared.barriers.lock().expect("barrier map");
-        map.entry(group.to_vec()).or_insert_with(|| Arc::new(Barrier::new(group.len()))).clone()
-    }
-
-    /// Publishes `data`, waits for the group, runs `combine` over every member's data in group
-    /// order, and waits again so nobody overwrites a slot still being read.
     fn exchange(&mut self, data: &[f32], group: &[usize], combine: impl FnOnce(&[&[f32]])) {
-        assert!(group.contains(&self.rank), "rank {} is not in group {group:?}", self.rank);
-        let barrier = self.barrier(group);
-        {
-            let mut slot = self.shared.slots[self.rank].lock().expect("slot");
-            slot.clear();
-            slot.extend_from_slice(data);
-        }
-        barrier.wait();
-        {
-            let guards: Vec<_> = group.iter().map(|&r| self.shared.slots[r].lock().expect("slot")).collect();
-            let views: Vec<&[f32]> = guards.iter().map(|g| g.as_slice()).collect();
-            combine(&views);
-        }
-        barrier.wait();
+        exchange(&self.shared, self.rank, data, group, combine);
     }
+}
+
+/// Publishes `data` in `rank`'s slot, waits for the group, runs `combine` over every member's
+/// data in group order, and waits again so nobody overwrites a slot still being read.
+fn exchange(shared: &Shared, rank: usize, data: &[f32], group: &[usize], combine: impl FnOnce(&[&[f32]])) {
+    assert!(group.contains(&rank), "rank {rank} is not in group {group:?}");
+    let barrier = {
+        let mut map = shared.barriers.lock().expect("barrier map");
+        map.entry(group.to_vec()).or_insert_with(|| Arc::new(Barrier::new(group.len()))).clone()
+    };
+    {
+        let mut slot = shared.slots[rank].lock().expect("slot");
+        slot.clear();
+        slot.extend_from_slice(data);
+    }
+    barrier.wait();
+    {
+        let guards: Vec<_> = group.iter().map(|&r| shared.slots[r].lock().expect("slot")).collect();
+        let views: Vec<&[f32]> = guards.iter().map(|g| g.as_slice()).collect();
+        combine(&views);
+    }
+    barrier.wait();
+}
+
+/// `Σ parts`, element by element, in part order.
+fn sum_of(parts: &[&[f32]], len: usize) -> Vec<f32> {
+    let mut sum = vec![0f32; len];
+    for part in parts {
+        sum.iter_mut().zip(*part).for_each(|(s, x)| *s += x);
+    }
+    sum
 }
 
 impl<B: Backend> Collectives<B> for Virtual {
@@ -84,14 +128,41 @@ impl<B: Backend> Collectives<B> for Virtual {
         let mut data = std::mem::take(&mut self.staging);
         data.resize(buf.len, 0.0);
         be.download(buf, &mut data);
-        let mut sum = vec![0f32; buf.len];
-        self.exchange(&data, group, |parts| {
-            for part in parts {
-                sum.iter_mut().zip(*part).for_each(|(s, x)| *s += x);
-            }
-        });
+        let mut sum = Vec::new();
+        self.exchange(&data, group, |parts| sum = sum_of(parts, buf.len));
         be.upload(buf, &sum);
         self.staging = data;
+    }
+
+    fn all_reduce_sum_start(&mut self, be: &mut B, buf: View, group: &[usize]) {
+        let mut data = vec![0f32; buf.len];
+        be.download(buf, &mut data);
+        let (rank, lane) = (self.rank, &mut self.lane);
+        let (jobs, _) = lane.worker.get_or_insert_with(|| {
+            let (jobs, inbox) = channel::<Started>();
+            let (outbox, results) = channel();
+            let shared = lane.shared.clone();
+            std::thread::spawn(move || {
+                for (view, data, group) in inbox {
+                    let mut sum = Vec::new();
+                    exchange(&shared, rank, &data, &group, |parts| sum = sum_of(parts, data.len()));
+                    if outbox.send((view, sum)).is_err() {
+                        break;
+                    }
+                }
+            });
+            (jobs, results)
+        });
+        jobs.send((buf, data, group.to_vec())).expect("the collectives worker is running");
+        lane.pending += 1;
+    }
+
+    fn wait(&mut self, be: &mut B) {
+        let Some((_, results)) = &self.lane.worker else { return };
+        for _ in 0..std::mem::take(&mut self.lane.pending) {
+            let (view, sum) = results.recv().expect("the collectives worker is running");
+            be.upload(view, &sum);
+        }
     }
 
     fn reduce_scatter_sum(&mut self, be: &mut B, input: View, output: View, group: &[usize]) {
@@ -165,8 +236,21 @@ mod tests {
             Collectives::<Cpu>::all_gather(comm, cpu, shard, gathered, &[0, 1, 2, 3]);
             let mut all = vec![0f32; 4];
             cpu.download(gathered, &mut all);
-            (reduced, scattered[0], all)
+            // Two sums started, a synchronous one in between, then the wait.
+            let (x, y) = (cpu.alloc(BufKind::Grads, 3), cpu.alloc(BufKind::Grads, 2));
+            cpu.upload(x, &[rank as f32; 3]);
+            cpu.upload(y, &[1.0, rank as f32]);
+            Collectives::<Cpu>::all_reduce_sum_start(comm, cpu, x, &[0, 1, 2, 3]);
+            Collectives::<Cpu>::all_reduce_sum_start(comm, cpu, y, &group);
+            Collectives::<Cpu>::all_reduce_sum(comm, cpu, gathered, &[0, 1, 2, 3]);
+            Collectives::<Cpu>::wait(comm, cpu);
+            let (mut xs, mut ys) = (vec![0f32; 3], vec![0f32; 2]);
+            cpu.download(x, &mut xs);
+            cpu.download(y, &mut ys);
+            (reduced, scattered[0], all, xs, ys)
         });
+        assert!(results.iter().all(|r| r.3 == vec![6.0; 3]));
+        assert_eq!((results[0].4.clone(), results[1].4.clone()), (vec![2.0, 2.0], vec![2.0, 4.0]));
         assert_eq!(results[0].0, vec![2.0, 2.0, 4.0, 1.0]);
         assert_eq!(results[3].0, vec![4.0, 2.0, 8.0, 1.0]);
         // Σ (rank + 1) = 10: member i gets 10 · (i + 1).

@@ -4,7 +4,8 @@
 //! - **Data parallelism.** Each device of the batch group (data × fsdp ranks with the same
 //!   tensor coordinate) trains on its own samples; once the last micro-batch of a step has
 //!   finished a unit's gradient, the unit is summed over the group at once (one bucket per
-//!   layer, issued while the backward pass goes on to the layers below).
+//!   layer, started while the backward pass goes on to the layers below, and waited for before
+//!   the optimizer: [`Collectives::all_reduce_sum_start`]).
 //! - **FSDP / ZeRO-3.** Each unit of the flat buffers (embedding, each layer, head) is cut into
 //!   `F` equal pieces, one per device of the fsdp group; a device keeps its pieces of the
 //!   parameters, gradients and both AdamW moments. A unit's parameters are all-gathered just
@@ -128,6 +129,8 @@ impl<B: Backend> Parallel<B> {
     ///
     /// [`optimizer_buffers`]: Parallel::optimizer_buffers
     pub fn grad_norm_squared(&mut self, be: &mut B, out: View, segments: &[Segment]) {
+        // The gradient buckets started during the backward pass.
+        self.comm.wait(be);
         let (_, grads, segs) = self.optimizer_buffers(segments);
         let segs = segs.to_vec();
         if self.tensor.len() == 1 {
@@ -308,7 +311,7 @@ impl<B: Backend> Exchange<B> for Parallel<B> {
             None => {
                 let range = self.slice.local.unit_range(unit);
                 if self.batch.len() > 1 && !range.is_empty() {
-                    self.comm.all_reduce_sum(be, self.grads.at(range.start, range.len()), &self.batch);
+                    self.comm.all_reduce_sum_start(be, self.grads.at(range.start, range.len()), &self.batch);
                 }
             }
             Some(f) => {
@@ -318,7 +321,7 @@ impl<B: Backend> Exchange<B> for Parallel<B> {
                 be.copy(staging.at(0, range.len()), self.grads.at(range.start, range.len()));
                 self.comm.reduce_scatter_sum(be, staging, mine, &self.fsdp_group);
                 if self.data.len() > 1 {
-                    self.comm.all_reduce_sum(be, mine, &self.data);
+                    self.comm.all_reduce_sum_start(be, mine, &self.data);
                 }
             }
         }
