@@ -49,12 +49,14 @@ pub struct Virtual {
 /// meanwhile) and sends each sum back.
 struct Lane {
     shared: Arc<Shared>,
-    worker: Option<(Sender<Started>, Receiver<(View, Vec<f32>)>)>,
+    worker: Option<Worker>,
     pending: usize,
 }
 
 /// A started operation: the buffer, this device's data, the group.
 type Started = (View, Vec<f32>, Vec<usize>);
+/// Where started operations go, and where their sums come back from.
+type Worker = (Sender<Started>, Receiver<(View, Vec<f32>)>);
 
 struct Shared {
     /// Each device's contribution to the collective in progress.
