@@ -43,24 +43,34 @@ pub const ENV: &str = "ENGINE_BASELINES";
 /// minute on two CPU cores.
 pub const QUICK_STEPS: usize = 8;
 
-/// Largest relative difference per step between a CPU loss and its baseline. The CPU backend is
-/// deterministic and independent of the thread count, so on one machine the curve repeats bit
-/// for bit; across machines only the GEMM library's kernel choice (AVX-512, AVX2, NEON: other
-/// blockings, hence other summation orders) differs. Measured (docs/test-all.md): amd64 against
-/// arm64 under qemu differ by at most 2e-5 relative over the full curves; 1e-3 leaves a margin
-/// of 50 while still failing on any change to the math (a changed op moves the loss by far more).
+/// Largest relative difference between a CPU loss and its baseline at steps 1 to
+/// [`QUICK_STEPS`]. The CPU backend is deterministic and independent of the thread count, so on
+/// one machine a curve repeats bit for bit (measured: `--threads 1` and 2 give the same curves);
+/// across machines only the GEMM library's kernels differ (AVX-512, AVX2, NEON microkernels and
+/// cache-dependent blockings: other summation orders). Measured (docs/test-all.md): arm64 (under
+/// qemu) against amd64, the quick tiny-mixtral curve differs by at most 1.2e-6 (at step 8; 0 up
+/// to step 3). 1e-3 leaves a margin of about 800 and still fails on a change to the math, which
+/// moves the first steps it touches by far more.
 pub const CPU_REL_TOL: f64 = 1e-3;
 
-/// The same for CUDA: bf16 activations and compute weights, cuBLASLt's algorithm choice per GPU
-/// and atomics in some backward kernels. The parity checks measure 0.01 % on a single step's loss
-/// against the f32 CPU model; a curve of 50 steps amplifies rounding differences, and different
-/// GPU generations choose different GEMM algorithms. Not yet measured on two GPU types.
+/// The CPU tolerance after step [`QUICK_STEPS`] (full mode only). Training compounds a rounding
+/// difference: the cross-architecture difference above grew about tenfold per step at the end of
+/// the measured window, so over 50 steps it cannot be bounded from 8; 1 % keeps a 50-step curve
+/// close (a wrong schedule, data order or optimizer moves it by several percent) without
+/// failing on another machine's rounding. Not measured across architectures beyond step 8.
+pub const CPU_LATE_REL_TOL: f64 = 1e-2;
+
+/// The same for CUDA, at every step: bf16 activations and compute weights, cuBLASLt's algorithm
+/// choice per GPU. The parity checks measure 0.01 % on a single step's loss against the f32 CPU
+/// model; a curve amplifies rounding differences, and GPU generations choose different GEMM
+/// algorithms. Not yet measured on two GPU types.
 pub const CUDA_REL_TOL: f64 = 2e-2;
 
-/// The per-step relative tolerance of a device class.
-pub fn tolerance(class: DeviceClass) -> f64 {
+/// The relative tolerance of a device class at `step` (1-based).
+pub fn tolerance(class: DeviceClass, step: usize) -> f64 {
     match class {
-        DeviceClass::Cpu => CPU_REL_TOL,
+        DeviceClass::Cpu if step <= QUICK_STEPS => CPU_REL_TOL,
+        DeviceClass::Cpu => CPU_LATE_REL_TOL,
         DeviceClass::Cuda => CUDA_REL_TOL,
     }
 }
@@ -315,16 +325,21 @@ impl Reader<'_> {
     }
 }
 
-/// Compares a curve with its baseline step by step: the first step past `tol` (relative) fails
-/// with both values; otherwise the largest difference is reported.
-pub fn compare(recipe: &str, curve: &Curve, base: &RecipeBaseline, tol: f64) -> Result<String, String> {
+/// Compares a curve with its baseline step by step: the first step past `tol(step)` (relative)
+/// fails with both values; otherwise the largest difference is reported.
+pub fn compare(
+    recipe: &str,
+    curve: &Curve,
+    base: &RecipeBaseline,
+    tol: impl Fn(usize) -> f64,
+) -> Result<String, String> {
     let (mut worst, mut at, mut failed) = (0f64, 0usize, Vec::new());
     for (i, (&got, &want)) in curve.loss.iter().zip(&base.loss).enumerate() {
         let rel = (got - want).abs() / want.abs();
         if rel > worst {
             (worst, at) = (rel, i + 1);
         }
-        if rel > tol || !rel.is_finite() {
+        if rel > tol(i + 1) || !rel.is_finite() {
             failed.push((i + 1, got, want, rel));
         }
     }
@@ -336,7 +351,7 @@ pub fn compare(recipe: &str, curve: &Curve, base: &RecipeBaseline, tol: f64) -> 
         };
         return Err(format!(
             "{recipe} step {step}: loss {got:.6}, baseline {want:.6} ± {} (relative difference {}){more}",
-            pct(tol),
+            pct(tol(step)),
             pct(rel)
         ));
     }
@@ -346,12 +361,14 @@ pub fn compare(recipe: &str, curve: &Curve, base: &RecipeBaseline, tol: f64) -> 
     } else {
         format!("largest relative difference {worst:.1e} at step {at}")
     };
+    let (first, late) = (tol(1), tol(last));
+    let tolerance =
+        if first == late { pct(first) } else { format!("{} to step {QUICK_STEPS}, then {}", pct(first), pct(late)) };
     Ok(format!(
-        "{last} steps, loss {:.4} -> {:.4} (baseline {:.4}); {difference} (tolerance {})",
+        "{last} steps, loss {:.4} -> {:.4} (baseline {:.4}); {difference} (tolerance {tolerance})",
         curve.loss[0],
         curve.loss[last - 1],
         base.loss[last - 1],
-        pct(tol)
     ))
 }
 
@@ -453,10 +470,13 @@ mod tests {
     fn a_step_outside_the_tolerance_is_named_with_both_values() {
         let base = RecipeBaseline { overrides: vec![], loss: vec![10.0, 8.0, 6.0], tokens_per_s: 1.0, run_spread: 0.0 };
         let ok = Curve { loss: vec![10.0, 8.0001, 6.0], tokens_per_s: 1.0 };
-        let text = compare("r", &ok, &base, 1e-3).unwrap();
+        let text = compare("r", &ok, &base, |_| 1e-3).unwrap();
         assert!(text.contains("1.2e-5 at step 2"), "{text}");
         let bad = Curve { loss: vec![10.0, 8.0, 6.138], tokens_per_s: 1.0 };
-        let e = compare("r", &bad, &base, 1e-3).unwrap_err();
+        let e = compare("r", &bad, &base, |_| 1e-3).unwrap_err();
         assert_eq!(e, "r step 3: loss 6.138000, baseline 6.000000 ± 0.1% (relative difference 2.3%)");
+        // The tolerance of the failing step is the one quoted.
+        let e = compare("r", &bad, &base, |s| if s < 3 { 1e-3 } else { 1e-2 }).unwrap_err();
+        assert!(e.contains("± 1% (relative difference 2.3%)"), "{e}");
     }
 }

@@ -58,7 +58,7 @@ pub fn loss_curve(ctx: &mut Ctx, recipe: &str) -> Result<Verdict> {
     let file = ctx.baselines.ok_or_else(|| anyhow!("no baselines loaded"))?;
     let base = &file.recipes[recipe];
     let curve = ctx.curve(recipe)?;
-    Ok(match baselines::compare(recipe, &curve, base, tolerance(ctx.device)) {
+    Ok(match baselines::compare(recipe, &curve, base, |step| tolerance(ctx.device, step)) {
         Ok(text) => Verdict::pass(text),
         Err(text) => Verdict::fail(format!("{text} [baselines {}]", file.path.display())),
     })
@@ -112,7 +112,7 @@ pub fn checkpoint_resume(ctx: &mut Ctx) -> Result<Verdict> {
             if let Some(why) = super::cuda_unsuitable(&config.model) {
                 bail!("the check's model cannot run on the CUDA backend: {why}");
             }
-            resume_on(super::open_gpu, &config, steps, Some(tolerance(DeviceClass::Cuda)))
+            resume_on(super::open_gpu, &config, steps, Some(tolerance(DeviceClass::Cuda, 1)))
         }
     }
 }
