@@ -156,16 +156,17 @@ fn resume_on<B: Backend>(
             bail!("step {step} after resuming from step {half}: loss {g:.8}, {w:.8} without the interruption");
         }
     }
-    let (gm, wm) = (got_state.moments.as_ref(), want_state.moments.as_ref());
-    let tensors = [("parameters", &got_state.params, &want_state.params)];
     if tol.is_none() {
-        let moments = gm.zip(wm).ok_or_else(|| anyhow!("a snapshot has no moments"))?;
-        for (what, g, w) in tensors.into_iter().chain([("first moments", &moments.0.0, &moments.1.0)]).chain([(
-            "second moments",
-            &moments.0.1,
-            &moments.1.1,
-        )]) {
-            if let Some(i) = g.iter().zip(w.iter()).position(|(a, b)| a.to_bits() != b.to_bits()) {
+        let (Some((gm, gv)), Some((wm, wv))) = (&got_state.moments, &want_state.moments) else {
+            bail!("a snapshot has no optimizer moments");
+        };
+        let pairs = [
+            ("parameters", &got_state.params, &want_state.params),
+            ("first moments", gm, wm),
+            ("second moments", gv, wv),
+        ];
+        for (what, g, w) in pairs {
+            if let Some(i) = g.iter().zip(w).position(|(a, b)| a.to_bits() != b.to_bits()) {
                 bail!(
                     "after step {steps}: {what} differ from the uninterrupted run's at element {i}: {} vs {}",
                     g[i],
@@ -174,11 +175,15 @@ fn resume_on<B: Backend>(
             }
         }
     }
+    let how = if tol.is_none() {
+        "losses, parameters and moments equal bit for bit"
+    } else {
+        "losses equal within the CUDA tolerance"
+    };
     Ok(Verdict::pass(format!(
-        "{steps} steps = {half} + checkpoint ({}) + {}: losses{} equal (final {:.4})",
+        "{steps} steps = {half} + checkpoint ({}) + {}: {how} (final loss {:.4})",
         ck.dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default(),
         steps - half,
-        if tol.is_none() { ", parameters and moments bitwise" } else { " within the CUDA tolerance," },
         got[got.len() - 1]
     )))
 }
