@@ -145,8 +145,10 @@ pub fn baselines(cmd: BaselinesCommand, device: DeviceArg) -> Result<()> {
     anyhow::ensure!(args.runs > 0, "--runs must be at least 1");
     let class = device_class(device)?;
     let mode = mode(args.quick);
-    let dir =
-        args.out.or_else(|| std::env::var_os(baselines::ENV).map(PathBuf::from)).unwrap_or("tests/baselines".into());
+    let dir = args
+        .out
+        .or_else(|| std::env::var_os(baselines::ENV).filter(|d| !d.is_empty()).map(PathBuf::from))
+        .unwrap_or("tests/baselines".into());
     println!("recording {} baselines on {} ({} runs)", mode.name(), class.describe(), args.runs);
     let path = baselines::create(&dir, class, mode, args.runs, &mut |line| eprintln!("{line}"))?;
     println!("wrote {}", path.display());

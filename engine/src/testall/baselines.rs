@@ -194,12 +194,12 @@ pub fn file_path(dir: &Path, class: DeviceClass, mode: Mode) -> PathBuf {
     dir.join(class.name()).join(format!("{}.json", mode.name()))
 }
 
-/// The baselines directory when `--baselines` is not given, and where it looked: `$ENGINE_BASELINES`;
+/// The baselines directory when `--baselines` is not given: `$ENGINE_BASELINES` (when not empty);
 /// else `/opt/engine/baselines` when it exists (in the image); else the first `tests/baselines`
 /// in the directory of the running binary or one of its ancestors (a checkout's
 /// `target/release/engine`); else the same from the working directory.
 pub fn default_dir() -> Result<PathBuf> {
-    if let Some(dir) = std::env::var_os(ENV) {
+    if let Some(dir) = std::env::var_os(ENV).filter(|d| !d.is_empty()) {
         return Ok(PathBuf::from(dir));
     }
     let mut looked = vec![IN_IMAGE.to_string()];
