@@ -16,4 +16,5 @@ pub mod hf;
 pub mod model;
 pub mod rng;
 pub mod tensors;
+pub mod testall;
 pub mod train;

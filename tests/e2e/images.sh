@@ -182,6 +182,19 @@ grep -q "CUDA_DEVICE_MAX_CONNECTIONS=1" "$WORK/info.txt" || die "engine info doe
 docker run --rm "$PLAIN/distro:engine-$DATE" engine train --recipe tiny-llama2 --steps 5 >"$WORK/train-amd64.txt" 2>&1 \
     || die "amd64 training failed: $(tail -3 "$WORK/train-amd64.txt")"
 grep -q '^done: loss' "$WORK/train-amd64.txt" || die "amd64 training did not finish"
+# The in-image test suite against the baselines the image ships, reports on a bind mount.
+check_test_all() { # check_test_all ARCH MIN_PASSED: the report of a test-all run in $WORK/test-all-ARCH
+    local dir="$WORK/test-all-$1"
+    jq -e --argjson n "$2" '.failed == 0 and .passed >= $n and (.checks | length) == .passed + .skipped' "$dir/summary.json" >/dev/null \
+        || die "$1 test-all summary: $(cat "$dir/summary.json")"
+    python3 -c 'import sys, xml.etree.ElementTree as ET; r = ET.parse(sys.argv[1]).getroot(); assert r.tag == "testsuites" and r.find("testsuite").get("failures") == "0", r.attrib' \
+        "$dir/junit.xml" || die "$1 test-all junit.xml is not well-formed JUnit with no failures"
+}
+rm -rf "$WORK/test-all-amd64" && mkdir -p "$WORK/test-all-amd64"
+docker run --rm -v "$WORK/test-all-amd64:/report" "$PLAIN/distro:engine-$DATE" test-all --quick --report /report \
+    >"$WORK/test-all-amd64.txt" 2>&1 || die "amd64 test-all --quick failed: $(grep -E '^(FAILED|error)' "$WORK/test-all-amd64.txt")"
+check_test_all amd64 7
+grep -q '^tiny-llama2 .* pass ' "$WORK/test-all-amd64.txt" || die "amd64 test-all did not compare tiny-llama2 with the image's baselines"
 # Under emulation the full tiny-llama2 takes ~10 minutes on 2 cores, so arm64 trains the same
 # recipe shrunk through ENGINE_FLAGS (which also shows user flags adding to the image's).
 SMALL="model.d_model=128 model.n_heads=2 model.n_kv_heads=2 model.head_dim=64 model.mlp_dim=256 model.vocab_size=512"
@@ -192,8 +205,16 @@ docker run --rm --platform linux/arm64 -e ENGINE_FLAGS="$SMALL" "$PLAIN/distro:e
     engine train --recipe tiny-llama2 --steps 5 >"$WORK/train-arm64.txt" 2>&1 || die "arm64 training failed: $(tail -3 "$WORK/train-arm64.txt")"
 grep -q '^done: loss' "$WORK/train-arm64.txt" || die "arm64 training did not finish"
 [ "$(docker run --rm --platform linux/arm64 "$PLAIN/distro:engine-$DATE" uname -m)" = aarch64 ] || die "not an arm64 container"
+# Under emulation the loss curves (100M-parameter models) would take many minutes: arm64 runs
+# the checks of small models, which need no baselines (about 20 s under qemu on 2 cores).
+rm -rf "$WORK/test-all-arm64" && mkdir -p "$WORK/test-all-arm64"
+docker run --rm --platform linux/arm64 -v "$WORK/test-all-arm64:/report" "$PLAIN/distro:engine-$DATE" \
+    test-all --quick --filter data-prepare --filter hf-roundtrip --filter checkpoint-resume --report /report \
+    >"$WORK/test-all-arm64.txt" 2>&1 || die "arm64 test-all failed: $(grep -E '^(FAILED|error)' "$WORK/test-all-arm64.txt")"
+check_test_all arm64 3
 log "amd64: $(grep '^done' "$WORK/train-amd64.txt")"
 log "arm64: $(grep '^done' "$WORK/train-arm64.txt")"
+log "test-all amd64: $(grep -E '^[0-9]+ passed' "$WORK/test-all-amd64.txt"); arm64: $(grep -E '^[0-9]+ passed' "$WORK/test-all-arm64.txt")"
 
 phase "distro load (bollard) + distro run; load tar for docker load"
 "$DISTRO" load "$A_OUT" --ref engine >"$WORK/load.out" 2>"$WORK/load.log" || die "distro load failed: $(cat "$WORK/load.log")"

@@ -10,6 +10,7 @@ mod import_hf;
 mod info;
 mod launch;
 mod recipes;
+mod test_all;
 mod train;
 
 use anyhow::{Context, Result};
@@ -60,6 +61,12 @@ enum Command {
     /// Check the CUDA backend against the CPU reference on this machine's GPU (or its CPU
     /// emulator): every kernel, model parity, graphs, recomputation, memory, training.
     GpuTest(gpu_test::GpuTestArgs),
+    /// The test suite of the images: loss curves against baselines, checkpoint resumption, a
+    /// Hugging Face round trip, data preparation, CPU/GPU parity, throughput (docs/test-all.md).
+    TestAll(test_all::TestAllArgs),
+    /// Record the baselines test-all compares with.
+    #[command(subcommand)]
+    Baselines(test_all::BaselinesCommand),
 }
 
 /// A recipe and its overrides, shared by the commands that resolve one.
@@ -119,6 +126,8 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Launch(args) => launch::launch(args),
         Command::Dist(cmd) => launch::check(cmd),
         Command::GpuTest(args) => gpu_test::run(args),
+        Command::TestAll(args) => test_all::run(args, device),
+        Command::Baselines(cmd) => test_all::baselines(cmd, device),
     }
 }
 

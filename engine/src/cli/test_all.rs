@@ -1,0 +1,156 @@
+//! `engine test-all` (the image's `test-all`) and `engine baselines create` (docs/test-all.md);
+//! the checks are [`engine::testall`]. Exit codes: 0 every check passed or was skipped, 1 some
+//! check failed, 2 bad input (a filter matching no check, a missing or bad baselines file).
+
+use std::path::PathBuf;
+use std::time::{Instant, SystemTime};
+
+use anyhow::{Result, bail};
+use clap::{Args, Subcommand};
+use engine::backend::cuda::device;
+use engine::testall::baselines::{self, BaselineFile, rfc3339_utc};
+use engine::testall::{self, Ctx, DeviceClass, Mode, Status, report};
+
+use super::device::DeviceArg;
+
+#[derive(Args)]
+pub struct TestAllArgs {
+    /// Fewer steps: the whole suite in under a minute on two CPU cores.
+    #[arg(long)]
+    quick: bool,
+    /// Run only the checks whose name contains PATTERN, or matches it as a glob when it holds
+    /// `*` or `?` (repeatable: a check runs when any pattern selects it).
+    #[arg(long, value_name = "PATTERN")]
+    filter: Vec<String>,
+    /// Directory of the baselines (DIR/cpu/quick.json, ...) [default: $ENGINE_BASELINES, else
+    /// /opt/engine/baselines when it exists, else tests/baselines above the binary or the
+    /// working directory].
+    #[arg(long, value_name = "DIR")]
+    baselines: Option<PathBuf>,
+    /// Also write DIR/junit.xml (JUnit XML) and DIR/summary.json.
+    #[arg(long, value_name = "DIR")]
+    report: Option<PathBuf>,
+    /// List the checks and exit.
+    #[arg(long)]
+    list: bool,
+}
+
+#[derive(Subcommand)]
+pub enum BaselinesCommand {
+    /// Record the loss curves and throughput test-all compares with, on this device (median of
+    /// several runs), as DIR/CLASS/MODE.json.
+    Create(CreateArgs),
+}
+
+#[derive(Args)]
+pub struct CreateArgs {
+    /// Directory to write into [default: $ENGINE_BASELINES, else tests/baselines].
+    #[arg(long, value_name = "DIR")]
+    out: Option<PathBuf>,
+    /// Runs to take the medians over.
+    #[arg(long, default_value_t = 3, value_name = "K")]
+    runs: usize,
+    /// Record the quick mode's curves.
+    #[arg(long, conflicts_with = "full")]
+    quick: bool,
+    /// Record the full mode's curves (the default).
+    #[arg(long)]
+    full: bool,
+}
+
+/// The device class `arg` selects: a GPU when asked for (an error without one) or, with `auto`,
+/// when the CUDA driver finds one; else the CPU.
+fn device_class(arg: DeviceArg) -> Result<DeviceClass> {
+    Ok(match arg {
+        DeviceArg::Cpu => DeviceClass::Cpu,
+        DeviceArg::Cuda => match device::probe() {
+            Ok(_) => DeviceClass::Cuda,
+            Err(e) => bail!("--device cuda: no usable CUDA GPU ({e})"),
+        },
+        DeviceArg::Auto => match device::probe() {
+            Ok(_) => DeviceClass::Cuda,
+            Err(_) => DeviceClass::Cpu,
+        },
+    })
+}
+
+fn mode(quick: bool) -> Mode {
+    if quick { Mode::Quick } else { Mode::Full }
+}
+
+pub fn run(args: TestAllArgs, device: DeviceArg) -> Result<()> {
+    if args.list {
+        for c in testall::checks() {
+            println!("{}", c.name);
+        }
+        return Ok(());
+    }
+    let selected = testall::select(&args.filter)?;
+    let class = device_class(device)?;
+    let mode = mode(args.quick);
+    let file: Option<BaselineFile> = if selected.iter().any(|c| c.needs_baselines) {
+        let dir = match &args.baselines {
+            Some(d) => d.clone(),
+            None => baselines::default_dir()?,
+        };
+        Some(baselines::load(&dir, class, mode)?)
+    } else {
+        None
+    };
+    if let Some(dir) = &args.report {
+        // Fail on an unusable report directory now, not after the checks.
+        std::fs::create_dir_all(dir).map_err(|e| anyhow::anyhow!("--report {}: {e}", dir.display()))?;
+    }
+
+    let started = rfc3339_utc(SystemTime::now());
+    let start = Instant::now();
+    println!(
+        "test-all ({} mode) on {}: {} check(s){}",
+        mode.name(),
+        class.describe(),
+        selected.len(),
+        file.as_ref()
+            .map(|f| format!("; baselines {} (recorded {} on {})", f.path.display(), f.created, f.device))
+            .unwrap_or_default()
+    );
+    println!("{}", report::header());
+    let mut progress = |line: &str| eprintln!("{line}");
+    let mut ctx = Ctx::new(mode, class, file.as_ref(), &mut progress);
+    let outcomes = testall::run(&mut ctx, &selected, &mut |o| println!("{}", report::row(o)));
+    let seconds = start.elapsed().as_secs_f64();
+    let summary = report::Summary::new(
+        mode,
+        class,
+        file.as_ref().map(|f| f.path.display().to_string()),
+        started,
+        seconds,
+        &outcomes,
+    );
+    println!("\n{} passed, {} failed, {} skipped in {seconds:.1} s", summary.passed, summary.failed, summary.skipped);
+    for o in outcomes.iter().filter(|o| o.status == Status::Fail) {
+        println!("FAILED {}: {}", o.name, o.detail);
+    }
+    if let Some(dir) = &args.report {
+        report::write(dir, &summary)?;
+        println!("report: {} and {}", dir.join("junit.xml").display(), dir.join("summary.json").display());
+    }
+    if summary.failed > 0 {
+        std::process::exit(1);
+    }
+    Ok(())
+}
+
+pub fn baselines(cmd: BaselinesCommand, device: DeviceArg) -> Result<()> {
+    let BaselinesCommand::Create(args) = cmd;
+    anyhow::ensure!(args.runs > 0, "--runs must be at least 1");
+    let class = device_class(device)?;
+    let mode = mode(args.quick);
+    let dir = args
+        .out
+        .or_else(|| std::env::var_os(baselines::ENV).filter(|d| !d.is_empty()).map(PathBuf::from))
+        .unwrap_or("tests/baselines".into());
+    println!("recording {} baselines on {} ({} runs)", mode.name(), class.describe(), args.runs);
+    let path = baselines::create(&dir, class, mode, args.runs, &mut |line| eprintln!("{line}"))?;
+    println!("wrote {}", path.display());
+    Ok(())
+}

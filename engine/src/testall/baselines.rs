@@ -1,0 +1,482 @@
+//! Baselines: the loss curves and throughput of the seed tiny configurations, recorded per
+//! device class and mode by `engine baselines create`, and compared by `test-all`.
+//!
+//! One JSON file per device class and mode, `DIR/CLASS/MODE.json` (e.g. `cpu/quick.json`):
+//!
+//! ```json
+//! { "format": "engine-test-all-baselines", "version": 1, "device_class": "cpu", "mode": "quick",
+//!   "device": "cpu: AMD EPYC 7B13 (2 threads)", "created": "2026-11-21T04:30:00Z",
+//!   "engine_version": "0.1.0", "revision": "6194c2a...", "runs": 3,
+//!   "recipes": { "tiny-llama2": { "overrides": ["train.steps=8"], "loss": [10.56, ...],
+//!                                 "tokens_per_s": 220.5, "run_spread": 0.0 }, ... } }
+//! ```
+//!
+//! `loss` is the per-step median over `runs` runs, `tokens_per_s` the median of the runs'
+//! throughput, `run_spread` the largest relative difference between runs at any step (0 on the
+//! CPU, whose results do not depend on the run).
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use anyhow::{Context, Result, anyhow, bail};
+use serde::Serialize;
+use serde_json::Value;
+
+use super::{CURVE_RECIPES, DeviceClass, Mode, with_backend};
+use crate::backend::Backend;
+use crate::config::{self, Config, Override};
+use crate::fsutil::write_atomic;
+use crate::train::Trainer;
+
+/// `format` of a baseline file.
+pub const FORMAT: &str = "engine-test-all-baselines";
+/// The version this engine writes and reads.
+pub const VERSION: u64 = 1;
+/// Where the images keep the baselines (`images/engine.toml` copies `tests/baselines` there).
+pub const IN_IMAGE: &str = "/opt/engine/baselines";
+/// The variable that names a baselines directory.
+pub const ENV: &str = "ENGINE_BASELINES";
+
+/// Optimizer steps of each curve in quick mode: enough to see the loss fall from ~10.4 (ln 32000)
+/// through warmup and into the cosine, few enough for the whole quick suite to stay under a
+/// minute on two CPU cores.
+pub const QUICK_STEPS: usize = 8;
+
+/// Largest relative difference between a CPU loss and its baseline at steps 1 to
+/// [`QUICK_STEPS`]. The CPU backend is deterministic and independent of the thread count, so on
+/// one machine a curve repeats bit for bit (measured: `--threads 1` and 2 give the same curves);
+/// across machines only the GEMM library's kernels differ (AVX-512, AVX2, NEON microkernels and
+/// cache-dependent blockings: other summation orders). Measured (docs/test-all.md): arm64 (under
+/// qemu) against amd64, the quick tiny-mixtral curve differs by at most 1.2e-6 (at step 8; 0 up
+/// to step 3). 1e-3 leaves a margin of about 800 and still fails on a change to the math, which
+/// moves the first steps it touches by far more.
+pub const CPU_REL_TOL: f64 = 1e-3;
+
+/// The CPU tolerance after step [`QUICK_STEPS`] (full mode only). Training compounds a rounding
+/// difference: the cross-architecture difference above grew about tenfold per step at the end of
+/// the measured window, so over 50 steps it cannot be bounded from 8; 1 % keeps a 50-step curve
+/// close (a wrong schedule, data order or optimizer moves it by several percent) without
+/// failing on another machine's rounding. Not measured across architectures beyond step 8.
+pub const CPU_LATE_REL_TOL: f64 = 1e-2;
+
+/// The same for CUDA, at every step: bf16 activations and compute weights, cuBLASLt's algorithm
+/// choice per GPU. The parity checks measure 0.01 % on a single step's loss against the f32 CPU
+/// model; a curve amplifies rounding differences, and GPU generations choose different GEMM
+/// algorithms. Not yet measured on two GPU types.
+pub const CUDA_REL_TOL: f64 = 2e-2;
+
+/// The relative tolerance of a device class at `step` (1-based).
+pub fn tolerance(class: DeviceClass, step: usize) -> f64 {
+    match class {
+        DeviceClass::Cpu if step <= QUICK_STEPS => CPU_REL_TOL,
+        DeviceClass::Cpu => CPU_LATE_REL_TOL,
+        DeviceClass::Cuda => CUDA_REL_TOL,
+    }
+}
+
+/// The overrides a curve is trained with in `mode`, on top of the built-in recipe (no
+/// `ENGINE_DEFAULT_FLAGS`, `ENGINE_FLAGS` or `--set`: a baseline is one exact experiment).
+pub fn overrides(mode: Mode) -> Vec<String> {
+    match mode {
+        Mode::Quick => vec![format!("train.steps={QUICK_STEPS}")],
+        Mode::Full => Vec::new(),
+    }
+}
+
+/// Resolves `recipe` with the overrides of `mode`.
+pub fn curve_config(recipe: &str, mode: Mode) -> Result<Config> {
+    let list: Vec<Override> =
+        overrides(mode).into_iter().map(|text| Override { text, origin: "test-all".into() }).collect();
+    Ok(config::resolve(recipe, &list)?.config)
+}
+
+/// A trained curve.
+#[derive(Debug, Clone)]
+pub struct Curve {
+    /// Loss of every step.
+    pub loss: Vec<f64>,
+    /// Tokens per second at the median step time, leaving out the first step (whose time
+    /// includes page faults of fresh buffers) and, in full mode, `train.perf_warmup_steps`.
+    pub tokens_per_s: f64,
+}
+
+/// Trains `recipe` in `mode` on `device` from its seed and records the curve; `progress` gets a
+/// line per step.
+pub fn train_curve(recipe: &str, mode: Mode, device: DeviceClass, progress: &mut dyn FnMut(&str)) -> Result<Curve> {
+    let config = curve_config(recipe, mode)?;
+    if device == DeviceClass::Cuda
+        && let Some(why) = super::cuda_unsuitable(&config.model)
+    {
+        bail!("{recipe} cannot run on the CUDA backend: {why}");
+    }
+    let skip = match mode {
+        Mode::Quick => 1,
+        Mode::Full => config.train.perf_warmup_steps.max(1),
+    };
+    with_backend!(device, |be| curve_on(be, recipe, &config, skip, progress))
+}
+
+fn curve_on<B: Backend>(
+    be: B,
+    recipe: &str,
+    config: &Config,
+    skip: usize,
+    progress: &mut dyn FnMut(&str),
+) -> Result<Curve> {
+    let mut trainer = Trainer::new(be, config)?;
+    let steps = config.train.steps;
+    let (mut loss, mut times) = (Vec::with_capacity(steps), Vec::with_capacity(steps));
+    for _ in 0..steps {
+        let m = trainer.train_step(0.0);
+        progress(&format!("  {recipe} step {}/{steps}: loss {:.4} ({:.2} s)", m.step, m.loss, m.step_time_s));
+        if !m.loss.is_finite() {
+            bail!("{recipe} step {}: the loss is {}", m.step, m.loss);
+        }
+        loss.push(m.loss);
+        if m.step as usize > skip.min(steps - 1) {
+            times.push(m.step_time_s);
+        }
+    }
+    let median = median(&mut times);
+    Ok(Curve { loss, tokens_per_s: trainer.tokens_per_step() as f64 / median })
+}
+
+/// The median (the upper one of an even count); 0 for none.
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(0.0)
+}
+
+/// One recipe's baseline.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct RecipeBaseline {
+    /// The overrides it was trained with ([`overrides`]).
+    pub overrides: Vec<String>,
+    /// Per-step loss (median over the runs).
+    pub loss: Vec<f64>,
+    /// Median throughput over the runs.
+    pub tokens_per_s: f64,
+    /// Largest relative difference between runs at any step.
+    pub run_spread: f64,
+}
+
+/// A baseline file (format in the module documentation).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct BaselineFile {
+    /// [`FORMAT`].
+    pub format: String,
+    /// [`VERSION`].
+    pub version: u64,
+    /// The device class recorded.
+    pub device_class: DeviceClass,
+    /// The mode recorded.
+    pub mode: Mode,
+    /// The device, in words.
+    pub device: String,
+    /// When, UTC, RFC 3339.
+    pub created: String,
+    /// The engine's version.
+    pub engine_version: String,
+    /// The engine's source revision, when the build knew it.
+    pub revision: String,
+    /// Runs the medians are taken over.
+    pub runs: usize,
+    /// Recipe name → its baseline.
+    pub recipes: BTreeMap<String, RecipeBaseline>,
+    /// Where it was read from (not written).
+    #[serde(skip)]
+    pub path: PathBuf,
+}
+
+/// `DIR/CLASS/MODE.json`.
+pub fn file_path(dir: &Path, class: DeviceClass, mode: Mode) -> PathBuf {
+    dir.join(class.name()).join(format!("{}.json", mode.name()))
+}
+
+/// The baselines directory when `--baselines` is not given: `$ENGINE_BASELINES` (when not empty);
+/// else `/opt/engine/baselines` when it exists (in the image); else the first `tests/baselines`
+/// in the directory of the running binary or one of its ancestors (a checkout's
+/// `target/release/engine`); else the same from the working directory.
+pub fn default_dir() -> Result<PathBuf> {
+    if let Some(dir) = std::env::var_os(ENV).filter(|d| !d.is_empty()) {
+        return Ok(PathBuf::from(dir));
+    }
+    let mut looked = vec![IN_IMAGE.to_string()];
+    if Path::new(IN_IMAGE).is_dir() {
+        return Ok(PathBuf::from(IN_IMAGE));
+    }
+    let starts =
+        [std::env::current_exe().ok().and_then(|p| p.parent().map(Path::to_path_buf)), std::env::current_dir().ok()];
+    for start in starts.into_iter().flatten() {
+        if let Some(found) = start.ancestors().map(|a| a.join("tests/baselines")).find(|p| p.is_dir()) {
+            return Ok(found);
+        }
+        looked.push(format!("tests/baselines above {}", start.display()));
+    }
+    bail!("no baselines directory: pass --baselines DIR or set {ENV} (looked in {})", looked.join(", "))
+}
+
+/// Reads and checks the baselines of `class` and `mode` under `dir`. Every problem is an error
+/// naming the file and the key, and saying how to make a good file.
+pub fn load(dir: &Path, class: DeviceClass, mode: Mode) -> Result<BaselineFile> {
+    let path = file_path(dir, class, mode);
+    let p = path.display().to_string();
+    let remake = format!(
+        "record them with `engine baselines create --out {}{}`",
+        dir.display(),
+        match mode {
+            Mode::Quick => " --quick",
+            Mode::Full => "",
+        }
+    );
+    let text = std::fs::read(&path).map_err(|e| anyhow!("baselines {p}: cannot read it ({e}); {remake}"))?;
+    let v: Value = serde_json::from_slice(&text).map_err(|e| anyhow!("baselines {p}: not valid JSON: {e}"))?;
+    let r = Reader { path: &p };
+    let format = r.str(&v, "format")?;
+    if format != FORMAT {
+        bail!("baselines {p}: key format is \"{format}\", expected \"{FORMAT}\"");
+    }
+    let version = r.get(&v, "version")?.as_u64().ok_or_else(|| r.bad("version", "a whole number"))?;
+    if version != VERSION {
+        bail!("baselines {p}: key version is {version}; this engine reads version {VERSION}; {remake}");
+    }
+    let (class_text, mode_text) = (r.str(&v, "device_class")?, r.str(&v, "mode")?);
+    if class_text != class.name() || mode_text != mode.name() {
+        bail!(
+            "baselines {p}: keys device_class/mode are {class_text}/{mode_text}, but the file's place says {}/{}",
+            class.name(),
+            mode.name()
+        );
+    }
+    let runs = r.get(&v, "runs")?.as_u64().filter(|&n| n > 0).ok_or_else(|| r.bad("runs", "a whole number ≥ 1"))?;
+    let table = r.get(&v, "recipes")?.as_object().ok_or_else(|| r.bad("recipes", "an object"))?;
+    let want = overrides(mode);
+    let mut recipes = BTreeMap::new();
+    for name in CURVE_RECIPES {
+        let key = format!("recipes.{name}");
+        let e = table.get(name).ok_or_else(|| anyhow!("baselines {p}: key {key} is missing; {remake}"))?;
+        let list = r.get(e, &format!("{key}.overrides"))?;
+        let got: Vec<String> = list
+            .as_array()
+            .and_then(|a| a.iter().map(|x| x.as_str().map(str::to_owned)).collect::<Option<_>>())
+            .ok_or_else(|| r.bad(&format!("{key}.overrides"), "an array of strings"))?;
+        if got != want {
+            bail!(
+                "baselines {p}: key {key}.overrides is {got:?}, but this engine trains {name} in {} mode with {want:?}; {remake}",
+                mode.name()
+            );
+        }
+        let steps = curve_config(name, mode)?.train.steps;
+        let loss_key = format!("{key}.loss");
+        let loss: Vec<f64> = r
+            .get(e, &loss_key)?
+            .as_array()
+            .and_then(|a| a.iter().map(Value::as_f64).collect::<Option<_>>())
+            .ok_or_else(|| r.bad(&loss_key, "an array of numbers"))?;
+        if loss.len() != steps {
+            bail!("baselines {p}: key {loss_key} has {} values, the curve has {steps} steps; {remake}", loss.len());
+        }
+        if let Some(i) = loss.iter().position(|x| !(x.is_finite() && *x > 0.0)) {
+            bail!("baselines {p}: key {loss_key}[{i}] = {} is not a positive number", loss[i]);
+        }
+        let number = |k: &str| -> Result<f64> {
+            let key = format!("{key}.{k}");
+            r.get(e, &key)?.as_f64().filter(|x| x.is_finite() && *x >= 0.0).ok_or_else(|| r.bad(&key, "a number ≥ 0"))
+        };
+        let tokens_per_s = number("tokens_per_s")?;
+        if tokens_per_s <= 0.0 {
+            bail!("baselines {p}: key {key}.tokens_per_s must be above 0");
+        }
+        let run_spread = number("run_spread")?;
+        recipes.insert(name.to_owned(), RecipeBaseline { overrides: got, loss, tokens_per_s, run_spread });
+    }
+    Ok(BaselineFile {
+        format,
+        version,
+        device_class: class,
+        mode,
+        device: r.str(&v, "device")?,
+        created: r.str(&v, "created")?,
+        engine_version: r.str(&v, "engine_version")?,
+        revision: r.str(&v, "revision")?,
+        runs: runs as usize,
+        recipes,
+        path,
+    })
+}
+
+/// Reads keys of a baseline file, with errors naming the file and the key.
+struct Reader<'a> {
+    path: &'a str,
+}
+
+impl Reader<'_> {
+    /// `key` (dotted; the last part is looked up in `v`).
+    fn get<'v>(&self, v: &'v Value, key: &str) -> Result<&'v Value> {
+        let last = key.rsplit('.').next().unwrap_or(key);
+        v.get(last).ok_or_else(|| anyhow!("baselines {}: key {key} is missing", self.path))
+    }
+    fn str(&self, v: &Value, key: &str) -> Result<String> {
+        self.get(v, key)?.as_str().map(str::to_owned).ok_or_else(|| self.bad(key, "a string"))
+    }
+    fn bad(&self, key: &str, what: &str) -> anyhow::Error {
+        anyhow!("baselines {}: key {key} must be {what}", self.path)
+    }
+}
+
+/// Compares a curve with its baseline step by step: the first step past `tol(step)` (relative)
+/// fails with both values; otherwise the largest difference is reported.
+pub fn compare(
+    recipe: &str,
+    curve: &Curve,
+    base: &RecipeBaseline,
+    tol: impl Fn(usize) -> f64,
+) -> Result<String, String> {
+    let (mut worst, mut at, mut failed) = (0f64, 0usize, Vec::new());
+    for (i, (&got, &want)) in curve.loss.iter().zip(&base.loss).enumerate() {
+        let rel = (got - want).abs() / want.abs();
+        if rel > worst {
+            (worst, at) = (rel, i + 1);
+        }
+        if rel > tol(i + 1) || !rel.is_finite() {
+            failed.push((i + 1, got, want, rel));
+        }
+    }
+    let pct = |x: f64| format!("{}%", trim(100.0 * x));
+    if let Some(&(step, got, want, rel)) = failed.first() {
+        let more = match failed.len() {
+            1 => String::new(),
+            n => format!("; {} of {} steps outside the tolerance", n, curve.loss.len()),
+        };
+        return Err(format!(
+            "{recipe} step {step}: loss {got:.6}, baseline {want:.6} ± {} (relative difference {}){more}",
+            pct(tol(step)),
+            pct(rel)
+        ));
+    }
+    let last = curve.loss.len();
+    let difference = if worst == 0.0 {
+        "every step equal to the baseline".to_string()
+    } else {
+        format!("largest relative difference {worst:.1e} at step {at}")
+    };
+    let (first, late) = (tol(1), tol(last));
+    let tolerance =
+        if first == late { pct(first) } else { format!("{} to step {QUICK_STEPS}, then {}", pct(first), pct(late)) };
+    Ok(format!(
+        "{last} steps, loss {:.4} -> {:.4} (baseline {:.4}); {difference} (tolerance {tolerance})",
+        curve.loss[0],
+        curve.loss[last - 1],
+        base.loss[last - 1],
+    ))
+}
+
+/// A number with up to 4 significant decimals and no trailing zeros (0.1, 2.3, 0.0012).
+fn trim(x: f64) -> String {
+    let s = if x >= 1.0 { format!("{x:.1}") } else { format!("{x:.2}") };
+    let s = if x < 0.01 && x > 0.0 { format!("{x:.1e}") } else { s };
+    s.trim_end_matches('0').trim_end_matches('.').to_string()
+}
+
+/// `engine baselines create`: trains every curve recipe `runs` times on `device` in `mode`,
+/// takes medians and writes `DIR/CLASS/MODE.json` atomically. Returns the file written.
+pub fn create(
+    dir: &Path,
+    device: DeviceClass,
+    mode: Mode,
+    runs: usize,
+    progress: &mut dyn FnMut(&str),
+) -> Result<PathBuf> {
+    anyhow::ensure!(runs > 0, "--runs must be at least 1");
+    let start = Instant::now();
+    let mut recipes = BTreeMap::new();
+    for name in CURVE_RECIPES {
+        let mut curves = Vec::with_capacity(runs);
+        for run in 1..=runs {
+            progress(&format!("{name}: run {run}/{runs}"));
+            curves.push(train_curve(name, mode, device, progress)?);
+        }
+        let steps = curves[0].loss.len();
+        let mut loss = Vec::with_capacity(steps);
+        let mut spread = 0f64;
+        for i in 0..steps {
+            let mut at: Vec<f64> = curves.iter().map(|c| c.loss[i]).collect();
+            let m = median(&mut at);
+            spread = spread.max((at[at.len() - 1] - at[0]) / m.abs());
+            loss.push(m);
+        }
+        let mut rates: Vec<f64> = curves.iter().map(|c| c.tokens_per_s).collect();
+        let tokens_per_s = median(&mut rates);
+        recipes.insert(
+            name.to_owned(),
+            RecipeBaseline { overrides: overrides(mode), loss, tokens_per_s, run_spread: spread },
+        );
+    }
+    let path = file_path(dir, device, mode);
+    let file = BaselineFile {
+        format: FORMAT.into(),
+        version: VERSION,
+        device_class: device,
+        mode,
+        device: device.describe(),
+        created: rfc3339_utc(SystemTime::now()),
+        engine_version: env!("CARGO_PKG_VERSION").into(),
+        revision: option_env!("ENGINE_REVISION").unwrap_or("unknown").into(),
+        runs,
+        recipes,
+        path: path.clone(),
+    };
+    let parent = path.parent().expect("DIR/CLASS");
+    std::fs::create_dir_all(parent).with_context(|| format!("cannot create {}", parent.display()))?;
+    write_atomic(&path, format!("{}\n", serde_json::to_string_pretty(&file)?).as_bytes())?;
+    // What test-all will read back.
+    load(dir, device, mode)?;
+    progress(&format!("recorded in {:.1} s", start.elapsed().as_secs_f64()));
+    Ok(path)
+}
+
+/// `YYYY-MM-DDTHH:MM:SSZ` of a time (UTC; days to the civil calendar after Howard Hinnant's
+/// `civil_from_days`).
+pub fn rfc3339_utc(t: SystemTime) -> String {
+    let secs = t.duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0) as i64;
+    let (days, rem) = (secs.div_euclid(86400), secs.rem_euclid(86400));
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!("{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z", rem / 3600, rem % 3600 / 60, rem % 60)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn dates_are_civil_utc() {
+        let at = |s: u64| rfc3339_utc(UNIX_EPOCH + Duration::from_secs(s));
+        assert_eq!(at(0), "1970-01-01T00:00:00Z");
+        assert_eq!(at(951_782_400), "2000-02-29T00:00:00Z");
+        assert_eq!(at(1_795_230_245), "2026-11-21T03:04:05Z");
+    }
+
+    #[test]
+    fn a_step_outside_the_tolerance_is_named_with_both_values() {
+        let base = RecipeBaseline { overrides: vec![], loss: vec![10.0, 8.0, 6.0], tokens_per_s: 1.0, run_spread: 0.0 };
+        let ok = Curve { loss: vec![10.0, 8.0001, 6.0], tokens_per_s: 1.0 };
+        let text = compare("r", &ok, &base, |_| 1e-3).unwrap();
+        assert!(text.contains("1.2e-5 at step 2"), "{text}");
+        let bad = Curve { loss: vec![10.0, 8.0, 6.138], tokens_per_s: 1.0 };
+        let e = compare("r", &bad, &base, |_| 1e-3).unwrap_err();
+        assert_eq!(e, "r step 3: loss 6.138000, baseline 6.000000 ± 0.1% (relative difference 2.3%)");
+        // The tolerance of the failing step is the one quoted.
+        let e = compare("r", &bad, &base, |s| if s < 3 { 1e-3 } else { 1e-2 }).unwrap_err();
+        assert!(e.contains("± 1% (relative difference 2.3%)"), "{e}");
+    }
+}

@@ -1,0 +1,423 @@
+//! The checks of `test-all`, one function each (registered in [`super::checks`]).
+
+use std::fs;
+use std::path::Path;
+
+use anyhow::{Context, Result, anyhow, bail};
+
+use super::baselines::{self, tolerance};
+use super::{CURVE_RECIPES, Ctx, DeviceClass, Mode, Verdict};
+use crate::backend::Backend;
+use crate::backend::cpu::Cpu;
+use crate::backend::cuda::check::{self, Scale};
+use crate::backend::cuda::{Cuda, device};
+use crate::checkpoint::{self, Checkpoint, Extras, Snapshot};
+use crate::config::{self, Config, Override};
+use crate::data::prepare::{PrepareOptions, prepare};
+use crate::data::shard::Shards;
+use crate::data::tokenizer::TextTokenizer;
+use crate::data::{CORPUS, TokenSource};
+use crate::eval::{self, Loaded};
+use crate::hf;
+use crate::model::{Model, init};
+use crate::tensors::Mapped;
+use crate::train::Trainer;
+
+/// A throughput below the baseline's divided by this fails. Wide on purpose: the baseline was
+/// recorded on one machine and the check runs on others (other core counts and clocks, shared CI
+/// runners, another GPU generation: factors of 2 to 3 are ordinary). A factor of 5 is what a real
+/// regression looks like — a vector path lost (the x86-v4 or NEON GEMM kernels falling back to
+/// scalar code is 8 to 16 times slower), a debug build, one thread where there were many.
+pub const THROUGHPUT_FLOOR: f64 = 5.0;
+
+/// A small model for the checks that exercise the machinery rather than a recipe's numbers:
+/// `tiny-llama2` shrunk (the same shrink the image test uses under emulation).
+const SMALL: [&str; 6] = [
+    "model.d_model=128",
+    "model.n_heads=2",
+    "model.n_kv_heads=2",
+    "model.head_dim=64",
+    "model.mlp_dim=256",
+    "model.vocab_size=512",
+];
+
+fn resolve(recipe: &str, sets: &[&str]) -> Result<Config> {
+    let list: Vec<Override> =
+        sets.iter().map(|s| Override { text: s.to_string(), origin: "test-all".into() }).collect();
+    Ok(config::resolve(recipe, &list)?.config)
+}
+
+fn tempdir() -> Result<tempfile::TempDir> {
+    tempfile::Builder::new().prefix("engine-test-all-").tempdir().context("cannot create a temporary directory")
+}
+
+// ---- loss curves and throughput against the baselines ------------------------------------
+
+/// Trains `recipe` and compares its loss, step by step, with the baseline.
+pub fn loss_curve(ctx: &mut Ctx, recipe: &str) -> Result<Verdict> {
+    let file = ctx.baselines.ok_or_else(|| anyhow!("no baselines loaded"))?;
+    let base = &file.recipes[recipe];
+    let curve = ctx.curve(recipe)?;
+    Ok(match baselines::compare(recipe, &curve, base, |step| tolerance(ctx.device, step)) {
+        Ok(text) => Verdict::pass(text),
+        Err(text) => Verdict::fail(format!("{text} [baselines {}]", file.path.display())),
+    })
+}
+
+/// Tokens per second of every curve against the baseline's: reported, failing only below
+/// 1/[`THROUGHPUT_FLOOR`] of it.
+pub fn throughput(ctx: &mut Ctx) -> Result<Verdict> {
+    let file = ctx.baselines.ok_or_else(|| anyhow!("no baselines loaded"))?;
+    let (mut parts, mut slow) = (Vec::new(), Vec::new());
+    for recipe in CURVE_RECIPES {
+        let got = ctx.curve(recipe)?.tokens_per_s;
+        let want = file.recipes[recipe].tokens_per_s;
+        let ratio = got / want;
+        let text = format!("{recipe} {got:.0} tokens/s ({ratio:.2}x the baseline's {want:.0})");
+        if ratio < 1.0 / THROUGHPUT_FLOOR {
+            slow.push(text.clone());
+        }
+        parts.push(text);
+    }
+    Ok(if slow.is_empty() {
+        Verdict::pass(format!("{}; fails below 1/{THROUGHPUT_FLOOR} of the baseline", parts.join(", ")))
+    } else {
+        Verdict::fail(format!(
+            "{} below 1/{THROUGHPUT_FLOOR} of the baseline ({}; recorded on {})",
+            slow.join(", "),
+            file.path.display(),
+            file.device
+        ))
+    })
+}
+
+// ---- checkpoint save and resume ------------------------------------------------------------
+
+/// A run of N steps straight through against one saved at N/2, verified, resumed through
+/// [`checkpoint::resume_point`] on a fresh backend and run to N: the losses after the resume and
+/// the final parameters and moments must be the same bit for bit on the CPU (within the curve
+/// tolerance on a GPU, whose bf16 copies are recomputed from the restored f32 weights).
+pub fn checkpoint_resume(ctx: &mut Ctx) -> Result<Verdict> {
+    let steps = match ctx.mode {
+        Mode::Quick => 6,
+        Mode::Full => 20,
+    };
+    let mut sets = SMALL.to_vec();
+    let steps_set = format!("train.steps={steps}");
+    sets.push(&steps_set);
+    let config = resolve("tiny-llama2", &sets)?;
+    match ctx.device {
+        DeviceClass::Cpu => resume_on(|| Ok(Cpu::new()), &config, steps, None),
+        DeviceClass::Cuda => {
+            if let Some(why) = super::cuda_unsuitable(&config.model) {
+                bail!("the check's model cannot run on the CUDA backend: {why}");
+            }
+            resume_on(super::open_gpu, &config, steps, Some(tolerance(DeviceClass::Cuda, 1)))
+        }
+    }
+}
+
+fn resume_on<B: Backend>(
+    mut open: impl FnMut() -> Result<B>,
+    config: &Config,
+    steps: usize,
+    tol: Option<f64>,
+) -> Result<Verdict> {
+    let half = steps / 2;
+    let run = |t: &mut Trainer<B>, n: usize| -> Vec<f64> { (0..n).map(|_| t.train_step(0.0).loss).collect() };
+
+    let mut straight = Trainer::new(open()?, config)?;
+    let want = run(&mut straight, steps);
+    let want_state = straight.snapshot(Snapshot::default());
+    drop(straight);
+
+    let dir = tempdir()?;
+    let parent = dir.path().join("checkpoints");
+    let mut first = Trainer::new(open()?, config)?;
+    run(&mut first, half);
+    let snap = first.snapshot(Snapshot::default());
+    let layout = first.model.layout.clone();
+    drop(first);
+    checkpoint::write(&parent, config, &layout, &snap, &Extras::default(), None)?;
+
+    let ck = checkpoint::resume_point(&parent, None, config)?;
+    let mut resumed = Trainer::new(open()?, config)?;
+    resumed.restore(&ck.snapshot(&layout)?)?;
+    let got = run(&mut resumed, steps - half);
+    let got_state = resumed.snapshot(Snapshot::default());
+
+    for (i, (&g, &w)) in got.iter().zip(&want[half..]).enumerate() {
+        let step = half + 1 + i;
+        let same = match tol {
+            None => g.to_bits() == w.to_bits(),
+            Some(t) => ((g - w) / w).abs() <= t,
+        };
+        if !same {
+            bail!("step {step} after resuming from step {half}: loss {g:.8}, {w:.8} without the interruption");
+        }
+    }
+    if tol.is_none() {
+        let (Some((gm, gv)), Some((wm, wv))) = (&got_state.moments, &want_state.moments) else {
+            bail!("a snapshot has no optimizer moments");
+        };
+        let pairs = [
+            ("parameters", &got_state.params, &want_state.params),
+            ("first moments", gm, wm),
+            ("second moments", gv, wv),
+        ];
+        for (what, g, w) in pairs {
+            if let Some(i) = g.iter().zip(w).position(|(a, b)| a.to_bits() != b.to_bits()) {
+                bail!(
+                    "after step {steps}: {what} differ from the uninterrupted run's at element {i}: {} vs {}",
+                    g[i],
+                    w[i]
+                );
+            }
+        }
+    }
+    let how = if tol.is_none() {
+        "losses, parameters and moments equal bit for bit"
+    } else {
+        "losses equal within the CUDA tolerance"
+    };
+    Ok(Verdict::pass(format!(
+        "{steps} steps = {half} + checkpoint ({}) + {}: {how} (final loss {:.4})",
+        ck.dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default(),
+        steps - half,
+        got[got.len() - 1]
+    )))
+}
+
+// ---- Hugging Face import and export ----------------------------------------------------------
+
+/// transformers' tiny `MistralForCausalLM` (tests/fixtures/hf/generate.py): bf16 weights, a
+/// sliding window, `rope_parameters` spelling; 50 KB.
+const MISTRAL_CONFIG: &[u8] = include_bytes!("../../../tests/fixtures/hf/mistral/config.json");
+const MISTRAL_WEIGHTS: &[u8] = include_bytes!("../../../tests/fixtures/hf/mistral/model.safetensors");
+const MISTRAL_TOKENS: &[u8] = include_bytes!("../../../tests/fixtures/hf/mistral/tokens.json");
+const MISTRAL_EXPECTED: &str = include_str!("../../../tests/fixtures/hf/mistral/expected.json");
+
+/// Two round trips. transformers' tiny Mistral: import → export gives back every tensor byte for
+/// byte in its dtype, and the loss the engine computes for its token batch is transformers' own
+/// (relative 1e-5, as engine/tests/hf.rs). A Mixtral made by the engine, exported as f32 shards:
+/// export → import → export gives the same files and the imported parameters are the originals.
+pub fn hf_roundtrip(_ctx: &mut Ctx) -> Result<Verdict> {
+    let dir = tempdir()?;
+    let d = dir.path();
+    let src = d.join("mistral");
+    fs::create_dir(&src)?;
+    fs::write(src.join("config.json"), MISTRAL_CONFIG)?;
+    fs::write(src.join("model.safetensors"), MISTRAL_WEIGHTS)?;
+    fs::write(d.join("tokens.json"), MISTRAL_TOKENS)?;
+    let report = hf::import(&src, &d.join("mistral-ck"))?;
+    let ck = Checkpoint::open(&d.join("mistral-ck"))?;
+    let out = d.join("mistral-out");
+    hf::export(&ck, &out, None, u64::MAX)?;
+    let tensors = same_tensors(&src.join("model.safetensors"), &out.join("model.safetensors"))?;
+
+    let loaded = Loaded::open(None, Some(&out))?;
+    let batch = eval::read_tokens(&d.join("tokens.json"), 0)?;
+    let (result, _) = eval::evaluate(&loaded, &batch, false, false)?;
+    let expected: serde_json::Value = serde_json::from_str(MISTRAL_EXPECTED)?;
+    let want = expected["loss"].as_f64().ok_or_else(|| anyhow!("the fixture's expected.json has no loss"))?;
+    let rel = (result.loss - want).abs() / want;
+    if rel > 1e-5 {
+        bail!(
+            "the exported Mistral's loss is {:.7}, transformers computed {want:.7} (relative {rel:.1e})",
+            result.loss
+        );
+    }
+
+    // An engine-made Mixtral in shards of at most 64 KB.
+    let config = resolve(
+        "tiny-mixtral",
+        &[
+            "model.d_model=32",
+            "model.mlp_dim=48",
+            "model.n_heads=4",
+            "model.n_kv_heads=2",
+            "model.head_dim=8",
+            "model.vocab_size=96",
+        ],
+    )?;
+    let model = Model::new(&config.model);
+    let params = init::params(&model, 7);
+    let snap = Snapshot { params: params.clone(), ..Snapshot::default() };
+    let first = checkpoint::write(&d.join("mixtral"), &config, &model.layout, &snap, &Extras::default(), None)?;
+    let shard = 64_000;
+    let exported = hf::export(&Checkpoint::open(&first)?, &d.join("mixtral-hf"), None, shard)?;
+    hf::import(&d.join("mixtral-hf"), &d.join("mixtral-ck2"))?;
+    let second = Checkpoint::open(&d.join("mixtral-ck2"))?;
+    if second.params(&model.layout)? != params {
+        bail!("the Mixtral imported from its export has other parameters than the original");
+    }
+    hf::export(&second, &d.join("mixtral-hf2"), None, shard)?;
+    for name in exported.files.iter().map(String::as_str).chain(["model.safetensors.index.json", "config.json"]) {
+        let (a, b) = (d.join("mixtral-hf").join(name), d.join("mixtral-hf2").join(name));
+        if fs::read(&a)? != fs::read(&b)? {
+            bail!("Mixtral export → import → export: {name} differs");
+        }
+    }
+    Ok(Verdict::pass(format!(
+        "Mistral ({}, {tensors} tensors) byte-exact, loss {:.6} = transformers' {want:.6}; Mixtral f32 in {} shards byte-exact",
+        report.dtype.torch_name(),
+        result.loss,
+        exported.files.len()
+    )))
+}
+
+/// Every tensor of `a` is in `b` with the same dtype, shape and bytes, and `b` has no other.
+fn same_tensors(a: &Path, b: &Path) -> Result<usize> {
+    let (a, b) = (Mapped::open(a)?, Mapped::open(b)?);
+    let (ta, tb) = (a.tensors(), b.tensors());
+    let names = ta.names();
+    if names.len() != tb.names().len() {
+        bail!("{} holds {} tensors, {} holds {}", a.path.display(), names.len(), b.path.display(), tb.names().len());
+    }
+    for name in &names {
+        let x = ta.tensor(name)?;
+        let y = tb.tensor(name).map_err(|_| anyhow!("tensor {name} is missing after the round trip"))?;
+        if x.dtype() != y.dtype() || x.shape() != y.shape() || x.data() != y.data() {
+            bail!(
+                "tensor {name} differs after the round trip ({:?} {:?} vs {:?} {:?})",
+                x.dtype(),
+                x.shape(),
+                y.dtype(),
+                y.shape()
+            );
+        }
+    }
+    Ok(names.len())
+}
+
+// ---- data preparation -------------------------------------------------------------------------
+
+/// A byte-level BPE `tokenizer.json` trained on the embedded corpus
+/// (tests/fixtures/tokenizers/generate.py), and the ids Hugging Face's Python `tokenizers` gives
+/// its probe texts.
+const TOKENIZER: &[u8] = include_bytes!("../../../tests/fixtures/tokenizers/bytelevel-bpe.json");
+const TOKENIZER_EXPECTED: &str = include_str!("../../../tests/fixtures/tokenizers/expected.json");
+
+/// Prepares the embedded corpus (a text file and a JSONL file of its paragraphs) with the bundled
+/// tokenizer: the tokenizer gives the reference library's ids, the shards hold exactly every
+/// document's tokens and its end-of-sequence token in input order, and a model trains on them.
+pub fn data_prepare(ctx: &mut Ctx) -> Result<Verdict> {
+    let dir = tempdir()?;
+    let d = dir.path();
+    let tokenizer_path = d.join("tokenizer.json");
+    fs::write(&tokenizer_path, TOKENIZER)?;
+    let tokenizer = TextTokenizer::open(&tokenizer_path)?;
+
+    let expected: serde_json::Value = serde_json::from_str(TOKENIZER_EXPECTED)?;
+    let probes = &expected["bytelevel-bpe.json"];
+    let (texts, ids) = (probes["texts"].as_array(), probes["ids"].as_array());
+    let (texts, ids) = texts.zip(ids).ok_or_else(|| anyhow!("the tokenizer fixture has no probes"))?;
+    for (text, want) in texts.iter().zip(ids) {
+        let text = text.as_str().unwrap_or_default();
+        let want: Vec<u32> =
+            want.as_array().into_iter().flatten().filter_map(|x| x.as_u64()).map(|x| x as u32).collect();
+        let got = tokenizer.encode(text)?;
+        if got != want {
+            bail!("the tokenizer gives {got:?} for {text:?}, the reference library {want:?}");
+        }
+    }
+
+    // Documents: the first half of the corpus as one text file, the paragraphs of the rest as
+    // JSONL records; read in name order (a.txt, b.jsonl).
+    let text = std::str::from_utf8(CORPUS).context("the embedded corpus is not UTF-8")?;
+    let cut = text[..text.len() / 2].rfind("\n\n").map_or(text.len() / 2, |i| i + 2);
+    let (head, tail) = text.split_at(cut);
+    let paragraphs: Vec<&str> = tail.split("\n\n").filter(|p| !p.is_empty()).collect();
+    let corpus = d.join("corpus");
+    fs::create_dir(&corpus)?;
+    fs::write(corpus.join("a.txt"), head)?;
+    let jsonl: String = paragraphs.iter().map(|p| format!("{}\n", serde_json::json!({ "text": p }))).collect();
+    fs::write(corpus.join("b.jsonl"), jsonl)?;
+
+    let out = d.join("shards");
+    let opts = PrepareOptions {
+        tokenizer: tokenizer_path.clone(),
+        inputs: vec![corpus],
+        out: out.clone(),
+        eos: None,
+        separator: None,
+        shard_tokens: 10_000,
+        max_vocab: None,
+        progress: false,
+    };
+    let report = prepare(&opts)?;
+    let eos = tokenizer.eos_id()?;
+    let mut want = Vec::new();
+    for doc in std::iter::once(head).chain(paragraphs.iter().copied()) {
+        want.extend(tokenizer.encode(doc)?);
+        want.push(eos);
+    }
+    let shards = Shards::open(&out)?;
+    let mut got = vec![0u32; shards.len()];
+    shards.read(0, &mut got);
+    if got.len() != want.len() {
+        bail!("the shards hold {} tokens, the documents tokenize to {}", got.len(), want.len());
+    }
+    if let Some(i) = got.iter().zip(&want).position(|(a, b)| a != b) {
+        bail!("shard token {i} is {}, the tokenizer gives {} there", got[i], want[i]);
+    }
+    if report.documents as usize != 1 + paragraphs.len() || report.shards.len() < 2 {
+        bail!("prepare.json reports {} documents in {} shards", report.documents, report.shards.len());
+    }
+
+    // The shards feed training (on the CPU: this checks the data path, not the device).
+    let path = format!("data.path={}", out.display());
+    let steps = match ctx.mode {
+        Mode::Quick => 3,
+        Mode::Full => 10,
+    };
+    let steps_set = format!("train.steps={steps}");
+    let mut sets = SMALL.to_vec();
+    sets.extend(["data.source=shards", path.as_str(), steps_set.as_str(), "train.seq_len=32"]);
+    let config = resolve("tiny-llama2", &sets)?;
+    let mut trainer = Trainer::new(Cpu::new(), &config)?;
+    let losses: Vec<f64> = (0..steps).map(|_| trainer.train_step(0.0).loss).collect();
+    if losses.iter().any(|l| !l.is_finite()) {
+        bail!("training on the prepared shards gave losses {losses:?}");
+    }
+    Ok(Verdict::pass(format!(
+        "{} probe texts as the reference tokenizer; {} documents, {} tokens in {} shards, exact; {steps} steps on them, loss {:.3} -> {:.3}",
+        texts.len(),
+        report.documents,
+        report.tokens,
+        report.shards.len(),
+        losses[0],
+        losses[steps - 1]
+    )))
+}
+
+// ---- CPU and GPU -----------------------------------------------------------------------------
+
+/// The CUDA backend against the CPU reference, through the checks of `engine gpu-test`
+/// ([`check`]): in quick mode the whole-model parity checks (loss and gradients of every tiny
+/// configuration), in full mode all of them. Skipped without a GPU, or when the run is on the CPU.
+pub fn gpu_parity(ctx: &mut Ctx) -> Result<Verdict> {
+    if let Err(e) = device::probe() {
+        return Ok(Verdict::skip(format!("no CUDA GPU ({e})")));
+    }
+    if ctx.device == DeviceClass::Cpu {
+        return Ok(Verdict::skip("a GPU is present but the run is on the CPU (--device cpu)"));
+    }
+    let (filter, steps) = match ctx.mode {
+        Mode::Quick => ("against the f32 CPU model", 20),
+        Mode::Full => ("", 200),
+    };
+    let scale = Scale { emulated: false, train_steps: steps };
+    let mut open = || Cuda::new(0);
+    let progress = &mut *ctx.progress;
+    let outcomes = check::run(scale, &mut open, filter, &mut |o| {
+        progress(&format!("  {} {} ({:.1} s): {}", if o.passed { "ok  " } else { "FAIL" }, o.name, o.seconds, o.detail))
+    });
+    let failed: Vec<String> =
+        outcomes.iter().filter(|o| !o.passed).map(|o| format!("{}: {}", o.name, o.detail)).collect();
+    Ok(if failed.is_empty() {
+        Verdict::pass(format!("{} gpu-test checks passed", outcomes.len()))
+    } else {
+        Verdict::fail(format!("{} of {} gpu-test checks failed: {}", failed.len(), outcomes.len(), failed.join("; ")))
+    })
+}

@@ -1,0 +1,301 @@
+//! `test-all`: the in-image test suite (docs/test-all.md). A list of named checks — loss curves
+//! of the seed tiny configurations against recorded baselines, checkpoint resumption, a Hugging
+//! Face round trip, data preparation, CPU↔GPU parity, throughput — run on the best device
+//! present, each ending as passed, failed or skipped, with its time and a one-line detail.
+//!
+//! Adding a check is adding one entry to [`checks`]. [`baselines`] holds the recorded curves and
+//! their file format, [`report`] the table, JUnit XML and JSON summary.
+
+pub mod baselines;
+mod checks;
+pub mod report;
+
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+use anyhow::{Result, bail};
+use serde::{Deserialize, Serialize};
+
+use crate::backend::cpu;
+use crate::backend::cuda::{self, Cuda, device};
+use baselines::{BaselineFile, Curve};
+
+/// How much work the checks do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    /// Fewer steps: the whole suite in under a minute on two CPU cores.
+    Quick,
+    /// The recipes' own step counts.
+    Full,
+}
+
+impl Mode {
+    /// `quick` or `full`: also the baseline file's stem.
+    pub fn name(self) -> &'static str {
+        match self {
+            Mode::Quick => "quick",
+            Mode::Full => "full",
+        }
+    }
+}
+
+/// The kind of device the checks run on; baselines are recorded per class.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DeviceClass {
+    /// The f32 CPU reference backend.
+    Cpu,
+    /// The CUDA backend (bf16) on the first GPU.
+    Cuda,
+}
+
+impl DeviceClass {
+    /// `cpu` or `cuda`: also the baselines' subdirectory.
+    pub fn name(self) -> &'static str {
+        match self {
+            DeviceClass::Cpu => "cpu",
+            DeviceClass::Cuda => "cuda",
+        }
+    }
+
+    /// One line naming the device: the CPU model and thread count, or the GPU.
+    pub fn describe(self) -> String {
+        match self {
+            DeviceClass::Cpu => format!("cpu: {} ({} threads)", cpu::model_name(), rayon::current_num_threads()),
+            DeviceClass::Cuda => match device::probe() {
+                Ok(d) => format!("cuda: {} (sm_{}{})", d[0].name, d[0].capability.0, d[0].capability.1),
+                Err(e) => format!("cuda: unavailable ({e})"),
+            },
+        }
+    }
+}
+
+/// How a check ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Status {
+    /// It ran and what it checked held.
+    Pass,
+    /// It ran and something did not hold (or it could not run).
+    Fail,
+    /// It did not apply here (e.g. no GPU); the detail says why.
+    Skip,
+}
+
+/// A check's verdict and its one-line explanation.
+#[derive(Debug, Clone)]
+pub struct Verdict {
+    /// Pass, fail or skip.
+    pub status: Status,
+    /// Measured figures, the failure, or why it was skipped.
+    pub detail: String,
+}
+
+impl Verdict {
+    /// Passed, with the figures.
+    pub fn pass(detail: impl Into<String>) -> Verdict {
+        Verdict { status: Status::Pass, detail: detail.into() }
+    }
+    /// Failed, with what did not hold.
+    pub fn fail(detail: impl Into<String>) -> Verdict {
+        Verdict { status: Status::Fail, detail: detail.into() }
+    }
+    /// Skipped, with the reason.
+    pub fn skip(detail: impl Into<String>) -> Verdict {
+        Verdict { status: Status::Skip, detail: detail.into() }
+    }
+}
+
+/// A finished check.
+#[derive(Debug, Clone, Serialize)]
+pub struct Outcome {
+    /// The check's name.
+    pub name: String,
+    /// How it ended.
+    pub status: Status,
+    /// Wall time in seconds.
+    pub seconds: f64,
+    /// Figures, the failure, or the reason for a skip.
+    pub detail: String,
+}
+
+/// One entry of the suite.
+pub struct Check {
+    /// Its name, matched by `--filter`.
+    pub name: &'static str,
+    /// Whether it compares with the baselines (which must then be present and valid).
+    pub needs_baselines: bool,
+    /// Runs it. An error is a failure of the check, reported with its message.
+    pub run: fn(&mut Ctx) -> Result<Verdict>,
+}
+
+/// The suite, in the order it runs. Another check is one more entry here.
+pub fn checks() -> Vec<Check> {
+    vec![
+        Check { name: "tiny-llama2", needs_baselines: true, run: |c| checks::loss_curve(c, "tiny-llama2") },
+        Check { name: "tiny-mistral", needs_baselines: true, run: |c| checks::loss_curve(c, "tiny-mistral") },
+        Check { name: "tiny-mixtral", needs_baselines: true, run: |c| checks::loss_curve(c, "tiny-mixtral") },
+        Check { name: "checkpoint-resume", needs_baselines: false, run: checks::checkpoint_resume },
+        Check { name: "hf-roundtrip", needs_baselines: false, run: checks::hf_roundtrip },
+        Check { name: "data-prepare", needs_baselines: false, run: checks::data_prepare },
+        Check { name: "gpu-parity", needs_baselines: false, run: checks::gpu_parity },
+        Check { name: "throughput", needs_baselines: true, run: checks::throughput },
+    ]
+}
+
+/// The recipes whose loss curves are recorded as baselines.
+pub const CURVE_RECIPES: [&str; 3] = ["tiny-llama2", "tiny-mistral", "tiny-mixtral"];
+
+/// What the checks share: the mode, the device, the baselines and the curves trained so far (a
+/// curve is trained once and read by both its loss check and the throughput check).
+pub struct Ctx<'a> {
+    /// Quick or full.
+    pub mode: Mode,
+    /// The device class the checks run on.
+    pub device: DeviceClass,
+    /// The baselines of this device class and mode, when a selected check needs them.
+    pub baselines: Option<&'a BaselineFile>,
+    /// Progress lines (the command prints them as the checks run).
+    pub progress: &'a mut dyn FnMut(&str),
+    curves: BTreeMap<String, Curve>,
+}
+
+impl<'a> Ctx<'a> {
+    /// A context for running checks.
+    pub fn new(
+        mode: Mode,
+        device: DeviceClass,
+        baselines: Option<&'a BaselineFile>,
+        progress: &'a mut dyn FnMut(&str),
+    ) -> Ctx<'a> {
+        Ctx { mode, device, baselines, progress, curves: BTreeMap::new() }
+    }
+
+    /// The loss curve of `recipe` in this mode on this device, trained on first use.
+    pub fn curve(&mut self, recipe: &str) -> Result<Curve> {
+        if let Some(c) = self.curves.get(recipe) {
+            return Ok(c.clone());
+        }
+        let curve = baselines::train_curve(recipe, self.mode, self.device, &mut *self.progress)?;
+        self.curves.insert(recipe.to_owned(), curve.clone());
+        Ok(curve)
+    }
+}
+
+/// Whether check `name` is selected by `pattern`: a glob (`*` any text, `?` one character) when
+/// the pattern holds either, else a substring.
+pub fn matches(pattern: &str, name: &str) -> bool {
+    if !pattern.contains(['*', '?']) {
+        return name.contains(pattern);
+    }
+    // Iterative wildcard matching with backtracking to the last `*`.
+    let (p, n): (Vec<char>, Vec<char>) = (pattern.chars().collect(), name.chars().collect());
+    let (mut i, mut j, mut star, mut mark) = (0, 0, None, 0);
+    while j < n.len() {
+        if i < p.len() && (p[i] == '?' || p[i] == n[j]) {
+            i += 1;
+            j += 1;
+        } else if i < p.len() && p[i] == '*' {
+            star = Some(i);
+            mark = j;
+            i += 1;
+        } else if let Some(s) = star {
+            i = s + 1;
+            mark += 1;
+            j = mark;
+        } else {
+            return false;
+        }
+    }
+    p[i..].iter().all(|&c| c == '*')
+}
+
+/// The checks that `filters` select (all when there is none); a filter that selects nothing is
+/// an error naming it and the checks there are.
+pub fn select(filters: &[String]) -> Result<Vec<Check>> {
+    let all = checks();
+    for f in filters {
+        if !all.iter().any(|c| matches(f, c.name)) {
+            let names: Vec<&str> = all.iter().map(|c| c.name).collect();
+            bail!("--filter {f}: no check matches (the checks: {})", names.join(", "));
+        }
+    }
+    Ok(all.into_iter().filter(|c| filters.is_empty() || filters.iter().any(|f| matches(f, c.name))).collect())
+}
+
+/// Runs `selected` in order, calling `done` as each ends.
+pub fn run(ctx: &mut Ctx, selected: &[Check], done: &mut dyn FnMut(&Outcome)) -> Vec<Outcome> {
+    let mut out = Vec::new();
+    for check in selected {
+        (ctx.progress)(&format!("[{}] running", check.name));
+        let start = Instant::now();
+        let verdict = (check.run)(ctx).unwrap_or_else(|e| Verdict::fail(format!("{e:#}")));
+        let o = Outcome {
+            name: check.name.to_owned(),
+            status: verdict.status,
+            seconds: start.elapsed().as_secs_f64(),
+            detail: verdict.detail,
+        };
+        done(&o);
+        out.push(o);
+    }
+    out
+}
+
+/// Opens a backend of `class` and calls `f` with it (a macro-like dispatch over the backends,
+/// whose types differ).
+macro_rules! with_backend {
+    ($class:expr, |$be:ident| $body:expr) => {
+        match $class {
+            $crate::testall::DeviceClass::Cpu => {
+                let $be = $crate::backend::cpu::Cpu::new();
+                $body
+            }
+            $crate::testall::DeviceClass::Cuda => {
+                let $be = $crate::testall::open_gpu()?;
+                $body
+            }
+        }
+    };
+}
+pub(crate) use with_backend;
+
+/// The first GPU's backend, or an error saying why there is none.
+pub fn open_gpu() -> Result<Cuda> {
+    Cuda::new(0).map_err(|e| anyhow::anyhow!("cannot open the CUDA GPU: {e}"))
+}
+
+/// Whether a recipe's model suits the CUDA kernels (`None`) or why not.
+pub fn cuda_unsuitable(model: &crate::config::ModelConfig) -> Option<String> {
+    cuda::check_model(model).err()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn filters_are_substrings_or_globs() {
+        assert!(matches("llama", "tiny-llama2"));
+        assert!(!matches("llama3", "tiny-llama2"));
+        assert!(matches("tiny-*", "tiny-mixtral"));
+        assert!(matches("*-m?stral", "tiny-mistral"));
+        assert!(!matches("tiny-*", "hf-roundtrip"));
+        assert!(matches("*", "throughput"));
+        assert!(!matches("t?ny", "tiny-llama2"), "a glob matches the whole name");
+        assert!(matches("*resume", "checkpoint-resume"));
+    }
+
+    #[test]
+    fn selection_keeps_the_order_and_refuses_a_filter_that_selects_nothing() {
+        let names = |f: &[&str]| {
+            let f: Vec<String> = f.iter().map(|s| s.to_string()).collect();
+            select(&f).map(|v| v.iter().map(|c| c.name).collect::<Vec<_>>())
+        };
+        assert_eq!(names(&["hf", "tiny-l*"]).unwrap(), ["tiny-llama2", "hf-roundtrip"]);
+        assert_eq!(names(&[]).unwrap().len(), checks().len());
+        let e = names(&["nope"]).unwrap_err().to_string();
+        assert!(e.contains("--filter nope") && e.contains("tiny-llama2"), "{e}");
+    }
+}

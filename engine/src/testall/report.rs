@@ -1,0 +1,187 @@
+//! What `test-all` reports: the table on stdout, and with `--report DIR` a JUnit XML file
+//! (`junit.xml`, the schema CI systems read: one `testsuite`, one `testcase` per check with a
+//! `failure` or `skipped` element) and a JSON summary (`summary.json`), both written atomically.
+
+use std::fmt::Write as _;
+use std::path::Path;
+
+use anyhow::{Context, Result};
+use serde::Serialize;
+
+use super::{DeviceClass, Mode, Outcome, Status};
+use crate::fsutil::write_atomic;
+
+/// `summary.json`.
+#[derive(Debug, Serialize)]
+pub struct Summary<'a> {
+    /// `engine-test-all-summary`.
+    pub format: &'static str,
+    /// The engine's version.
+    pub engine_version: &'static str,
+    /// Its source revision, when the build knew it.
+    pub revision: &'static str,
+    /// Quick or full.
+    pub mode: Mode,
+    /// The device class the checks ran on.
+    pub device_class: DeviceClass,
+    /// The device, in words.
+    pub device: String,
+    /// The baseline file compared with, if any check used one.
+    pub baselines: Option<String>,
+    /// When the run started, UTC.
+    pub started: String,
+    /// Wall time of the whole run.
+    pub seconds: f64,
+    /// Checks passed.
+    pub passed: usize,
+    /// Checks failed.
+    pub failed: usize,
+    /// Checks skipped.
+    pub skipped: usize,
+    /// Every check, in the order run.
+    pub checks: &'a [Outcome],
+}
+
+impl<'a> Summary<'a> {
+    /// Counts the outcomes.
+    pub fn new(
+        mode: Mode,
+        device_class: DeviceClass,
+        baselines: Option<String>,
+        started: String,
+        seconds: f64,
+        checks: &'a [Outcome],
+    ) -> Summary<'a> {
+        let count = |s: Status| checks.iter().filter(|o| o.status == s).count();
+        Summary {
+            format: "engine-test-all-summary",
+            engine_version: env!("CARGO_PKG_VERSION"),
+            revision: option_env!("ENGINE_REVISION").unwrap_or("unknown"),
+            mode,
+            device_class,
+            device: device_class.describe(),
+            baselines,
+            started,
+            seconds,
+            passed: count(Status::Pass),
+            failed: count(Status::Fail),
+            skipped: count(Status::Skip),
+            checks,
+        }
+    }
+}
+
+/// One table row: check, status, time, detail.
+pub fn row(o: &Outcome) -> String {
+    let status = match o.status {
+        Status::Pass => "pass",
+        Status::Fail => "FAIL",
+        Status::Skip => "skip",
+    };
+    format!("{:<18} {:<6} {:>8.1} s  {}", o.name, status, o.seconds, o.detail)
+}
+
+/// The table's header line.
+pub fn header() -> String {
+    format!("{:<18} {:<6} {:>10}  {}", "check", "status", "time", "detail")
+}
+
+/// The JUnit XML document of a run.
+pub fn junit(s: &Summary) -> String {
+    let mut x = String::from("<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n");
+    let _ = writeln!(
+        x,
+        "<testsuites name=\"test-all\" tests=\"{}\" failures=\"{}\" skipped=\"{}\" time=\"{:.3}\">",
+        s.checks.len(),
+        s.failed,
+        s.skipped,
+        s.seconds
+    );
+    let _ = writeln!(
+        x,
+        "  <testsuite name=\"test-all {} {}\" tests=\"{}\" failures=\"{}\" errors=\"0\" skipped=\"{}\" time=\"{:.3}\" timestamp=\"{}\" hostname=\"{}\">",
+        s.device_class.name(),
+        s.mode.name(),
+        s.checks.len(),
+        s.failed,
+        s.skipped,
+        s.seconds,
+        escape(s.started.trim_end_matches('Z')),
+        escape(&s.device)
+    );
+    for o in s.checks {
+        let _ = write!(
+            x,
+            "    <testcase name=\"{}\" classname=\"test-all.{}\" time=\"{:.3}\"",
+            escape(&o.name),
+            s.device_class.name(),
+            o.seconds
+        );
+        match o.status {
+            Status::Pass => {
+                let _ = writeln!(x, ">\n      <system-out>{}</system-out>\n    </testcase>", escape(&o.detail));
+            }
+            Status::Fail => {
+                let _ = writeln!(
+                    x,
+                    ">\n      <failure message=\"{}\">{}</failure>\n    </testcase>",
+                    escape(&o.detail),
+                    escape(&o.detail)
+                );
+            }
+            Status::Skip => {
+                let _ = writeln!(x, ">\n      <skipped message=\"{}\"/>\n    </testcase>", escape(&o.detail));
+            }
+        }
+    }
+    x.push_str("  </testsuite>\n</testsuites>\n");
+    x
+}
+
+/// Text for XML content and attribute values: the five special characters escaped, and the
+/// control characters XML 1.0 does not allow replaced.
+fn escape(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for c in s.chars() {
+        match c {
+            '&' => out.push_str("&amp;"),
+            '<' => out.push_str("&lt;"),
+            '>' => out.push_str("&gt;"),
+            '"' => out.push_str("&quot;"),
+            '\'' => out.push_str("&apos;"),
+            '\n' => out.push_str("&#10;"),
+            '\t' => out.push_str("&#9;"),
+            c if (c as u32) < 0x20 => out.push('\u{fffd}'),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+/// Writes `junit.xml` and `summary.json` into `dir` (created), each atomically.
+pub fn write(dir: &Path, s: &Summary) -> Result<()> {
+    std::fs::create_dir_all(dir).with_context(|| format!("cannot create --report {}", dir.display()))?;
+    write_atomic(&dir.join("junit.xml"), junit(s).as_bytes())?;
+    write_atomic(&dir.join("summary.json"), format!("{}\n", serde_json::to_string_pretty(s)?).as_bytes())?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn junit_escapes_and_counts() {
+        let checks = [
+            Outcome { name: "a".into(), status: Status::Pass, seconds: 1.0, detail: "ok".into() },
+            Outcome { name: "b".into(), status: Status::Fail, seconds: 2.0, detail: "x < y & \"z\"\n".into() },
+            Outcome { name: "c".into(), status: Status::Skip, seconds: 0.0, detail: "no GPU".into() },
+        ];
+        let s = Summary::new(Mode::Quick, DeviceClass::Cpu, None, "2026-01-01T00:00:00Z".into(), 3.0, &checks);
+        let x = junit(&s);
+        assert!(x.contains("tests=\"3\" failures=\"1\" skipped=\"1\""), "{x}");
+        assert!(x.contains("<failure message=\"x &lt; y &amp; &quot;z&quot;&#10;\">"), "{x}");
+        assert!(x.contains("<skipped message=\"no GPU\"/>"), "{x}");
+        assert_eq!((s.passed, s.failed, s.skipped), (1, 1, 1));
+    }
+}
