@@ -17,6 +17,7 @@ use crate::data::prepare::{PrepareOptions, prepare};
 use crate::data::shard::Shards;
 use crate::data::tokenizer::TextTokenizer;
 use crate::data::{CORPUS, TokenSource};
+use crate::dist::devices;
 use crate::eval::{self, Loaded};
 use crate::hf;
 use crate::model::{Model, init};
@@ -91,6 +92,69 @@ pub fn throughput(ctx: &mut Ctx) -> Result<Verdict> {
     })
 }
 
+// ---- virtual devices --------------------------------------------------------------------
+
+/// Four virtual CPU devices (threads) on FSDP 2 × tensor 2 against one device training the same
+/// global batch, saving a sharded checkpoint halfway that DP 2 × tensor 2 resumes: both curves
+/// must follow the single device's within 1e-5 relative (exact up to the order of additions).
+pub fn virtual_devices(ctx: &mut Ctx) -> Result<Verdict> {
+    let steps = match ctx.mode {
+        Mode::Quick => 6,
+        Mode::Full => 20,
+    };
+    let half = steps as u64 / 2;
+    let steps_set = format!("train.steps={steps}");
+    let with_mesh = |mesh: [&str; 3]| -> Result<Config> {
+        let mut sets = SMALL.to_vec();
+        sets.extend([steps_set.as_str(), "optim.warmup_steps=2"]);
+        sets.extend(mesh);
+        resolve("tiny-llama2", &sets)
+    };
+    let fsdp_tp = with_mesh(["mesh.ici_data=1", "mesh.ici_fsdp=2", "mesh.ici_tensor=2"])?;
+    let dp_tp = with_mesh(["mesh.ici_data=2", "mesh.ici_fsdp=1", "mesh.ici_tensor=2"])?;
+    let mut one = fsdp_tp.clone();
+    one.train.batch_size *= 4;
+    let mut single = Trainer::new(Cpu::new(), &one)?;
+    let want: Vec<f64> = (0..steps).map(|_| single.train_step(0.0).loss).collect();
+
+    let dir = tempdir()?;
+    let parent = dir.path().join("checkpoints");
+    let mesh_curve = &devices::run(&fsdp_tp, 4, |_, t| {
+        let mut losses = Vec::new();
+        for _ in 0..steps {
+            losses.push(t.train_step(0.0).loss);
+            if t.step == half {
+                t.save_sharded(&parent, &Extras::default())?;
+            }
+        }
+        Ok(losses)
+    })?[0];
+    let ck = Checkpoint::open(&parent.join(checkpoint::dir_name(half)))?;
+    let resumed = &devices::run(&dp_tp, 4, |_, t| {
+        t.resume_from(&ck)?;
+        Ok((half..steps as u64).map(|_| t.train_step(0.0).loss).collect::<Vec<f64>>())
+    })?[0];
+    let check = |what: &str, got: &[f64], from: usize| -> Option<String> {
+        got.iter().zip(&want[from..]).enumerate().find_map(|(i, (g, w))| {
+            let rel = (g - w).abs() / w.abs();
+            (rel.is_nan() || rel > 1e-5).then(|| {
+                format!(
+                    "{what} step {}: loss {g:.8}, one device {w:.8} (relative difference {rel:.1e}, allowed 1e-5)",
+                    from + i + 1
+                )
+            })
+        })
+    };
+    if let Some(problem) =
+        check("FSDP 2 x TP 2", mesh_curve, 0).or_else(|| check("resumed on DP 2 x TP 2", resumed, half as usize))
+    {
+        return Ok(Verdict::fail(problem));
+    }
+    Ok(Verdict::pass(format!(
+        "{steps} steps on 4 virtual devices (FSDP 2 x TP 2), resumed from a sharded checkpoint on DP 2 x TP 2: within 1e-5 of one device"
+    )))
+}
+
 // ---- checkpoint save and resume ------------------------------------------------------------
 
 /// A run of N steps straight through against one saved at N/2, verified, resumed through
@@ -140,7 +204,7 @@ fn resume_on<B: Backend>(
     drop(first);
     checkpoint::write(&parent, config, &layout, &snap, &Extras::default(), None)?;
 
-    let ck = checkpoint::resume_point(&parent, None, config)?;
+    let ck = checkpoint::resume_point(&parent, None, config, 1)?;
     let mut resumed = Trainer::new(open()?, config)?;
     resumed.restore(&ck.snapshot(&layout)?)?;
     let got = run(&mut resumed, steps - half);

@@ -1,5 +1,6 @@
 //! `test-all`: the in-image test suite (docs/test-all.md). A list of named checks — loss curves
-//! of the seed tiny configurations against recorded baselines, checkpoint resumption, a Hugging
+//! of the seed tiny configurations against recorded baselines, checkpoint resumption, training
+//! on virtual devices with a resharded resume, a Hugging
 //! Face round trip, data preparation, CPU↔GPU parity, throughput — run on the best device
 //! present, each ending as passed, failed or skipped, with its time and a one-line detail.
 //!
@@ -137,6 +138,7 @@ pub fn checks() -> Vec<Check> {
         Check { name: "tiny-mistral", needs_baselines: true, run: |c| checks::loss_curve(c, "tiny-mistral") },
         Check { name: "tiny-mixtral", needs_baselines: true, run: |c| checks::loss_curve(c, "tiny-mixtral") },
         Check { name: "checkpoint-resume", needs_baselines: false, run: checks::checkpoint_resume },
+        Check { name: "virtual-devices", needs_baselines: false, run: checks::virtual_devices },
         Check { name: "hf-roundtrip", needs_baselines: false, run: checks::hf_roundtrip },
         Check { name: "data-prepare", needs_baselines: false, run: checks::data_prepare },
         Check { name: "gpu-parity", needs_baselines: false, run: checks::gpu_parity },
