@@ -8,6 +8,7 @@ use crate::dated::{dated_tags, expired, format_day};
 use crate::error::bad_input;
 use crate::image::config::{parse_date, utc_date};
 use crate::image::digest::Digest;
+use crate::image::manifest::is_index;
 use crate::registry::auth::{Credentials, Scope};
 use crate::registry::client::Client;
 use crate::registry::reference::Reference;
@@ -76,11 +77,22 @@ pub fn retention_cmd(a: RetentionArgs) -> Result<ExitCode> {
             digests.insert(t, d);
         }
     }
-    // What a kept tag points at must stay.
-    let mut kept_by: BTreeMap<&Digest, &String> = BTreeMap::new();
+    // What a kept tag points at must stay, and so must the platform manifests of a kept index.
+    let mut kept_by: BTreeMap<Digest, String> = BTreeMap::new();
     for t in all.iter().filter(|t| !gone_tags.contains(t)) {
-        if let Some(d) = digests.get(t) {
-            kept_by.entry(d).or_insert(t);
+        let Some(d) = digests.get(t) else { continue };
+        kept_by.entry(d.clone()).or_insert_with(|| format!("kept tag {t} points at the same manifest"));
+        if gone_tags.iter().any(|g| digests.get(*g) == Some(d)) {
+            // A deleted date shares this index: its children are needed too.
+            let m = client.fetch_manifest(&repo.with_digest(d))?;
+            if is_index(&m.media_type) {
+                let v: serde_json::Value = serde_json::from_slice(&m.bytes)?;
+                for c in v["manifests"].as_array().into_iter().flatten() {
+                    if let Some(cd) = c["digest"].as_str().and_then(|s| Digest::parse(s).ok()) {
+                        kept_by.entry(cd).or_insert_with(|| format!("kept tag {t}'s index references it"));
+                    }
+                }
+            }
         }
     }
     let cutoff = format_day(today - i64::from(a.keep_days));
@@ -100,7 +112,7 @@ pub fn retention_cmd(a: RetentionArgs) -> Result<ExitCode> {
         for t in tags_of_date(&all, &d.tag) {
             let Some(digest) = digests.get(t) else { continue };
             if let Some(k) = kept_by.get(digest) {
-                println!("skip {t} {digest} (kept tag {k} points at the same manifest)");
+                println!("skip {t} {digest} ({k})");
                 n_skipped += 1;
                 continue;
             }
