@@ -463,6 +463,18 @@ mod tests {
     use crate::image::store::BlobStore;
 
     #[test]
+    fn binds_are_checked_and_made_absolute() {
+        assert_eq!(bind("/data:/triage").unwrap(), "/data:/triage");
+        assert_eq!(bind("/data:/triage:ro").unwrap(), "/data:/triage:ro");
+        let rel = bind("out:/triage").unwrap();
+        assert!(rel.starts_with('/') && rel.ends_with("/out:/triage"), "{rel}");
+        for bad in ["/data", "/data:triage", ":/x", "/a:/b:rx"] {
+            let e = bind(bad).unwrap_err();
+            assert!(crate::image::error::is_bad_input(&e), "{bad}");
+        }
+    }
+
+    #[test]
     fn gpu_request_is_the_api_form_of_gpus_all() {
         let hc = HostConfig { device_requests: Some(vec![all_gpus()]), ..Default::default() };
         let v = serde_json::to_value(&hc).unwrap();
