@@ -221,14 +221,13 @@ impl Triage {
 }
 
 /// A git source that moved between the two images.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug)]
 struct Moved {
     name: String,
     url: String,
     good: String,
     bad: String,
     /// Commits after `good` up to `bad` (first parent), oldest first, with subjects.
-    #[serde(skip)]
     commits: Vec<(String, String)>,
 }
 
@@ -556,8 +555,17 @@ fn commits(
     };
     let m = moved[k].clone();
     env.insert(m.name.clone(), (m.url.clone(), m.good.clone()));
+    culprit["source"] = json!(m.name);
     // Points: 0 = the good pin (passed), 1..=n the commits, n = the bad pin (failed).
     let n = m.commits.len();
+    if n == 0 {
+        return Ok(Some(format!(
+            "source {} broke it, but {} has no commits after {} (did the pin go back?)",
+            m.name,
+            short(&m.bad),
+            short(&m.good)
+        )));
+    }
     t.progress.info(format!(
         "triage: source {} broke it; bisecting its {n} commits {}..{}",
         m.name,
@@ -571,7 +579,6 @@ fn commits(
         rebuild_and_run(t, &ctx, &e, &format!("{}@{}", m.name, short(c))).verdict
     });
     let (commit, subject) = &m.commits[found.first_fail - 1];
-    culprit["source"] = json!(m.name);
     culprit["commit"] = json!(commit);
     culprit["subject"] = json!(subject);
     culprit["candidates"] =
