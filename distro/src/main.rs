@@ -33,6 +33,10 @@ enum Command {
     Load(cli::LoadArgs),
     /// Run an image with Docker (all GPUs when present), streaming its output; exits with its code.
     Run(cli::RunArgs),
+    /// Find the first dated image where a command fails, then the upstream commit.
+    Triage(distro::triage::TriageArgs),
+    /// Delete dated tags older than N days, keeping the first of each month and the moving tag.
+    Retention(distro::retention::RetentionArgs),
     /// Write the SPDX SBOM of the workspace's engine for one platform (used by the Dockerfile).
     Sbom(cli::SbomArgs),
 }
@@ -60,6 +64,8 @@ fn main() -> ExitCode {
         Command::Load(a) => cli::load_cmd(a),
         Command::Run(a) => cli::run_cmd(a),
         Command::Sbom(a) => cli::sbom_cmd(a),
+        Command::Triage(a) => distro::triage::triage_cmd(a),
+        Command::Retention(a) => distro::retention::retention_cmd(a),
     };
     match result {
         Ok(code) => code,

@@ -307,6 +307,24 @@ pub struct RunOptions {
     pub keep: bool,
     /// Platform to pull when the image is not local.
     pub platform: Option<Platform>,
+    /// Bind mounts, `HOST_DIR:CONTAINER_DIR[:ro]` (as `docker run -v`).
+    pub binds: Vec<String>,
+    /// Send the container's stdout to our stderr too (when our stdout carries a result).
+    pub stdout_to_stderr: bool,
+}
+
+/// Checks a `HOST:CONTAINER[:ro]` bind and makes the host side absolute (Docker requires it).
+pub fn bind(spec: &str) -> Result<String> {
+    let parts: Vec<&str> = spec.split(':').collect();
+    let ok = matches!(parts.as_slice(), [h, c] | [h, c, "ro" | "rw"] if !h.is_empty() && c.starts_with('/'));
+    if !ok {
+        return Err(bad_input(format!("--volume {spec:?}: expected HOST_DIR:/CONTAINER_DIR[:ro]")));
+    }
+    let host = std::path::absolute(parts[0]).map_err(|e| bad_input(format!("--volume {spec:?}: {e}")))?;
+    Ok(std::iter::once(host.to_string_lossy().into_owned())
+        .chain(parts[1..].iter().map(|s| s.to_string()))
+        .collect::<Vec<_>>()
+        .join(":"))
 }
 
 /// The `--gpus=all` device request.
@@ -345,7 +363,11 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> Result<i64> {
             attach_stdout: Some(true),
             attach_stderr: Some(true),
             tty: Some(false),
-            host_config: Some(HostConfig { device_requests: gpus.then(|| vec![all_gpus()]), ..Default::default() }),
+            host_config: Some(HostConfig {
+                device_requests: gpus.then(|| vec![all_gpus()]),
+                binds: (!opts.binds.is_empty()).then(|| opts.binds.clone()),
+                ..Default::default()
+            }),
             ..Default::default()
         };
         let created = docker
@@ -353,7 +375,7 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> Result<i64> {
             .await
             .with_context(|| format!("creating a container of {}", opts.image))?;
         let id = created.id;
-        let result = run_container(&docker, &id).await;
+        let result = run_container(&docker, &id, opts.stdout_to_stderr).await;
         if !opts.keep {
             let _ =
                 docker.remove_container(&id, Some(RemoveContainerOptionsBuilder::default().force(true).build())).await;
@@ -362,7 +384,7 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> Result<i64> {
     })
 }
 
-async fn run_container(docker: &Docker, id: &str) -> Result<i64> {
+async fn run_container(docker: &Docker, id: &str, stdout_to_stderr: bool) -> Result<i64> {
     docker.start_container(id, None).await.context("starting the container")?;
     let mut logs = docker.logs(id, Some(LogsOptionsBuilder::default().follow(true).stdout(true).stderr(true).build()));
     let stream_logs = async {
@@ -371,6 +393,11 @@ async fn run_container(docker: &Docker, id: &str) -> Result<i64> {
                 bollard::container::LogOutput::StdErr { message } => {
                     let mut e = std::io::stderr().lock();
                     e.write_all(&message)?;
+                    e.flush()?;
+                }
+                other if stdout_to_stderr => {
+                    let mut e = std::io::stderr().lock();
+                    e.write_all(&other.into_bytes())?;
                     e.flush()?;
                 }
                 other => {
@@ -434,6 +461,18 @@ mod tests {
     use super::*;
     use crate::image::manifest::{OCI_CONFIG, OCI_LAYER_GZIP, OCI_MANIFEST, image_index, image_manifest};
     use crate::image::store::BlobStore;
+
+    #[test]
+    fn binds_are_checked_and_made_absolute() {
+        assert_eq!(bind("/data:/triage").unwrap(), "/data:/triage");
+        assert_eq!(bind("/data:/triage:ro").unwrap(), "/data:/triage:ro");
+        let rel = bind("out:/triage").unwrap();
+        assert!(rel.starts_with('/') && rel.ends_with("/out:/triage"), "{rel}");
+        for bad in ["/data", "/data:triage", ":/x", "/a:/b:rx"] {
+            let e = bind(bad).unwrap_err();
+            assert!(crate::image::error::is_bad_input(&e), "{bad}");
+        }
+    }
 
     #[test]
     fn gpu_request_is_the_api_form_of_gpus_all() {

@@ -1,7 +1,7 @@
 //! The base image: resolved from a registry (verifying every digest) into the local blob
 //! store, and read back from it without network when it is pinned by digest and cached.
 use super::digest::Digest;
-use super::manifest::{Descriptor, OCI_CONFIG, is_index, to_oci_media_type};
+use super::manifest::{Descriptor, OCI_CONFIG, OCI_INDEX, OCI_MANIFEST, is_index, to_oci_media_type};
 use super::platform::Platform;
 use super::progress::Progress;
 use super::store::BlobStore;
@@ -88,9 +88,20 @@ pub fn resolve(
     Ok(BaseImage { reference: reference.clone(), digest: top_digest, platforms: out })
 }
 
+/// The media type of a cached manifest. `mediaType` is optional in OCI documents (umoci and
+/// skopeo leave it out of image manifests), so without it the shape decides, as registries do.
 fn media_type_of(bytes: &[u8]) -> Option<String> {
     let v: Value = serde_json::from_slice(bytes).ok()?;
-    v.get("mediaType").and_then(Value::as_str).map(String::from)
+    if let Some(mt) = v.get("mediaType").and_then(Value::as_str) {
+        return Some(mt.to_string());
+    }
+    if v.get("manifests").is_some_and(Value::is_array) {
+        Some(OCI_INDEX.to_string())
+    } else if v.get("config").is_some() && v.get("layers").is_some() {
+        Some(OCI_MANIFEST.to_string())
+    } else {
+        None
+    }
 }
 
 fn manifest_bytes(client: &Client, r: &Reference, d: &Digest, store: &BlobStore) -> Result<Vec<u8>> {
@@ -144,4 +155,17 @@ fn platform_part(
         bail!("{r}: config lists {diff_ids} diff_ids for {} layers", layers.len());
     }
     Ok(BasePlatform { manifest_digest, config, config_digest: config_desc.digest, layers })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn media_type_without_the_field_comes_from_the_shape() {
+        assert_eq!(media_type_of(br#"{"schemaVersion":2,"config":{},"layers":[]}"#).as_deref(), Some(OCI_MANIFEST));
+        assert_eq!(media_type_of(br#"{"schemaVersion":2,"manifests":[]}"#).as_deref(), Some(OCI_INDEX));
+        assert_eq!(media_type_of(br#"{"mediaType":"x","manifests":[]}"#).as_deref(), Some("x"));
+        assert_eq!(media_type_of(br#"{"schemaVersion":2}"#), None);
+    }
 }

@@ -40,6 +40,8 @@ pub struct SourcesInput {
     pub crate_patches: Vec<CratePatch>,
     /// Annotations describing each source's pin (`io.github.llm-distro.source.NAME.*`).
     pub annotations: BTreeMap<String, String>,
+    /// The materialised, patched tree of each source (read only), for `[[source_tree]]`.
+    pub trees: BTreeMap<String, PathBuf>,
 }
 
 /// Options of one build.
@@ -162,7 +164,12 @@ pub fn build(opts: &BuildOptions, progress: &Progress) -> Result<BuildResult> {
 
     // 2. Engine binaries, all platforms in one cargo run.
     let stage = Stage::prepare(&ws, &cache, &sources.crate_patches, progress)?;
-    let built = stage.build(&platforms, &def.binaries, &ws.revision(), progress)?;
+    // A definition without binaries (content only) needs no cargo build.
+    let built = if def.binaries.is_empty() {
+        BTreeMap::new()
+    } else {
+        stage.build(&platforms, &def.binaries, &ws.revision(), progress)?
+    };
 
     // 3. Layers that do not depend on the platform.
     let step = progress.step("assembling layers");
@@ -185,6 +192,36 @@ pub fn build(opts: &BuildOptions, progress: &Progress) -> Result<BuildResult> {
                 def_path.display(),
                 t.src
             )));
+        }
+    }
+    for t in &def.source_trees {
+        let dir = sources.trees.get(&t.source).ok_or_else(|| {
+            bad_input(format!(
+                "{}: source_tree: source {:?} is not in images/manifest.toml",
+                def_path.display(),
+                t.source
+            ))
+        })?;
+        let root = dir.join(&t.src);
+        let files = if root.is_dir() { super::engine_build::walk_files(&root)? } else { Vec::new() };
+        if files.is_empty() {
+            // Not bad input: the definition is fine, this pin of the source lacks the directory.
+            anyhow::bail!(
+                "{}: source_tree: {:?} has no files in source {} at {}",
+                def_path.display(),
+                t.src,
+                t.source,
+                sources.annotations.get(&format!("{PIN_ANNOTATION_PREFIX}{}.pin", t.source)).map_or("?", |s| s)
+            );
+        }
+        for rel in files {
+            let src = root.join(&rel);
+            let rel = rel.to_string_lossy();
+            trees.add_file(
+                &format!("{}/{rel}", t.dest.trim_end_matches('/')),
+                Arc::new(fs::read(&src)?),
+                file_mode(&src)?,
+            )?;
         }
     }
     let tree_layer = if trees.is_empty() { None } else { Some(cached_layer(&trees, epoch, &cache, &store)?) };
@@ -254,7 +291,14 @@ pub fn build(opts: &BuildOptions, progress: &Progress) -> Result<BuildResult> {
         if let Some(t) = &tree_layer {
             ours.push((
                 t.clone(),
-                "trees: ".to_string() + &def.trees.iter().map(|t| t.dest.as_str()).collect::<Vec<_>>().join(" "),
+                "trees: ".to_string()
+                    + &def
+                        .trees
+                        .iter()
+                        .map(|t| t.dest.as_str())
+                        .chain(def.source_trees.iter().map(|t| t.dest.as_str()))
+                        .collect::<Vec<_>>()
+                        .join(" "),
             ));
         }
         ours.push((distro_layer, "/opt/distro: manifest lock, patches, Cargo.lock, SBOM".into()));

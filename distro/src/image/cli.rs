@@ -132,6 +132,9 @@ pub struct RunArgs {
     /// Platform to pull when the image is not local.
     #[arg(long, value_name = "P")]
     pub platform: Option<String>,
+    /// Bind mount HOST_DIR:CONTAINER_DIR[:ro] (repeatable), as `docker run -v`.
+    #[arg(short, long, value_name = "HOST:CONTAINER")]
+    pub volume: Vec<String>,
 }
 
 fn parse_ref(s: &str, what: &str) -> Result<Reference> {
@@ -310,6 +313,8 @@ pub fn run_cmd(a: RunArgs) -> Result<ExitCode> {
         gpus: a.gpus,
         keep: a.keep,
         platform: a.platform.as_deref().map(Platform::parse).transpose()?,
+        binds: a.volume.iter().map(|v| docker::bind(v)).collect::<Result<_>>()?,
+        stdout_to_stderr: false,
     };
     let code = docker::run(&opts, &progress)?;
     Ok(ExitCode::from(u8::try_from(code.rem_euclid(256)).unwrap_or(1)))

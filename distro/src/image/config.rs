@@ -127,7 +127,8 @@ pub fn parse_date(s: &str) -> Option<i64> {
 }
 
 // Howard Hinnant's civil-date algorithms (public domain).
-fn civil_from_days(z: i64) -> (i64, u32, u32) {
+/// Days since 1970-01-01 -> (year, month, day).
+pub fn civil_from_days(z: i64) -> (i64, u32, u32) {
     let z = z + 719_468;
     let era = z.div_euclid(146_097);
     let doe = z.rem_euclid(146_097);

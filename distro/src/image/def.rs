@@ -31,6 +31,8 @@ pub struct ImageDef {
     pub files: Vec<InlineFile>,
     /// Directories copied from the workspace.
     pub trees: Vec<Tree>,
+    /// Directories copied from pinned, patched upstream sources (content that is not a crate).
+    pub source_trees: Vec<SourceTree>,
     /// Baked-in environment, in key order.
     pub env: BTreeMap<String, EnvVar>,
     /// Extra labels (the `org.opencontainers.image.*` annotations are added by the build).
@@ -87,6 +89,20 @@ pub struct Tree {
     pub optional: bool,
 }
 
+/// A directory of a pinned upstream source (as patched, from images/manifest.toml) copied into
+/// the image: for content that is not built with cargo (scripts, data, configuration).
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SourceTree {
+    /// Source name in images/manifest.toml.
+    pub source: String,
+    /// Directory inside the source tree (default: the whole tree).
+    #[serde(default)]
+    pub src: String,
+    /// Absolute path in the image.
+    pub dest: String,
+}
+
 /// One baked-in environment variable and why it is set (docs/flags.md lists them all).
 #[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
@@ -115,6 +131,8 @@ struct Raw {
     file: Vec<Spanned<InlineFile>>,
     #[serde(default)]
     tree: Vec<Spanned<Tree>>,
+    #[serde(default)]
+    source_tree: Vec<Spanned<SourceTree>>,
     #[serde(default)]
     env: BTreeMap<String, Spanned<EnvVar>>,
     #[serde(default)]
@@ -203,6 +221,15 @@ impl ImageDef {
             }
             trees.push(t.into_inner());
         }
+        let mut source_trees = Vec::new();
+        for t in raw.source_tree {
+            check_dest(t.span(), "source_tree", &t.get_ref().dest)?;
+            let src = &t.get_ref().src;
+            if src.starts_with('/') || src.split('/').any(|c| c == "..") {
+                return Err(at(t.span(), "source_tree.src", format!("{src:?} must be relative to the source's tree")));
+            }
+            source_trees.push(t.into_inner());
+        }
         let mut env = BTreeMap::new();
         for (k, v) in raw.env {
             let valid = !k.is_empty()
@@ -234,6 +261,7 @@ impl ImageDef {
             binaries,
             files,
             trees,
+            source_trees,
             env,
             labels: raw.labels,
         })
@@ -295,5 +323,16 @@ reason = "show warnings"
         assert!(e.contains("used twice"), "{e}");
         let e = err(&GOOD.replace("@sha256:e3b0", "@sha256:zzzz"));
         assert!(e.starts_with("x.toml:5: base:"), "{e}");
+    }
+
+    #[test]
+    fn source_trees_parse_and_are_checked() {
+        let with = format!("{GOOD}\n[[source_tree]]\nsource = \"probe\"\nsrc = \"bin\"\ndest = \"/opt/probe\"\n");
+        let d = ImageDef::parse(&with, "x.toml").unwrap();
+        assert_eq!((d.source_trees[0].source.as_str(), d.source_trees[0].src.as_str()), ("probe", "bin"));
+        let e = err(&with.replace("src = \"bin\"", "src = \"../x\""));
+        assert!(e.contains("source_tree.src"), "{e}");
+        let e = err(&with.replace("/opt/probe", "/usr/local/bin/engine"));
+        assert!(e.contains("used twice"), "{e}");
     }
 }

@@ -436,7 +436,7 @@ fn sync_file(src: &Path, dst: &Path) -> Result<()> {
 
 /// Every file under `dir` (relative paths), skipping `.git` (and a top-level `target`, which
 /// is never a tracked file and must never be cleaned as if it were one).
-fn walk_files(dir: &Path) -> Result<Vec<PathBuf>> {
+pub fn walk_files(dir: &Path) -> Result<Vec<PathBuf>> {
     let mut out = Vec::new();
     let mut todo = vec![PathBuf::new()];
     while let Some(rel) = todo.pop() {

@@ -77,6 +77,7 @@ pub fn collect(ws: &Workspace, patches: &[String], overrides: &[String], progres
     let lock_text = std::fs::read_to_string(ws.root.join("Cargo.lock")).unwrap_or_default();
     let in_lock = cargo_lock_packages(&lock_text);
     for t in &trees {
+        input.trees.insert(t.name.clone(), t.dir.clone());
         input.crate_patches.extend(crate_patches(t, &build_lock, &in_lock, progress)?);
     }
     Ok(input)

@@ -5,3 +5,4 @@ pub mod client;
 pub mod pull;
 pub mod push;
 pub mod reference;
+pub mod tags;

@@ -12,9 +12,13 @@ die() { printf 'FAIL: %s\n' "$*" >&2; exit 1; }
 E2E_PIDS=()
 E2E_STARTED_DOCKERD=0
 
+# e2e_install [PACKAGE...]: the Debian packages given (default: what images.sh needs, plus the
+# arm64 Rust target).
 e2e_install() {
     local pkgs=(docker.io skopeo umoci docker-registry debootstrap qemu-user-static binfmt-support
         apache2-utils gcc-aarch64-linux-gnu libc6-dev-arm64-cross jq curl git)
+    local custom=$#
+    ((custom)) && pkgs=("$@")
     local missing=()
     for p in "${pkgs[@]}"; do
         dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
@@ -26,7 +30,7 @@ e2e_install() {
                  DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y "${missing[@]}" >>"$WORK/apt.log" 2>&1; } \
             || die "apt-get install failed (see $WORK/apt.log)"
     fi
-    rustup target list --installed | grep -qx aarch64-unknown-linux-gnu || rustup target add aarch64-unknown-linux-gnu >&2
+    ((custom)) || rustup target list --installed | grep -qx aarch64-unknown-linux-gnu || rustup target add aarch64-unknown-linux-gnu >&2
 }
 
 # arm64 binaries (debootstrap's second stage, docker run of the arm64 image) run under qemu.

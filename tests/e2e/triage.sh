@@ -1,0 +1,207 @@
+#!/usr/bin/env bash
+# End-to-end test of `distro triage` and `distro retention` against real parts: a Docker engine,
+# a local OCI registry (Debian docker-registry, deletes enabled) and real git.
+#
+# It pushes ten synthetic dated images (2026-03-01 .. 2026-03-10) of the fixture project in
+# tests/fixtures/triage (no cargo build: the image content is the probe/ directory of a fixture
+# upstream repository, built by `distro build` through `[[source_tree]]`), with a regression
+# planted in a known upstream commit, then checks that triage finds the date and the commit,
+# by exit code and by a metric, that a commit which does not build is skipped and reported, and
+# that retention deletes what it should and nothing a kept tag needs.
+#
+#   tests/e2e/triage.sh            # needs root (apt, dockerd)
+#
+# Environment: DISTRO_E2E_WORK (work dir, default target/e2e-triage), DISTRO_E2E_TRIAGE_PORT
+# (registry port, default 5711).
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+WORK=${DISTRO_E2E_WORK:-$ROOT/target/e2e-triage}
+PORT=${DISTRO_E2E_TRIAGE_PORT:-5711}
+REG=127.0.0.1:$PORT
+REPO=$REG/triage
+mkdir -p "$WORK"
+# shellcheck source=tests/e2e/lib/images-common.sh
+source "$ROOT/tests/e2e/lib/images-common.sh"
+[ "$(id -u)" = 0 ] || die "tests/e2e/triage.sh needs root: it installs Debian packages and starts dockerd"
+
+T0=$(date +%s)
+phase() { log "[$(($(date +%s) - T0))s] $*"; }
+cleanup() {
+    local rc=$?
+    docker images --format '{{.Repository}}:{{.Tag}}' 2>/dev/null | grep -E "^($REPO|distro-triage):" | xargs -r docker rmi -f >/dev/null 2>&1 || true
+    e2e_cleanup
+    [ $rc = 0 ] && log "PASS: triage e2e in $(($(date +%s) - T0))s" || log "FAILED (rc=$rc); logs under $WORK"
+}
+trap cleanup EXIT
+
+expect_fail() { # expect_fail CODE PATTERN CMD...: CMD must exit with CODE and print PATTERN on stderr
+    local code=$1 pattern=$2 rc=0
+    shift 2
+    "$@" >"$WORK/out.txt" 2>"$WORK/err.txt" || rc=$?
+    [ "$rc" = "$code" ] || die "expected exit $code from '$*', got $rc: $(tail -3 "$WORK/err.txt")"
+    grep -q -- "$pattern" "$WORK/err.txt" || die "'$*' did not say '$pattern': $(cat "$WORK/err.txt")"
+    # Bad input found before any work is the only line; after work (progress lines) the last.
+    if [ "${AFTER_WORK:-0}" = 0 ]; then
+        [ "$(grep -c . "$WORK/err.txt")" -le 1 ] || [ "$code" != 2 ] || die "bad input must be reported on one line: $(cat "$WORK/err.txt")"
+    else
+        [ "$(grep -c '^error:' "$WORK/err.txt")" = 1 ] && tail -1 "$WORK/err.txt" | grep -q "^error: .*$pattern" \
+            || die "the error must be one line, the last: $(cat "$WORK/err.txt")"
+    fi
+}
+
+phase "setup: packages, dockerd, registry (deletes enabled)"
+command -v dockerd >/dev/null || e2e_install docker.io
+e2e_install skopeo umoci docker-registry busybox-static jq curl git
+e2e_dockerd
+rm -rf "$WORK/registry"
+e2e_registry registry "$PORT"
+
+phase "building distro"
+cargo build --release --locked -p distro --manifest-path "$ROOT/Cargo.toml" >&2
+DISTRO=$(cd "$ROOT" && cargo metadata --format-version 1 --no-deps | jq -r .target_directory)/release/distro
+export DISTRO_CACHE_DIR="$WORK/sources-cache" DISTRO_TARGET_DIR="$WORK/distro-target"
+rm -rf "$DISTRO_CACHE_DIR" "$DISTRO_TARGET_DIR"
+
+phase "base: a busybox image (amd64) pushed to $REG/busybox"
+# A static busybox stands in for the CUDA base: a single small layer, built in a second.
+rm -rf "$WORK/base-root" "$WORK/base-oci"
+mkdir -p "$WORK/base-root/bin" "$WORK/base-root/tmp"
+cp "$(command -v busybox)" "$WORK/base-root/bin/busybox"
+for a in $("$WORK/base-root/bin/busybox" --list); do
+    [ "$a" = busybox ] || ln -s busybox "$WORK/base-root/bin/$a"
+done
+tar --numeric-owner --sort=name --mtime=@0 -C "$WORK/base-root" -cf "$WORK/base-root.tar" .
+umoci init --layout "$WORK/base-oci" >&2
+umoci new --image "$WORK/base-oci:latest" >&2
+umoci raw add-layer --image "$WORK/base-oci:latest" "$WORK/base-root.tar" >&2
+umoci config --image "$WORK/base-oci:latest" --architecture amd64 --os linux --config.env PATH=/bin --config.cmd /bin/sh >&2
+skopeo copy -q "oci:$WORK/base-oci:latest" "docker://$REG/busybox:latest" --dest-tls-verify=false >&2
+BASE_DIGEST=sha256:$(curl -sf -H 'Accept: application/vnd.oci.image.manifest.v1+json' "http://$REG/v2/busybox/manifests/latest" | sha256sum | cut -d' ' -f1)
+BASE="$REG/busybox:latest@$BASE_DIGEST"
+
+phase "fixture upstream: a git repository with a planted regression"
+# Commits (u0 .. u14), and the date each pins:
+#   u0-u3   fine (loss 2.0)                     2026-03-01 .. 03-04 pin u0, u1, u2, u3
+#   u4      loss 2.0 -> 2.6 (the metric regression; exit code still 0)
+#   u5      fine
+#   u6      moves probe/ away: the image does not build
+#   u7      moves it back
+#   u8      check.sh exits 1 (the exit-code regression)
+#   u9-u14  fine                                2026-03-05 .. 03-10 pin u9 .. u14
+UP="$WORK/upstream"
+rm -rf "$UP"
+git init -q -b main "$UP"
+gc() { git -C "$UP" -c user.name=fixture -c user.email=fixture@example.invalid commit -q "$@"; }
+mkdir -p "$UP/probe"
+cat >"$UP/probe/check.sh" <<'EOF'
+#!/bin/sh
+# The fixture's test: reports the loss and exits with the status in ./status.
+loss=$(cat /opt/probe/loss)
+echo "probe: loss $loss, revision $(cat /opt/probe/revision)"
+[ -n "$TRIAGE_OUT" ] && echo "{\"loss\": $loss}" >"$TRIAGE_OUT/metrics.json"
+exit "$(cat /opt/probe/status)"
+EOF
+chmod +x "$UP/probe/check.sh"
+echo 2.0 >"$UP/probe/loss"
+echo 0 >"$UP/probe/status"
+declare -a U
+commit_rev() { # commit_rev N SUBJECT: records the revision file, commits, U[N]=id
+    echo "$1" >"$UP/probe/revision"
+    git -C "$UP" add -A
+    gc -m "$2"
+    U[$1]=$(git -C "$UP" rev-parse HEAD)
+}
+commit_rev 0 "probe: initial check"
+for i in 1 2 3; do commit_rev "$i" "docs: note $i"; done
+echo 2.6 >"$UP/probe/loss"; commit_rev 4 "model: new init scale (loss 2.0 -> 2.6)"
+commit_rev 5 "docs: note 5"
+git -C "$UP" mv probe tools; echo 6 >"$UP/tools/revision"; git -C "$UP" add -A; gc -m "layout: move probe/ to tools/"; U[6]=$(git -C "$UP" rev-parse HEAD)
+git -C "$UP" mv tools probe; commit_rev 7 "layout: move tools/ back to probe/"
+echo 1 >"$UP/probe/status"; commit_rev 8 "check: stricter tolerance"
+for i in 9 10 11 12 13 14; do commit_rev "$i" "docs: note $i"; done
+
+phase "ten dated images: bump the pin, lock, commit, build, push"
+P="$WORK/project"
+rm -rf "$P"
+cp -r "$ROOT/tests/fixtures/triage/project" "$P"
+git init -q -b main "$P"
+pc() { git -C "$P" -c user.name=fixture -c user.email=fixture@example.invalid commit -q "$@"; }
+PINS=(0 1 2 3 9 10 11 12 13 14)
+B0=$(date +%s%N)
+for d in $(seq 1 10); do
+    DATE=$(printf '2026-03-%02d' "$d")
+    sed -e "s|@UPSTREAM@|$UP|" -e "s|@COMMIT@|${U[${PINS[$((d - 1))]}]}|" "$P/images/manifest.toml.in" >"$P/images/manifest.toml"
+    (cd "$P" && "$DISTRO" lock >"$WORK/lock-$DATE.log" 2>&1) || die "distro lock for $DATE failed: $(tail -3 "$WORK/lock-$DATE.log")"
+    git -C "$P" add -A
+    pc -m "nightly $DATE"
+    (cd "$P" && "$DISTRO" build --image probe --base "$BASE" --date "$DATE" --push "$REPO" >"$WORK/build-$DATE.out" 2>"$WORK/build-$DATE.log") \
+        || die "build $DATE failed: $(tail -5 "$WORK/build-$DATE.log")"
+done
+log "10 builds + pushes: $((($(date +%s%N) - B0) / 1000000)) ms"
+curl -sf "http://$REG/v2/triage/tags/list" | jq -e '.tags | length == 21' >/dev/null \
+    || die "expected 21 tags (10 dated, 10 per-arch, probe): $(curl -s "http://$REG/v2/triage/tags/list")"
+docker run --rm "$REPO:probe-2026-03-01" >"$WORK/run-01.txt" 2>&1 || die "the first image does not pass: $(cat "$WORK/run-01.txt")"
+grep -q "loss 2.0, revision 0" "$WORK/run-01.txt" || die "the image does not hold the pinned probe: $(cat "$WORK/run-01.txt")"
+
+phase "bad input: one line, exit code 2"
+(cd "$P" && expect_fail 2 "must be before" "$DISTRO" triage --repo "$REPO" --image probe --good 2026-03-05 --bad 2026-03-01 -- /opt/probe/check.sh)
+(cd "$P" && expect_fail 2 "has no tag probe-2026-02-01" "$DISTRO" triage --repo "$REPO" --image probe --good 2026-02-01 --bad 2026-03-10 -- /opt/probe/check.sh)
+(cd "$P" && AFTER_WORK=1 expect_fail 2 "the command passes" "$DISTRO" triage --repo "$REPO" --image probe --good 2026-03-01 --bad 2026-03-04 --dates-only -- /opt/probe/check.sh)
+(cd "$P" && expect_fail 2 "YYYY-MM-DD" "$DISTRO" retention --repo "$REPO" --image probe --keep-days 3 --today 2026-03-32)
+
+phase "triage by exit code: 10 dates, then the upstream commits"
+S=$(date +%s%N)
+(cd "$P" && "$DISTRO" triage --repo "$REPO" --image probe --good 2026-03-01 --bad 2026-03-10 --gpus none \
+    --summary "$WORK/triage-exit.json" --work-dir "$WORK/triage-work" -- /opt/probe/check.sh \
+    >"$WORK/triage-exit.out" 2>"$WORK/triage-exit.log") || die "triage failed: $(tail -5 "$WORK/triage-exit.log")"
+log "triage (exit code): $((($(date +%s%N) - S) / 1000000)) ms, $(jq '.points | length' "$WORK/triage-exit.json") points"
+cat "$WORK/triage-exit.out" >&2
+grep -q "^culprit: date 2026-03-05 (last good 2026-03-04), source upstream, commit ${U[8]} \"check: stricter tolerance\"$" "$WORK/triage-exit.out" \
+    || die "triage did not name 2026-03-05 and ${U[8]}: $(cat "$WORK/triage-exit.out")"
+grep -q "^skipped (did not build): upstream@${U[6]:0:12}" "$WORK/triage-exit.out" || die "the commit that does not build was not reported"
+jq -e --arg c "${U[8]}" --arg s "${U[6]:0:12}" '
+    .culprit.date == "2026-03-05" and .culprit.commit == $c and .culprit.candidates == [$c]
+    and .last_good_date == "2026-03-04" and .first_bad_date == "2026-03-05"
+    and ([.points[] | select(.kind == "commit" and .verdict == "skip") | .label] == ["upstream@" + $s])
+    and ([.points[] | select(.kind == "date")] | length) <= 7
+    and all(.points[]; .run_seconds >= 0 and (.verdict | IN("pass", "fail", "skip")))' "$WORK/triage-exit.json" >/dev/null \
+    || die "the summary is not as expected: $(cat "$WORK/triage-exit.json")"
+
+phase "triage by metric: loss above 2.5 fails"
+S=$(date +%s%N)
+(cd "$P" && "$DISTRO" triage --repo "$REPO" --image probe --good 2026-03-04 --bad 2026-03-05 --gpus none \
+    --metric loss --threshold 2.5 --summary "$WORK/triage-metric.json" --work-dir "$WORK/triage-work" \
+    -- /opt/probe/check.sh >"$WORK/triage-metric.out" 2>"$WORK/triage-metric.log") \
+    || die "metric triage failed: $(tail -5 "$WORK/triage-metric.log")"
+log "triage (metric): $((($(date +%s%N) - S) / 1000000)) ms"
+cat "$WORK/triage-metric.out" >&2
+grep -q "^culprit: date 2026-03-05 (last good 2026-03-04), source upstream, commit ${U[4]} " "$WORK/triage-metric.out" \
+    || die "metric triage did not name ${U[4]}: $(cat "$WORK/triage-metric.out")"
+jq -e '[.points[] | select(.metric != null) | .metric] | (index(2) != null and index(2.6) != null)' "$WORK/triage-metric.json" >/dev/null \
+    || die "the summary does not record the metric values"
+
+phase "retention: keep 3 days and the first of the month"
+(cd "$P" && "$DISTRO" retention --repo "$REPO" --image probe --keep-days 3 --today 2026-03-10 --dry-run >"$WORK/ret-dry.out" 2>&1) \
+    || die "retention --dry-run failed: $(cat "$WORK/ret-dry.out")"
+grep -c '^would delete' "$WORK/ret-dry.out" | grep -qx 10 || die "dry run should plan 10 deletions (5 dates x index + amd64): $(cat "$WORK/ret-dry.out")"
+curl -sf "http://$REG/v2/triage/tags/list" | jq -e '.tags | length == 21' >/dev/null || die "--dry-run deleted something"
+"$DISTRO" retention --repo "$REPO" --image probe --keep-days 3 --today 2026-03-10 >"$WORK/ret.out" 2>&1 \
+    || die "retention failed: $(cat "$WORK/ret.out")"
+cat "$WORK/ret.out" >&2
+TAGS=$(curl -sf "http://$REG/v2/triage/tags/list" | jq -c '.tags | sort')
+want='["probe","probe-2026-03-01","probe-2026-03-01-amd64","probe-2026-03-07","probe-2026-03-07-amd64","probe-2026-03-08","probe-2026-03-08-amd64","probe-2026-03-09","probe-2026-03-09-amd64","probe-2026-03-10","probe-2026-03-10-amd64"]'
+[ "$TAGS" = "$want" ] || die "after retention the tags are $TAGS, not $want"
+# Keep 0 days later on: 03-07 .. 03-09 go, 03-10 stays because the moving tag shares its index
+# (and so does the platform manifest that index references).
+"$DISTRO" retention --repo "$REPO" --image probe --keep-days 0 --today 2026-03-20 >"$WORK/ret2.out" 2>&1 \
+    || die "retention failed: $(cat "$WORK/ret2.out")"
+cat "$WORK/ret2.out" >&2
+grep -q '^skip probe-2026-03-10 .*kept tag probe points at the same manifest' "$WORK/ret2.out" || die "retention did not refuse the digest the moving tag shares"
+grep -q '^skip probe-2026-03-10-amd64 .*index references it' "$WORK/ret2.out" || die "retention did not keep the kept index's platform manifest"
+TAGS=$(curl -sf "http://$REG/v2/triage/tags/list" | jq -c '.tags | sort')
+want='["probe","probe-2026-03-01","probe-2026-03-01-amd64","probe-2026-03-10","probe-2026-03-10-amd64"]'
+[ "$TAGS" = "$want" ] || die "after the second retention the tags are $TAGS, not $want"
+skopeo inspect --tls-verify=false "docker://$REPO:probe" >/dev/null || die "the moving tag no longer resolves"
+
+phase "done in $(($(date +%s) - T0))s"
