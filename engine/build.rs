@@ -17,9 +17,13 @@ fn main() {
     let mut out = String::from(
         "/// Built-in recipes: (name, TOML text), sorted by name.\npub static BUILTIN: &[(&str, &str)] = &[\n",
     );
+    // The texts themselves, not include_str! of their paths: the generated file must not depend
+    // on where the checkout is (its length shifts every later source position the compiler
+    // records, which changed the engine binary between two checkouts: not reproducible).
     for name in names {
         let path = dir.join(format!("{name}.toml"));
-        out += &format!("    ({name:?}, include_str!({:?})),\n", path.display().to_string());
+        let text = fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        out += &format!("    ({name:?}, {text:?}),\n");
     }
     out += "];\n";
     fs::write(Path::new(&env::var("OUT_DIR").unwrap()).join("recipes.rs"), out).unwrap();
