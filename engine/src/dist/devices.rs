@@ -45,6 +45,22 @@ pub fn run<T: Send>(
     })
 }
 
+/// Trains `config` for `train.steps` steps on `devices` virtual devices, saving a sharded
+/// checkpoint under `parent` after step `save_after`; returns rank 0's losses.
+pub fn train_and_save(config: &Config, devices: usize, save_after: u64, parent: &std::path::Path) -> Result<Vec<f64>> {
+    let mut runs = run(config, devices, |_, t| {
+        let mut losses = Vec::new();
+        for _ in 0..config.train.steps {
+            losses.push(t.train_step(0.0).loss);
+            if t.step == save_after {
+                t.save_sharded(parent, &crate::checkpoint::Extras::default())?;
+            }
+        }
+        Ok(losses)
+    })?;
+    Ok(runs.swap_remove(0))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -140,17 +156,7 @@ mod tests {
 
         // FSDP=2 x TP=2 trains 20 steps, saving after step 10.
         let parent = tmp.join("mesh");
-        let curve = &run(&saved_on, 4, |_, t| {
-            let mut losses = Vec::new();
-            for _ in 0..steps {
-                losses.push(t.train_step(0.0).loss);
-                if t.step == half {
-                    t.save_sharded(&parent, &Extras::default())?;
-                }
-            }
-            Ok(losses)
-        })
-        .unwrap()[0];
+        let curve = &train_and_save(&saved_on, 4, half, &parent).unwrap();
         let ck = Checkpoint::open(&parent.join(checkpoint::dir_name(half))).unwrap();
         assert_eq!(ck.state.shards, Some(4));
         let rest = |t: &mut Trainer<Traced<Cpu>>, ck: &Checkpoint| -> Result<Vec<f64>> {

@@ -119,16 +119,7 @@ pub fn virtual_devices(ctx: &mut Ctx) -> Result<Verdict> {
 
     let dir = tempdir()?;
     let parent = dir.path().join("checkpoints");
-    let mesh_curve = &devices::run(&fsdp_tp, 4, |_, t| {
-        let mut losses = Vec::new();
-        for _ in 0..steps {
-            losses.push(t.train_step(0.0).loss);
-            if t.step == half {
-                t.save_sharded(&parent, &Extras::default())?;
-            }
-        }
-        Ok(losses)
-    })?[0];
+    let mesh_curve = &devices::train_and_save(&fsdp_tp, 4, half, &parent)?;
     let ck = Checkpoint::open(&parent.join(checkpoint::dir_name(half)))?;
     let resumed = &devices::run(&dp_tp, 4, |_, t| {
         t.resume_from(&ck)?;
