@@ -34,14 +34,6 @@ cleanup() {
 }
 trap cleanup EXIT
 
-expect_fail() { # expect_fail CODE PATTERN CMD...: CMD must exit with CODE and print PATTERN on stderr
-    local code=$1 pattern=$2 rc=0
-    shift 2
-    "$@" >"$WORK/out.txt" 2>"$WORK/err.txt" || rc=$?
-    [ "$rc" = "$code" ] || die "expected exit $code from '$*', got $rc: $(cat "$WORK/err.txt")"
-    grep -q -- "$pattern" "$WORK/err.txt" || die "'$*' did not say '$pattern': $(cat "$WORK/err.txt")"
-    [ "$(grep -c . "$WORK/err.txt")" -le 1 ] || [ "$code" != 2 ] || die "bad input must be reported on one line: $(cat "$WORK/err.txt")"
-}
 
 phase "setup: packages, binfmt, dockerd, registries"
 e2e_install

@@ -35,20 +35,6 @@ cleanup() {
 }
 trap cleanup EXIT
 
-expect_fail() { # expect_fail CODE PATTERN CMD...: CMD must exit with CODE and print PATTERN on stderr
-    local code=$1 pattern=$2 rc=0
-    shift 2
-    "$@" >"$WORK/out.txt" 2>"$WORK/err.txt" || rc=$?
-    [ "$rc" = "$code" ] || die "expected exit $code from '$*', got $rc: $(tail -3 "$WORK/err.txt")"
-    grep -q -- "$pattern" "$WORK/err.txt" || die "'$*' did not say '$pattern': $(cat "$WORK/err.txt")"
-    # Bad input found before any work is the only line; after work (progress lines) the last.
-    if [ "${AFTER_WORK:-0}" = 0 ]; then
-        [ "$(grep -c . "$WORK/err.txt")" -le 1 ] || [ "$code" != 2 ] || die "bad input must be reported on one line: $(cat "$WORK/err.txt")"
-    else
-        [ "$(grep -c '^error:' "$WORK/err.txt")" = 1 ] && tail -1 "$WORK/err.txt" | grep -q "^error: .*$pattern" \
-            || die "the error must be one line, the last: $(cat "$WORK/err.txt")"
-    fi
-}
 
 phase "setup: packages, dockerd, registry (deletes enabled)"
 command -v dockerd >/dev/null || e2e_install docker.io

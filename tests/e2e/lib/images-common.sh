@@ -9,6 +9,22 @@
 log() { printf '== %s\n' "$*" >&2; }
 die() { printf 'FAIL: %s\n' "$*" >&2; exit 1; }
 
+# expect_fail CODE PATTERN CMD...: CMD must exit with CODE and print PATTERN on stderr (in $WORK).
+expect_fail() {
+    local code=$1 pattern=$2 rc=0
+    shift 2
+    "$@" >"$WORK/out.txt" 2>"$WORK/err.txt" || rc=$?
+    [ "$rc" = "$code" ] || die "expected exit $code from '$*', got $rc: $(tail -3 "$WORK/err.txt")"
+    grep -q -- "$pattern" "$WORK/err.txt" || die "'$*' did not say '$pattern': $(cat "$WORK/err.txt")"
+    # Bad input found before any work is the only line; after work (progress lines) the last.
+    if [ "${AFTER_WORK:-0}" = 0 ]; then
+        [ "$(grep -c . "$WORK/err.txt")" -le 1 ] || [ "$code" != 2 ] || die "bad input must be reported on one line: $(cat "$WORK/err.txt")"
+    else
+        [ "$(grep -c '^error:' "$WORK/err.txt")" = 1 ] && tail -1 "$WORK/err.txt" | grep -q "^error: .*$pattern" \
+            || die "the error must be one line, the last: $(cat "$WORK/err.txt")"
+    fi
+}
+
 E2E_PIDS=()
 E2E_STARTED_DOCKERD=0
 
