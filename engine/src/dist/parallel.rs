@@ -187,32 +187,13 @@ impl<B: Backend> Parallel<B> {
         }
     }
 
-    /// Copies `full` (the tensor-local layout, on the device) into this device's optimizer
-    /// buffer `shard` when FSDP holds pieces (after a load), else nothing.
-    pub fn scatter_from_full(&mut self, be: &mut B, full: View, shard: View) {
+    /// After new parameters were written into the full buffer `full` (an import): under FSDP,
+    /// this device takes its pieces of them; the next pass gathers again.
+    pub fn params_loaded(&mut self, be: &mut B, full: View) {
         if let Some(f) = &self.fsdp {
-            for (range, piece, offset) in &f.units {
-                let start = range.start + self.coords.fsdp * piece;
-                let len = range.end.saturating_sub(start).min(*piece);
-                if len > 0 {
-                    be.copy(shard.at(*offset, len), full.at(start, len));
-                }
-            }
+            f.take_pieces(be, full);
         }
         self.gathered.fill(false);
-    }
-
-    /// Gathers an FSDP-sharded buffer (e.g. a moment) into `full`; a copy when not sharded.
-    pub fn gather_into(&mut self, be: &mut B, shard: View, full: View) {
-        let Some(f) = &self.fsdp else {
-            be.copy(full, shard);
-            return;
-        };
-        for (range, piece, offset) in f.units.clone() {
-            let staging = f.staging.at(0, piece * self.fsdp_group.len());
-            self.comm.all_gather(be, shard.at(offset, piece), staging, &self.fsdp_group);
-            be.copy(full.at(range.start, range.len()), staging.at(0, range.len()));
-        }
     }
 
     fn unit_index(&self, unit: Unit) -> usize {
@@ -353,14 +334,19 @@ impl Fsdp {
             }
         }
         let f = Fsdp { units, params, grads, staging, segments, me };
-        for (range, piece, offset) in &f.units {
-            let start = range.start + me * piece;
+        f.take_pieces(be, full);
+        f
+    }
+
+    /// Copies this device's pieces of the full parameter buffer `full` into its shard.
+    fn take_pieces<B: Backend>(&self, be: &mut B, full: View) {
+        for (range, piece, offset) in &self.units {
+            let start = range.start + self.me * piece;
             let len = range.end.saturating_sub(start).min(*piece);
             if len > 0 {
-                be.copy(f.params.at(*offset, len), full.at(start, len));
+                be.copy(self.params.at(*offset, len), full.at(start, len));
             }
         }
-        f
     }
 
     /// The full-buffer element of shard element `x`.

@@ -126,6 +126,26 @@ impl TensorSlice {
         self.size > 1 && split_of(&self.local.tensors[index].name) != Split::Replicated
     }
 
+    /// Uploads every local tensor into `params` (the local layout): `whole(g, out)` fills `out`
+    /// with all of global tensor `g`'s values, and this device's slice of them is uploaded. The
+    /// host holds one global tensor at a time.
+    pub fn upload<B: crate::backend::Backend>(
+        &self,
+        be: &mut B,
+        params: crate::backend::View,
+        mut whole: impl FnMut(usize, &mut Vec<f32>),
+    ) {
+        let (mut values, mut mine) = (Vec::new(), Vec::new());
+        for (i, t) in self.local.tensors.iter().enumerate() {
+            let g = self.global_index[i];
+            values.resize(self.global.tensors[g].len(), 0.0);
+            whole(g, &mut values);
+            mine.resize(t.len(), 0.0);
+            self.extract(i, &values, &mut mine);
+            be.upload(params.at(t.offset, t.len()), &mine);
+        }
+    }
+
     /// Copies the local elements of a global tensor (`values`, the whole of global tensor
     /// `global_index[i]`) into `out` (the whole local tensor `i`).
     pub fn extract(&self, i: usize, values: &[f32], out: &mut [f32]) {

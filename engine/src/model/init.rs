@@ -53,13 +53,5 @@ pub fn upload_params<B: Backend>(be: &mut B, params: View, model: &Model, seed: 
 /// Initialises a tensor-parallel device's parameters: each local tensor gets its slice of the
 /// values the single-device initialisation gives the whole tensor (same stream, same seed).
 pub fn upload_slice<B: Backend>(be: &mut B, params: View, slice: &TensorSlice, seed: u64, std: f32) {
-    let (mut whole, mut mine) = (Vec::new(), Vec::new());
-    for (i, t) in slice.local.tensors.iter().enumerate() {
-        let g = &slice.global.tensors[slice.global_index[i]];
-        whole.resize(g.len(), 0.0);
-        tensor(g, slice.global_index[i], seed, std, &mut whole);
-        mine.resize(t.len(), 0.0);
-        slice.extract(i, &whole, &mut mine);
-        be.upload(params.at(t.offset, t.len()), &mine);
-    }
+    slice.upload(be, params, |g, out| tensor(&slice.global.tensors[g], g, seed, std, out));
 }

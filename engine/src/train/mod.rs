@@ -246,15 +246,11 @@ impl<B: Backend> Trainer<B> {
         if params.len() != slice.global.len {
             bail!("{} parameters given, the model has {}", params.len(), slice.global.len);
         }
-        let mut mine = Vec::new();
-        for (i, t) in slice.local.tensors.iter().enumerate() {
-            let g = &slice.global.tensors[slice.global_index[i]];
-            mine.resize(t.len(), 0.0);
-            slice.extract(i, &params[g.offset..g.offset + g.len()], &mut mine);
-            be.upload(p.params.at(t.offset, t.len()), &mine);
-        }
-        let (shard, _, _) = par.optimizer_buffers(&[]);
-        par.scatter_from_full(be, p.params, shard);
+        slice.upload(be, p.params, |g, out| {
+            let t = &slice.global.tensors[g];
+            out.copy_from_slice(&params[t.offset..t.offset + t.len()]);
+        });
+        par.params_loaded(be, p.params);
         Ok(())
     }
 
