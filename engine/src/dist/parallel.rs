@@ -124,6 +124,12 @@ impl<B: Backend> Parallel<B> {
         }
     }
 
+    /// The parameters the optimizer updates and checkpoints hold: this device's pieces under
+    /// FSDP, else the full buffer.
+    pub fn master_params(&self) -> View {
+        self.fsdp.as_ref().map_or(self.params, |f| f.params)
+    }
+
     /// Writes the squared global gradient norm into `out`, over whatever [`optimizer_buffers`]
     /// holds: split tensors add up over the tensor group, every piece over the fsdp group.
     ///

@@ -263,7 +263,7 @@ impl<B: Backend> Trainer<B> {
             Some(par) => par.chunks(),
             None => vec![Chunk { global: 0, local: 0, len: p.params.len }],
         };
-        let params = self.parallel.as_ref().map_or(p.params, |par| par.optimizer_buffers(&[]).0);
+        let params = self.parallel.as_ref().map_or(p.params, |par| par.master_params());
         let mut host = vec![0f32; params.len];
         for (part, view) in [(Part::Params, params), (Part::ExpAvg, self.moments.0), (Part::ExpAvgSq, self.moments.1)] {
             ck.read_chunks(part, &chunks, &mut host)?;
@@ -300,7 +300,7 @@ impl<B: Backend> Trainer<B> {
         let mut write = || -> Result<()> {
             std::fs::create_dir_all(&tmp)?;
             if par.saves() {
-                let (params, _, _) = par.optimizer_buffers(&[]);
+                let params = par.master_params();
                 let mut bufs = [vec![0f32; params.len], vec![0f32; params.len], vec![0f32; params.len]];
                 for (buf, view) in bufs.iter_mut().zip([params, self.moments.0, self.moments.1]) {
                     be.download(view, buf);
