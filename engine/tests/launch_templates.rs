@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::process::Command;
 
-use engine::dist::rendezvous::discover;
+use engine::parallel::rendezvous::discover;
 use yaml_rust2::{Yaml, YamlLoader};
 
 const IMAGE: &str = "registry.example/llm/engine:engine-2026-11-21";

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use clap::{Args, Subcommand};
-use engine::dist::rendezvous;
+use engine::parallel::rendezvous;
 
 #[derive(Args)]
 pub struct LaunchArgs {

@@ -9,11 +9,11 @@ use engine::backend::Backend;
 use engine::backend::traced::Traced;
 use engine::checkpoint::{self, Checkpoint, Extras};
 use engine::config::{Config, Override};
-use engine::dist::mesh::Mesh;
-use engine::dist::nccl;
-use engine::dist::rendezvous::{self, Job};
 use engine::hf::HfModel;
 use engine::model::Layout;
+use engine::parallel::mesh::Mesh;
+use engine::parallel::nccl;
+use engine::parallel::rendezvous::{self, Job};
 use engine::train::Trainer;
 use engine::train::session::{self, CHECKPOINTS, Session};
 
@@ -94,7 +94,7 @@ pub fn run(args: TrainArgs, device: DeviceArg) -> Result<()> {
             None
         }
     };
-    let job = engine::dist::rendezvous::discover(|k| std::env::var(k).ok())?;
+    let job = engine::parallel::rendezvous::discover(|k| std::env::var(k).ok())?;
     if job.world > 1 {
         if device == DeviceArg::Cpu || args.devices > 1 {
             bail!(
@@ -113,7 +113,7 @@ pub fn run(args: TrainArgs, device: DeviceArg) -> Result<()> {
                 "--devices runs virtual CPU devices; on GPUs, start one process per GPU with `engine launch --nproc N -- train ...`"
             );
         }
-        engine::dist::devices::mesh_for(config, args.devices)?;
+        engine::parallel::devices::mesh_for(config, args.devices)?;
         let start = Start { name: resolved.name.clone(), run_dir, hf, checkpoint, peak: (0.0, String::new()) };
         return start.run_virtual(config, args.devices);
     }
@@ -147,7 +147,7 @@ impl Start {
     /// Runs `devices` virtual CPU devices, rank 0 reporting; the peak for MFU is measured once.
     fn run_virtual(mut self, config: &Config, devices: usize) -> Result<()> {
         self.peak = device::peak(&Opened::Cpu(engine::backend::cpu::Cpu::new()), config);
-        engine::dist::devices::run(config, devices, |rank, trainer| {
+        engine::parallel::devices::run(config, devices, |rank, trainer| {
             let session = self.prepare(trainer, rank == 0)?;
             session::run(trainer, &session)
         })?;

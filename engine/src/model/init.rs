@@ -6,14 +6,14 @@ use rayon::prelude::*;
 
 use super::{Model, Tensor};
 use crate::backend::{Backend, View};
-use crate::dist::tensor::TensorSlice;
 use crate::rng;
 
 /// Elements generated per task (even, so normal pairs never straddle tasks).
 const CHUNK: usize = 1 << 16;
 
-/// Writes the initial value of tensor number `stream` into `out`.
-fn tensor(t: &Tensor, stream: usize, seed: u64, std: f32, out: &mut [f32]) {
+/// Writes the initial value of tensor number `stream` of the single-device layout into `out`
+/// (a parallel device takes its slice of it: [`crate::parallel::tensor::TensorSlice`]).
+pub fn tensor(t: &Tensor, stream: usize, seed: u64, std: f32, out: &mut [f32]) {
     if t.shape.len() == 1 {
         out.fill(1.0);
         return;
@@ -48,10 +48,4 @@ pub fn upload_params<B: Backend>(be: &mut B, params: View, model: &Model, seed: 
         tensor(t, stream, seed, model.config.init_std as f32, &mut host);
         be.upload(params.at(t.offset, t.len()), &host);
     }
-}
-
-/// Initialises a tensor-parallel device's parameters: each local tensor gets its slice of the
-/// values the single-device initialisation gives the whole tensor (same stream, same seed).
-pub fn upload_slice<B: Backend>(be: &mut B, params: View, slice: &TensorSlice, seed: u64, std: f32) {
-    slice.upload(be, params, |g, out| tensor(&slice.global.tensors[g], g, seed, std, out));
 }

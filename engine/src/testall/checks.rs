@@ -17,10 +17,10 @@ use crate::data::prepare::{PrepareOptions, prepare};
 use crate::data::shard::Shards;
 use crate::data::tokenizer::TextTokenizer;
 use crate::data::{CORPUS, TokenSource};
-use crate::dist::devices;
 use crate::eval::{self, Loaded};
 use crate::hf;
 use crate::model::{Model, init};
+use crate::parallel::devices;
 use crate::tensors::Mapped;
 use crate::train::Trainer;
 

@@ -20,11 +20,11 @@ use crate::checkpoint::sharded::{self, Chunk, Part};
 use crate::checkpoint::{self, Checkpoint, Extras, Snapshot};
 use crate::config::Config;
 use crate::data::{self, Loader};
-use crate::dist::comm::Collectives;
-use crate::dist::mesh::Mesh;
-use crate::dist::parallel::Parallel;
-use crate::dist::tensor::{TensorSlice, local_config};
 use crate::model::{Alone, Exchange, GRAD_NORM_SQ, LOSS_ACCUM, LOSS_SUM, Model, Plan, init};
+use crate::parallel::comm::Collectives;
+use crate::parallel::mesh::Mesh;
+use crate::parallel::strategies::Parallel;
+use crate::parallel::tensor::{TensorSlice, local_config};
 pub use metrics::StepMetrics;
 
 /// A model being trained on a backend, with its optimizer state and data.
@@ -79,7 +79,7 @@ impl<B: Backend> Trainer<B> {
         let source = data::open(&config.data, config.model.vocab_size, t.seed)?;
         let (tensor, shards) = parallel
             .as_ref()
-            .map_or((1, 1), |(_, mesh)| (mesh.size(crate::dist::mesh::Axis::Tensor), mesh.batch_shards()));
+            .map_or((1, 1), |(_, mesh)| (mesh.size(crate::parallel::mesh::Axis::Tensor), mesh.batch_shards()));
         let mut model = Model::new(&local_config(&config.model, tensor));
         model.remat = t.remat;
         model.batch_shards = shards;
@@ -92,7 +92,7 @@ impl<B: Backend> Trainer<B> {
             }
             Some((comm, mesh)) => {
                 let slice = TensorSlice::new(&config.model, mesh.coords(comm.rank()).tensor, tensor);
-                init::upload_slice(&mut backend, plan.params, &slice, t.seed, config.model.init_std as f32);
+                slice.upload_init(&mut backend, plan.params, t.seed, config.model.init_std as f32);
                 let par = Parallel::new(&mut backend, comm, mesh, slice, plan.params, plan.grads);
                 let (rank, ranks) = par.batch_rank();
                 (Some(par), Loader::new(source, t.seq_len, t.seed, rank, ranks)?)

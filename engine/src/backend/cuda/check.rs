@@ -682,8 +682,8 @@ fn training(gpu: Cuda, name: &str, scale: Scale) -> Result<String, String> {
 /// NCCL on one GPU: every collective over a group of one leaves the data as it was, in f32 and
 /// in bf16, on the backend's stream.
 fn nccl_alone(mut gpu: Cuda) -> Result<String, String> {
-    use crate::dist::comm::Collectives;
-    use crate::dist::nccl::{Nccl, unique_id};
+    use crate::parallel::comm::Collectives;
+    use crate::parallel::nccl::{Nccl, unique_id};
     let id = unique_id().map_err(|e| e.to_string())?;
     let mut comm = Nccl::init(&id, 0, 1).map_err(|e| e.to_string())?;
     let n = 1000;

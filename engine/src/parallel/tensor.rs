@@ -41,7 +41,7 @@ pub fn split_of(name: &str) -> Split {
 }
 
 /// The configuration one device of a tensor group of `size` runs (see the module comment).
-/// The caller has checked divisibility ([`crate::dist::mesh::Mesh::check_model`]).
+/// The caller has checked divisibility ([`crate::parallel::mesh::Mesh::check_model`]).
 pub fn local_config(m: &ModelConfig, size: usize) -> ModelConfig {
     ModelConfig { n_heads: m.n_heads / size, n_kv_heads: m.n_kv_heads / size, mlp_dim: m.mlp_dim / size, ..m.clone() }
 }
@@ -144,6 +144,18 @@ impl TensorSlice {
             self.extract(i, &values, &mut mine);
             be.upload(params.at(t.offset, t.len()), &mine);
         }
+    }
+
+    /// Initialises this device's parameters: each local tensor gets its slice of the values the
+    /// single-device initialisation gives the whole tensor (same stream, same seed).
+    pub fn upload_init<B: crate::backend::Backend>(
+        &self,
+        be: &mut B,
+        params: crate::backend::View,
+        seed: u64,
+        std: f32,
+    ) {
+        self.upload(be, params, |g, out| crate::model::init::tensor(&self.global.tensors[g], g, seed, std, out));
     }
 
     /// Copies the local elements of a global tensor (`values`, the whole of global tensor

@@ -1,5 +1,5 @@
 //! NCCL collectives for GPUs: one process per GPU, communicators from a unique id that rank 0
-//! creates and the rendezvous hands to every rank ([`crate::dist::rendezvous`]).
+//! creates and the rendezvous hands to every rank ([`crate::parallel::rendezvous`]).
 //!
 //! NCCL is loaded at run time (cudarc's dynamic loading, `libnccl.so.2`), like the other CUDA
 //! libraries. Every operation is issued on the backend's stream, in place on its buffers: no

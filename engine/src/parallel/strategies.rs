@@ -13,7 +13,7 @@
 //!   pass is done with it (and summed over the data axis on top); the optimizer updates the
 //!   pieces only. The gathered parameters stay resident until the next step's gather
 //!   overwrites them: the memory saving of freeing them between uses is not implemented.
-//! - **Tensor parallelism.** See [`crate::dist::tensor`]: the model is the local slice and the
+//! - **Tensor parallelism.** See [`crate::parallel::tensor`]: the model is the local slice and the
 //!   passes add partial sums over the tensor group ([`Exchange`]).
 //!
 //! Gradients are scaled so that the objective is the mean over the global batch, as on one

@@ -5,6 +5,6 @@ pub mod comm;
 pub mod devices;
 pub mod mesh;
 pub mod nccl;
-pub mod parallel;
 pub mod rendezvous;
+pub mod strategies;
 pub mod tensor;

@@ -1,7 +1,7 @@
 //! Collectives: the operations devices use to combine their work.
 //!
 //! One interface, [`Collectives`], over backend buffers. Groups are the ranks of one mesh axis
-//! ([`crate::dist::mesh::Mesh::group`]), listed in axis order; every member calls the same
+//! ([`crate::parallel::mesh::Mesh::group`]), listed in axis order; every member calls the same
 //! operation with buffers of the same size. Two implementations: NCCL for GPUs (one process per
 //! GPU) and [`Virtual`] for CPU devices running as threads of one process, so that every
 //! sharding path runs without GPUs. Sums are added in group order, so results are deterministic.
