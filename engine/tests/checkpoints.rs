@@ -43,6 +43,9 @@ fn loss_bits(run: &Path) -> Vec<(u64, u64)> {
     metrics(run).iter().map(|m| (m["step"].as_u64().unwrap(), m["loss"].as_f64().unwrap().to_bits())).collect()
 }
 
+/// The data file of a one-device checkpoint (the sharded format, one shard).
+const SHARD: &str = "shard-00000-of-00001.safetensors";
+
 fn bytes(p: &Path) -> Vec<u8> {
     std::fs::read(p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
 }
@@ -93,10 +96,8 @@ fn a_run_killed_during_a_save_resumes_from_the_previous_checkpoint_bitwise() {
     let out = ok(&train_args(&killed, "8", &[&data[..], &["--resume"]].concat()));
     assert!(out.contains("resuming after step 3"), "{out}");
     assert_eq!(loss_bits(&killed), loss_bits(&whole), "the losses of the resumed run differ");
-    for file in ["model.safetensors", "optimizer.safetensors"] {
-        let (a, b) = (whole.join("checkpoints/step-000008").join(file), ckpts.join("step-000008").join(file));
-        assert!(bytes(&a) == bytes(&b), "{file} differs after resuming");
-    }
+    let (a, b) = (whole.join("checkpoints/step-000008").join(SHARD), ckpts.join("step-000008").join(SHARD));
+    assert!(bytes(&a) == bytes(&b), "the parameters or moments differ after resuming");
     assert!(!std::fs::read_dir(&ckpts).unwrap().any(|e| e.unwrap().file_name().to_string_lossy().starts_with(".tmp")));
     std::fs::remove_dir_all(&dir).unwrap();
 }
@@ -115,8 +116,8 @@ fn extending_a_run_continues_it_bitwise() {
     assert!(out.contains("resuming after step 4"), "{out}");
     assert_eq!(loss_bits(&parts), loss_bits(&whole));
     assert_eq!(
-        bytes(&whole.join("checkpoints/step-000008/model.safetensors")),
-        bytes(&parts.join("checkpoints/step-000008/model.safetensors"))
+        bytes(&whole.join("checkpoints/step-000008").join(SHARD)),
+        bytes(&parts.join("checkpoints/step-000008").join(SHARD))
     );
     // keep_last (3 by default): steps 3, 6 and 8 remain of 3, 4, 6 and 8.
     let mut kept: Vec<String> = std::fs::read_dir(parts.join("checkpoints"))
@@ -134,11 +135,11 @@ fn damaged_checkpoints_are_reported_never_loaded() {
     let run = dir.join("run");
     ok(&train_args(&run, "6", &[]));
     let newest = run.join("checkpoints/step-000006");
-    let model = newest.join("model.safetensors");
+    let model = newest.join(SHARD);
     let original = bytes(&model);
 
     std::fs::write(&model, &original[..original.len() - 100]).unwrap();
-    let e = fails(&train_args(&run, "9", &["--resume"]), "model.safetensors is");
+    let e = fails(&train_args(&run, "9", &["--resume"]), &format!("{SHARD} is"));
     assert!(e.contains("step-000006 is damaged") && e.contains("truncated"), "{e}");
     assert!(e.contains("--resume") && e.contains("step-000003"), "the error points at the previous checkpoint: {e}");
 
@@ -146,8 +147,8 @@ fn damaged_checkpoints_are_reported_never_loaded() {
     let at = flipped.len() - 7;
     flipped[at] ^= 0x40;
     std::fs::write(&model, &flipped).unwrap();
-    fails(&train_args(&run, "9", &["--resume"]), "model.safetensors does not match its SHA-256");
-    fails(&["eval", "--checkpoint", s(&newest), "--tokens", "x.json"], "model.safetensors does not match its SHA-256");
+    fails(&train_args(&run, "9", &["--resume"]), &format!("{SHARD} does not match its SHA-256"));
+    fails(&["eval", "--checkpoint", s(&newest), "--tokens", "x.json"], &format!("{SHARD} does not match its SHA-256"));
     fails(&["export-hf", s(&newest), "--out", s(&dir.join("export"))], "is damaged");
     assert!(!dir.join("export").exists());
 

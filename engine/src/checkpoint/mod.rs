@@ -18,7 +18,6 @@
 //! The engine's randomness is counter-based ([`crate::rng`]): initialisation and data order are
 //! pure functions of the seed, so the seed and the loader's position are the whole random state.
 
-mod saver;
 pub mod sharded;
 
 use std::collections::BTreeMap;
@@ -34,7 +33,6 @@ use crate::data::prepare::{hex, sha256_file};
 use crate::fsutil::{self, write_atomic};
 use crate::model::Layout;
 use crate::tensors::{self, FloatType, Mapped};
-pub use saver::{SaveReport, Saver};
 
 /// `state.json`'s `format`.
 pub const FORMAT: &str = "engine-checkpoint";
@@ -210,21 +208,32 @@ fn write_into(
         let sha = tensors::write(&dir.join(OPTIMIZER_FILE), &moments, FloatType::F32)?;
         add(OPTIMIZER_FILE, Some(sha))?;
     }
-    let head = Head { step: snap.step, position: snap.position, data_tokens: snap.data_tokens, shards: None };
-    seal(dir, config, head, files, extras)
+    let head = Head { step: snap.step, position: snap.position, data_tokens: snap.data_tokens };
+    seal(dir, config, head, None, files, extras)
 }
 
-/// What `state.json` says besides the files.
-pub(crate) struct Head {
-    step: u64,
-    position: Position,
-    data_tokens: u64,
-    shards: Option<usize>,
+/// What a checkpoint records of the run besides its tensors and configuration.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Head {
+    /// Optimizer steps completed.
+    pub step: u64,
+    /// Where the loader continues.
+    pub position: Position,
+    /// Tokens in the training data (a resumed run must read the same data).
+    pub data_tokens: u64,
 }
 
 /// Completes a checkpoint directory whose data files are written and listed in `files`: the
-/// configuration, the extra files, then `state.json` last, everything flushed.
-fn seal(dir: &Path, config: &Config, head: Head, mut files: BTreeMap<String, FileSum>, extras: &Extras) -> Result<()> {
+/// configuration, the extra files, then `state.json` last, everything flushed. `shards` is the
+/// number of devices that saved a sharded checkpoint.
+fn seal(
+    dir: &Path,
+    config: &Config,
+    head: Head,
+    shards: Option<usize>,
+    mut files: BTreeMap<String, FileSum>,
+    extras: &Extras,
+) -> Result<()> {
     let mut add = |name: &str| -> Result<()> {
         let path = dir.join(name);
         files.insert(name.to_owned(), FileSum { bytes: fs::metadata(&path)?.len(), sha256: sha256_file(&path)? });
@@ -252,7 +261,7 @@ fn seal(dir: &Path, config: &Config, head: Head, mut files: BTreeMap<String, Fil
         files,
         engine_version: env!("CARGO_PKG_VERSION").into(),
         hf_dtype: extras.hf_dtype.clone(),
-        shards: head.shards,
+        shards,
     };
     write_atomic(&dir.join(STATE_FILE), serde_json::to_string_pretty(&state)?.as_bytes())?;
     for sub in extras.files.iter().filter_map(|(n, _)| Path::new(n).parent()).filter(|p| !p.as_os_str().is_empty()) {
@@ -436,19 +445,24 @@ pub fn set_aside_after(parent: &Path, step: u64) -> Result<Vec<PathBuf>> {
     Ok(moved)
 }
 
-/// Removes the oldest complete checkpoints beyond the newest `keep` (0 keeps all). Each is
+/// Removes the oldest complete checkpoints beyond the newest `keep_last` (0 keeps all), except
+/// the steps that are multiples of `keep_every` (0: none), which are kept for good. Each is
 /// renamed away first, so a half-removed directory never looks like a checkpoint.
-pub fn prune(parent: &Path, keep: usize) -> Result<()> {
+pub fn prune(parent: &Path, keep_last: usize, keep_every: usize) -> Result<()> {
     let all = list(parent)?;
-    if keep == 0 || all.len() <= keep {
+    if keep_last == 0 || all.len() <= keep_last {
         return Ok(());
     }
-    for (step, dir) in &all[..all.len() - keep] {
-        let doomed = parent.join(format!(".tmp-removing-{}", dir_name(*step)));
-        fs::rename(dir, &doomed).with_context(|| format!("cannot remove {}", dir.display()))?;
-        fs::remove_dir_all(&doomed).with_context(|| format!("cannot remove {}", doomed.display()))?;
+    let permanent = |step: u64| keep_every > 0 && step.is_multiple_of(keep_every as u64);
+    let doomed: Vec<_> = all[..all.len() - keep_last].iter().filter(|(step, _)| !permanent(*step)).collect();
+    for (step, dir) in &doomed {
+        let away = parent.join(format!(".tmp-removing-{}", dir_name(*step)));
+        fs::rename(dir, &away).with_context(|| format!("cannot remove {}", dir.display()))?;
+        fs::remove_dir_all(&away).with_context(|| format!("cannot remove {}", away.display()))?;
     }
-    fsutil::sync_dir(parent)?;
+    if !doomed.is_empty() {
+        fsutil::sync_dir(parent)?;
+    }
     Ok(())
 }
 
@@ -472,7 +486,7 @@ pub fn latest(parent: &Path) -> Result<Option<Checkpoint>> {
 /// schedule whose `decay_steps` is 0, the schedule too; `data.path` may move, the data may not).
 /// The `mesh.*` keys may change too: checkpoints hold the whole, unsharded state, and the data
 /// position counts the samples of all ranks.
-pub const RESUMABLE_KEYS: [&str; 11] = [
+pub const RESUMABLE_KEYS: [&str; 12] = [
     "description",
     "extends",
     "train.steps",
@@ -481,6 +495,7 @@ pub const RESUMABLE_KEYS: [&str; 11] = [
     "train.profile_step",
     "train.checkpoint_every",
     "train.keep_last",
+    "train.keep_every_n_steps",
     "train.eval_every",
     "train.eval_steps",
     "data.path",

@@ -30,7 +30,6 @@ use serde::{Deserialize, Serialize};
 
 use super::{Checkpoint, Extras, FileSum, Head, MODEL_FILE, OPTIMIZER_FILE, seal};
 use crate::config::Config;
-use crate::data::Position;
 use crate::data::prepare::sha256_file;
 use crate::model::Layout;
 use crate::tensors::{self, FloatType, Mapped};
@@ -73,28 +72,40 @@ pub fn shard_name(rank: usize, shards: usize) -> String {
     format!("shard-{rank:05}-of-{shards:05}")
 }
 
-/// Writes one device's files into the (temporary) checkpoint directory `dir`.
-pub fn write_part(dir: &Path, rank: usize, shards: usize, bufs: [&[f32]; 3], chunks: &[Chunk]) -> Result<()> {
+/// One device's training state on the host, as a sharded checkpoint saves it: its flat buffers
+/// (the parameters the optimizer updates and both AdamW moments, in [`Part`] order) and where
+/// their elements are in the single-device layout.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct DeviceState {
+    /// Parameters, first moments, second moments.
+    pub bufs: [Vec<f32>; 3],
+    /// Where the buffers' elements are in the single-device layout.
+    pub chunks: Vec<Chunk>,
+}
+
+impl DeviceState {
+    /// Whether the device holds state of its own to save (data-parallel replicas hold none).
+    pub fn is_empty(&self) -> bool {
+        self.chunks.is_empty()
+    }
+}
+
+/// Writes one device's files into the (temporary) checkpoint directory `dir`: the chunk list,
+/// then the buffers.
+pub fn write_part(dir: &Path, rank: usize, shards: usize, state: &DeviceState) -> Result<()> {
     let name = shard_name(rank, shards);
-    let triples: Vec<[usize; 3]> = chunks.iter().map(|c| [c.global, c.local, c.len]).collect();
+    let triples: Vec<[usize; 3]> = state.chunks.iter().map(|c| [c.global, c.local, c.len]).collect();
     crate::fsutil::write_atomic(&dir.join(format!("{name}.json")), serde_json::to_string(&triples)?.as_bytes())?;
     let parts = [Part::Params, Part::ExpAvg, Part::ExpAvgSq];
     let tensors: Vec<(String, &[f32], Vec<usize>)> =
-        parts.iter().zip(bufs).map(|(p, b)| (p.name().to_owned(), b, vec![b.len()])).collect();
+        parts.iter().zip(&state.bufs).map(|(p, b)| (p.name().to_owned(), b.as_slice(), vec![b.len()])).collect();
     tensors::write(&dir.join(format!("{name}.safetensors")), &tensors, FloatType::F32)?;
     Ok(())
 }
 
 /// Completes a sharded checkpoint whose parts are all in `tmp`: hashes them, writes the
 /// configuration and `state.json`, flushes and renames `tmp` to `dir`.
-pub fn commit(
-    tmp: &Path,
-    dir: &Path,
-    config: &Config,
-    (step, position, data_tokens): (u64, Position, u64),
-    shards: usize,
-    extras: &Extras,
-) -> Result<()> {
+pub fn commit(tmp: &Path, dir: &Path, config: &Config, head: Head, shards: usize, extras: &Extras) -> Result<()> {
     let mut files = BTreeMap::new();
     for entry in fs::read_dir(tmp)? {
         let name = entry?.file_name().to_string_lossy().into_owned();
@@ -103,7 +114,7 @@ pub fn commit(
             files.insert(name, FileSum { bytes: fs::metadata(&path)?.len(), sha256: sha256_file(&path)? });
         }
     }
-    seal(tmp, config, Head { step, position, data_tokens, shards: Some(shards) }, files, extras)?;
+    seal(tmp, config, head, Some(shards), files, extras)?;
     if dir.exists() {
         bail!("{} already exists", dir.display());
     }

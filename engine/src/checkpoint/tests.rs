@@ -81,17 +81,21 @@ fn the_newest_complete_checkpoint_is_found_and_old_ones_pruned() {
     let dir = tempfile::tempdir().unwrap();
     let config = small();
     let (layout, mut snap) = snapshot(&config, 0);
-    for step in [2, 4, 6] {
+    for step in [1, 2, 4, 6] {
         snap.step = step;
         write(dir.path(), &config, &layout, &snap, &Extras::default(), None).unwrap();
     }
     // What a save killed in the middle leaves: ignored, then removed.
     fs::create_dir(dir.path().join(".tmp-step-000008-99")).unwrap();
-    assert_eq!(list(dir.path()).unwrap().iter().map(|(s, _)| *s).collect::<Vec<_>>(), [2, 4, 6]);
+    let steps = |dir: &Path| list(dir).unwrap().iter().map(|(s, _)| *s).collect::<Vec<_>>();
+    assert_eq!(steps(dir.path()), [1, 2, 4, 6]);
     assert_eq!(latest(dir.path()).unwrap().unwrap().state.step, 6);
     assert_eq!(remove_temporaries(dir.path()).unwrap().len(), 1);
-    prune(dir.path(), 2).unwrap();
-    assert_eq!(list(dir.path()).unwrap().iter().map(|(s, _)| *s).collect::<Vec<_>>(), [4, 6]);
+    // keep_every_n_steps = 2 keeps step 2 for good; keep_last = 2 keeps 4 and 6.
+    prune(dir.path(), 2, 2).unwrap();
+    assert_eq!(steps(dir.path()), [2, 4, 6]);
+    prune(dir.path(), 2, 0).unwrap();
+    assert_eq!(steps(dir.path()), [4, 6]);
     assert_eq!(fs::read_dir(dir.path()).unwrap().count(), 2);
     // A damaged newest checkpoint is an error that points at the previous one.
     fs::remove_file(dir.path().join("step-000006").join(MODEL_FILE)).unwrap();

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use clap::{Args, Subcommand};
-use engine::parallel::rendezvous;
+use engine::parallel::{job, rendezvous};
 
 #[derive(Args)]
 pub struct LaunchArgs {
@@ -31,26 +31,11 @@ pub enum DistCommand {
 }
 
 /// Seconds allowed for every rank to arrive, from `ENGINE_RENDEZVOUS_TIMEOUT` (default 300).
-pub fn rendezvous_timeout(asked: Option<f64>) -> Result<Duration> {
-    let seconds = match (asked, std::env::var("ENGINE_RENDEZVOUS_TIMEOUT")) {
-        (Some(s), _) => s,
-        (None, Ok(v)) => {
-            v.trim().parse().with_context(|| format!("ENGINE_RENDEZVOUS_TIMEOUT = `{v}` is not a number"))?
-        }
-        (None, Err(_)) => 300.0,
-    };
-    anyhow::ensure!(
-        seconds > 0.0 && seconds.is_finite(),
-        "the rendezvous timeout must be a positive number of seconds"
-    );
-    Ok(Duration::from_secs_f64(seconds))
-}
-
 pub fn check(cmd: DistCommand) -> Result<()> {
     let DistCommand::Check { timeout } = cmd;
     let job = rendezvous::discover(|k| std::env::var(k).ok())?;
     // Rank 0 makes a token; everyone printing the same one shows they met the same coordinator.
-    let token = rendezvous::rendezvous(&job, rendezvous_timeout(timeout)?, || {
+    let token = rendezvous::rendezvous(&job, job::rendezvous_timeout(timeout)?, || {
         let seed =
             std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
         engine::rng::mix(seed ^ std::process::id() as u64).to_le_bytes().to_vec()

@@ -11,9 +11,7 @@ use engine::checkpoint::{self, Checkpoint, Extras};
 use engine::config::{Config, Override};
 use engine::hf::HfModel;
 use engine::model::Layout;
-use engine::parallel::mesh::Mesh;
-use engine::parallel::nccl;
-use engine::parallel::rendezvous::{self, Job};
+use engine::parallel::{self, rendezvous::Job};
 use engine::train::Trainer;
 use engine::train::session::{self, CHECKPOINTS, Session};
 
@@ -94,7 +92,7 @@ pub fn run(args: TrainArgs, device: DeviceArg) -> Result<()> {
             None
         }
     };
-    let job = engine::parallel::rendezvous::discover(|k| std::env::var(k).ok())?;
+    let job = parallel::rendezvous::discover(|k| std::env::var(k).ok())?;
     if job.world > 1 {
         if device == DeviceArg::Cpu || args.devices > 1 {
             bail!(
@@ -113,7 +111,7 @@ pub fn run(args: TrainArgs, device: DeviceArg) -> Result<()> {
                 "--devices runs virtual CPU devices; on GPUs, start one process per GPU with `engine launch --nproc N -- train ...`"
             );
         }
-        engine::parallel::devices::mesh_for(config, args.devices)?;
+        parallel::job::mesh(config, args.devices, 1)?;
         let start = Start { name: resolved.name.clone(), run_dir, hf, checkpoint, peak: (0.0, String::new()) };
         return start.run_virtual(config, args.devices);
     }
@@ -147,7 +145,7 @@ impl Start {
     /// Runs `devices` virtual CPU devices, rank 0 reporting; the peak for MFU is measured once.
     fn run_virtual(mut self, config: &Config, devices: usize) -> Result<()> {
         self.peak = device::peak(&Opened::Cpu(engine::backend::cpu::Cpu::new()), config);
-        engine::parallel::devices::run(config, devices, |rank, trainer| {
+        engine::train::devices::run(config, devices, |rank, trainer| {
             let session = self.prepare(trainer, rank == 0)?;
             session::run(trainer, &session)
         })?;
@@ -157,17 +155,14 @@ impl Start {
     /// One process of a multi-process job: its GPU (the local rank), the NCCL communicator
     /// (the unique id travels with the rendezvous), and the mesh over the job's nodes.
     fn run_job(mut self, config: &Config, job: &Job) -> Result<()> {
-        let mesh = Mesh::resolve(&config.mesh, job.local_world, job.nodes()).map_err(|e| anyhow!("{e}"))?;
-        mesh.check_model(&config.model).map_err(|e| anyhow!("{e}"))?;
+        let mesh = parallel::job::mesh(config, job.local_world, job.nodes())?;
         engine::backend::cuda::check_model(&config.model).map_err(|e| anyhow!("--device cuda: {e}"))?;
         let gpu = engine::backend::cuda::Cuda::new(job.local_rank)
             .map_err(|e| anyhow!("rank {} (local rank {}): {e}", job.rank, job.local_rank))?;
         let opened = Opened::Cuda(Box::new(gpu));
         self.peak = device::peak(&opened, config);
         let Opened::Cuda(gpu) = opened else { unreachable!() };
-        let id = if job.rank == 0 { nccl::unique_id()? } else { Vec::new() };
-        let id = rendezvous::rendezvous(job, super::launch::rendezvous_timeout(None)?, move || id)?;
-        let comm = nccl::Nccl::init(&id, job.rank, job.world)?;
+        let comm = parallel::job::nccl_communicator(job)?;
         let mut trainer = Trainer::new_parallel(Traced::new(*gpu), config, Box::new(comm), mesh)?;
         let session = self.prepare(&mut trainer, job.rank == 0)?;
         session::run(&mut trainer, &session)?;

@@ -171,6 +171,9 @@ pub struct TrainConfig {
     pub checkpoint_every: usize,
     /// Complete checkpoints kept in the run directory (the oldest are removed); 0 keeps all.
     pub keep_last: usize,
+    /// Checkpoints of steps that are multiples of this are kept for good, whatever `keep_last`
+    /// says (AXLearn's `keep_every_n_steps`); 0 keeps none beyond `keep_last`.
+    pub keep_every_n_steps: usize,
     /// Evaluate on the validation split every this many steps (and at the last step); 0 never.
     pub eval_every: usize,
     /// Batches of `batch_size` validation sequences one evaluation reads.
@@ -211,6 +214,7 @@ impl Default for TrainConfig {
             profile_step: 6,
             checkpoint_every: 0,
             keep_last: 3,
+            keep_every_n_steps: 0,
             eval_every: 0,
             eval_steps: 10,
             remat: Remat::None,

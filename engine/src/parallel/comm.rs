@@ -2,9 +2,9 @@
 //!
 //! One interface, [`Collectives`], over backend buffers. Groups are the ranks of one mesh axis
 //! ([`crate::parallel::mesh::Mesh::group`]), listed in axis order; every member calls the same
-//! operation with buffers of the same size. Two implementations: NCCL for GPUs (one process per
-//! GPU) and [`Virtual`] for CPU devices running as threads of one process, so that every
-//! sharding path runs without GPUs. Sums are added in group order, so results are deterministic.
+//! operation with buffers of the same size. Three implementations: NCCL for GPUs (one process per
+//! GPU), [`Virtual`] for CPU devices running as threads of one process, so that every
+//! sharding path runs without GPUs, and [`Solo`] for a device alone. Sums are added in group order, so results are deterministic.
 
 use std::collections::HashMap;
 use std::sync::mpsc::{Receiver, Sender, channel};
@@ -32,6 +32,30 @@ pub trait Collectives<B: Backend> {
     }
     /// Waits for every started operation; their results are then in their buffers.
     fn wait(&mut self, _be: &mut B) {}
+}
+
+/// A device alone (a mesh of one): every group is this device, so sums and gathers leave the data
+/// as it is. Single-device training is the parallel path with this communicator.
+pub struct Solo;
+
+impl<B: Backend> Collectives<B> for Solo {
+    fn rank(&self) -> usize {
+        0
+    }
+
+    fn all_reduce_sum(&mut self, _be: &mut B, _buf: View, group: &[usize]) {
+        debug_assert_eq!(group, [0], "a device alone has no peers");
+    }
+
+    fn reduce_scatter_sum(&mut self, be: &mut B, input: View, output: View, group: &[usize]) {
+        debug_assert_eq!(group, [0], "a device alone has no peers");
+        be.copy(output, input);
+    }
+
+    fn all_gather(&mut self, be: &mut B, input: View, output: View, group: &[usize]) {
+        debug_assert_eq!(group, [0], "a device alone has no peers");
+        be.copy(output, input);
+    }
 }
 
 /// Devices of one process meeting in shared memory: create one [`Virtual`] per device with

@@ -1,8 +1,9 @@
 //! Training on many devices: the mesh that places ranks on the data, fsdp and tensor axes, the
-//! collectives that combine their work, and the rendezvous that starts a job.
+//! collectives that combine their work, the strategies that shard the model over them, and the
+//! rendezvous and communicators that start a job.
 
 pub mod comm;
-pub mod devices;
+pub mod job;
 pub mod mesh;
 pub mod nccl;
 pub mod rendezvous;

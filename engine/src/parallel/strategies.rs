@@ -47,6 +47,8 @@ pub struct Parallel<B: Backend> {
     /// The full (tensor-local) parameter and gradient buffers the passes use.
     params: View,
     grads: View,
+    /// The optimizer's segments of the full buffers: one per tensor.
+    segments: Vec<Segment>,
     fsdp: Option<Fsdp>,
     /// Whether this backward pass sums the gradients (the step's last micro-batch).
     pub sync: bool,
@@ -89,6 +91,8 @@ impl<B: Backend> Parallel<B> {
         let layout = &slice.local;
         let fsdp = (fsdp_group.len() > 1).then(|| Fsdp::new(be, layout, fsdp_group.len(), coords.fsdp, params));
         let units = layout.units().len();
+        let segments =
+            layout.tensors.iter().map(|t| Segment { offset: t.offset, len: t.len(), decay: t.decay }).collect();
         let scratch = be.alloc(BufKind::Scalars, 2);
         Parallel {
             comm,
@@ -102,6 +106,7 @@ impl<B: Backend> Parallel<B> {
             batch,
             params,
             grads,
+            segments,
             fsdp,
             sync: true,
             gathered: vec![false; units],
@@ -116,11 +121,11 @@ impl<B: Backend> Parallel<B> {
     }
 
     /// The buffers the optimizer updates: this device's pieces under FSDP, else the full ones,
-    /// with their segments.
-    pub fn optimizer_buffers<'a>(&'a self, segments: &'a [Segment]) -> (View, View, &'a [Segment]) {
+    /// with their segments (the parts of tensors, each with its weight decay).
+    pub fn optimizer_buffers(&self) -> (View, View, &[Segment]) {
         match &self.fsdp {
             Some(f) => (f.params, f.grads, &f.segments),
-            None => (self.params, self.grads, segments),
+            None => (self.params, self.grads, &self.segments),
         }
     }
 
@@ -134,10 +139,10 @@ impl<B: Backend> Parallel<B> {
     /// holds: split tensors add up over the tensor group, every piece over the fsdp group.
     ///
     /// [`optimizer_buffers`]: Parallel::optimizer_buffers
-    pub fn grad_norm_squared(&mut self, be: &mut B, out: View, segments: &[Segment]) {
+    pub fn grad_norm_squared(&mut self, be: &mut B, out: View) {
         // The gradient buckets started during the backward pass.
         self.comm.wait(be);
-        let (_, grads, segs) = self.optimizer_buffers(segments);
+        let (_, grads, segs) = self.optimizer_buffers();
         let segs = segs.to_vec();
         if self.tensor.len() == 1 {
             be.sum_squares(out, grads);
@@ -244,15 +249,16 @@ impl<B: Backend> Parallel<B> {
         self.coords.data == 0
     }
 
-    /// Waits for every device of the mesh and tells whether any of them `failed`.
-    pub fn any_failed(&mut self, be: &mut B, failed: bool) -> bool {
+    /// `Σ x` over every device of the mesh, for agreements between devices (whether a save is
+    /// complete everywhere). Every device calls it at the same point.
+    pub fn sum_over_world(&mut self, be: &mut B, x: f32) -> f32 {
         let flag = self.scratch.at(0, 1);
-        be.upload(flag, &[failed as u8 as f32]);
+        be.upload(flag, &[x]);
         let world: Vec<usize> = (0..self.mesh.devices()).collect();
         self.comm.all_reduce_sum(be, flag, &world);
         let mut out = [0f32];
         be.download(flag, &mut out);
-        out[0] > 0.0
+        out[0]
     }
 
     /// Moments are laid out like the optimizer's buffers: this device's pieces under FSDP.

@@ -20,9 +20,10 @@ use crate::data::{CORPUS, TokenSource};
 use crate::eval::{self, Loaded};
 use crate::hf;
 use crate::model::{Model, init};
-use crate::parallel::devices;
 use crate::tensors::Mapped;
 use crate::train::Trainer;
+use crate::train::checkpointer::Checkpointer;
+use crate::train::devices;
 
 /// A throughput below the baseline's divided by this fails. Wide on purpose: the baseline was
 /// recorded on one machine and the check runs on others (other core counts and clocks, shared CI
@@ -183,23 +184,24 @@ fn resume_on<B: Backend>(
 
     let mut straight = Trainer::new(open()?, config)?;
     let want = run(&mut straight, steps);
-    let want_state = straight.snapshot(Snapshot::default());
+    let want_state = straight.device_state(Default::default());
     drop(straight);
 
+    // The first half saves through the checkpoint manager of `engine train`, in the background.
     let dir = tempdir()?;
     let parent = dir.path().join("checkpoints");
     let mut first = Trainer::new(open()?, config)?;
     run(&mut first, half);
-    let snap = first.snapshot(Snapshot::default());
-    let layout = first.model.layout.clone();
+    let mut saver = Checkpointer::new(&parent, &mut first, Extras::default(), true);
+    saver.after_step(&mut first, true)?;
+    saver.finish(&mut first)?;
     drop(first);
-    checkpoint::write(&parent, config, &layout, &snap, &Extras::default(), None)?;
 
     let ck = checkpoint::resume_point(&parent, None, config, 1)?;
     let mut resumed = Trainer::new(open()?, config)?;
-    resumed.restore(&ck.snapshot(&layout)?)?;
+    resumed.resume_from(&ck)?;
     let got = run(&mut resumed, steps - half);
-    let got_state = resumed.snapshot(Snapshot::default());
+    let got_state = resumed.device_state(Default::default());
 
     for (i, (&g, &w)) in got.iter().zip(&want[half..]).enumerate() {
         let step = half + 1 + i;
@@ -212,15 +214,8 @@ fn resume_on<B: Backend>(
         }
     }
     if tol.is_none() {
-        let (Some((gm, gv)), Some((wm, wv))) = (&got_state.moments, &want_state.moments) else {
-            bail!("a snapshot has no optimizer moments");
-        };
-        let pairs = [
-            ("parameters", &got_state.params, &want_state.params),
-            ("first moments", gm, wm),
-            ("second moments", gv, wv),
-        ];
-        for (what, g, w) in pairs {
+        let parts = ["parameters", "first moments", "second moments"];
+        for ((what, g), w) in parts.iter().zip(&got_state.bufs).zip(&want_state.bufs) {
             if let Some(i) = g.iter().zip(w).position(|(a, b)| a.to_bits() != b.to_bits()) {
                 bail!(
                     "after step {steps}: {what} differ from the uninterrupted run's at element {i}: {} vs {}",

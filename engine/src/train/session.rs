@@ -3,20 +3,17 @@
 //! window and the performance summary. Generic over the backend; the `engine train` command
 //! builds the trainer and calls [`run`].
 
-use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
-use std::time::Instant;
 
-use anyhow::{Context, Result, bail};
-use indicatif::{ProgressBar, ProgressStyle};
+use anyhow::{Result, bail};
 use serde::Serialize;
 
-use super::metrics::JsonlWriter;
-use super::tensorboard::EventWriter;
+use super::checkpointer::Checkpointer;
+use super::logger::MetricsLogger;
 use super::{StepMetrics, Trainer};
 use crate::backend::Backend;
 use crate::backend::traced::{Traced, chrome_trace};
-use crate::checkpoint::{self, Extras, Saver};
+use crate::checkpoint::{self, Extras};
 use crate::config::Config;
 use crate::fsutil::write_atomic;
 
@@ -79,131 +76,62 @@ pub struct Summary {
 }
 
 /// Runs the steps from the trainer's current step to `train.steps`; returns the summary (none
-/// when there was nothing left to run).
+/// when there was nothing left to run, and on every device but the lead).
+///
+/// Each step is the trainer's step followed by the parts that own the rest: the profiler (one
+/// step's trace), the evaluation, the checkpoint manager ([`Checkpointer`]) and the metrics
+/// logger ([`MetricsLogger`]).
 pub fn run<B: Backend>(trainer: &mut Trainer<Traced<B>>, s: &Session) -> Result<Option<Summary>> {
     let config = trainer.config.clone();
     let (steps, first) = (config.train.steps, trainer.step);
-    let run_dir = &s.run_dir;
-    let checkpoints = run_dir.join(CHECKPOINTS);
-    let sharded = trainer.parallel.is_some();
-    let (mut metrics, mut events) = (None, None);
+    let checkpoints = s.run_dir.join(CHECKPOINTS);
+    let mut log = if s.lead { MetricsLogger::open(&s.run_dir, first, steps)? } else { MetricsLogger::quiet() };
     if s.lead {
-        write_atomic(&run_dir.join("config.toml"), toml::to_string(&config)?.as_bytes())?;
-        if first > 0 {
-            forget_steps_after(&run_dir.join("metrics.jsonl"), first)?;
-        }
-        metrics = Some(JsonlWriter::append(&run_dir.join("metrics.jsonl"))?);
-        let mut writer = EventWriter::create(run_dir)?;
-        if first > 0 {
-            writer.session_start(first + 1)?;
-        }
-        events = Some(writer);
-        for stale in checkpoint::remove_temporaries(&checkpoints)? {
-            println!("removed {}, left by a save that did not finish", stale.display());
-        }
-        if first > 0 {
-            for moved in checkpoint::set_aside_after(&checkpoints, first)? {
-                println!("moved {} aside: it follows step {first}, which this run continues from", moved.display());
-            }
-        }
-    }
-    // A single device saves in the background; the devices of a parallel run save their
-    // parts together, in the foreground.
-    let mut saver = (config.train.checkpoint_every > 0 && s.lead && !sharded)
-        .then(|| Saver::new(&checkpoints, &config, &trainer.model.layout, s.extras.clone()));
-
-    let count = config.model.param_count();
-    let quiet = !s.lead;
-    if !quiet {
-        println!(
+        write_atomic(&s.run_dir.join("config.toml"), toml::to_string(&config)?.as_bytes())?;
+        tidy_checkpoints(&checkpoints, first, &log)?;
+        log.say(&format!(
             "training {} ({} parameters) on {}, {} tokens per step, peak {:.3} TFLOP/s ({}); run directory {}",
             s.name,
-            crate::config::count::group(count.total),
+            crate::config::count::group(config.model.param_count().total),
             describe(trainer),
             trainer.tokens_per_step(),
             s.peak_tflops,
             s.peak_source,
-            run_dir.display()
-        );
+            s.run_dir.display()
+        ));
         if let Some(from) = &s.resumed_from {
-            println!("resuming after step {first} from {}", from.display());
+            log.say(&format!("resuming after step {first} from {}", from.display()));
         }
     }
     if first as usize >= steps {
-        if !quiet {
-            println!("nothing to run: step {first} reached train.steps = {steps} (raise it with --steps to train on)");
-        }
+        log.say(&format!(
+            "nothing to run: step {first} reached train.steps = {steps} (raise it with --steps to train on)"
+        ));
         return Ok(None);
     }
 
-    let bar = if quiet { None } else { progress_bar(steps, first) };
+    let mut saver = Checkpointer::new(&checkpoints, trainer, s.extras.clone(), s.lead);
     let mut history: Vec<StepMetrics> = Vec::with_capacity(steps - first as usize);
-    let say = |line: &str| match &bar {
-        _ if quiet => {}
-        Some(bar) => bar.suspend(|| println!("{line}")),
-        None => println!("{line}"),
-    };
+    log.start_progress(first);
     for step in first as usize + 1..=steps {
-        let profiled = step == config.train.profile_step && s.lead;
-        if profiled {
-            trainer.backend.start();
-        }
-        let mut m = trainer.train_step(s.peak_tflops);
-        if profiled {
-            let trace = chrome_trace(&trainer.backend.stop(), &format!("{} step {step}", s.name));
-            let path = run_dir.join(format!("trace-step-{step}.json"));
-            write_atomic(&path, serde_json::to_string(&trace)?.as_bytes())?;
-        }
+        let mut m = profiled(trainer, s, step)?;
         if !m.loss.is_finite() {
             bail!("step {}: the loss is {} (diverged); lower optim.lr or raise optim.warmup_steps", m.step, m.loss);
         }
-        let last = step == steps;
-        let every = |n: usize| n > 0 && (step.is_multiple_of(n) || last);
+        let every = |n: usize| n > 0 && (step.is_multiple_of(n) || step == steps);
         if every(config.train.eval_every) {
             m.eval_loss = Some(trainer.eval_loss(config.train.eval_steps).0);
         }
-        if sharded && every(config.train.checkpoint_every) {
-            let start = Instant::now();
-            let dir = trainer.save_sharded(&checkpoints, &s.extras)?;
-            m.checkpoint_s = Some(start.elapsed().as_secs_f64());
-            say(&format!(
-                "saved sharded checkpoint {} (in the foreground, {:.2} s)",
-                dir.display(),
-                start.elapsed().as_secs_f64()
-            ));
-        }
-        if let Some(saver) = saver.as_mut().filter(|_| every(config.train.checkpoint_every)) {
-            // Waiting for the previous save first lets the snapshot reuse its (warm) buffers.
-            let start = Instant::now();
-            if let Some(done) = saver.wait()? {
-                say(&saved_line(&done));
-            }
-            let snapshot = trainer.snapshot(saver.take_buffers());
-            saver.submit(snapshot)?;
-            m.checkpoint_s = Some(start.elapsed().as_secs_f64());
-        }
-        if let (Some(metrics), Some(events)) = (metrics.as_mut(), events.as_mut()) {
-            metrics.write(&m)?;
-            events.scalars(m.step, &scalars(&m))?;
-        }
-        say(&m.line(steps));
-        if let Some(done) = saver.as_mut().map(Saver::poll).transpose()?.flatten() {
-            say(&saved_line(&done));
-        }
-        if let Some(bar) = &bar {
-            bar.inc(1);
-        }
+        let due = saver.due(step as u64, steps as u64);
+        let (saved, stall) = saver.after_step(trainer, due)?;
+        m.checkpoint_s = stall;
+        log.step(&m)?;
+        saved.iter().for_each(|done| log.saved(done));
         history.push(m);
     }
-    if let Some(bar) = bar {
-        bar.finish_and_clear();
-    }
-    if let Some(saver) = saver.as_mut()
-        && let Some(done) = saver.wait()?
-    {
-        println!("{}", saved_line(&done));
-    }
-    if quiet {
+    log.finish();
+    saver.finish(trainer)?.iter().for_each(|done| log.saved(done));
+    if !s.lead {
         return Ok(None);
     }
 
@@ -217,8 +145,8 @@ pub fn run<B: Backend>(trainer: &mut Trainer<Traced<B>>, s: &Session) -> Result<
         trainer.flops_per_step(),
         trainer.tokens_per_step() as f64,
     );
-    write_atomic(&run_dir.join("summary.json"), serde_json::to_string_pretty(&summary)?.as_bytes())?;
-    println!(
+    write_atomic(&s.run_dir.join("summary.json"), serde_json::to_string_pretty(&summary)?.as_bytes())?;
+    log.say(&format!(
         "done: loss {:.4} -> {:.4} in {} steps{}; step time median {:.3} s, p90 {:.3} s (leaving out {} warm-up/profiled steps); {:.0} tokens/s, {:.3} TFLOP/s, MFU {:.1}%",
         summary.first_loss,
         summary.final_loss,
@@ -230,56 +158,51 @@ pub fn run<B: Backend>(trainer: &mut Trainer<Traced<B>>, s: &Session) -> Result<
         summary.tokens_per_s,
         summary.tflops_per_device,
         100.0 * summary.mfu
-    );
+    ));
     Ok(Some(summary))
+}
+
+/// One training step; on the lead, the step `train.profile_step` is traced op by op into
+/// `RUN_DIR/trace-step-N.json` (a Chrome trace).
+fn profiled<B: Backend>(trainer: &mut Trainer<Traced<B>>, s: &Session, step: usize) -> Result<StepMetrics> {
+    let profile = step == trainer.config.train.profile_step && s.lead;
+    if profile {
+        trainer.backend.start();
+    }
+    let m = trainer.train_step(s.peak_tflops);
+    if profile {
+        let trace = chrome_trace(&trainer.backend.stop(), &format!("{} step {step}", s.name));
+        let path = s.run_dir.join(format!("trace-step-{step}.json"));
+        write_atomic(&path, serde_json::to_string(&trace)?.as_bytes())?;
+    }
+    Ok(m)
+}
+
+/// Before the first step (the lead): removes what interrupted saves left, and moves aside the
+/// checkpoints that follow the step a resumed run continues from.
+fn tidy_checkpoints(checkpoints: &Path, first: u64, log: &MetricsLogger) -> Result<()> {
+    for stale in checkpoint::remove_temporaries(checkpoints)? {
+        log.say(&format!("removed {}, left by a save that did not finish", stale.display()));
+    }
+    if first > 0 {
+        for moved in checkpoint::set_aside_after(checkpoints, first)? {
+            log.say(&format!(
+                "moved {} aside: it follows step {first}, which this run continues from",
+                moved.display()
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// The device, and the mesh in a parallel run.
 fn describe<B: Backend>(trainer: &Trainer<Traced<B>>) -> String {
-    match &trainer.parallel {
-        None => trainer.backend.describe(),
-        Some(p) => {
-            let [d, f, t] = [0, 1, 2].map(|a| p.mesh.ici[a] * p.mesh.dcn[a]);
-            format!("{} x {} (mesh data {d} x fsdp {f} x tensor {t})", p.mesh.devices(), trainer.backend.describe())
-        }
+    let mesh = &trainer.parallel.mesh;
+    if mesh.devices() == 1 {
+        return trainer.backend.describe();
     }
-}
-
-fn saved_line(done: &checkpoint::SaveReport) -> String {
-    format!("saved checkpoint {} (written in {:.2} s in the background)", done.dir.display(), done.write_s)
-}
-
-/// The TensorBoard scalars of a step.
-fn scalars(m: &StepMetrics) -> Vec<(&'static str, f64)> {
-    let mut v = vec![
-        ("loss", m.loss),
-        ("lr", m.lr),
-        ("grad_norm", m.grad_norm),
-        ("step_time_s", m.step_time_s),
-        ("tokens_per_s", m.tokens_per_s),
-        ("tflops", m.tflops_per_device),
-        ("mfu", m.mfu),
-    ];
-    v.extend(m.aux_loss.map(|a| ("aux_loss", a)));
-    v.extend(m.eval_loss.map(|e| ("eval_loss", e)));
-    v
-}
-
-/// Drops the records of steps after `step` from a metrics file (those an interrupted run logged
-/// after its last checkpoint, which the resumed run computes again).
-fn forget_steps_after(path: &Path, step: u64) -> Result<()> {
-    let Ok(text) = std::fs::read_to_string(path) else { return Ok(()) };
-    let kept: String = text
-        .lines()
-        .filter(|line| {
-            serde_json::from_str::<serde_json::Value>(line)
-                .ok()
-                .and_then(|v| v["step"].as_u64())
-                .is_some_and(|s| s <= step)
-        })
-        .map(|l| format!("{l}\n"))
-        .collect();
-    write_atomic(path, kept.as_bytes()).with_context(|| format!("cannot rewrite {}", path.display()))
+    let [d, f, t] = [0, 1, 2].map(|a| mesh.ici[a] * mesh.dcn[a]);
+    format!("{} x {} (mesh data {d} x fsdp {f} x tensor {t})", mesh.devices(), trainer.backend.describe())
 }
 
 /// The run's summary. Step times leave out the first `perf_warmup_steps` steps this process ran
@@ -322,18 +245,4 @@ fn summarise(
         device,
         peak_tflops,
     }
-}
-
-/// A progress bar on an interactive terminal; none otherwise (plain lines only).
-fn progress_bar(steps: usize, done: u64) -> Option<ProgressBar> {
-    if !std::io::stderr().is_terminal() {
-        return None;
-    }
-    let bar = ProgressBar::new(steps as u64);
-    bar.set_position(done);
-    bar.set_style(
-        ProgressStyle::with_template("{bar:40.cyan/blue} {pos}/{len} steps  elapsed {elapsed}  eta {eta}")
-            .expect("valid template"),
-    );
-    Some(bar)
 }

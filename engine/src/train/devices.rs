@@ -2,21 +2,16 @@
 //! meeting through [`Virtual`] collectives (as JAX's host device count does), so that every
 //! sharding path runs without GPUs.
 
-use anyhow::{Result, anyhow};
+use anyhow::Result;
 
-use super::comm::Virtual;
-use super::mesh::Mesh;
+use super::Trainer;
+use super::checkpointer::Checkpointer;
 use crate::backend::cpu::Cpu;
 use crate::backend::traced::Traced;
+use crate::checkpoint::Extras;
 use crate::config::Config;
-use crate::train::Trainer;
-
-/// The mesh of `config` over `devices` devices of one node, checked against the model.
-pub fn mesh_for(config: &Config, devices: usize) -> Result<Mesh> {
-    let mesh = Mesh::resolve(&config.mesh, devices, 1).map_err(|e| anyhow!("{e}"))?;
-    mesh.check_model(&config.model).map_err(|e| anyhow!("{e}"))?;
-    Ok(mesh)
-}
+use crate::parallel::comm::Virtual;
+use crate::parallel::job;
 
 /// Builds a trainer for each of `devices` virtual devices and runs `f(rank, trainer)` on its
 /// own thread; returns the results in rank order (the first error, if any).
@@ -28,7 +23,7 @@ pub fn run<T: Send>(
     devices: usize,
     f: impl Fn(usize, &mut Trainer<Traced<Cpu>>) -> Result<T> + Sync,
 ) -> Result<Vec<T>> {
-    let mesh = mesh_for(config, devices)?;
+    let mesh = job::mesh(config, devices, 1)?;
     let f = &f;
     std::thread::scope(|scope| {
         let handles: Vec<_> = Virtual::devices(devices)
@@ -48,14 +43,14 @@ pub fn run<T: Send>(
 /// Trains `config` for `train.steps` steps on `devices` virtual devices, saving a sharded
 /// checkpoint under `parent` after step `save_after`; returns rank 0's losses.
 pub fn train_and_save(config: &Config, devices: usize, save_after: u64, parent: &std::path::Path) -> Result<Vec<f64>> {
-    let mut runs = run(config, devices, |_, t| {
+    let mut runs = run(config, devices, |rank, t| {
+        let mut saver = Checkpointer::new(parent, t, Extras::default(), rank == 0);
         let mut losses = Vec::new();
         for _ in 0..config.train.steps {
             losses.push(t.train_step(0.0).loss);
-            if t.step == save_after {
-                t.save_sharded(parent, &crate::checkpoint::Extras::default())?;
-            }
+            saver.after_step(t, t.step == save_after)?;
         }
+        saver.finish(t)?;
         Ok(losses)
     })?;
     Ok(runs.swap_remove(0))
@@ -136,7 +131,7 @@ mod tests {
             assert_same_curve(&format!("tiny-mistral {name}"), &single(&c, *devices), &parallel(&c, *devices));
         }
         let c = config("tiny-mistral", &MESHES[2].1);
-        let e = mesh_for(&c, 2).unwrap_err().to_string();
+        let e = job::mesh(&c, 2, 1).unwrap_err().to_string();
         assert!(e.contains("does not divide model.n_heads = 1"), "{e}");
     }
 
@@ -144,7 +139,7 @@ mod tests {
     /// device; a single-device checkpoint continues on a mesh.
     #[test]
     fn checkpoints_reshard_between_meshes() {
-        use crate::checkpoint::{self, Checkpoint, Extras};
+        use crate::checkpoint::{self, Checkpoint};
         let tmp = std::env::temp_dir().join(format!("engine-reshard-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&tmp);
         let mesh = |d: usize, f: usize, t: usize| {
@@ -166,21 +161,37 @@ mod tests {
         // ... and continues the same on DP=2 x TP=2, and on one device.
         let dp_tp = run(&with(&mesh(2, 1, 2)), 4, |_, t| rest(t, &ck)).unwrap().remove(0);
         assert_same_curve("FSDPxTP -> DPxTP", &curve[half as usize..], &dp_tp);
-        let mut one = saved_on.clone();
+        let mut one = with(&mesh(1, 1, 1));
         one.train.batch_size *= 4;
         let mut single = Trainer::new(Traced::new(Cpu::new()), &one).unwrap();
         assert_same_curve("FSDPxTP -> one device", &curve[half as usize..], &rest(&mut single, &ck).unwrap());
 
         // A single-device checkpoint continues on FSDP=2 x TP=2.
-        let mut single = Trainer::new(Traced::new(Cpu::new()), &one).unwrap();
-        let mut losses: Vec<f64> = (0..half).map(|_| single.train_step(0.0).loss).collect();
-        let snap = single.snapshot(Default::default());
-        let dir =
-            checkpoint::write(&tmp.join("one"), &one, &single.model.layout, &snap, &Extras::default(), None).unwrap();
-        losses.extend((half..steps as u64).map(|_| single.train_step(0.0).loss));
-        let ck = Checkpoint::open(&dir).unwrap();
+        let losses = train_and_save(&one, 1, half, &tmp.join("one")).unwrap();
+        let ck = Checkpoint::open(&tmp.join("one").join(checkpoint::dir_name(half))).unwrap();
+        assert_eq!(ck.state.shards, Some(1));
         let resumed = run(&saved_on, 4, |_, t| rest(t, &ck)).unwrap().remove(0);
         assert_same_curve("one device -> FSDPxTP", &losses[half as usize..], &resumed);
+
+        // So does one in the whole-file format that single devices saved before (one safetensors
+        // file of parameters under their Hugging Face names, one of moments).
+        let mut single = Trainer::new(Traced::new(Cpu::new()), &one).unwrap();
+        for _ in 0..half {
+            single.train_step(0.0);
+        }
+        let head = single.head();
+        let [params, m, v] = single.device_state(Default::default()).bufs;
+        let snap = checkpoint::Snapshot {
+            step: head.step,
+            position: head.position,
+            data_tokens: head.data_tokens,
+            params,
+            moments: Some((m, v)),
+        };
+        let dir =
+            checkpoint::write(&tmp.join("old"), &one, &single.model.layout, &snap, &Extras::default(), None).unwrap();
+        let resumed = run(&saved_on, 4, |_, t| rest(t, &Checkpoint::open(&dir)?)).unwrap().remove(0);
+        assert_same_curve("whole-file checkpoint -> FSDPxTP", &losses[half as usize..], &resumed);
         std::fs::remove_dir_all(&tmp).unwrap();
     }
 }

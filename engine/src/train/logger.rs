@@ -1,0 +1,130 @@
+//! What a run shows and records of each step: the `metrics.jsonl` record, the TensorBoard
+//! scalars, the printed line and, on an interactive terminal, a progress bar. Only the lead
+//! device of a run logs; the others hold a quiet logger.
+
+use std::io::IsTerminal;
+use std::path::Path;
+
+use anyhow::{Context, Result};
+use indicatif::{ProgressBar, ProgressStyle};
+
+use super::checkpointer::SaveReport;
+use super::metrics::{JsonlWriter, StepMetrics};
+use super::tensorboard::EventWriter;
+use crate::fsutil::write_atomic;
+
+/// The run's metrics files, printed lines and progress bar.
+pub struct MetricsLogger {
+    files: Option<(JsonlWriter, EventWriter)>,
+    bar: Option<ProgressBar>,
+    quiet: bool,
+    total_steps: usize,
+}
+
+impl MetricsLogger {
+    /// A logger writing into `run_dir` for a run of `total_steps` that continues after `first`
+    /// (0 for a fresh run): records of steps after `first` that an interrupted run logged are
+    /// dropped, since the run computes them again, and TensorBoard is told a new session starts.
+    pub fn open(run_dir: &Path, first: u64, total_steps: usize) -> Result<MetricsLogger> {
+        let jsonl = run_dir.join("metrics.jsonl");
+        if first > 0 {
+            forget_steps_after(&jsonl, first)?;
+        }
+        let metrics = JsonlWriter::append(&jsonl)?;
+        let mut events = EventWriter::create(run_dir)?;
+        if first > 0 {
+            events.session_start(first + 1)?;
+        }
+        Ok(MetricsLogger { files: Some((metrics, events)), bar: None, quiet: false, total_steps })
+    }
+
+    /// A logger that records and prints nothing (the devices of a run other than its lead).
+    pub fn quiet() -> MetricsLogger {
+        MetricsLogger { files: None, bar: None, quiet: true, total_steps: 0 }
+    }
+
+    /// Shows a progress bar from step `done` on, when standard error is a terminal.
+    pub fn start_progress(&mut self, done: u64) {
+        if self.quiet || !std::io::stderr().is_terminal() {
+            return;
+        }
+        let bar = ProgressBar::new(self.total_steps as u64);
+        bar.set_position(done);
+        bar.set_style(
+            ProgressStyle::with_template("{bar:40.cyan/blue} {pos}/{len} steps  elapsed {elapsed}  eta {eta}")
+                .expect("valid template"),
+        );
+        self.bar = Some(bar);
+    }
+
+    /// Prints a line above the progress bar.
+    pub fn say(&self, line: &str) {
+        match &self.bar {
+            _ if self.quiet => {}
+            Some(bar) => bar.suspend(|| println!("{line}")),
+            None => println!("{line}"),
+        }
+    }
+
+    /// Records a step: its JSON line, its TensorBoard scalars, its printed line.
+    pub fn step(&mut self, m: &StepMetrics) -> Result<()> {
+        if let Some((metrics, events)) = &mut self.files {
+            metrics.write(m)?;
+            events.scalars(m.step, &scalars(m))?;
+        }
+        self.say(&m.line(self.total_steps));
+        if let Some(bar) = &self.bar {
+            bar.inc(1);
+        }
+        Ok(())
+    }
+
+    /// Reports a checkpoint that is complete.
+    pub fn saved(&self, done: &SaveReport) {
+        self.say(&format!(
+            "saved checkpoint {} (written in {:.2} s in the background)",
+            done.dir.display(),
+            done.write_s
+        ));
+    }
+
+    /// Removes the progress bar (the summary follows as plain lines).
+    pub fn finish(&mut self) {
+        if let Some(bar) = self.bar.take() {
+            bar.finish_and_clear();
+        }
+    }
+}
+
+/// The TensorBoard scalars of a step.
+fn scalars(m: &StepMetrics) -> Vec<(&'static str, f64)> {
+    let mut v = vec![
+        ("loss", m.loss),
+        ("lr", m.lr),
+        ("grad_norm", m.grad_norm),
+        ("step_time_s", m.step_time_s),
+        ("tokens_per_s", m.tokens_per_s),
+        ("tflops", m.tflops_per_device),
+        ("mfu", m.mfu),
+    ];
+    v.extend(m.aux_loss.map(|a| ("aux_loss", a)));
+    v.extend(m.eval_loss.map(|e| ("eval_loss", e)));
+    v
+}
+
+/// Drops the records of steps after `step` from a metrics file (those an interrupted run logged
+/// after its last checkpoint, which the resumed run computes again).
+fn forget_steps_after(path: &Path, step: u64) -> Result<()> {
+    let Ok(text) = std::fs::read_to_string(path) else { return Ok(()) };
+    let kept: String = text
+        .lines()
+        .filter(|line| {
+            serde_json::from_str::<serde_json::Value>(line)
+                .ok()
+                .and_then(|v| v["step"].as_u64())
+                .is_some_and(|s| s <= step)
+        })
+        .map(|l| format!("{l}\n"))
+        .collect();
+    write_atomic(path, kept.as_bytes()).with_context(|| format!("cannot rewrite {}", path.display()))
+}
