@@ -9,6 +9,7 @@ pub mod backend;
 pub mod checkpoint;
 pub mod config;
 pub mod data;
+pub mod digest;
 pub mod eval;
 pub mod fsutil;
 pub mod hf;

@@ -139,7 +139,7 @@ pub fn write(path: &Path, tensors: &[(String, &[f32], Vec<usize>)], dtype: Float
         hashing.inner.sync_all()?;
         std::fs::rename(&tmp, path)?;
         crate::fsutil::sync_dir(path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new(".")))?;
-        Ok(crate::data::prepare::hex(&hashing.hasher.finalize()))
+        Ok(crate::digest::hex(&hashing.hasher.finalize()))
     })();
     if result.is_err() {
         let _ = std::fs::remove_file(&tmp);
@@ -225,7 +225,7 @@ mod tests {
                 FloatType::F16 => values.iter().map(|&x| half::f16::from_f32(x).to_f32()).collect(),
             };
             let sha = write(&path, &[("w".into(), &rounded, vec![5])], dtype).unwrap();
-            assert_eq!(sha, crate::data::prepare::sha256_file(&path).unwrap());
+            assert_eq!(sha, crate::digest::sha256_file(&path).unwrap());
             let m = Mapped::open(&path).unwrap();
             let t = m.tensors();
             let mut out = [0f32; 5];

@@ -29,7 +29,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::config::Config;
 use crate::data::Position;
-use crate::data::prepare::{hex, sha256_file};
+use crate::digest::{sha256_file, sha256_hex};
 use crate::fsutil::{self, write_atomic};
 use crate::model::Layout;
 use crate::tensors::{self, FloatType, Mapped};
@@ -257,7 +257,7 @@ fn seal(
         data_position: head.position,
         data_tokens: head.data_tokens,
         seed: config.train.seed,
-        config_sha256: hex(&sha2_of(config_text.as_bytes())),
+        config_sha256: sha256_hex(config_text.as_bytes()),
         files,
         engine_version: env!("CARGO_PKG_VERSION").into(),
         hf_dtype: extras.hf_dtype.clone(),
@@ -269,11 +269,6 @@ fn seal(
     }
     fsutil::sync_dir(dir)?;
     Ok(())
-}
-
-fn sha2_of(bytes: &[u8]) -> Vec<u8> {
-    use sha2::Digest;
-    sha2::Sha256::digest(bytes).to_vec()
 }
 
 /// A verified checkpoint.

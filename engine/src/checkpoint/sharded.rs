@@ -30,7 +30,7 @@ use serde::{Deserialize, Serialize};
 
 use super::{Checkpoint, Extras, FileSum, Head, MODEL_FILE, OPTIMIZER_FILE, seal};
 use crate::config::Config;
-use crate::data::prepare::sha256_file;
+use crate::digest::sha256_file;
 use crate::model::Layout;
 use crate::tensors::{self, FloatType, Mapped};
 

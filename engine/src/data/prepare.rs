@@ -12,10 +12,10 @@ use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
+use crate::digest::sha256_file;
 use anyhow::{Context, Result, anyhow, bail};
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
-use sha2::{Digest, Sha256};
 
 use super::shard::{self, ShardWriter};
 use super::tokenizer::TextTokenizer;
@@ -329,17 +329,4 @@ fn read_documents(
         flush(batch)?;
     }
     Ok(())
-}
-
-/// The SHA-256 of a file, in hex.
-pub fn sha256_file(path: &Path) -> Result<String> {
-    let mut hasher = Sha256::new();
-    let mut file = File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
-    std::io::copy(&mut file, &mut hasher).with_context(|| format!("cannot read {}", path.display()))?;
-    Ok(hex(&hasher.finalize()))
-}
-
-/// Lower-case hexadecimal.
-pub fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
