@@ -1,3 +1,4 @@
+#![warn(missing_docs)]
 //! A training engine for Llama 2/3, Mistral and Mixtral style models.
 //!
 //! Data flows: recipe ([`config`]) → [`model::Model`] (parameter layout) → [`model::Plan`]

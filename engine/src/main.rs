@@ -1,3 +1,4 @@
+#![warn(missing_docs)]
 //! The `engine` command: train, inspect recipes, benchmark, describe the machine.
 
 mod cli;

@@ -26,7 +26,7 @@ pub struct BufId(pub u32);
 /// A contiguous range of elements of one buffer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct View {
-    /// The buffer.
+    /// The backend buffer the range lies in.
     pub buf: BufId,
     /// First element.
     pub offset: usize,
@@ -55,7 +55,7 @@ impl View {
 /// A contiguous range of a buffer of `u32` indices (tokens, routing tables).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct IdxView {
-    /// The buffer.
+    /// The backend buffer the range lies in.
     pub buf: BufId,
     /// First element.
     pub offset: usize,

@@ -3,17 +3,20 @@
 //!
 //! ```text
 //! RUN_DIR/checkpoints/step-000120/
-//!   model.safetensors      parameters, f32, under their Hugging Face names
-//!   optimizer.safetensors  AdamW moments: exp_avg.NAME and exp_avg_sq.NAME, f32
-//!   config.toml            the resolved configuration
-//!   hf/...                 files of the Hugging Face model this one started from (optional)
-//!   state.json             step, data position, seed, config hash, SHA-256 of every other file
+//!   shard-*-of-N.safetensors, .json  each saving device's flat buffers and chunks ([`sharded`])
+//!   config.toml                      the resolved configuration
+//!   hf/...                           files of the Hugging Face model this one started from (optional)
+//!   state.json                       step, data position, seed, config hash, SHA-256 of every other file
 //! ```
 //!
-//! A save writes everything into `.tmp-step-000120-PID`, flushes every file, writes `state.json`
-//! last, flushes the directory, and renames it to `step-000120`: a directory under a `step-*`
-//! name is complete. Loading verifies every file's size and SHA-256 against `state.json` and
-//! refuses a damaged checkpoint, naming the file.
+//! Training saves the sharded format on every mesh, one device included
+//! ([`crate::train::checkpointer`]); the whole-file format (`model.safetensors` under Hugging
+//! Face names, `optimizer.safetensors` with the moments), which single devices saved before, is
+//! still read, and [`write`] still writes it for `import-hf`. A save writes everything into a
+//! `.tmp-*` sibling, flushes every file, writes `state.json` last, flushes the directory and
+//! renames it to `step-000120`: a directory under a `step-*` name is complete. Loading verifies
+//! every file's size and SHA-256 against `state.json` and refuses a damaged checkpoint, naming
+//! the file.
 //!
 //! The engine's randomness is counter-based ([`crate::rng`]): initialisation and data order are
 //! pure functions of the seed, so the seed and the loader's position are the whole random state.
@@ -38,7 +41,8 @@ use crate::tensors::{self, FloatType, Mapped};
 pub const FORMAT: &str = "engine-checkpoint";
 /// The layout version this engine writes and reads.
 pub const VERSION: u32 = 1;
-/// The parameters.
+/// The parameters of a whole-file checkpoint (the format single devices saved before every run
+/// saved the sharded one; still read, and written by `import-hf`).
 pub const MODEL_FILE: &str = "model.safetensors";
 /// The optimizer moments.
 pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";

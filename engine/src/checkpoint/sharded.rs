@@ -49,7 +49,7 @@ pub struct Chunk {
 /// Which of a checkpoint's three buffers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Part {
-    /// The parameters.
+    /// The parameters the optimizer updates (f32 master weights).
     Params,
     /// AdamW's first moment.
     ExpAvg,

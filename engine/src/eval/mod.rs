@@ -25,7 +25,7 @@ pub use lambada::{LambadaResult, lambada};
 
 /// A model's architecture and parameters, loaded from a checkpoint or a Hugging Face directory.
 pub struct Loaded {
-    /// The model.
+    /// The model's configuration and parameter layout.
     pub model: Model,
     /// Its parameters in layout order.
     pub params: Vec<f32>,
@@ -53,7 +53,7 @@ impl Loaded {
         }
     }
 
-    /// The architecture.
+    /// The model configuration the parameters belong to.
     pub fn config(&self) -> &ModelConfig {
         &self.model.config
     }

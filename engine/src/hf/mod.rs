@@ -36,7 +36,7 @@ pub const CARRIED: [&str; 6] = [
 
 /// A Hugging Face model directory, opened.
 pub struct HfModel {
-    /// The directory.
+    /// The directory holding `config.json`, the weights and the tokenizer files.
     pub dir: PathBuf,
     /// Its `config.json`.
     pub raw_config: Value,
@@ -205,7 +205,7 @@ pub fn engine_config(model: &ModelConfig, description: &str) -> Config {
 /// What an import did.
 #[derive(Debug)]
 pub struct ImportReport {
-    /// The architecture.
+    /// The model configuration read from `config.json`.
     pub model: ModelConfig,
     /// Parameters read.
     pub params: usize,

@@ -46,7 +46,7 @@ pub struct LayerOffsets {
     pub o: usize,
     /// `post_attention_layernorm.weight` `[D]`.
     pub ln2: usize,
-    /// The MLP.
+    /// The MLP's tensors: gate and up (adjacent) and down, or the router and the experts'.
     pub mlp: MlpOffsets,
     /// The layer's range of the flat buffer.
     pub range: std::ops::Range<usize>,

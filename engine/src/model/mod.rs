@@ -18,7 +18,8 @@ pub use layout::{LayerOffsets, Layout, MlpOffsets, Tensor};
 /// A model: its configuration and parameter layout.
 #[derive(Debug, Clone)]
 pub struct Model {
-    /// The architecture.
+    /// The architecture this model's layout and passes are built for (on a tensor-parallel
+    /// device, its local slice: heads, columns and experts divided by the group size).
     pub config: ModelConfig,
     /// Where each tensor lives in the flat buffers.
     pub layout: Layout,

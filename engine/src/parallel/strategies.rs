@@ -32,7 +32,7 @@ use crate::model::{Exchange, Layout, Unit};
 /// A device of a mesh, with its collectives and its shards.
 pub struct Parallel<B: Backend> {
     comm: Box<dyn Collectives<B> + Send>,
-    /// The mesh.
+    /// The mesh this device is a member of (one device: the mesh of one).
     pub mesh: Mesh,
     /// This device's global rank.
     pub rank: usize,

@@ -43,7 +43,7 @@ pub struct Session {
 /// What `summary.json` holds at the end of a run; its presence marks the run complete.
 #[derive(Debug, Serialize)]
 pub struct Summary {
-    /// The recipe.
+    /// The recipe's name.
     pub recipe: String,
     /// Steps run by this process.
     pub steps: u64,
@@ -69,7 +69,7 @@ pub struct Summary {
     pub tflops_per_device: f64,
     /// Model FLOP utilisation at the median step time.
     pub mfu: f64,
-    /// The device.
+    /// The device as the backend describes it, with the mesh in a parallel run.
     pub device: String,
     /// Its peak TFLOP/s.
     pub peak_tflops: f64,
