@@ -10,7 +10,7 @@
 //! ```
 //!
 //! Training saves the sharded format on every mesh, one device included
-//! ([`crate::train::checkpointer`]); the whole-file format (`model.safetensors` under Hugging
+//! (`train/checkpointer.rs`); the whole-file format (`model.safetensors` under Hugging
 //! Face names, `optimizer.safetensors` with the moments), which single devices saved before, is
 //! still read, and [`write`] still writes it for `import-hf`. A save writes everything into a
 //! `.tmp-*` sibling, flushes every file, writes `state.json` last, flushes the directory and

@@ -12,7 +12,7 @@ use crate::rng;
 const CHUNK: usize = 1 << 16;
 
 /// Writes the initial value of tensor number `stream` of the single-device layout into `out`
-/// (a parallel device takes its slice of it: [`crate::parallel::tensor::TensorSlice`]).
+/// (a tensor-parallel device takes its slice of it: `parallel::tensor::TensorSlice`).
 pub fn tensor(t: &Tensor, stream: usize, seed: u64, std: f32, out: &mut [f32]) {
     if t.shape.len() == 1 {
         out.fill(1.0);

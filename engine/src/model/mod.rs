@@ -46,7 +46,7 @@ pub enum Unit {
 /// the math needs it. A single device needs nothing: [`Alone`].
 ///
 /// Tensor parallelism (Megatron-LM): each device of the tensor group holds a slice of the
-/// heads and of the MLP columns ([`crate::parallel::tensor`]), so the products that leave a
+/// heads and of the MLP columns (`parallel::tensor`), so the products that leave a
 /// slice (`o_proj`, `down_proj`, the experts' `w2`) give partial sums, added up over the group
 /// before the residual add; in the backward pass the same happens to the gradient that
 /// reaches each RMSNorm from the sliced products.
