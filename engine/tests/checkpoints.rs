@@ -175,3 +175,52 @@ fn an_incompatible_configuration_is_refused_with_the_keys_named() {
     assert_eq!(metrics(&run).len(), 3, "a refused resumption leaves the run as it was");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A diverging run (a learning rate of 1e6) stops at the first step whose loss or gradient norm
+/// is not finite, without applying or saving it: the last finite checkpoint survives
+/// `keep_last = 1`. A checkpoint that holds NaN anyway (its hashes fixed up, as a buggy writer
+/// would leave it) is refused by `--resume`, `export-hf` and `eval`, naming the problem.
+#[test]
+fn divergence_never_costs_the_last_good_checkpoint() {
+    let dir = scratch("diverge");
+    let run = dir.join("run");
+    let diverge = ["--set", "optim.lr=1e6", "--set", "train.checkpoint_every=1", "--set", "train.keep_last=1"];
+    let e = fails(&train_args(&run, "8", &diverge), "diverged");
+    assert!(e.contains("not applied") && e.contains("is kept"), "{e}");
+    let kept: Vec<_> = std::fs::read_dir(run.join("checkpoints")).unwrap().map(|e| e.unwrap().path()).collect();
+    assert_eq!(kept.len(), 1, "{kept:?}");
+    let newest = &kept[0];
+    let tokens = dir.join("tokens.json");
+    std::fs::write(&tokens, "[[1, 2, 3, 4, 5, 6]]").unwrap();
+    // Its parameters are finite (it exports), though so large that the loss overflows: eval
+    // says so instead of printing a null loss.
+    ok(&["export-hf", s(newest), "--out", s(&dir.join("finite"))]);
+    fails(&["eval", "--checkpoint", s(newest), "--tokens", s(&tokens)], "overflow");
+
+    // Poison the first parameter and make the hashes agree, then try every reader.
+    let shard = newest.join(SHARD);
+    let mut data = bytes(&shard);
+    let header_len = u64::from_le_bytes(data[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&data[8..8 + header_len]).unwrap();
+    let at = 8 + header_len + header["params"]["data_offsets"][0].as_u64().unwrap() as usize;
+    data[at..at + 4].copy_from_slice(&f32::NAN.to_le_bytes());
+    std::fs::write(&shard, &data).unwrap();
+    let state_path = newest.join("state.json");
+    let mut state: serde_json::Value = serde_json::from_slice(&bytes(&state_path)).unwrap();
+    let sha: String = {
+        use sha2::Digest;
+        sha2::Sha256::digest(&data).iter().map(|b| format!("{b:02x}")).collect()
+    };
+    state["files"][SHARD]["sha256"] = sha.into();
+    std::fs::write(&state_path, serde_json::to_vec(&state).unwrap()).unwrap();
+    for args in [
+        train_args(&run, "9", &[&diverge[..], &["--resume"]].concat()),
+        vec!["export-hf", s(newest), "--out", s(&dir.join("export"))],
+        vec!["eval", "--checkpoint", s(newest), "--tokens", s(&tokens)],
+    ] {
+        let e = fails(&args, "non-finite");
+        assert!(e.contains("NaN or infinite") && e.contains("earlier checkpoint"), "{args:?}: {e}");
+    }
+    assert!(!dir.join("export").exists());
+    std::fs::remove_dir_all(&dir).unwrap();
+}

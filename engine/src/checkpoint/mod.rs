@@ -334,7 +334,13 @@ impl Checkpoint {
         if self.state.shards.is_some() {
             return self.read_whole(sharded::Part::Params, layout);
         }
-        read_tensors(&self.dir.join(MODEL_FILE), layout, "")
+        let params = read_tensors(&self.dir.join(MODEL_FILE), layout, "")?;
+        self.ensure_finite(
+            sharded::Part::Params,
+            &[sharded::Chunk { global: 0, local: 0, len: params.len() }],
+            &params,
+        )?;
+        Ok(params)
     }
 
     /// `part` of a sharded checkpoint in single-device layout order.

@@ -169,7 +169,24 @@ impl Checkpoint {
         if missing > 0 {
             bail!("checkpoint {d} does not hold {missing} of the {} elements this mesh needs", part.name());
         }
-        Ok(())
+        self.ensure_finite(part, chunks, out)
+    }
+
+    /// Refuses values that are not finite: a model that diverged must not be resumed, exported
+    /// or evaluated as if it were one. Names the first tensor that holds one.
+    pub(crate) fn ensure_finite(&self, part: Part, chunks: &[Chunk], out: &[f32]) -> Result<()> {
+        let mut bad = chunks.iter().flat_map(|c| {
+            out[c.local..c.local + c.len].iter().enumerate().filter(|(_, x)| !x.is_finite()).map(|(i, _)| c.global + i)
+        });
+        let Some(first) = bad.next() else { return Ok(()) };
+        let count = 1 + bad.count();
+        let layout = Layout::new(&self.config.model);
+        let tensor = layout.tensors.iter().find(|t| first < t.offset + t.len()).map_or("?", |t| t.name.as_str());
+        bail!(
+            "checkpoint {} holds {count} non-finite {} values (NaN or infinite; the first in {tensor}): the run had diverged; use an earlier checkpoint",
+            self.dir.display(),
+            part.name()
+        )
     }
 
     /// Every saved chunk of `part`, sorted by global position, with the files they are in

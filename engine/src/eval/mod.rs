@@ -47,6 +47,10 @@ impl Loaded {
                 let hf = HfModel::open(dir)?;
                 let model = Model::new(&hf.model);
                 let params = hf.params(&model.layout)?;
+                if let Some(i) = params.iter().position(|x| !x.is_finite()) {
+                    let t = model.layout.tensors.iter().find(|t| i < t.offset + t.len()).expect("in a tensor");
+                    bail!("{}: tensor {} holds a non-finite weight (NaN or infinite)", dir.display(), t.name);
+                }
                 Ok(Loaded { model, params, source: dir.display().to_string() })
             }
             _ => bail!("name the model with exactly one of --checkpoint CKPT and --hf DIR"),
@@ -160,6 +164,9 @@ pub fn evaluate(m: &Loaded, batch: &Batch, want_logits: bool, want_grads: bool) 
     cpu.download(plan.losses, &mut losses);
     let loss = losses.iter().enumerate().filter(|(i, _)| i % seq + 1 < seq).map(|(_, &l)| l as f64).sum::<f64>()
         / predicted as f64;
+    if !loss.is_finite() {
+        bail!("the loss of {} on these tokens is {loss}: the model's outputs overflow", m.source);
+    }
     let aux_loss = c.moe.as_ref().map(|_| m.model.aux_loss(&mut cpu, &plan));
     let mut dumps = Dumps::default();
     if want_logits {

@@ -16,6 +16,10 @@ use serde::Serialize;
 pub struct StepMetrics {
     /// 1-based step number.
     pub step: u64,
+    /// Whether the update was applied: false when the loss or the gradient norm was not finite
+    /// (the step diverged and the model was left as it was).
+    #[serde(skip)]
+    pub applied: bool,
     /// Mean next-token cross-entropy over the step's tokens.
     pub loss: f64,
     /// Load-balancing loss, averaged over micro-batches (mixture-of-experts models only).

@@ -124,6 +124,11 @@ impl<B: Backend> Trainer<B> {
 
     /// Runs one optimizer step and reports it; `peak_tflops` is the device's peak for MFU.
     ///
+    /// A step whose loss or gradient norm is not finite is not applied (the parameters, moments
+    /// and step count stay as they were, the gradients are cleared) and is reported with
+    /// [`StepMetrics::applied`] false: the run stops there rather than train on from a diverged
+    /// model or save one.
+    ///
     /// The host waits for the device once per step, to read the loss and gradient norm (and,
     /// for mixture-of-experts models, once per micro-batch for the load-balancing statistics).
     /// Each micro-batch's forward and backward pass is one [`Backend::begin_section`]: the same
@@ -171,19 +176,27 @@ impl<B: Backend> Trainer<B> {
         };
         let (m, v) = self.moments;
         par.grad_norm_squared(be, norm_sq);
-        let (params, grads, segments) = par.optimizer_buffers();
-        be.adamw(params, grads, m, v, norm_sq, segments, adamw);
-        par.after_step(be);
         par.sum_over_batch(be, p.scalars.at(LOSS_ACCUM, 1));
+        // The loss and the norm are the same on every device now: all of them decide alike.
         let mut scalars = [0f32; 4];
         be.download(p.scalars, &mut scalars);
         let (loss_sum, grad_norm) = (scalars[LOSS_ACCUM] as f64, (scalars[GRAD_NORM_SQ] as f64).sqrt());
-        self.step += 1;
+        let (params, grads, segments) = par.optimizer_buffers();
+        let diverged = !loss_sum.is_finite() || !grad_norm.is_finite();
+        if diverged {
+            // Never applied: the parameters and moments stay those of the last finite step.
+            be.fill(grads, 0.0);
+        } else {
+            be.adamw(params, grads, m, v, norm_sq, segments, adamw);
+            self.step += 1;
+        }
+        par.after_step(be);
 
         let step_time_s = start.elapsed().as_secs_f64();
         let tflops = self.flops_per_step() / step_time_s / 1e12;
         StepMetrics {
-            step: self.step,
+            step: self.step + diverged as u64,
+            applied: !diverged,
             loss: loss_sum / (tokens as f64 * accum as f64 * shards as f64),
             aux_loss: self.config.model.moe.as_ref().map(|_| aux_sum / accum as f64),
             lr,

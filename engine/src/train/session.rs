@@ -115,8 +115,19 @@ pub fn run<B: Backend>(trainer: &mut Trainer<Traced<B>>, s: &Session) -> Result<
     log.start_progress(first);
     for step in first as usize + 1..=steps {
         let mut m = profiled(trainer, s, step)?;
-        if !m.loss.is_finite() {
-            bail!("step {}: the loss is {} (diverged); lower optim.lr or raise optim.warmup_steps", m.step, m.loss);
+        if !m.applied {
+            // Every device saw the same loss and norm: all stop here, after the save in flight.
+            saver.finish(trainer)?.iter().for_each(|done| log.saved(done));
+            let kept = match checkpoint::list(&checkpoints)?.last() {
+                Some((_, dir)) => format!("the newest checkpoint, {}, is kept", dir.display()),
+                None => "no checkpoint was saved".into(),
+            };
+            bail!(
+                "step {}: the loss is {} and the gradient norm {} (diverged): the update was not applied and not saved; {kept}. Lower optim.lr or raise optim.warmup_steps",
+                m.step,
+                m.loss,
+                m.grad_norm
+            );
         }
         let every = |n: usize| n > 0 && (step.is_multiple_of(n) || step == steps);
         if every(config.train.eval_every) {
