@@ -30,6 +30,47 @@ pub fn sync_dir(dir: &Path) -> std::io::Result<()> {
     File::open(dir)?.sync_all()
 }
 
+/// An exclusive hold on a directory for this process's life: an OS lock on `DIR/.lock`, so a
+/// process that dies, however it dies, releases it. The file names the holder's PID for the
+/// message a second process gets.
+#[derive(Debug)]
+pub struct DirLock {
+    _file: File,
+}
+
+impl DirLock {
+    /// Takes the lock of `dir` (which must exist) without waiting. `what` names the directory
+    /// in the error (`run directory`), `advice` says what to do instead.
+    pub fn acquire(dir: &Path, what: &str, advice: &str) -> Result<DirLock> {
+        let path = dir.join(".lock");
+        let mut file = fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&path)
+            .with_context(|| format!("cannot open {}", path.display()))?;
+        match file.try_lock() {
+            Ok(()) => {}
+            Err(fs::TryLockError::WouldBlock) => {
+                let holder = fs::read_to_string(&path).unwrap_or_default();
+                let holder = match holder.trim() {
+                    "" => "another process".to_owned(),
+                    pid => format!("process {pid}"),
+                };
+                anyhow::bail!("{what} {} is in use by {holder}; {advice}", dir.display());
+            }
+            Err(fs::TryLockError::Error(e)) => {
+                return Err(e).with_context(|| format!("cannot lock {}", path.display()));
+            }
+        }
+        file.set_len(0)?;
+        file.write_all(std::process::id().to_string().as_bytes())?;
+        file.sync_all()?;
+        Ok(DirLock { _file: file })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -45,5 +86,16 @@ mod tests {
         assert_eq!(fs::read_dir(&dir).unwrap().count(), 1);
         assert!(write_atomic(&dir.join("missing/x"), b"").is_err());
         fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_locked_directory_names_its_holder_until_released() {
+        let dir = tempfile::tempdir().unwrap();
+        let held = DirLock::acquire(dir.path(), "run directory", "wait").unwrap();
+        // A second open file description conflicts even within one process.
+        let e = DirLock::acquire(dir.path(), "run directory", "wait for it").unwrap_err().to_string();
+        assert!(e.contains(&format!("is in use by process {}; wait for it", std::process::id())), "{e}");
+        drop(held);
+        DirLock::acquire(dir.path(), "run directory", "wait").unwrap();
     }
 }

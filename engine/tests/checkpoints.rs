@@ -224,3 +224,42 @@ fn divergence_never_costs_the_last_good_checkpoint() {
     assert!(!dir.join("export").exists());
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// One run directory has one owner: while a run trains, a second fresh run and a `--resume` in
+/// its directory are refused with the holder's PID and change nothing; once the holder is
+/// killed (SIGKILL releases the OS lock), the run resumes.
+#[test]
+fn a_running_run_directory_is_refused_to_a_second_process() {
+    let dir = scratch("owner");
+    let run = dir.join("run");
+    let mut holder = engine_cmd(&train_args(&run, "100000", &["--set", "train.checkpoint_every=2"]))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let stdout = BufReader::new(holder.stdout.take().unwrap());
+    let mut lines = stdout.lines();
+    // Step lines read `step      5/100000 | ...`.
+    let trains = lines.by_ref().take(50).any(|l| l.unwrap().split_whitespace().nth(1) == Some("5/100000"));
+    assert!(trains, "the holder does not train");
+    let in_use = format!("is in use by process {}", holder.id());
+    let before = std::fs::read_dir(run.join("checkpoints")).unwrap().count();
+    fails(&train_args(&run, "8", &[]), &in_use);
+    fails(&train_args(&run, "100000", &["--set", "train.checkpoint_every=2", "--resume"]), &in_use);
+    assert!(
+        std::fs::read_dir(run.join("checkpoints")).unwrap().count() >= before,
+        "a refused process removed or moved checkpoints"
+    );
+    holder.kill().unwrap();
+    holder.wait().unwrap();
+    drop(lines);
+    let newest = std::fs::read_dir(run.join("checkpoints"))
+        .unwrap()
+        .filter_map(|e| e.unwrap().file_name().into_string().unwrap().strip_prefix("step-")?.parse::<u64>().ok())
+        .max()
+        .unwrap();
+    let steps = (newest + 2).to_string();
+    let out = ok(&train_args(&run, &steps, &["--set", "train.checkpoint_every=2", "--resume"]));
+    assert!(out.contains(&format!("resuming after step {newest}")), "{out}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

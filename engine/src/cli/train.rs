@@ -2,6 +2,7 @@
 //! [`engine::train::session`]).
 
 use std::path::{Path, PathBuf};
+use std::sync::Mutex;
 
 use anyhow::{Result, anyhow, bail};
 use clap::Args;
@@ -9,6 +10,7 @@ use engine::backend::Backend;
 use engine::backend::traced::Traced;
 use engine::checkpoint::{self, Checkpoint, Extras};
 use engine::config::{Config, Override};
+use engine::fsutil::DirLock;
 use engine::hf::HfModel;
 use engine::model::Layout;
 use engine::parallel::{self, rendezvous::Job};
@@ -80,19 +82,16 @@ pub fn run(args: TrainArgs, device: DeviceArg) -> Result<()> {
         (None, Some(None)) => bail!("--resume needs --run-dir DIR (the run to continue) or a checkpoint path"),
         (None, None) => free_run_dir(&resolved.name),
     };
+    let job = parallel::rendezvous::discover(|k| std::env::var(k).ok())?;
+    // The lead process owns the run directory from here on (or from its creation, for a new one).
+    let lock = if job.rank == 0 && run_dir.is_dir() { Some(lock_run_dir(&run_dir)?) } else { None };
     let checkpoint = match resume {
         Some(explicit) => Some(checkpoint::resume_point(&run_dir.join(CHECKPOINTS), explicit, config, args.devices)?),
         None => {
-            if run_dir.join("metrics.jsonl").exists() {
-                bail!(
-                    "run directory {} already holds a run (metrics.jsonl); continue it with --resume, or choose another --run-dir",
-                    run_dir.display()
-                );
-            }
+            ensure_fresh(&run_dir)?;
             None
         }
     };
-    let job = parallel::rendezvous::discover(|k| std::env::var(k).ok())?;
     if job.world > 1 {
         if device == DeviceArg::Cpu || args.devices > 1 {
             bail!(
@@ -102,7 +101,14 @@ pub fn run(args: TrainArgs, device: DeviceArg) -> Result<()> {
                 job.convention
             );
         }
-        let start = Start { name: resolved.name.clone(), run_dir, hf, checkpoint, peak: (0.0, String::new()) };
+        let start = Start {
+            name: resolved.name.clone(),
+            run_dir,
+            hf,
+            checkpoint,
+            peak: (0.0, String::new()),
+            lock: Mutex::new(lock),
+        };
         return start.run_job(config, &job);
     }
     if args.devices > 1 {
@@ -112,13 +118,20 @@ pub fn run(args: TrainArgs, device: DeviceArg) -> Result<()> {
             );
         }
         parallel::job::mesh(config, args.devices, 1)?;
-        let start = Start { name: resolved.name.clone(), run_dir, hf, checkpoint, peak: (0.0, String::new()) };
+        let start = Start {
+            name: resolved.name.clone(),
+            run_dir,
+            hf,
+            checkpoint,
+            peak: (0.0, String::new()),
+            lock: Mutex::new(lock),
+        };
         return start.run_virtual(config, args.devices);
     }
     let opened = device::open(device, Some(config))?;
     // Measured (on CPU) before the model's buffers exist, on a quiet heap.
     let peak = device::peak(&opened, config);
-    let start = Start { name: resolved.name.clone(), run_dir, hf, checkpoint, peak };
+    let start = Start { name: resolved.name.clone(), run_dir, hf, checkpoint, peak, lock: Mutex::new(lock) };
     match opened {
         Opened::Cpu(be) => start.run(be, config),
         Opened::Cuda(be) => start.run(*be, config),
@@ -132,6 +145,9 @@ struct Start {
     hf: Option<HfModel>,
     checkpoint: Option<Checkpoint>,
     peak: (f64, String),
+    /// The run directory's lock, when it existed before this run (else taken on creation); the
+    /// lead device's session takes it.
+    lock: Mutex<Option<DirLock>>,
 }
 
 impl Start {
@@ -183,10 +199,21 @@ impl Start {
                 extras = Extras { files: ck.hf_files()?, hf_dtype: ck.state.hf_dtype.clone() };
             }
         }
-        if lead {
-            std::fs::create_dir_all(&self.run_dir)
-                .map_err(|e| anyhow!("cannot create run directory {}: {e}", self.run_dir.display()))?;
-        }
+        let held = self.lock.lock().map_err(|_| anyhow!("a device thread panicked"))?.take();
+        let lock = match (lead, held) {
+            (true, Some(lock)) => Some(lock),
+            (true, None) => {
+                std::fs::create_dir_all(&self.run_dir)
+                    .map_err(|e| anyhow!("cannot create run directory {}: {e}", self.run_dir.display()))?;
+                let lock = lock_run_dir(&self.run_dir)?;
+                // Checked again under the lock: another run may have started here meanwhile.
+                if self.checkpoint.is_none() {
+                    ensure_fresh(&self.run_dir)?;
+                }
+                Some(lock)
+            }
+            (false, _) => None,
+        };
         Ok(Session {
             name: self.name.clone(),
             run_dir: self.run_dir.clone(),
@@ -195,8 +222,25 @@ impl Start {
             resumed_from: self.checkpoint.as_ref().map(|c| c.dir.clone()),
             extras,
             lead,
+            lock,
         })
     }
+}
+
+/// The exclusive hold on a run directory, for this process's life.
+fn lock_run_dir(run_dir: &Path) -> Result<DirLock> {
+    DirLock::acquire(run_dir, "run directory", "wait for it to finish, or choose another --run-dir")
+}
+
+/// Refuses a run directory that already holds a run, unless the run resumes.
+fn ensure_fresh(run_dir: &Path) -> Result<()> {
+    if run_dir.join("metrics.jsonl").exists() {
+        bail!(
+            "run directory {} already holds a run (metrics.jsonl); continue it with --resume, or choose another --run-dir",
+            run_dir.display()
+        );
+    }
+    Ok(())
 }
 
 /// The first `runs/RECIPE[-N]` that holds no run.

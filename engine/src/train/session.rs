@@ -15,7 +15,7 @@ use crate::backend::Backend;
 use crate::backend::traced::{Traced, chrome_trace};
 use crate::checkpoint::{self, Extras};
 use crate::config::Config;
-use crate::fsutil::write_atomic;
+use crate::fsutil::{DirLock, write_atomic};
 
 /// The subdirectory of a run directory holding its checkpoints.
 pub const CHECKPOINTS: &str = "checkpoints";
@@ -38,6 +38,9 @@ pub struct Session {
     /// In a parallel run, rank 0 leads and the other devices only train (and save their
     /// parts of sharded checkpoints).
     pub lead: bool,
+    /// The lead's exclusive hold on the run directory, for the run's life: a second process
+    /// training or resuming there is refused instead of mixing its files with this run's.
+    pub lock: Option<DirLock>,
 }
 
 /// What `summary.json` holds at the end of a run; its presence marks the run complete.
