@@ -24,10 +24,10 @@ use std::time::Instant;
 use super::Cuda;
 use crate::backend::cpu::Cpu;
 use crate::backend::{
-    AdamWStep, AttnShape, Backend, BufKind, ExpertWeights, IdxView, MatMul, MoeDispatch, Segment, View,
+    AdamWStep, AttnShape, Backend, BufKind, ExpertWeights, IdxView, MatMul, MoeDispatch, Segment, View, gib,
 };
 use crate::config::{Config, Remat, recipe};
-use crate::model::memory::{self, Target, gib};
+use crate::model::memory::{self, Target};
 use crate::model::{LOSS_SUM, Model, Plan, init};
 use crate::rng;
 use crate::train::Trainer;

@@ -27,9 +27,8 @@ use std::collections::HashMap;
 
 use cudarc::driver::sys::{self, CUdeviceptr};
 
-use super::{AdamWStep, AttnShape, Backend, BufKind, ExpertWeights, IdxView, MatMul, MoeDispatch, Segment, View};
+use super::{AdamWStep, AttnShape, Backend, BufKind, ExpertWeights, IdxView, MatMul, MoeDispatch, Segment, View, gib};
 use crate::config::ModelConfig;
-use crate::model::memory::gib;
 use blas::Gemm;
 pub use device::DeviceInfo;
 
