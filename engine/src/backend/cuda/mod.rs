@@ -16,7 +16,6 @@
 //! Libraries are loaded at run time ([`device`]): the engine builds and runs without CUDA.
 
 mod blas;
-pub mod check;
 pub mod device;
 mod driver;
 pub mod emulator;
