@@ -168,6 +168,7 @@ struct Tol {
     rel_l2: f64,
     max: f64,
 }
+
 /// Outputs stored in bf16.
 const BF16: Tol = Tol { rel_l2: 1e-2, max: 5e-2 };
 /// Outputs kept in f32 from the same bf16 inputs.

@@ -59,6 +59,7 @@ pub(crate) fn step(
     ];
     gpu.launch_1d("adamw", (n as u64).div_ceil(4), &args);
 }
+
 /// The AdamW kernel's table: `segments` sorted and merged into runs of equal decay, as
 /// `(start, end, decay)` triples.
 fn adam_runs(segments: &[Segment]) -> Vec<u64> {

@@ -135,6 +135,7 @@ pub(crate) fn backward(gpu: &mut Cuda, dqkv: View, dout: View, qkv: View, out: V
     ];
     gpu.launch_1d("attention_backward_dq", (rows * s.q_width()) as u64, &args);
 }
+
 #[cfg(test)]
 mod tests {
     use super::*;

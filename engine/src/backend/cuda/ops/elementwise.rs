@@ -80,6 +80,7 @@ pub(crate) fn add(gpu: &mut Cuda, dst: View, src: View) {
     gpu.launch_1d(name, dst.len as u64, &[Arg::P(dp), Arg::P(sp), Arg::U(dst.len as u64)]);
     refresh_compute_copy(gpu, dst);
 }
+
 /// `out[0] = Σ x` or `Σ x²` (`squares`), in f64 over fixed blocks, then one block adding the
 /// partials in order.
 pub(crate) fn sum(gpu: &mut Cuda, out: View, x: View, squares: bool) {

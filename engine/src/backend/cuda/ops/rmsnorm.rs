@@ -67,6 +67,7 @@ pub(crate) fn backward(gpu: &mut Cuda, dx: View, dw: View, dout: View, x: View, 
     let args = [Arg::P(dwp), Arg::P(partial), Arg::I(blocks as i32), Arg::I(di)];
     gpu.launch_1d("rmsnorm_dw_finish", d as u64, &args);
 }
+
 #[cfg(test)]
 mod tests {
     use super::*;
