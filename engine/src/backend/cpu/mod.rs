@@ -6,7 +6,7 @@
 //! identical whatever the scheduling. Matrix products go through the `gemm` crate, whose threads
 //! split the output (never the contracted dimension), which keeps them deterministic too.
 //!
-//! Ops get their operands as slices from [`Memory::io_many`]: `&mut` slices of the views they
+//! Ops get their operands as slices from `Memory::io_many`: `&mut` slices of the views they
 //! write and `&` slices of those they read, in the same buffers, after checking that no written
 //! view overlaps another view. It is the one place the backend builds slices from raw pointers;
 //! its soundness (base pointers taken once, before any slice) is what Miri checks, on nightly:
