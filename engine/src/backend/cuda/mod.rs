@@ -7,7 +7,7 @@
 //! the optimizer use, and its bf16 copy, which the ops read; AdamW refreshes the copy as it
 //! updates the master.
 //!
-//! Work: dense products go through cuBLASLt ([`blas`]); everything else is CUDA C compiled at
+//! Work: dense products go through cuBLASLt (`blas.rs`); everything else is CUDA C compiled at
 //! start by NVRTC for the device's architecture and cached on disk ([`nvrtc`]). Each op has one
 //! file in [`ops`], its kernels beside their host code; this module keeps what all ops share. All
 //! work is issued on one stream and nothing waits for the device except [`Backend::download`]
