@@ -5,6 +5,7 @@
 //! (device memory for a batch shape) → [`train::Trainer`]: batch from [`data`], forward, loss,
 //! backward, optimizer, metrics. Every op has an explicit forward and backward ([`backend`]);
 //! the CPU backend is the f32 reference.
+//! [`parity`] checks the CUDA backend against that reference, op by op and model by model.
 
 pub mod backend;
 pub mod checkpoint;
@@ -16,6 +17,7 @@ pub mod fsutil;
 pub mod hf;
 pub mod model;
 pub mod parallel;
+pub mod parity;
 pub mod rng;
 pub mod tensors;
 pub mod testall;

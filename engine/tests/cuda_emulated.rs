@@ -7,8 +7,8 @@
 //! passes, unless `ENGINE_REQUIRE_EMULATOR=1` (CI sets it) makes that a failure.
 //! `ENGINE_CHECK_FILTER=text` runs only the checks whose names contain the text.
 
-use engine::backend::cuda::check::{self, Scale};
 use engine::backend::cuda::{Cuda, emulator};
+use engine::parity::{self, Scale};
 
 #[test]
 fn cuda_backend_matches_the_cpu_reference_on_the_emulator_or_reports_skipped() {
@@ -21,7 +21,7 @@ fn cuda_backend_matches_the_cpu_reference_on_the_emulator_or_reports_skipped() {
     }
     let filter = std::env::var("ENGINE_CHECK_FILTER").unwrap_or_default();
     let scale = Scale { emulated: true, train_steps: 20 };
-    let outcomes = check::run(scale, &mut Cuda::emulated, &filter, &mut |o| {
+    let outcomes = parity::run(scale, &mut Cuda::emulated, &filter, &mut |o| {
         eprintln!("{} {:<70} {:6.1} s  {}", if o.passed { "ok  " } else { "FAIL" }, o.name, o.seconds, o.detail)
     });
     let failed: Vec<&str> = outcomes.iter().filter(|o| !o.passed).map(|o| o.name.as_str()).collect();

@@ -9,8 +9,8 @@
 
 use std::time::Instant;
 
-use engine::backend::cuda::kernels::MODULES;
 use engine::backend::cuda::nvrtc;
+use engine::backend::cuda::ops::MODULES;
 
 #[test]
 fn cuda_kernels_compile_for_sm80_and_sm90_or_report_skipped_without_nvrtc() {

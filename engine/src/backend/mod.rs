@@ -87,6 +87,12 @@ pub enum BufKind {
     Scalars,
 }
 
+/// Bytes in GiB (2³⁰ bytes), for messages about memory: a device's, a backend's allocations,
+/// an estimate's.
+pub fn gib(bytes: usize) -> f64 {
+    bytes as f64 / (1u64 << 30) as f64
+}
+
 /// `out[m, n] (+)= op(a)[m, k] · op(b)[k, n]`, where `op(x)` is `x` or its transpose.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MatMul {

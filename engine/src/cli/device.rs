@@ -3,9 +3,10 @@
 use anyhow::{Result, bail};
 use engine::backend::cpu::{self, Cpu};
 use engine::backend::cuda::{self, Cuda, device};
+use engine::backend::gib;
 use engine::config::Config;
 use engine::model::Model;
-use engine::model::memory::{self, Target, gib};
+use engine::model::memory::{self, Target};
 
 /// Which device to run on.
 #[derive(clap::ValueEnum, Clone, Copy, Debug, Default, PartialEq, Eq)]

@@ -1,14 +1,14 @@
 //! `engine gpu-test`: the CUDA backend against the CPU reference on this machine's GPU (see
-//! `engine::backend::cuda::check`). Exit codes: 0 all passed, 1 some failed, 77 skipped (no usable
+//! `engine::parity`). Exit codes: 0 all passed, 1 some failed, 77 skipped (no usable
 //! GPU: nothing was checked), 2 bad arguments.
 
 use std::path::PathBuf;
 
 use anyhow::Result;
 use clap::Args;
-use engine::backend::cuda::check::{self, Outcome, Scale};
 use engine::backend::cuda::{Cuda, device, nvrtc};
 use engine::fsutil::write_atomic;
+use engine::parity::{self, Outcome, Scale};
 
 /// Exit code of a run that checked nothing (the convention of automake and meson).
 pub const SKIPPED: i32 = 77;
@@ -62,7 +62,7 @@ pub fn run(args: GpuTestArgs) -> Result<()> {
     let print = &mut |o: &Outcome| {
         println!("{} {:<72} {:7.1} s  {}", if o.passed { "ok  " } else { "FAIL" }, o.name, o.seconds, o.detail)
     };
-    let outcomes = check::run(scale, &mut open, &args.only, print);
+    let outcomes = parity::run(scale, &mut open, &args.only, print);
     anyhow::ensure!(!outcomes.is_empty(), "--only {}: no check has that in its name", args.only);
     if let Some(path) = &args.json {
         let rows: Vec<JsonOutcome> = outcomes

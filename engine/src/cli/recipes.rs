@@ -82,7 +82,7 @@ fn show(name: &str, c: &Config) -> String {
 /// master weights) and CPU (f32), and under each recomputation policy.
 fn memory_table(c: &Config) -> String {
     let (batch, seq) = (c.train.batch_size, c.train.seq_len);
-    let gib = |b: usize| format!("{:.2} GiB", memory::gib(b));
+    let gib = |b: usize| format!("{:.2} GiB", engine::backend::gib(b));
     let mut model = Model::new(&c.model);
     model.remat = c.train.remat;
     let gpu = memory::estimate(&model, batch, seq, Target::Cuda { sm_count: 132 });

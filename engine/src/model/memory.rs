@@ -38,11 +38,6 @@ pub struct Estimate {
     pub scratch: usize,
 }
 
-/// Bytes in GiB (2³⁰ bytes), for messages.
-pub fn gib(bytes: usize) -> f64 {
-    bytes as f64 / (1u64 << 30) as f64
-}
-
 impl Estimate {
     /// Everything together.
     pub fn total(&self) -> usize {

@@ -9,7 +9,6 @@ use super::baselines::{self, tolerance};
 use super::{CURVE_RECIPES, Ctx, DeviceClass, Mode, Verdict};
 use crate::backend::Backend;
 use crate::backend::cpu::Cpu;
-use crate::backend::cuda::check::{self, Scale};
 use crate::backend::cuda::{Cuda, device};
 use crate::checkpoint::{self, Checkpoint, Extras, Snapshot};
 use crate::config::{self, Config, Override};
@@ -20,6 +19,7 @@ use crate::data::{CORPUS, TokenSource};
 use crate::eval::{self, Loaded};
 use crate::hf;
 use crate::model::{Model, init};
+use crate::parity::{self, Scale};
 use crate::tensors::Mapped;
 use crate::train::Trainer;
 use crate::train::checkpointer::Checkpointer;
@@ -460,7 +460,7 @@ pub fn gpu_parity(ctx: &mut Ctx) -> Result<Verdict> {
     let scale = Scale { emulated: false, train_steps: steps };
     let mut open = || Cuda::new(0);
     let progress = &mut *ctx.progress;
-    let outcomes = check::run(scale, &mut open, filter, &mut |o| {
+    let outcomes = parity::run(scale, &mut open, filter, &mut |o| {
         progress(&format!("  {} {} ({:.1} s): {}", if o.passed { "ok  " } else { "FAIL" }, o.name, o.seconds, o.detail))
     });
     let failed: Vec<String> =

@@ -5,6 +5,14 @@
 //! threads, and every reduction adds its chunk partials in a fixed order, so results are bitwise
 //! identical whatever the scheduling. Matrix products go through the `gemm` crate, whose threads
 //! split the output (never the contracted dimension), which keeps them deterministic too.
+//!
+//! Ops get their operands as slices from `Memory::io_many`: `&mut` slices of the views they
+//! write and `&` slices of those they read, in the same buffers, after checking that no written
+//! view overlaps another view. It is the one place the backend builds slices from raw pointers;
+//! its soundness (base pointers taken once, before any slice) is what Miri checks, on nightly:
+//! `cargo +nightly miri test -p engine --lib backend::cpu::tests::io_many` runs the tests below
+//! that reach it directly (the op tests reach it too, but run gemm's SIMD paths and rayon, which
+//! are slow or unsupported under Miri).
 
 mod adamw;
 mod attention;
@@ -100,17 +108,22 @@ impl<T> Memory<T> {
                 assert!(!overlap(o.span(), other.span()), "op output {o:?} overlaps {other:?}");
             }
         }
-        let bufs = &mut self.0;
+        // Every buffer's base pointer, each taken once and all before the first slice: taking a
+        // buffer's pointer again (`as_mut_ptr` reborrows the whole buffer) would invalidate the
+        // slices already made from it, and so would `as_ptr` on a buffer with a slice out.
+        let bases: Vec<*mut T> = self.0.iter_mut().map(|b| b.as_mut_ptr()).collect();
         let outs = outs.map(|v| {
             let (buf, offset, len) = v.span();
-            // SAFETY: in bounds and disjoint from every other view handed out here (checked
-            // above); `&mut self` rules out any other access while the slices live.
-            unsafe { std::slice::from_raw_parts_mut(bufs[buf].as_mut_ptr().add(offset), len) }
+            // SAFETY: `offset + len` lies within buffer `buf` (checked above), and no other view
+            // handed out here shares an element with this one (checked above); all slices come
+            // from the same base pointers, and `&mut self` keeps every other access out while
+            // they live.
+            unsafe { std::slice::from_raw_parts_mut(bases[buf].add(offset), len) }
         });
         let inputs = inputs.map(|v| {
             let (buf, offset, len) = v.span();
-            // SAFETY: as above; read-only views may overlap each other.
-            unsafe { std::slice::from_raw_parts(bufs[buf].as_ptr().add(offset), len) }
+            // SAFETY: as above; read-only views may overlap each other, never a writable one.
+            unsafe { std::slice::from_raw_parts(bases[buf].add(offset).cast_const(), len) }
         });
         (outs, inputs)
     }
@@ -383,4 +396,32 @@ pub fn model_name() -> String {
                 .map(|s| s.trim().to_owned())
         })
         .unwrap_or_else(|| std::env::consts::ARCH.to_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn io_many_hands_out_disjoint_views_of_one_buffer() {
+        let mut mem = Memory::<f32>::default();
+        let buf = mem.push((0..8).map(|i| i as f32).collect());
+        let other = mem.push(vec![10.0; 4].into());
+        let v = |offset, len| View { buf, offset, len };
+        let z = View { buf: other, offset: 1, len: 1 };
+        // Two outputs and two overlapping inputs of one buffer, read and written in turn.
+        let ([a, b], [x, y, z]) = mem.io_many([v(0, 2), v(6, 2)], [v(2, 3), v(4, 2), z]);
+        a.copy_from_slice(&[x[0], y[1]]);
+        b[0] = x[2] + y[0];
+        b[1] = a[0] + a[1] + z[0];
+        assert_eq!(mem.get(v(0, 8)), &[2.0, 5.0, 2.0, 3.0, 4.0, 5.0, 8.0, 17.0]);
+    }
+
+    #[test]
+    #[should_panic(expected = "overlaps")]
+    fn io_many_refuses_an_output_that_overlaps_an_input() {
+        let mut mem = Memory::<f32>::default();
+        let buf = mem.push(vec![0.0; 8].into());
+        mem.io_many([View { buf, offset: 0, len: 3 }], [View { buf, offset: 2, len: 2 }]);
+    }
 }

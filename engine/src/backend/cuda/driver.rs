@@ -10,7 +10,7 @@ use cudarc::driver::{CudaContext, CudaGraph, CudaStream, result};
 
 use super::blas::{self, Blas, Gemm};
 use super::device::{self, DeviceInfo};
-use super::kernels::MODULES;
+use super::ops::MODULES;
 use super::{Device, nvrtc};
 
 /// A GPU. See the [module documentation](self).

@@ -25,7 +25,7 @@ use sha2::{Digest, Sha256};
 
 use super::blas::Gemm;
 use super::device::DeviceInfo;
-use super::kernels::{COMMON, MODULES};
+use super::ops::{COMMON, MODULES};
 use super::{DType, Device, nvrtc};
 
 const PRELUDE: &str = include_str!("emu/prelude.h");

@@ -14,7 +14,7 @@ use cudarc::nvrtc::{result, sys};
 use sha2::{Digest, Sha256};
 
 use super::device::{LIB_PATH_VAR, preload_libraries};
-use super::kernels::Module;
+use super::ops::Module;
 use crate::fsutil::write_atomic;
 
 /// Options every compilation gets besides the architecture: C++17, line information for
@@ -176,7 +176,7 @@ pub fn parse_report(log: &str) -> Vec<KernelReport> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::cuda::kernels::MODULES;
+    use crate::backend::cuda::ops::MODULES;
 
     #[test]
     fn reads_the_ptxas_report() {

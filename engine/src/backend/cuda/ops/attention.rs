@@ -1,0 +1,155 @@
+//! Flash attention on the tensor cores, forward and backward (`attention.cu`): causal,
+//! grouped-query, optional sliding window; one kernel per padded head width.
+
+use super::{Module, aligned16, c_int};
+use crate::backend::cuda::{Arg, Cuda, DType, Scratch};
+use crate::backend::{AttnShape, View};
+
+/// The kernels of `attention.cu`.
+pub(crate) const MODULE: Module = Module {
+    name: "attention",
+    source: include_str!("attention.cu"),
+    kernels: &[
+        "attention_forward_hd16",
+        "attention_forward_hd32",
+        "attention_forward_hd64",
+        "attention_forward_hd128",
+        "attention_backward_dot",
+        "attention_backward_hd16",
+        "attention_backward_hd32",
+        "attention_backward_hd64",
+        "attention_backward_hd128",
+        "attention_backward_dq",
+    ],
+};
+
+/// Widest attention head the flash-attention kernels handle.
+pub(crate) const MAX_HEAD_DIM: usize = 128;
+
+/// The padded head width (`HD`) of the attention kernel for a head of `dh`, a multiple of 8 up
+/// to [`MAX_HEAD_DIM`].
+fn padded_hd(dh: usize) -> usize {
+    assert!(dh.is_multiple_of(8) && dh <= MAX_HEAD_DIM, "head_dim {dh} has no attention kernel");
+    [16, 32, 64, 128].into_iter().find(|&hd| dh <= hd).expect("dh <= 128")
+}
+
+/// Dynamic shared memory of the attention forward kernel for padded width `hd`: the query
+/// tile and two buffers each of keys and values, 64 rows of `hd + 8`.
+fn forward_smem(hd: usize) -> usize {
+    5 * 64 * (hd + 8) * 2
+}
+
+/// Query rows per inner tile of the attention backward kernel.
+fn backward_br(hd: usize) -> usize {
+    if hd >= 128 { 32 } else { 64 }
+}
+
+/// Dynamic shared memory of the attention backward kernel: keys and values, two buffers each of
+/// a query tile and its output gradient (rows of `hd + 8`), dSᵀ (64 × (BR + 8)), and two
+/// buffers each of the tile's log-sum-exp and D (f32).
+fn backward_smem(hd: usize) -> usize {
+    let br = backward_br(hd);
+    (2 * 64 * (hd + 8) + 4 * br * (hd + 8) + 64 * (br + 8)) * 2 + 4 * br * 4
+}
+
+/// `Backend::attention_forward`: a block per 64 queries of a head, the kernel of the padded
+/// head width.
+pub(crate) fn forward(gpu: &mut Cuda, out: View, lse: View, qkv: View, s: AttnShape) {
+    gpu.expect(out, DType::Bf16, "attention_forward", "out");
+    gpu.expect(qkv, DType::Bf16, "attention_forward", "qkv");
+    gpu.expect(lse, DType::F32, "attention_forward", "lse");
+    assert_eq!(qkv.len, s.rows() * s.qkv_width(), "internal error: attention_forward: qkv length");
+    assert_eq!(out.len, s.rows() * s.q_width(), "internal error: attention_forward: out length");
+    assert_eq!(lse.len, s.rows() * s.n_heads, "internal error: attention_forward: lse length");
+    let hd = padded_hd(s.head_dim);
+    let name = match hd {
+        16 => "attention_forward_hd16",
+        32 => "attention_forward_hd32",
+        64 => "attention_forward_hd64",
+        _ => "attention_forward_hd128",
+    };
+    let (o, l, q) = (gpu.out(out, "attention"), gpu.out(lse, "attention"), gpu.ptr(qkv));
+    assert!(aligned16(&[o, q]), "internal error: attention rows must start 16-byte aligned");
+    let args = [
+        Arg::P(o),
+        Arg::P(l),
+        Arg::P(q),
+        Arg::I(c_int(s.seq, "seq")),
+        Arg::I(s.n_heads as i32),
+        Arg::I(s.n_kv_heads as i32),
+        Arg::I(s.head_dim as i32),
+        Arg::I(c_int(s.window, "window")),
+        Arg::F(1.0 / (s.head_dim as f32).sqrt()),
+    ];
+    let grid = (s.seq.div_ceil(64) as u32, s.n_heads as u32, s.batch as u32);
+    gpu.launch(name, grid, 128, forward_smem(hd), &args);
+}
+
+/// `Backend::attention_backward`: D = rowsum(dout · out) first, then a block per 64 keys of a
+/// key/value head accumulating dQ in the f32 scratch, and last dQ converted into `dqkv`.
+pub(crate) fn backward(gpu: &mut Cuda, dqkv: View, dout: View, qkv: View, out: View, lse: View, s: AttnShape) {
+    for (v, name) in [(dqkv, "dqkv"), (dout, "dout"), (qkv, "qkv"), (out, "out")] {
+        gpu.expect(v, DType::Bf16, "attention_backward", name);
+    }
+    gpu.expect(lse, DType::F32, "attention_backward", "lse");
+    assert_eq!(dqkv.len, s.rows() * s.qkv_width(), "internal error: attention_backward: dqkv length");
+    let (rows, heads, dh) = (s.rows(), s.n_heads, s.head_dim);
+    let big_d = gpu.scratch(Scratch::AttnD, rows * heads * 4);
+    let dq = gpu.scratch(Scratch::AttnDq, rows * heads * dh * 4);
+    let (dqkv_p, g, q, o, l) = (gpu.out(dqkv, "attention"), gpu.ptr(dout), gpu.ptr(qkv), gpu.ptr(out), gpu.ptr(lse));
+    assert!(aligned16(&[dqkv_p, g, q, o]), "internal error: attention rows must start 16-byte aligned");
+    let args = [Arg::P(big_d), Arg::P(g), Arg::P(o), Arg::U(rows as u64), Arg::I(heads as i32), Arg::I(dh as i32)];
+    gpu.launch("attention_backward_dot", (((rows * heads) as u64 * 32).div_ceil(256) as u32, 1, 1), 256, 0, &args);
+    gpu.dev.zero_u32(dq, rows * heads * dh);
+    let hd = padded_hd(dh);
+    let name = match hd {
+        16 => "attention_backward_hd16",
+        32 => "attention_backward_hd32",
+        64 => "attention_backward_hd64",
+        _ => "attention_backward_hd128",
+    };
+    let scale = 1.0 / (dh as f32).sqrt();
+    let args = [
+        Arg::P(dqkv_p),
+        Arg::P(dq),
+        Arg::P(g),
+        Arg::P(q),
+        Arg::P(l),
+        Arg::P(big_d),
+        Arg::I(c_int(s.seq, "seq")),
+        Arg::I(heads as i32),
+        Arg::I(s.n_kv_heads as i32),
+        Arg::I(dh as i32),
+        Arg::I(c_int(s.window, "window")),
+        Arg::F(scale),
+    ];
+    let grid = (s.seq.div_ceil(64) as u32, s.n_kv_heads as u32, s.batch as u32);
+    gpu.launch(name, grid, 128, backward_smem(hd), &args);
+    let args = [
+        Arg::P(dqkv_p),
+        Arg::P(dq),
+        Arg::U(rows as u64),
+        Arg::I(c_int(s.q_width(), "q width")),
+        Arg::U(s.qkv_width() as u64),
+        Arg::F(scale),
+    ];
+    gpu.launch_1d("attention_backward_dq", (rows * s.q_width()) as u64, &args);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn attention_tiles_fit_the_shared_memory_of_sm80_and_sm90() {
+        // Per-block opt-in limits: 163 KB on sm_80, 227 KB on sm_90.
+        for hd in [16, 32, 64, 128] {
+            assert!(forward_smem(hd) <= 163 * 1024, "forward hd{hd}");
+            assert!(backward_smem(hd) <= 163 * 1024, "backward hd{hd}");
+        }
+        assert_eq!(padded_hd(8), 16);
+        assert_eq!(padded_hd(64), 64);
+        assert_eq!(padded_hd(72), 128);
+        assert_eq!(forward_smem(128), 87_040);
+    }
+}

@@ -1,0 +1,137 @@
+//! Mixture-of-experts routing, dispatch tables, gather and combine, and their gradients
+//! (`moe.cu`), all on the device. The experts' own products are in [`super::gemm`].
+
+use super::{Module, c_int, row_threads};
+use crate::backend::cuda::{Arg, Cuda, DType};
+use crate::backend::{MoeDispatch, View};
+
+/// The kernels of `moe.cu`.
+pub(crate) const MODULE: Module = Module {
+    name: "moe",
+    source: include_str!("moe.cu"),
+    kernels: &[
+        "moe_route",
+        "moe_dispatch",
+        "moe_stats",
+        "moe_gather",
+        "moe_gather_backward",
+        "moe_combine",
+        "moe_combine_backward_rows",
+        "moe_combine_backward_weights",
+        "moe_route_backward",
+    ],
+};
+
+/// Largest number of experts the routing kernels handle (8 per lane of a warp).
+pub(crate) const MAX_EXPERTS: usize = 256;
+
+/// `Backend::moe_route`: softmax and top-k (a warp per token), the dispatch tables (one block)
+/// and the per-expert statistics (a block per expert).
+pub(crate) fn route(gpu: &mut Cuda, probs: View, router_logits: View, d: MoeDispatch) {
+    for (v, name) in [(probs, "probs"), (router_logits, "router_logits"), (d.weight, "weight"), (d.stats, "stats")] {
+        gpu.expect(v, DType::F32, "moe_route", name);
+    }
+    assert!(d.experts <= MAX_EXPERTS, "internal error: {} experts", d.experts);
+    let (n, e, k) = (d.tokens, d.experts, d.top_k);
+    let (p, z, w, ex) =
+        (gpu.out(probs, "moe_route"), gpu.ptr(router_logits), gpu.out(d.weight, "moe_route"), gpu.iptr(d.expert));
+    let (ei, ki) = (e as i32, k as i32);
+    let args = [Arg::P(p), Arg::P(w), Arg::P(ex), Arg::P(z), Arg::U(n as u64), Arg::I(ei), Arg::I(ki)];
+    gpu.launch("moe_route", ((n as u64 * 32).div_ceil(256) as u32, 1, 1), 256, 0, &args);
+    let (sr, rs, off) = (gpu.iptr(d.slot_row), gpu.iptr(d.row_slot), gpu.iptr(d.offsets));
+    let args = [Arg::P(sr), Arg::P(rs), Arg::P(off), Arg::P(ex), Arg::U((n * k) as u64), Arg::I(ei)];
+    gpu.launch("moe_dispatch", (1, 1, 1), 1024, 34 * e * 4, &args);
+    let st = gpu.out(d.stats, "moe_route");
+    let args = [Arg::P(st), Arg::P(off), Arg::P(p), Arg::U(n as u64), Arg::I(ei)];
+    gpu.launch("moe_stats", (e as u32, 1, 1), 256, 0, &args);
+}
+
+/// `Backend::moe_gather`: a block per slot copies its token's row into expert order.
+pub(crate) fn gather(gpu: &mut Cuda, xe: View, x: View, d: MoeDispatch, width: usize) {
+    gpu.expect(xe, DType::Bf16, "moe_gather", "xe");
+    gpu.expect(x, DType::Bf16, "moe_gather", "x");
+    let (o, xp, rs) = (gpu.out(xe, "moe_gather"), gpu.ptr(x), gpu.iptr(d.row_slot));
+    let args = [Arg::P(o), Arg::P(xp), Arg::P(rs), Arg::I(d.top_k as i32), Arg::I(c_int(width, "d"))];
+    gpu.launch("moe_gather", ((d.tokens * d.top_k) as u32, 1, 1), row_threads(width), 0, &args);
+}
+
+/// `Backend::moe_gather_backward`: a block per token sums the gradients of its k slots.
+pub(crate) fn gather_backward(gpu: &mut Cuda, dx: View, dxe: View, d: MoeDispatch, width: usize) {
+    gpu.expect(dx, DType::Bf16, "moe_gather_backward", "dx");
+    gpu.expect(dxe, DType::Bf16, "moe_gather_backward", "dxe");
+    let (o, g, sr) = (gpu.out(dx, "moe_gather_backward"), gpu.ptr(dxe), gpu.iptr(d.slot_row));
+    let args = [Arg::P(o), Arg::P(g), Arg::P(sr), Arg::I(d.top_k as i32), Arg::I(c_int(width, "d"))];
+    gpu.launch("moe_gather_backward", (d.tokens as u32, 1, 1), row_threads(width), 0, &args);
+}
+
+/// `Backend::moe_combine`: a block per token sums its experts' rows, weighted.
+pub(crate) fn combine(gpu: &mut Cuda, out: View, ye: View, d: MoeDispatch, width: usize) {
+    gpu.expect(out, DType::Bf16, "moe_combine", "out");
+    gpu.expect(ye, DType::Bf16, "moe_combine", "ye");
+    let (o, y, w, sr) = (gpu.out(out, "moe_combine"), gpu.ptr(ye), gpu.ptr(d.weight), gpu.iptr(d.slot_row));
+    let args = [Arg::P(o), Arg::P(y), Arg::P(w), Arg::P(sr), Arg::I(d.top_k as i32), Arg::I(c_int(width, "d"))];
+    gpu.launch("moe_combine", (d.tokens as u32, 1, 1), row_threads(width), 0, &args);
+}
+
+/// `Backend::moe_combine_backward`: the rows' gradients (a block per slot), then the routing
+/// weights' gradients (a warp per slot).
+pub(crate) fn combine_backward(
+    gpu: &mut Cuda,
+    dye: View,
+    dweight: View,
+    dout: View,
+    ye: View,
+    d: MoeDispatch,
+    width: usize,
+) {
+    gpu.expect(dye, DType::Bf16, "moe_combine_backward", "dye");
+    gpu.expect(dweight, DType::F32, "moe_combine_backward", "dweight");
+    gpu.expect(dout, DType::Bf16, "moe_combine_backward", "dout");
+    gpu.expect(ye, DType::Bf16, "moe_combine_backward", "ye");
+    let slots = d.tokens * d.top_k;
+    let (dy, dw) = (gpu.out(dye, "moe_combine_backward"), gpu.out(dweight, "moe_combine_backward"));
+    let (g, y, w, sr, rs) = (gpu.ptr(dout), gpu.ptr(ye), gpu.ptr(d.weight), gpu.iptr(d.slot_row), gpu.iptr(d.row_slot));
+    let (k, wi) = (d.top_k as i32, c_int(width, "d"));
+    let args = [Arg::P(dy), Arg::P(g), Arg::P(w), Arg::P(rs), Arg::I(k), Arg::I(wi)];
+    gpu.launch("moe_combine_backward_rows", (slots as u32, 1, 1), row_threads(width), 0, &args);
+    let args = [Arg::P(dw), Arg::P(g), Arg::P(y), Arg::P(sr), Arg::U(slots as u64), Arg::I(k), Arg::I(wi)];
+    gpu.launch("moe_combine_backward_weights", ((slots as u64 * 32).div_ceil(256) as u32, 1, 1), 256, 0, &args);
+}
+
+/// `Backend::moe_route_backward`: the router logits' gradient from the weights' gradient and the
+/// load-balancing loss, a warp per token.
+pub(crate) fn route_backward(
+    gpu: &mut Cuda,
+    drouter: View,
+    dweight: View,
+    probs: View,
+    d: MoeDispatch,
+    counts: View,
+    aux_scale: f32,
+) {
+    gpu.expect(drouter, DType::Bf16, "moe_route_backward", "drouter");
+    for (v, name) in [(dweight, "dweight"), (probs, "probs"), (counts, "counts"), (d.weight, "weight")] {
+        gpu.expect(v, DType::F32, "moe_route_backward", name);
+    }
+    let (dr, dw, p, w, c, ex) = (
+        gpu.out(drouter, "moe_route_backward"),
+        gpu.ptr(dweight),
+        gpu.ptr(probs),
+        gpu.ptr(d.weight),
+        gpu.ptr(counts),
+        gpu.iptr(d.expert),
+    );
+    let args = [
+        Arg::P(dr),
+        Arg::P(dw),
+        Arg::P(p),
+        Arg::P(w),
+        Arg::P(c),
+        Arg::P(ex),
+        Arg::U(d.tokens as u64),
+        Arg::I(d.experts as i32),
+        Arg::I(d.top_k as i32),
+        Arg::F(aux_scale),
+    ];
+    gpu.launch("moe_route_backward", ((d.tokens as u64 * 32).div_ceil(256) as u32, 1, 1), 256, 0, &args);
+}

@@ -1,0 +1,183 @@
+//! Whole models on the CUDA backend: loss and gradients against the f32 CPU model, graph replay,
+//! recomputation, the memory estimate, training that lowers the loss, and NCCL on one GPU.
+
+use super::{Open, Scale, Tol, compare};
+use crate::backend::cpu::Cpu;
+use crate::backend::cuda::Cuda;
+use crate::backend::{Backend, BufKind, gib};
+use crate::config::{Config, Remat, recipe};
+use crate::model::memory::{self, Target};
+use crate::model::{LOSS_SUM, Model, Plan, init};
+use crate::rng;
+use crate::train::Trainer;
+
+/// A built-in tiny configuration, scaled down for the emulator.
+fn tiny(name: &str, scale: Scale, extra: &[&str]) -> Config {
+    let mut texts: Vec<&str> = Vec::new();
+    if scale.emulated {
+        texts.extend(["model.vocab_size=512", "train.seq_len=64"]);
+        texts.extend(match name {
+            "tiny-llama2" => &["model.d_model=256", "model.mlp_dim=512", "model.n_heads=2", "model.n_kv_heads=2"][..],
+            "tiny-mistral" => &["model.d_model=256", "model.mlp_dim=128", "model.sliding_window=24"][..],
+            _ => &["model.d_model=128", "model.mlp_dim=96", "model.moe.num_experts=4"][..],
+        });
+    }
+    texts.extend(extra);
+    let overrides: Vec<recipe::Override> =
+        texts.iter().map(|t| recipe::Override { text: t.to_string(), origin: "gpu-test".into() }).collect();
+    recipe::resolve(name, &overrides).expect("the tiny recipes resolve").config
+}
+
+/// One forward and backward pass of `model` on a backend: (loss sum, gradients).
+fn model_step<B: Backend>(be: &mut B, model: &Model, plan: &Plan, params: &[f32], tokens: &[u32]) -> (f32, Vec<f32>) {
+    be.upload(plan.params, params);
+    let n = plan.batch * plan.seq;
+    be.upload_idx(plan.tokens, &tokens[..n]);
+    be.upload_idx(plan.targets, &tokens[1..=n]);
+    be.fill(plan.grads, 0.0);
+    model.forward(be, plan, Some(1.0 / n as f32), &mut crate::model::Alone);
+    model.backward(be, plan, model.aux_scale(plan, 1.0), &mut crate::model::Alone);
+    let (mut loss, mut grads) = ([0f32], vec![0f32; plan.grads.len]);
+    be.download(plan.scalars.at(LOSS_SUM, 1), &mut loss);
+    be.download(plan.grads, &mut grads);
+    (loss[0], grads)
+}
+
+/// Loss and gradients of tiny configuration `name` (with `extra` overrides) against the f32 CPU model.
+pub(super) fn parity(gpu: Cuda, name: &str, extra: &[&str], scale: Scale) -> Result<String, String> {
+    let config = tiny(name, scale, extra);
+    let model = Model::new(&config.model);
+    let (batch, seq) = (config.train.batch_size, config.train.seq_len);
+    let params = init::params(&model, 7);
+    let tokens: Vec<u32> =
+        (0..=batch * seq).map(|i| (rng::bits(3, 3, i as u64) % config.model.vocab_size as u64) as u32).collect();
+    let mut cpu = Cpu::new();
+    let cpu_plan = model.plan(&mut cpu, batch, seq);
+    let (cpu_loss, cpu_grads) = model_step(&mut cpu, &model, &cpu_plan, &params, &tokens);
+    let mut gpu = gpu;
+    let gpu_plan = model.plan(&mut gpu, batch, seq);
+    let (gpu_loss, gpu_grads) = model_step(&mut gpu, &model, &gpu_plan, &params, &tokens);
+    let n = (batch * seq) as f32;
+    let (cl, gl) = (cpu_loss / n, gpu_loss / n);
+    let mut notes = vec![format!("loss {cl:.4} (CPU) {gl:.4} (GPU)")];
+    let close = (gl - cl).abs() <= 0.005 * cl.abs();
+    if !close {
+        return Err(format!("loss {gl} on the GPU, {cl} on the CPU (tolerance 0.5 %)"));
+    }
+    let mut worst = (0f64, String::new());
+    for tensor in &model.layout.tensors {
+        let r = tensor.offset..tensor.offset + tensor.len();
+        let (c, g) = (&cpu_grads[r.clone()], &gpu_grads[r]);
+        if c.iter().all(|&x| x == 0.0) {
+            continue; // an expert no token reached
+        }
+        let text = compare(&tensor.name, c, g, Tol { rel_l2: 0.03, max: 1.0 })?;
+        let rel: f64 = text.split_whitespace().last().and_then(|s| s.split('/').next()?.parse().ok()).unwrap_or(0.0);
+        if rel > worst.0 {
+            worst = (rel, text);
+        }
+    }
+    notes.push(format!("worst gradient: {}", worst.1));
+    notes.push(compare("all gradients", &cpu_grads, &gpu_grads, Tol { rel_l2: 0.02, max: 1.0 })?);
+    Ok(notes.join(", "))
+}
+
+/// Losses of `steps` training steps of a tiny configuration, and the sections recorded.
+fn train_losses(gpu: Cuda, config: &Config, steps: usize) -> Result<(Vec<f64>, usize), String> {
+    let mut trainer = Trainer::new(gpu, config).map_err(|e| format!("{e:#}"))?;
+    let losses = (0..steps).map(|_| trainer.train_step(0.0).loss).collect();
+    Ok((losses, trainer.backend.recorded_sections()))
+}
+
+/// Steps replayed from a CUDA graph give the losses of eager steps.
+pub(super) fn graphs(gpu: Cuda, open: &mut Open, scale: Scale) -> Result<String, String> {
+    let steps = 4;
+    let (graphs, recorded) = train_losses(gpu, &tiny("tiny-llama2", scale, &[]), steps)?;
+    let (eager, none) = train_losses(open()?, &tiny("tiny-llama2", scale, &["train.cuda_graphs=false"]), steps)?;
+    if recorded != 1 || none != 0 {
+        return Err(format!("{recorded} graphs recorded with train.cuda_graphs, {none} without (want 1 and 0)"));
+    }
+    // Step 1 runs eagerly, step 2 is captured, 3 and 4 replay; atomics make the last bits differ
+    // from run to run.
+    for (i, (a, b)) in graphs.iter().zip(&eager).enumerate() {
+        if (a - b).abs() > 2e-3 * b.abs() {
+            return Err(format!("step {}: loss {a} with graphs, {b} without", i + 1));
+        }
+    }
+    Ok(format!("losses {graphs:.4?} with graphs, {eager:.4?} without"))
+}
+
+/// Gradients with full recomputation match those without.
+pub(super) fn remat(gpu: Cuda, open: &mut Open, scale: Scale) -> Result<String, String> {
+    let grads = |gpu: Cuda, remat: Remat| {
+        let config = tiny("tiny-llama2", scale, &["model.n_layers=2"]);
+        let mut model = Model::new(&config.model);
+        model.remat = remat;
+        let (batch, seq) = (config.train.batch_size, config.train.seq_len);
+        let params = init::params(&model, 7);
+        let tokens: Vec<u32> = (0..=batch * seq).map(|i| (i * 7 % 200) as u32).collect();
+        let mut gpu = gpu;
+        let plan = model.plan(&mut gpu, batch, seq);
+        model_step(&mut gpu, &model, &plan, &params, &tokens).1
+    };
+    let none = grads(gpu, Remat::None);
+    let full = grads(open()?, Remat::Full);
+    compare("gradients", &none, &full, Tol { rel_l2: 1e-2, max: 5e-2 })
+}
+
+/// The memory estimate is within 1 % of what the backend allocates.
+pub(super) fn memory_estimate(gpu: Cuda, scale: Scale) -> Result<String, String> {
+    let config = tiny("tiny-mixtral", scale, &["train.batch_size=2", "train.remat=minimal"]);
+    let mut model = Model::new(&config.model);
+    model.remat = config.train.remat;
+    let target = Target::Cuda { sm_count: gpu.info().sm_count as usize };
+    let estimate = memory::estimate(&model, config.train.batch_size, config.train.seq_len, target).total();
+    let mut trainer = Trainer::new(gpu, &config).map_err(|e| format!("{e:#}"))?;
+    trainer.train_step(0.0);
+    let (allocated, in_use) = trainer.backend.memory_in_use();
+    let detail = format!(
+        "estimate {:.4} GiB, allocated {:.4} GiB, device memory in use {:.3} GiB",
+        gib(estimate),
+        gib(allocated),
+        gib(in_use)
+    );
+    let off = (allocated as f64 - estimate as f64).abs() / estimate as f64;
+    if off > 0.01 { Err(format!("{detail}: {:.2} % off", 100.0 * off)) } else { Ok(detail) }
+}
+
+/// A few training steps of tiny configuration `name` lower the loss.
+pub(super) fn training(gpu: Cuda, name: &str, scale: Scale) -> Result<String, String> {
+    let config = tiny(name, scale, &[&format!("train.steps={}", scale.train_steps)]);
+    let (losses, _) = train_losses(gpu, &config, scale.train_steps)?;
+    let tail = &losses[losses.len().saturating_sub(5)..];
+    let last = tail.iter().sum::<f64>() / tail.len() as f64;
+    let detail = format!("loss {:.3} -> {:.3} (mean of the last {})", losses[0], last, tail.len());
+    if losses.iter().any(|l| !l.is_finite()) || last > 0.85 * losses[0] { Err(detail) } else { Ok(detail) }
+}
+
+/// NCCL on one GPU: every collective over a group of one leaves the data as it was, in f32 and
+/// in bf16, on the backend's stream.
+pub(super) fn nccl_alone(mut gpu: Cuda) -> Result<String, String> {
+    use crate::parallel::comm::Collectives;
+    use crate::parallel::nccl::{Nccl, unique_id};
+    let id = unique_id().map_err(|e| e.to_string())?;
+    let mut comm = Nccl::init(&id, 0, 1).map_err(|e| e.to_string())?;
+    let n = 1000;
+    // Small integers: exact in bf16 too.
+    let x: Vec<f32> = (0..n).map(|i| (i % 200) as f32 - 100.0).collect();
+    let mut failures = Vec::new();
+    for kind in [BufKind::Grads, BufKind::Activations] {
+        let (a, b, c) = (gpu.alloc(kind, n), gpu.alloc(kind, n), gpu.alloc(kind, n));
+        gpu.upload(a, &x);
+        Collectives::<Cuda>::all_reduce_sum(&mut comm, &mut gpu, a, &[0]);
+        Collectives::<Cuda>::reduce_scatter_sum(&mut comm, &mut gpu, a, b, &[0]);
+        Collectives::<Cuda>::all_gather(&mut comm, &mut gpu, b, c, &[0]);
+        let mut got = vec![0f32; n];
+        gpu.download(c, &mut got);
+        if got != x {
+            let bad = got.iter().zip(&x).position(|(g, w)| g != w).unwrap_or(0);
+            failures.push(format!("{kind:?}: element {bad} is {} after the collectives, {} before", got[bad], x[bad]));
+        }
+    }
+    if failures.is_empty() { Ok(format!("{n} elements unchanged in f32 and bf16")) } else { Err(failures.join("; ")) }
+}

@@ -1,0 +1,360 @@
+//! Each op of the CUDA backend against its CPU twin: the same inputs on both, one call, the
+//! outputs compared with the tolerance of their type.
+
+use super::{BF16, F32, Tol, compare};
+use crate::backend::cpu::Cpu;
+use crate::backend::cuda::Cuda;
+use crate::backend::{
+    AdamWStep, AttnShape, Backend, BufKind, ExpertWeights, IdxView, MatMul, MoeDispatch, Segment, View,
+};
+use crate::rng;
+use BufKind::{Activations as ACT, Grads as GRAD, OptState as OPT, Params as PARAM, Scalars as F32S};
+
+/// The same buffers on the CPU and the GPU, filled with the same values.
+struct Twin {
+    cpu: Cpu,
+    gpu: Cuda,
+    draws: u64,
+    notes: Vec<String>,
+}
+
+impl Twin {
+    fn new(gpu: Cuda) -> Twin {
+        Twin { cpu: Cpu::new(), gpu, draws: 0, notes: Vec::new() }
+    }
+
+    fn alloc(&mut self, kind: BufKind, len: usize) -> View {
+        let (a, b) = (self.cpu.alloc(kind, len), self.gpu.alloc(kind, len));
+        assert_eq!(a, b, "the backends number buffers alike");
+        a
+    }
+
+    fn idx(&mut self, data: &[u32]) -> IdxView {
+        let (a, b) = (self.cpu.alloc_idx(data.len()), self.gpu.alloc_idx(data.len()));
+        assert_eq!(a, b);
+        self.cpu.upload_idx(a, data);
+        self.gpu.upload_idx(a, data);
+        a
+    }
+
+    /// Values `scale · N(0, 1)`, rounded to bf16 for kinds the GPU keeps in bf16.
+    fn random(&mut self, kind: BufKind, len: usize, scale: f32) -> View {
+        self.draws += 1;
+        let data: Vec<f32> = (0..len).map(|i| scale * rng::normal_pair(99, self.draws, i as u64).0).collect();
+        self.set(kind, &data)
+    }
+
+    fn set(&mut self, kind: BufKind, data: &[f32]) -> View {
+        let v = self.alloc(kind, data.len());
+        let rounded: Vec<f32> = if matches!(kind, BufKind::Activations | BufKind::Params) {
+            data.iter().map(|&x| half::bf16::from_f32(x).to_f32()).collect()
+        } else {
+            data.to_vec()
+        };
+        self.cpu.upload(v, &rounded);
+        self.gpu.upload(v, &rounded);
+        v
+    }
+
+    fn both(&mut self, f: impl Fn(&mut dyn Backend)) {
+        f(&mut self.cpu);
+        f(&mut self.gpu);
+    }
+
+    fn check(&mut self, what: &str, v: View, tol: Tol) -> Result<(), String> {
+        let (mut c, mut g) = (vec![0f32; v.len], vec![0f32; v.len]);
+        self.cpu.download(v, &mut c);
+        self.gpu.download(v, &mut g);
+        self.notes.push(compare(what, &c, &g, tol)?);
+        Ok(())
+    }
+
+    fn check_idx(&mut self, what: &str, v: IdxView) -> Result<(), String> {
+        let (mut c, mut g) = (vec![0u32; v.len], vec![0u32; v.len]);
+        self.cpu.download_idx(v, &mut c);
+        self.gpu.download_idx(v, &mut g);
+        match c.iter().zip(&g).position(|(a, b)| a != b) {
+            None => {
+                self.notes.push(format!("{what} exact"));
+                Ok(())
+            }
+            Some(i) => Err(format!("{what}: entry {i} is {} on the GPU, {} on the CPU", g[i], c[i])),
+        }
+    }
+
+    fn done(self) -> Result<String, String> {
+        Ok(self.notes.join(", "))
+    }
+}
+
+/// Fills, converting copies and adds between the types, and both sums.
+pub(super) fn elementwise(gpu: Cuda) -> Result<String, String> {
+    let mut t = Twin::new(gpu);
+    let n = 3001;
+    // Each op reads inputs no other op wrote: a bf16 result differs from the CPU's f32 one.
+    let (a, b, c, d) = (t.random(ACT, n, 1.0), t.random(ACT, n, 1.0), t.random(ACT, n, 1.0), t.random(ACT, n, 1.0));
+    let (f, g, out) = (t.random(F32S, n, 1.0), t.random(GRAD, n, 1.0), t.alloc(F32S, 4));
+    let (copies, to_bf16) = (t.alloc(F32S, n), t.alloc(ACT, n));
+    t.both(|be| {
+        be.sum(out.at(0, 1), c);
+        be.sum_squares(out.at(1, 1), g);
+        be.sum(out.at(2, 1), f);
+        be.sum_squares(out.at(3, 1), d);
+        be.copy(copies.at(0, 1000), c.at(0, 1000));
+        be.copy(copies.at(1000, 1000), g.at(0, 1000));
+        be.fill(copies.at(2000, 1001), 0.25);
+        be.copy(to_bf16.at(0, 1000), d.at(0, 1000));
+        be.copy(to_bf16.at(1000, 2001), f.at(0, 2001));
+        be.add(a, b);
+        be.add(g, c);
+        be.add(d, f);
+    });
+    t.check("sums", out, F32)?;
+    t.check("copies and fill into f32", copies, F32)?;
+    t.check("copies into bf16", to_bf16, BF16)?;
+    t.check("add bf16+bf16", a, BF16)?;
+    t.check("add f32+bf16", g, F32)?;
+    t.check("add bf16+f32", d, BF16)?;
+    t.done()
+}
+
+/// Products as the linear layers use them: forward, with a residual added, dx, dW, into f32.
+pub(super) fn matmul(gpu: Cuda, m: usize, n: usize, k: usize) -> Result<String, String> {
+    let mut t = Twin::new(gpu);
+    let (x, w) = (t.random(ACT, m * k, 1.0), t.random(PARAM, n * k, 0.05));
+    let (y, res) = (t.alloc(ACT, m * n), t.random(ACT, m * n, 1.0));
+    let dy = t.random(ACT, m * n, 1.0);
+    let (dx, dw) = (t.alloc(ACT, m * k), t.random(GRAD, n * k, 0.1));
+    let (logits, stream, sum) = (t.alloc(F32S, m * n), t.random(ACT, m * n, 1.0), t.alloc(ACT, m * n));
+    t.both(|be| {
+        be.matmul(y, x, w, MatMul::linear(m, k, n));
+        be.matmul(res, x, w, MatMul::linear(m, k, n).accumulating());
+        be.matmul_add(sum, x, w, stream, MatMul::linear(m, k, n));
+        be.matmul(dx, dy, w, MatMul::linear_dx(m, k, n));
+        be.matmul(dw, dy, x, MatMul::linear_dw(m, k, n));
+        be.matmul(logits, x, w, MatMul::linear(m, k, n));
+    });
+    t.check("x·Wᵀ", y, BF16)?;
+    t.check("residual + x·Wᵀ", res, BF16)?;
+    t.check("residual + x·Wᵀ into another buffer", sum, BF16)?;
+    t.check("dy·W", dx, BF16)?;
+    t.check("dW += dyᵀ·x (f32)", dw, F32)?;
+    t.check("x·Wᵀ into f32", logits, F32)?;
+    t.done()
+}
+
+/// Embedding lookup and the scatter-add of its gradient, with repeated tokens.
+pub(super) fn embedding(gpu: Cuda) -> Result<String, String> {
+    let mut t = Twin::new(gpu);
+    let (v, d, n) = (50, 64, 120);
+    let table = t.random(PARAM, v * d, 1.0);
+    let tokens: Vec<u32> = (0..n).map(|i| (rng::bits(5, 0, i) % 20) as u32).collect(); // repeats
+    let tok = t.idx(&tokens);
+    let (out, dout, dtable) =
+        (t.alloc(ACT, n as usize * d), t.random(ACT, n as usize * d, 1.0), t.random(GRAD, v * d, 0.1));
+    t.both(|be| {
+        be.embedding_forward(out, table, tok, d);
+        be.embedding_backward(dtable, dout, tok, d);
+    });
+    t.check("forward", out, BF16)?;
+    t.check("backward (f32 atomics)", dtable, F32)?;
+    t.done()
+}
+
+/// RMSNorm forward and backward (the residual add into dx, the weight gradient) at width `d`.
+pub(super) fn rmsnorm(gpu: Cuda, d: usize) -> Result<String, String> {
+    let mut t = Twin::new(gpu);
+    let rows = 75;
+    let (x, w) = (t.random(ACT, rows * d, 1.0), t.random(PARAM, d, 1.0));
+    let (out, rstd) = (t.alloc(ACT, rows * d), t.alloc(F32S, rows));
+    let (dout, dx, dw) = (t.random(ACT, rows * d, 1.0), t.random(ACT, rows * d, 1.0), t.random(GRAD, d, 1.0));
+    t.both(|be| {
+        be.rmsnorm_forward(out, rstd, x, w, d, 1e-5);
+        be.rmsnorm_backward(dx, dw, dout, x, w, rstd, d);
+    });
+    t.check("y", out, BF16)?;
+    t.check("rstd", rstd, F32)?;
+    t.check("dx (added to the residual's)", dx, BF16)?;
+    t.check("dw", dw, Tol { rel_l2: 1e-3, max: 1e-2 })?;
+    t.done()
+}
+
+/// RoPE and its inverse on packed qkv rows.
+pub(super) fn rope(gpu: Cuda) -> Result<String, String> {
+    let mut t = Twin::new(gpu);
+    let s = AttnShape { batch: 2, seq: 33, n_heads: 4, n_kv_heads: 2, head_dim: 16, window: 0 };
+    let config = crate::config::ModelConfig { head_dim: 16, rope_theta: 500.0, ..Default::default() };
+    let table = crate::model::rope::table(&config, s.seq);
+    let tab = t.set(F32S, &table);
+    let (qkv, back) = (t.random(ACT, s.rows() * s.qkv_width(), 1.0), t.alloc(ACT, s.rows() * s.qkv_width()));
+    t.both(|be| {
+        be.rope(qkv, tab, s, false);
+        be.copy(back, qkv);
+        be.rope(back, tab, s, true);
+    });
+    t.check("rotated", qkv, BF16)?;
+    t.check("rotated back", back, BF16)?;
+    t.done()
+}
+
+/// Flash attention forward and backward against the CPU reference at shape `s`.
+pub(super) fn attention(gpu: Cuda, s: AttnShape) -> Result<String, String> {
+    let mut t = Twin::new(gpu);
+    let qkv = t.random(ACT, s.rows() * s.qkv_width(), 1.0);
+    let (out, lse) = (t.alloc(ACT, s.rows() * s.q_width()), t.alloc(F32S, s.rows() * s.n_heads));
+    let (dout, dqkv) = (t.random(ACT, s.rows() * s.q_width(), 1.0), t.alloc(ACT, s.rows() * s.qkv_width()));
+    t.both(|be| {
+        be.attention_forward(out, lse, qkv, s);
+        be.attention_backward(dqkv, dout, qkv, out, lse, s);
+    });
+    t.check("out", out, BF16)?;
+    t.check("lse", lse, F32)?;
+    let (q, kv) = (s.q_width(), s.n_kv_heads * s.head_dim);
+    // dq, dk, dv separately: each has its own scale.
+    let cols = |start: usize, width: usize| -> Vec<usize> {
+        (0..s.rows()).flat_map(|r| (0..width).map(move |c| r * s.qkv_width() + start + c)).collect()
+    };
+    let (mut c, mut g) = (vec![0f32; dqkv.len], vec![0f32; dqkv.len]);
+    t.cpu.download(dqkv, &mut c);
+    t.gpu.download(dqkv, &mut g);
+    for (name, start, width) in [("dq", 0, q), ("dk", q, kv), ("dv", q + kv, kv)] {
+        let idx = cols(start, width);
+        let pick = |x: &[f32]| idx.iter().map(|&i| x[i]).collect::<Vec<f32>>();
+        t.notes.push(compare(name, &pick(&c), &pick(&g), Tol { rel_l2: 2e-2, max: 8e-2 })?);
+    }
+    t.done()
+}
+
+/// SwiGLU forward and backward at width `f`.
+pub(super) fn swiglu(gpu: Cuda, f: usize) -> Result<String, String> {
+    let mut t = Twin::new(gpu);
+    let n = 37;
+    let (gu, dh) = (t.random(ACT, n * 2 * f, 2.0), t.random(ACT, n * f, 1.0));
+    let (h, dgu) = (t.alloc(ACT, n * f), t.alloc(ACT, n * 2 * f));
+    t.both(|be| {
+        be.swiglu_forward(h, gu, f);
+        be.swiglu_backward(dgu, dh, gu, f);
+    });
+    t.check("h", h, BF16)?;
+    t.check("dgu", dgu, BF16)?;
+    t.done()
+}
+
+/// Cross-entropy losses and the gradient written over the logits, vocabulary `v`.
+pub(super) fn cross_entropy(gpu: Cuda, v: usize) -> Result<String, String> {
+    let mut t = Twin::new(gpu);
+    let n = 45;
+    let targets: Vec<u32> = (0..n).map(|i| (rng::bits(8, 1, i) % v as u64) as u32).collect();
+    let tgt = t.idx(&targets);
+    let (logits, grads) = (t.random(ACT, n as usize * v, 3.0), t.random(ACT, n as usize * v, 3.0));
+    let (l1, l2) = (t.alloc(F32S, n as usize), t.alloc(F32S, n as usize));
+    t.both(|be| {
+        be.cross_entropy(l1, logits, tgt, v, None);
+        be.cross_entropy(l2, grads, tgt, v, Some(0.5));
+    });
+    t.check("losses", l1, F32)?;
+    t.check("losses with gradient", l2, F32)?;
+    t.check("gradient", grads, BF16)?;
+    t.done()
+}
+
+/// The mixture-of-experts path: routing, dispatch tables, expert products, combine, backward.
+pub(super) fn moe(gpu: Cuda) -> Result<String, String> {
+    let mut t = Twin::new(gpu);
+    let (n, e, k, d, f) = (90, 8, 2, 64, 48);
+    let rows = n * k;
+    let router_logits = t.random(F32S, n * e, 1.5);
+    let probs = t.alloc(F32S, n * e);
+    let mut idx = |len: usize| t.idx(&vec![0; len]);
+    let (expert, slot_row, row_slot, offsets) = (idx(rows), idx(rows), idx(rows), idx(e + 1));
+    let dispatch = MoeDispatch {
+        tokens: n,
+        experts: e,
+        top_k: k,
+        expert,
+        weight: t.alloc(F32S, rows),
+        slot_row,
+        row_slot,
+        offsets,
+        stats: t.alloc(F32S, 2 * e),
+    };
+    let x = t.random(ACT, n * d, 1.0);
+    let weights = t.random(PARAM, e * 3 * f * d, 0.1);
+    let gate_up = ExpertWeights { first: weights.at(0, 2 * f * d), stride: 3 * f * d };
+    let down = ExpertWeights { first: weights.at(2 * f * d, d * f), stride: 3 * f * d };
+    let dweights = t.random(GRAD, e * 3 * f * d, 0.01);
+    let dgate_up = ExpertWeights { first: dweights.at(0, 2 * f * d), ..gate_up };
+    let ddown = ExpertWeights { first: dweights.at(2 * f * d, d * f), ..down };
+    let (xe, gu, h, ye) =
+        (t.alloc(ACT, rows * d), t.alloc(ACT, rows * 2 * f), t.alloc(ACT, rows * f), t.alloc(ACT, rows * d));
+    let (out, dout) = (t.alloc(ACT, n * d), t.random(ACT, n * d, 1.0));
+    let (dye, dweight, dh, dxe, dx) = (
+        t.alloc(ACT, rows * d),
+        t.alloc(F32S, rows),
+        t.alloc(ACT, rows * f),
+        t.alloc(ACT, rows * d),
+        t.alloc(ACT, n * d),
+    );
+    let dgu = t.random(ACT, rows * 2 * f, 1.0);
+    let (counts, drouter) = (t.random(F32S, e, 10.0), t.alloc(ACT, n * e));
+    t.both(|be| {
+        be.moe_route(probs, router_logits, dispatch);
+        be.moe_gather(xe, x, dispatch, d);
+        be.moe_expert_matmul(gu, xe, gate_up, dispatch, MatMul::linear(0, d, 2 * f));
+        be.swiglu_forward(h, gu, f);
+        be.moe_expert_matmul(ye, h, down, dispatch, MatMul::linear(0, f, d));
+        be.moe_combine(out, ye, dispatch, d);
+        be.moe_combine_backward(dye, dweight, dout, ye, dispatch, d);
+        be.moe_expert_matmul(dh, dye, down, dispatch, MatMul::linear_dx(0, f, d));
+        be.moe_expert_matmul_dw(ddown, dye, h, dispatch, f, d);
+        be.moe_expert_matmul(dxe, dgu, gate_up, dispatch, MatMul::linear_dx(0, d, 2 * f));
+        be.moe_expert_matmul_dw(dgate_up, dgu, xe, dispatch, d, 2 * f);
+        be.moe_gather_backward(dx, dxe, dispatch, d);
+        be.moe_route_backward(drouter, dweight, probs, dispatch, counts, 0.01);
+    });
+    t.check("probs", probs, F32)?;
+    t.check_idx("experts", dispatch.expert)?;
+    t.check("weights", dispatch.weight, F32)?;
+    for (name, v) in [("slot rows", dispatch.slot_row), ("row slots", dispatch.row_slot), ("offsets", dispatch.offsets)]
+    {
+        t.check_idx(name, v)?;
+    }
+    t.check("stats", dispatch.stats, F32)?;
+    t.check("gathered", xe, BF16)?;
+    t.check("gate and up (grouped GEMM)", gu, BF16)?;
+    t.check("down (grouped GEMM)", ye, BF16)?;
+    t.check("combined", out, BF16)?;
+    t.check("dye", dye, BF16)?;
+    // From here on the inputs themselves went through bf16 on the GPU (ye, dye, h): bf16 level.
+    t.check("dweight", dweight, BF16)?;
+    t.check("dh (grouped dx GEMM)", dh, BF16)?;
+    t.check("dxe", dxe, BF16)?;
+    t.check("dW (grouped dW GEMM)", dweights, BF16)?;
+    t.check("dx", dx, BF16)?;
+    t.check("drouter", drouter, BF16)?;
+    t.done()
+}
+
+/// AdamW with gradient clipping and segments that decay and that do not.
+pub(super) fn adamw(gpu: Cuda) -> Result<String, String> {
+    let mut t = Twin::new(gpu);
+    let n = 4099;
+    let (p, g) = (t.random(PARAM, n, 1.0), t.random(GRAD, n, 1.0));
+    let (m, v, norm) = (t.random(OPT, n, 0.1), t.set(OPT, &vec![0.3; n]), t.alloc(F32S, 1));
+    let segments = [
+        Segment { offset: 0, len: 1000, decay: true },
+        Segment { offset: 1000, len: 7, decay: false },
+        Segment { offset: 1007, len: 3000, decay: true },
+        Segment { offset: 4010, len: 89, decay: false },
+    ];
+    let step = AdamWStep { lr: 0.01, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1, t: 3, max_grad_norm: 1.0 };
+    t.both(|be| {
+        be.sum_squares(norm, g);
+        be.adamw(p, g, m, v, norm, &segments, step);
+    });
+    t.check("parameters (f32 master)", p, F32)?;
+    t.check("m", m, F32)?;
+    t.check("v", v, F32)?;
+    t.check("gradients zeroed", g, F32)?;
+    t.done()
+}
