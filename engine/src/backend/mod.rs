@@ -1,6 +1,6 @@
 //! The backend interface: memory and the small set of ops a transformer step needs.
 //!
-//! The model ([`crate::model`]) is written once against [`Backend`]; a backend owns its memory
+//! The model (`model/`, above this module) is written once against [`Backend`]; a backend owns its memory
 //! and hands out [`View`]s (buffer, offset, length) that the model arranges into a plan before
 //! the first step. No op allocates tensors, and none returns data to the host: the model reads
 //! back only the scalars it logs, with [`Backend::download`].

@@ -323,7 +323,7 @@ fn build() -> Result<PathBuf, String> {
     for (name, text) in &units {
         hash.update(format!("{name}\n{text}\n"));
     }
-    let hex: String = hash.finalize().iter().take(8).map(|b| format!("{b:02x}")).collect();
+    let hex = crate::digest::hex(&hash.finalize()[..8]);
     let base = nvrtc::cache_dir().unwrap_or_else(std::env::temp_dir);
     let dir = base.join(format!("emulator-{hex}"));
     let library = dir.join("libengine_cuda_emulator.so");

@@ -109,7 +109,7 @@ pub fn cache_file(module: &Module, arch: u32, nvrtc: (i32, i32)) -> String {
     h.update(format!("nvrtc {}.{}\n{:?}\nsm_{arch}\n", nvrtc.0, nvrtc.1, OPTIONS));
     h.update(module.full_source());
     let digest = h.finalize();
-    let hex: String = digest.iter().take(8).map(|b| format!("{b:02x}")).collect();
+    let hex = crate::digest::hex(&digest[..8]);
     format!("{}-sm_{arch}-{hex}.cubin", module.name)
 }
 
