@@ -276,3 +276,91 @@ fn bad_input_is_named_with_file_and_line() {
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// What a killed `engine data prepare` leaves (some final-named shards, a temporary file, no
+/// `prepare.json`) is reported when training reads it, and cleaned by the next prepare into
+/// the same directory; a shard missing from, or added to, a complete preparation is named; a
+/// token outside its shard's vocabulary, or a vocabulary of 0, is refused with the shard, the
+/// position and the value, before any training.
+#[test]
+fn interrupted_or_damaged_preparations_never_train() {
+    let dir = scratch("prepare-damaged");
+    let out = dir.join("shards");
+    let prepare = |out: &Path| {
+        engine(&[
+            "data",
+            "prepare",
+            "--tokenizer",
+            s(&fixture("tokenizers/bytelevel-bpe.json")),
+            "--input",
+            concat!(env!("CARGO_MANIFEST_DIR"), "/data/shakespeare.txt"),
+            "--out",
+            s(out),
+            "--shard-tokens",
+            "2000",
+            "--separator",
+            "",
+        ])
+    };
+    assert!(prepare(&out).status.success());
+    let shards = report(&out).shards;
+    assert!(shards.len() >= 3, "{shards:?}");
+    let path = format!("data.path={}", out.display());
+    let train = |run: &str| {
+        vec![
+            "train".to_string(),
+            "--recipe".into(),
+            "tiny-llama2".into(),
+            "--steps".into(),
+            "1".into(),
+            "--run-dir".into(),
+            dir.join(run).display().to_string(),
+            "--set".into(),
+            "data.source=shards".into(),
+            "--set".into(),
+            path.clone(),
+            "--set".into(),
+            "model.vocab_size=512".into(),
+        ]
+    };
+
+    fn args(v: &[String]) -> Vec<&str> {
+        v.iter().map(String::as_str).collect()
+    }
+
+    // A complete preparation with a shard removed, then with an extra one.
+    let last = out.join(shards.last().unwrap());
+    let kept = std::fs::read(&last).unwrap();
+    std::fs::remove_file(&last).unwrap();
+    fails(&args(&train("r1")), &format!("shard {}, listed in prepare.json, is missing", shards.last().unwrap()));
+    std::fs::write(&last, &kept).unwrap();
+    std::fs::write(out.join("shard-99999.tok"), &kept).unwrap();
+    fails(&args(&train("r2")), "shard-99999.tok is not listed in prepare.json");
+    std::fs::remove_file(out.join("shard-99999.tok")).unwrap();
+
+    // What a kill leaves: the first shards, a temporary one, no manifest.
+    std::fs::remove_file(out.join("prepare.json")).unwrap();
+    std::fs::remove_file(&last).unwrap();
+    std::fs::write(out.join(format!(".{}.tmp-12345", shards.last().unwrap())), b"partial").unwrap();
+    let e = fails(&args(&train("r3")), "did not finish");
+    assert!(e.contains("no prepare.json"), "{e}");
+    let again = prepare(&out);
+    assert!(again.status.success(), "{}", String::from_utf8_lossy(&again.stderr));
+    assert!(String::from_utf8_lossy(&again.stderr).contains("left in"), "the cleanup is reported");
+    assert!(!std::fs::read_dir(&out).unwrap().any(|e| e.unwrap().file_name().to_string_lossy().contains(".tmp-")));
+    ok(&args(&train("r4")));
+
+    // A token outside the header's vocabulary (2-byte tokens: 60000 >= 512), then a vocabulary of 0.
+    let first = out.join(&shards[0]);
+    let mut bytes = std::fs::read(&first).unwrap();
+    let at = 64 + 2 * 7;
+    bytes[at..at + 2].copy_from_slice(&60000u16.to_le_bytes());
+    std::fs::write(&first, &bytes).unwrap();
+    let e = fails(&args(&train("r5")), "token 60000 at position 7 is outside the vocabulary of 512");
+    assert!(e.contains(&shards[0]), "{e}");
+    bytes[32..36].copy_from_slice(&0u32.to_le_bytes());
+    std::fs::write(&first, &bytes).unwrap();
+    fails(&args(&train("r6")), "declares a vocabulary of 0 tokens");
+    assert!(!dir.join("r5").exists() && !dir.join("r6").exists(), "a refused run leaves no run directory");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -185,7 +185,7 @@ fn run(
         shards: shards.names,
         seconds: start.elapsed().as_secs_f64(),
     };
-    let manifest = opts.out.join("prepare.json");
+    let manifest = opts.out.join(shard::MANIFEST);
     write_atomic(&manifest, serde_json::to_string_pretty(&report)?.as_bytes())?;
     written.push(manifest);
     Ok(report)
@@ -255,14 +255,37 @@ pub fn input_files(inputs: &[PathBuf]) -> Result<Vec<PathBuf>> {
     Ok(files)
 }
 
+/// An output directory must hold no complete preparation. What an interrupted one left (shards
+/// without `prepare.json`, temporary shard files) is removed, with a line saying so.
 fn check_out_dir(out: &Path) -> Result<()> {
     if out.exists() {
-        let taken = std::fs::read_dir(out)
+        let entries: Vec<_> = std::fs::read_dir(out)
             .with_context(|| format!("--out {}", out.display()))?
-            .filter_map(|e| e.ok())
-            .any(|e| e.file_name() == "prepare.json" || e.path().extension().is_some_and(|x| x == shard::EXTENSION));
-        if taken {
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .collect();
+        let name = |p: &Path| p.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        let foreign_shard =
+            |p: &PathBuf| p.extension().is_some_and(|x| x == shard::EXTENSION) && !name(p).starts_with("shard-");
+        if entries.iter().any(|p| name(p) == shard::MANIFEST || foreign_shard(p)) {
             bail!("--out {} already holds shards; choose another directory or remove them", out.display());
+        }
+        let leftovers: Vec<&PathBuf> = entries
+            .iter()
+            .filter(|p| {
+                let n = name(p);
+                let ours = n.starts_with("shard-") || n.starts_with(".shard-");
+                ours && (p.extension().is_some_and(|x| x == shard::EXTENSION) || n.contains(".tmp-"))
+            })
+            .collect();
+        for path in &leftovers {
+            std::fs::remove_file(path).with_context(|| format!("cannot remove {}", path.display()))?;
+        }
+        if !leftovers.is_empty() {
+            eprintln!(
+                "removed {} files left in {} by an interrupted `engine data prepare`",
+                leftovers.len(),
+                out.display()
+            );
         }
     }
     std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))

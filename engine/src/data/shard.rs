@@ -119,7 +119,36 @@ impl Shard {
         // renamed, never modified in place.
         let map = unsafe { Mmap::map(&file) }.with_context(|| format!("cannot map {}", path.display()))?;
         let header = Header::parse(&map, len, path)?;
-        Ok(Shard { path: path.to_path_buf(), header, map })
+        let shard = Shard { path: path.to_path_buf(), header, map };
+        shard.check_tokens()?;
+        Ok(shard)
+    }
+
+    /// Every token must be below the vocabulary the header declares: a token outside it would
+    /// index past the embedding table. One pass over the shard when it is opened, in parallel;
+    /// cheap next to training on it.
+    fn check_tokens(&self) -> Result<()> {
+        use rayon::prelude::*;
+        let (p, vocab) = (self.path.display(), self.header.vocab_size);
+        if vocab == 0 {
+            bail!(
+                "{p}: its header declares a vocabulary of 0 tokens (damaged?); rewrite it with `engine data prepare`"
+            );
+        }
+        const CHUNK: usize = 1 << 20;
+        let chunks = self.len().div_ceil(CHUNK);
+        let first_bad = (0..chunks).into_par_iter().find_map_first(|c| {
+            let start = c * CHUNK;
+            let mut tokens = vec![0u32; CHUNK.min(self.len() - start)];
+            self.read(start, &mut tokens);
+            tokens.iter().position(|&t| t >= vocab).map(|i| (start + i, tokens[i]))
+        });
+        if let Some((offset, token)) = first_bad {
+            bail!(
+                "{p}: token {token} at position {offset} is outside the vocabulary of {vocab} its header declares (damaged?); rewrite it with `engine data prepare`"
+            );
+        }
+        Ok(())
     }
 
     /// Number of tokens.
@@ -185,9 +214,14 @@ pub struct Shards {
 }
 
 impl Shards {
-    /// Opens the shards a path names (see [`list`]).
+    /// Opens the shards a path names (see [`list`]). A directory must be the complete output
+    /// of `engine data prepare`: its `prepare.json` lists exactly its shards and their tokens.
     pub fn open(path: &Path) -> Result<Shards> {
-        let shards = list(path)?.iter().map(|p| Shard::open(p)).collect::<Result<Vec<_>>>()?;
+        let files = list(path)?;
+        let shards = files.iter().map(|p| Shard::open(p)).collect::<Result<Vec<_>>>()?;
+        if path.is_dir() {
+            check_manifest(path, &files, &shards)?;
+        }
         let mut starts = vec![0];
         for s in &shards {
             starts.push(starts.last().unwrap() + s.len());
@@ -199,6 +233,43 @@ impl Shards {
     pub fn shards(&self) -> &[Shard] {
         &self.shards
     }
+}
+
+/// The manifest `engine data prepare` writes last into its output directory.
+pub const MANIFEST: &str = "prepare.json";
+
+/// Checks a directory's shards against its manifest: a preparation that was interrupted (shards
+/// and no manifest), a shard missing, added or cut short are each reported as such.
+fn check_manifest(dir: &Path, files: &[PathBuf], shards: &[Shard]) -> Result<()> {
+    #[derive(serde::Deserialize)]
+    struct Manifest {
+        tokens: u64,
+        shards: Vec<String>,
+    }
+    let d = dir.display();
+    let path = dir.join(MANIFEST);
+    let text = match std::fs::read(&path) {
+        Ok(text) => text,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => bail!(
+            "{d} holds shards but no {MANIFEST}: its `engine data prepare` did not finish (interrupted?); run it again with --out {d} (it removes what the interrupted run left)"
+        ),
+        Err(e) => return Err(e).with_context(|| format!("cannot read {}", path.display())),
+    };
+    let manifest: Manifest =
+        serde_json::from_slice(&text).with_context(|| format!("{}: not a valid manifest", path.display()))?;
+    let found: Vec<String> =
+        files.iter().filter_map(|f| f.file_name().map(|n| n.to_string_lossy().into_owned())).collect();
+    if let Some(missing) = manifest.shards.iter().find(|n| !found.contains(n)) {
+        bail!("{d}: shard {missing}, listed in {MANIFEST}, is missing");
+    }
+    if let Some(extra) = found.iter().find(|n| !manifest.shards.contains(n)) {
+        bail!("{d}: shard {extra} is not listed in {MANIFEST} (left by another preparation?)");
+    }
+    let tokens: u64 = shards.iter().map(|s| s.header.tokens).sum();
+    if tokens != manifest.tokens {
+        bail!("{d}: the shards hold {tokens} tokens, {MANIFEST} says {}", manifest.tokens);
+    }
+    Ok(())
 }
 
 impl TokenSource for Shards {
