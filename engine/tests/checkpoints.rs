@@ -46,6 +46,20 @@ fn loss_bits(run: &Path) -> Vec<(u64, u64)> {
 /// The data file of a one-device checkpoint (the sharded format, one shard).
 const SHARD: &str = "shard-00000-of-00001.safetensors";
 
+fn sha256(data: &[u8]) -> String {
+    use sha2::Digest;
+    sha2::Sha256::digest(data).iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// A `state.json` edited by hand, sealed again as docs/checkpoints.md says: the SHA-256 of the
+/// rest in compact JSON with sorted keys.
+fn reseal(mut v: serde_json::Value) -> serde_json::Value {
+    v.as_object_mut().unwrap().remove("seal");
+    v.sort_all_objects();
+    v["seal"] = sha256(serde_json::to_string(&v).unwrap().as_bytes()).into();
+    v
+}
+
 fn bytes(p: &Path) -> Vec<u8> {
     std::fs::read(p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
 }
@@ -207,12 +221,8 @@ fn divergence_never_costs_the_last_good_checkpoint() {
     std::fs::write(&shard, &data).unwrap();
     let state_path = newest.join("state.json");
     let mut state: serde_json::Value = serde_json::from_slice(&bytes(&state_path)).unwrap();
-    let sha: String = {
-        use sha2::Digest;
-        sha2::Sha256::digest(&data).iter().map(|b| format!("{b:02x}")).collect()
-    };
-    state["files"][SHARD]["sha256"] = sha.into();
-    std::fs::write(&state_path, serde_json::to_vec(&state).unwrap()).unwrap();
+    state["files"][SHARD]["sha256"] = sha256(&data).into();
+    std::fs::write(&state_path, serde_json::to_vec(&reseal(state)).unwrap()).unwrap();
     for args in [
         train_args(&run, "9", &[&diverge[..], &["--resume"]].concat()),
         vec!["export-hf", s(newest), "--out", s(&dir.join("export"))],
@@ -261,5 +271,53 @@ fn a_running_run_directory_is_refused_to_a_second_process() {
     let steps = (newest + 2).to_string();
     let out = ok(&train_args(&run, &steps, &["--set", "train.checkpoint_every=2", "--resume"]));
     assert!(out.contains(&format!("resuming after step {newest}")), "{out}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// `state.json` is checked, not trusted: an edited step or data position breaks its seal, a
+/// checkpoint moved under another step's name (two swapped) is refused, and so is a data position
+/// past the data even when the seal is made to agree.
+#[test]
+fn an_edited_or_moved_state_is_refused() {
+    let dir = scratch("state");
+    let run = dir.join("run");
+    ok(&train_args(&run, "6", &[]));
+    let (three, six) = (run.join("checkpoints/step-000003"), run.join("checkpoints/step-000006"));
+    let state_of = |ck: &Path| -> serde_json::Value { serde_json::from_slice(&bytes(&ck.join("state.json"))).unwrap() };
+    let write = |ck: &Path, v: &serde_json::Value| {
+        std::fs::write(ck.join("state.json"), serde_json::to_string_pretty(v).unwrap()).unwrap()
+    };
+    let resume_six = train_args(&run, "9", &["--resume", s(&six)]);
+    let original = state_of(&six);
+
+    for (key, value) in [("step", serde_json::json!(5)), ("step", serde_json::json!(u64::MAX))] {
+        let mut edited = original.clone();
+        edited[key] = value;
+        write(&six, &edited);
+        fails(&resume_six, "does not match its seal");
+    }
+    let mut edited = original.clone();
+    edited["data_position"]["index"] = serde_json::json!(1);
+    write(&six, &edited);
+    fails(&resume_six, "does not match its seal");
+
+    // Sealed again (as a careful forger would), a wrong step still disagrees with the name...
+    let mut edited = original.clone();
+    edited["step"] = serde_json::json!(5);
+    write(&six, &reseal(edited));
+    fails(&resume_six, "says step 5, the directory is named for step 6");
+    // ... and a data position past the data is refused by the trainer.
+    let mut edited = original.clone();
+    edited["data_position"]["index"] = serde_json::json!(1u64 << 40);
+    write(&six, &reseal(edited));
+    fails(&resume_six, "is past the");
+    write(&six, &original);
+
+    // Two checkpoints swapped between directories.
+    let tmp = run.join("checkpoints/swap");
+    std::fs::rename(&three, &tmp).unwrap();
+    std::fs::rename(&six, &three).unwrap();
+    std::fs::rename(&tmp, &six).unwrap();
+    fails(&train_args(&run, "9", &["--resume"]), "says step 3, the directory is named for step 6");
     std::fs::remove_dir_all(&dir).unwrap();
 }

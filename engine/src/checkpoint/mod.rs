@@ -91,6 +91,36 @@ pub struct State {
     /// its data is in `shard-*` files ([`sharded`]) instead of the two safetensors files.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub shards: Option<usize>,
+    /// SHA-256 of the rest of this file in canonical form (compact JSON, keys sorted): an edited
+    /// `state.json` (a step, a data position changed by hand) is refused. Absent in checkpoints
+    /// of earlier engines.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seal: Option<String>,
+}
+
+impl State {
+    /// The text of `state.json`: the state, sealed with the hash of its canonical form.
+    pub fn sealed_text(&self) -> Result<String> {
+        let mut state = self.clone();
+        state.seal = Some(state.seal_of()?);
+        Ok(serde_json::to_string_pretty(&state)?)
+    }
+
+    /// The SHA-256 of the state without its seal, as compact JSON with every object's keys
+    /// sorted: a form any JSON tool can reproduce.
+    fn seal_of(&self) -> Result<String> {
+        let mut value = serde_json::to_value(self)?;
+        if let Some(map) = value.as_object_mut() {
+            map.remove("seal");
+        }
+        value.sort_all_objects();
+        Ok(sha256_hex(serde_json::to_string(&value)?.as_bytes()))
+    }
+
+    /// Whether the seal matches the rest of the state (a state without a seal passes).
+    fn seal_holds(&self) -> bool {
+        self.seal.as_ref().is_none_or(|seal| self.seal_of().is_ok_and(|s| s == *seal))
+    }
 }
 
 /// Everything a checkpoint holds, on the host.
@@ -266,8 +296,9 @@ fn seal(
         engine_version: env!("CARGO_PKG_VERSION").into(),
         hf_dtype: extras.hf_dtype.clone(),
         shards,
+        seal: None,
     };
-    write_atomic(&dir.join(STATE_FILE), serde_json::to_string_pretty(&state)?.as_bytes())?;
+    write_atomic(&dir.join(STATE_FILE), state.sealed_text()?.as_bytes())?;
     for sub in extras.files.iter().filter_map(|(n, _)| Path::new(n).parent()).filter(|p| !p.as_os_str().is_empty()) {
         fsutil::sync_dir(&dir.join(sub))?;
     }
@@ -308,6 +339,16 @@ impl Checkpoint {
                 state.version
             );
         }
+        if !state.seal_holds() {
+            bail!("checkpoint {d} is damaged: {STATE_FILE} does not match its seal (edited by hand or corrupted)");
+        }
+        let named = dir.file_name().and_then(|n| n.to_str()?.strip_prefix("step-")?.parse::<u64>().ok());
+        if let Some(named) = named.filter(|&n| n != state.step) {
+            bail!(
+                "checkpoint {d}: {STATE_FILE} says step {}, the directory is named for step {named} (moved or edited?)",
+                state.step
+            );
+        }
         for (name, sum) in &state.files {
             let path = dir.join(name);
             let bytes =
@@ -321,6 +362,9 @@ impl Checkpoint {
         }
         if (state.shards.is_none() && !state.files.contains_key(MODEL_FILE)) || !state.files.contains_key(CONFIG_FILE) {
             bail!("checkpoint {d} is damaged: {STATE_FILE} lists no {MODEL_FILE} or {CONFIG_FILE}");
+        }
+        if state.files[CONFIG_FILE].sha256 != state.config_sha256 {
+            bail!("checkpoint {d} is damaged: {STATE_FILE} names two different hashes of {CONFIG_FILE}");
         }
         let config_text = fs::read_to_string(dir.join(CONFIG_FILE))?;
         let config: Config =

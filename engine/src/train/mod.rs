@@ -241,6 +241,16 @@ impl<B: Backend> Trainer<B> {
                 ck.state.data_tokens
             );
         }
+        let position = ck.state.data_position;
+        if position.index > self.loader.train_samples() as u64 {
+            bail!(
+                "checkpoint {}: its data position (sample {} of epoch {}) is past the {} training samples of the data",
+                ck.dir.display(),
+                position.index,
+                position.epoch,
+                self.loader.train_samples()
+            );
+        }
         let (be, par) = (&mut self.backend, &mut self.parallel);
         let chunks = par.chunks();
         let params = par.master_params();
