@@ -3,9 +3,84 @@
 
 mod cli;
 
+use std::alloc::{GlobalAlloc, Layout, System};
 use std::process::ExitCode;
 
 use clap::Parser;
+
+/// The system allocator, except that running out of memory ends the process with one line and
+/// exit code 2 instead of Rust's abort (exit 134, "memory allocation of N bytes failed"). The
+/// memory check refuses runs that cannot fit before they start (`train.memory_check`); this
+/// catches what slips past it, such as memory taken by other processes meanwhile.
+struct OneLineOnOom;
+
+// SAFETY: every call is forwarded to the system allocator unchanged; a failed allocation does
+// not return.
+unsafe impl GlobalAlloc for OneLineOnOom {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        // SAFETY: the caller's contract is the system allocator's.
+        let p = unsafe { System.alloc(layout) };
+        if p.is_null() {
+            out_of_memory(layout.size());
+        }
+        p
+    }
+
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        // SAFETY: as for `alloc`.
+        let p = unsafe { System.alloc_zeroed(layout) };
+        if p.is_null() {
+            out_of_memory(layout.size());
+        }
+        p
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: as for `alloc`.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        // SAFETY: as for `alloc`.
+        let p = unsafe { System.realloc(ptr, layout, new_size) };
+        if p.is_null() {
+            out_of_memory(new_size);
+        }
+        p
+    }
+}
+
+#[global_allocator]
+static ALLOCATOR: OneLineOnOom = OneLineOnOom;
+
+/// Writes one line and exits with code 2, allocating nothing (the heap is what failed):
+/// `core::fmt` formats into a buffer on the stack.
+fn out_of_memory(bytes: usize) -> ! {
+    struct Line {
+        bytes: [u8; 192],
+        len: usize,
+    }
+    impl std::fmt::Write for Line {
+        fn write_str(&mut self, s: &str) -> std::fmt::Result {
+            let n = s.len().min(self.bytes.len() - self.len);
+            self.bytes[self.len..self.len + n].copy_from_slice(&s.as_bytes()[..n]);
+            self.len += n;
+            Ok(())
+        }
+    }
+    let mut line = Line { bytes: [0; 192], len: 0 };
+    let _ = std::fmt::Write::write_fmt(
+        &mut line,
+        format_args!(
+            "error: out of memory: an allocation of {bytes} bytes failed; lower train.batch_size, set train.remat, or free memory\n"
+        ),
+    );
+    // SAFETY: writing a buffer we own to standard error, then ending the process at once.
+    unsafe {
+        libc::write(2, line.bytes.as_ptr().cast(), line.len);
+        libc::_exit(2)
+    }
+}
 
 fn main() -> ExitCode {
     // Die quietly when the reader of our output goes away (`engine recipes list | head`), as

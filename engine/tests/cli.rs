@@ -175,3 +175,51 @@ fn a_run_directory_is_never_reused_silently() {
     assert_eq!(losses(&run).len(), 1);
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Sizes are bounded (nothing computed from them overflows), a run that cannot fit is refused
+/// before it allocates, with the arithmetic, and an allocation that fails anyway ends in one
+/// line with exit code 2, never an abort: here under `ulimit -v`, as on a crowded machine.
+#[test]
+fn sizes_and_memory_are_checked_before_use() {
+    let dir = scratch("sizes");
+    let one_line = |out: &Output, expected: &str, args: &str| {
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args}: {stderr}");
+        assert!(stderr.contains(expected), "{args}: expected `{expected}` in: {stderr}");
+        assert_eq!(stderr.trim_end().lines().count(), 1, "{args}: more than one line: {stderr}");
+    };
+    for (set, expected) in [
+        ("model.d_model=1000000000", "model.d_model = 1000000000 is more than this engine trains (at most 131072)"),
+        ("model.vocab_size=4611686018427387904", "model.vocab_size = 4611686018427387904 is more than"),
+        ("train.batch_size=4611686018427387904", "train.batch_size = 4611686018427387904 is more than"),
+        ("model.n_layers=4096", "parameters, more than this engine trains"),
+    ] {
+        let extra = ["--set", "model.d_model=131072", "--set", "model.mlp_dim=1048576"];
+        let mut args = vec!["recipes", "show", "tiny-llama2", "--set", set];
+        if set.starts_with("model.n_layers") {
+            args.extend(extra);
+        }
+        one_line(&engine(&args), expected, set);
+    }
+
+    // About 9 GiB of state on the CPU under a 4 GiB address-space limit.
+    let big = "--set model.d_model=4096 --set model.mlp_dim=8192 --set model.n_heads=32 --set model.n_kv_heads=32 --set model.head_dim=128 --set model.vocab_size=32000";
+    let limited = |extra: &str, run: &str| {
+        let cmd = format!(
+            "ulimit -v 4194304 && exec {} train --recipe tiny-llama2 --steps 1 --run-dir {} {big} {extra}",
+            env!("CARGO_BIN_EXE_engine"),
+            dir.join(run).display()
+        );
+        Command::new("sh").args(["-c", &cmd]).env_remove("ENGINE_FLAGS").output().unwrap()
+    };
+    let refused = limited("", "refused");
+    one_line(&refused, "on the CPU: parameters", "the memory check");
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("ulimit -v"), "the limit is named");
+    one_line(
+        &limited("--set train.memory_check=false", "oom"),
+        "error: out of memory: an allocation of",
+        "the OOM line",
+    );
+    assert!(!dir.join("refused").exists() && !dir.join("oom").exists(), "a refused run leaves no run directory");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

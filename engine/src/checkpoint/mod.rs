@@ -535,7 +535,7 @@ pub fn latest(parent: &Path) -> Result<Option<Checkpoint>> {
 /// schedule whose `decay_steps` is 0, the schedule too; `data.path` may move, the data may not).
 /// The `mesh.*` keys may change too: checkpoints hold the whole, unsharded state, and the data
 /// position counts the samples of all ranks.
-pub const RESUMABLE_KEYS: [&str; 12] = [
+pub const RESUMABLE_KEYS: [&str; 13] = [
     "description",
     "extends",
     "train.steps",
@@ -545,6 +545,7 @@ pub const RESUMABLE_KEYS: [&str; 12] = [
     "train.checkpoint_every",
     "train.keep_last",
     "train.keep_every_n_steps",
+    "train.memory_check",
     "train.eval_every",
     "train.eval_steps",
     "data.path",

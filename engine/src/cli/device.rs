@@ -7,6 +7,7 @@ use engine::backend::gib;
 use engine::config::Config;
 use engine::model::Model;
 use engine::model::memory::{self, Target};
+use engine::parallel::{self, mesh::Axis, tensor::local_config};
 
 /// Which device to run on.
 #[derive(clap::ValueEnum, Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -61,9 +62,15 @@ pub fn peak(opened: &Opened, config: &Config) -> (f64, String) {
 /// Opens the device `arg` names for training `config` (when given): on a GPU, the model must
 /// suit the kernels and its estimated memory must fit.
 pub fn open(arg: DeviceArg, config: Option<&Config>) -> Result<Opened> {
+    let cpu = || -> Result<Opened> {
+        if let Some(c) = config {
+            check_cpu_memory(c, 1)?;
+        }
+        Ok(Opened::Cpu(Cpu::new()))
+    };
     let gpu = match arg {
-        DeviceArg::Cpu => return Ok(Opened::Cpu(Cpu::new())),
-        DeviceArg::Auto if device::probe().is_err() => return Ok(Opened::Cpu(Cpu::new())),
+        DeviceArg::Cpu => return cpu(),
+        DeviceArg::Auto if device::probe().is_err() => return cpu(),
         DeviceArg::Auto => "a CUDA GPU was found but",
         DeviceArg::Cuda => "--device cuda:",
     };
@@ -74,7 +81,7 @@ pub fn open(arg: DeviceArg, config: Option<&Config>) -> Result<Opened> {
         let hint = if arg == DeviceArg::Auto { " (--device cpu runs on the CPU)" } else { "" };
         anyhow::anyhow!("{gpu} {e}{hint}")
     })?;
-    if let Some(c) = config {
+    if let Some(c) = config.filter(|c| c.train.memory_check) {
         let mut model = Model::new(&c.model);
         model.remat = c.train.remat;
         let target = Target::Cuda { sm_count: backend.info().sm_count as usize };
@@ -84,7 +91,7 @@ pub fn open(arg: DeviceArg, config: Option<&Config>) -> Result<Opened> {
             bail!(
                 "training needs about {:.1} GiB of GPU memory but {} has {:.1} GiB free of {:.1} GiB: lower \
                  train.batch_size (raise train.grad_accum to keep the tokens per step), set train.remat=minimal or \
-                 full (engine recipes show prints the estimates)",
+                 full (engine recipes show prints the estimates; train.memory_check=false skips this check)",
                 gib(need),
                 backend.info().name,
                 gib(free),
@@ -93,4 +100,54 @@ pub fn open(arg: DeviceArg, config: Option<&Config>) -> Result<Opened> {
         }
     }
     Ok(Opened::Cuda(Box::new(backend)))
+}
+
+/// Refuses a CPU run of `devices` virtual devices (one process) whose estimated memory exceeds
+/// what this process can have: the available RAM (`MemAvailable`) and the address-space limit
+/// (`ulimit -v`), before anything is allocated.
+pub fn check_cpu_memory(c: &Config, devices: usize) -> Result<()> {
+    if !c.train.memory_check {
+        return Ok(());
+    }
+    // Each device holds its tensor-parallel slice and reads the samples of its tensor group.
+    let tensor = if devices > 1 { parallel::job::mesh(c, devices, 1)?.size(Axis::Tensor) } else { 1 };
+    let mut model = Model::new(&local_config(&c.model, tensor));
+    model.remat = c.train.remat;
+    let one = memory::estimate(&model, c.train.batch_size * tensor, c.train.seq_len, Target::Cpu);
+    let need = one.total() as u64 * devices as u64;
+    let Some((limit, what)) = memory_limit() else { return Ok(()) };
+    if need > limit {
+        let per_device =
+            if devices > 1 { format!(" ({devices} devices of {:.1} GiB)", gib(one.total())) } else { String::new() };
+        bail!(
+            "training needs about {:.1} GiB on the CPU{per_device}: parameters {:.1}, gradients {:.1}, optimizer {:.1}, \
+             activations {:.1} GiB; this process can have {:.1} GiB ({what}): lower train.batch_size (raise \
+             train.grad_accum to keep the tokens per step), set train.remat=minimal or full, or train a smaller model \
+             (train.memory_check=false skips this check)",
+            gib(need as usize),
+            gib(one.parameters),
+            gib(one.gradients),
+            gib(one.optimizer),
+            gib(one.activations),
+            gib(limit as usize)
+        );
+    }
+    Ok(())
+}
+
+/// The memory this process can have, and where the figure comes from: the smaller of the
+/// available RAM and the address-space limit (less what the program itself maps, about 1 GiB
+/// of code, stacks and libraries).
+fn memory_limit() -> Option<(u64, String)> {
+    let available = std::fs::read_to_string("/proc/meminfo").ok().and_then(|text| {
+        let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+        let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+        Some((kib * 1024, "available RAM (MemAvailable)".to_owned()))
+    });
+    let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit writes the struct it is given and nothing else.
+    let ulimit = (unsafe { libc::getrlimit(libc::RLIMIT_AS, &mut limit) } == 0
+        && limit.rlim_cur != libc::RLIM_INFINITY)
+        .then(|| (limit.rlim_cur.saturating_sub(1 << 30), "the address-space limit (ulimit -v) less 1 GiB".to_owned()));
+    [available, ulimit].into_iter().flatten().min_by_key(|(bytes, _)| *bytes)
 }

@@ -118,6 +118,7 @@ pub fn run(args: TrainArgs, device: DeviceArg) -> Result<()> {
             );
         }
         parallel::job::mesh(config, args.devices, 1)?;
+        device::check_cpu_memory(config, args.devices)?;
         let start = Start {
             name: resolved.name.clone(),
             run_dir,

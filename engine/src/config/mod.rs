@@ -184,6 +184,9 @@ pub struct TrainConfig {
     /// Record each micro-batch's forward and backward pass once as a CUDA graph and replay it
     /// (CUDA only; ignored on CPU).
     pub cuda_graphs: bool,
+    /// Refuse, before allocating, a run whose estimated memory exceeds what the device has
+    /// (GPU: free memory; CPU: available RAM and `ulimit -v`); `false` skips the check.
+    pub memory_check: bool,
 }
 
 /// Activation recomputation policy (`train.remat`): memory traded for compute.
@@ -219,6 +222,7 @@ impl Default for TrainConfig {
             eval_steps: 10,
             remat: Remat::None,
             cuda_graphs: true,
+            memory_check: true,
         }
     }
 }
@@ -371,6 +375,34 @@ impl Config {
                 return Err(format!("{key} must be greater than 0"));
             }
         }
+        // Bounds well past every published configuration, tight enough that no size computed from
+        // them (parameters, bytes, activations, tokens per step) can overflow.
+        let at_most = [
+            ("model.vocab_size", m.vocab_size, 1 << 24),
+            ("model.d_model", m.d_model, 1 << 17),
+            ("model.n_layers", m.n_layers, 1 << 12),
+            ("model.n_heads", m.n_heads, 1 << 12),
+            ("model.head_dim", m.head_dim, 1 << 10),
+            ("model.mlp_dim", m.mlp_dim, 1 << 20),
+            ("model.max_seq_len", m.max_seq_len, 1 << 24),
+            ("model.moe.num_experts", m.moe.as_ref().map_or(1, |e| e.num_experts), 1 << 10),
+            ("train.batch_size", self.train.batch_size, 1 << 20),
+            ("train.grad_accum", self.train.grad_accum, 1 << 20),
+        ];
+        for (key, value, max) in at_most {
+            if value > max {
+                return Err(format!("{key} = {value} is more than this engine trains (at most {max})"));
+            }
+        }
+        let tokens = self.train.batch_size as u64 * self.train.seq_len as u64;
+        if tokens > 1 << 26 {
+            return Err(format!(
+                "train.batch_size x train.seq_len = {} x {} = {tokens} tokens per device and micro-batch, more than this engine trains (at most {}); raise train.grad_accum instead",
+                self.train.batch_size,
+                self.train.seq_len,
+                1u64 << 26
+            ));
+        }
         if !m.n_heads.is_multiple_of(m.n_kv_heads) {
             return Err(format!(
                 "model.n_heads = {} is not divisible by model.n_kv_heads = {} (grouped-query attention \
@@ -439,6 +471,13 @@ impl Config {
             if !at_least(moe.aux_loss_coef, 0.0) {
                 return Err(format!("model.moe.aux_loss_coef = {} must be a non-negative number", moe.aux_loss_coef));
             }
+        }
+        let params = m.param_count().total;
+        if params > 1 << 44 {
+            return Err(format!(
+                "the model has {params} parameters, more than this engine trains (at most {} = 2^44)",
+                1u64 << 44
+            ));
         }
         let o = &self.optim;
         if !at_least(o.lr, 0.0) {
