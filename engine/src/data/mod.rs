@@ -275,6 +275,7 @@ mod tests {
             w.push_document(&(start..start + 5000).collect::<Vec<_>>()).unwrap();
             w.finish().unwrap();
         }
+        shard::write_test_manifest(dir.path(), &["a.tok", "b.tok"], 10_000);
         let config = DataConfig { source: DataSource::Shards, path: dir.path().display().to_string() };
         let open_rank = |rank| Loader::new(open(&config, 70_000, 1).unwrap(), 99, 3, rank, 2).unwrap();
         let (mut r0, mut r1) = (open_rank(0), open_rank(1));

@@ -272,6 +272,13 @@ fn check_manifest(dir: &Path, files: &[PathBuf], shards: &[Shard]) -> Result<()>
     Ok(())
 }
 
+/// Writes the part of a manifest that readers check, for tests that write shards by hand.
+#[cfg(test)]
+pub(crate) fn write_test_manifest(dir: &Path, shards: &[&str], tokens: u64) {
+    let manifest = serde_json::json!({ "tokens": tokens, "shards": shards });
+    std::fs::write(dir.join(MANIFEST), manifest.to_string()).unwrap();
+}
+
 impl TokenSource for Shards {
     fn len(&self) -> usize {
         *self.starts.last().expect("at least the zero start")
@@ -390,6 +397,9 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         write(&dir.path().join("a.tok"), 1000, &[&[1, 2, 3], &[4, 0]]);
         write(&dir.path().join("b.tok"), 100_000, &[&[99_999, 5, 0]]);
+        let e = Shards::open(dir.path()).err().unwrap().to_string();
+        assert!(e.contains("no prepare.json"), "{e}");
+        write_test_manifest(dir.path(), &["a.tok", "b.tok"], 8);
         let s = Shards::open(dir.path()).unwrap();
         assert_eq!(s.shards()[0].header.token_bytes, 2);
         assert_eq!(s.shards()[1].header.token_bytes, 4);
