@@ -30,6 +30,28 @@ pub fn sync_dir(dir: &Path) -> std::io::Result<()> {
     File::open(dir)?.sync_all()
 }
 
+/// Removes the entries of `dir` whose names start with `prefix` and end in `.tmp-<pid>`
+/// (temporary files and directories of [`write_atomic`] and of exports) of a process that no
+/// longer runs: what a killed process left. A temporary of a process still running is left alone.
+pub fn remove_stale_temporaries(dir: &Path, prefix: &str) -> Result<()> {
+    let Ok(entries) = fs::read_dir(dir) else { return Ok(()) };
+    for entry in entries.filter_map(|e| e.ok()) {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if !name.starts_with(prefix) {
+            continue;
+        }
+        let Some(pid) = name.rsplit_once(".tmp-").and_then(|(_, p)| p.parse::<i32>().ok()) else { continue };
+        // SAFETY: signal 0 only asks whether the process exists.
+        let alive = pid == std::process::id() as i32 || unsafe { libc::kill(pid, 0) } == 0;
+        if !alive {
+            let path = entry.path();
+            let removed = if path.is_dir() { fs::remove_dir_all(&path) } else { fs::remove_file(&path) };
+            removed.with_context(|| format!("cannot remove {}, left by a killed process", path.display()))?;
+        }
+    }
+    Ok(())
+}
+
 /// An exclusive hold on a directory for this process's life: an OS lock on `DIR/.lock`, so a
 /// process that dies, however it dies, releases it. The file names the holder's PID for the
 /// message a second process gets.
@@ -86,6 +108,23 @@ mod tests {
         assert_eq!(fs::read_dir(&dir).unwrap().count(), 1);
         assert!(write_atomic(&dir.join("missing/x"), b"").is_err());
         fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn temporaries_of_dead_processes_are_removed_and_live_ones_kept() {
+        let dir = tempfile::tempdir().unwrap();
+        // PID 2^22 + 1 is above Linux's pid_max limit: no such process can exist.
+        let dead = dir.path().join(".metrics.jsonl.tmp-4194305");
+        let live = dir.path().join(format!(".config.toml.tmp-{}", std::process::id()));
+        let dead_dir = dir.path().join(".out.tmp-4194305");
+        for f in [&dead, &live] {
+            fs::write(f, b"x").unwrap();
+        }
+        fs::create_dir(&dead_dir).unwrap();
+        fs::write(dir.path().join("keep.tmp-4194305"), b"x").unwrap();
+        remove_stale_temporaries(dir.path(), ".").unwrap();
+        assert!(!dead.exists() && !dead_dir.exists() && live.exists());
+        assert!(dir.path().join("keep.tmp-4194305").exists(), "only hidden names are temporaries");
     }
 
     #[test]

@@ -125,7 +125,7 @@ fn bad_input_gets_one_clear_line() {
     let bad_toml = dir.join("bad.toml");
     std::fs::write(&bad_toml, "[model]\nd_model = 64\nn_layers = \"two\"\n").unwrap();
     let bad_str = bad_toml.to_str().unwrap();
-    let cases: [(&[&str], &str); 11] = [
+    let cases: [(&[&str], &str); 12] = [
         (&["--recipe", "tiny-lama2"], "unknown recipe `tiny-lama2` (did you mean `tiny-llama2`?)"),
         (&["--recipe", "tiny-llama2", "--set", "model.n_headz=4"], "unknown field `n_headz`"),
         (&["--recipe", "tiny-llama2", "--set", "train.seq_len=long"], "--set train.seq_len=long: invalid type"),
@@ -146,6 +146,7 @@ fn bad_input_gets_one_clear_line() {
         (&["--recipe", "/nonexistent/recipe.toml"], "cannot read recipe file /nonexistent/recipe.toml"),
         (&["--recipe", bad_str], "bad.toml:3:12: invalid type"),
         (&["--recipe", "tiny-llama2", "--steps", "many"], "invalid value 'many'"),
+        (&["--recipe", "tiny-llama2", "--devices", "0"], "--devices 0: a run needs at least one device"),
     ];
     for (i, (args, expected)) in cases.iter().enumerate() {
         let run = dir.join(format!("run-{i}"));

@@ -337,6 +337,17 @@ fn unreadable_models_are_named() {
             "rope_scaling.rope_type = \"yarn\" is not supported",
         ),
         (dir.join("nothing"), "cannot read"),
+        (
+            {
+                // A sharded model whose index points outside its directory.
+                let d = copy("escape", &|_| ());
+                std::fs::rename(d.join("model.safetensors"), dir.join("outside.safetensors")).unwrap();
+                let index = serde_json::json!({"weight_map": {"model.embed_tokens.weight": "../outside.safetensors"}});
+                std::fs::write(d.join("model.safetensors.index.json"), index.to_string()).unwrap();
+                d
+            },
+            "weight_map names ../outside.safetensors, which is not a file of",
+        ),
     ];
     let ck = dir.join("ck");
     for (model, expected) in &cases {
@@ -355,6 +366,14 @@ fn unreadable_models_are_named() {
         &["eval", "--hf", s(&fixture("hf/llama")), "--tokens", s(&bad_tokens)],
         "token 600 (sequence 1, position 2) is outside the vocabulary of 512",
     );
+
+    // export-hf names a path it cannot write; what killed exports left is cleaned.
+    ok(&["import-hf", s(&fixture("hf/llama")), "--out", s(&ck)]);
+    fails(&["export-hf", s(&ck), "--out", "/proc/engine-export"], "cannot create /proc/.engine-export.tmp-");
+    let stale = dir.join(".export.tmp-4194305"); // above Linux's pid_max: no such process
+    std::fs::create_dir_all(stale.join("part")).unwrap();
+    ok(&["export-hf", s(&ck), "--out", s(&dir.join("export"))]);
+    assert!(!stale.exists(), "the killed export's temporary directory was not removed");
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

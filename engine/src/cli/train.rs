@@ -52,6 +52,9 @@ pub fn run(args: TrainArgs, device: DeviceArg) -> Result<()> {
         .map(|s| Override { text: format!("train.steps={s}"), origin: "--steps".into() })
         .into_iter()
         .collect();
+    if args.devices == 0 {
+        bail!("--devices 0: a run needs at least one device");
+    }
     let mut resolved = args.recipe.resolve(&extra)?;
     let hf = match &args.init_from_hf {
         Some(dir) => {

@@ -13,7 +13,7 @@ pub mod config;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
-use std::path::{Path, PathBuf};
+use std::path::{Component, Path, PathBuf};
 
 use anyhow::{Context, Result, anyhow, bail};
 use serde_json::{Value, json};
@@ -68,6 +68,11 @@ impl HfModel {
             let map =
                 index["weight_map"].as_object().ok_or_else(|| anyhow!("{} has no weight_map", index_path.display()))?;
             let files: BTreeSet<String> = map.values().filter_map(|v| v.as_str().map(str::to_owned)).collect();
+            // Every weight file is a plain name inside the model directory.
+            let plain = |f: &str| matches!(Path::new(f).components().collect::<Vec<_>>()[..], [Component::Normal(_)]);
+            if let Some(bad) = files.iter().find(|f| !plain(f)) {
+                bail!("{}: weight_map names {bad}, which is not a file of {d}", index_path.display());
+            }
             files.into_iter().collect()
         } else if dir.join("model.safetensors").exists() {
             vec!["model.safetensors".into()]
@@ -257,8 +262,10 @@ pub fn export(ck: &Checkpoint, out: &Path, dtype: Option<FloatType>, max_shard_b
     fs::create_dir_all(parent).with_context(|| format!("cannot create {}", parent.display()))?;
     let name = out.file_name().context("--out has no name")?.to_string_lossy();
     let tmp = parent.join(format!(".{name}.tmp-{}", std::process::id()));
+    // What killed exports into this --out left behind.
+    fsutil::remove_stale_temporaries(parent, &format!(".{name}.tmp-"))?;
     let _ = fs::remove_dir_all(&tmp);
-    fs::create_dir(&tmp)?;
+    fs::create_dir(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
     let result = (|| -> Result<Vec<String>> {
         let width = if dtype == FloatType::F32 { 4 } else { 2 };
         let mut shards: Vec<Vec<&crate::model::Tensor>> = vec![Vec::new()];

@@ -91,6 +91,8 @@ pub fn run<B: Backend>(trainer: &mut Trainer<Traced<B>>, s: &Session) -> Result<
     let mut log = if s.lead { MetricsLogger::open(&s.run_dir, first, steps)? } else { MetricsLogger::quiet() };
     if s.lead {
         write_atomic(&s.run_dir.join("config.toml"), toml::to_string(&config)?.as_bytes())?;
+        // What a killed process left of files written atomically (metrics.jsonl, config.toml).
+        crate::fsutil::remove_stale_temporaries(&s.run_dir, ".")?;
         tidy_checkpoints(&checkpoints, first, &log)?;
         log.say(&format!(
             "training {} ({} parameters) on {}, {} tokens per step, peak {:.3} TFLOP/s ({}); run directory {}",
