@@ -278,6 +278,10 @@ pub trait Backend {
     /// Ends the section [`Backend::begin_section`] began.
     fn end_section(&mut self, _key: u32) {}
 
+    /// The most bytes of memory this backend has held at once for its buffers and scratch (its
+    /// high-water mark), not counting the runtime's own (a CUDA context, the program).
+    fn peak_memory_bytes(&self) -> usize;
+
     /// Allocates a zero-filled buffer of `len` elements and returns a view of all of it.
     fn alloc(&mut self, kind: BufKind, len: usize) -> View;
     /// Allocates a zero-filled index buffer.

@@ -87,6 +87,9 @@ impl<B: Backend> Backend for Traced<B> {
     fn describe(&self) -> String {
         self.inner.describe()
     }
+    fn peak_memory_bytes(&self) -> usize {
+        self.inner.peak_memory_bytes()
+    }
     fn synchronize(&mut self) {
         self.inner.synchronize()
     }

@@ -261,6 +261,24 @@ impl<B: Backend> Parallel<B> {
         out[0]
     }
 
+    /// `value` of every device of the mesh, in rank order, exactly (integers below 2^48: each
+    /// travels as three 16-bit limbs in its own slots of a buffer summed over the mesh, sums
+    /// that f32 holds exactly). Every device calls it at the same point.
+    pub fn gather_from_world(&mut self, be: &mut B, value: u64) -> Vec<u64> {
+        assert!(value < 1 << 48, "gather_from_world: {value} does not fit 48 bits");
+        let world = self.mesh.devices();
+        let slots = be.alloc(BufKind::Scalars, 3 * world);
+        let mut limbs = vec![0f32; 3 * world];
+        for (i, limb) in limbs[3 * self.rank..3 * self.rank + 3].iter_mut().enumerate() {
+            *limb = ((value >> (16 * i)) & 0xffff) as f32;
+        }
+        be.upload(slots, &limbs);
+        let group: Vec<usize> = (0..world).collect();
+        self.comm.all_reduce_sum(be, slots, &group);
+        be.download(slots, &mut limbs);
+        limbs.chunks_exact(3).map(|l| l.iter().rev().fold(0u64, |acc, &x| (acc << 16) | x as u64)).collect()
+    }
+
     /// Moments are laid out like the optimizer's buffers: this device's pieces under FSDP.
     pub fn moment_len(&self) -> usize {
         self.fsdp.as_ref().map_or(self.slice.local.len, |f| f.params.len)

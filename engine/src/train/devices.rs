@@ -111,6 +111,30 @@ mod tests {
         }
     }
 
+    /// The CPU backend's high-water mark after a step agrees with the memory plan's estimate,
+    /// and every device learns every other's figure exactly.
+    #[test]
+    fn peak_memory_is_measured_and_agrees_with_the_estimate() {
+        use crate::backend::Backend;
+        use crate::model::{Model, memory};
+        let c = config("tiny-llama2", &["train.batch_size=2"]);
+        let mut t = Trainer::new(Traced::new(Cpu::new()), &c).unwrap();
+        t.train_step(0.0);
+        let measured = t.backend.peak_memory_bytes() as f64;
+        let mut model = Model::new(&c.model);
+        model.remat = c.train.remat;
+        let estimate = memory::estimate(&model, 2, c.train.seq_len, memory::Target::Cpu).total() as f64;
+        assert!((measured / estimate - 1.0).abs() <= 0.10, "measured {measured} bytes, estimated {estimate}");
+
+        let sets = ["mesh.ici_data=2", "mesh.ici_fsdp=2", "mesh.ici_tensor=1"];
+        let got = run(&config("tiny-llama2", &sets), 4, |rank, t| {
+            Ok(t.parallel.gather_from_world(&mut t.backend, ((rank as u64) << 40) | 0xabcd_1234))
+        })
+        .unwrap();
+        let want: Vec<u64> = (0..4).map(|r| (r << 40) | 0xabcd_1234).collect();
+        assert!(got.iter().all(|g| *g == want), "{got:?}");
+    }
+
     #[test]
     fn llama_on_every_mesh_follows_the_single_device_curve() {
         every_mesh_matches_one_device("tiny-llama2", &["model.mlp_dim=1024"]);

@@ -76,6 +76,11 @@ pub struct Summary {
     pub device: String,
     /// Its peak TFLOP/s.
     pub peak_tflops: f64,
+    /// The most memory any device of the run held for its buffers and scratch
+    /// ([`Backend::peak_memory_bytes`]).
+    pub peak_memory_bytes: u64,
+    /// Each device's high-water mark, in rank order.
+    pub peak_memory_bytes_per_device: Vec<u64>,
 }
 
 /// Runs the steps from the trainer's current step to `train.steps`; returns the summary (none
@@ -147,6 +152,8 @@ pub fn run<B: Backend>(trainer: &mut Trainer<Traced<B>>, s: &Session) -> Result<
     }
     log.finish();
     saver.finish(trainer)?.iter().for_each(|done| log.saved(done));
+    let peak = trainer.backend.peak_memory_bytes() as u64;
+    let peak_memory = trainer.parallel.gather_from_world(&mut trainer.backend, peak);
     if !s.lead {
         return Ok(None);
     }
@@ -160,10 +167,11 @@ pub fn run<B: Backend>(trainer: &mut Trainer<Traced<B>>, s: &Session) -> Result<
         s.peak_tflops,
         trainer.flops_per_step(),
         trainer.tokens_per_step() as f64,
+        peak_memory,
     );
     write_atomic(&s.run_dir.join("summary.json"), serde_json::to_string_pretty(&summary)?.as_bytes())?;
     log.say(&format!(
-        "done: loss {:.4} -> {:.4} in {} steps{}; step time median {:.3} s, p90 {:.3} s (leaving out {} warm-up/profiled steps); {:.0} tokens/s, {:.3} TFLOP/s, MFU {:.1}%",
+        "done: loss {:.4} -> {:.4} in {} steps{}; step time median {:.3} s, p90 {:.3} s (leaving out {} warm-up/profiled steps); {:.0} tokens/s, {:.3} TFLOP/s, MFU {:.1}%; peak memory {:.3} GiB per device",
         summary.first_loss,
         summary.final_loss,
         summary.steps,
@@ -173,7 +181,8 @@ pub fn run<B: Backend>(trainer: &mut Trainer<Traced<B>>, s: &Session) -> Result<
         summary.perf_steps_excluded,
         summary.tokens_per_s,
         summary.tflops_per_device,
-        100.0 * summary.mfu
+        100.0 * summary.mfu,
+        crate::backend::gib(summary.peak_memory_bytes as usize)
     ));
     Ok(Some(summary))
 }
@@ -232,6 +241,7 @@ fn summarise(
     peak_tflops: f64,
     flops_per_step: f64,
     tokens_per_step: f64,
+    peak_memory: Vec<u64>,
 ) -> Summary {
     let t = &config.train;
     let kept: Vec<f64> = history
@@ -260,5 +270,7 @@ fn summarise(
         mfu: if peak_tflops > 0.0 { tflops / peak_tflops } else { 0.0 },
         device,
         peak_tflops,
+        peak_memory_bytes: peak_memory.iter().copied().max().unwrap_or(0),
+        peak_memory_bytes_per_device: peak_memory,
     }
 }

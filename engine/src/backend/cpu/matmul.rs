@@ -21,6 +21,13 @@ pub struct Scratch {
     out_t: Vec<f32>,
 }
 
+impl Scratch {
+    /// Bytes the transposes hold.
+    pub fn bytes(&self) -> usize {
+        (self.a_t.capacity() + self.out_t.capacity()) * 4
+    }
+}
+
 /// `out[m, n] (+)= op(a) · op(b)`, see [`MatMul`]. Threads split the output only, so the result
 /// does not depend on their number.
 pub fn matmul(out: &mut [f32], a: &[f32], b: &[f32], s: MatMul, scratch: &mut Scratch) {

@@ -74,6 +74,11 @@ impl<T> Default for Memory<T> {
 }
 
 impl<T> Memory<T> {
+    /// Bytes of every buffer together.
+    fn bytes(&self) -> usize {
+        self.0.iter().map(|b| std::mem::size_of_val(&**b)).sum()
+    }
+
     fn push(&mut self, buf: Box<[T]>) -> BufId {
         self.0.push(buf);
         BufId(self.0.len() as u32 - 1)
@@ -147,6 +152,11 @@ impl Cpu {
 impl Backend for Cpu {
     fn describe(&self) -> String {
         format!("cpu ({} threads)", rayon::current_num_threads())
+    }
+
+    /// Nothing is freed: what the buffers and the scratch hold now is the high-water mark.
+    fn peak_memory_bytes(&self) -> usize {
+        self.mem.bytes() + self.idx.bytes() + self.scratch.capacity() * 8 + self.gemm.bytes()
     }
 
     fn alloc(&mut self, _kind: BufKind, len: usize) -> View {

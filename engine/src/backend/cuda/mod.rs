@@ -191,6 +191,8 @@ pub struct Cuda {
     sections: HashMap<u32, Section>,
     capturing: bool,
     allocated: usize,
+    /// The most `allocated` has been.
+    peak: usize,
     dev: Box<dyn Device>,
 }
 
@@ -215,6 +217,7 @@ impl Cuda {
             sections: HashMap::new(),
             capturing: false,
             allocated: blas::WORKSPACE_BYTES,
+            peak: blas::WORKSPACE_BYTES,
             dev,
         }
     }
@@ -261,6 +264,7 @@ impl Cuda {
             )
         });
         self.allocated += bytes;
+        self.peak = self.peak.max(self.allocated);
         ptr
     }
 
@@ -396,6 +400,10 @@ impl Backend for Cuda {
     fn describe(&self) -> String {
         let i = self.dev.info();
         format!("cuda:{} {} (sm_{}{}, {:.0} GiB)", i.ordinal, i.name, i.capability.0, i.capability.1, gib(i.memory))
+    }
+
+    fn peak_memory_bytes(&self) -> usize {
+        self.peak
     }
 
     fn synchronize(&mut self) {
