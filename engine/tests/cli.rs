@@ -224,3 +224,32 @@ fn sizes_and_memory_are_checked_before_use() {
     assert!(!dir.join("refused").exists() && !dir.join("oom").exists(), "a refused run leaves no run directory");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// `recipes show` plans memory per device for the recipe's mesh: FSDP's shards make a device's
+/// share smaller than a data-parallel replica's; `--json` carries every figure.
+#[test]
+fn recipes_show_plans_memory_for_the_mesh() {
+    let show = |mesh: &[&str]| -> serde_json::Value {
+        let mut args = vec!["recipes", "show", "llama2-7b", "--json", "--set", "train.batch_size=4"];
+        for set in mesh {
+            args.extend(["--set", set]);
+        }
+        let out = engine(&args);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    let fsdp = show(&["mesh.dcn_data=2", "mesh.ici_fsdp=8", "mesh.ici_data=1"]);
+    let dp = show(&["mesh.dcn_data=2", "mesh.ici_fsdp=1", "mesh.ici_data=8"]);
+    assert_eq!(fsdp["mesh"]["devices"], 16);
+    assert_eq!((fsdp["mesh"]["fsdp"].as_u64(), fsdp["mesh"]["data"].as_u64()), (Some(8), Some(2)));
+    assert!(fsdp["parameters"].as_u64().unwrap() > 6_000_000_000 && fsdp["flops_per_token"].as_f64().unwrap() > 0.0);
+    for target in ["cuda", "cpu"] {
+        let total = |v: &serde_json::Value, key: &str| v["memory_per_device"][target][key].as_u64().unwrap();
+        assert!(total(&fsdp, "total_bytes") < total(&dp, "total_bytes"), "{target}: {fsdp} vs {dp}");
+        assert!(total(&fsdp, "optimizer_bytes") * 7 < total(&dp, "optimizer_bytes"), "FSDP shards the moments");
+        assert!(total(&fsdp, "communication_bytes") > 0);
+    }
+    let out = engine(&["recipes", "show", "llama2-7b", "--set", "mesh.ici_fsdp=2", "--devices", "3"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("does not divide the 3 devices per node"));
+}

@@ -7,7 +7,7 @@ use engine::backend::gib;
 use engine::config::Config;
 use engine::model::Model;
 use engine::model::memory::{self, Target};
-use engine::parallel::{self, mesh::Axis, tensor::local_config};
+use engine::parallel;
 
 /// Which device to run on.
 #[derive(clap::ValueEnum, Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -109,11 +109,9 @@ pub fn check_cpu_memory(c: &Config, devices: usize) -> Result<()> {
     if !c.train.memory_check {
         return Ok(());
     }
-    // Each device holds its tensor-parallel slice and reads the samples of its tensor group.
-    let tensor = if devices > 1 { parallel::job::mesh(c, devices, 1)?.size(Axis::Tensor) } else { 1 };
-    let mut model = Model::new(&local_config(&c.model, tensor));
-    model.remat = c.train.remat;
-    let one = memory::estimate(&model, c.train.batch_size * tensor, c.train.seq_len, Target::Cpu);
+    // One device trains alone whatever the recipe's mesh says.
+    let mesh = if devices > 1 { parallel::job::mesh(c, devices, 1)? } else { parallel::mesh::Mesh::single() };
+    let one = parallel::memory::estimate(c, &mesh, Target::Cpu);
     let need = one.total() as u64 * devices as u64;
     let Some((limit, what)) = memory_limit() else { return Ok(()) };
     if need > limit {

@@ -3,8 +3,8 @@
 use anyhow::Result;
 use clap::Subcommand;
 use engine::config::{Config, Remat, recipe};
-use engine::model::Model;
-use engine::model::memory::{self, Target};
+use engine::model::memory::{Estimate, Target};
+use engine::parallel::mesh::{Axis, Mesh};
 
 use super::RecipeArgs;
 
@@ -21,6 +21,17 @@ pub enum RecipesCommand {
         /// Override a key (repeatable).
         #[arg(long = "set", value_name = "KEY=VALUE")]
         set: Vec<String>,
+        /// Devices per node for the memory plan, filling a mesh.ici_* size of -1 [default: the
+        /// product of the recipe's ici sizes, a -1 counting as 1].
+        #[arg(long, value_name = "N")]
+        devices: Option<usize>,
+        /// Nodes for the memory plan, filling a mesh.dcn_* size of -1 [default: the product of
+        /// the recipe's dcn sizes, a -1 counting as 1].
+        #[arg(long, value_name = "N")]
+        nodes: Option<usize>,
+        /// Print one JSON object (sizes, FLOPs, mesh, memory per device) instead of the text.
+        #[arg(long)]
+        json: bool,
     },
 }
 
@@ -35,16 +46,74 @@ pub fn run(cmd: RecipesCommand) -> Result<()> {
             }
             Ok(())
         }
-        RecipesCommand::Show { recipe, set } => {
+        RecipesCommand::Show { recipe, set, devices, nodes, json } => {
             let r = RecipeArgs { recipe, set }.resolve(&[])?;
-            print!("{}", show(&r.name, &r.config));
+            let mesh = plan_mesh(&r.config, devices, nodes)?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&show_json(&r.name, &r.config, &mesh))?);
+            } else {
+                print!("{}", show(&r.name, &r.config, &mesh));
+            }
             Ok(())
         }
     }
 }
 
+/// The mesh the memory plan is for: the recipe's sizes over `devices` per node and `nodes`
+/// (by default, what the explicit sizes multiply to).
+fn plan_mesh(c: &Config, devices: Option<usize>, nodes: Option<usize>) -> Result<Mesh> {
+    let m = &c.mesh;
+    let product = |sizes: [i64; 3]| sizes.iter().map(|&s| s.max(1) as usize).product::<usize>();
+    let devices = devices.unwrap_or_else(|| product([m.ici_data, m.ici_fsdp, m.ici_tensor]));
+    let nodes = nodes.unwrap_or_else(|| product([m.dcn_data, m.dcn_fsdp, m.dcn_tensor]));
+    engine::parallel::job::mesh(c, devices, nodes)
+}
+
+/// One device's memory plan on `mesh`, for CUDA (the H100's 132 multiprocessors size a scratch
+/// buffer) and the CPU.
+fn plans(c: &Config, mesh: &Mesh) -> (Estimate, Estimate) {
+    (
+        engine::parallel::memory::estimate(c, mesh, Target::Cuda { sm_count: 132 }),
+        engine::parallel::memory::estimate(c, mesh, Target::Cpu),
+    )
+}
+
+/// `engine recipes show --json`.
+fn show_json(name: &str, c: &Config, mesh: &Mesh) -> serde_json::Value {
+    let count = c.model.param_count();
+    let part = |e: &Estimate| {
+        serde_json::json!({
+            "total_bytes": e.total(),
+            "parameters_bytes": e.parameters,
+            "gradients_bytes": e.gradients,
+            "optimizer_bytes": e.optimizer,
+            "activations_bytes": e.activations,
+            "scratch_bytes": e.scratch,
+            "communication_bytes": e.communication,
+        })
+    };
+    let (gpu, cpu) = plans(c, mesh);
+    let size = |a| mesh.size(a);
+    serde_json::json!({
+        "recipe": name,
+        "parameters": count.total,
+        "active_parameters": count.active,
+        "flops_per_token": c.model.train_flops_per_token(c.train.seq_len),
+        "tokens_per_step": c.train.batch_size * mesh.devices() * c.train.seq_len * c.train.grad_accum,
+        "mesh": {
+            "devices": mesh.devices(),
+            "data": size(Axis::Data),
+            "fsdp": size(Axis::Fsdp),
+            "tensor": size(Axis::Tensor),
+            "ici": mesh.ici,
+            "dcn": mesh.dcn,
+        },
+        "memory_per_device": { "cuda": part(&gpu), "cpu": part(&cpu) },
+    })
+}
+
 /// The text of `engine recipes show`.
-fn show(name: &str, c: &Config) -> String {
+fn show(name: &str, c: &Config, mesh: &Mesh) -> String {
     let m = &c.model;
     let count = m.param_count();
     let seq = c.train.seq_len;
@@ -64,13 +133,14 @@ fn show(name: &str, c: &Config) -> String {
         attention_flops(c)
     );
     out += &format!(
-        "tokens per step    {:>20}  (batch {} x seq {} x grad_accum {})\n",
-        group((c.train.batch_size * seq * c.train.grad_accum) as u64),
+        "tokens per step    {:>20}  (batch {} x {} devices x seq {} x grad_accum {})\n",
+        group((c.train.batch_size * mesh.devices() * seq * c.train.grad_accum) as u64),
         c.train.batch_size,
+        mesh.devices(),
         seq,
         c.train.grad_accum
     );
-    out += &memory_table(c);
+    out += &memory_table(c, mesh);
     out += "\nFLOP convention: a multiply-add is 2 FLOPs and training costs 3 forward passes, so a token costs\n\
             6 x (weights it multiplies with: projections, routed experts, output head; not the input lookup)\n\
             + 12 x layers x heads x head_dim x K, K = mean keys a query attends to. Causal halving is applied:\n\
@@ -78,17 +148,17 @@ fn show(name: &str, c: &Config) -> String {
     out
 }
 
-/// Estimated memory per device for the recipe's batch shape, on CUDA (bf16 activations, f32
-/// master weights) and CPU (f32), and under each recomputation policy.
-fn memory_table(c: &Config) -> String {
-    let (batch, seq) = (c.train.batch_size, c.train.seq_len);
+/// Estimated memory per device of `mesh` for the recipe's batch shape, on CUDA (bf16
+/// activations, f32 master weights) and CPU (f32), and under each recomputation policy.
+fn memory_table(c: &Config, mesh: &Mesh) -> String {
+    let (batch, seq) = (c.train.batch_size * mesh.size(Axis::Tensor), c.train.seq_len);
     let gib = |b: usize| format!("{:.2} GiB", engine::backend::gib(b));
-    let mut model = Model::new(&c.model);
-    model.remat = c.train.remat;
-    let gpu = memory::estimate(&model, batch, seq, Target::Cuda { sm_count: 132 });
-    let cpu = memory::estimate(&model, batch, seq, Target::Cpu);
+    let (gpu, cpu) = plans(c, mesh);
+    let [d, f, t] = [Axis::Data, Axis::Fsdp, Axis::Tensor].map(|a| mesh.size(a));
     let mut out = format!(
-        "\n# memory per device, micro-batch {batch} x {seq}, remat = {} (estimate; CUDA adds its context, ~0.5 GiB)\n",
+        "\n# memory per device on {} devices (data {d} x fsdp {f} x tensor {t}), micro-batch {batch} x {seq}, remat = {} \
+         (estimate; CUDA adds its context, ~0.5 GiB)\n",
+        mesh.devices(),
         remat_name(c.train.remat)
     );
     out += &format!("{:<28} {:>14} {:>14}\n", "", "cuda (bf16)", "cpu (f32)");
@@ -98,13 +168,15 @@ fn memory_table(c: &Config) -> String {
         ("AdamW moments", gpu.optimizer, cpu.optimizer),
         ("activations", gpu.activations, cpu.activations),
         ("backend scratch", gpu.scratch, cpu.scratch),
+        ("communication buffers", gpu.communication, cpu.communication),
         ("total", gpu.total(), cpu.total()),
     ] {
         out += &format!("{name:<28} {:>14} {:>14}\n", gib(g), gib(p));
     }
+    let mut with = c.clone();
     for remat in [Remat::None, Remat::Minimal, Remat::Full] {
-        model.remat = remat;
-        let g = memory::estimate(&model, batch, seq, Target::Cuda { sm_count: 132 });
+        with.train.remat = remat;
+        let g = engine::parallel::memory::estimate(&with, mesh, Target::Cuda { sm_count: 132 });
         out += &format!("{:<28} {:>14}\n", format!("total with remat = {}", remat_name(remat)), gib(g.total()));
     }
     out

@@ -36,12 +36,24 @@ pub struct Estimate {
     pub activations: usize,
     /// The backend's own scratch.
     pub scratch: usize,
+    /// Buffers of the parallel strategies (FSDP's padded unit for its collectives); 0 on one
+    /// device.
+    pub communication: usize,
 }
 
 impl Estimate {
     /// Everything together.
     pub fn total(&self) -> usize {
-        self.parameters + self.gradients + self.optimizer + self.activations + self.scratch
+        self.parameters + self.gradients + self.optimizer + self.activations + self.scratch + self.communication
+    }
+}
+
+/// Bytes per element of a buffer of `kind` on `target` (on CUDA, parameters count their bf16
+/// copy too).
+pub fn element_bytes(kind: BufKind, target: Target) -> usize {
+    match target {
+        Target::Cpu => 4,
+        Target::Cuda { .. } => cuda::bytes_per_element(kind),
     }
 }
 
@@ -51,10 +63,7 @@ pub fn estimate(model: &Model, batch: usize, seq: usize, target: Target) -> Esti
     let p = model.layout.len;
     let a = model.activation_elements(batch, seq);
     let rope = seq * model.config.head_dim;
-    let bytes = |kind| match target {
-        Target::Cpu => 4,
-        Target::Cuda { .. } => cuda::bytes_per_element(kind),
-    };
+    let bytes = |kind| element_bytes(kind, target);
     let scratch = match target {
         // The reduction partials; the other scratch is a few rows.
         Target::Cpu => p.div_ceil(1 << 14) * 8,
@@ -68,6 +77,7 @@ pub fn estimate(model: &Model, batch: usize, seq: usize, target: Target) -> Esti
             + (a.scalars + rope) * bytes(BufKind::Scalars)
             + a.indices * 4,
         scratch,
+        communication: 0,
     }
 }
 

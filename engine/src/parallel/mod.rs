@@ -4,6 +4,7 @@
 
 pub mod comm;
 pub mod job;
+pub mod memory;
 pub mod mesh;
 pub mod nccl;
 pub mod rendezvous;

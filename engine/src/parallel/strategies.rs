@@ -339,19 +339,27 @@ impl<B: Backend> Exchange<B> for Parallel<B> {
     }
 }
 
+/// Under FSDP over `size` devices: each unit of `layout` (its range, piece length and where the
+/// piece starts in a device's shard), the shard's length, and the padded length of the widest
+/// unit (the staging buffer of the collectives).
+pub fn fsdp_pieces(layout: &Layout, size: usize) -> (Vec<(Range<usize>, usize, usize)>, usize, usize) {
+    let mut units = Vec::new();
+    let (mut len, mut widest) = (0, 0);
+    for unit in layout.units() {
+        let range = layout.unit_range(unit);
+        let piece = range.len().div_ceil(size);
+        units.push((range, piece, len));
+        len += piece;
+        widest = widest.max(piece * size);
+    }
+    (units, len, widest.max(1))
+}
+
 impl Fsdp {
     fn new<B: Backend>(be: &mut B, layout: &Layout, size: usize, me: usize, full: View) -> Fsdp {
-        let mut units = Vec::new();
-        let (mut len, mut widest) = (0, 0);
-        for unit in layout.units() {
-            let range = layout.unit_range(unit);
-            let piece = range.len().div_ceil(size);
-            units.push((range, piece, len));
-            len += piece;
-            widest = widest.max(piece * size);
-        }
+        let (units, len, widest) = fsdp_pieces(layout, size);
         let (params, grads) = (be.alloc(BufKind::Params, len), be.alloc(BufKind::Grads, len));
-        let staging = be.alloc(BufKind::Grads, widest.max(1));
+        let staging = be.alloc(BufKind::Grads, widest);
         // Each tensor's part in each of this device's pieces, in shard coordinates.
         let mut segments = Vec::new();
         for (range, piece, offset) in &units {

@@ -1,0 +1,32 @@
+//! The memory plan of one device of a mesh: the model's estimate ([`crate::model::memory`]) for
+//! the device's tensor-parallel slice and its share of the batch, with the strategies' own
+//! buffers. It follows what [`super::strategies::Parallel`] allocates today: under FSDP a device
+//! keeps the full (tensor-local) parameters and gradients the passes use, plus its pieces of
+//! both, its pieces of the moments and a staging buffer for the collectives.
+
+use super::mesh::{Axis, Mesh};
+use super::strategies::fsdp_pieces;
+use super::tensor::local_config;
+use crate::backend::BufKind;
+use crate::config::Config;
+use crate::model::Model;
+use crate::model::memory::{self, Estimate, Target, element_bytes};
+
+/// Bytes one device of `mesh` holds to train `config` on `target`, by what holds them.
+pub fn estimate(config: &Config, mesh: &Mesh, target: Target) -> Estimate {
+    let tensor = mesh.size(Axis::Tensor);
+    let mut model = Model::new(&local_config(&config.model, tensor));
+    model.remat = config.train.remat;
+    // The devices of a tensor group share their samples: `batch_size · tensor` each.
+    let mut e = memory::estimate(&model, config.train.batch_size * tensor, config.train.seq_len, target);
+    let fsdp = mesh.size(Axis::Fsdp);
+    if fsdp > 1 {
+        let (_, shard, staging) = fsdp_pieces(&model.layout, fsdp);
+        let bytes = |kind| element_bytes(kind, target);
+        e.parameters += shard * bytes(BufKind::Params);
+        e.gradients += shard * bytes(BufKind::Grads);
+        e.optimizer = 2 * shard * bytes(BufKind::OptState);
+        e.communication = staging * bytes(BufKind::Grads);
+    }
+    e
+}
