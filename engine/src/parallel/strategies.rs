@@ -62,7 +62,7 @@ pub struct Parallel<B: Backend> {
 struct Fsdp {
     /// Per unit (in [`Layout::units`] order): its range of the full buffers, the piece length
     /// and where this device's piece starts in the shard buffers.
-    units: Vec<(Range<usize>, usize, usize)>,
+    units: Vec<UnitPiece>,
     params: View,
     grads: View,
     /// A padded unit, for the collectives (units are rarely a multiple of the group size).
@@ -339,10 +339,14 @@ impl<B: Backend> Exchange<B> for Parallel<B> {
     }
 }
 
+/// A unit under FSDP: its range of the full buffers, the piece length, and where a device's
+/// piece starts in its shard buffers.
+pub type UnitPiece = (Range<usize>, usize, usize);
+
 /// Under FSDP over `size` devices: each unit of `layout` (its range, piece length and where the
 /// piece starts in a device's shard), the shard's length, and the padded length of the widest
 /// unit (the staging buffer of the collectives).
-pub fn fsdp_pieces(layout: &Layout, size: usize) -> (Vec<(Range<usize>, usize, usize)>, usize, usize) {
+pub fn fsdp_pieces(layout: &Layout, size: usize) -> (Vec<UnitPiece>, usize, usize) {
     let mut units = Vec::new();
     let (mut len, mut widest) = (0, 0);
     for unit in layout.units() {
