@@ -116,7 +116,7 @@ fn bench_one<B: Backend>(
     let tflops = trainer.flops_per_step() / median / 1e12;
     let mfu = if peak > 0.0 { tflops / peak } else { 0.0 };
     let m = &config.model;
-    let n = config.train.batch_size * config.train.seq_len;
+    let n = trainer.plan.batch * config.train.seq_len;
     let head = head_gemm_tflops(&mut trainer.backend.inner, n, m.d_model, m.vocab_size);
     println!(
         "{:<16} {:>9} {:>10.3} s {:>11.0} {:>10.3} {:>6.1}%   {head:.3} TFLOP/s ({n}x{}x{} fwd, dx, dw)",

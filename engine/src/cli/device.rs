@@ -85,7 +85,7 @@ pub fn open(arg: DeviceArg, config: Option<&Config>) -> Result<Opened> {
         let mut model = Model::new(&c.model);
         model.remat = c.train.remat;
         let target = Target::Cuda { sm_count: backend.info().sm_count as usize };
-        let need = memory::estimate(&model, c.train.batch_size, c.train.seq_len, target).total();
+        let need = memory::estimate(&model, c.train.batch_size.per_group(1), c.train.seq_len, target).total();
         let (free, total) = backend.device_memory();
         if need > free {
             bail!(

@@ -99,7 +99,7 @@ fn show_json(name: &str, c: &Config, mesh: &Mesh) -> serde_json::Value {
         "parameters": count.total,
         "active_parameters": count.active,
         "flops_per_token": c.model.train_flops_per_token(c.train.seq_len),
-        "tokens_per_step": c.train.batch_size * mesh.devices() * c.train.seq_len * c.train.grad_accum,
+        "tokens_per_step": tokens_per_step(c, mesh),
         "mesh": {
             "devices": mesh.devices(),
             "data": size(Axis::Data),
@@ -110,6 +110,12 @@ fn show_json(name: &str, c: &Config, mesh: &Mesh) -> serde_json::Value {
         },
         "memory_per_device": { "cuda": part(&gpu), "cpu": part(&cpu) },
     })
+}
+
+/// Tokens of one optimizer step, all devices together: `batch_size × devices` sequences per
+/// micro-batch (whole, as the mesh check made sure).
+fn tokens_per_step(c: &Config, mesh: &Mesh) -> usize {
+    (c.train.batch_size * mesh.devices()).per_group(1) * c.train.seq_len * c.train.grad_accum
 }
 
 /// The text of `engine recipes show`.
@@ -134,7 +140,7 @@ fn show(name: &str, c: &Config, mesh: &Mesh) -> String {
     );
     out += &format!(
         "tokens per step    {:>20}  (batch {} x {} devices x seq {} x grad_accum {})\n",
-        group((c.train.batch_size * mesh.devices() * seq * c.train.grad_accum) as u64),
+        group(tokens_per_step(c, mesh) as u64),
         c.train.batch_size,
         mesh.devices(),
         seq,
@@ -151,7 +157,7 @@ fn show(name: &str, c: &Config, mesh: &Mesh) -> String {
 /// Estimated memory per device of `mesh` for the recipe's batch shape, on CUDA (bf16
 /// activations, f32 master weights) and CPU (f32), and under each recomputation policy.
 fn memory_table(c: &Config, mesh: &Mesh) -> String {
-    let (batch, seq) = (c.train.batch_size * mesh.size(Axis::Tensor), c.train.seq_len);
+    let (batch, seq) = (c.train.batch_size.per_group(mesh.size(Axis::Tensor)), c.train.seq_len);
     let gib = |b: usize| format!("{:.2} GiB", engine::backend::gib(b));
     let (gpu, cpu) = plans(c, mesh);
     let [d, f, t] = [Axis::Data, Axis::Fsdp, Axis::Tensor].map(|a| mesh.size(a));

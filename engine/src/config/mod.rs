@@ -146,14 +146,80 @@ impl Default for MoeConfig {
     }
 }
 
+/// `train.batch_size`: sequences per device per micro-batch, as Pax's `PERCORE_BATCH_SIZE`. The
+/// global batch is `batch_size × devices` whatever the strategies; the devices of a tensor group
+/// read their samples together, `batch_size × tensor` sequences, which must be a whole number:
+/// with tensor parallelism 4, `batch_size = 0.25` gives each group one sequence.
+#[derive(Debug, Clone, Copy, PartialEq, PartialOrd)]
+pub struct BatchSize(pub f64);
+
+impl BatchSize {
+    /// Sequences a group of `devices` devices that share their samples reads per micro-batch;
+    /// an error with the arithmetic when that is not a whole number.
+    pub fn sequences(self, devices: usize) -> Result<usize, String> {
+        let n = self.0 * devices as f64;
+        if n.fract() != 0.0 || n < 1.0 {
+            return Err(format!(
+                "train.batch_size = {self} x {devices} device(s) sharing their samples = {n} sequences: each data or \
+                 FSDP group needs a whole number of sequences (the global batch is batch_size x devices)"
+            ));
+        }
+        Ok(n as usize)
+    }
+
+    /// `sequences(devices)`, rounded up where it is not whole (for estimates).
+    pub fn per_group(self, devices: usize) -> usize {
+        (self.0 * devices as f64).ceil() as usize
+    }
+}
+
+impl std::fmt::Display for BatchSize {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
+/// `batch_size × n`: the same global batch on `n` times fewer devices.
+impl std::ops::Mul<usize> for BatchSize {
+    type Output = BatchSize;
+    fn mul(self, n: usize) -> BatchSize {
+        BatchSize(self.0 * n as f64)
+    }
+}
+
+impl std::ops::MulAssign<usize> for BatchSize {
+    fn mul_assign(&mut self, n: usize) {
+        *self = *self * n;
+    }
+}
+
+/// A whole batch size is written as an integer (`4`, as configurations always had it), a fraction
+/// as a float.
+impl Serialize for BatchSize {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        if self.0.fract() == 0.0 && self.0.abs() < 9.0e15 {
+            s.serialize_u64(self.0 as u64)
+        } else {
+            s.serialize_f64(self.0)
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for BatchSize {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        f64::deserialize(d).map(BatchSize)
+    }
+}
+
 /// The shape of a step and the length of the run.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct TrainConfig {
     /// Tokens per sequence.
     pub seq_len: usize,
-    /// Sequences per device per micro-batch.
-    pub batch_size: usize,
+    /// Sequences per device per micro-batch (Pax's `PERCORE_BATCH_SIZE`), possibly a fraction
+    /// when devices share samples: see [`BatchSize`].
+    pub batch_size: BatchSize,
     /// Micro-batches accumulated into one optimizer step.
     pub grad_accum: usize,
     /// Optimizer steps to run.
@@ -208,7 +274,7 @@ impl Default for TrainConfig {
     fn default() -> Self {
         TrainConfig {
             seq_len: 0,
-            batch_size: 1,
+            batch_size: BatchSize(1.0),
             grad_accum: 1,
             steps: 100,
             seed: 1234,
@@ -367,7 +433,6 @@ impl Config {
             ("model.mlp_dim", m.mlp_dim),
             ("model.max_seq_len", m.max_seq_len),
             ("train.seq_len", self.train.seq_len),
-            ("train.batch_size", self.train.batch_size),
             ("train.grad_accum", self.train.grad_accum),
         ];
         for (key, value) in positive {
@@ -386,7 +451,6 @@ impl Config {
             ("model.mlp_dim", m.mlp_dim, 1 << 20),
             ("model.max_seq_len", m.max_seq_len, 1 << 24),
             ("model.moe.num_experts", m.moe.as_ref().map_or(1, |e| e.num_experts), 1 << 10),
-            ("train.batch_size", self.train.batch_size, 1 << 20),
             ("train.grad_accum", self.train.grad_accum, 1 << 20),
         ];
         for (key, value, max) in at_most {
@@ -394,7 +458,14 @@ impl Config {
                 return Err(format!("{key} = {value} is more than this engine trains (at most {max})"));
             }
         }
-        let tokens = self.train.batch_size as u64 * self.train.seq_len as u64;
+        let batch = self.train.batch_size.0;
+        if !(batch > 0.0 && batch.is_finite()) {
+            return Err(format!("train.batch_size = {batch} must be a positive number"));
+        }
+        if batch > (1 << 20) as f64 {
+            return Err(format!("train.batch_size = {batch} is more than this engine trains (at most {})", 1 << 20));
+        }
+        let tokens = (batch * self.train.seq_len as f64).ceil() as u64;
         if tokens > 1 << 26 {
             return Err(format!(
                 "train.batch_size x train.seq_len = {} x {} = {tokens} tokens per device and micro-batch, more than this engine trains (at most {}); raise train.grad_accum instead",

@@ -18,7 +18,7 @@ pub fn estimate(config: &Config, mesh: &Mesh, target: Target) -> Estimate {
     let mut model = Model::new(&local_config(&config.model, tensor));
     model.remat = config.train.remat;
     // The devices of a tensor group share their samples: `batch_size · tensor` each.
-    let mut e = memory::estimate(&model, config.train.batch_size * tensor, config.train.seq_len, target);
+    let mut e = memory::estimate(&model, config.train.batch_size.per_group(tensor), config.train.seq_len, target);
     let fsdp = mesh.size(Axis::Fsdp);
     if fsdp > 1 {
         let (_, shard, staging) = fsdp_pieces(&model.layout, fsdp);

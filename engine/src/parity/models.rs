@@ -47,7 +47,7 @@ fn model_step<B: Backend>(be: &mut B, model: &Model, plan: &Plan, params: &[f32]
 pub(super) fn parity(gpu: Cuda, name: &str, extra: &[&str], scale: Scale) -> Result<String, String> {
     let config = tiny(name, scale, extra);
     let model = Model::new(&config.model);
-    let (batch, seq) = (config.train.batch_size, config.train.seq_len);
+    let (batch, seq) = (config.train.batch_size.per_group(1), config.train.seq_len);
     let params = init::params(&model, 7);
     let tokens: Vec<u32> =
         (0..=batch * seq).map(|i| (rng::bits(3, 3, i as u64) % config.model.vocab_size as u64) as u32).collect();
@@ -113,7 +113,7 @@ pub(super) fn remat(gpu: Cuda, open: &mut Open, scale: Scale) -> Result<String, 
         let config = tiny("tiny-llama2", scale, &["model.n_layers=2"]);
         let mut model = Model::new(&config.model);
         model.remat = remat;
-        let (batch, seq) = (config.train.batch_size, config.train.seq_len);
+        let (batch, seq) = (config.train.batch_size.per_group(1), config.train.seq_len);
         let params = init::params(&model, 7);
         let tokens: Vec<u32> = (0..=batch * seq).map(|i| (i * 7 % 200) as u32).collect();
         let mut gpu = gpu;
@@ -131,7 +131,7 @@ pub(super) fn memory_estimate(gpu: Cuda, scale: Scale) -> Result<String, String>
     let mut model = Model::new(&config.model);
     model.remat = config.train.remat;
     let target = Target::Cuda { sm_count: gpu.info().sm_count as usize };
-    let estimate = memory::estimate(&model, config.train.batch_size, config.train.seq_len, target).total();
+    let estimate = memory::estimate(&model, config.train.batch_size.per_group(1), config.train.seq_len, target).total();
     let mut trainer = Trainer::new(gpu, &config).map_err(|e| format!("{e:#}"))?;
     trainer.train_step(0.0);
     let (allocated, in_use) = trainer.backend.memory_in_use();

@@ -159,6 +159,28 @@ mod tests {
         );
     }
 
+    /// Pax's rule: a fractional `batch_size` is fine when the devices of a tensor group read a
+    /// whole number of sequences together, and trains the same global batch as one device.
+    #[test]
+    fn a_fractional_batch_size_follows_the_single_device_curve() {
+        let c =
+            config("tiny-llama2", &["model.mlp_dim=1024", "mesh.ici_data=1", "mesh.ici_fsdp=2", "mesh.ici_tensor=2"]);
+        let mut half = c.clone();
+        half.train.batch_size = crate::config::BatchSize(0.5);
+        let mut one = half.clone();
+        one.train.batch_size *= 4;
+        assert_eq!(one.train.batch_size.sequences(1), Ok(2));
+        let want: Vec<f64> = {
+            let mut t = Trainer::new(Traced::new(Cpu::new()), &one).unwrap();
+            (0..half.train.steps).map(|_| t.train_step(0.0).loss).collect()
+        };
+        assert_same_curve("FSDP 2 x TP 2, batch 0.5", &want, &parallel(&half, 4));
+        let mut dp = half.clone();
+        (dp.mesh.ici_fsdp, dp.mesh.ici_tensor, dp.mesh.ici_data) = (1, 1, 4);
+        let e = job::mesh(&dp, 4, 1).unwrap_err().to_string();
+        assert!(e.contains("train.batch_size = 0.5 x 1 device(s) sharing their samples = 0.5 sequences"), "{e}");
+    }
+
     #[test]
     fn mistral_splits_over_data_and_fsdp_but_not_its_single_head() {
         for (name, mesh, devices) in &MESHES[..2] {

@@ -81,7 +81,8 @@ impl<B: Backend> Trainer<B> {
         model.remat = t.remat;
         model.batch_shards = mesh.batch_shards();
         // The devices of a tensor group share their samples: `batch_size · tensor` each.
-        let plan = model.plan(&mut backend, t.batch_size * tensor, t.seq_len);
+        let batch = t.batch_size.sequences(tensor).map_err(|e| anyhow::anyhow!("{e}"))?;
+        let plan = model.plan(&mut backend, batch, t.seq_len);
         let slice = TensorSlice::new(&config.model, mesh.coords(comm.rank()).tensor, tensor);
         slice.upload_init(&mut backend, plan.params, t.seed, config.model.init_std as f32);
         let parallel = Parallel::new(&mut backend, comm, mesh, slice, plan.params, plan.grads);
@@ -113,8 +114,9 @@ impl<B: Backend> Trainer<B> {
     /// Tokens one optimizer step processes, all devices together (the global batch is
     /// `train.batch_size` × devices sequences per micro-batch).
     pub fn tokens_per_step(&self) -> usize {
+        // A tensor group's sequences, times the groups that read distinct samples.
         let t = &self.config.train;
-        t.batch_size * self.devices() * t.seq_len * t.grad_accum
+        self.plan.batch * self.model.batch_shards * t.seq_len * t.grad_accum
     }
 
     /// Training FLOPs of one optimizer step per device.
