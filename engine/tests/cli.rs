@@ -192,7 +192,7 @@ fn sizes_and_memory_are_checked_before_use() {
     for (set, expected) in [
         ("model.d_model=1000000000", "model.d_model = 1000000000 is more than this engine trains (at most 131072)"),
         ("model.vocab_size=4611686018427387904", "model.vocab_size = 4611686018427387904 is more than"),
-        ("train.batch_size=4611686018427387904", "train.batch_size = 4611686018427387904 is more than"),
+        ("train.batch_size=4611686018427387904", "is more than this engine trains (at most 1048576)"),
         ("model.n_layers=4096", "parameters, more than this engine trains"),
     ] {
         let extra = ["--set", "model.d_model=131072", "--set", "model.mlp_dim=1048576"];
