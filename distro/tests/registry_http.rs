@@ -1,8 +1,8 @@
 //! The registry client against small HTTP servers on loopback: what it sends where (credentials
 //! never follow a redirect to another origin), the Bearer token flow, retries, and refusing
 //! content that does not match its digest.
-use distro::image::digest::Digest;
-use distro::image::store::BlobStore;
+use distro::oci::digest::Digest;
+use distro::oci::store::BlobStore;
 use distro::registry::auth::{Credential, Credentials};
 use distro::registry::client::{Client, Retry};
 use distro::registry::reference::Reference;

@@ -3,13 +3,13 @@
 //! The load tar is an OCI layout for one platform plus Docker's `manifest.json`: Docker 25 and
 //! later read the layout, older daemons (Debian bookworm ships 20.10) read `manifest.json`,
 //! whose `Layers` point at the gzipped layer blobs (those daemons decompress while loading).
-use crate::image::digest::Digest;
-use crate::image::error::bad_input;
-use crate::image::json::canonical;
-use crate::image::layout::{Layout, REF_NAME};
-use crate::image::manifest::{Descriptor, OCI_INDEX, is_index};
-use crate::image::platform::Platform;
-use crate::image::progress::Progress;
+use crate::error::bad_input;
+use crate::oci::digest::Digest;
+use crate::oci::json::canonical;
+use crate::oci::layout::{Layout, REF_NAME};
+use crate::oci::manifest::{Descriptor, OCI_INDEX, is_index};
+use crate::oci::platform::Platform;
+use crate::progress::Progress;
 use crate::registry::auth::{Credential, Credentials};
 use crate::registry::reference::Reference;
 use anyhow::{Context, Result, anyhow, bail};
@@ -195,10 +195,10 @@ pub fn load(
     if let Some(out) = output {
         let p = platform.cloned().or_else(Platform::host).ok_or_else(|| anyhow!("pass --platform"))?;
         let images = select(&layout, refs, &p, repo)?;
-        let tmp = crate::image::fsutil::temp_beside(out);
+        let tmp = crate::fsutil::temp_beside(out);
         let f = std::fs::File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
         let res = write_load_tar(&layout, &images, std::io::BufWriter::new(f))
-            .and_then(|_| crate::image::fsutil::commit_temp(&tmp, out));
+            .and_then(|_| crate::fsutil::commit_temp(&tmp, out));
         if res.is_err() {
             let _ = std::fs::remove_file(&tmp);
         }
@@ -459,8 +459,8 @@ async fn pull(docker: &Docker, image: &str, platform: Option<&Platform>, progres
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::image::manifest::{OCI_CONFIG, OCI_LAYER_GZIP, OCI_MANIFEST, image_index, image_manifest};
-    use crate::image::store::BlobStore;
+    use crate::oci::manifest::{OCI_CONFIG, OCI_LAYER_GZIP, OCI_MANIFEST, image_index, image_manifest};
+    use crate::oci::store::BlobStore;
 
     #[test]
     fn binds_are_checked_and_made_absolute() {
@@ -470,7 +470,7 @@ mod tests {
         assert!(rel.starts_with('/') && rel.ends_with("/out:/triage"), "{rel}");
         for bad in ["/data", "/data:triage", ":/x", "/a:/b:rx"] {
             let e = bind(bad).unwrap_err();
-            assert!(crate::image::error::is_bad_input(&e), "{bad}");
+            assert!(crate::error::is_bad_input(&e), "{bad}");
         }
     }
 

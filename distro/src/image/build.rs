@@ -3,20 +3,23 @@
 //! layout and/or registry. Layer blobs are cached by a key of their exact inputs, so an
 //! unchanged input rebuilds nothing.
 use super::base;
-use super::config::{AddedLayer, image_config, parse_date, rfc3339, utc_date};
+use super::config::{AddedLayer, image_config};
 use super::def::ImageDef;
-use super::digest::Digest;
 use super::engine_build::{CratePatch, Stage};
-use super::error::bad_input;
-use super::fsutil::write_atomic;
 use super::layer::{Layer, LayerSpec, MODE_EXEC, MODE_FILE};
-use super::layout::Layout;
-use super::manifest::{Descriptor, OCI_CONFIG, OCI_INDEX, OCI_LAYER_GZIP, OCI_MANIFEST, image_index, image_manifest};
-use super::platform::Platform;
-use super::progress::Progress;
 use super::sbom::{SbomInput, sbom};
-use super::store::BlobStore;
 use super::workspace::Workspace;
+use crate::dated::{parse_date, rfc3339, utc_date};
+use crate::error::bad_input;
+use crate::fsutil::write_atomic;
+use crate::oci::digest::Digest;
+use crate::oci::layout::Layout;
+use crate::oci::manifest::{
+    Descriptor, OCI_CONFIG, OCI_INDEX, OCI_LAYER_GZIP, OCI_MANIFEST, image_index, image_manifest,
+};
+use crate::oci::platform::Platform;
+use crate::oci::store::BlobStore;
+use crate::progress::Progress;
 use crate::registry::auth::Credentials;
 use crate::registry::client::Client;
 use crate::registry::push::{BlobFile, ManifestDoc, PushOptions, PushPlan, PushReport, push};

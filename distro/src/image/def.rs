@@ -1,6 +1,6 @@
 //! Image definitions: `images/<name>.toml`, one per flavor (see docs/images.md).
-use super::error::{bad_input, line_of};
-use super::platform::Platform;
+use crate::error::{bad_input, line_of};
+use crate::oci::platform::Platform;
 use crate::registry::reference::Reference;
 use anyhow::Result;
 use serde::Deserialize;
@@ -304,7 +304,7 @@ reason = "show warnings"
 
     fn err(text: &str) -> String {
         let e = ImageDef::parse(text, "x.toml").unwrap_err();
-        assert!(crate::image::error::is_bad_input(&e));
+        assert!(crate::error::is_bad_input(&e));
         format!("{e:#}")
     }
 

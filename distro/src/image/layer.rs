@@ -4,8 +4,8 @@
 //! by path, every header has uid/gid 0, no user/group names, mtime = the epoch, a fixed mode, and
 //! no extended attributes or PAX records; the gzip header has mtime 0, no file name and OS 255,
 //! and compression runs through flate2's pure-Rust backend (miniz_oxide) at a pinned level.
-use super::digest::{Digest, KeyHasher};
-use super::error::bad_input;
+use crate::error::bad_input;
+use crate::oci::digest::{Digest, KeyHasher};
 use anyhow::{Context, Result};
 use flate2::{Compression, GzBuilder};
 use std::collections::BTreeMap;

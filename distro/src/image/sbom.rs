@@ -1,10 +1,10 @@
 //! The SBOM: SPDX 2.3 JSON of what went into one platform's image: the crates linked into
 //! the engine (from the build's `Cargo.lock`, with checksums, and cargo's resolve for the
 //! target, with licenses) and the base image.
-use super::config::rfc3339;
-use super::digest::{Digest, KeyHasher};
-use super::json::canonical;
-use super::platform::Platform;
+use crate::dated::rfc3339;
+use crate::oci::digest::{Digest, KeyHasher};
+use crate::oci::json::canonical;
+use crate::oci::platform::Platform;
 use anyhow::{Context, Result};
 use serde_json::{Value, json};
 use std::collections::{BTreeMap, BTreeSet};

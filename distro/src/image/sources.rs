@@ -3,9 +3,9 @@
 //! it applied, the patched crates to wire into the engine build, and annotations with the pins.
 use super::build::{PIN_ANNOTATION_PREFIX, SourcesInput};
 use super::engine_build::CratePatch;
-use super::error::bad_input;
-use super::progress::Progress;
 use super::workspace::Workspace;
+use crate::error::bad_input;
+use crate::progress::Progress;
 use crate::sources::{
     Cache, ExtraPatch, FetchedSource, Lock, Manifest, Origin, Overrides, SourceOverride, lock_for_run, materialise,
 };

@@ -1,5 +1,5 @@
 //! The workspace being built: its root, revision, commit time and git-tracked files.
-use super::error::bad_input;
+use crate::error::bad_input;
 use anyhow::{Context, Result, bail};
 use std::path::{Path, PathBuf};
 use std::process::Command;

@@ -2,7 +2,7 @@
 //! come from (`~/.docker/config.json` with its credential helpers, or the environment).
 //!
 //! Secrets never reach a log or an error message: [`Credential`]'s `Debug` hides them.
-use crate::image::error::bad_input;
+use crate::error::bad_input;
 use anyhow::{Context, Result, bail};
 use base64::Engine as _;
 use serde::Deserialize;

@@ -4,8 +4,8 @@
 use super::auth::Scope;
 use super::client::{Client, Payload, Request, Stats, error_text, redact};
 use super::reference::Reference;
-use crate::image::digest::Digest;
-use crate::image::progress::Progress;
+use crate::oci::digest::Digest;
+use crate::progress::Progress;
 use anyhow::{Context, Result, anyhow, bail};
 use reqwest::Method;
 use reqwest::blocking::Response;

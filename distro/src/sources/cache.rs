@@ -16,9 +16,9 @@ use anyhow::{Context, Result, bail};
 use std::fs::{self, File, OpenOptions};
 use std::path::{Path, PathBuf};
 
-use super::fsutil::{remove_all, write_atomic};
 use super::git::Git;
 use super::hash::{is_sha256, sha256_hex};
+use crate::fsutil::{remove_all, write_atomic};
 
 /// The cache root and its layout.
 #[derive(Clone, Debug)]

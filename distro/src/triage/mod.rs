@@ -19,73 +19,52 @@ use crate::dated::{DatedTag, Found, Verdict, dated_tags, search};
 use crate::docker::{self, Gpus, RunOptions};
 use crate::error::{bad_input, one_line};
 use crate::image::build::{BuildOptions, PIN_ANNOTATION_PREFIX, build};
-use crate::image::config::parse_date;
-use crate::image::platform::Platform;
-use crate::image::progress::Progress;
 use crate::image::workspace::Workspace;
+use crate::oci::platform::Platform;
+use crate::progress::Progress;
 use crate::registry::auth::Credentials;
 use crate::registry::client::Client;
 use crate::registry::reference::Reference;
 use crate::sources::{Manifest, SourceKind};
 use anyhow::{Context, Result, bail};
-use clap::Args;
 use serde::Serialize;
 use serde_json::{Value, json};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::process::{Command, ExitCode};
+use std::process::Command;
 use std::time::Instant;
 
 /// Where the command finds its output directory inside the container.
 pub const TRIAGE_MOUNT: &str = "/triage";
 
-/// `distro triage`.
-#[derive(Args, Debug)]
-pub struct TriageArgs {
-    /// Repository holding the dated images, e.g. ghcr.io/org/distro.
-    #[arg(long, value_name = "REPO")]
-    pub repo: String,
+/// What one triage run looks for, checked (the command line's `TriageArgs` after parsing).
+#[derive(Clone, Debug)]
+pub struct Options {
+    /// Repository holding the dated images (no tag, no digest).
+    pub repo: Reference,
     /// Image name: the tags are NAME-YYYY-MM-DD.
-    #[arg(long, default_value = "engine", value_name = "NAME")]
     pub image: String,
     /// A date whose image passes.
-    #[arg(long, value_name = "YYYY-MM-DD")]
     pub good: String,
     /// A later date whose image fails.
-    #[arg(long, value_name = "YYYY-MM-DD")]
     pub bad: String,
-    /// Decide by this number in $TRIAGE_OUT/metrics.json (with --threshold) as well as by exit code.
-    #[arg(long, value_name = "NAME", requires = "threshold")]
-    pub metric: Option<String>,
-    /// A point fails when the metric is above this (below it with --higher-is-better).
-    #[arg(long, value_name = "X", requires = "metric")]
-    pub threshold: Option<f64>,
-    /// The metric is better when higher (e.g. tokens/s): fail below the threshold.
-    #[arg(long, requires = "metric")]
-    pub higher_is_better: bool,
-    /// Write the summary (every point tested, verdicts, timings, the culprit) as JSON here.
-    #[arg(long, value_name = "FILE")]
+    /// How a point's exit code and metrics become a verdict.
+    pub criterion: Criterion,
+    /// Where to write the JSON summary, if anywhere.
     pub summary: Option<PathBuf>,
     /// Only find the date; do not bisect upstream commits.
-    #[arg(long)]
     pub dates_only: bool,
     /// Base image for rebuilds (default: the bad image's base, by digest).
-    #[arg(long, value_name = "REF")]
     pub base: Option<String>,
     /// Working directory for outputs and rebuilt layouts (default: target/distro/triage).
-    #[arg(long, value_name = "DIR")]
     pub work_dir: Option<PathBuf>,
-    /// Environment variable KEY=VALUE for the command's container (repeatable).
-    #[arg(short, long, value_name = "KEY=VALUE")]
+    /// `KEY=VALUE` environment of the command's container.
     pub env: Vec<String>,
-    /// GPUs for the command's container: auto, all, none.
-    #[arg(long, value_enum, default_value_t = Gpus::Auto)]
+    /// GPUs for the command's container.
     pub gpus: Gpus,
-    /// Registry reachable over plain HTTP (loopback registries always are).
-    #[arg(long, value_name = "HOST[:PORT]")]
+    /// Registries reachable over plain HTTP.
     pub insecure: Vec<String>,
     /// The command run in each image; it passes with exit code 0.
-    #[arg(last = true, required = true, value_name = "COMMAND")]
     pub command: Vec<String>,
 }
 
@@ -149,7 +128,7 @@ impl Criterion {
 
 /// The state of one triage run, which every tested point is recorded in.
 struct Triage {
-    args: TriageArgs,
+    args: Options,
     criterion: Criterion,
     work: PathBuf,
     progress: Progress,
@@ -231,30 +210,6 @@ struct Moved {
     commits: Vec<(String, String)>,
 }
 
-/// Parses and checks the arguments; every problem is bad input (exit 2).
-fn check_args(a: &TriageArgs) -> Result<Reference> {
-    let repo = Reference::parse(&a.repo).map_err(|e| bad_input(format!("--repo {:?}: {e:#}", a.repo)))?;
-    if repo.tag.is_some() || repo.digest.is_some() {
-        return Err(bad_input(format!("--repo {:?}: give the repository without a tag or digest", a.repo)));
-    }
-    let good = parse_date(&a.good)
-        .ok_or_else(|| bad_input(format!("--good {:?} is not a date in YYYY-MM-DD form", a.good)))?;
-    let bad =
-        parse_date(&a.bad).ok_or_else(|| bad_input(format!("--bad {:?} is not a date in YYYY-MM-DD form", a.bad)))?;
-    if good >= bad {
-        return Err(bad_input(format!("--good {} must be before --bad {}", a.good, a.bad)));
-    }
-    for e in &a.env {
-        if !e.contains('=') {
-            return Err(bad_input(format!("--env {e:?}: expected KEY=VALUE")));
-        }
-    }
-    if a.threshold.is_some_and(|t| !t.is_finite()) {
-        return Err(bad_input("--threshold must be a finite number"));
-    }
-    Ok(repo)
-}
-
 fn git(dir: &Path, args: &[&str]) -> Result<String> {
     let out = Command::new("git")
         .arg("-C")
@@ -305,9 +260,10 @@ fn pins(ann: &BTreeMap<String, String>) -> BTreeMap<String, String> {
         .collect()
 }
 
-/// Runs `distro triage`.
-pub fn triage_cmd(args: TriageArgs) -> Result<ExitCode> {
-    let repo = check_args(&args)?;
+/// Runs a triage: prints the culprit line (and the commits that did not build) on stdout and
+/// writes the summary, when asked, whatever happened.
+pub fn triage(args: Options) -> Result<()> {
+    let repo = args.repo.clone();
     let host = Platform::host().ok_or_else(|| anyhow::anyhow!("this machine's architecture has no image platform"))?;
     let ws = Workspace::open(&std::env::current_dir()?).ok();
     let work = match (&args.work_dir, &ws) {
@@ -316,8 +272,7 @@ pub fn triage_cmd(args: TriageArgs) -> Result<ExitCode> {
         (None, None) => std::env::temp_dir().join(format!("distro-triage-{}", std::process::id())),
     };
     std::fs::create_dir_all(&work).with_context(|| format!("creating {}", work.display()))?;
-    let criterion =
-        Criterion { metric: args.metric.clone().zip(args.threshold), higher_is_better: args.higher_is_better };
+    let criterion = args.criterion.clone();
     let client = Client::new(Credentials::from_environment(None)?, args.insecure.clone())?;
     let mut t = Triage {
         args,
@@ -350,9 +305,9 @@ pub fn triage_cmd(args: TriageArgs) -> Result<ExitCode> {
     if let Some(path) = &t.args.summary {
         let mut bytes = serde_json::to_vec_pretty(&summary)?;
         bytes.push(b'\n');
-        crate::image::fsutil::write_atomic(path, &bytes)?;
+        crate::fsutil::write_atomic(path, &bytes)?;
     }
-    result.map(|()| ExitCode::SUCCESS)
+    result
 }
 
 fn run(t: &mut Triage, client: &Client, repo: &Reference, ws: Option<&Workspace>, summary: &mut Value) -> Result<()> {
@@ -679,35 +634,5 @@ mod tests {
             ("org.opencontainers.image.revision".to_string(), "r".to_string()),
         ]);
         assert_eq!(pins(&ann), BTreeMap::from([("probe".to_string(), "abc".to_string())]));
-    }
-
-    #[test]
-    fn arguments_are_checked() {
-        let args = |good: &str, bad: &str, repo: &str| TriageArgs {
-            repo: repo.into(),
-            image: "engine".into(),
-            good: good.into(),
-            bad: bad.into(),
-            metric: None,
-            threshold: None,
-            higher_is_better: false,
-            summary: None,
-            dates_only: false,
-            base: None,
-            work_dir: None,
-            env: vec![],
-            gpus: Gpus::None,
-            insecure: vec![],
-            command: vec!["true".into()],
-        };
-        let msg = |a: TriageArgs| {
-            let e = check_args(&a).unwrap_err();
-            assert_eq!(crate::error::exit_code(&e), 2);
-            one_line(&e)
-        };
-        assert!(msg(args("2026-01-05", "2026-01-02", "localhost:5000/x")).contains("must be before"));
-        assert!(msg(args("2026-13-01", "2026-01-02", "localhost:5000/x")).contains("--good"));
-        assert!(msg(args("2026-01-01", "2026-01-02", "localhost:5000/x:tag")).contains("without a tag"));
-        assert!(check_args(&args("2026-01-01", "2026-01-02", "localhost:5000/x")).is_ok());
     }
 }

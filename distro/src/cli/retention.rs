@@ -5,10 +5,10 @@
 //! tag pointing at a deleted digest goes with it; so a digest that a kept tag also points at
 //! is never deleted (the tag is reported as skipped instead).
 use crate::dated::{dated_tags, expired, format_day};
+use crate::dated::{parse_date, utc_date};
 use crate::error::bad_input;
-use crate::image::config::{parse_date, utc_date};
-use crate::image::digest::Digest;
-use crate::image::manifest::is_index;
+use crate::oci::digest::Digest;
+use crate::oci::manifest::is_index;
 use crate::registry::auth::{Credentials, Scope};
 use crate::registry::client::Client;
 use crate::registry::reference::Reference;

@@ -3,7 +3,7 @@ use anyhow::Result;
 use serde_json::{Value, json};
 use std::fmt;
 
-use super::error::bad_input;
+use crate::error::bad_input;
 
 /// An OCI platform this tool can build for.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
