@@ -25,6 +25,7 @@ pub mod fsutil;
 pub mod image;
 pub mod oci;
 pub mod progress;
+pub mod publish;
 pub mod registry;
 pub mod sources;
 pub mod triage;

@@ -3,6 +3,11 @@ use super::parse_ref;
 use crate::image::build::{BuildOptions, build};
 use crate::oci::platform::Platform;
 use crate::progress::Progress;
+use crate::publish::layout::OciLayout;
+use crate::publish::publish;
+use crate::publish::registry::Registry;
+use crate::registry::auth::Credentials;
+use crate::registry::client::Client;
 use anyhow::Result;
 use clap::Args;
 use std::path::PathBuf;
@@ -52,6 +57,7 @@ pub fn build_cmd(a: BuildArgs) -> Result<ExitCode> {
         Some(a.platform.iter().map(|p| Platform::parse(p)).collect::<Result<Vec<_>>>()?)
     };
     let start_dir = std::env::current_dir()?;
+    let push = a.push.as_deref().map(|p| parse_ref(p, "--push")).transpose()?;
     let opts = BuildOptions {
         patches: a.patch,
         source_overrides: a.source,
@@ -59,16 +65,26 @@ pub fn build_cmd(a: BuildArgs) -> Result<ExitCode> {
         platforms,
         date: a.date,
         base: a.base.as_deref().map(|b| parse_ref(b, "--base")).transpose()?,
-        output: a.output,
-        push: a.push.as_deref().map(|p| parse_ref(p, "--push")).transpose()?,
-        insecure: a.insecure,
-        chunk_size: a.chunk_size,
         start_dir,
     };
-    let r = build(&opts, &progress)?;
-    if let Some(dir) = &r.layout {
-        progress.info(format!("layout {}: {}", dir.display(), r.tags.join(", ")));
+    // One client pulls the base and pushes, with the credentials of the registry pushed to.
+    let client = Client::new(Credentials::from_environment(push.as_ref().map(|r| r.api_host()))?, a.insecure)?;
+    let built = build(&opts, &client, &progress)?;
+    // The layout: where asked, else target/distro/oci unless pushing.
+    let layout = match (a.output, &push) {
+        (Some(o), _) => Some(o),
+        (None, None) => Some(built.build_dir.join("oci")),
+        (None, Some(_)) => None,
+    };
+    if let Some(dir) = &layout {
+        publish(&OciLayout { dir: dir.clone() }, &built.bundle, &progress)?;
     }
-    println!("{}", r.index_digest);
+    if let Some(repo) = push {
+        publish(&Registry { client: &client, repo, chunk_size: a.chunk_size }, &built.bundle, &progress)?;
+    }
+    if let Some(dir) = &layout {
+        progress.info(format!("layout {}: {}", dir.display(), built.bundle.tags().join(", ")));
+    }
+    println!("{}", built.index.digest);
     Ok(ExitCode::SUCCESS)
 }

@@ -1,8 +1,11 @@
 //! `distro load`: loads refs of an OCI layout into the local Docker engine (or writes the tar
 //! `docker load` reads); prints the loaded `REPO:REF` names.
-use crate::docker;
+use crate::oci::bundle::Bundle;
+use crate::oci::layout::Layout;
 use crate::oci::platform::Platform;
 use crate::progress::Progress;
+use crate::publish::daemon::Daemon;
+use crate::publish::publish;
 use anyhow::Result;
 use clap::Args;
 use std::path::PathBuf;
@@ -32,9 +35,11 @@ pub struct LoadArgs {
 pub fn load_cmd(a: LoadArgs) -> Result<ExitCode> {
     let progress = Progress::new();
     let platform = a.platform.as_deref().map(Platform::parse).transpose()?;
-    let names = docker::load(&a.layout, &a.refs, platform.as_ref(), &a.repo, a.output.as_deref(), &progress)?;
-    for n in names {
-        println!("{n}");
+    let layout = Layout::open(&a.layout)?;
+    let bundle = Bundle::from_layout(&layout, layout.refs()?)?;
+    let daemon = Daemon { refs: a.refs, platform, repo: a.repo, output: a.output };
+    for (name, _) in publish(&daemon, &bundle, &progress)?.names {
+        println!("{name}");
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -2,15 +2,16 @@
 //! tag and the multi-arch index's digest last.
 use super::parse_ref;
 use crate::error::bad_input;
+use crate::oci::bundle::Bundle;
 use crate::oci::layout::Layout;
-use crate::oci::manifest::{Descriptor, OCI_INDEX, OCI_MANIFEST, is_index};
+use crate::oci::manifest::{Descriptor, is_index};
 use crate::progress::Progress;
+use crate::publish::publish;
+use crate::publish::registry::Registry;
 use crate::registry::auth::Credentials;
 use crate::registry::client::Client;
-use crate::registry::push::{BlobFile, ManifestDoc, PushOptions, PushPlan, push};
 use anyhow::Result;
 use clap::Args;
-use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -53,47 +54,17 @@ pub fn push_cmd(a: PushArgs) -> Result<ExitCode> {
     if selected.is_empty() {
         return Err(bad_input(format!("{}: nothing to push (no named refs)", a.layout.display())));
     }
-    let mut plan = PushPlan::default();
-    let mut seen = std::collections::BTreeSet::new();
-    for (name, d) in &selected {
-        // Blobs first, then platform manifests, then the root (index), so that nothing is
-        // pushed before what it references.
-        let all = layout.reachable(d)?;
-        for x in all.iter().filter(|x| !x.media_type.contains("manifest") && !is_index(&x.media_type)) {
-            if seen.insert(x.digest.clone()) {
-                plan.blobs.push(BlobFile {
-                    digest: x.digest.clone(),
-                    size: x.size,
-                    path: layout.store.path(&x.digest),
-                    mount_from: None,
-                });
-            }
-        }
-        for x in all.iter().filter(|x| x.media_type == OCI_MANIFEST) {
-            if seen.insert(x.digest.clone()) {
-                plan.manifests.push(ManifestDoc::new(&x.media_type, layout.store.read(&x.digest)?));
-            }
-        }
-        let root = ManifestDoc::new(
-            if is_index(&d.media_type) { OCI_INDEX } else { &d.media_type },
-            layout.store.read(&d.digest)?,
-        );
-        if seen.insert(d.digest.clone()) {
-            plan.manifests.push(root.clone());
-        }
-        plan.tags.insert(name.clone(), root);
-    }
+    let bundle = Bundle::from_layout(&layout, selected)?;
     let client = Client::new(Credentials::from_environment(Some(target.api_host()))?, a.insecure)?;
-    let step = progress.step(format!("pushing {} to {}", a.layout.display(), target.name()));
-    let report = push(&client, &target, &plan, &PushOptions { chunk_size: a.chunk_size }, &progress)?;
-    step.done(report.to_string());
-    let by_tag: BTreeMap<&String, &ManifestDoc> = plan.tags.iter().collect();
-    for (tag, doc) in &by_tag {
-        println!("{}:{tag} {}", target.name(), doc.digest);
+    let published = publish(&Registry { client: &client, repo: target, chunk_size: a.chunk_size }, &bundle, &progress)?;
+    for (name, digest) in &published.names {
+        println!("{name} {digest}");
     }
     // Last: the multi-arch index (what build prints), else the one image pushed.
-    let last = by_tag.values().find(|d| d.media_type == OCI_INDEX).or(by_tag.values().next());
-    if let Some(d) = last {
+    let mut refs = bundle.refs.clone();
+    refs.sort_by(|a, b| a.0.cmp(&b.0));
+    let last = refs.iter().find(|(_, d)| is_index(&d.media_type)).or(refs.first());
+    if let Some((_, d)) = last {
         println!("{}", d.digest);
     }
     Ok(ExitCode::SUCCESS)

@@ -4,11 +4,13 @@
 //! later read the layout, older daemons (Debian bookworm ships 20.10) read `manifest.json`,
 //! whose `Layers` point at the gzipped layer blobs (those daemons decompress while loading).
 use crate::error::bad_input;
+use crate::oci::bundle::Bundle;
 use crate::oci::digest::Digest;
 use crate::oci::json::canonical;
-use crate::oci::layout::{Layout, REF_NAME};
+use crate::oci::layout::REF_NAME;
 use crate::oci::manifest::{Descriptor, OCI_INDEX, is_index};
 use crate::oci::platform::Platform;
+use crate::oci::store::BlobStore;
 use crate::progress::Progress;
 use crate::registry::auth::{Credential, Credentials};
 use crate::registry::reference::Reference;
@@ -35,23 +37,23 @@ pub struct LoadImage {
     pub repo_tags: Vec<String>,
 }
 
-/// Picks, from `layout`, the images to load: for each selected ref (all when `refs` is empty),
+/// Picks, from `bundle`, the images to load: for each selected ref (all when `refs` is empty),
 /// the manifest for `platform`, tagged `repo:REF`.
-pub fn select(layout: &Layout, refs: &[String], platform: &Platform, repo: &str) -> Result<Vec<LoadImage>> {
-    let all = layout.refs()?;
+pub fn select(bundle: &Bundle, refs: &[String], platform: &Platform, repo: &str) -> Result<Vec<LoadImage>> {
+    let all = &bundle.refs;
     if all.is_empty() {
-        return Err(bad_input(format!("{}: the layout has no refs", layout.dir.display())));
+        return Err(bad_input(format!("{}: the layout has no refs", bundle.name)));
     }
     for r in refs {
         if !all.iter().any(|(n, _)| n == r) {
             let names: Vec<&str> = all.iter().map(|(n, _)| n.as_str()).collect();
-            return Err(bad_input(format!("{}: no ref {r:?} (refs: {})", layout.dir.display(), names.join(", "))));
+            return Err(bad_input(format!("{}: no ref {r:?} (refs: {})", bundle.name, names.join(", "))));
         }
     }
     let mut by_manifest: BTreeMap<Digest, LoadImage> = BTreeMap::new();
     for (name, d) in all.iter().filter(|(n, _)| refs.is_empty() || refs.contains(n)) {
         let manifest = if is_index(&d.media_type) {
-            let v: Value = serde_json::from_slice(&layout.store.read(&d.digest)?)?;
+            let v: Value = serde_json::from_slice(&bundle.store.read(&d.digest)?)?;
             let entry = v["manifests"]
                 .as_array()
                 .into_iter()
@@ -81,13 +83,13 @@ pub fn select(layout: &Layout, refs: &[String], platform: &Platform, repo: &str)
     Ok(by_manifest.into_values().collect())
 }
 
-/// Writes the load tar for `images` to `out`.
-pub fn write_load_tar(layout: &Layout, images: &[LoadImage], out: impl Write) -> Result<()> {
+/// Writes the load tar for `images` (blobs from `store`) to `out`.
+pub fn write_load_tar(store: &BlobStore, images: &[LoadImage], out: impl Write) -> Result<()> {
     let mut entries: BTreeMap<String, TarSource> = BTreeMap::new();
     let mut docker_manifest = Vec::new();
     let mut index_entries = Vec::new();
     for img in images {
-        let m: Value = serde_json::from_slice(&layout.store.read(&img.manifest.digest)?)?;
+        let m: Value = serde_json::from_slice(&store.read(&img.manifest.digest)?)?;
         let config: Descriptor = serde_json::from_value(m["config"].clone())?;
         let layers: Vec<Descriptor> = serde_json::from_value(m["layers"].clone())?;
         let blob = |d: &Digest| format!("blobs/sha256/{}", d.hex());
@@ -95,7 +97,7 @@ pub fn write_load_tar(layout: &Layout, images: &[LoadImage], out: impl Write) ->
             .chain(std::iter::once(&config.digest))
             .chain(layers.iter().map(|l| &l.digest))
         {
-            entries.insert(blob(d), TarSource::File(layout.store.path(d)));
+            entries.insert(blob(d), TarSource::File(store.path(d)));
         }
         docker_manifest.push(json!({
             "Config": blob(&config.digest),
@@ -181,29 +183,38 @@ async fn daemon_platform(d: &Docker) -> Result<Platform> {
     }
 }
 
-/// `distro load`: imports images of `layout_dir` into the Docker engine (or writes the tar to
-/// `output`). Returns the `repo:tag` names.
+/// What a load did: the images (with their `repo:tag` names) and what the engine said.
+#[derive(Clone, Debug)]
+pub struct Loaded {
+    /// The platform loaded.
+    pub platform: Platform,
+    /// The images loaded (or written to the tar).
+    pub images: Vec<LoadImage>,
+    /// The engine's messages (none for a tar).
+    pub messages: Vec<String>,
+}
+
+/// Imports images of `bundle` into the Docker engine (or writes the tar to `output`): one
+/// platform's manifest per selected ref (all when `refs` is empty).
 pub fn load(
-    layout_dir: &Path,
+    bundle: &Bundle,
     refs: &[String],
     platform: Option<&Platform>,
     repo: &str,
     output: Option<&Path>,
-    progress: &Progress,
-) -> Result<Vec<String>> {
-    let layout = Layout::open(layout_dir)?;
+) -> Result<Loaded> {
     if let Some(out) = output {
         let p = platform.cloned().or_else(Platform::host).ok_or_else(|| anyhow!("pass --platform"))?;
-        let images = select(&layout, refs, &p, repo)?;
+        let images = select(bundle, refs, &p, repo)?;
         let tmp = crate::fsutil::temp_beside(out);
         let f = std::fs::File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
-        let res = write_load_tar(&layout, &images, std::io::BufWriter::new(f))
+        let res = write_load_tar(&bundle.store, &images, std::io::BufWriter::new(f))
             .and_then(|_| crate::fsutil::commit_temp(&tmp, out));
         if res.is_err() {
             let _ = std::fs::remove_file(&tmp);
         }
         res?;
-        return Ok(images.into_iter().flat_map(|i| i.repo_tags).collect());
+        return Ok(Loaded { platform: p, images, messages: Vec::new() });
     }
     runtime()?.block_on(async {
         let docker = connect().await?;
@@ -211,15 +222,14 @@ pub fn load(
             Some(p) => p.clone(),
             None => daemon_platform(&docker).await?,
         };
-        let images = select(&layout, refs, &p, repo)?;
-        let step = progress.step(format!("loading {p} image into Docker"));
+        let images = select(bundle, refs, &p, repo)?;
         // Stream the tar through a pipe: a writer thread produces it while the request sends it.
         let (tx, rx) = tokio::sync::mpsc::channel::<std::io::Result<bytes_chunk::Chunk>>(8);
-        let writer_layout = Layout::new(&layout.dir);
+        let writer_store = bundle.store.clone();
         let writer_images = images.clone();
         let writer = std::thread::spawn(move || -> Result<()> {
             let sink = bytes_chunk::ChannelWriter::new(tx);
-            write_load_tar(&writer_layout, &writer_images, sink)
+            write_load_tar(&writer_store, &writer_images, sink)
         });
         let body = bollard::body_try_stream(tokio_stream_from(rx));
         let mut stream = docker.import_image(ImportImageOptionsBuilder::default().quiet(true).build(), body, None);
@@ -231,8 +241,7 @@ pub fn load(
             }
         }
         writer.join().map_err(|_| anyhow!("the tar writer panicked"))??;
-        step.done(messages.join("; "));
-        Ok(images.into_iter().flat_map(|i| i.repo_tags).collect())
+        Ok(Loaded { platform: p, images, messages })
     })
 }
 
@@ -459,8 +468,8 @@ async fn pull(docker: &Docker, image: &str, platform: Option<&Platform>, progres
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::oci::layout::Layout;
     use crate::oci::manifest::{OCI_CONFIG, OCI_LAYER_GZIP, OCI_MANIFEST, image_index, image_manifest};
-    use crate::oci::store::BlobStore;
 
     #[test]
     fn binds_are_checked_and_made_absolute() {
@@ -518,14 +527,15 @@ mod tests {
             )
             .unwrap();
 
-        let images = select(&layout, &[], &arm, "localhost:5000/distro").unwrap();
+        let bundle = Bundle::from_layout(&layout, layout.refs().unwrap()).unwrap();
+        let images = select(&bundle, &[], &arm, "localhost:5000/distro").unwrap();
         assert_eq!(images.len(), 1);
         assert_eq!(images[0].repo_tags, ["localhost:5000/distro:engine"]);
-        assert!(select(&layout, &[], &Platform::parse("linux/amd64").unwrap(), "distro").is_err());
-        assert!(select(&layout, &["nope".into()], &arm, "distro").is_err());
+        assert!(select(&bundle, &[], &Platform::parse("linux/amd64").unwrap(), "distro").is_err());
+        assert!(select(&bundle, &["nope".into()], &arm, "distro").is_err());
 
         let mut tar_bytes = Vec::new();
-        write_load_tar(&layout, &select(&layout, &[], &arm, "distro").unwrap(), &mut tar_bytes).unwrap();
+        write_load_tar(&bundle.store, &select(&bundle, &[], &arm, "distro").unwrap(), &mut tar_bytes).unwrap();
         let mut a = tar::Archive::new(tar_bytes.as_slice());
         let mut files = BTreeMap::new();
         for e in a.entries().unwrap() {

@@ -2,6 +2,7 @@
 //! indexes, platforms, the canonical JSON their digests are taken over, the content-addressed
 //! blob store and the OCI image layout on disk. Nothing here knows how an image is built or
 //! where it is published; everything above speaks these types.
+pub mod bundle;
 pub mod digest;
 pub mod json;
 pub mod layout;

@@ -4,6 +4,7 @@
 use super::auth::Scope;
 use super::client::{Client, Payload, Request, Stats, error_text, redact};
 use super::reference::Reference;
+use crate::oci::bundle::ManifestDoc;
 use crate::oci::digest::Digest;
 use crate::progress::Progress;
 use anyhow::{Context, Result, anyhow, bail};
@@ -11,7 +12,6 @@ use reqwest::Method;
 use reqwest::blocking::Response;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use url::Url;
 
@@ -26,24 +26,6 @@ pub struct BlobFile {
     pub path: PathBuf,
     /// Another repository on the target registry that holds it (for a mount).
     pub mount_from: Option<String>,
-}
-
-/// A manifest or index to push.
-#[derive(Clone, Debug)]
-pub struct ManifestDoc {
-    /// Digest of `bytes`.
-    pub digest: Digest,
-    /// Media type.
-    pub media_type: String,
-    /// The exact bytes.
-    pub bytes: Arc<Vec<u8>>,
-}
-
-impl ManifestDoc {
-    /// A document from its bytes.
-    pub fn new(media_type: &str, bytes: Vec<u8>) -> ManifestDoc {
-        ManifestDoc { digest: Digest::of(&bytes), media_type: media_type.into(), bytes: Arc::new(bytes) }
-    }
 }
 
 /// Everything one push sends.

@@ -18,10 +18,14 @@
 use crate::dated::{DatedTag, Found, Verdict, dated_tags, search};
 use crate::docker::{self, Gpus, RunOptions};
 use crate::error::{bad_input, one_line};
-use crate::image::build::{BuildOptions, PIN_ANNOTATION_PREFIX, build};
+use crate::image::build::{BuildOptions, build};
+use crate::image::sources::PIN_ANNOTATION_PREFIX;
 use crate::image::workspace::Workspace;
 use crate::oci::platform::Platform;
 use crate::progress::Progress;
+use crate::publish::daemon::Daemon;
+use crate::publish::layout::OciLayout;
+use crate::publish::publish;
 use crate::registry::auth::Credentials;
 use crate::registry::client::Client;
 use crate::registry::reference::Reference;
@@ -480,7 +484,7 @@ fn commits(
         env.insert(m.name.clone(), (m.url.clone(), m.good.clone()));
     }
     let ctx = Rebuild { ws_root: ws.root.clone(), base, date: fb.date.clone(), image: t.args.image.clone() };
-    let start = rebuild_and_run(t, &ctx, &env, "all sources at the good pins");
+    let start = rebuild_and_run(t, client, &ctx, &env, "all sources at the good pins");
     if start.verdict != Verdict::Pass {
         return Ok(Some(format!(
             "rebuilt with the good image's pins, the command does not pass ({:?}{}): the regression is not in the upstream sources",
@@ -493,7 +497,7 @@ fn commits(
     for (k, m) in moved.iter().enumerate() {
         env.insert(m.name.clone(), (m.url.clone(), m.bad.clone()));
         let label = format!("{}@{}", m.name, short(&m.bad));
-        let p = rebuild_and_run(t, &ctx, &env, &label);
+        let p = rebuild_and_run(t, client, &ctx, &env, &label);
         match p.verdict {
             Verdict::Fail => {
                 guilty = Some(k);
@@ -531,7 +535,7 @@ fn commits(
         let (c, _) = &m.commits[i - 1];
         let mut e = env.clone();
         e.insert(m.name.clone(), (m.url.clone(), c.clone()));
-        rebuild_and_run(t, &ctx, &e, &format!("{}@{}", m.name, short(c))).verdict
+        rebuild_and_run(t, client, &ctx, &e, &format!("{}@{}", m.name, short(c))).verdict
     });
     let (commit, subject) = &m.commits[found.first_fail - 1];
     culprit["commit"] = json!(commit);
@@ -557,29 +561,39 @@ struct Rebuild {
 
 /// Rebuilds the image for this machine's platform with the sources at `env`'s pins, loads it
 /// into Docker and runs the command; a build failure is a skip.
-fn rebuild_and_run(t: &mut Triage, ctx: &Rebuild, env: &BTreeMap<String, (String, String)>, label: &str) -> Point {
+fn rebuild_and_run(
+    t: &mut Triage,
+    client: &Client,
+    ctx: &Rebuild,
+    env: &BTreeMap<String, (String, String)>,
+    label: &str,
+) -> Point {
     let started = Instant::now();
-    let layout = t.work.join("oci");
     let opts = BuildOptions {
         image: ctx.image.clone(),
         platforms: Some(vec![t.host.clone()]),
         date: Some(ctx.date.clone()),
         base: Some(ctx.base.clone()),
-        output: Some(layout.clone()),
-        insecure: t.args.insecure.clone(),
         start_dir: ctx.ws_root.clone(),
         source_overrides: env.iter().map(|(n, (url, c))| format!("{n}={url}#{c}")).collect(),
         ..Default::default()
     };
     t.progress.info(format!("triage: rebuilding {label}"));
-    let loaded = build(&opts, &t.progress).and_then(|r| {
-        let tag = format!("{}-{}", ctx.image, ctx.date);
-        let names = docker::load(&layout, &[tag], Some(&t.host), "distro-triage", None, &t.progress)?;
-        names.into_iter().next().ok_or_else(|| anyhow::anyhow!("nothing loaded")).map(|n| (n, r))
+    let loaded = build(&opts, client, &t.progress).and_then(|built| {
+        // The layout stays in the work directory for a look afterwards; Docker gets the image.
+        publish(&OciLayout { dir: t.work.join("oci") }, &built.bundle, &t.progress)?;
+        let daemon = Daemon {
+            refs: vec![format!("{}-{}", ctx.image, ctx.date)],
+            platform: Some(t.host.clone()),
+            repo: "distro-triage".into(),
+            output: None,
+        };
+        let names = publish(&daemon, &built.bundle, &t.progress)?.names;
+        names.into_iter().next().map(|(n, _)| n).ok_or_else(|| anyhow::anyhow!("nothing loaded"))
     });
     let secs = started.elapsed().as_secs_f64();
     match loaded {
-        Ok((name, _)) => t.run_in("commit", label, &name, secs),
+        Ok(name) => t.run_in("commit", label, &name, secs),
         Err(e) => {
             let p = Point {
                 kind: "commit",
