@@ -12,7 +12,7 @@ pub struct Digest(String);
 impl Digest {
     /// The digest of `bytes`.
     pub fn of(bytes: &[u8]) -> Digest {
-        Digest(format!("sha256:{}", hex(&Sha256::digest(bytes))))
+        Digest(format!("sha256:{}", sha256_hex(bytes)))
     }
 
     /// Parses `sha256:<hex>`; other algorithms are refused (the whole tool is sha256-only).
@@ -20,7 +20,7 @@ impl Digest {
         let Some(h) = s.strip_prefix("sha256:") else {
             bail!("digest {s:?} is not sha256:<hex>");
         };
-        if h.len() != 64 || !h.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)) {
+        if !is_sha256(h) {
             bail!("digest {s:?} is not sha256 followed by 64 lowercase hex digits");
         }
         Ok(Digest(s.to_string()))
@@ -60,6 +60,23 @@ impl<'de> Deserialize<'de> for Digest {
         let s = String::deserialize(d)?;
         Digest::parse(&s).map_err(serde::de::Error::custom)
     }
+}
+
+/// The SHA-256 of `bytes` as 64 lowercase hex digits (the lock's patch and crate checksums, and
+/// the hex part of a [`Digest`]).
+pub fn sha256_hex(bytes: &[u8]) -> String {
+    hex(&Sha256::digest(bytes))
+}
+
+/// True when `s` is non-empty and all lowercase hex digits (the only hex this crate accepts:
+/// digests, checksums and git object ids are all written that way).
+pub fn is_lower_hex(s: &str) -> bool {
+    !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+}
+
+/// True when `s` is 64 lowercase hex digits (a SHA-256).
+pub fn is_sha256(s: &str) -> bool {
+    s.len() == 64 && is_lower_hex(s)
 }
 
 /// Lowercase hex of `bytes`.
@@ -131,6 +148,14 @@ impl KeyHasher {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn sha256_of_known_input() {
+        assert_eq!(sha256_hex(b"abc"), "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+        assert!(is_sha256(&sha256_hex(b"")));
+        assert!(!is_sha256(&"A".repeat(64)));
+        assert!(!is_lower_hex(""));
+    }
 
     #[test]
     fn known_digest_and_parse() {

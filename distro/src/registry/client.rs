@@ -5,6 +5,7 @@
 //! port); a redirect to a blob store elsewhere gets no credentials. Plain HTTP is used only for
 //! loopback registries and those named with `--insecure`.
 use super::auth::{Challenge, Credential, Credentials, Scope, parse_challenges};
+use crate::retry::Policy;
 use anyhow::{Context, Result, anyhow, bail};
 use reqwest::Method;
 use reqwest::blocking::{Body, Response};
@@ -148,23 +149,6 @@ struct HostState {
     tokens: HashMap<String, String>,
 }
 
-/// Retry policy for transient failures (connection errors, 429, 5xx).
-#[derive(Clone, Debug)]
-pub struct Retry {
-    /// Total attempts per request.
-    pub attempts: u32,
-    /// First backoff; doubled each time, capped at `max_delay`.
-    pub base_delay: Duration,
-    /// Longest wait between attempts (also caps `Retry-After`).
-    pub max_delay: Duration,
-}
-
-impl Default for Retry {
-    fn default() -> Self {
-        Retry { attempts: 5, base_delay: Duration::from_millis(250), max_delay: Duration::from_secs(8) }
-    }
-}
-
 /// A registry client.
 pub struct Client {
     http: reqwest::blocking::Client,
@@ -173,8 +157,8 @@ pub struct Client {
     hosts: Mutex<HashMap<String, HostState>>,
     /// What this client moved.
     pub stats: Stats,
-    /// Retry policy.
-    pub retry: Retry,
+    /// Retry policy for transient failures (connection errors, 429, 5xx).
+    pub retry: Policy,
     /// Progress bar that upload bodies advance, if any.
     pub progress: Mutex<Option<indicatif::ProgressBar>>,
 }
@@ -221,7 +205,7 @@ impl Client {
             insecure,
             hosts: Mutex::new(HashMap::new()),
             stats: Stats::default(),
-            retry: Retry::default(),
+            retry: Policy::default(),
             progress: Mutex::new(None),
         })
     }
@@ -255,7 +239,7 @@ impl Client {
             let result = self.send_following_redirects(&origin, req, auth.as_deref());
             match result {
                 Err(e) if attempt < self.retry.attempts && is_transient(&e) => {
-                    let wait = self.backoff(attempt, None);
+                    let wait = self.retry.delay(attempt, None);
                     tracing::warn!("{} {}: {e:#}; retrying in {wait:?}", req.method, req.url);
                     std::thread::sleep(wait);
                 }
@@ -278,18 +262,13 @@ impl Client {
                     bail!("{host}: authentication failed: {what} ({})", error_text(resp));
                 }
                 Ok(resp) if is_retryable_status(resp.status().as_u16()) && attempt < self.retry.attempts => {
-                    let wait = self.backoff(attempt, retry_after(&resp));
+                    let wait = self.retry.delay(attempt, retry_after(&resp));
                     tracing::warn!("{} {}: HTTP {}; retrying in {wait:?}", req.method, redact(&req.url), resp.status());
                     std::thread::sleep(wait);
                 }
                 Ok(resp) => return Ok(resp),
             }
         }
-    }
-
-    fn backoff(&self, attempt: u32, retry_after: Option<Duration>) -> Duration {
-        let exp = self.retry.base_delay.saturating_mul(1u32 << (attempt - 1).min(16));
-        retry_after.unwrap_or(exp).min(self.retry.max_delay)
     }
 
     fn send_following_redirects(&self, origin: &Url, req: &Request, auth: Option<&str>) -> Result<Response> {
@@ -444,10 +423,10 @@ impl Client {
             attempt += 1;
             match self.send_following_redirects(&realm_url, &req, basic.as_deref()) {
                 Ok(r) if is_retryable_status(r.status().as_u16()) && attempt < self.retry.attempts => {
-                    std::thread::sleep(self.backoff(attempt, retry_after(&r)));
+                    std::thread::sleep(self.retry.delay(attempt, retry_after(&r)));
                 }
                 Err(e) if is_transient(&e) && attempt < self.retry.attempts => {
-                    std::thread::sleep(self.backoff(attempt, None));
+                    std::thread::sleep(self.retry.delay(attempt, None));
                 }
                 other => {
                     break other.with_context(|| format!("{host}: getting a token from {realm_host}"))?;
@@ -574,14 +553,5 @@ mod tests {
     fn redaction_drops_query() {
         let u = Url::parse("https://s3.example/blob?X-Amz-Signature=secret&x=1").unwrap();
         assert_eq!(redact(&u), "https://s3.example/blob");
-    }
-
-    #[test]
-    fn backoff_doubles_and_caps() {
-        let c = Client::new(Credentials::default(), vec![]).unwrap();
-        assert_eq!(c.backoff(1, None), Duration::from_millis(250));
-        assert_eq!(c.backoff(2, None), Duration::from_millis(500));
-        assert_eq!(c.backoff(10, None), Duration::from_secs(8));
-        assert_eq!(c.backoff(1, Some(Duration::from_secs(3))), Duration::from_secs(3));
     }
 }

@@ -36,9 +36,6 @@ pub mod resolve;
 pub mod status;
 
 mod crates;
-mod git;
-mod hash;
-mod net;
 mod patch;
 mod trees;
 mod upstream;

@@ -18,6 +18,7 @@
 use crate::dated::{DatedTag, Found, Verdict, dated_tags, search};
 use crate::docker::{self, Gpus, RunOptions};
 use crate::error::{bad_input, one_line};
+use crate::git::Git;
 use crate::image::build::{BuildOptions, build};
 use crate::image::sources::PIN_ANNOTATION_PREFIX;
 use crate::image::workspace::Workspace;
@@ -35,7 +36,6 @@ use serde::Serialize;
 use serde_json::{Value, json};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::Instant;
 
 /// Where the command finds its output directory inside the container.
@@ -214,35 +214,24 @@ struct Moved {
     commits: Vec<(String, String)>,
 }
 
-fn git(dir: &Path, args: &[&str]) -> Result<String> {
-    let out = Command::new("git")
-        .arg("-C")
-        .arg(dir)
-        .args(args)
-        .output()
-        .with_context(|| format!("running git {}", args.join(" ")))?;
-    if !out.status.success() {
-        bail!("git {} failed: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim());
-    }
-    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
-}
-
 /// The commits of `url` after `good` up to `bad` (first parent, oldest first) with subjects,
 /// from a bare mirror in `dir` (fetched again only when a pin is missing).
 fn commits_between(dir: &Path, url: &str, tracking_ref: &str, good: &str, bad: &str) -> Result<Vec<(String, String)>> {
+    // A mirror distro owns: isolated commands, fetches with the user's network configuration.
+    let git = Git::new(dir);
     if !dir.join("HEAD").exists() {
         std::fs::create_dir_all(dir)?;
-        git(dir, &["init", "-q", "--bare"])?;
+        git.run(["init", "-q", "--bare"])?;
     }
-    let have = |c: &str| git(dir, &["cat-file", "-e", &format!("{c}^{{commit}}")]).is_ok();
+    let fetch = |args: &[&str]| git.run_network(args);
+    let have = |c: &str| git.has_commit(c);
     if !have(good) || !have(bad) {
-        let _ = git(dir, &["fetch", "-q", url, &format!("+{tracking_ref}:refs/triage/tracking")]);
+        let _ = fetch(&["fetch", "-q", url, &format!("+{tracking_ref}:refs/triage/tracking")]);
         if !have(good) || !have(bad) {
-            git(dir, &["fetch", "-q", url, good, bad])
-                .with_context(|| format!("fetching {good} and {bad} from {url}"))?;
+            fetch(&["fetch", "-q", url, good, bad]).with_context(|| format!("fetching {good} and {bad} from {url}"))?;
         }
     }
-    let log = git(dir, &["log", "--first-parent", "--reverse", "--format=%H %s", &format!("{good}..{bad}")])?;
+    let log = git.run(["log", "--first-parent", "--reverse", "--format=%H %s", &format!("{good}..{bad}")])?;
     Ok(log.lines().filter_map(|l| l.split_once(' ').map(|(c, s)| (c.to_string(), s.to_string()))).collect())
 }
 
