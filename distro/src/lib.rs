@@ -17,6 +17,8 @@
 //! Cross-cutting helpers sit at the root: [`error`] (exit codes), [`fsutil`] (atomic writes),
 //! [`progress`] (stderr progress), [`dated`] (dated tags and calendar arithmetic).
 
+#![warn(missing_docs)]
+
 pub mod cli;
 pub mod dated;
 pub mod docker;

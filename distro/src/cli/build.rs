@@ -13,7 +13,7 @@ use clap::Args;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-/// `distro build`.
+/// The arguments of `distro build`.
 #[derive(Args, Debug)]
 pub struct BuildArgs {
     /// Image definition: images/NAME.toml.

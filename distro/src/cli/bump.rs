@@ -18,7 +18,8 @@ pub struct BumpArgs {
     dry_run: bool,
 }
 
-/// Runs `distro bump`.
+/// Runs `distro bump`: the changes on stdout, then writes the manifest and lock (unless
+/// `--dry-run`); a patch that no longer applies fails it before anything is written.
 pub fn bump(args: BumpArgs) -> Result<()> {
     let manifest = args.manifest.load()?;
     let cache = Cache::from_env()?;

@@ -32,7 +32,7 @@ pub struct FetchArgs {
     lock_out: Option<PathBuf>,
 }
 
-/// Runs `distro fetch`.
+/// Runs `distro fetch`: materialises the trees (copied out with `--out`) and lists them.
 pub fn fetch(args: FetchArgs) -> Result<()> {
     let manifest = args.manifest.load()?;
     let cache = Cache::from_env()?;

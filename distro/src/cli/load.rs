@@ -11,7 +11,7 @@ use clap::Args;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-/// `distro load`.
+/// The arguments of `distro load`.
 #[derive(Args, Debug)]
 pub struct LoadArgs {
     /// OCI image layout (default: target/distro/oci).

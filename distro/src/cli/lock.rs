@@ -19,7 +19,7 @@ pub struct LockArgs {
     check: bool,
 }
 
-/// Runs `distro lock`.
+/// Runs `distro lock`: resolves the selected sources and writes the lock only when it changed.
 pub fn lock(args: LockArgs) -> Result<()> {
     let manifest = args.manifest.load()?;
     let cache = Cache::from_env()?;

@@ -11,7 +11,7 @@ pub enum PatchesCommand {
     Refresh(RefreshArgs),
 }
 
-/// `distro patches refresh`.
+/// The arguments of `distro patches refresh`.
 #[derive(Args, Debug)]
 pub struct RefreshArgs {
     #[command(flatten)]

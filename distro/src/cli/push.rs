@@ -15,7 +15,7 @@ use clap::Args;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-/// `distro push`.
+/// The arguments of `distro push`.
 #[derive(Args, Debug)]
 pub struct PushArgs {
     /// OCI image layout to push.

@@ -17,7 +17,7 @@ use clap::Args;
 use std::collections::{BTreeMap, BTreeSet};
 use std::process::ExitCode;
 
-/// `distro retention`.
+/// The arguments of `distro retention`.
 #[derive(Args, Debug)]
 pub struct RetentionArgs {
     /// Repository, e.g. ghcr.io/org/distro.

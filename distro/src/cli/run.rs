@@ -7,7 +7,7 @@ use anyhow::Result;
 use clap::Args;
 use std::process::ExitCode;
 
-/// `distro run`.
+/// The arguments of `distro run`.
 #[derive(Args, Debug)]
 pub struct RunArgs {
     /// Image (e.g. distro:engine, or REGISTRY/REPO:engine-YYYY-MM-DD).

@@ -12,7 +12,7 @@ use clap::Args;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-/// `distro sbom`.
+/// The arguments of `distro sbom`.
 #[derive(Args, Debug)]
 pub struct SbomArgs {
     /// Image definition: images/NAME.toml.

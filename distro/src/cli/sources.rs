@@ -16,7 +16,7 @@ pub struct SourcesArgs {
     json: bool,
 }
 
-/// Runs `distro sources`.
+/// Runs `distro sources`: the table (or JSON) on stdout, stale lock entries warned about.
 pub fn sources(args: SourcesArgs) -> Result<()> {
     let manifest = args.manifest.load()?;
     let lock = Lock::load(&manifest.lock_path())?;

@@ -10,7 +10,7 @@ use clap::Args;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-/// `distro triage`.
+/// The arguments of `distro triage`.
 #[derive(Args, Debug)]
 pub struct TriageArgs {
     /// Repository holding the dated images, e.g. ghcr.io/org/distro.
@@ -60,7 +60,7 @@ pub struct TriageArgs {
     pub command: Vec<String>,
 }
 
-/// Runs `distro triage`.
+/// Runs `distro triage`: checks the arguments, then runs the search ([`triage`]).
 pub fn triage_cmd(args: TriageArgs) -> Result<ExitCode> {
     triage(check_args(args)?)?;
     Ok(ExitCode::SUCCESS)

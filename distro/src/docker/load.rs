@@ -23,7 +23,7 @@ use std::path::Path;
 /// One image to put in a load tar: its platform manifest and the tags it gets.
 #[derive(Clone, Debug)]
 pub struct LoadImage {
-    /// The platform manifest.
+    /// The platform's image manifest (from the ref's index, or the ref itself).
     pub manifest: Descriptor,
     /// `repo:tag` names.
     pub repo_tags: Vec<String>,
@@ -155,7 +155,7 @@ fn header(kind: tar::EntryType, size: u64, mode: u32) -> tar::Header {
 /// What a load did: the images (with their `repo:tag` names) and what the engine said.
 #[derive(Clone, Debug)]
 pub struct Loaded {
-    /// The platform loaded.
+    /// The platform whose images were loaded.
     pub platform: Platform,
     /// The images loaded (or written to the tar).
     pub images: Vec<LoadImage>,

@@ -32,13 +32,13 @@ pub enum Gpus {
 /// Options of `distro run`.
 #[derive(Clone, Debug)]
 pub struct RunOptions {
-    /// Image reference.
+    /// Image to run: a local name, or a reference pulled when not local.
     pub image: String,
     /// Command (empty: the image's default, `engine info`).
     pub cmd: Vec<String>,
     /// `KEY=VALUE` environment additions.
     pub env: Vec<String>,
-    /// GPU request.
+    /// Whether to request the host's GPUs.
     pub gpus: Gpus,
     /// Keep the container after it exits.
     pub keep: bool,

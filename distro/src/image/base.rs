@@ -18,7 +18,7 @@ pub struct BaseImage {
     pub reference: Reference,
     /// Digest of what the reference resolves to (an index, or a single manifest).
     pub digest: Digest,
-    /// Per-platform parts.
+    /// Per platform: the manifest, config and layers the build stacks its layers on.
     pub platforms: BTreeMap<Platform, BasePlatform>,
 }
 

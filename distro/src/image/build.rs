@@ -40,7 +40,7 @@ pub struct BuildOptions {
     pub platforms: Option<Vec<Platform>>,
     /// Tag date `YYYY-MM-DD`; also makes the build ignore `SOURCE_DATE_EPOCH`.
     pub date: Option<String>,
-    /// Base image override.
+    /// Base image instead of the definition's (`--base`).
     pub base: Option<Reference>,
     /// Where to find the workspace (any directory inside it).
     pub start_dir: PathBuf,
@@ -53,7 +53,7 @@ pub struct BuildOptions {
 /// What a build produced, ready for any [`crate::publish::Publisher`].
 #[derive(Clone, Debug)]
 pub struct Built {
-    /// The multi-arch index.
+    /// Descriptor of the multi-arch index: its digest is what `distro build` prints.
     pub index: Descriptor,
     /// The index with every blob it references (in the build's store) and its refs: the
     /// multi-arch tags `NAME-YYYY-MM-DD` and `NAME` point at the index, and one dated tag per

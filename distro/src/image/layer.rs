@@ -24,7 +24,7 @@ pub const MODE_FILE: u32 = 0o644;
 /// What a tar entry is.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum EntryKind {
-    /// A directory.
+    /// A directory entry (mode 0755).
     Dir,
     /// A regular file with its content (shared, since binaries are large).
     File(Arc<Vec<u8>>),
@@ -47,7 +47,7 @@ pub struct LayerSpec {
     entries: BTreeMap<String, Entry>,
 }
 
-/// A finished layer.
+/// A finished layer: what the config and the manifest need to reference it.
 #[derive(Clone, Debug)]
 pub struct Layer {
     /// Digest of the compressed blob (what manifests reference).
@@ -59,7 +59,7 @@ pub struct Layer {
 }
 
 impl LayerSpec {
-    /// An empty layer.
+    /// A layer spec with no entries yet.
     pub fn new() -> Self {
         Self::default()
     }
@@ -132,7 +132,7 @@ impl LayerSpec {
         k.finish()
     }
 
-    /// The uncompressed tar.
+    /// The uncompressed tar of the entries, sorted, with every mtime set to `epoch`.
     pub fn tar(&self, epoch: u64) -> Result<Vec<u8>> {
         let mut b = tar::Builder::new(Vec::new());
         for (path, e) in &self.entries {

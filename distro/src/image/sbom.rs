@@ -11,15 +11,15 @@ use std::collections::{BTreeMap, BTreeSet};
 
 /// What the SBOM describes.
 pub struct SbomInput<'a> {
-    /// Image name.
+    /// Image name (the definition's `name`), the SBOM's top package.
     pub image: &'a str,
-    /// The dated tag.
+    /// The dated tag (`NAME-YYYY-MM-DD`), the top package's version.
     pub version: &'a str,
-    /// Platform.
+    /// Platform the SBOM describes (its packages are those cargo resolves for it).
     pub platform: &'a Platform,
     /// SOURCE_DATE_EPOCH.
     pub epoch: u64,
-    /// Revision built.
+    /// Revision of the project built (the commit, `-dirty` when the tree differed).
     pub revision: &'a str,
     /// Project repository URL, if known.
     pub repository: Option<&'a str>,

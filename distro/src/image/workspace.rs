@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 /// A git checkout of the project.
 #[derive(Clone, Debug)]
 pub struct Workspace {
-    /// Top-level directory.
+    /// Top-level directory of the checkout (where the root `Cargo.toml` is).
     pub root: PathBuf,
     /// Commit id of `HEAD`.
     pub commit: String,

@@ -12,11 +12,11 @@ use std::sync::Arc;
 /// A manifest or index, with its exact bytes (its digest is theirs).
 #[derive(Clone, Debug)]
 pub struct ManifestDoc {
-    /// Digest of `bytes`.
+    /// Digest of `bytes`: what the document is pushed and referenced by.
     pub digest: Digest,
     /// Media type it is served with.
     pub media_type: String,
-    /// The exact bytes.
+    /// The exact bytes (re-serialising would change the digest).
     pub bytes: Arc<Vec<u8>>,
 }
 

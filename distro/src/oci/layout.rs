@@ -21,9 +21,9 @@ const OCI_LAYOUT: &[u8] = br#"{"imageLayoutVersion":"1.0.0"}"#;
 
 /// An OCI layout directory.
 pub struct Layout {
-    /// The directory.
+    /// The layout's directory (holding `oci-layout`, `index.json` and `blobs/`).
     pub dir: PathBuf,
-    /// Its blobs.
+    /// The layout's `blobs/sha256/` directory as a blob store.
     pub store: BlobStore,
 }
 

@@ -22,20 +22,20 @@ use url::Url;
 pub struct Stats {
     /// Blob bytes sent in upload bodies (0 when re-pushing an unchanged image).
     pub blob_bytes_sent: AtomicU64,
-    /// Blobs uploaded.
+    /// Blobs uploaded (neither present nor mounted).
     pub blobs_uploaded: AtomicU64,
     /// Blobs the registry already had (HEAD said so).
     pub blobs_present: AtomicU64,
     /// Blobs mounted from another repository of the same registry.
     pub blobs_mounted: AtomicU64,
-    /// Manifest bytes sent.
+    /// Bytes of manifests and indexes sent.
     pub manifest_bytes_sent: AtomicU64,
     /// Bytes received in blob downloads.
     pub blob_bytes_received: AtomicU64,
 }
 
 impl Stats {
-    /// Reads a counter.
+    /// Reads one of the counters above.
     pub fn get(c: &AtomicU64) -> u64 {
         c.load(Ordering::Relaxed)
     }
@@ -44,17 +44,17 @@ impl Stats {
 /// A request body that can be produced again for a retry.
 #[derive(Clone)]
 pub enum Payload {
-    /// No body.
+    /// No body (GET, HEAD, DELETE, and upload session starts).
     Empty,
-    /// In memory.
+    /// Bytes held in memory (manifests, small chunks).
     Bytes(Arc<Vec<u8>>),
     /// A byte range of a file (blobs are too large to hold in memory).
     File {
-        /// The file.
+        /// The file holding the bytes.
         path: PathBuf,
-        /// Start offset.
+        /// Where the range starts in the file.
         offset: u64,
-        /// Length.
+        /// How many bytes the range holds.
         len: u64,
     },
 }
@@ -99,15 +99,15 @@ impl<R: Read> Read for Counting<R> {
 
 /// One registry request.
 pub struct Request {
-    /// Method.
+    /// HTTP method.
     pub method: Method,
     /// Absolute URL.
     pub url: Url,
     /// Token scopes this request needs (Bearer registries).
     pub scopes: Vec<Scope>,
-    /// Extra headers.
+    /// Headers besides `Authorization`, which the client adds itself.
     pub headers: Vec<(&'static str, String)>,
-    /// Body.
+    /// Body, reproducible for retries and redirects.
     pub body: Payload,
     /// Whether the body is blob data (counted in [`Stats::blob_bytes_sent`]).
     pub blob_body: bool,
@@ -118,7 +118,7 @@ impl Request {
     pub fn new(method: Method, url: Url, scopes: Vec<Scope>) -> Request {
         Request { method, url, scopes, headers: Vec::new(), body: Payload::Empty, blob_body: false }
     }
-    /// Adds a header.
+    /// Adds header `name: value`.
     pub fn header(mut self, name: &'static str, value: impl Into<String>) -> Request {
         self.headers.push((name, value.into()));
         self
@@ -149,7 +149,7 @@ struct HostState {
     tokens: HashMap<String, String>,
 }
 
-/// A registry client.
+/// A registry client: one HTTP connection pool, cached tokens per host, and byte counters.
 pub struct Client {
     http: reqwest::blocking::Client,
     creds: Credentials,

@@ -18,9 +18,9 @@ use url::Url;
 /// A blob to push, read from a file.
 #[derive(Clone, Debug)]
 pub struct BlobFile {
-    /// Digest.
+    /// Digest the registry checks the upload against.
     pub digest: Digest,
-    /// Size.
+    /// Size in bytes (sent as the upload's length).
     pub size: u64,
     /// Where its bytes are.
     pub path: PathBuf,
@@ -51,13 +51,13 @@ pub struct PushOptions {
 pub struct PushReport {
     /// Blob bytes sent.
     pub blob_bytes_sent: u64,
-    /// Blobs uploaded.
+    /// Blobs uploaded (neither present nor mounted).
     pub uploaded: u64,
     /// Blobs already present.
     pub present: u64,
     /// Blobs mounted from another repository.
     pub mounted: u64,
-    /// Manifest bytes sent.
+    /// Bytes of manifests and indexes sent.
     pub manifest_bytes_sent: u64,
 }
 
