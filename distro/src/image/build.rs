@@ -1,6 +1,6 @@
 //! The build pipeline. Each step is a function of its inputs: base image + workspace +
 //! definition + pinned sources -> engine binaries -> layers -> configs -> manifests -> index,
-//! returned as a [`Built`] for the publishers ([`crate::publish`]); nothing here writes a layout
+//! returned as a [`Built`] for the publishers (the `publish` folder); nothing here writes a layout
 //! or pushes. Layer blobs are cached by a key of their exact inputs, so an unchanged input
 //! rebuilds nothing.
 use super::base;
@@ -50,7 +50,7 @@ pub struct BuildOptions {
     pub source_overrides: Vec<String>,
 }
 
-/// What a build produced, ready for any [`crate::publish::Publisher`].
+/// What a build produced, ready for any publisher (`publish::Publisher`).
 #[derive(Clone, Debug)]
 pub struct Built {
     /// Descriptor of the multi-arch index: its digest is what `distro build` prints.

@@ -1,6 +1,6 @@
 //! The build pipeline: workspace + image definition + pinned sources -> engine binaries ->
 //! layers -> image configs -> manifests -> index. It returns what it built (see
-//! [`build::Built`]); publishing it is [`crate::publish`]'s job.
+//! [`build::Built`]); publishing it is the job of the `publish` folder.
 pub mod base;
 pub mod build;
 pub mod config;
