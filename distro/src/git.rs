@@ -120,10 +120,7 @@ impl Git {
         I: IntoIterator<Item = S>,
         S: AsRef<OsStr>,
     {
-        let mut cmd = match self.mode {
-            Mode::Isolated => self.base(false),
-            Mode::Checkout => self.user(),
-        };
+        let mut cmd = self.environment(false);
         cmd.args(args);
         cmd
     }
@@ -134,12 +131,17 @@ impl Git {
         I: IntoIterator<Item = S>,
         S: AsRef<OsStr>,
     {
-        let mut cmd = match self.mode {
-            Mode::Isolated => self.base(true),
-            Mode::Checkout => self.user(),
-        };
+        let mut cmd = self.environment(true);
         cmd.args(args);
         cmd
+    }
+
+    /// A bare `git` command in this repository's environment (`network`: a fetch).
+    fn environment(&self, network: bool) -> Command {
+        match self.mode {
+            Mode::Isolated => self.base(network),
+            Mode::Checkout => self.user(),
+        }
     }
 
     fn user(&self) -> Command {

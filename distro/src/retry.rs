@@ -7,7 +7,9 @@
 //! the registry client, whose requests are many and small, retries more often and sooner
 //! ([`Policy::default`]). Tests set a tiny backoff.
 
+use crate::git::{describe, output, stderr_summary};
 use anyhow::{Result, anyhow};
+use std::process::Command;
 use std::time::Duration;
 
 /// The outcome of one failed attempt.
@@ -83,6 +85,22 @@ pub fn retry<T>(policy: Policy, what: &str, mut op: impl FnMut() -> std::result:
         }
     }
     unreachable!("the loop returns on its last attempt")
+}
+
+/// Runs `cmd` once, as one attempt of a [`retry`]: a failure whose stderr `is_permanent`
+/// recognises (no such ref, no such repository) is permanent, any other is transient, and a
+/// command that cannot be started is permanent.
+pub fn command_attempt(cmd: &mut Command, is_permanent: impl Fn(&str) -> bool) -> std::result::Result<(), Failure> {
+    let out = output(cmd).map_err(|e| Failure::Permanent(format!("{e:#}")))?;
+    if out.status.success() {
+        return Ok(());
+    }
+    let msg = format!("{}: {}", describe(cmd), stderr_summary(&out));
+    if is_permanent(&String::from_utf8_lossy(&out.stderr)) {
+        Err(Failure::Permanent(msg))
+    } else {
+        Err(Failure::Transient(msg))
+    }
 }
 
 #[cfg(test)]

@@ -40,3 +40,13 @@ impl ManifestArg {
 fn parse_ref(s: &str, what: &str) -> Result<Reference> {
     Reference::parse(s).map_err(|e| bad_input(format!("{what}: {e:#}")))
 }
+
+/// Parses `--repo`: a repository without a tag or digest (the dated tags are found in it); a bad
+/// one is bad input (exit 2).
+fn parse_repo(s: &str) -> Result<Reference> {
+    let repo = Reference::parse(s).map_err(|e| bad_input(format!("--repo {s:?}: {e:#}")))?;
+    if repo.tag.is_some() || repo.digest.is_some() {
+        return Err(bad_input(format!("--repo {s:?}: give the repository without a tag or digest")));
+    }
+    Ok(repo)
+}

@@ -1,9 +1,9 @@
 //! `distro triage`: its arguments, checked before anything runs (every problem is bad input,
 //! exit 2); the search itself is [`crate::triage`].
+use super::parse_repo;
 use crate::dated::parse_date;
 use crate::docker::Gpus;
 use crate::error::bad_input;
-use crate::registry::reference::Reference;
 use crate::triage::{Criterion, Options, triage};
 use anyhow::Result;
 use clap::Args;
@@ -68,10 +68,7 @@ pub fn triage_cmd(args: TriageArgs) -> Result<ExitCode> {
 
 /// Parses and checks the arguments; every problem is bad input (exit 2).
 fn check_args(a: TriageArgs) -> Result<Options> {
-    let repo = Reference::parse(&a.repo).map_err(|e| bad_input(format!("--repo {:?}: {e:#}", a.repo)))?;
-    if repo.tag.is_some() || repo.digest.is_some() {
-        return Err(bad_input(format!("--repo {:?}: give the repository without a tag or digest", a.repo)));
-    }
+    let repo = parse_repo(&a.repo)?;
     let good = parse_date(&a.good)
         .ok_or_else(|| bad_input(format!("--good {:?} is not a date in YYYY-MM-DD form", a.good)))?;
     let bad =

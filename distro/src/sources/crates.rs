@@ -17,9 +17,9 @@ use std::process::Command;
 use super::cache::{Cache, Repo};
 use super::manifest::CrateSpec;
 use crate::error::bad_input;
-use crate::git::{Git, describe, output, stderr_summary};
+use crate::git::Git;
 use crate::oci::digest::is_sha256;
-use crate::retry::{self, Failure};
+use crate::retry;
 
 /// A resolved crate release.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -98,16 +98,7 @@ fn cargo(cwd: &Path, project: &Path, subcommand: &str, args: &[&str], what: &str
             .args(args)
             .env("CARGO_TERM_COLOR", "never")
             .env_remove("CARGO_TARGET_DIR");
-        let out = output(&mut cmd).map_err(|e| Failure::Permanent(format!("{e:#}")))?;
-        if out.status.success() {
-            return Ok(());
-        }
-        let msg = format!("{}: {}", describe(&cmd), stderr_summary(&out));
-        if is_permanent(&String::from_utf8_lossy(&out.stderr)) {
-            Err(Failure::Permanent(msg))
-        } else {
-            Err(Failure::Transient(msg))
-        }
+        retry::command_attempt(&mut cmd, is_permanent)
     });
     result.map_err(|e| {
         let text = e.to_string();

@@ -6,9 +6,8 @@ use anyhow::{Context, Result};
 use super::cache::Repo;
 use crate::error::bad_input;
 use crate::git::is_object_id;
-use crate::git::{describe, output, stderr_summary};
 use crate::oci::digest::sha256_hex;
-use crate::retry::{self, Failure};
+use crate::retry;
 
 /// The cache repository key for a git URL (as git will fetch it): readable and unique.
 pub fn repo_key(fetch_url: &str) -> String {
@@ -54,16 +53,7 @@ fn fetch(repo: &Repo, url: &str, refspec: &str, what: &str) -> Result<()> {
             url,
             refspec,
         ]);
-        let out = output(&mut cmd).map_err(|e| Failure::Permanent(format!("{e:#}")))?;
-        if out.status.success() {
-            return Ok(());
-        }
-        let msg = format!("{}: {}", describe(&cmd), stderr_summary(&out));
-        if is_permanent(&String::from_utf8_lossy(&out.stderr)) {
-            Err(Failure::Permanent(msg))
-        } else {
-            Err(Failure::Transient(msg))
-        }
+        retry::command_attempt(&mut cmd, is_permanent)
     })
 }
 
