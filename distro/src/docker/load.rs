@@ -262,47 +262,15 @@ mod bytes_chunk {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::oci::layout::Layout;
-    use crate::oci::manifest::{OCI_CONFIG, OCI_LAYER_GZIP, OCI_MANIFEST, image_index, image_manifest};
+    use crate::oci::fixture::arm64_layout;
 
     #[test]
     fn load_tar_has_layout_and_docker_manifest() {
-        let src = tempfile::tempdir().unwrap();
-        let store = BlobStore::new(src.path());
-        let layer = store.put(b"layer").unwrap();
-        let config = store.put(br#"{"architecture":"arm64"}"#).unwrap();
-        let cd = Descriptor {
-            media_type: OCI_CONFIG.into(),
-            digest: config.clone(),
-            size: 23,
-            platform: None,
-            annotations: None,
-        };
-        let ld = Descriptor {
-            media_type: OCI_LAYER_GZIP.into(),
-            digest: layer.clone(),
-            size: 5,
-            platform: None,
-            annotations: None,
-        };
-        let m = image_manifest(&cd, &[ld], &BTreeMap::new()).unwrap();
-        let md = Descriptor::of(OCI_MANIFEST, &m);
-        store.put(&m).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let f = arm64_layout(dir.path());
+        let (layout, config, layer, md) = (&f.layout, &f.config, &f.layer, &f.manifest);
         let arm = Platform::parse("linux/arm64").unwrap();
-        let idx = image_index(&[(arm.clone(), md.clone())], &BTreeMap::new()).unwrap();
-        let id = Descriptor::of(OCI_INDEX, &idx);
-        store.put(&idx).unwrap();
-        let out = tempfile::tempdir().unwrap();
-        let layout = Layout::new(out.path());
-        layout
-            .write(
-                &store,
-                &[layer.clone(), config.clone(), md.digest.clone(), id.digest.clone()],
-                &[("engine".into(), id)],
-            )
-            .unwrap();
-
-        let bundle = Bundle::from_layout(&layout, layout.refs().unwrap()).unwrap();
+        let bundle = Bundle::from_layout(layout, layout.refs().unwrap()).unwrap();
         let images = select(&bundle, &[], &arm, "localhost:5000/distro").unwrap();
         assert_eq!(images.len(), 1);
         assert_eq!(images[0].repo_tags, ["localhost:5000/distro:engine"]);

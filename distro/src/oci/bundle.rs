@@ -116,41 +116,22 @@ impl Bundle {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::oci::manifest::{OCI_CONFIG, OCI_LAYER_GZIP, image_index, image_manifest};
-    use crate::oci::platform::Platform;
-    use std::collections::BTreeMap;
-
-    /// A layout with one single-platform index tagged `engine`, its manifest tagged `engine-arm64`.
-    fn layout_with_index(dir: &std::path::Path) -> (Layout, Descriptor, Descriptor) {
-        let store = BlobStore::new(dir.join("src"));
-        let desc = |media_type: &str, bytes: &[u8]| Descriptor::of(media_type, bytes);
-        let config = desc(OCI_CONFIG, br#"{"architecture":"arm64"}"#);
-        let layer = desc(OCI_LAYER_GZIP, b"layer");
-        store.put(br#"{"architecture":"arm64"}"#).unwrap();
-        store.put(b"layer").unwrap();
-        let m = image_manifest(&config, std::slice::from_ref(&layer), &BTreeMap::new()).unwrap();
-        let md = desc(OCI_MANIFEST, &m);
-        store.put(&m).unwrap();
-        let idx = image_index(&[(Platform::parse("linux/arm64").unwrap(), md.clone())], &BTreeMap::new()).unwrap();
-        let id = desc(OCI_INDEX, &idx);
-        store.put(&idx).unwrap();
-        let layout = Layout::new(dir.join("oci"));
-        let digests = [config.digest, layer.digest, md.digest.clone(), id.digest.clone()];
-        layout.write(&store, &digests, &[("engine".into(), id.clone()), ("engine-arm64".into(), md.clone())]).unwrap();
-        (layout, id, md)
-    }
+    use crate::oci::fixture::arm64_layout;
 
     #[test]
     fn a_layout_bundle_lists_blobs_then_children_then_roots_each_once() {
         let dir = tempfile::tempdir().unwrap();
-        let (layout, id, md) = layout_with_index(dir.path());
-        let bundle = Bundle::from_layout(&layout, layout.refs().unwrap()).unwrap();
-        assert_eq!(bundle.blobs.len(), 2, "config and layer");
+        let f = arm64_layout(dir.path());
+        let bundle = Bundle::from_layout(&f.layout, f.layout.refs().unwrap()).unwrap();
+        let blobs: Vec<&Digest> = bundle.blobs.iter().map(|b| &b.digest).collect();
+        assert_eq!(blobs.len(), 2);
+        assert!(blobs.contains(&&f.config) && blobs.contains(&&f.layer));
         let order: Vec<&Digest> = bundle.manifests.iter().map(|m| &m.digest).collect();
-        assert_eq!(order, [&md.digest, &id.digest], "the manifest before the index that lists it");
+        assert_eq!(order, [&f.manifest.digest, &f.index.digest], "the manifest before the index that lists it");
         assert_eq!(bundle.manifests[1].media_type, OCI_INDEX);
-        assert_eq!(bundle.tags(), ["engine", "engine-arm64"]);
-        assert_eq!(bundle.document(&md).unwrap().bytes.as_slice(), layout.store.read(&md.digest).unwrap());
+        assert_eq!(bundle.tags(), ["engine"]);
+        let doc = bundle.document(&f.manifest).unwrap();
+        assert_eq!(doc.bytes.as_slice(), f.layout.store.read(&f.manifest.digest).unwrap());
         assert_eq!(bundle.digests().len(), 4);
     }
 }

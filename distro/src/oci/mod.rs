@@ -4,6 +4,8 @@
 //! where it is published; everything above speaks these types.
 pub mod bundle;
 pub mod digest;
+#[cfg(test)]
+pub(crate) mod fixture;
 pub mod json;
 pub mod layout;
 pub mod manifest;
