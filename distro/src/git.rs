@@ -15,7 +15,7 @@
 //! credential helpers, proxies and `insteadOf` rewrites work; what they fetch is verified by object
 //! id, so that configuration cannot change results.
 
-use crate::oci::digest::is_lower_hex;
+use crate::hex::is_lower_hex;
 use anyhow::{Context, Result, bail};
 use std::ffi::OsStr;
 use std::path::{Path, PathBuf};

@@ -12,10 +12,13 @@
 //! - [`registry`]: the OCI distribution API client (pull, push, tags, auth).
 //! - [`docker`]: the Docker engine (load an image, run a container).
 //! - [`triage`]: the search for the first failing date and upstream commit.
+//! - [`publish`]: where a built image goes: an OCI layout, a registry, the Docker engine.
 //! - [`cli`]: one file per subcommand: arguments and what it prints.
 //!
-//! Cross-cutting helpers sit at the root: [`error`] (exit codes), [`fsutil`] (atomic writes),
-//! [`progress`] (stderr progress), [`dated`] (dated tags and calendar arithmetic).
+//! Cross-cutting helpers sit at the root, below every folder: [`error`] (exit codes),
+//! [`fsutil`] (atomic writes), [`git`] (the git runner), [`retry`] (the retry policy), [`hex`]
+//! (hex and SHA-256), [`progress`] (stderr progress), [`dated`] (dated tags and calendar
+//! arithmetic).
 
 #![warn(missing_docs)]
 
@@ -25,6 +28,7 @@ pub mod docker;
 pub mod error;
 pub mod fsutil;
 pub mod git;
+pub mod hex;
 pub mod image;
 pub mod oci;
 pub mod progress;

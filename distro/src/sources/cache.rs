@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 
 use crate::fsutil::{remove_all, write_atomic};
 use crate::git::Git;
-use crate::oci::digest::{is_sha256, sha256_hex};
+use crate::hex::{is_sha256, sha256_hex};
 
 /// The cache root and its layout.
 #[derive(Clone, Debug)]

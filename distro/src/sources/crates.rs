@@ -18,7 +18,7 @@ use super::cache::{Cache, Repo};
 use super::manifest::CrateSpec;
 use crate::error::bad_input;
 use crate::git::Git;
-use crate::oci::digest::is_sha256;
+use crate::hex::is_sha256;
 use crate::retry;
 
 /// A resolved crate release.

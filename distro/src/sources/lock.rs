@@ -13,7 +13,7 @@ use std::fmt::Write;
 use std::path::Path;
 
 use crate::git::is_object_id;
-use crate::oci::digest::is_sha256;
+use crate::hex::is_sha256;
 
 /// The lock format version written in the file.
 pub const LOCK_VERSION: u32 = 1;

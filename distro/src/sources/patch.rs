@@ -6,7 +6,7 @@ use anyhow::Result;
 
 use super::lock::LockedPatch;
 use super::manifest::{Manifest, PatchSpec, Source};
-use crate::oci::digest::sha256_hex;
+use crate::hex::sha256_hex;
 
 /// A patch ready to apply: its bytes and where it came from.
 #[derive(Clone, Debug)]

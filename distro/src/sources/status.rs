@@ -6,7 +6,7 @@ use std::fmt;
 
 use super::lock::{Lock, LockedSource, Origin};
 use super::manifest::{Manifest, Source, SourceKind};
-use crate::oci::digest::sha256_hex;
+use crate::hex::sha256_hex;
 
 /// How a source's lock entry relates to its manifest entry.
 #[derive(Clone, Debug, PartialEq, Eq)]

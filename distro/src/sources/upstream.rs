@@ -6,7 +6,7 @@ use anyhow::{Context, Result};
 use super::cache::Repo;
 use crate::error::bad_input;
 use crate::git::is_object_id;
-use crate::oci::digest::sha256_hex;
+use crate::hex::sha256_hex;
 use crate::retry;
 
 /// The cache repository key for a git URL (as git will fetch it): readable and unique.
