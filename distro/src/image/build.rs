@@ -9,7 +9,7 @@ use super::def::ImageDef;
 use super::engine_build::Stage;
 use super::layer::{Layer, LayerSpec, MODE_EXEC, MODE_FILE};
 use super::sbom::{SbomInput, sbom};
-use super::sources::PIN_ANNOTATION_PREFIX;
+use super::sources::{PIN_ANNOTATION_PREFIX, SourcesInput};
 use super::workspace::Workspace;
 use crate::dated::{parse_date, rfc3339, utc_date};
 use crate::error::bad_input;
@@ -114,6 +114,73 @@ fn file_mode(path: &Path) -> Result<u32> {
     Ok(if m.permissions().mode() & 0o111 != 0 { MODE_EXEC } else { MODE_FILE })
 }
 
+/// The layer of the definition's `[[tree]]`s (tracked workspace files) and `[[source_tree]]`s
+/// (directories of the patched sources); empty when the definition has neither.
+fn trees_spec(ws: &Workspace, def: &ImageDef, def_path: &Path, sources: &SourcesInput) -> Result<LayerSpec> {
+    let mut trees = LayerSpec::new();
+    for t in &def.trees {
+        let mut any = false;
+        for f in ws.files_under(&t.src) {
+            let rel = &f[t.src.trim_end_matches('/').len() + 1..];
+            add_host_file(&mut trees, &t.dest, rel, &ws.root.join(f))?;
+            any = true;
+        }
+        if !any && !t.optional {
+            return Err(bad_input(format!(
+                "{}: tree {:?} has no tracked files (mark it optional = true if that is fine)",
+                def_path.display(),
+                t.src
+            )));
+        }
+    }
+    for t in &def.source_trees {
+        let dir = sources.trees.get(&t.source).ok_or_else(|| {
+            bad_input(format!(
+                "{}: source_tree: source {:?} is not in images/manifest.toml",
+                def_path.display(),
+                t.source
+            ))
+        })?;
+        let root = dir.join(&t.src);
+        let files = if root.is_dir() { super::engine_build::walk_files(&root)? } else { Vec::new() };
+        if files.is_empty() {
+            // Not bad input: the definition is fine, this pin of the source lacks the directory.
+            anyhow::bail!(
+                "{}: source_tree: {:?} has no files in source {} at {}",
+                def_path.display(),
+                t.src,
+                t.source,
+                sources.annotations.get(&format!("{PIN_ANNOTATION_PREFIX}{}.pin", t.source)).map_or("?", |s| s)
+            );
+        }
+        for rel in files {
+            add_host_file(&mut trees, &t.dest, &rel.to_string_lossy(), &root.join(&rel))?;
+        }
+    }
+    Ok(trees)
+}
+
+/// Adds host file `src` at `dest_dir/rel`, executable when the host file is.
+fn add_host_file(spec: &mut LayerSpec, dest_dir: &str, rel: &str, src: &Path) -> Result<()> {
+    spec.add_file(&format!("{}/{rel}", dest_dir.trim_end_matches('/')), Arc::new(fs::read(src)?), file_mode(src)?)
+}
+
+/// The `/opt/distro` layer of one platform: its SBOM, the `Cargo.lock` the engine was built
+/// with, and the build's manifest lock and applied patches.
+fn opt_distro_spec(sbom: Vec<u8>, cargo_lock: &[u8], sources: &SourcesInput) -> Result<LayerSpec> {
+    let mut distro = LayerSpec::new();
+    distro.add_file("/opt/distro/sbom.spdx.json", Arc::new(sbom), MODE_FILE)?;
+    distro.add_file("/opt/distro/Cargo.lock", Arc::new(cargo_lock.to_vec()), MODE_FILE)?;
+    if let Some(l) = &sources.lock_text {
+        distro.add_file("/opt/distro/manifest.lock", Arc::new(l.clone().into_bytes()), MODE_FILE)?;
+    }
+    distro.add_dir("/opt/distro/patches")?;
+    for (rel, bytes) in &sources.patch_files {
+        distro.add_file(&format!("/opt/distro/patches/{rel}"), Arc::new(bytes.clone()), MODE_FILE)?;
+    }
+    Ok(distro)
+}
+
 /// Runs the build; `client` pulls the base image. Publishes nothing.
 pub fn build(opts: &BuildOptions, client: &Client, progress: &Progress) -> Result<Built> {
     let ws = Workspace::open(&opts.start_dir)?;
@@ -147,57 +214,7 @@ pub fn build(opts: &BuildOptions, client: &Client, progress: &Progress) -> Resul
 
     // 3. Layers that do not depend on the platform.
     let step = progress.step("assembling layers");
-    let mut trees = LayerSpec::new();
-    for t in &def.trees {
-        let mut any = false;
-        for f in ws.files_under(&t.src) {
-            let rel = &f[t.src.trim_end_matches('/').len() + 1..];
-            let src = ws.root.join(f);
-            trees.add_file(
-                &format!("{}/{rel}", t.dest.trim_end_matches('/')),
-                Arc::new(fs::read(&src)?),
-                file_mode(&src)?,
-            )?;
-            any = true;
-        }
-        if !any && !t.optional {
-            return Err(bad_input(format!(
-                "{}: tree {:?} has no tracked files (mark it optional = true if that is fine)",
-                def_path.display(),
-                t.src
-            )));
-        }
-    }
-    for t in &def.source_trees {
-        let dir = sources.trees.get(&t.source).ok_or_else(|| {
-            bad_input(format!(
-                "{}: source_tree: source {:?} is not in images/manifest.toml",
-                def_path.display(),
-                t.source
-            ))
-        })?;
-        let root = dir.join(&t.src);
-        let files = if root.is_dir() { super::engine_build::walk_files(&root)? } else { Vec::new() };
-        if files.is_empty() {
-            // Not bad input: the definition is fine, this pin of the source lacks the directory.
-            anyhow::bail!(
-                "{}: source_tree: {:?} has no files in source {} at {}",
-                def_path.display(),
-                t.src,
-                t.source,
-                sources.annotations.get(&format!("{PIN_ANNOTATION_PREFIX}{}.pin", t.source)).map_or("?", |s| s)
-            );
-        }
-        for rel in files {
-            let src = root.join(&rel);
-            let rel = rel.to_string_lossy();
-            trees.add_file(
-                &format!("{}/{rel}", t.dest.trim_end_matches('/')),
-                Arc::new(fs::read(&src)?),
-                file_mode(&src)?,
-            )?;
-        }
-    }
+    let trees = trees_spec(&ws, &def, &def_path, &sources)?;
     let tree_layer = if trees.is_empty() { None } else { Some(cached_layer(&trees, epoch, &cache, &store)?) };
 
     // 4. Per platform: binaries layer, /opt/distro layer, config, manifest.
@@ -247,16 +264,7 @@ pub fn build(opts: &BuildOptions, client: &Client, progress: &Progress) -> Resul
             base_tag: base_ref.tag.clone(),
             base_digest: &bp.manifest_digest,
         })?;
-        let mut distro = LayerSpec::new();
-        distro.add_file("/opt/distro/sbom.spdx.json", Arc::new(sbom_bytes), MODE_FILE)?;
-        distro.add_file("/opt/distro/Cargo.lock", Arc::new(stage.lock().to_vec()), MODE_FILE)?;
-        if let Some(l) = &sources.lock_text {
-            distro.add_file("/opt/distro/manifest.lock", Arc::new(l.clone().into_bytes()), MODE_FILE)?;
-        }
-        distro.add_dir("/opt/distro/patches")?;
-        for (rel, bytes) in &sources.patch_files {
-            distro.add_file(&format!("/opt/distro/patches/{rel}"), Arc::new(bytes.clone()), MODE_FILE)?;
-        }
+        let distro = opt_distro_spec(sbom_bytes, stage.lock(), &sources)?;
         let distro_layer = cached_layer(&distro, epoch, &cache, &store)?;
 
         let bin_paths: Vec<&str> =
