@@ -1,7 +1,7 @@
 //! Dated tags (`NAME-YYYY-MM-DD`) and the two decisions made over them: which tags retention
 //! deletes, and where triage looks for the first failing date (exponential search from the good
-//! end, then bisection, stepping over points that cannot be tested).
-use crate::image::config::{civil_from_days, parse_date};
+//! end, then bisection, stepping over points that cannot be tested); and the calendar arithmetic
+//! (Unix time <-> `YYYY-MM-DD`, RFC 3339) that image configs, tags and SBOMs share.
 
 /// A dated tag of an image.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -132,9 +132,74 @@ pub fn search(good: usize, bad: usize, test: &mut dyn FnMut(usize) -> Verdict) -
     bisect_skipping(lo, hi, skipped, test)
 }
 
+/// `YYYY-MM-DDTHH:MM:SSZ` for a Unix time.
+pub fn rfc3339(epoch: u64) -> String {
+    let (y, m, d) = civil_from_days((epoch / 86_400) as i64);
+    let s = epoch % 86_400;
+    format!("{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z", s / 3600, s / 60 % 60, s % 60)
+}
+
+/// `YYYY-MM-DD` (UTC) for a Unix time.
+pub fn utc_date(epoch: u64) -> String {
+    rfc3339(epoch)[..10].to_string()
+}
+
+/// Parses `YYYY-MM-DD` into days since 1970-01-01, refusing impossible dates.
+pub fn parse_date(s: &str) -> Option<i64> {
+    let b = s.as_bytes();
+    if b.len() != 10 || b[4] != b'-' || b[7] != b'-' {
+        return None;
+    }
+    let y: i64 = s[..4].parse().ok()?;
+    let m: u32 = s[5..7].parse().ok()?;
+    let d: u32 = s[8..10].parse().ok()?;
+    if !(1..=12).contains(&m) || d == 0 {
+        return None;
+    }
+    let days = days_from_civil(y, m, d);
+    (civil_from_days(days) == (y, m, d)).then_some(days)
+}
+
+// Howard Hinnant's civil-date algorithms (public domain).
+/// Days since 1970-01-01 -> (year, month, day).
+pub fn civil_from_days(z: i64) -> (i64, u32, u32) {
+    let z = z + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let y = yoe + era * 400;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = (doy - (153 * mp + 2) / 5 + 1) as u32;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
+    (if m <= 2 { y + 1 } else { y }, m, d)
+}
+
+fn days_from_civil(y: i64, m: u32, d: u32) -> i64 {
+    let y = if m <= 2 { y - 1 } else { y };
+    let era = y.div_euclid(400);
+    let yoe = y.rem_euclid(400);
+    let m = m as i64;
+    let doy = (153 * (if m > 2 { m - 3 } else { m + 9 }) + 2) / 5 + d as i64 - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    era * 146_097 + doe - 719_468
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn dates() {
+        assert_eq!(rfc3339(0), "1970-01-01T00:00:00Z");
+        assert_eq!(rfc3339(1_700_000_000), "2023-11-14T22:13:20Z");
+        assert_eq!(rfc3339(951_782_400), "2000-02-29T00:00:00Z");
+        assert_eq!(parse_date("2000-02-29"), Some(11_016));
+        assert_eq!(parse_date("2001-02-29"), None);
+        assert_eq!(parse_date("2025-13-01"), None);
+        assert_eq!(parse_date("2025-1-01"), None);
+        assert_eq!(utc_date(parse_date("2031-07-04").unwrap() as u64 * 86_400 + 86_399), "2031-07-04");
+    }
 
     fn tags(dates: &[&str]) -> Vec<DatedTag> {
         dated_tags("engine", &dates.iter().map(|d| format!("engine-{d}")).collect::<Vec<_>>())

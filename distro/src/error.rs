@@ -34,6 +34,16 @@ pub fn report(err: &anyhow::Error) -> ExitCode {
     ExitCode::from(exit_code(err))
 }
 
+/// True when `err` (or any error in its chain) is a [`BadInput`].
+pub fn is_bad_input(err: &anyhow::Error) -> bool {
+    exit_code(err) == 2
+}
+
+/// 1-based line number of byte offset `pos` in `text`, for messages that name a line.
+pub fn line_of(text: &str, pos: usize) -> usize {
+    text.as_bytes()[..pos.min(text.len())].iter().filter(|&&b| b == b'\n').count() + 1
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

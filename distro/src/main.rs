@@ -1,7 +1,6 @@
 //! The `distro` command line: argument definitions and dispatch to the library.
 use clap::{Parser, Subcommand};
-use distro::image::cli;
-use distro::sources::cmd;
+use distro::cli;
 use std::process::ExitCode;
 
 /// Builds reproducible, dated, multi-arch OCI images of the engine.
@@ -15,30 +14,30 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// List the upstream sources: kind, pin, tracking ref, patch count, lock status.
-    Sources(cmd::SourcesArgs),
+    Sources(cli::sources::SourcesArgs),
     /// Resolve the manifest as pinned (fetch, apply patches) and write the lock.
-    Lock(cmd::LockArgs),
+    Lock(cli::lock::LockArgs),
     /// Materialise the patched source trees, verifying the lock.
-    Fetch(cmd::FetchArgs),
+    Fetch(cli::fetch::FetchArgs),
     /// Move pins to the tip of their tracking refs, drop patches merged upstream.
-    Bump(cmd::BumpArgs),
+    Bump(cli::bump::BumpArgs),
     /// Manage patches.
     #[command(subcommand)]
-    Patches(cmd::PatchesCommand),
+    Patches(cli::patches::PatchesCommand),
     /// Build the image natively (no Docker daemon): OCI layout and/or push; prints the index digest.
-    Build(cli::BuildArgs),
+    Build(cli::build::BuildArgs),
     /// Push an OCI image layout to a registry.
-    Push(cli::PushArgs),
+    Push(cli::push::PushArgs),
     /// Load an image from an OCI layout into the local Docker engine.
-    Load(cli::LoadArgs),
+    Load(cli::load::LoadArgs),
     /// Run an image with Docker (all GPUs when present), streaming its output; exits with its code.
-    Run(cli::RunArgs),
+    Run(cli::run::RunArgs),
     /// Find the first dated image where a command fails, then the upstream commit.
-    Triage(distro::triage::TriageArgs),
+    Triage(cli::triage::TriageArgs),
     /// Delete dated tags older than N days, keeping the first of each month and the moving tag.
-    Retention(distro::retention::RetentionArgs),
+    Retention(cli::retention::RetentionArgs),
     /// Write the SPDX SBOM of the workspace's engine for one platform (used by the Dockerfile).
-    Sbom(cli::SbomArgs),
+    Sbom(cli::sbom::SbomArgs),
 }
 
 fn main() -> ExitCode {
@@ -54,18 +53,18 @@ fn main() -> ExitCode {
     tracing_subscriber::fmt().with_writer(std::io::stderr).with_target(false).without_time().init();
     let done = |r: anyhow::Result<()>| r.map(|()| ExitCode::SUCCESS);
     let result = match cli.command {
-        Command::Sources(args) => done(cmd::sources(args)),
-        Command::Lock(args) => done(cmd::lock(args)),
-        Command::Fetch(args) => done(cmd::fetch(args)),
-        Command::Bump(args) => done(cmd::bump(args)),
-        Command::Patches(command) => done(cmd::patches(command)),
-        Command::Build(a) => cli::build_cmd(a),
-        Command::Push(a) => cli::push_cmd(a),
-        Command::Load(a) => cli::load_cmd(a),
-        Command::Run(a) => cli::run_cmd(a),
-        Command::Sbom(a) => cli::sbom_cmd(a),
-        Command::Triage(a) => distro::triage::triage_cmd(a),
-        Command::Retention(a) => distro::retention::retention_cmd(a),
+        Command::Sources(args) => done(cli::sources::sources(args)),
+        Command::Lock(args) => done(cli::lock::lock(args)),
+        Command::Fetch(args) => done(cli::fetch::fetch(args)),
+        Command::Bump(args) => done(cli::bump::bump(args)),
+        Command::Patches(command) => done(cli::patches::patches(command)),
+        Command::Build(a) => cli::build::build_cmd(a),
+        Command::Push(a) => cli::push::push_cmd(a),
+        Command::Load(a) => cli::load::load_cmd(a),
+        Command::Run(a) => cli::run::run_cmd(a),
+        Command::Sbom(a) => cli::sbom::sbom_cmd(a),
+        Command::Triage(a) => cli::triage::triage_cmd(a),
+        Command::Retention(a) => cli::retention::retention_cmd(a),
     };
     match result {
         Ok(code) => code,

@@ -1,11 +1,12 @@
 //! The registry client against small HTTP servers on loopback: what it sends where (credentials
 //! never follow a redirect to another origin), the Bearer token flow, retries, and refusing
 //! content that does not match its digest.
-use distro::image::digest::Digest;
-use distro::image::store::BlobStore;
+use distro::oci::digest::Digest;
+use distro::oci::store::BlobStore;
 use distro::registry::auth::{Credential, Credentials};
-use distro::registry::client::{Client, Retry};
+use distro::registry::client::Client;
 use distro::registry::reference::Reference;
+use distro::retry::Policy;
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpListener;
@@ -81,7 +82,7 @@ fn serve(handler: impl Fn(&Req) -> Resp + Send + Sync + 'static) -> (u16, Log) {
 
 fn client(host: &str, cred: Option<Credential>) -> Client {
     let mut c = Client::new(Credentials::new(cred.map(|c| (host.to_string(), c)), None), vec![]).unwrap();
-    c.retry = Retry { attempts: 4, base_delay: Duration::from_millis(10), max_delay: Duration::from_millis(50) };
+    c.retry = Policy { attempts: 4, first_backoff: Duration::from_millis(10), max_delay: Duration::from_millis(50) };
     c
 }
 

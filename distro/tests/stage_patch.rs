@@ -3,9 +3,9 @@
 //! effect (the program only compiles with the patched crate).
 use distro::image::def::Binary;
 use distro::image::engine_build::{CratePatch, Stage};
-use distro::image::platform::Platform;
-use distro::image::progress::Progress;
 use distro::image::workspace::Workspace;
+use distro::oci::platform::Platform;
+use distro::progress::Progress;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 

@@ -1,10 +1,10 @@
 //! The base image: resolved from a registry (verifying every digest) into the local blob
 //! store, and read back from it without network when it is pinned by digest and cached.
-use super::digest::Digest;
-use super::manifest::{Descriptor, OCI_CONFIG, OCI_INDEX, OCI_MANIFEST, is_index, to_oci_media_type};
-use super::platform::Platform;
-use super::progress::Progress;
-use super::store::BlobStore;
+use crate::oci::digest::Digest;
+use crate::oci::manifest::{Descriptor, OCI_CONFIG, OCI_INDEX, OCI_MANIFEST, is_index, to_oci_media_type};
+use crate::oci::platform::Platform;
+use crate::oci::store::BlobStore;
+use crate::progress::Progress;
 use crate::registry::client::Client;
 use crate::registry::reference::Reference;
 use anyhow::{Context, Result, anyhow, bail};
@@ -18,7 +18,7 @@ pub struct BaseImage {
     pub reference: Reference,
     /// Digest of what the reference resolves to (an index, or a single manifest).
     pub digest: Digest,
-    /// Per-platform parts.
+    /// Per platform: the manifest, config and layers the build stacks its layers on.
     pub platforms: BTreeMap<Platform, BasePlatform>,
 }
 

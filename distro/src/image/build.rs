@@ -1,25 +1,28 @@
-//! `distro build`: the pipeline. Each step is a function of its inputs:
-//! workspace + definition -> engine binaries -> layers -> configs -> manifests -> index ->
-//! layout and/or registry. Layer blobs are cached by a key of their exact inputs, so an
-//! unchanged input rebuilds nothing.
+//! The build pipeline. Each step is a function of its inputs: base image + workspace +
+//! definition + pinned sources -> engine binaries -> layers -> configs -> manifests -> index,
+//! returned as a [`Built`] for the publishers (the `publish` folder); nothing here writes a layout
+//! or pushes. Layer blobs are cached by a key of their exact inputs, so an unchanged input
+//! rebuilds nothing.
 use super::base;
-use super::config::{AddedLayer, image_config, parse_date, rfc3339, utc_date};
+use super::config::{AddedLayer, image_config};
 use super::def::ImageDef;
-use super::digest::Digest;
-use super::engine_build::{CratePatch, Stage};
-use super::error::bad_input;
-use super::fsutil::write_atomic;
+use super::engine_build::Stage;
 use super::layer::{Layer, LayerSpec, MODE_EXEC, MODE_FILE};
-use super::layout::Layout;
-use super::manifest::{Descriptor, OCI_CONFIG, OCI_INDEX, OCI_LAYER_GZIP, OCI_MANIFEST, image_index, image_manifest};
-use super::platform::Platform;
-use super::progress::Progress;
 use super::sbom::{SbomInput, sbom};
-use super::store::BlobStore;
+use super::sources::{PIN_ANNOTATION_PREFIX, SourcesInput};
 use super::workspace::Workspace;
-use crate::registry::auth::Credentials;
+use crate::dated::{parse_date, rfc3339, utc_date};
+use crate::error::bad_input;
+use crate::fsutil::write_atomic;
+use crate::oci::bundle::{BlobOrigin, Bundle, BundleBlob, ManifestDoc};
+use crate::oci::digest::Digest;
+use crate::oci::manifest::{
+    Descriptor, OCI_CONFIG, OCI_INDEX, OCI_LAYER_GZIP, OCI_MANIFEST, image_index, image_manifest,
+};
+use crate::oci::platform::Platform;
+use crate::oci::store::BlobStore;
+use crate::progress::Progress;
 use crate::registry::client::Client;
-use crate::registry::push::{BlobFile, ManifestDoc, PushOptions, PushPlan, PushReport, push};
 use crate::registry::reference::Reference;
 use anyhow::{Context, Result};
 use std::collections::BTreeMap;
@@ -27,22 +30,6 @@ use std::fs;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-
-/// What the pinned sources contribute to a build (from the sources library: the build's
-/// manifest lock, the patch files it applied, the patched crates to wire in, the pins).
-#[derive(Clone, Debug, Default)]
-pub struct SourcesInput {
-    /// Text of the build's manifest lock (`/opt/distro/manifest.lock`), when there is a manifest.
-    pub lock_text: Option<String>,
-    /// Applied patch files: path relative to `patches/` and bytes (`/opt/distro/patches/`).
-    pub patch_files: Vec<(String, Vec<u8>)>,
-    /// Patched crates wired into the engine build.
-    pub crate_patches: Vec<CratePatch>,
-    /// Annotations describing each source's pin (`io.github.llm-distro.source.NAME.*`).
-    pub annotations: BTreeMap<String, String>,
-    /// The materialised, patched tree of each source (read only), for `[[source_tree]]`.
-    pub trees: BTreeMap<String, PathBuf>,
-}
 
 /// Options of one build.
 #[derive(Clone, Debug, Default)]
@@ -53,16 +40,8 @@ pub struct BuildOptions {
     pub platforms: Option<Vec<Platform>>,
     /// Tag date `YYYY-MM-DD`; also makes the build ignore `SOURCE_DATE_EPOCH`.
     pub date: Option<String>,
-    /// Base image override.
+    /// Base image instead of the definition's (`--base`).
     pub base: Option<Reference>,
-    /// OCI layout to write.
-    pub output: Option<PathBuf>,
-    /// Repository to push to.
-    pub push: Option<Reference>,
-    /// Registries reachable over plain HTTP.
-    pub insecure: Vec<String>,
-    /// Upload chunk size (forces chunked uploads).
-    pub chunk_size: Option<u64>,
     /// Where to find the workspace (any directory inside it).
     pub start_dir: PathBuf,
     /// Extra patches for this build (`--patch [SOURCE=]PATH`).
@@ -71,21 +50,19 @@ pub struct BuildOptions {
     pub source_overrides: Vec<String>,
 }
 
-/// What a build produced.
+/// What a build produced, ready for any publisher (`publish::Publisher`).
 #[derive(Clone, Debug)]
-pub struct BuildResult {
-    /// Digest of the multi-arch index.
-    pub index_digest: Digest,
-    /// The tags (`NAME-YYYY-MM-DD`, `NAME`, and `NAME-YYYY-MM-DD-ARCH` per platform).
-    pub tags: Vec<String>,
-    /// The layout written, if any.
-    pub layout: Option<PathBuf>,
-    /// The push report, if pushed.
-    pub pushed: Option<PushReport>,
+pub struct Built {
+    /// Descriptor of the multi-arch index: its digest is what `distro build` prints.
+    pub index: Descriptor,
+    /// The index with every blob it references (in the build's store) and its refs: the
+    /// multi-arch tags `NAME-YYYY-MM-DD` and `NAME` point at the index, and one dated tag per
+    /// platform, `NAME-YYYY-MM-DD-ARCH`, at that platform's manifest, for tools that cannot pick
+    /// a platform from an index (umoci).
+    pub bundle: Bundle,
+    /// The build directory ([`cache_dir`]), whose `oci/` is the default layout.
+    pub build_dir: PathBuf,
 }
-
-/// Prefix of the annotations that carry upstream pins.
-pub const PIN_ANNOTATION_PREFIX: &str = "io.github.llm-distro.source.";
 
 /// The build directory: `$DISTRO_TARGET_DIR`, else `<workspace>/target/distro` (the sources
 /// cache, `$DISTRO_CACHE_DIR`, is another, per-user directory).
@@ -137,53 +114,15 @@ fn file_mode(path: &Path) -> Result<u32> {
     Ok(if m.permissions().mode() & 0o111 != 0 { MODE_EXEC } else { MODE_FILE })
 }
 
-/// Runs the build.
-pub fn build(opts: &BuildOptions, progress: &Progress) -> Result<BuildResult> {
-    let ws = Workspace::open(&opts.start_dir)?;
-    let def_path = ws.root.join("images").join(format!("{}.toml", opts.image));
-    let def = ImageDef::load(&def_path)?;
-    let platforms = opts.platforms.clone().unwrap_or_else(|| def.platforms.clone());
-    let (epoch, date) = epoch_and_date(&ws, opts.date.as_deref())?;
-    let version = format!("{}-{date}", def.name);
-    let cache = cache_dir(&ws);
-    let store = BlobStore::new(cache.join("store"));
-    let base_ref = opts.base.clone().unwrap_or_else(|| def.base.clone());
-    if base_ref.digest.is_none() {
-        progress.info(format!(
-            "warning: base {base_ref} is not pinned by digest; the build is only as reproducible as that tag"
-        ));
-    }
-    let creds = Credentials::from_environment(opts.push.as_ref().map(|r| r.api_host()))?;
-    let client = Client::new(creds, opts.insecure.clone())?;
-
-    // 1. Base image.
-    let base = base::resolve(&client, &base_ref, &platforms, &store, progress)?;
-
-    // 2. The pinned sources (after the base, so a bad base fails before any fetching).
-    let sources = super::sources::collect(&ws, &opts.patches, &opts.source_overrides, progress)?;
-
-    // 2. Engine binaries, all platforms in one cargo run.
-    let stage = Stage::prepare(&ws, &cache, &sources.crate_patches, progress)?;
-    // A definition without binaries (content only) needs no cargo build.
-    let built = if def.binaries.is_empty() {
-        BTreeMap::new()
-    } else {
-        stage.build(&platforms, &def.binaries, &ws.revision(), progress)?
-    };
-
-    // 3. Layers that do not depend on the platform.
-    let step = progress.step("assembling layers");
+/// The layer of the definition's `[[tree]]`s (tracked workspace files) and `[[source_tree]]`s
+/// (directories of the patched sources); empty when the definition has neither.
+fn trees_spec(ws: &Workspace, def: &ImageDef, def_path: &Path, sources: &SourcesInput) -> Result<LayerSpec> {
     let mut trees = LayerSpec::new();
     for t in &def.trees {
         let mut any = false;
         for f in ws.files_under(&t.src) {
             let rel = &f[t.src.trim_end_matches('/').len() + 1..];
-            let src = ws.root.join(f);
-            trees.add_file(
-                &format!("{}/{rel}", t.dest.trim_end_matches('/')),
-                Arc::new(fs::read(&src)?),
-                file_mode(&src)?,
-            )?;
+            add_host_file(&mut trees, &t.dest, rel, &ws.root.join(f))?;
             any = true;
         }
         if !any && !t.optional {
@@ -215,15 +154,67 @@ pub fn build(opts: &BuildOptions, progress: &Progress) -> Result<BuildResult> {
             );
         }
         for rel in files {
-            let src = root.join(&rel);
-            let rel = rel.to_string_lossy();
-            trees.add_file(
-                &format!("{}/{rel}", t.dest.trim_end_matches('/')),
-                Arc::new(fs::read(&src)?),
-                file_mode(&src)?,
-            )?;
+            add_host_file(&mut trees, &t.dest, &rel.to_string_lossy(), &root.join(&rel))?;
         }
     }
+    Ok(trees)
+}
+
+/// Adds host file `src` at `dest_dir/rel`, executable when the host file is.
+fn add_host_file(spec: &mut LayerSpec, dest_dir: &str, rel: &str, src: &Path) -> Result<()> {
+    spec.add_file(&format!("{}/{rel}", dest_dir.trim_end_matches('/')), Arc::new(fs::read(src)?), file_mode(src)?)
+}
+
+/// The `/opt/distro` layer of one platform: its SBOM, the `Cargo.lock` the engine was built
+/// with, and the build's manifest lock and applied patches.
+fn opt_distro_spec(sbom: Vec<u8>, cargo_lock: &[u8], sources: &SourcesInput) -> Result<LayerSpec> {
+    let mut distro = LayerSpec::new();
+    distro.add_file("/opt/distro/sbom.spdx.json", Arc::new(sbom), MODE_FILE)?;
+    distro.add_file("/opt/distro/Cargo.lock", Arc::new(cargo_lock.to_vec()), MODE_FILE)?;
+    if let Some(l) = &sources.lock_text {
+        distro.add_file("/opt/distro/manifest.lock", Arc::new(l.clone().into_bytes()), MODE_FILE)?;
+    }
+    distro.add_dir("/opt/distro/patches")?;
+    for (rel, bytes) in &sources.patch_files {
+        distro.add_file(&format!("/opt/distro/patches/{rel}"), Arc::new(bytes.clone()), MODE_FILE)?;
+    }
+    Ok(distro)
+}
+
+/// Runs the build; `client` pulls the base image. Publishes nothing.
+pub fn build(opts: &BuildOptions, client: &Client, progress: &Progress) -> Result<Built> {
+    let ws = Workspace::open(&opts.start_dir)?;
+    let def_path = ws.root.join("images").join(format!("{}.toml", opts.image));
+    let def = ImageDef::load(&def_path)?;
+    let platforms = opts.platforms.clone().unwrap_or_else(|| def.platforms.clone());
+    let (epoch, date) = epoch_and_date(&ws, opts.date.as_deref())?;
+    let version = format!("{}-{date}", def.name);
+    let cache = cache_dir(&ws);
+    let store = BlobStore::new(cache.join("store"));
+    let base_ref = opts.base.clone().unwrap_or_else(|| def.base.clone());
+    if base_ref.digest.is_none() {
+        progress.info(format!(
+            "warning: base {base_ref} is not pinned by digest; the build is only as reproducible as that tag"
+        ));
+    }
+    // 1. Base image.
+    let base = base::resolve(client, &base_ref, &platforms, &store, progress)?;
+
+    // 2. The pinned sources (after the base, so a bad base fails before any fetching).
+    let sources = super::sources::collect(&ws, &opts.patches, &opts.source_overrides, progress)?;
+
+    // 2. Engine binaries, all platforms in one cargo run.
+    let stage = Stage::prepare(&ws, &cache, &sources.crate_patches, progress)?;
+    // A definition without binaries (content only) needs no cargo build.
+    let built = if def.binaries.is_empty() {
+        BTreeMap::new()
+    } else {
+        stage.build(&platforms, &def.binaries, &ws.revision(), progress)?
+    };
+
+    // 3. Layers that do not depend on the platform.
+    let step = progress.step("assembling layers");
+    let trees = trees_spec(&ws, &def, &def_path, &sources)?;
     let tree_layer = if trees.is_empty() { None } else { Some(cached_layer(&trees, epoch, &cache, &store)?) };
 
     // 4. Per platform: binaries layer, /opt/distro layer, config, manifest.
@@ -242,9 +233,9 @@ pub fn build(opts: &BuildOptions, progress: &Progress) -> Result<BuildResult> {
     }
     annotations.extend(sources.annotations.clone());
     let mut manifests: Vec<(Platform, Descriptor)> = Vec::new();
-    let mut blobs: Vec<Digest> = Vec::new();
-    let mut push_blobs: Vec<BlobFile> = Vec::new();
+    let mut blobs: Vec<BundleBlob> = Vec::new();
     let mut manifest_docs: Vec<ManifestDoc> = Vec::new();
+    let base_origin = BlobOrigin { api_host: base_ref.api_host().to_string(), repository: base_ref.repository.clone() };
     let roots: Vec<String> = def.binaries.iter().map(|b| b.package.clone()).collect();
     for p in &platforms {
         let bp = &base.platforms[p];
@@ -273,16 +264,7 @@ pub fn build(opts: &BuildOptions, progress: &Progress) -> Result<BuildResult> {
             base_tag: base_ref.tag.clone(),
             base_digest: &bp.manifest_digest,
         })?;
-        let mut distro = LayerSpec::new();
-        distro.add_file("/opt/distro/sbom.spdx.json", Arc::new(sbom_bytes), MODE_FILE)?;
-        distro.add_file("/opt/distro/Cargo.lock", Arc::new(stage.lock().to_vec()), MODE_FILE)?;
-        if let Some(l) = &sources.lock_text {
-            distro.add_file("/opt/distro/manifest.lock", Arc::new(l.clone().into_bytes()), MODE_FILE)?;
-        }
-        distro.add_dir("/opt/distro/patches")?;
-        for (rel, bytes) in &sources.patch_files {
-            distro.add_file(&format!("/opt/distro/patches/{rel}"), Arc::new(bytes.clone()), MODE_FILE)?;
-        }
+        let distro = opt_distro_spec(sbom_bytes, stage.lock(), &sources)?;
         let distro_layer = cached_layer(&distro, epoch, &cache, &store)?;
 
         let bin_paths: Vec<&str> =
@@ -324,78 +306,31 @@ pub fn build(opts: &BuildOptions, progress: &Progress) -> Result<BuildResult> {
         store.put(&manifest)?;
         let md = Descriptor::of(OCI_MANIFEST, &manifest);
         for d in std::iter::once(&config_desc).chain(&layers) {
-            if !blobs.contains(&d.digest) {
-                blobs.push(d.digest.clone());
+            if !blobs.iter().any(|b| b.digest == d.digest) {
                 let from_base = bp.layers.iter().any(|b| b.digest == d.digest);
-                push_blobs.push(BlobFile {
+                blobs.push(BundleBlob {
                     digest: d.digest.clone(),
                     size: d.size,
-                    path: store.path(&d.digest),
-                    mount_from: from_base.then(|| base_ref.repository.clone()),
+                    origin: from_base.then(|| base_origin.clone()),
                 });
             }
         }
-        blobs.push(md.digest.clone());
         manifest_docs.push(ManifestDoc::new(OCI_MANIFEST, manifest));
         manifests.push((p.clone(), md));
     }
     let index = image_index(&manifests, &annotations)?;
     store.put(&index)?;
     let index_desc = Descriptor::of(OCI_INDEX, &index);
-    blobs.push(index_desc.digest.clone());
-    step.done(format!("{} layers", blobs.len()));
+    manifest_docs.push(ManifestDoc::new(OCI_INDEX, index));
+    step.done(format!("{} layers", blobs.len() + manifest_docs.len()));
 
-    // 5. Publish. The multi-arch tags point at the index; one dated tag per platform points at
+    // 5. The refs. The multi-arch tags point at the index; one dated tag per platform points at
     // that platform's manifest, for tools that cannot pick a platform from an index (umoci).
     let mut refs: Vec<(String, Descriptor)> =
         vec![(version.clone(), index_desc.clone()), (def.name.clone(), index_desc.clone())];
     for (p, md) in &manifests {
         refs.push((format!("{version}-{}", p.architecture), md.clone()));
     }
-    let tags: Vec<String> = refs.iter().map(|(n, _)| n.clone()).collect();
-    let layout_dir = match (&opts.output, &opts.push) {
-        (Some(o), _) => Some(o.clone()),
-        (None, None) => Some(cache.join("oci")),
-        (None, Some(_)) => None,
-    };
-    if let Some(dir) = &layout_dir {
-        let step = progress.step(format!("writing OCI layout {}", dir.display()));
-        Layout::new(dir).write(&store, &blobs, &refs)?;
-        step.done(tags.join(", "));
-    }
-    let pushed = match &opts.push {
-        Some(repo) => {
-            let index_doc = ManifestDoc::new(OCI_INDEX, index.clone());
-            manifest_docs.push(index_doc.clone());
-            let plan = PushPlan {
-                blobs: push_blobs
-                    .into_iter()
-                    .map(|mut b| {
-                        // Mounts only work within one registry.
-                        if base_ref.api_host() != repo.api_host() {
-                            b.mount_from = None;
-                        }
-                        b
-                    })
-                    .collect(),
-                manifests: manifest_docs.clone(),
-                tags: refs
-                    .iter()
-                    .map(|(t, d)| {
-                        let doc = manifest_docs
-                            .iter()
-                            .find(|m| m.digest == d.digest)
-                            .expect("every ref's document is in the plan");
-                        (t.clone(), doc.clone())
-                    })
-                    .collect(),
-            };
-            let step = progress.step(format!("pushing to {}", repo.name()));
-            let report = push(&client, repo, &plan, &PushOptions { chunk_size: opts.chunk_size }, progress)?;
-            step.done(report.to_string());
-            Some(report)
-        }
-        None => None,
-    };
-    Ok(BuildResult { index_digest: index_desc.digest, tags, layout: layout_dir, pushed })
+    let bundle = Bundle { name: version, store, blobs, manifests: manifest_docs, refs };
+    Ok(Built { index: index_desc, bundle, build_dir: cache })
 }

@@ -1,6 +1,6 @@
 //! Image definitions: `images/<name>.toml`, one per flavor (see docs/images.md).
-use super::error::{bad_input, line_of};
-use super::platform::Platform;
+use crate::error::{bad_input, line_of};
+use crate::oci::platform::Platform;
 use crate::registry::reference::Reference;
 use anyhow::Result;
 use serde::Deserialize;
@@ -19,11 +19,11 @@ pub struct ImageDef {
     pub platforms: Vec<Platform>,
     /// Base image reference (production: pinned by digest).
     pub base: Reference,
-    /// Default command.
+    /// The image's default command (`CMD`).
     pub cmd: Vec<String>,
     /// Entrypoint; `None` keeps the base image's.
     pub entrypoint: Option<Vec<String>>,
-    /// Working directory.
+    /// The image's working directory (`WORKDIR`), if set.
     pub workdir: Option<String>,
     /// Binaries built from the workspace.
     pub binaries: Vec<Binary>,
@@ -43,7 +43,7 @@ pub struct ImageDef {
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Binary {
-    /// Cargo package.
+    /// Cargo package that holds the binary target.
     pub package: String,
     /// Binary target name (defaults to the package name).
     #[serde(default)]
@@ -65,10 +65,10 @@ impl Binary {
 pub struct InlineFile {
     /// Absolute path in the image.
     pub dest: String,
-    /// Permission bits.
+    /// Permission bits in the image (default 0644).
     #[serde(default = "default_file_mode")]
     pub mode: u32,
-    /// Content.
+    /// The file's content, written as is.
     pub content: String,
 }
 
@@ -107,7 +107,7 @@ pub struct SourceTree {
 #[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct EnvVar {
-    /// The value.
+    /// The value baked into the image's environment.
     pub value: String,
     /// Why it is set; required, so no flag is baked in without a reason.
     pub reason: String,
@@ -304,7 +304,7 @@ reason = "show warnings"
 
     fn err(text: &str) -> String {
         let e = ImageDef::parse(text, "x.toml").unwrap_err();
-        assert!(crate::image::error::is_bad_input(&e));
+        assert!(crate::error::is_bad_input(&e));
         format!("{e:#}")
     }
 

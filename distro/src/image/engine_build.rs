@@ -20,12 +20,12 @@
 //! inside the workspace relative to it, so symbol names do not depend on where the project
 //! lives), and the user's RUSTFLAGS are not let in.
 use super::def::Binary;
-use super::digest::KeyHasher;
-use super::error::bad_input;
-use super::fsutil::{write_atomic, write_if_changed};
-use super::platform::Platform;
-use super::progress::Progress;
 use super::workspace::Workspace;
+use crate::error::bad_input;
+use crate::fsutil::{write_atomic, write_if_changed};
+use crate::oci::digest::KeyHasher;
+use crate::oci::platform::Platform;
+use crate::progress::Progress;
 use anyhow::{Context, Result, bail};
 use serde_json::Value;
 use std::collections::{BTreeMap, BTreeSet};

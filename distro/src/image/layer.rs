@@ -4,8 +4,8 @@
 //! by path, every header has uid/gid 0, no user/group names, mtime = the epoch, a fixed mode, and
 //! no extended attributes or PAX records; the gzip header has mtime 0, no file name and OS 255,
 //! and compression runs through flate2's pure-Rust backend (miniz_oxide) at a pinned level.
-use super::digest::{Digest, KeyHasher};
-use super::error::bad_input;
+use crate::error::bad_input;
+use crate::oci::digest::{Digest, KeyHasher};
 use anyhow::{Context, Result};
 use flate2::{Compression, GzBuilder};
 use std::collections::BTreeMap;
@@ -24,7 +24,7 @@ pub const MODE_FILE: u32 = 0o644;
 /// What a tar entry is.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum EntryKind {
-    /// A directory.
+    /// A directory entry (mode 0755).
     Dir,
     /// A regular file with its content (shared, since binaries are large).
     File(Arc<Vec<u8>>),
@@ -47,7 +47,7 @@ pub struct LayerSpec {
     entries: BTreeMap<String, Entry>,
 }
 
-/// A finished layer.
+/// A finished layer: what the config and the manifest need to reference it.
 #[derive(Clone, Debug)]
 pub struct Layer {
     /// Digest of the compressed blob (what manifests reference).
@@ -59,7 +59,7 @@ pub struct Layer {
 }
 
 impl LayerSpec {
-    /// An empty layer.
+    /// A layer spec with no entries yet.
     pub fn new() -> Self {
         Self::default()
     }
@@ -132,7 +132,7 @@ impl LayerSpec {
         k.finish()
     }
 
-    /// The uncompressed tar.
+    /// The uncompressed tar of the entries, sorted, with every mtime set to `epoch`.
     pub fn tar(&self, epoch: u64) -> Result<Vec<u8>> {
         let mut b = tar::Builder::new(Vec::new());
         for (path, e) in &self.entries {

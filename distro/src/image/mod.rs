@@ -1,20 +1,12 @@
-//! Image building: definitions, layers, config, manifests, index, OCI layout, SBOM.
+//! The build pipeline: workspace + image definition + pinned sources -> engine binaries ->
+//! layers -> image configs -> manifests -> index. It returns what it built (see
+//! [`build::Built`]); publishing it is the job of the `publish` folder.
 pub mod base;
 pub mod build;
-pub mod cli;
 pub mod config;
 pub mod def;
-pub mod digest;
 pub mod engine_build;
-pub mod error;
-pub mod fsutil;
-pub mod json;
 pub mod layer;
-pub mod layout;
-pub mod manifest;
-pub mod platform;
-pub mod progress;
 pub mod sbom;
 pub mod sources;
-pub mod store;
 pub mod workspace;

@@ -1,25 +1,25 @@
 //! The SBOM: SPDX 2.3 JSON of what went into one platform's image: the crates linked into
 //! the engine (from the build's `Cargo.lock`, with checksums, and cargo's resolve for the
 //! target, with licenses) and the base image.
-use super::config::rfc3339;
-use super::digest::{Digest, KeyHasher};
-use super::json::canonical;
-use super::platform::Platform;
+use crate::dated::rfc3339;
+use crate::oci::digest::{Digest, KeyHasher};
+use crate::oci::json::canonical;
+use crate::oci::platform::Platform;
 use anyhow::{Context, Result};
 use serde_json::{Value, json};
 use std::collections::{BTreeMap, BTreeSet};
 
 /// What the SBOM describes.
 pub struct SbomInput<'a> {
-    /// Image name.
+    /// Image name (the definition's `name`), the SBOM's top package.
     pub image: &'a str,
-    /// The dated tag.
+    /// The dated tag (`NAME-YYYY-MM-DD`), the top package's version.
     pub version: &'a str,
-    /// Platform.
+    /// Platform the SBOM describes (its packages are those cargo resolves for it).
     pub platform: &'a Platform,
     /// SOURCE_DATE_EPOCH.
     pub epoch: u64,
-    /// Revision built.
+    /// Revision of the project built (the commit, `-dirty` when the tree differed).
     pub revision: &'a str,
     /// Project repository URL, if known.
     pub repository: Option<&'a str>,

@@ -1,17 +1,35 @@
 //! What the pinned upstream sources contribute to an image build, through the sources library:
 //! the build's lock (the lock of record plus any `--patch`/`--source` override), the patch files
 //! it applied, the patched crates to wire into the engine build, and annotations with the pins.
-use super::build::{PIN_ANNOTATION_PREFIX, SourcesInput};
 use super::engine_build::CratePatch;
-use super::error::bad_input;
-use super::progress::Progress;
 use super::workspace::Workspace;
+use crate::error::bad_input;
+use crate::progress::Progress;
 use crate::sources::{
     Cache, ExtraPatch, FetchedSource, Lock, Manifest, Origin, Overrides, SourceOverride, lock_for_run, materialise,
 };
 use anyhow::{Context, Result};
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::Path;
+use std::path::{Path, PathBuf};
+
+/// Prefix of the annotations that carry upstream pins.
+pub const PIN_ANNOTATION_PREFIX: &str = "io.github.llm-distro.source.";
+
+/// What the pinned sources contribute to a build (from the sources library: the build's
+/// manifest lock, the patch files it applied, the patched crates to wire in, the pins).
+#[derive(Clone, Debug, Default)]
+pub struct SourcesInput {
+    /// Text of the build's manifest lock (`/opt/distro/manifest.lock`), when there is a manifest.
+    pub lock_text: Option<String>,
+    /// Applied patch files: path relative to `patches/` and bytes (`/opt/distro/patches/`).
+    pub patch_files: Vec<(String, Vec<u8>)>,
+    /// Patched crates wired into the engine build.
+    pub crate_patches: Vec<CratePatch>,
+    /// Annotations describing each source's pin (`io.github.llm-distro.source.NAME.*`).
+    pub annotations: BTreeMap<String, String>,
+    /// The materialised, patched tree of each source (read only), for `[[source_tree]]`.
+    pub trees: BTreeMap<String, PathBuf>,
+}
 
 /// Resolves the build's sources. Without `images/manifest.toml` there is nothing to add (and
 /// `--patch`/`--source` are errors).

@@ -1,13 +1,13 @@
 //! The workspace being built: its root, revision, commit time and git-tracked files.
-use super::error::bad_input;
-use anyhow::{Context, Result, bail};
+use crate::error::bad_input;
+use crate::git::Git;
+use anyhow::{Context, Result};
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 /// A git checkout of the project.
 #[derive(Clone, Debug)]
 pub struct Workspace {
-    /// Top-level directory.
+    /// Top-level directory of the checkout (where the root `Cargo.toml` is).
     pub root: PathBuf,
     /// Commit id of `HEAD`.
     pub commit: String,
@@ -21,17 +21,9 @@ pub struct Workspace {
     pub repository: Option<String>,
 }
 
-fn git(root: &Path, args: &[&str]) -> Result<Vec<u8>> {
-    let out = Command::new("git")
-        .arg("-C")
-        .arg(root)
-        .args(args)
-        .output()
-        .with_context(|| format!("running git {}", args.join(" ")))?;
-    if !out.status.success() {
-        bail!("git {} failed: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim());
-    }
-    Ok(out.stdout)
+/// Runs git in the user's checkout (their configuration applies, as for `git status`).
+fn git(dir: &Path, args: &[&str]) -> Result<Vec<u8>> {
+    Git::checkout(dir).run_bytes(args)
 }
 
 impl Workspace {

@@ -2,7 +2,7 @@
 //! come from (`~/.docker/config.json` with its credential helpers, or the environment).
 //!
 //! Secrets never reach a log or an error message: [`Credential`]'s `Debug` hides them.
-use crate::image::error::bad_input;
+use crate::error::bad_input;
 use anyhow::{Context, Result, bail};
 use base64::Engine as _;
 use serde::Deserialize;
@@ -150,9 +150,9 @@ impl fmt::Display for Scope {
 pub enum Credential {
     /// User name and password (or personal access token).
     Basic {
-        /// User name.
+        /// User name sent in the `Basic` header (or to the token service).
         user: String,
-        /// Password or token.
+        /// Password or personal access token paired with the user name.
         password: String,
     },
     /// An OAuth2 refresh token (`identitytoken`, or a helper's `<token>` user).
@@ -187,7 +187,7 @@ impl Credential {
 /// A credential and where it came from (the origin is safe to print; the secret is not).
 #[derive(Clone, Debug)]
 pub struct Found {
-    /// The credential.
+    /// The credential found.
     pub credential: Credential,
     /// E.g. `~/.docker/config.json auths`, `docker-credential-pass`, `DISTRO_REGISTRY_USER`.
     pub origin: String,
@@ -202,7 +202,7 @@ pub struct DockerConfig {
     /// Credential helper per registry (`docker-credential-<name>`).
     #[serde(default, rename = "credHelpers")]
     pub cred_helpers: BTreeMap<String, String>,
-    /// Default credential helper.
+    /// Credential helper for every registry without a `credHelpers` entry.
     #[serde(default, rename = "credsStore")]
     pub creds_store: Option<String>,
 }

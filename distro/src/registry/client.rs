@@ -5,6 +5,7 @@
 //! port); a redirect to a blob store elsewhere gets no credentials. Plain HTTP is used only for
 //! loopback registries and those named with `--insecure`.
 use super::auth::{Challenge, Credential, Credentials, Scope, parse_challenges};
+use crate::retry::Policy;
 use anyhow::{Context, Result, anyhow, bail};
 use reqwest::Method;
 use reqwest::blocking::{Body, Response};
@@ -21,20 +22,20 @@ use url::Url;
 pub struct Stats {
     /// Blob bytes sent in upload bodies (0 when re-pushing an unchanged image).
     pub blob_bytes_sent: AtomicU64,
-    /// Blobs uploaded.
+    /// Blobs uploaded (neither present nor mounted).
     pub blobs_uploaded: AtomicU64,
     /// Blobs the registry already had (HEAD said so).
     pub blobs_present: AtomicU64,
     /// Blobs mounted from another repository of the same registry.
     pub blobs_mounted: AtomicU64,
-    /// Manifest bytes sent.
+    /// Bytes of manifests and indexes sent.
     pub manifest_bytes_sent: AtomicU64,
     /// Bytes received in blob downloads.
     pub blob_bytes_received: AtomicU64,
 }
 
 impl Stats {
-    /// Reads a counter.
+    /// Reads one of the counters above.
     pub fn get(c: &AtomicU64) -> u64 {
         c.load(Ordering::Relaxed)
     }
@@ -43,17 +44,17 @@ impl Stats {
 /// A request body that can be produced again for a retry.
 #[derive(Clone)]
 pub enum Payload {
-    /// No body.
+    /// No body (GET, HEAD, DELETE, and upload session starts).
     Empty,
-    /// In memory.
+    /// Bytes held in memory (manifests, small chunks).
     Bytes(Arc<Vec<u8>>),
     /// A byte range of a file (blobs are too large to hold in memory).
     File {
-        /// The file.
+        /// The file holding the bytes.
         path: PathBuf,
-        /// Start offset.
+        /// Where the range starts in the file.
         offset: u64,
-        /// Length.
+        /// How many bytes the range holds.
         len: u64,
     },
 }
@@ -98,15 +99,15 @@ impl<R: Read> Read for Counting<R> {
 
 /// One registry request.
 pub struct Request {
-    /// Method.
+    /// HTTP method.
     pub method: Method,
     /// Absolute URL.
     pub url: Url,
     /// Token scopes this request needs (Bearer registries).
     pub scopes: Vec<Scope>,
-    /// Extra headers.
+    /// Headers besides `Authorization`, which the client adds itself.
     pub headers: Vec<(&'static str, String)>,
-    /// Body.
+    /// Body, reproducible for retries and redirects.
     pub body: Payload,
     /// Whether the body is blob data (counted in [`Stats::blob_bytes_sent`]).
     pub blob_body: bool,
@@ -117,7 +118,7 @@ impl Request {
     pub fn new(method: Method, url: Url, scopes: Vec<Scope>) -> Request {
         Request { method, url, scopes, headers: Vec::new(), body: Payload::Empty, blob_body: false }
     }
-    /// Adds a header.
+    /// Adds header `name: value`.
     pub fn header(mut self, name: &'static str, value: impl Into<String>) -> Request {
         self.headers.push((name, value.into()));
         self
@@ -148,24 +149,7 @@ struct HostState {
     tokens: HashMap<String, String>,
 }
 
-/// Retry policy for transient failures (connection errors, 429, 5xx).
-#[derive(Clone, Debug)]
-pub struct Retry {
-    /// Total attempts per request.
-    pub attempts: u32,
-    /// First backoff; doubled each time, capped at `max_delay`.
-    pub base_delay: Duration,
-    /// Longest wait between attempts (also caps `Retry-After`).
-    pub max_delay: Duration,
-}
-
-impl Default for Retry {
-    fn default() -> Self {
-        Retry { attempts: 5, base_delay: Duration::from_millis(250), max_delay: Duration::from_secs(8) }
-    }
-}
-
-/// A registry client.
+/// A registry client: one HTTP connection pool, cached tokens per host, and byte counters.
 pub struct Client {
     http: reqwest::blocking::Client,
     creds: Credentials,
@@ -173,8 +157,8 @@ pub struct Client {
     hosts: Mutex<HashMap<String, HostState>>,
     /// What this client moved.
     pub stats: Stats,
-    /// Retry policy.
-    pub retry: Retry,
+    /// Retry policy for transient failures (connection errors, 429, 5xx).
+    pub retry: Policy,
     /// Progress bar that upload bodies advance, if any.
     pub progress: Mutex<Option<indicatif::ProgressBar>>,
 }
@@ -221,7 +205,7 @@ impl Client {
             insecure,
             hosts: Mutex::new(HashMap::new()),
             stats: Stats::default(),
-            retry: Retry::default(),
+            retry: Policy::default(),
             progress: Mutex::new(None),
         })
     }
@@ -255,7 +239,7 @@ impl Client {
             let result = self.send_following_redirects(&origin, req, auth.as_deref());
             match result {
                 Err(e) if attempt < self.retry.attempts && is_transient(&e) => {
-                    let wait = self.backoff(attempt, None);
+                    let wait = self.retry.delay(attempt, None);
                     tracing::warn!("{} {}: {e:#}; retrying in {wait:?}", req.method, req.url);
                     std::thread::sleep(wait);
                 }
@@ -278,18 +262,13 @@ impl Client {
                     bail!("{host}: authentication failed: {what} ({})", error_text(resp));
                 }
                 Ok(resp) if is_retryable_status(resp.status().as_u16()) && attempt < self.retry.attempts => {
-                    let wait = self.backoff(attempt, retry_after(&resp));
+                    let wait = self.retry.delay(attempt, retry_after(&resp));
                     tracing::warn!("{} {}: HTTP {}; retrying in {wait:?}", req.method, redact(&req.url), resp.status());
                     std::thread::sleep(wait);
                 }
                 Ok(resp) => return Ok(resp),
             }
         }
-    }
-
-    fn backoff(&self, attempt: u32, retry_after: Option<Duration>) -> Duration {
-        let exp = self.retry.base_delay.saturating_mul(1u32 << (attempt - 1).min(16));
-        retry_after.unwrap_or(exp).min(self.retry.max_delay)
     }
 
     fn send_following_redirects(&self, origin: &Url, req: &Request, auth: Option<&str>) -> Result<Response> {
@@ -444,10 +423,10 @@ impl Client {
             attempt += 1;
             match self.send_following_redirects(&realm_url, &req, basic.as_deref()) {
                 Ok(r) if is_retryable_status(r.status().as_u16()) && attempt < self.retry.attempts => {
-                    std::thread::sleep(self.backoff(attempt, retry_after(&r)));
+                    std::thread::sleep(self.retry.delay(attempt, retry_after(&r)));
                 }
                 Err(e) if is_transient(&e) && attempt < self.retry.attempts => {
-                    std::thread::sleep(self.backoff(attempt, None));
+                    std::thread::sleep(self.retry.delay(attempt, None));
                 }
                 other => {
                     break other.with_context(|| format!("{host}: getting a token from {realm_host}"))?;
@@ -574,14 +553,5 @@ mod tests {
     fn redaction_drops_query() {
         let u = Url::parse("https://s3.example/blob?X-Amz-Signature=secret&x=1").unwrap();
         assert_eq!(redact(&u), "https://s3.example/blob");
-    }
-
-    #[test]
-    fn backoff_doubles_and_caps() {
-        let c = Client::new(Credentials::default(), vec![]).unwrap();
-        assert_eq!(c.backoff(1, None), Duration::from_millis(250));
-        assert_eq!(c.backoff(2, None), Duration::from_millis(500));
-        assert_eq!(c.backoff(10, None), Duration::from_secs(8));
-        assert_eq!(c.backoff(1, Some(Duration::from_secs(3))), Duration::from_secs(3));
     }
 }

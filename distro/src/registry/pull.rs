@@ -2,9 +2,9 @@
 use super::auth::Scope;
 use super::client::{Client, Request, error_text};
 use super::reference::Reference;
-use crate::image::digest::Digest;
-use crate::image::manifest::ACCEPT_MANIFESTS;
-use crate::image::store::BlobStore;
+use crate::oci::digest::Digest;
+use crate::oci::manifest::ACCEPT_MANIFESTS;
+use crate::oci::store::BlobStore;
 use anyhow::{Context, Result, anyhow, bail};
 use reqwest::Method;
 use std::sync::atomic::Ordering;

@@ -4,46 +4,28 @@
 use super::auth::Scope;
 use super::client::{Client, Payload, Request, Stats, error_text, redact};
 use super::reference::Reference;
-use crate::image::digest::Digest;
-use crate::image::progress::Progress;
+use crate::oci::bundle::ManifestDoc;
+use crate::oci::digest::Digest;
+use crate::progress::Progress;
 use anyhow::{Context, Result, anyhow, bail};
 use reqwest::Method;
 use reqwest::blocking::Response;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use url::Url;
 
 /// A blob to push, read from a file.
 #[derive(Clone, Debug)]
 pub struct BlobFile {
-    /// Digest.
+    /// Digest the registry checks the upload against.
     pub digest: Digest,
-    /// Size.
+    /// Size in bytes (sent as the upload's length).
     pub size: u64,
     /// Where its bytes are.
     pub path: PathBuf,
     /// Another repository on the target registry that holds it (for a mount).
     pub mount_from: Option<String>,
-}
-
-/// A manifest or index to push.
-#[derive(Clone, Debug)]
-pub struct ManifestDoc {
-    /// Digest of `bytes`.
-    pub digest: Digest,
-    /// Media type.
-    pub media_type: String,
-    /// The exact bytes.
-    pub bytes: Arc<Vec<u8>>,
-}
-
-impl ManifestDoc {
-    /// A document from its bytes.
-    pub fn new(media_type: &str, bytes: Vec<u8>) -> ManifestDoc {
-        ManifestDoc { digest: Digest::of(&bytes), media_type: media_type.into(), bytes: Arc::new(bytes) }
-    }
 }
 
 /// Everything one push sends.
@@ -69,13 +51,13 @@ pub struct PushOptions {
 pub struct PushReport {
     /// Blob bytes sent.
     pub blob_bytes_sent: u64,
-    /// Blobs uploaded.
+    /// Blobs uploaded (neither present nor mounted).
     pub uploaded: u64,
     /// Blobs already present.
     pub present: u64,
     /// Blobs mounted from another repository.
     pub mounted: u64,
-    /// Manifest bytes sent.
+    /// Bytes of manifests and indexes sent.
     pub manifest_bytes_sent: u64,
 }
 

@@ -1,6 +1,6 @@
 //! Image references: `[registry/]repository[:tag][@sha256:digest]`, with Docker Hub's defaults.
-use crate::image::digest::Digest;
-use crate::image::error::bad_input;
+use crate::error::bad_input;
+use crate::oci::digest::Digest;
 use anyhow::Result;
 use std::fmt;
 

@@ -2,7 +2,7 @@
 use super::auth::Scope;
 use super::client::{Client, Request, error_text};
 use super::reference::Reference;
-use crate::image::digest::Digest;
+use crate::oci::digest::Digest;
 use anyhow::{Context, Result, bail};
 use reqwest::Method;
 

@@ -7,8 +7,8 @@ use std::fmt;
 use std::fs;
 
 use super::cache::{Cache, Repo};
-use super::git::stderr_summary;
 use super::patch::{PatchFile, parse_hunks};
+use crate::git::stderr_summary;
 
 /// The commit patches are applied onto, and how to name it in messages.
 #[derive(Clone, Debug)]

@@ -13,13 +13,13 @@ use super::apply::{self, Base, Conflict, Outcome};
 use super::cache::{Cache, Repo};
 use super::crates;
 use super::edit::{SourceEdit, edit_manifest};
-use super::fsutil::write_if_changed;
 use super::lock::{Lock, LockedSource, Origin};
 use super::manifest::{Manifest, Source, SourceKind};
 use super::patch::{PatchFile, read_source_patches};
 use super::status::{LockStatus, lock_status};
 use super::trees::check_no_submodules;
 use super::upstream;
+use crate::fsutil::write_if_changed;
 
 /// What bump does to one source.
 #[derive(Clone, Debug)]

@@ -16,9 +16,9 @@ use anyhow::{Context, Result, bail};
 use std::fs::{self, File, OpenOptions};
 use std::path::{Path, PathBuf};
 
-use super::fsutil::{remove_all, write_atomic};
-use super::git::Git;
-use super::hash::{is_sha256, sha256_hex};
+use crate::fsutil::{remove_all, write_atomic};
+use crate::git::Git;
+use crate::hex::{is_sha256, sha256_hex};
 
 /// The cache root and its layout.
 #[derive(Clone, Debug)]
@@ -100,7 +100,7 @@ impl Cache {
     /// Opens (creating if needed) and locks the repository `repos/<key>`, recovering it if an
     /// earlier run left it mid-operation.
     pub fn open_repo(&self, key: &str) -> Result<Repo> {
-        super::git::check_version()?;
+        crate::git::check_version()?;
         let repos = self.root.join("repos");
         fs::create_dir_all(&repos).with_context(|| format!("creating {}", repos.display()))?;
         let dir = repos.join(key);

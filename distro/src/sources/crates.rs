@@ -15,11 +15,11 @@ use std::path::Path;
 use std::process::Command;
 
 use super::cache::{Cache, Repo};
-use super::git::{Git, describe, output, stderr_summary};
-use super::hash::is_sha256;
 use super::manifest::CrateSpec;
-use super::net::{self, Failure};
 use crate::error::bad_input;
+use crate::git::Git;
+use crate::hex::is_sha256;
+use crate::retry;
 
 /// A resolved crate release.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -89,7 +89,7 @@ fn is_permanent(stderr: &str) -> bool {
 fn cargo(cwd: &Path, project: &Path, subcommand: &str, args: &[&str], what: &str) -> Result<()> {
     let cwd = if cwd.is_dir() { cwd } else { project };
     let manifest = project.join("Cargo.toml");
-    let result = net::retry(net::Policy::from_env(), what, || {
+    let result = retry::retry(retry::Policy::from_env(), what, || {
         let mut cmd = Command::new("cargo");
         cmd.current_dir(cwd)
             .arg(subcommand)
@@ -98,16 +98,7 @@ fn cargo(cwd: &Path, project: &Path, subcommand: &str, args: &[&str], what: &str
             .args(args)
             .env("CARGO_TERM_COLOR", "never")
             .env_remove("CARGO_TARGET_DIR");
-        let out = output(&mut cmd).map_err(|e| Failure::Permanent(format!("{e:#}")))?;
-        if out.status.success() {
-            return Ok(());
-        }
-        let msg = format!("{}: {}", describe(&cmd), stderr_summary(&out));
-        if is_permanent(&String::from_utf8_lossy(&out.stderr)) {
-            Err(Failure::Permanent(msg))
-        } else {
-            Err(Failure::Transient(msg))
-        }
+        retry::command_attempt(&mut cmd, is_permanent)
     });
     result.map_err(|e| {
         let text = e.to_string();

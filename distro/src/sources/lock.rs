@@ -12,7 +12,8 @@ use std::collections::BTreeMap;
 use std::fmt::Write;
 use std::path::Path;
 
-use super::hash::{is_object_id, is_sha256};
+use crate::git::is_object_id;
+use crate::hex::is_sha256;
 
 /// The lock format version written in the file.
 pub const LOCK_VERSION: u32 = 1;

@@ -9,7 +9,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Component, Path, PathBuf};
 use toml::Spanned;
 
-use super::hash::is_object_id;
+use crate::git::is_object_id;
 
 /// Where the manifest is looked for when `--manifest` is not given.
 pub const DEFAULT_MANIFEST: &str = "images/manifest.toml";

@@ -27,7 +27,6 @@
 pub mod apply;
 pub mod bump;
 pub mod cache;
-pub mod cmd;
 pub mod edit;
 pub mod lock;
 pub mod manifest;
@@ -37,10 +36,6 @@ pub mod resolve;
 pub mod status;
 
 mod crates;
-mod fsutil;
-mod git;
-mod hash;
-mod net;
 mod patch;
 mod trees;
 mod upstream;

@@ -9,10 +9,10 @@ use std::fs;
 use std::path::{Path, PathBuf};
 
 use super::cache::Cache;
-use super::fsutil::{copy_tree, remove_all, write_atomic};
 use super::resolve::{FetchedSource, repo_for_origin};
 use super::trees::hash_dir;
 use crate::error::bad_input;
+use crate::fsutil::{copy_tree, remove_all, write_atomic};
 
 const MARKER: &str = ".distro-fetch.toml";
 

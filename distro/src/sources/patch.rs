@@ -4,9 +4,9 @@
 use crate::error::bad_input;
 use anyhow::Result;
 
-use super::hash::sha256_hex;
 use super::lock::LockedPatch;
 use super::manifest::{Manifest, PatchSpec, Source};
+use crate::hex::sha256_hex;
 
 /// A patch ready to apply: its bytes and where it came from.
 #[derive(Clone, Debug)]

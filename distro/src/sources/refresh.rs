@@ -6,9 +6,9 @@ use serde::Serialize;
 use std::fmt;
 
 use super::cache::Cache;
-use super::fsutil::write_atomic;
 use super::manifest::{Manifest, PatchSpec, SourceKind};
 use super::upstream;
+use crate::fsutil::write_atomic;
 
 /// What refreshing did to one exported patch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]

@@ -4,9 +4,9 @@
 use serde::Serialize;
 use std::fmt;
 
-use super::hash::sha256_hex;
 use super::lock::{Lock, LockedSource, Origin};
 use super::manifest::{Manifest, Source, SourceKind};
+use crate::hex::sha256_hex;
 
 /// How a source's lock entry relates to its manifest entry.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -7,8 +7,8 @@ use std::fs;
 use std::path::{Path, PathBuf};
 
 use super::cache::{Cache, Repo};
-use super::fsutil::remove_all;
-use super::git::Git;
+use crate::fsutil::remove_all;
+use crate::git::Git;
 
 /// Fails when `tree` contains submodules: distro materialises plain files only, so such a tree
 /// could never be verified. Names the first submodule path.

@@ -4,10 +4,10 @@
 use anyhow::{Context, Result};
 
 use super::cache::Repo;
-use super::git::{describe, output, stderr_summary};
-use super::hash::{is_object_id, sha256_hex};
-use super::net::{self, Failure};
 use crate::error::bad_input;
+use crate::git::is_object_id;
+use crate::hex::sha256_hex;
+use crate::retry;
 
 /// The cache repository key for a git URL (as git will fetch it): readable and unique.
 pub fn repo_key(fetch_url: &str) -> String {
@@ -42,7 +42,7 @@ fn is_permanent(stderr: &str) -> bool {
 
 /// Runs `git fetch URL REFSPEC` in `repo` with retries; permanent failures fail at once.
 fn fetch(repo: &Repo, url: &str, refspec: &str, what: &str) -> Result<()> {
-    net::retry(net::Policy::from_env(), what, || {
+    retry::retry(retry::Policy::from_env(), what, || {
         let mut cmd = repo.git.network_command([
             "fetch",
             "--quiet",
@@ -53,16 +53,7 @@ fn fetch(repo: &Repo, url: &str, refspec: &str, what: &str) -> Result<()> {
             url,
             refspec,
         ]);
-        let out = output(&mut cmd).map_err(|e| Failure::Permanent(format!("{e:#}")))?;
-        if out.status.success() {
-            return Ok(());
-        }
-        let msg = format!("{}: {}", describe(&cmd), stderr_summary(&out));
-        if is_permanent(&String::from_utf8_lossy(&out.stderr)) {
-            Err(Failure::Permanent(msg))
-        } else {
-            Err(Failure::Transient(msg))
-        }
+        retry::command_attempt(&mut cmd, is_permanent)
     })
 }
 

@@ -4,20 +4,20 @@
 //! Registries delete manifests, not tags (`DELETE /v2/<name>/manifests/<digest>`), and every
 //! tag pointing at a deleted digest goes with it; so a digest that a kept tag also points at
 //! is never deleted (the tag is reported as skipped instead).
+use super::parse_repo;
 use crate::dated::{dated_tags, expired, format_day};
+use crate::dated::{parse_date, utc_date};
 use crate::error::bad_input;
-use crate::image::config::{parse_date, utc_date};
-use crate::image::digest::Digest;
-use crate::image::manifest::is_index;
+use crate::oci::digest::Digest;
+use crate::oci::manifest::is_index;
 use crate::registry::auth::{Credentials, Scope};
 use crate::registry::client::Client;
-use crate::registry::reference::Reference;
 use anyhow::{Context, Result};
 use clap::Args;
 use std::collections::{BTreeMap, BTreeSet};
 use std::process::ExitCode;
 
-/// `distro retention`.
+/// The arguments of `distro retention`.
 #[derive(Args, Debug)]
 pub struct RetentionArgs {
     /// Repository, e.g. ghcr.io/org/distro.
@@ -54,10 +54,7 @@ fn tags_of_date<'a>(all: &'a [String], dated_tag: &str) -> Vec<&'a String> {
 
 /// Runs `distro retention`; prints `keep`, `delete` (or `would delete`) and `skip` lines.
 pub fn retention_cmd(a: RetentionArgs) -> Result<ExitCode> {
-    let repo = Reference::parse(&a.repo).map_err(|e| bad_input(format!("--repo {:?}: {e:#}", a.repo)))?;
-    if repo.tag.is_some() || repo.digest.is_some() {
-        return Err(bad_input(format!("--repo {:?}: give the repository without a tag or digest", a.repo)));
-    }
+    let repo = parse_repo(&a.repo)?;
     let today = match &a.today {
         Some(d) => parse_date(d).ok_or_else(|| bad_input(format!("--today {d:?} is not a date in YYYY-MM-DD form")))?,
         None => {

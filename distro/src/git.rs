@@ -1,4 +1,12 @@
-//! The `git` command line, run with a controlled environment.
+//! The one `git` runner of the crate: the `git` command line, run with a controlled environment.
+//!
+//! Three environments, one per kind of repository:
+//! - *isolated* ([`Git::new`]), for repositories distro owns (the sources cache, triage's
+//!   mirrors);
+//! - *network* ([`Git::network_command`]), for fetches into those repositories;
+//! - *checkout* ([`Git::checkout`]), for the user's own checkout of the project, read as the
+//!   user's git reads it (their configuration and environment apply, nothing is overridden),
+//!   so that "is the tree dirty" means what `git status` says.
 //!
 //! Everything that creates objects (commits after `git am`, crate imports, trees) runs *isolated*:
 //! the user's global and system configuration, attributes and ignore files are not read, and
@@ -7,6 +15,7 @@
 //! credential helpers, proxies and `insteadOf` rewrites work; what they fetch is verified by object
 //! id, so that configuration cannot change results.
 
+use crate::hex::is_lower_hex;
 use anyhow::{Context, Result, bail};
 use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
@@ -71,16 +80,33 @@ const NETWORK_ENV_KEPT: &[&str] = &[
     "GIT_CURL_VERBOSE",
 ];
 
+/// Which environment a [`Git`] runs its commands in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Mode {
+    /// A repository distro owns: fixed identity and settings, no user configuration.
+    Isolated,
+    /// The user's checkout: their configuration and environment, unchanged.
+    Checkout,
+}
+
 /// A git repository (or a directory to run `git init` in), driven through the `git` CLI.
 #[derive(Clone, Debug)]
 pub struct Git {
     dir: PathBuf,
+    mode: Mode,
 }
 
 impl Git {
-    /// A handle on the repository whose working tree is `dir`.
+    /// A handle on a repository distro owns, whose working tree (or bare directory) is `dir`;
+    /// its commands run isolated.
     pub fn new(dir: impl Into<PathBuf>) -> Git {
-        Git { dir: dir.into() }
+        Git { dir: dir.into(), mode: Mode::Isolated }
+    }
+
+    /// A handle on the user's checkout containing `dir`; its commands run as the user's `git`
+    /// would (only prompts are turned off and stdin is closed).
+    pub fn checkout(dir: impl Into<PathBuf>) -> Git {
+        Git { dir: dir.into(), mode: Mode::Checkout }
     }
 
     /// The working tree directory.
@@ -88,13 +114,13 @@ impl Git {
         &self.dir
     }
 
-    /// A `git` command in this repository with the isolated environment.
+    /// A `git` command in this repository, in its environment (isolated, or the checkout's).
     pub fn command<I, S>(&self, args: I) -> Command
     where
         I: IntoIterator<Item = S>,
         S: AsRef<OsStr>,
     {
-        let mut cmd = self.base(false);
+        let mut cmd = self.environment(false);
         cmd.args(args);
         cmd
     }
@@ -105,8 +131,23 @@ impl Git {
         I: IntoIterator<Item = S>,
         S: AsRef<OsStr>,
     {
-        let mut cmd = self.base(true);
+        let mut cmd = self.environment(true);
         cmd.args(args);
+        cmd
+    }
+
+    /// A bare `git` command in this repository's environment (`network`: a fetch).
+    fn environment(&self, network: bool) -> Command {
+        match self.mode {
+            Mode::Isolated => self.base(network),
+            Mode::Checkout => self.user(),
+        }
+    }
+
+    fn user(&self) -> Command {
+        let mut cmd = Command::new("git");
+        // `-C` rather than a working directory: a missing directory is git's error, not a spawn's.
+        cmd.arg("-C").arg(&self.dir).env("GIT_TERMINAL_PROMPT", "0").stdin(Stdio::null());
         cmd
     }
 
@@ -142,7 +183,7 @@ impl Git {
         cmd
     }
 
-    /// Runs an isolated command and returns its stdout without the trailing newline.
+    /// Runs a command and returns its stdout without the trailing newline.
     pub fn run<I, S>(&self, args: I) -> Result<String>
     where
         I: IntoIterator<Item = S>,
@@ -156,7 +197,7 @@ impl Git {
         Ok(text)
     }
 
-    /// Runs an isolated command and returns its raw stdout; fails with git's message on error.
+    /// Runs a command and returns its raw stdout; fails with git's message on error.
     pub fn run_bytes<I, S>(&self, args: I) -> Result<Vec<u8>>
     where
         I: IntoIterator<Item = S>,
@@ -170,7 +211,22 @@ impl Git {
         Ok(out.stdout)
     }
 
-    /// Runs an isolated command with extra environment variables; fails with git's message.
+    /// Runs a network command (a fetch) once; fails with git's message. (Sources retry theirs,
+    /// telling permanent failures from transient ones.)
+    pub fn run_network<I, S>(&self, args: I) -> Result<()>
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<OsStr>,
+    {
+        let mut cmd = self.network_command(args);
+        let out = output(&mut cmd)?;
+        if !out.status.success() {
+            bail!("{} failed: {}", describe(&cmd), stderr_summary(&out));
+        }
+        Ok(())
+    }
+
+    /// Runs a command with extra environment variables; fails with git's message.
     pub fn run_env<I, S>(&self, args: I, env: &[(&str, &OsStr)]) -> Result<String>
     where
         I: IntoIterator<Item = S>,
@@ -187,7 +243,7 @@ impl Git {
         Ok(String::from_utf8_lossy(&out.stdout).trim_end().to_owned())
     }
 
-    /// Runs an isolated command and returns its output whatever its exit status.
+    /// Runs a command and returns its output whatever its exit status.
     pub fn output<I, S>(&self, args: I) -> Result<Output>
     where
         I: IntoIterator<Item = S>,
@@ -196,7 +252,7 @@ impl Git {
         output(&mut self.command(args))
     }
 
-    /// True when the isolated command exits with status 0.
+    /// True when the command exits with status 0.
     pub fn succeeds<I, S>(&self, args: I) -> bool
     where
         I: IntoIterator<Item = S>,
@@ -215,6 +271,11 @@ impl Git {
         self.run(["rev-parse", "--verify", "--quiet", "--end-of-options", rev])
             .with_context(|| format!("{rev} is not in the repository {}", self.dir.display()))
     }
+}
+
+/// True when `s` is a full git object id (SHA-1: 40, SHA-256: 64 lowercase hex digits).
+pub fn is_object_id(s: &str) -> bool {
+    (s.len() == 40 || s.len() == 64) && is_lower_hex(s)
 }
 
 /// The oldest git that honours `GIT_CONFIG_GLOBAL`, which the isolation depends on.
@@ -298,6 +359,15 @@ mod tests {
     use super::*;
 
     #[test]
+    fn object_ids_are_full_lowercase_hex() {
+        assert!(is_object_id(&"a".repeat(40)));
+        assert!(is_object_id(&"0".repeat(64)));
+        assert!(!is_object_id(&"A".repeat(40)));
+        assert!(!is_object_id("abc123"));
+        assert!(!is_object_id(&"g".repeat(40)));
+    }
+
+    #[test]
     fn isolated_commits_do_not_depend_on_the_callers_environment() {
         let dir = tempfile::tempdir().unwrap();
         let git = Git::new(dir.path());
@@ -314,7 +384,7 @@ mod tests {
             log,
             format!("{IDENTITY_NAME} <{IDENTITY_EMAIL}> {FIXED_DATE}|{IDENTITY_NAME} <{IDENTITY_EMAIL}> {FIXED_DATE}")
         );
-        assert!(crate::sources::hash::is_object_id(&id));
+        assert!(is_object_id(&id));
     }
 
     #[test]

@@ -1,4 +1,5 @@
 //! Content digests (`sha256:<hex>`), the names of everything in an OCI image.
+use crate::hex::{hex, is_sha256, sha256_hex};
 use anyhow::{Result, bail};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use sha2::{Digest as _, Sha256};
@@ -12,7 +13,7 @@ pub struct Digest(String);
 impl Digest {
     /// The digest of `bytes`.
     pub fn of(bytes: &[u8]) -> Digest {
-        Digest(format!("sha256:{}", hex(&Sha256::digest(bytes))))
+        Digest(format!("sha256:{}", sha256_hex(bytes)))
     }
 
     /// Parses `sha256:<hex>`; other algorithms are refused (the whole tool is sha256-only).
@@ -20,7 +21,7 @@ impl Digest {
         let Some(h) = s.strip_prefix("sha256:") else {
             bail!("digest {s:?} is not sha256:<hex>");
         };
-        if h.len() != 64 || !h.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)) {
+        if !is_sha256(h) {
             bail!("digest {s:?} is not sha256 followed by 64 lowercase hex digits");
         }
         Ok(Digest(s.to_string()))
@@ -60,17 +61,6 @@ impl<'de> Deserialize<'de> for Digest {
         let s = String::deserialize(d)?;
         Digest::parse(&s).map_err(serde::de::Error::custom)
     }
-}
-
-/// Lowercase hex of `bytes`.
-pub fn hex(bytes: &[u8]) -> String {
-    const HEX: &[u8; 16] = b"0123456789abcdef";
-    let mut s = String::with_capacity(bytes.len() * 2);
-    for b in bytes {
-        s.push(HEX[(b >> 4) as usize] as char);
-        s.push(HEX[(b & 15) as usize] as char);
-    }
-    s
 }
 
 /// A writer that hashes and counts what passes through it, so a blob is verified while it is

@@ -3,12 +3,12 @@ use anyhow::Result;
 use serde_json::{Value, json};
 use std::fmt;
 
-use super::error::bad_input;
+use crate::error::bad_input;
 
 /// An OCI platform this tool can build for.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Platform {
-    /// `linux`.
+    /// Operating system: always `linux` for the images this tool builds.
     pub os: String,
     /// OCI architecture name: `amd64` or `arm64`.
     pub architecture: String,

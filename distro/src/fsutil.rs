@@ -1,10 +1,38 @@
-//! File-system helpers: atomic replacement of small files and copies of source trees.
+//! File-system helpers shared by every part of the crate: writes that never leave something
+//! half-written that later looks valid (atomic replacement, temporary files committed by
+//! rename), and copies and removals of trees.
 
 use anyhow::{Context, Result};
-use std::fs;
+use std::fs::{self, File};
 use std::io::Write;
 use std::os::unix::fs::PermissionsExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+static COUNTER: AtomicU64 = AtomicU64::new(0);
+
+/// A temporary path beside `path` (same directory, so the final rename is atomic), for writers
+/// that stream into a file and commit it with [`commit_temp`].
+pub fn temp_beside(path: &Path) -> PathBuf {
+    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    path.with_file_name(format!(".{name}.tmp-{}-{n}", std::process::id()))
+}
+
+/// Moves a finished temporary file into place (fsynced first) and syncs the directory.
+pub fn commit_temp(tmp: &Path, path: &Path) -> Result<()> {
+    File::open(tmp)?.sync_all().with_context(|| format!("syncing {}", tmp.display()))?;
+    fs::rename(tmp, path).with_context(|| format!("renaming into {}", path.display()))?;
+    sync_dir(path.parent())
+}
+
+fn sync_dir(dir: Option<&Path>) -> Result<()> {
+    if let Some(dir) = dir {
+        let dir = if dir.as_os_str().is_empty() { Path::new(".") } else { dir };
+        File::open(dir).and_then(|d| d.sync_all()).with_context(|| format!("syncing {}", dir.display()))?;
+    }
+    Ok(())
+}
 
 /// Replaces `path` with `bytes` atomically: a temporary file in the same directory is written,
 /// synced and renamed over `path`, so readers see the old or the new file, never half of one.
@@ -27,7 +55,7 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
         .with_context(|| format!("writing {}", path.display()))?;
     tmp.persist(path).map_err(|e| e.error).with_context(|| format!("replacing {}", path.display()))?;
     // The rename is durable only once the directory entry is on disk.
-    if let Ok(d) = fs::File::open(dir) {
+    if let Ok(d) = File::open(dir) {
         let _ = d.sync_all();
     }
     Ok(())
@@ -92,6 +120,16 @@ mod tests {
         assert_eq!(fs::metadata(&p).unwrap().permissions().mode() & 0o777, 0o640);
         // No temporary file is left behind.
         assert_eq!(fs::read_dir(dir.path()).unwrap().count(), 1);
+    }
+
+    #[test]
+    fn atomic_write_creates_parents_and_leaves_no_temporary_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("a/b/file");
+        write_atomic(&p, b"one").unwrap();
+        assert_eq!(fs::read(&p).unwrap(), b"one");
+        let names: Vec<_> = fs::read_dir(p.parent().unwrap()).unwrap().map(|e| e.unwrap().file_name()).collect();
+        assert_eq!(names, vec![std::ffi::OsString::from("file")]);
     }
 
     #[test]

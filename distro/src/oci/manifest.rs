@@ -48,7 +48,7 @@ pub fn is_index(mt: &str) -> bool {
 /// An OCI content descriptor.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Descriptor {
-    /// Media type.
+    /// Media type of the content (an OCI type in what this tool writes).
     #[serde(rename = "mediaType")]
     pub media_type: String,
     /// Digest of the content.
@@ -58,7 +58,7 @@ pub struct Descriptor {
     /// Platform (index entries only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub platform: Option<Value>,
-    /// Annotations.
+    /// Annotations (`org.opencontainers.image.*`, and the ref name in a layout's index).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub annotations: Option<BTreeMap<String, String>>,
 }

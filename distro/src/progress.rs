@@ -9,7 +9,7 @@ pub struct Progress {
     multi: Option<MultiProgress>,
 }
 
-/// One running step.
+/// One running step: a spinner on a terminal, a `... ` line otherwise; [`Step::done`] ends it.
 pub struct Step {
     bar: Option<ProgressBar>,
     msg: String,
@@ -23,7 +23,7 @@ impl Progress {
         Progress { multi: tty.then(|| MultiProgress::with_draw_target(ProgressDrawTarget::stderr())) }
     }
 
-    /// Plain lines only.
+    /// Plain lines only, even on a terminal (triage's long logs).
     pub fn plain() -> Progress {
         Progress { multi: None }
     }

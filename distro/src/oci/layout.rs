@@ -4,11 +4,11 @@
 //! only file that makes anything reachable, is replaced atomically last. A layout interrupted
 //! half-way still shows the refs it had before.
 use super::digest::Digest;
-use super::error::bad_input;
-use super::fsutil::write_atomic;
 use super::json::canonical;
 use super::manifest::{Descriptor, OCI_INDEX, is_index};
 use super::store::BlobStore;
+use crate::error::bad_input;
+use crate::fsutil::write_atomic;
 use anyhow::{Context, Result, anyhow, bail};
 use serde_json::{Value, json};
 use std::collections::BTreeSet;
@@ -21,9 +21,9 @@ const OCI_LAYOUT: &[u8] = br#"{"imageLayoutVersion":"1.0.0"}"#;
 
 /// An OCI layout directory.
 pub struct Layout {
-    /// The directory.
+    /// The layout's directory (holding `oci-layout`, `index.json` and `blobs/`).
     pub dir: PathBuf,
-    /// Its blobs.
+    /// The layout's `blobs/sha256/` directory as a blob store.
     pub store: BlobStore,
 }
 
@@ -151,7 +151,7 @@ impl Layout {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::image::manifest::{OCI_CONFIG, OCI_LAYER_GZIP, OCI_MANIFEST, image_manifest};
+    use crate::oci::manifest::{OCI_CONFIG, OCI_LAYER_GZIP, OCI_MANIFEST, image_manifest};
     use std::collections::BTreeMap;
 
     #[test]

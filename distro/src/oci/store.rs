@@ -3,7 +3,7 @@
 //! Blobs land through a temporary file and are renamed into place only after their digest
 //! checked out, so a name in the store always matches its content.
 use super::digest::{Digest, HashingWriter};
-use super::fsutil::{commit_temp, temp_beside, write_atomic};
+use crate::fsutil::{commit_temp, temp_beside, write_atomic};
 use anyhow::{Context, Result, bail};
 use std::fs::{self, File};
 use std::io::{BufWriter, Read, Write};

@@ -1,0 +1,90 @@
+//! `distro build`: its arguments, and what it prints (the index digest, last, on stdout).
+use super::parse_ref;
+use crate::image::build::{BuildOptions, build};
+use crate::oci::platform::Platform;
+use crate::progress::Progress;
+use crate::publish::layout::OciLayout;
+use crate::publish::publish;
+use crate::publish::registry::Registry;
+use crate::registry::auth::Credentials;
+use crate::registry::client::Client;
+use anyhow::Result;
+use clap::Args;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+/// The arguments of `distro build`.
+#[derive(Args, Debug)]
+pub struct BuildArgs {
+    /// Image definition: images/NAME.toml.
+    #[arg(long, default_value = "engine", value_name = "NAME")]
+    pub image: String,
+    /// Platforms to build (default: the definition's), e.g. linux/amd64,linux/arm64.
+    #[arg(long, value_delimiter = ',', value_name = "P[,P]")]
+    pub platform: Vec<String>,
+    /// Tag date (UTC); also ignores SOURCE_DATE_EPOCH (the epoch is then the commit time).
+    #[arg(long, value_name = "YYYY-MM-DD")]
+    pub date: Option<String>,
+    /// Base image instead of the definition's (pin it by digest for reproducible builds).
+    #[arg(long, value_name = "REF")]
+    pub base: Option<String>,
+    /// Write an OCI image layout here (default when not pushing: target/distro/oci).
+    #[arg(long, value_name = "DIR")]
+    pub output: Option<PathBuf>,
+    /// Push to this repository, tagged NAME-YYYY-MM-DD and NAME.
+    #[arg(long, value_name = "REPO")]
+    pub push: Option<String>,
+    /// Extra patch for this build: [SOURCE=]PATH (repeatable; recorded in the image's lock).
+    #[arg(long, value_name = "[SOURCE=]PATH")]
+    pub patch: Vec<String>,
+    /// Override a source for this build: NAME=URL#REF (repeatable).
+    #[arg(long, value_name = "NAME=URL#REF")]
+    pub source: Vec<String>,
+    /// Registry reachable over plain HTTP (loopback registries always are).
+    #[arg(long, value_name = "HOST[:PORT]")]
+    pub insecure: Vec<String>,
+    /// Upload blobs in chunks of this many bytes (default: one request per blob).
+    #[arg(long, value_name = "BYTES", hide = true)]
+    pub chunk_size: Option<u64>,
+}
+
+/// Runs `distro build`; prints the index digest as the last line on stdout.
+pub fn build_cmd(a: BuildArgs) -> Result<ExitCode> {
+    let progress = Progress::new();
+    let platforms = if a.platform.is_empty() {
+        None
+    } else {
+        Some(a.platform.iter().map(|p| Platform::parse(p)).collect::<Result<Vec<_>>>()?)
+    };
+    let start_dir = std::env::current_dir()?;
+    let push = a.push.as_deref().map(|p| parse_ref(p, "--push")).transpose()?;
+    let opts = BuildOptions {
+        patches: a.patch,
+        source_overrides: a.source,
+        image: a.image,
+        platforms,
+        date: a.date,
+        base: a.base.as_deref().map(|b| parse_ref(b, "--base")).transpose()?,
+        start_dir,
+    };
+    // One client pulls the base and pushes, with the credentials of the registry pushed to.
+    let client = Client::new(Credentials::from_environment(push.as_ref().map(|r| r.api_host()))?, a.insecure)?;
+    let built = build(&opts, &client, &progress)?;
+    // The layout: where asked, else target/distro/oci unless pushing.
+    let layout = match (a.output, &push) {
+        (Some(o), _) => Some(o),
+        (None, None) => Some(built.build_dir.join("oci")),
+        (None, Some(_)) => None,
+    };
+    if let Some(dir) = &layout {
+        publish(&OciLayout { dir: dir.clone() }, &built.bundle, &progress)?;
+    }
+    if let Some(repo) = push {
+        publish(&Registry { client: &client, repo, chunk_size: a.chunk_size }, &built.bundle, &progress)?;
+    }
+    if let Some(dir) = &layout {
+        progress.info(format!("layout {}: {}", dir.display(), built.bundle.tags().join(", ")));
+    }
+    println!("{}", built.index.digest);
+    Ok(ExitCode::SUCCESS)
+}

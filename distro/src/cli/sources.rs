@@ -1,0 +1,37 @@
+//! `distro sources`: the table of upstream sources (kind, pin, tracking ref, patches, lock status)
+//! on stdout, or JSON with `--json`.
+use super::ManifestArg;
+use crate::sources::Lock;
+use crate::sources::status;
+use anyhow::Result;
+use clap::Args;
+
+/// `distro sources`: the table of sources and lock status.
+#[derive(Args, Debug)]
+pub struct SourcesArgs {
+    #[command(flatten)]
+    manifest: ManifestArg,
+    /// Print JSON (one object per source, full pins) instead of the table.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Runs `distro sources`: the table (or JSON) on stdout, stale lock entries warned about.
+pub fn sources(args: SourcesArgs) -> Result<()> {
+    let manifest = args.manifest.load()?;
+    let lock = Lock::load(&manifest.lock_path())?;
+    let rows = status::rows(&manifest, lock.as_ref());
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&rows)?);
+    } else {
+        print!("{}", status::table(&rows));
+    }
+    if let Some(lock) = &lock {
+        for name in lock.sources.keys().filter(|n| !manifest.sources.contains_key(*n)) {
+            eprintln!(
+                "distro: the lock has an entry for `{name}`, which is not in the manifest; `distro lock` removes it"
+            );
+        }
+    }
+    Ok(())
+}
