@@ -95,6 +95,15 @@ pub fn run(args: TrainArgs, device: DeviceArg) -> Result<()> {
             None
         }
     };
+    // The peak for MFU is measured once the device is known.
+    let mut start = Start {
+        name: resolved.name.clone(),
+        run_dir,
+        hf,
+        checkpoint,
+        peak: (0.0, String::new()),
+        lock: Mutex::new(lock),
+    };
     if job.world > 1 {
         if device == DeviceArg::Cpu || args.devices > 1 {
             bail!(
@@ -104,14 +113,6 @@ pub fn run(args: TrainArgs, device: DeviceArg) -> Result<()> {
                 job.convention
             );
         }
-        let start = Start {
-            name: resolved.name.clone(),
-            run_dir,
-            hf,
-            checkpoint,
-            peak: (0.0, String::new()),
-            lock: Mutex::new(lock),
-        };
         return start.run_job(config, &job);
     }
     if args.devices > 1 {
@@ -122,20 +123,11 @@ pub fn run(args: TrainArgs, device: DeviceArg) -> Result<()> {
         }
         parallel::job::mesh(config, args.devices, 1)?;
         device::check_cpu_memory(config, args.devices)?;
-        let start = Start {
-            name: resolved.name.clone(),
-            run_dir,
-            hf,
-            checkpoint,
-            peak: (0.0, String::new()),
-            lock: Mutex::new(lock),
-        };
         return start.run_virtual(config, args.devices);
     }
     let opened = device::open(device, Some(config))?;
     // Measured (on CPU) before the model's buffers exist, on a quiet heap.
-    let peak = device::peak(&opened, config);
-    let start = Start { name: resolved.name.clone(), run_dir, hf, checkpoint, peak, lock: Mutex::new(lock) };
+    start.peak = device::peak(&opened, config);
     match opened {
         Opened::Cpu(be) => start.run(be, config),
         Opened::Cuda(be) => start.run(*be, config),
