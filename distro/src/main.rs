@@ -49,7 +49,19 @@ fn main() -> ExitCode {
     std::panic::set_hook(Box::new(|info| {
         eprintln!("error: internal error (a bug in distro, please report it): {info}");
     }));
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        // A value a flag cannot take is bad input like any other: one line, exit code 2 (clap
+        // adds a line pointing at --help).
+        Err(e)
+            if matches!(e.kind(), clap::error::ErrorKind::ValueValidation | clap::error::ErrorKind::InvalidValue) =>
+        {
+            let text = e.to_string();
+            eprintln!("{}", text.lines().next().unwrap_or("error: invalid value"));
+            return ExitCode::from(2);
+        }
+        Err(e) => e.exit(),
+    };
     tracing_subscriber::fmt().with_writer(std::io::stderr).with_target(false).without_time().init();
     let done = |r: anyhow::Result<()>| r.map(|()| ExitCode::SUCCESS);
     let result = match cli.command {

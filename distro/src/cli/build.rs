@@ -1,5 +1,6 @@
 //! `distro build`: its arguments, and what it prints (the index digest, last, on stdout).
 use super::parse_ref;
+use crate::error::bad_input;
 use crate::image::build::{BuildOptions, build};
 use crate::oci::platform::Platform;
 use crate::progress::Progress;
@@ -17,13 +18,13 @@ use std::process::ExitCode;
 #[derive(Args, Debug)]
 pub struct BuildArgs {
     /// Image definition: images/NAME.toml.
-    #[arg(long, default_value = "engine", value_name = "NAME")]
+    #[arg(long, default_value = "engine", value_name = "NAME", value_parser = super::image_name)]
     pub image: String,
     /// Platforms to build (default: the definition's), e.g. linux/amd64,linux/arm64.
     #[arg(long, value_delimiter = ',', value_name = "P[,P]")]
     pub platform: Vec<String>,
     /// Tag date (UTC); also ignores SOURCE_DATE_EPOCH (the epoch is then the commit time).
-    #[arg(long, value_name = "YYYY-MM-DD")]
+    #[arg(long, value_name = "YYYY-MM-DD", value_parser = super::date_arg)]
     pub date: Option<String>,
     /// Base image instead of the definition's (pin it by digest for reproducible builds).
     #[arg(long, value_name = "REF")]
@@ -41,15 +42,21 @@ pub struct BuildArgs {
     #[arg(long, value_name = "NAME=URL#REF")]
     pub source: Vec<String>,
     /// Registry reachable over plain HTTP (loopback registries always are).
-    #[arg(long, value_name = "HOST[:PORT]")]
+    #[arg(long, value_name = "HOST[:PORT]", value_parser = super::registry_host)]
     pub insecure: Vec<String>,
     /// Upload blobs in chunks of this many bytes (default: one request per blob).
-    #[arg(long, value_name = "BYTES", hide = true)]
+    #[arg(long, value_name = "BYTES", hide = true, value_parser = super::chunk_size)]
     pub chunk_size: Option<u64>,
 }
 
 /// Runs `distro build`; prints the index digest as the last line on stdout.
 pub fn build_cmd(a: BuildArgs) -> Result<ExitCode> {
+    if let Some(out) = a.output.as_ref().filter(|o| o.exists() && !o.is_dir()) {
+        return Err(bad_input(format!(
+            "--output {}: the path exists and is not a directory (an OCI layout is one)",
+            out.display()
+        )));
+    }
     let progress = Progress::new();
     let platforms = if a.platform.is_empty() {
         None

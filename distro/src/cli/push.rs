@@ -24,10 +24,10 @@ pub struct PushArgs {
     #[arg(value_name = "REPO[:TAG]")]
     pub repo: String,
     /// Registry reachable over plain HTTP (loopback registries always are).
-    #[arg(long, value_name = "HOST[:PORT]")]
+    #[arg(long, value_name = "HOST[:PORT]", value_parser = super::registry_host)]
     pub insecure: Vec<String>,
     /// Upload blobs in chunks of this many bytes (default: one request per blob).
-    #[arg(long, value_name = "BYTES")]
+    #[arg(long, value_name = "BYTES", value_parser = super::chunk_size)]
     pub chunk_size: Option<u64>,
 }
 

@@ -24,7 +24,7 @@ pub struct RetentionArgs {
     #[arg(long, value_name = "REPO")]
     pub repo: String,
     /// Image name: the dated tags are NAME-YYYY-MM-DD (and NAME-YYYY-MM-DD-ARCH).
-    #[arg(long, default_value = "engine", value_name = "NAME")]
+    #[arg(long, default_value = "engine", value_name = "NAME", value_parser = super::image_name)]
     pub image: String,
     /// Keep dated tags at most this many days old (the first image of each month is always kept).
     #[arg(long, value_name = "N")]
@@ -36,7 +36,7 @@ pub struct RetentionArgs {
     #[arg(long)]
     pub dry_run: bool,
     /// Registry reachable over plain HTTP (loopback registries always are).
-    #[arg(long, value_name = "HOST[:PORT]")]
+    #[arg(long, value_name = "HOST[:PORT]", value_parser = super::registry_host)]
     pub insecure: Vec<String>,
 }
 

@@ -16,7 +16,7 @@ use std::process::ExitCode;
 #[derive(Args, Debug)]
 pub struct SbomArgs {
     /// Image definition: images/NAME.toml.
-    #[arg(long, default_value = "engine", value_name = "NAME")]
+    #[arg(long, default_value = "engine", value_name = "NAME", value_parser = super::image_name)]
     pub image: String,
     /// Platform the SBOM describes.
     #[arg(long, value_name = "P")]
@@ -25,7 +25,7 @@ pub struct SbomArgs {
     #[arg(long, value_name = "REF")]
     pub base: Option<String>,
     /// Tag date; the version is NAME-DATE.
-    #[arg(long, value_name = "YYYY-MM-DD")]
+    #[arg(long, value_name = "YYYY-MM-DD", value_parser = super::date_arg)]
     pub date: Option<String>,
     /// Revision, when the workspace is not a git checkout (e.g. a Docker build context).
     #[arg(long, value_name = "REV")]

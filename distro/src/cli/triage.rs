@@ -17,7 +17,7 @@ pub struct TriageArgs {
     #[arg(long, value_name = "REPO")]
     pub repo: String,
     /// Image name: the tags are NAME-YYYY-MM-DD.
-    #[arg(long, default_value = "engine", value_name = "NAME")]
+    #[arg(long, default_value = "engine", value_name = "NAME", value_parser = super::image_name)]
     pub image: String,
     /// A date whose image passes.
     #[arg(long, value_name = "YYYY-MM-DD")]
@@ -53,7 +53,7 @@ pub struct TriageArgs {
     #[arg(long, value_enum, default_value_t = Gpus::Auto)]
     pub gpus: Gpus,
     /// Registry reachable over plain HTTP (loopback registries always are).
-    #[arg(long, value_name = "HOST[:PORT]")]
+    #[arg(long, value_name = "HOST[:PORT]", value_parser = super::registry_host)]
     pub insecure: Vec<String>,
     /// The command run in each image; it passes with exit code 0.
     #[arg(last = true, required = true, value_name = "COMMAND")]

@@ -1,0 +1,38 @@
+//! Arguments that cannot be right are refused before anything is fetched, built or written:
+//! exit code 2 and one line naming the flag and the value.
+use std::process::Command;
+
+fn distro(args: &[&str]) -> (Option<i32>, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_distro"))
+        .args(args)
+        .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/.."))
+        .output()
+        .expect("distro runs");
+    (out.status.code(), String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+#[test]
+fn impossible_arguments_are_refused_before_any_work() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("a-file");
+    std::fs::write(&file, b"not a layout").unwrap();
+    let file_arg = file.to_str().unwrap();
+    let cases: [(&[&str], &str); 8] = [
+        (&["push", "--chunk-size", "0", "layout", "127.0.0.1:9/r"], "is not a chunk size"),
+        (&["build", "--image", "../../x"], "`../../x` is not an image name"),
+        (&["sbom", "--image", "/etc/passwd"], "`/etc/passwd` is not an image name"),
+        (&["triage", "--image", "a/b", "--repo", "127.0.0.1:9/r"], "`a/b` is not an image name"),
+        (&["build", "--date", "0000-01-01"], "`0000-01-01` is not a date YYYY-MM-DD from 1970-01-01 on"),
+        (&["build", "--date", "2026-02-30"], "`2026-02-30` is not a date"),
+        (&["push", "--insecure", "http://127.0.0.1:5000", "layout", "127.0.0.1:5000/r"], "is not HOST[:PORT]"),
+        (&["build", "--output", file_arg], "exists and is not a directory"),
+    ];
+    for (args, expected) in cases {
+        let (code, stderr) = distro(args);
+        assert_eq!(code, Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains(expected), "{args:?}: expected `{expected}` in: {stderr}");
+        assert!(!stderr.contains("resolving base"), "{args:?} started building: {stderr}");
+        assert_eq!(stderr.lines().filter(|l| !l.is_empty()).count(), 1, "{args:?}: more than one line: {stderr}");
+    }
+    assert_eq!(std::fs::read(&file).unwrap(), b"not a layout", "the file named by --output was touched");
+}
