@@ -237,6 +237,39 @@ impl Stage {
         c
     }
 
+    /// Refuses, before cargo runs, a platform this machine cannot build for: its Rust target's
+    /// standard library (in the sysroot of the rustc cargo would use here) or its cross linker
+    /// is missing. Otherwise cargo fails deep in its output (`can't find crate for core`).
+    fn check_cross_tools(&self, platforms: &[Platform], host: Option<&Platform>) -> Result<()> {
+        let foreign: Vec<&Platform> =
+            platforms.iter().filter(|p| host.is_none_or(|h| h.architecture != p.architecture)).collect();
+        if foreign.is_empty() {
+            return Ok(());
+        }
+        let rustc = std::env::var_os("RUSTC").unwrap_or_else(|| "rustc".into());
+        let sysroot = Command::new(rustc)
+            .args(["--print", "sysroot"])
+            .current_dir(&self.dir)
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .map(|o| PathBuf::from(String::from_utf8_lossy(&o.stdout).trim()));
+        let path = std::env::var_os("PATH").unwrap_or_default();
+        for p in foreign {
+            let var = format!("CARGO_TARGET_{}_LINKER", p.rust_target().to_uppercase().replace('-', "_"));
+            let linker = std::env::var(&var).unwrap_or_else(|_| p.cross_linker().to_owned());
+            let missing = missing_cross_tools(p, sysroot.as_deref(), &linker, &path);
+            if !missing.is_empty() {
+                return Err(bad_input(format!(
+                    "building for {p} on this machine needs {}; install them, or build for this machine only with --platform {}",
+                    missing.join(" and "),
+                    host.map_or("linux/amd64".to_owned(), |h| h.to_string())
+                )));
+            }
+        }
+        Ok(())
+    }
+
     /// Builds `binaries` for `platforms` in one cargo run; returns each binary's path by
     /// (platform, binary name). `revision` reaches the engine as `ENGINE_REVISION` (what
     /// `engine info` prints).
@@ -258,6 +291,7 @@ impl Stage {
             c.args(["--bin", b.bin_name()]);
         }
         let host = Platform::host();
+        self.check_cross_tools(platforms, host.as_ref())?;
         for p in platforms {
             c.args(["--target", p.rust_target()]);
             let var = format!("CARGO_TARGET_{}_LINKER", p.rust_target().to_uppercase().replace('-', "_"));
@@ -468,8 +502,48 @@ fn remove_stale(dir: &Path, keep: &BTreeSet<PathBuf>) -> Result<()> {
     Ok(())
 }
 
+/// What building for `p` lacks here: the Rust target's standard library under `sysroot`, and
+/// the `linker` on `path` (a path or a name searched in `path`), each with how to install it.
+fn missing_cross_tools(p: &Platform, sysroot: Option<&Path>, linker: &str, path: &std::ffi::OsStr) -> Vec<String> {
+    let mut missing = Vec::new();
+    let target = p.rust_target();
+    if sysroot.is_none_or(|s| !s.join("lib/rustlib").join(target).join("lib").is_dir()) {
+        missing.push(format!("the Rust target {target} (`rustup target add {target}`)"));
+    }
+    let found = if linker.contains('/') {
+        Path::new(linker).is_file()
+    } else {
+        std::env::split_paths(path).any(|d| d.join(linker).is_file())
+    };
+    if !found {
+        let package = linker.trim_end_matches("-gcc").replace('_', "-");
+        missing.push(format!("the linker {linker} (Debian's gcc-{package})"));
+    }
+    missing
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn missing_cross_tools_are_named_with_how_to_install_them() {
+        let arm = Platform::parse("linux/arm64").unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let (sysroot, bin) = (dir.path().join("sysroot"), dir.path().join("bin"));
+        let path = std::ffi::OsString::from(bin.as_os_str());
+        let missing = missing_cross_tools(&arm, Some(&sysroot), "aarch64-linux-gnu-gcc", &path);
+        assert_eq!(
+            missing,
+            [
+                "the Rust target aarch64-unknown-linux-gnu (`rustup target add aarch64-unknown-linux-gnu`)",
+                "the linker aarch64-linux-gnu-gcc (Debian's gcc-aarch64-linux-gnu)"
+            ]
+        );
+        fs::create_dir_all(sysroot.join("lib/rustlib/aarch64-unknown-linux-gnu/lib")).unwrap();
+        fs::create_dir_all(&bin).unwrap();
+        fs::write(bin.join("aarch64-linux-gnu-gcc"), b"").unwrap();
+        assert!(missing_cross_tools(&arm, Some(&sysroot), "aarch64-linux-gnu-gcc", &path).is_empty());
+    }
+
     use super::*;
 
     const ORIGINAL: &str = r#"version = 4
