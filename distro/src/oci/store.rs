@@ -65,9 +65,15 @@ impl BlobStore {
         let result = (|| -> Result<u64> {
             let f = File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
             let mut w = HashingWriter::new(BufWriter::with_capacity(1 << 20, f));
-            std::io::copy(reader, &mut w).with_context(|| format!("downloading {what}"))?;
+            // A blob longer than its descriptor says is refused once one byte too many came: a
+            // registry cannot make us read (and store) without end.
+            let limit = expected_size.map_or(u64::MAX, |size| size.saturating_add(1));
+            std::io::copy(&mut reader.take(limit), &mut w).with_context(|| format!("downloading {what}"))?;
             let (got, len, mut inner) = w.finish();
             inner.flush()?;
+            if let Some(size) = expected_size.filter(|&size| len > size) {
+                bail!("{what}: more than the descriptor's {size} bytes; stopped reading and refusing it");
+            }
             if &got != expected {
                 bail!("{what}: content does not match its digest {expected} (got {got}, {len} bytes); refusing it");
             }
@@ -140,6 +146,9 @@ mod tests {
         assert!(s.put_verified(&mut &b"evil"[..], &d, None, "blob x").is_err());
         assert!(!s.has(&d));
         assert!(s.put_verified(&mut &b"good"[..], &d, Some(5), "blob x").is_err(), "size checked");
+        // An endless blob behind a 3-byte descriptor: reading stops at the fourth byte.
+        let e = s.put_verified(&mut std::io::repeat(b'x'), &d, Some(3), "blob x").unwrap_err().to_string();
+        assert!(e.contains("more than the descriptor's 3 bytes; stopped reading"), "{e}");
         assert_eq!(s.put_verified(&mut &b"good"[..], &d, Some(4), "blob x").unwrap(), 4);
         assert_eq!(s.read(&d).unwrap(), b"good");
         // Nothing but the blob is left in the directory.
