@@ -5,8 +5,7 @@ use engine::backend::cpu::{self, Cpu};
 use engine::backend::cuda::{self, Cuda, device};
 use engine::backend::gib;
 use engine::config::Config;
-use engine::model::Model;
-use engine::model::memory::{self, Target};
+use engine::model::memory::Target;
 use engine::parallel;
 
 /// Which device to run on.
@@ -82,10 +81,8 @@ pub fn open(arg: DeviceArg, config: Option<&Config>) -> Result<Opened> {
         anyhow::anyhow!("{gpu} {e}{hint}")
     })?;
     if let Some(c) = config.filter(|c| c.train.memory_check) {
-        let mut model = Model::new(&c.model);
-        model.remat = c.train.remat;
         let target = Target::Cuda { sm_count: backend.info().sm_count as usize };
-        let need = memory::estimate(&model, c.train.batch_size.per_group(1), c.train.seq_len, target).total();
+        let need = parallel::memory::estimate(c, &parallel::mesh::Mesh::single(), target).total();
         let (free, total) = backend.device_memory();
         if need > free {
             bail!(

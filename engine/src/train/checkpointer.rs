@@ -83,7 +83,8 @@ impl Checkpointer {
     /// critical path.
     pub fn new<B: Backend>(parent: &Path, trainer: &mut Trainer<B>, extras: Extras, lead: bool) -> Checkpointer {
         let pause = std::env::var(PAUSE_HOOK).ok().and_then(|v| v.trim().parse().ok());
-        let spare = (trainer.config.train.checkpoint_every > 0).then(|| {
+        // Data-parallel replicas save nothing: no host buffers for them.
+        let spare = (trainer.config.train.checkpoint_every > 0 && trainer.parallel.saves()).then(|| {
             let mut state = DeviceState::default();
             let len = trainer.parallel.master_params().len;
             // calloc'd pages are only mapped when written: fill them now.
