@@ -71,16 +71,7 @@ fn bytes(p: &Path) -> Vec<u8> {
 fn a_run_killed_during_a_save_resumes_from_the_previous_checkpoint_bitwise() {
     let dir = scratch("kill");
     let shards = dir.join("shards");
-    ok(&[
-        "data",
-        "prepare",
-        "--tokenizer",
-        s(&fixture("tokenizers/bytelevel-bpe.json")),
-        "--input",
-        concat!(env!("CARGO_MANIFEST_DIR"), "/data/shakespeare.txt"),
-        "--out",
-        s(&shards),
-    ]);
+    assert!(prepare_shakespeare(&shards, &[]).status.success());
     let path = format!("data.path={}", shards.display());
     let data = ["--set", "data.source=shards", "--set", &path, "--set", "model.vocab_size=512"];
     let (whole, killed) = (dir.join("whole"), dir.join("killed"));

@@ -119,16 +119,7 @@ fn text_files_directories_and_shard_sizes() {
 fn training_reads_prepared_shards() {
     let dir = scratch("prepare-train");
     let out = dir.join("shards");
-    ok(&[
-        "data",
-        "prepare",
-        "--tokenizer",
-        s(&fixture("tokenizers/bytelevel-bpe.json")),
-        "--input",
-        s(Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/data/shakespeare.txt"))),
-        "--out",
-        s(&out),
-    ]);
+    assert!(prepare_shakespeare(&out, &[]).status.success());
     let run = dir.join("run");
     let path = format!("data.path={}", out.display());
     ok(&[
@@ -286,22 +277,7 @@ fn bad_input_is_named_with_file_and_line() {
 fn interrupted_or_damaged_preparations_never_train() {
     let dir = scratch("prepare-damaged");
     let out = dir.join("shards");
-    let prepare = |out: &Path| {
-        engine(&[
-            "data",
-            "prepare",
-            "--tokenizer",
-            s(&fixture("tokenizers/bytelevel-bpe.json")),
-            "--input",
-            concat!(env!("CARGO_MANIFEST_DIR"), "/data/shakespeare.txt"),
-            "--out",
-            s(out),
-            "--shard-tokens",
-            "2000",
-            "--separator",
-            "",
-        ])
-    };
+    let prepare = |out: &Path| prepare_shakespeare(out, &["--shard-tokens", "2000", "--separator", ""]);
     assert!(prepare(&out).status.success());
     let shards = report(&out).shards;
     assert!(shards.len() >= 3, "{shards:?}");

@@ -18,6 +18,16 @@ pub fn engine(args: &[&str]) -> Output {
     engine_cmd(args).output().expect("engine runs")
 }
 
+/// Runs `engine data prepare` on the bundled Shakespeare text with the byte-level BPE fixture,
+/// into `out`, with `extra` flags.
+pub fn prepare_shakespeare(out: &Path, extra: &[&str]) -> Output {
+    let tokenizer = fixture("tokenizers/bytelevel-bpe.json");
+    let text = concat!(env!("CARGO_MANIFEST_DIR"), "/data/shakespeare.txt");
+    let mut args = vec!["data", "prepare", "--tokenizer", s(&tokenizer), "--input", text, "--out", s(out)];
+    args.extend_from_slice(extra);
+    engine(&args)
+}
+
 /// Runs the engine binary and insists that it succeeds; returns its stdout.
 pub fn ok(args: &[&str]) -> String {
     let out = engine(args);
