@@ -91,27 +91,49 @@ impl DeviceState {
 }
 
 /// Writes one device's files into the (temporary) checkpoint directory `dir`: the chunk list,
-/// then the buffers.
-pub fn write_part(dir: &Path, rank: usize, shards: usize, state: &DeviceState) -> Result<()> {
+/// then the buffers. Returns their sizes and hashes, computed on the way, so that sealing need
+/// not read them back.
+pub fn write_part(dir: &Path, rank: usize, shards: usize, state: &DeviceState) -> Result<BTreeMap<String, FileSum>> {
     let name = shard_name(rank, shards);
     let triples: Vec<[usize; 3]> = state.chunks.iter().map(|c| [c.global, c.local, c.len]).collect();
-    crate::fsutil::write_atomic(&dir.join(format!("{name}.json")), serde_json::to_string(&triples)?.as_bytes())?;
+    let json = serde_json::to_string(&triples)?;
+    crate::fsutil::write_atomic(&dir.join(format!("{name}.json")), json.as_bytes())?;
     let parts = [Part::Params, Part::ExpAvg, Part::ExpAvgSq];
     let tensors: Vec<(String, &[f32], Vec<usize>)> =
         parts.iter().zip(&state.bufs).map(|(p, b)| (p.name().to_owned(), b.as_slice(), vec![b.len()])).collect();
-    tensors::write(&dir.join(format!("{name}.safetensors")), &tensors, FloatType::F32)?;
-    Ok(())
+    let data = dir.join(format!("{name}.safetensors"));
+    let sha256 = tensors::write(&data, &tensors, FloatType::F32)?;
+    Ok(BTreeMap::from([
+        (
+            format!("{name}.json"),
+            FileSum { bytes: json.len() as u64, sha256: crate::digest::sha256_hex(json.as_bytes()) },
+        ),
+        (format!("{name}.safetensors"), FileSum { bytes: fs::metadata(&data)?.len(), sha256 }),
+    ]))
 }
 
-/// Completes a sharded checkpoint whose parts are all in `tmp`: hashes them, writes the
-/// configuration and `state.json`, flushes and renames `tmp` to `dir`.
-pub fn commit(tmp: &Path, dir: &Path, config: &Config, head: Head, shards: usize, extras: &Extras) -> Result<()> {
+/// Completes a sharded checkpoint whose parts are all in `tmp`: hashes the parts (those in
+/// `known`, hashed when they were written, are not read again), writes the configuration and
+/// `state.json`, flushes and renames `tmp` to `dir`.
+pub fn commit(
+    tmp: &Path,
+    dir: &Path,
+    config: &Config,
+    head: Head,
+    shards: usize,
+    extras: &Extras,
+    known: &BTreeMap<String, FileSum>,
+) -> Result<()> {
     let mut files = BTreeMap::new();
     for entry in fs::read_dir(tmp)? {
         let name = entry?.file_name().to_string_lossy().into_owned();
         if name.starts_with("shard-") {
             let path = tmp.join(&name);
-            files.insert(name, FileSum { bytes: fs::metadata(&path)?.len(), sha256: sha256_file(&path)? });
+            let sum = match known.get(&name) {
+                Some(sum) => sum.clone(),
+                None => FileSum { bytes: fs::metadata(&path)?.len(), sha256: sha256_file(&path)? },
+            };
+            files.insert(name, sum);
         }
     }
     seal(tmp, config, head, Some(shards), files, extras)?;

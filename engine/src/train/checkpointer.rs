@@ -8,14 +8,16 @@
 //! 1. at the step boundary, each device copies its state into host buffers (reused from save to
 //!    save, so that no fresh memory is paged in);
 //! 2. a thread of each device writes its part into the shared temporary directory;
-//! 3. once every part is written, the lead (rank 0) hashes them, seals `state.json`, renames the
-//!    directory into place and prunes, on a thread of its own.
+//! 3. once every part is written, the lead (rank 0) hashes them (its own part's hashes were
+//!    computed while writing), seals `state.json`, renames the directory into place and
+//!    prunes, on a thread of its own.
 //!
 //! The devices learn that every part is written by adding one number over the mesh at each
 //! step boundary while a save is in flight (every device makes the same calls, as collectives
 //! require). A new save waits for the previous one. A crash at any point leaves either a
 //! complete `step-*` directory or a `.tmp-*` one, which the next run removes.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -26,7 +28,7 @@ use anyhow::{Result, anyhow, bail};
 use super::Trainer;
 use crate::backend::Backend;
 use crate::checkpoint::sharded::{self, DeviceState};
-use crate::checkpoint::{self, Extras, Head, PAUSE_HOOK};
+use crate::checkpoint::{self, Extras, FileSum, Head, PAUSE_HOOK};
 use crate::config::Config;
 
 /// A save that has completed: its checkpoint directory is in place.
@@ -65,10 +67,13 @@ struct Writing {
     dir: PathBuf,
     started: Instant,
     /// This device's writer, until joined.
-    thread: Option<JoinHandle<Result<DeviceState>>>,
-    /// Whether this device's part is written.
-    written: bool,
+    thread: Option<JoinHandle<Result<(DeviceState, Sums)>>>,
+    /// This device's part once written: its files' sizes and hashes (sealing reuses them).
+    sums: Option<Sums>,
 }
+
+/// Sizes and hashes of a part's files, by name.
+type Sums = BTreeMap<String, FileSum>;
 
 /// What one device says of its part when the devices compare notes: still writing, written, or
 /// failed. The sum over the mesh is `devices` exactly when every part is written, and more
@@ -147,20 +152,19 @@ impl Checkpointer {
         let state = trainer.device_state(self.spare.take().unwrap_or_default());
         let (rank, devices, pause, step) = (self.rank, self.devices, self.pause, head.step);
         let part_dir = tmp.clone();
-        let thread = std::thread::spawn(move || -> Result<DeviceState> {
+        let thread = std::thread::spawn(move || -> Result<(DeviceState, Sums)> {
             std::fs::create_dir_all(&part_dir).map_err(|e| anyhow!("cannot create {}: {e}", part_dir.display()))?;
-            if !state.is_empty() {
-                sharded::write_part(&part_dir, rank, devices, &state)?;
-            }
+            let sums =
+                if state.is_empty() { Sums::new() } else { sharded::write_part(&part_dir, rank, devices, &state)? };
             if pause == Some(step) {
                 eprintln!("{PAUSE_HOOK}: the save of step {step} stops after writing its part");
                 loop {
                     std::thread::sleep(std::time::Duration::from_secs(3600));
                 }
             }
-            Ok(state)
+            Ok((state, sums))
         });
-        self.writing = Some(Writing { head, tmp, dir, started: Instant::now(), thread: Some(thread), written: false });
+        self.writing = Some(Writing { head, tmp, dir, started: Instant::now(), thread: Some(thread), sums: None });
         Ok(())
     }
 
@@ -171,8 +175,8 @@ impl Checkpointer {
         let mut failure = None;
         if let Some(thread) = writing.thread.take_if(|t| wait || t.is_finished()) {
             match thread.join() {
-                Ok(Ok(state)) => {
-                    writing.written = true;
+                Ok(Ok((state, sums))) => {
+                    writing.sums = Some(sums);
                     self.spare = Some(state);
                 }
                 Ok(Err(e)) => failure = Some(e),
@@ -180,10 +184,10 @@ impl Checkpointer {
             }
         }
         let devices = self.devices as f32;
-        let mine = match (&failure, writing.written) {
+        let mine = match (&failure, &writing.sums) {
             (Some(_), _) => devices + 1.0,
-            (None, true) => WRITTEN,
-            (None, false) => WRITING,
+            (None, Some(_)) => WRITTEN,
+            (None, None) => WRITING,
         };
         let everyone = trainer.parallel.sum_over_world(&mut trainer.backend, mine);
         let dir = writing.dir.display().to_string();
@@ -210,7 +214,8 @@ impl Checkpointer {
             (self.config.clone(), self.extras.clone(), self.parent.clone(), self.devices);
         let keep = Keep::of(&config);
         self.sealing = Some(std::thread::spawn(move || {
-            sharded::commit(&writing.tmp, &writing.dir, &config, writing.head, devices, &extras)
+            let known = writing.sums.unwrap_or_default();
+            sharded::commit(&writing.tmp, &writing.dir, &config, writing.head, devices, &extras, &known)
                 .map_err(|e| e.context(format!("cannot write checkpoint {}", writing.dir.display())))?;
             checkpoint::prune(&parent, keep.last, keep.every)?;
             Ok(SaveReport {
@@ -242,8 +247,10 @@ impl Checkpointer {
 impl Drop for Checkpointer {
     fn drop(&mut self) {
         if let Some(mut writing) = self.writing.take() {
-            let written = writing.thread.take().is_some_and(|t| matches!(t.join(), Ok(Ok(_))));
-            if written && self.lead && self.devices == 1 {
+            if let Some(Ok(Ok((_, sums)))) = writing.thread.take().map(JoinHandle::join) {
+                writing.sums = Some(sums);
+            }
+            if writing.sums.is_some() && self.lead && self.devices == 1 {
                 let _ = self.seal(writing);
             }
         }
