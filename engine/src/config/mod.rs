@@ -391,11 +391,28 @@ pub struct MeshConfig {
     pub dcn_fsdp: i64,
     /// Tensor parallelism across nodes.
     pub dcn_tensor: i64,
+    /// FSDP: whether the forward pass releases each layer's gathered parameters once done with
+    /// it (and the backward pass gathers them again), as FSDP2's `reshard_after_forward`. Off,
+    /// the gathered parameters stay until the backward pass is done with them: one gather per
+    /// unit and micro-batch instead of two, for the memory of the whole (tensor-local) model.
+    pub fsdp_reshard_after_forward: bool,
+    /// FSDP: whether the next unit's gather starts before the current unit computes, so that
+    /// they overlap, at the memory of one more unit gathered at a time.
+    pub fsdp_prefetch: bool,
 }
 
 impl Default for MeshConfig {
     fn default() -> Self {
-        MeshConfig { ici_data: -1, ici_fsdp: 1, ici_tensor: 1, dcn_data: -1, dcn_fsdp: 1, dcn_tensor: 1 }
+        MeshConfig {
+            ici_data: -1,
+            ici_fsdp: 1,
+            ici_tensor: 1,
+            dcn_data: -1,
+            dcn_fsdp: 1,
+            dcn_tensor: 1,
+            fsdp_reshard_after_forward: true,
+            fsdp_prefetch: true,
+        }
     }
 }
 

@@ -26,9 +26,11 @@ pub enum Target {
 /// Bytes per category.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Estimate {
-    /// Parameters (on CUDA: the f32 master and the bf16 copy).
+    /// Parameters (on CUDA: the f32 master and the bf16 copy); under FSDP this device's pieces
+    /// and the buffers of the units gathered at once.
     pub parameters: usize,
-    /// Gradients (f32).
+    /// Gradients (f32); under FSDP this device's pieces and the buffers of the units whose
+    /// gradient is being accumulated.
     pub gradients: usize,
     /// AdamW's two moments (f32).
     pub optimizer: usize,
@@ -36,8 +38,9 @@ pub struct Estimate {
     pub activations: usize,
     /// The backend's own scratch.
     pub scratch: usize,
-    /// Buffers of the parallel strategies (FSDP's padded unit for its collectives); 0 on one
-    /// device.
+    /// Buffers the parallel strategies keep only to communicate: none today (FSDP's collectives
+    /// work in place in the buffers it lends the units, counted with the parameters and
+    /// gradients; NCCL's own buffers are part of the CUDA context).
     pub communication: usize,
 }
 

@@ -50,6 +50,12 @@ pub enum Unit {
 /// slice (`o_proj`, `down_proj`, the experts' `w2`) give partial sums, added up over the group
 /// before the residual add; in the backward pass the same happens to the gradient that
 /// reaches each RMSNorm from the sliced products.
+///
+/// FSDP (ZeRO-3): no device holds the whole model. Before a pass reads a unit's parameters it
+/// asks where they are ([`Exchange::params_needed`]: the exchange gathers them into a buffer it
+/// lends for the time of the use), says when it is done with them ([`Exchange::params_done`]),
+/// and asks where to accumulate a unit's gradient ([`Exchange::grads_needed`]) before handing
+/// it over ([`Exchange::grads_ready`]). `None` means the plan's flat buffers.
 pub trait Exchange<B: Backend> {
     /// Whether this device adds the residual stream to the partial sums of the sliced products
     /// (exactly one device of a tensor group does, so that the sum counts it once).
@@ -60,10 +66,57 @@ pub trait Exchange<B: Backend> {
     fn tensor_sum(&mut self, _be: &mut B, _buf: View) {}
     /// `buf = Σ buf` over the devices that share the global batch (routing statistics).
     fn batch_sum(&mut self, _be: &mut B, _buf: View) {}
-    /// Called before a pass first reads the parameters of `unit`.
-    fn params_needed(&mut self, _be: &mut B, _unit: Unit) {}
+    /// Called when a pass begins, before any other call of the pass.
+    fn pass_begins(&mut self, _be: &mut B, _pass: Pass) {}
+    /// Where the parameters of `unit` are, before `pass` first reads them.
+    fn params_needed(&mut self, _be: &mut B, _unit: Unit, _pass: Pass) -> Option<Window> {
+        None
+    }
+    /// Called once `pass` has read `unit`'s parameters for the last time. The forward pass does
+    /// not call it for the head (and the embedding it may be tied to): the backward pass reads
+    /// them next.
+    fn params_done(&mut self, _be: &mut B, _unit: Unit, _pass: Pass) {}
+    /// Where the gradient of `unit` accumulates, before the backward pass first writes it.
+    fn grads_needed(&mut self, _be: &mut B, _unit: Unit) -> Option<Window> {
+        None
+    }
     /// Called once the backward pass has written its last gradient into `unit`.
     fn grads_ready(&mut self, _be: &mut B, _unit: Unit) {}
+}
+
+/// Which pass reads the parameters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pass {
+    /// The forward pass (training or evaluation).
+    Forward,
+    /// The backward pass (recomputation included).
+    Backward,
+}
+
+/// Where a unit's parameters or gradients are: a buffer that holds the unit (or the whole flat
+/// buffer), addressed with the layout's offsets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Window {
+    buf: View,
+    /// The layout offset of `buf`'s first element.
+    start: usize,
+}
+
+impl Window {
+    /// The whole flat buffer.
+    pub fn whole(buf: View) -> Window {
+        Window { buf, start: 0 }
+    }
+
+    /// A buffer holding the layout's elements from `start` on (a unit's).
+    pub fn from(buf: View, start: usize) -> Window {
+        Window { buf, start }
+    }
+
+    /// The tensor at layout offset `offset`, `len` elements.
+    pub fn at(self, offset: usize, len: usize) -> View {
+        self.buf.at(offset - self.start, len)
+    }
 }
 
 /// The [`Exchange`] of a single device: nothing to exchange.
@@ -207,8 +260,15 @@ impl Model {
     /// read and write (bf16 on a GPU), [`BufKind::Scalars`] for the small statistics kept in f32
     /// everywhere (norm and softmax statistics, losses, routing weights and probabilities).
     pub fn plan<B: Backend>(&self, be: &mut B, batch: usize, seq: usize) -> Plan {
-        let params = be.alloc(BufKind::Params, self.layout.len);
-        let grads = be.alloc(BufKind::Grads, self.layout.len);
+        self.plan_with(be, batch, seq, true)
+    }
+
+    /// [`Model::plan`], with the flat parameter and gradient buffers only if `flat`: under FSDP
+    /// the exchange lends each unit its buffers ([`Exchange::params_needed`]), and the plan's
+    /// are empty.
+    pub fn plan_with<B: Backend>(&self, be: &mut B, batch: usize, seq: usize, flat: bool) -> Plan {
+        let len = if flat { self.layout.len } else { 0 };
+        let (params, grads) = (be.alloc(BufKind::Params, len), be.alloc(BufKind::Grads, len));
         let n = batch * seq;
         let idx = be.alloc_idx(2 * n + self.routing_idx_len(n));
         let sizes = self.activation_elements(batch, seq);
@@ -359,18 +419,21 @@ impl Model {
         let (m, l) = (&self.config, &self.layout);
         let (n, d, v) = (p.batch * p.seq, m.d_model, m.vocab_size);
         let eps = m.norm_eps as f32;
-        let w = |offset: usize, len: usize| p.params.at(offset, len);
+        let fwd = Pass::Forward;
 
-        ex.params_needed(be, Unit::Embed);
-        be.embedding_forward(p.layers.first().map_or(p.x_out, |a| a.x), w(l.embed, v * d), p.tokens, d);
+        ex.pass_begins(be, fwd);
+        let w = p.params_of(ex, be, Unit::Embed, fwd);
+        be.embedding_forward(p.layers.first().map_or(p.x_out, |a| a.x), w.at(l.embed, v * d), p.tokens, d);
+        ex.params_done(be, Unit::Embed, fwd);
         for i in 0..p.layers.len() {
-            ex.params_needed(be, Unit::Layer(i));
+            let w = p.params_of(ex, be, Unit::Layer(i), fwd);
             let out = p.layers.get(i + 1).map_or(p.x_out, |next| next.x);
-            self.layer_forward(be, p, i, Some(out), ex);
+            self.layer_forward(be, p, i, w, Some(out), ex);
+            ex.params_done(be, Unit::Layer(i), fwd);
         }
-        ex.params_needed(be, Unit::Head);
-        be.rmsnorm_forward(p.lnf, p.rstdf, p.x_out, w(l.norm, d), d, eps);
-        be.matmul(p.logits, p.lnf, w(l.head, v * d), MatMul::linear(n, d, v));
+        let (w, head) = self.head_params(be, p, ex, fwd);
+        be.rmsnorm_forward(p.lnf, p.rstdf, p.x_out, w.at(l.norm, d), d, eps);
+        be.matmul(p.logits, p.lnf, head, MatMul::linear(n, d, v));
         be.cross_entropy(p.losses, p.logits, p.targets, v, grad_scale);
         be.sum(p.scalars.at(LOSS_SUM, 1), p.losses);
         if m.moe.is_some() {
@@ -383,33 +446,54 @@ impl Model {
         }
     }
 
-    /// Layer `i`'s forward pass from its input `p.layers[i].x`. With `out`, the layer's output
-    /// (the next residual stream) is written there; without, only the activations the backward
-    /// pass reads are refilled (recomputation under `remat = full`).
-    fn layer_forward<B: Backend>(&self, be: &mut B, p: &Plan, i: usize, out: Option<View>, ex: &mut dyn Exchange<B>) {
+    /// The head unit's parameters and the output matrix, which is the embedding's when tied.
+    fn head_params<B: Backend>(&self, be: &mut B, p: &Plan, ex: &mut dyn Exchange<B>, pass: Pass) -> (Window, View) {
+        let l = &self.layout;
+        let w = p.params_of(ex, be, Unit::Head, pass);
+        let matrix = if self.tied() { p.params_of(ex, be, Unit::Embed, pass) } else { w };
+        (w, matrix.at(l.head, self.config.vocab_size * self.config.d_model))
+    }
+
+    /// Whether the output head is the embedding (which lives in the [`Unit::Embed`] unit).
+    fn tied(&self) -> bool {
+        self.layout.head == self.layout.embed
+    }
+
+    /// Layer `i`'s forward pass from its input `p.layers[i].x`, with the layer's parameters in
+    /// `w`. With `out`, the layer's output (the next residual stream) is written there; without,
+    /// only the activations the backward pass reads are refilled (recomputation under
+    /// `remat = full`).
+    fn layer_forward<B: Backend>(
+        &self,
+        be: &mut B,
+        p: &Plan,
+        i: usize,
+        w: Window,
+        out: Option<View>,
+        ex: &mut dyn Exchange<B>,
+    ) {
         let (m, a, o) = (&self.config, &p.layers[i], &self.layout.layers[i]);
         let (n, d, f) = (p.batch * p.seq, m.d_model, m.mlp_dim);
         let (q, qkv) = (m.q_dim(), m.q_dim() + 2 * m.kv_dim());
         let eps = m.norm_eps as f32;
         let shape = self.attn_shape(p.batch, p.seq);
-        let w = |offset: usize, len: usize| p.params.at(offset, len);
-        be.rmsnorm_forward(a.ln1, a.rstd1, a.x, w(o.ln1, d), d, eps);
-        be.matmul(a.qkv, a.ln1, w(o.qkv, qkv * d), MatMul::linear(n, d, qkv));
+        be.rmsnorm_forward(a.ln1, a.rstd1, a.x, w.at(o.ln1, d), d, eps);
+        be.matmul(a.qkv, a.ln1, w.at(o.qkv, qkv * d), MatMul::linear(n, d, qkv));
         be.rope(a.qkv, p.rope, shape, false);
         be.attention_forward(a.attn, a.lse, a.qkv, shape);
-        row_parallel(be, ex, a.xmid, a.attn, w(o.o, d * q), a.x, MatMul::linear(n, q, d));
-        be.rmsnorm_forward(a.ln2, a.rstd2, a.xmid, w(o.ln2, d), d, eps);
+        row_parallel(be, ex, a.xmid, a.attn, w.at(o.o, d * q), a.x, MatMul::linear(n, q, d));
+        be.rmsnorm_forward(a.ln2, a.rstd2, a.xmid, w.at(o.ln2, d), d, eps);
         match (&a.mlp, &o.mlp) {
             (MlpActs::Dense { gu, h }, MlpOffsets::Dense { gate_up, down }) => {
-                be.matmul(*gu, a.ln2, w(*gate_up, 2 * f * d), MatMul::linear(n, d, 2 * f));
+                be.matmul(*gu, a.ln2, w.at(*gate_up, 2 * f * d), MatMul::linear(n, d, 2 * f));
                 be.swiglu_forward(*h, *gu, f);
                 if let Some(out) = out {
-                    row_parallel(be, ex, out, *h, w(*down, d * f), a.xmid, MatMul::linear(n, f, d));
+                    row_parallel(be, ex, out, *h, w.at(*down, d * f), a.xmid, MatMul::linear(n, f, d));
                 }
             }
             (MlpActs::Moe { logits, probs, dispatch, xe, gu, h, ye }, MlpOffsets::Moe { router, experts, stride }) => {
-                let (gate_up, down) = expert_weights(p.params, *experts, *stride, d, f);
-                be.matmul(*logits, a.ln2, w(*router, dispatch.experts * d), MatMul::linear(n, d, dispatch.experts));
+                let (gate_up, down) = expert_weights(w, *experts, *stride, d, f);
+                be.matmul(*logits, a.ln2, w.at(*router, dispatch.experts * d), MatMul::linear(n, d, dispatch.experts));
                 be.moe_route(*probs, *logits, *dispatch);
                 ex.batch_sum(be, dispatch.stats);
                 be.moe_gather(*xe, a.ln2, *dispatch, d);
@@ -429,7 +513,7 @@ impl Model {
 
     /// Refills the activations layer `i`'s backward pass reads that the recomputation policy
     /// did not keep. The last layer needs nothing: the shared buffers still hold its values.
-    fn recompute<B: Backend>(&self, be: &mut B, p: &Plan, i: usize, ex: &mut dyn Exchange<B>) {
+    fn recompute<B: Backend>(&self, be: &mut B, p: &Plan, i: usize, w: Window, ex: &mut dyn Exchange<B>) {
         if i + 1 == p.layers.len() {
             return;
         }
@@ -438,12 +522,12 @@ impl Model {
             Remat::Minimal => {
                 let (m, a, o) = (&self.config, &p.layers[i], &self.layout.layers[i]);
                 let (d, eps) = (m.d_model, m.norm_eps as f32);
-                be.rmsnorm_forward(a.ln1, a.rstd1, a.x, p.params.at(o.ln1, d), d, eps);
-                be.rmsnorm_forward(a.ln2, a.rstd2, a.xmid, p.params.at(o.ln2, d), d, eps);
+                be.rmsnorm_forward(a.ln1, a.rstd1, a.x, w.at(o.ln1, d), d, eps);
+                be.rmsnorm_forward(a.ln2, a.rstd2, a.xmid, w.at(o.ln2, d), d, eps);
                 let (MlpActs::Dense { gu, h } | MlpActs::Moe { gu, h, .. }) = &a.mlp;
                 be.swiglu_forward(*h, *gu, m.mlp_dim);
             }
-            Remat::Full => self.layer_forward(be, p, i, None, ex),
+            Remat::Full => self.layer_forward(be, p, i, w, None, ex),
         }
     }
 
@@ -481,37 +565,48 @@ impl Model {
     }
 
     /// The backward pass, after a forward pass with `grad_scale`: accumulates the gradient of
-    /// the objective into `plan.grads`. `aux_scale` comes from [`Model::aux_scale`].
+    /// the objective into `plan.grads` (or where the exchange says). `aux_scale` comes from
+    /// [`Model::aux_scale`].
     pub fn backward<B: Backend>(&self, be: &mut B, p: &Plan, aux_scale: f32, ex: &mut dyn Exchange<B>) {
         let (m, l) = (&self.config, &self.layout);
         let (n, d, f, v) = (p.batch * p.seq, m.d_model, m.mlp_dim, m.vocab_size);
         let (q, qkv) = (m.q_dim(), m.q_dim() + 2 * m.kv_dim());
         let shape = self.attn_shape(p.batch, p.seq);
-        let w = |offset: usize, len: usize| p.params.at(offset, len);
-        let g = |offset: usize, len: usize| p.grads.at(offset, len);
+        let bwd = Pass::Backward;
 
         // Output head and final norm; `dres` then carries the residual stream's gradient down.
-        be.matmul(p.dln, p.logits, w(l.head, v * d), MatMul::linear_dx(n, d, v));
-        be.matmul(g(l.head, v * d), p.logits, p.lnf, MatMul::linear_dw(n, d, v));
+        // A tied head's gradient goes to the embedding, which is finished last.
+        ex.pass_begins(be, bwd);
+        let (w, head) = self.head_params(be, p, ex, bwd);
+        let g = p.grads_of(ex, be, Unit::Head);
+        let dhead = if self.tied() { p.grads_of(ex, be, Unit::Embed) } else { g }.at(l.head, v * d);
+        be.matmul(p.dln, p.logits, head, MatMul::linear_dx(n, d, v));
+        be.matmul(dhead, p.logits, p.lnf, MatMul::linear_dw(n, d, v));
         be.fill(p.dres, 0.0);
-        be.rmsnorm_backward(p.dres, g(l.norm, d), p.dln, p.x_out, w(l.norm, d), p.rstdf, d);
+        be.rmsnorm_backward(p.dres, g.at(l.norm, d), p.dln, p.x_out, w.at(l.norm, d), p.rstdf, d);
+        ex.params_done(be, Unit::Head, bwd);
+        if self.tied() {
+            ex.params_done(be, Unit::Embed, bwd);
+        }
         ex.grads_ready(be, Unit::Head);
 
         for (i, (a, o)) in p.layers.iter().zip(&l.layers).enumerate().rev() {
-            self.recompute(be, p, i, ex);
+            let w = p.params_of(ex, be, Unit::Layer(i), bwd);
+            let g = p.grads_of(ex, be, Unit::Layer(i));
+            self.recompute(be, p, i, w, ex);
             match (&a.mlp, &o.mlp) {
                 (MlpActs::Dense { gu, h }, MlpOffsets::Dense { gate_up, down }) => {
                     let (dgu, dh) = (p.dgu.at(0, n * 2 * f), p.dh.at(0, n * f));
-                    be.matmul(dh, p.dres, w(*down, d * f), MatMul::linear_dx(n, f, d));
-                    be.matmul(g(*down, d * f), p.dres, *h, MatMul::linear_dw(n, f, d));
+                    be.matmul(dh, p.dres, w.at(*down, d * f), MatMul::linear_dx(n, f, d));
+                    be.matmul(g.at(*down, d * f), p.dres, *h, MatMul::linear_dw(n, f, d));
                     be.swiglu_backward(dgu, dh, *gu, f);
-                    be.matmul(p.dln, dgu, w(*gate_up, 2 * f * d), MatMul::linear_dx(n, d, 2 * f));
-                    be.matmul(g(*gate_up, 2 * f * d), dgu, a.ln2, MatMul::linear_dw(n, d, 2 * f));
+                    be.matmul(p.dln, dgu, w.at(*gate_up, 2 * f * d), MatMul::linear_dx(n, d, 2 * f));
+                    be.matmul(g.at(*gate_up, 2 * f * d), dgu, a.ln2, MatMul::linear_dw(n, d, 2 * f));
                     ex.tensor_sum(be, p.dln);
                 }
                 (MlpActs::Moe { probs, dispatch, xe, gu, h, ye, .. }, MlpOffsets::Moe { router, experts, stride }) => {
-                    let (gate_up, down) = expert_weights(p.params, *experts, *stride, d, f);
-                    let (dgate_up, ddown) = expert_weights(p.grads, *experts, *stride, d, f);
+                    let (gate_up, down) = expert_weights(w, *experts, *stride, d, f);
+                    let (dgate_up, ddown) = expert_weights(g, *experts, *stride, d, f);
                     let e = dispatch.experts;
                     be.moe_combine_backward(p.dye, p.dweight, p.dres, *ye, *dispatch, d);
                     ex.tensor_sum(be, p.dweight);
@@ -523,24 +618,39 @@ impl Model {
                     be.moe_gather_backward(p.dln, p.dxe, *dispatch, d);
                     ex.tensor_sum(be, p.dln);
                     be.moe_route_backward(p.drouter, p.dweight, *probs, *dispatch, p.counts, aux_scale);
-                    be.matmul(p.dln, p.drouter, w(*router, e * d), MatMul::linear_dx(n, d, e).accumulating());
-                    be.matmul(g(*router, e * d), p.drouter, a.ln2, MatMul::linear_dw(n, d, e));
+                    be.matmul(p.dln, p.drouter, w.at(*router, e * d), MatMul::linear_dx(n, d, e).accumulating());
+                    be.matmul(g.at(*router, e * d), p.drouter, a.ln2, MatMul::linear_dw(n, d, e));
                 }
                 _ => unreachable!("activations planned for another MLP kind"),
             }
-            be.rmsnorm_backward(p.dres, g(o.ln2, d), p.dln, a.xmid, w(o.ln2, d), a.rstd2, d);
-            be.matmul(p.dattn, p.dres, w(o.o, d * q), MatMul::linear_dx(n, q, d));
-            be.matmul(g(o.o, d * q), p.dres, a.attn, MatMul::linear_dw(n, q, d));
+            be.rmsnorm_backward(p.dres, g.at(o.ln2, d), p.dln, a.xmid, w.at(o.ln2, d), a.rstd2, d);
+            be.matmul(p.dattn, p.dres, w.at(o.o, d * q), MatMul::linear_dx(n, q, d));
+            be.matmul(g.at(o.o, d * q), p.dres, a.attn, MatMul::linear_dw(n, q, d));
             be.attention_backward(p.dqkv, p.dattn, a.qkv, a.attn, a.lse, shape);
             be.rope(p.dqkv, p.rope, shape, true);
-            be.matmul(p.dln, p.dqkv, w(o.qkv, qkv * d), MatMul::linear_dx(n, d, qkv));
-            be.matmul(g(o.qkv, qkv * d), p.dqkv, a.ln1, MatMul::linear_dw(n, d, qkv));
+            be.matmul(p.dln, p.dqkv, w.at(o.qkv, qkv * d), MatMul::linear_dx(n, d, qkv));
+            be.matmul(g.at(o.qkv, qkv * d), p.dqkv, a.ln1, MatMul::linear_dw(n, d, qkv));
             ex.tensor_sum(be, p.dln);
-            be.rmsnorm_backward(p.dres, g(o.ln1, d), p.dln, a.x, w(o.ln1, d), a.rstd1, d);
+            be.rmsnorm_backward(p.dres, g.at(o.ln1, d), p.dln, a.x, w.at(o.ln1, d), a.rstd1, d);
+            ex.params_done(be, Unit::Layer(i), bwd);
             ex.grads_ready(be, Unit::Layer(i));
         }
-        be.embedding_backward(g(l.embed, v * d), p.dres, p.tokens, d);
+        let g = p.grads_of(ex, be, Unit::Embed);
+        be.embedding_backward(g.at(l.embed, v * d), p.dres, p.tokens, d);
         ex.grads_ready(be, Unit::Embed);
+    }
+}
+
+impl Plan {
+    /// Where `unit`'s parameters are for `pass`: where the exchange put them, else the flat
+    /// buffer.
+    fn params_of<B: Backend>(&self, ex: &mut dyn Exchange<B>, be: &mut B, unit: Unit, pass: Pass) -> Window {
+        ex.params_needed(be, unit, pass).unwrap_or(Window::whole(self.params))
+    }
+
+    /// Where `unit`'s gradient accumulates.
+    fn grads_of<B: Backend>(&self, ex: &mut dyn Exchange<B>, be: &mut B, unit: Unit) -> Window {
+        ex.grads_needed(be, unit).unwrap_or(Window::whole(self.grads))
     }
 }
 
@@ -564,10 +674,10 @@ fn row_parallel<B: Backend>(
     ex.tensor_sum(be, out);
 }
 
-/// The experts' `[w1; w3]` (gate and up) and `w2` (down) weights inside a flat buffer.
-fn expert_weights(buf: View, experts: usize, stride: usize, d: usize, f: usize) -> (ExpertWeights, ExpertWeights) {
+/// The experts' `[w1; w3]` (gate and up) and `w2` (down) weights of a layer.
+fn expert_weights(w: Window, experts: usize, stride: usize, d: usize, f: usize) -> (ExpertWeights, ExpertWeights) {
     (
-        ExpertWeights { first: buf.at(experts, 2 * f * d), stride },
-        ExpertWeights { first: buf.at(experts + 2 * f * d, d * f), stride },
+        ExpertWeights { first: w.at(experts, 2 * f * d), stride },
+        ExpertWeights { first: w.at(experts + 2 * f * d, d * f), stride },
     )
 }

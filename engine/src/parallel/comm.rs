@@ -30,6 +30,12 @@ pub trait Collectives<B: Backend> {
     fn all_reduce_sum_start(&mut self, be: &mut B, buf: View, group: &[usize]) {
         self.all_reduce_sum(be, buf, group);
     }
+    /// Starts `output = concat_group(input)` and returns at once, like
+    /// [`Collectives::all_reduce_sum_start`]: FSDP gathers the next unit's parameters while the
+    /// current unit computes. Neither buffer may be touched until [`Collectives::wait`].
+    fn all_gather_start(&mut self, be: &mut B, input: View, output: View, group: &[usize]) {
+        self.all_gather(be, input, output, group);
+    }
     /// Waits for every started operation; their results are then in their buffers.
     fn wait(&mut self, _be: &mut B) {}
 }
@@ -77,8 +83,16 @@ struct Lane {
     pending: usize,
 }
 
-/// A started operation: the buffer, this device's data, the group.
-type Started = (View, Vec<f32>, Vec<usize>);
+/// A started operation: what it does, the buffer its result goes to, this device's data, the
+/// group.
+type Started = (Op, View, Vec<f32>, Vec<usize>);
+
+/// What a started operation does with the group's data.
+#[derive(Clone, Copy)]
+enum Op {
+    Sum,
+    Gather,
+}
 /// Where started operations go, and where their sums come back from.
 type Worker = (Sender<Started>, Receiver<(View, Vec<f32>)>);
 
@@ -111,6 +125,35 @@ impl Virtual {
 
     fn exchange(&mut self, data: &[f32], group: &[usize], combine: impl FnOnce(&[&[f32]])) {
         exchange(&self.shared, self.rank, data, group, combine);
+    }
+
+    /// Hands `op` over `input` to the second lane, whose result goes to `output` at the wait.
+    fn start<B: Backend>(&mut self, be: &mut B, op: Op, input: View, output: View, group: &[usize]) {
+        let mut data = vec![0f32; input.len];
+        be.download(input, &mut data);
+        let (rank, lane) = (self.rank, &mut self.lane);
+        let (jobs, _) = lane.worker.get_or_insert_with(|| {
+            let (jobs, inbox) = channel::<Started>();
+            let (outbox, results) = channel();
+            let shared = lane.shared.clone();
+            std::thread::spawn(move || {
+                for (op, view, data, group) in inbox {
+                    let mut out = Vec::new();
+                    exchange(&shared, rank, &data, &group, |parts| {
+                        out = match op {
+                            Op::Sum => sum_of(parts, data.len()),
+                            Op::Gather => parts.concat(),
+                        }
+                    });
+                    if outbox.send((view, out)).is_err() {
+                        break;
+                    }
+                }
+            });
+            (jobs, results)
+        });
+        jobs.send((op, output, data, group.to_vec())).expect("the collectives worker is running");
+        lane.pending += 1;
     }
 }
 
@@ -161,26 +204,12 @@ impl<B: Backend> Collectives<B> for Virtual {
     }
 
     fn all_reduce_sum_start(&mut self, be: &mut B, buf: View, group: &[usize]) {
-        let mut data = vec![0f32; buf.len];
-        be.download(buf, &mut data);
-        let (rank, lane) = (self.rank, &mut self.lane);
-        let (jobs, _) = lane.worker.get_or_insert_with(|| {
-            let (jobs, inbox) = channel::<Started>();
-            let (outbox, results) = channel();
-            let shared = lane.shared.clone();
-            std::thread::spawn(move || {
-                for (view, data, group) in inbox {
-                    let mut sum = Vec::new();
-                    exchange(&shared, rank, &data, &group, |parts| sum = sum_of(parts, data.len()));
-                    if outbox.send((view, sum)).is_err() {
-                        break;
-                    }
-                }
-            });
-            (jobs, results)
-        });
-        jobs.send((buf, data, group.to_vec())).expect("the collectives worker is running");
-        lane.pending += 1;
+        self.start(be, Op::Sum, buf, buf, group);
+    }
+
+    fn all_gather_start(&mut self, be: &mut B, input: View, output: View, group: &[usize]) {
+        assert_eq!(output.len, input.len * group.len(), "all-gather sizes");
+        self.start(be, Op::Gather, input, output, group);
     }
 
     fn wait(&mut self, be: &mut B) {

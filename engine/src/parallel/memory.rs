@@ -1,11 +1,12 @@
 //! The memory plan of one device of a mesh: the model's estimate ([`crate::model::memory`]) for
 //! the device's tensor-parallel slice and its share of the batch, with the strategies' own
-//! buffers. It follows what [`super::strategies::Parallel`] allocates today: under FSDP a device
-//! keeps the full (tensor-local) parameters and gradients the passes use, plus its pieces of
-//! both, its pieces of the moments and a staging buffer for the collectives.
+//! buffers. It follows what [`super::strategies::Parallel`] allocates ([`fsdp_sizes`]): under
+//! FSDP a device keeps its pieces of the parameters, gradients and moments, and the buffers it
+//! lends the passes for the units in use (gathered parameters, gradients being accumulated), but
+//! never the whole model.
 
 use super::mesh::{Axis, Mesh};
-use super::strategies::fsdp_pieces;
+use super::strategies::{FsdpOptions, fsdp_sizes};
 use super::tensor::local_config;
 use crate::backend::BufKind;
 use crate::config::Config;
@@ -21,12 +22,11 @@ pub fn estimate(config: &Config, mesh: &Mesh, target: Target) -> Estimate {
     let mut e = memory::estimate(&model, config.train.batch_size.per_group(tensor), config.train.seq_len, target);
     let fsdp = mesh.size(Axis::Fsdp);
     if fsdp > 1 {
-        let (_, shard, staging) = fsdp_pieces(&model.layout, fsdp);
+        let f = fsdp_sizes(&model.layout, fsdp, FsdpOptions::of(&config.mesh));
         let bytes = |kind| element_bytes(kind, target);
-        e.parameters += shard * bytes(BufKind::Params);
-        e.gradients += shard * bytes(BufKind::Grads);
-        e.optimizer = 2 * shard * bytes(BufKind::OptState);
-        e.communication = staging * bytes(BufKind::Grads);
+        e.parameters = (f.shard + f.gathered) * bytes(BufKind::Params);
+        e.gradients = (f.shard + f.accumulating) * bytes(BufKind::Grads);
+        e.optimizer = 2 * f.shard * bytes(BufKind::OptState);
     }
     e
 }

@@ -198,6 +198,7 @@ mod tests {
             dcn_data: dcn[0],
             dcn_fsdp: dcn[1],
             dcn_tensor: dcn[2],
+            ..MeshConfig::default()
         }
     }
 

@@ -7,12 +7,17 @@
 //!   layer, started while the backward pass goes on to the layers below, and waited for before
 //!   the optimizer: [`Collectives::all_reduce_sum_start`]).
 //! - **FSDP / ZeRO-3.** Each unit of the flat buffers (embedding, each layer, head) is cut into
-//!   `F` equal pieces, one per device of the fsdp group; a device keeps its pieces of the
-//!   parameters, gradients and both AdamW moments. A unit's parameters are all-gathered just
-//!   before the forward pass first reads them; its gradient is reduce-scattered when the backward
-//!   pass is done with it (and summed over the data axis on top); the optimizer updates the
-//!   pieces only. The gathered parameters stay resident until the next step's gather
-//!   overwrites them: the memory saving of freeing them between uses is not implemented.
+//!   `F` equal pieces, one per device of the fsdp group; a device keeps only its pieces of the
+//!   parameters, gradients and both AdamW moments: no device holds the whole model. A unit's
+//!   parameters are all-gathered into a buffer lent for the time of their use ([`Slots`]): the
+//!   forward pass releases each layer's as soon as it is done (unless
+//!   `mesh.fsdp_reshard_after_forward` is off, FSDP2's option, which keeps them until the
+//!   backward pass is done with them), the backward pass gathers them again. The next unit's
+//!   gather is started one unit ahead ([`Collectives::all_gather_start`]) so that it runs while
+//!   the current unit computes. A unit's gradient accumulates in a lent buffer and is
+//!   reduce-scattered into the pieces as soon as the backward pass is done with it (every
+//!   micro-batch; summed over the data axis on top, HSDP, once per step); the optimizer
+//!   updates the pieces only.
 //! - **Tensor parallelism.** See [`crate::parallel::tensor`]: the model is the local slice and the
 //!   passes add partial sums over the tensor group ([`Exchange`]).
 //!
@@ -27,7 +32,7 @@ use super::mesh::{Axis, Coords, Mesh};
 use super::tensor::{Run, TensorSlice};
 use crate::backend::{Backend, BufKind, Segment, View};
 use crate::checkpoint::sharded::Chunk;
-use crate::model::{Exchange, Layout, Unit};
+use crate::model::{Exchange, Layout, Pass, Unit, Window};
 
 /// A device of a mesh, with its collectives and its shards.
 pub struct Parallel<B: Backend> {
@@ -44,7 +49,8 @@ pub struct Parallel<B: Backend> {
     data: Vec<usize>,
     fsdp_group: Vec<usize>,
     batch: Vec<usize>,
-    /// The full (tensor-local) parameter and gradient buffers the passes use.
+    /// The full (tensor-local) parameter and gradient buffers the passes use; empty under FSDP,
+    /// where the passes borrow each unit's buffers from [`Fsdp`].
     params: View,
     grads: View,
     /// The optimizer's segments of the full buffers: one per tensor.
@@ -52,21 +58,24 @@ pub struct Parallel<B: Backend> {
     fsdp: Option<Fsdp>,
     /// Whether this backward pass sums the gradients (the step's last micro-batch).
     pub sync: bool,
-    /// Units whose parameters the current step has gathered.
-    gathered: Vec<bool>,
     /// `[2]` partial squared norms.
     scratch: View,
 }
 
-/// A device's pieces under FSDP.
+/// A device's pieces under FSDP, and the buffers it lends the passes.
 struct Fsdp {
     /// Per unit (in [`Layout::units`] order): its range of the full buffers, the piece length
     /// and where this device's piece starts in the shard buffers.
     units: Vec<UnitPiece>,
     params: View,
     grads: View,
-    /// A padded unit, for the collectives (units are rarely a multiple of the group size).
-    staging: View,
+    /// Gathered parameters of the units in use.
+    gathered: Slots,
+    /// Gradients of the units the backward pass is writing.
+    accumulating: Slots,
+    /// The unit whose gather was started ahead of its use and not yet waited for.
+    prefetched: Option<usize>,
+    options: FsdpOptions,
     segments: Vec<Segment>,
     /// This device's position in the fsdp group.
     me: usize,
@@ -74,14 +83,16 @@ struct Fsdp {
 
 impl<B: Backend> Parallel<B> {
     /// Joins the mesh as `rank`, over the model buffers `params` and `grads` of the tensor-local
-    /// `layout`; allocates the shards (FSDP) and copies this device's pieces of `params`.
+    /// `layout` (empty under FSDP: see [`Model::plan_with`](crate::model::Model::plan_with));
+    /// allocates the pieces and the lent buffers (FSDP). The parameters start at zero: see
+    /// [`Parallel::upload_params`].
     pub fn new(
         be: &mut B,
         comm: Box<dyn Collectives<B> + Send>,
         mesh: Mesh,
         slice: TensorSlice,
-        params: View,
-        grads: View,
+        (params, grads): (View, View),
+        fsdp_options: FsdpOptions,
     ) -> Parallel<B> {
         let rank = comm.rank();
         let coords = mesh.coords(rank);
@@ -89,8 +100,7 @@ impl<B: Backend> Parallel<B> {
             (mesh.group(rank, Axis::Tensor), mesh.group(rank, Axis::Data), mesh.group(rank, Axis::Fsdp));
         let batch = batch_group(&mesh, rank);
         let layout = &slice.local;
-        let fsdp = (fsdp_group.len() > 1).then(|| Fsdp::new(be, layout, fsdp_group.len(), coords.fsdp, params));
-        let units = layout.units().len();
+        let fsdp = (fsdp_group.len() > 1).then(|| Fsdp::new(be, layout, fsdp_group.len(), coords.fsdp, fsdp_options));
         let segments =
             layout.tensors.iter().map(|t| Segment { offset: t.offset, len: t.len(), decay: t.decay }).collect();
         let scratch = be.alloc(BufKind::Scalars, 2);
@@ -109,9 +119,41 @@ impl<B: Backend> Parallel<B> {
             segments,
             fsdp,
             sync: true,
-            gathered: vec![false; units],
             scratch,
         }
+    }
+
+    /// Whether this device's mesh shards the model (FSDP): the passes then need no flat buffers.
+    pub fn shards_model(mesh: &Mesh) -> bool {
+        mesh.size(Axis::Fsdp) > 1
+    }
+
+    /// Writes this device's part of the parameters: `whole(g, out)` fills `out` with all of
+    /// global tensor `g`'s values (the single-device layout's), one tensor at a time; the device
+    /// keeps its tensor slice of each, or under FSDP its pieces of the slice.
+    pub fn upload_params(&mut self, be: &mut B, whole: impl FnMut(usize, &mut Vec<f32>)) {
+        let local = &self.slice.local.tensors;
+        let (full, fsdp) = (self.params, &self.fsdp);
+        self.slice.for_each_local(whole, |i, values| {
+            let t = &local[i];
+            match fsdp {
+                None => be.upload(full.at(t.offset, t.len()), values),
+                Some(f) => {
+                    // The tensor's overlap with each of this device's pieces.
+                    for (range, piece, offset) in &f.units {
+                        let mine = f.mine(range, *piece);
+                        let (lo, hi) = (t.offset.max(mine.start), (t.offset + t.len()).min(mine.end));
+                        if lo < hi {
+                            be.upload(
+                                f.params.at(offset + lo - mine.start, hi - lo),
+                                &values[lo - t.offset..hi - t.offset],
+                            );
+                        }
+                    }
+                }
+            }
+        });
+        self.after_step(be);
     }
 
     /// Devices that read distinct samples, and this device's index among them (its data
@@ -182,29 +224,13 @@ impl<B: Backend> Parallel<B> {
         }
     }
 
-    /// After the optimizer: the full parameters are stale under FSDP until gathered again;
-    /// the full gradients (which the optimizer did not zero) start the next step at zero.
+    /// After the optimizer (or new parameters): under FSDP, the gathered parameters are stale
+    /// and given back; the next pass gathers again.
     pub fn after_step(&mut self, be: &mut B) {
-        if self.fsdp.is_some() {
-            be.fill(self.grads, 0.0);
-            self.gathered.fill(false);
+        if let Some(f) = &mut self.fsdp {
+            f.settle(&mut *self.comm, be);
+            f.gathered.release_all();
         }
-    }
-
-    /// Gathers every unit's parameters (before an evaluation or a snapshot).
-    pub fn gather_all(&mut self, be: &mut B) {
-        for unit in self.slice.local.units() {
-            self.params_needed(be, unit);
-        }
-    }
-
-    /// After new parameters were written into the full buffer `full` (an import): under FSDP,
-    /// this device takes its pieces of them; the next pass gathers again.
-    pub fn params_loaded(&mut self, be: &mut B, full: View) {
-        if let Some(f) = &self.fsdp {
-            f.take_pieces(be, full);
-        }
-        self.gathered.fill(false);
     }
 
     fn unit_index(&self, unit: Unit) -> usize {
@@ -229,7 +255,7 @@ impl<B: Backend> Parallel<B> {
             }
             Some(f) => {
                 for (range, piece, offset) in &f.units {
-                    let mine = range.start + f.me * piece..(range.start + (f.me + 1) * piece).min(range.end);
+                    let mine = f.mine(range, *piece);
                     for r in runs.iter().filter(|r| whole(r).start < mine.end && whole(r).end > mine.start) {
                         out.extend(r.pieces(mine.clone()).map(|(local, global, len)| Chunk {
                             global,
@@ -300,38 +326,80 @@ impl<B: Backend> Exchange<B> for Parallel<B> {
         self.sum_over_batch(be, buf);
     }
 
-    fn params_needed(&mut self, be: &mut B, unit: Unit) {
-        let u = self.unit_index(unit);
-        let Some(f) = &self.fsdp else { return };
-        if self.gathered[u] {
-            return;
+    fn pass_begins(&mut self, be: &mut B, pass: Pass) {
+        // A forward pass starts from the pieces: whatever an earlier pass left gathered (an
+        // evaluation's head) is given back.
+        if let (Some(f), Pass::Forward) = (&mut self.fsdp, pass) {
+            f.settle(&mut *self.comm, be);
+            f.gathered.release_all();
         }
-        let (range, piece, offset) = f.units[u].clone();
-        let staging = f.staging.at(0, piece * self.fsdp_group.len());
-        self.comm.all_gather(be, f.params.at(offset, piece), staging, &self.fsdp_group);
-        be.copy(self.params.at(range.start, range.len()), staging.at(0, range.len()));
-        self.gathered[u] = true;
+    }
+
+    fn params_needed(&mut self, be: &mut B, unit: Unit, pass: Pass) -> Option<Window> {
+        let u = self.unit_index(unit);
+        let (f, comm) = (self.fsdp.as_mut()?, &mut *self.comm);
+        if f.prefetched == Some(u) {
+            f.settle(comm, be);
+        }
+        let buf = match f.gathered.find(u) {
+            Some(buf) => buf,
+            None => f.gather(comm, be, u, &self.fsdp_group, false),
+        };
+        // The next layer's gather runs while this one computes.
+        let next = f.next_unit(u, pass).filter(|&n| f.options.prefetch && f.gathered.find(n).is_none());
+        if let Some(next) = next {
+            f.settle(comm, be);
+            f.gather(comm, be, next, &self.fsdp_group, true);
+            f.prefetched = Some(next);
+        }
+        Some(Window::from(buf, f.units[u].0.start))
+    }
+
+    fn params_done(&mut self, _be: &mut B, unit: Unit, pass: Pass) {
+        let u = self.unit_index(unit);
+        if let Some(f) = &mut self.fsdp
+            && (pass == Pass::Backward || f.options.reshard_after_forward)
+        {
+            f.gathered.release(u);
+        }
+    }
+
+    fn grads_needed(&mut self, be: &mut B, unit: Unit) -> Option<Window> {
+        let u = self.unit_index(unit);
+        let f = self.fsdp.as_mut()?;
+        let buf = match f.accumulating.find(u) {
+            Some(buf) => buf,
+            None => {
+                let buf = f.accumulating.take(u);
+                be.fill(buf, 0.0);
+                buf
+            }
+        };
+        Some(Window::from(buf, f.units[u].0.start))
     }
 
     fn grads_ready(&mut self, be: &mut B, unit: Unit) {
-        if !self.sync {
-            return;
-        }
         let u = self.unit_index(unit);
-        match &self.fsdp {
+        match &mut self.fsdp {
             None => {
                 let range = self.slice.local.unit_range(unit);
-                if self.batch.len() > 1 && !range.is_empty() {
+                if self.sync && self.batch.len() > 1 && !range.is_empty() {
                     self.comm.all_reduce_sum_start(be, self.grads.at(range.start, range.len()), &self.batch);
                 }
             }
             Some(f) => {
-                let (range, piece, offset) = f.units[u].clone();
-                let (staging, mine) = (f.staging.at(0, piece * self.fsdp_group.len()), f.grads.at(offset, piece));
-                be.fill(staging, 0.0);
-                be.copy(staging.at(0, range.len()), self.grads.at(range.start, range.len()));
-                self.comm.reduce_scatter_sum(be, staging, mine, &self.fsdp_group);
-                if self.data.len() > 1 {
+                // Every micro-batch's gradient goes to the pieces at once (so that no device
+                // ever holds a whole gradient), reduce-scattered in place (this device's part
+                // of the lent buffer receives its sum); the data axis sums the pieces once per
+                // step.
+                let (_, piece, offset) = f.units[u];
+                let buf = f.accumulating.find(u).expect("gradient buffer lent");
+                let (all, sum) = (buf.at(0, piece * self.fsdp_group.len()), buf.at(f.me * piece, piece));
+                self.comm.reduce_scatter_sum(be, all, sum, &self.fsdp_group);
+                let mine = f.grads.at(offset, piece);
+                be.add(mine, sum);
+                f.accumulating.release(u);
+                if self.sync && self.data.len() > 1 {
                     self.comm.all_reduce_sum_start(be, mine, &self.data);
                 }
             }
@@ -344,50 +412,218 @@ impl<B: Backend> Exchange<B> for Parallel<B> {
 pub type UnitPiece = (Range<usize>, usize, usize);
 
 /// Under FSDP over `size` devices: each unit of `layout` (its range, piece length and where the
-/// piece starts in a device's shard), the shard's length, and the padded length of the widest
-/// unit (the staging buffer of the collectives).
-pub fn fsdp_pieces(layout: &Layout, size: usize) -> (Vec<UnitPiece>, usize, usize) {
+/// piece starts in a device's shard) and the shard's length.
+pub fn fsdp_pieces(layout: &Layout, size: usize) -> (Vec<UnitPiece>, usize) {
     let mut units = Vec::new();
-    let (mut len, mut widest) = (0, 0);
+    let mut len = 0;
     for unit in layout.units() {
         let range = layout.unit_range(unit);
         let piece = range.len().div_ceil(size);
         units.push((range, piece, len));
         len += piece;
-        widest = widest.max(piece * size);
     }
-    (units, len, widest.max(1))
+    (units, len)
+}
+
+/// Elements of the buffers one device allocates under FSDP over `size` devices: what the memory
+/// plan counts ([`crate::parallel::memory`]) and [`Parallel::new`] allocates.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FsdpSizes {
+    /// This device's pieces: parameters, gradients, and each AdamW moment.
+    pub shard: usize,
+    /// Buffers lent for gathered parameters.
+    pub gathered: usize,
+    /// Buffers lent for the gradients being accumulated.
+    pub accumulating: usize,
+}
+
+/// The sizes of the buffers [`Fsdp`] allocates for `layout` over `size` devices.
+pub fn fsdp_sizes(layout: &Layout, size: usize, options: FsdpOptions) -> FsdpSizes {
+    let (units, shard) = fsdp_pieces(layout, size);
+    let lending = Lending::new(&units, size, layout.head == layout.embed, options);
+    FsdpSizes {
+        shard,
+        gathered: lending.params.iter().map(|s| s.1).sum(),
+        accumulating: lending.grads.iter().map(|s| s.1).sum(),
+    }
+}
+
+/// The lent buffers, by class: a unit borrows a free buffer of its class.
+///
+/// Parameters, resharded after the forward pass: the passes use one unit at a time, plus the
+/// next layer while a layer computes (prefetch is between layers only: the embedding and head
+/// are often the widest units, and a buffer for one of them beside a layer's would cost more
+/// than their two unprefetched gathers), plus the embedding a tied head reads (and then the
+/// head, only a norm, goes with the layers). An untied model takes the smaller of two
+/// arrangements: one buffer for the embedding and head and one or two for the layers, or one
+/// or two buffers that fit any unit. Kept after the forward pass: one buffer per unit.
+///
+/// Gradients: the backward pass finishes one unit before the next begins, except that a tied
+/// head writes into the embedding's gradient, which is finished last: one buffer, or one for
+/// the embedding and one for the rest.
+struct Lending {
+    /// Per buffer: its class and length.
+    params: Vec<(usize, usize)>,
+    grads: Vec<(usize, usize)>,
+    /// Per unit: its class for parameters and for gradients.
+    param_class: Vec<usize>,
+    grad_class: Vec<usize>,
+}
+
+impl Lending {
+    fn new(units: &[UnitPiece], size: usize, tied: bool, options: FsdpOptions) -> Lending {
+        let n = units.len();
+        let (embed, head) = (0, n - 1);
+        let padded = |u: usize| units[u].1 * size;
+        let widest = |class: &[usize], c: usize| (0..n).filter(|&u| class[u] == c).map(padded).max().unwrap_or(0);
+        // Buffers of each class for an assignment of classes.
+        let buffers = |class: &[usize], counts: &[usize]| -> Vec<(usize, usize)> {
+            counts.iter().enumerate().flat_map(|(c, &k)| std::iter::repeat_n((c, widest(class, c)), k)).collect()
+        };
+        let total = |b: &[(usize, usize)]| b.iter().map(|x| x.1).sum::<usize>();
+        let layers = n - 2;
+        let at_once = if options.prefetch && layers >= 2 { 2 } else { 1 };
+
+        let (params, param_class) = if !options.reshard_after_forward {
+            let class: Vec<usize> = (0..n).collect();
+            (buffers(&class, &vec![1; n]), class)
+        } else if tied {
+            let class: Vec<usize> = (0..n).map(|u| usize::from(u != embed)).collect();
+            (buffers(&class, &[1, at_once]), class)
+        } else {
+            let apart: Vec<usize> = (0..n).map(|u| usize::from(u != embed && u != head)).collect();
+            let shared = vec![0; n];
+            let (a, b) = (buffers(&apart, &[1, at_once]), buffers(&shared, &[at_once]));
+            if total(&b) <= total(&a) { (b, shared) } else { (a, apart) }
+        };
+        let grad_class: Vec<usize> = (0..n).map(|u| usize::from(tied && u != embed)).collect();
+        let grads = buffers(&grad_class, &vec![1; 1 + usize::from(tied)]);
+        Lending { params, grads, param_class, grad_class }
+    }
+}
+
+/// FSDP's options (`mesh.fsdp_*`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FsdpOptions {
+    /// Release a layer's gathered parameters after the forward pass (FSDP2's
+    /// `reshard_after_forward`); else keep them until the backward pass is done with them.
+    pub reshard_after_forward: bool,
+    /// Start the next unit's gather before the current unit computes.
+    pub prefetch: bool,
+}
+
+impl FsdpOptions {
+    /// The options a configuration sets.
+    pub fn of(mesh: &crate::config::MeshConfig) -> FsdpOptions {
+        FsdpOptions { reshard_after_forward: mesh.fsdp_reshard_after_forward, prefetch: mesh.fsdp_prefetch }
+    }
+}
+
+/// Buffers lent to units for the time of a use, each of a class ([`Lending`]).
+struct Slots {
+    bufs: Vec<View>,
+    class: Vec<usize>,
+    holder: Vec<Option<usize>>,
+    /// The class of each unit.
+    unit_class: Vec<usize>,
+}
+
+impl Slots {
+    fn new<B: Backend>(be: &mut B, kind: BufKind, sizes: &[(usize, usize)], unit_class: Vec<usize>) -> Slots {
+        Slots {
+            bufs: sizes.iter().map(|&(_, len)| be.alloc(kind, len)).collect(),
+            class: sizes.iter().map(|s| s.0).collect(),
+            holder: vec![None; sizes.len()],
+            unit_class,
+        }
+    }
+
+    /// The buffer unit `u` holds, if any.
+    fn find(&self, u: usize) -> Option<View> {
+        self.holder.iter().position(|&h| h == Some(u)).map(|i| self.bufs[i])
+    }
+
+    /// Lends unit `u` a free buffer of its class.
+    fn take(&mut self, u: usize) -> View {
+        let class = self.unit_class[u];
+        let i = (0..self.bufs.len())
+            .find(|&i| self.class[i] == class && self.holder[i].is_none())
+            .unwrap_or_else(|| panic!("internal error: no free FSDP buffer of class {class} for unit {u}"));
+        self.holder[i] = Some(u);
+        self.bufs[i]
+    }
+
+    fn release(&mut self, u: usize) {
+        self.holder.iter_mut().filter(|h| **h == Some(u)).for_each(|h| *h = None);
+    }
+
+    fn release_all(&mut self) {
+        self.holder.fill(None);
+    }
 }
 
 impl Fsdp {
-    fn new<B: Backend>(be: &mut B, layout: &Layout, size: usize, me: usize, full: View) -> Fsdp {
-        let (units, len, widest) = fsdp_pieces(layout, size);
+    fn new<B: Backend>(be: &mut B, layout: &Layout, size: usize, me: usize, options: FsdpOptions) -> Fsdp {
+        let (units, len) = fsdp_pieces(layout, size);
         let (params, grads) = (be.alloc(BufKind::Params, len), be.alloc(BufKind::Grads, len));
-        let staging = be.alloc(BufKind::Grads, widest);
+        let lending = Lending::new(&units, size, layout.head == layout.embed, options);
+        let gathered = Slots::new(be, BufKind::Params, &lending.params, lending.param_class);
+        let accumulating = Slots::new(be, BufKind::Grads, &lending.grads, lending.grad_class);
         // Each tensor's part in each of this device's pieces, in shard coordinates.
-        let mut segments = Vec::new();
-        for (range, piece, offset) in &units {
-            let mine = range.start + me * piece..(range.start + (me + 1) * piece).min(range.end);
+        let mut f =
+            Fsdp { units, params, grads, gathered, accumulating, prefetched: None, options, segments: Vec::new(), me };
+        for (range, piece, offset) in &f.units {
+            let mine = f.mine(range, *piece);
             for t in &layout.tensors {
                 let (lo, hi) = (t.offset.max(mine.start), (t.offset + t.len()).min(mine.end));
                 if lo < hi {
-                    segments.push(Segment { offset: offset + lo - mine.start, len: hi - lo, decay: t.decay });
+                    f.segments.push(Segment { offset: offset + lo - mine.start, len: hi - lo, decay: t.decay });
                 }
             }
         }
-        let f = Fsdp { units, params, grads, staging, segments, me };
-        f.take_pieces(be, full);
         f
     }
 
-    /// Copies this device's pieces of the full parameter buffer `full` into its shard.
-    fn take_pieces<B: Backend>(&self, be: &mut B, full: View) {
-        for (range, piece, offset) in &self.units {
-            let start = range.start + self.me * piece;
-            let len = range.end.saturating_sub(start).min(*piece);
-            if len > 0 {
-                be.copy(self.params.at(*offset, len), full.at(start, len));
-            }
+    /// The layer `pass` reads after unit `u`, if `u` is a layer: the forward pass goes up the
+    /// layers, the backward pass down ([`Lending`] says why the embedding and head are not
+    /// prefetched).
+    fn next_unit(&self, u: usize, pass: Pass) -> Option<usize> {
+        let last_layer = self.units.len() - 2;
+        match pass {
+            Pass::Forward => (1..last_layer).contains(&u).then_some(u + 1),
+            Pass::Backward => (2..=last_layer).contains(&u).then(|| u - 1),
+        }
+    }
+
+    /// The full-buffer range of this device's piece of a unit.
+    fn mine(&self, range: &Range<usize>, piece: usize) -> Range<usize> {
+        (range.start + self.me * piece).min(range.end)..(range.start + (self.me + 1) * piece).min(range.end)
+    }
+
+    /// Gathers unit `u`'s parameters into a lent buffer (started only, with `ahead`).
+    fn gather<B: Backend>(
+        &mut self,
+        comm: &mut dyn Collectives<B>,
+        be: &mut B,
+        u: usize,
+        group: &[usize],
+        ahead: bool,
+    ) -> View {
+        let (_, piece, offset) = self.units[u];
+        let (mine, buf) = (self.params.at(offset, piece), self.gathered.take(u));
+        let all = buf.at(0, piece * group.len());
+        if ahead {
+            comm.all_gather_start(be, mine, all, group);
+        } else {
+            comm.all_gather(be, mine, all, group);
+        }
+        buf
+    }
+
+    /// Waits for the gather started ahead, if any.
+    fn settle<B: Backend>(&mut self, comm: &mut dyn Collectives<B>, be: &mut B) {
+        if self.prefetched.take().is_some() {
+            comm.wait(be);
         }
     }
 

@@ -126,15 +126,10 @@ impl TensorSlice {
         self.size > 1 && split_of(&self.local.tensors[index].name) != Split::Replicated
     }
 
-    /// Uploads every local tensor into `params` (the local layout): `whole(g, out)` fills `out`
-    /// with all of global tensor `g`'s values, and this device's slice of them is uploaded. The
-    /// host holds one global tensor at a time.
-    pub fn upload<B: crate::backend::Backend>(
-        &self,
-        be: &mut B,
-        params: crate::backend::View,
-        mut whole: impl FnMut(usize, &mut Vec<f32>),
-    ) {
+    /// Every local tensor's values, one at a time: `whole(g, out)` fills `out` with all of
+    /// global tensor `g`'s values, and `local(i, values)` receives this device's slice of them
+    /// (the whole local tensor `i`). The host holds one global tensor at a time.
+    pub fn for_each_local(&self, mut whole: impl FnMut(usize, &mut Vec<f32>), mut local: impl FnMut(usize, &[f32])) {
         let (mut values, mut mine) = (Vec::new(), Vec::new());
         for (i, t) in self.local.tensors.iter().enumerate() {
             let g = self.global_index[i];
@@ -142,20 +137,8 @@ impl TensorSlice {
             whole(g, &mut values);
             mine.resize(t.len(), 0.0);
             self.extract(i, &values, &mut mine);
-            be.upload(params.at(t.offset, t.len()), &mine);
+            local(i, &mine);
         }
-    }
-
-    /// Initialises this device's parameters: each local tensor gets its slice of the values the
-    /// single-device initialisation gives the whole tensor (same stream, same seed).
-    pub fn upload_init<B: crate::backend::Backend>(
-        &self,
-        be: &mut B,
-        params: crate::backend::View,
-        seed: u64,
-        std: f32,
-    ) {
-        self.upload(be, params, |g, out| crate::model::init::tensor(&self.global.tensors[g], g, seed, std, out));
     }
 
     /// Copies the local elements of a global tensor (`values`, the whole of global tensor

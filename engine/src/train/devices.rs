@@ -151,6 +151,22 @@ mod tests {
         every_mesh_matches_one_device("tiny-llama2", &["model.mlp_dim=1024"]);
     }
 
+    /// A tied head reads the embedding's unit and writes its gradient there; FSDP's options
+    /// (no prefetch, keeping the forward's gathered parameters) give the same curve.
+    #[test]
+    fn tied_embeddings_and_kept_parameters_follow_the_single_device_curve() {
+        let (name, mesh, devices) = MESHES[1];
+        for prefetch in ["true", "false"] {
+            let options = [&format!("mesh.fsdp_prefetch={prefetch}"), "model.tie_embeddings=true"];
+            let c = config("tiny-llama2", &[&mesh[..], &options].concat());
+            let name = format!("tied {name}, prefetch {prefetch}");
+            assert_same_curve(&name, &single(&c, devices), &parallel(&c, devices));
+        }
+        let mesh = ["mesh.ici_data=2", "mesh.ici_fsdp=2", "mesh.ici_tensor=1", "train.grad_accum=2"];
+        let c = config("tiny-llama2", &[&mesh[..], &["mesh.fsdp_reshard_after_forward=false"]].concat());
+        assert_same_curve("HSDP 2x2, kept parameters", &single(&c, 4), &parallel(&c, 4));
+    }
+
     #[test]
     fn mixtral_on_every_mesh_follows_the_single_device_curve_with_accumulation_and_recomputation() {
         every_mesh_matches_one_device(

@@ -23,10 +23,10 @@ use crate::checkpoint::Head;
 use crate::checkpoint::sharded::{DeviceState, Part};
 use crate::config::Config;
 use crate::data::{self, Loader};
-use crate::model::{GRAD_NORM_SQ, LOSS_ACCUM, LOSS_SUM, Model, Plan};
+use crate::model::{GRAD_NORM_SQ, LOSS_ACCUM, LOSS_SUM, Model, Plan, init};
 use crate::parallel::comm::{Collectives, Solo};
 use crate::parallel::mesh::{Axis, Mesh};
-use crate::parallel::strategies::Parallel;
+use crate::parallel::strategies::{FsdpOptions, Parallel};
 use crate::parallel::tensor::{TensorSlice, local_config};
 pub use metrics::StepMetrics;
 
@@ -82,10 +82,14 @@ impl<B: Backend> Trainer<B> {
         model.batch_shards = mesh.batch_shards();
         // The devices of a tensor group share their samples: `batch_size · tensor` each.
         let batch = t.batch_size.sequences(tensor).map_err(|e| anyhow::anyhow!("{e}"))?;
-        let plan = model.plan(&mut backend, batch, t.seq_len);
+        // Under FSDP no device holds the whole model: the passes borrow each unit's buffers.
+        let plan = model.plan_with(&mut backend, batch, t.seq_len, !Parallel::<B>::shards_model(&mesh));
         let slice = TensorSlice::new(&config.model, mesh.coords(comm.rank()).tensor, tensor);
-        slice.upload_init(&mut backend, plan.params, t.seed, config.model.init_std as f32);
-        let parallel = Parallel::new(&mut backend, comm, mesh, slice, plan.params, plan.grads);
+        let global = slice.global.clone();
+        let fsdp = FsdpOptions::of(&config.mesh);
+        let mut parallel = Parallel::new(&mut backend, comm, mesh, slice, (plan.params, plan.grads), fsdp);
+        let std = config.model.init_std as f32;
+        parallel.upload_params(&mut backend, |g, out| init::tensor(&global.tensors[g], g, t.seed, std, out));
         let (rank, ranks) = parallel.batch_rank();
         let loader = Loader::new(source, t.seq_len, t.seed, rank, ranks)?;
         let moment_len = parallel.moment_len();
@@ -220,16 +224,15 @@ impl<B: Backend> Trainer<B> {
     /// Replaces the parameters (e.g. by imported ones), given in single-device layout order:
     /// each device takes its slice.
     pub fn load_params(&mut self, params: &[f32]) -> Result<()> {
-        let (p, be, par) = (&self.plan, &mut self.backend, &mut self.parallel);
-        let slice = &par.slice;
-        if params.len() != slice.global.len {
-            bail!("{} parameters given, the model has {}", params.len(), slice.global.len);
+        let (be, par) = (&mut self.backend, &mut self.parallel);
+        let global = par.slice.global.clone();
+        if params.len() != global.len {
+            bail!("{} parameters given, the model has {}", params.len(), global.len);
         }
-        slice.upload(be, p.params, |g, out| {
-            let t = &slice.global.tensors[g];
+        par.upload_params(be, |g, out| {
+            let t = &global.tensors[g];
             out.copy_from_slice(&params[t.offset..t.offset + t.len()]);
         });
-        par.params_loaded(be, p.params);
         Ok(())
     }
 
@@ -300,7 +303,6 @@ impl<B: Backend> Trainer<B> {
         let (p, be, par) = (&self.plan, &mut self.backend, &mut self.parallel);
         // Each device of the batch group takes its own stretch of the validation samples.
         let (rank, shards) = par.batch_rank();
-        par.gather_all(be);
         let mut sum = 0f64;
         for i in 0..batches {
             self.loader.validation_batch((i * shards + rank) * p.batch, &mut self.tokens, &mut self.targets);
