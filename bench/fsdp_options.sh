@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Step time of FSDP on virtual CPU devices under its options (resharding after the forward pass,
-# prefetch), interleaved so that a noisy machine affects every variant alike:
+# prefetch), interleaved so that a noisy machine affects every variant alike. tiny-llama2 with 4
+# layers (the recipe has one, which leaves no layer to prefetch), FSDP 4:
 #
 #   bash bench/fsdp_options.sh [ROUNDS] [ENGINE]
 #
@@ -23,7 +24,7 @@ for round in $(seq "$rounds"); do
     sets=()
     for s in ${v#*|}; do sets+=(--set "$s"); done
     run="$dir/run-$round-${#times[@]}-$RANDOM"
-    "$engine" train --recipe tiny-llama2 --steps 4 --devices 4 --set mesh.ici_fsdp=4 --set mesh.ici_data=1 \
+    "$engine" train --recipe tiny-llama2 --set model.n_layers=4 --steps 4 --devices 4 --set mesh.ici_fsdp=4 --set mesh.ici_data=1 \
       --set train.perf_warmup_steps=1 --set train.profile_step=0 "${sets[@]}" --run-dir "$run" >/dev/null 2>&1
     t=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['median_step_time_s'])" "$run/summary.json")
     peak=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['peak_memory_bytes'] / 2**30)" "$run/summary.json")

@@ -226,11 +226,16 @@ fn sizes_and_memory_are_checked_before_use() {
 }
 
 /// `recipes show` plans memory per device for the recipe's mesh: FSDP's shards make a device's
-/// share smaller than a data-parallel replica's; `--json` carries every figure.
+/// share smaller than a data-parallel replica's (llama2-7b fits an 80 GiB GPU on the seed's A3
+/// Mega mesh, and data parallelism needs more than twice as much); `--json` carries every figure.
 #[test]
 fn recipes_show_plans_memory_for_the_mesh() {
     let show = |mesh: &[&str]| -> serde_json::Value {
-        let mut args = vec!["recipes", "show", "llama2-7b", "--json", "--set", "train.batch_size=4"];
+        let seed = ["train.batch_size=4", "train.seq_len=4096", "train.remat=minimal"];
+        let mut args = vec!["recipes", "show", "llama2-7b", "--json"];
+        for set in seed {
+            args.extend(["--set", set]);
+        }
         for set in mesh {
             args.extend(["--set", set]);
         }
@@ -247,8 +252,12 @@ fn recipes_show_plans_memory_for_the_mesh() {
         let total = |v: &serde_json::Value, key: &str| v["memory_per_device"][target][key].as_u64().unwrap();
         assert!(total(&fsdp, "total_bytes") < total(&dp, "total_bytes"), "{target}: {fsdp} vs {dp}");
         assert!(total(&fsdp, "optimizer_bytes") * 7 < total(&dp, "optimizer_bytes"), "FSDP shards the moments");
-        assert!(total(&fsdp, "communication_bytes") > 0);
+        for state in ["parameters_bytes", "gradients_bytes"] {
+            assert!(total(&fsdp, state) * 4 < total(&dp, state), "FSDP shards the {state}");
+        }
     }
+    let cuda = |v: &serde_json::Value| v["memory_per_device"]["cuda"]["total_bytes"].as_u64().unwrap();
+    assert!(cuda(&fsdp) < 80 << 30 && cuda(&dp) > 2 * cuda(&fsdp), "{} vs {}", cuda(&fsdp), cuda(&dp));
     let out = engine(&["recipes", "show", "llama2-7b", "--set", "mesh.ici_fsdp=2", "--devices", "3"]);
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("does not divide the 3 devices per node"));
