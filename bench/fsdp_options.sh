@@ -17,13 +17,15 @@ variants=(
   "kept+prefetch|mesh.fsdp_reshard_after_forward=false mesh.fsdp_prefetch=true"
   "kept, no prefetch|mesh.fsdp_reshard_after_forward=false mesh.fsdp_prefetch=false"
 )
-declare -A times
+declare -A times=()
+n=0
 for round in $(seq "$rounds"); do
   for v in "${variants[@]}"; do
     name=${v%%|*}
     sets=()
     for s in ${v#*|}; do sets+=(--set "$s"); done
-    run="$dir/run-$round-${#times[@]}-$RANDOM"
+    n=$((n + 1))
+    run="$dir/run-$n"
     "$engine" train --recipe tiny-llama2 --set model.n_layers=4 --steps 4 --devices 4 --set mesh.ici_fsdp=4 --set mesh.ici_data=1 \
       --set train.perf_warmup_steps=1 --set train.profile_step=0 "${sets[@]}" --run-dir "$run" >/dev/null 2>&1
     t=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['median_step_time_s'])" "$run/summary.json")

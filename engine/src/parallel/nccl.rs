@@ -2,8 +2,13 @@
 //! creates and the rendezvous hands to every rank ([`crate::parallel::rendezvous`]).
 //!
 //! NCCL is loaded at run time (cudarc's dynamic loading, `libnccl.so.2`), like the other CUDA
-//! libraries. Every operation is issued on the backend's stream, in place on its buffers: no
-//! host round trip, ordered with the kernels around it. A group of the mesh (one axis's ranks)
+//! libraries. Every operation runs on a second stream of its own, in place on the backend's
+//! buffers (no host round trip), ordered with the kernels by events: the communication stream
+//! waits for the compute stream's work issued before the operation; the compute stream waits
+//! for the operation right away (a synchronous collective) or at [`Collectives::wait`] (one
+//! started ahead: FSDP's prefetched gathers and the gradient buckets, which thus overlap the
+//! kernels issued meanwhile). One stream for every operation keeps them in issue order, as NCCL
+//! needs for operations on one communicator. A group of the mesh (one axis's ranks)
 //! gets its own communicator, split from the world's the first time the group is used; every
 //! rank reaches that first use at the same point of the step (the passes are the same on every
 //! rank), which is what `ncclCommSplit`, a collective call, requires.
@@ -12,6 +17,7 @@ use std::collections::HashMap;
 use std::ffi::c_void;
 
 use anyhow::{Result, anyhow, bail};
+use cudarc::driver::{result as cu, sys as driver};
 use cudarc::nccl::{result, sys};
 
 use super::comm::Collectives;
@@ -25,6 +31,22 @@ pub struct Nccl {
     world: sys::ncclComm_t,
     size: usize,
     groups: HashMap<Vec<usize>, sys::ncclComm_t>,
+    /// The communication stream, created on first use (the backend's context is current then).
+    side: Option<Side>,
+}
+
+/// The communication stream and its events.
+struct Side {
+    stream: driver::CUstream,
+    /// Recorded on the compute stream before each operation; the communication stream waits
+    /// for it.
+    issued: driver::CUevent,
+    /// Recorded on the communication stream; the compute stream waits for it.
+    done: driver::CUevent,
+    /// Operations started and not yet waited for.
+    started: usize,
+    /// Outputs of started gathers, whose bf16 copies are refreshed at the wait.
+    gathered: Vec<View>,
 }
 
 // SAFETY: communicators are used by one thread at a time (the trainer's), as NCCL requires;
@@ -53,7 +75,7 @@ impl Nccl {
         // SAFETY: a valid out pointer and id; collective over the `size` ranks of the job.
         unsafe { result::comm_init_rank(&mut world, size as i32, unique, rank as i32) }
             .map_err(|e| anyhow!("NCCL: rank {rank} of {size} cannot join the job: {e:?}"))?;
-        Ok(Nccl { rank, world, size, groups: HashMap::new() })
+        Ok(Nccl { rank, world, size, groups: HashMap::new(), side: None })
     }
 
     /// The communicator of `group`: the world's, or one split from it on first use.
@@ -82,15 +104,85 @@ impl Drop for Nccl {
             // SAFETY: communicators this struct created, destroyed once.
             let _ = unsafe { result::comm_destroy(comm) };
         }
+        if let Some(side) = self.side.take() {
+            // SAFETY: created by `Nccl::side`, destroyed once, after the communicators' work.
+            unsafe {
+                let _ = cu::stream::synchronize(side.stream);
+                let _ = cu::event::destroy(side.issued);
+                let _ = cu::event::destroy(side.done);
+                let _ = cu::stream::destroy(side.stream);
+            }
+        }
     }
 }
 
-/// Address, NCCL type and stream of a view.
-fn target(be: &Cuda, v: View) -> (*mut c_void, sys::ncclDataType_t, sys::cudaStream_t) {
+/// A failed stream or event call: the device is unusable, nothing sensible can follow.
+fn stream_check<T>(what: &str, r: std::result::Result<T, cudarc::driver::DriverError>) -> T {
+    r.unwrap_or_else(|e| panic!("CUDA: {what} failed for the NCCL communication stream: {e}"))
+}
+
+impl Nccl {
+    /// Orders the next operation after the compute stream's work so far and returns the
+    /// communication stream to issue it on.
+    fn begin(&mut self, compute: driver::CUstream) -> sys::cudaStream_t {
+        let side = self.side.get_or_insert_with(|| {
+            let flags = driver::CUevent_flags::CU_EVENT_DISABLE_TIMING;
+            Side {
+                stream: stream_check("creating", cu::stream::create(cu::stream::StreamKind::NonBlocking)),
+                issued: stream_check("creating an event", cu::event::create(flags)),
+                done: stream_check("creating an event", cu::event::create(flags)),
+                started: 0,
+                gathered: Vec::new(),
+            }
+        });
+        // SAFETY: live stream and events of this context.
+        unsafe {
+            stream_check("recording", cu::event::record(side.issued, compute));
+            let wait = driver::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT;
+            stream_check("waiting", cu::stream::wait_event(side.stream, side.issued, wait));
+        }
+        side.stream as sys::cudaStream_t
+    }
+
+    /// Makes the compute stream wait for every operation issued so far.
+    fn join(&mut self, compute: driver::CUstream) {
+        let Some(side) = &mut self.side else { return };
+        // SAFETY: live stream and events of this context.
+        unsafe {
+            stream_check("recording", cu::event::record(side.done, side.stream));
+            let wait = driver::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT;
+            stream_check("waiting", cu::stream::wait_event(compute, side.done, wait));
+        }
+    }
+
+    fn all_reduce(&mut self, be: &mut Cuda, buf: View, group: &[usize]) {
+        let comm = self.comm(group);
+        let (ptr, dtype, compute) = target(be, buf);
+        let stream = self.begin(compute);
+        // SAFETY: in place on a live device buffer of `buf.len` elements, ordered by events.
+        check("all-reduce", unsafe {
+            result::all_reduce(ptr, ptr, buf.len, dtype, sys::ncclRedOp_t::ncclSum, comm, stream)
+        });
+    }
+
+    fn all_gather_on_side(&mut self, be: &mut Cuda, input: View, output: View, group: &[usize]) -> driver::CUstream {
+        assert_eq!(output.len, input.len * group.len(), "all-gather sizes");
+        let comm = self.comm(group);
+        let ((src, t, compute), (dst, u, _)) = (target(be, input), target(be, output));
+        assert!(t == u, "internal error: all-gather between element types");
+        let stream = self.begin(compute);
+        // SAFETY: live device buffers of the asserted sizes, ordered by events.
+        check("all-gather", unsafe { result::all_gather(src, dst, input.len, t, comm, stream) });
+        compute
+    }
+}
+
+/// Address, NCCL type and compute stream of a view.
+fn target(be: &Cuda, v: View) -> (*mut c_void, sys::ncclDataType_t, driver::CUstream) {
     let (ptr, bf16, stream) = be.raw_view(v);
     let stream = stream.expect("NCCL needs a GPU, not the emulator");
     let dtype = if bf16 { sys::ncclDataType_t::ncclBfloat16 } else { sys::ncclDataType_t::ncclFloat32 };
-    (ptr as *mut c_void, dtype, stream as sys::cudaStream_t)
+    (ptr as *mut c_void, dtype, stream)
 }
 
 fn check(op: &str, r: std::result::Result<result::NcclStatus, result::NcclError>) {
@@ -106,35 +198,55 @@ impl Collectives<Cuda> for Nccl {
     }
 
     fn all_reduce_sum(&mut self, be: &mut Cuda, buf: View, group: &[usize]) {
-        let comm = self.comm(group);
-        let (ptr, dtype, stream) = target(be, buf);
-        // SAFETY: in place on a live device buffer of `buf.len` elements, on the backend's stream.
-        check("all-reduce", unsafe {
-            result::all_reduce(ptr, ptr, buf.len, dtype, sys::ncclRedOp_t::ncclSum, comm, stream)
-        });
+        self.all_reduce(be, buf, group);
+        self.join(target(be, buf).2);
         be.written(buf);
     }
 
     fn reduce_scatter_sum(&mut self, be: &mut Cuda, input: View, output: View, group: &[usize]) {
         assert_eq!(input.len, output.len * group.len(), "reduce-scatter sizes");
         let comm = self.comm(group);
-        let ((src, t, stream), (dst, u, _)) = (target(be, input), target(be, output));
+        let ((src, t, compute), (dst, u, _)) = (target(be, input), target(be, output));
         assert!(t == u, "internal error: reduce-scatter between element types");
-        // SAFETY: live device buffers of the asserted sizes, on the backend's stream.
+        let stream = self.begin(compute);
+        // SAFETY: live device buffers of the asserted sizes (the output may be the input's own
+        // part, NCCL's in-place form), ordered by events.
         check("reduce-scatter", unsafe {
             result::reduce_scatter(src, dst, output.len, t, sys::ncclRedOp_t::ncclSum, comm, stream)
         });
+        self.join(compute);
         be.written(output);
     }
 
     fn all_gather(&mut self, be: &mut Cuda, input: View, output: View, group: &[usize]) {
-        assert_eq!(output.len, input.len * group.len(), "all-gather sizes");
-        let comm = self.comm(group);
-        let ((src, t, stream), (dst, u, _)) = (target(be, input), target(be, output));
-        assert!(t == u, "internal error: all-gather between element types");
-        // SAFETY: live device buffers of the asserted sizes, on the backend's stream.
-        check("all-gather", unsafe { result::all_gather(src, dst, input.len, t, comm, stream) });
+        let compute = self.all_gather_on_side(be, input, output, group);
+        self.join(compute);
         be.written(output);
+    }
+
+    fn all_reduce_sum_start(&mut self, be: &mut Cuda, buf: View, group: &[usize]) {
+        self.all_reduce(be, buf, group);
+        self.side.as_mut().expect("begun").started += 1;
+    }
+
+    fn all_gather_start(&mut self, be: &mut Cuda, input: View, output: View, group: &[usize]) {
+        self.all_gather_on_side(be, input, output, group);
+        let side = self.side.as_mut().expect("begun");
+        side.started += 1;
+        side.gathered.push(output);
+    }
+
+    fn wait(&mut self, be: &mut Cuda) {
+        let Some(side) = &mut self.side else { return };
+        if side.started == 0 {
+            return;
+        }
+        side.started = 0;
+        let gathered = std::mem::take(&mut side.gathered);
+        self.join(be.compute_stream().expect("NCCL needs a GPU, not the emulator"));
+        for v in gathered {
+            be.written(v);
+        }
     }
 }
 
@@ -154,5 +266,17 @@ impl Collectives<Traced<Cuda>> for Nccl {
 
     fn all_gather(&mut self, be: &mut Traced<Cuda>, input: View, output: View, group: &[usize]) {
         Collectives::<Cuda>::all_gather(self, &mut be.inner, input, output, group)
+    }
+
+    fn all_reduce_sum_start(&mut self, be: &mut Traced<Cuda>, buf: View, group: &[usize]) {
+        Collectives::<Cuda>::all_reduce_sum_start(self, &mut be.inner, buf, group)
+    }
+
+    fn all_gather_start(&mut self, be: &mut Traced<Cuda>, input: View, output: View, group: &[usize]) {
+        Collectives::<Cuda>::all_gather_start(self, &mut be.inner, input, output, group)
+    }
+
+    fn wait(&mut self, be: &mut Traced<Cuda>) {
+        Collectives::<Cuda>::wait(self, &mut be.inner)
     }
 }

@@ -268,6 +268,12 @@ impl Cuda {
         ptr
     }
 
+    /// The stream the ops run on (none on the emulator), for work ordered with them from
+    /// outside the backend (NCCL's communication stream waits for it and it for that stream).
+    pub fn compute_stream(&self) -> Option<sys::CUstream> {
+        self.dev.stream()
+    }
+
     /// For a communication library that works in place on this backend's stream: the address
     /// of a view's exact values (f32, or bf16 for activations), whether they are bf16, and the
     /// stream (none on the emulator). After writing into a view, call [`Cuda::written`].
