@@ -35,6 +35,7 @@
 
 use std::cmp::Ordering;
 use std::collections::{BinaryHeap, HashMap};
+use std::hash::{BuildHasher, Hasher};
 use std::path::Path;
 
 use anyhow::{Context, Result, anyhow, bail};
@@ -316,8 +317,9 @@ impl SpModel {
                 format!("the precompiled_charsmap of normalizer `{}` is damaged", self.normalizer_name)
             })?)
         };
+        let pieces: Map<String, u32> = matchable.iter().map(|(p, &id)| (p.to_string(), id)).collect();
         // PieceToId: the reserved pieces first, then the others.
-        let mut names: HashMap<String, u32> = matchable.iter().map(|(p, &id)| (p.to_string(), id)).collect();
+        let mut names = pieces.clone();
         names.extend(reserved.iter().map(|(p, &id)| (p.to_string(), id)));
         Ok(SpTokenizer {
             normalizer: Normalizer {
@@ -335,6 +337,7 @@ impl SpModel {
             byte_ids,
             user: user.freeze(),
             vocab: vocab.freeze(),
+            pieces,
             names,
         })
     }
@@ -394,6 +397,37 @@ impl Trie {
     }
 }
 
+/// A hash map with [`Fx`] hashing.
+type Map<K, V> = HashMap<K, V, FxBuild>;
+
+/// The multiply-rotate hash of Firefox and rustc (FxHash): the keys are a model's pieces and the
+/// pieces of text looked up among them, short strings where SipHash's cost dominated BPE.
+#[derive(Default, Clone, Copy)]
+struct FxBuild;
+
+impl BuildHasher for FxBuild {
+    type Hasher = Fx;
+    fn build_hasher(&self) -> Fx {
+        Fx(0)
+    }
+}
+
+/// The state of [`FxBuild`]'s hash.
+struct Fx(u64);
+
+impl Hasher for Fx {
+    fn write(&mut self, bytes: &[u8]) {
+        for chunk in bytes.chunks(8) {
+            let mut word = [0u8; 8];
+            word[..chunk.len()].copy_from_slice(chunk);
+            self.0 = (self.0.rotate_left(5) ^ u64::from_le_bytes(word)).wrapping_mul(0x517c_c1b7_2722_0a95);
+        }
+    }
+    fn finish(&self) -> u64 {
+        self.0
+    }
+}
+
 /// No value at a trie node; no id.
 const NONE: u32 = u32::MAX;
 
@@ -423,12 +457,10 @@ impl FrozenTrie {
 
     /// The length of the longest piece that is a prefix of `text`.
     fn longest(&self, text: &[u8]) -> Option<usize> {
+        if self.labels.is_empty() {
+            return None; // no pieces (models without user-defined symbols)
+        }
         self.prefixes(text).last().map(|(len, _)| len)
-    }
-
-    /// The id of the piece `key`.
-    fn get(&self, key: &[u8]) -> Option<u32> {
-        self.prefixes(key).last().filter(|&(len, _)| len == key.len()).map(|(_, id)| id)
     }
 }
 
@@ -588,8 +620,10 @@ pub struct SpTokenizer {
     user: FrozenTrie,
     /// Normal, user-defined and unused pieces: those that can match text.
     vocab: FrozenTrie,
+    /// The same pieces by their text (BPE's lookups of merged pairs).
+    pieces: Map<String, u32>,
     /// Every piece's id by its text (`PieceToId`: control, unknown and byte pieces first).
-    names: HashMap<String, u32>,
+    names: Map<String, u32>,
 }
 
 /// Unigram scores past which the best path scores are shifted back to 0 (0.2.3's encoder).
@@ -742,7 +776,7 @@ impl SpTokenizer {
             }
             let (l, r) = (&symbols[left], &symbols[right]);
             let merged = &text[l.start..l.start + l.len + r.len];
-            let Some(id) = self.vocab.get(merged.as_bytes()) else { return };
+            let Some(&id) = self.pieces.get(merged) else { return };
             agenda.push(Pair { score: self.scores[id as usize], left, right, len: merged.len() });
             if self.kinds[id as usize] == PieceType::Unused {
                 unmerge.insert(merged, (span(l), span(r)));
