@@ -44,8 +44,8 @@ section "lints"
 cargo clippy --release --workspace --all-targets --locked -- -D warnings
 
 section "python tools for the tests"
-# TensorBoard's own reader opens the engine's event files (engine/tests/metrics.rs); the test
-# fails rather than skips when ENGINE_TEST_REQUIRE_PYTHON=1.
+# TensorBoard's own reader opens the engine's event files (engine/tests/metrics.rs); the tests
+# fail rather than skip when ENGINE_TEST_REQUIRE_PYTHON=1.
 if ! python3 -c "import venv, ensurepip" 2>/dev/null; then
     sudo=$(command -v sudo || true)
     $sudo apt-get -o DPkg::Lock::Timeout=600 update
@@ -56,6 +56,10 @@ if ! "$venv/bin/python" -c "import tensorboard" 2>/dev/null; then
     python3 -m venv "$venv"
     "$venv/bin/pip" install --quiet tensorboard
 fi
+# The reference SentencePiece (engine/tests/sentencepiece.rs trains models with it and compares
+# encodings); pinned, since the engine follows this release's Unigram encoder. protobuf edits models.
+"$venv/bin/python" -c "import sentencepiece as s, google.protobuf; assert s.__version__ == '0.2.3'" 2>/dev/null \
+    || "$venv/bin/python" -m pip install --quiet --disable-pip-version-check sentencepiece==0.2.3 protobuf
 export ENGINE_TEST_PYTHON="$PWD/$venv/bin/python" ENGINE_TEST_REQUIRE_PYTHON=1
 
 section "workflows: actionlint, shellcheck, project rules"

@@ -1,5 +1,5 @@
 //! Tokenizers: Hugging Face `tokenizer.json` files through the `tokenizers` crate, and
-//! SentencePiece `.model` files converted to the same pipeline ([`super::sentencepiece`]).
+//! SentencePiece `.model` files through the engine's own encoder ([`super::sentencepiece`]).
 
 use std::path::{Path, PathBuf};
 
