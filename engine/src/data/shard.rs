@@ -201,7 +201,9 @@ impl Shard {
         }
         let width = self.header.token_bytes as usize;
         let bytes = &self.map[HEADER_LEN..];
-        let pieces: Vec<(Option<(usize, u32)>, [u8; 32])> = bytes
+        // Per digest piece: its first token outside the vocabulary (position, value), its SHA-256.
+        type Piece = (Option<(usize, u32)>, [u8; 32]);
+        let pieces: Vec<Piece> = bytes
             .par_chunks(PIECE_BYTES)
             .enumerate()
             .map(|(i, piece)| {
