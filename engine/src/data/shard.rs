@@ -147,8 +147,16 @@ impl Header {
         if h.token_bytes != 2 && h.token_bytes != 4 {
             bail!("{p}: {} bytes per token (expected 2 or 4)", h.token_bytes);
         }
-        let expected = HEADER_LEN as u64 + h.tokens * h.token_bytes as u64;
-        if len != expected {
+        // Checked: a header announcing 2^63 tokens of 2 bytes would otherwise wrap to a small
+        // length that a file can match, and the loader would read past the map.
+        let expected = h.tokens.checked_mul(h.token_bytes as u64).and_then(|n| n.checked_add(HEADER_LEN as u64));
+        if expected != Some(len) {
+            let Some(expected) = expected else {
+                bail!(
+                    "{p}: its header announces {} tokens, more than any file holds (damaged?); rewrite it with `engine data prepare`",
+                    h.tokens
+                );
+            };
             bail!(
                 "{p} is {len} bytes but its header announces {} tokens ({expected} bytes): the shard is truncated or damaged",
                 h.tokens
@@ -561,6 +569,16 @@ mod tests {
         assert!(e.contains("a.tok") && e.contains("truncated"), "{e}");
         std::fs::write(&path, b"hello").unwrap();
         assert!(Shard::open(&path).err().unwrap().to_string().contains("not a token shard"));
+        // Found by fuzzing (fuzz/seeds/shard/overflow): 2^63 + 3 tokens of 2 bytes wrapped to 6
+        // bytes, so a 70-byte file passed and the loader would read past it.
+        let mut header =
+            Header { token_bytes: 2, tokens: (1 << 63) + 3, documents: 1, vocab_size: 9, eos: 0, digest: [0; 24] }
+                .to_bytes()
+                .to_vec();
+        header.extend_from_slice(&[1, 0, 2, 0, 0, 0]);
+        std::fs::write(&path, &header).unwrap();
+        let e = Shard::open(&path).err().unwrap().to_string();
+        assert!(e.contains("announces 9223372036854775811 tokens, more than any file holds"), "{e}");
         let empty = tempfile::tempdir().unwrap();
         assert!(Shards::open(empty.path()).err().unwrap().to_string().contains("holds no token shards"));
     }
