@@ -1,7 +1,8 @@
 //! File-system helpers shared by every part of the crate: writes that never leave something
 //! half-written that later looks valid (atomic replacement, temporary files committed by
-//! rename), and copies and removals of trees.
+//! rename), copies and removals of trees, and one owner per directory ([`DirLock`]).
 
+use crate::error::bad_input;
 use anyhow::{Context, Result};
 use std::fs::{self, File};
 use std::io::Write;
@@ -105,6 +106,101 @@ pub fn remove_all(path: &Path) -> Result<()> {
     }
 }
 
+/// A hold on a directory for this process's life: an OS lock (`flock`, through the standard
+/// library's `File::try_lock`) on `DIR/.lock`, so a process that dies, however it dies, releases
+/// it. As the engine's `DirLock` for run directories (the two crates share no code by design):
+/// the holder writes its PID into the file for the message a second process gets.
+///
+/// A writer holds it exclusively; readers that only need the directory not to change under them
+/// (`distro push` and `load` of a layout) hold it shared, so any number of them run at once and
+/// none while a writer does.
+#[derive(Debug)]
+pub struct DirLock {
+    _file: File,
+}
+
+impl DirLock {
+    /// Takes the exclusive lock of `dir` (which must exist) without waiting. `what` names the
+    /// directory in the error (`OCI layout`), `advice` says what to do instead. A directory
+    /// in use is bad input (exit code 2): one line naming it and the process holding it.
+    pub fn exclusive(dir: &Path, what: &str, advice: &str) -> Result<DirLock> {
+        let path = dir.join(LOCK_FILE);
+        let file = fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&path)
+            .with_context(|| format!("cannot open {}", path.display()))?;
+        Self::take(file, &path, dir, what, advice, false)?.context("an exclusive lock is always taken")
+    }
+
+    /// Takes a shared lock of `dir` without waiting: refused while a writer holds it, never by
+    /// other readers. Returns `None`, holding nothing, when `dir` cannot hold a lock file (a
+    /// read-only directory that no distro process ever locked: nobody writes it through us).
+    pub fn shared(dir: &Path, what: &str, advice: &str) -> Result<Option<DirLock>> {
+        let path = dir.join(LOCK_FILE);
+        let opened = fs::OpenOptions::new().read(true).write(true).create(true).truncate(false).open(&path);
+        let file = match opened {
+            Ok(f) => f,
+            // flock needs no write access: an existing lock file of a read-only layout still locks.
+            Err(e) if is_read_only(&e) => match File::open(&path) {
+                Ok(f) => f,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+                Err(e) => return Err(e).with_context(|| format!("cannot open {}", path.display())),
+            },
+            Err(e) => return Err(e).with_context(|| format!("cannot open {}", path.display())),
+        };
+        Self::take(file, &path, dir, what, advice, true)
+    }
+
+    fn take(
+        mut file: File,
+        path: &Path,
+        dir: &Path,
+        what: &str,
+        advice: &str,
+        shared: bool,
+    ) -> Result<Option<DirLock>> {
+        let taken = if shared { file.try_lock_shared() } else { file.try_lock() };
+        match taken {
+            Ok(()) => {}
+            Err(fs::TryLockError::WouldBlock) => {
+                return Err(bad_input(format!("{what} {} is in use by {}; {advice}", dir.display(), holder(path))));
+            }
+            Err(fs::TryLockError::Error(e)) => {
+                return Err(e).with_context(|| format!("cannot lock {}", path.display()));
+            }
+        }
+        // Readers write their PID too (the last one's stays), so that a writer refused while
+        // they read can name one; a line end keeps a shorter PID written over a longer one whole.
+        // A file opened read-only cannot say who holds it, which only costs the name.
+        let _ = file.set_len(0).and_then(|()| file.write_all(format!("{}\n", std::process::id()).as_bytes()));
+        Ok(Some(DirLock { _file: file }))
+    }
+}
+
+/// The name of a directory's lock file, `DIR/.lock`.
+pub const LOCK_FILE: &str = ".lock";
+
+fn is_read_only(e: &std::io::Error) -> bool {
+    matches!(e.kind(), std::io::ErrorKind::PermissionDenied | std::io::ErrorKind::ReadOnlyFilesystem)
+}
+
+/// Who holds the lock file at `path`: `process PID` from its first line, or `another process`
+/// when it names none, or a process that has exited (on Linux, where `/proc` tells: a reader
+/// that wrote its PID last may be gone while an earlier one still reads).
+pub fn holder(path: &Path) -> String {
+    let text = fs::read_to_string(path).unwrap_or_default();
+    let pid = text.lines().next().unwrap_or("").trim();
+    let gone = Path::new("/proc/self").exists() && !Path::new("/proc").join(pid).exists();
+    if pid.is_empty() || !pid.bytes().all(|b| b.is_ascii_digit()) || gone {
+        "another process".to_owned()
+    } else {
+        format!("process {pid}")
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -139,6 +235,47 @@ mod tests {
         assert!(write_if_changed(&p, b"x").unwrap());
         assert!(!write_if_changed(&p, b"x").unwrap());
         assert!(write_if_changed(&p, b"y").unwrap());
+    }
+
+    #[test]
+    fn a_written_directory_names_its_holder_until_released() {
+        let dir = tempfile::tempdir().unwrap();
+        let held = DirLock::exclusive(dir.path(), "OCI layout", "wait").unwrap();
+        // A second open file description conflicts even within one process.
+        let me = format!("is in use by process {}; wait for it", std::process::id());
+        let e = DirLock::exclusive(dir.path(), "OCI layout", "wait for it").unwrap_err();
+        assert!(crate::error::is_bad_input(&e) && e.to_string().contains(&me), "{e}");
+        let e = DirLock::shared(dir.path(), "OCI layout", "wait for it").unwrap_err().to_string();
+        assert!(e.starts_with(&format!("OCI layout {} ", dir.path().display())) && e.contains(&me), "{e}");
+        drop(held);
+        DirLock::exclusive(dir.path(), "OCI layout", "wait").unwrap();
+    }
+
+    #[test]
+    fn readers_share_a_directory_and_keep_writers_out() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = DirLock::shared(dir.path(), "OCI layout", "wait").unwrap().unwrap();
+        let b = DirLock::shared(dir.path(), "OCI layout", "wait").unwrap().unwrap();
+        let e = DirLock::exclusive(dir.path(), "OCI layout", "wait").unwrap_err().to_string();
+        assert!(e.contains(&format!("in use by process {}", std::process::id())), "{e}");
+        drop(a);
+        assert!(DirLock::exclusive(dir.path(), "OCI layout", "wait").is_err(), "one reader still holds it");
+        drop(b);
+        DirLock::exclusive(dir.path(), "OCI layout", "wait").unwrap();
+    }
+
+    #[test]
+    fn a_holder_that_exited_or_wrote_nothing_is_not_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(".lock");
+        // PID 2^22 + 1 is above Linux's pid_max limit: no such process can exist.
+        for (text, expected) in [("4194305\n", "another process"), ("", "another process"), ("x", "another process")] {
+            fs::write(&path, text).unwrap();
+            assert_eq!(holder(&path), expected, "{text:?}");
+        }
+        // A shorter PID written over a longer one: the first line is whole.
+        fs::write(&path, format!("{}\n\n", std::process::id())).unwrap();
+        assert_eq!(holder(&path), format!("process {}", std::process::id()));
     }
 
     #[test]

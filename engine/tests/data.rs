@@ -340,3 +340,53 @@ fn interrupted_or_damaged_preparations_never_train() {
     assert!(!dir.join("r5").exists() && !dir.join("r6").exists(), "a refused run leaves no run directory");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A run resumes only on the data it trained on, even when a shard keeps its length: a shard
+/// prepared again (a new header digest) is refused at the resume naming it, one edited in place
+/// (the header kept) when it is opened. Before the data record, both resumed on other tokens.
+#[test]
+fn a_resumed_run_whose_shards_changed_content_is_refused() {
+    let dir = scratch("resume-changed");
+    let out = dir.join("shards");
+    assert!(prepare_shakespeare(&out, &["--shard-tokens", "2000", "--separator", ""]).status.success());
+    let shards = report(&out).shards;
+    let path = format!("data.path={}", out.display());
+    let run = dir.join("run");
+    let train = |steps: &'static str, resume: bool| {
+        let mut a = vec!["train", "--recipe", "tiny-llama2", "--steps", steps, "--run-dir", s(&run)];
+        a.extend(["--set", "data.source=shards", "--set", &path, "--set", "model.vocab_size=512"]);
+        a.extend(["--set", "train.checkpoint_every=2"]);
+        if resume {
+            a.push("--resume");
+        }
+        a.into_iter().map(String::from).collect::<Vec<String>>()
+    };
+    fn args(v: &[String]) -> Vec<&str> {
+        v.iter().map(String::as_str).collect()
+    }
+    ok(&args(&train("2", false)));
+
+    // The same length, other tokens, and a header that says so: a shard prepared again.
+    let second = out.join(&shards[1]);
+    let original = std::fs::read(&second).unwrap();
+    let mut bytes = original.clone();
+    let token = u16::from_le_bytes([bytes[64], bytes[65]]);
+    bytes[64..66].copy_from_slice(&((token + 1) % 256).to_le_bytes());
+    let digest = engine::data::shard::content_digest(&bytes[64..]);
+    bytes[40..64].copy_from_slice(&digest);
+    std::fs::write(&second, &bytes).unwrap();
+    let e = fails(&args(&train("4", true)), &format!("shard {} in data.path = {}", shards[1], out.display()));
+    assert!(e.contains("changed since the checkpoint was saved"), "{e}");
+
+    // The same edit with the old header kept: the shard no longer matches its digest.
+    bytes[40..64].copy_from_slice(&original[40..64]);
+    std::fs::write(&second, &bytes).unwrap();
+    let e = fails(&args(&train("4", true)), "do not match the content digest in its header");
+    assert!(e.contains(&shards[1]), "{e}");
+
+    // The data put back, the run resumes.
+    std::fs::write(&second, &original).unwrap();
+    let resumed = ok(&args(&train("4", true)));
+    assert!(resumed.contains("resuming after step 2"), "{resumed}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

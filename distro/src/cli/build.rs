@@ -1,7 +1,9 @@
 //! `distro build`: its arguments, and what it prints (the index digest, last, on stdout).
 use super::parse_ref;
 use crate::error::bad_input;
-use crate::image::build::{BuildOptions, build};
+use crate::fsutil::DirLock;
+use crate::image::build::{BuildDir, BuildOptions, build};
+use crate::image::workspace::Workspace;
 use crate::oci::platform::Platform;
 use crate::progress::Progress;
 use crate::publish::layout::OciLayout;
@@ -9,9 +11,9 @@ use crate::publish::publish;
 use crate::publish::registry::Registry;
 use crate::registry::auth::Credentials;
 use crate::registry::client::Client;
-use anyhow::Result;
+use anyhow::{Context, Result};
 use clap::Args;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 /// The arguments of `distro build`.
@@ -65,6 +67,18 @@ pub fn build_cmd(a: BuildArgs) -> Result<ExitCode> {
     };
     let start_dir = std::env::current_dir()?;
     let push = a.push.as_deref().map(|p| parse_ref(p, "--push")).transpose()?;
+    // One owner per directory, taken before any work so that a refused build changes nothing:
+    // the build directory, then the layout this build will write (created now, to be locked).
+    let build_dir = BuildDir::lock(&Workspace::open(&start_dir)?)?;
+    let layout = match (a.output, &push) {
+        (Some(o), _) => Some(o),
+        (None, None) => Some(build_dir.path().join("oci")),
+        (None, Some(_)) => None,
+    };
+    let _layout_lock = match &layout {
+        Some(dir) => lock_layout(dir, &build_dir)?,
+        None => None,
+    };
     let opts = BuildOptions {
         patches: a.patch,
         source_overrides: a.source,
@@ -76,13 +90,8 @@ pub fn build_cmd(a: BuildArgs) -> Result<ExitCode> {
     };
     // One client pulls the base and pushes, with the credentials of the registry pushed to.
     let client = Client::new(Credentials::from_environment(push.as_ref().map(|r| r.api_host()))?, a.insecure)?;
-    let built = build(&opts, &client, &progress)?;
+    let built = build(&opts, &build_dir, &client, &progress)?;
     // The layout: where asked, else target/distro/oci unless pushing.
-    let layout = match (a.output, &push) {
-        (Some(o), _) => Some(o),
-        (None, None) => Some(built.build_dir.join("oci")),
-        (None, Some(_)) => None,
-    };
     if let Some(dir) = &layout {
         publish(&OciLayout { dir: dir.clone() }, &built.bundle, &progress)?;
     }
@@ -94,4 +103,15 @@ pub fn build_cmd(a: BuildArgs) -> Result<ExitCode> {
     }
     println!("{}", built.index.digest);
     Ok(ExitCode::SUCCESS)
+}
+
+/// Creates and locks the layout `dir` for this build's life: two builds writing one layout would
+/// each remove, as unreferenced, the blobs the other just linked, or drop the other's tags. A
+/// layout that is the build directory itself is already held.
+fn lock_layout(dir: &Path, build_dir: &BuildDir) -> Result<Option<DirLock>> {
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    if std::fs::canonicalize(dir).ok() == std::fs::canonicalize(build_dir.path()).ok() {
+        return Ok(None);
+    }
+    DirLock::exclusive(dir, "OCI layout", "wait for it to finish, or choose another --output").map(Some)
 }

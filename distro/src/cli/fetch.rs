@@ -2,7 +2,7 @@
 //! `NAME<TAB>TREE<TAB>DIR` per source.
 use super::ManifestArg;
 use crate::error::bad_input;
-use crate::fsutil::write_if_changed;
+use crate::fsutil::{DirLock, write_if_changed};
 use crate::sources::{Cache, ExtraPatch, Lock, Overrides, SourceOverride, lock_for_run, materialise, out};
 use anyhow::{Context, Result};
 use clap::Args;
@@ -34,6 +34,14 @@ pub struct FetchArgs {
 
 /// Runs `distro fetch`: materialises the trees (copied out with `--out`) and lists them.
 pub fn fetch(args: FetchArgs) -> Result<()> {
+    // --out DIR has one writer at a time (a copy there is replaced by removal and rename).
+    let _out_lock = match &args.out {
+        Some(dir) => {
+            std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+            Some(DirLock::exclusive(dir, "fetch output directory", "wait for it to finish, or choose another --out")?)
+        }
+        None => None,
+    };
     let manifest = args.manifest.load()?;
     let cache = Cache::from_env()?;
     manifest.select(&args.names)?;

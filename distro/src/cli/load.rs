@@ -1,7 +1,6 @@
 //! `distro load`: loads refs of an OCI layout into the local Docker engine (or writes the tar
 //! `docker load` reads); prints the loaded `REPO:REF` names.
 use crate::oci::bundle::Bundle;
-use crate::oci::layout::Layout;
 use crate::oci::platform::Platform;
 use crate::progress::Progress;
 use crate::publish::daemon::Daemon;
@@ -35,7 +34,7 @@ pub struct LoadArgs {
 pub fn load_cmd(a: LoadArgs) -> Result<ExitCode> {
     let progress = Progress::new();
     let platform = a.platform.as_deref().map(Platform::parse).transpose()?;
-    let layout = Layout::open(&a.layout)?;
+    let (layout, _lock) = super::read_layout(&a.layout)?;
     let bundle = Bundle::from_layout(&layout, layout.refs()?)?;
     let daemon = Daemon { refs: a.refs, platform, repo: a.repo, output: a.output };
     for (name, _) in publish(&daemon, &bundle, &progress)?.names {

@@ -2,11 +2,13 @@
 //! prints; `main.rs` only dispatches here. Results meant for scripts go to stdout, progress and
 //! warnings to stderr. Nothing below this folder depends on it.
 use crate::error::bad_input;
+use crate::fsutil::DirLock;
+use crate::oci::layout::Layout;
 use crate::registry::reference::Reference;
 use crate::sources::{DEFAULT_MANIFEST, Manifest};
 use anyhow::Result;
 use clap::Args;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 pub mod build;
 pub mod bump;
@@ -69,6 +71,19 @@ pub fn chunk_size(s: &str) -> Result<u64, String> {
         Ok(n) if n > 0 => Ok(n),
         _ => Err(format!("`{s}` is not a chunk size: a number of bytes of at least 1")),
     }
+}
+
+/// Opens the layout `dir` for reading, held shared for the command's life: pushes and loads of
+/// one layout run side by side, and none while a build writes it (its garbage collection would
+/// remove blobs under them). The lock is taken first when the directory is a layout or holds a
+/// lock (a build may be creating it), so a path that is no layout is left untouched.
+fn read_layout(dir: &Path) -> Result<(Layout, Option<DirLock>)> {
+    let lock = if dir.join("oci-layout").is_file() || dir.join(crate::fsutil::LOCK_FILE).is_file() {
+        DirLock::shared(dir, "OCI layout", "wait for it to finish")?
+    } else {
+        None
+    };
+    Ok((Layout::open(dir)?, lock))
 }
 
 /// Parses an image reference given on the command line; a bad one is bad input (exit 2).

@@ -3,7 +3,6 @@
 use super::parse_ref;
 use crate::error::bad_input;
 use crate::oci::bundle::Bundle;
-use crate::oci::layout::Layout;
 use crate::oci::manifest::{Descriptor, is_index};
 use crate::progress::Progress;
 use crate::publish::publish;
@@ -39,7 +38,7 @@ pub fn push_cmd(a: PushArgs) -> Result<ExitCode> {
     if target.digest.is_some() {
         return Err(bad_input("REPO: push to a repository or REPO:TAG, not a digest"));
     }
-    let layout = Layout::open(&a.layout)?;
+    let (layout, _lock) = super::read_layout(&a.layout)?;
     let refs = layout.refs()?;
     let selected: Vec<(String, Descriptor)> = match &target.tag {
         Some(t) => match refs.iter().find(|(n, _)| n == t) {

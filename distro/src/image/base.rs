@@ -1,7 +1,7 @@
 //! The base image: resolved from a registry (verifying every digest) into the local blob
 //! store, and read back from it without network when it is pinned by digest and cached.
 use crate::oci::digest::Digest;
-use crate::oci::manifest::{Descriptor, OCI_CONFIG, OCI_INDEX, OCI_MANIFEST, is_index, to_oci_media_type};
+use crate::oci::manifest::{Descriptor, ImageParts, index_entry, is_index, media_type_of};
 use crate::oci::platform::Platform;
 use crate::oci::store::BlobStore;
 use crate::progress::Progress;
@@ -60,18 +60,12 @@ pub fn resolve(
             (f.bytes, f.digest, f.media_type)
         }
     };
-    let top: Value =
-        serde_json::from_slice(&top_bytes).with_context(|| format!("{reference}: manifest is not JSON"))?;
     let mut out = BTreeMap::new();
     if is_index(&top_type) {
-        let entries = top["manifests"].as_array().ok_or_else(|| anyhow!("{reference}: index without manifests"))?;
         for p in platforms {
-            let entry = entries
-                .iter()
-                .find(|e| e.get("platform").is_some_and(|pv| p.matches(pv)))
+            let d = index_entry(&top_bytes, p)
+                .with_context(|| format!("{reference}: index"))?
                 .ok_or_else(|| anyhow!("base image {reference} has no {p} manifest"))?;
-            let d = Digest::parse(entry["digest"].as_str().unwrap_or(""))
-                .with_context(|| format!("{reference}: index entry for {p}"))?;
             let bytes = manifest_bytes(client, reference, &d, store)?;
             out.insert(p.clone(), platform_part(client, reference, d, &bytes, store, progress)?);
         }
@@ -86,22 +80,6 @@ pub fn resolve(
         }
     }
     Ok(BaseImage { reference: reference.clone(), digest: top_digest, platforms: out })
-}
-
-/// The media type of a cached manifest. `mediaType` is optional in OCI documents (umoci and
-/// skopeo leave it out of image manifests), so without it the shape decides, as registries do.
-fn media_type_of(bytes: &[u8]) -> Option<String> {
-    let v: Value = serde_json::from_slice(bytes).ok()?;
-    if let Some(mt) = v.get("mediaType").and_then(Value::as_str) {
-        return Some(mt.to_string());
-    }
-    if v.get("manifests").is_some_and(Value::is_array) {
-        Some(OCI_INDEX.to_string())
-    } else if v.get("config").is_some() && v.get("layers").is_some() {
-        Some(OCI_MANIFEST.to_string())
-    } else {
-        None
-    }
 }
 
 fn manifest_bytes(client: &Client, r: &Reference, d: &Digest, store: &BlobStore) -> Result<Vec<u8>> {
@@ -121,26 +99,8 @@ fn platform_part(
     store: &BlobStore,
     progress: &Progress,
 ) -> Result<BasePlatform> {
-    let m: Value =
-        serde_json::from_slice(bytes).with_context(|| format!("{r}: manifest {manifest_digest} is not JSON"))?;
-    let desc = |v: &Value| -> Result<Descriptor> {
-        let mut d: Descriptor =
-            serde_json::from_value(v.clone()).with_context(|| format!("{r}: bad descriptor in {manifest_digest}"))?;
-        d.media_type = to_oci_media_type(&d.media_type).with_context(|| format!("{r}: {manifest_digest}"))?.to_string();
-        d.annotations = None;
-        d.platform = None;
-        Ok(d)
-    };
-    let config_desc = desc(&m["config"])?;
-    if config_desc.media_type != OCI_CONFIG {
-        bail!("{r}: {manifest_digest} is not an image manifest");
-    }
-    let layers: Vec<Descriptor> = m["layers"]
-        .as_array()
-        .ok_or_else(|| anyhow!("{r}: manifest {manifest_digest} has no layers"))?
-        .iter()
-        .map(desc)
-        .collect::<Result<_>>()?;
+    let ImageParts { config: config_desc, layers } =
+        ImageParts::parse(bytes).with_context(|| format!("{r}: manifest {manifest_digest}"))?;
     for d in std::iter::once(&config_desc).chain(&layers) {
         if !store.has(&d.digest) {
             let step = progress.step(format!("pulling {} ({} bytes) from {}", d.digest, d.size, r.name()));
@@ -155,17 +115,4 @@ fn platform_part(
         bail!("{r}: config lists {diff_ids} diff_ids for {} layers", layers.len());
     }
     Ok(BasePlatform { manifest_digest, config, config_digest: config_desc.digest, layers })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn media_type_without_the_field_comes_from_the_shape() {
-        assert_eq!(media_type_of(br#"{"schemaVersion":2,"config":{},"layers":[]}"#).as_deref(), Some(OCI_MANIFEST));
-        assert_eq!(media_type_of(br#"{"schemaVersion":2,"manifests":[]}"#).as_deref(), Some(OCI_INDEX));
-        assert_eq!(media_type_of(br#"{"mediaType":"x","manifests":[]}"#).as_deref(), Some("x"));
-        assert_eq!(media_type_of(br#"{"schemaVersion":2}"#), None);
-    }
 }

@@ -13,7 +13,7 @@ use super::sources::{PIN_ANNOTATION_PREFIX, SourcesInput};
 use super::workspace::Workspace;
 use crate::dated::{parse_date, rfc3339, utc_date};
 use crate::error::bad_input;
-use crate::fsutil::write_atomic;
+use crate::fsutil::{DirLock, write_atomic};
 use crate::oci::bundle::{BlobOrigin, Bundle, BundleBlob, ManifestDoc};
 use crate::oci::digest::Digest;
 use crate::oci::manifest::{
@@ -60,14 +60,41 @@ pub struct Built {
     /// platform, `NAME-YYYY-MM-DD-ARCH`, at that platform's manifest, for tools that cannot pick
     /// a platform from an index (umoci).
     pub bundle: Bundle,
-    /// The build directory ([`cache_dir`]), whose `oci/` is the default layout.
-    pub build_dir: PathBuf,
 }
 
 /// The build directory: `$DISTRO_TARGET_DIR`, else `<workspace>/target/distro` (the sources
 /// cache, `$DISTRO_CACHE_DIR`, is another, per-user directory).
 pub fn cache_dir(ws: &Workspace) -> PathBuf {
     std::env::var_os("DISTRO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| ws.root.join("target/distro"))
+}
+
+/// The build directory of a workspace ([`cache_dir`]), held by this process for its life: the
+/// stage's workspace copy is rewritten by every build and read by cargo for minutes, so two
+/// builds in one directory would build from each other's files. A second process is refused in
+/// one line naming the directory and the process holding it (exit code 2).
+#[derive(Debug)]
+pub struct BuildDir {
+    path: PathBuf,
+    _lock: DirLock,
+}
+
+impl BuildDir {
+    /// Creates (when missing) and locks the build directory of `ws`.
+    pub fn lock(ws: &Workspace) -> Result<BuildDir> {
+        let path = cache_dir(ws);
+        fs::create_dir_all(&path).with_context(|| format!("creating {}", path.display()))?;
+        let lock = DirLock::exclusive(
+            &path,
+            "build directory",
+            "wait for it to finish, or set DISTRO_TARGET_DIR to another directory to build beside it",
+        )?;
+        Ok(BuildDir { path, _lock: lock })
+    }
+
+    /// The directory.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
 }
 
 /// Resolves the epoch and the tag date. With `--date`, the epoch is the commit time whatever the
@@ -181,15 +208,16 @@ fn opt_distro_spec(sbom: Vec<u8>, cargo_lock: &[u8], sources: &SourcesInput) -> 
     Ok(distro)
 }
 
-/// Runs the build; `client` pulls the base image. Publishes nothing.
-pub fn build(opts: &BuildOptions, client: &Client, progress: &Progress) -> Result<Built> {
+/// Runs the build in `dir` (the workspace's build directory, held); `client` pulls the base
+/// image. Publishes nothing.
+pub fn build(opts: &BuildOptions, dir: &BuildDir, client: &Client, progress: &Progress) -> Result<Built> {
     let ws = Workspace::open(&opts.start_dir)?;
     let def_path = ws.root.join("images").join(format!("{}.toml", opts.image));
     let def = ImageDef::load(&def_path)?;
     let platforms = opts.platforms.clone().unwrap_or_else(|| def.platforms.clone());
     let (epoch, date) = epoch_and_date(&ws, opts.date.as_deref())?;
     let version = format!("{}-{date}", def.name);
-    let cache = cache_dir(&ws);
+    let cache = dir.path().to_path_buf();
     let store = BlobStore::new(cache.join("store"));
     let base_ref = opts.base.clone().unwrap_or_else(|| def.base.clone());
     if base_ref.digest.is_none() {
@@ -332,5 +360,5 @@ pub fn build(opts: &BuildOptions, client: &Client, progress: &Progress) -> Resul
         refs.push((format!("{version}-{}", p.architecture), md.clone()));
     }
     let bundle = Bundle { name: version, store, blobs, manifests: manifest_docs, refs };
-    Ok(Built { index: index_desc, bundle, build_dir: cache })
+    Ok(Built { index: index_desc, bundle })
 }

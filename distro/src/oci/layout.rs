@@ -72,7 +72,9 @@ impl Layout {
     }
 
     /// Adds `blobs` (from `from`) and sets `refs` (replacing same-named ones, keeping others),
-    /// then removes blobs nothing references any more.
+    /// then removes blobs nothing references any more and the temporary files of writers that
+    /// were killed. The caller must hold the layout's lock (`fsutil::DirLock`, as `distro build`
+    /// does): two writers would remove each other's new blobs and temporaries.
     pub fn write(&self, from: &BlobStore, blobs: &[Digest], refs: &[(String, Descriptor)]) -> Result<()> {
         fs::create_dir_all(&self.dir).with_context(|| format!("creating {}", self.dir.display()))?;
         if fs::read(self.dir.join("oci-layout")).ok().as_deref() != Some(OCI_LAYOUT) {
@@ -144,6 +146,19 @@ impl Layout {
                 fs::remove_file(self.store.path(&d)).with_context(|| format!("removing unreferenced blob {d}"))?;
             }
         }
+        // Under the lock, a temporary file (a blob's `.HEX.tmp-PID-N`, `index.json`'s
+        // `.distro-*.tmp`) can only be what a killed writer left.
+        for dir in [self.dir.join("blobs/sha256"), self.dir.clone()] {
+            let Ok(entries) = fs::read_dir(&dir) else { continue };
+            for e in entries.filter_map(|e| e.ok()) {
+                let name = e.file_name().to_string_lossy().into_owned();
+                let temporary = name.starts_with('.') && (name.contains(".tmp-") || name.ends_with(".tmp"));
+                if temporary && e.file_type().is_ok_and(|t| t.is_file()) {
+                    fs::remove_file(e.path())
+                        .with_context(|| format!("removing {}, left by a killed write", e.path().display()))?;
+                }
+            }
+        }
         Ok(())
     }
 }
@@ -203,5 +218,17 @@ mod tests {
         assert_eq!(layout.store.list().unwrap().len(), 3);
         assert!(!layout.store.has(&blobs1[0]));
         assert!(Layout::open(&out.path().join("nope")).is_err());
+        // What killed writes leave is removed by the next write; the lock file stays.
+        let leftovers = [
+            layout.dir.join("blobs/sha256").join(format!(".{}.tmp-99-0", blobs1[0].hex())),
+            layout.dir.join(".distro-AbC123.tmp"),
+        ];
+        for f in &leftovers {
+            fs::write(f, b"partial").unwrap();
+        }
+        fs::write(layout.dir.join(".lock"), b"1\n").unwrap();
+        layout.write(&store, &blobs2, &[]).unwrap();
+        assert!(leftovers.iter().all(|f| !f.exists()) && layout.dir.join(".lock").exists());
+        assert_eq!(layout.store.list().unwrap().len(), 3);
     }
 }

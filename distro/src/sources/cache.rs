@@ -14,9 +14,10 @@
 
 use anyhow::{Context, Result, bail};
 use std::fs::{self, File, OpenOptions};
+use std::io::Write;
 use std::path::{Path, PathBuf};
 
-use crate::fsutil::{remove_all, write_atomic};
+use crate::fsutil::{holder, remove_all, write_atomic};
 use crate::git::Git;
 use crate::hex::{is_sha256, sha256_hex};
 
@@ -105,22 +106,26 @@ impl Cache {
         fs::create_dir_all(&repos).with_context(|| format!("creating {}", repos.display()))?;
         let dir = repos.join(key);
         let lock_path = repos.join(format!("{key}.lock"));
-        let lock = OpenOptions::new()
+        let mut lock = OpenOptions::new()
             .create(true)
             .truncate(false)
             .write(true)
             .open(&lock_path)
             .with_context(|| format!("opening {}", lock_path.display()))?;
+        // Waited for, not refused: a repository is held only while one fetch, patch series or
+        // checkout runs (seconds to minutes), and the cache is shared by every build of the user.
         match lock.try_lock() {
             Ok(()) => {}
             Err(fs::TryLockError::WouldBlock) => {
-                eprintln!("distro: waiting for another distro process using {}", dir.display());
+                eprintln!("distro: waiting for {}, which is using {}", holder(&lock_path), dir.display());
                 lock.lock().with_context(|| format!("locking {}", lock_path.display()))?;
             }
             Err(fs::TryLockError::Error(e)) => {
                 return Err(e).with_context(|| format!("locking {}", lock_path.display()));
             }
         }
+        // The holder's PID, for the line above in the next process that waits.
+        let _ = lock.set_len(0).and_then(|()| lock.write_all(format!("{}\n", std::process::id()).as_bytes()));
         fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
         let git = Git::new(&dir);
         if !dir.join(".git").join("HEAD").exists() {

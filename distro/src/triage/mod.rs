@@ -18,7 +18,8 @@
 use crate::dated::Verdict;
 use crate::docker::Gpus;
 use crate::error::one_line;
-use crate::image::build::cache_dir;
+use crate::fsutil::DirLock;
+use crate::image::build::{BuildDir, cache_dir};
 use crate::image::workspace::Workspace;
 use crate::oci::platform::Platform;
 use crate::progress::Progress;
@@ -73,6 +74,8 @@ pub struct Options {
 
 /// The state of one triage run, which every tested point is recorded in.
 struct Triage {
+    /// The workspace's build directory, held for the triage's life (none outside a checkout).
+    build_dir: Option<BuildDir>,
     args: Options,
     criterion: Criterion,
     work: PathBuf,
@@ -88,15 +91,25 @@ pub fn triage(args: Options) -> Result<()> {
     let repo = args.repo.clone();
     let host = Platform::host().ok_or_else(|| anyhow::anyhow!("this machine's architecture has no image platform"))?;
     let ws = Workspace::open(&std::env::current_dir()?).ok();
+    // The build directory is held for the whole triage (its rebuilds stage and build there), and
+    // so is a --work-dir; the default work directory is inside the build directory.
+    let build_dir = ws.as_ref().map(BuildDir::lock).transpose()?;
     let work = match (&args.work_dir, &ws) {
         (Some(w), _) => w.clone(),
         (None, Some(ws)) => cache_dir(ws).join("triage"),
         (None, None) => std::env::temp_dir().join(format!("distro-triage-{}", std::process::id())),
     };
     std::fs::create_dir_all(&work).with_context(|| format!("creating {}", work.display()))?;
+    let _work_lock = match &args.work_dir {
+        Some(w) => {
+            Some(DirLock::exclusive(w, "triage work directory", "wait for it to finish, or choose another --work-dir")?)
+        }
+        None => None,
+    };
     let criterion = args.criterion.clone();
     let client = Client::new(Credentials::from_environment(None)?, args.insecure.clone())?;
     let mut t = Triage {
+        build_dir,
         args,
         criterion,
         work,

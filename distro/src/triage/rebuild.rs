@@ -42,7 +42,11 @@ pub(super) fn rebuild_and_run(
         ..Default::default()
     };
     t.progress.info(format!("triage: rebuilding {label}"));
-    let loaded = build(&opts, client, &t.progress).and_then(|built| {
+    let built = match &t.build_dir {
+        Some(dir) => build(&opts, dir, client, &t.progress),
+        None => Err(anyhow::anyhow!("rebuilding needs the project's checkout (run triage inside it)")),
+    };
+    let loaded = built.and_then(|built| {
         // The layout stays in the work directory for a look afterwards; Docker gets the image.
         publish(&OciLayout { dir: t.work.join("oci") }, &built.bundle, &t.progress)?;
         let daemon = Daemon {

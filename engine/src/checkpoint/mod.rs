@@ -76,6 +76,13 @@ pub struct State {
     pub data_position: Position,
     /// Tokens in the training data when saved (a resumed run must read the same data).
     pub data_tokens: u64,
+    /// For a run on shards, each shard of its data: file name → SHA-256 of its header, which
+    /// holds its token count and the digest of its tokens ([`crate::data::fingerprint`]). A
+    /// resumed run whose shards differ is refused. Absent for the embedded corpus and synthetic
+    /// tokens, and in checkpoints of earlier engines (which resume comparing the token count
+    /// alone).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data_shards: Option<BTreeMap<String, String>>,
     /// The seed: with the data position, all of the engine's random state.
     pub seed: u64,
     /// SHA-256 of `config.toml`.
@@ -290,6 +297,9 @@ fn seal(
         step: head.step,
         data_position: head.position,
         data_tokens: head.data_tokens,
+        // Read from the shards' headers (a few bytes each). Data that cannot be read now (moved
+        // away mid-run) leaves the record out rather than fail the save.
+        data_shards: crate::data::fingerprint(&config.data).ok().flatten(),
         seed: config.train.seed,
         config_sha256: sha256_hex(config_text.as_bytes()),
         files,
@@ -601,7 +611,36 @@ pub fn resume_point(parent: &Path, explicit: Option<&Path>, config: &Config, dev
             differ.join(", ")
         );
     }
+    check_data(&ck, config)?;
     Ok(ck)
+}
+
+/// A checkpoint saved on shards resumes only on the same shards: each one named as then, with
+/// the header it had (its token count and content digest). A shard edited in place with its
+/// header kept is refused when it is opened ([`crate::data::shard`]). Checkpoints that recorded
+/// no shards (earlier engines) resume as before, on the token count alone.
+fn check_data(ck: &Checkpoint, config: &Config) -> Result<()> {
+    let Some(saved) = &ck.state.data_shards else { return Ok(()) };
+    let now = crate::data::fingerprint(&config.data)?.unwrap_or_default();
+    let (d, path) = (ck.dir.display(), &config.data.path);
+    let advice = "resume on the data the run trained on, or start a new run in another --run-dir";
+    for (name, header) in saved {
+        match now.get(name) {
+            None => bail!(
+                "cannot resume from {d}: shard {name}, part of the data it was saved with, is not in data.path = {path}; {advice}"
+            ),
+            Some(h) if h != header => bail!(
+                "cannot resume from {d}: shard {name} in data.path = {path} changed since the checkpoint was saved (its header and content digest differ); {advice}"
+            ),
+            Some(_) => {}
+        }
+    }
+    if let Some(extra) = now.keys().find(|n| !saved.contains_key(*n)) {
+        bail!(
+            "cannot resume from {d}: shard {extra} in data.path = {path} was not part of the data the checkpoint was saved with; {advice}"
+        );
+    }
+    Ok(())
 }
 
 #[cfg(test)]

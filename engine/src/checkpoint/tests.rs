@@ -117,3 +117,52 @@ fn differing_keys_are_named_and_run_controls_may_change() {
     assert!(keys[0].starts_with("model.d_model (checkpoint 16, now 32)"), "{keys:?}");
     assert!(keys[1].starts_with("optim.lr"), "{keys:?}");
 }
+
+/// A checkpoint of a run on shards records each shard's header; a resume on shards changed since
+/// (another content digest, one missing, one added) is refused naming the shard, and a checkpoint
+/// without the record (an earlier engine's) still resumes.
+#[test]
+fn a_resume_on_other_shards_is_refused_naming_the_shard() {
+    use crate::data::shard::{ShardWriter, write_test_manifest};
+    let data = tempfile::tempdir().unwrap();
+    let shard = |name: &str, tokens: &[u32]| {
+        let mut w = ShardWriter::create(&data.path().join(name), 300, 0).unwrap();
+        w.push_document(tokens).unwrap();
+        w.finish().unwrap();
+    };
+    shard("a.tok", &[1, 2, 3, 0]);
+    shard("b.tok", &[4, 5, 6, 0]);
+    write_test_manifest(data.path(), &["a.tok", "b.tok"], 8);
+    let mut config = small();
+    config.data = crate::config::DataConfig {
+        source: crate::config::DataSource::Shards,
+        path: data.path().display().to_string(),
+    };
+    let (layout, snap) = snapshot(&config, 4);
+    let runs = tempfile::tempdir().unwrap();
+    let path = write(runs.path(), &config, &layout, &snap, &Extras::default(), None).unwrap();
+    let recorded = Checkpoint::open(&path).unwrap().state.data_shards.unwrap();
+    assert_eq!(recorded.keys().collect::<Vec<_>>(), ["a.tok", "b.tok"]);
+    resume_point(runs.path(), None, &config, 1).unwrap();
+
+    let refused = |expected: &str| {
+        let e = resume_point(runs.path(), None, &config, 1).unwrap_err().to_string();
+        assert!(e.contains(expected) && e.contains("start a new run"), "{expected}: {e}");
+    };
+    // The same length, other tokens.
+    shard("b.tok", &[4, 5, 7, 0]);
+    refused(&format!("shard b.tok in data.path = {} changed since the checkpoint was saved", config.data.path));
+    shard("b.tok", &[4, 5, 6, 0]);
+    resume_point(runs.path(), None, &config, 1).unwrap();
+    shard("c.tok", &[0]);
+    refused("shard c.tok in data.path");
+    fs::remove_file(data.path().join("c.tok")).unwrap();
+    fs::rename(data.path().join("b.tok"), data.path().join("b.old")).unwrap();
+    refused("shard b.tok, part of the data it was saved with, is not in data.path");
+
+    // An earlier engine's checkpoint records no shards: it resumes on the token count alone.
+    let mut state = Checkpoint::open(&path).unwrap().state;
+    state.data_shards = None;
+    fs::write(path.join(STATE_FILE), state.sealed_text().unwrap()).unwrap();
+    resume_point(runs.path(), None, &config, 1).unwrap();
+}

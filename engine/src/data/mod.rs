@@ -15,6 +15,7 @@ pub mod sentencepiece;
 pub mod shard;
 pub mod tokenizer;
 
+use std::collections::BTreeMap;
 use std::path::Path;
 
 use anyhow::{Result, bail};
@@ -105,6 +106,16 @@ pub fn open(data: &DataConfig, vocab_size: usize, seed: u64) -> Result<Box<dyn T
         }
     }
     Ok(source)
+}
+
+/// What identifies the data a config names, for checkpoints to record and a resumed run to
+/// compare ([`shard::fingerprint`]: each shard's name and header hash); none for the embedded
+/// corpus and synthetic tokens, which are fixed by the engine and the seed.
+pub fn fingerprint(data: &DataConfig) -> Result<Option<BTreeMap<String, String>>> {
+    match data.source {
+        DataSource::Shards => shard::fingerprint(Path::new(&data.path)).map(Some),
+        DataSource::Embedded | DataSource::Synthetic => Ok(None),
+    }
 }
 
 /// Where a loader is: the epoch and the next index in that epoch's order.

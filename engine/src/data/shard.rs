@@ -11,18 +11,22 @@
 //! | 24 | 8 | number of documents (each closed by the end-of-sequence token) |
 //! | 32 | 4 | vocabulary size of the tokenizer (every token is below it) |
 //! | 36 | 4 | the end-of-sequence token |
-//! | 40 | 24 | reserved, zero |
+//! | 40 | 24 | the content digest of the tokens ([`content_digest`]); zero in shards of earlier engines |
 //!
-//! The file is exactly `64 + tokens · bytes per token` long, so a truncated shard is refused.
+//! The file is exactly `64 + tokens · bytes per token` long, so a truncated shard is refused, and
+//! its tokens must match the content digest, so one edited in place is refused too.
 
+use std::collections::BTreeMap;
 use std::fs::File;
-use std::io::{BufWriter, Seek, SeekFrom, Write};
+use std::io::{BufWriter, Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
 use memmap2::Mmap;
+use sha2::{Digest, Sha256};
 
 use super::TokenSource;
+use crate::digest::sha256_hex;
 use crate::fsutil;
 
 /// The first eight bytes of every shard.
@@ -33,6 +37,54 @@ pub const VERSION: u32 = 1;
 pub const HEADER_LEN: usize = 64;
 /// File name extension of shards.
 pub const EXTENSION: &str = "tok";
+/// The token bytes are hashed in pieces of this size, so that a reader hashes them in parallel.
+pub const PIECE_BYTES: usize = 4 << 20;
+/// Bytes of the content digest kept in the header.
+pub const DIGEST_LEN: usize = 24;
+
+/// The content digest of a shard's token bytes: the SHA-256 of the SHA-256s of its
+/// [`PIECE_BYTES`] pieces (the last one shorter), cut to its first [`DIGEST_LEN`] bytes (192
+/// bits). Hashing by pieces lets a reader check a shard on all cores while it checks its tokens.
+pub fn content_digest(tokens: &[u8]) -> [u8; DIGEST_LEN] {
+    let mut d = PieceHasher::default();
+    d.update(tokens);
+    d.finish()
+}
+
+/// [`content_digest`] of bytes given in any number of parts.
+#[derive(Default)]
+struct PieceHasher {
+    outer: Sha256,
+    piece: Sha256,
+    in_piece: usize,
+}
+
+impl PieceHasher {
+    fn update(&mut self, mut bytes: &[u8]) {
+        while !bytes.is_empty() {
+            let n = (PIECE_BYTES - self.in_piece).min(bytes.len());
+            self.piece.update(&bytes[..n]);
+            self.in_piece += n;
+            bytes = &bytes[n..];
+            if self.in_piece == PIECE_BYTES {
+                self.outer.update(std::mem::take(&mut self.piece).finalize());
+                self.in_piece = 0;
+            }
+        }
+    }
+
+    fn finish(mut self) -> [u8; DIGEST_LEN] {
+        if self.in_piece > 0 {
+            self.outer.update(self.piece.finalize());
+        }
+        digest_of(self.outer)
+    }
+}
+
+/// The first [`DIGEST_LEN`] bytes of a finished SHA-256.
+fn digest_of(outer: Sha256) -> [u8; DIGEST_LEN] {
+    outer.finalize()[..DIGEST_LEN].try_into().expect("a SHA-256 is longer")
+}
 
 /// What a shard's header says.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -47,6 +99,9 @@ pub struct Header {
     pub vocab_size: u32,
     /// The end-of-sequence token closing every document.
     pub eos: u32,
+    /// [`content_digest`] of the tokens; all zero in shards written before it was recorded,
+    /// which are read unchecked.
+    pub digest: [u8; DIGEST_LEN],
 }
 
 impl Header {
@@ -60,7 +115,13 @@ impl Header {
         b[24..32].copy_from_slice(&self.documents.to_le_bytes());
         b[32..36].copy_from_slice(&self.vocab_size.to_le_bytes());
         b[36..40].copy_from_slice(&self.eos.to_le_bytes());
+        b[40..64].copy_from_slice(&self.digest);
         b
+    }
+
+    /// Whether the header records a content digest.
+    pub fn has_digest(&self) -> bool {
+        self.digest != [0; DIGEST_LEN]
     }
 
     /// Parses and checks a header; `len` is the file's length, `path` names it in errors.
@@ -81,12 +142,21 @@ impl Header {
             documents: u64_at(24),
             vocab_size: u32_at(32),
             eos: u32_at(36),
+            digest: bytes[40..64].try_into().expect("24 bytes"),
         };
         if h.token_bytes != 2 && h.token_bytes != 4 {
             bail!("{p}: {} bytes per token (expected 2 or 4)", h.token_bytes);
         }
-        let expected = HEADER_LEN as u64 + h.tokens * h.token_bytes as u64;
-        if len != expected {
+        // Checked: a header announcing 2^63 tokens of 2 bytes would otherwise wrap to a small
+        // length that a file can match, and the loader would read past the map.
+        let expected = h.tokens.checked_mul(h.token_bytes as u64).and_then(|n| n.checked_add(HEADER_LEN as u64));
+        if expected != Some(len) {
+            let Some(expected) = expected else {
+                bail!(
+                    "{p}: its header announces {} tokens, more than any file holds (damaged?); rewrite it with `engine data prepare`",
+                    h.tokens
+                );
+            };
             bail!(
                 "{p} is {len} bytes but its header announces {} tokens ({expected} bytes): the shard is truncated or damaged",
                 h.tokens
@@ -124,8 +194,10 @@ impl Shard {
         Ok(shard)
     }
 
-    /// Every token must be below the vocabulary the header declares: a token outside it would
-    /// index past the embedding table. One pass over the shard when it is opened, in parallel;
+    /// Every token must be below the vocabulary the header declares (a token outside it would
+    /// index past the embedding table), and the tokens must match the header's content digest
+    /// (a shard edited in place, its length kept, would otherwise train, or resume a run, on
+    /// other data). One pass over the shard when it is opened, in parallel by digest pieces;
     /// cheap next to training on it.
     fn check_tokens(&self) -> Result<()> {
         use rayon::prelude::*;
@@ -135,18 +207,39 @@ impl Shard {
                 "{p}: its header declares a vocabulary of 0 tokens (damaged?); rewrite it with `engine data prepare`"
             );
         }
-        const CHUNK: usize = 1 << 20;
-        let chunks = self.len().div_ceil(CHUNK);
-        let first_bad = (0..chunks).into_par_iter().find_map_first(|c| {
-            let start = c * CHUNK;
-            let mut tokens = vec![0u32; CHUNK.min(self.len() - start)];
-            self.read(start, &mut tokens);
-            tokens.iter().position(|&t| t >= vocab).map(|i| (start + i, tokens[i]))
-        });
-        if let Some((offset, token)) = first_bad {
+        let width = self.header.token_bytes as usize;
+        let bytes = &self.map[HEADER_LEN..];
+        // Per digest piece: its first token outside the vocabulary (position, value), its SHA-256.
+        type Piece = (Option<(usize, u32)>, [u8; 32]);
+        let pieces: Vec<Piece> = bytes
+            .par_chunks(PIECE_BYTES)
+            .enumerate()
+            .map(|(i, piece)| {
+                let first_token = i * (PIECE_BYTES / width);
+                let bad = piece.chunks_exact(width).enumerate().find_map(|(j, b)| {
+                    let t = if width == 2 {
+                        u16::from_le_bytes([b[0], b[1]]) as u32
+                    } else {
+                        u32::from_le_bytes([b[0], b[1], b[2], b[3]])
+                    };
+                    (t >= vocab).then_some((first_token + j, t))
+                });
+                (bad, Sha256::digest(piece).into())
+            })
+            .collect();
+        if let Some((offset, token)) = pieces.iter().find_map(|(bad, _)| *bad) {
             bail!(
                 "{p}: token {token} at position {offset} is outside the vocabulary of {vocab} its header declares (damaged?); rewrite it with `engine data prepare`"
             );
+        }
+        if self.header.has_digest() {
+            let mut outer = Sha256::new();
+            pieces.iter().for_each(|(_, d)| outer.update(d));
+            if digest_of(outer) != self.header.digest {
+                bail!(
+                    "{p}: its tokens do not match the content digest in its header (edited or damaged since `engine data prepare` wrote it); prepare the data again"
+                );
+            }
         }
         Ok(())
     }
@@ -204,6 +297,22 @@ pub fn list(path: &Path) -> Result<Vec<PathBuf>> {
         bail!("{} holds no token shards (*.{EXTENSION}); write some with `engine data prepare`", path.display());
     }
     Ok(files)
+}
+
+/// What identifies the shards `path` names, read from their headers alone (never their tokens,
+/// so it is cheap enough for every checkpoint): each shard's file name and the SHA-256 of its
+/// header, which holds its token count and the content digest of its tokens.
+pub fn fingerprint(path: &Path) -> Result<BTreeMap<String, String>> {
+    let mut out = BTreeMap::new();
+    for file in list(path)? {
+        let mut header = [0u8; HEADER_LEN];
+        File::open(&file)
+            .and_then(|mut f| f.read_exact(&mut header))
+            .with_context(|| format!("cannot read the header of shard {}", file.display()))?;
+        let name = file.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        out.insert(name, sha256_hex(&header));
+    }
+    Ok(out)
 }
 
 /// Several shards read as one stream of tokens, in order.
@@ -310,6 +419,7 @@ pub struct ShardWriter {
     tmp: PathBuf,
     out: Option<BufWriter<File>>,
     header: Header,
+    digest: PieceHasher,
 }
 
 impl Drop for ShardWriter {
@@ -332,10 +442,11 @@ impl ShardWriter {
             documents: 0,
             vocab_size: vocab_size as u32,
             eos,
+            digest: [0; DIGEST_LEN],
         };
         let mut out = BufWriter::with_capacity(1 << 20, file);
         out.write_all(&header.to_bytes())?;
-        Ok(ShardWriter { path: path.to_path_buf(), tmp, out: Some(out), header })
+        Ok(ShardWriter { path: path.to_path_buf(), tmp, out: Some(out), header, digest: PieceHasher::default() })
     }
 
     /// Tokens written so far.
@@ -355,14 +466,17 @@ impl ShardWriter {
         }
         let out = self.out.as_mut().expect("open until finished");
         out.write_all(&buf).with_context(|| format!("cannot write {}", self.tmp.display()))?;
+        self.digest.update(&buf);
         self.header.tokens += tokens.len() as u64;
         self.header.documents += 1;
         Ok(())
     }
 
-    /// Writes the final header, flushes the file to disk and renames it into place.
+    /// Writes the final header (with the content digest), flushes the file to disk and renames
+    /// it into place.
     pub fn finish(mut self) -> Result<Header> {
         let mut out = self.out.take().expect("open until finished");
+        self.header.digest = std::mem::take(&mut self.digest).finish();
         let result = (|| -> Result<()> {
             out.seek(SeekFrom::Start(0))?;
             out.write_all(&self.header.to_bytes())?;
@@ -411,6 +525,40 @@ mod tests {
     }
 
     #[test]
+    fn the_content_digest_is_written_checked_and_optional_for_old_shards() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("a.tok");
+        // More than one digest piece (2-byte tokens, 4 MiB pieces): 2^21 + 5 tokens.
+        let doc: Vec<u32> = (0..(1u32 << 21) + 5).map(|i| i % 999).collect();
+        write(&path, 1000, &[&doc]);
+        let bytes = std::fs::read(&path).unwrap();
+        let shard = Shard::open(&path).unwrap();
+        assert!(shard.header.has_digest());
+        assert_eq!(shard.header.digest, content_digest(&bytes[HEADER_LEN..]));
+        assert_ne!(
+            content_digest(&bytes[HEADER_LEN..HEADER_LEN + 4]),
+            content_digest(&bytes[HEADER_LEN..HEADER_LEN + 6])
+        );
+        let before = fingerprint(&path).unwrap();
+
+        // One token changed in place, in the second piece, still inside the vocabulary.
+        let mut edited = bytes.clone();
+        let at = HEADER_LEN + PIECE_BYTES + 2;
+        edited[at] ^= 1;
+        std::fs::write(&path, &edited).unwrap();
+        let e = Shard::open(&path).err().unwrap().to_string();
+        assert!(e.contains("a.tok: its tokens do not match the content digest"), "{e}");
+        assert_eq!(fingerprint(&path).unwrap(), before, "the header alone does not show the edit");
+
+        // A shard written before the digest (reserved bytes zero) is read unchecked; its
+        // fingerprint differs from the one with a digest.
+        edited[40..64].fill(0);
+        std::fs::write(&path, &edited).unwrap();
+        assert!(!Shard::open(&path).unwrap().header.has_digest());
+        assert_ne!(fingerprint(&path).unwrap(), before);
+    }
+
+    #[test]
     fn truncated_and_foreign_files_are_refused_by_name() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("a.tok");
@@ -421,6 +569,16 @@ mod tests {
         assert!(e.contains("a.tok") && e.contains("truncated"), "{e}");
         std::fs::write(&path, b"hello").unwrap();
         assert!(Shard::open(&path).err().unwrap().to_string().contains("not a token shard"));
+        // Found by fuzzing (fuzz/seeds/shard/overflow): 2^63 + 3 tokens of 2 bytes wrapped to 6
+        // bytes, so a 70-byte file passed and the loader would read past it.
+        let mut header =
+            Header { token_bytes: 2, tokens: (1 << 63) + 3, documents: 1, vocab_size: 9, eos: 0, digest: [0; 24] }
+                .to_bytes()
+                .to_vec();
+        header.extend_from_slice(&[1, 0, 2, 0, 0, 0]);
+        std::fs::write(&path, &header).unwrap();
+        let e = Shard::open(&path).err().unwrap().to_string();
+        assert!(e.contains("announces 9223372036854775811 tokens, more than any file holds"), "{e}");
         let empty = tempfile::tempdir().unwrap();
         assert!(Shards::open(empty.path()).err().unwrap().to_string().contains("holds no token shards"));
     }
