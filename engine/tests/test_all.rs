@@ -252,10 +252,11 @@ fn emulated_test_all_passes_against_cpu_baselines_and_names_a_broken_kernel() {
     assert!(out.status.success(), "{}", text(&out.stderr));
     let file: serde_json::Value = serde_json::from_slice(&fs::read(baselines.join("cpu/quick.json")).unwrap()).unwrap();
 
-    // The GPU class on the emulator against the CPU curves: tiny-llama2 against the baseline,
-    // tiny-mixtral (shrunk further on the emulator) against the CPU curve of this run.
+    // The GPU class on the emulator against the CPU curves. (tiny-mixtral's expert products
+    // cost the emulator ten times tiny-llama2's step, too much for this suite: its path is
+    // left to the measured runs of docs/test-all.md.)
     let report = dir.join("report");
-    let filters = ["--filter", "tiny-llama2", "--filter", "tiny-mixtral", "--filter", "throughput"];
+    let filters = ["--filter", "tiny-llama2", "--filter", "throughput"];
     let mut args = vec!["test-all", "--emulate", "--quick", "--baselines", s(&baselines), "--report", s(&report)];
     args.extend(filters);
     let out = shrunk(&args, None);
@@ -264,10 +265,6 @@ fn emulated_test_all_passes_against_cpu_baselines_and_names_a_broken_kernel() {
     let row = |name: &str| stdout.lines().find(|l| l.starts_with(name)).unwrap_or_else(|| panic!("{name}: {stdout}"));
     assert!(
         row("tiny-llama2").contains(" pass ") && row("tiny-llama2").contains("cpu baseline, bf16 tolerance: 4 steps")
-    );
-    assert!(
-        row("tiny-mixtral").contains(" pass ")
-            && row("tiny-mixtral").contains("cpu curve of this run, bf16 tolerance; shrunk for the emulator")
     );
     assert!(
         row("throughput").contains(" skip ") && row("throughput").contains("the CPU emulator's speed says nothing")

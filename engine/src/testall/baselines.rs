@@ -64,29 +64,44 @@ pub const CPU_REL_TOL: f64 = 1e-3;
 /// failing on another machine's rounding. Not measured across architectures beyond step 8.
 pub const CPU_LATE_REL_TOL: f64 = 1e-2;
 
-/// The same for CUDA, at every step: bf16 activations and compute weights, cuBLASLt's algorithm
-/// choice per GPU. The parity checks measure 0.01 % on a single step's loss against the f32 CPU
-/// model; a curve amplifies rounding differences, and GPU generations choose different GEMM
-/// algorithms. Not yet measured on two GPU types.
-pub const CUDA_REL_TOL: f64 = 2e-2;
-
 /// Largest relative difference between a CUDA loss and the CPU baseline at steps 1 to
-/// [`QUICK_STEPS`], where no CUDA baselines have been recorded (and always on the emulator).
-/// Measured on the emulator, whose bf16 rounding is the GPU's (docs/test-all.md): PROVISIONAL.
-pub const BF16_REL_TOL: f64 = 0.1;
+/// [`QUICK_STEPS`], where no CUDA baselines have been recorded (and always on the emulator): bf16
+/// activations and compute weights against the f32 reference. Measured on the emulator, whose
+/// bf16 rounding is the GPU's (docs/test-all.md): at most 5.4e-3 over the first 8 steps of every
+/// tiny configuration, quick and full (tiny-mistral, full mode, step 8). 2e-2 is a margin of 3.7,
+/// for the GPU's other summation orders (the parity checks take three for the same reason), and
+/// still fails on a kernel that loses one optimizer step (5 % in the tests).
+pub const BF16_REL_TOL: f64 = 2e-2;
 
-/// The same after step [`QUICK_STEPS`] (full mode only): PROVISIONAL.
-pub const BF16_LATE_REL_TOL: f64 = 0.1;
+/// The same after step [`QUICK_STEPS`] (full mode only). Training amplifies the bf16 rounding
+/// step after step: measured on the emulator, 5.7e-2 (tiny-llama2, step 30) and 8.2e-2
+/// (tiny-mistral, step 42) over 50 steps. 0.25 is a margin of 3: the late steps catch a curve
+/// that diverges; the first steps and `gpu-parity` catch wrong kernels.
+pub const BF16_LATE_REL_TOL: f64 = 0.25;
+
+/// A CUDA curve against CUDA baselines at steps 1 to [`QUICK_STEPS`]: tighter than
+/// [`BF16_REL_TOL`], since the same bf16 arithmetic on both sides leaves only the summation
+/// orders that differ between runs (atomics) and GPU models (cuBLASLt's algorithm choice), which
+/// are far below the bf16-against-f32 difference the emulator measures (5.4e-3 at most). Half
+/// the bf16 tolerance. Not yet measured on a GPU: narrow it from the `run_spread` of recorded
+/// CUDA baselines and from two GPU generations.
+pub const CUDA_REL_TOL: f64 = 1e-2;
+
+/// The same after step [`QUICK_STEPS`] (full mode only): any difference, however small, grows
+/// over 50 steps (the CPU's cross-architecture one about tenfold a step at step 8), so the late
+/// steps get more room than the first, and less than [`BF16_LATE_REL_TOL`]. Not yet measured.
+pub const CUDA_LATE_REL_TOL: f64 = 1e-1;
 
 // A CUDA baseline, recorded on a GPU, is the tighter reference.
-const _: () = assert!(CUDA_REL_TOL < BF16_REL_TOL && CUDA_REL_TOL < BF16_LATE_REL_TOL);
+const _: () = assert!(CUDA_REL_TOL < BF16_REL_TOL && CUDA_LATE_REL_TOL < BF16_LATE_REL_TOL);
 
 /// The relative tolerance of a device class against its own baselines at `step` (1-based).
 pub fn tolerance(class: DeviceClass, step: usize) -> f64 {
     match class {
         DeviceClass::Cpu if step <= QUICK_STEPS => CPU_REL_TOL,
         DeviceClass::Cpu => CPU_LATE_REL_TOL,
-        DeviceClass::Cuda => CUDA_REL_TOL,
+        DeviceClass::Cuda if step <= QUICK_STEPS => CUDA_REL_TOL,
+        DeviceClass::Cuda => CUDA_LATE_REL_TOL,
     }
 }
 
@@ -645,6 +660,7 @@ mod tests {
         let dir = dir_with(Some(|_| {}));
         let r = reference(dir.path(), Target::Gpu, Mode::Quick).unwrap();
         assert_eq!((r.against, r.label(), r.tolerance(3)), (Against::Own, "cuda baseline", CUDA_REL_TOL));
+        assert_eq!(r.tolerance(QUICK_STEPS + 1), CUDA_LATE_REL_TOL);
         assert!(r.file.path.ends_with("cuda/quick.json") && r.why_cpu.is_none());
         // The emulator keeps to the CPU curves even where CUDA ones exist.
         let emu = reference(dir.path(), Target::Emulator, Mode::Quick).unwrap();
@@ -660,6 +676,22 @@ mod tests {
         let empty = tempfile::tempdir().unwrap();
         let e = format!("{:#}", reference(empty.path(), Target::Gpu, Mode::Full).unwrap_err());
         assert!(e.contains("cuda/full.json not found") && e.contains("cpu/full.json: cannot read it"), "{e}");
+    }
+
+    #[test]
+    fn the_emulator_shrinks_only_tiny_mixtral_and_keeps_the_rest_of_it() {
+        assert!(emulator_shrink("tiny-llama2").is_empty() && emulator_shrink("tiny-mistral").is_empty());
+        let full = curve_config("tiny-mixtral", Mode::Quick, &[]).unwrap();
+        let small = curve_config("tiny-mixtral", Mode::Quick, emulator_shrink("tiny-mixtral")).unwrap();
+        assert!(small.model.d_model < full.model.d_model && small.model.mlp_dim < full.model.mlp_dim);
+        let (f, s) = (&full.model, &small.model);
+        assert_eq!(
+            (s.vocab_size, s.n_layers, s.n_heads, s.head_dim),
+            (f.vocab_size, f.n_layers, f.n_heads, f.head_dim)
+        );
+        assert_eq!(s.moe, f.moe);
+        assert_eq!((small.train.seq_len, small.train.steps), (full.train.seq_len, QUICK_STEPS));
+        assert_eq!(super::super::cuda_unsuitable(s), None);
     }
 
     #[test]
