@@ -10,7 +10,8 @@
 # No cargo is needed: ENGINE names a binary built elsewhere and carried here (default
 # target/release/engine). Needs the NVIDIA driver (580+) and CUDA 13's NVRTC and cuBLASLt on the
 # library path or in ENGINE_CUDA_LIB_PATH; the bench-* phases need PYTHON (default python3) with
-# torch and transformers, long-check only python3. The long run keeps its run directory (with a
+# torch and transformers (ROUNDS, default 3, interleaved rounds of bench/compare.py), long-check
+# only python3. The long run keeps its run directory (with a
 # checkpoint of about 15 GB) in LONG_DIR (default OUTDIR/long-run), which must survive from one
 # piece to the next. Exit codes: 0 done, 1 a check failed, 2 bad usage (one line on stderr).
 set -euo pipefail
@@ -21,6 +22,7 @@ cd "$(dirname "$0")/.."
 absolute() { case "$1" in /*) echo "$1" ;; *) echo "$here/$1" ;; esac; }
 ENGINE=$(absolute "${ENGINE:-$PWD/target/release/engine}")
 PYTHON=${PYTHON:-python3}
+ROUNDS=${ROUNDS:-3}
 # The long run: llama3.2-1b at 8 x 1024 tokens a step, LONG_STEPS steps in 4 pieces, each
 # resuming from the previous piece's checkpoint. The cosine is fixed at LONG_STEPS
 # (optim.decay_steps), so the pieces make exactly the run one process would have made.
@@ -35,11 +37,11 @@ PIECES=4
 # name|expected minutes (an estimate until measured on a GPU: see docs/cuda.md)|what it does
 PHASES=(
     "gpu-test|4|engine gpu-test: every kernel against the CPU, model parity, graphs, remat, memory, 200-step training"
-    "test-all|3|engine test-all, quick then full, as the image runs it (against CUDA baselines or the CPU ones)"
-    "baselines|4|engine baselines create, quick and full, 3 runs each: the CUDA baselines to commit"
+    "test-all|6|engine test-all, quick then full (full holds gpu-test again), as the image runs it"
+    "baselines|3|engine baselines create, quick and full, 3 runs each: the CUDA baselines to commit"
     "bench-llama3.2-1b|8|bench/compare.py: the engine, PyTorch eager and torch.compile, llama3.2-1b at 4 x 4096"
     "bench-fuji-3B-v3|9|bench/compare.py: the same for fuji-3B-v3 at 2 x 4096"
-    "long-cpu|5|the long run's first 3 steps on the CPU (the reference for long-check)"
+    "long-cpu|4|the long run's first 3 steps on the CPU (the reference for long-check)"
     "long-1|3|the long run on the GPU: steps 1 to 250, checkpoint"
     "long-2|2|the long run: resume, steps 251 to 500, checkpoint"
     "long-3|2|the long run: resume, steps 501 to 750, checkpoint"
@@ -140,11 +142,11 @@ phase() {
         ;;
     bench-llama3.2-1b)
         "$PYTHON" bench/compare.py --engine "$ENGINE" --python "$PYTHON" --recipe llama3.2-1b \
-            --set train.seq_len=4096 --set train.batch_size=4 --json "$out/compare.json"
+            --set train.seq_len=4096 --set train.batch_size=4 --rounds "$ROUNDS" --json "$out/compare.json"
         ;;
     bench-fuji-3B-v3)
         "$PYTHON" bench/compare.py --engine "$ENGINE" --python "$PYTHON" --recipe fuji-3B-v3 \
-            --set train.seq_len=4096 --set train.batch_size=2 --json "$out/compare.json"
+            --set train.seq_len=4096 --set train.batch_size=2 --rounds "$ROUNDS" --json "$out/compare.json"
         ;;
     long-cpu)
         # The same seed gives the same initial weights and data order on both devices; the CPU
