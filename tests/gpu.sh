@@ -11,9 +11,9 @@
 # target/release/engine). Needs the NVIDIA driver (580+) and CUDA 13's NVRTC and cuBLASLt on the
 # library path or in ENGINE_CUDA_LIB_PATH; the bench-* phases need PYTHON (default python3) with
 # torch and transformers (ROUNDS, default 3, interleaved rounds of bench/compare.py), long-check
-# only python3. The long run keeps its run directory (with a
-# checkpoint of about 15 GB) in LONG_DIR (default OUTDIR/long-run), which must survive from one
-# piece to the next. Exit codes: 0 done, 1 a check failed, 2 bad usage (one line on stderr).
+# only python3. The long run keeps its run directory (with a checkpoint of about 15 GB) in
+# LONG_DIR (default OUTDIR/long-run), which must survive from one piece to the next.
+# Exit codes: 0 done, 1 a check failed, 2 bad usage (one line on stderr).
 set -euo pipefail
 here=$PWD
 cd "$(dirname "$0")/.."
