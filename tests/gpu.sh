@@ -1,56 +1,238 @@
 #!/usr/bin/env bash
-# The checks and measurements that need an NVIDIA GPU (CI has none; see docs/cuda.md). Run on a
-# GPU machine from a checkout, with a built engine or cargo to build one:
+# The checks and measurements that need an NVIDIA GPU (CI has none; see docs/cuda.md), in phases
+# that each finish within 10 minutes, so that they fit the short slots GPU time comes in. Every
+# phase writes under one output folder; run them in the order `list` prints, in one slot or many.
 #
-#   tests/gpu.sh                 # gpu-test, the long run, the side-by-side benchmarks
-#   tests/gpu.sh check           # only engine gpu-test
+#   tests/gpu.sh list                 # the phases in order, with their expected durations
+#   tests/gpu.sh PHASE OUTDIR         # one phase; its files go to OUTDIR/PHASE/, its log to OUTDIR/PHASE.log
+#   tests/gpu.sh all OUTDIR           # every phase in order
 #
-# Needs the NVIDIA driver (580+) and CUDA 13's NVRTC and cuBLASLt on the library path or in
-# ENGINE_CUDA_LIB_PATH; the benchmarks need python3 with torch and transformers. Outputs go to
-# runs/gpu/.
+# No cargo is needed: ENGINE names a binary built elsewhere and carried here (default
+# target/release/engine). Needs the NVIDIA driver (580+) and CUDA 13's NVRTC and cuBLASLt on the
+# library path or in ENGINE_CUDA_LIB_PATH; the bench-* phases need PYTHON (default python3) with
+# torch and transformers (ROUNDS, default 3, interleaved rounds of bench/compare.py), long-check
+# only python3. The long run keeps its run directory (with a checkpoint of about 15 GB) in
+# LONG_DIR (default OUTDIR/long-run), which must survive from one piece to the next.
+# Exit codes: 0 done, 1 a check failed, 2 bad usage (one line on stderr).
 set -euo pipefail
+here=$PWD
 cd "$(dirname "$0")/.."
 
-ENGINE=${ENGINE:-target/release/engine}
+# Paths given relative to where the script was started from.
+absolute() { case "$1" in /*) echo "$1" ;; *) echo "$here/$1" ;; esac; }
+ENGINE=$(absolute "${ENGINE:-$PWD/target/release/engine}")
 PYTHON=${PYTHON:-python3}
-OUT=runs/gpu
-mkdir -p "$OUT"
-if [ ! -x "$ENGINE" ]; then
-    cargo build --release -p engine --locked
-fi
-what=${1:-all}
+ROUNDS=${ROUNDS:-3}
+# The long run: llama3.2-1b at 8 x 1024 tokens a step, LONG_STEPS steps in 4 pieces, each
+# resuming from the previous piece's checkpoint. The cosine is fixed at LONG_STEPS
+# (optim.decay_steps), so the pieces make exactly the run one process would have made.
+# LONG_RECIPE, LONG_SETS, LONG_STEPS and DEVICE exist so that the piecing itself can be tested
+# on the CPU with a tiny model (engine/tests/gpu_script.rs).
+LONG_RECIPE=${LONG_RECIPE:-llama3.2-1b}
+LONG_SETS=${LONG_SETS:-train.seq_len=1024 train.batch_size=8 optim.warmup_steps=100}
+LONG_STEPS=${LONG_STEPS:-1000}
+DEVICE=${DEVICE:-cuda}
+PIECES=4
 
-section() { printf '\n== %s\n' "$*"; }
+# name|expected minutes (an estimate until measured on a GPU: see docs/cuda.md)|what it does
+PHASES=(
+    "gpu-test|4|engine gpu-test: every kernel against the CPU, model parity, graphs, remat, memory, 200-step training"
+    "test-all|6|engine test-all, quick then full (full holds gpu-test again), as the image runs it"
+    "baselines|3|engine baselines create, quick and full, 3 runs each: the CUDA baselines to commit"
+    "bench-llama3.2-1b|8|bench/compare.py: the engine, PyTorch eager and torch.compile, llama3.2-1b at 4 x 4096"
+    "bench-fuji-3B-v3|9|bench/compare.py: the same for fuji-3B-v3 at 2 x 4096"
+    "long-cpu|4|the long run's first 3 steps on the CPU (the reference for long-check)"
+    "long-1|3|the long run on the GPU: steps 1 to 250, checkpoint"
+    "long-2|2|the long run: resume, steps 251 to 500, checkpoint"
+    "long-3|2|the long run: resume, steps 501 to 750, checkpoint"
+    "long-4|2|the long run: resume, steps 751 to 1000"
+    "long-check|1|the long run's first steps against the CPU's, and its loss kept falling"
+)
 
-section "devices"
-"$ENGINE" info
+usage() {
+    echo "usage: tests/gpu.sh list | tests/gpu.sh PHASE OUTDIR | tests/gpu.sh all OUTDIR ($1)" >&2
+    exit 2
+}
 
-section "engine gpu-test: kernels against the CPU, model parity, graphs, remat, memory, 200-step training"
-"$ENGINE" gpu-test --json "$OUT/gpu-test.json"
-[ "$what" = check ] && exit 0
+list() {
+    local total=0 entry name minutes what
+    printf '%-20s %8s  %s\n' phase minutes what
+    for entry in "${PHASES[@]}"; do
+        IFS='|' read -r name minutes what <<<"$entry"
+        printf '%-20s %8s  %s\n' "$name" "$minutes" "$what"
+        total=$((total + minutes))
+    done
+    printf '%-20s %8s  %s\n' total "$total" "expected minutes, estimates until measured on a GPU (OUTDIR/durations.tsv records them)"
+}
 
-section "long run: llama3.2-1b, 1000 steps on the GPU; its first steps against the CPU reference"
-# The same seed gives the same initial weights and data order on both devices: the losses of
-# the first steps must agree within bf16 tolerance, and the GPU's must keep falling.
-long=(--recipe llama3.2-1b --set train.seq_len=1024 --set train.batch_size=8 --set optim.warmup_steps=100)
-rm -rf "$OUT/long-cpu" "$OUT/long-cuda"
-"$ENGINE" --device cpu train "${long[@]}" --set train.batch_size=1 --set train.grad_accum=8 --steps 3 --run-dir "$OUT/long-cpu"
-"$ENGINE" --device cuda train "${long[@]}" --steps 1000 --run-dir "$OUT/long-cuda"
-"$PYTHON" - "$OUT/long-cpu/metrics.jsonl" "$OUT/long-cuda/metrics.jsonl" <<'PY'
+known() {
+    local entry
+    for entry in "${PHASES[@]}"; do
+        [ "${entry%%|*}" = "$1" ] && return 0
+    done
+    return 1
+}
+
+need_engine() {
+    if [ ! -x "$ENGINE" ]; then
+        echo "tests/gpu.sh: no engine binary at $ENGINE: build one with \`cargo build --release -p engine --locked\` (here or elsewhere) and set ENGINE to it" >&2
+        exit 2
+    fi
+}
+
+read -r -a long_sets <<<"$LONG_SETS"
+long_args() {
+    local s
+    printf '%s\n' --recipe "$LONG_RECIPE" --set "optim.decay_steps=$LONG_STEPS"
+    for s in "${long_sets[@]}"; do
+        printf '%s\n' --set "$s"
+    done
+}
+
+# The newest checkpoint's step in the long run's directory (0 when there is none).
+newest_step() {
+    local newest
+    newest=$(find "$LONG_DIR/run/checkpoints" -maxdepth 1 -name 'step-*' 2>/dev/null | sort | tail -1)
+    [ -n "$newest" ] || { echo 0; return; }
+    newest=${newest##*/step-}
+    echo $((10#$newest))
+}
+
+# Piece K (1-based) of the long run on DEVICE: steps (K-1)·N/4 + 1 to K·N/4, resuming from the
+# checkpoint the previous piece left. A piece already done is not run again.
+long_piece() {
+    local k=$1 from=$(( ($1 - 1) * LONG_STEPS / PIECES )) to=$(( $1 * LONG_STEPS / PIECES )) have args
+    mapfile -t args < <(long_args)
+    args+=(--set "train.checkpoint_every=$((LONG_STEPS / PIECES))" --set train.keep_last=1 --steps "$to" --run-dir "$LONG_DIR/run")
+    have=$(newest_step)
+    if [ "$have" -ge "$to" ]; then
+        echo "long-$k: already done (checkpoint of step $have in $LONG_DIR/run)"
+        return
+    fi
+    if [ "$have" -ne "$from" ]; then
+        echo "long-$k starts at step $from, but the newest checkpoint in $LONG_DIR/run is of step $have: run long-$((k - 1)) first" >&2
+        return 1
+    fi
+    if [ "$k" -eq 1 ]; then
+        rm -rf "$LONG_DIR/run"
+        "$ENGINE" --device "$DEVICE" train "${args[@]}"
+    else
+        "$ENGINE" --device "$DEVICE" train "${args[@]}" --resume
+    fi
+    cp "$LONG_DIR/run/metrics.jsonl" "$out/metrics.jsonl"
+}
+
+phase() {
+    local name=$1 args
+    case "$name" in
+    gpu-test)
+        "$ENGINE" info
+        "$ENGINE" gpu-test --json "$out/gpu-test.json"
+        ;;
+    test-all)
+        "$ENGINE" --device "$DEVICE" test-all --quick --report "$out/quick"
+        "$ENGINE" --device "$DEVICE" test-all --report "$out/full"
+        ;;
+    baselines)
+        "$ENGINE" --device "$DEVICE" baselines create --quick --runs 3 --out "$out"
+        "$ENGINE" --device "$DEVICE" baselines create --full --runs 3 --out "$out"
+        # Read back as test-all reads them: the curves against the new files.
+        "$ENGINE" --device "$DEVICE" test-all --quick --filter 'tiny-*' --filter throughput --baselines "$out"
+        echo "to commit: cp $out/cuda/*.json tests/baselines/cuda/ (docs/ci.md)"
+        ;;
+    bench-llama3.2-1b)
+        "$PYTHON" bench/compare.py --engine "$ENGINE" --python "$PYTHON" --recipe llama3.2-1b \
+            --set train.seq_len=4096 --set train.batch_size=4 --rounds "$ROUNDS" --json "$out/compare.json"
+        ;;
+    bench-fuji-3B-v3)
+        "$PYTHON" bench/compare.py --engine "$ENGINE" --python "$PYTHON" --recipe fuji-3B-v3 \
+            --set train.seq_len=4096 --set train.batch_size=2 --rounds "$ROUNDS" --json "$out/compare.json"
+        ;;
+    long-cpu)
+        # The same seed gives the same initial weights and data order on both devices; the CPU
+        # takes the batch as micro-batches of one.
+        mapfile -t args < <(long_args)
+        rm -rf "$LONG_DIR/cpu"
+        "$ENGINE" --device cpu train "${args[@]}" --set train.batch_size=1 \
+            --set "train.grad_accum=$(batch)" --steps 3 --run-dir "$LONG_DIR/cpu"
+        cp "$LONG_DIR/cpu/metrics.jsonl" "$out/metrics.jsonl"
+        ;;
+    long-[0-9])
+        long_piece "${name#long-}"
+        ;;
+    long-check)
+        "$PYTHON" - "$LONG_DIR/cpu/metrics.jsonl" "$LONG_DIR/run/metrics.jsonl" "$LONG_STEPS" <<'PY'
 import json, sys
 cpu = [json.loads(l)["loss"] for l in open(sys.argv[1])]
 gpu = [json.loads(l)["loss"] for l in open(sys.argv[2])]
+steps = int(sys.argv[3])
+assert len(gpu) == steps, f"the long run has {len(gpu)} steps, not {steps}: run the long-N phases first"
 for i, c in enumerate(cpu):
-    print(f"step {i + 1}: loss {c:.4f} on the CPU, {gpu[i]:.4f} on the GPU ({100 * (gpu[i] - c) / c:+.2f} %)")
-    assert abs(gpu[i] - c) <= 0.01 * c, "the GPU's loss left the CPU reference's"
-first, last = sum(gpu[:50]) / 50, sum(gpu[-50:]) / 50
-print(f"GPU loss: mean {first:.4f} over the first 50 steps, {last:.4f} over the last 50")
-assert last < 0.7 * first, "the GPU's loss did not keep falling"
+    print(f"step {i + 1}: loss {c:.4f} on the CPU, {gpu[i]:.4f} on the device ({100 * (gpu[i] - c) / c:+.2f} %)")
+    assert abs(gpu[i] - c) <= 0.01 * c, "the device's loss left the CPU reference's"
+n = max(1, steps // 20)
+first, last = sum(gpu[:n]) / n, sum(gpu[-n:]) / n
+print(f"device loss: mean {first:.4f} over the first {n} steps, {last:.4f} over the last {n}")
+assert last < 0.7 * first, "the device's loss did not keep falling"
 PY
+        ;;
+    esac
+}
 
-section "side by side with PyTorch (eager and torch.compile), one GPU"
-"$PYTHON" bench/compare.py --engine "$ENGINE" --python "$PYTHON" --recipe llama3.2-1b \
-    --set train.seq_len=4096 --set train.batch_size=4 --json "$OUT/compare-llama3.2-1b.json"
-"$PYTHON" bench/compare.py --engine "$ENGINE" --python "$PYTHON" --recipe fuji-3B-v3 \
-    --set train.seq_len=4096 --set train.batch_size=2 --json "$OUT/compare-fuji-3B-v3.json"
-section "done: record the figures in docs/PERF.md"
+# train.batch_size of the long run (the CPU reference accumulates that many micro-batches of one).
+batch() {
+    local s
+    for s in "${long_sets[@]}"; do
+        case "$s" in train.batch_size=*) echo "${s#*=}"; return ;; esac
+    done
+    echo 1
+}
+
+run_phase() {
+    local name=$1 start seconds rc
+    out="$outdir/$name"
+    mkdir -p "$out"
+    printf '\n== %s (%s)\n' "$name" "$(date -u +%FT%TZ)"
+    start=$(date +%s)
+    # The phase stops at its first failing command (set -e would be ignored under `||`).
+    set +e
+    (set -e; phase "$name") 2>&1 | tee "$outdir/$name.log"
+    rc=${PIPESTATUS[0]}
+    set -e
+    seconds=$(($(date +%s) - start))
+    printf '%s\t%s\t%s\t%s\n' "$name" "$seconds" "$rc" "$(date -u +%FT%TZ)" >>"$outdir/durations.tsv"
+    if [ "$rc" -eq 0 ]; then
+        printf '== %s: done after %d s\n' "$name" "$seconds"
+    else
+        printf '== %s: FAILED (exit %d) after %d s\n' "$name" "$rc" "$seconds"
+    fi
+    return "$rc"
+}
+
+[ $# -ge 1 ] || usage "no phase given"
+what=$1
+if [ "$what" = list ]; then
+    [ $# -eq 1 ] || usage "list takes no folder"
+    list
+    exit 0
+fi
+[ "$what" = all ] || known "$what" || usage "unknown phase $what; tests/gpu.sh list shows them"
+[ $# -eq 2 ] || usage "$what needs one OUTDIR"
+need_engine
+outdir=$(absolute "$2")
+mkdir -p "$outdir"
+LONG_DIR=$(absolute "${LONG_DIR:-$outdir/long-run}")
+mkdir -p "$LONG_DIR"
+if [ "$what" = all ]; then
+    # A failed phase does not stop the others (GPU time is scarce); the exit code says it failed.
+    failed=()
+    for entry in "${PHASES[@]}"; do
+        run_phase "${entry%%|*}" || failed+=("${entry%%|*}")
+    done
+    if [ ${#failed[@]} -gt 0 ]; then
+        echo "failed: ${failed[*]} (logs in $outdir)" >&2
+        exit 1
+    fi
+else
+    run_phase "$what"
+fi

@@ -1,6 +1,9 @@
 //! `engine test-all` and `engine baselines create` as the image runs them: the quick suite
 //! passes against the committed CPU baselines, a broken baseline fails it with a readable
-//! report, the reports parse, filters select, and bad input is one line with exit code 2.
+//! report, the reports parse, filters select, and bad input is one line with exit code 2. And
+//! `test-all --emulate`, the GPU class on the CPU emulator: it passes against CPU baselines
+//! within the bf16 tolerance, and fails, naming the step and the values, when a kernel is broken
+//! on purpose (curves shrunk by the test hook ENGINE_TEST_CURVE_OVERRIDES to take seconds).
 
 mod common;
 
@@ -68,6 +71,9 @@ fn the_quick_suite_passes_against_the_committed_baselines() {
         assert!(stdout.lines().any(|l| l.starts_with(check) && l.contains(" pass ")), "{check}: {stdout}");
     }
     assert!(stdout.lines().any(|l| l.starts_with("gpu-parity") && l.contains(" skip ")), "{stdout}");
+    assert!(
+        stdout.lines().any(|l| l.starts_with("tiny-mixtral") && l.contains(" pass ") && l.contains("cpu baseline: "))
+    );
 
     let cases = junit_cases(&report.join("junit.xml"));
     assert_eq!(cases.len(), 7, "{cases:?}");
@@ -76,6 +82,7 @@ fn the_quick_suite_passes_against_the_committed_baselines() {
     assert_eq!((sum["passed"].as_u64(), sum["failed"].as_u64(), sum["skipped"].as_u64()), (Some(6), Some(0), Some(1)));
     assert_eq!(sum["mode"], "quick");
     assert_eq!(sum["device_class"], "cpu");
+    assert_eq!(sum["reference"], "cpu baseline");
     assert_eq!(sum["checks"].as_array().unwrap().len(), 7);
     // Written atomically: nothing else in the report directory.
     let mut names: Vec<String> =
@@ -203,4 +210,123 @@ fn baselines_create_records_a_file_test_all_reads() {
         }
     }
     fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Curves shrunk for the emulator tests: a few seconds where the real ones take minutes. Four
+/// steps at a learning rate ten times the recipes', so that one lost optimizer step moves the
+/// next loss well past the bf16 tolerance.
+const SHRUNK: &str = "model.d_model=64 model.n_heads=2 model.n_kv_heads=2 model.head_dim=32 model.mlp_dim=128 \
+                      model.vocab_size=256 train.seq_len=16 train.steps=4 optim.warmup_steps=2 optim.lr=1e-2";
+
+fn emulator_available() -> bool {
+    if engine::backend::cuda::emulator::compiler_available() {
+        return true;
+    }
+    assert!(
+        std::env::var("ENGINE_REQUIRE_EMULATOR").map_or(true, |v| v != "1"),
+        "ENGINE_REQUIRE_EMULATOR=1 but no C++ compiler was found (install g++ or set CXX)"
+    );
+    eprintln!("SKIPPED: test-all --emulate: no C++ compiler (install g++ or set CXX)");
+    false
+}
+
+/// `engine ARGS` with the shrunk curves and, when given, a kernel broken on purpose.
+fn shrunk(args: &[&str], fault: Option<&str>) -> Output {
+    let mut cmd = engine_cmd(args);
+    cmd.env_remove("ENGINE_BASELINES").env("ENGINE_TEST_CURVE_OVERRIDES", SHRUNK);
+    if let Some(f) = fault {
+        cmd.env("ENGINE_TEST_EMULATOR_FAULT", f);
+    }
+    cmd.output().expect("engine runs")
+}
+
+#[test]
+fn emulated_test_all_passes_against_cpu_baselines_and_names_a_broken_kernel() {
+    if !emulator_available() {
+        return;
+    }
+    let dir = scratch("test-all-emulate");
+    let baselines = dir.join("baselines");
+    let out =
+        shrunk(&["--device", "cpu", "baselines", "create", "--quick", "--runs", "1", "--out", s(&baselines)], None);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let file: serde_json::Value = serde_json::from_slice(&fs::read(baselines.join("cpu/quick.json")).unwrap()).unwrap();
+
+    // The GPU class on the emulator against the CPU curves. (tiny-mixtral's expert products
+    // cost the emulator ten times tiny-llama2's step, too much for this suite: its path is
+    // left to the measured runs of docs/test-all.md.)
+    let report = dir.join("report");
+    let filters = ["--filter", "tiny-llama2", "--filter", "throughput"];
+    let mut args = vec!["test-all", "--emulate", "--quick", "--baselines", s(&baselines), "--report", s(&report)];
+    args.extend(filters);
+    let out = shrunk(&args, None);
+    let stdout = text(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{stdout}\n{}", text(&out.stderr));
+    let row = |name: &str| stdout.lines().find(|l| l.starts_with(name)).unwrap_or_else(|| panic!("{name}: {stdout}"));
+    assert!(
+        row("tiny-llama2").contains(" pass ") && row("tiny-llama2").contains("cpu baseline, bf16 tolerance: 4 steps")
+    );
+    assert!(
+        row("throughput").contains(" skip ") && row("throughput").contains("the CPU emulator's speed says nothing")
+    );
+    let sum = summary(&report);
+    assert_eq!(
+        (sum["device_class"].as_str(), sum["reference"].as_str()),
+        (Some("cuda"), Some("cpu baseline, bf16 tolerance"))
+    );
+    assert!(sum["device"].as_str().unwrap().contains("emulator"), "{sum}");
+
+    // The optimizer's second launch lost: steps 1 and 2 are as before, step 3 is not.
+    let out = shrunk(
+        &["test-all", "--emulate", "--quick", "--filter", "tiny-llama2", "--baselines", s(&baselines)],
+        Some("adamw@2"),
+    );
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert_eq!(out.status.code(), Some(1), "{stdout}\n{stderr}");
+    assert!(
+        stderr.contains(
+            "ENGINE_TEST_EMULATOR_FAULT: the emulator breaks a kernel on purpose: launch 2 of kernel adamw is not run"
+        ),
+        "{stderr}"
+    );
+    let want = file["recipes"]["tiny-llama2"]["loss"][2].as_f64().unwrap();
+    let failed = stdout.lines().find(|l| l.starts_with("FAILED tiny-llama2: ")).unwrap_or_else(|| panic!("{stdout}"));
+    let expected = "tiny-llama2 step 3: loss ";
+    assert!(failed.contains(expected) && failed.contains(&format!(", baseline {want:.6} ± ")), "{failed}");
+    // The loss it names is the one the emulator trained (in the progress lines).
+    let got: f64 = failed.split("loss ").nth(1).unwrap().split(',').next().unwrap().parse().unwrap();
+    assert!(stderr.contains(&format!("tiny-llama2 step 3/4: loss {got:.4}")), "{got}: {stderr}");
+    assert!(failed.contains("[cpu baseline, bf16 tolerance "), "{failed}");
+    fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn emulate_bad_input_is_one_line() {
+    fn cmd<'a>(extra: &[&'a str]) -> Vec<&'a str> {
+        let mut a = vec!["test-all", "--emulate", "--quick"];
+        a.extend_from_slice(extra);
+        a
+    }
+    fails(
+        &["--device", "cpu", "test-all", "--emulate"],
+        "--emulate runs the checks on the CPU emulator of a GPU, not on --device cpu",
+    );
+    if !emulator_available() {
+        return;
+    }
+    let out =
+        engine_cmd(&cmd(&["--filter", "tiny-llama2"])).env("ENGINE_TEST_EMULATOR_FAULT", "adamv@2").output().unwrap();
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert_eq!(stderr.trim_end().lines().count(), 1, "{stderr}");
+    assert!(stderr.contains("ENGINE_TEST_EMULATOR_FAULT=adamv@2: no kernel is named `adamv`"), "{stderr}");
+    // Curves shrunk by the test hook do not compare with baselines recorded without it.
+    let baselines = committed_baselines();
+    let out = shrunk(&cmd(&["--filter", "tiny-llama2", "--baselines", s(&baselines)]), None);
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("key recipes.tiny-llama2.overrides is [\"train.steps=8\"], but this engine trains"),
+        "{stderr}"
+    );
 }

@@ -1,15 +1,16 @@
 //! `engine test-all` (the image's `test-all`) and `engine baselines create` (docs/test-all.md);
 //! the checks are [`engine::testall`]. Exit codes: 0 every check passed or was skipped, 1 some
-//! check failed, 2 bad input (a filter matching no check, a missing or bad baselines file).
+//! check failed, 2 bad input (a filter matching no check, a missing or bad baselines file,
+//! `--emulate` without a C++ compiler).
 
 use std::path::PathBuf;
 use std::time::{Instant, SystemTime};
 
 use anyhow::{Result, bail};
 use clap::{Args, Subcommand};
-use engine::backend::cuda::device;
-use engine::testall::baselines::{self, BaselineFile, rfc3339_utc};
-use engine::testall::{self, Ctx, DeviceClass, Mode, Status, report};
+use engine::backend::cuda::{device, emulator};
+use engine::testall::baselines::{self, Reference, rfc3339_utc};
+use engine::testall::{self, Ctx, Mode, Status, Target, report};
 
 use super::device::DeviceArg;
 
@@ -33,6 +34,11 @@ pub struct TestAllArgs {
     /// List the checks and exit.
     #[arg(long)]
     list: bool,
+    /// Run the GPU class of checks on the CPU emulator of a GPU (the CUDA backend's host code and
+    /// kernel sources, bf16 arithmetic), against the CPU baselines within the bf16 tolerance.
+    /// Needs a C++20 compiler (`CXX`); slow.
+    #[arg(long)]
+    emulate: bool,
 }
 
 #[derive(Subcommand)]
@@ -58,20 +64,37 @@ pub struct CreateArgs {
     full: bool,
 }
 
-/// The device class `arg` selects: a GPU when asked for (an error without one) or, with `auto`,
-/// when the CUDA driver finds one; else the CPU.
-fn device_class(arg: DeviceArg) -> Result<DeviceClass> {
+/// The target `arg` selects: a GPU when asked for (an error without one) or, with `auto`, when
+/// the CUDA driver finds one; else the CPU.
+fn target(arg: DeviceArg) -> Result<Target> {
     Ok(match arg {
-        DeviceArg::Cpu => DeviceClass::Cpu,
+        DeviceArg::Cpu => Target::Cpu,
         DeviceArg::Cuda => match device::probe() {
-            Ok(_) => DeviceClass::Cuda,
+            Ok(_) => Target::Gpu,
             Err(e) => bail!("--device cuda: no usable CUDA GPU ({e})"),
         },
         DeviceArg::Auto => match device::probe() {
-            Ok(_) => DeviceClass::Cuda,
-            Err(_) => DeviceClass::Cpu,
+            Ok(_) => Target::Gpu,
+            Err(_) => Target::Cpu,
         },
     })
+}
+
+/// `--emulate`: the emulator, which takes the place of the device (an explicit other device is
+/// a contradiction) and needs a C++ compiler.
+fn emulated_target(arg: DeviceArg) -> Result<Target> {
+    if arg != DeviceArg::Auto {
+        let name = if arg == DeviceArg::Cpu { "cpu" } else { "cuda" };
+        bail!(
+            "--emulate runs the checks on the CPU emulator of a GPU, not on --device {name} (given by --device or ENGINE_DEVICE): leave the device at auto"
+        );
+    }
+    if !emulator::compiler_available() {
+        bail!("--emulate: the CPU emulator needs a C++20 compiler and none was found (install g++ or set CXX)");
+    }
+    // A misspelt test hook is bad input now, not a failure of every check later.
+    emulator::Fault::from_env().map_err(anyhow::Error::msg)?;
+    Ok(Target::Emulator)
 }
 
 fn mode(quick: bool) -> Mode {
@@ -86,14 +109,14 @@ pub fn run(args: TestAllArgs, device: DeviceArg) -> Result<()> {
         return Ok(());
     }
     let selected = testall::select(&args.filter)?;
-    let class = device_class(device)?;
+    let target = if args.emulate { emulated_target(device)? } else { target(device)? };
     let mode = mode(args.quick);
-    let file: Option<BaselineFile> = if selected.iter().any(|c| c.needs_baselines) {
+    let reference: Option<Reference> = if selected.iter().any(|c| c.needs_baselines) {
         let dir = match &args.baselines {
             Some(d) => d.clone(),
             None => baselines::default_dir()?,
         };
-        Some(baselines::load(&dir, class, mode)?)
+        Some(baselines::reference(&dir, target, mode)?)
     } else {
         None
     };
@@ -107,25 +130,29 @@ pub fn run(args: TestAllArgs, device: DeviceArg) -> Result<()> {
     println!(
         "test-all ({} mode) on {}: {} check(s){}",
         mode.name(),
-        class.describe(),
+        target.describe(),
         selected.len(),
-        file.as_ref()
-            .map(|f| format!("; baselines {} (recorded {} on {})", f.path.display(), f.created, f.device))
+        reference
+            .as_ref()
+            .map(|r| format!(
+                "; reference: {} {} (recorded {} on {})",
+                r.label(),
+                r.file.path.display(),
+                r.file.created,
+                r.file.device
+            ))
             .unwrap_or_default()
     );
     println!("{}", report::header());
+    let hook = baselines::hook_overrides();
+    if !hook.is_empty() {
+        eprintln!("{}: the curves are trained with {} as well (a test hook)", baselines::CURVE_HOOK, hook.join(" "));
+    }
     let mut progress = |line: &str| eprintln!("{line}");
-    let mut ctx = Ctx::new(mode, class, file.as_ref(), &mut progress);
+    let mut ctx = Ctx::new(mode, target, reference.as_ref(), &mut progress);
     let outcomes = testall::run(&mut ctx, &selected, &mut |o| println!("{}", report::row(o)));
     let seconds = start.elapsed().as_secs_f64();
-    let summary = report::Summary::new(
-        mode,
-        class,
-        file.as_ref().map(|f| f.path.display().to_string()),
-        started,
-        seconds,
-        &outcomes,
-    );
+    let summary = report::Summary::new(mode, target, reference.as_ref(), started, seconds, &outcomes);
     println!("\n{} passed, {} failed, {} skipped in {seconds:.1} s", summary.passed, summary.failed, summary.skipped);
     for o in outcomes.iter().filter(|o| o.status == Status::Fail) {
         println!("FAILED {}: {}", o.name, o.detail);
@@ -143,14 +170,14 @@ pub fn run(args: TestAllArgs, device: DeviceArg) -> Result<()> {
 pub fn baselines(cmd: BaselinesCommand, device: DeviceArg) -> Result<()> {
     let BaselinesCommand::Create(args) = cmd;
     anyhow::ensure!(args.runs > 0, "--runs must be at least 1");
-    let class = device_class(device)?;
+    let target = target(device)?;
     let mode = mode(args.quick);
     let dir = args
         .out
         .or_else(|| std::env::var_os(baselines::ENV).filter(|d| !d.is_empty()).map(PathBuf::from))
         .unwrap_or("tests/baselines".into());
-    println!("recording {} baselines on {} ({} runs)", mode.name(), class.describe(), args.runs);
-    let path = baselines::create(&dir, class, mode, args.runs, &mut |line| eprintln!("{line}"))?;
+    println!("recording {} baselines on {} ({} runs)", mode.name(), target.describe(), args.runs);
+    let path = baselines::create(&dir, target, mode, args.runs, &mut |line| eprintln!("{line}"))?;
     println!("wrote {}", path.display());
     Ok(())
 }

@@ -5,8 +5,8 @@ use std::path::Path;
 
 use anyhow::{Context, Result, anyhow, bail};
 
-use super::baselines::{self, tolerance};
-use super::{CURVE_RECIPES, Ctx, DeviceClass, Mode, Verdict};
+use super::baselines::{self, Against, tolerance};
+use super::{CURVE_RECIPES, Ctx, DeviceClass, Mode, Target, Verdict};
 use crate::backend::Backend;
 use crate::backend::cpu::Cpu;
 use crate::backend::cuda::{Cuda, device};
@@ -55,21 +55,63 @@ fn tempdir() -> Result<tempfile::TempDir> {
 
 // ---- loss curves and throughput against the baselines ------------------------------------
 
-/// Trains `recipe` and compares its loss, step by step, with the baseline.
+/// Trains `recipe` and compares its loss, step by step, with the reference's curve; the detail
+/// names the reference (`cpu baseline`, `cuda baseline`, `cpu baseline, bf16 tolerance`).
 pub fn loss_curve(ctx: &mut Ctx, recipe: &str) -> Result<Verdict> {
-    let file = ctx.baselines.ok_or_else(|| anyhow!("no baselines loaded"))?;
-    let base = &file.recipes[recipe];
+    let reference = ctx.reference.ok_or_else(|| anyhow!("no baselines loaded"))?;
+    let shrink = if ctx.target == Target::Emulator { baselines::emulator_shrink(recipe) } else { &[] };
+    if !shrink.is_empty() {
+        return shrunk_curve(ctx, recipe, shrink);
+    }
+    let base = &reference.file.recipes[recipe];
     let curve = ctx.curve(recipe)?;
-    Ok(match baselines::compare(recipe, &curve, base, |step| tolerance(ctx.device, step)) {
-        Ok(text) => Verdict::pass(text),
-        Err(text) => Verdict::fail(format!("{text} [baselines {}]", file.path.display())),
+    Ok(match baselines::compare(recipe, &curve, base, |step| reference.tolerance(step)) {
+        Ok(text) => Verdict::pass(format!("{}: {text}", reference.label())),
+        Err(text) => Verdict::fail(format!("{text} [{} {}]", reference.label(), reference.file.path.display())),
+    })
+}
+
+/// A curve the emulator runs shrunk ([`baselines::emulator_shrink`]) against the CPU curve of the
+/// same configuration, trained now, within the bf16 tolerance.
+fn shrunk_curve(ctx: &mut Ctx, recipe: &str, shrink: &[&str]) -> Result<Verdict> {
+    let cpu = baselines::train_curve_with(recipe, ctx.mode, shrink, Target::Cpu, &mut *ctx.progress)?;
+    let curve = ctx.curve(recipe)?;
+    let base = baselines::RecipeBaseline {
+        overrides: Vec::new(),
+        loss: cpu.loss,
+        tokens_per_s: cpu.tokens_per_s,
+        run_spread: 0.0,
+    };
+    let label = format!("cpu curve of this run, bf16 tolerance; shrunk for the emulator: {}", shrink.join(" "));
+    Ok(match baselines::compare(recipe, &curve, &base, baselines::bf16_tolerance) {
+        Ok(text) => Verdict::pass(format!("{label}: {text}")),
+        Err(text) => Verdict::fail(format!("{text} [{label}]")),
     })
 }
 
 /// Tokens per second of every curve against the baseline's: reported, failing only below
-/// 1/[`THROUGHPUT_FLOOR`] of it.
+/// 1/[`THROUGHPUT_FLOOR`] of it. Skipped, with the reason, where the reference was recorded on
+/// another device class (a CUDA run against the CPU curves) or the target's speed means nothing
+/// (the emulator).
 pub fn throughput(ctx: &mut Ctx) -> Result<Verdict> {
-    let file = ctx.baselines.ok_or_else(|| anyhow!("no baselines loaded"))?;
+    let reference = ctx.reference.ok_or_else(|| anyhow!("no baselines loaded"))?;
+    if reference.against == Against::CpuBf16 {
+        let why = match ctx.target {
+            Target::Emulator => "the CPU emulator's speed says nothing about a GPU's".to_string(),
+            _ => format!(
+                "{}: a GPU's throughput has no CPU baseline to compare with",
+                reference.why_cpu.as_deref().unwrap_or("no CUDA baselines")
+            ),
+        };
+        // What was measured anyway, for the record (curves trained by the loss checks).
+        let seen: Vec<String> = CURVE_RECIPES
+            .iter()
+            .filter_map(|r| ctx.trained(r).map(|c| format!("{r} {:.0} tokens/s", c.tokens_per_s)))
+            .collect();
+        let seen = if seen.is_empty() { String::new() } else { format!("; measured {}", seen.join(", ")) };
+        return Ok(Verdict::skip(format!("{why}{seen}")));
+    }
+    let file = &reference.file;
     let (mut parts, mut slow) = (Vec::new(), Vec::new());
     for recipe in CURVE_RECIPES {
         let got = ctx.curve(recipe)?.tokens_per_s;
@@ -162,13 +204,13 @@ pub fn checkpoint_resume(ctx: &mut Ctx) -> Result<Verdict> {
     let steps_set = format!("train.steps={steps}");
     sets.push(&steps_set);
     let config = resolve("tiny-llama2", &sets)?;
-    match ctx.device {
-        DeviceClass::Cpu => resume_on(|| Ok(Cpu::new()), &config, steps, None),
-        DeviceClass::Cuda => {
+    match ctx.target {
+        Target::Cpu => resume_on(|| Ok(Cpu::new()), &config, steps, None),
+        target => {
             if let Some(why) = super::cuda_unsuitable(&config.model) {
                 bail!("the check's model cannot run on the CUDA backend: {why}");
             }
-            resume_on(super::open_gpu, &config, steps, Some(tolerance(DeviceClass::Cuda, 1)))
+            resume_on(|| target.open_cuda(), &config, steps, Some(tolerance(DeviceClass::Cuda, 1)))
         }
     }
 }
@@ -444,21 +486,26 @@ pub fn data_prepare(ctx: &mut Ctx) -> Result<Verdict> {
 // ---- CPU and GPU -----------------------------------------------------------------------------
 
 /// The CUDA backend against the CPU reference, through the checks of `engine gpu-test`
-/// ([`check`]): in quick mode the whole-model parity checks (loss and gradients of every tiny
+/// ([`parity`]): in quick mode the whole-model parity checks (loss and gradients of every tiny
 /// configuration), in full mode all of them. Skipped without a GPU, or when the run is on the CPU.
+/// On the emulator they run as `gpu-test --emulate` runs them: shapes shrunk, 20 training steps.
 pub fn gpu_parity(ctx: &mut Ctx) -> Result<Verdict> {
-    if let Err(e) = device::probe() {
-        return Ok(Verdict::skip(format!("no CUDA GPU ({e})")));
+    let emulated = ctx.target == Target::Emulator;
+    if !emulated {
+        if let Err(e) = device::probe() {
+            return Ok(Verdict::skip(format!("no CUDA GPU ({e})")));
+        }
+        if ctx.target == Target::Cpu {
+            return Ok(Verdict::skip("a GPU is present but the run is on the CPU (--device cpu)"));
+        }
     }
-    if ctx.device == DeviceClass::Cpu {
-        return Ok(Verdict::skip("a GPU is present but the run is on the CPU (--device cpu)"));
-    }
-    let (filter, steps) = match ctx.mode {
-        Mode::Quick => ("against the f32 CPU model", 20),
-        Mode::Full => ("", 200),
+    let (filter, steps) = match (ctx.mode, emulated) {
+        (Mode::Quick, _) => ("against the f32 CPU model", 20),
+        (Mode::Full, false) => ("", 200),
+        (Mode::Full, true) => ("", 20),
     };
-    let scale = Scale { emulated: false, train_steps: steps };
-    let mut open = || Cuda::new(0);
+    let scale = Scale { emulated, train_steps: steps };
+    let mut open = || if emulated { Cuda::emulated() } else { Cuda::new(0) };
     let progress = &mut *ctx.progress;
     let outcomes = parity::run(scale, &mut open, filter, &mut |o| {
         progress(&format!("  {} {} ({:.1} s): {}", if o.passed { "ok  " } else { "FAIL" }, o.name, o.seconds, o.detail))
@@ -470,4 +517,40 @@ pub fn gpu_parity(ctx: &mut Ctx) -> Result<Verdict> {
     } else {
         Verdict::fail(format!("{} of {} gpu-test checks failed: {}", failed.len(), outcomes.len(), failed.join("; ")))
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testall::baselines::Reference;
+
+    /// The committed CPU quick baselines as the reference of a CUDA run without CUDA baselines.
+    fn cpu_reference_for_cuda(why: &str) -> Reference {
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/baselines");
+        let file = baselines::load(Path::new(dir), DeviceClass::Cpu, Mode::Quick).unwrap();
+        Reference { file, against: Against::CpuBf16, why_cpu: Some(why.into()) }
+    }
+
+    #[test]
+    fn throughput_is_skipped_with_the_reason_until_there_is_a_cuda_baseline() {
+        let reference = cpu_reference_for_cuda("no CUDA baselines (x/cuda/quick.json not found)");
+        let mut lines = Vec::new();
+        let mut progress = |l: &str| lines.push(l.to_owned());
+        // Skipped before training anything: no GPU is opened (there is none here).
+        let mut ctx = Ctx::new(Mode::Quick, Target::Gpu, Some(&reference), &mut progress);
+        let v = throughput(&mut ctx).unwrap();
+        assert_eq!(v.status, super::super::Status::Skip);
+        assert_eq!(
+            v.detail,
+            "no CUDA baselines (x/cuda/quick.json not found): a GPU's throughput has no CPU baseline to compare with"
+        );
+        let mut ctx = Ctx::new(Mode::Quick, Target::Emulator, Some(&reference), &mut progress);
+        let v = throughput(&mut ctx).unwrap();
+        assert_eq!(
+            (v.status, v.detail.as_str()),
+            (super::super::Status::Skip, "the CPU emulator's speed says nothing about a GPU's")
+        );
+        drop(ctx);
+        assert!(lines.is_empty(), "{lines:?}");
+    }
 }

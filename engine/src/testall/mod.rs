@@ -4,8 +4,9 @@
 //! Face round trip, data preparation, CPU↔GPU parity, throughput — run on the best device
 //! present, each ending as passed, failed or skipped, with its time and a one-line detail.
 //!
-//! Adding a check is adding one entry to [`checks`]. [`baselines`] holds the recorded curves and
-//! their file format, [`report`] the table, JUnit XML and JSON summary.
+//! Adding a check is adding one entry to [`checks`]. [`baselines`] holds the recorded curves, their
+//! file format and the choice of the reference a run compares with, [`report`] the table, JUnit
+//! XML and JSON summary.
 
 pub mod baselines;
 mod checks;
@@ -19,7 +20,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::backend::cpu;
 use crate::backend::cuda::{self, Cuda, device};
-use baselines::{BaselineFile, Curve};
+use baselines::{Curve, Reference};
 
 /// How much work the checks do.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -68,6 +69,47 @@ impl DeviceClass {
                 Ok(d) => format!("cuda: {} (sm_{}{})", d[0].name, d[0].capability.0, d[0].capability.1),
                 Err(e) => format!("cuda: unavailable ({e})"),
             },
+        }
+    }
+}
+
+/// Where the checks run: the CPU, the first GPU, or the CUDA backend on the CPU emulator of a GPU
+/// (`test-all --emulate`: the same host code and kernel sources, bf16 arithmetic, no GPU).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Target {
+    /// The f32 CPU reference backend.
+    Cpu,
+    /// The CUDA backend on the first GPU.
+    Gpu,
+    /// The CUDA backend on the CPU emulator ([`crate::backend::cuda::emulator`]).
+    Emulator,
+}
+
+impl Target {
+    /// The device class: whose baselines apply and which tolerances (the emulator is of the CUDA
+    /// class, whose arithmetic it reproduces).
+    pub fn class(self) -> DeviceClass {
+        match self {
+            Target::Cpu => DeviceClass::Cpu,
+            Target::Gpu | Target::Emulator => DeviceClass::Cuda,
+        }
+    }
+
+    /// One line naming the device.
+    pub fn describe(self) -> String {
+        match self {
+            Target::Emulator => {
+                format!("cuda: CPU emulator of an sm_90 GPU ({} threads)", rayon::current_num_threads())
+            }
+            _ => self.class().describe(),
+        }
+    }
+
+    /// A fresh CUDA backend on this target: the first GPU or the emulator.
+    pub fn open_cuda(self) -> Result<Cuda> {
+        match self {
+            Target::Emulator => Cuda::emulated().map_err(|e| anyhow::anyhow!("cannot open the CUDA emulator: {e}")),
+            _ => open_gpu(),
         }
     }
 }
@@ -149,15 +191,15 @@ pub fn checks() -> Vec<Check> {
 /// The recipes whose loss curves are recorded as baselines.
 pub const CURVE_RECIPES: [&str; 3] = ["tiny-llama2", "tiny-mistral", "tiny-mixtral"];
 
-/// What the checks share: the mode, the device, the baselines and the curves trained so far (a
-/// curve is trained once and read by both its loss check and the throughput check).
+/// What the checks share: the mode, the target, the reference curves and the curves trained so
+/// far (a curve is trained once and read by both its loss check and the throughput check).
 pub struct Ctx<'a> {
     /// Quick or full.
     pub mode: Mode,
-    /// The device class the checks run on.
-    pub device: DeviceClass,
-    /// The baselines of this device class and mode, when a selected check needs them.
-    pub baselines: Option<&'a BaselineFile>,
+    /// Where the checks run.
+    pub target: Target,
+    /// What the curves are compared with, when a selected check needs it.
+    pub reference: Option<&'a Reference>,
     /// Progress lines (the command prints them as the checks run).
     pub progress: &'a mut dyn FnMut(&str),
     curves: BTreeMap<String, Curve>,
@@ -167,11 +209,21 @@ impl<'a> Ctx<'a> {
     /// A context for running checks.
     pub fn new(
         mode: Mode,
-        device: DeviceClass,
-        baselines: Option<&'a BaselineFile>,
+        target: Target,
+        reference: Option<&'a Reference>,
         progress: &'a mut dyn FnMut(&str),
     ) -> Ctx<'a> {
-        Ctx { mode, device, baselines, progress, curves: BTreeMap::new() }
+        Ctx { mode, target, reference, progress, curves: BTreeMap::new() }
+    }
+
+    /// The device class of the target.
+    pub fn class(&self) -> DeviceClass {
+        self.target.class()
+    }
+
+    /// The curve of `recipe` if a check has trained it already.
+    pub fn trained(&self, recipe: &str) -> Option<&Curve> {
+        self.curves.get(recipe)
     }
 
     /// The loss curve of `recipe` in this mode on this device, trained on first use.
@@ -179,7 +231,7 @@ impl<'a> Ctx<'a> {
         if let Some(c) = self.curves.get(recipe) {
             return Ok(c.clone());
         }
-        let curve = baselines::train_curve(recipe, self.mode, self.device, &mut *self.progress)?;
+        let curve = baselines::train_curve(recipe, self.mode, self.target, &mut *self.progress)?;
         self.curves.insert(recipe.to_owned(), curve.clone());
         Ok(curve)
     }
@@ -245,17 +297,17 @@ pub fn run(ctx: &mut Ctx, selected: &[Check], done: &mut dyn FnMut(&Outcome)) ->
     out
 }
 
-/// Opens a backend of `class` and calls `f` with it (a macro-like dispatch over the backends,
-/// whose types differ).
+/// Opens a backend on `target` (a [`Target`]) and evaluates `body` with it bound to `be` (a
+/// dispatch over the backends, whose types differ).
 macro_rules! with_backend {
-    ($class:expr, |$be:ident| $body:expr) => {
-        match $class {
-            $crate::testall::DeviceClass::Cpu => {
+    ($target:expr, |$be:ident| $body:expr) => {
+        match $target {
+            $crate::testall::Target::Cpu => {
                 let $be = $crate::backend::cpu::Cpu::new();
                 $body
             }
-            $crate::testall::DeviceClass::Cuda => {
-                let $be = $crate::testall::open_gpu()?;
+            t => {
+                let $be = t.open_cuda()?;
                 $body
             }
         }

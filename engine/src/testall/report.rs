@@ -8,7 +8,8 @@ use std::path::Path;
 use anyhow::{Context, Result};
 use serde::Serialize;
 
-use super::{DeviceClass, Mode, Outcome, Status};
+use super::baselines::Reference;
+use super::{DeviceClass, Mode, Outcome, Status, Target};
 use crate::fsutil::write_atomic;
 
 /// `summary.json`.
@@ -28,6 +29,9 @@ pub struct Summary<'a> {
     pub device: String,
     /// The baseline file compared with, if any check used one.
     pub baselines: Option<String>,
+    /// How the curves were compared ([`Reference::label`]): `cpu baseline`, `cuda baseline` or
+    /// `cpu baseline, bf16 tolerance`; absent when no check compared.
+    pub reference: Option<&'static str>,
     /// When the run started, UTC.
     pub started: String,
     /// Wall time of the whole run.
@@ -46,8 +50,8 @@ impl<'a> Summary<'a> {
     /// Counts the outcomes.
     pub fn new(
         mode: Mode,
-        device_class: DeviceClass,
-        baselines: Option<String>,
+        target: Target,
+        reference: Option<&Reference>,
         started: String,
         seconds: f64,
         checks: &'a [Outcome],
@@ -58,9 +62,10 @@ impl<'a> Summary<'a> {
             engine_version: env!("CARGO_PKG_VERSION"),
             revision: option_env!("ENGINE_REVISION").unwrap_or("unknown"),
             mode,
-            device_class,
-            device: device_class.describe(),
-            baselines,
+            device_class: target.class(),
+            device: target.describe(),
+            baselines: reference.map(|r| r.file.path.display().to_string()),
+            reference: reference.map(Reference::label),
             started,
             seconds,
             passed: count(Status::Pass),
@@ -177,7 +182,7 @@ mod tests {
             Outcome { name: "b".into(), status: Status::Fail, seconds: 2.0, detail: "x < y & \"z\"\n".into() },
             Outcome { name: "c".into(), status: Status::Skip, seconds: 0.0, detail: "no GPU".into() },
         ];
-        let s = Summary::new(Mode::Quick, DeviceClass::Cpu, None, "2026-01-01T00:00:00Z".into(), 3.0, &checks);
+        let s = Summary::new(Mode::Quick, Target::Cpu, None, "2026-01-01T00:00:00Z".into(), 3.0, &checks);
         let x = junit(&s);
         assert!(x.contains("tests=\"3\" failures=\"1\" skipped=\"1\""), "{x}");
         assert!(x.contains("<failure message=\"x &lt; y &amp; &quot;z&quot;&#10;\">"), "{x}");

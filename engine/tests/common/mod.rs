@@ -6,10 +6,12 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-/// A command running the engine binary, with the user's override variables removed.
+/// A command running the engine binary, with the user's override variables and the test hooks
+/// removed.
 pub fn engine_cmd(args: &[&str]) -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_engine"));
     cmd.args(args).env_remove("ENGINE_FLAGS").env_remove("ENGINE_DEFAULT_FLAGS").env_remove("ENGINE_TEST_PAUSE_SAVE");
+    cmd.env_remove("ENGINE_TEST_EMULATOR_FAULT").env_remove("ENGINE_TEST_CURVE_OVERRIDES");
     cmd
 }
 

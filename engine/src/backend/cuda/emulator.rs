@@ -13,6 +13,13 @@
 //! What it cannot show: timing, occupancy, bank conflicts, register or shared-memory limits
 //! (ptxas reports those: tests/nvrtc.rs), races that need real concurrency between blocks, and
 //! the CUDA driver's and cuBLASLt's own behaviour.
+//!
+//! **Test hook.** `ENGINE_TEST_EMULATOR_FAULT=KERNEL@N` ([`FAULT_HOOK`]) breaks a kernel on
+//! purpose: the `N`-th launch (1-based, counted per emulator) of the kernel named `KERNEL` is not
+//! run, as if the kernel had returned without writing its results (`KERNEL` alone: no launch of it
+//! runs). The tests use it to show that `test-all --emulate` fails, naming the step, when a
+//! kernel is wrong. Only the emulator reads it (a GPU never does); a name that is no kernel is an
+//! error, and every emulator that applies it says so on stderr.
 
 use std::alloc::Layout;
 use std::collections::HashMap;
@@ -37,6 +44,52 @@ type LaunchFn = unsafe extern "C" fn(*const c_char, u32, u32, u32, u32, u32, *mu
 /// The emulator's runtime is one per process: launches take turns.
 static LAUNCH: Mutex<()> = Mutex::new(());
 
+/// The test hook's variable (see the [module documentation](self)).
+pub const FAULT_HOOK: &str = "ENGINE_TEST_EMULATOR_FAULT";
+
+/// A kernel broken on purpose by [`FAULT_HOOK`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Fault {
+    /// The kernel's entry name.
+    pub kernel: String,
+    /// The launch (1-based) that is not run; `None`: none of them runs.
+    pub launch: Option<usize>,
+}
+
+impl Fault {
+    /// Parses `KERNEL` or `KERNEL@N`; `KERNEL` must be an entry point of a kernel module.
+    pub fn parse(text: &str) -> Result<Fault, String> {
+        let bad = |why: &str| format!("{FAULT_HOOK}={text}: {why}");
+        let (kernel, launch) = match text.split_once('@') {
+            None => (text, None),
+            Some((k, n)) => match n.parse::<usize>() {
+                Ok(n) if n >= 1 => (k, Some(n)),
+                _ => return Err(bad("the launch after @ must be a whole number from 1")),
+            },
+        };
+        if !MODULES.iter().any(|m| m.kernels.contains(&kernel)) {
+            return Err(bad(&format!("no kernel is named `{kernel}` (the kernels are listed in backend/cuda/ops/)")));
+        }
+        Ok(Fault { kernel: kernel.to_owned(), launch })
+    }
+
+    /// The fault [`FAULT_HOOK`] asks for, if it is set and not empty.
+    pub fn from_env() -> Result<Option<Fault>, String> {
+        match std::env::var(FAULT_HOOK) {
+            Ok(v) if !v.is_empty() => Fault::parse(&v).map(Some),
+            _ => Ok(None),
+        }
+    }
+
+    /// In words, for the line the emulator prints.
+    pub fn describe(&self) -> String {
+        match self.launch {
+            Some(n) => format!("launch {n} of kernel {} is not run", self.kernel),
+            None => format!("kernel {} is never run", self.kernel),
+        }
+    }
+}
+
 /// Work recorded for a graph.
 enum Work {
     Launch { name: &'static str, grid: (u32, u32, u32), block: u32, smem: usize, args: Vec<u64> },
@@ -54,11 +107,17 @@ pub struct Emulator {
     graphs: Vec<Vec<Work>>,
     /// With `ENGINE_EMULATOR_PROFILE=1`: seconds and launches per kernel, printed at the end.
     profile: Option<HashMap<&'static str, (f64, usize)>>,
+    /// The test hook's fault, and the launches of its kernel seen so far.
+    fault: Option<(Fault, usize)>,
 }
 
 impl Emulator {
     /// Builds (or finds in the cache) the emulated kernels and loads them.
     pub fn open() -> Result<Emulator, String> {
+        let fault = Fault::from_env()?;
+        if let Some(f) = &fault {
+            eprintln!("{FAULT_HOOK}: the emulator breaks a kernel on purpose: {}", f.describe());
+        }
         let library = build()?;
         let path = CString::new(library.to_string_lossy().as_bytes()).map_err(|e| e.to_string())?;
         // SAFETY: loading a library this module built; it is never unloaded.
@@ -81,11 +140,31 @@ impl Emulator {
             sm_count: 2,
         };
         let profile = std::env::var("ENGINE_EMULATOR_PROFILE").is_ok_and(|v| v == "1").then(HashMap::new);
-        Ok(Emulator { info, launch_fn, allocations: HashMap::new(), recording: None, graphs: Vec::new(), profile })
+        Ok(Emulator {
+            info,
+            launch_fn,
+            allocations: HashMap::new(),
+            recording: None,
+            graphs: Vec::new(),
+            profile,
+            fault: fault.map(|f| (f, 0)),
+        })
+    }
+
+    /// Whether the test hook's fault drops this launch of kernel `name` (counting it).
+    fn dropped(&mut self, name: &str) -> bool {
+        match &mut self.fault {
+            Some((f, seen)) if f.kernel == name => {
+                *seen += 1;
+                f.launch.is_none_or(|n| n == *seen)
+            }
+            _ => false,
+        }
     }
 
     fn run(&mut self, work: &Work) {
         match work {
+            Work::Launch { name, .. } if self.dropped(name) => {}
             Work::Launch { name, grid, block, smem, args } => {
                 let mut slots = args.clone();
                 let mut params: Vec<*mut c_void> = slots.iter_mut().map(|s| (s as *mut u64).cast()).collect();
@@ -381,4 +460,20 @@ fn build() -> Result<PathBuf, String> {
 pub fn compiler_available() -> bool {
     let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
     std::process::Command::new(cxx).arg("--version").output().is_ok_and(|o| o.status.success())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_fault_hook_names_a_kernel_and_optionally_a_launch() {
+        assert_eq!(Fault::parse("adamw@3"), Ok(Fault { kernel: "adamw".into(), launch: Some(3) }));
+        assert_eq!(Fault::parse("rope"), Ok(Fault { kernel: "rope".into(), launch: None }));
+        let e = Fault::parse("adamv@3").unwrap_err();
+        assert!(e.starts_with("ENGINE_TEST_EMULATOR_FAULT=adamv@3: no kernel is named `adamv`"), "{e}");
+        for bad in ["adamw@0", "adamw@x", "adamw@"] {
+            assert!(Fault::parse(bad).unwrap_err().contains("whole number from 1"), "{bad}");
+        }
+    }
 }

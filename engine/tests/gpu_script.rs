@@ -1,0 +1,138 @@
+//! `tests/gpu.sh`, the GPU phases, without a GPU: the script parses, its phase list keeps every
+//! phase within 10 minutes and the whole within 45 (by its own estimates), bad usage is one line
+//! with exit code 2, and the long run's pieces — each resuming from the previous one's
+//! checkpoint — make exactly the run one process makes (on the CPU, with a tiny model in place of
+//! llama3.2-1b, through the script's DEVICE / LONG_* variables).
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use common::{engine, s, scratch};
+
+fn script() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/gpu.sh")
+}
+
+fn gpu_sh(args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut cmd = Command::new("bash");
+    cmd.arg(script()).args(args).env("ENGINE", env!("CARGO_BIN_EXE_engine"));
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.env_remove("ENGINE_FLAGS").env_remove("ENGINE_DEFAULT_FLAGS").output().expect("bash runs")
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+#[test]
+fn the_script_parses_and_lists_phases_within_the_time_budget() {
+    let out = Command::new("bash").arg("-n").arg(script()).output().unwrap();
+    assert!(out.status.success(), "bash -n: {}", text(&out.stderr));
+
+    let out = gpu_sh(&["list"], &[]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let stdout = text(&out.stdout);
+    let mut rows: Vec<(String, u32)> = Vec::new();
+    let mut total = None;
+    for line in stdout.lines().skip(1) {
+        let mut f = line.split_whitespace();
+        let (name, minutes) = (f.next().unwrap().to_owned(), f.next().unwrap().parse::<u32>().unwrap());
+        if name == "total" {
+            total = Some(minutes);
+        } else {
+            rows.push((name, minutes));
+        }
+    }
+    let names: Vec<&str> = rows.iter().map(|(n, _)| n.as_str()).collect();
+    for phase in ["gpu-test", "test-all", "bench-llama3.2-1b", "bench-fuji-3B-v3", "long-1", "long-4", "long-check"] {
+        assert!(names.contains(&phase), "{phase} missing: {stdout}");
+    }
+    // The long run's pieces come in order, after its CPU reference and before its check.
+    let at = |p: &str| names.iter().position(|n| *n == p).unwrap();
+    assert!(at("long-cpu") < at("long-1") && at("long-1") < at("long-2") && at("long-4") < at("long-check"));
+    for (name, minutes) in &rows {
+        assert!(*minutes <= 10, "{name}: {minutes} minutes, more than a 10-minute slot");
+    }
+    let sum: u32 = rows.iter().map(|(_, m)| m).sum();
+    assert_eq!(total, Some(sum), "{stdout}");
+    assert!(sum <= 45, "the phases take {sum} minutes, more than 45: {stdout}");
+    assert!(stdout.contains("estimates until measured on a GPU"), "{stdout}");
+}
+
+#[test]
+fn bad_usage_is_one_line_with_exit_code_2() {
+    let dir = scratch("gpu-sh-usage");
+    let out_dir = dir.join("out");
+    for (args, expected, engine_path) in [
+        (vec![], "no phase given", None),
+        (vec!["nope", s(&out_dir)], "unknown phase nope", None),
+        (vec!["gpu-test"], "gpu-test needs one OUTDIR", None),
+        (vec!["list", s(&out_dir)], "list takes no folder", None),
+        (vec!["gpu-test", s(&out_dir)], "no engine binary at /nonexistent/engine", Some("/nonexistent/engine")),
+    ] {
+        let env: Vec<(&str, &str)> = engine_path.map(|p| ("ENGINE", p)).into_iter().collect();
+        let out = gpu_sh(&args, &env);
+        let stderr = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains(expected), "{args:?}: expected `{expected}` in {stderr}");
+        assert_eq!(stderr.trim_end().lines().count(), 1, "{args:?}: {stderr}");
+    }
+    assert!(!out_dir.exists(), "bad usage created the output folder");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The losses of a run directory's metrics.jsonl.
+fn losses(run_dir: &Path) -> Vec<f64> {
+    common::metrics(run_dir).iter().map(|m| m["loss"].as_f64().unwrap()).collect()
+}
+
+#[test]
+fn the_long_run_in_pieces_is_the_run_one_process_makes() {
+    let dir = scratch("gpu-sh-long");
+    let out = dir.join("out");
+    let sets = "model.d_model=64 model.n_heads=2 model.n_kv_heads=2 model.head_dim=32 model.mlp_dim=128 \
+                model.vocab_size=256 train.seq_len=32 train.batch_size=4 optim.lr=1e-2 optim.warmup_steps=2";
+    let env = [("DEVICE", "cpu"), ("LONG_RECIPE", "tiny-llama2"), ("LONG_SETS", sets), ("LONG_STEPS", "40")];
+    let run = |phase: &str| {
+        let o = gpu_sh(&[phase, s(&out)], &env);
+        (o.status.code(), text(&o.stdout), text(&o.stderr))
+    };
+    // A piece before its predecessor is refused, naming it.
+    let (code, stdout, _) = run("long-2");
+    assert_eq!(code, Some(1), "{stdout}");
+    assert!(
+        stdout.contains("long-2 starts at step 10, but the newest checkpoint") && stdout.contains("run long-1 first")
+    );
+    for phase in ["long-cpu", "long-1", "long-2", "long-3", "long-4", "long-check"] {
+        let (code, stdout, stderr) = run(phase);
+        assert_eq!(code, Some(0), "{phase}: {stdout}\n{stderr}");
+        assert!(stdout.contains(&format!("== {phase}: done after")), "{phase}: {stdout}");
+    }
+    // A piece already run is not run again.
+    let (code, stdout, _) = run("long-3");
+    assert_eq!(code, Some(0));
+    assert!(stdout.contains("long-3: already done (checkpoint of step 40"), "{stdout}");
+
+    // The same run in one process: the same losses, bit for bit (the CPU is deterministic).
+    let straight = dir.join("straight");
+    let mut args =
+        vec!["--device", "cpu", "train", "--recipe", "tiny-llama2", "--steps", "40", "--run-dir", s(&straight)];
+    let decay = "optim.decay_steps=40".to_string();
+    for set in sets.split_whitespace().chain([decay.as_str()]) {
+        args.extend(["--set", set]);
+    }
+    let o = engine(&args);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let pieces = losses(&out.join("long-run/run"));
+    assert_eq!(pieces.len(), 40);
+    assert_eq!(pieces, losses(&straight), "the pieced run differs from the one-process run");
+    // Every phase left its log and its line in durations.tsv under the one output folder.
+    let durations = std::fs::read_to_string(out.join("durations.tsv")).unwrap();
+    assert!(durations.lines().any(|l| l.starts_with("long-check\t")), "{durations}");
+    assert!(out.join("long-4.log").is_file() && out.join("long-4/metrics.jsonl").is_file());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
