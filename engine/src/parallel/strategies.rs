@@ -508,7 +508,7 @@ pub struct FsdpOptions {
     /// Release a layer's gathered parameters after the forward pass (FSDP2's
     /// `reshard_after_forward`); else keep them until the backward pass is done with them.
     pub reshard_after_forward: bool,
-    /// Start the next unit's gather before the current unit computes.
+    /// Start the next layer's gather before the current layer computes.
     pub prefetch: bool,
 }
 
