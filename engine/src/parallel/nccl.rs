@@ -43,8 +43,8 @@ struct Side {
     issued: driver::CUevent,
     /// Recorded on the communication stream; the compute stream waits for it.
     done: driver::CUevent,
-    /// Operations started and not yet waited for.
-    started: usize,
+    /// Whether operations were started and not yet waited for.
+    started: bool,
     /// Outputs of started gathers, whose bf16 copies are refreshed at the wait.
     gathered: Vec<View>,
 }
@@ -105,7 +105,7 @@ impl Drop for Nccl {
             let _ = unsafe { result::comm_destroy(comm) };
         }
         if let Some(side) = self.side.take() {
-            // SAFETY: created by `Nccl::side`, destroyed once, after the communicators' work.
+            // SAFETY: created by `Nccl::begin`, destroyed once, after the communicators' work.
             unsafe {
                 let _ = cu::stream::synchronize(side.stream);
                 let _ = cu::event::destroy(side.issued);
@@ -124,14 +124,15 @@ fn stream_check<T>(what: &str, r: std::result::Result<T, cudarc::driver::DriverE
 impl Nccl {
     /// Orders the next operation after the compute stream's work so far and returns the
     /// communication stream to issue it on.
-    fn begin(&mut self, compute: driver::CUstream) -> sys::cudaStream_t {
+    fn begin(&mut self, be: &Cuda) -> sys::cudaStream_t {
+        let compute = compute_stream(be);
         let side = self.side.get_or_insert_with(|| {
             let flags = driver::CUevent_flags::CU_EVENT_DISABLE_TIMING;
             Side {
                 stream: stream_check("creating", cu::stream::create(cu::stream::StreamKind::NonBlocking)),
                 issued: stream_check("creating an event", cu::event::create(flags)),
                 done: stream_check("creating an event", cu::event::create(flags)),
-                started: 0,
+                started: false,
                 gathered: Vec::new(),
             }
         });
@@ -145,8 +146,9 @@ impl Nccl {
     }
 
     /// Makes the compute stream wait for every operation issued so far.
-    fn join(&mut self, compute: driver::CUstream) {
+    fn join(&mut self, be: &Cuda) {
         let Some(side) = &mut self.side else { return };
+        let compute = compute_stream(be);
         // SAFETY: live stream and events of this context.
         unsafe {
             stream_check("recording", cu::event::record(side.done, side.stream));
@@ -157,32 +159,35 @@ impl Nccl {
 
     fn all_reduce(&mut self, be: &mut Cuda, buf: View, group: &[usize]) {
         let comm = self.comm(group);
-        let (ptr, dtype, compute) = target(be, buf);
-        let stream = self.begin(compute);
+        let (ptr, dtype) = target(be, buf);
+        let stream = self.begin(be);
         // SAFETY: in place on a live device buffer of `buf.len` elements, ordered by events.
         check("all-reduce", unsafe {
             result::all_reduce(ptr, ptr, buf.len, dtype, sys::ncclRedOp_t::ncclSum, comm, stream)
         });
     }
 
-    fn all_gather_on_side(&mut self, be: &mut Cuda, input: View, output: View, group: &[usize]) -> driver::CUstream {
+    fn all_gather_on_side(&mut self, be: &mut Cuda, input: View, output: View, group: &[usize]) {
         assert_eq!(output.len, input.len * group.len(), "all-gather sizes");
         let comm = self.comm(group);
-        let ((src, t, compute), (dst, u, _)) = (target(be, input), target(be, output));
+        let ((src, t), (dst, u)) = (target(be, input), target(be, output));
         assert!(t == u, "internal error: all-gather between element types");
-        let stream = self.begin(compute);
+        let stream = self.begin(be);
         // SAFETY: live device buffers of the asserted sizes, ordered by events.
         check("all-gather", unsafe { result::all_gather(src, dst, input.len, t, comm, stream) });
-        compute
     }
 }
 
-/// Address, NCCL type and compute stream of a view.
-fn target(be: &Cuda, v: View) -> (*mut c_void, sys::ncclDataType_t, driver::CUstream) {
-    let (ptr, bf16, stream) = be.raw_view(v);
-    let stream = stream.expect("NCCL needs a GPU, not the emulator");
+/// Address and NCCL type of a view.
+fn target(be: &Cuda, v: View) -> (*mut c_void, sys::ncclDataType_t) {
+    let (ptr, bf16) = be.raw_view(v);
     let dtype = if bf16 { sys::ncclDataType_t::ncclBfloat16 } else { sys::ncclDataType_t::ncclFloat32 };
-    (ptr as *mut c_void, dtype, stream)
+    (ptr as *mut c_void, dtype)
+}
+
+/// The backend's compute stream, which the communication stream is ordered with.
+fn compute_stream(be: &Cuda) -> driver::CUstream {
+    be.compute_stream().expect("NCCL needs a GPU, not the emulator")
 }
 
 fn check(op: &str, r: std::result::Result<result::NcclStatus, result::NcclError>) {
@@ -199,51 +204,48 @@ impl Collectives<Cuda> for Nccl {
 
     fn all_reduce_sum(&mut self, be: &mut Cuda, buf: View, group: &[usize]) {
         self.all_reduce(be, buf, group);
-        self.join(target(be, buf).2);
+        self.join(be);
         be.written(buf);
     }
 
     fn reduce_scatter_sum(&mut self, be: &mut Cuda, input: View, output: View, group: &[usize]) {
         assert_eq!(input.len, output.len * group.len(), "reduce-scatter sizes");
         let comm = self.comm(group);
-        let ((src, t, compute), (dst, u, _)) = (target(be, input), target(be, output));
+        let ((src, t), (dst, u)) = (target(be, input), target(be, output));
         assert!(t == u, "internal error: reduce-scatter between element types");
-        let stream = self.begin(compute);
+        let stream = self.begin(be);
         // SAFETY: live device buffers of the asserted sizes (the output may be the input's own
         // part, NCCL's in-place form), ordered by events.
         check("reduce-scatter", unsafe {
             result::reduce_scatter(src, dst, output.len, t, sys::ncclRedOp_t::ncclSum, comm, stream)
         });
-        self.join(compute);
+        self.join(be);
         be.written(output);
     }
 
     fn all_gather(&mut self, be: &mut Cuda, input: View, output: View, group: &[usize]) {
-        let compute = self.all_gather_on_side(be, input, output, group);
-        self.join(compute);
+        self.all_gather_on_side(be, input, output, group);
+        self.join(be);
         be.written(output);
     }
 
     fn all_reduce_sum_start(&mut self, be: &mut Cuda, buf: View, group: &[usize]) {
         self.all_reduce(be, buf, group);
-        self.side.as_mut().expect("begun").started += 1;
+        self.side.as_mut().expect("begun").started = true;
     }
 
     fn all_gather_start(&mut self, be: &mut Cuda, input: View, output: View, group: &[usize]) {
         self.all_gather_on_side(be, input, output, group);
         let side = self.side.as_mut().expect("begun");
-        side.started += 1;
+        side.started = true;
         side.gathered.push(output);
     }
 
     fn wait(&mut self, be: &mut Cuda) {
-        let Some(side) = &mut self.side else { return };
-        if side.started == 0 {
-            return;
-        }
-        side.started = 0;
+        let Some(side) = self.side.as_mut().filter(|s| s.started) else { return };
+        side.started = false;
         let gathered = std::mem::take(&mut side.gathered);
-        self.join(be.compute_stream().expect("NCCL needs a GPU, not the emulator"));
+        self.join(be);
         for v in gathered {
             be.written(v);
         }

@@ -139,16 +139,8 @@ impl<B: Backend> Parallel<B> {
             match fsdp {
                 None => be.upload(full.at(t.offset, t.len()), values),
                 Some(f) => {
-                    // The tensor's overlap with each of this device's pieces.
-                    for (range, piece, offset) in &f.units {
-                        let mine = f.mine(range, *piece);
-                        let (lo, hi) = (t.offset.max(mine.start), (t.offset + t.len()).min(mine.end));
-                        if lo < hi {
-                            be.upload(
-                                f.params.at(offset + lo - mine.start, hi - lo),
-                                &values[lo - t.offset..hi - t.offset],
-                            );
-                        }
+                    for (at, part) in f.parts_of(t.offset..t.offset + t.len()) {
+                        be.upload(f.params.at(at, part.len()), &values[part.start - t.offset..part.end - t.offset]);
                     }
                 }
             }
@@ -228,8 +220,7 @@ impl<B: Backend> Parallel<B> {
     /// and given back; the next pass gathers again.
     pub fn after_step(&mut self, be: &mut B) {
         if let Some(f) = &mut self.fsdp {
-            f.settle(&mut *self.comm, be);
-            f.gathered.release_all();
+            f.give_back(&mut *self.comm, be);
         }
     }
 
@@ -330,8 +321,7 @@ impl<B: Backend> Exchange<B> for Parallel<B> {
         // A forward pass starts from the pieces: whatever an earlier pass left gathered (an
         // evaluation's head) is given back.
         if let (Some(f), Pass::Forward) = (&mut self.fsdp, pass) {
-            f.settle(&mut *self.comm, be);
-            f.gathered.release_all();
+            f.give_back(&mut *self.comm, be);
         }
     }
 
@@ -569,19 +559,26 @@ impl Fsdp {
         let lending = Lending::new(&units, size, layout.head == layout.embed, options);
         let gathered = Slots::new(be, BufKind::Params, &lending.params, lending.param_class);
         let accumulating = Slots::new(be, BufKind::Grads, &lending.grads, lending.grad_class);
-        // Each tensor's part in each of this device's pieces, in shard coordinates.
         let mut f =
             Fsdp { units, params, grads, gathered, accumulating, prefetched: None, options, segments: Vec::new(), me };
-        for (range, piece, offset) in &f.units {
-            let mine = f.mine(range, *piece);
-            for t in &layout.tensors {
-                let (lo, hi) = (t.offset.max(mine.start), (t.offset + t.len()).min(mine.end));
-                if lo < hi {
-                    f.segments.push(Segment { offset: offset + lo - mine.start, len: hi - lo, decay: t.decay });
-                }
-            }
-        }
+        // Each tensor's parts in this device's pieces, in shard order.
+        f.segments = (layout.tensors.iter())
+            .flat_map(|t| {
+                let parts = f.parts_of(t.offset..t.offset + t.len());
+                parts.map(|(offset, part)| Segment { offset, len: part.len(), decay: t.decay })
+            })
+            .collect();
         f
+    }
+
+    /// The parts of the full-buffer range `range` that lie in this device's pieces: where each
+    /// starts in the shard, and its full-buffer range.
+    fn parts_of(&self, range: Range<usize>) -> impl Iterator<Item = (usize, Range<usize>)> + '_ {
+        self.units.iter().filter_map(move |(unit, piece, offset)| {
+            let mine = self.mine(unit, *piece);
+            let part = range.start.max(mine.start)..range.end.min(mine.end);
+            (!part.is_empty()).then(|| (offset + part.start - mine.start, part))
+        })
     }
 
     /// The layer `pass` reads after unit `u`, if `u` is a layer: the forward pass goes up the
@@ -618,6 +615,12 @@ impl Fsdp {
             comm.all_gather(be, mine, all, group);
         }
         buf
+    }
+
+    /// Gives back every gathered unit (waiting for a gather started ahead first).
+    fn give_back<B: Backend>(&mut self, comm: &mut dyn Collectives<B>, be: &mut B) {
+        self.settle(comm, be);
+        self.gathered.release_all();
     }
 
     /// Waits for the gather started ahead, if any.

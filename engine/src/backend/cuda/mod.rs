@@ -274,12 +274,13 @@ impl Cuda {
         self.dev.stream()
     }
 
-    /// For a communication library that works in place on this backend's stream: the address
-    /// of a view's exact values (f32, or bf16 for activations), whether they are bf16, and the
-    /// stream (none on the emulator). After writing into a view, call [`Cuda::written`].
-    pub fn raw_view(&self, v: View) -> (CUdeviceptr, bool, Option<sys::CUstream>) {
+    /// For a communication library that works in place on this backend's buffers (ordered with
+    /// [`Cuda::compute_stream`]): the address of a view's exact values (f32, or bf16 for
+    /// activations) and whether they are bf16. After writing into a view, call
+    /// [`Cuda::written`].
+    pub fn raw_view(&self, v: View) -> (CUdeviceptr, bool) {
         let (ptr, dtype) = self.exact(v);
-        (ptr, dtype == DType::Bf16, self.dev.stream())
+        (ptr, dtype == DType::Bf16)
     }
 
     /// Tells the backend that `v` was written behind its back ([`Cuda::raw_view`]).
