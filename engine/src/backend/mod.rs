@@ -282,6 +282,11 @@ pub trait Backend {
     /// high-water mark), not counting the runtime's own (a CUDA context, the program).
     fn peak_memory_bytes(&self) -> usize;
 
+    /// Bytes the device has free now, where its memory is bounded apart from the host's (a GPU).
+    fn free_memory_bytes(&self) -> Option<usize> {
+        None
+    }
+
     /// Allocates a zero-filled buffer of `len` elements and returns a view of all of it.
     fn alloc(&mut self, kind: BufKind, len: usize) -> View;
     /// Allocates a zero-filled index buffer.

@@ -90,6 +90,9 @@ impl<B: Backend> Backend for Traced<B> {
     fn peak_memory_bytes(&self) -> usize {
         self.inner.peak_memory_bytes()
     }
+    fn free_memory_bytes(&self) -> Option<usize> {
+        self.inner.free_memory_bytes()
+    }
     fn synchronize(&mut self) {
         self.inner.synchronize()
     }

@@ -10,7 +10,7 @@ use anyhow::Result;
 use clap::Args;
 use engine::backend::cpu;
 use engine::backend::traced::Traced;
-use engine::backend::{Backend, BufKind, MatMul};
+use engine::backend::{Backend, BufKind, MatMul, gib};
 use engine::config::{Override, Resolved};
 use engine::fsutil::write_atomic;
 use engine::train::Trainer;
@@ -117,9 +117,12 @@ fn bench_one<B: Backend>(
     let mfu = if peak > 0.0 { tflops / peak } else { 0.0 };
     let m = &config.model;
     let n = trainer.plan.batch * config.train.seq_len;
-    let head = head_gemm_tflops(&mut trainer.backend.inner, n, m.d_model, m.vocab_size);
+    let head = match head_gemm_tflops(&mut trainer.backend.inner, n, m.d_model, m.vocab_size) {
+        Ok(tflops) => format!("{tflops:.3} TFLOP/s"),
+        Err(why) => format!("not measured: {why}"),
+    };
     println!(
-        "{:<16} {:>9} {:>10.3} s {:>11.0} {:>10.3} {:>6.1}%   {head:.3} TFLOP/s ({n}x{}x{} fwd, dx, dw)",
+        "{:<16} {:>9} {:>10.3} s {:>11.0} {:>10.3} {:>6.1}%   {head} ({n}x{}x{} fwd, dx, dw)",
         resolved.name,
         trainer.tokens_per_step(),
         median,
@@ -165,8 +168,16 @@ fn print_profile<B: Backend>(trainer: &mut Trainer<Traced<B>>, peak: f64) {
 }
 
 /// Rate of the three products of an output head `[n, d] x [v, d]ᵀ` (forward, input and weight
-/// gradients) on the benchmarked backend, best of three rounds, in TFLOP/s.
-fn head_gemm_tflops<B: Backend>(be: &mut B, n: usize, d: usize, v: usize) -> f64 {
+/// gradients) on the benchmarked backend, best of three rounds, in TFLOP/s. Its buffers come on
+/// top of the model's, so on a device that the model nearly fills it is skipped, with the reason.
+fn head_gemm_tflops<B: Backend>(be: &mut B, n: usize, d: usize, v: usize) -> Result<f64, String> {
+    // At most 4 bytes an element, and 6 more for parameters (a GPU's f32 master and bf16 copy).
+    let needed = 4 * (2 * n * d + n * v + v * d) + 6 * v * d;
+    if let Some(free) = be.free_memory_bytes()
+        && free < needed
+    {
+        return Err(format!("its buffers need {:.2} GiB, {:.2} GiB are free beside the model", gib(needed), gib(free)));
+    }
     let (x, w, y) = (
         be.alloc(BufKind::Activations, n * d),
         be.alloc(BufKind::Params, v * d),
@@ -185,5 +196,5 @@ fn head_gemm_tflops<B: Backend>(be: &mut B, n: usize, d: usize, v: usize) -> f64
         be.synchronize();
         best = best.min(start.elapsed().as_secs_f64());
     }
-    flops / best / 1e12
+    Ok(flops / best / 1e12)
 }

@@ -150,6 +150,11 @@ fn checks(scale: Scale) -> Vec<(String, Check)> {
         "tiny-mistral with odd sizes (d_model 100, seq 61): loss and gradients",
         Box::new(move |g, _| parity(g, "tiny-mistral", odd, scale)),
     );
+    let one_head = &["model.d_model=2048", "model.mlp_dim=896", "model.head_dim=16", "model.sliding_window=0"];
+    add(
+        "tiny-mistral with one head of 16 at d_model 2048: loss and gradients",
+        Box::new(move |g, _| parity(g, "tiny-mistral", one_head, scale)),
+    );
     add("tiny-llama2: CUDA graph replay matches eager steps", Box::new(move |g, open| graphs(g, open, scale)));
     add("tiny-llama2: gradients under remat=full match remat=none", Box::new(move |g, open| remat(g, open, scale)));
     add("memory estimate matches what the backend allocates", Box::new(move |g, _| memory_estimate(g, scale)));

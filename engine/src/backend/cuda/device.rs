@@ -29,7 +29,13 @@ pub fn preload_libraries() -> &'static (Vec<String>, Vec<String>) {
     LOADED.get_or_init(|| {
         let (mut loaded, mut problems) = (Vec::new(), Vec::new());
         let Ok(dirs) = std::env::var(LIB_PATH_VAR) else { return (loaded, problems) };
+        // A directory named twice, or one library under several names (`libnvrtc.so`, `.so.13`,
+        // `.so.13.0.88` are links to one file), is loaded once.
+        let mut seen = std::collections::HashSet::new();
         for dir in dirs.split(':').filter(|d| !d.is_empty()) {
+            if !seen.insert(std::fs::canonicalize(dir).unwrap_or_else(|_| dir.into())) {
+                continue;
+            }
             let Ok(entries) = std::fs::read_dir(dir) else {
                 problems.push(format!("{LIB_PATH_VAR}: cannot read directory {dir}"));
                 continue;
@@ -40,6 +46,9 @@ pub fn preload_libraries() -> &'static (Vec<String>, Vec<String>) {
                 // `libnvrtc.so.13`, not `libnvrtc.alt.so.13` (a variant built for other uses).
                 for name in names.iter().filter(|n| n.starts_with(prefix)) {
                     let path = format!("{dir}/{name}");
+                    if !seen.insert(std::fs::canonicalize(&path).unwrap_or_else(|_| path.clone().into())) {
+                        continue;
+                    }
                     match dlopen_global(&path) {
                         Ok(()) => loaded.push(path),
                         Err(e) => problems.push(format!("{LIB_PATH_VAR}: cannot load {path}: {e}")),

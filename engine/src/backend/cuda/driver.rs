@@ -119,12 +119,18 @@ impl Device for Gpu {
     fn alloc(&mut self, bytes: usize) -> Result<CUdeviceptr, String> {
         // SAFETY: a plain allocation, zeroed before use.
         let ptr = unsafe { result::malloc_sync(bytes.max(1)) }.map_err(|e| e.to_string())?;
+        // Zeroed on the compute stream, never with the "synchronous" cuMemsetD8: that one runs on
+        // the legacy default stream, which our non-blocking stream does not wait for, and returns
+        // before it is done. Seen on an H100: a fresh buffer's zeroing landed after the uploads
+        // and kernels that followed it, changing the first loss and the embedding gradient.
         // SAFETY: the allocation just made.
-        unsafe { result::memset_d8_sync(ptr, 0, bytes.max(1)) }.map_err(|e| e.to_string())?;
+        unsafe { result::memset_d8_async(ptr, 0, bytes.max(1), self.raw) }.map_err(|e| e.to_string())?;
         Ok(ptr)
     }
 
     fn free(&mut self, ptr: CUdeviceptr) {
+        // Work queued on the stream may still use the buffer.
+        self.synchronize();
         // SAFETY: a pointer this device allocated, freed once, with no work pending on it.
         let _ = unsafe { result::free_sync(ptr) };
     }

@@ -413,6 +413,10 @@ impl Backend for Cuda {
         self.peak
     }
 
+    fn free_memory_bytes(&self) -> Option<usize> {
+        Some(self.dev.memory().0)
+    }
+
     fn synchronize(&mut self) {
         self.sync_check("synchronize");
         self.dev.synchronize();
