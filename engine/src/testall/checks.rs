@@ -64,8 +64,9 @@ pub fn loss_curve(ctx: &mut Ctx, recipe: &str) -> Result<Verdict> {
         return shrunk_curve(ctx, recipe, shrink);
     }
     let base = &reference.file.recipes[recipe];
+    let moe = resolve(recipe, &[])?.model.moe.is_some();
     let curve = ctx.curve(recipe)?;
-    Ok(match baselines::compare(recipe, &curve, base, |step| reference.tolerance(step)) {
+    Ok(match baselines::compare(recipe, &curve, base, |step| reference.tolerance(moe, step)) {
         Ok(text) => Verdict::pass(format!("{}: {text}", reference.label())),
         Err(text) => Verdict::fail(format!("{text} [{} {}]", reference.label(), reference.file.path.display())),
     })
@@ -83,7 +84,8 @@ fn shrunk_curve(ctx: &mut Ctx, recipe: &str, shrink: &[&str]) -> Result<Verdict>
         run_spread: 0.0,
     };
     let label = format!("cpu curve of this run, bf16 tolerance; shrunk for the emulator: {}", shrink.join(" "));
-    Ok(match baselines::compare(recipe, &curve, &base, baselines::bf16_tolerance) {
+    let moe = resolve(recipe, &[])?.model.moe.is_some();
+    Ok(match baselines::compare(recipe, &curve, &base, |step| baselines::bf16_tolerance(moe, step)) {
         Ok(text) => Verdict::pass(format!("{label}: {text}")),
         Err(text) => Verdict::fail(format!("{text} [{label}]")),
     })
