@@ -9,7 +9,8 @@ each peer's. Nothing is asserted: the figures are for docs/PERF.md.
     python3 bench/compare.py --recipe llama3.2-1b --set train.seq_len=4096 --set train.batch_size=4
     python3 bench/compare.py --recipe tiny-llama2 --device cpu --rounds 1      # a quick look on CPU
 
-Writes the rounds and the summary as JSON with --json FILE.
+Writes the rounds and the summary as JSON with --json FILE, again after every round (a run cut
+short leaves the rounds it finished; `rounds_done` says how many).
 """
 
 import argparse
@@ -77,6 +78,25 @@ def main():
     peers = ["engine", "pytorch eager"] + ([] if args.no_compile else ["pytorch + torch.compile"])
     rounds = {p: [] for p in peers}
     device, peak = "", 0.0
+
+    def summarise(done):
+        """The medians over the rounds done so far; written to --json after every round, so that a
+        run cut short (a GPU slot ending) still leaves its figures."""
+        engine_tps = statistics.median(rounds["engine"])
+        summary = {}
+        for p in peers:
+            tps = statistics.median(rounds[p])
+            tflops = tps * fpt / 1e12
+            mfu = tflops / peak if peak > 0 else 0.0
+            summary[p] = {"tokens_per_s": tps, "tflops": tflops, "mfu": mfu, "engine_over_peer": engine_tps / tps,
+                          "rounds": rounds[p]}
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"recipe": args.recipe, "set": args.set, "device": device, "peak_tflops": peak,
+                           "flops_per_token": fpt, "date": datetime.date.today().isoformat(), "rounds_done": done,
+                           "rounds_asked": args.rounds, "peers": summary}, f, indent=2)
+        return summary
+
     for i in range(args.rounds):
         print(f"round {i + 1}/{args.rounds}", file=sys.stderr)
         e = engine_round(args, args.set)
@@ -85,26 +105,17 @@ def main():
         rounds["pytorch eager"].append(torch_round(args, args.set, False)["tokens_per_s"])
         if not args.no_compile:
             rounds["pytorch + torch.compile"].append(torch_round(args, args.set, True)["tokens_per_s"])
+        print("  tokens/s: " + ", ".join(f"{p} {rounds[p][-1]:.0f}" for p in peers), file=sys.stderr, flush=True)
+        summary = summarise(i + 1)
 
-    summary = {}
     print(f"\n{args.recipe} {' '.join(args.set)} on {device}, {args.rounds} interleaved rounds, "
           f"{datetime.date.today().isoformat()}")
     print(f"{'peer':<26} {'tokens/s':>12} {'TFLOP/s':>9} {'MFU':>7} {'engine / peer':>14}")
-    engine_tps = statistics.median(rounds["engine"])
     for p in peers:
-        tps = statistics.median(rounds[p])
-        tflops = tps * fpt / 1e12
-        mfu = tflops / peak if peak > 0 else 0.0
-        ratio = engine_tps / tps
-        summary[p] = {"tokens_per_s": tps, "tflops": tflops, "mfu": mfu, "engine_over_peer": ratio, "rounds": rounds[p]}
-        print(f"{p:<26} {tps:>12.0f} {tflops:>9.1f} {100 * mfu:>6.1f}% {ratio:>13.2f}x")
+        r = summary[p]
+        print(f"{p:<26} {r['tokens_per_s']:>12.0f} {r['tflops']:>9.1f} {100 * r['mfu']:>6.1f}% "
+              f"{r['engine_over_peer']:>13.2f}x")
     print(f"(FLOPs per token {fpt:.4e} by the engine's convention; peak {peak} TFLOP/s)")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"recipe": args.recipe, "set": args.set, "device": device, "peak_tflops": peak,
-                       "flops_per_token": fpt, "date": datetime.date.today().isoformat(), "peers": summary}, f,
-                      indent=2)
-
 
 if __name__ == "__main__":
     main()

@@ -34,12 +34,13 @@ LONG_STEPS=${LONG_STEPS:-1000}
 DEVICE=${DEVICE:-cuda}
 PIECES=4
 
-# name|expected minutes (an estimate until measured on a GPU: see docs/cuda.md)|what it does
+# name|expected minutes (measured on an H100 on 2026-11-24 where docs/cuda.md says so, else an
+# estimate)|what it does
 PHASES=(
-    "gpu-test|4|engine gpu-test: every kernel against the CPU, model parity, graphs, remat, memory, 200-step training"
-    "test-all|6|engine test-all, quick then full (full holds gpu-test again), as the image runs it"
-    "baselines|3|engine baselines create, quick and full, 3 runs each: the CUDA baselines to commit"
-    "bench-llama3.2-1b|8|bench/compare.py: the engine, PyTorch eager and torch.compile, llama3.2-1b at 4 x 4096"
+    "gpu-test|1|engine gpu-test: every kernel against the CPU, model parity, graphs, remat, memory, 200-step training"
+    "test-all|1|engine test-all, quick then full (full holds gpu-test again), as the image runs it"
+    "baselines|1|engine baselines create, quick and full, 3 runs each: the CUDA baselines to commit"
+    "bench-llama3.2-1b|7|bench/compare.py: the engine, PyTorch eager and torch.compile, llama3.2-1b at 4 x 4096"
     "bench-fuji-3B-v3|9|bench/compare.py: the same for fuji-3B-v3 at 2 x 4096"
     "long-cpu|4|the long run's first 3 steps on the CPU (the reference for long-check)"
     "long-1|3|the long run on the GPU: steps 1 to 250, checkpoint"
