@@ -63,7 +63,7 @@ list() {
         printf '%-20s %8s  %s\n' "$name" "$minutes" "$what"
         total=$((total + minutes))
     done
-    printf '%-20s %8s  %s\n' total "$total" "expected minutes, estimates until measured on a GPU (OUTDIR/durations.tsv records them)"
+    printf '%-20s %8s  %s\n' total "$total" "expected minutes (docs/cuda.md says which were measured on a GPU; OUTDIR/durations.tsv records them)"
 }
 
 known() {
