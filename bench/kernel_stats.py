@@ -25,8 +25,9 @@ For every entry point it reports:
   bytes, 228 KiB per SM (227 KiB at most per block, the largest carve-out assumed), at most
   2048 threads (64 warps) and 32 blocks per SM. Reported as blocks per SM, warps per SM and the
   resource that limits them;
-* SASS instruction count (from `nvdisasm -c`; NOPs and the trailing `BRA` to itself that pads
-  the function are not counted), and what is in each loop.
+* SASS instruction count (from `nvdisasm -c`; NOPs, instructions predicated `@!PT` (never
+  executed, ptxas's padding) and the trailing `BRA` to itself that ends the function are not
+  counted), and what is in each loop.
 
 Loops are found from backward branches in the SASS: a `BRA` whose target lies at or before the
 branch closes a loop spanning [target, branch]; branches to one target are merged into one loop
@@ -400,8 +401,9 @@ def parse_sass(text):
         m = INSTR.search(line)
         if m:
             addr, body = int(m.group(1), 16), m.group(2).strip()
+            never = body.startswith("@!PT ")  # predicated off: padding that never runs (`@!PT LDS RZ, [RZ]`)
             body = re.sub(r"^@!?U?P[T\d]+\s+", "", body)
-            opcode = body.split()[0] if body else ""
+            opcode = "NOP" if never else (body.split()[0] if body else "")
             for name in pending:
                 cur[1][name] = addr
             pending = []
