@@ -137,7 +137,7 @@ __device__ void attention_forward_impl(bf16* out, float* lse, const bf16* qkv, i
 #pragma unroll
         for (int r = 0; r < 2; r++) {
             base[r] = mx[r] == NEG_INF ? 0.f : mx[r];  // a row that has seen no key yet
-            alpha[r] = exp2f(m[r] - base[r]);
+            alpha[r] = fast_exp2(m[r] - base[r]);
             m[r] = mx[r];
             l[r] *= alpha[r];
         }
@@ -145,7 +145,7 @@ __device__ void attention_forward_impl(bf16* out, float* lse, const bf16* qkv, i
         for (int nt = 0; nt < BC / 8; nt++)
 #pragma unroll
             for (int e = 0; e < 4; e++) {
-                float p = exp2f(s[nt][e] - base[e >> 1]);
+                float p = fast_exp2(s[nt][e] - base[e >> 1]);
                 s[nt][e] = p;
                 l[e >> 1] += p;
             }
@@ -295,14 +295,23 @@ __device__ void attention_backward_impl(bf16* dqkv, float* dq_acc, const bf16* d
                     mma_bf16(st[2 * np + 1], ka, r[2], r[3]);
                 }
             }
-            // Pᵀ, zero where the query does not see the key.
+            // Pᵀ, zero where the query does not see the key. Most tiles of a long sequence are
+            // seen whole by every query (all keys before all queries, inside the window): those
+            // skip the mask, as the forward pass does.
+            bool full = k0 + BC - 1 <= q0 && k0 + BC <= seq && q0 + BR <= seq &&
+                        (window == 0 || k0 > q0 + BR - 1 - window);
 #pragma unroll
             for (int nt = 0; nt < BR / 8; nt++)
 #pragma unroll
                 for (int e = 0; e < 4; e++) {
-                    int key = key_a + (e >> 1) * 8, qi = nt * 8 + tig * 2 + (e & 1), q = q0 + qi;
-                    bool ok = key < seq && q < seq && key <= q && (window == 0 || key > q - window);
-                    st[nt][e] = ok ? exp2f(st[nt][e] * scale2 - lse_s[qi]) : 0.f;
+                    int qi = nt * 8 + tig * 2 + (e & 1);
+                    float p = fast_exp2(st[nt][e] * scale2 - lse_s[qi]);
+                    if (!full) {
+                        int key = key_a + (e >> 1) * 8, q = q0 + qi;
+                        bool ok = key < seq && q < seq && key <= q && (window == 0 || key > q - window);
+                        p = ok ? p : 0.f;
+                    }
+                    st[nt][e] = p;
                 }
             // dV += Pᵀ dO   (dO stored [query][d]: ldmatrix.trans gives its (k = query, n = d) fragments)
 #pragma unroll

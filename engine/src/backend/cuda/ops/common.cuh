@@ -65,6 +65,22 @@ __device__ __forceinline__ float ld(const bf16* p) { return bf2f(*p); }
 __device__ __forceinline__ void st(float* p, float v) { *p = v; }
 __device__ __forceinline__ void st(bf16* p, float v) { *p = f2bf(v); }
 
+// 2^x for a softmax: one MUFU.EX2. exp2f adds a range reduction so that results below 2^-126
+// come out as denormals; a probability that small adds nothing, so it is flushed to zero (as
+// the emulator does). 2^-inf is 0.
+#ifndef ENGINE_EMULATION
+__device__ __forceinline__ float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+#else
+inline float fast_exp2(float x) {
+    float y = exp2f(x);
+    return std::fpclassify(y) == FP_SUBNORMAL ? 0.f : y;
+}
+#endif
+
 #define NEG_INF (__int_as_float(0xff800000))
 #define POS_INF (__int_as_float(0x7f800000))
 #define LOG2E 1.4426950408889634f
