@@ -129,8 +129,9 @@ impl Device for Gpu {
     }
 
     fn free(&mut self, ptr: CUdeviceptr) {
-        // Work queued on the stream may still use the buffer.
-        self.synchronize();
+        // Work queued on the stream may still use the buffer. (Errors are ignored as the free's
+        // own are: this also runs when the backend is dropped after a failure.)
+        let _ = self.stream.synchronize();
         // SAFETY: a pointer this device allocated, freed once, with no work pending on it.
         let _ = unsafe { result::free_sync(ptr) };
     }
