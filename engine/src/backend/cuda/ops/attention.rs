@@ -1,7 +1,7 @@
 //! Flash attention on the tensor cores, forward and backward (`attention.cu`): causal,
 //! grouped-query, optional sliding window; one kernel per padded head width.
 
-use super::{Module, aligned16, c_int};
+use super::{Module, aligned16, c_int, row_threads};
 use crate::backend::cuda::{Arg, Cuda, DType, Scratch};
 use crate::backend::{AttnShape, View};
 
@@ -133,7 +133,11 @@ pub(crate) fn backward(gpu: &mut Cuda, dqkv: View, dout: View, qkv: View, out: V
         Arg::U(s.qkv_width() as u64),
         Arg::F(scale),
     ];
-    gpu.launch_1d("attention_backward_dq", (rows * s.q_width()) as u64, &args);
+    // A block per row, 8 columns a thread: the head width is a multiple of 8 (`padded_hd`), the
+    // rows of dqkv are 16-byte aligned (checked above) and so is the scratch.
+    assert!(aligned16(&[dq]), "internal error: attention dQ scratch must be 16-byte aligned");
+    let grid = rows.min(32 * gpu.dev.info().sm_count.max(1) as usize).max(1) as u32;
+    gpu.launch("attention_backward_dq", (grid, 1, 1), row_threads(s.q_width() / 8), 0, &args);
 }
 
 #[cfg(test)]

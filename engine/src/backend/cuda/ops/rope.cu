@@ -4,20 +4,97 @@
 //
 // forward:  (a, b) -> (a cos θ - b sin θ,  b cos θ + a sin θ)
 // backward: the same with -θ (sign = -1): a rotation's transpose is its inverse.
+//
+// Launch: blocks over positions t (x) and sequences b (y), so that row b · seq + t comes with
+// its position and needs no `row % seq`; a 1-D block over the (head, pair) slots of a row, in
+// chunks of V consecutive pairs. A thread's (head, chunk) is the same for every row it visits,
+// so its one divide (a 32-bit one, by the chunks per head) is done once, before the loops: the
+// loops themselves only add. The (cos, sin) entries loaded for a position serve every sequence
+// and every head that the thread rotates at that position.
+//
+// V = 4 (`rope_v4`) moves 4 pairs with 8-byte accesses of p[i..i+3] and p[half+i..] and two
+// 16-byte loads of the table; the host chooses it only when Dh/2 is a multiple of 4 and qkv and
+// the table are 16-byte aligned. V = 1 (`rope`) is the scalar fallback.
+//
+// The products are fused as NVRTC fused `a cos - b sin` and `b cos + a sin` in the one-pair
+// kernel before this one (fma(a, cos, -(b sin)), fma(a, sin, b cos)), written out so that every
+// variant rounds exactly as that kernel did: left to itself the compiler fuses the other
+// product of the second sum in the 4-pair loop.
 
-extern "C" __global__ void rope(bf16* qkv, const float* table, u64 rows, int seq, int heads, int head_dim, int width,
-                                float sign) {
-    int half = head_dim / 2;
-    u64 per_row = (u64)heads * half;
-    for (u64 idx = global_thread(); idx < rows * per_row; idx += global_stride()) {
-        u64 row = idx / per_row;
-        int rem = (int)(idx - row * per_row);
-        int head = rem / half, i = rem - head * half;
-        int t = (int)(row % seq);
-        float c = table[((u64)t * half + i) * 2], s = sign * table[((u64)t * half + i) * 2 + 1];
-        bf16* p = qkv + row * width + (u64)head * head_dim + i;
-        float a = bf2f(p[0]), b = bf2f(p[half]);
-        p[0] = f2bf(a * c - b * s);
-        p[half] = f2bf(b * c + a * s);
+// (cos, sin · sign) of pairs i .. i + V of one position; `e` points at pair i's cos.
+template <int V>
+__device__ __forceinline__ void load_cos_sin(const float* e, float sign, float* c, float* s) {
+    if constexpr (V == 4) {
+        float4 u = *(const float4*)e, w = *(const float4*)(e + 4);
+        c[0] = u.x, s[0] = sign * u.y, c[1] = u.z, s[1] = sign * u.w;
+        c[2] = w.x, s[2] = sign * w.y, c[3] = w.z, s[3] = sign * w.w;
+    } else {
+#pragma unroll
+        for (int k = 0; k < V; k++) c[k] = e[2 * k], s[k] = sign * e[2 * k + 1];
     }
+}
+
+// V consecutive elements: 8 bytes at once for V = 4 (p 8-byte aligned), else one at a time.
+template <int V>
+__device__ __forceinline__ void load_pairs(const bf16* p, float* f) {
+    if constexpr (V == 4) {
+        uint2 u = *(const uint2*)p;
+        f[0] = lo_f(u.x), f[1] = hi_f(u.x), f[2] = lo_f(u.y), f[3] = hi_f(u.y);
+    } else {
+#pragma unroll
+        for (int k = 0; k < V; k++) f[k] = bf2f(p[k]);
+    }
+}
+template <int V>
+__device__ __forceinline__ void store_pairs(bf16* p, const float* f) {
+    if constexpr (V == 4) {
+        uint2 u;
+        u.x = pack_bf16(f[0], f[1]), u.y = pack_bf16(f[2], f[3]);
+        *(uint2*)p = u;
+    } else {
+#pragma unroll
+        for (int k = 0; k < V; k++) p[k] = f2bf(f[k]);
+    }
+}
+
+template <int V>
+__device__ void rope_impl(bf16* qkv, const float* table, int batch, int seq, int heads, int head_dim, int width,
+                          float sign) {
+    int half = head_dim / 2, chunks = half / V;  // chunks of V pairs in one head
+    int per_pass = max((int)blockDim.x / chunks, 1);  // heads the block covers at once
+    int head0 = threadIdx.x / chunks;
+    int i0 = (threadIdx.x - head0 * chunks) * V;
+    if (head0 >= per_pass) return;  // past the last whole head the block covers
+    for (int t = blockIdx.x; t < seq; t += gridDim.x) {
+        // One trip unless a head has more chunks than the block has threads (then head0 = 0).
+        for (int i = i0; i < half; i += blockDim.x * V) {
+            float c[V], s[V];
+            load_cos_sin<V>(table + ((u64)t * half + i) * 2, sign, c, s);
+            for (int b = blockIdx.y; b < batch; b += gridDim.y) {
+                bf16* row = qkv + ((u64)b * seq + t) * width + i;
+                for (int h = head0; h < heads; h += per_pass) {
+                    bf16* p = row + h * head_dim;
+                    float a[V], bb[V], x[V], y[V];
+                    load_pairs<V>(p, a);
+                    load_pairs<V>(p + half, bb);
+#pragma unroll
+                    for (int k = 0; k < V; k++) {
+                        x[k] = fmaf(a[k], c[k], -(bb[k] * s[k]));
+                        y[k] = fmaf(a[k], s[k], bb[k] * c[k]);
+                    }
+                    store_pairs<V>(p, x);
+                    store_pairs<V>(p + half, y);
+                }
+            }
+        }
+    }
+}
+
+extern "C" __global__ void rope(bf16* qkv, const float* table, int batch, int seq, int heads, int head_dim, int width,
+                                float sign) {
+    rope_impl<1>(qkv, table, batch, seq, heads, head_dim, width, sign);
+}
+extern "C" __global__ void rope_v4(bf16* qkv, const float* table, int batch, int seq, int heads, int head_dim,
+                                   int width, float sign) {
+    rope_impl<4>(qkv, table, batch, seq, heads, head_dim, width, sign);
 }
