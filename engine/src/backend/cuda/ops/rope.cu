@@ -16,10 +16,9 @@
 // 16-byte loads of the table; the host chooses it only when Dh/2 is a multiple of 4 and qkv and
 // the table are 16-byte aligned. V = 1 (`rope`) is the scalar fallback.
 //
-// The products are fused as NVRTC fused `a cos - b sin` and `b cos + a sin` in the one-pair
-// kernel before this one (fma(a, cos, -(b sin)), fma(a, sin, b cos)), written out so that every
-// variant rounds exactly as that kernel did: left to itself the compiler fuses the other
-// product of the second sum in the 4-pair loop.
+// The fused multiply-adds are written out: the one-pair kernel this one replaced compiled to
+// fma(a, cos, -(b sin)) and fma(a, sin, b cos), and every variant rounds exactly as it did (left
+// to itself, the compiler fuses the other product of the second sum in the 4-pair loop).
 
 // (cos, sin · sign) of pairs i .. i + V of one position; `e` points at pair i's cos.
 template <int V>
