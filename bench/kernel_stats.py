@@ -162,6 +162,12 @@ for _k in ("moe_gemm_forward", "moe_gemm_dx"):
 for _k in ("sum_partials_f32", "sum_partials_bf16", "sumsq_partials_f32", "sumsq_partials_bf16"):
     LAUNCH[_k] = dict(threads=256, smem=0, file="elementwise.rs", witness="gpu.launch(name, (blocks, 1, 1), 256, 0",
                       note="elementwise.rs sum: 256 threads")
+for _k in ("rope", "rope_v4"):
+    LAUNCH[_k] = dict(threads=256, smem=0, file="rope.rs", witness="gpu.launch(name, (x as u32, y as u32, 1), threads, 0",
+                      note="rope.rs: row_threads(rotated heads x pairs / V) = 256 for llama3.2-1b's 40 heads of 64")
+LAUNCH["attention_backward_dq"] = dict(threads=256, smem=0, file="attention.rs",
+                                       witness="row_threads(s.q_width() / 8), 0, &args",
+                                       note="attention.rs: row_threads(q width / 8) = 256 at 32 heads of 64")
 LAUNCH["moe_dispatch"] = dict(threads=1024, smem=34 * EXPERTS * 4, file="moe.rs",
                               witness='gpu.launch("moe_dispatch", (1, 1, 1), 1024, 34 * e * 4',
                               note="moe.rs route: 1024 threads, 34*e*4 bytes at 8 experts")

@@ -188,9 +188,9 @@ __device__ __forceinline__ void red_add2(float* p, float a, float b) {
 }
 #endif
 
-// ---- Vector access: V = 8 moves 16 bytes (8 bf16) at once, V = 1 one element -----------------
-// Callers choose V = 8 only when the row width is a multiple of 8 and the rows are 16-byte
-// aligned (the host checks both).
+// ---- Vector access: V = 8 moves 16 bytes (8 bf16) at once, V = 4 8 bytes, V = 1 one element ---
+// Callers choose V = 8 (4) only when the row width is a multiple of 8 (4) and the rows are
+// 16-byte (8-byte) aligned (the host checks both).
 
 template <int V>
 __device__ __forceinline__ void loadv(const bf16* p, float* f) {
@@ -198,6 +198,9 @@ __device__ __forceinline__ void loadv(const bf16* p, float* f) {
         uint4 u = *(const uint4*)p;
         f[0] = lo_f(u.x), f[1] = hi_f(u.x), f[2] = lo_f(u.y), f[3] = hi_f(u.y);
         f[4] = lo_f(u.z), f[5] = hi_f(u.z), f[6] = lo_f(u.w), f[7] = hi_f(u.w);
+    } else if constexpr (V == 4) {
+        uint2 u = *(const uint2*)p;
+        f[0] = lo_f(u.x), f[1] = hi_f(u.x), f[2] = lo_f(u.y), f[3] = hi_f(u.y);
     } else {
 #pragma unroll
         for (int k = 0; k < V; k++) f[k] = bf2f(p[k]);
@@ -211,6 +214,10 @@ __device__ __forceinline__ void storev(bf16* p, const float* f) {
         u.x = pack_bf16(f[0], f[1]), u.y = pack_bf16(f[2], f[3]);
         u.z = pack_bf16(f[4], f[5]), u.w = pack_bf16(f[6], f[7]);
         *(uint4*)p = u;
+    } else if constexpr (V == 4) {
+        uint2 u;
+        u.x = pack_bf16(f[0], f[1]), u.y = pack_bf16(f[2], f[3]);
+        *(uint2*)p = u;
     } else {
 #pragma unroll
         for (int k = 0; k < V; k++) p[k] = f2bf(f[k]);

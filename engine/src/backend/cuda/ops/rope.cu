@@ -33,29 +33,6 @@ __device__ __forceinline__ void load_cos_sin(const float* e, float sign, float* 
     }
 }
 
-// V consecutive elements: 8 bytes at once for V = 4 (p 8-byte aligned), else one at a time.
-template <int V>
-__device__ __forceinline__ void load_pairs(const bf16* p, float* f) {
-    if constexpr (V == 4) {
-        uint2 u = *(const uint2*)p;
-        f[0] = lo_f(u.x), f[1] = hi_f(u.x), f[2] = lo_f(u.y), f[3] = hi_f(u.y);
-    } else {
-#pragma unroll
-        for (int k = 0; k < V; k++) f[k] = bf2f(p[k]);
-    }
-}
-template <int V>
-__device__ __forceinline__ void store_pairs(bf16* p, const float* f) {
-    if constexpr (V == 4) {
-        uint2 u;
-        u.x = pack_bf16(f[0], f[1]), u.y = pack_bf16(f[2], f[3]);
-        *(uint2*)p = u;
-    } else {
-#pragma unroll
-        for (int k = 0; k < V; k++) p[k] = f2bf(f[k]);
-    }
-}
-
 template <int V>
 __device__ void rope_impl(bf16* qkv, const float* table, int batch, int seq, int heads, int head_dim, int width,
                           float sign) {
@@ -74,15 +51,15 @@ __device__ void rope_impl(bf16* qkv, const float* table, int batch, int seq, int
                 for (int h = head0; h < heads; h += per_pass) {
                     bf16* p = row + h * head_dim;
                     float a[V], bb[V], x[V], y[V];
-                    load_pairs<V>(p, a);
-                    load_pairs<V>(p + half, bb);
+                    loadv<V>(p, a);
+                    loadv<V>(p + half, bb);
 #pragma unroll
                     for (int k = 0; k < V; k++) {
                         x[k] = fmaf(a[k], c[k], -(bb[k] * s[k]));
                         y[k] = fmaf(a[k], s[k], bb[k] * c[k]);
                     }
-                    store_pairs<V>(p, x);
-                    store_pairs<V>(p + half, y);
+                    storev<V>(p, x);
+                    storev<V>(p + half, y);
                 }
             }
         }
