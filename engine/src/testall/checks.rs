@@ -64,12 +64,17 @@ pub fn loss_curve(ctx: &mut Ctx, recipe: &str) -> Result<Verdict> {
         return shrunk_curve(ctx, recipe, shrink);
     }
     let base = &reference.file.recipes[recipe];
-    let moe = resolve(recipe, &[])?.model.moe.is_some();
+    let moe = routes_experts(recipe)?;
     let curve = ctx.curve(recipe)?;
     Ok(match baselines::compare(recipe, &curve, base, |step| reference.tolerance(moe, step)) {
         Ok(text) => Verdict::pass(format!("{}: {text}", reference.label())),
         Err(text) => Verdict::fail(format!("{text} [{} {}]", reference.label(), reference.file.path.display())),
     })
+}
+
+/// Whether `recipe` is a mixture of experts (its bf16 curve gets more room: `BF16_MOE_REL_TOL`).
+fn routes_experts(recipe: &str) -> Result<bool> {
+    Ok(resolve(recipe, &[])?.model.moe.is_some())
 }
 
 /// A curve the emulator runs shrunk ([`baselines::emulator_shrink`]) against the CPU curve of the
@@ -84,7 +89,7 @@ fn shrunk_curve(ctx: &mut Ctx, recipe: &str, shrink: &[&str]) -> Result<Verdict>
         run_spread: 0.0,
     };
     let label = format!("cpu curve of this run, bf16 tolerance; shrunk for the emulator: {}", shrink.join(" "));
-    let moe = resolve(recipe, &[])?.model.moe.is_some();
+    let moe = routes_experts(recipe)?;
     Ok(match baselines::compare(recipe, &curve, &base, |step| baselines::bf16_tolerance(moe, step)) {
         Ok(text) => Verdict::pass(format!("{label}: {text}")),
         Err(text) => Verdict::fail(format!("{text} [{label}]")),

@@ -216,11 +216,6 @@ impl<'a> Ctx<'a> {
         Ctx { mode, target, reference, progress, curves: BTreeMap::new() }
     }
 
-    /// The device class of the target.
-    pub fn class(&self) -> DeviceClass {
-        self.target.class()
-    }
-
     /// The curve of `recipe` if a check has trained it already.
     pub fn trained(&self, recipe: &str) -> Option<&Curve> {
         self.curves.get(recipe)
