@@ -103,12 +103,19 @@ pub fn open(arg: DeviceArg, config: Option<&Config>) -> Result<Opened> {
 /// what this process can have: the available RAM (`MemAvailable`) and the address-space limit
 /// (`ulimit -v`), before anything is allocated.
 pub fn check_cpu_memory(c: &Config, devices: usize) -> Result<()> {
+    // One device trains alone whatever the recipe's mesh says.
+    let mesh = if devices > 1 { parallel::job::mesh(c, devices, 1)? } else { parallel::mesh::Mesh::single() };
+    check_cpu_memory_of_rank(c, &mesh, devices)
+}
+
+/// Refuses a CPU device of `mesh` when `devices` such devices (this machine's share of the
+/// job: the processes of a node, or the virtual devices of one process) would need more memory
+/// than this process can have.
+pub fn check_cpu_memory_of_rank(c: &Config, mesh: &parallel::mesh::Mesh, devices: usize) -> Result<()> {
     if !c.train.memory_check {
         return Ok(());
     }
-    // One device trains alone whatever the recipe's mesh says.
-    let mesh = if devices > 1 { parallel::job::mesh(c, devices, 1)? } else { parallel::mesh::Mesh::single() };
-    let one = parallel::memory::estimate(c, &mesh, Target::Cpu);
+    let one = parallel::memory::estimate(c, mesh, Target::Cpu);
     let need = one.total() as u64 * devices as u64;
     let Some((limit, what)) = memory_limit() else { return Ok(()) };
     if need > limit {

@@ -105,15 +105,15 @@ pub fn run(args: TrainArgs, device: DeviceArg) -> Result<()> {
         lock: Mutex::new(lock),
     };
     if job.world > 1 {
-        if device == DeviceArg::Cpu || args.devices > 1 {
+        if args.devices > 1 {
             bail!(
-                "this process is rank {} of {} ({}): a multi-process job trains on one GPU per process; virtual CPU devices run in one process (--devices N, without a launcher)",
+                "this process is rank {} of {} ({}): a process of a job trains one device; --devices N runs N virtual devices in one process, without a launcher",
                 job.rank,
                 job.world,
                 job.convention
             );
         }
-        return start.run_job(config, &job);
+        return start.run_job(config, &job, device);
     }
     if args.devices > 1 {
         if device == DeviceArg::Cuda {
@@ -166,8 +166,21 @@ impl Start {
 
     /// One process of a multi-process job: its GPU (the local rank), the NCCL communicator
     /// (the unique id travels with the rendezvous), and the mesh over the job's nodes.
-    fn run_job(mut self, config: &Config, job: &Job) -> Result<()> {
+    fn run_job(mut self, config: &Config, job: &Job, device: DeviceArg) -> Result<()> {
         let mesh = parallel::job::mesh(config, job.local_world, job.nodes())?;
+        let gpu = device == DeviceArg::Cuda
+            || (device == DeviceArg::Auto && engine::backend::cuda::device::probe().is_ok());
+        if !gpu {
+            // One CPU device per process, joined by the TCP collectives.
+            device::check_cpu_memory_of_rank(config, &mesh, job.local_world)?;
+            self.peak = device::peak(&Opened::Cpu(engine::backend::cpu::Cpu::new()), config);
+            let comm = parallel::job::tcp_communicator(job)?;
+            let mut trainer =
+                Trainer::new_parallel(Traced::new(engine::backend::cpu::Cpu::new()), config, Box::new(comm), mesh)?;
+            let session = self.prepare(&mut trainer, job.rank == 0)?;
+            session::run(&mut trainer, &session)?;
+            return Ok(());
+        }
         engine::backend::cuda::check_model(&config.model).map_err(|e| anyhow!("--device cuda: {e}"))?;
         let gpu = engine::backend::cuda::Cuda::new(job.local_rank)
             .map_err(|e| anyhow!("rank {} (local rank {}): {e}", job.rank, job.local_rank))?;

@@ -16,6 +16,10 @@ use crate::backend::{Backend, View};
 pub trait Collectives<B: Backend> {
     /// This device's global rank.
     fn rank(&self) -> usize;
+    /// The optimizer step in progress, for the messages of a collective that fails.
+    fn set_step(&mut self, _step: u64) {}
+    /// The mesh's names for its groups (`fsdp`, `tensor`, ...), for the same messages.
+    fn name_groups(&mut self, _names: Vec<(Vec<usize>, String)>) {}
     /// `buf = Σ_group buf`, in place.
     fn all_reduce_sum(&mut self, be: &mut B, buf: View, group: &[usize]);
     /// `output = (Σ_group input)[shard]`: the member at position i of the group receives the i-th

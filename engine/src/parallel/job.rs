@@ -9,6 +9,7 @@ use anyhow::{Context, Result, anyhow};
 use super::mesh::Mesh;
 use super::nccl::{self, Nccl};
 use super::rendezvous::{self, Job};
+use super::tcp::{self, Tcp};
 use crate::config::Config;
 
 /// The mesh of `config` over `nodes` nodes of `devices_per_node` devices, checked against the
@@ -37,6 +38,12 @@ pub fn rendezvous_timeout(asked: Option<f64>) -> Result<Duration> {
         "the rendezvous timeout must be a positive number of seconds"
     );
     Ok(Duration::from_secs_f64(seconds))
+}
+
+/// The job's TCP collectives, for a multi-process job on CPUs: every rank connects to every
+/// other after the rendezvous; collectives wait `ENGINE_COLLECTIVE_TIMEOUT` seconds at most.
+pub fn tcp_communicator(job: &Job) -> Result<Tcp> {
+    Tcp::connect(job, rendezvous_timeout(None)?, tcp::collective_timeout()?)
 }
 
 /// The job's NCCL communicator: rank 0 makes the unique id, the rendezvous hands it to every

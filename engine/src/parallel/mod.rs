@@ -11,4 +11,5 @@ pub mod nccl;
 pub mod pipeline;
 pub mod rendezvous;
 pub mod strategies;
+pub mod tcp;
 pub mod tensor;

@@ -15,7 +15,7 @@
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{TcpListener, TcpStream, ToSocketAddrs};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail};
@@ -39,6 +39,11 @@ pub struct Job {
     pub coordinator: String,
     /// Which convention the variables came from.
     pub convention: &'static str,
+    /// What every rank of this job shares and no other job does, so that the rendezvous and
+    /// the collectives' connections admit only the job's own ranks (one word; `-` when the
+    /// launcher gives none): `ENGINE_JOB_TOKEN` (set by `engine launch`), else Slurm's job and
+    /// step ids, else torchrun's `TORCHELASTIC_RUN_ID`.
+    pub token: String,
 }
 
 impl Job {
@@ -51,6 +56,7 @@ impl Job {
             local_world: 1,
             coordinator: String::new(),
             convention: "single process",
+            token: "-".into(),
         }
     }
 
@@ -68,8 +74,22 @@ pub fn discover(var: impl Fn(&str) -> Option<String>) -> Result<Job> {
         let v = get(name).ok_or_else(|| anyhow!("{name} is not set"))?;
         v.trim().parse().map_err(|_| anyhow!("{name} = `{v}` is not a non-negative integer"))
     };
+    // A count of processes (a world or a node's) is at least one.
+    let count = |name: &str| -> Result<usize> {
+        match num(name)? {
+            0 => bail!("{name} = 0: a job has at least one process (and a node at least one)"),
+            n => Ok(n),
+        }
+    };
+    // The port rank 0 listens on: one that other ranks can reach.
+    let port = |name: &str| -> Result<usize> {
+        match num(name)? {
+            p @ 1..=65535 => Ok(p),
+            p => bail!("{name} = {p} is not a port other ranks can connect to (1-65535)"),
+        }
+    };
     let job = if let Some(addr) = get("JAX_COORDINATOR_ADDRESS") {
-        let (nodes, per_node, node) = (num("NNODES")?, num("GPUS_PER_NODE")?, num("NODE_RANK")?);
+        let (nodes, per_node, node) = (count("NNODES")?, count("GPUS_PER_NODE")?, num("NODE_RANK")?);
         let local_rank = match get("LOCAL_RANK") {
             Some(_) => num("LOCAL_RANK")?,
             None if per_node == 1 => 0,
@@ -78,7 +98,9 @@ pub fn discover(var: impl Fn(&str) -> Option<String>) -> Result<Job> {
             ),
         };
         let coordinator = match (addr.rsplit_once(':'), get("JAX_COORDINATOR_PORT")) {
-            (_, Some(port)) => format!("{}:{port}", addr.rsplit_once(':').map_or(addr.as_str(), |(h, _)| h)),
+            (_, Some(_)) => {
+                format!("{}:{}", addr.rsplit_once(':').map_or(addr.as_str(), |(h, _)| h), port("JAX_COORDINATOR_PORT")?)
+            }
             (Some(_), None) => addr.clone(),
             (None, None) => bail!("JAX_COORDINATOR_ADDRESS = `{addr}` has no port and JAX_COORDINATOR_PORT is not set"),
         };
@@ -89,17 +111,18 @@ pub fn discover(var: impl Fn(&str) -> Option<String>) -> Result<Job> {
             local_world: per_node,
             coordinator,
             convention: "MaxText/Vertex (JAX_COORDINATOR_ADDRESS, NODE_RANK, NNODES, GPUS_PER_NODE)",
+            token: String::new(),
         };
         check(&job, &[("NODE_RANK", node, nodes), ("LOCAL_RANK", local_rank, per_node)])?;
         job
     } else if get("SLURM_PROCID").is_some() {
-        let (rank, world, local_rank) = (num("SLURM_PROCID")?, num("SLURM_NTASKS")?, num("SLURM_LOCALID")?);
+        let (rank, world, local_rank) = (num("SLURM_PROCID")?, count("SLURM_NTASKS")?, num("SLURM_LOCALID")?);
         let nodelist = get("SLURM_JOB_NODELIST")
             .or_else(|| get("SLURM_NODELIST"))
             .ok_or_else(|| anyhow!("SLURM_JOB_NODELIST is not set"))?;
         let host = first_host(&nodelist).ok_or_else(|| anyhow!("SLURM_JOB_NODELIST = `{nodelist}` names no host"))?;
         let port = match get("MASTER_PORT") {
-            Some(_) => num("MASTER_PORT")? as u64,
+            Some(_) => port("MASTER_PORT")? as u64,
             None => SLURM_BASE_PORT + get("SLURM_JOB_ID").and_then(|j| j.parse::<u64>().ok()).unwrap_or(0) % 10_000,
         };
         let local_world = match get("SLURM_NTASKS_PER_NODE") {
@@ -113,28 +136,43 @@ pub fn discover(var: impl Fn(&str) -> Option<String>) -> Result<Job> {
             local_world: local_world.max(1),
             coordinator: format!("{host}:{port}"),
             convention: "Slurm (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_JOB_NODELIST)",
+            token: match (get("SLURM_JOB_ID"), get("SLURM_STEP_ID")) {
+                (Some(job), Some(step)) => format!("slurm-{job}.{step}"),
+                (Some(job), None) => format!("slurm-{job}"),
+                _ => String::new(),
+            },
         };
         check(&job, &[("SLURM_PROCID", rank, world)])?;
         job
     } else if get("MASTER_ADDR").is_some() || get("RANK").is_some() {
-        let (rank, world) = (num("RANK")?, num("WORLD_SIZE")?);
+        let (rank, world) = (num("RANK")?, count("WORLD_SIZE")?);
         let local_rank = if get("LOCAL_RANK").is_some() { num("LOCAL_RANK")? } else { rank };
-        let local_world = if get("LOCAL_WORLD_SIZE").is_some() { num("LOCAL_WORLD_SIZE")? } else { world };
+        let local_world = if get("LOCAL_WORLD_SIZE").is_some() { count("LOCAL_WORLD_SIZE")? } else { world };
         let addr = get("MASTER_ADDR").ok_or_else(|| anyhow!("MASTER_ADDR is not set"))?;
         let job = Job {
             rank,
             world,
             local_rank,
             local_world,
-            coordinator: format!("{addr}:{}", num("MASTER_PORT")?),
+            coordinator: format!("{addr}:{}", port("MASTER_PORT")?),
             convention: "torchrun (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK)",
+            token: get("TORCHELASTIC_RUN_ID").unwrap_or_default(),
         };
         check(&job, &[("RANK", rank, world)])?;
         job
     } else {
         Job::single()
     };
-    if job.world == 0 || job.world % job.local_world != 0 {
+    let mut job = job;
+    if let Some(token) = get("ENGINE_JOB_TOKEN") {
+        job.token = token;
+    }
+    // One word on the wire; `-` for none.
+    job.token = job.token.split_whitespace().collect::<Vec<_>>().join("_");
+    if job.token.is_empty() {
+        job.token = "-".into();
+    }
+    if job.world % job.local_world != 0 {
         bail!("{}: {} processes do not fill whole nodes of {}", job.convention, job.world, job.local_world);
     }
     Ok(job)
@@ -180,26 +218,99 @@ fn split_top_level(list: &str) -> Vec<&str> {
     parts
 }
 
-/// First line every peer sends: protocol name and version, then its rank and world size.
-const HELLO: &str = "ENGINE-RENDEZVOUS 1";
+/// First line every peer sends: protocol name and version, then the job's token, its rank, its
+/// world size and what it brings (the address of its collectives' listener, or `-`).
+const HELLO: &str = "ENGINE-RENDEZVOUS 2";
+
+/// How long rank 0 waits for a connection's hello before it drops it as a stranger.
+const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// What the rendezvous hands every rank: rank 0's payload, and what each rank brought, in rank
+/// order.
+pub struct Meeting {
+    /// The payload rank 0 made (NCCL's unique id, a check token).
+    pub payload: Vec<u8>,
+    /// What each rank brought ([`meet`]'s `bring`), in rank order.
+    pub brought: Vec<String>,
+}
 
 /// Meets every process of the job and returns the payload rank 0 made with `payload` (called on
 /// rank 0 only). Fails after `timeout` naming the ranks that never arrived.
 pub fn rendezvous(job: &Job, timeout: Duration, payload: impl FnOnce() -> Vec<u8>) -> Result<Vec<u8>> {
-    if job.world == 1 {
-        return Ok(payload());
-    }
-    if job.rank == 0 { coordinate(job, timeout, payload()) } else { join(job, timeout) }
+    Ok(meet(job, timeout, |_| Ok("-".into()), payload)?.payload)
 }
 
-fn coordinate(job: &Job, timeout: Duration, payload: Vec<u8>) -> Result<Vec<u8>> {
-    let port = job.coordinator.rsplit_once(':').map(|(_, p)| p).unwrap_or("");
-    let listener = TcpListener::bind(format!("0.0.0.0:{port}")).with_context(|| {
-        format!("rank 0 cannot listen on port {port} for the rendezvous (coordinator {})", job.coordinator)
-    })?;
+/// Meets every process of the job: each rank brings a one-word string made by `bring` from the
+/// local address it reaches rank 0 through (rank 0: the coordinator's), rank 0 adds `payload`,
+/// and every rank learns all of it.
+pub fn meet(
+    job: &Job,
+    timeout: Duration,
+    bring: impl FnOnce(IpAddr) -> Result<String>,
+    payload: impl FnOnce() -> Vec<u8>,
+) -> Result<Meeting> {
+    if job.world == 1 {
+        return Ok(Meeting { brought: vec![bring(IpAddr::from([127, 0, 0, 1]))?], payload: payload() });
+    }
+    if job.rank == 0 { coordinate(job, timeout, bring, payload()) } else { join(job, timeout, bring) }
+}
+
+/// The addresses the coordinator's host name resolves to.
+fn coordinator_addrs(job: &Job) -> Result<Vec<SocketAddr>> {
+    let addrs: Vec<SocketAddr> = job
+        .coordinator
+        .to_socket_addrs()
+        .with_context(|| {
+            format!("rendezvous: cannot resolve the coordinator {} ({})", job.coordinator, job.convention)
+        })?
+        .collect();
+    anyhow::ensure!(!addrs.is_empty(), "rendezvous: the coordinator {} resolves to no address", job.coordinator);
+    Ok(addrs)
+}
+
+/// Rank 0's listener, on the coordinator's own address (not every interface): the first of its
+/// addresses that this host has.
+fn listen(job: &Job) -> Result<TcpListener> {
+    let mut last = None;
+    for addr in coordinator_addrs(job)? {
+        match TcpListener::bind(addr) {
+            Ok(l) => return Ok(l),
+            Err(e) => last = Some((addr, e)),
+        }
+    }
+    let (addr, e) = last.expect("at least one address");
+    let hint = match e.kind() {
+        std::io::ErrorKind::AddrInUse => ": the port is in use (another job on this node?); choose another port",
+        std::io::ErrorKind::AddrNotAvailable => ": rank 0 must run on the coordinator's host",
+        _ => "",
+    };
+    bail!("rank 0 cannot listen on {addr} for the rendezvous (coordinator {}): {e}{hint}", job.coordinator)
+}
+
+/// A hello as rank 0 reads it: (rank, world, token, brought).
+fn parse_hello(line: &str) -> Option<(usize, usize, &str, &str)> {
+    let rest = line.trim().strip_prefix(HELLO)?.trim();
+    let f: Vec<&str> = rest.split(' ').collect();
+    match f[..] {
+        [token, rank, world, brought] => Some((rank.parse().ok()?, world.parse().ok()?, token, brought)),
+        _ => None,
+    }
+}
+
+fn coordinate(
+    job: &Job,
+    timeout: Duration,
+    bring: impl FnOnce(IpAddr) -> Result<String>,
+    payload: Vec<u8>,
+) -> Result<Meeting> {
+    let listener = listen(job)?;
+    let mine = bring(listener.local_addr()?.ip())?;
     listener.set_nonblocking(true)?;
     let deadline = Instant::now() + timeout;
-    let mut peers: BTreeMap<usize, TcpStream> = BTreeMap::new();
+    // Each connection's hello is read on a thread of its own, so that a stranger that sends
+    // nothing (a port scan, a health probe) holds up no one; strangers are named and dropped.
+    let (hellos, arrivals) = std::sync::mpsc::channel::<(SocketAddr, TcpStream, std::io::Result<String>)>();
+    let mut peers: BTreeMap<usize, (TcpStream, String)> = BTreeMap::new();
     while peers.len() + 1 < job.world {
         if Instant::now() >= deadline {
             let missing: Vec<String> =
@@ -212,51 +323,72 @@ fn coordinate(job: &Job, timeout: Duration, payload: Vec<u8>) -> Result<Vec<u8>>
                 job.coordinator,
                 job.convention
             );
-            for stream in peers.values_mut() {
+            for (stream, _) in peers.values_mut() {
                 let _ = writeln!(stream, "ERR {reason}");
             }
             bail!(reason);
         }
         match listener.accept() {
             Ok((stream, from)) => {
-                stream.set_nonblocking(false)?;
-                stream.set_read_timeout(Some(Duration::from_secs(10)))?;
-                let mut line = String::new();
-                BufReader::new(&stream)
-                    .read_line(&mut line)
-                    .with_context(|| format!("rendezvous: reading from {from}"))?;
-                let fields: Vec<&str> = line.trim().rsplitn(3, ' ').collect();
-                let (rank, world) =
-                    match (fields.first().map(|s| s.parse::<usize>()), fields.get(1).map(|s| s.parse::<usize>())) {
-                        (Some(Ok(world)), Some(Ok(rank))) if line.starts_with(HELLO) => (rank, world),
-                        _ => bail!("rendezvous: {from} sent `{}`, not an engine rendezvous hello", line.trim()),
-                    };
-                if world != job.world || rank == 0 || rank >= job.world {
-                    bail!("rendezvous: {from} says it is rank {rank} of {world}, but this job has {} ranks", job.world);
-                }
-                if peers.insert(rank, stream).is_some() {
-                    bail!("rendezvous: two processes claim rank {rank}");
-                }
+                let hellos = hellos.clone();
+                std::thread::spawn(move || {
+                    let mut line = String::new();
+                    let read = stream
+                        .set_nonblocking(false)
+                        .and_then(|()| stream.set_read_timeout(Some(HELLO_TIMEOUT)))
+                        .and_then(|()| stream.try_clone())
+                        .and_then(|s| BufReader::new(s.take(4096)).read_line(&mut line))
+                        .map(|_| line);
+                    let _ = hellos.send((from, stream, read));
+                });
             }
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => std::thread::sleep(Duration::from_millis(20)),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
             Err(e) => return Err(e).context("rendezvous: accepting a connection"),
         }
+        while let Ok((from, mut stream, read)) = arrivals.try_recv() {
+            let line = read.unwrap_or_default();
+            let Some((rank, world, token, brought)) = parse_hello(&line) else {
+                eprintln!(
+                    "rendezvous: ignored a connection from {from}: not an engine rank (it sent {:?})",
+                    line.trim()
+                );
+                continue;
+            };
+            if token != job.token {
+                eprintln!("rendezvous: ignored rank {rank} from {from}: it belongs to another job (its token differs)");
+                let _ = writeln!(stream, "ERR this coordinator serves another job (the job tokens differ)");
+                continue;
+            }
+            if world != job.world || rank == 0 || rank >= job.world {
+                let reason = format!("{from} says it is rank {rank} of {world}, but this job has {} ranks", job.world);
+                let _ = writeln!(stream, "ERR {reason}");
+                bail!("rendezvous: {reason}");
+            }
+            if peers.contains_key(&rank) {
+                let _ = writeln!(stream, "ERR two processes claim rank {rank}");
+                bail!("rendezvous: two processes claim rank {rank} (the second from {from})");
+            }
+            peers.insert(rank, (stream, brought.to_owned()));
+        }
+        std::thread::sleep(Duration::from_millis(10));
     }
-    for stream in peers.values_mut() {
-        writeln!(stream, "OK {}", payload.len())?;
-        stream.write_all(&payload)?;
+    let brought: Vec<String> = std::iter::once(mine).chain(peers.values().map(|(_, b)| b.clone())).collect();
+    for (rank, (stream, _)) in peers.iter_mut() {
+        let send = |stream: &mut TcpStream| -> std::io::Result<()> {
+            stream.set_write_timeout(Some(HELLO_TIMEOUT))?;
+            writeln!(stream, "OK {} {}", payload.len(), brought.join(" "))?;
+            stream.write_all(&payload)
+        };
+        send(stream).with_context(|| format!("rendezvous: rank {rank} left before it was told the job's set-up"))?;
     }
-    Ok(payload)
+    Ok(Meeting { payload, brought })
 }
 
-fn join(job: &Job, timeout: Duration) -> Result<Vec<u8>> {
+fn join(job: &Job, timeout: Duration, bring: impl FnOnce(IpAddr) -> Result<String>) -> Result<Meeting> {
     let deadline = Instant::now() + timeout;
     // Rank 0 may start later than we do: keep trying until the deadline.
     let stream = loop {
-        let addrs = job
-            .coordinator
-            .to_socket_addrs()
-            .with_context(|| format!("rendezvous: cannot resolve {}", job.coordinator))?;
+        let addrs = coordinator_addrs(job)?;
         if let Some(s) = addrs.into_iter().find_map(|a| TcpStream::connect_timeout(&a, Duration::from_secs(2)).ok()) {
             break s;
         }
@@ -271,24 +403,43 @@ fn join(job: &Job, timeout: Duration) -> Result<Vec<u8>> {
         }
         std::thread::sleep(Duration::from_millis(200));
     };
+    let brought = bring(stream.local_addr()?.ip())?;
     let mut writer = stream.try_clone()?;
-    writeln!(writer, "{HELLO} {} {}", job.rank, job.world)?;
+    writeln!(writer, "{HELLO} {} {} {} {brought}", job.token, job.rank, job.world)
+        .with_context(|| format!("rendezvous: rank 0 at {} closed the connection", job.coordinator))?;
     // Rank 0 answers when everyone arrived, or says why it gave up; allow for its own timeout.
-    stream.set_read_timeout(Some(deadline.saturating_duration_since(Instant::now()) + Duration::from_secs(10)))?;
+    let wait = deadline.saturating_duration_since(Instant::now()) + Duration::from_secs(10);
+    stream.set_read_timeout(Some(wait))?;
     let mut reader = BufReader::new(stream);
     let mut line = String::new();
-    reader.read_line(&mut line).with_context(|| format!("rendezvous: rank {} waiting for rank 0", job.rank))?;
+    let silent = || {
+        format!(
+            "rendezvous: rank {} waited {:.0} s for rank 0 at {} to say that every rank arrived, and it said nothing \
+             (is rank 0 still running? ENGINE_RENDEZVOUS_TIMEOUT sets the wait)",
+            job.rank,
+            wait.as_secs_f64(),
+            job.coordinator
+        )
+    };
+    match reader.read_line(&mut line) {
+        Ok(0) => bail!("rendezvous: rank 0 at {} closed the connection before every rank arrived", job.coordinator),
+        Ok(_) => {}
+        Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => bail!(silent()),
+        Err(e) => return Err(e).with_context(|| format!("rendezvous: rank {} waiting for rank 0", job.rank)),
+    }
     if let Some(reason) = line.trim().strip_prefix("ERR ") {
         bail!("rendezvous failed; rank 0 says: {reason}");
     }
-    let len: usize = line
-        .trim()
-        .strip_prefix("OK ")
-        .and_then(|n| n.parse().ok())
-        .ok_or_else(|| anyhow!("rendezvous: unexpected reply from rank 0: `{}`", line.trim()))?;
+    let bad = || anyhow!("rendezvous: unexpected reply from rank 0: `{}`", line.trim());
+    let mut fields = line.trim().strip_prefix("OK ").ok_or_else(bad)?.split(' ');
+    let len: usize = fields.next().and_then(|n| n.parse().ok()).ok_or_else(bad)?;
+    let brought: Vec<String> = fields.map(str::to_owned).collect();
+    if brought.len() != job.world {
+        return Err(bad());
+    }
     let mut payload = vec![0u8; len];
     reader.read_exact(&mut payload).context("rendezvous: reading the payload")?;
-    Ok(payload)
+    Ok(Meeting { payload, brought })
 }
 
 #[cfg(test)]

@@ -109,6 +109,22 @@ impl<B: Backend> Parallel<B> {
             (mesh.group(rank, Axis::Tensor), mesh.group(rank, Axis::Data), mesh.group(rank, Axis::Fsdp));
         let batch = batch_group(&mesh, rank);
         let pipeline = mesh.group(rank, Axis::Pipeline);
+        let mut comm = comm;
+        let world: Vec<usize> = (0..mesh.devices()).collect();
+        // Named for the messages of a collective that fails; the first name of a group wins.
+        comm.name_groups(
+            [
+                (&world, "world"),
+                (&data, "data"),
+                (&fsdp_group, "fsdp"),
+                (&tensor, "tensor"),
+                (&pipeline, "pipeline"),
+                (&batch, "data x fsdp"),
+            ]
+            .into_iter()
+            .map(|(g, name)| (g.clone(), name.to_owned()))
+            .collect(),
+        );
         let layout = &slice.local;
         let fsdp = (fsdp_group.len() > 1).then(|| Fsdp::new(be, layout, fsdp_group.len(), coords.fsdp, fsdp_options));
         let segments =
@@ -310,6 +326,11 @@ impl<B: Backend> Parallel<B> {
     /// each slice along the data axis (the others hold copies).
     pub fn saves(&self) -> bool {
         self.coords.data == 0
+    }
+
+    /// Tells the communicator the optimizer step in progress (for a failed collective's message).
+    pub fn set_step(&mut self, step: u64) {
+        self.comm.set_step(step);
     }
 
     /// `Σ x` over every device of the mesh, for agreements between devices (whether a save is

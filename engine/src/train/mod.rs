@@ -189,6 +189,7 @@ impl<B: Backend> Trainer<B> {
     /// on the same buffers every time, which the CUDA backend records once as a graph.
     pub fn train_step(&mut self, peak_tflops: f64) -> StepMetrics {
         let start = Instant::now();
+        self.parallel.set_step(self.step + 1);
         let c = &self.config;
         let (accum, microbatches) = (c.train.grad_accum, c.train.pipeline_microbatches);
         let (tokens, shards) = ((self.plan.batch * self.plan.seq) as f32, self.model.batch_shards);
