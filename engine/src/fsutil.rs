@@ -64,6 +64,22 @@ impl DirLock {
     /// Takes the lock of `dir` (which must exist) without waiting. `what` names the directory
     /// in the error (`run directory`), `advice` says what to do instead.
     pub fn acquire(dir: &Path, what: &str, advice: &str) -> Result<DirLock> {
+        match DirLock::try_acquire(dir)? {
+            Ok(lock) => Ok(lock),
+            Err(holder) => {
+                let holder = match holder {
+                    Some(pid) => format!("process {pid}"),
+                    None => "another process".to_owned(),
+                };
+                anyhow::bail!("{what} {} is in use by {holder}; {advice}", dir.display())
+            }
+        }
+    }
+
+    /// Takes the lock of `dir` (which must exist) without waiting: the lock, or, when another
+    /// process holds it, that process's PID as it wrote it (none if it has not yet). An error
+    /// is a failure to open or lock the file, not a lock held elsewhere.
+    pub fn try_acquire(dir: &Path) -> Result<std::result::Result<DirLock, Option<String>>> {
         let path = dir.join(".lock");
         let mut file = fs::OpenOptions::new()
             .read(true)
@@ -76,11 +92,8 @@ impl DirLock {
             Ok(()) => {}
             Err(fs::TryLockError::WouldBlock) => {
                 let holder = fs::read_to_string(&path).unwrap_or_default();
-                let holder = match holder.trim() {
-                    "" => "another process".to_owned(),
-                    pid => format!("process {pid}"),
-                };
-                anyhow::bail!("{what} {} is in use by {holder}; {advice}", dir.display());
+                let holder = Some(holder.trim().to_owned()).filter(|h| !h.is_empty());
+                return Ok(Err(holder));
             }
             Err(fs::TryLockError::Error(e)) => {
                 return Err(e).with_context(|| format!("cannot lock {}", path.display()));
@@ -89,7 +102,7 @@ impl DirLock {
         file.set_len(0)?;
         file.write_all(std::process::id().to_string().as_bytes())?;
         file.sync_all()?;
-        Ok(DirLock { _file: file })
+        Ok(Ok(DirLock { _file: file }))
     }
 }
 

@@ -546,7 +546,7 @@ pub fn latest(parent: &Path) -> Result<Option<Checkpoint>> {
 /// The `mesh.*` keys may change too: checkpoints hold the whole, unsharded state, and the data
 /// position counts the samples of all ranks; so may the pipeline's micro-batches, schedule and layer split,
 /// which cut the same global batch differently (a pipeline run resumes on one device).
-pub const RESUMABLE_KEYS: [&str; 17] = [
+pub const RESUMABLE_KEYS: [&str; 18] = [
     "description",
     "extends",
     "train.steps",
@@ -554,6 +554,7 @@ pub const RESUMABLE_KEYS: [&str; 17] = [
     "train.perf_warmup_steps",
     "train.profile_step",
     "train.checkpoint_every",
+    "train.checkpoint_every_minutes",
     "train.keep_last",
     "train.keep_every_n_steps",
     "train.memory_check",
@@ -597,18 +598,32 @@ pub fn incompatible_keys(saved: &Config, now: &Config) -> Vec<String> {
 
 /// The checkpoint a run on `devices` devices resumes from: `explicit` if given, else the newest
 /// complete one under `parent`; verified, and refused (naming the keys) if `config` differs in
-/// what matters. `train.batch_size` may change with the device count when the global batch
-/// (`batch_size` × devices) stays the same.
+/// what matters. The global batch (`train.batch_size` × devices) must stay the same: on another
+/// device count, `train.batch_size` changes with it, and a run that would train another global
+/// batch is refused, whether `batch_size` or the device count changed, with the `batch_size`
+/// that keeps it.
 pub fn resume_point(parent: &Path, explicit: Option<&Path>, config: &Config, devices: usize) -> Result<Checkpoint> {
     let ck = match explicit {
         Some(dir) => Checkpoint::open(dir)?,
         None => latest(parent)?
             .ok_or_else(|| anyhow!("--resume: no complete checkpoint in {} to resume from", parent.display()))?,
     };
-    let global = |c: &Config, d: usize| c.train.batch_size * d;
-    let same_global_batch = global(&ck.config, ck.state.shards.unwrap_or(1)) == global(config, devices);
+    let saved_on = ck.state.shards.unwrap_or(1);
+    let (saved, now) = (ck.config.train.batch_size * saved_on, config.train.batch_size * devices);
     let mut differ = incompatible_keys(&ck.config, config);
-    differ.retain(|k| !(same_global_batch && k.starts_with("train.batch_size ")));
+    differ.retain(|k| !k.starts_with("train.batch_size "));
+    if (saved.0 - now.0).abs() > 1e-9 * saved.0.max(now.0) {
+        // A batch size that would keep the global batch on this many devices.
+        let keep = crate::config::BatchSize(saved.0 / devices as f64);
+        let on = |n: usize| if n == 1 { "1 device".to_owned() } else { format!("{n} devices") };
+        differ.push(format!(
+            "the global batch (checkpoint train.batch_size {} x {} = {saved} sequences, now {} x {} = {now}: the curve would change; --set train.batch_size={keep} keeps it)",
+            ck.config.train.batch_size,
+            on(saved_on),
+            config.train.batch_size,
+            on(devices),
+        ));
+    }
     if !differ.is_empty() {
         bail!(
             "cannot resume from {}: the configuration differs in {}; resume with the checkpoint's settings (its config.toml) or start a new run",

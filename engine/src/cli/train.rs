@@ -8,14 +8,15 @@ use anyhow::{Result, anyhow, bail};
 use clap::Args;
 use engine::backend::Backend;
 use engine::backend::traced::Traced;
-use engine::checkpoint::{self, Checkpoint, Extras};
+use engine::checkpoint::{Checkpoint, Extras};
 use engine::config::{Config, Override};
-use engine::fsutil::DirLock;
 use engine::hf::HfModel;
 use engine::model::Layout;
 use engine::parallel::{self, rendezvous::Job};
 use engine::train::Trainer;
-use engine::train::session::{self, CHECKPOINTS, Session};
+use engine::train::run_dir::{Decision, Resume, RunDir};
+use engine::train::session::{self, Session};
+use engine::train::signals::{self, STOPPED_EXIT, StopRequest, Stopped};
 
 use super::RecipeArgs;
 use super::device::{self, DeviceArg, Opened};
@@ -28,12 +29,14 @@ pub struct TrainArgs {
     #[arg(long, value_name = "N")]
     steps: Option<usize>,
     /// Directory for the resolved config, metrics.jsonl, event files, checkpoints and
-    /// summary.json [default: runs/RECIPE, numbered -2, -3, ... when taken].
+    /// summary.json [default: runs/RECIPE, numbered -2, -3, ... when taken; runs/RECIPE for
+    /// every process of a multi-process job].
     #[arg(long, value_name = "DIR")]
     run_dir: Option<PathBuf>,
     /// Continue the run in --run-dir from its newest complete checkpoint, or from checkpoint
-    /// CKPT (whose run directory is then the default).
-    #[arg(long, value_name = "CKPT", num_args = 0..=1)]
+    /// CKPT (whose run directory is then the default). --resume=auto: from the newest complete
+    /// checkpoint if there is one, else start fresh there (what a restarted job runs).
+    #[arg(long, value_name = "CKPT|auto", num_args = 0..=1)]
     #[allow(clippy::option_option)] // absent; present without a value (newest); with one
     resume: Option<Option<PathBuf>>,
     /// Start from a Hugging Face model (full fine-tuning): DIR/config.json replaces the recipe's
@@ -46,7 +49,24 @@ pub struct TrainArgs {
     devices: usize,
 }
 
+/// `engine train`. SIGTERM, SIGUSR1 and SIGINT stop the run after the step in progress with a
+/// checkpoint of it, and the command exits with [`STOPPED_EXIT`]; a second signal exits at once
+/// ([`signals`]).
 pub fn run(args: TrainArgs, device: DeviceArg) -> Result<()> {
+    signals::install()?;
+    match train(args, device) {
+        Err(e) => match e.downcast_ref::<Stopped>() {
+            Some(stopped) => {
+                eprintln!("engine: {stopped}");
+                std::process::exit(STOPPED_EXIT.into())
+            }
+            None => Err(e),
+        },
+        done => done,
+    }
+}
+
+fn train(args: TrainArgs, device: DeviceArg) -> Result<()> {
     let extra: Vec<Override> = args
         .steps
         .map(|s| Override { text: format!("train.steps={s}"), origin: "--steps".into() })
@@ -77,32 +97,45 @@ pub fn run(args: TrainArgs, device: DeviceArg) -> Result<()> {
     };
     let config = &resolved.config;
 
-    // Everything that can fail on bad input fails before the run directory is created.
-    let resume = args.resume.as_ref().map(Option::as_deref);
-    let run_dir = match (&args.run_dir, resume) {
-        (Some(dir), _) => dir.clone(),
-        (None, Some(Some(ck))) => ck.parent().and_then(Path::parent).map(Path::to_path_buf).unwrap_or_default(),
-        (None, Some(None)) => bail!("--resume needs --run-dir DIR (the run to continue) or a checkpoint path"),
-        (None, None) => free_run_dir(&resolved.name),
-    };
+    // Everything that can fail on bad input fails before the run directory is created (a
+    // default one is claimed just before the run starts).
+    let resume = Resume::of(args.resume.as_ref().map(Option::as_deref));
     let job = parallel::rendezvous::discover(|k| std::env::var(k).ok())?;
-    // The lead process owns the run directory from here on (or from its creation, for a new one).
-    let lock = if job.rank == 0 && run_dir.is_dir() { Some(lock_run_dir(&run_dir)?) } else { None };
-    let checkpoint = match resume {
-        Some(explicit) => Some(checkpoint::resume_point(&run_dir.join(CHECKPOINTS), explicit, config, args.devices)?),
-        None => {
-            ensure_fresh(&run_dir)?;
-            None
+    let default = RunDir::default_path(&resolved.name);
+    let (path, claim) = match (&args.run_dir, &resume) {
+        (Some(dir), _) => (dir.clone(), None),
+        (None, Resume::From(ck)) => {
+            (ck.parent().and_then(Path::parent).map(Path::to_path_buf).unwrap_or_default(), None)
         }
+        (None, Resume::Newest) => bail!("--resume needs --run-dir DIR (the run to continue) or a checkpoint path"),
+        (None, Resume::Auto) => bail!("--resume=auto needs --run-dir DIR (the run to continue or start)"),
+        // The processes of a job cannot each take the first free name: they share runs/RECIPE.
+        (None, Resume::No) if job.world > 1 => (default, None),
+        (None, Resume::No) => (default.clone(), Some(default)),
+    };
+    let mut run_dir = RunDir::at(path);
+    // The lead process owns the run directory from here on (or from its creation, for a new one).
+    if job.rank == 0 && claim.is_none() && run_dir.path().is_dir() {
+        run_dir.lock()?;
+    }
+    // Every process of a job decides alike, reading the same directory.
+    let decision = match claim {
+        Some(_) => Decision::Fresh { restart: false },
+        None => run_dir.decide(&resume, config, args.devices * job.world)?,
+    };
+    let (checkpoint, restart) = match decision {
+        Decision::Fresh { restart } => (None, restart),
+        Decision::Resume(ck) => (Some(*ck), false),
     };
     // The peak for MFU is measured once the device is known.
     let mut start = Start {
         name: resolved.name.clone(),
-        run_dir,
+        run_dir: Mutex::new(run_dir),
+        claim,
+        restart,
         hf,
         checkpoint,
         peak: (0.0, String::new()),
-        lock: Mutex::new(lock),
     };
     if job.world > 1 {
         if args.devices > 1 {
@@ -137,17 +170,33 @@ pub fn run(args: TrainArgs, device: DeviceArg) -> Result<()> {
 /// What a run starts from, once everything that can fail on bad input has been checked.
 struct Start {
     name: String,
-    run_dir: PathBuf,
+    /// The run directory, with its lock when it existed before this run or was claimed (else
+    /// taken on creation); the lead device's session takes it.
+    run_dir: Mutex<RunDir>,
+    /// Without --run-dir (one process): `runs/RECIPE`, of which the first free of it, `-2`,
+    /// `-3`, ... is claimed just before the run starts ([`Start::claim`]).
+    claim: Option<PathBuf>,
+    /// Whether a fresh start replaces an earlier attempt that saved no checkpoint
+    /// (`--resume=auto`).
+    restart: bool,
     hf: Option<HfModel>,
     checkpoint: Option<Checkpoint>,
     peak: (f64, String),
-    /// The run directory's lock, when it existed before this run (else taken on creation); the
-    /// lead device's session takes it.
-    lock: Mutex<Option<DirLock>>,
 }
 
 impl Start {
-    fn run<B: Backend>(self, backend: B, config: &Config) -> Result<()> {
+    /// Claims the default run directory (created and locked at once, so that runs started
+    /// together take one each), when no --run-dir was given.
+    fn claim(&mut self) -> Result<()> {
+        if let Some(base) = self.claim.take() {
+            let claimed = RunDir::claim(&base)?;
+            *self.run_dir.get_mut().map_err(|_| anyhow!("a device thread panicked"))? = claimed;
+        }
+        Ok(())
+    }
+
+    fn run<B: Backend>(mut self, backend: B, config: &Config) -> Result<()> {
+        self.claim()?;
         let mut trainer = Trainer::new(Traced::new(backend), config)?;
         let session = self.prepare(&mut trainer, true)?;
         session::run(&mut trainer, &session)?;
@@ -156,6 +205,7 @@ impl Start {
 
     /// Runs `devices` virtual CPU devices, rank 0 reporting; the peak for MFU is measured once.
     fn run_virtual(mut self, config: &Config, devices: usize) -> Result<()> {
+        self.claim()?;
         self.peak = device::peak(&Opened::Cpu(engine::backend::cpu::Cpu::new()), config);
         engine::train::devices::run(config, devices, |rank, trainer| {
             let session = self.prepare(trainer, rank == 0)?;
@@ -208,62 +258,27 @@ impl Start {
                 extras = Extras { files: ck.hf_files()?, hf_dtype: ck.state.hf_dtype.clone() };
             }
         }
-        let held = self.lock.lock().map_err(|_| anyhow!("a device thread panicked"))?.take();
-        let lock = match (lead, held) {
-            (true, Some(lock)) => Some(lock),
-            (true, None) => {
-                std::fs::create_dir_all(&self.run_dir)
-                    .map_err(|e| anyhow!("cannot create run directory {}: {e}", self.run_dir.display()))?;
-                let lock = lock_run_dir(&self.run_dir)?;
-                // Checked again under the lock: another run may have started here meanwhile.
-                if self.checkpoint.is_none() {
-                    ensure_fresh(&self.run_dir)?;
-                }
-                Some(lock)
-            }
-            (false, _) => None,
+        let mut run_dir = {
+            let mut shared = self.run_dir.lock().map_err(|_| anyhow!("a device thread panicked"))?;
+            let held = if lead { shared.take_lock() } else { None };
+            shared.unlocked().with_lock(held)
         };
+        if lead && !run_dir.is_locked() {
+            run_dir.create()?;
+            // Checked again under the lock: another run may have started here meanwhile.
+            if self.checkpoint.is_none() && !self.restart {
+                run_dir.ensure_fresh()?;
+            }
+        }
         Ok(Session {
             name: self.name.clone(),
-            run_dir: self.run_dir.clone(),
+            run_dir,
             peak_tflops: self.peak.0,
             peak_source: self.peak.1.clone(),
             resumed_from: self.checkpoint.as_ref().map(|c| c.dir.clone()),
             extras,
             lead,
-            lock,
+            stop: StopRequest::signals(),
         })
     }
-}
-
-/// The exclusive hold on a run directory, for this process's life.
-fn lock_run_dir(run_dir: &Path) -> Result<DirLock> {
-    DirLock::acquire(run_dir, "run directory", "wait for it to finish, or choose another --run-dir")
-}
-
-/// Refuses a run directory that already holds a run, unless the run resumes.
-fn ensure_fresh(run_dir: &Path) -> Result<()> {
-    if run_dir.join("metrics.jsonl").exists() {
-        bail!(
-            "run directory {} already holds a run (metrics.jsonl); continue it with --resume, or choose another --run-dir",
-            run_dir.display()
-        );
-    }
-    Ok(())
-}
-
-/// The first `runs/RECIPE[-N]` that holds no run.
-fn free_run_dir(recipe: &str) -> PathBuf {
-    (1..)
-        .map(
-            |i| {
-                if i == 1 {
-                    PathBuf::from(format!("runs/{recipe}"))
-                } else {
-                    PathBuf::from(format!("runs/{recipe}-{i}"))
-                }
-            },
-        )
-        .find(|d| !d.join("metrics.jsonl").exists())
-        .expect("some name is free")
 }

@@ -263,6 +263,10 @@ pub struct TrainConfig {
     pub profile_step: usize,
     /// Save a checkpoint every this many steps (and at the last step); 0 disables checkpoints.
     pub checkpoint_every: usize,
+    /// Also save a checkpoint when this many minutes have passed since the run started or last
+    /// saved, as rank 0's clock says (MaxText's and AXLearn's time-based cadence for long jobs);
+    /// 0 disables it.
+    pub checkpoint_every_minutes: f64,
     /// Complete checkpoints kept in the run directory (the oldest are removed); 0 keeps all.
     pub keep_last: usize,
     /// Checkpoints of steps that are multiples of this are kept for good, whatever `keep_last`
@@ -357,6 +361,7 @@ impl Default for TrainConfig {
             perf_warmup_steps: 7,
             profile_step: 6,
             checkpoint_every: 0,
+            checkpoint_every_minutes: 0.0,
             keep_last: 3,
             keep_every_n_steps: 0,
             eval_every: 0,
@@ -737,6 +742,12 @@ impl Config {
         }
         if !at_least(self.train.peak_tflops, 0.0) {
             return Err(format!("train.peak_tflops = {} must be non-negative", self.train.peak_tflops));
+        }
+        if !at_least(self.train.checkpoint_every_minutes, 0.0) {
+            return Err(format!(
+                "train.checkpoint_every_minutes = {} must be non-negative (0: no time-based checkpoints)",
+                self.train.checkpoint_every_minutes
+            ));
         }
         Ok(())
     }

@@ -58,6 +58,9 @@ pub struct Checkpointer {
     sealing: Option<JoinHandle<Result<SaveReport>>>,
     /// Host buffers of the last finished part, reused by the next snapshot.
     spare: Option<DeviceState>,
+    /// A test's injected failure: this device's part fails with this OS error (`ENOSPC`, ...).
+    #[cfg(test)]
+    pub(crate) fail_with: Option<i32>,
 }
 
 /// A save in flight: this device's writer thread and what sealing needs.
@@ -89,7 +92,9 @@ impl Checkpointer {
     pub fn new<B: Backend>(parent: &Path, trainer: &mut Trainer<B>, extras: Extras, lead: bool) -> Checkpointer {
         let pause = std::env::var(PAUSE_HOOK).ok().and_then(|v| v.trim().parse().ok());
         // Data-parallel replicas save nothing: no host buffers for them.
-        let spare = (trainer.config.train.checkpoint_every > 0 && trainer.parallel.saves()).then(|| {
+        let t = &trainer.config.train;
+        let saves = t.checkpoint_every > 0 || t.checkpoint_every_minutes > 0.0;
+        let spare = (saves && trainer.parallel.saves()).then(|| {
             let mut state = DeviceState::default();
             let len = trainer.parallel.master_params().len;
             // calloc'd pages are only mapped when written: fill them now.
@@ -107,13 +112,18 @@ impl Checkpointer {
             writing: None,
             sealing: None,
             spare,
+            #[cfg(test)]
+            fail_with: None,
         }
     }
 
-    /// Whether the step just completed (`step` of `last`) is one to save.
+    /// Whether the step just completed (`step` of `last`) is one to save by its number: every
+    /// `train.checkpoint_every` steps, and the last step of a run that saves at all (by steps or
+    /// by `train.checkpoint_every_minutes`, which the session applies).
     pub fn due(&self, step: u64, last: u64) -> bool {
-        let every = self.config.train.checkpoint_every as u64;
-        every > 0 && (step.is_multiple_of(every) || step == last)
+        let t = &self.config.train;
+        let every = t.checkpoint_every as u64;
+        (every > 0 && step.is_multiple_of(every)) || ((every > 0 || t.checkpoint_every_minutes > 0.0) && step == last)
     }
 
     /// At a step boundary: moves the save in flight on (every device calls this at every step)
@@ -152,8 +162,15 @@ impl Checkpointer {
         let state = trainer.device_state(self.spare.take().unwrap_or_default());
         let (rank, devices, pause, step) = (self.rank, self.devices, self.pause, head.step);
         let part_dir = tmp.clone();
+        #[cfg(test)]
+        let fail_with = self.fail_with;
         let thread = std::thread::spawn(move || -> Result<(DeviceState, Sums)> {
             std::fs::create_dir_all(&part_dir).map_err(|e| anyhow!("cannot create {}: {e}", part_dir.display()))?;
+            #[cfg(test)]
+            if let Some(errno) = fail_with {
+                let e = anyhow::Error::new(std::io::Error::from_raw_os_error(errno));
+                return Err(e.context(format!("cannot write {}", part_dir.join(format!("shard-{rank}")).display())));
+            }
             let sums =
                 if state.is_empty() { Sums::new() } else { sharded::write_part(&part_dir, rank, devices, &state)? };
             if pause == Some(step) {
@@ -191,11 +208,19 @@ impl Checkpointer {
         };
         let everyone = trainer.parallel.sum_over_world(&mut trainer.backend, mine);
         let dir = writing.dir.display().to_string();
-        if let Some(e) = failure {
-            return Err(e.context(format!("cannot write checkpoint {dir}")));
-        }
         if everyone > devices {
-            bail!("checkpoint {dir}: another device could not write its part");
+            // Some device failed: every device learns which and why, so that each can say so
+            // (one more exchange, on every device, only when a save failed).
+            let mine = failure.as_ref().map_or(0, failure_code);
+            let codes = trainer.parallel.gather_from_world(&mut trainer.backend, mine);
+            if let Some(e) = failure {
+                return Err(e.context(format!("cannot write checkpoint {dir}")));
+            }
+            let failed: Vec<String> = (codes.iter().enumerate())
+                .filter(|(_, c)| **c != 0)
+                .map(|(rank, &c)| format!("device {rank} of {} could not write its part: {}", self.devices, cause(c)))
+                .collect();
+            bail!("cannot write checkpoint {dir}: {}", failed.join("; "));
         }
         if everyone == devices {
             let writing = self.writing.take().expect("a save in flight");
@@ -262,6 +287,25 @@ impl Drop for Checkpointer {
     }
 }
 
+/// What a device that could not write its part tells the others: its OS error number plus one
+/// (`ENOSPC` is 28), or [`OTHER_FAILURE`] when the error is not the operating system's.
+fn failure_code(e: &anyhow::Error) -> u64 {
+    e.chain()
+        .find_map(|c| c.downcast_ref::<std::io::Error>()?.raw_os_error())
+        .map_or(OTHER_FAILURE, |errno| errno.clamp(0, 0xffff) as u64 + 1)
+}
+
+/// The failure code of an error that is not an OS error.
+const OTHER_FAILURE: u64 = 1 << 20;
+
+/// The cause a failure code stands for.
+fn cause(code: u64) -> String {
+    match code {
+        OTHER_FAILURE => "an error that is not the file system's (its own message says which)".into(),
+        c => std::io::Error::from_raw_os_error(c as i32 - 1).to_string(),
+    }
+}
+
 /// Which complete checkpoints pruning keeps.
 #[derive(Debug, Clone, Copy)]
 struct Keep {
@@ -274,5 +318,38 @@ struct Keep {
 impl Keep {
     fn of(config: &Config) -> Keep {
         Keep { last: config.train.keep_last, every: config.train.keep_every_n_steps }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::train::devices;
+    use crate::train::session::tests::config;
+
+    /// FSDP × 4 where device 2's disk is full: every device fails the save, and the others say
+    /// which device failed and why (its OS error), not only that one did.
+    #[test]
+    fn the_others_learn_which_device_could_not_write_its_part_and_why() {
+        let tmp = tempfile::tempdir().unwrap();
+        let c = config(&["mesh.ici_data=1", "mesh.ici_fsdp=4"]);
+        let errors = devices::run(&c, 4, |rank, t| {
+            let mut saver = Checkpointer::new(tmp.path(), t, Extras::default(), rank == 0);
+            if rank == 2 {
+                saver.fail_with = Some(libc::ENOSPC);
+            }
+            t.train_step(0.0);
+            saver.after_step(t, true)?;
+            Ok(format!("{:#}", saver.finish(t).unwrap_err()))
+        })
+        .unwrap();
+        let enospc = std::io::Error::from_raw_os_error(libc::ENOSPC).to_string();
+        for (rank, e) in errors.iter().enumerate() {
+            assert!(e.starts_with("cannot write checkpoint") && e.contains(&enospc), "rank {rank}: {e}");
+            if rank != 2 {
+                assert!(e.contains("device 2 of 4 could not write its part: No space left on device"), "{e}");
+            }
+        }
+        assert!(checkpoint::list(tmp.path()).unwrap().is_empty());
     }
 }

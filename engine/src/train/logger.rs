@@ -10,6 +10,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 
 use super::checkpointer::SaveReport;
 use super::metrics::{JsonlWriter, StepMetrics};
+use super::run_dir::RunDir;
 use super::tensorboard::EventWriter;
 use crate::fsutil::write_atomic;
 
@@ -25,14 +26,17 @@ impl MetricsLogger {
     /// A logger writing into `run_dir` for a run of `total_steps` that continues after `first`
     /// (0 for a fresh run): records of steps after `first` that an interrupted run logged are
     /// dropped, since the run computes them again, and TensorBoard is told a new session starts.
-    pub fn open(run_dir: &Path, first: u64, total_steps: usize) -> Result<MetricsLogger> {
-        let jsonl = run_dir.join("metrics.jsonl");
-        if first > 0 {
+    /// A run that starts again from step 0 over an earlier attempt that saved no checkpoint
+    /// (`--resume=auto`) drops all of that attempt's records the same way.
+    pub fn open(run_dir: &RunDir, first: u64, total_steps: usize) -> Result<MetricsLogger> {
+        let jsonl = run_dir.metrics();
+        let replaces = first > 0 || jsonl.exists();
+        if replaces {
             forget_steps_after(&jsonl, first)?;
         }
         let metrics = JsonlWriter::append(&jsonl)?;
-        let mut events = EventWriter::create(run_dir)?;
-        if first > 0 {
+        let mut events = EventWriter::create(run_dir.path())?;
+        if replaces {
             events.session_start(first + 1)?;
         }
         Ok(MetricsLogger { files: Some((metrics, events)), bar: None, quiet: false, total_steps })
@@ -109,6 +113,8 @@ fn scalars(m: &StepMetrics) -> Vec<(&'static str, f64)> {
     ];
     v.extend(m.aux_loss.map(|a| ("aux_loss", a)));
     v.extend(m.eval_loss.map(|e| ("eval_loss", e)));
+    v.extend(m.slowest_rank.map(|r| ("slowest_rank", r as f64)));
+    v.extend(m.slowest_step_time_s.map(|s| ("slowest_step_time_s", s)));
     v
 }
 

@@ -44,6 +44,13 @@ pub struct StepMetrics {
     /// host, and waiting for the previous save if it was still writing.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub checkpoint_s: Option<f64>,
+    /// On runs of more than one device: the rank whose step took longest (the straggler the
+    /// others waited for), and its step time. Every rank's time is gathered at each step.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub slowest_rank: Option<usize>,
+    /// That rank's step time.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub slowest_step_time_s: Option<f64>,
 }
 
 impl StepMetrics {
@@ -52,8 +59,12 @@ impl StepMetrics {
         let width = total_steps.to_string().len();
         let aux = self.aux_loss.map(|a| format!(" | aux {a:.4}")).unwrap_or_default();
         let eval = self.eval_loss.map(|e| format!(" | eval loss {e:.4}")).unwrap_or_default();
+        let slowest = match (self.slowest_rank, self.slowest_step_time_s) {
+            (Some(rank), Some(s)) => format!(" | slowest rank {rank} {s:.3} s"),
+            _ => String::new(),
+        };
         format!(
-            "step {:>width$}/{total_steps} | loss {:.4}{aux}{eval} | lr {:.2e} | grad norm {:.3} | {:.3} s | {:.0} tok/s | {:.3} TFLOP/s | MFU {:.1}%",
+            "step {:>width$}/{total_steps} | loss {:.4}{aux}{eval} | lr {:.2e} | grad norm {:.3} | {:.3} s{slowest} | {:.0} tok/s | {:.3} TFLOP/s | MFU {:.1}%",
             self.step,
             self.loss,
             self.lr,

@@ -11,8 +11,10 @@ pub mod checkpointer;
 pub mod devices;
 pub mod logger;
 pub mod metrics;
+pub mod run_dir;
 pub mod schedule;
 pub mod session;
+pub mod signals;
 pub mod tensorboard;
 
 use std::time::Instant;
@@ -356,6 +358,8 @@ impl<B: Backend> Trainer<B> {
             mfu: if peak_tflops > 0.0 { tflops / peak_tflops } else { 0.0 },
             eval_loss: None,
             checkpoint_s: None,
+            slowest_rank: None,
+            slowest_step_time_s: None,
         }
     }
 }

@@ -4,28 +4,31 @@
 //! builds the trainer and calls [`run`].
 
 use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
 
 use anyhow::{Result, bail};
 use serde::Serialize;
 
 use super::checkpointer::Checkpointer;
 use super::logger::MetricsLogger;
+pub use super::run_dir::CHECKPOINTS;
+use super::run_dir::{self, RunDir};
+use super::signals::{StopRequest, Stopped};
 use super::{StepMetrics, Trainer};
 use crate::backend::Backend;
 use crate::backend::traced::{Traced, chrome_trace};
 use crate::checkpoint::{self, Extras};
 use crate::config::Config;
-use crate::fsutil::{DirLock, write_atomic};
-
-/// The subdirectory of a run directory holding its checkpoints.
-pub const CHECKPOINTS: &str = "checkpoints";
+use crate::fsutil::write_atomic;
 
 /// What a run needs besides its trainer.
 pub struct Session {
     /// The recipe's name, for messages.
     pub name: String,
-    /// Where the config, metrics, event files, checkpoints and summary go.
-    pub run_dir: PathBuf,
+    /// Where the config, metrics, event files, checkpoints and summary go. The lead holds its
+    /// lock, for the run's life: a second process training or resuming there is refused instead
+    /// of mixing its files with this run's.
+    pub run_dir: RunDir,
     /// Peak TFLOP/s of the device, for MFU.
     pub peak_tflops: f64,
     /// Where the peak comes from (`train.peak_tflops`, a device table, a measurement).
@@ -38,9 +41,9 @@ pub struct Session {
     /// In a parallel run, rank 0 leads and the other devices only train (and save their
     /// parts of sharded checkpoints).
     pub lead: bool,
-    /// The lead's exclusive hold on the run directory, for the run's life: a second process
-    /// training or resuming there is refused instead of mixing its files with this run's.
-    pub lock: Option<DirLock>,
+    /// Where the run learns that it is asked to stop (SIGTERM, SIGUSR1, SIGINT): it stops after
+    /// the step in progress, which every rank agrees on, with a checkpoint of it.
+    pub stop: StopRequest,
 }
 
 /// What `summary.json` holds at the end of a run; its presence marks the run complete.
@@ -89,15 +92,35 @@ pub struct Summary {
 /// Each step is the trainer's step followed by the parts that own the rest: the profiler (one
 /// step's trace), the evaluation, the checkpoint manager ([`Checkpointer`]) and the metrics
 /// logger ([`MetricsLogger`]).
+///
+/// At every step boundary the devices exchange one number each ([`agree`]): whether a signal
+/// asked this one to stop, whether rank 0's clock says a checkpoint is due
+/// (`train.checkpoint_every_minutes`), and its step time. So every rank stops after the same
+/// step, saves the same steps, and the lead learns the slowest rank. A run stopped on request
+/// saves a checkpoint of the step it stopped after, waits for it, and ends with [`Stopped`].
 pub fn run<B: Backend>(trainer: &mut Trainer<Traced<B>>, s: &Session) -> Result<Option<Summary>> {
     let config = trainer.config.clone();
     let (steps, first) = (config.train.steps, trainer.step);
-    let checkpoints = s.run_dir.join(CHECKPOINTS);
+    let devices = trainer.devices();
+    if devices > 1 {
+        // Every process read the run directory on its own: make sure they found the same start.
+        let firsts = trainer.parallel.gather_from_world(&mut trainer.backend, first);
+        if firsts.iter().any(|&f| f != first) {
+            bail!(
+                "the ranks start after different steps ({firsts:?}, in rank order): they found different checkpoints in {} (a save sealed while they started?); start the job again",
+                s.run_dir.path().display()
+            );
+        }
+    }
+    let checkpoints = s.run_dir.checkpoints();
+    // An earlier attempt that logged steps but saved no checkpoint (--resume=auto starts again).
+    let earlier = (s.lead && first == 0 && s.run_dir.holds_run())
+        .then(|| std::fs::read_to_string(s.run_dir.metrics()).map_or(0, |t| t.lines().count()));
     let mut log = if s.lead { MetricsLogger::open(&s.run_dir, first, steps)? } else { MetricsLogger::quiet() };
     if s.lead {
-        write_atomic(&s.run_dir.join("config.toml"), toml::to_string(&config)?.as_bytes())?;
+        write_atomic(&s.run_dir.join(run_dir::CONFIG), toml::to_string(&config)?.as_bytes())?;
         // What a killed process left of files written atomically (metrics.jsonl, config.toml).
-        crate::fsutil::remove_stale_temporaries(&s.run_dir, ".")?;
+        crate::fsutil::remove_stale_temporaries(s.run_dir.path(), ".")?;
         tidy_checkpoints(&checkpoints, first, &log)?;
         log.say(&format!(
             "training {} ({} parameters) on {}, {} tokens per step, peak {:.3} TFLOP/s ({}); run directory {}",
@@ -107,7 +130,7 @@ pub fn run<B: Backend>(trainer: &mut Trainer<Traced<B>>, s: &Session) -> Result<
             trainer.tokens_per_step(),
             s.peak_tflops,
             s.peak_source,
-            s.run_dir.display()
+            s.run_dir.path().display()
         ));
         let stages = trainer.parallel.stages();
         if stages > 1 {
@@ -127,6 +150,18 @@ pub fn run<B: Backend>(trainer: &mut Trainer<Traced<B>>, s: &Session) -> Result<
         if let Some(from) = &s.resumed_from {
             log.say(&format!("resuming after step {first} from {}", from.display()));
         }
+        if let Some(records) = earlier {
+            log.say(&format!(
+                "starting again from step 0: {} holds an earlier attempt that saved no checkpoint ({records} steps logged, replaced as they are computed again)",
+                s.run_dir.path().display()
+            ));
+        }
+        let t = &config.train;
+        if devices > 1 && t.checkpoint_every == 0 && t.checkpoint_every_minutes == 0.0 {
+            log.say(&format!(
+                "no checkpoints: a lost rank loses the whole run of {devices} devices; set train.checkpoint_every or train.checkpoint_every_minutes (a stop signal still saves one)"
+            ));
+        }
     }
     if first as usize >= steps {
         log.say(&format!(
@@ -136,6 +171,7 @@ pub fn run<B: Backend>(trainer: &mut Trainer<Traced<B>>, s: &Session) -> Result<
     }
 
     let mut saver = Checkpointer::new(&checkpoints, trainer, s.extras.clone(), s.lead);
+    let mut clock = Cadence::new(config.train.checkpoint_every_minutes);
     let mut history: Vec<StepMetrics> = Vec::with_capacity(steps - first as usize);
     log.start_progress(first);
     for step in first as usize + 1..=steps {
@@ -154,16 +190,31 @@ pub fn run<B: Backend>(trainer: &mut Trainer<Traced<B>>, s: &Session) -> Result<
                 m.grad_norm
             );
         }
+        let agreed = agree(trainer, &s.stop, m.step_time_s, clock.due());
+        if let Some((rank, time)) = agreed.slowest {
+            (m.slowest_rank, m.slowest_step_time_s) = (Some(rank), Some(time));
+        }
         let every = |n: usize| n > 0 && (step.is_multiple_of(n) || step == steps);
         if every(config.train.eval_every) {
             m.eval_loss = Some(trainer.eval_loss(config.train.eval_steps).0);
         }
-        let due = saver.due(step as u64, steps as u64);
+        // The last step ends the run anyway: a request to stop there changes nothing.
+        let stop = agreed.stop && step < steps;
+        let due = saver.due(step as u64, steps as u64) || agreed.timed || stop;
+        if due {
+            clock.restart();
+        }
         let (saved, stall) = saver.after_step(trainer, due)?;
         m.checkpoint_s = stall;
         log.step(&m)?;
         saved.iter().for_each(|done| log.saved(done));
         history.push(m);
+        if stop {
+            saver.finish(trainer)?.iter().for_each(|done| log.saved(done));
+            log.finish();
+            let checkpoint = checkpoints.join(checkpoint::dir_name(step as u64));
+            return Err(Stopped { signal: s.stop.requested(), step: step as u64, checkpoint }.into());
+        }
     }
     log.finish();
     saver.finish(trainer)?.iter().for_each(|done| log.saved(done));
@@ -184,7 +235,7 @@ pub fn run<B: Backend>(trainer: &mut Trainer<Traced<B>>, s: &Session) -> Result<
         trainer.tokens_per_step() as f64,
         peak_memory,
     );
-    write_atomic(&s.run_dir.join("summary.json"), serde_json::to_string_pretty(&summary)?.as_bytes())?;
+    write_atomic(&s.run_dir.join(run_dir::SUMMARY), serde_json::to_string_pretty(&summary)?.as_bytes())?;
     log.say(&format!(
         "done: loss {:.4} -> {:.4} in {} steps{}; step time median {:.3} s, p90 {:.3} s (leaving out {} warm-up/profiled steps); {:.0} tokens/s, {:.3} TFLOP/s, MFU {:.1}%; peak memory {:.3} GiB per device",
         summary.first_loss,
@@ -202,6 +253,68 @@ pub fn run<B: Backend>(trainer: &mut Trainer<Traced<B>>, s: &Session) -> Result<
     Ok(Some(summary))
 }
 
+/// `train.checkpoint_every_minutes` on this device's clock (rank 0's decides for the run).
+struct Cadence {
+    period: Option<Duration>,
+    since: Instant,
+}
+
+impl Cadence {
+    fn new(minutes: f64) -> Cadence {
+        Cadence { period: (minutes > 0.0).then(|| Duration::from_secs_f64(minutes * 60.0)), since: Instant::now() }
+    }
+
+    /// Whether the period has passed since the run started or last saved.
+    fn due(&self) -> bool {
+        self.period.is_some_and(|p| self.since.elapsed() >= p)
+    }
+
+    /// A save starts now.
+    fn restart(&mut self) {
+        self.since = Instant::now();
+    }
+}
+
+/// What the devices agreed on at a step boundary.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Agreed {
+    /// Some device was asked to stop.
+    stop: bool,
+    /// Rank 0's clock says a checkpoint is due.
+    timed: bool,
+    /// On more than one device: the slowest rank and its step time.
+    slowest: Option<(usize, f64)>,
+}
+
+/// The step boundary's one exchange: each device's "asked to stop" flag, its clock's "checkpoint
+/// due" flag (rank 0's counts) and its step time, gathered from every device in one collective
+/// (none on one device). Every device calls it once per step.
+fn agree<B: Backend>(trainer: &mut Trainer<B>, stop: &StopRequest, step_time_s: f64, timed: bool) -> Agreed {
+    let stop = stop.requested().is_some();
+    if trainer.devices() == 1 {
+        return Agreed { stop, timed, slowest: None };
+    }
+    let all = trainer.parallel.gather_from_world(&mut trainer.backend, pack(stop, timed, step_time_s));
+    combine(&all)
+}
+
+/// One device's part of the exchange in 48 bits: bit 0 "asked to stop", bit 1 "checkpoint due",
+/// the rest its step time in microseconds (up to about two years).
+fn pack(stop: bool, timed: bool, step_time_s: f64) -> u64 {
+    let micros = ((step_time_s.max(0.0) * 1e6) as u64).min((1 << 46) - 1);
+    (micros << 2) | ((timed as u64) << 1) | stop as u64
+}
+
+/// What every device's parts say together: any device's stop, rank 0's clock, the slowest rank
+/// (the lowest of equals).
+fn combine(all: &[u64]) -> Agreed {
+    let slowest = (all.iter().enumerate())
+        .map(|(rank, v)| (rank, v >> 2))
+        .max_by_key(|&(rank, micros)| (micros, std::cmp::Reverse(rank)))
+        .map(|(rank, micros)| (rank, micros as f64 / 1e6));
+    Agreed { stop: all.iter().any(|v| v & 1 == 1), timed: all.first().is_some_and(|v| v & 2 != 0), slowest }
+}
+
 /// One training step; on the lead, the step `train.profile_step` is traced op by op into
 /// `RUN_DIR/trace-step-N.json` (a Chrome trace).
 fn profiled<B: Backend>(trainer: &mut Trainer<Traced<B>>, s: &Session, step: usize) -> Result<StepMetrics> {
@@ -212,7 +325,7 @@ fn profiled<B: Backend>(trainer: &mut Trainer<Traced<B>>, s: &Session, step: usi
     let m = trainer.train_step(s.peak_tflops);
     if profile {
         let trace = chrome_trace(&trainer.backend.stop(), &format!("{} step {step}", s.name));
-        let path = s.run_dir.join(format!("trace-step-{step}.json"));
+        let path = s.run_dir.trace(step);
         write_atomic(&path, serde_json::to_string(&trace)?.as_bytes())?;
     }
     Ok(m)
@@ -288,5 +401,77 @@ fn summarise(
         peak_tflops,
         peak_memory_bytes: peak_memory.iter().copied().max().unwrap_or(0),
         peak_memory_bytes_per_device: peak_memory,
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use crate::config::recipe::{Override, resolve};
+    use crate::train::devices;
+    use crate::train::signals::StopRequest;
+
+    /// tiny-llama2 made small enough for a step to take milliseconds.
+    pub(crate) fn config(extra: &[&str]) -> Config {
+        let base = [
+            "model.vocab_size=512",
+            "train.seq_len=32",
+            "model.d_model=64",
+            "model.mlp_dim=128",
+            "model.n_heads=4",
+            "model.n_kv_heads=4",
+            "model.head_dim=16",
+            "train.steps=6",
+            "train.profile_step=0",
+        ];
+        resolve("tiny-llama2", &Override::from_list(&[&base[..], extra].concat().join(" "), "test")).unwrap().config
+    }
+
+    fn session(dir: &Path, lead: bool, stop: StopRequest) -> Session {
+        let mut run_dir = RunDir::at(dir);
+        if lead {
+            run_dir.create().unwrap();
+        }
+        let (name, extras) = ("test".to_owned(), Extras::default());
+        Session { name, run_dir, peak_tflops: 0.0, peak_source: String::new(), resumed_from: None, extras, lead, stop }
+    }
+
+    /// Only rank 1 of two FSDP devices is asked to stop: both stop after the first step, with
+    /// one checkpoint of it, whole, and the step's record names the slowest rank.
+    #[test]
+    fn every_rank_stops_after_the_same_step_with_one_checkpoint() {
+        let tmp = tempfile::tempdir().unwrap();
+        let c = config(&["mesh.ici_data=1", "mesh.ici_fsdp=2"]);
+        let stopped = devices::run(&c, 2, |rank, t| {
+            let stop = StopRequest::own();
+            if rank == 1 {
+                stop.request(libc::SIGTERM);
+            }
+            let e = run(t, &session(tmp.path(), rank == 0, stop)).unwrap_err();
+            Ok(e.downcast::<Stopped>().unwrap())
+        })
+        .unwrap();
+        assert_eq!(
+            stopped.iter().map(|s| (s.step, s.signal)).collect::<Vec<_>>(),
+            [(1, None), (1, Some(libc::SIGTERM))]
+        );
+        let ck = checkpoint::Checkpoint::open(&stopped[0].checkpoint).unwrap();
+        assert_eq!((ck.state.step, ck.state.shards), (1, Some(2)));
+        let text = std::fs::read_to_string(tmp.path().join(run_dir::METRICS)).unwrap();
+        let records: Vec<serde_json::Value> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+        assert_eq!(records.len(), 1);
+        assert!(records[0]["slowest_rank"].as_u64().is_some_and(|r| r < 2), "{text}");
+        assert!(!tmp.path().join(run_dir::SUMMARY).exists(), "a stopped run is not complete");
+    }
+
+    /// The exchange: any rank's stop counts, only rank 0's clock does, and the slowest rank is
+    /// the lowest of the slowest.
+    #[test]
+    fn ranks_agree_on_stop_cadence_and_the_slowest() {
+        let all = [pack(false, false, 0.5), pack(true, true, 1.25), pack(false, false, 1.25)];
+        assert_eq!(combine(&all), Agreed { stop: true, timed: false, slowest: Some((1, 1.25)) });
+        let all = [pack(false, true, 0.5), pack(false, false, 0.25)];
+        assert_eq!(combine(&all), Agreed { stop: false, timed: true, slowest: Some((0, 0.5)) });
+        assert!(pack(true, true, 1e12) < 1 << 48, "a step time of years still fits");
     }
 }

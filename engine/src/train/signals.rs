@@ -1,0 +1,169 @@
+//! Stopping a run on request, as schedulers ask: SIGTERM (Kubernetes, Docker, Slurm at the end
+//! of a job's time), SIGUSR1 (Slurm's `--signal=USR1@SECONDS`) and SIGINT (Ctrl-C).
+//!
+//! The first of them asks the run to stop: the session finishes the step in progress, all ranks
+//! agree on that step (each step boundary they exchange their "signal seen" flag), save a sealed
+//! checkpoint of it, wait for it, and the command exits with [`STOPPED_EXIT`]. A second signal
+//! ends the process at once, from the handler, with `128 + signal` (130 for SIGINT, 143 for
+//! SIGTERM, 138 for SIGUSR1), as a process killed by it would report in a shell.
+//!
+//! The handlers are plain `sigaction` handlers that touch two atomics and, for the second signal,
+//! write one line and `_exit`: everything they do is async-signal-safe. `libc` is already a
+//! dependency, and the signal-hook crate would add a dependency for the same dozen lines.
+//! `SA_RESTART` keeps the signal from failing the system calls it interrupts (socket reads of
+//! collectives, file writes of a save).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicI32, AtomicUsize, Ordering};
+
+/// The exit code of a run stopped by a signal at a step boundary with a sealed checkpoint of that
+/// step, which `--resume=auto` continues on the same curve. Next to 75, a job's collective that
+/// failed (restart it: it resumes from its last checkpoint); apart from 2 (an error), 101 (a bug)
+/// and `128 + signal` (a second signal, or a kill: no checkpoint of the step it stopped at).
+pub const STOPPED_EXIT: u8 = 76;
+
+/// The signals that stop a run.
+pub const STOP_SIGNALS: [i32; 3] = [libc::SIGTERM, libc::SIGUSR1, libc::SIGINT];
+
+/// Signals received by this process since the handlers were installed.
+static RECEIVED: AtomicUsize = AtomicUsize::new(0);
+/// The first of them (0: none yet).
+static FIRST: AtomicI32 = AtomicI32::new(0);
+
+/// The usual name of a stop signal.
+pub fn name(signal: i32) -> &'static str {
+    match signal {
+        libc::SIGTERM => "SIGTERM",
+        libc::SIGUSR1 => "SIGUSR1",
+        libc::SIGINT => "SIGINT",
+        _ => "a signal",
+    }
+}
+
+/// Installs the handlers of [`STOP_SIGNALS`] for the rest of the process's life.
+pub fn install() -> anyhow::Result<()> {
+    for signal in STOP_SIGNALS {
+        // SAFETY: a zeroed sigaction is valid; the handler only performs async-signal-safe
+        // operations (atomics, write, _exit).
+        let failed = unsafe {
+            let mut action: libc::sigaction = std::mem::zeroed();
+            action.sa_sigaction = handler as extern "C" fn(libc::c_int) as libc::sighandler_t;
+            action.sa_flags = libc::SA_RESTART;
+            libc::sigemptyset(&mut action.sa_mask);
+            libc::sigaction(signal, &action, std::ptr::null_mut()) != 0
+        };
+        if failed {
+            anyhow::bail!("cannot install the {} handler: {}", name(signal), std::io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
+extern "C" fn handler(signal: libc::c_int) {
+    let n = RECEIVED.fetch_add(1, Ordering::SeqCst) + 1;
+    let line: &[u8] = if n == 1 {
+        let _ = FIRST.compare_exchange(0, signal, Ordering::SeqCst, Ordering::SeqCst);
+        match signal {
+            libc::SIGTERM => {
+                b"engine: SIGTERM: stopping after this step with a checkpoint; a second signal exits at once\n"
+            }
+            libc::SIGUSR1 => {
+                b"engine: SIGUSR1: stopping after this step with a checkpoint; a second signal exits at once\n"
+            }
+            _ => b"engine: SIGINT: stopping after this step with a checkpoint; a second signal exits at once\n",
+        }
+    } else {
+        match signal {
+            libc::SIGTERM => b"engine: second signal (SIGTERM): exiting at once, without a checkpoint of this step\n",
+            libc::SIGUSR1 => b"engine: second signal (SIGUSR1): exiting at once, without a checkpoint of this step\n",
+            _ => b"engine: second signal (SIGINT): exiting at once, without a checkpoint of this step\n",
+        }
+    };
+    // SAFETY: write and _exit are async-signal-safe; the buffer is static.
+    unsafe {
+        libc::write(2, line.as_ptr().cast(), line.len());
+        if n > 1 {
+            libc::_exit(128 + signal);
+        }
+    }
+}
+
+/// Where a run learns that it was asked to stop: the process's signal handlers, or (tests, and
+/// callers that stop a run themselves) a flag of its own.
+#[derive(Debug, Clone, Default)]
+pub struct StopRequest {
+    own: Option<Arc<AtomicI32>>,
+}
+
+impl StopRequest {
+    /// The process's signals ([`install`]); nothing is ever requested if no handler is installed.
+    pub fn signals() -> StopRequest {
+        StopRequest { own: None }
+    }
+
+    /// A request of its own, set with [`StopRequest::request`], apart from the process's signals.
+    pub fn own() -> StopRequest {
+        StopRequest { own: Some(Arc::new(AtomicI32::new(0))) }
+    }
+
+    /// Asks the run to stop, as `signal` would (a request of its own only).
+    pub fn request(&self, signal: i32) {
+        if let Some(own) = &self.own {
+            let _ = own.compare_exchange(0, signal, Ordering::SeqCst, Ordering::SeqCst);
+        }
+    }
+
+    /// The signal that asked the run to stop, if one did.
+    pub fn requested(&self) -> Option<i32> {
+        let signal = match &self.own {
+            Some(own) => own.load(Ordering::SeqCst),
+            None => FIRST.load(Ordering::SeqCst),
+        };
+        (signal != 0).then_some(signal)
+    }
+}
+
+/// The error a run that stopped on request ends with: the command exits with [`STOPPED_EXIT`].
+#[derive(Debug, Clone)]
+pub struct Stopped {
+    /// The signal this process received (none when another rank's signal stopped the job).
+    pub signal: Option<i32>,
+    /// The step the run stopped after; a checkpoint of it is sealed.
+    pub step: u64,
+    /// That checkpoint's directory.
+    pub checkpoint: std::path::PathBuf,
+}
+
+impl std::fmt::Display for Stopped {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let by = match self.signal {
+            Some(s) => name(s).to_owned(),
+            None => "another rank's signal".to_owned(),
+        };
+        write!(
+            f,
+            "stopped by {by} after step {}, with checkpoint {} (exit code {STOPPED_EXIT}); continue with --resume=auto",
+            self.step,
+            self.checkpoint.display()
+        )
+    }
+}
+
+impl std::error::Error for Stopped {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_request_of_its_own_is_apart_from_the_process_signals() {
+        let own = StopRequest::own();
+        assert_eq!(own.requested(), None);
+        own.request(libc::SIGUSR1);
+        own.request(libc::SIGTERM);
+        assert_eq!(own.requested(), Some(libc::SIGUSR1), "the first request counts");
+        assert_eq!(StopRequest::own().requested(), None);
+        let stopped = Stopped { signal: Some(libc::SIGTERM), step: 7, checkpoint: "r/checkpoints/step-000007".into() };
+        assert!(stopped.to_string().starts_with("stopped by SIGTERM after step 7, with checkpoint r/"), "{stopped}");
+    }
+}
