@@ -1,0 +1,697 @@
+//! Collectives between processes over TCP: the CPU's twin of NCCL, so that a job of many
+//! processes (`engine launch --nproc N -- train --device cpu`, Slurm, torchrun) trains without
+//! GPUs, as Gloo's TCP transport does for PyTorch.
+//!
+//! Every two ranks of the job hold one connection (a full mesh, made once after the
+//! rendezvous). A thread per connection reads the peer's messages into mailboxes, one per
+//! (peer, lane), so that a send never waits for the receiver to be ready and two ranks sending
+//! to each other never deadlock. Lanes keep apart what runs concurrently: the step's own
+//! collectives, the started ones (run on a worker thread, as [`Virtual`]'s second lane), and the
+//! pipeline's point-to-point messages; within a lane, messages between two ranks arrive in order.
+//!
+//! **The same sums as [`Virtual`].** Each element of a sum is `0 + x₀ + x₁ + …` in group order,
+//! whoever adds it, so that a job of N processes follows the `--devices N` curve bit for bit:
+//! - reduce-scatter sends each member the part of the buffer it owns, and each adds the parts
+//!   it receives in group order (bytes sent per rank: (n−1)/n of the buffer, as a ring's);
+//! - all-gather sends the input to every member;
+//! - all-reduce is a reduce-scatter over n nearly equal chunks, then an all-gather of the sums.
+//!
+//! A ring would add each chunk in a rotated order; a tree in yet another. Neither gives the
+//! virtual devices' sums, which is why this is not a ring, and why this is hand-written rather
+//! than MPI (whose reductions choose their own order, and which a GPU image would have to carry).
+//!
+//! **The watchdog.** Every receive waits at most `ENGINE_COLLECTIVE_TIMEOUT` seconds (socket
+//! deadlines bound every send too). A peer that closes its connection (it died, or gave up)
+//! is seen at once. Either way the rank prints one line naming the collective, the axis, the
+//! step and the ranks that did not answer, tells its peers why it stops (so that they name the
+//! first cause, not the rank that gave up after it), and exits with [`COLLECTIVE_FAILED`]: the
+//! [`Collectives`] calls return nothing, and a job that lost a rank cannot go on anyway.
+//!
+//! [`Virtual`]: super::comm::Virtual
+
+use std::collections::{HashMap, VecDeque};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{Receiver, Sender, channel};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+
+use super::comm::Collectives;
+use super::rendezvous::{self, Job};
+use crate::backend::{Backend, View};
+
+/// The exit code of a rank whose collective failed (a peer left, or did not answer in time):
+/// 75, `EX_TEMPFAIL`: the job can be restarted and resume from its last checkpoint.
+pub const COLLECTIVE_FAILED: i32 = 75;
+
+/// How long a collective waits for its peers when `ENGINE_COLLECTIVE_TIMEOUT` is not set:
+/// PyTorch's default for NCCL, long enough for a slow checkpoint or evaluation on one rank.
+pub const DEFAULT_TIMEOUT_S: f64 = 600.0;
+
+/// `ENGINE_COLLECTIVE_TIMEOUT`, in seconds, or the default.
+pub fn collective_timeout() -> Result<Duration> {
+    let seconds = match std::env::var("ENGINE_COLLECTIVE_TIMEOUT") {
+        Ok(v) => v
+            .trim()
+            .parse::<f64>()
+            .ok()
+            .filter(|s| *s > 0.0 && s.is_finite())
+            .with_context(|| format!("ENGINE_COLLECTIVE_TIMEOUT = `{v}` is not a positive number of seconds"))?,
+        Err(_) => DEFAULT_TIMEOUT_S,
+    };
+    Ok(Duration::from_secs_f64(seconds))
+}
+
+/// Which stream of messages between two ranks a message belongs to.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+#[repr(u8)]
+enum Lane {
+    /// The collectives the step waits for.
+    Step = 0,
+    /// Collectives started and waited for later (the worker thread's).
+    Started = 1,
+    /// Pipeline activations and gradients.
+    PointToPoint = 2,
+}
+
+/// A frame's kind byte for "this rank stops; the text says why".
+const ABORT: u8 = 255;
+
+/// First line of each mesh connection: protocol, job token, the connecting rank.
+const HELLO: &str = "ENGINE-TCP 1";
+
+/// One rank's collectives over TCP.
+pub struct Tcp {
+    net: Arc<Net>,
+    staging: Vec<f32>,
+    /// The started operations' worker and where their results come back, once started.
+    worker: Option<(Sender<Started>, Receiver<(View, Vec<f32>)>)>,
+    pending: usize,
+}
+
+/// A started operation: all-reduce (`true`) or all-gather, its input, its output buffer, group.
+type Started = (bool, Vec<f32>, View, Vec<usize>);
+
+/// The connections of one rank, shared by the step's thread, the worker and the readers.
+struct Net {
+    rank: usize,
+    /// One writer per peer (none for this rank).
+    writers: Vec<Option<Mutex<TcpStream>>>,
+    inbox: Mutex<Inbox>,
+    arrived: Condvar,
+    timeout: Duration,
+    /// The optimizer step in progress, for messages.
+    step: AtomicU64,
+    /// Names of the mesh's groups (axes), for messages.
+    names: Mutex<Vec<(Vec<usize>, String)>>,
+}
+
+#[derive(Default)]
+struct Inbox {
+    queues: HashMap<(usize, Lane), VecDeque<Vec<f32>>>,
+    /// Peers whose connection closed, and how.
+    gone: HashMap<usize, String>,
+    /// A peer's word that it stopped, and why.
+    aborted: Option<String>,
+}
+
+impl Tcp {
+    /// Joins the job: meets every rank through the rendezvous (each brings the address of a
+    /// listener on the interface it reaches rank 0 through), then connects to every other rank
+    /// (each rank dials the lower ranks and accepts the higher ones).
+    pub fn connect(job: &Job, rendezvous_timeout: Duration, timeout: Duration) -> Result<Tcp> {
+        let mut listener = None;
+        let meeting = rendezvous::meet(
+            job,
+            rendezvous_timeout,
+            |ip: IpAddr| {
+                let l = TcpListener::bind(SocketAddr::new(ip, 0))
+                    .with_context(|| format!("rank {} cannot listen on {ip} for its peers", job.rank))?;
+                let addr = l.local_addr()?;
+                listener = Some(l);
+                Ok(addr.to_string())
+            },
+            Vec::new,
+        )?;
+        let listener = listener.expect("the rendezvous asked for the address");
+        let deadline = Instant::now() + rendezvous_timeout;
+        let mut streams: Vec<Option<TcpStream>> = (0..job.world).map(|_| None).collect();
+        for (peer, addr) in meeting.brought.iter().enumerate().take(job.rank) {
+            let stream = dial(addr, deadline).with_context(|| format!("rank {} cannot reach rank {peer}", job.rank))?;
+            (&stream).write_all(format!("{HELLO} {} {}\n", job.token, job.rank).as_bytes())?;
+            streams[peer] = Some(stream);
+        }
+        accept_higher(job, &listener, deadline, &mut streams)?;
+        let mut writers = Vec::with_capacity(job.world);
+        let mut readers = Vec::with_capacity(job.world);
+        for (peer, stream) in streams.into_iter().enumerate() {
+            let Some(stream) = stream else {
+                writers.push(None);
+                continue;
+            };
+            stream.set_nodelay(true)?;
+            stream.set_write_timeout(Some(timeout))?;
+            readers.push((peer, stream.try_clone()?));
+            writers.push(Some(Mutex::new(stream)));
+        }
+        let net = Arc::new(Net {
+            rank: job.rank,
+            writers,
+            inbox: Mutex::new(Inbox::default()),
+            arrived: Condvar::new(),
+            timeout,
+            step: AtomicU64::new(0),
+            names: Mutex::new(Vec::new()),
+        });
+        for (peer, reader) in readers {
+            let net = net.clone();
+            std::thread::Builder::new()
+                .name(format!("tcp-from-{peer}"))
+                .spawn(move || read_from(&net, peer, reader))
+                .context("starting a reader thread")?;
+        }
+        Ok(Tcp { net, staging: Vec::new(), worker: None, pending: 0 })
+    }
+}
+
+/// Connects to `addr`, retrying until `deadline` (the peer may still be starting its listener).
+fn dial(addr: &str, deadline: Instant) -> Result<TcpStream> {
+    let to: SocketAddr = addr.parse().with_context(|| format!("`{addr}` is not a socket address"))?;
+    loop {
+        match TcpStream::connect_timeout(&to, Duration::from_secs(2)) {
+            Ok(s) => return Ok(s),
+            Err(e) if Instant::now() >= deadline => return Err(e).with_context(|| format!("connecting to {addr}")),
+            Err(_) => std::thread::sleep(Duration::from_millis(50)),
+        }
+    }
+}
+
+/// Accepts one connection from every rank above this one; strangers and other jobs' ranks are
+/// named and dropped.
+fn accept_higher(
+    job: &Job,
+    listener: &TcpListener,
+    deadline: Instant,
+    streams: &mut [Option<TcpStream>],
+) -> Result<()> {
+    listener.set_nonblocking(true)?;
+    let mut missing: Vec<usize> = (job.rank + 1..job.world).collect();
+    while !missing.is_empty() {
+        match listener.accept() {
+            Ok((stream, from)) => {
+                stream.set_nonblocking(false)?;
+                stream.set_read_timeout(Some(Duration::from_secs(10)))?;
+                let mut line = String::new();
+                let _ = BufReader::new((&stream).take(256)).read_line(&mut line);
+                let rank = line
+                    .trim()
+                    .strip_prefix(HELLO)
+                    .and_then(|rest| rest.trim().split_once(' '))
+                    .filter(|(token, _)| *token == job.token)
+                    .and_then(|(_, rank)| rank.parse::<usize>().ok())
+                    .filter(|r| missing.contains(r));
+                match rank {
+                    Some(rank) => {
+                        stream.set_read_timeout(None)?;
+                        missing.retain(|&r| r != rank);
+                        streams[rank] = Some(stream);
+                    }
+                    None => eprintln!("rank {}: ignored a connection from {from}: not a rank of this job", job.rank),
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                if Instant::now() >= deadline {
+                    let names: Vec<String> = missing.iter().map(usize::to_string).collect();
+                    bail!("rank {}: rank(s) {} never connected to it after the rendezvous", job.rank, names.join(", "));
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            Err(e) => return Err(e).context("accepting a peer's connection"),
+        }
+    }
+    Ok(())
+}
+
+/// A reader thread: moves `peer`'s frames into the inbox until the connection closes.
+fn read_from(net: &Net, peer: usize, stream: TcpStream) {
+    let mut stream = std::io::BufReader::with_capacity(1 << 16, stream);
+    let why = loop {
+        let mut head = [0u8; 9];
+        if let Err(e) = stream.read_exact(&mut head) {
+            break match e.kind() {
+                std::io::ErrorKind::UnexpectedEof => "it closed its connection (the process ended)".to_owned(),
+                _ => format!("its connection failed: {e}"),
+            };
+        }
+        let len = u64::from_le_bytes(head[1..].try_into().expect("8 bytes")) as usize;
+        if head[0] == ABORT {
+            let mut text = vec![0u8; len.min(4096)];
+            let _ = stream.read_exact(&mut text);
+            let mut inbox = net.inbox.lock().expect("inbox");
+            inbox.aborted.get_or_insert(String::from_utf8_lossy(&text).into_owned());
+            net.arrived.notify_all();
+            continue;
+        }
+        let lane = match head[0] {
+            0 => Lane::Step,
+            1 => Lane::Started,
+            2 => Lane::PointToPoint,
+            k => break format!("it sent a frame of unknown kind {k}"),
+        };
+        let mut data = vec![0f32; len];
+        if let Err(e) = stream.read_exact(bytemuck::cast_slice_mut(&mut data)) {
+            break format!("its connection failed in the middle of a message: {e}");
+        }
+        let mut inbox = net.inbox.lock().expect("inbox");
+        inbox.queues.entry((peer, lane)).or_default().push_back(data);
+        net.arrived.notify_all();
+    };
+    net.inbox.lock().expect("inbox").gone.insert(peer, why);
+    net.arrived.notify_all();
+}
+
+/// What a collective is, for the watchdog's message.
+struct Call<'a> {
+    op: &'static str,
+    group: &'a [usize],
+}
+
+impl Net {
+    fn describe(&self, call: &Call) -> String {
+        let names = self.names.lock().expect("names");
+        let axis = match names.iter().find(|(g, _)| g == call.group) {
+            Some((_, name)) => format!("the {name} axis (ranks {:?})", call.group),
+            None => format!("ranks {:?}", call.group),
+        };
+        let step = self.step.load(Ordering::Relaxed);
+        let at = if step == 0 { "before the first step".to_owned() } else { format!("at step {step}") };
+        format!("rank {}: {} over {axis} {at}", self.rank, call.op)
+    }
+
+    /// Stops this process: one line naming the collective and the cause, the peers told why.
+    fn fail(&self, call: &Call, cause: &str) -> ! {
+        let line = format!("{}: {cause}", self.describe(call));
+        eprintln!("error: {line}");
+        let text = line.as_bytes();
+        for writer in self.writers.iter().flatten() {
+            // A writer held by a stuck send is skipped: that peer is the one not answering.
+            if let Ok(mut w) = writer.try_lock() {
+                let _ = w.set_write_timeout(Some(Duration::from_secs(1)));
+                let mut frame = vec![ABORT];
+                frame.extend_from_slice(&(text.len() as u64).to_le_bytes());
+                frame.extend_from_slice(text);
+                let _ = w.write_all(&frame);
+            }
+        }
+        std::process::exit(COLLECTIVE_FAILED);
+    }
+
+    fn send(&self, call: &Call, to: usize, lane: Lane, data: &[f32]) {
+        let Some(writer) = &self.writers[to] else { panic!("internal error: rank {to} sends to itself over TCP") };
+        let mut w = writer.lock().expect("writer");
+        let mut head = [lane as u8; 9];
+        head[1..].copy_from_slice(&(data.len() as u64).to_le_bytes());
+        let sent = w.write_all(&head).and_then(|()| w.write_all(bytemuck::cast_slice(data)));
+        drop(w);
+        if let Err(e) = sent {
+            let gone = self.inbox.lock().expect("inbox").gone.get(&to).cloned();
+            let cause = match (gone, e.kind()) {
+                (Some(why), _) => format!("rank {to} left the job: {why}"),
+                (None, std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => format!(
+                    "rank {to} took no data for {:.0} s (ENGINE_COLLECTIVE_TIMEOUT): is it stopped or stuck?",
+                    self.timeout.as_secs_f64()
+                ),
+                (None, _) => format!("sending to rank {to} failed: {e}"),
+            };
+            self.fail(call, &cause);
+        }
+    }
+
+    /// One message from each of `from` on `lane`, in the order of `from`.
+    fn recv_all(&self, call: &Call, from: &[usize], lane: Lane) -> Vec<Vec<f32>> {
+        let deadline = Instant::now() + self.timeout;
+        let mut inbox = self.inbox.lock().expect("inbox");
+        loop {
+            let waiting: Vec<usize> =
+                from.iter().copied().filter(|&p| inbox.queues.get(&(p, lane)).is_none_or(VecDeque::is_empty)).collect();
+            if waiting.is_empty() {
+                return from
+                    .iter()
+                    .map(|&p| inbox.queues.get_mut(&(p, lane)).and_then(VecDeque::pop_front).expect("a message"))
+                    .collect();
+            }
+            if let Some(why) = &inbox.aborted {
+                let cause = format!("a peer stopped the job: {why}");
+                drop(inbox);
+                self.fail(call, &cause);
+            }
+            if let Some((peer, why)) = waiting.iter().find_map(|p| inbox.gone.get(p).map(|w| (p, w.clone()))) {
+                drop(inbox);
+                self.fail(call, &format!("rank {peer} left the job: {why}"));
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                drop(inbox);
+                let names: Vec<String> = waiting.iter().map(usize::to_string).collect();
+                self.fail(
+                    call,
+                    &format!(
+                        "rank(s) {} did not answer within {:.0} s (ENGINE_COLLECTIVE_TIMEOUT): stopped, stuck, or far behind",
+                        names.join(", "),
+                        self.timeout.as_secs_f64()
+                    ),
+                );
+            }
+            inbox = self.arrived.wait_timeout(inbox, deadline - now).expect("inbox").0;
+        }
+    }
+
+    /// The members of `group` other than this rank, in group order, and this rank's position.
+    fn others(&self, group: &[usize]) -> (Vec<usize>, usize) {
+        let me = group.iter().position(|&r| r == self.rank).unwrap_or_else(|| {
+            panic!("internal error: rank {} is not in group {group:?}", self.rank);
+        });
+        (group.iter().copied().filter(|&r| r != self.rank).collect(), me)
+    }
+
+    /// `Σ_group data[part i]` for this rank's part `i` (`parts` bounds), in group order.
+    fn reduce_scatter(&self, call: &Call, lane: Lane, data: &[f32], parts: &[std::ops::Range<usize>]) -> Vec<f32> {
+        let (others, me) = self.others(call.group);
+        for (i, &peer) in call.group.iter().enumerate() {
+            if peer != self.rank {
+                self.send(call, peer, lane, &data[parts[i].clone()]);
+            }
+        }
+        let mut received = self.recv_all(call, &others, lane).into_iter();
+        let mine = &parts[me];
+        let mut sum = vec![0f32; mine.len()];
+        for &member in call.group {
+            let part = if member == self.rank { data[mine.clone()].to_vec() } else { received.next().expect("a part") };
+            check_len(call, member, part.len(), sum.len());
+            sum.iter_mut().zip(&part).for_each(|(s, x)| *s += x);
+        }
+        sum
+    }
+
+    /// Every member's `data`, concatenated in group order.
+    fn all_gather(&self, call: &Call, lane: Lane, data: &[f32]) -> Vec<f32> {
+        let (others, _) = self.others(call.group);
+        for &peer in &others {
+            self.send(call, peer, lane, data);
+        }
+        let mut received = self.recv_all(call, &others, lane).into_iter();
+        let mut all = Vec::with_capacity(data.len() * call.group.len());
+        for &member in call.group {
+            if member == self.rank {
+                all.extend_from_slice(data);
+            } else {
+                all.extend(received.next().expect("a part"));
+            }
+        }
+        all
+    }
+
+    /// `Σ_group data`, each element added in group order: a reduce-scatter over nearly equal
+    /// chunks, then an all-gather of the chunks' sums.
+    fn all_reduce(&self, call: &Call, lane: Lane, data: &[f32]) -> Vec<f32> {
+        let n = call.group.len();
+        let chunks: Vec<std::ops::Range<usize>> =
+            (0..n).map(|i| data.len() * i / n..data.len() * (i + 1) / n).collect();
+        let mine = self.reduce_scatter(call, lane, data, &chunks);
+        let (others, _) = self.others(call.group);
+        for &peer in &others {
+            self.send(call, peer, lane, &mine);
+        }
+        let mut received = self.recv_all(call, &others, lane).into_iter();
+        let mut all = Vec::with_capacity(data.len());
+        for (i, &member) in call.group.iter().enumerate() {
+            let chunk = if member == self.rank { mine.clone() } else { received.next().expect("a chunk") };
+            check_len(call, member, chunk.len(), chunks[i].len());
+            all.extend(chunk);
+        }
+        all
+    }
+}
+
+fn check_len(call: &Call, member: usize, got: usize, want: usize) {
+    assert_eq!(
+        got, want,
+        "internal error: in {} over {:?}, rank {member} sent {got} elements, not {want}",
+        call.op, call.group
+    );
+}
+
+impl Tcp {
+    /// Hands a started operation to the worker thread (created on first use), which runs it on
+    /// its own lane.
+    fn start<B: Backend>(&mut self, be: &mut B, sum: bool, input: View, output: View, group: &[usize]) {
+        let mut data = vec![0f32; input.len];
+        be.download(input, &mut data);
+        let net = &self.net;
+        let (jobs, _) = self.worker.get_or_insert_with(|| {
+            let (jobs, inbox) = channel::<Started>();
+            let (outbox, results) = channel();
+            let net = net.clone();
+            std::thread::spawn(move || {
+                for (sum, data, view, group) in inbox {
+                    let call =
+                        Call { op: if sum { "all-reduce (started)" } else { "all-gather (started)" }, group: &group };
+                    let out = if sum {
+                        net.all_reduce(&call, Lane::Started, &data)
+                    } else {
+                        net.all_gather(&call, Lane::Started, &data)
+                    };
+                    if outbox.send((view, out)).is_err() {
+                        break;
+                    }
+                }
+            });
+            (jobs, results)
+        });
+        jobs.send((sum, data, output, group.to_vec())).expect("the collectives worker is running");
+        self.pending += 1;
+    }
+
+    fn download<B: Backend>(&mut self, be: &mut B, buf: View) -> Vec<f32> {
+        let mut data = std::mem::take(&mut self.staging);
+        data.resize(buf.len, 0.0);
+        be.download(buf, &mut data);
+        data
+    }
+}
+
+impl<B: Backend> Collectives<B> for Tcp {
+    fn rank(&self) -> usize {
+        self.net.rank
+    }
+
+    fn set_step(&mut self, step: u64) {
+        self.net.step.store(step, Ordering::Relaxed);
+    }
+
+    fn name_groups(&mut self, names: Vec<(Vec<usize>, String)>) {
+        *self.net.names.lock().expect("names") = names;
+    }
+
+    fn all_reduce_sum(&mut self, be: &mut B, buf: View, group: &[usize]) {
+        let data = self.download(be, buf);
+        let sum = self.net.all_reduce(&Call { op: "all-reduce", group }, Lane::Step, &data);
+        be.upload(buf, &sum);
+        self.staging = data;
+    }
+
+    fn reduce_scatter_sum(&mut self, be: &mut B, input: View, output: View, group: &[usize]) {
+        assert_eq!(input.len, output.len * group.len(), "reduce-scatter sizes");
+        let data = self.download(be, input);
+        let parts: Vec<_> = (0..group.len()).map(|i| i * output.len..(i + 1) * output.len).collect();
+        let mine = self.net.reduce_scatter(&Call { op: "reduce-scatter", group }, Lane::Step, &data, &parts);
+        be.upload(output, &mine);
+        self.staging = data;
+    }
+
+    fn all_gather(&mut self, be: &mut B, input: View, output: View, group: &[usize]) {
+        assert_eq!(output.len, input.len * group.len(), "all-gather sizes");
+        let data = self.download(be, input);
+        let all = self.net.all_gather(&Call { op: "all-gather", group }, Lane::Step, &data);
+        be.upload(output, &all);
+        self.staging = data;
+    }
+
+    fn all_reduce_sum_start(&mut self, be: &mut B, buf: View, group: &[usize]) {
+        self.start(be, true, buf, buf, group);
+    }
+
+    fn all_gather_start(&mut self, be: &mut B, input: View, output: View, group: &[usize]) {
+        assert_eq!(output.len, input.len * group.len(), "all-gather sizes");
+        self.start(be, false, input, output, group);
+    }
+
+    fn wait(&mut self, be: &mut B) {
+        let Some((_, results)) = &self.worker else { return };
+        for _ in 0..std::mem::take(&mut self.pending) {
+            let (view, out) = results.recv().expect("the collectives worker is running");
+            be.upload(view, &out);
+        }
+    }
+
+    fn send_recv(&mut self, be: &mut B, sends: &[(View, usize)], recvs: &[(View, usize)]) {
+        let mut data = Vec::new();
+        for &(buf, to) in sends {
+            data.resize(buf.len, 0.0);
+            be.download(buf, &mut data);
+            self.net.send(&Call { op: "pipeline send", group: &[self.net.rank, to] }, to, Lane::PointToPoint, &data);
+        }
+        for &(buf, from) in recvs {
+            let call = Call { op: "pipeline receive", group: &[from, self.net.rank] };
+            let got = self.net.recv_all(&call, &[from], Lane::PointToPoint).swap_remove(0);
+            assert_eq!(
+                got.len(),
+                buf.len,
+                "rank {from} sent {} elements, rank {} expects {}",
+                got.len(),
+                self.net.rank,
+                buf.len
+            );
+            be.upload(buf, &got);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::{BufKind, cpu::Cpu};
+    use crate::parallel::comm::Virtual;
+
+    /// `n` ranks of one job, each on a thread, joined over loopback TCP.
+    fn ranks(n: usize) -> Vec<Tcp> {
+        let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let handles: Vec<_> = (0..n)
+            .map(|rank| {
+                let job = Job {
+                    rank,
+                    world: n,
+                    local_rank: rank,
+                    local_world: n,
+                    coordinator: format!("127.0.0.1:{port}"),
+                    convention: "test",
+                    token: "t".into(),
+                };
+                std::thread::spawn(move || {
+                    Tcp::connect(&job, Duration::from_secs(30), Duration::from_secs(30)).unwrap()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    }
+
+    /// What every collective gives on rank `rank` of `comm`, over data that makes order matter
+    /// (values of very different magnitudes, lengths that do not divide evenly).
+    fn exercise(rank: usize, comm: &mut dyn Collectives<Cpu>, be: &mut Cpu) -> Vec<Vec<f32>> {
+        let world: Vec<usize> = (0..4).collect();
+        let pairs = if rank % 2 == 0 { vec![0, 2] } else { vec![1, 3] };
+        let value = |i: usize| ((rank * 7919 + i * 104_729) % 1000) as f32 * 10f32.powi((i % 9) as i32 - 4);
+        let mut out = Vec::new();
+        let read = |be: &mut Cpu, v: View| {
+            let mut host = vec![0f32; v.len];
+            be.download(v, &mut host);
+            host
+        };
+        for len in [1, 3, 13, 1000] {
+            let buf = be.alloc(BufKind::Grads, len);
+            be.upload(buf, &(0..len).map(value).collect::<Vec<_>>());
+            comm.all_reduce_sum(be, buf, &world);
+            out.push(read(be, buf));
+            comm.all_reduce_sum(be, buf, &pairs);
+            out.push(read(be, buf));
+        }
+        let (input, shard) = (be.alloc(BufKind::Grads, 12), be.alloc(BufKind::Grads, 3));
+        be.upload(input, &(0..12).map(value).collect::<Vec<_>>());
+        comm.reduce_scatter_sum(be, input, shard, &world);
+        out.push(read(be, shard));
+        let gathered = be.alloc(BufKind::Params, 12);
+        comm.all_gather(be, shard, gathered, &world);
+        out.push(read(be, gathered));
+        // Started operations, with a synchronous one between.
+        let (x, y, g) = (be.alloc(BufKind::Grads, 5), be.alloc(BufKind::Grads, 3), be.alloc(BufKind::Params, 6));
+        be.upload(x, &(0..5).map(value).collect::<Vec<_>>());
+        be.upload(y, &[rank as f32, 1.5, 1e-3]);
+        comm.all_reduce_sum_start(be, x, &world);
+        comm.all_gather_start(be, y, g, &pairs);
+        comm.all_reduce_sum(be, gathered, &pairs);
+        comm.wait(be);
+        out.extend([read(be, x), read(be, g), read(be, gathered)]);
+        // A ring of sends and receives, twice.
+        let (send, recv) = (be.alloc(BufKind::Activations, 2), be.alloc(BufKind::Activations, 2));
+        for round in 0..2 {
+            be.upload(send, &[rank as f32, round as f32]);
+            comm.send_recv(be, &[(send, (rank + 1) % 4)], &[(recv, (rank + 3) % 4)]);
+            out.push(read(be, recv));
+        }
+        out
+    }
+
+    #[test]
+    fn every_collective_gives_the_virtual_devices_bits() {
+        let tcp: Vec<_> = ranks(4)
+            .into_iter()
+            .enumerate()
+            .map(|(rank, mut comm)| std::thread::spawn(move || exercise(rank, &mut comm, &mut Cpu::new())))
+            .collect();
+        let virt: Vec<_> = Virtual::devices(4)
+            .into_iter()
+            .enumerate()
+            .map(|(rank, mut comm)| std::thread::spawn(move || exercise(rank, &mut comm, &mut Cpu::new())))
+            .collect();
+        let bits =
+            |v: Vec<Vec<f32>>| -> Vec<Vec<u32>> { v.iter().map(|x| x.iter().map(|f| f.to_bits()).collect()).collect() };
+        for (rank, (t, v)) in tcp.into_iter().zip(virt).enumerate() {
+            let (t, v) = (t.join().unwrap(), v.join().unwrap());
+            assert_eq!(t[t.len() - 1], vec![((rank + 3) % 4) as f32, 1.0], "messages arrive in order");
+            assert_eq!(bits(t), bits(v), "rank {rank}: TCP and virtual devices differ");
+        }
+    }
+
+    #[test]
+    fn strangers_and_other_jobs_are_turned_away() {
+        let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let job = |rank: usize, token: &str| Job {
+            rank,
+            world: 2,
+            local_rank: rank,
+            local_world: 2,
+            coordinator: format!("127.0.0.1:{port}"),
+            convention: "test",
+            token: token.into(),
+        };
+        let (zero, one) = (job(0, "mine"), job(1, "mine"));
+        let coordinator =
+            std::thread::spawn(move || Tcp::connect(&zero, Duration::from_secs(20), Duration::from_secs(5)));
+        // A silent stranger, a talkative one, and a rank of another job come first.
+        std::thread::sleep(Duration::from_millis(300));
+        let _silent = TcpStream::connect(("127.0.0.1", port)).unwrap();
+        (&TcpStream::connect(("127.0.0.1", port)).unwrap()).write_all(b"GET / HTTP/1.0\r\n\r\n").unwrap();
+        let other = job(1, "theirs");
+        let refused = rendezvous::meet(&other, Duration::from_secs(5), |_| Ok("-".into()), Vec::new).err().unwrap();
+        assert!(refused.to_string().contains("another job"), "{refused}");
+        let mut rank1 = Tcp::connect(&one, Duration::from_secs(20), Duration::from_secs(5)).unwrap();
+        let mut rank0 = coordinator.join().unwrap().unwrap();
+        let t = std::thread::spawn(move || {
+            let mut be = Cpu::new();
+            let buf = be.alloc(BufKind::Grads, 1);
+            be.upload(buf, &[1.0]);
+            Collectives::<Cpu>::all_reduce_sum(&mut rank1, &mut be, buf, &[0, 1]);
+            let mut v = [0f32];
+            be.download(buf, &mut v);
+            v[0]
+        });
+        let mut be = Cpu::new();
+        let buf = be.alloc(BufKind::Grads, 1);
+        be.upload(buf, &[2.0]);
+        Collectives::<Cpu>::all_reduce_sum(&mut rank0, &mut be, buf, &[0, 1]);
+        assert_eq!(t.join().unwrap(), 3.0);
+    }
+}

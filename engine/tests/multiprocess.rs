@@ -1,0 +1,157 @@
+//! Training across processes on the CPU (the TCP collectives): `engine launch --nproc N` and two
+//! nodes' launchers follow the virtual devices' curves bit for bit, and a checkpoint written by
+//! four processes resumes on two.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+
+use common::{metrics, s, scratch};
+
+/// The tiny recipe made cheaper, as the virtual devices' tests make it.
+const SHRINK: [&str; 3] = ["model.vocab_size=512", "train.seq_len=32", "optim.warmup_steps=2"];
+
+/// `engine ARGS` with the launcher variables of the test process removed and `env` set.
+fn engine(args: &[&str], env: &[(&str, &str)]) -> Command {
+    let mut cmd = common::engine_cmd(args);
+    for var in ["RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID"] {
+        cmd.env_remove(var);
+    }
+    cmd.env_remove("JAX_COORDINATOR_ADDRESS").env_remove("ENGINE_JOB_TOKEN").envs(env.iter().copied());
+    cmd
+}
+
+/// `train --device cpu` of tiny-llama2 into `run_dir` with `sets` (and the shrinking ones),
+/// after `prefix` (`launch --nproc N --`, or nothing).
+fn train_args<'a>(prefix: &[&'a str], run_dir: &'a Path, steps: &'a str, sets: &[&'a str]) -> Vec<String> {
+    let mut args: Vec<String> = prefix.iter().map(|a| a.to_string()).collect();
+    args.extend(
+        ["train", "--device", "cpu", "--recipe", "tiny-llama2", "--steps", steps, "--run-dir", s(run_dir)]
+            .map(String::from),
+    );
+    for set in SHRINK.iter().chain(sets) {
+        args.extend(["--set".to_string(), set.to_string()]);
+    }
+    args
+}
+
+fn run(cmd: &mut Command) -> Output {
+    let out = cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).output().expect("engine runs");
+    assert!(out.status.success(), "{cmd:?} failed: {}", String::from_utf8_lossy(&out.stderr));
+    out
+}
+
+fn losses(run_dir: &Path) -> Vec<f64> {
+    metrics(run_dir).iter().filter_map(|m| m["loss"].as_f64()).collect()
+}
+
+/// Losses of `steps` steps on `n` processes of one node and on `n` virtual devices, same mesh,
+/// run in `DIR/processes` and `DIR/virtual` of the scratch directory `DIR` returned.
+fn processes_and_virtual(name: &str, n: usize, steps: &str, sets: &[&str]) -> (PathBuf, Vec<f64>, Vec<f64>) {
+    let dir = scratch(name);
+    let (procs, virt) = (dir.join("processes"), dir.join("virtual"));
+    let nproc = n.to_string();
+    let args = train_args(&["launch", "--nproc", &nproc, "--"], &procs, steps, sets);
+    run(&mut engine(&args.iter().map(String::as_str).collect::<Vec<_>>(), &[]));
+    let mut args = train_args(&[], &virt, steps, sets);
+    args.extend(["--devices".into(), nproc]);
+    run(&mut engine(&args.iter().map(String::as_str).collect::<Vec<_>>(), &[]));
+    (dir, losses(&procs), losses(&virt))
+}
+
+#[test]
+fn four_processes_fsdp_x_data_follow_four_virtual_devices_and_resume_on_two() {
+    let mesh = ["mesh.ici_data=2", "mesh.ici_fsdp=2", "train.checkpoint_every=3"];
+    let (dir, procs, virt) = processes_and_virtual("mp-fsdp", 4, "6", &mesh);
+    assert_eq!(procs.len(), 6);
+    assert_eq!(procs, virt, "4 processes (data 2 x fsdp 2) and 4 virtual devices, bit for bit");
+
+    // The checkpoint of step 3, written by four processes, resumes on two (FSDP 2, the same
+    // global batch) and ends on the four processes' curve.
+    let four = dir.join("processes");
+    let two = dir.join("two");
+    std::fs::create_dir_all(two.join("checkpoints")).unwrap();
+    let from = four.join("checkpoints/step-000003");
+    assert!(from.join("state.json").is_file(), "the four processes sealed step 3");
+    copy_dir(&from, &two.join("checkpoints/step-000003"));
+    let args = train_args(
+        &["launch", "--nproc", "2", "--"],
+        &two,
+        "6",
+        &["mesh.ici_data=1", "mesh.ici_fsdp=2", "train.batch_size=2", "train.checkpoint_every=3"],
+    );
+    let mut args: Vec<&str> = args.iter().map(String::as_str).collect();
+    args.push("--resume");
+    run(&mut engine(&args, &[]));
+    let resumed = losses(&two);
+    assert_eq!(resumed.len(), 3, "steps 4 to 6");
+    for (step, (a, b)) in procs[3..].iter().zip(&resumed).enumerate() {
+        assert!((a - b).abs() <= 1e-5 * a.abs(), "step {}: {b} on two processes, {a} on four", step + 4);
+    }
+}
+
+#[test]
+fn pipeline_x_data_and_tensor_across_processes_follow_virtual_devices() {
+    let pipeline = [
+        "model.n_layers=2",
+        "mesh.ici_data=2",
+        "mesh.ici_pipeline=2",
+        "train.batch_size=2",
+        "train.pipeline_microbatches=2",
+    ];
+    let (_, procs, virt) = processes_and_virtual("mp-pipe", 4, "3", &pipeline);
+    assert_eq!((procs.len(), &procs), (3, &virt), "pipeline 2 x data 2");
+    let (_, procs, virt) = processes_and_virtual("mp-tensor", 2, "3", &["mesh.ici_tensor=2"]);
+    assert_eq!((procs.len(), &procs), (3, &virt), "tensor 2");
+}
+
+/// Two nodes of two processes each, under the MaxText/Vertex convention (one launcher per
+/// node): FSDP within a node, data parallelism across them (HSDP), against one device with
+/// the same global batch.
+#[test]
+fn two_nodes_of_fsdp_follow_one_device() {
+    let dir = scratch("mp-hsdp");
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
+    let nodes = dir.join("nodes");
+    let args = train_args(&["launch", "--nproc", "2", "--"], &nodes, "3", &["mesh.ici_fsdp=2", "mesh.dcn_data=2"]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let launchers: Vec<_> = ["0", "1"]
+        .map(|node| {
+            let env = [
+                ("JAX_COORDINATOR_ADDRESS", "127.0.0.1"),
+                ("JAX_COORDINATOR_PORT", port.as_str()),
+                ("NNODES", "2"),
+                ("NODE_RANK", node),
+                ("GPUS_PER_NODE", "2"),
+            ];
+            engine(&args, &env).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap()
+        })
+        .into_iter()
+        .collect();
+    for child in launchers {
+        let out = child.wait_with_output().unwrap();
+        assert!(out.status.success(), "a node failed: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    let one = dir.join("one");
+    let args = train_args(&[], &one, "3", &["train.batch_size=4"]);
+    run(&mut engine(&args.iter().map(String::as_str).collect::<Vec<_>>(), &[]));
+    let (want, got) = (losses(&one), losses(&nodes));
+    assert_eq!(got.len(), 3);
+    for (step, (w, g)) in want.iter().zip(&got).enumerate() {
+        assert!((w - g).abs() <= 1e-5 * w.abs(), "step {}: {g} on 2 nodes x 2, {w} on one device", step + 1);
+    }
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        let target = to.join(entry.file_name());
+        if entry.file_type().unwrap().is_dir() {
+            copy_dir(&entry.path(), &target);
+        } else {
+            std::fs::copy(entry.path(), target).unwrap();
+        }
+    }
+}
