@@ -387,7 +387,7 @@ fn sigterm_to_the_launcher_checkpoints_and_resume_auto_continues() {
     job.signal(libc::SIGTERM);
     let (status, out, took) = job.finish(Duration::from_secs(60));
     assert_eq!(status.code(), Some(STOPPED), "{out}");
-    assert!(out.contains("engine launch: received SIGTERM: passed it on to the 2 running processes"), "{out}");
+    assert!(out.contains("engine launch: received SIGTERM: passed it on to the 2 processes running"), "{out}");
     all_gone(&out, &run);
     let stopped_at = curve(&run).last().unwrap().0;
     assert!(stopped_at < STEPS as u64, "the run ended before the signal:\n{out}");

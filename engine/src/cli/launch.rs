@@ -198,6 +198,11 @@ fn free_port() -> Result<u16> {
         .map(|a| a.port())
 }
 
+/// "1 process", "4 processes".
+fn processes(n: usize) -> String {
+    format!("{n} process{}", if n == 1 { "" } else { "es" })
+}
+
 /// Ends the launcher with `code`, standard error flushed.
 fn exit(code: i32) -> ! {
     let _ = std::io::stderr().flush();
@@ -304,7 +309,7 @@ fn start(exe: &Path, args: &LaunchArgs, node: Option<(u16, String)>, first_rank:
     }
     let list: Vec<String> = procs.iter().map(|p| format!("rank {} pid {}", p.rank, p.pid)).collect();
     let at = node.map(|(p, _)| format!(", rendezvous at 127.0.0.1:{p}")).unwrap_or_default();
-    say!("engine launch: started {} processes ({}){at}", procs.len(), list.join(", "));
+    say!("engine launch: started {} ({}){at}", processes(procs.len()), list.join(", "));
     Ok(procs)
 }
 
@@ -393,19 +398,21 @@ fn supervise(procs: &mut [Proc], grace: Duration) -> End {
                     signal_running(procs, last);
                     signal_running(procs, libc::SIGCONT);
                     say!(
-                        "engine launch: received {}: passed it on to the {running} running processes; waiting for them to write a checkpoint and exit (another signal kills them)",
-                        signal_name(last)
+                        "engine launch: received {}: passed it on to the {} running; waiting for them to write a checkpoint and exit (another signal kills them)",
+                        signal_name(last),
+                        processes(running)
                     );
                 } else {
                     say!(
-                        "engine launch: received {}: waiting for the {running} running processes to stop, not restarting (another signal kills them)",
-                        signal_name(last)
+                        "engine launch: received {}: waiting for the {} running to stop, not restarting (another signal kills them)",
+                        signal_name(last),
+                        processes(running)
                     );
                 }
                 stopping = true;
             }
             if count >= 2 && killed.is_none() {
-                say!("engine launch: received {} again: killing the {running} running processes", signal_name(last));
+                say!("engine launch: received {} again: killing the {} running", signal_name(last), processes(running));
                 signal_running(procs, libc::SIGKILL);
                 killed = Some(last);
             }
