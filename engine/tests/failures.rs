@@ -71,10 +71,20 @@ fn serial() -> MutexGuard<'static, ()> {
 
 /// `train` on the CPU in `run`, resuming automatically, `steps` steps, a checkpoint every `every`.
 fn train(run: &Path, steps: usize, every: usize) -> Vec<String> {
+    train_with(run, steps, every, &[])
+}
+
+/// [`train`] with more `--set`s (after the others, so they win).
+fn train_with(run: &Path, steps: usize, every: usize, sets: &[&str]) -> Vec<String> {
     let mut args: Vec<String> =
         ["--device", "cpu", "train", "--recipe", "tiny-llama2", "--resume=auto"].map(String::from).to_vec();
     args.extend(["--run-dir".into(), s(run).into(), "--steps".into(), steps.to_string()]);
-    for set in SMALL.iter().map(|s| s.to_string()).chain([format!("train.checkpoint_every={every}")]) {
+    for set in SMALL
+        .iter()
+        .map(|s| s.to_string())
+        .chain([format!("train.checkpoint_every={every}")])
+        .chain(sets.iter().map(|s| s.to_string()))
+    {
         args.extend(["--set".into(), set]);
     }
     args
@@ -306,25 +316,29 @@ fn verified_checkpoints(run: &Path) -> Vec<u64> {
     steps
 }
 
-/// SIGKILL of one rank mid-run: the other ends within seconds, naming it, and so does the
-/// launcher, with the killed process's status; nothing is left running.
+/// SIGKILL of one rank mid-run, in a job of 2 (FSDP) and of 4 (FSDP 2 x data 2): the others end
+/// within seconds, and so does the launcher, naming the killed rank, with its status; nothing is
+/// left running.
 #[test]
 fn a_killed_rank_ends_the_job_within_seconds_naming_it() {
     let _one = serial();
-    let dir = Scratch::new("failures-killed");
-    let run = dir.run();
-    let mut job = Launched::start(&["--nproc", "2"], &train(&run, 100_000, 0), &[]);
-    let pids = job.pids(1);
-    job.wait_step(&run, 5);
-    signal(pids[1], libc::SIGKILL);
-    let (status, out, took) = job.finish(Duration::from_secs(60));
-    assert!(took < Duration::from_secs(20), "the job took {took:?} to end:\n{out}");
-    assert_eq!(status.code(), Some(128 + libc::SIGKILL), "{out}");
-    assert!(out.contains("error: process 1 (rank 1) was killed by SIGKILL; stopped the others"), "{out}");
-    // Rank 0's own line names the rank that left.
-    assert!(out.contains("rank 1 left the job"), "{out}");
-    all_gone(&out, &run);
-    eprintln!("the job ended {took:?} after the kill");
+    for (nproc, victim, sets) in [("2", 1, vec![]), ("4", 2, vec!["mesh.ici_data=2"])] {
+        let dir = Scratch::new(&format!("failures-killed-{nproc}"));
+        let run = dir.run();
+        let mut job = Launched::start(&["--nproc", nproc], &train_with(&run, 100_000, 0, &sets), &[]);
+        let pids = job.pids(1);
+        job.wait_step(&run, 5);
+        signal(pids[victim], libc::SIGKILL);
+        let (status, out, took) = job.finish(Duration::from_secs(60));
+        assert!(took < Duration::from_secs(20), "the job took {took:?} to end:\n{out}");
+        assert_eq!(status.code(), Some(128 + libc::SIGKILL), "{out}");
+        let named = format!("error: process {victim} (rank {victim}) was killed by SIGKILL; stopped the others");
+        assert!(out.contains(&named), "{out}");
+        // The ranks that shared a collective with it say so.
+        assert!(out.contains(&format!("rank {victim} left the job")), "{out}");
+        all_gone(&out, &run);
+        eprintln!("{nproc} processes: the job ended {took:?} after the kill");
+    }
 }
 
 /// `--max-restarts 2`: the coordinator (rank 0) killed mid-run, every process is started again,
