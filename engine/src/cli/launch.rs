@@ -329,6 +329,8 @@ fn spawn(mut cmd: Command, group: libc::pid_t) -> std::io::Result<libc::pid_t> {
     // allocates nothing on its success path.
     unsafe {
         cmd.pre_exec(move || {
+            // (Linux only; elsewhere the processes outlive a launcher killed outright.)
+            #[cfg(target_os = "linux")]
             if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0) == -1 {
                 return Err(std::io::Error::last_os_error());
             }
