@@ -181,11 +181,11 @@ fn bench_devices(args: &BenchArgs, name: &str, devices: usize) -> Result<()> {
     let steps = Override { text: format!("train.steps={total}"), origin: "engine bench".into() };
     let resolved = recipe.resolve(&[steps])?;
     let config = &resolved.config;
-    let mesh = engine::parallel::job::mesh(config, devices, 1)?;
-    let stages = mesh.size(engine::parallel::mesh::Axis::Pipeline);
+    let plan = engine::parallel::plan::ParallelPlan::resolve(config, devices, 1)?;
+    let stages = plan.stages.len();
     let t = &config.train;
-    let bubble = engine::parallel::pipeline::bubble_fraction(stages, t.pipeline_microbatches);
-    let plans = engine::parallel::memory::stage_estimates(config, &mesh, engine::model::memory::Target::Cpu);
+    let bubble = plan.bubble_fraction();
+    let plans = plan.stage_estimates(config, engine::model::memory::Target::Cpu);
     // Each device computes on a pool of its own share of the cores: on the shared global pool,
     // a device alone in a bubble would borrow the idle devices' cores and shrink the bubble.
     let per_device = (rayon::current_num_threads() / devices).max(1);

@@ -6,7 +6,7 @@ use engine::backend::cuda::{self, Cuda, device};
 use engine::backend::gib;
 use engine::config::Config;
 use engine::model::memory::Target;
-use engine::parallel;
+use engine::parallel::plan::ParallelPlan;
 
 /// Which device to run on.
 #[derive(clap::ValueEnum, Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -82,7 +82,7 @@ pub fn open(arg: DeviceArg, config: Option<&Config>) -> Result<Opened> {
     })?;
     if let Some(c) = config.filter(|c| c.train.memory_check) {
         let target = Target::Cuda { sm_count: backend.info().sm_count as usize };
-        let need = parallel::memory::estimate(c, &parallel::mesh::Mesh::single(), target).total();
+        let need = ParallelPlan::single(c)?.estimate(c, target).total();
         let (free, total) = backend.device_memory();
         if need > free {
             bail!(
@@ -104,18 +104,18 @@ pub fn open(arg: DeviceArg, config: Option<&Config>) -> Result<Opened> {
 /// (`ulimit -v`), before anything is allocated.
 pub fn check_cpu_memory(c: &Config, devices: usize) -> Result<()> {
     // One device trains alone whatever the recipe's mesh says.
-    let mesh = if devices > 1 { parallel::job::mesh(c, devices, 1)? } else { parallel::mesh::Mesh::single() };
-    check_cpu_memory_of_rank(c, &mesh, devices)
+    let plan = if devices > 1 { ParallelPlan::resolve(c, devices, 1)? } else { ParallelPlan::single(c)? };
+    check_cpu_memory_of_rank(c, &plan, devices)
 }
 
-/// Refuses a CPU device of `mesh` when `devices` such devices (this machine's share of the
-/// job: the processes of a node, or the virtual devices of one process) would need more memory
-/// than this process can have.
-pub fn check_cpu_memory_of_rank(c: &Config, mesh: &parallel::mesh::Mesh, devices: usize) -> Result<()> {
+/// Refuses a CPU device of `plan` (`c`'s) when `devices` such devices (this machine's share of
+/// the job: the processes of a node, or the virtual devices of one process) would need more
+/// memory than this process can have.
+pub fn check_cpu_memory_of_rank(c: &Config, plan: &ParallelPlan, devices: usize) -> Result<()> {
     if !c.train.memory_check {
         return Ok(());
     }
-    let one = parallel::memory::estimate(c, mesh, Target::Cpu);
+    let one = plan.estimate(c, Target::Cpu);
     let need = one.total() as u64 * devices as u64;
     let Some((limit, what)) = memory_limit() else { return Ok(()) };
     if need > limit {

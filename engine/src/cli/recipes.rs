@@ -4,7 +4,8 @@ use anyhow::Result;
 use clap::Subcommand;
 use engine::config::{Config, Remat, recipe};
 use engine::model::memory::{Estimate, Target};
-use engine::parallel::mesh::{Axis, Mesh};
+use engine::parallel::mesh::Axis;
+use engine::parallel::plan::ParallelPlan;
 
 use super::RecipeArgs;
 
@@ -48,38 +49,35 @@ pub fn run(cmd: RecipesCommand) -> Result<()> {
         }
         RecipesCommand::Show { recipe, set, devices, nodes, json } => {
             let r = RecipeArgs { recipe, set }.resolve(&[])?;
-            let mesh = plan_mesh(&r.config, devices, nodes)?;
+            let plan = plan_of(&r.config, devices, nodes)?;
             if json {
-                println!("{}", serde_json::to_string_pretty(&show_json(&r.name, &r.config, &mesh))?);
+                println!("{}", serde_json::to_string_pretty(&show_json(&r.name, &r.config, &plan))?);
             } else {
-                print!("{}", show(&r.name, &r.config, &mesh));
+                print!("{}", show(&r.name, &r.config, &plan));
             }
             Ok(())
         }
     }
 }
 
-/// The mesh the memory plan is for: the recipe's sizes over `devices` per node and `nodes`
-/// (by default, what the explicit sizes multiply to).
-fn plan_mesh(c: &Config, devices: Option<usize>, nodes: Option<usize>) -> Result<Mesh> {
+/// The parallel plan the memory plan is for: the recipe's mesh over `devices` per node and
+/// `nodes` (by default, what the explicit sizes multiply to).
+fn plan_of(c: &Config, devices: Option<usize>, nodes: Option<usize>) -> Result<ParallelPlan> {
     let m = &c.mesh;
     let product = |sizes: [i64; 4]| sizes.iter().map(|&s| s.max(1) as usize).product::<usize>();
     let devices = devices.unwrap_or_else(|| product([m.ici_data, m.ici_fsdp, m.ici_tensor, m.ici_pipeline]));
     let nodes = nodes.unwrap_or_else(|| product([m.dcn_data, m.dcn_fsdp, m.dcn_tensor, m.dcn_pipeline]));
-    engine::parallel::job::mesh(c, devices, nodes)
+    ParallelPlan::resolve(c, devices, nodes)
 }
 
-/// One device's memory plan on `mesh`, for CUDA (the H100's 132 multiprocessors size a scratch
-/// buffer) and the CPU.
-fn plans(c: &Config, mesh: &Mesh) -> (Estimate, Estimate) {
-    (
-        engine::parallel::memory::estimate(c, mesh, Target::Cuda { sm_count: 132 }),
-        engine::parallel::memory::estimate(c, mesh, Target::Cpu),
-    )
+/// One device's memory plan under `plan`, for CUDA (the H100's 132 multiprocessors size a
+/// scratch buffer) and the CPU.
+fn plans(c: &Config, plan: &ParallelPlan) -> (Estimate, Estimate) {
+    (plan.estimate(c, Target::Cuda { sm_count: 132 }), plan.estimate(c, Target::Cpu))
 }
 
 /// `engine recipes show --json`.
-fn show_json(name: &str, c: &Config, mesh: &Mesh) -> serde_json::Value {
+fn show_json(name: &str, c: &Config, plan: &ParallelPlan) -> serde_json::Value {
     let count = c.model.param_count();
     let part = |e: &Estimate| {
         serde_json::json!({
@@ -92,9 +90,10 @@ fn show_json(name: &str, c: &Config, mesh: &Mesh) -> serde_json::Value {
             "communication_bytes": e.communication,
         })
     };
-    let (gpu, cpu) = plans(c, mesh);
+    let (gpu, cpu) = plans(c, plan);
+    let mesh = &plan.mesh;
     let size = |a| mesh.size(a);
-    let stages = engine::parallel::memory::stage_estimates(c, mesh, Target::Cuda { sm_count: 132 });
+    let stages = plan.stage_estimates(c, Target::Cuda { sm_count: 132 });
     let stages: Vec<serde_json::Value> = stages
         .iter()
         .map(|s| {
@@ -110,7 +109,7 @@ fn show_json(name: &str, c: &Config, mesh: &Mesh) -> serde_json::Value {
         "parameters": count.total,
         "active_parameters": count.active,
         "flops_per_token": c.model.train_flops_per_token(c.train.seq_len),
-        "tokens_per_step": tokens_per_step(c, mesh),
+        "tokens_per_step": tokens_per_step(c, plan),
         "mesh": {
             "devices": mesh.devices(),
             "data": size(Axis::Data),
@@ -125,13 +124,12 @@ fn show_json(name: &str, c: &Config, mesh: &Mesh) -> serde_json::Value {
             "microbatches": c.train.pipeline_microbatches,
             "schedule": c.train.pipeline_schedule,
             "split": split_name(c),
-            "bubble_fraction": bubble(c, mesh),
+            "bubble_fraction": plan.bubble_fraction(),
             "stages": stages,
         },
     })
 }
 
-/// The pipeline's bubble: the share of a step each device is idle.
 /// How the layers were split into stages: `train.pipeline_layers`, or `train.pipeline_split`.
 fn split_name(c: &Config) -> &'static str {
     match (c.train.pipeline_layers.is_empty(), c.train.pipeline_split) {
@@ -141,18 +139,14 @@ fn split_name(c: &Config) -> &'static str {
     }
 }
 
-fn bubble(c: &Config, mesh: &Mesh) -> f64 {
-    engine::parallel::pipeline::bubble_fraction(mesh.size(Axis::Pipeline), c.train.pipeline_microbatches)
-}
-
 /// Tokens of one optimizer step, all devices together: `batch_size × devices` sequences per
-/// micro-batch (whole, as the mesh check made sure).
-fn tokens_per_step(c: &Config, mesh: &Mesh) -> usize {
-    (c.train.batch_size * mesh.devices()).per_group(1) * c.train.seq_len * c.train.grad_accum
+/// micro-batch.
+fn tokens_per_step(c: &Config, plan: &ParallelPlan) -> usize {
+    plan.global_sequences() * c.train.seq_len * c.train.grad_accum
 }
 
 /// The text of `engine recipes show`.
-fn show(name: &str, c: &Config, mesh: &Mesh) -> String {
+fn show(name: &str, c: &Config, plan: &ParallelPlan) -> String {
     let m = &c.model;
     let count = m.param_count();
     let seq = c.train.seq_len;
@@ -173,13 +167,13 @@ fn show(name: &str, c: &Config, mesh: &Mesh) -> String {
     );
     out += &format!(
         "tokens per step    {:>20}  (batch {} x {} devices x seq {} x grad_accum {})\n",
-        group(tokens_per_step(c, mesh) as u64),
+        group(tokens_per_step(c, plan) as u64),
         c.train.batch_size,
-        mesh.devices(),
+        plan.mesh.devices(),
         seq,
         c.train.grad_accum
     );
-    out += &memory_table(c, mesh);
+    out += &memory_table(c, plan);
     out += "\nFLOP convention: a multiply-add is 2 FLOPs and training costs 3 forward passes, so a token costs\n\
             6 x (weights it multiplies with: projections, routed experts, output head; not the input lookup)\n\
             + 12 x layers x heads x head_dim x K, K = mean keys a query attends to. Causal halving is applied:\n\
@@ -192,14 +186,15 @@ fn show(name: &str, c: &Config, mesh: &Mesh) -> String {
     out
 }
 
-/// Estimated memory per device of `mesh` for the recipe's batch shape, on CUDA (bf16
+/// Estimated memory per device of `plan`'s mesh for the recipe's batch shape, on CUDA (bf16
 /// activations, f32 master weights) and CPU (f32), and under each recomputation policy.
-fn memory_table(c: &Config, mesh: &Mesh) -> String {
+fn memory_table(c: &Config, plan: &ParallelPlan) -> String {
+    let mesh = &plan.mesh;
     let [d, f, t, p] = [Axis::Data, Axis::Fsdp, Axis::Tensor, Axis::Pipeline].map(|a| mesh.size(a));
-    let micro = c.train.pipeline_microbatches;
-    let (batch, seq) = (c.train.batch_size.per_group(t * p).div_ceil(micro).max(1), c.train.seq_len);
+    let micro = plan.microbatches;
+    let (batch, seq) = (plan.microbatch, c.train.seq_len);
     let gib = |b: usize| format!("{:.2} GiB", engine::backend::gib(b));
-    let (gpu, cpu) = plans(c, mesh);
+    let (gpu, cpu) = plans(c, plan);
     let mut out = format!(
         "\n# memory per device on {} devices (data {d} x fsdp {f} x tensor {t} x pipeline {p}), micro-batch {batch} x {seq}, remat = {} \
          (estimate; CUDA adds its context, ~0.5 GiB{})\n",
@@ -224,13 +219,13 @@ fn memory_table(c: &Config, mesh: &Mesh) -> String {
         out += &format!(
             "\n# pipeline: {p} stages ({} split), {micro} micro-batches, {schedule}: bubble (P-1)/(M+P-1) = {:.1} % of each device's step\n",
             split_name(c),
-            100.0 * bubble(c, mesh)
+            100.0 * plan.bubble_fraction()
         );
         out += &format!(
             "{:<8} {:>10} {:>10} {:>16} {:>14} {:>14}\n",
             "stage", "layers", "in flight", "params+grads+opt", "activations", "total (cuda)"
         );
-        let stages = engine::parallel::memory::stage_estimates(c, mesh, Target::Cuda { sm_count: 132 });
+        let stages = plan.stage_estimates(c, Target::Cuda { sm_count: 132 });
         for (i, s) in stages.iter().enumerate() {
             let e = &s.estimate;
             out += &format!(
@@ -246,7 +241,15 @@ fn memory_table(c: &Config, mesh: &Mesh) -> String {
     let mut with = c.clone();
     for remat in [Remat::None, Remat::Minimal, Remat::Full] {
         with.train.remat = remat;
-        let g = engine::parallel::memory::estimate(&with, mesh, Target::Cuda { sm_count: 132 });
+        // Another policy is another plan: a memory split moves with the activations' size.
+        let other;
+        let plan = if remat == c.train.remat {
+            plan
+        } else {
+            other = ParallelPlan::new(&with, plan.mesh).expect("the recomputation policy changes no check");
+            &other
+        };
+        let g = plan.estimate(&with, Target::Cuda { sm_count: 132 });
         out += &format!("{:<28} {:>14}\n", format!("total with remat = {}", remat_name(remat)), gib(g.total()));
     }
     out

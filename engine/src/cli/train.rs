@@ -154,7 +154,6 @@ fn train(args: TrainArgs, device: DeviceArg) -> Result<()> {
                 "--devices runs virtual CPU devices; on GPUs, start one process per GPU with `engine launch --nproc N -- train ...`"
             );
         }
-        parallel::job::mesh(config, args.devices, 1)?;
         device::check_cpu_memory(config, args.devices)?;
         return start.run_virtual(config, args.devices);
     }
@@ -215,18 +214,18 @@ impl Start {
     }
 
     /// One process of a multi-process job: its GPU (the local rank), the NCCL communicator
-    /// (the unique id travels with the rendezvous), and the mesh over the job's nodes.
+    /// (the unique id travels with the rendezvous), and the parallel plan over the job's nodes.
     fn run_job(mut self, config: &Config, job: &Job, device: DeviceArg) -> Result<()> {
-        let mesh = parallel::job::mesh(config, job.local_world, job.nodes())?;
+        let plan = parallel::plan::ParallelPlan::resolve(config, job.local_world, job.nodes())?;
         let gpu = device == DeviceArg::Cuda
             || (device == DeviceArg::Auto && engine::backend::cuda::device::probe().is_ok());
         if !gpu {
             // One CPU device per process, joined by the TCP collectives.
-            device::check_cpu_memory_of_rank(config, &mesh, job.local_world)?;
+            device::check_cpu_memory_of_rank(config, &plan, job.local_world)?;
             self.peak = device::peak(&Opened::Cpu(engine::backend::cpu::Cpu::new()), config);
             let comm = parallel::job::tcp_communicator(job)?;
             let mut trainer =
-                Trainer::new_parallel(Traced::new(engine::backend::cpu::Cpu::new()), config, Box::new(comm), mesh)?;
+                Trainer::new_parallel(Traced::new(engine::backend::cpu::Cpu::new()), config, Box::new(comm), plan)?;
             let session = self.prepare(&mut trainer, job.rank == 0)?;
             session::run(&mut trainer, &session)?;
             return Ok(());
@@ -238,7 +237,7 @@ impl Start {
         self.peak = device::peak(&opened, config);
         let Opened::Cuda(gpu) = opened else { unreachable!() };
         let comm = parallel::job::nccl_communicator(job)?;
-        let mut trainer = Trainer::new_parallel(Traced::new(*gpu), config, Box::new(comm), mesh)?;
+        let mut trainer = Trainer::new_parallel(Traced::new(*gpu), config, Box::new(comm), plan)?;
         let session = self.prepare(&mut trainer, job.rank == 0)?;
         session::run(&mut trainer, &session)?;
         Ok(())

@@ -1,27 +1,14 @@
-//! This process's part in a job: the mesh over the job's devices and the communicator that
-//! joins its processes. The `engine train` command and the virtual devices call these; the
-//! trainer receives the result.
+//! This process's part in a job: the communicator that joins its processes (the plan over the
+//! job's devices is [`super::plan::ParallelPlan::resolve`]). The `engine train` command calls
+//! these; the trainer receives the result.
 
 use std::time::Duration;
 
-use anyhow::{Context, Result, anyhow};
+use anyhow::{Context, Result};
 
-use super::mesh::Mesh;
 use super::nccl::{self, Nccl};
 use super::rendezvous::{self, Job};
 use super::tcp::{self, Tcp};
-use crate::config::Config;
-
-/// The mesh of `config` over `nodes` nodes of `devices_per_node` devices, checked against the
-/// model (the split axes must divide its heads, columns and experts).
-pub fn mesh(config: &Config, devices_per_node: usize, nodes: usize) -> Result<Mesh> {
-    let mesh = Mesh::resolve(&config.mesh, devices_per_node, nodes).map_err(|e| anyhow!("{e}"))?;
-    mesh.check_model(&config.model).map_err(|e| anyhow!("{e}"))?;
-    let stages = mesh.size(super::mesh::Axis::Pipeline);
-    super::pipeline::check_layers(config, stages).map_err(|e| anyhow!("{e}"))?;
-    super::pipeline::microbatch_sequences(config, &mesh).map_err(|e| anyhow!("{e}"))?;
-    Ok(mesh)
-}
 
 /// How long a rendezvous waits for every rank: `asked` (a command-line flag), else the
 /// `ENGINE_RENDEZVOUS_TIMEOUT` variable, else 300 seconds.

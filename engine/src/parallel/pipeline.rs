@@ -2,7 +2,8 @@
 //! its micro-batches' forward and backward passes.
 //!
 //! A stage is a contiguous run of layers ([`Stage`]); the first also holds the embedding, the
-//! last the final norm, the output head and the loss. [`split`] balances the stages by cost.
+//! last the final norm, the output head and the loss. [`split`] balances the stages by cost
+//! ([`super::plan::ParallelPlan`] holds the stages of a run, however they were split).
 //! Each step's batch is cut into `M` micro-batches; a stage receives each micro-batch's input
 //! from the stage before, runs its layers and sends the output on, and in the backward pass
 //! receives its output's gradient from the next stage and sends its input's gradient back
@@ -17,8 +18,7 @@
 //! Both leave every device idle for the same share of a step, the bubble
 //! `(P − 1) / (M + P − 1)` ([`bubble_fraction`]), when the stages cost the same.
 
-use super::mesh::{Axis, Mesh};
-use crate::config::{Config, ModelConfig, PipelineSchedule, PipelineSplit};
+use crate::config::{ModelConfig, PipelineSchedule};
 use crate::model::Stage;
 
 /// One pass of one micro-batch on a stage.
@@ -30,62 +30,10 @@ pub enum Action {
     Backward(usize),
 }
 
-/// Sequences in each pipeline micro-batch on `mesh`: a pipeline × tensor group reads
-/// `batch_size · tensor · pipeline` sequences per `grad_accum` micro-batch (the global batch is
-/// `batch_size` × devices), cut into `train.pipeline_microbatches`. The error names the numbers.
-pub fn microbatch_sequences(config: &Config, mesh: &Mesh) -> Result<usize, String> {
-    let (tensor, stages) = (mesh.size(Axis::Tensor), mesh.size(Axis::Pipeline));
-    let t = &config.train;
-    let group = t.batch_size.sequences(tensor * stages)?;
-    let m = t.pipeline_microbatches;
-    if !group.is_multiple_of(m) {
-        return Err(format!(
-            "train.pipeline_microbatches = {m} does not divide the {group} sequences each pipeline reads per micro-batch (train.batch_size = {} x tensor {tensor} x pipeline {stages}); {group} mod {m} = {}",
-            t.batch_size,
-            group % m
-        ));
-    }
-    Ok(group / m)
-}
-
 /// The relative cost of a layer and of the head, per token: the weights a token multiplies by
 /// (for a mixture of experts, the router and `top_k` experts; for a GPT, its two MLP matrices).
 fn costs(m: &ModelConfig) -> (u64, u64) {
     (m.layer_matmul_params_active(), m.d_model as u64 * m.vocab_size as u64)
-}
-
-/// The stages of `config` on `mesh`'s pipeline: `train.pipeline_layers` when it is given
-/// (checked against the stage count by [`check_layers`]), else the automatic split that
-/// `train.pipeline_split` names: [`split`]'s (compute) or [`super::memory::memory_split`]'s.
-/// Without stages the one device holds every layer whatever the list says: a single-device
-/// trainer ([`crate::train::Trainer::new`]) follows a pipelined run's configuration that way.
-pub fn stages_of(config: &Config, mesh: &Mesh) -> Vec<Stage> {
-    let stages = mesh.size(Axis::Pipeline);
-    let layers = &config.train.pipeline_layers;
-    if stages == 1 {
-        return vec![Stage::whole(config.model.n_layers)];
-    }
-    if !layers.is_empty() {
-        assert_eq!(layers.len(), stages, "internal error: train.pipeline_layers unchecked");
-        return from_sizes(layers);
-    }
-    match config.train.pipeline_split {
-        PipelineSplit::Compute => split(&config.model, stages),
-        PipelineSplit::Memory => from_sizes(&super::memory::memory_split(config, mesh)),
-    }
-}
-
-/// Refuses a `train.pipeline_layers` that does not give each of the `stages` stages its count
-/// (the counts themselves are checked by [`Config::validate`]). The error names the numbers.
-pub fn check_layers(config: &Config, stages: usize) -> Result<(), String> {
-    let layers = &config.train.pipeline_layers;
-    if layers.is_empty() || layers.len() == stages {
-        return Ok(());
-    }
-    Err(format!(
-        "train.pipeline_layers = {layers:?} gives {} stages, but the pipeline axis has {stages} (mesh.ici_pipeline x mesh.dcn_pipeline); give one layer count per stage, or [] to split automatically",
-        layers.len()
-    ))
 }
 
 /// Contiguous stages of `sizes[s]` layers each.

@@ -11,7 +11,7 @@ use crate::backend::traced::Traced;
 use crate::checkpoint::Extras;
 use crate::config::Config;
 use crate::parallel::comm::Virtual;
-use crate::parallel::job;
+use crate::parallel::plan::ParallelPlan;
 
 /// Builds a trainer for each of `devices` virtual devices and runs `f(rank, trainer)` on its
 /// own thread; returns the results in rank order (the first error, if any).
@@ -23,7 +23,7 @@ pub fn run<T: Send>(
     devices: usize,
     f: impl Fn(usize, &mut Trainer<Traced<Cpu>>) -> Result<T> + Sync,
 ) -> Result<Vec<T>> {
-    let mesh = job::mesh(config, devices, 1)?;
+    let plan = &ParallelPlan::resolve(config, devices, 1)?;
     let f = &f;
     std::thread::scope(|scope| {
         let handles: Vec<_> = Virtual::devices(devices)
@@ -31,7 +31,8 @@ pub fn run<T: Send>(
             .enumerate()
             .map(|(rank, comm)| {
                 scope.spawn(move || {
-                    let mut trainer = Trainer::new_parallel(Traced::new(Cpu::new()), config, Box::new(comm), mesh)?;
+                    let mut trainer =
+                        Trainer::new_parallel(Traced::new(Cpu::new()), config, Box::new(comm), plan.clone())?;
                     f(rank, &mut trainer)
                 })
             })
@@ -137,8 +138,8 @@ mod tests {
                 Ok(peak)
             })
             .unwrap();
-            let m = crate::parallel::job::mesh(&c, devices, 1).unwrap();
-            let estimate = crate::parallel::memory::estimate(&c, &m, memory::Target::Cpu).total() as f64;
+            let plan = ParallelPlan::resolve(&c, devices, 1).unwrap();
+            let estimate = plan.estimate(&c, memory::Target::Cpu).total() as f64;
             for peak in peaks {
                 let ratio = peak as f64 / estimate;
                 assert!((0.9..=1.1).contains(&ratio), "{name}: measured {peak} bytes, estimated {estimate}");
@@ -193,7 +194,7 @@ mod tests {
         assert_same_curve("FSDP 2 x TP 2, batch 0.5", &want, &parallel(&half, 4));
         let mut dp = half.clone();
         (dp.mesh.ici_fsdp, dp.mesh.ici_tensor, dp.mesh.ici_data) = (1, 1, 4);
-        let e = job::mesh(&dp, 4, 1).unwrap_err().to_string();
+        let e = ParallelPlan::resolve(&dp, 4, 1).unwrap_err().to_string();
         assert!(e.contains("train.batch_size = 0.5 x 1 device(s) sharing their samples = 0.5 sequences"), "{e}");
     }
 
@@ -204,7 +205,7 @@ mod tests {
             assert_same_curve(&format!("tiny-mistral {name}"), &single(&c, *devices), &parallel(&c, *devices));
         }
         let c = config("tiny-mistral", &MESHES[2].1);
-        let e = job::mesh(&c, 2, 1).unwrap_err().to_string();
+        let e = ParallelPlan::resolve(&c, 2, 1).unwrap_err().to_string();
         assert!(e.contains("does not divide model.n_heads = 1"), "{e}");
     }
 
@@ -337,11 +338,11 @@ mod tests {
             ];
             let c = pipe_config("tiny-llama2", &sets);
             let auto = crate::parallel::pipeline::split(&c.model, 2);
-            let mesh = job::mesh(&c, 2, 1).unwrap();
-            let asked = crate::parallel::pipeline::stages_of(&c, &mesh);
+            let plan = ParallelPlan::resolve(&c, 2, 1).unwrap();
+            let asked = plan.stages.clone();
             assert_eq!(auto.iter().map(|s| s.layers.clone()).collect::<Vec<_>>(), vec![0..3, 3..5]);
             assert_eq!(asked.iter().map(|s| s.layers.clone()).collect::<Vec<_>>(), vec![0..1, 1..5]);
-            let plans = crate::parallel::memory::stage_estimates(&c, &mesh, crate::model::memory::Target::Cpu);
+            let plans = plan.stage_estimates(&c, crate::model::memory::Target::Cpu);
             assert_eq!(plans.iter().map(|p| p.layers.clone()).collect::<Vec<_>>(), vec![0..1, 1..5]);
             let layer_counts = run(&c, 2, |_, t| Ok(t.model.stage().layers.len())).unwrap();
             assert_eq!(layer_counts, vec![1, 4]);
@@ -435,8 +436,8 @@ mod tests {
                     Ok(t.backend.peak_memory_bytes())
                 })
                 .unwrap();
-                let mesh = job::mesh(&c, 2, 1).unwrap();
-                let plans = crate::parallel::memory::stage_estimates(&c, &mesh, Target::Cpu);
+                let plan = ParallelPlan::resolve(&c, 2, 1).unwrap();
+                let plans = plan.stage_estimates(&c, Target::Cpu);
                 for (stage, (measured, plan)) in peak.iter().zip(&plans).enumerate() {
                     let ratio = *measured as f64 / plan.estimate.total() as f64;
                     assert!(
@@ -454,13 +455,13 @@ mod tests {
         #[test]
         fn impossible_splits_name_the_numbers() {
             let c = pipe_config("tiny-llama2", &["model.n_layers=2", "mesh.ici_data=1", "mesh.ici_pipeline=4"]);
-            let e = job::mesh(&c, 4, 1).unwrap_err().to_string();
+            let e = ParallelPlan::resolve(&c, 4, 1).unwrap_err().to_string();
             assert!(e.contains("ici_pipeline x dcn_pipeline = 4 x 1 = 4 stages, more than model.n_layers = 2"), "{e}");
             let c = pipe_config(
                 "tiny-llama2",
                 &["model.n_layers=2", "mesh.ici_data=1", "mesh.ici_pipeline=2", "train.pipeline_microbatches=3"],
             );
-            let e = job::mesh(&c, 2, 1).unwrap_err().to_string();
+            let e = ParallelPlan::resolve(&c, 2, 1).unwrap_err().to_string();
             assert!(
                 e.contains("train.pipeline_microbatches = 3 does not divide the 2 sequences each pipeline reads"),
                 "{e}"
@@ -495,8 +496,8 @@ mod tests {
             // Another split of the same layers over the stages resumes it too.
             let mut moved = pp.clone();
             moved.train.pipeline_layers = vec![1, 2];
-            let mesh = job::mesh(&pp, 2, 1).unwrap();
-            assert_ne!(crate::parallel::pipeline::stages_of(&pp, &mesh)[0].layers, 0..1, "the split did not move");
+            let plan = ParallelPlan::resolve(&pp, 2, 1).unwrap();
+            assert_ne!(plan.stages[0].layers, 0..1, "the split did not move");
             let got = run(&moved, 2, |_, t| rest(t, &ck)).unwrap().remove(0);
             assert_same_curve("pp=2 -> pp=2 split 1 + 2", &curve[half as usize..], &got);
 

@@ -29,10 +29,11 @@ use crate::config::Config;
 use crate::data::{self, Loader};
 use crate::model::{GRAD_NORM_SQ, LOSS_ACCUM, LOSS_SUM, Model, Plan, init};
 use crate::parallel::comm::{Collectives, Solo};
-use crate::parallel::mesh::{Axis, Mesh};
-use crate::parallel::pipeline::{self, Action};
+use crate::parallel::mesh::Axis;
+use crate::parallel::pipeline::Action;
+use crate::parallel::plan::ParallelPlan;
 use crate::parallel::strategies::{FsdpOptions, Parallel};
-use crate::parallel::tensor::{TensorSlice, local_config};
+use crate::parallel::tensor::TensorSlice;
 pub use metrics::StepMetrics;
 
 /// A model being trained on a backend, with its optimizer state and data.
@@ -46,6 +47,8 @@ pub struct Trainer<B: Backend> {
     pub model: Model,
     /// Device memory of a micro-batch's forward and backward pass (the first activation slot).
     pub plan: Plan,
+    /// The run's parallel plan: its mesh, stages, schedules and batch.
+    pub parallel_plan: ParallelPlan,
     /// The other activation slots of a pipeline stage's micro-batches in flight, sharing
     /// `plan`'s parameters and gradients.
     slots: Vec<Plan>,
@@ -79,34 +82,31 @@ impl<B: Backend> Trainer<B> {
     /// A trainer on one device: plans device memory, initialises the parameters from the seed
     /// and opens the data.
     pub fn new(backend: B, config: &Config) -> Result<Trainer<B>> {
-        Trainer::new_parallel(backend, config, Box::new(Solo), Mesh::single())
+        Trainer::new_parallel(backend, config, Box::new(Solo), ParallelPlan::single(config)?)
     }
 
-    /// A trainer for one device of a run on `mesh`, talking to the others through `comm` (whose
-    /// rank says which device this is). The mesh has been checked against the model
-    /// ([`Mesh::check_model`]). Every device starts from the single-device initialisation's
+    /// A trainer for one device of a run on `plan`'s mesh, talking to the others through `comm`
+    /// (whose rank says which device this is). The plan is `config`'s, checked
+    /// ([`ParallelPlan::new`]). Every device starts from the single-device initialisation's
     /// values for its slice.
     pub fn new_parallel(
         mut backend: B,
         config: &Config,
         comm: Box<dyn Collectives<B> + Send>,
-        mesh: Mesh,
+        parallel_plan: ParallelPlan,
     ) -> Result<Trainer<B>> {
         let t = &config.train;
         let source = data::open(&config.data, config.model.vocab_size, t.seed)?;
+        let mesh = parallel_plan.mesh;
         let tensor = mesh.size(Axis::Tensor);
         let coords = mesh.coords(comm.rank());
-        let stages = mesh.size(Axis::Pipeline);
-        let stage = pipeline::stages_of(config, &mesh).swap_remove(coords.pipeline);
-        let mut model = Model::for_stage(&local_config(&config.model, tensor), &stage);
-        model.remat = t.remat;
-        model.batch_shards = mesh.batch_shards();
+        let stage = parallel_plan.stages[coords.pipeline].clone();
+        let model = parallel_plan.stage_model(config, coords.pipeline);
         // The devices of a tensor group and of a pipeline share their samples, cut into the
         // pipeline's micro-batches.
-        let batch = pipeline::microbatch_sequences(config, &mesh).map_err(|e| anyhow::anyhow!("{e}"))?;
-        let microbatches = t.pipeline_microbatches;
-        let actions = pipeline::actions(t.pipeline_schedule, stages, coords.pipeline, microbatches);
-        let (slot_of, slot_count) = pipeline::slots(&actions, microbatches);
+        let batch = parallel_plan.microbatch;
+        let schedule = &parallel_plan.schedules[coords.pipeline];
+        let (actions, slot_of, slot_count) = (schedule.actions.clone(), schedule.slot_of.clone(), schedule.in_flight);
         // Under FSDP no device holds the whole model: the passes borrow each unit's buffers.
         let mut plan = model.plan_with(&mut backend, batch, t.seq_len, !Parallel::<B>::shards_model(&mesh));
         let slots = (1..slot_count)
@@ -136,6 +136,7 @@ impl<B: Backend> Trainer<B> {
             slots,
             actions,
             slot_of,
+            parallel_plan,
             pass_times: Default::default(),
             #[cfg(test)]
             fault: None,
@@ -157,15 +158,14 @@ impl<B: Backend> Trainer<B> {
     /// Tokens one optimizer step processes, all devices together (the global batch is
     /// `train.batch_size` × devices sequences per micro-batch).
     pub fn tokens_per_step(&self) -> usize {
-        // A tensor group's sequences, times the groups that read distinct samples.
         let t = &self.config.train;
-        self.plan.batch * self.model.batch_shards * t.seq_len * t.grad_accum * t.pipeline_microbatches
+        self.parallel_plan.global_sequences() * t.seq_len * t.grad_accum
     }
 
     /// The share of a step each device of the pipeline is idle, by the schedule (0 on one
     /// stage).
     pub fn bubble_fraction(&self) -> f64 {
-        pipeline::bubble_fraction(self.parallel.stages(), self.config.train.pipeline_microbatches)
+        self.parallel_plan.bubble_fraction()
     }
 
     /// Training FLOPs of one optimizer step per device.
@@ -184,9 +184,9 @@ impl<B: Backend> Trainer<B> {
     /// for mixture-of-experts models, once per micro-batch for the load-balancing statistics).
     ///
     /// Each `grad_accum` round runs this stage's schedule over the pipeline's micro-batches
-    /// ([`pipeline::actions`]): a forward pass receives its input from the stage before (unless
-    /// first) and sends its output on (unless last); a backward pass receives its output's
-    /// gradient (unless last) and sends its input's back (unless first). On one device each
+    /// ([`crate::parallel::pipeline::actions`]): a forward pass receives its input from the
+    /// stage before (unless first) and sends its output on (unless last); a backward pass
+    /// receives its output's gradient (unless last) and sends its input's back (unless first). On one device each
     /// micro-batch's forward and backward pass is one [`Backend::begin_section`]: the same ops
     /// on the same buffers every time, which the CUDA backend records once as a graph.
     pub fn train_step(&mut self, peak_tflops: f64) -> StepMetrics {

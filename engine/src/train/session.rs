@@ -137,10 +137,7 @@ pub fn run<B: Backend>(trainer: &mut Trainer<Traced<B>>, s: &Session) -> Result<
             let t = &config.train;
             let schedule = t.pipeline_schedule.name();
             // The layers of every stage, so that a memory or explicit split can be checked.
-            let layers: Vec<usize> = crate::parallel::pipeline::stages_of(&config, &trainer.parallel.mesh)
-                .iter()
-                .map(|s| s.layers.len())
-                .collect();
+            let layers: Vec<usize> = trainer.parallel_plan.stages.iter().map(|s| s.layers.len()).collect();
             log.say(&format!(
                 "pipeline: {stages} stages of {layers:?} layers, {} micro-batches per step ({schedule}): bubble (P-1)/(M+P-1) = {:.1} % of each device's step idle",
                 t.pipeline_microbatches,

@@ -1,0 +1,313 @@
+//! The parallel plan of a run: what its mesh decides for the model and the batch, computed and
+//! checked once ([`ParallelPlan::new`], as torchtitan computes its `ParallelDims`), then read by
+//! the trainer ([`crate::train::Trainer::new_parallel`]), the memory estimates
+//! ([`ParallelPlan::estimate`]) and the commands that show or check them.
+//!
+//! It holds the mesh; the pipeline's stages, each a contiguous run of layers
+//! (`train.pipeline_layers`, else the split `train.pipeline_split` names: the compute one of
+//! [`pipeline::split`] or the memory one of [`ParallelPlan::memory_split`]); each stage's
+//! schedule; the sequences of each pipeline micro-batch on a device; and the groups that read
+//! distinct samples.
+
+use anyhow::{Result, anyhow};
+
+use super::memory::{self, StagePlan};
+use super::mesh::{Axis, Mesh};
+use super::pipeline::{self, Action};
+use super::tensor::local_config;
+use crate::config::{Config, PipelineSchedule, PipelineSplit};
+use crate::model::memory::{Estimate, Target};
+use crate::model::{Model, Stage};
+
+/// How the devices of a run share the model and the batch (see the module comment).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ParallelPlan {
+    /// The mesh.
+    pub mesh: Mesh,
+    /// The pipeline's stages in order; without stages, the one holding every layer.
+    pub stages: Vec<Stage>,
+    /// Each stage's schedule, in the same order.
+    pub schedules: Vec<Schedule>,
+    /// Sequences in each pipeline micro-batch on a device: a pipeline × tensor group reads
+    /// `batch_size · tensor · pipeline` sequences per `grad_accum` micro-batch (the global batch
+    /// is `batch_size` × devices), cut into `train.pipeline_microbatches`.
+    pub microbatch: usize,
+    /// Pipeline micro-batches per `grad_accum` micro-batch (`train.pipeline_microbatches`).
+    pub microbatches: usize,
+    /// Groups of devices that read distinct samples: the mesh's data × fsdp ranks.
+    pub batch_shards: usize,
+}
+
+/// A stage's passes in one step and the activation slots of its micro-batches.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Schedule {
+    /// The passes, in order ([`pipeline::actions`]).
+    pub actions: Vec<Action>,
+    /// The activation slot of each micro-batch ([`pipeline::slots`]).
+    pub slot_of: Vec<usize>,
+    /// The slots: the most micro-batches in flight at once, each keeping its activations.
+    pub in_flight: usize,
+}
+
+impl Schedule {
+    /// Stage `stage` of `stages` running `microbatches` micro-batches under `kind`.
+    fn new(kind: PipelineSchedule, stages: usize, stage: usize, microbatches: usize) -> Schedule {
+        let actions = pipeline::actions(kind, stages, stage, microbatches);
+        let (slot_of, in_flight) = pipeline::slots(&actions, microbatches);
+        Schedule { actions, slot_of, in_flight }
+    }
+}
+
+impl ParallelPlan {
+    /// The plan of `config` on `mesh`, once the model splits over it: the split axes divide its
+    /// heads, columns and experts, there are no more stages than layers, `train.pipeline_layers`
+    /// gives each stage its count, and the batch cuts into whole micro-batches. Each error is
+    /// one line that names the numbers.
+    pub fn new(config: &Config, mesh: Mesh) -> Result<ParallelPlan> {
+        mesh.check_model(&config.model).map_err(|e| anyhow!("{e}"))?;
+        check_layers(config, mesh.size(Axis::Pipeline)).map_err(|e| anyhow!("{e}"))?;
+        let microbatch = microbatch_sequences(config, &mesh).map_err(|e| anyhow!("{e}"))?;
+        Ok(ParallelPlan::build(config, mesh, microbatch))
+    }
+
+    /// The plan of `config` on its mesh over `nodes` nodes of `devices_per_node` devices
+    /// ([`Mesh::resolve`], then [`ParallelPlan::new`]).
+    pub fn resolve(config: &Config, devices_per_node: usize, nodes: usize) -> Result<ParallelPlan> {
+        let mesh = Mesh::resolve(&config.mesh, devices_per_node, nodes).map_err(|e| anyhow!("{e}"))?;
+        ParallelPlan::new(config, mesh)
+    }
+
+    /// The plan of one device training `config` alone, whatever its mesh says: the device holds
+    /// every layer (whatever `train.pipeline_layers` lists), so only the batch is checked.
+    pub fn single(config: &Config) -> Result<ParallelPlan> {
+        let mesh = Mesh::single();
+        let microbatch = microbatch_sequences(config, &mesh).map_err(|e| anyhow!("{e}"))?;
+        Ok(ParallelPlan::build(config, mesh, microbatch))
+    }
+
+    /// The plan of a checked `config` and `mesh`.
+    fn build(config: &Config, mesh: Mesh, microbatch: usize) -> ParallelPlan {
+        let t = &config.train;
+        let (stages, microbatches) = (mesh.size(Axis::Pipeline), t.pipeline_microbatches);
+        let schedules = (0..stages).map(|s| Schedule::new(t.pipeline_schedule, stages, s, microbatches)).collect();
+        let mut plan = ParallelPlan {
+            mesh,
+            stages: Vec::new(),
+            schedules,
+            microbatch,
+            microbatches,
+            batch_shards: mesh.batch_shards(),
+        };
+        plan.stages = plan.split(config);
+        plan
+    }
+
+    /// The stages: `train.pipeline_layers` when it is given, else the automatic split that
+    /// `train.pipeline_split` names. Without stages the one device holds every layer.
+    fn split(&self, config: &Config) -> Vec<Stage> {
+        let stages = self.schedules.len();
+        let layers = &config.train.pipeline_layers;
+        if stages == 1 {
+            return vec![Stage::whole(config.model.n_layers)];
+        }
+        if !layers.is_empty() {
+            assert_eq!(layers.len(), stages, "internal error: train.pipeline_layers unchecked");
+            return pipeline::from_sizes(layers);
+        }
+        match config.train.pipeline_split {
+            PipelineSplit::Compute => pipeline::split(&config.model, stages),
+            PipelineSplit::Memory => pipeline::from_sizes(&self.memory_split(config)),
+        }
+    }
+
+    /// Sequences of one `grad_accum` micro-batch, all devices together: `batch_size` × devices.
+    pub fn global_sequences(&self) -> usize {
+        self.microbatch * self.microbatches * self.batch_shards
+    }
+
+    /// The share of a step each device of the pipeline is idle, by the schedule (0 on one
+    /// stage): [`pipeline::bubble_fraction`].
+    pub fn bubble_fraction(&self) -> f64 {
+        pipeline::bubble_fraction(self.stages.len(), self.microbatches)
+    }
+
+    /// The model a device of stage `s` holds: its tensor-parallel slice of the stage's layers,
+    /// with the run's recomputation policy and batch shards.
+    pub fn stage_model(&self, config: &Config, s: usize) -> Model {
+        self.model_of(config, &self.stages[s])
+    }
+
+    /// The model a device would hold for `stage`.
+    fn model_of(&self, config: &Config, stage: &Stage) -> Model {
+        let mut model = Model::for_stage(&local_config(&config.model, self.mesh.size(Axis::Tensor)), stage);
+        model.remat = config.train.remat;
+        model.batch_shards = self.batch_shards;
+        model
+    }
+
+    /// Bytes a device of stage `s` takes on `target` when it holds `stage`.
+    fn device_estimate(&self, config: &Config, s: usize, stage: &Stage, target: Target) -> Estimate {
+        let model = self.model_of(config, stage);
+        let (in_flight, fsdp) = (self.schedules[s].in_flight, self.mesh.size(Axis::Fsdp));
+        memory::device_estimate(config, &model, self.microbatch, in_flight, fsdp, target)
+    }
+
+    /// The memory plan of a device of each stage, for this plan's `config`.
+    pub fn stage_estimates(&self, config: &Config, target: Target) -> Vec<StagePlan> {
+        let plan = |(s, stage): (usize, &Stage)| StagePlan {
+            layers: stage.layers.clone(),
+            in_flight: self.schedules[s].in_flight,
+            estimate: self.device_estimate(config, s, stage, target),
+        };
+        self.stages.iter().enumerate().map(plan).collect()
+    }
+
+    /// Bytes one device holds to train this plan's `config` on `target`, by what holds them: the
+    /// device of the pipeline stage that needs the most.
+    pub fn estimate(&self, config: &Config, target: Target) -> Estimate {
+        let stages = self.stage_estimates(config, target);
+        stages.into_iter().map(|s| s.estimate).max_by_key(Estimate::total).expect("at least one stage")
+    }
+
+    /// The layers of each stage that make the fullest stage's estimated GPU memory as small as
+    /// possible (`train.pipeline_split = "memory"`). The estimate is the CUDA one whatever the
+    /// backend, so that every device of a run computes the same split. A stage's memory grows
+    /// with its layer count (their state, and their activations once per micro-batch in
+    /// flight): each stage can take the most layers that keep it under a bound, and the least
+    /// bound for which those add up to `model.n_layers` is found among the stages' own totals.
+    /// The layers are taken as alike (a stage's memory depends on how many it holds, not which).
+    pub fn memory_split(&self, config: &Config) -> Vec<usize> {
+        let (n, stages) = (config.model.n_layers, self.schedules.len());
+        let target = Target::Cuda { sm_count: 132 };
+        // bytes[s][k - 1]: stage s holding k layers (each other stage holds at least one).
+        let most = n + 1 - stages;
+        let bytes: Vec<Vec<usize>> = (0..stages)
+            .map(|s| {
+                (1..=most)
+                    .map(|k| {
+                        let stage = Stage { layers: 0..k, first: s == 0, last: s + 1 == stages };
+                        self.device_estimate(config, s, &stage, target).total()
+                    })
+                    .collect()
+            })
+            .collect();
+        // The most layers stage s takes under `bound` (0 when not even one fits).
+        let fits = |bound: usize| -> Vec<usize> {
+            bytes.iter().map(|b| b.iter().take_while(|&&x| x <= bound).count()).collect()
+        };
+        let enough = |bound: usize| {
+            let k = fits(bound);
+            k.iter().all(|&k| k >= 1) && k.iter().sum::<usize>() >= n
+        };
+        let mut bounds: Vec<usize> = bytes.iter().flatten().copied().collect();
+        bounds.sort_unstable();
+        bounds.dedup();
+        // Every stage at `most` layers is enough, so the search ends on a bound that is.
+        let (mut lo, mut hi) = (0, bounds.len() - 1);
+        while lo < hi {
+            let mid = (lo + hi) / 2;
+            if enough(bounds[mid]) { hi = mid } else { lo = mid + 1 }
+        }
+        let mut sizes = fits(bounds[lo]);
+        // Give back the layers beyond n, from the stages holding the most (fewer layers never
+        // need more memory), so that the compute stays as even as the bound allows.
+        let mut extra = sizes.iter().sum::<usize>() - n;
+        while extra > 0 {
+            let s = (0..stages).rev().max_by_key(|&s| sizes[s]).expect("at least one stage");
+            sizes[s] -= 1;
+            extra -= 1;
+        }
+        sizes
+    }
+}
+
+/// Sequences in each pipeline micro-batch on `mesh` ([`ParallelPlan::microbatch`]). The error
+/// names the numbers.
+fn microbatch_sequences(config: &Config, mesh: &Mesh) -> Result<usize, String> {
+    let (tensor, stages) = (mesh.size(Axis::Tensor), mesh.size(Axis::Pipeline));
+    let t = &config.train;
+    let group = t.batch_size.sequences(tensor * stages)?;
+    let m = t.pipeline_microbatches;
+    if !group.is_multiple_of(m) {
+        return Err(format!(
+            "train.pipeline_microbatches = {m} does not divide the {group} sequences each pipeline reads per micro-batch (train.batch_size = {} x tensor {tensor} x pipeline {stages}); {group} mod {m} = {}",
+            t.batch_size,
+            group % m
+        ));
+    }
+    Ok(group / m)
+}
+
+/// Refuses a `train.pipeline_layers` that does not give each of the `stages` stages its count
+/// (the counts themselves are checked by [`Config::validate`]). The error names the numbers.
+fn check_layers(config: &Config, stages: usize) -> Result<(), String> {
+    let layers = &config.train.pipeline_layers;
+    if layers.is_empty() || layers.len() == stages {
+        return Ok(());
+    }
+    Err(format!(
+        "train.pipeline_layers = {layers:?} gives {} stages, but the pipeline axis has {stages} (mesh.ici_pipeline x mesh.dcn_pipeline); give one layer count per stage, or [] to split automatically",
+        layers.len()
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::recipe::{Override, resolve};
+
+    /// The fullest stage's CUDA estimate under `config`.
+    fn fullest(config: &Config, mesh: &Mesh) -> usize {
+        let target = Target::Cuda { sm_count: 132 };
+        let plan = ParallelPlan::new(config, *mesh).unwrap();
+        plan.stage_estimates(config, target).iter().map(|p| p.estimate.total()).max().unwrap()
+    }
+
+    /// The memory split is the best of every split of 7 layers into 3 stages, and it gives the
+    /// first stage (3 micro-batches in flight, activations dominating) fewer layers than the
+    /// compute split does.
+    #[test]
+    fn the_memory_split_minimises_the_fullest_stage() {
+        let sets = "model.n_layers=7 model.vocab_size=64 train.seq_len=64 train.batch_size=2 \
+                    train.pipeline_microbatches=6 mesh.ici_data=1 mesh.ici_pipeline=3";
+        let mut c = resolve("tiny-llama2", &Override::from_list(sets, "test")).unwrap().config;
+        let mesh = ParallelPlan::resolve(&c, 3, 1).unwrap().mesh;
+        let compute = ParallelPlan::new(&c, mesh).unwrap().stages;
+        let mut best = usize::MAX;
+        for a in 1..=5 {
+            for b in 1..=6 - a {
+                c.train.pipeline_layers = vec![a, b, 7 - a - b];
+                best = best.min(fullest(&c, &mesh));
+            }
+        }
+        c.train.pipeline_layers.clear();
+        c.train.pipeline_split = crate::config::PipelineSplit::Memory;
+        let plan = ParallelPlan::new(&c, mesh).unwrap();
+        let memory = plan.stages.clone();
+        assert_eq!(memory.iter().map(|s| s.layers.len()).sum::<usize>(), 7);
+        assert_eq!(fullest(&c, &mesh), best, "{memory:?}");
+        assert!(memory[0].layers.len() < compute[0].layers.len(), "memory {memory:?}, compute {compute:?}");
+        // The plans and the trainer see the same split.
+        let plans = plan.stage_estimates(&c, Target::Cpu);
+        assert_eq!(
+            plans.iter().map(|p| p.layers.clone()).collect::<Vec<_>>(),
+            memory.iter().map(|s| s.layers.clone()).collect::<Vec<_>>()
+        );
+    }
+
+    /// One device holds every layer and reads the whole batch, whatever the mesh and
+    /// `train.pipeline_layers` say; a mesh's plan checks the list.
+    #[test]
+    fn one_device_holds_every_layer() {
+        let sets = "model.n_layers=5 train.batch_size=2 train.pipeline_microbatches=2 mesh.ici_data=1 \
+                    mesh.ici_pipeline=2 train.pipeline_layers=[1,4]";
+        let c = resolve("tiny-llama2", &Override::from_list(sets, "test")).unwrap().config;
+        let one = ParallelPlan::single(&c).unwrap();
+        assert_eq!((one.stages.clone(), one.microbatch, one.global_sequences()), (vec![Stage::whole(5)], 1, 2));
+        let two = ParallelPlan::resolve(&c, 2, 1).unwrap();
+        assert_eq!(two.stages.iter().map(|s| s.layers.clone()).collect::<Vec<_>>(), vec![0..1, 1..5]);
+        assert_eq!((two.microbatch, two.global_sequences(), two.schedules[0].in_flight), (2, 4, 2));
+        let e = ParallelPlan::new(&c, Mesh::single()).unwrap_err().to_string();
+        assert!(e.contains("train.pipeline_layers = [1, 4] gives 2 stages, but the pipeline axis has 1"), "{e}");
+    }
+}
