@@ -217,8 +217,8 @@ impl Start {
     /// (the unique id travels with the rendezvous), and the parallel plan over the job's nodes.
     fn run_job(mut self, config: &Config, job: &Job, device: DeviceArg) -> Result<()> {
         let plan = parallel::plan::ParallelPlan::resolve(config, job.local_world, job.nodes())?;
-        let gpu = device == DeviceArg::Cuda
-            || (device == DeviceArg::Auto && engine::backend::cuda::device::probe().is_ok());
+        let gpu =
+            device == DeviceArg::Cuda || (device == DeviceArg::Auto && engine::backend::cuda::device::probe().is_ok());
         if !gpu {
             // One CPU device per process, joined by the TCP collectives.
             device::check_cpu_memory_of_rank(config, &plan, job.local_world)?;
@@ -227,7 +227,16 @@ impl Start {
             let mut trainer =
                 Trainer::new_parallel(Traced::new(engine::backend::cpu::Cpu::new()), config, Box::new(comm), plan)?;
             let session = self.prepare(&mut trainer, job.rank == 0)?;
+            let first = trainer.step;
             session::run(&mut trainer, &session)?;
+            let (steps, sent) = (trainer.step - first, trainer.parallel.bytes_sent().unwrap_or(0));
+            if job.rank == 0 && steps > 0 {
+                println!(
+                    "collectives: rank 0 sent {:.3} MiB to its peers over TCP, {:.3} MiB per step",
+                    sent as f64 / (1 << 20) as f64,
+                    sent as f64 / steps as f64 / (1 << 20) as f64
+                );
+            }
             return Ok(());
         }
         engine::backend::cuda::check_model(&config.model).map_err(|e| anyhow!("--device cuda: {e}"))?;

@@ -20,6 +20,11 @@ pub trait Collectives<B: Backend> {
     fn set_step(&mut self, _step: u64) {}
     /// The mesh's names for its groups (`fsdp`, `tensor`, ...), for the same messages.
     fn name_groups(&mut self, _names: Vec<(Vec<usize>, String)>) {}
+    /// Bytes this device has sent to others so far, where they travel over a network that
+    /// counts them (the TCP collectives).
+    fn bytes_sent(&self) -> Option<u64> {
+        None
+    }
     /// `buf = Σ_group buf`, in place.
     fn all_reduce_sum(&mut self, be: &mut B, buf: View, group: &[usize]);
     /// `output = (Σ_group input)[shard]`: the member at position i of the group receives the i-th

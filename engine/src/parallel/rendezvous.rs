@@ -492,6 +492,59 @@ mod tests {
     }
 
     #[test]
+    fn counts_and_ports_are_checked_in_one_line() {
+        let torch = |world: &str, local: &str, port: &str| {
+            let vars = [
+                ("MASTER_ADDR", "127.0.0.1"),
+                ("MASTER_PORT", port),
+                ("RANK", "0"),
+                ("WORLD_SIZE", world),
+                ("LOCAL_WORLD_SIZE", local),
+            ];
+            discover(env(&vars)).unwrap_err().to_string()
+        };
+        assert!(torch("0", "1", "29500").contains("WORLD_SIZE = 0: a job has at least one process"));
+        assert!(torch("2", "0", "29500").contains("LOCAL_WORLD_SIZE = 0"));
+        assert!(torch("2", "2", "0").contains("MASTER_PORT = 0 is not a port"));
+        assert!(torch("2", "2", "70000").contains("MASTER_PORT = 70000 is not a port"));
+        let vertex = [
+            ("JAX_COORDINATOR_ADDRESS", "h"),
+            ("JAX_COORDINATOR_PORT", "0"),
+            ("NODE_RANK", "0"),
+            ("NNODES", "1"),
+            ("GPUS_PER_NODE", "1"),
+        ];
+        assert!(discover(env(&vertex)).unwrap_err().to_string().contains("JAX_COORDINATOR_PORT = 0"));
+    }
+
+    #[test]
+    fn the_job_token_comes_from_the_launcher() {
+        let slurm = [
+            ("SLURM_PROCID", "0"),
+            ("SLURM_NTASKS", "2"),
+            ("SLURM_LOCALID", "0"),
+            ("SLURM_JOB_NODELIST", "n[1-2]"),
+            ("SLURM_JOB_ID", "42"),
+            ("SLURM_STEP_ID", "0"),
+        ];
+        assert_eq!(discover(env(&slurm)).unwrap().token, "slurm-42.0");
+        let mine = [&slurm[..], &[("ENGINE_JOB_TOKEN", "abc def")]].concat();
+        assert_eq!(discover(env(&mine)).unwrap().token, "abc_def");
+        assert_eq!(discover(env(&[])).unwrap().token, "-");
+    }
+
+    /// Rank 0 listens on the coordinator's address only, not on every interface.
+    #[test]
+    fn rank_0_binds_to_the_coordinators_address() {
+        let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let job = Job { coordinator: format!("127.0.0.1:{port}"), world: 2, ..Job::single() };
+        let listener = listen(&job).unwrap();
+        assert_eq!(listener.local_addr().unwrap().to_string(), format!("127.0.0.1:{port}"));
+        let taken = listen(&job).unwrap_err().to_string();
+        assert!(taken.contains("in use"), "{taken}");
+    }
+
+    #[test]
     fn slurm_node_lists() {
         assert_eq!(first_host("node[01-04,07],gpu3").as_deref(), Some("node01"));
         assert_eq!(first_host("a1,a2").as_deref(), Some("a1"));

@@ -129,7 +129,8 @@ impl<B: Backend> Parallel<B> {
         let fsdp = (fsdp_group.len() > 1).then(|| Fsdp::new(be, layout, fsdp_group.len(), coords.fsdp, fsdp_options));
         let segments =
             layout.tensors.iter().map(|t| Segment { offset: t.offset, len: t.len(), decay: t.decay }).collect();
-        let scratch = be.alloc(BufKind::Scalars, 2);
+        // Two scalars for the tensor axis's sums, and the slots of `gather_from_world`.
+        let scratch = be.alloc(BufKind::Scalars, 2.max(3 * mesh.devices()));
         Parallel {
             comm,
             mesh,
@@ -333,6 +334,11 @@ impl<B: Backend> Parallel<B> {
         self.comm.set_step(step);
     }
 
+    /// Bytes this device has sent to others, where the communicator counts them.
+    pub fn bytes_sent(&self) -> Option<u64> {
+        self.comm.bytes_sent()
+    }
+
     /// `Σ x` over every device of the mesh, for agreements between devices (whether a save is
     /// complete everywhere). Every device calls it at the same point.
     pub fn sum_over_world(&mut self, be: &mut B, x: f32) -> f32 {
@@ -351,7 +357,8 @@ impl<B: Backend> Parallel<B> {
     pub fn gather_from_world(&mut self, be: &mut B, value: u64) -> Vec<u64> {
         assert!(value < 1 << 48, "gather_from_world: {value} does not fit 48 bits");
         let world = self.mesh.devices();
-        let slots = be.alloc(BufKind::Scalars, 3 * world);
+        // Allocated once with the scratch: this runs at every step boundary.
+        let slots = self.scratch.at(0, 3 * world);
         let mut limbs = vec![0f32; 3 * world];
         for (i, limb) in limbs[3 * self.rank..3 * self.rank + 3].iter_mut().enumerate() {
             *limb = ((value >> (16 * i)) & 0xffff) as f32;

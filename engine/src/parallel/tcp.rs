@@ -30,7 +30,7 @@
 //! [`Virtual`]: super::comm::Virtual
 
 use std::collections::{HashMap, VecDeque};
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, Sender, channel};
@@ -87,13 +87,16 @@ const HELLO: &str = "ENGINE-TCP 1";
 pub struct Tcp {
     net: Arc<Net>,
     staging: Vec<f32>,
-    /// The started operations' worker and where their results come back, once started.
-    worker: Option<(Sender<Started>, Receiver<(View, Vec<f32>)>)>,
+    /// The started operations' worker, once started.
+    worker: Option<Worker>,
     pending: usize,
 }
 
 /// A started operation: all-reduce (`true`) or all-gather, its input, its output buffer, group.
 type Started = (bool, Vec<f32>, View, Vec<usize>);
+
+/// Where started operations go, and where their results come back from.
+type Worker = (Sender<Started>, Receiver<(View, Vec<f32>)>);
 
 /// The connections of one rank, shared by the step's thread, the worker and the readers.
 struct Net {
@@ -107,6 +110,8 @@ struct Net {
     step: AtomicU64,
     /// Names of the mesh's groups (axes), for messages.
     names: Mutex<Vec<(Vec<usize>, String)>>,
+    /// Bytes this rank has sent to its peers (frames and their headers).
+    sent: AtomicU64,
 }
 
 #[derive(Default)]
@@ -165,6 +170,7 @@ impl Tcp {
             timeout,
             step: AtomicU64::new(0),
             names: Mutex::new(Vec::new()),
+            sent: AtomicU64::new(0),
         });
         for (peer, reader) in readers {
             let net = net.clone();
@@ -204,8 +210,7 @@ fn accept_higher(
             Ok((stream, from)) => {
                 stream.set_nonblocking(false)?;
                 stream.set_read_timeout(Some(Duration::from_secs(10)))?;
-                let mut line = String::new();
-                let _ = BufReader::new((&stream).take(256)).read_line(&mut line);
+                let line = hello_line(&stream);
                 let rank = line
                     .trim()
                     .strip_prefix(HELLO)
@@ -233,6 +238,17 @@ fn accept_higher(
         }
     }
     Ok(())
+}
+
+/// The first line of a connection, read a byte at a time: the peer's frames may follow it at
+/// once, and a buffered reader would take them along and lose them.
+fn hello_line(mut stream: &TcpStream) -> String {
+    let mut line = Vec::new();
+    let mut byte = [0u8];
+    while line.len() < 256 && matches!(stream.read(&mut byte), Ok(1)) && byte[0] != b'\n' {
+        line.push(byte[0]);
+    }
+    String::from_utf8_lossy(&line).into_owned()
 }
 
 /// A reader thread: moves `peer`'s frames into the inbox until the connection closes.
@@ -316,6 +332,7 @@ impl Net {
         head[1..].copy_from_slice(&(data.len() as u64).to_le_bytes());
         let sent = w.write_all(&head).and_then(|()| w.write_all(bytemuck::cast_slice(data)));
         drop(w);
+        self.sent.fetch_add((head.len() + 4 * data.len()) as u64, Ordering::Relaxed);
         if let Err(e) = sent {
             let gone = self.inbox.lock().expect("inbox").gone.get(&to).cloned();
             let cause = match (gone, e.kind()) {
@@ -496,6 +513,10 @@ impl<B: Backend> Collectives<B> for Tcp {
         *self.net.names.lock().expect("names") = names;
     }
 
+    fn bytes_sent(&self) -> Option<u64> {
+        Some(self.net.sent.load(Ordering::Relaxed))
+    }
+
     fn all_reduce_sum(&mut self, be: &mut B, buf: View, group: &[usize]) {
         let data = self.download(be, buf);
         let sum = self.net.all_reduce(&Call { op: "all-reduce", group }, Lane::Step, &data);
@@ -653,6 +674,20 @@ mod tests {
             assert_eq!(t[t.len() - 1], vec![((rank + 3) % 4) as f32, 1.0], "messages arrive in order");
             assert_eq!(bits(t), bits(v), "rank {rank}: TCP and virtual devices differ");
         }
+    }
+
+    /// A peer's first frames may travel in the same packet as its hello: none may be lost.
+    #[test]
+    fn what_follows_the_hello_is_kept() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut peer = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        peer.write_all(b"ENGINE-TCP 1 t 1\nframes").unwrap();
+        let (stream, _) = listener.accept().unwrap();
+        std::thread::sleep(Duration::from_millis(50));
+        assert_eq!(hello_line(&stream), "ENGINE-TCP 1 t 1");
+        let mut rest = [0u8; 6];
+        (&stream).read_exact(&mut rest).unwrap();
+        assert_eq!(&rest, b"frames");
     }
 
     #[test]

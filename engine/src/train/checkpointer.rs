@@ -149,9 +149,19 @@ impl Checkpointer {
 
     /// Waits for the save in flight, on every device, and for its sealing; returns what
     /// completed. Every device calls it at the same point (the end of the run).
+    ///
+    /// Every device also waits for the lead's sealing: a process must not end (or say that it
+    /// stopped with a checkpoint) while the checkpoint is not yet in place, and a scheduler that
+    /// sees the other ranks end may stop the lead mid-seal.
     pub fn finish<B: Backend>(&mut self, trainer: &mut Trainer<B>) -> Result<Vec<SaveReport>> {
         self.progress(trainer, true)?;
-        Ok(self.sealed(true)?.into_iter().collect())
+        let sealed = self.sealed(true);
+        let failed = trainer.parallel.sum_over_world(&mut trainer.backend, if sealed.is_err() { 1.0 } else { 0.0 });
+        let report = sealed?;
+        if failed > 0.0 {
+            bail!("the lead (rank 0) could not seal the checkpoint: its error says why");
+        }
+        Ok(report.into_iter().collect())
     }
 
     /// Snapshots the trainer's state and starts writing this device's part.
