@@ -159,13 +159,13 @@ fn virtual_devices_train_save_and_resume_on_another_mesh() {
     std::fs::remove_dir_all(&tmp).unwrap();
 }
 
-/// A launched job trains on GPUs; asked for the CPU, every process says why it cannot.
+/// A process of a job trains one device: asked for virtual devices too, each says why not.
 #[test]
-fn a_multi_process_job_on_the_cpu_is_refused_with_the_reason() {
-    let out = engine(&["launch", "--nproc", "2", "--", "--device", "cpu", "train", "--recipe", "tiny-llama2"], &[])
-        .wait_with_output()
-        .unwrap();
+fn virtual_devices_inside_a_multi_process_job_are_refused_with_the_reason() {
+    let args =
+        ["launch", "--nproc", "2", "--", "train", "--device", "cpu", "--devices", "2", "--recipe", "tiny-llama2"];
+    let out = engine(&args, &[]).wait_with_output().unwrap();
     let (_, stderr) = text(&out);
     assert_eq!(out.status.code(), Some(2), "{stderr}");
-    assert!(stderr.contains("a multi-process job trains on one GPU per process"), "{stderr}");
+    assert!(stderr.contains("a process of a job trains one device"), "{stderr}");
 }
