@@ -12,15 +12,28 @@
 //! gets its own communicator, split from the world's the first time the group is used; every
 //! rank reaches that first use at the same point of the step (the passes are the same on every
 //! rank), which is what `ncclCommSplit`, a collective call, requires.
+//!
+//! **The watchdog.** NCCL's collectives have no deadline of their own: a lost or stopped rank
+//! leaves the others waiting forever in the kernel. Every operation is followed by an event on
+//! the communication stream; a thread of its own ([`Watchdog`]) checks the oldest event still
+//! pending and every communicator's asynchronous error (`ncclCommGetAsyncError`) a few times a
+//! second. An operation pending for `ENGINE_COLLECTIVE_TIMEOUT` seconds, or an asynchronous
+//! error (NCCL's remote-error detection of a peer that left), prints one line naming the
+//! collective, the axis, the step and the cause, aborts every communicator (`ncclCommAbort`)
+//! and exits with [`COLLECTIVE_FAILED`], as the TCP collectives do.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::ffi::c_void;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use anyhow::{Result, anyhow, bail};
 use cudarc::driver::{result as cu, sys as driver};
 use cudarc::nccl::{result, sys};
 
 use super::comm::Collectives;
+use super::tcp::{COLLECTIVE_FAILED, collective_timeout};
 use crate::backend::View;
 use crate::backend::cuda::Cuda;
 use crate::backend::traced::Traced;
@@ -33,6 +46,103 @@ pub struct Nccl {
     groups: HashMap<Vec<usize>, sys::ncclComm_t>,
     /// The communication stream, created on first use (the backend's context is current then).
     side: Option<Side>,
+    /// What the watchdog thread watches.
+    watched: Arc<Watched>,
+}
+
+/// What the watchdog of one process sees: the communicators, the operations in flight and
+/// the names of the groups, for its message.
+struct Watched {
+    state: Mutex<WatchState>,
+    step: AtomicU64,
+    timeout: Duration,
+}
+
+#[derive(Default)]
+struct WatchState {
+    /// Every communicator (as addresses: the thread only reads their errors and aborts them).
+    comms: Vec<usize>,
+    /// Operations issued and not seen complete: the event recorded after each, when it was
+    /// issued, what it is.
+    inflight: VecDeque<(usize, Instant, String)>,
+    /// The CUDA context the events belong to (as an address).
+    context: usize,
+    names: Vec<(Vec<usize>, String)>,
+}
+
+/// The watchdog's thread: started with the communicator, it ends with the process.
+struct Watchdog;
+
+impl Watchdog {
+    fn start(rank: usize, watched: Arc<Watched>) {
+        std::thread::Builder::new()
+            .name("nccl-watchdog".into())
+            .spawn(move || {
+                let mut current = 0usize;
+                loop {
+                    std::thread::sleep(Duration::from_millis(250));
+                    if let Some(cause) = Watchdog::check(&watched, &mut current) {
+                        Watchdog::fail(rank, &watched, &cause);
+                    }
+                }
+            })
+            .expect("starting the NCCL watchdog");
+    }
+
+    /// The first failure seen, if any: an asynchronous error, or the oldest pending operation
+    /// past the deadline. Completed operations are dropped.
+    fn check(watched: &Watched, current: &mut usize) -> Option<String> {
+        let mut state = watched.state.lock().ok()?;
+        for &comm in &state.comms {
+            let mut error = sys::ncclResult_t::ncclSuccess;
+            // SAFETY: a live communicator (they are destroyed with the process); the call is
+            // thread-safe by NCCL's documentation.
+            unsafe { sys::ncclCommGetAsyncError(comm as sys::ncclComm_t, &mut error) };
+            if !matches!(error, sys::ncclResult_t::ncclSuccess | sys::ncclResult_t::ncclInProgress) {
+                let what = state.inflight.front().map_or("a collective", |(_, _, what)| what.as_str()).to_owned();
+                return Some(format!("{what}: NCCL reports {error:?} (a peer left, or its network failed)"));
+            }
+        }
+        if state.context != *current && state.context != 0 {
+            // SAFETY: the backend's context, alive for the process.
+            unsafe { cu::ctx::set_current(state.context as driver::CUcontext) }.ok()?;
+            *current = state.context;
+        }
+        while let Some(&(event, issued, _)) = state.inflight.front() {
+            // SAFETY: an event this process created and has not destroyed.
+            match unsafe { driver::cuEventQuery(event as driver::CUevent) } {
+                driver::CUresult::CUDA_SUCCESS => {
+                    // SAFETY: as above, destroyed once.
+                    let _ = unsafe { cu::event::destroy(event as driver::CUevent) };
+                    state.inflight.pop_front();
+                }
+                driver::CUresult::CUDA_ERROR_NOT_READY if issued.elapsed() < watched.timeout => break,
+                driver::CUresult::CUDA_ERROR_NOT_READY => {
+                    let what = &state.inflight.front().expect("pending").2;
+                    return Some(format!(
+                        "{what}: not complete after {:.0} s (ENGINE_COLLECTIVE_TIMEOUT): a rank is stopped, stuck, lost, or far behind",
+                        watched.timeout.as_secs_f64()
+                    ));
+                }
+                other => return Some(format!("the GPU failed while a collective ran: {other:?}")),
+            }
+        }
+        None
+    }
+
+    fn fail(rank: usize, watched: &Watched, cause: &str) -> ! {
+        let step = watched.step.load(Ordering::Relaxed);
+        let at = if step == 0 { "before the first step".to_owned() } else { format!("at step {step}") };
+        eprintln!("error: rank {rank}: {cause} ({at}); aborting the NCCL communicators");
+        if let Ok(state) = watched.state.lock() {
+            for &comm in &state.comms {
+                // SAFETY: a live communicator; aborting from another thread is how NCCL
+                // releases a rank blocked in a collective.
+                unsafe { sys::ncclCommAbort(comm as sys::ncclComm_t) };
+            }
+        }
+        std::process::exit(COLLECTIVE_FAILED);
+    }
 }
 
 /// The communication stream and its events.
@@ -75,7 +185,13 @@ impl Nccl {
         // SAFETY: a valid out pointer and id; collective over the `size` ranks of the job.
         unsafe { result::comm_init_rank(&mut world, size as i32, unique, rank as i32) }
             .map_err(|e| anyhow!("NCCL: rank {rank} of {size} cannot join the job: {e:?}"))?;
-        Ok(Nccl { rank, world, size, groups: HashMap::new(), side: None })
+        let watched = Arc::new(Watched {
+            state: Mutex::new(WatchState { comms: vec![world as usize], ..WatchState::default() }),
+            step: AtomicU64::new(0),
+            timeout: collective_timeout()?,
+        });
+        Watchdog::start(rank, watched.clone());
+        Ok(Nccl { rank, world, size, groups: HashMap::new(), side: None, watched })
     }
 
     /// The communicator of `group`: the world's, or one split from it on first use.
@@ -94,12 +210,42 @@ impl Nccl {
             .result()
             .unwrap_or_else(|e| panic!("NCCL: cannot create the communicator of group {group:?}: {e:?}"));
         self.groups.insert(group.to_vec(), comm);
+        self.watched.state.lock().expect("watchdog state").comms.push(comm as usize);
         comm
+    }
+
+    /// Hands the operation just issued on the communication stream to the watchdog.
+    fn watch(&mut self, op: &str, group: &[usize]) {
+        let Some(side) = &self.side else { return };
+        let flags = driver::CUevent_flags::CU_EVENT_DISABLE_TIMING;
+        let event = stream_check("creating an event", cu::event::create(flags));
+        // SAFETY: a live event and stream of this context.
+        stream_check("recording", unsafe { cu::event::record(event, side.stream) });
+        let mut state = self.watched.state.lock().expect("watchdog state");
+        if state.context == 0 {
+            // SAFETY: reads the calling thread's current context (the backend's).
+            let mut ctx = std::ptr::null_mut();
+            unsafe { driver::cuCtxGetCurrent(&mut ctx) };
+            state.context = ctx as usize;
+        }
+        let axis = match state.names.iter().find(|(g, _)| g == group) {
+            Some((_, name)) => format!("the {name} axis (ranks {group:?})"),
+            None => format!("ranks {group:?}"),
+        };
+        state.inflight.push_back((event as usize, Instant::now(), format!("{op} over {axis}")));
     }
 }
 
 impl Drop for Nccl {
     fn drop(&mut self) {
+        // The watchdog stops watching before the communicators and events go.
+        if let Ok(mut state) = self.watched.state.lock() {
+            state.comms.clear();
+            for (event, _, _) in state.inflight.drain(..) {
+                // SAFETY: an event this process created, destroyed once.
+                let _ = unsafe { cu::event::destroy(event as driver::CUevent) };
+            }
+        }
         for comm in self.groups.values().copied().chain([self.world]) {
             // SAFETY: communicators this struct created, destroyed once.
             let _ = unsafe { result::comm_destroy(comm) };
@@ -165,6 +311,7 @@ impl Nccl {
         check("all-reduce", unsafe {
             result::all_reduce(ptr, ptr, buf.len, dtype, sys::ncclRedOp_t::ncclSum, comm, stream)
         });
+        self.watch("all-reduce", group);
     }
 
     fn all_gather_on_side(&mut self, be: &mut Cuda, input: View, output: View, group: &[usize]) {
@@ -175,6 +322,7 @@ impl Nccl {
         let stream = self.begin(be);
         // SAFETY: live device buffers of the asserted sizes, ordered by events.
         check("all-gather", unsafe { result::all_gather(src, dst, input.len, t, comm, stream) });
+        self.watch("all-gather", group);
     }
 }
 
@@ -202,6 +350,14 @@ impl Collectives<Cuda> for Nccl {
         self.rank
     }
 
+    fn set_step(&mut self, step: u64) {
+        self.watched.step.store(step, Ordering::Relaxed);
+    }
+
+    fn name_groups(&mut self, names: Vec<(Vec<usize>, String)>) {
+        self.watched.state.lock().expect("watchdog state").names = names;
+    }
+
     fn all_reduce_sum(&mut self, be: &mut Cuda, buf: View, group: &[usize]) {
         self.all_reduce(be, buf, group);
         self.join(be);
@@ -219,6 +375,7 @@ impl Collectives<Cuda> for Nccl {
         check("reduce-scatter", unsafe {
             result::reduce_scatter(src, dst, output.len, t, sys::ncclRedOp_t::ncclSum, comm, stream)
         });
+        self.watch("reduce-scatter", group);
         self.join(be);
         be.written(output);
     }
@@ -261,6 +418,8 @@ impl Collectives<Cuda> for Nccl {
             check("recv", unsafe { result::recv(ptr, buf.len, dtype, from as i32, world, stream) });
         }
         check("group end", result::group_end());
+        let peers: Vec<usize> = sends.iter().chain(recvs).map(|&(_, r)| r).chain([self.rank]).collect();
+        self.watch("pipeline send/receive", &peers);
         self.join(be);
         for &(buf, _) in recvs {
             be.written(buf);
@@ -282,6 +441,14 @@ impl Collectives<Cuda> for Nccl {
 impl Collectives<Traced<Cuda>> for Nccl {
     fn rank(&self) -> usize {
         self.rank
+    }
+
+    fn set_step(&mut self, step: u64) {
+        Collectives::<Cuda>::set_step(self, step)
+    }
+
+    fn name_groups(&mut self, names: Vec<(Vec<usize>, String)>) {
+        Collectives::<Cuda>::name_groups(self, names)
     }
 
     fn all_reduce_sum(&mut self, be: &mut Traced<Cuda>, buf: View, group: &[usize]) {
