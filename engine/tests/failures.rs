@@ -252,7 +252,9 @@ fn curve(run: &Path) -> Vec<(u64, u64)> {
 /// The loss curve of an uninterrupted two-process run of `steps` steps (the checkpoints' cadence
 /// does not change it).
 fn reference(steps: usize) -> Vec<(u64, u64)> {
-    static CURVES: Mutex<Vec<(usize, Vec<(u64, u64)>)>> = Mutex::new(Vec::new());
+    /// Curves already run, by step count.
+    type Curves = Vec<(usize, Vec<(u64, u64)>)>;
+    static CURVES: Mutex<Curves> = Mutex::new(Vec::new());
     let mut curves = CURVES.lock().unwrap_or_else(|e| e.into_inner());
     if let Some((_, curve)) = curves.iter().find(|c| c.0 == steps) {
         return curve.clone();

@@ -613,7 +613,7 @@ mod tests {
     /// (values of very different magnitudes, lengths that do not divide evenly).
     fn exercise(rank: usize, comm: &mut dyn Collectives<Cpu>, be: &mut Cpu) -> Vec<Vec<f32>> {
         let world: Vec<usize> = (0..4).collect();
-        let pairs = if rank % 2 == 0 { vec![0, 2] } else { vec![1, 3] };
+        let pairs = if rank.is_multiple_of(2) { vec![0, 2] } else { vec![1, 3] };
         let value = |i: usize| ((rank * 7919 + i * 104_729) % 1000) as f32 * 10f32.powi((i % 9) as i32 - 4);
         let mut out = Vec::new();
         let read = |be: &mut Cpu, v: View| {
