@@ -8,10 +8,13 @@
 //!    being the first host of `SLURM_JOB_NODELIST`;
 //! 3. torchrun: `MASTER_ADDR`, `MASTER_PORT`, `RANK`, `WORLD_SIZE`, `LOCAL_RANK`.
 //!
-//! Then rank 0 listens on the coordinator address, every other rank connects and says who it
-//! is, and once all have arrived rank 0 hands each the same payload (NCCL's unique id). A rank
-//! that never arrives makes rank 0 fail after the timeout with the missing ranks named, and
-//! rank 0 tells the others why.
+//! Then rank 0 listens on the coordinator's address (only there), every other rank connects and
+//! says who it is, its job's token and what it brings (the address of its TCP collectives'
+//! listener), and once all have arrived rank 0 hands each the same payload (NCCL's unique id)
+//! and what every rank brought. Each connection's hello is read on a thread of its own, so a
+//! stranger (a port scan, a health probe) is named and dropped without holding anyone up, and a
+//! rank of another job (another token) is turned away. A rank that never arrives makes rank 0
+//! fail after the timeout with the missing ranks named, and rank 0 tells the others why.
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Read, Write};
