@@ -510,19 +510,7 @@ mod signals {
     }
 
     pub fn install() -> Result<()> {
-        for signal in [libc::SIGTERM, libc::SIGINT, libc::SIGUSR1] {
-            // SAFETY: a zeroed sigaction is valid; the handler only touches atomics.
-            unsafe {
-                let mut action: libc::sigaction = std::mem::zeroed();
-                action.sa_sigaction = on_signal as extern "C" fn(libc::c_int) as libc::sighandler_t;
-                action.sa_flags = libc::SA_RESTART;
-                libc::sigemptyset(&mut action.sa_mask);
-                if libc::sigaction(signal, &action, std::ptr::null_mut()) != 0 {
-                    return Err(std::io::Error::last_os_error()).context("cannot handle signals");
-                }
-            }
-        }
-        Ok(())
+        engine::train::signals::handle(&engine::train::signals::STOP_SIGNALS, on_signal)
     }
 
     /// Signals received so far, and the last one.

@@ -12,6 +12,7 @@ use engine::checkpoint::{Checkpoint, Extras};
 use engine::config::{Config, Override};
 use engine::hf::HfModel;
 use engine::model::Layout;
+use engine::parallel::comm::Collectives;
 use engine::parallel::{self, rendezvous::Job};
 use engine::train::Trainer;
 use engine::train::run_dir::{Decision, Resume, RunDir};
@@ -213,31 +214,18 @@ impl Start {
         Ok(())
     }
 
-    /// One process of a multi-process job: its GPU (the local rank), the NCCL communicator
-    /// (the unique id travels with the rendezvous), and the parallel plan over the job's nodes.
+    /// One process of a multi-process job, with the parallel plan over the job's nodes: on a
+    /// GPU (the local rank) joined by NCCL (the unique id travels with the rendezvous), or on
+    /// the CPU joined by the TCP collectives.
     fn run_job(mut self, config: &Config, job: &Job, device: DeviceArg) -> Result<()> {
         let plan = parallel::plan::ParallelPlan::resolve(config, job.local_world, job.nodes())?;
         let gpu =
             device == DeviceArg::Cuda || (device == DeviceArg::Auto && engine::backend::cuda::device::probe().is_ok());
         if !gpu {
-            // One CPU device per process, joined by the TCP collectives.
             device::check_cpu_memory_of_rank(config, &plan, job.local_world)?;
             self.peak = device::peak(&Opened::Cpu(engine::backend::cpu::Cpu::new()), config);
-            let comm = parallel::job::tcp_communicator(job)?;
-            let mut trainer =
-                Trainer::new_parallel(Traced::new(engine::backend::cpu::Cpu::new()), config, Box::new(comm), plan)?;
-            let session = self.prepare(&mut trainer, job.rank == 0)?;
-            let first = trainer.step;
-            session::run(&mut trainer, &session)?;
-            let (steps, sent) = (trainer.step - first, trainer.parallel.bytes_sent().unwrap_or(0));
-            if job.rank == 0 && steps > 0 {
-                println!(
-                    "collectives: rank 0 sent {:.3} MiB to its peers over TCP, {:.3} MiB per step",
-                    sent as f64 / (1 << 20) as f64,
-                    sent as f64 / steps as f64 / (1 << 20) as f64
-                );
-            }
-            return Ok(());
+            let comm = Box::new(parallel::job::tcp_communicator(job)?);
+            return self.run_rank(engine::backend::cpu::Cpu::new(), comm, config, plan, job);
         }
         engine::backend::cuda::check_model(&config.model).map_err(|e| anyhow!("--device cuda: {e}"))?;
         let gpu = engine::backend::cuda::Cuda::new(job.local_rank)
@@ -245,10 +233,29 @@ impl Start {
         let opened = Opened::Cuda(Box::new(gpu));
         self.peak = device::peak(&opened, config);
         let Opened::Cuda(gpu) = opened else { unreachable!() };
-        let comm = parallel::job::nccl_communicator(job)?;
-        let mut trainer = Trainer::new_parallel(Traced::new(*gpu), config, Box::new(comm), plan)?;
+        let comm = Box::new(parallel::job::nccl_communicator(job)?);
+        self.run_rank(*gpu, comm, config, plan, job)
+    }
+
+    /// Trains this rank of a job; rank 0 ends with the bytes it sent, where the communicator
+    /// counts them.
+    fn run_rank<B: Backend>(
+        self,
+        backend: B,
+        comm: Box<dyn Collectives<Traced<B>> + Send>,
+        config: &Config,
+        plan: parallel::plan::ParallelPlan,
+        job: &Job,
+    ) -> Result<()> {
+        let mut trainer = Trainer::new_parallel(Traced::new(backend), config, comm, plan)?;
         let session = self.prepare(&mut trainer, job.rank == 0)?;
+        let first = trainer.step;
         session::run(&mut trainer, &session)?;
+        let steps = trainer.step - first;
+        if let (0, Some(sent), 1..) = (job.rank, trainer.parallel.bytes_sent(), steps) {
+            let mib = sent as f64 / (1 << 20) as f64;
+            println!("collectives: rank 0 sent {mib:.3} MiB to its peers, {:.3} MiB per step", mib / steps as f64);
+        }
         Ok(())
     }
 

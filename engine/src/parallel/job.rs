@@ -8,29 +8,36 @@ use anyhow::{Context, Result};
 
 use super::nccl::{self, Nccl};
 use super::rendezvous::{self, Job};
-use super::tcp::{self, Tcp};
+use super::tcp::Tcp;
 
 /// How long a rendezvous waits for every rank: `asked` (a command-line flag), else the
 /// `ENGINE_RENDEZVOUS_TIMEOUT` variable, else 300 seconds.
 pub fn rendezvous_timeout(asked: Option<f64>) -> Result<Duration> {
-    let seconds = match (asked, std::env::var("ENGINE_RENDEZVOUS_TIMEOUT")) {
+    seconds(asked, "ENGINE_RENDEZVOUS_TIMEOUT", 300.0)
+}
+
+/// How long a collective waits for its peers: the `ENGINE_COLLECTIVE_TIMEOUT` variable, else
+/// 600 seconds, PyTorch's default for NCCL, long enough for a slow checkpoint or evaluation on
+/// one rank.
+pub fn collective_timeout() -> Result<Duration> {
+    seconds(None, "ENGINE_COLLECTIVE_TIMEOUT", 600.0)
+}
+
+/// `asked`, else the variable `var`, else `default`: a positive number of seconds.
+fn seconds(asked: Option<f64>, var: &str, default: f64) -> Result<Duration> {
+    let seconds = match (asked, std::env::var(var)) {
         (Some(s), _) => s,
-        (None, Ok(v)) => {
-            v.trim().parse().with_context(|| format!("ENGINE_RENDEZVOUS_TIMEOUT = `{v}` is not a number"))?
-        }
-        (None, Err(_)) => 300.0,
+        (None, Ok(v)) => v.trim().parse().with_context(|| format!("{var} = `{v}` is not a number"))?,
+        (None, Err(_)) => default,
     };
-    anyhow::ensure!(
-        seconds > 0.0 && seconds.is_finite(),
-        "the rendezvous timeout must be a positive number of seconds"
-    );
+    anyhow::ensure!(seconds > 0.0 && seconds.is_finite(), "{var}: the timeout must be a positive number of seconds");
     Ok(Duration::from_secs_f64(seconds))
 }
 
 /// The job's TCP collectives, for a multi-process job on CPUs: every rank connects to every
 /// other after the rendezvous; collectives wait `ENGINE_COLLECTIVE_TIMEOUT` seconds at most.
 pub fn tcp_communicator(job: &Job) -> Result<Tcp> {
-    Tcp::connect(job, rendezvous_timeout(None)?, tcp::collective_timeout()?)
+    Tcp::connect(job, rendezvous_timeout(None)?, collective_timeout()?)
 }
 
 /// The job's NCCL communicator: rank 0 makes the unique id, the rendezvous hands it to every
@@ -38,5 +45,5 @@ pub fn tcp_communicator(job: &Job) -> Result<Tcp> {
 pub fn nccl_communicator(job: &Job) -> Result<Nccl> {
     let id = if job.rank == 0 { nccl::unique_id()? } else { Vec::new() };
     let id = rendezvous::rendezvous(job, rendezvous_timeout(None)?, move || id)?;
-    Nccl::init(&id, job.rank, job.world)
+    Nccl::init(&id, job.rank, job.world, collective_timeout()?)
 }

@@ -33,7 +33,7 @@ use cudarc::driver::{result as cu, sys as driver};
 use cudarc::nccl::{result, sys};
 
 use super::comm::Collectives;
-use super::tcp::{COLLECTIVE_FAILED, collective_timeout};
+use super::tcp::COLLECTIVE_FAILED;
 use crate::backend::View;
 use crate::backend::cuda::Cuda;
 use crate::backend::traced::Traced;
@@ -172,8 +172,9 @@ pub fn unique_id() -> Result<Vec<u8>> {
 
 impl Nccl {
     /// Joins the job's world communicator as `rank` of `size`, on the GPU current on this
-    /// thread (the backend's), with the id rank 0 created.
-    pub fn init(id: &[u8], rank: usize, size: usize) -> Result<Nccl> {
+    /// thread (the backend's), with the id rank 0 created; the watchdog allows each operation
+    /// `timeout`.
+    pub fn init(id: &[u8], rank: usize, size: usize, timeout: Duration) -> Result<Nccl> {
         let mut unique = sys::ncclUniqueId { internal: [0; 128] };
         if id.len() != unique.internal.len() {
             bail!("NCCL: the unique id from rank 0 has {} bytes, {} expected", id.len(), unique.internal.len());
@@ -188,7 +189,7 @@ impl Nccl {
         let watched = Arc::new(Watched {
             state: Mutex::new(WatchState { comms: vec![world as usize], ..WatchState::default() }),
             step: AtomicU64::new(0),
-            timeout: collective_timeout()?,
+            timeout,
         });
         Watchdog::start(rank, watched.clone());
         Ok(Nccl { rank, world, size, groups: HashMap::new(), side: None, watched })

@@ -47,24 +47,6 @@ use crate::backend::{Backend, View};
 /// 75, `EX_TEMPFAIL`: the job can be restarted and resume from its last checkpoint.
 pub const COLLECTIVE_FAILED: i32 = 75;
 
-/// How long a collective waits for its peers when `ENGINE_COLLECTIVE_TIMEOUT` is not set:
-/// PyTorch's default for NCCL, long enough for a slow checkpoint or evaluation on one rank.
-pub const DEFAULT_TIMEOUT_S: f64 = 600.0;
-
-/// `ENGINE_COLLECTIVE_TIMEOUT`, in seconds, or the default.
-pub fn collective_timeout() -> Result<Duration> {
-    let seconds = match std::env::var("ENGINE_COLLECTIVE_TIMEOUT") {
-        Ok(v) => v
-            .trim()
-            .parse::<f64>()
-            .ok()
-            .filter(|s| *s > 0.0 && s.is_finite())
-            .with_context(|| format!("ENGINE_COLLECTIVE_TIMEOUT = `{v}` is not a positive number of seconds"))?,
-        Err(_) => DEFAULT_TIMEOUT_S,
-    };
-    Ok(Duration::from_secs_f64(seconds))
-}
-
 /// Which stream of messages between two ranks a message belongs to.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
 #[repr(u8)]
@@ -406,9 +388,15 @@ impl Net {
         let mine = &parts[me];
         let mut sum = vec![0f32; mine.len()];
         for &member in call.group {
-            let part = if member == self.rank { data[mine.clone()].to_vec() } else { received.next().expect("a part") };
+            let got;
+            let part = if member == self.rank {
+                &data[mine.clone()]
+            } else {
+                got = received.next().expect("a part");
+                &got
+            };
             check_len(call, member, part.len(), sum.len());
-            sum.iter_mut().zip(&part).for_each(|(s, x)| *s += x);
+            sum.iter_mut().zip(part).for_each(|(s, x)| *s += x);
         }
         sum
     }
@@ -445,7 +433,11 @@ impl Net {
         let mut received = self.recv_all(call, &others, lane).into_iter();
         let mut all = Vec::with_capacity(data.len());
         for (i, &member) in call.group.iter().enumerate() {
-            let chunk = if member == self.rank { mine.clone() } else { received.next().expect("a chunk") };
+            if member == self.rank {
+                all.extend_from_slice(&mine);
+                continue;
+            }
+            let chunk = received.next().expect("a chunk");
             check_len(call, member, chunk.len(), chunks[i].len());
             all.extend(chunk);
         }

@@ -162,7 +162,8 @@ pub(super) fn nccl_alone(mut gpu: Cuda) -> Result<String, String> {
     use crate::parallel::comm::Collectives;
     use crate::parallel::nccl::{Nccl, unique_id};
     let id = unique_id().map_err(|e| e.to_string())?;
-    let mut comm = Nccl::init(&id, 0, 1).map_err(|e| e.to_string())?;
+    let timeout = crate::parallel::job::collective_timeout().map_err(|e| e.to_string())?;
+    let mut comm = Nccl::init(&id, 0, 1, timeout).map_err(|e| e.to_string())?;
     let n = 1000;
     // Small integers: exact in bf16 too.
     let x: Vec<f32> = (0..n).map(|i| (i % 200) as f32 - 100.0).collect();

@@ -42,12 +42,17 @@ pub fn name(signal: i32) -> &'static str {
 
 /// Installs the handlers of [`STOP_SIGNALS`] for the rest of the process's life.
 pub fn install() -> anyhow::Result<()> {
-    for signal in STOP_SIGNALS {
-        // SAFETY: a zeroed sigaction is valid; the handler only performs async-signal-safe
-        // operations (atomics, write, _exit).
+    handle(&STOP_SIGNALS, handler)
+}
+
+/// Makes `handler` handle each of `signals` (with `SA_RESTART`), for the rest of the process's
+/// life; `handler` must do only what is async-signal-safe (atomics, `write`, `_exit`).
+pub fn handle(signals: &[i32], handler: extern "C" fn(libc::c_int)) -> anyhow::Result<()> {
+    for &signal in signals {
+        // SAFETY: a zeroed sigaction is valid; the handler is async-signal-safe (above).
         let failed = unsafe {
             let mut action: libc::sigaction = std::mem::zeroed();
-            action.sa_sigaction = handler as extern "C" fn(libc::c_int) as libc::sighandler_t;
+            action.sa_sigaction = handler as libc::sighandler_t;
             action.sa_flags = libc::SA_RESTART;
             libc::sigemptyset(&mut action.sa_mask);
             libc::sigaction(signal, &action, std::ptr::null_mut()) != 0
