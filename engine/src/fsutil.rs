@@ -41,15 +41,57 @@ pub fn remove_stale_temporaries(dir: &Path, prefix: &str) -> Result<()> {
             continue;
         }
         let Some(pid) = name.rsplit_once(".tmp-").and_then(|(_, p)| p.parse::<i32>().ok()) else { continue };
-        // SAFETY: signal 0 only asks whether the process exists.
-        let alive = pid == std::process::id() as i32 || unsafe { libc::kill(pid, 0) } == 0;
-        if !alive {
+        if !process_alive(pid) {
             let path = entry.path();
             let removed = if path.is_dir() { fs::remove_dir_all(&path) } else { fs::remove_file(&path) };
             removed.with_context(|| format!("cannot remove {}, left by a killed process", path.display()))?;
         }
     }
     Ok(())
+}
+
+/// Whether process `pid` exists (this process included): a temporary named for a process that
+/// does not is what a killed process left.
+pub fn process_alive(pid: i32) -> bool {
+    // SAFETY: signal 0 only asks whether the process exists.
+    pid == std::process::id() as i32 || (pid > 0 && unsafe { libc::kill(pid, 0) } == 0)
+}
+
+/// Whether `name` is a plain relative path: one or more ordinary components, nothing absolute,
+/// no `.` or `..`, no empty component (`a//b`). What a file name read from a file (a
+/// checkpoint's `state.json`, an index) must be before it is joined to a directory.
+pub fn is_plain_relative(name: &str) -> bool {
+    !name.is_empty()
+        && !name.starts_with('/')
+        && name.split('/').all(|c| !c.is_empty() && c != "." && c != "..")
+        && Path::new(name).components().all(|c| matches!(c, std::path::Component::Normal(_)))
+}
+
+/// Where `path` leads once every symbolic link is followed, if that is a regular file under
+/// `root` (itself canonical, as [`fs::canonicalize`] gives it). Otherwise an error that says
+/// why: the file is missing, leaves `root` (through a symbolic link, absolute or relative), or
+/// is not a regular file (a directory, a device, a FIFO).
+pub fn regular_file_under(path: &Path, root: &Path) -> std::result::Result<std::path::PathBuf, String> {
+    let p = path.display();
+    let real = fs::canonicalize(path).map_err(|e| match fs::symlink_metadata(path) {
+        Ok(m) if m.file_type().is_symlink() => {
+            let to = fs::read_link(path).map(|t| t.display().to_string()).unwrap_or_default();
+            format!("{p} is a symbolic link to {to}, which does not exist")
+        }
+        _ => format!("cannot read {p}: {e}"),
+    })?;
+    if !real.starts_with(root) {
+        return Err(format!(
+            "{p} leads outside {} (a symbolic link to {}); copy the file in instead (cp -L)",
+            root.display(),
+            real.display()
+        ));
+    }
+    let meta = fs::metadata(&real).map_err(|e| format!("cannot read {p}: {e}"))?;
+    if !meta.is_file() {
+        return Err(format!("{p} is not a regular file"));
+    }
+    Ok(real)
 }
 
 /// An exclusive hold on a directory for this process's life: an OS lock on `DIR/.lock`, so a
@@ -79,15 +121,34 @@ impl DirLock {
     /// Takes the lock of `dir` (which must exist) without waiting: the lock, or, when another
     /// process holds it, that process's PID as it wrote it (none if it has not yet). An error
     /// is a failure to open or lock the file, not a lock held elsewhere.
+    ///
+    /// The lock file is opened without following a symbolic link and must be a regular file
+    /// with no other name (a hard link), since taking the lock rewrites it: a `.lock` that is
+    /// a link to another file is refused, never written through.
     pub fn try_acquire(dir: &Path) -> Result<std::result::Result<DirLock, Option<String>>> {
+        use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
         let path = dir.join(".lock");
+        let p = path.display();
+        let refuse =
+            |what: &str| anyhow::anyhow!("{p} is {what}, not the lock file this engine writes; remove it and retry");
         let mut file = fs::OpenOptions::new()
             .read(true)
             .write(true)
             .create(true)
             .truncate(false)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
             .open(&path)
-            .with_context(|| format!("cannot open {}", path.display()))?;
+            .map_err(|e| match e.raw_os_error() {
+                Some(libc::ELOOP) => refuse("a symbolic link"),
+                _ => anyhow::Error::new(e).context(format!("cannot open {p}")),
+            })?;
+        let meta = file.metadata().with_context(|| format!("cannot open {p}"))?;
+        if !meta.is_file() {
+            return Err(refuse("not a regular file"));
+        }
+        if meta.nlink() > 1 {
+            return Err(refuse("a hard link to another file"));
+        }
         match file.try_lock() {
             Ok(()) => {}
             Err(fs::TryLockError::WouldBlock) => {
@@ -138,6 +199,59 @@ mod tests {
         remove_stale_temporaries(dir.path(), ".").unwrap();
         assert!(!dead.exists() && !dead_dir.exists() && live.exists());
         assert!(dir.path().join("keep.tmp-4194305").exists(), "only hidden names are temporaries");
+    }
+
+    /// A `.lock` that is a symbolic or hard link to another file is refused and the file left
+    /// as it was: taking the lock rewrites the lock file.
+    #[test]
+    fn a_lock_file_that_links_elsewhere_is_refused_and_not_written() {
+        let dir = tempfile::tempdir().unwrap();
+        let victim = dir.path().join("victim");
+        fs::write(&victim, b"precious").unwrap();
+        let run = dir.path().join("run");
+        fs::create_dir(&run).unwrap();
+        std::os::unix::fs::symlink(&victim, run.join(".lock")).unwrap();
+        let e = DirLock::acquire(&run, "run directory", "wait").unwrap_err().to_string();
+        assert!(e.contains(".lock is a symbolic link, not the lock file this engine writes; remove it"), "{e}");
+        fs::remove_file(run.join(".lock")).unwrap();
+        fs::hard_link(&victim, run.join(".lock")).unwrap();
+        let e = DirLock::acquire(&run, "run directory", "wait").unwrap_err().to_string();
+        assert!(e.contains(".lock is a hard link to another file"), "{e}");
+        assert_eq!(fs::read(&victim).unwrap(), b"precious");
+        fs::remove_file(run.join(".lock")).unwrap();
+        fs::create_dir(run.join(".lock")).unwrap();
+        let e = DirLock::acquire(&run, "run directory", "wait").unwrap_err();
+        assert!(format!("{e:#}").contains(".lock"), "{e:#}");
+    }
+
+    #[test]
+    fn plain_relative_names_and_files_under_a_root() {
+        for ok in ["a", "hf/config.json", "shard-00000-of-00001.json"] {
+            assert!(is_plain_relative(ok), "{ok}");
+        }
+        for bad in ["", "/etc/passwd", "hf//tmp/x", "../x", "hf/../../x", "./a", "a/.", "a/"] {
+            assert!(!is_plain_relative(bad), "{bad}");
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let root = fs::canonicalize(dir.path()).unwrap().join("root");
+        fs::create_dir_all(root.join("sub")).unwrap();
+        fs::write(root.join("sub/blob"), b"x").unwrap();
+        fs::write(dir.path().join("outside"), b"x").unwrap();
+        std::os::unix::fs::symlink("sub/blob", root.join("inner")).unwrap();
+        std::os::unix::fs::symlink("../outside", root.join("relative-out")).unwrap();
+        std::os::unix::fs::symlink("/etc/hostname", root.join("absolute-out")).unwrap();
+        std::os::unix::fs::symlink("missing", root.join("dangling")).unwrap();
+        assert_eq!(regular_file_under(&root.join("inner"), &root).unwrap(), root.join("sub/blob"));
+        for (name, expected) in [
+            ("relative-out", "leads outside"),
+            ("absolute-out", "leads outside"),
+            ("dangling", "is a symbolic link to missing, which does not exist"),
+            ("sub", "is not a regular file"),
+            ("absent", "cannot read"),
+        ] {
+            let e = regular_file_under(&root.join(name), &root).unwrap_err();
+            assert!(e.contains(expected), "{name}: {e}");
+        }
     }
 
     #[test]
