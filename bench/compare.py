@@ -1,13 +1,21 @@
 #!/usr/bin/env python3
-"""The engine and PyTorch side by side on one machine: `engine bench`, then PyTorch eager, then
-PyTorch + torch.compile (bench/torch_train.py), the same recipe and shapes, interleaved over
-several rounds so that drifting clocks or a noisy neighbour touch every peer alike. Prints the
-median tokens/s of each, their TFLOP/s and MFU by the engine's FLOP convention (FLOPs per token
-from `engine recipes show`, peak from the engine's device table), and the engine's speed over
-each peer's. Nothing is asserted: the figures are for docs/PERF.md.
+"""The engine and its peers side by side on one machine, the same recipe and shapes, interleaved
+over several rounds so that drifting clocks or a noisy neighbour touch every peer alike:
+
+- `engine`: `engine bench`;
+- `eager`: PyTorch eager (bench/torch_train.py: transformers' model, SDPA, fused AdamW);
+- `compile-blocks`: PyTorch + torch.compile of each decoder layer, as torchtitan sets it up;
+- `compile-whole`: PyTorch + torch.compile of the forward pass and the loss together;
+- `jax`: the seeds' stack, a MaxText-style step in JAX with cuDNN flash attention
+  (bench/jax_train.py; `--jax-attention xla` on a CPU).
+
+Prints the median tokens/s of each, their TFLOP/s and MFU by the engine's FLOP convention (FLOPs
+per token from `engine recipes show`, peak from the engine's device table), and the engine's
+speed over each peer's and over the fastest. Nothing is asserted: the figures are for
+docs/PERF.md.
 
     python3 bench/compare.py --recipe llama3.2-1b --set train.seq_len=4096 --set train.batch_size=4
-    python3 bench/compare.py --recipe tiny-llama2 --device cpu --rounds 1      # a quick look on CPU
+    python3 bench/compare.py --recipe tiny-llama2 --device cpu --rounds 1 --peers engine,eager,jax --jax-attention xla
 
 Writes the rounds and the summary as JSON with --json FILE, again after every round (a run cut
 short leaves the rounds it finished; `rounds_done` says how many).
@@ -54,10 +62,40 @@ def torch_round(args, sets, compiled):
            "--device", args.device, "--steps", str(args.steps), "--warmup", str(args.warmup + (3 if compiled else 0))]
     cmd += [a for s in sets for a in ("--set", s)]
     if compiled:
-        cmd.append("--compile")
+        cmd += ["--compile", compiled]
     if args.device == "cpu":
         cmd += ["--threads", str(os.cpu_count())]
     return json.loads(run(cmd).strip().splitlines()[-1])
+
+
+def jax_round(args, sets):
+    cmd = [args.python, os.path.join(HERE, "jax_train.py"), "--engine", args.engine, "--recipe", args.recipe,
+           "--attention", args.jax_attention, "--steps", str(args.steps), "--warmup", str(args.warmup + 1)]
+    cmd += [a for s in sets for a in ("--set", s)]
+    return json.loads(run(cmd).strip().splitlines()[-1])
+
+
+PEERS = {
+    "engine": "engine",
+    "eager": "pytorch eager",
+    "compile-blocks": "pytorch + torch.compile (blocks)",
+    "compile-whole": "pytorch + torch.compile (whole)",
+    "jax": "jax + cudnn attention",
+}
+
+
+def peer_round(args, peer):
+    """One run of a peer; a failing peer is reported and left out of that round."""
+    try:
+        if peer == "engine":
+            return engine_round(args, args.set)
+        if peer == "jax":
+            return jax_round(args, args.set)
+        return torch_round(args, args.set, None if peer == "eager" else peer.split("-")[1])
+    except subprocess.CalledProcessError as e:
+        tail = (e.stderr or "").strip().splitlines()[-3:]
+        print(f"  {peer} failed (exit {e.returncode}): " + " | ".join(tail), file=sys.stderr, flush=True)
+        return None
 
 
 def main():
@@ -70,13 +108,23 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=10, help="measured steps per run")
     ap.add_argument("--warmup", type=int, default=3, help="steps before measuring")
-    ap.add_argument("--no-compile", action="store_true", help="leave out PyTorch + torch.compile")
+    ap.add_argument("--peers", default="engine,eager,compile-blocks,jax",
+                    help="comma-separated, in the order run each round: " + ", ".join(PEERS))
+    ap.add_argument("--jax-attention", default="cudnn", choices=["cudnn", "xla"],
+                    help="the JAX peer's attention (xla on a CPU)")
     ap.add_argument("--json", help="write the rounds and the summary here")
     args = ap.parse_args()
 
     fpt = flops_per_token(args.engine, args.recipe, args.set)
-    peers = ["engine", "pytorch eager"] + ([] if args.no_compile else ["pytorch + torch.compile"])
+    chosen = args.peers.split(",")
+    unknown = [p for p in chosen if p not in PEERS]
+    if unknown or "engine" not in chosen:
+        ap.error(f"--peers: {', '.join(unknown) or 'engine missing'}; choose from {', '.join(PEERS)} (engine among them)")
+    if args.jax_attention != "cudnn":
+        PEERS["jax"] = f"jax + {args.jax_attention} attention"
+    peers = [PEERS[p] for p in chosen]
     rounds = {p: [] for p in peers}
+    runs = []  # every run's own report (versions, peak memory, final loss)
     device, peak = "", 0.0
 
     def summarise(done):
@@ -85,37 +133,51 @@ def main():
         engine_tps = statistics.median(rounds["engine"])
         summary = {}
         for p in peers:
+            if not rounds[p]:
+                continue
             tps = statistics.median(rounds[p])
             tflops = tps * fpt / 1e12
             mfu = tflops / peak if peak > 0 else 0.0
             summary[p] = {"tokens_per_s": tps, "tflops": tflops, "mfu": mfu, "engine_over_peer": engine_tps / tps,
                           "rounds": rounds[p]}
+        others = [p for p in summary if p != "engine"]
+        fastest = max(others, key=lambda p: summary[p]["tokens_per_s"]) if others else None
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"recipe": args.recipe, "set": args.set, "device": device, "peak_tflops": peak,
                            "flops_per_token": fpt, "date": datetime.date.today().isoformat(), "rounds_done": done,
-                           "rounds_asked": args.rounds, "peers": summary}, f, indent=2)
+                           "rounds_asked": args.rounds, "peers": summary, "fastest_peer": fastest, "runs": runs},
+                          f, indent=2)
         return summary
 
     for i in range(args.rounds):
         print(f"round {i + 1}/{args.rounds}", file=sys.stderr)
-        e = engine_round(args, args.set)
-        device, peak = e["device"], e["peak_tflops"]
-        rounds["engine"].append(e["tokens_per_s"])
-        rounds["pytorch eager"].append(torch_round(args, args.set, False)["tokens_per_s"])
-        if not args.no_compile:
-            rounds["pytorch + torch.compile"].append(torch_round(args, args.set, True)["tokens_per_s"])
-        print("  tokens/s: " + ", ".join(f"{p} {rounds[p][-1]:.0f}" for p in peers), file=sys.stderr, flush=True)
+        for key in chosen:
+            r = peer_round(args, key)
+            if r is None:
+                continue
+            if key == "engine":
+                device, peak = r["device"], r["peak_tflops"]
+            rounds[PEERS[key]].append(r["tokens_per_s"])
+            runs.append(dict(r, round=i + 1, peer=PEERS[key]))
+            print(f"  {PEERS[key]}: {r['tokens_per_s']:.0f} tokens/s", file=sys.stderr, flush=True)
+        if not rounds["engine"]:
+            sys.exit("the engine's run failed")
         summary = summarise(i + 1)
 
     print(f"\n{args.recipe} {' '.join(args.set)} on {device}, {args.rounds} interleaved rounds, "
           f"{datetime.date.today().isoformat()}")
-    print(f"{'peer':<26} {'tokens/s':>12} {'TFLOP/s':>9} {'MFU':>7} {'engine / peer':>14}")
-    for p in peers:
+    print(f"{'peer':<34} {'tokens/s':>12} {'TFLOP/s':>9} {'MFU':>7} {'engine / peer':>14}")
+    for p in summary:
         r = summary[p]
-        print(f"{p:<26} {r['tokens_per_s']:>12.0f} {r['tflops']:>9.1f} {100 * r['mfu']:>6.1f}% "
+        print(f"{p:<34} {r['tokens_per_s']:>12.0f} {r['tflops']:>9.1f} {100 * r['mfu']:>6.1f}% "
               f"{r['engine_over_peer']:>13.2f}x")
+    others = [p for p in summary if p != "engine"]
+    if others:
+        fastest = max(others, key=lambda p: summary[p]["tokens_per_s"])
+        print(f"fastest peer: {fastest}; the engine runs {summary[fastest]['engine_over_peer']:.2f}x its tokens/s")
     print(f"(FLOPs per token {fpt:.4e} by the engine's convention; peak {peak} TFLOP/s)")
+
 
 if __name__ == "__main__":
     main()

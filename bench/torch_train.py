@@ -5,13 +5,15 @@ transformers and torch.optim.AdamW, and prints its step time as JSON.
 The model comes from the engine's own resolved recipe (`engine recipes show`), so both sides
 train exactly the same shapes: batch, sequence, gradient accumulation. CPU: f32, eager, the
 given thread count. CUDA: bf16 weights and activations, SDPA attention, fused AdamW, eager or
-torch.compile (of the forward pass and the loss together). The loss is the mean next-token
+torch.compile: `--compile blocks` as torchtitan does (each decoder layer compiled on its own,
+`fullgraph=True`) or `--compile whole` (the forward
+pass and the loss compiled together, as first measured). The loss is the mean next-token
 cross-entropy (plus the load-balancing term for Mixtral), as the engine computes it. Each step
 ends with `loss.item()`, which waits for the GPU, as the engine's logged loss does.
 
     python3 bench/torch_train.py --recipe tiny-llama2 --threads 2
     python3 bench/torch_train.py --recipe gpt-126m --set train.seq_len=256 --threads 2   # GPT2LMHeadModel
-    python3 bench/torch_train.py --recipe llama3.2-1b --device cuda --compile --set train.seq_len=4096
+    python3 bench/torch_train.py --recipe llama3.2-1b --device cuda --compile blocks --set train.seq_len=4096
 
 bench/compare.py runs this and `engine bench` side by side.
 """
@@ -107,7 +109,8 @@ def main():
     ap.add_argument("--engine", default=os.path.join(here, "..", "target", "release", "engine"))
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--threads", type=int, default=os.cpu_count())
-    ap.add_argument("--compile", action="store_true", help="torch.compile the model (CUDA)")
+    ap.add_argument("--compile", choices=["blocks", "whole"],
+                    help="torch.compile each decoder layer (torchtitan's way) or the forward pass and loss together")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3, help="steps before measuring (torch.compile compiles in the first)")
     args = ap.parse_args()
@@ -146,7 +149,24 @@ def main():
             loss = loss + moe["aux_loss_coef"] * out.aux_loss
         return loss
 
-    step_fn = torch.compile(loss_fn) if args.compile else loss_fn
+    step_fn = loss_fn
+    if args.compile == "whole":
+        step_fn = torch.compile(loss_fn)
+    elif args.compile == "blocks":
+        # torchtitan's apply_compile: every transformer block compiled on its own with
+        # fullgraph=True.
+        # transformers' layers carry their index (`layer_idx`), which dynamo guards on: each
+        # layer then compiles once (16 graphs for 16 layers), past dynamo's default limit of 8
+        # recompilations, which fullgraph=True turns into a hard failure (seen on torch 2.11).
+        import torch._dynamo
+
+        blocks = model.transformer.h if recipe["model"]["family"] == "gpt" else model.model.layers
+        limit = 2 * len(blocks) + 8
+        for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit", "accumulated_cache_size_limit"):
+            if hasattr(torch._dynamo.config, name):
+                setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), limit))
+        for i, block in enumerate(blocks):
+            blocks[i] = torch.compile(block, fullgraph=True)
     batch, seq, accum = train["batch_size"], train["seq_len"], train.get("grad_accum", 1)
     gen = torch.Generator().manual_seed(0)
     times, losses = [], []
@@ -173,7 +193,7 @@ def main():
     tokens = batch * seq * accum
     json.dump(
         {
-            "peer": "pytorch" + (" + torch.compile" if args.compile else " eager"),
+            "peer": "pytorch" + (f" + torch.compile ({args.compile})" if args.compile else " eager"),
             "torch": torch.__version__,
             "transformers": transformers.__version__,
             "recipe": args.recipe,

@@ -10,7 +10,8 @@
 # No cargo is needed: ENGINE names a binary built elsewhere and carried here (default
 # target/release/engine). Needs the NVIDIA driver (580+) and CUDA 13's NVRTC and cuBLASLt on the
 # library path or in ENGINE_CUDA_LIB_PATH; the bench-* phases need PYTHON (default python3) with
-# torch and transformers (ROUNDS, default 3, interleaved rounds of bench/compare.py), long-check
+# torch and transformers, and JAX for its peer (ROUNDS, default 3, interleaved rounds of
+# bench/compare.py; PEERS, its --peers), the profile phase torch and JAX too, long-check
 # only python3. The long run keeps its run directory (with a checkpoint of about 15 GB) in
 # LONG_DIR (default OUTDIR/long-run), which must survive from one piece to the next.
 # Exit codes: 0 done, 1 a check failed, 2 bad usage (one line on stderr).
@@ -23,6 +24,7 @@ absolute() { case "$1" in /*) echo "$1" ;; *) echo "$here/$1" ;; esac; }
 ENGINE=$(absolute "${ENGINE:-$PWD/target/release/engine}")
 PYTHON=${PYTHON:-python3}
 ROUNDS=${ROUNDS:-3}
+PEERS=${PEERS:-engine,eager,compile-blocks,jax}
 # The long run: llama3.2-1b at 8 x 1024 tokens a step, LONG_STEPS steps in 4 pieces, each
 # resuming from the previous piece's checkpoint. The cosine is fixed at LONG_STEPS
 # (optim.decay_steps), so the pieces make exactly the run one process would have made.
@@ -40,7 +42,9 @@ PHASES=(
     "gpu-test|1|engine gpu-test: every kernel against the CPU, model parity, graphs, remat, memory, 200-step training"
     "test-all|1|engine test-all, quick then full (full holds gpu-test again), as the image runs it"
     "baselines|1|engine baselines create, quick and full, 3 runs each: the CUDA baselines to commit"
-    "bench-llama3.2-1b|7|bench/compare.py: the engine, PyTorch eager and torch.compile, llama3.2-1b at 4 x 4096"
+    "profile|3|engine bench --profile of llama3.2-1b (4 x 4096) and fuji-3B-v3 (2 x 4096), and bench/attention_peers.py at both shapes"
+    "nccl|1|engine launch --nproc 1 on the GPU: NCCL loaded, a one-rank communicator, the watchdog running beside a short training run"
+    "bench-llama3.2-1b|7|bench/compare.py: the engine, PyTorch eager, torch.compile per block and JAX + cuDNN, llama3.2-1b at 4 x 4096"
     "bench-fuji-3B-v3|9|bench/compare.py: the same for fuji-3B-v3 at 2 x 4096"
     "long-cpu|4|the long run's first 3 steps on the CPU (the reference for long-check)"
     "long-1|3|the long run on the GPU: steps 1 to 250, checkpoint"
@@ -141,12 +145,29 @@ phase() {
         "$ENGINE" --device "$DEVICE" test-all --quick --filter 'tiny-*' --filter throughput --baselines "$out"
         echo "to commit: cp $out/cuda/*.json tests/baselines/cuda/ (docs/ci.md)"
         ;;
+    profile)
+        local shape recipe batch
+        for shape in "llama3.2-1b 4" "fuji-3B-v3 2"; do
+            read -r recipe batch <<<"$shape"
+            "$ENGINE" --device "$DEVICE" bench --recipe "$recipe" --set train.seq_len=4096 --set "train.batch_size=$batch" \
+                --steps 5 --warmup 2 --profile --json "$out/bench-$recipe.json"
+            "$PYTHON" bench/attention_peers.py --engine "$ENGINE" --recipe "$recipe" --set train.seq_len=4096 \
+                --set "train.batch_size=$batch" --json "$out/attention-peers.jsonl"
+        done
+        ;;
+    nccl)
+        # One GPU holds one NCCL rank (NCCL refuses two ranks on one device), so this checks the
+        # loading, the communicator's set-up and the watchdog's thread beside real work, not a
+        # lost peer.
+        "$ENGINE" launch --nproc 1 -- train --device "$DEVICE" --recipe tiny-llama2 --steps 20 \
+            --run-dir "$out/run"
+        ;;
     bench-llama3.2-1b)
-        "$PYTHON" bench/compare.py --engine "$ENGINE" --python "$PYTHON" --recipe llama3.2-1b \
+        "$PYTHON" bench/compare.py --engine "$ENGINE" --python "$PYTHON" --recipe llama3.2-1b --peers "$PEERS" \
             --set train.seq_len=4096 --set train.batch_size=4 --rounds "$ROUNDS" --json "$out/compare.json"
         ;;
     bench-fuji-3B-v3)
-        "$PYTHON" bench/compare.py --engine "$ENGINE" --python "$PYTHON" --recipe fuji-3B-v3 \
+        "$PYTHON" bench/compare.py --engine "$ENGINE" --python "$PYTHON" --recipe fuji-3B-v3 --peers "$PEERS" \
             --set train.seq_len=4096 --set train.batch_size=2 --rounds "$ROUNDS" --json "$out/compare.json"
         ;;
     long-cpu)

@@ -1,0 +1,198 @@
+#!/usr/bin/env python3
+"""The seeds' own stack as a peer of `engine bench`: a MaxText-style Llama training step in JAX
+(XLA), with cuDNN's fused flash attention, and its step time printed as JSON.
+
+MaxText's Llama recipe, reduced to what the engine's recipe names: f32 master weights with bf16
+compute, the decoder layers stacked and run under `jax.lax.scan` (MaxText's `scan_layers`),
+RMSNorm, RoPE with Llama 3 frequency scaling, grouped-query attention through
+`jax.nn.dot_product_attention(..., implementation="cudnn")`, SwiGLU, tied or separate output
+head, mean next-token cross-entropy in f32, global-norm clipping and AdamW (optax), one jitted
+step with donated state. No recomputation (the engine's bench runs with `train.remat = none`
+at the shapes compared). The model comes from the engine's resolved recipe, so both sides train
+exactly the same shapes. Llama and Mistral (sliding window) only.
+
+    python3 bench/jax_train.py --recipe llama3.2-1b --set train.seq_len=4096 --set train.batch_size=4
+    python3 bench/jax_train.py --recipe tiny-llama2 --attention xla --steps 3   # on a CPU
+
+Each step ends by reading the loss back to the host, as the engine's logged loss does.
+bench/compare.py runs this beside `engine bench` and the PyTorch peers.
+"""
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from torch_train import resolved_recipe  # noqa: E402  (plain Python: no torch import at module level)
+
+
+def rope_frequencies(model, head_dim):
+    """Inverse frequencies of the rotary embedding, with Llama 3's scaling when the recipe has it
+    (the engine's model/rope.rs and transformers' `_compute_llama3_parameters`)."""
+    import numpy as np
+
+    inv = 1.0 / (model["rope_theta"] ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    s = model.get("rope_scaling")
+    if not s:
+        return inv
+    low_wavelen = s["original_max_seq_len"] / s["low_freq_factor"]
+    high_wavelen = s["original_max_seq_len"] / s["high_freq_factor"]
+    wavelen = 2 * math.pi / inv
+    smooth = (s["original_max_seq_len"] / wavelen - s["low_freq_factor"]) / (s["high_freq_factor"] - s["low_freq_factor"])
+    scaled = np.where(wavelen > low_wavelen, inv / s["factor"], inv)
+    mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+    return np.where(mid, (1 - smooth) * scaled / s["factor"] + smooth * scaled, scaled)
+
+
+def init_params(key, model):
+    import jax
+    import jax.numpy as jnp
+
+    d, hd, f, layers = model["d_model"], model["head_dim"], model["mlp_dim"], model["n_layers"]
+    q, kv, vocab, std = model["n_heads"] * hd, model["n_kv_heads"] * hd, model["vocab_size"], model["init_std"]
+    shapes = {
+        "wq": (layers, d, q), "wk": (layers, d, kv), "wv": (layers, d, kv), "wo": (layers, q, d),
+        "w_gate": (layers, d, f), "w_up": (layers, d, f), "w_down": (layers, f, d),
+    }
+    keys = jax.random.split(key, len(shapes) + 2)
+    params = {"layers": {name: std * jax.random.normal(k, shape, jnp.float32) for (name, shape), k in zip(shapes.items(), keys)}}
+    params["layers"]["attn_norm"] = jnp.ones((layers, d), jnp.float32)
+    params["layers"]["mlp_norm"] = jnp.ones((layers, d), jnp.float32)
+    params["embed"] = std * jax.random.normal(keys[-2], (vocab, d), jnp.float32)
+    params["final_norm"] = jnp.ones((d,), jnp.float32)
+    if not model["tie_embeddings"]:
+        params["head"] = std * jax.random.normal(keys[-1], (d, vocab), jnp.float32)
+    return params
+
+
+def make_loss(model, attention, seq_len):
+    import jax
+    import jax.numpy as jnp
+
+    hd, heads, kv_heads, eps = model["head_dim"], model["n_heads"], model["n_kv_heads"], model["norm_eps"]
+    window = model.get("sliding_window") or 0
+    inv = jnp.asarray(rope_frequencies(model, hd), jnp.float32)
+    angles = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * inv[None, :]  # [T, hd/2]
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    bf16 = jnp.bfloat16
+
+    def rms_norm(x, w):
+        x32 = x.astype(jnp.float32)
+        return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps) * w).astype(bf16)
+
+    def rope(x):  # [B, T, N, hd], "rotate half" layout
+        x32 = x.astype(jnp.float32)
+        a, b = jnp.split(x32, 2, axis=-1)
+        c, s = cos[None, :, None, :], sin[None, :, None, :]
+        return jnp.concatenate([a * c - b * s, b * c + a * s], axis=-1).astype(bf16)
+
+    def layer(x, w):
+        w = jax.tree.map(lambda p: p.astype(bf16), w)
+        b, t, _ = x.shape
+        h = rms_norm(x, w["attn_norm"])
+        q = rope((h @ w["wq"]).reshape(b, t, heads, hd))
+        k = rope((h @ w["wk"]).reshape(b, t, kv_heads, hd))
+        v = (h @ w["wv"]).reshape(b, t, kv_heads, hd)
+        window_arg = {"local_window_size": (window - 1, 0)} if window else {}
+        o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=attention, **window_arg)
+        x = x + o.reshape(b, t, heads * hd) @ w["wo"]
+        h = rms_norm(x, w["mlp_norm"])
+        x = x + (jax.nn.silu(h @ w["w_gate"]) * (h @ w["w_up"])) @ w["w_down"]
+        return x, None
+
+    def loss_fn(params, tokens):
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        x = params["embed"].astype(bf16)[inputs]
+        x, _ = jax.lax.scan(layer, x, params["layers"])
+        x = rms_norm(x, params["final_norm"])
+        head = params["head"] if "head" in params else params["embed"].T
+        logits = (x @ head.astype(bf16)).astype(jnp.float32)
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+
+    return loss_fn
+
+
+def main():
+    here = os.path.dirname(os.path.abspath(__file__))
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--recipe", required=True)
+    ap.add_argument("--set", action="append", default=[], help="recipe override KEY=VALUE")
+    ap.add_argument("--engine", default=os.path.join(here, "..", "target", "release", "engine"))
+    ap.add_argument("--attention", default="cudnn", choices=["cudnn", "xla"],
+                    help="jax.nn.dot_product_attention's implementation (cudnn needs a GPU)")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3, help="steps before measuring (XLA compiles in the first)")
+    args = ap.parse_args()
+
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    recipe = resolved_recipe(args.engine, args.recipe, args.set)
+    model, train, optim = recipe["model"], recipe["train"], recipe["optim"]
+    if model["family"] not in ("llama", "mistral"):
+        sys.exit(f"bench/jax_train.py: the {model['family']} family is not written in JAX here (llama and mistral are)")
+    batch, seq, accum = train["batch_size"], train["seq_len"], train.get("grad_accum", 1)
+
+    params = init_params(jax.random.PRNGKey(train["seed"]), model)
+    tx = optax.chain(
+        optax.clip_by_global_norm(optim["grad_clip"]) if optim["grad_clip"] > 0 else optax.identity(),
+        optax.adamw(optim["lr"], b1=optim["beta1"], b2=optim["beta2"], eps=optim["eps"],
+                    weight_decay=optim["weight_decay"]),
+    )
+    opt_state = tx.init(params)
+    grad_fn = jax.value_and_grad(make_loss(model, args.attention, seq))
+
+    def step(params, opt_state, tokens):  # tokens: [accum, B, T+1]
+        def micro(carry, toks):
+            loss, grads = grad_fn(params, toks)
+            return jax.tree.map(jnp.add, carry, (loss, grads)), None
+
+        zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+        (loss, grads), _ = jax.lax.scan(micro, zero, tokens)
+        grads = jax.tree.map(lambda g: g / accum, grads)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss / accum
+
+    step = jax.jit(step, donate_argnums=(0, 1))
+    key = jax.random.PRNGKey(0)
+    times, losses = [], []
+    for i in range(args.warmup + args.steps):
+        key, sub = jax.random.split(key)
+        tokens = jax.random.randint(sub, (accum, batch, seq + 1), 0, model["vocab_size"], jnp.int32)
+        tokens.block_until_ready()
+        start = time.perf_counter()
+        params, opt_state, loss = step(params, opt_state, tokens)
+        loss = float(loss)  # waits for the device, like the engine's logged loss
+        elapsed = time.perf_counter() - start
+        if i >= args.warmup:
+            times.append(elapsed)
+            losses.append(loss)
+    median = statistics.median(times)
+    tokens = batch * seq * accum
+    device = jax.devices()[0]
+    stats = device.memory_stats() or {}
+    json.dump(
+        {
+            "peer": f"jax + {args.attention} attention",
+            "jax": jax.__version__,
+            "recipe": args.recipe,
+            "device": getattr(device, "device_kind", str(device)),
+            "tokens_per_step": tokens,
+            "median_step_time_s": median,
+            "tokens_per_s": tokens / median,
+            "final_loss": losses[-1],
+            "peak_memory_gib": stats["peak_bytes_in_use"] / 2**30 if "peak_bytes_in_use" in stats else None,
+        },
+        sys.stdout,
+    )
+    print()
+
+
+if __name__ == "__main__":
+    main()
