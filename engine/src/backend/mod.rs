@@ -177,6 +177,53 @@ impl AttnShape {
     }
 }
 
+/// How a sequence is split over the sequence (context-parallel) axis: into `2 · ranks` chunks of
+/// equal length, rank `r` holding chunk `r` (early) and chunk `2 · ranks − 1 − r` (late), so that
+/// every rank does the same share of causal attention (Llama 3's load-balanced split). A rank's
+/// `2C` rows of a sequence are its early chunk's `C` then its late chunk's `C`. One rank
+/// ([`SeqSplit::WHOLE`]) holds the whole sequence in order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SeqSplit {
+    /// This device's position on the axis.
+    pub rank: usize,
+    /// Devices on the axis.
+    pub ranks: usize,
+}
+
+impl SeqSplit {
+    /// The whole sequence on one device.
+    pub const WHOLE: SeqSplit = SeqSplit { rank: 0, ranks: 1 };
+
+    /// True position in its sequence of local row `i` (`< local`, the rows of a sequence on one
+    /// rank) of `rank`.
+    pub fn position(&self, rank: usize, i: usize, local: usize) -> usize {
+        let c = local / 2;
+        if self.ranks == 1 {
+            i
+        } else if i < c {
+            rank * c + i
+        } else {
+            (2 * self.ranks - 1 - rank) * c + i - c
+        }
+    }
+
+    /// The rank that holds true position `j` and the row it has it in (`local` rows per
+    /// sequence on a rank).
+    pub fn owner(&self, j: usize, local: usize) -> (usize, usize) {
+        if self.ranks == 1 {
+            return (0, j);
+        }
+        let c = local / 2;
+        let chunk = j / c;
+        if chunk < self.ranks { (chunk, j % c) } else { (2 * self.ranks - 1 - chunk, c + j % c) }
+    }
+
+    /// The true positions of this rank's local rows, in order.
+    pub fn positions(&self, local: usize) -> Vec<usize> {
+        (0..local).map(|i| self.position(self.rank, i, local)).collect()
+    }
+}
+
 /// Routing tables of one mixture-of-experts layer for `N` tokens, each sent to `k` experts.
 /// Rows of the dispatched (expert-major) activations are grouped by expert.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -360,6 +407,34 @@ pub trait Backend {
     fn attention_forward(&mut self, out: View, lse: View, qkv: View, shape: AttnShape);
     /// Gradient of [`Backend::attention_forward`] with respect to the packed qkv rows (`=`).
     fn attention_backward(&mut self, dqkv: View, dout: View, qkv: View, out: View, lse: View, shape: AttnShape);
+
+    /// [`Backend::attention_forward`] for the local rows of a sequence split over the sequence
+    /// axis ([`SeqSplit`]): `qkv_all` holds every rank's rows, rank-major (`[ranks, batch, seq,
+    /// W]`, `shape.seq` being the rows of a sequence on one rank: two chunks), as an all-gather
+    /// leaves them; the queries are `split.rank`'s rows, each at its true position, and see the
+    /// keys of every rank up to that position (the causal mask over each pair of chunks).
+    fn attention_forward_split(&mut self, out: View, lse: View, qkv_all: View, shape: AttnShape, split: SeqSplit) {
+        assert_eq!(split.ranks, 1, "this backend's attention does not take chunk offsets (sequence axis)");
+        self.attention_forward(out, lse, qkv_all, shape)
+    }
+    /// Gradient of [`Backend::attention_forward_split`] with respect to every rank's rows
+    /// (`dqkv_all`, laid out as `qkv_all`, `=`): the queries' gradient on `split.rank`'s rows
+    /// (zero on the others'), and the keys' and values' from this rank's queries on every
+    /// rank's rows, to be summed over the axis (a reduce-scatter).
+    #[allow(clippy::too_many_arguments)]
+    fn attention_backward_split(
+        &mut self,
+        dqkv_all: View,
+        dout: View,
+        qkv_all: View,
+        out: View,
+        lse: View,
+        shape: AttnShape,
+        split: SeqSplit,
+    ) {
+        assert_eq!(split.ranks, 1, "this backend's attention does not take chunk offsets (sequence axis)");
+        self.attention_backward(dqkv_all, dout, qkv_all, out, lse, shape)
+    }
 
     /// `h = silu(gate) ⊙ up` where rows of `gu` are `[gate (f) | up (f)]`.
     fn swiglu_forward(&mut self, h: View, gu: View, f: usize);

@@ -7,7 +7,9 @@
 
 use std::time::Instant;
 
-use super::{AdamWStep, AttnShape, Backend, BufKind, ExpertWeights, IdxView, MatMul, MoeDispatch, Segment, View};
+use super::{
+    AdamWStep, AttnShape, Backend, BufKind, ExpertWeights, IdxView, MatMul, MoeDispatch, Segment, SeqSplit, View,
+};
 
 /// One timed op.
 #[derive(Debug, Clone, serde::Serialize)]
@@ -169,6 +171,21 @@ impl<B: Backend> Backend for Traced<B> {
     }
     fn attention_backward(&mut self, dqkv: View, dout: View, qkv: View, out: View, lse: View, shape: AttnShape) {
         self.time("attention_backward", |b| b.attention_backward(dqkv, dout, qkv, out, lse, shape))
+    }
+    fn attention_forward_split(&mut self, out: View, lse: View, qkv_all: View, shape: AttnShape, split: SeqSplit) {
+        self.time("attention_forward", |b| b.attention_forward_split(out, lse, qkv_all, shape, split))
+    }
+    fn attention_backward_split(
+        &mut self,
+        dqkv_all: View,
+        dout: View,
+        qkv_all: View,
+        out: View,
+        lse: View,
+        shape: AttnShape,
+        split: SeqSplit,
+    ) {
+        self.time("attention_backward", |b| b.attention_backward_split(dqkv_all, dout, qkv_all, out, lse, shape, split))
     }
     fn layernorm_forward(&mut self, out: View, mean: View, rstd: View, x: View, w: View, b: View, d: usize, eps: f32) {
         self.time("layernorm_forward", |be| be.layernorm_forward(out, mean, rstd, x, w, b, d, eps))

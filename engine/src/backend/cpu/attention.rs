@@ -11,8 +11,15 @@
 //! The forward keeps only `lse` per query; the backward recomputes the probabilities from it,
 //! as flash attention does, in two passes so that each writes whole rows: queries (dq), then
 //! keys (dk, dv), which sums over the queries that see each key.
+//!
+//! Under sequence parallelism ([`SeqSplit`]) the queries are one rank's rows (two chunks of
+//! each sequence, at their true positions) and the keys every rank's rows as an all-gather
+//! leaves them (rank-major): the same loops, with each position mapped to its row. One device is
+//! the split of one rank ([`SeqSplit::WHOLE`]), whose rows are the positions in order.
 
-use crate::backend::AttnShape;
+use std::ops::Range;
+
+use crate::backend::{AttnShape, SeqSplit};
 use rayon::prelude::*;
 
 /// `a · b`, summed in 8 fixed lanes and then across them: a single running sum would be one
@@ -37,28 +44,79 @@ fn columns(s: &AttnShape, h: usize) -> (usize, usize, usize) {
     (h * s.head_dim, (s.n_heads + g) * s.head_dim, (s.n_heads + s.n_kv_heads + g) * s.head_dim)
 }
 
-/// Last query (inclusive) that sees key `j`.
-fn last_query(s: &AttnShape, j: usize) -> usize {
-    if s.window == 0 { s.seq - 1 } else { (j + s.window - 1).min(s.seq - 1) }
+/// Where a split's rows are: `s.seq` rows of each sequence on each of `split.ranks` ranks, the
+/// gathered buffer holding rank after rank.
+#[derive(Clone, Copy)]
+struct Rows {
+    s: AttnShape,
+    split: SeqSplit,
+}
+
+impl Rows {
+    /// Tokens per whole sequence.
+    fn len(&self) -> usize {
+        self.s.seq * self.split.ranks
+    }
+
+    /// Gathered row of rank `rank`'s local row `i` of sequence `b`.
+    fn row(&self, rank: usize, b: usize, i: usize) -> usize {
+        (rank * self.s.batch + b) * self.s.seq + i
+    }
+
+    /// Gathered row of true position `j` of sequence `b`.
+    fn key(&self, b: usize, j: usize) -> usize {
+        let (rank, i) = self.split.owner(j, self.s.seq);
+        self.row(rank, b, i)
+    }
+
+    /// Last query (inclusive, a true position) that sees key position `j`.
+    fn last_query(&self, j: usize) -> usize {
+        let end = self.len() - 1;
+        if self.s.window == 0 { end } else { (j + self.s.window - 1).min(end) }
+    }
+
+    /// This rank's local rows whose true positions lie in `lo..=hi`, in increasing position: its
+    /// early chunk's, then its late chunk's.
+    fn local_between(&self, lo: usize, hi: usize) -> [Range<usize>; 2] {
+        let l = self.s.seq;
+        let part = |first_row: usize, rows: usize, base: usize| {
+            let (a, b) = (lo.max(base), hi.min(base + rows - 1));
+            if a > b { first_row..first_row } else { first_row + a - base..first_row + b - base + 1 }
+        };
+        if self.split.ranks == 1 {
+            return [part(0, l, 0), l..l];
+        }
+        let c = l / 2;
+        let late = 2 * self.split.ranks - 1 - self.split.rank;
+        [part(0, c, self.split.rank * c), part(c, c, late * c)]
+    }
 }
 
 /// `out[N, H · Dh]` and `lse[N, H]`, with an online softmax per query.
 pub fn forward(out: &mut [f32], lse: &mut [f32], qkv: &[f32], s: AttnShape) {
+    forward_split(out, lse, qkv, s, SeqSplit::WHOLE)
+}
+
+/// [`forward`] for `split.rank`'s rows of sequences split over the sequence axis, against the
+/// gathered rows of every rank (`qkv_all`, rank-major).
+pub fn forward_split(out: &mut [f32], lse: &mut [f32], qkv_all: &[f32], s: AttnShape, split: SeqSplit) {
     let (w, dh) = (s.qkv_width(), s.head_dim);
     let scale = 1.0 / (dh as f32).sqrt();
-    assert_eq!(qkv.len(), s.rows() * w);
+    let at = Rows { s, split };
+    assert_eq!(qkv_all.len(), split.ranks * s.rows() * w);
     assert_eq!(lse.len(), s.rows() * s.n_heads);
-    out.par_chunks_mut(s.q_width()).zip(lse.par_chunks_mut(s.n_heads)).enumerate().for_each(|(row, (o, l))| {
-        let (b, i) = (row / s.seq, row % s.seq);
+    out.par_chunks_mut(s.q_width()).zip(lse.par_chunks_mut(s.n_heads)).enumerate().for_each(|(local, (o, l))| {
+        let (b, i) = (local / s.seq, local % s.seq);
+        let (row, pos) = (at.row(split.rank, b, i), split.position(split.rank, i, s.seq));
         for h in 0..s.n_heads {
             let (qc, kc, vc) = columns(&s, h);
-            let q = &qkv[row * w + qc..][..dh];
+            let q = &qkv_all[row * w + qc..][..dh];
             let acc = &mut o[h * dh..(h + 1) * dh];
             acc.fill(0.0);
             let (mut max, mut sum) = (f32::NEG_INFINITY, 0f32);
-            for j in s.first_key(i)..=i {
-                let key_row = (b * s.seq + j) * w;
-                let score = dot(q, &qkv[key_row + kc..][..dh]) * scale;
+            for j in s.first_key(pos)..=pos {
+                let key_row = at.key(b, j) * w;
+                let score = dot(q, &qkv_all[key_row + kc..][..dh]) * scale;
                 if score > max {
                     let c = (max - score).exp();
                     sum *= c;
@@ -67,7 +125,7 @@ pub fn forward(out: &mut [f32], lse: &mut [f32], qkv: &[f32], s: AttnShape) {
                 }
                 let p = (score - max).exp();
                 sum += p;
-                acc.iter_mut().zip(&qkv[key_row + vc..][..dh]).for_each(|(a, v)| *a += p * v);
+                acc.iter_mut().zip(&qkv_all[key_row + vc..][..dh]).for_each(|(a, v)| *a += p * v);
             }
             acc.iter_mut().for_each(|a| *a /= sum);
             l[h] = max + sum.ln();
@@ -77,12 +135,33 @@ pub fn forward(out: &mut [f32], lse: &mut [f32], qkv: &[f32], s: AttnShape) {
 
 /// Gradient with respect to the packed qkv rows (overwritten).
 pub fn backward(dqkv: &mut [f32], dout: &[f32], qkv: &[f32], out: &[f32], lse: &[f32], s: AttnShape) {
+    backward_split(dqkv, dout, qkv, out, lse, s, SeqSplit::WHOLE)
+}
+
+/// [`backward`] under a split: `dqkv_all` (laid out as `qkv_all`) receives the gradient of
+/// every rank's rows from `split.rank`'s queries, which `dout`, `out` and `lse` are (the
+/// queries' gradient on this rank's rows only; zero on the others').
+pub fn backward_split(
+    dqkv_all: &mut [f32],
+    dout: &[f32],
+    qkv_all: &[f32],
+    out: &[f32],
+    lse: &[f32],
+    s: AttnShape,
+    split: SeqSplit,
+) {
     let (w, dh, qw) = (s.qkv_width(), s.head_dim, s.q_width());
     let scale = 1.0 / (dh as f32).sqrt();
-    // Probability, its gradient and D for query row `qi` of head h against key row `kj`.
+    let at = Rows { s, split };
+    assert_eq!(qkv_all.len(), split.ranks * s.rows() * w);
+    assert_eq!(dqkv_all.len(), qkv_all.len());
+    // Probability, its gradient and D for local query `qi` (this rank's row) of head h against
+    // gathered key row `kj`.
     let terms = |qi: usize, kj: usize, h: usize| {
         let (qc, kc, vc) = columns(&s, h);
-        let (q, k, v) = (&qkv[qi * w + qc..][..dh], &qkv[kj * w + kc..][..dh], &qkv[kj * w + vc..][..dh]);
+        let q_row = at.row(split.rank, 0, 0) + qi;
+        let (q, k, v) =
+            (&qkv_all[q_row * w + qc..][..dh], &qkv_all[kj * w + kc..][..dh], &qkv_all[kj * w + vc..][..dh]);
         let d_out = &dout[qi * qw + h * dh..][..dh];
         let p = (dot(q, k) * scale - lse[qi * s.n_heads + h]).exp();
         (p, dot(d_out, v), d_out)
@@ -95,30 +174,39 @@ pub fn backward(dqkv: &mut [f32], dout: &[f32], qkv: &[f32], out: &[f32], lse: &
         }
     });
     let big_d = |qi: usize, h: usize| big_d[qi * s.n_heads + h];
+    let per_rank = s.rows();
 
-    // Pass 1, per query row: dq.
-    dqkv.par_chunks_mut(w).enumerate().for_each(|(row, dr)| {
-        let (b, i) = (row / s.seq, row % s.seq);
+    // Pass 1, per query row: dq (zero on the other ranks' rows).
+    dqkv_all.par_chunks_mut(w).enumerate().for_each(|(row, dr)| {
+        let (rank, local) = (row / per_rank, row % per_rank);
+        if rank != split.rank {
+            dr[..qw].fill(0.0);
+            return;
+        }
+        let (b, i) = (local / s.seq, local % s.seq);
+        let pos = split.position(split.rank, i, s.seq);
         for h in 0..s.n_heads {
             let (qc, kc, _) = columns(&s, h);
             let dq = &mut dr[qc..qc + dh];
             dq.fill(0.0);
-            let d = big_d(row, h);
-            for j in s.first_key(i)..=i {
-                let kj = b * s.seq + j;
-                let (p, dp, _) = terms(row, kj, h);
+            let d = big_d(local, h);
+            for j in s.first_key(pos)..=pos {
+                let kj = at.key(b, j);
+                let (p, dp, _) = terms(local, kj, h);
                 let ds = p * (dp - d);
-                dq.iter_mut().zip(&qkv[kj * w + kc..][..dh]).for_each(|(g, k)| *g += ds * k);
+                dq.iter_mut().zip(&qkv_all[kj * w + kc..][..dh]).for_each(|(g, k)| *g += ds * k);
             }
             dq.iter_mut().for_each(|g| *g *= scale);
         }
     });
 
-    // Pass 2, per key row: dk and dv, summed over the query heads of each group and the queries
-    // that see the key.
+    // Pass 2, per key row: dk and dv, summed over the query heads of each group and this rank's
+    // queries that see the key.
     let group = s.n_heads / s.n_kv_heads;
-    dqkv.par_chunks_mut(w).enumerate().for_each(|(row, dr)| {
-        let (b, j) = (row / s.seq, row % s.seq);
+    dqkv_all.par_chunks_mut(w).enumerate().for_each(|(row, dr)| {
+        let (rank, local) = (row / per_rank, row % per_rank);
+        let (b, j) = (local / s.seq, split.position(rank, local % s.seq, s.seq));
+        let queries = at.local_between(j, at.last_query(j));
         let (_, kv) = dr.split_at_mut(qw);
         let (dk_all, dv_all) = kv.split_at_mut(s.n_kv_heads * dh);
         for g in 0..s.n_kv_heads {
@@ -127,15 +215,65 @@ pub fn backward(dqkv: &mut [f32], dout: &[f32], qkv: &[f32], out: &[f32], lse: &
             dv.fill(0.0);
             for h in g * group..(g + 1) * group {
                 let qc = columns(&s, h).0;
-                for i in j..=last_query(&s, j) {
+                for i in queries.iter().flat_map(Clone::clone) {
                     let qi = b * s.seq + i;
+                    let q_row = at.row(split.rank, b, i);
                     let (p, dp, d_out) = terms(qi, row, h);
                     let ds = p * (dp - big_d(qi, h));
-                    dk.iter_mut().zip(&qkv[qi * w + qc..][..dh]).for_each(|(g, q)| *g += ds * q);
+                    dk.iter_mut().zip(&qkv_all[q_row * w + qc..][..dh]).for_each(|(g, q)| *g += ds * q);
                     dv.iter_mut().zip(d_out).for_each(|(g, o)| *g += p * o);
                 }
             }
             dk.iter_mut().for_each(|g| *g *= scale);
         }
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Two ranks' split attention, gathered, gives the single device's outputs, statistics and
+    /// gradients (the dk/dv halves summed over the ranks), with and without a window.
+    #[test]
+    fn a_split_over_two_ranks_matches_one_device() {
+        for window in [0, 3] {
+            let s = AttnShape { batch: 2, seq: 8, n_heads: 2, n_kv_heads: 1, head_dim: 4, window };
+            let w = s.qkv_width();
+            let val = |k: usize| ((k * 7919 % 1000) as f32 / 500.0) - 1.0;
+            let qkv: Vec<f32> = (0..s.rows() * w).map(val).collect();
+            let dout: Vec<f32> = (0..s.rows() * s.q_width()).map(|k| val(k + 17)).collect();
+            let (mut out, mut lse) = (vec![0.0; s.rows() * s.q_width()], vec![0.0; s.rows() * s.n_heads]);
+            forward(&mut out, &mut lse, &qkv, s);
+            let mut dqkv = vec![0.0; qkv.len()];
+            backward(&mut dqkv, &dout, &qkv, &out, &lse, s);
+            // Rank r's rows of each sequence, at their true positions.
+            let ranks = 2;
+            let local = AttnShape { seq: s.seq / ranks, ..s };
+            let rows_of = |r: usize| -> Vec<usize> {
+                let split = SeqSplit { rank: r, ranks };
+                (0..s.batch).flat_map(|b| split.positions(local.seq).into_iter().map(move |p| b * s.seq + p)).collect()
+            };
+            let pick = |x: &[f32], width: usize, rows: &[usize]| -> Vec<f32> {
+                rows.iter().flat_map(|&r| x[r * width..(r + 1) * width].to_vec()).collect()
+            };
+            let all: Vec<f32> = (0..ranks).flat_map(|r| pick(&qkv, w, &rows_of(r))).collect();
+            let mut dsum = vec![0f32; all.len()];
+            for r in 0..ranks {
+                let split = SeqSplit { rank: r, ranks };
+                let rows = rows_of(r);
+                let (mut o, mut l) = (vec![0.0; local.rows() * s.q_width()], vec![0.0; local.rows() * s.n_heads]);
+                forward_split(&mut o, &mut l, &all, local, split);
+                assert_eq!(o, pick(&out, s.q_width(), &rows), "window {window}, rank {r}: outputs");
+                assert_eq!(l, pick(&lse, s.n_heads, &rows), "window {window}, rank {r}: statistics");
+                let mut d = vec![0.0; all.len()];
+                backward_split(&mut d, &pick(&dout, s.q_width(), &rows), &all, &o, &l, local, split);
+                dsum.iter_mut().zip(&d).for_each(|(a, b)| *a += b);
+            }
+            let want: Vec<f32> = (0..ranks).flat_map(|r| pick(&dqkv, w, &rows_of(r))).collect();
+            for (k, (a, b)) in dsum.iter().zip(&want).enumerate() {
+                assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()), "window {window}: element {k}: {a} vs {b}");
+            }
+        }
+    }
 }

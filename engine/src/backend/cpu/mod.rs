@@ -31,7 +31,7 @@ mod swiglu;
 mod gradcheck;
 
 use super::{
-    AdamWStep, AttnShape, Backend, BufId, BufKind, ExpertWeights, IdxView, MatMul, MoeDispatch, Segment, View,
+    AdamWStep, AttnShape, Backend, BufId, BufKind, ExpertWeights, IdxView, MatMul, MoeDispatch, Segment, SeqSplit, View,
 };
 
 /// Rows handled by one task in row-parallel kernels with cross-row reductions; fixed so that
@@ -276,6 +276,25 @@ impl Backend for Cpu {
     fn attention_backward(&mut self, dqkv: View, dout: View, qkv: View, out: View, lse: View, shape: AttnShape) {
         let (dqkv, [dout, qkv, out, lse]) = self.mem.io(dqkv, [dout, qkv, out, lse]);
         attention::backward(dqkv, dout, qkv, out, lse, shape);
+    }
+
+    fn attention_forward_split(&mut self, out: View, lse: View, qkv_all: View, shape: AttnShape, split: SeqSplit) {
+        let ([out, lse], [qkv]) = self.mem.io_many([out, lse], [qkv_all]);
+        attention::forward_split(out, lse, qkv, shape, split);
+    }
+
+    fn attention_backward_split(
+        &mut self,
+        dqkv_all: View,
+        dout: View,
+        qkv_all: View,
+        out: View,
+        lse: View,
+        shape: AttnShape,
+        split: SeqSplit,
+    ) {
+        let (dqkv, [dout, qkv, out, lse]) = self.mem.io(dqkv_all, [dout, qkv_all, out, lse]);
+        attention::backward_split(dqkv, dout, qkv, out, lse, shape, split);
     }
 
     fn swiglu_forward(&mut self, h: View, gu: View, f: usize) {
