@@ -124,11 +124,43 @@ fn crate_sources_lock_fetch_and_bump_through_cargo() {
     );
     assert!(!root.join("vendor/fixcrate/.cargo-checksum.json").exists());
 
-    // Bump follows the newest release and carries the patch over.
+    // A workspace that depends on the crate exactly: its Cargo.toml and Cargo.lock are pins too.
+    project.write_file("Cargo.toml", b"[workspace]\nmembers = [\"app\"]\nresolver = \"2\"\n");
+    let app = "[package]\nname = \"app\"\nversion = \"0.0.0\"\nedition = \"2021\"\n\n[dependencies]\nfixcrate = { version = \"=0.1.0\" }\n";
+    project.write_file("app/Cargo.toml", app.as_bytes());
+    project.write_file("app/src/lib.rs", b"");
+    let out = Command::new("cargo")
+        .args(["generate-lockfile", "--quiet"])
+        .env("CARGO_HOME", home)
+        .current_dir(root)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    a.run(root, &["sources"]).ok();
+
+    // Bump follows the newest release and carries the patch over, and moves the workspace's
+    // exact requirement and Cargo.lock with the manifest.
     let run = a.run(root, &["bump"]).ok();
     assert_eq!(run.stdout, "fixcrate\t0.1.0 -> 0.2.0\n");
     assert!(project.manifest().contains("version = \"0.2.0\""));
     assert!(project.lock().contains(&format!("checksum = \"{}\"", reg.checksums[1].1)));
+    let app_toml = fs::read_to_string(root.join("app/Cargo.toml")).unwrap();
+    assert!(app_toml.contains("fixcrate = { version = \"=0.2.0\" }"), "{app_toml}");
+    let cargo_lock = fs::read_to_string(root.join("Cargo.lock")).unwrap();
+    assert!(cargo_lock.contains(&format!("name = \"fixcrate\"\nversion = \"0.2.0\"")), "{cargo_lock}");
+    a.run(root, &["sources"]).ok();
+
+    // Pins that disagree are refused in one line naming the file and line.
+    project.write_file("app/Cargo.toml", app.replace("=0.1.0", "=0.2.1").as_bytes());
+    let run = a.run(root, &["sources"]);
+    assert_eq!(run.code, 2, "{}", run.stderr);
+    assert!(run.error_line().contains("app/Cargo.toml:7: requires fixcrate `=0.2.1`"), "{}", run.stderr);
+    project.write_file("app/Cargo.toml", app.replace("=0.1.0", "=0.2.0").as_bytes());
+    fs::write(root.join("Cargo.lock"), cargo_lock.replace("version = \"0.2.0\"", "version = \"0.1.0\"")).unwrap();
+    let run = a.run(root, &["sources"]);
+    assert_eq!(run.code, 2, "{}", run.stderr);
+    assert!(run.error_line().contains("Cargo.lock has fixcrate 0.1.0"), "{}", run.stderr);
+    fs::write(root.join("Cargo.lock"), &cargo_lock).unwrap();
     let run = a.run(root, &["fetch", "--out", "vendor"]).ok();
     assert!(run.stdout.starts_with("fixcrate\t"));
     let src = fs::read_to_string(root.join("vendor/fixcrate/src/lib.rs")).unwrap();

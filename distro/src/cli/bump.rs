@@ -67,7 +67,13 @@ pub fn bump(args: BumpArgs) -> Result<()> {
     if written.lock {
         eprintln!("distro: wrote {}", manifest.lock_path().display());
     }
-    if !written.manifest && !written.lock {
+    for path in &written.cargo_toml {
+        eprintln!("distro: wrote {}", path.display());
+    }
+    if written.cargo_lock {
+        eprintln!("distro: wrote {}", manifest.root.join("Cargo.lock").display());
+    }
+    if !written.manifest && !written.lock && written.cargo_toml.is_empty() && !written.cargo_lock {
         eprintln!("distro: nothing to change");
     }
     for c in &plan.changes {

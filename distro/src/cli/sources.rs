@@ -1,7 +1,9 @@
 //! `distro sources`: the table of upstream sources (kind, pin, tracking ref, patches, lock status)
 //! on stdout, or JSON with `--json`.
 use super::ManifestArg;
+use crate::error::bad_input;
 use crate::sources::Lock;
+use crate::sources::cargo_pins;
 use crate::sources::status;
 use anyhow::Result;
 use clap::Args;
@@ -25,6 +27,14 @@ pub fn sources(args: SourcesArgs) -> Result<()> {
         println!("{}", serde_json::to_string_pretty(&rows)?);
     } else {
         print!("{}", status::table(&rows));
+    }
+    // The crate sources' pins must agree with the workspace's Cargo.toml and Cargo.lock.
+    let problems = cargo_pins::check(&manifest)?;
+    if let Some((first, rest)) = problems.split_first() {
+        for p in rest {
+            eprintln!("distro: {p}");
+        }
+        return Err(bad_input(first.clone()));
     }
     if let Some(lock) = &lock {
         for name in lock.sources.keys().filter(|n| !manifest.sources.contains_key(*n)) {

@@ -11,6 +11,7 @@ use anyhow::{Context, Result};
 
 use super::apply::{self, Base, Conflict, Outcome};
 use super::cache::{Cache, Repo};
+use super::cargo_pins;
 use super::crates;
 use super::edit::{SourceEdit, edit_manifest};
 use super::lock::{Lock, LockedSource, Origin};
@@ -19,7 +20,9 @@ use super::patch::{PatchFile, read_source_patches};
 use super::status::{LockStatus, lock_status};
 use super::trees::check_no_submodules;
 use super::upstream;
+use crate::error::bad_input;
 use crate::fsutil::write_if_changed;
+use std::path::PathBuf;
 
 /// What bump does to one source.
 #[derive(Clone, Debug)]
@@ -47,15 +50,23 @@ pub struct Plan {
     pub conflicts: Vec<Conflict>,
     manifest_text: String,
     lock_text: String,
+    /// Workspace `Cargo.toml` files whose exact requirement on a moved crate changes (path, text).
+    cargo_toml_edits: Vec<(PathBuf, String)>,
+    /// Crates that move in `Cargo.lock`: (crate, old version, new version).
+    cargo_lock_moves: Vec<(String, String, String)>,
 }
 
 /// Files [`write`] replaced.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Written {
     /// The manifest changed.
     pub manifest: bool,
     /// The lock changed.
     pub lock: bool,
+    /// Workspace `Cargo.toml` files rewritten (exact requirements on moved crates).
+    pub cargo_toml: Vec<PathBuf>,
+    /// `Cargo.lock` moved to the new crate versions.
+    pub cargo_lock: bool,
 }
 
 /// Works out the bump of the selected sources (all when `names` is empty) without writing.
@@ -96,17 +107,56 @@ pub fn plan(manifest: &Manifest, lock: Option<&Lock>, names: &[String], cache: &
     if names.is_empty() {
         new_lock.sources.retain(|name, _| manifest.sources.contains_key(name));
     }
-    Ok(Plan { changes, unchanged, conflicts, manifest_text, lock_text: new_lock.render() })
+    // A crate that moves moves in the workspace too: its exact requirements and Cargo.lock.
+    let mut cargo_toml_edits: Vec<(PathBuf, String)> = Vec::new();
+    let mut cargo_lock_moves = Vec::new();
+    for c in &changes {
+        let (SourceKind::Crate(spec), Some(old)) = (&manifest.sources[&c.name].kind, &c.old) else { continue };
+        if *old == c.new {
+            continue;
+        }
+        for (path, text) in cargo_pins::requirement_edits(&manifest.root, &spec.name, &c.new)? {
+            if cargo_toml_edits.iter().any(|(p, _)| *p == path) {
+                return Err(bad_input(format!(
+                    "{} requires two bumped crates exactly; bump them one at a time (`distro bump NAME`)",
+                    path.display()
+                )));
+            }
+            cargo_toml_edits.push((path, text));
+        }
+        cargo_lock_moves.push((spec.name.clone(), old.clone(), c.new.clone()));
+    }
+    Ok(Plan {
+        changes,
+        unchanged,
+        conflicts,
+        manifest_text,
+        lock_text: new_lock.render(),
+        cargo_toml_edits,
+        cargo_lock_moves,
+    })
 }
 
 /// Writes the manifest and lock of a conflict-free plan, each atomically and only if its bytes
-/// change (the manifest first: if the lock then failed, `distro sources` shows it stale).
+/// change (the manifest first: if the lock then failed, `distro sources` shows it stale), then
+/// the workspace's `Cargo.toml` requirements and `Cargo.lock` for the crates that moved (if
+/// `cargo update` then fails, `distro sources` names the disagreeing pin).
 pub fn write(manifest: &Manifest, plan: &Plan) -> Result<Written> {
     assert!(plan.conflicts.is_empty(), "a plan with conflicts must not be written");
-    Ok(Written {
+    let mut written = Written {
         manifest: write_if_changed(&manifest.path, plan.manifest_text.as_bytes())?,
         lock: write_if_changed(&manifest.lock_path(), plan.lock_text.as_bytes())?,
-    })
+        ..Written::default()
+    };
+    for (path, text) in &plan.cargo_toml_edits {
+        if write_if_changed(path, text.as_bytes())? {
+            written.cargo_toml.push(path.clone());
+        }
+    }
+    for (krate, old, new) in &plan.cargo_lock_moves {
+        written.cargo_lock |= cargo_pins::update_cargo_lock(&manifest.root, krate, old, new)?;
+    }
+    Ok(written)
 }
 
 enum Outcome3 {

@@ -86,7 +86,7 @@ fn is_permanent(stderr: &str) -> bool {
 /// Cargo runs in the project root (`cwd`), so the project's `rust-toolchain.toml` picks the same
 /// Cargo on every machine (how it unpacks crates decides the tree ids in the lock), and the
 /// project's `.cargo/config.toml` (mirrors, source replacement) applies.
-fn cargo(cwd: &Path, project: &Path, subcommand: &str, args: &[&str], what: &str) -> Result<()> {
+pub(super) fn cargo(cwd: &Path, project: &Path, subcommand: &str, args: &[&str], what: &str) -> Result<()> {
     let cwd = if cwd.is_dir() { cwd } else { project };
     let manifest = project.join("Cargo.toml");
     let result = retry::retry(retry::Policy::from_env(), what, || {

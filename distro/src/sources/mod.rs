@@ -27,6 +27,7 @@
 pub mod apply;
 pub mod bump;
 pub mod cache;
+pub mod cargo_pins;
 pub mod edit;
 pub mod lock;
 pub mod manifest;
