@@ -53,8 +53,12 @@ pub fn remove_stale_temporaries(dir: &Path, prefix: &str) -> Result<()> {
 /// Whether process `pid` exists (this process included): a temporary named for a process that
 /// does not is what a killed process left.
 pub fn process_alive(pid: i32) -> bool {
-    // SAFETY: signal 0 only asks whether the process exists.
-    pid == std::process::id() as i32 || (pid > 0 && unsafe { libc::kill(pid, 0) } == 0)
+    // SAFETY: signal 0 only asks whether the process exists; EPERM says it does, owned by
+    // another user.
+    pid == std::process::id() as i32
+        || (pid > 0
+            && (unsafe { libc::kill(pid, 0) } == 0
+                || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)))
 }
 
 /// Whether `name` is a plain relative path: one or more ordinary components, nothing absolute,

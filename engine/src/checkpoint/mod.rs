@@ -192,6 +192,7 @@ pub fn write_dir(
     let parent = dir.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
     let name = dir.file_name().context("checkpoint path has no name")?.to_string_lossy();
     let tmp = parent.join(format!(".tmp-{name}-{}", std::process::id()));
+    remove_stale_temporaries_of(parent, &name)?;
     let _ = fs::remove_dir_all(&tmp);
     fs::create_dir(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
     let result = write_into(&tmp, config, layout, snap, extras, pause).and_then(|()| {
@@ -202,6 +203,26 @@ pub fn write_dir(
     if let Err(e) = result {
         let _ = fs::remove_dir_all(&tmp);
         return Err(e.context(format!("cannot write checkpoint {}", dir.display())));
+    }
+    Ok(())
+}
+
+/// Removes `parent/.tmp-NAME-PID` directories that [`write_dir`] left when killed: those of
+/// processes that no longer run (an import into `NAME` running now keeps its own).
+fn remove_stale_temporaries_of(parent: &Path, name: &str) -> Result<()> {
+    let Ok(entries) = fs::read_dir(parent) else { return Ok(()) };
+    let prefix = format!(".tmp-{name}-");
+    for entry in entries.filter_map(|e| e.ok()) {
+        let file_name = entry.file_name();
+        let Some(pid) = file_name.to_str().and_then(|n| n.strip_prefix(&prefix)).and_then(|p| p.parse::<i32>().ok())
+        else {
+            continue;
+        };
+        if !fsutil::process_alive(pid) {
+            let path = entry.path();
+            let removed = if path.is_dir() { fs::remove_dir_all(&path) } else { fs::remove_file(&path) };
+            removed.with_context(|| format!("cannot remove {}, left by a killed process", entry.path().display()))?;
+        }
     }
     Ok(())
 }
@@ -359,10 +380,19 @@ impl Checkpoint {
                 state.step
             );
         }
+        // Names become paths here and in export (`hf/` files): each must be a file inside the
+        // directory, whatever state.json says (its seal is a checksum anyone can recompute).
+        let root = fs::canonicalize(dir).with_context(|| format!("cannot read checkpoint {d}"))?;
         for (name, sum) in &state.files {
+            if !fsutil::is_plain_relative(name) {
+                bail!(
+                    "checkpoint {d}: {STATE_FILE} lists the file `{name}`, which is not a name inside the checkpoint directory (absolute, empty, or with `.` or `..`); refused"
+                );
+            }
             let path = dir.join(name);
             let bytes =
                 fs::metadata(&path).map_err(|e| anyhow!("checkpoint {d} is damaged: {name} is missing ({e})"))?.len();
+            fsutil::regular_file_under(&path, &root).map_err(|e| anyhow!("checkpoint {d}: {e}; refused"))?;
             if bytes != sum.bytes {
                 bail!("checkpoint {d} is damaged: {name} is {bytes} bytes, {} when saved (truncated?)", sum.bytes);
             }
@@ -417,11 +447,20 @@ impl Checkpoint {
         Ok(Some((read_tensors(&path, layout, "exp_avg.")?, read_tensors(&path, layout, "exp_avg_sq.")?)))
     }
 
-    /// Files under `hf/` (the Hugging Face model's config and tokenizer), for export.
+    /// Files under `hf/` (the Hugging Face model's config and tokenizer), for export: each a
+    /// plain name directly under `hf/`.
     pub fn hf_files(&self) -> Result<Vec<(String, Vec<u8>)>> {
         (self.state.files.keys())
             .filter(|n| n.starts_with("hf/"))
-            .map(|n| Ok((n.clone(), fs::read(self.dir.join(n))?)))
+            .map(|n| {
+                if n["hf/".len()..].contains('/') || !fsutil::is_plain_relative(n) {
+                    bail!(
+                        "checkpoint {}: {STATE_FILE} lists {n}, but the hf/ files are plain names directly under hf/",
+                        self.dir.display()
+                    );
+                }
+                Ok((n.clone(), fs::read(self.dir.join(n))?))
+            })
             .collect()
     }
 
@@ -608,6 +647,14 @@ pub fn resume_point(parent: &Path, explicit: Option<&Path>, config: &Config, dev
         None => latest(parent)?
             .ok_or_else(|| anyhow!("--resume: no complete checkpoint in {} to resume from", parent.display()))?,
     };
+    // First, since nothing else about it matters: a model without optimizer state (an
+    // import-hf output) starts runs, it does not continue one.
+    if ck.state.shards.is_none() && !ck.state.files.contains_key(OPTIMIZER_FILE) {
+        bail!(
+            "cannot resume from {}: it has no optimizer state (an import-hf output?), so it can start a run, not resume one; start from the Hugging Face model with --init-from-hf DIR instead of --resume",
+            ck.dir.display()
+        );
+    }
     let saved_on = ck.state.shards.unwrap_or(1);
     let (saved, now) = (ck.config.train.batch_size * saved_on, config.train.batch_size * devices);
     let mut differ = incompatible_keys(&ck.config, config);

@@ -246,6 +246,12 @@ impl Checkpoint {
             Some(shards) => {
                 for entry in self.state.files.keys().filter(|n| n.starts_with("shard-") && n.ends_with(".json")) {
                     let stem = entry.trim_end_matches(".json");
+                    if !self.state.files.contains_key(&format!("{stem}.safetensors")) {
+                        bail!(
+                            "checkpoint {} is damaged: state.json lists {entry} but not {stem}.safetensors",
+                            self.dir.display()
+                        );
+                    }
                     let triples: Vec<[usize; 3]> = serde_json::from_slice(&fs::read(self.dir.join(entry))?)
                         .map_err(|e| anyhow!("checkpoint {}: {entry}: {e}", self.dir.display()))?;
                     let file = Mapped::open(&self.dir.join(format!("{stem}.safetensors")))?;

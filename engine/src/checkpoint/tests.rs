@@ -166,3 +166,85 @@ fn a_resume_on_other_shards_is_refused_naming_the_shard() {
     fs::write(path.join(STATE_FILE), state.sealed_text().unwrap()).unwrap();
     resume_point(runs.path(), None, &config, 1).unwrap();
 }
+
+/// `state.json`'s names become paths: one that is absolute, climbs with `..`, or leads out of
+/// the directory through a symbolic link is refused even under a recomputed seal, and nothing
+/// outside the checkpoint is read or written.
+#[test]
+fn names_that_leave_the_checkpoint_are_refused_under_a_valid_seal() {
+    let config = small();
+    let (layout, snap) = snapshot(&config, 2);
+    let outside = tempfile::tempdir().unwrap();
+    let secret = outside.path().join("secret");
+    fs::write(&secret, b"not the checkpoint's").unwrap();
+    let sum = FileSum { bytes: 20, sha256: sha256_hex(b"not the checkpoint's") };
+    type Tamper = fn(&Path, &Path) -> String;
+    let cases: [(Tamper, &str); 4] = [
+        (|_, secret| format!("hf/{}", secret.display()), "which is not a name inside the checkpoint directory"),
+        (|_, secret| format!("../{}", secret.file_name().unwrap().to_str().unwrap()), "not a name inside"),
+        (
+            |d, secret| {
+                std::os::unix::fs::symlink(secret, d.join("hf/tokenizer.json")).unwrap();
+                "hf/tokenizer.json".into()
+            },
+            "leads outside",
+        ),
+        (
+            |d, secret| {
+                fs::create_dir_all(d.join("hf/sub")).unwrap();
+                fs::copy(secret, d.join("hf/sub/x")).unwrap();
+                "hf/sub/x".into()
+            },
+            "the hf/ files are plain names directly under hf/",
+        ),
+    ];
+    for (tamper, expected) in cases {
+        let dir = tempfile::tempdir().unwrap();
+        let extras = Extras { files: vec![("hf/config.json".into(), b"{}".to_vec())], hf_dtype: None };
+        let path = write(dir.path(), &config, &layout, &snap, &extras, None).unwrap();
+        let mut state = Checkpoint::open(&path).unwrap().state;
+        state.files.insert(tamper(&path, &secret), sum.clone());
+        fs::write(path.join(STATE_FILE), state.sealed_text().unwrap()).unwrap();
+        let e = Checkpoint::open(&path).and_then(|ck| ck.hf_files().map(|_| ())).unwrap_err();
+        assert!(format!("{e:#}").contains(expected), "{expected}: {e:#}");
+    }
+    assert_eq!(fs::read_dir(outside.path()).unwrap().count(), 1);
+}
+
+/// A checkpoint without optimizer state (what import-hf writes) is refused for what it is,
+/// before its data or configuration are compared.
+#[test]
+fn a_model_without_optimizer_state_is_refused_as_a_resume_point() {
+    let config = small();
+    let (layout, mut snap) = snapshot(&config, 0);
+    snap.moments = None;
+    snap.data_tokens = 0;
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), &config, &layout, &snap, &Extras::default(), None).unwrap();
+    let mut other = config.clone();
+    other.optim.lr *= 2.0;
+    for now in [&config, &other] {
+        let e = resume_point(dir.path(), None, now, 1).unwrap_err().to_string();
+        assert!(e.contains("it has no optimizer state (an import-hf output?)") && e.contains("--init-from-hf"), "{e}");
+    }
+}
+
+/// What a killed `write_dir` (import-hf) left beside its output is removed by the next write
+/// there; a temporary of a live process, or of another name, is kept.
+#[test]
+fn temporaries_of_killed_imports_are_removed_by_the_next() {
+    let config = small();
+    let (layout, snap) = snapshot(&config, 0);
+    let dir = tempfile::tempdir().unwrap();
+    // PID 2^22 + 1 is above Linux's pid_max: no such process can exist.
+    let dead = dir.path().join(".tmp-ck-4194305");
+    let live = dir.path().join(".tmp-ck-1"); // init
+    let other = dir.path().join(".tmp-ck-2-4194305");
+    for d in [&dead, &live, &other] {
+        fs::create_dir_all(d.join("part")).unwrap();
+    }
+    write_dir(&dir.path().join("ck"), &config, &layout, &snap, &Extras::default(), None).unwrap();
+    assert!(!dead.exists() && live.exists() && other.exists());
+    write_dir(&dir.path().join("ck-2"), &config, &layout, &snap, &Extras::default(), None).unwrap();
+    assert!(!other.exists());
+}
