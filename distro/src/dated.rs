@@ -144,6 +144,16 @@ pub fn utc_date(epoch: u64) -> String {
     rfc3339(epoch)[..10].to_string()
 }
 
+/// Today (UTC) as days since 1970-01-01; `DISTRO_TODAY=YYYY-MM-DD` sets it (for tests and
+/// replays).
+pub fn today() -> i64 {
+    if let Some(d) = std::env::var("DISTRO_TODAY").ok().and_then(|s| parse_date(&s)) {
+        return d;
+    }
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+    (now / 86_400) as i64
+}
+
 /// Parses `YYYY-MM-DD` into days since 1970-01-01, refusing impossible dates.
 pub fn parse_date(s: &str) -> Option<i64> {
     let b = s.as_bytes();

@@ -27,7 +27,11 @@ fn flags_table_matches_the_image_definition() {
 #[test]
 fn engine_definition_is_valid_and_pinned() {
     let def = ImageDef::load(&root().join("images/engine.toml")).unwrap();
-    assert!(def.base.digest.is_some(), "the production base must be pinned by digest");
+    let base = def.base_reference(&root()).unwrap();
+    assert!(base.digest.is_some(), "the production base must be pinned by digest");
+    // The Dockerfile builds on the same base as the image definition (images/manifest.toml).
+    let dockerfile = std::fs::read_to_string(root().join("Dockerfile")).unwrap();
+    assert!(dockerfile.contains(&format!("ARG BASE={base}\n")), "Dockerfile's ARG BASE is not {base}");
     assert_eq!(def.cmd, ["engine", "info"]);
     assert!(def.files.iter().any(|f| f.dest == "/usr/local/bin/test-all" && f.mode == 0o755));
     assert!(!def.env.contains_key("ENGINE_FLAGS"));

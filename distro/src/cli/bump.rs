@@ -1,7 +1,11 @@
 //! `distro bump`: moves pins to the tips of their tracking refs and drops patches merged
 //! upstream; writes nothing when a patch no longer applies.
 use super::ManifestArg;
-use crate::sources::{Cache, Lock, bump};
+use crate::error::bad_input;
+use crate::registry::auth::Credentials;
+use crate::registry::client::Client;
+use crate::registry::reference::Reference;
+use crate::sources::{BaseSpec, Cache, Lock, bump};
 use anyhow::Result;
 use clap::Args;
 
@@ -16,6 +20,9 @@ pub struct BumpArgs {
     /// Show what would change; write nothing.
     #[arg(long)]
     dry_run: bool,
+    /// Registry reachable over plain HTTP, for a base's tag (loopback registries always are).
+    #[arg(long, value_name = "HOST[:PORT]", value_parser = super::registry_host)]
+    insecure: Vec<String>,
 }
 
 /// Runs `distro bump`: the changes on stdout, then writes the manifest and lock (unless
@@ -24,7 +31,14 @@ pub fn bump(args: BumpArgs) -> Result<()> {
     let manifest = args.manifest.load()?;
     let cache = Cache::from_env()?;
     let lock = Lock::load(&manifest.lock_path())?;
-    let plan = bump::plan(&manifest, lock.as_ref(), &args.names, &cache)?;
+    let client = Client::new(Credentials::from_environment(None)?, args.insecure.clone())?;
+    let base_digest = |b: &BaseSpec| -> Result<String> {
+        let reference = Reference::parse(&format!("{}:{}", b.image, b.tag))
+            .map_err(|e| bad_input(format!("{}: base `{}`: {e:#}", manifest.path.display(), b.name)))?;
+        eprintln!("distro: resolving base {reference}");
+        Ok(client.fetch_manifest(&reference)?.digest.to_string())
+    };
+    let plan = bump::plan(&manifest, lock.as_ref(), &args.names, &cache, &base_digest)?;
     if !plan.conflicts.is_empty() {
         for c in &plan.conflicts {
             eprint!("{}", c.report());
@@ -51,6 +65,12 @@ pub fn bump(args: BumpArgs) -> Result<()> {
         }
         for d in &c.dropped {
             println!("{}\tdropped {d} (merged upstream)", c.name);
+        }
+    }
+    for b in &plan.base_changes {
+        match &b.old {
+            Some(old) if *old == b.new => println!("{}\t{}\trelocked", b.name, b.new),
+            old => println!("{}\t{} -> {}", b.name, old.as_deref().unwrap_or("(unpinned)"), b.new),
         }
     }
     for name in &plan.unchanged {

@@ -1,8 +1,12 @@
 //! `distro lock`: resolves the manifest as pinned and writes (or, with `--check`, verifies) the
 //! lock; prints `NAME<TAB>TREE` per locked source.
 use super::ManifestArg;
+use crate::dated::{format_day, today};
+use crate::error::bad_input;
 use crate::fsutil::write_if_changed;
-use crate::sources::{Cache, Lock, Overrides, resolve};
+use crate::sources::lock::LockedBase;
+use crate::sources::status::base_status;
+use crate::sources::{Cache, Lock, LockStatus, Overrides, resolve};
 use anyhow::Result;
 use clap::Args;
 
@@ -24,11 +28,35 @@ pub fn lock(args: LockArgs) -> Result<()> {
     let manifest = args.manifest.load()?;
     let cache = Cache::from_env()?;
     let old = Lock::load(&manifest.lock_path())?;
-    let fresh = resolve(&manifest, &args.names, &Overrides::default(), &cache)?;
+    let (source_names, base_names) = manifest.split_names(&args.names)?;
+    let fresh = match &source_names {
+        Some(names) => resolve(&manifest, names, &Overrides::default(), &cache)?,
+        None => Lock::default(),
+    };
     let mut new = if args.names.is_empty() { Lock::default() } else { old.clone().unwrap_or_default() };
     for (name, entry) in &fresh.sources {
         new.sources.insert(name.clone(), entry.clone());
         println!("{name}\t{}", entry.tree);
+    }
+    // A base is locked as the manifest pins it; its `since` moves only with its digest.
+    for name in &base_names {
+        let base = &manifest.bases[name];
+        let Some(digest) = &base.digest else {
+            return Err(bad_input(format!(
+                "{}: base `{name}` has no digest; run `distro bump {name}` to pin what its tag resolves to",
+                manifest.path.display()
+            )));
+        };
+        let kept =
+            old.as_ref().and_then(|l| l.bases.get(name)).filter(|l| base_status(base, Some(l)) == LockStatus::Current);
+        let entry = kept.cloned().unwrap_or_else(|| LockedBase {
+            image: base.image.clone(),
+            tag: base.tag.clone(),
+            digest: digest.clone(),
+            since: format_day(today()),
+        });
+        println!("{name}\t{}", entry.digest);
+        new.bases.insert(name.clone(), entry);
     }
     let path = manifest.lock_path();
     if args.check {

@@ -47,7 +47,7 @@ pub fn sbom_cmd(a: SbomArgs) -> Result<ExitCode> {
     let def = ImageDef::load(&ws.root.join("images").join(format!("{}.toml", a.image)))?;
     let base = match &a.base {
         Some(b) => parse_ref(b, "--base")?,
-        None => def.base.clone(),
+        None => def.base_reference(&ws.root)?,
     };
     let (epoch, date) = epoch_and_date(&ws, a.date.as_deref())?;
     let lock = std::fs::read(ws.root.join("Cargo.lock"))?;
@@ -74,6 +74,8 @@ pub fn sbom_cmd(a: SbomArgs) -> Result<ExitCode> {
         base_tag: base.tag.clone(),
         // Without a registry the platform manifest is unknown: the index digest stands in.
         base_digest: base.digest.as_ref().unwrap_or(&unknown),
+        // Without a registry the base's layers are not read: its packages are not listed.
+        base_contents: None,
     })?;
     match a.output {
         Some(p) => crate::fsutil::write_atomic(&p, &bytes)?,

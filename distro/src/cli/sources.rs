@@ -23,10 +23,21 @@ pub fn sources(args: SourcesArgs) -> Result<()> {
     let manifest = args.manifest.load()?;
     let lock = Lock::load(&manifest.lock_path())?;
     let rows = status::rows(&manifest, lock.as_ref());
+    let bases = status::base_rows(&manifest, lock.as_ref(), crate::dated::today());
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&rows)?);
+        let mut all: Vec<serde_json::Value> = rows.iter().map(serde_json::to_value).collect::<Result<_, _>>()?;
+        all.extend(bases.iter().map(serde_json::to_value).collect::<Result<Vec<_>, _>>()?);
+        println!("{}", serde_json::to_string_pretty(&all)?);
     } else {
-        print!("{}", status::table(&rows));
+        if !rows.is_empty() || bases.is_empty() {
+            print!("{}", status::table(&rows));
+        }
+        if !bases.is_empty() {
+            if !rows.is_empty() {
+                println!();
+            }
+            print!("{}", status::base_table(&bases));
+        }
     }
     // The crate sources' pins must agree with the workspace's Cargo.toml and Cargo.lock.
     let problems = cargo_pins::check(&manifest)?;
@@ -37,7 +48,8 @@ pub fn sources(args: SourcesArgs) -> Result<()> {
         return Err(bad_input(first.clone()));
     }
     if let Some(lock) = &lock {
-        for name in lock.sources.keys().filter(|n| !manifest.sources.contains_key(*n)) {
+        let gone_bases = lock.bases.keys().filter(|n| !manifest.bases.contains_key(*n));
+        for name in lock.sources.keys().filter(|n| !manifest.sources.contains_key(*n)).chain(gone_bases) {
             eprintln!(
                 "distro: the lock has an entry for `{name}`, which is not in the manifest; `distro lock` removes it"
             );

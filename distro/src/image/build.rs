@@ -219,7 +219,10 @@ pub fn build(opts: &BuildOptions, dir: &BuildDir, client: &Client, progress: &Pr
     let version = format!("{}-{date}", def.name);
     let cache = dir.path().to_path_buf();
     let store = BlobStore::new(cache.join("store"));
-    let base_ref = opts.base.clone().unwrap_or_else(|| def.base.clone());
+    let base_ref = match &opts.base {
+        Some(b) => b.clone(),
+        None => def.base_reference(&ws.root)?,
+    };
     if base_ref.digest.is_none() {
         progress.info(format!(
             "warning: base {base_ref} is not pinned by digest; the build is only as reproducible as that tag"
@@ -278,6 +281,7 @@ pub fn build(opts: &BuildOptions, dir: &BuildDir, client: &Client, progress: &Pr
         let bin_layer = cached_layer(&bins, epoch, &cache, &store)?;
 
         let metadata = stage.metadata(p)?;
+        let base_contents = super::dpkg::base_contents(&store, &bp.layers, &bp.manifest_digest, &cache.join("dpkg"))?;
         let sbom_bytes = sbom(&SbomInput {
             image: &def.name,
             version: &version,
@@ -291,6 +295,7 @@ pub fn build(opts: &BuildOptions, dir: &BuildDir, client: &Client, progress: &Pr
             base_name: base_ref.name(),
             base_tag: base_ref.tag.clone(),
             base_digest: &bp.manifest_digest,
+            base_contents: Some(&base_contents),
         })?;
         let distro = opt_distro_spec(sbom_bytes, stage.lock(), &sources)?;
         let distro_layer = cached_layer(&distro, epoch, &cache, &store)?;

@@ -17,8 +17,9 @@ pub struct ImageDef {
     pub description: String,
     /// Platforms built by default.
     pub platforms: Vec<Platform>,
-    /// Base image reference (production: pinned by digest).
-    pub base: Reference,
+    /// The base image: a reference (production: pinned by digest), or a base the manifest
+    /// tracks (`base = { source = "NAME" }`: `[bases.NAME]` of images/manifest.toml).
+    pub base: BaseRef,
     /// The image's default command (`CMD`).
     pub cmd: Vec<String>,
     /// Entrypoint; `None` keeps the base image's.
@@ -37,6 +38,43 @@ pub struct ImageDef {
     pub env: BTreeMap<String, EnvVar>,
     /// Extra labels (the `org.opencontainers.image.*` annotations are added by the build).
     pub labels: BTreeMap<String, String>,
+}
+
+/// Where an image definition's base comes from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum BaseRef {
+    /// A registry reference written in the definition.
+    Image(Reference),
+    /// A base of images/manifest.toml, by name (pinned, bumped and locked there).
+    Source(String),
+}
+
+impl ImageDef {
+    /// The base's registry reference: the definition's own, or the manifest base's
+    /// `IMAGE:TAG@DIGEST` (read from `root`/images/manifest.toml, which must pin its digest).
+    pub fn base_reference(&self, root: &Path) -> Result<Reference> {
+        let name = match &self.base {
+            BaseRef::Image(r) => return Ok(r.clone()),
+            BaseRef::Source(name) => name,
+        };
+        let path = root.join(crate::sources::DEFAULT_MANIFEST);
+        let manifest = crate::sources::Manifest::load(&path)?;
+        let base = manifest.bases.get(name).ok_or_else(|| {
+            bad_input(format!(
+                "images/{}.toml: base: {} has no [bases.{name}] (bases: {})",
+                self.name,
+                path.display(),
+                manifest.bases.keys().cloned().collect::<Vec<_>>().join(", ")
+            ))
+        })?;
+        if base.digest.is_none() {
+            return Err(bad_input(format!(
+                "{}: base `{name}` has no digest; run `distro bump {name}` to pin it",
+                path.display()
+            )));
+        }
+        Reference::parse(&base.reference()).map_err(|e| bad_input(format!("{}: base `{name}`: {e:#}", path.display())))
+    }
 }
 
 /// A binary target built with cargo and installed at `dest`.
@@ -119,7 +157,7 @@ struct Raw {
     name: Spanned<String>,
     description: String,
     platforms: Vec<Spanned<String>>,
-    base: Spanned<String>,
+    base: Spanned<RawBaseRef>,
     cmd: Vec<String>,
     #[serde(default)]
     entrypoint: Option<Vec<String>>,
@@ -137,6 +175,13 @@ struct Raw {
     env: BTreeMap<String, Spanned<EnvVar>>,
     #[serde(default)]
     labels: BTreeMap<String, String>,
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum RawBaseRef {
+    Image(String),
+    Source { source: String },
 }
 
 /// Variables the image must never set: they belong to the user (a baked value would be a
@@ -176,7 +221,12 @@ impl ImageDef {
         if platforms.is_empty() {
             return Err(bad_input(format!("{origin}: platforms: at least one platform is needed")));
         }
-        let base = Reference::parse(raw.base.get_ref()).map_err(|e| at(raw.base.span(), "base", format!("{e:#}")))?;
+        let base = match raw.base.get_ref() {
+            RawBaseRef::Image(r) => {
+                BaseRef::Image(Reference::parse(r).map_err(|e| at(raw.base.span(), "base", format!("{e:#}")))?)
+            }
+            RawBaseRef::Source { source } => BaseRef::Source(source.clone()),
+        };
         if raw.cmd.is_empty() {
             return Err(bad_input(format!("{origin}: cmd: the default command cannot be empty")));
         }
@@ -323,6 +373,32 @@ reason = "show warnings"
         assert!(e.contains("used twice"), "{e}");
         let e = err(&GOOD.replace("@sha256:e3b0", "@sha256:zzzz"));
         assert!(e.starts_with("x.toml:5: base:"), "{e}");
+        let e = err(&GOOD.replace("base = \"", "base = { sorce = \"cuda\" }\nx = \""));
+        assert!(e.starts_with("x.toml:5:"), "{e}");
+    }
+
+    #[test]
+    fn a_base_from_the_manifest() {
+        let dir = tempfile::tempdir().unwrap();
+        let text = GOOD.replace("base = \"localhost", "base = { source = \"deb\" }\nlabels.x = \"localhost");
+        let d = ImageDef::parse(&text, "x.toml").unwrap();
+        assert_eq!(d.base, BaseRef::Source("deb".into()));
+        std::fs::create_dir_all(dir.path().join("images")).unwrap();
+        let m = dir.path().join("images/manifest.toml");
+        std::fs::write(&m, "[bases.deb]\nimage = \"localhost:5000/debian\"\ntag = \"trixie\"\n").unwrap();
+        let e = format!("{:#}", d.base_reference(dir.path()).unwrap_err());
+        assert!(e.contains("base `deb` has no digest; run `distro bump deb`"), "{e}");
+        let digest = format!("sha256:{}", "e".repeat(64));
+        std::fs::write(
+            &m,
+            format!("[bases.deb]\nimage = \"localhost:5000/debian\"\ntag = \"trixie\"\ndigest = \"{digest}\"\n"),
+        )
+        .unwrap();
+        let r = d.base_reference(dir.path()).unwrap();
+        assert_eq!(r.to_string(), format!("localhost:5000/debian:trixie@{digest}"));
+        std::fs::write(&m, "").unwrap();
+        let e = format!("{:#}", d.base_reference(dir.path()).unwrap_err());
+        assert!(e.contains("has no [bases.deb]"), "{e}");
     }
 
     #[test]

@@ -5,6 +5,7 @@ pub mod base;
 pub mod build;
 pub mod config;
 pub mod def;
+pub mod dpkg;
 pub mod engine_build;
 pub mod layer;
 pub mod sbom;

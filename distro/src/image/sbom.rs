@@ -1,6 +1,7 @@
 //! The SBOM: SPDX 2.3 JSON of what went into one platform's image: the crates linked into
 //! the engine (from the build's `Cargo.lock`, with checksums, and cargo's resolve for the
-//! target, with licenses) and the base image.
+//! target, with licenses) and the base image, with the Debian packages its dpkg database lists
+//! (each with a `pkg:deb` package URL).
 use crate::dated::rfc3339;
 use crate::oci::digest::{Digest, KeyHasher};
 use crate::oci::json::canonical;
@@ -35,6 +36,8 @@ pub struct SbomInput<'a> {
     pub base_tag: Option<String>,
     /// Base platform manifest digest.
     pub base_digest: &'a Digest,
+    /// The base's distribution and Debian packages, when its layers were read.
+    pub base_contents: Option<&'a super::dpkg::BaseContents>,
 }
 
 fn spdx_id(prefix: &str, name: &str, version: &str) -> String {
@@ -165,6 +168,26 @@ pub fn sbom(input: &SbomInput) -> Result<Vec<u8>> {
         "externalRefs": [{"referenceCategory": "PACKAGE-MANAGER", "referenceType": "purl", "referenceLocator": format!(
             "pkg:oci/{base_repo_tail}@sha256%3A{}?arch={}&repository_url={}", input.base_digest.hex(), input.platform.architecture, input.base_name)}],
     }));
+    let mut deb_ids = Vec::new();
+    if let Some(contents) = input.base_contents {
+        for p in &contents.packages {
+            let sid = spdx_id("Deb", &p.name, &format!("{}-{}", p.version, p.arch));
+            pkgs.push(json!({
+                "SPDXID": sid,
+                "name": p.name,
+                "versionInfo": p.version,
+                "downloadLocation": "NOASSERTION",
+                "filesAnalyzed": false,
+                "licenseConcluded": "NOASSERTION",
+                "licenseDeclared": "NOASSERTION",
+                "copyrightText": "NOASSERTION",
+                "primaryPackagePurpose": "LIBRARY",
+                "comment": format!("from the base image's dpkg database ({})", p.arch),
+                "externalRefs": [{"referenceCategory": "PACKAGE-MANAGER", "referenceType": "purl", "referenceLocator": p.purl(contents)}],
+            }));
+            deb_ids.push(sid);
+        }
+    }
     pkgs.push(json!({
         "SPDXID": "SPDXRef-Image",
         "name": input.image,
@@ -181,6 +204,11 @@ pub fn sbom(input: &SbomInput) -> Result<Vec<u8>> {
         json!({"spdxElementId": "SPDXRef-DOCUMENT", "relationshipType": "DESCRIBES", "relatedSpdxElement": "SPDXRef-Image"}),
         json!({"spdxElementId": "SPDXRef-Image", "relationshipType": "DESCENDANT_OF", "relatedSpdxElement": "SPDXRef-BaseImage"}),
     ];
+    for sid in &deb_ids {
+        rels.push(
+            json!({"spdxElementId": "SPDXRef-BaseImage", "relationshipType": "CONTAINS", "relatedSpdxElement": sid}),
+        );
+    }
     for r in &roots {
         rels.push(
             json!({"spdxElementId": "SPDXRef-Image", "relationshipType": "CONTAINS", "relatedSpdxElement": ids[r]}),
@@ -259,6 +287,15 @@ checksum = "111"
         });
         let p = Platform::parse("linux/amd64").unwrap();
         let bd = Digest::of(b"base");
+        let contents = crate::image::dpkg::BaseContents {
+            os_id: Some("ubuntu".into()),
+            os_version: Some("24.04".into()),
+            packages: vec![crate::image::dpkg::DebPackage {
+                name: "libc6".into(),
+                version: "2.39-0ubuntu8".into(),
+                arch: "amd64".into(),
+            }],
+        };
         let input = SbomInput {
             image: "engine",
             version: "engine-2025-01-02",
@@ -272,6 +309,7 @@ checksum = "111"
             base_name: "localhost:5000/debian".into(),
             base_tag: Some("bookworm".into()),
             base_digest: &bd,
+            base_contents: Some(&contents),
         };
         let bytes = sbom(&input).unwrap();
         assert_eq!(bytes, sbom(&input).unwrap(), "deterministic");
@@ -282,6 +320,13 @@ checksum = "111"
         let serde = v["packages"].as_array().unwrap().iter().find(|p| p["name"] == "serde").unwrap();
         assert_eq!(serde["licenseDeclared"], "MIT OR Apache-2.0");
         assert_eq!(serde["checksums"][0]["checksumValue"], "abc");
+        let libc = v["packages"].as_array().unwrap().iter().find(|p| p["name"] == "libc6").unwrap();
+        assert_eq!(
+            libc["externalRefs"][0]["referenceLocator"],
+            "pkg:deb/ubuntu/libc6@2.39-0ubuntu8?arch=amd64&distro=ubuntu-24.04"
+        );
+        let rels = v["relationships"].as_array().unwrap();
+        assert!(rels.iter().any(|r| r["relationshipType"] == "CONTAINS" && r["relatedSpdxElement"] == libc["SPDXID"]));
         let engine = v["packages"].as_array().unwrap().iter().find(|p| p["name"] == "engine").unwrap();
         assert_eq!(engine["downloadLocation"], "git+https://github.com/x/y@abc");
         let rels = v["relationships"].to_string();

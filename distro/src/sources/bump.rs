@@ -13,13 +13,14 @@ use super::apply::{self, Base, Conflict, Outcome};
 use super::cache::{Cache, Repo};
 use super::cargo_pins;
 use super::crates;
-use super::edit::{SourceEdit, edit_manifest};
-use super::lock::{Lock, LockedSource, Origin};
-use super::manifest::{Manifest, Source, SourceKind};
+use super::edit::{SourceEdit, edit_base_digest, edit_manifest};
+use super::lock::{Lock, LockedBase, LockedSource, Origin};
+use super::manifest::{BaseSpec, Manifest, Source, SourceKind};
 use super::patch::{PatchFile, read_source_patches};
-use super::status::{LockStatus, lock_status};
+use super::status::{LockStatus, base_status, lock_status};
 use super::trees::check_no_submodules;
 use super::upstream;
+use crate::dated::{format_day, today};
 use crate::error::bad_input;
 use crate::fsutil::write_if_changed;
 use std::path::PathBuf;
@@ -44,7 +45,9 @@ pub struct Change {
 pub struct Plan {
     /// Sources whose pin, patches or lock entry change.
     pub changes: Vec<Change>,
-    /// Sources already at their tip with a current lock.
+    /// Bases whose digest or lock entry change.
+    pub base_changes: Vec<BaseChange>,
+    /// Sources (and bases) already at their tip with a current lock.
     pub unchanged: Vec<String>,
     /// Patches that do not apply on the new pins; when any, nothing may be written.
     pub conflicts: Vec<Conflict>,
@@ -69,12 +72,54 @@ pub struct Written {
     pub cargo_lock: bool,
 }
 
-/// Works out the bump of the selected sources (all when `names` is empty) without writing.
-pub fn plan(manifest: &Manifest, lock: Option<&Lock>, names: &[String], cache: &Cache) -> Result<Plan> {
+/// What bump does to one base image.
+#[derive(Clone, Debug)]
+pub struct BaseChange {
+    /// The base's name.
+    pub name: String,
+    /// The old digest, if there was one.
+    pub old: Option<String>,
+    /// The digest the tag resolves to now.
+    pub new: String,
+    /// The new lock entry.
+    pub locked: LockedBase,
+}
+
+/// Works out the bump of the selected sources and bases (all when `names` is empty) without
+/// writing. `base_digest` resolves a base's tag to its current digest (from its registry: the
+/// caller owns the network client, so this module stays below the registry).
+pub fn plan(
+    manifest: &Manifest,
+    lock: Option<&Lock>,
+    names: &[String],
+    cache: &Cache,
+    base_digest: &dyn Fn(&BaseSpec) -> Result<String>,
+) -> Result<Plan> {
     let mut changes = Vec::new();
     let mut unchanged = Vec::new();
     let mut conflicts = Vec::new();
-    for source in manifest.select(names)? {
+    let (source_names, base_names) = manifest.split_names(names)?;
+    let selected = match &source_names {
+        Some(names) => manifest.select(names)?,
+        None => Vec::new(),
+    };
+    let mut base_changes = Vec::new();
+    for name in &base_names {
+        let base = &manifest.bases[name];
+        let new = base_digest(base).with_context(|| format!("bumping base `{name}`"))?;
+        let locked = lock.and_then(|l| l.bases.get(name));
+        if base.digest.as_deref() == Some(new.as_str()) && base_status(base, locked) == LockStatus::Current {
+            unchanged.push(name.clone());
+            continue;
+        }
+        let since = match locked {
+            Some(l) if l.digest == new && l.image == base.image && l.tag == base.tag => l.since.clone(),
+            _ => format_day(today()),
+        };
+        let locked = LockedBase { image: base.image.clone(), tag: base.tag.clone(), digest: new.clone(), since };
+        base_changes.push(BaseChange { name: name.clone(), old: base.digest.clone(), new, locked });
+    }
+    for source in selected {
         let locked = lock.and_then(|l| l.sources.get(&source.name));
         let outcome = match &source.kind {
             SourceKind::Git(_) => bump_git(manifest, source, locked, cache),
@@ -99,13 +144,20 @@ pub fn plan(manifest: &Manifest, lock: Option<&Lock>, names: &[String], cache: &
             drop_patches: c.dropped.clone(),
         })
         .collect();
-    let manifest_text = if edits.is_empty() { original } else { edit_manifest(&original, &edits)? };
+    let mut manifest_text = if edits.is_empty() { original } else { edit_manifest(&original, &edits)? };
+    for b in base_changes.iter().filter(|b| b.old.as_deref() != Some(b.new.as_str())) {
+        manifest_text = edit_base_digest(&manifest_text, &b.name, &b.new)?;
+    }
     let mut new_lock = lock.cloned().unwrap_or_default();
     for c in &changes {
         new_lock.sources.insert(c.name.clone(), c.locked.clone());
     }
+    for b in &base_changes {
+        new_lock.bases.insert(b.name.clone(), b.locked.clone());
+    }
     if names.is_empty() {
         new_lock.sources.retain(|name, _| manifest.sources.contains_key(name));
+        new_lock.bases.retain(|name, _| manifest.bases.contains_key(name));
     }
     // A crate that moves moves in the workspace too: its exact requirements and Cargo.lock.
     let mut cargo_toml_edits: Vec<(PathBuf, String)> = Vec::new();
@@ -128,6 +180,7 @@ pub fn plan(manifest: &Manifest, lock: Option<&Lock>, names: &[String], cache: &
     }
     Ok(Plan {
         changes,
+        base_changes,
         unchanged,
         conflicts,
         manifest_text,

@@ -15,6 +15,27 @@ pub struct SourceEdit {
     pub drop_patches: Vec<String>,
 }
 
+/// Sets `digest` of base `name` (`[bases.NAME]`) in manifest `text`, keeping its decoration.
+pub fn edit_base_digest(text: &str, name: &str, digest: &str) -> Result<String> {
+    let mut doc: DocumentMut = text.parse().context("re-reading the manifest for editing")?;
+    let table = doc
+        .get_mut("bases")
+        .and_then(|s| s.get_mut(name))
+        .and_then(Item::as_table_like_mut)
+        .ok_or_else(|| anyhow!("base `{name}` vanished from the manifest while editing"))?;
+    match table.get_mut("digest").and_then(Item::as_value_mut) {
+        Some(value) => {
+            let decor = value.decor().clone();
+            *value = Value::from(digest);
+            *value.decor_mut() = decor;
+        }
+        None => {
+            table.insert("digest", toml_edit::value(digest));
+        }
+    }
+    Ok(doc.to_string())
+}
+
 /// Applies `edits` to manifest `text` and returns the new text.
 pub fn edit_manifest(text: &str, edits: &[SourceEdit]) -> Result<String> {
     let mut doc: DocumentMut = text.parse().context("re-reading the manifest for editing")?;

@@ -52,6 +52,34 @@ pub struct Manifest {
     pub root: PathBuf,
     /// The sources, by name.
     pub sources: BTreeMap<String, Source>,
+    /// The base images (`[bases.NAME]`), by name: what image definitions build on.
+    pub bases: BTreeMap<String, BaseSpec>,
+}
+
+/// A base image the manifest tracks (`[bases.NAME]`): a registry repository, the tag `distro
+/// bump` follows, and the pinned digest of what the tag resolved to.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BaseSpec {
+    /// The table name in `[bases.NAME]`.
+    pub name: String,
+    /// The repository, with its registry (`docker.io/nvidia/cuda`).
+    pub image: String,
+    /// The tag `distro bump` follows.
+    pub tag: String,
+    /// The pinned digest (`sha256:...`); `None` until `distro bump NAME` pins it.
+    pub digest: Option<String>,
+    /// Position of the table.
+    pub loc: Loc,
+}
+
+impl BaseSpec {
+    /// `IMAGE:TAG@DIGEST` (without the digest when unpinned).
+    pub fn reference(&self) -> String {
+        match &self.digest {
+            Some(d) => format!("{}:{}@{d}", self.image, self.tag),
+            None => format!("{}:{}", self.image, self.tag),
+        }
+    }
 }
 
 /// One upstream source.
@@ -197,6 +225,16 @@ struct RawManifest {
     root: Option<Spanned<String>>,
     #[serde(default)]
     sources: BTreeMap<String, Spanned<RawSource>>,
+    #[serde(default)]
+    bases: BTreeMap<String, Spanned<RawBase>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawBase {
+    image: Spanned<String>,
+    tag: Spanned<String>,
+    digest: Option<Spanned<String>>,
 }
 
 #[derive(Deserialize)]
@@ -258,7 +296,42 @@ impl Manifest {
                 .map_err(|(offset, msg)| err_at(offset, &msg))?;
             sources.insert(name, source);
         }
-        Ok(Manifest { path: path.to_path_buf(), root, sources })
+        let mut bases = BTreeMap::new();
+        for (name, raw_base) in raw.bases {
+            let table = raw_base.span().start;
+            let b = raw_base.into_inner();
+            if !valid_name(&name) || sources.contains_key(&name) {
+                return Err(err_at(
+                    table,
+                    &format!("base name `{name}` must be a name (letters, digits, `-`, `_`) no source uses"),
+                ));
+            }
+            let plain = |v: &Spanned<String>, key: &str, extra: &dyn Fn(&str) -> bool| {
+                let t = v.get_ref();
+                if t.is_empty() || t.chars().any(|c| c.is_whitespace() || "@".contains(c)) || !extra(t) {
+                    return Err(err_at(v.span().start, &format!("`{key}` of base `{name}` is not valid: {t:?}")));
+                }
+                Ok(t.clone())
+            };
+            let image = plain(&b.image, "image", &|t| {
+                !t.contains(':') || t.split('/').next().is_some_and(|h| h.contains(':'))
+            })?;
+            let tag = plain(&b.tag, "tag", &|t| {
+                t.len() <= 128
+                    && t.chars().all(|c| c.is_ascii_alphanumeric() || "_.-".contains(c))
+                    && !t.starts_with(['.', '-'])
+            })?;
+            let digest = match &b.digest {
+                Some(d) => Some(plain(d, "digest", &|t| {
+                    t.strip_prefix("sha256:").is_some_and(|h| {
+                        h.len() == 64 && h.bytes().all(|c| c.is_ascii_digit() || (b'a'..=b'f').contains(&c))
+                    })
+                })?),
+                None => None,
+            };
+            bases.insert(name.clone(), BaseSpec { name, image, tag, digest, loc: Loc::at(text, table) });
+        }
+        Ok(Manifest { path: path.to_path_buf(), root, sources, bases })
     }
 
     /// The lock file that belongs to this manifest: the same path with the `.lock` extension.
@@ -290,6 +363,28 @@ impl Manifest {
         }
         let wanted: BTreeSet<&str> = names.iter().map(String::as_str).collect();
         wanted.into_iter().map(|n| self.source(n)).collect()
+    }
+
+    /// Splits `names` into source names and base names: (sources, bases), where `None` selects
+    /// no source and an empty list every source (as [`Manifest::select`] reads it). With no
+    /// names, all of both; a name that is neither is bad input listing both.
+    pub fn split_names(&self, names: &[String]) -> Result<(Option<Vec<String>>, Vec<String>)> {
+        if names.is_empty() {
+            return Ok((Some(Vec::new()), self.bases.keys().cloned().collect()));
+        }
+        let (bases, sources): (Vec<String>, Vec<String>) =
+            names.iter().cloned().partition(|n| self.bases.contains_key(n));
+        if !sources.is_empty() {
+            self.select(&sources).map_err(|e| {
+                if self.bases.is_empty() {
+                    e
+                } else {
+                    let known: Vec<&str> = self.bases.keys().map(String::as_str).collect();
+                    bad_input(format!("{e:#}; bases: {}", known.join(", ")))
+                }
+            })?;
+        }
+        Ok(((!sources.is_empty()).then_some(sources), bases))
     }
 
     /// A path relative to the project root, as a path usable from the current directory.

@@ -44,6 +44,8 @@ mod upstream;
 pub use apply::Conflict;
 pub use cache::Cache;
 pub use lock::{Lock, LockedPatch, LockedSource, Origin};
-pub use manifest::{CrateSpec, DEFAULT_MANIFEST, GitSpec, Manifest, PatchEntry, PatchSpec, Source, SourceKind};
+pub use manifest::{
+    BaseSpec, CrateSpec, DEFAULT_MANIFEST, GitSpec, Manifest, PatchEntry, PatchSpec, Source, SourceKind,
+};
 pub use resolve::{ExtraPatch, FetchedSource, Overrides, SourceOverride, lock_for_run, materialise, resolve};
 pub use status::{LockStatus, lock_status};

@@ -4,8 +4,8 @@
 use serde::Serialize;
 use std::fmt;
 
-use super::lock::{Lock, LockedSource, Origin};
-use super::manifest::{Manifest, Source, SourceKind};
+use super::lock::{Lock, LockedBase, LockedSource, Origin};
+use super::manifest::{BaseSpec, Manifest, Source, SourceKind};
 use crate::hex::sha256_hex;
 
 /// How a source's lock entry relates to its manifest entry.
@@ -72,6 +72,114 @@ pub fn lock_status(manifest: &Manifest, source: &Source, locked: Option<&LockedS
     LockStatus::Current
 }
 
+/// Compares base `base` with its lock entry: current when image, tag and digest are the same.
+pub fn base_status(base: &BaseSpec, locked: Option<&LockedBase>) -> LockStatus {
+    let Some(locked) = locked else { return LockStatus::Missing };
+    if base.image != locked.image || base.tag != locked.tag {
+        return LockStatus::Stale("image or tag changed".into());
+    }
+    match &base.digest {
+        None => LockStatus::Stale("the manifest does not pin a digest; run `distro bump`".into()),
+        Some(d) if *d != locked.digest => LockStatus::Stale("the digest changed".into()),
+        Some(_) => LockStatus::Current,
+    }
+}
+
+/// One base image of `distro sources`.
+#[derive(Clone, Debug, Serialize)]
+pub struct BaseRow {
+    /// Base name.
+    pub name: String,
+    /// Always `base`, so that `--json` readers tell the rows apart.
+    pub kind: &'static str,
+    /// The repository.
+    pub image: String,
+    /// The tag followed.
+    pub tag: String,
+    /// The pinned digest (empty when not pinned yet).
+    pub digest: String,
+    /// `current`, `stale` or `missing`.
+    pub lock: String,
+    /// Why the lock is stale, when it is.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// The day the locked digest was first recorded.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub since: Option<String>,
+    /// Days from `since` to `today`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub age_days: Option<i64>,
+}
+
+/// The base rows of `distro sources`, in name order; `today` is days since 1970-01-01.
+pub fn base_rows(manifest: &Manifest, lock: Option<&Lock>, today: i64) -> Vec<BaseRow> {
+    manifest
+        .bases
+        .values()
+        .map(|b| {
+            let locked = lock.and_then(|l| l.bases.get(&b.name));
+            let status = base_status(b, locked);
+            let since = locked.filter(|_| status == LockStatus::Current).map(|l| l.since.clone());
+            let age_days = since.as_deref().and_then(crate::dated::parse_date).map(|d| today - d);
+            BaseRow {
+                name: b.name.clone(),
+                kind: "base",
+                image: b.image.clone(),
+                tag: b.tag.clone(),
+                digest: b.digest.clone().unwrap_or_default(),
+                lock: status.to_string(),
+                reason: match status {
+                    LockStatus::Stale(r) => Some(r),
+                    _ => None,
+                },
+                since,
+                age_days,
+            }
+        })
+        .collect()
+}
+
+/// The base rows as an aligned table (digests shortened to 12 digits), with the base's age.
+pub fn base_table(rows: &[BaseRow]) -> String {
+    let header = ["BASE", "IMAGE", "TAG", "DIGEST", "LOCK", "SINCE", "AGE"];
+    let cells: Vec<Vec<String>> = rows
+        .iter()
+        .map(|r| {
+            let digest = if r.digest.len() > 19 { r.digest[..19].to_owned() } else { r.digest.clone() };
+            vec![
+                r.name.clone(),
+                r.image.clone(),
+                r.tag.clone(),
+                if digest.is_empty() { "-".into() } else { digest },
+                r.lock.clone(),
+                r.since.clone().unwrap_or_else(|| "-".into()),
+                r.age_days.map_or_else(|| "-".into(), |d| format!("{d} day{}", if d == 1 { "" } else { "s" })),
+            ]
+        })
+        .collect();
+    aligned(&header, &cells)
+}
+
+fn aligned(header: &[&str], cells: &[Vec<String>]) -> String {
+    let mut widths: Vec<usize> = header.iter().map(|h| h.len()).collect();
+    for row in cells {
+        for (w, c) in widths.iter_mut().zip(row) {
+            *w = (*w).max(c.len());
+        }
+    }
+    let mut out = String::new();
+    let mut line = |cols: Vec<&str>| {
+        let text: Vec<String> = cols.iter().zip(&widths).map(|(c, w)| format!("{c:<w$}")).collect();
+        out.push_str(text.join("  ").trim_end());
+        out.push('\n');
+    };
+    line(header.to_vec());
+    for row in cells {
+        line(row.iter().map(String::as_str).collect());
+    }
+    out
+}
+
 /// One row of `distro sources`.
 #[derive(Clone, Debug, Serialize)]
 pub struct SourceRow {
@@ -122,31 +230,15 @@ pub fn rows(manifest: &Manifest, lock: Option<&Lock>) -> Vec<SourceRow> {
 /// The rows as an aligned text table with a header (commit ids shortened to 12 digits).
 pub fn table(rows: &[SourceRow]) -> String {
     let header = ["NAME", "KIND", "PIN", "TRACKING", "PATCHES", "LOCK"];
-    let cells: Vec<[String; 6]> = rows
+    let cells: Vec<Vec<String>> = rows
         .iter()
         .map(|r| {
             let pin = if r.kind == "git" && r.pin.len() > 12 { r.pin[..12].to_owned() } else { r.pin.clone() };
             let pin = if pin.is_empty() { "-".into() } else { pin };
-            [r.name.clone(), r.kind.into(), pin, r.tracking.clone(), r.patches.to_string(), r.lock.clone()]
+            vec![r.name.clone(), r.kind.into(), pin, r.tracking.clone(), r.patches.to_string(), r.lock.clone()]
         })
         .collect();
-    let mut widths = header.map(str::len);
-    for row in &cells {
-        for (w, c) in widths.iter_mut().zip(row) {
-            *w = (*w).max(c.len());
-        }
-    }
-    let mut out = String::new();
-    let mut line = |cols: Vec<&str>| {
-        let text: Vec<String> = cols.iter().zip(widths).map(|(c, w)| format!("{c:<w$}")).collect();
-        out.push_str(text.join("  ").trim_end());
-        out.push('\n');
-    };
-    line(header.to_vec());
-    for row in &cells {
-        line(row.iter().map(String::as_str).collect());
-    }
-    out
+    aligned(&header, &cells)
 }
 
 #[cfg(test)]
@@ -204,5 +296,27 @@ mod tests {
         assert_eq!(lines[0], "NAME  KIND   PIN           TRACKING  PATCHES  LOCK");
         assert_eq!(lines[1], "c     crate  1.0.0         *         0        missing");
         assert_eq!(lines[2], "foo   git    aaaaaaaaaaaa  main      1        current");
+    }
+
+    #[test]
+    fn bases_show_their_lock_and_age() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = format!("sha256:{}", "a".repeat(64));
+        let text = format!("root = \".\"\n[bases.cuda]\nimage = \"r.io/cuda\"\ntag = \"13\"\ndigest = \"{d}\"\n");
+        let m = Manifest::parse(&dir.path().join("manifest.toml"), &text).unwrap();
+        let mut lock = Lock::default();
+        let locked =
+            LockedBase { image: "r.io/cuda".into(), tag: "13".into(), digest: d.clone(), since: "2026-11-20".into() };
+        lock.bases.insert("cuda".into(), locked.clone());
+        let today = crate::dated::parse_date("2026-11-26").unwrap();
+        let text = base_table(&base_rows(&m, Some(&lock), today));
+        assert_eq!(
+            text,
+            "BASE  IMAGE      TAG  DIGEST               LOCK     SINCE       AGE\ncuda  r.io/cuda  13   sha256:aaaaaaaaaaaa  current  2026-11-20  6 days\n"
+        );
+        lock.bases.get_mut("cuda").unwrap().digest = format!("sha256:{}", "b".repeat(64));
+        let rows = base_rows(&m, Some(&lock), today);
+        assert_eq!((rows[0].lock.as_str(), rows[0].age_days), ("stale", None));
+        assert_eq!(base_status(&m.bases["cuda"], None), LockStatus::Missing);
     }
 }
