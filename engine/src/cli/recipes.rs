@@ -122,6 +122,7 @@ fn show_json(name: &str, c: &Config, plan: &ParallelPlan) -> serde_json::Value {
         "memory_per_device": { "cuda": part(&gpu), "cpu": part(&cpu) },
         "pipeline": {
             "microbatches": c.train.pipeline_microbatches,
+            "seq": size(Axis::Seq),
             "schedule": c.train.pipeline_schedule,
             "split": split_name(c),
             "bubble_fraction": plan.bubble_fraction(),
@@ -190,13 +191,15 @@ fn show(name: &str, c: &Config, plan: &ParallelPlan) -> String {
 /// activations, f32 master weights) and CPU (f32), and under each recomputation policy.
 fn memory_table(c: &Config, plan: &ParallelPlan) -> String {
     let mesh = &plan.mesh;
-    let [d, f, t, p] = [Axis::Data, Axis::Fsdp, Axis::Tensor, Axis::Pipeline].map(|a| mesh.size(a));
+    let [d, f, t, p, s] = [Axis::Data, Axis::Fsdp, Axis::Tensor, Axis::Pipeline, Axis::Seq].map(|a| mesh.size(a));
     let micro = plan.microbatches;
-    let (batch, seq) = (plan.microbatch, c.train.seq_len);
+    let (batch, seq) = (plan.microbatch, plan.local_seq_len(c));
+    let seq_axis = if s > 1 { format!(" x seq {s}") } else { String::new() };
+    let chunks = if s > 1 { format!(" (two chunks of {} per sequence)", c.train.seq_len) } else { String::new() };
     let gib = |b: usize| format!("{:.2} GiB", engine::backend::gib(b));
     let (gpu, cpu) = plans(c, plan);
     let mut out = format!(
-        "\n# memory per device on {} devices (data {d} x fsdp {f} x tensor {t} x pipeline {p}), micro-batch {batch} x {seq}, remat = {} \
+        "\n# memory per device on {} devices (data {d} x fsdp {f} x tensor {t} x pipeline {p}{seq_axis}), micro-batch {batch} x {seq}{chunks}, remat = {} \
          (estimate; CUDA adds its context, ~0.5 GiB{})\n",
         mesh.devices(),
         remat_name(c.train.remat),

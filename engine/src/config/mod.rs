@@ -455,7 +455,7 @@ pub struct DataConfig {
     pub path: String,
 }
 
-/// The device mesh: four parallel axes (data, fsdp, tensor, pipeline), each split into an
+/// The device mesh: five parallel axes (data, fsdp, tensor, pipeline, seq), each split into an
 /// intra-node (`ici`) and an inter-node (`dcn`) size, as in MaxText, Pax and AXLearn. The `ici` sizes multiply to the
 /// devices per node and the `dcn` sizes to the number of nodes; one size per group may be -1,
 /// meaning "whatever fills it".
@@ -498,6 +498,12 @@ impl Default for MeshConfig {
             ici_tensor: 1,
             dcn_data: -1,
             dcn_fsdp: 1,
+    /// Sequence (context) parallelism within a node (AXLearn's `seq` axis): each sequence is
+    /// cut into two chunks per device, one early and one late (Llama 3's load-balanced causal
+    /// split), and attention all-gathers the keys and values over the axis.
+    pub ici_seq: i64,
+    /// Sequence parallelism across nodes.
+    pub dcn_seq: i64,
             dcn_tensor: 1,
             ici_pipeline: 1,
             dcn_pipeline: 1,
@@ -519,6 +525,8 @@ impl ModelConfig {
     }
 
     /// Whether this is the GPT family (LayerNorm, learned positions, GELU, biases).
+            ici_seq: 1,
+            dcn_seq: 1,
     pub fn is_gpt(&self) -> bool {
         self.family == Family::Gpt
     }

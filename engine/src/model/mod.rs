@@ -19,7 +19,7 @@ pub mod rope;
 #[cfg(test)]
 mod tests;
 
-use crate::backend::{AttnShape, Backend, BufId, BufKind, ExpertWeights, IdxView, MatMul, MoeDispatch, View};
+use crate::backend::{AttnShape, Backend, BufId, BufKind, ExpertWeights, IdxView, MatMul, MoeDispatch, SeqSplit, View};
 use crate::config::{Gelu, ModelConfig, Remat};
 pub use layout::{LayerBiases, LayerOffsets, Layout, MlpOffsets, Tensor};
 
@@ -33,9 +33,14 @@ pub struct Model {
     pub layout: Layout,
     /// Which activations the backward pass recomputes (`train.remat`); set before planning.
     pub remat: Remat,
-    /// Devices that share the global batch (data × fsdp), over which the load-balancing loss
-    /// averages: its routing statistics are summed over them ([`Exchange::batch_sum`]).
+    /// Devices that share the global batch's tokens (data × fsdp × seq), over which the
+    /// load-balancing loss averages: its routing statistics are summed over them
+    /// ([`Exchange::batch_sum`]).
     pub batch_shards: usize,
+    /// This device's chunks of each sequence under sequence parallelism (the whole sequence
+    /// without): a plan's `seq` rows are those chunks, at their true positions (RoPE, learned
+    /// positions), and attention reads every rank's keys and values ([`Exchange::seq_gather`]).
+    pub seq: SeqSplit,
 }
 
 /// The part of the model one pipeline stage holds: a contiguous run of layers, with the
@@ -110,6 +115,15 @@ pub trait Exchange<B: Backend> {
     }
     /// Called once the backward pass has written its last gradient into `unit`.
     fn grads_ready(&mut self, _be: &mut B, _unit: Unit) {}
+    /// `all = [local of every rank of the seq group]`, rank-major: an all-gather over the
+    /// sequence axis. Called only when the model's [`SeqSplit`] has more than one rank.
+    fn seq_gather(&mut self, be: &mut B, local: View, all: View) {
+        be.copy(all, local);
+    }
+    /// `local = Σ_seq group all[this rank's part]`: a reduce-scatter over the sequence axis.
+    fn seq_scatter_sum(&mut self, be: &mut B, all: View, local: View) {
+        be.copy(local, all);
+    }
 }
 
 /// Which pass reads the parameters.
@@ -214,6 +228,11 @@ pub struct Plan {
     pub targets: IdxView,
     /// `[N]` position of each token in its sequence (the GPT family's learned positions).
     positions: IdxView,
+    /// `[ranks · N, (H + 2 KV) · Dh]` every seq rank's q, k and v rows, gathered for attention
+    /// (empty without a sequence axis); shared by the layers and the slots.
+    qkv_all: View,
+    /// The gradient of `qkv_all`, before it is summed over the sequence axis.
+    dqkv_all: View,
     /// `[N]` ones: the column a bias is added with (the GPT family).
     ones: View,
     /// `[N]` per-token cross-entropy.
@@ -284,7 +303,13 @@ impl Model {
 
     /// The part of the model of `config` that a pipeline stage holds and runs.
     pub fn for_stage(config: &ModelConfig, stage: &Stage) -> Model {
-        Model { config: config.clone(), layout: Layout::stage(config, stage), remat: Remat::None, batch_shards: 1 }
+        Model {
+            config: config.clone(),
+            layout: Layout::stage(config, stage),
+            remat: Remat::None,
+            batch_shards: 1,
+            seq: SeqSplit::WHOLE,
+        }
     }
 
     /// The stage this model is (the whole model: the stage that is first and last).
@@ -357,15 +382,25 @@ impl Model {
         plan.params = params;
         plan.grads = grads;
         if self.config.is_gpt() {
-            let positions: Vec<u32> = (0..n).map(|i| (i % seq) as u32).collect();
-            be.upload_idx(plan.positions, &positions);
             be.upload(plan.ones, &vec![1.0; n]);
         } else {
-            let table = rope::table(&self.config, seq);
-            plan.rope = be.alloc(BufKind::Scalars, table.len());
-            be.upload(plan.rope, &table);
+            plan.rope = be.alloc(BufKind::Scalars, seq * self.config.head_dim);
         }
+        self.set_positions(be, &plan, &self.seq.positions(seq));
         plan
+    }
+
+    /// Gives the plan's rows of each sequence these true positions (RoPE's angles, or the GPT
+    /// family's learned positions): the plan's own chunks, or (a test's fault) others.
+    pub(crate) fn set_positions<B: Backend>(&self, be: &mut B, plan: &Plan, positions: &[usize]) {
+        assert_eq!(positions.len(), plan.seq);
+        if self.config.is_gpt() {
+            let n = plan.batch * plan.seq;
+            let all: Vec<u32> = (0..n).map(|i| positions[i % plan.seq] as u32).collect();
+            be.upload_idx(plan.positions, &all);
+        } else {
+            be.upload(plan.rope, &rope::table_at(&self.config, positions));
+        }
     }
 
     /// Elements [`Model::plan`] takes for activations, statistics and indices at this batch
@@ -501,6 +536,9 @@ impl Model {
         let dxe = scratch(A, moe_only(rows * d), |r| r.dxe);
         let dweight = scratch(S, moe_only(rows), |r| r.dweight);
         let drouter = scratch(A, moe_only(n * experts), |r| r.drouter);
+        let gathered = if self.seq.ranks > 1 { self.seq.ranks * n * qkv } else { 0 };
+        let qkv_all = scratch(A, gathered, |r| r.qkv_all);
+        let dqkv_all = scratch(A, gathered, |r| r.dqkv_all);
         Plan {
             batch,
             seq,
@@ -509,6 +547,8 @@ impl Model {
             tokens: idx.at(0, n),
             targets: idx.at(n, n),
             positions,
+            qkv_all,
+            dqkv_all,
             ones: take(A, if gpt { n } else { 0 }),
             x_out: take(A, n * d),
             lnf: take(A, last_only(n * d)),
@@ -625,7 +665,12 @@ impl Model {
         if !m.is_gpt() {
             be.rope(a.qkv, p.rope, shape, false);
         }
-        be.attention_forward(a.attn, a.lse, a.qkv, shape);
+        if self.seq.ranks > 1 {
+            ex.seq_gather(be, a.qkv, p.qkv_all);
+            be.attention_forward_split(a.attn, a.lse, p.qkv_all, shape, self.seq);
+        } else {
+            be.attention_forward(a.attn, a.lse, a.qkv, shape);
+        }
         row_parallel(be, ex, a.xmid, a.attn, w.at(o.o, d * q), a.x, MatMul::linear(n, q, d));
         bias(be, a.xmid, b.map(|b| b.o), d);
         self.norm_forward(be, a.ln2, a.rstd2, a.xmid, w, o.ln2);
@@ -834,7 +879,15 @@ impl Model {
             bias_grad(be, p.dres, b.map(|b| b.o), d);
             be.matmul(p.dattn, p.dres, w.at(o.o, d * q), MatMul::linear_dx(n, q, d));
             be.matmul(g.at(o.o, d * q), p.dres, a.attn, MatMul::linear_dw(n, q, d));
-            be.attention_backward(p.dqkv, p.dattn, a.qkv, a.attn, a.lse, shape);
+            if self.seq.ranks > 1 {
+                // The keys and values of every rank again (the forward pass's are another
+                // layer's by now), and the gradients of every rank's summed back to their owners.
+                ex.seq_gather(be, a.qkv, p.qkv_all);
+                be.attention_backward_split(p.dqkv_all, p.dattn, p.qkv_all, a.attn, a.lse, shape, self.seq);
+                ex.seq_scatter_sum(be, p.dqkv_all, p.dqkv);
+            } else {
+                be.attention_backward(p.dqkv, p.dattn, a.qkv, a.attn, a.lse, shape);
+            }
             if !m.is_gpt() {
                 be.rope(p.dqkv, p.rope, shape, true);
             }

@@ -33,9 +33,14 @@ pub fn inv_freq(m: &ModelConfig) -> Vec<f32> {
 
 /// `(cos, sin)` of `t · inv_freq[i]` for positions `t < seq`, laid out `[seq, Dh / 2, 2]`.
 pub fn table(m: &ModelConfig, seq: usize) -> Vec<f32> {
+    table_at(m, &(0..seq).collect::<Vec<_>>())
+}
+
+/// [`table`] for the given positions, one row each (a sequence-parallel rank's chunks).
+pub fn table_at(m: &ModelConfig, positions: &[usize]) -> Vec<f32> {
     let inv = inv_freq(m);
-    let mut out = Vec::with_capacity(seq * inv.len() * 2);
-    for t in 0..seq {
+    let mut out = Vec::with_capacity(positions.len() * inv.len() * 2);
+    for &t in positions {
         for &f in &inv {
             // The angle is rounded to f32 as in Hugging Face; its cos and sin are then exact.
             let angle = (t as f32 * f) as f64;

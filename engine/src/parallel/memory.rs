@@ -41,11 +41,12 @@ pub fn device_estimate(
     fsdp: usize,
     target: Target,
 ) -> Estimate {
-    let t = &config.train;
-    let mut e = memory::estimate(model, batch, t.seq_len, target);
+    // A device of a seq axis keeps two chunks of each sequence.
+    let seq_len = config.train.seq_len / model.seq.ranks;
+    let mut e = memory::estimate(model, batch, seq_len, target);
     // Each further micro-batch in flight keeps its own activations and inputs.
-    let more = model.slot_activation_elements(batch, t.seq_len);
-    let rope = t.seq_len * config.model.head_dim;
+    let more = model.slot_activation_elements(batch, seq_len);
+    let rope = seq_len * config.model.head_dim;
     let slot = more.activations * element_bytes(BufKind::Activations, target)
         + (more.scalars + rope) * element_bytes(BufKind::Scalars, target)
         + more.indices * 4;

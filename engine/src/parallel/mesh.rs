@@ -1,17 +1,19 @@
-//! The device mesh: how ranks map onto the data, fsdp, tensor and pipeline axes.
+//! The device mesh: how ranks map onto the data, fsdp, tensor, pipeline and seq axes.
 //!
 //! Each axis has an intra-node (`ici`) and an inter-node (`dcn`) size; the axis size is their
 //! product. Ranks are numbered node by node (`rank = node · devices_per_node + local_rank`).
-//! Inside a node the tensor axis varies fastest, then fsdp, then data, then pipeline, so that the
-//! chattiest collectives (tensor parallelism) stay between neighbouring devices and pipeline
+//! Inside a node the tensor axis varies fastest, then seq, then fsdp, then data, then pipeline,
+//! so that the chattiest collectives (tensor parallelism, then the sequence axis's gathers of
+//! keys and values) stay between neighbouring devices and pipeline
 //! stages (point-to-point only) are the farthest apart; across nodes the same order applies to
 //! the node index, and an axis's global coordinate is `dcn_coordinate · ici_size +
 //! ici_coordinate`.
 //!
 //! Batch semantics follow Pax and MaxText: the global batch is `train.batch_size` × devices,
 //! whatever the strategy. Data and fsdp ranks read disjoint samples; the devices of a tensor
-//! group and of a pipeline share theirs, so each pipeline × tensor group reads
-//! `batch_size · tensor · pipeline` sequences per micro-batch.
+//! group, of a pipeline and of a seq group share theirs, so each pipeline × tensor × seq group
+//! reads `batch_size · tensor · pipeline · seq` sequences per micro-batch (a seq rank keeps two
+//! chunks of each).
 
 use crate::config::{MeshConfig, ModelConfig};
 
@@ -26,21 +28,23 @@ pub enum Axis {
     Tensor,
     /// Stages that each hold a contiguous run of layers and pass activations on.
     Pipeline,
+    /// Devices that split each sequence into chunks (context parallelism).
+    Seq,
 }
 
 /// Axes, in the index order of [`Mesh::ici`] and [`Mesh::dcn`].
-const AXES: usize = 4;
+const AXES: usize = 5;
 
 /// A resolved mesh for a given number of nodes and devices per node.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Mesh {
-    /// Intra-node sizes `[data, fsdp, tensor, pipeline]`.
+    /// Intra-node sizes `[data, fsdp, tensor, pipeline, seq]`.
     pub ici: [usize; AXES],
-    /// Inter-node sizes `[data, fsdp, tensor, pipeline]`.
+    /// Inter-node sizes `[data, fsdp, tensor, pipeline, seq]`.
     pub dcn: [usize; AXES],
 }
 
-/// A rank's coordinates on the four axes.
+/// A rank's coordinates on the five axes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Coords {
     /// Position on the data axis.
@@ -51,17 +55,19 @@ pub struct Coords {
     pub tensor: usize,
     /// Position on the pipeline axis: the stage.
     pub pipeline: usize,
+    /// Position on the seq axis: which chunks of each sequence.
+    pub seq: usize,
 }
 
 impl Coords {
     fn get(&self, a: usize) -> usize {
-        [self.data, self.fsdp, self.tensor, self.pipeline][a]
+        [self.data, self.fsdp, self.tensor, self.pipeline, self.seq][a]
     }
 }
 
-const NAMES: [&str; AXES] = ["data", "fsdp", "tensor", "pipeline"];
+const NAMES: [&str; AXES] = ["data", "fsdp", "tensor", "pipeline", "seq"];
 /// Axis indices from outermost to innermost within a node and across nodes.
-const ORDER: [usize; AXES] = [3, 0, 1, 2];
+const ORDER: [usize; AXES] = [3, 0, 1, 4, 2];
 
 impl Mesh {
     /// The single-device mesh.
@@ -72,8 +78,8 @@ impl Mesh {
     /// Resolves the configured sizes for `nodes` nodes of `devices_per_node` devices, filling a
     /// -1 in each group. Errors spell out the arithmetic.
     pub fn resolve(cfg: &MeshConfig, devices_per_node: usize, nodes: usize) -> Result<Mesh, String> {
-        let ici = [cfg.ici_data, cfg.ici_fsdp, cfg.ici_tensor, cfg.ici_pipeline];
-        let dcn = [cfg.dcn_data, cfg.dcn_fsdp, cfg.dcn_tensor, cfg.dcn_pipeline];
+        let ici = [cfg.ici_data, cfg.ici_fsdp, cfg.ici_tensor, cfg.ici_pipeline, cfg.ici_seq];
+        let dcn = [cfg.dcn_data, cfg.dcn_fsdp, cfg.dcn_tensor, cfg.dcn_pipeline, cfg.dcn_seq];
         let ici = fill("ici", ici, devices_per_node, "devices per node")?;
         let dcn = fill("dcn", dcn, nodes, "nodes")?;
         Ok(Mesh { ici, dcn })
@@ -115,7 +121,7 @@ impl Mesh {
         };
         let (i, d) = (split(local, self.ici), split(node, self.dcn));
         let axis = |a: usize| d[a] * self.ici[a] + i[a];
-        Coords { data: axis(0), fsdp: axis(1), tensor: axis(2), pipeline: axis(3) }
+        Coords { data: axis(0), fsdp: axis(1), tensor: axis(2), pipeline: axis(3), seq: axis(4) }
     }
 
     /// The global rank at some coordinates (the inverse of [`Mesh::coords`]).
@@ -141,8 +147,21 @@ impl Mesh {
                     Axis::Fsdp => g.fsdp = k,
                     Axis::Tensor => g.tensor = k,
                     Axis::Pipeline => g.pipeline = k,
+                    Axis::Seq => g.seq = k,
                 }
                 self.rank(g)
+            })
+            .collect()
+    }
+
+    /// The ranks that share every coordinate with `rank` but those of `axes`, in rank order.
+    pub fn group_over(&self, rank: usize, axes: &[Axis]) -> Vec<usize> {
+        let c = self.coords(rank);
+        let free = |a: usize| axes.iter().any(|&x| x as usize == a);
+        (0..self.devices())
+            .filter(|&r| {
+                let o = self.coords(r);
+                (0..AXES).all(|a| free(a) || o.get(a) == c.get(a))
             })
             .collect()
     }
@@ -246,12 +265,12 @@ mod tests {
     #[test]
     fn fills_and_spells_out_the_arithmetic() {
         let m = Mesh::resolve(&cfg([-1, 2, 2], [-1, 1, 1]), 8, 4).unwrap();
-        assert_eq!((m.ici, m.dcn, m.devices()), ([2, 2, 2, 1], [4, 1, 1, 1], 32));
+        assert_eq!((m.ici, m.dcn, m.devices()), ([2, 2, 2, 1, 1], [4, 1, 1, 1, 1], 32));
         assert_eq!((m.size(Axis::Data), m.batch_shards()), (8, 16));
         let e = Mesh::resolve(&cfg([2, 2, 1], [1, 1, 1]), 8, 1).unwrap_err();
         assert!(
             e.contains(
-                "mesh.ici_data x mesh.ici_fsdp x mesh.ici_tensor x mesh.ici_pipeline = 2 x 2 x 1 x 1 = 4, but there are 8 devices per node"
+                "mesh.ici_data x mesh.ici_fsdp x mesh.ici_tensor x mesh.ici_pipeline x mesh.ici_seq = 2 x 2 x 1 x 1 x 1 = 4, but there are 8 devices per node"
             ),
             "{e}"
         );
@@ -263,7 +282,7 @@ mod tests {
         assert!(Mesh::resolve(&cfg([-1, -1, 1], [1, 1, 1]), 8, 1).unwrap_err().contains("at most one"));
         assert!(Mesh::resolve(&cfg([0, 1, 1], [1, 1, 1]), 1, 1).unwrap_err().contains("mesh.ici_data = 0"));
         let e = Mesh::resolve(&cfg([8, 1, 1], [-1, 1, 1]), 8, 1).map(|m| m.dcn).unwrap();
-        assert_eq!(e, [1, 1, 1, 1]);
+        assert_eq!(e, [1, 1, 1, 1, 1]);
     }
 
     #[test]

@@ -28,9 +28,10 @@ pub struct ParallelPlan {
     pub stages: Vec<Stage>,
     /// Each stage's schedule, in the same order.
     pub schedules: Vec<Schedule>,
-    /// Sequences in each pipeline micro-batch on a device: a pipeline × tensor group reads
-    /// `batch_size · tensor · pipeline` sequences per `grad_accum` micro-batch (the global batch
-    /// is `batch_size` × devices), cut into `train.pipeline_microbatches`.
+    /// Sequences in each pipeline micro-batch on a device: a pipeline × tensor × seq group reads
+    /// `batch_size · tensor · pipeline · seq` sequences per `grad_accum` micro-batch (the global
+    /// batch is `batch_size` × devices), cut into `train.pipeline_microbatches`; a device of a
+    /// seq axis keeps two chunks of each ([`ParallelPlan::local_seq_len`] tokens).
     pub microbatch: usize,
     /// Pipeline micro-batches per `grad_accum` micro-batch (`train.pipeline_microbatches`).
     pub microbatches: usize,
@@ -66,6 +67,7 @@ impl ParallelPlan {
     pub fn new(config: &Config, mesh: Mesh) -> Result<ParallelPlan> {
         mesh.check_model(&config.model).map_err(|e| anyhow!("{e}"))?;
         check_layers(config, mesh.size(Axis::Pipeline)).map_err(|e| anyhow!("{e}"))?;
+        check_chunks(config, &mesh).map_err(|e| anyhow!("{e}"))?;
         let microbatch = microbatch_sequences(config, &mesh).map_err(|e| anyhow!("{e}"))?;
         Ok(ParallelPlan::build(config, mesh, microbatch))
     }
@@ -120,6 +122,12 @@ impl ParallelPlan {
         }
     }
 
+    /// Tokens of each sequence a device keeps: `train.seq_len`, or its two chunks of it on a
+    /// seq axis (`seq_len / seq`).
+    pub fn local_seq_len(&self, config: &Config) -> usize {
+        config.train.seq_len / self.mesh.size(Axis::Seq)
+    }
+
     /// Sequences of one `grad_accum` micro-batch, all devices together: `batch_size` × devices.
     pub fn global_sequences(&self) -> usize {
         self.microbatch * self.microbatches * self.batch_shards
@@ -141,7 +149,9 @@ impl ParallelPlan {
     fn model_of(&self, config: &Config, stage: &Stage) -> Model {
         let mut model = Model::for_stage(&local_config(&config.model, self.mesh.size(Axis::Tensor)), stage);
         model.remat = config.train.remat;
-        model.batch_shards = self.batch_shards;
+        let seq = self.mesh.size(Axis::Seq);
+        model.batch_shards = self.batch_shards * seq;
+        model.seq = crate::backend::SeqSplit { rank: 0, ranks: seq };
         model
     }
 
@@ -224,18 +234,36 @@ impl ParallelPlan {
 /// Sequences in each pipeline micro-batch on `mesh` ([`ParallelPlan::microbatch`]). The error
 /// names the numbers.
 fn microbatch_sequences(config: &Config, mesh: &Mesh) -> Result<usize, String> {
-    let (tensor, stages) = (mesh.size(Axis::Tensor), mesh.size(Axis::Pipeline));
+    let (tensor, stages, seq) = (mesh.size(Axis::Tensor), mesh.size(Axis::Pipeline), mesh.size(Axis::Seq));
     let t = &config.train;
-    let group = t.batch_size.sequences(tensor * stages)?;
+    let group = t.batch_size.sequences(tensor * stages * seq)?;
     let m = t.pipeline_microbatches;
     if !group.is_multiple_of(m) {
+        let seq = if seq > 1 { format!(" x seq {seq}") } else { String::new() };
         return Err(format!(
-            "train.pipeline_microbatches = {m} does not divide the {group} sequences each pipeline reads per micro-batch (train.batch_size = {} x tensor {tensor} x pipeline {stages}); {group} mod {m} = {}",
+            "train.pipeline_microbatches = {m} does not divide the {group} sequences each pipeline reads per micro-batch (train.batch_size = {} x tensor {tensor} x pipeline {stages}{seq}); {group} mod {m} = {}",
             t.batch_size,
             group % m
         ));
     }
     Ok(group / m)
+}
+
+/// Refuses a sequence length that the seq axis cannot cut into two chunks of equal length per
+/// device. The error names the numbers.
+fn check_chunks(config: &Config, mesh: &Mesh) -> Result<(), String> {
+    let (seq, len) = (mesh.size(Axis::Seq), config.train.seq_len);
+    if seq == 1 || len.is_multiple_of(2 * seq) {
+        return Ok(());
+    }
+    Err(format!(
+        "train.seq_len = {len} does not split into the 2 x {seq} = {} chunks of the seq axis (mesh.ici_seq x mesh.dcn_seq = {} x {}: each device takes two chunks of equal length, one early and one late); {len} mod {} = {}",
+        2 * seq,
+        mesh.ici[4],
+        mesh.dcn[4],
+        2 * seq,
+        len % (2 * seq)
+    ))
 }
 
 /// Refuses a `train.pipeline_layers` that does not give each of the `stages` stages its count

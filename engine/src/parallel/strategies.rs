@@ -25,9 +25,15 @@
 //!   ([`Parallel::send_recv`]), the loss comes from the last stage and the squared gradient norm
 //!   adds up over the stages ([`Parallel::sum_over_pipeline`]).
 //!
+//! - **Sequence parallelism.** The devices of a seq group read the same samples, each keeping
+//!   two chunks of every sequence ([`crate::backend::SeqSplit`]); attention gathers every rank's
+//!   q, k and v rows over the group and reduce-scatters their gradients
+//!   ([`Exchange::seq_gather`]). Everything else is per token: the parameters are replicated
+//!   over the axis and their gradients summed over it with the data axis's.
+//!
 //! Gradients are scaled so that the objective is the mean over the global batch, as on one
-//! device: the sums over the batch group add up `batch_shards` per-device means, each weighted
-//! `1 / batch_shards` by the trainer.
+//! device: the sums over the batch group (data × fsdp × seq) add up its devices' per-device
+//! means, each weighted `1 / (data · fsdp · seq)` by the trainer.
 
 use std::ops::Range;
 
@@ -50,9 +56,15 @@ pub struct Parallel<B: Backend> {
     /// Its slice of the model's tensors.
     pub slice: TensorSlice,
     tensor: Vec<usize>,
+    /// The devices that hold the same parameters and sum their gradients (data × seq).
     data: Vec<usize>,
     fsdp_group: Vec<usize>,
+    /// The devices whose gradients and losses add up: data × fsdp × seq.
     batch: Vec<usize>,
+    /// The devices that read distinct samples: data × fsdp (the data loader's ranks).
+    samples: Vec<usize>,
+    /// The devices that split each sequence (this device alone without a seq axis).
+    seq: Vec<usize>,
     /// The pipeline's devices, stage by stage (this device alone without stages).
     pipeline: Vec<usize>,
     /// Time spent in point-to-point exchanges with the neighbouring stages (waiting for them,
@@ -105,9 +117,14 @@ impl<B: Backend> Parallel<B> {
     ) -> Parallel<B> {
         let rank = comm.rank();
         let coords = mesh.coords(rank);
-        let (tensor, data, fsdp_group) =
-            (mesh.group(rank, Axis::Tensor), mesh.group(rank, Axis::Data), mesh.group(rank, Axis::Fsdp));
-        let batch = batch_group(&mesh, rank);
+        let (tensor, data, fsdp_group) = (
+            mesh.group(rank, Axis::Tensor),
+            mesh.group_over(rank, &[Axis::Data, Axis::Seq]),
+            mesh.group(rank, Axis::Fsdp),
+        );
+        let batch = mesh.group_over(rank, &[Axis::Data, Axis::Fsdp, Axis::Seq]);
+        let samples = mesh.group_over(rank, &[Axis::Data, Axis::Fsdp]);
+        let seq = mesh.group(rank, Axis::Seq);
         let pipeline = mesh.group(rank, Axis::Pipeline);
         let mut comm = comm;
         let world: Vec<usize> = (0..mesh.devices()).collect();
@@ -119,7 +136,9 @@ impl<B: Backend> Parallel<B> {
                 (&fsdp_group, "fsdp"),
                 (&tensor, "tensor"),
                 (&pipeline, "pipeline"),
-                (&batch, "data x fsdp"),
+                (&seq, "seq"),
+                (&samples, "data x fsdp"),
+                (&batch, "data x fsdp x seq"),
             ]
             .into_iter()
             .map(|(g, name)| (g.clone(), name.to_owned()))
@@ -141,6 +160,8 @@ impl<B: Backend> Parallel<B> {
             data,
             fsdp_group,
             batch,
+            samples,
+            seq,
             pipeline,
             p2p_time: std::time::Duration::ZERO,
             params,
@@ -180,7 +201,7 @@ impl<B: Backend> Parallel<B> {
     /// Devices that read distinct samples, and this device's index among them (its data
     /// loader's rank).
     pub fn batch_rank(&self) -> (usize, usize) {
-        (self.batch.iter().position(|&r| r == self.rank).expect("member"), self.batch.len())
+        (self.samples.iter().position(|&r| r == self.rank).expect("member"), self.samples.len())
     }
 
     /// The buffers the optimizer updates: this device's pieces under FSDP, else the full ones,
@@ -326,7 +347,7 @@ impl<B: Backend> Parallel<B> {
     /// Whether this device saves its buffers in a sharded checkpoint: the first replica of
     /// each slice along the data axis (the others hold copies).
     pub fn saves(&self) -> bool {
-        self.coords.data == 0
+        self.coords.data == 0 && self.coords.seq == 0
     }
 
     /// Tells the communicator the optimizer step in progress (for a failed collective's message).
@@ -389,6 +410,14 @@ impl<B: Backend> Exchange<B> for Parallel<B> {
 
     fn batch_sum(&mut self, be: &mut B, buf: View) {
         self.sum_over_batch(be, buf);
+    }
+
+    fn seq_gather(&mut self, be: &mut B, local: View, all: View) {
+        self.comm.all_gather(be, local, all, &self.seq);
+    }
+
+    fn seq_scatter_sum(&mut self, be: &mut B, all: View, local: View) {
+        self.comm.reduce_scatter_sum(be, all, local, &self.seq);
     }
 
     fn pass_begins(&mut self, be: &mut B, pass: Pass) {
@@ -710,15 +739,4 @@ impl Fsdp {
             self.units.iter().find(|(_, piece, offset)| x < offset + piece).expect("shard element in a unit");
         range.start + self.me * piece + (x - offset)
     }
-}
-
-/// The devices with this rank's tensor coordinate and stage: they read distinct samples.
-fn batch_group(mesh: &Mesh, rank: usize) -> Vec<usize> {
-    let c = mesh.coords(rank);
-    (0..mesh.devices())
-        .filter(|&r| {
-            let o = mesh.coords(r);
-            o.tensor == c.tensor && o.pipeline == c.pipeline
-        })
-        .collect()
 }

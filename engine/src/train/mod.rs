@@ -21,7 +21,7 @@ use std::time::Instant;
 
 use anyhow::{Result, bail};
 
-use crate::backend::{AdamWStep, Backend, BufKind, View};
+use crate::backend::{AdamWStep, Backend, BufKind, IdxView, View};
 use crate::checkpoint::Checkpoint;
 use crate::checkpoint::Head;
 use crate::checkpoint::sharded::{DeviceState, Part};
@@ -73,8 +73,14 @@ pub struct Trainer<B: Backend> {
     pub moments: (View, View),
     /// This device's place in the run: its mesh coordinates, collectives and shards.
     pub parallel: Parallel<B>,
+    /// The loader's sequences, whole; on a seq axis each device uploads its chunks of them.
     tokens: Vec<u32>,
     targets: Vec<u32>,
+    /// The chunks of `tokens` this device keeps, on a seq axis.
+    local: Vec<u32>,
+    /// The positions in its sequence of each row of a plan's sequence: the two chunks this
+    /// device keeps on a seq axis (empty without one: every row).
+    chunk_positions: Vec<usize>,
     flops_per_token: f64,
 }
 
@@ -101,17 +107,20 @@ impl<B: Backend> Trainer<B> {
         let tensor = mesh.size(Axis::Tensor);
         let coords = mesh.coords(comm.rank());
         let stage = parallel_plan.stages[coords.pipeline].clone();
-        let model = parallel_plan.stage_model(config, coords.pipeline);
+        let mut model = parallel_plan.stage_model(config, coords.pipeline);
+        // On a seq axis each device keeps two chunks of every sequence.
+        model.seq.rank = coords.seq;
+        let seq_len = parallel_plan.local_seq_len(config);
         // The devices of a tensor group and of a pipeline share their samples, cut into the
         // pipeline's micro-batches.
         let batch = parallel_plan.microbatch;
         let schedule = &parallel_plan.schedules[coords.pipeline];
         let (actions, slot_of, slot_count) = (schedule.actions.clone(), schedule.slot_of.clone(), schedule.in_flight);
         // Under FSDP no device holds the whole model: the passes borrow each unit's buffers.
-        let mut plan = model.plan_with(&mut backend, batch, t.seq_len, !Parallel::<B>::shards_model(&mesh));
+        let mut plan = model.plan_with(&mut backend, batch, seq_len, !Parallel::<B>::shards_model(&mesh));
         let slots = (1..slot_count)
             .map(|_| {
-                let mut p = model.plan_slot(&mut backend, batch, t.seq_len, false, Some(&plan));
+                let mut p = model.plan_slot(&mut backend, batch, seq_len, false, Some(&plan));
                 (p.params, p.grads) = (plan.params, plan.grads);
                 p
             })
@@ -127,7 +136,8 @@ impl<B: Backend> Trainer<B> {
         let loader = Loader::new(source, t.seq_len, t.seed, rank, ranks)?;
         let moment_len = parallel.moment_len();
         let moments = (backend.alloc(BufKind::OptState, moment_len), backend.alloc(BufKind::OptState, moment_len));
-        let n = plan.batch * plan.seq;
+        let n = plan.batch * t.seq_len;
+        let chunk_positions = if model.seq.ranks > 1 { model.seq.positions(seq_len) } else { Vec::new() };
         Ok(Trainer {
             backend,
             flops_per_token: config.model.train_flops_per_token(t.seq_len),
@@ -149,6 +159,8 @@ impl<B: Backend> Trainer<B> {
             targets: vec![0; n],
         })
     }
+            local: Vec::new(),
+            chunk_positions,
 
     /// Devices of the run.
     pub fn devices(&self) -> usize {
@@ -218,8 +230,9 @@ impl<B: Backend> Trainer<B> {
                 match action {
                     Action::Forward(_) => {
                         self.loader.next_batch(&mut self.tokens, &mut self.targets);
-                        be.upload_idx(p.tokens, &self.tokens);
-                        be.upload_idx(p.targets, &self.targets);
+                        let rows = (&self.chunk_positions[..], c.train.seq_len);
+                        upload_chunks(be, p.tokens, &self.tokens, rows, &mut self.local);
+                        upload_chunks(be, p.targets, &self.targets, rows, &mut self.local);
                         let mut recvs = Vec::new();
                         if !stage.first {
                             let prev = par.neighbour(-1);
@@ -377,6 +390,43 @@ pub(crate) enum Fault {
     StaleActivation,
 }
 
+    /// A seq axis's devices give their late chunk a wrong offset ([`Trainer::wrong_chunk_offset`]).
+    ChunkOffset,
+}
+
+#[cfg(test)]
+impl<B: Backend> Trainer<B> {
+    /// A fault on a seq axis: every device takes its late chunk to start right after its early
+    /// one (a wrong chunk offset), for its tokens and RoPE, while attention's mask and gathers
+    /// keep the true layout.
+    pub(crate) fn wrong_chunk_offset(&mut self) {
+        let (seq, local) = (self.model.seq, self.plan.seq);
+        let wrong: Vec<usize> = (0..local).map(|i| seq.rank * local / 2 + i).collect();
+        for p in std::iter::once(&self.plan).chain(&self.slots) {
+            self.model.set_positions(&mut self.backend, p, &wrong);
+        }
+        self.chunk_positions = wrong;
+    }
+}
+
+/// Uploads to `to` the rows of the whole sequences (of `seq_len` tokens) in `whole` that this
+/// device keeps: on a seq axis, those at `positions` in each (its two chunks), else all of them.
+/// `scratch` holds the chunks.
+fn upload_chunks<B: Backend>(
+    be: &mut B,
+    to: IdxView,
+    whole: &[u32],
+    (positions, seq_len): (&[usize], usize),
+    scratch: &mut Vec<u32>,
+) {
+    if positions.is_empty() {
+        return be.upload_idx(to, whole);
+    }
+    scratch.clear();
+    for sequence in whole.chunks_exact(seq_len) {
+        scratch.extend(positions.iter().map(|&p| sequence[p]));
+    }
+    be.upload_idx(to, scratch);
 impl<B: Backend> Trainer<B> {
     /// Replaces the parameters (e.g. by imported ones), given in single-device layout order:
     /// each device takes its slice.
@@ -470,8 +520,9 @@ impl<B: Backend> Trainer<B> {
             for j in 0..microbatches {
                 let first = ((i * shards + rank) * microbatches + j) * p.batch;
                 self.loader.validation_batch(first, &mut self.tokens, &mut self.targets);
-                be.upload_idx(p.tokens, &self.tokens);
-                be.upload_idx(p.targets, &self.targets);
+                let rows = (&self.chunk_positions[..], self.config.train.seq_len);
+                upload_chunks(be, p.tokens, &self.tokens, rows, &mut self.local);
+                upload_chunks(be, p.targets, &self.targets, rows, &mut self.local);
                 if !stage.first {
                     let prev = par.neighbour(-1);
                     let stats: &[(View, usize)] = if moe { &[(p.moe_stats(), prev)] } else { &[] };

@@ -351,9 +351,10 @@ fn describe<B: Backend>(trainer: &Trainer<Traced<B>>) -> String {
     if mesh.devices() == 1 {
         return trainer.backend.describe();
     }
-    let [d, f, t, p] = [0, 1, 2, 3].map(|a| mesh.ici[a] * mesh.dcn[a]);
+    let [d, f, t, p, s] = [0, 1, 2, 3, 4].map(|a| mesh.ici[a] * mesh.dcn[a]);
     let stages = if p > 1 { format!(" x pipeline {p}") } else { String::new() };
-    format!("{} x {} (mesh data {d} x fsdp {f} x tensor {t}{stages})", mesh.devices(), trainer.backend.describe())
+    let seq = if s > 1 { format!(" x seq {s}") } else { String::new() };
+    format!("{} x {} (mesh data {d} x fsdp {f} x tensor {t}{stages}{seq})", mesh.devices(), trainer.backend.describe())
 }
 
 /// The run's summary. Step times leave out the first `perf_warmup_steps` steps this process ran
