@@ -132,6 +132,7 @@ impl DirLock {
             .truncate(false)
             .open(&path)
             .with_context(|| format!("cannot open {}", path.display()))?;
+        check_lock_file(&file, &path)?;
         Self::take(file, &path, dir, what, advice, false)?.context("an exclusive lock is always taken")
     }
 
@@ -151,6 +152,7 @@ impl DirLock {
             },
             Err(e) => return Err(e).with_context(|| format!("cannot open {}", path.display())),
         };
+        check_lock_file(&file, &path)?;
         Self::take(file, &path, dir, what, advice, true)
     }
 
@@ -178,6 +180,25 @@ impl DirLock {
         let _ = file.set_len(0).and_then(|()| file.write_all(format!("{}\n", std::process::id()).as_bytes()));
         Ok(Some(DirLock { _file: file }))
     }
+}
+
+/// Refuses a lock file that is not this directory's own plain file: a symbolic link (opening
+/// follows it, and the holder's PID would then be written over whatever it points to), a file
+/// with other hard links, or anything but a regular file. The check compares the opened file
+/// with what the path names without following links, so a link swapped in after the open is
+/// caught too. Bad input, naming the file.
+fn check_lock_file(file: &File, path: &Path) -> Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    let opened = file.metadata().with_context(|| format!("cannot read {}", path.display()))?;
+    let named = fs::symlink_metadata(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let same = opened.dev() == named.dev() && opened.ino() == named.ino();
+    if named.file_type().is_symlink() || !same || !opened.is_file() || opened.nlink() != 1 {
+        return Err(bad_input(format!(
+            "{} is not a plain lock file (a symbolic link, a hard link or not a regular file); remove it and retry",
+            path.display()
+        )));
+    }
+    Ok(())
 }
 
 /// The name of a directory's lock file, `DIR/.lock`.

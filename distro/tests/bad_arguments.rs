@@ -36,3 +36,21 @@ fn impossible_arguments_are_refused_before_any_work() {
     }
     assert_eq!(std::fs::read(&file).unwrap(), b"not a layout", "the file named by --output was touched");
 }
+
+#[test]
+fn a_docker_endpoint_distro_cannot_reach_is_refused_in_one_line() {
+    for args in [&["load", "no-such-layout"][..], &["run", "img"][..]] {
+        let out = Command::new(env!("CARGO_BIN_EXE_distro"))
+            .args(args)
+            .env("DOCKER_HOST", "tcp://127.0.0.1:9")
+            .output()
+            .expect("distro runs");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(
+            stderr.starts_with("error: DOCKER_HOST=tcp://127.0.0.1:9: distro load and distro run reach"),
+            "{stderr}"
+        );
+        assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    }
+}

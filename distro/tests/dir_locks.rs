@@ -222,3 +222,56 @@ fn a_fetch_output_directory_in_use_is_refused() {
     env.refused("target", &["fetch", "--out", dir.to_str().unwrap()], &expected);
     assert_eq!(snapshot(&dir), before);
 }
+
+/// A lock file that is a link (to a victim file, or a hard link to it) is refused, and the
+/// victim is left as it was: the lock's PID is never written through it.
+#[test]
+fn a_lock_file_that_is_a_link_is_refused_and_its_target_kept() {
+    let env = Env::new();
+    let victim = env.path("victim");
+    std::fs::write(&victim, "precious\n").unwrap();
+    for (i, hard) in [false, true].into_iter().enumerate() {
+        let dir = env.path(&format!("trees{i}"));
+        std::fs::create_dir_all(&dir).unwrap();
+        if hard {
+            std::fs::hard_link(&victim, dir.join(".lock")).unwrap();
+        } else {
+            std::os::unix::fs::symlink(&victim, dir.join(".lock")).unwrap();
+        }
+        let err = DirLock::exclusive(&dir, "fetch output directory", "").unwrap_err();
+        assert!(distro::error::is_bad_input(&err) && err.to_string().contains("is not a plain lock file"), "{err}");
+        env.refused("target", &["fetch", "--out", dir.to_str().unwrap()], "is not a plain lock file");
+        let layout = env.path(&format!("oci{i}"));
+        layout_with_one_image(&layout, &env.path("scratch"));
+        std::fs::remove_file(layout.join(".lock")).ok();
+        if hard {
+            std::fs::hard_link(&victim, layout.join(".lock")).unwrap();
+        } else {
+            std::os::unix::fs::symlink(&victim, layout.join(".lock")).unwrap();
+        }
+        env.refused("target", &["push", layout.to_str().unwrap(), "127.0.0.1:9/r"], "is not a plain lock file");
+        assert_eq!(std::fs::read_to_string(&victim).unwrap(), "precious\n");
+    }
+}
+
+/// A layout whose index blob is a link to /dev/zero is refused as corrupt at once, without
+/// reading it whole; a ref that is not a tag is refused in one line.
+#[test]
+fn push_reads_a_blob_no_further_than_its_descriptor_and_refuses_bad_tags() {
+    let env = Env::new();
+    let layout = env.path("oci");
+    layout_with_one_image(&layout, &env.path("scratch"));
+    let refs = Layout::open(&layout).unwrap().refs().unwrap();
+    let blob = Layout::open(&layout).unwrap().store.path(&refs[0].1.digest);
+    let index = std::fs::read_to_string(layout.join("index.json")).unwrap();
+
+    std::fs::write(layout.join("index.json"), index.replace("\"engine\"", "\"bad tag!\"")).unwrap();
+    env.refused("target", &["push", layout.to_str().unwrap(), "127.0.0.1:9/r"], "ref \"bad tag!\" is not a valid tag");
+    std::fs::write(layout.join("index.json"), &index).unwrap();
+
+    std::fs::remove_file(&blob).unwrap();
+    std::os::unix::fs::symlink("/dev/zero", &blob).unwrap();
+    let started = std::time::Instant::now();
+    env.refused("target", &["push", layout.to_str().unwrap(), "127.0.0.1:9/r"], "is corrupt");
+    assert!(started.elapsed() < std::time::Duration::from_secs(20), "took {:?}", started.elapsed());
+}

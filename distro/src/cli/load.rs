@@ -34,6 +34,9 @@ pub struct LoadArgs {
 pub fn load_cmd(a: LoadArgs) -> Result<ExitCode> {
     let progress = Progress::new();
     let platform = a.platform.as_deref().map(Platform::parse).transpose()?;
+    if a.output.is_none() {
+        crate::docker::check_endpoint()?;
+    }
     let (layout, _lock) = super::read_layout(&a.layout)?;
     let bundle = Bundle::from_layout(&layout, layout.refs()?)?;
     let daemon = Daemon { refs: a.refs, platform, repo: a.repo, output: a.output };

@@ -50,6 +50,13 @@ pub fn push_cmd(a: PushArgs) -> Result<ExitCode> {
         },
         None => refs.into_iter().filter(|(n, _)| !n.is_empty()).collect(),
     };
+    // A layout's ref names are whatever its index.json says; a tag must be a tag.
+    if let Some((bad, _)) = selected.iter().find(|(n, _)| !is_tag(n)) {
+        return Err(bad_input(format!(
+            "{}: ref {bad:?} is not a valid tag ([A-Za-z0-9_][A-Za-z0-9_.-]{{0,127}}); rename it or push another ref with REPO:TAG",
+            a.layout.display()
+        )));
+    }
     if selected.is_empty() {
         return Err(bad_input(format!("{}: nothing to push (no named refs)", a.layout.display())));
     }
@@ -67,4 +74,13 @@ pub fn push_cmd(a: PushArgs) -> Result<ExitCode> {
         println!("{}", d.digest);
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// A tag as the distribution spec defines it: `[a-zA-Z0-9_][a-zA-Z0-9._-]{0,127}`.
+pub fn is_tag(s: &str) -> bool {
+    let b = s.as_bytes();
+    !b.is_empty()
+        && b.len() <= 128
+        && (b[0].is_ascii_alphanumeric() || b[0] == b'_')
+        && b.iter().all(|c| c.is_ascii_alphanumeric() || b"_.-".contains(c))
 }

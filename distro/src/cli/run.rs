@@ -36,6 +36,7 @@ pub struct RunArgs {
 /// Runs `distro run`; exits with the container's exit code.
 pub fn run_cmd(a: RunArgs) -> Result<ExitCode> {
     let progress = Progress::new();
+    docker::check_endpoint()?;
     for e in &a.env {
         if !e.contains('=') {
             return Err(bad_input(format!("--env {e:?}: expected KEY=VALUE")));

@@ -17,6 +17,9 @@ use std::path::{Path, PathBuf};
 
 /// The annotation naming a ref in `index.json`.
 pub const REF_NAME: &str = "org.opencontainers.image.ref.name";
+/// The most of `index.json` that is read.
+const INDEX_JSON_LIMIT: u64 = 64 << 20;
+
 const OCI_LAYOUT: &[u8] = br#"{"imageLayoutVersion":"1.0.0"}"#;
 
 /// An OCI layout directory.
@@ -53,7 +56,19 @@ impl Layout {
     /// The refs in `index.json`: (ref name, descriptor), in file order; unnamed entries get "".
     pub fn refs(&self) -> Result<Vec<(String, Descriptor)>> {
         let path = self.dir.join("index.json");
-        let text = match fs::read(&path) {
+        // index.json has no descriptor: read at most 64 MiB of it (a link to a device must not
+        // be read forever).
+        let text = match fs::File::open(&path).and_then(|f| {
+            use std::io::Read;
+            let mut t = Vec::new();
+            f.take(INDEX_JSON_LIMIT + 1).read_to_end(&mut t).map(|_| t)
+        }) {
+            Ok(t) if t.len() as u64 > INDEX_JSON_LIMIT => {
+                return Err(bad_input(format!(
+                    "{}: larger than {INDEX_JSON_LIMIT} bytes; not an index",
+                    path.display()
+                )));
+            }
             Ok(t) => t,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
             Err(e) => return Err(e).with_context(|| format!("reading {}", path.display())),
@@ -119,7 +134,7 @@ impl Layout {
                 continue;
             }
             if d.media_type.ends_with("+json") && (is_index(&d.media_type) || d.media_type.contains("manifest")) {
-                let v: Value = serde_json::from_slice(&self.store.read(&d.digest)?)
+                let v: Value = serde_json::from_slice(&self.store.read_sized(&d.digest, d.size)?)
                     .with_context(|| format!("{} in {}", d.digest, self.dir.display()))?;
                 let children =
                     v["manifests"].as_array().into_iter().flatten().chain(v["layers"].as_array().into_iter().flatten());

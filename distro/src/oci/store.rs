@@ -91,6 +91,29 @@ impl BlobStore {
         result
     }
 
+    /// Reads blob `d`, which its descriptor says is `size` bytes: at most `size + 1` bytes are
+    /// read, so a blob that is larger (a file grown, a link to a device) is refused as corrupt
+    /// at once instead of being read whole; then its digest is checked.
+    pub fn read_sized(&self, d: &Digest, size: u64) -> Result<Vec<u8>> {
+        let file = fs::File::open(self.path(d)).with_context(|| format!("reading blob {d}"))?;
+        let mut bytes = Vec::with_capacity(size.min(1 << 24) as usize);
+        file.take(size.saturating_add(1)).read_to_end(&mut bytes).with_context(|| format!("reading blob {d}"))?;
+        if bytes.len() as u64 != size {
+            return Err(crate::error::bad_input(format!(
+                "blob {d} in {} is corrupt: {} bytes where its descriptor says {size}",
+                self.root.display(),
+                if bytes.len() as u64 > size { format!("more than {size}") } else { bytes.len().to_string() }
+            )));
+        }
+        if &Digest::of(&bytes) != d {
+            return Err(crate::error::bad_input(format!(
+                "blob {d} in {} is corrupt (its content has another digest)",
+                self.root.display()
+            )));
+        }
+        Ok(bytes)
+    }
+
     /// Reads blob `d` whole, checking its digest (for small blobs: manifests, configs).
     pub fn read(&self, d: &Digest) -> Result<Vec<u8>> {
         let bytes = fs::read(self.path(d)).with_context(|| format!("reading blob {d}"))?;
