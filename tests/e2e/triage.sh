@@ -190,4 +190,48 @@ want='["probe","probe-2026-03-01","probe-2026-03-01-amd64","probe-2026-03-10","p
 [ "$TAGS" = "$want" ] || die "after the second retention the tags are $TAGS, not $want"
 skopeo inspect --tls-verify=false "docker://$REPO:probe" >/dev/null || die "the moving tag no longer resolves"
 
+phase "the base as a manifest source: bump moves the pin, the SBOM lists its dpkg packages"
+# A copy of the project tracks the busybox base in its manifest ([bases.busybox]) and builds on it.
+PB="$WORK/project-base"
+rm -rf "$PB" && cp -r "$P" "$PB"
+printf '\n[bases.busybox]\nimage = "%s"\ntag = "latest"\ndigest = "%s"\n' "$REG/busybox" "$BASE_DIGEST" >>"$PB/images/manifest.toml"
+sed -i 's|^base = .*|base = { source = "busybox" }|' "$PB/images/probe.toml"
+(cd "$PB" && DISTRO_TODAY=2026-03-11 "$DISTRO" lock >/dev/null 2>"$WORK/base-lock.log") || die "distro lock failed: $(cat "$WORK/base-lock.log")"
+grep -q '^since = "2026-03-11"$' "$PB/images/manifest.lock" || die "the lock does not record the base's date: $(cat "$PB/images/manifest.lock")"
+(cd "$PB" && "$DISTRO" bump --dry-run busybox >"$WORK/bump0.out" 2>&1) || die "bump of an unchanged base failed: $(cat "$WORK/bump0.out")"
+grep -q "busybox. is at the tip" "$WORK/bump0.out" || die "an unchanged base should stay: $(cat "$WORK/bump0.out")"
+git -C "$PB" add -A && git -C "$PB" -c user.name=fixture -c user.email=fixture@example.invalid commit -qm "track the base"
+(cd "$PB" && "$DISTRO" build --image probe --date 2026-03-11 --output "$WORK/base-old" >/dev/null 2>"$WORK/base-old.log") \
+    || die "build on the manifest's base failed: $(tail -3 "$WORK/base-old.log")"
+# A new base under the same tag: busybox with a dpkg database and an os-release.
+mkdir -p "$WORK/base-root/var/lib/dpkg" "$WORK/base-root/etc"
+printf 'Package: libfixture1\nStatus: install ok installed\nArchitecture: amd64\nVersion: 1:1.2-3+b1\n\nPackage: base-files\nStatus: install ok installed\nArchitecture: amd64\nVersion: 13ubuntu10\n' \
+    >"$WORK/base-root/var/lib/dpkg/status"
+printf 'ID=ubuntu\nVERSION_ID="24.04"\n' >"$WORK/base-root/etc/os-release"
+tar --numeric-owner --sort=name --mtime=@0 -C "$WORK/base-root" -cf "$WORK/base-root2.tar" .
+umoci new --image "$WORK/base-oci:v2" >&2
+umoci raw add-layer --image "$WORK/base-oci:v2" "$WORK/base-root2.tar" >&2
+umoci config --image "$WORK/base-oci:v2" --architecture amd64 --os linux --config.env PATH=/bin --config.cmd /bin/sh >&2
+skopeo copy -q "oci:$WORK/base-oci:v2" "docker://$REG/busybox:latest" --dest-tls-verify=false >&2
+NEW_BASE=sha256:$(curl -sf -H 'Accept: application/vnd.oci.image.manifest.v1+json' "http://$REG/v2/busybox/manifests/latest" | sha256sum | cut -d' ' -f1)
+[ "$NEW_BASE" != "$BASE_DIGEST" ] || die "the new base has the old digest"
+(cd "$PB" && DISTRO_TODAY=2026-03-12 "$DISTRO" bump busybox >"$WORK/bump.out" 2>"$WORK/bump.log") || die "distro bump failed: $(cat "$WORK/bump.log")"
+[ "$(cat "$WORK/bump.out")" = "$(printf 'busybox\t%s -> %s' "$BASE_DIGEST" "$NEW_BASE")" ] || die "bump printed $(cat "$WORK/bump.out")"
+grep -q "^digest = \"$NEW_BASE\"" "$PB/images/manifest.toml" || die "bump did not move the manifest's digest"
+grep -q '^since = "2026-03-12"$' "$PB/images/manifest.lock" || die "bump did not date the new digest"
+(cd "$PB" && DISTRO_TODAY=2026-03-15 "$DISTRO" sources >"$WORK/sources.out" 2>&1) || die "distro sources failed: $(cat "$WORK/sources.out")"
+grep -q "^busybox .*current  2026-03-12  3 days$" "$WORK/sources.out" || die "distro sources does not show the base's age: $(cat "$WORK/sources.out")"
+git -C "$PB" add -A && git -C "$PB" -c user.name=fixture -c user.email=fixture@example.invalid commit -qm "bump the base"
+(cd "$PB" && "$DISTRO" build --image probe --date 2026-03-12 --output "$WORK/base-new" >/dev/null 2>"$WORK/base-new.log") \
+    || die "build on the bumped base failed: $(tail -3 "$WORK/base-new.log")"
+# The SBOM (/opt/distro/sbom.spdx.json in the image) lists the base's packages with package URLs.
+found=""
+for blob in "$WORK"/base-new/blobs/sha256/*; do
+    if tar -xzOf "$blob" opt/distro/sbom.spdx.json >"$WORK/sbom.json" 2>/dev/null; then found=1; break; fi
+done
+[ -n "$found" ] || die "no layer of the new build holds /opt/distro/sbom.spdx.json"
+jq -e '[.packages[] | select(.name == "libfixture1") | .externalRefs[0].referenceLocator] == ["pkg:deb/ubuntu/libfixture1@1%3A1.2-3%2Bb1?arch=amd64&distro=ubuntu-24.04"]' \
+    "$WORK/sbom.json" >/dev/null || die "the SBOM does not list the base's dpkg package libfixture1 with its purl"
+#DIFF#
+
 phase "done in $(($(date +%s) - T0))s"
