@@ -487,5 +487,99 @@ fn lambada_accuracy_agrees_with_transformers() {
         &["eval", "--hf", s(&fixture("hf/llama")), "--task", "lambada", "--data", s(&bad)],
         "bad.jsonl:2: the text has no space",
     );
+    // A last word that shows nothing is refused, not scored as a miss.
+    for word in ["\\u200b", "\\u0000", "\\ufeff\\u00ad"] {
+        std::fs::write(&bad, format!("{{\"text\": \"a b\"}}\n{{\"text\": \"a {word}\"}}\n")).unwrap();
+        fails(
+            &["eval", "--hf", s(&fixture("hf/llama")), "--task", "lambada", "--data", s(&bad)],
+            "bad.jsonl:2: the last word (after the last space) shows no character",
+        );
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Files reach a checkpoint and an export only from inside the directories they belong to:
+/// import-hf refuses a model file that leads outside the model directory (an absolute symbolic
+/// link, or a relative one that climbs out) and reads a Hugging Face cache snapshot, whose files
+/// are relative links into the repository's `blobs/`; export-hf refuses a checkpoint whose
+/// `state.json` lists a name outside it, even resealed; a NaN weight is refused at import,
+/// naming its tensor; an imported model is refused as a resume point for what it is.
+#[test]
+fn model_and_checkpoint_files_stay_inside_their_directories() {
+    let dir = scratch("hf-confined");
+    let llama = fixture("hf/llama");
+    let files = ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json"];
+
+    // A Hugging Face cache: snapshots/REV/NAME -> ../../blobs/HASH.
+    let repo = dir.join("hub/models--t--llama");
+    std::fs::create_dir_all(repo.join("blobs")).unwrap();
+    std::fs::create_dir_all(repo.join("snapshots/rev")).unwrap();
+    for (i, f) in files.iter().enumerate() {
+        std::fs::copy(llama.join(f), repo.join(format!("blobs/{i:040}"))).unwrap();
+        std::os::unix::fs::symlink(format!("../../blobs/{i:040}"), repo.join("snapshots/rev").join(f)).unwrap();
+    }
+    let ck = dir.join("ck");
+    ok(&["import-hf", s(&repo.join("snapshots/rev")), "--out", s(&ck)]);
+    assert_eq!(
+        std::fs::read(ck.join("hf/tokenizer.json")).unwrap(),
+        std::fs::read(llama.join("tokenizer.json")).unwrap()
+    );
+
+    // A plain model directory with one file linked out of it, absolutely or relatively.
+    let outside = dir.join("outside.json");
+    std::fs::write(&outside, "{\"secret\": true}").unwrap();
+    for (name, target) in [("absolute", outside.clone()), ("relative", "../outside.json".into())] {
+        let m = dir.join(name);
+        std::fs::create_dir_all(&m).unwrap();
+        for f in files {
+            std::fs::copy(llama.join(f), m.join(f)).unwrap();
+        }
+        std::fs::remove_file(m.join("tokenizer.json")).unwrap();
+        std::os::unix::fs::symlink(&target, m.join("tokenizer.json")).unwrap();
+        let out = dir.join(format!("ck-{name}"));
+        fails(&["import-hf", s(&m), "--out", s(&out)], "tokenizer.json leads outside");
+        assert!(!out.exists());
+    }
+
+    // A NaN weight is named at import.
+    let nan = dir.join("nan");
+    std::fs::create_dir_all(&nan).unwrap();
+    for f in files {
+        std::fs::copy(llama.join(f), nan.join(f)).unwrap();
+    }
+    let mut weights = std::fs::read(nan.join("model.safetensors")).unwrap();
+    let header = u64::from_le_bytes(weights[..8].try_into().unwrap()) as usize;
+    let meta: serde_json::Value = serde_json::from_slice(&weights[8..8 + header]).unwrap();
+    let at = meta["model.norm.weight"]["data_offsets"][0].as_u64().unwrap() as usize + 8 + header;
+    weights[at..at + 4].copy_from_slice(&f32::NAN.to_le_bytes());
+    std::fs::write(nan.join("model.safetensors"), weights).unwrap();
+    fails(
+        &["import-hf", s(&nan), "--out", s(&dir.join("ck-nan"))],
+        "tensor model.norm.weight holds a non-finite weight (NaN or infinite)",
+    );
+    assert!(!dir.join("ck-nan").exists());
+
+    // The imported model cannot be resumed, whatever its data says.
+    let run = dir.join("run");
+    fails(
+        &["train", "--recipe", s(&ck.join("config.toml")), "--resume", s(&ck), "--run-dir", s(&run)],
+        "has no optimizer state (an import-hf output?), so it can start a run, not resume one",
+    );
+
+    // state.json lists `hf//ABS/x/PWNED` under a recomputed seal: export-hf must not write there.
+    let pwned = dir.join("x/PWNED");
+    let planted = ck.join(format!("hf/{}", pwned.display()));
+    std::fs::create_dir_all(planted.parent().unwrap()).unwrap();
+    std::fs::write(&planted, "pwned").unwrap();
+    let mut state: engine::checkpoint::State =
+        serde_json::from_slice(&std::fs::read(ck.join("state.json")).unwrap()).unwrap();
+    let sum = engine::checkpoint::FileSum { bytes: 5, sha256: engine::digest::sha256_hex(b"pwned") };
+    state.files.insert(format!("hf/{}", pwned.display()), sum);
+    std::fs::write(ck.join("state.json"), state.sealed_text().unwrap()).unwrap();
+    fails(
+        &["export-hf", s(&ck), "--out", s(&dir.join("export"))],
+        "which is not a name inside the checkpoint directory",
+    );
+    assert!(!pwned.exists() && !dir.join("export").exists());
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -65,6 +65,9 @@ fn examples(path: &Path, tokenizer: &TextTokenizer, max_len: usize) -> Result<Ve
         let text = record.text.ok_or_else(|| anyhow!("{p}:{n}: the object has no `text` field"))?;
         let text = text.trim_end();
         let cut = text.rfind(' ').ok_or_else(|| anyhow!("{p}:{n}: the text has no space, so no last word"))?;
+        if text[cut + 1..].chars().all(invisible) {
+            bail!("{p}:{n}: the last word (after the last space) shows no character, so there is nothing to predict");
+        }
         let mut context = tokenizer.prefix.clone();
         context.extend(tokenizer.encode(&text[..cut])?);
         let mut full = tokenizer.prefix.clone();
@@ -84,6 +87,15 @@ fn examples(path: &Path, tokenizer: &TextTokenizer, max_len: usize) -> Result<Ve
         bail!("{p} holds no passages");
     }
     Ok(out)
+}
+
+/// Whether a character shows nothing: whitespace, a control character, or an invisible format
+/// character (zero-width space, joiners, word joiner, byte-order mark, soft hyphen). A last word
+/// made only of them is empty: scoring it would count a passage nobody can predict.
+fn invisible(c: char) -> bool {
+    c.is_whitespace()
+        || c.is_control()
+        || matches!(c, '\u{200B}'..='\u{200D}' | '\u{2060}' | '\u{FEFF}' | '\u{00AD}' | '\u{180E}')
 }
 
 /// Last-word accuracy of `m` on the passages of `data`.

@@ -49,6 +49,8 @@ pub struct HfModel {
     pub model: ModelConfig,
     /// The dtype of its weights (that of the embedding).
     pub dtype: FloatType,
+    /// Where its files must lie once symbolic links are followed ([`confinement`]).
+    root: PathBuf,
     files: Vec<Mapped>,
     /// Tensor name → index into `files`.
     index: BTreeMap<String, usize>,
@@ -58,7 +60,9 @@ impl HfModel {
     /// Opens a model directory: reads `config.json`, maps the weight files, checks dtypes.
     pub fn open(dir: &Path) -> Result<HfModel> {
         let d = dir.display();
+        let root = confinement(dir)?;
         let config_path = dir.join("config.json");
+        inside(&config_path, &root)?;
         let text = fs::read(&config_path).with_context(|| format!("cannot read {}", config_path.display()))?;
         let raw_config: Value =
             serde_json::from_slice(&text).map_err(|e| anyhow!("{} is not valid JSON: {e}", config_path.display()))?;
@@ -68,6 +72,7 @@ impl HfModel {
 
         let index_path = dir.join("model.safetensors.index.json");
         let names: Vec<String> = if index_path.exists() {
+            inside(&index_path, &root)?;
             let index: Value = serde_json::from_slice(&fs::read(&index_path)?)
                 .map_err(|e| anyhow!("{} is not valid JSON: {e}", index_path.display()))?;
             let map =
@@ -90,6 +95,7 @@ impl HfModel {
         let mut files = Vec::new();
         let mut index = BTreeMap::new();
         for name in names {
+            inside(&dir.join(&name), &root)?;
             let mapped = Mapped::open(&dir.join(&name))?;
             for (tensor, view) in mapped.tensors().iter() {
                 tensors::float_type(tensor, &view).with_context(|| format!("{}", dir.join(&name).display()))?;
@@ -109,7 +115,7 @@ impl HfModel {
             }
             None => bail!("{d}: tensor {} is missing", Layout::new(&model).tensors[0].name),
         };
-        Ok(HfModel { dir: dir.to_path_buf(), raw_config, model, dtype, files, index })
+        Ok(HfModel { dir: dir.to_path_buf(), raw_config, model, dtype, root, files, index })
     }
 
     /// Reads tensor `name` (whose shape must be `shape`) as f32 into `out`.
@@ -128,7 +134,8 @@ impl HfModel {
     }
 
     /// The parameters in the layout of `layout` (made from this model's config). Every tensor
-    /// must be present with its shape, and every tensor of the files must be used.
+    /// must be present with its shape, every tensor of the files must be used, and every value
+    /// must be finite (a NaN or infinite weight is an error naming its tensor).
     pub fn params(&self, layout: &Layout) -> Result<Vec<f32>> {
         let m = &self.model;
         let mut out = vec![0f32; layout.len];
@@ -202,6 +209,10 @@ impl HfModel {
                 if unexpected.len() > 5 { ", ..." } else { "" }
             );
         }
+        if let Some(i) = out.iter().position(|x| !x.is_finite()) {
+            let t = layout.tensors.iter().find(|t| i < t.offset + t.len()).expect("in a tensor");
+            bail!("{}: tensor {} holds a non-finite weight (NaN or infinite)", self.dir.display(), t.name);
+        }
         Ok(out)
     }
 
@@ -210,7 +221,8 @@ impl HfModel {
         let mut files = Vec::new();
         for name in CARRIED {
             let path = self.dir.join(name);
-            if path.exists() {
+            if fs::symlink_metadata(&path).is_ok() {
+                inside(&path, &self.root)?;
                 files.push((
                     format!("hf/{name}"),
                     fs::read(&path).with_context(|| format!("cannot read {}", path.display()))?,
@@ -219,6 +231,31 @@ impl HfModel {
         }
         Ok(Extras { files, hf_dtype: Some(self.dtype.torch_name().into()) })
     }
+}
+
+/// The directory that the files of model directory `dir` must lie in once symbolic links are
+/// followed: `dir` itself, or, when `dir` is (or is under) a snapshot of a Hugging Face cache,
+/// `…/models--ORG--NAME/snapshots/REV/`, whose files are relative links to
+/// `../../blobs/HASH`, that repository's cache folder `…/models--ORG--NAME/` (the parent of a
+/// `snapshots` directory beside a `blobs` one). Canonical, as [`fs::canonicalize`] gives it.
+fn confinement(dir: &Path) -> Result<PathBuf> {
+    let root = fs::canonicalize(dir).map_err(|e| anyhow!("cannot read {}: {e}", dir.display()))?;
+    let repo = root
+        .ancestors()
+        .skip(1)
+        .filter(|a| a.file_name().is_some_and(|n| n == "snapshots"))
+        .filter_map(Path::parent)
+        .find(|repo| repo.join("blobs").is_dir());
+    Ok(repo.map_or(root.clone(), Path::to_path_buf))
+}
+
+/// Refuses a file of a model directory that is not a regular file inside `root` once symbolic
+/// links are followed (a link to `/etc/passwd` would otherwise be copied into a checkpoint and
+/// published again by export-hf).
+fn inside(path: &Path, root: &Path) -> Result<()> {
+    fsutil::regular_file_under(path, root)
+        .map(|_| ())
+        .map_err(|e| anyhow!("{e}; only files inside the model directory are read"))
 }
 
 /// Whether a layout tensor is one of GPT-2's `Conv1D` weights, stored `[in, out]` by Hugging Face.
@@ -361,7 +398,7 @@ pub fn export(ck: &Checkpoint, out: &Path, dtype: Option<FloatType>, max_shard_b
         }
         fsutil::write_atomic(&tmp.join("config.json"), serde_json::to_string_pretty(&config_json)?.as_bytes())?;
         for (file, bytes) in &carried {
-            let file = file.trim_start_matches("hf/");
+            let file = file.strip_prefix("hf/").expect("hf_files lists hf/ files");
             if file != "config.json" {
                 fsutil::write_atomic(&tmp.join(file), bytes)?;
             }
