@@ -6,8 +6,6 @@ mod cli;
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::process::ExitCode;
 
-use clap::Parser;
-
 /// The system allocator, except that running out of memory ends the process with one line and
 /// exit code 2 instead of Rust's abort (exit 134, "memory allocation of N bytes failed"). The
 /// memory check refuses runs that cannot fit before they start (`train.memory_check`); this
@@ -92,7 +90,7 @@ fn main() -> ExitCode {
     }
     keep_freed_memory();
     cli::install_panic_hook();
-    let args = cli::Cli::parse();
+    let args = cli::parse();
     match cli::run(args) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

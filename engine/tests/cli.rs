@@ -259,11 +259,64 @@ fn bad_input_gets_one_clear_line() {
         assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
         assert!(stderr.contains(expected), "{args:?}: expected `{expected}` in: {stderr}");
         assert!(!stderr.contains("panicked") && !stderr.contains("backtrace"), "{args:?}: {stderr}");
-        if !expected.starts_with("invalid value") {
-            assert_eq!(stderr.trim_end().lines().count(), 1, "{args:?}: more than one line: {stderr}");
-        }
+        assert_eq!(stderr.trim_end().lines().count(), 1, "{args:?}: more than one line: {stderr}");
         assert!(!run.exists(), "{args:?} left a run directory behind");
     }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The command line's own errors (clap's) are one line too, keeping clap's tip; a value that
+/// starts with `-` is taken by `--separator`, and the tip for other options says how; nonsense
+/// sizes are refused before any work.
+#[test]
+fn command_line_errors_are_one_line_with_their_tip() {
+    let cases: [(&[&str], &str); 8] = [
+        (&["train", "--recipe", "tiny-llama2", "--steps", "abc"], "invalid value 'abc' for '--steps <N>'"),
+        (&["trian"], "unrecognized subcommand 'trian' (tip: a similar subcommand exists: 'train'"),
+        (&["data", "prepare", "--input", "x"], "required arguments were not provided: --tokenizer <FILE>, --out <DIR>"),
+        (
+            &["train", "--recipe", "tiny-llama2", "--set", "---"],
+            "join them with '=': --OPTION=---; for more information, try '--help')",
+        ),
+        // `--separator ---` is taken as the separator: the error is the missing tokenizer's.
+        (
+            &["data", "prepare", "--tokenizer", "/nonexistent", "--input", "x", "--out", "y", "--separator", "---"],
+            "/nonexistent",
+        ),
+        (
+            &["recipes", "show", "tiny-llama2", "--devices", "0"],
+            "--devices 0: a plan needs at least one device per node",
+        ),
+        (&["recipes", "show", "tiny-llama2", "--nodes", "0"], "--nodes 0: a plan needs at least one node"),
+        (&["--threads", "20000", "info"], "--threads 20000: this process may use"),
+    ];
+    for (args, expected) in cases {
+        let out = engine(args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(
+            stderr.starts_with("error: ") && stderr.contains(expected),
+            "{args:?}: expected `{expected}` in: {stderr}"
+        );
+        assert_eq!(stderr.trim_end().lines().count(), 1, "{args:?}: more than one line: {stderr}");
+    }
+}
+
+/// RUN_DIR/.lock is the engine's own file: a symbolic link there (to a file the user cares
+/// about) is refused, not truncated and written through.
+#[test]
+fn a_lock_file_linked_elsewhere_is_refused_and_its_target_kept() {
+    let dir = scratch("lock-link");
+    let (run, victim) = (dir.join("run"), dir.join("victim"));
+    std::fs::create_dir_all(&run).unwrap();
+    std::fs::write(&victim, "precious").unwrap();
+    std::os::unix::fs::symlink(&victim, run.join(".lock")).unwrap();
+    let out = engine(&["train", "--recipe", "tiny-llama2", "--steps", "1", "--run-dir", run.to_str().unwrap()]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains(".lock is a symbolic link, not the lock file this engine writes"), "{stderr}");
+    assert_eq!(std::fs::read_to_string(&victim).unwrap(), "precious");
+    assert!(!run.join("metrics.jsonl").exists());
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

@@ -29,7 +29,8 @@ pub struct PrepareArgs {
     #[arg(long, value_name = "TOKEN")]
     eos: Option<String>,
     /// In text files, a line equal to LINE separates documents [default: one document per file].
-    #[arg(long, value_name = "LINE")]
+    /// LINE may start with `-` (`--separator ---`).
+    #[arg(long, value_name = "LINE", allow_hyphen_values = true)]
     separator: Option<String>,
     /// Start a new shard once the current one holds this many tokens.
     #[arg(long, value_name = "N", default_value_t = 1 << 28)]

@@ -14,6 +14,7 @@ mod test_all;
 mod train;
 
 use anyhow::{Context, Result};
+use clap::error::ErrorKind;
 use clap::{Args, Parser, Subcommand};
 use engine::config::{self, Override, Resolved};
 
@@ -21,7 +22,8 @@ use engine::config::{self, Override, Resolved};
 #[derive(Parser)]
 #[command(name = "engine", version, about, max_term_width = 100)]
 pub struct Cli {
-    /// CPU threads for the CPU backend [default: all cores; env: ENGINE_THREADS]
+    /// CPU threads for the CPU backend, at most the cores available [default: all cores; env:
+    /// ENGINE_THREADS]
     #[arg(long, global = true, value_name = "N")]
     threads: Option<usize>,
     /// Device to train and benchmark on: the first CUDA GPU when there is one (auto), the CPU,
@@ -97,17 +99,99 @@ impl RecipeArgs {
     }
 }
 
+/// Parses the command line. Help and the version print as clap prints them; a parse error
+/// becomes one line on stderr (the message, clap's tips, where to read more; the usage block is
+/// left out) and exit code 2, as every other error.
+pub fn parse() -> Cli {
+    match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            let kind = e.kind();
+            if matches!(
+                kind,
+                ErrorKind::DisplayHelp
+                    | ErrorKind::DisplayVersion
+                    | ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand
+            ) {
+                e.exit();
+            }
+            eprintln!("{}", one_line(&e.render().to_string(), kind));
+            std::process::exit(2);
+        }
+    }
+}
+
+/// clap's error text as one line: its first paragraph with any list in it joined by commas,
+/// then its other paragraphs (tips, "For more information, ...") in parentheses, without the
+/// usage. For an unexpected argument that starts with `-`, a tip on giving an option such a
+/// value (`--separator=---`), which clap's own tip (`-- ---`, for positional arguments) does not
+/// cover.
+fn one_line(text: &str, kind: ErrorKind) -> String {
+    let mut paragraphs: Vec<String> = Vec::new();
+    for block in text.split("\n\n") {
+        let lines: Vec<&str> = block.lines().map(str::trim).filter(|l| !l.is_empty()).collect();
+        let Some((first, rest)) = lines.split_first() else { continue };
+        if first.starts_with("Usage:") {
+            continue;
+        }
+        let mut p = first.to_string();
+        for (i, l) in rest.iter().enumerate() {
+            p.push_str(if i == 0 && p.ends_with(':') { " " } else { ", " });
+            p.push_str(l);
+        }
+        let p = p.trim_end_matches('.');
+        // "For more information, ..." reads as a clause inside the parentheses.
+        paragraphs.push(p.strip_prefix("For more").map_or(p.to_owned(), |rest| format!("for more{rest}")));
+    }
+    if kind == ErrorKind::UnknownArgument
+        && let Some(arg) = paragraphs.first().and_then(|p| p.split('\'').nth(1))
+        && looks_like_a_value(arg)
+    {
+        paragraphs.insert(
+            1,
+            format!(
+                "tip: if '{arg}' is meant as the value of the option before it, join them with '=': --OPTION={arg}"
+            ),
+        );
+    }
+    match paragraphs.split_first() {
+        Some((first, rest)) if !rest.is_empty() => format!("{first} ({})", rest.join("; ")),
+        Some((first, _)) => first.clone(),
+        None => "error: invalid command line (see --help)".into(),
+    }
+}
+
+/// Whether an unexpected argument that starts with `-` looks like a value (`---`, `-5`, `-=-`)
+/// rather than a mistyped option (`--stpes`, `-x`).
+fn looks_like_a_value(arg: &str) -> bool {
+    let name = arg.trim_start_matches('-');
+    arg.starts_with('-')
+        && (name.is_empty()
+            || name.starts_with(|c: char| c.is_ascii_digit())
+            || !name.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_'))
+}
+
 /// Runs a parsed command line.
 pub fn run(cli: Cli) -> Result<()> {
     let threads = match cli.threads {
-        Some(n) => Some(n),
+        Some(n) => Some((n, "--threads")),
         None => match std::env::var("ENGINE_THREADS") {
-            Ok(v) => Some(v.trim().parse().with_context(|| format!("ENGINE_THREADS = `{v}` is not a number"))?),
+            Ok(v) => Some((
+                v.trim().parse().with_context(|| format!("ENGINE_THREADS = `{v}` is not a number"))?,
+                "ENGINE_THREADS",
+            )),
             Err(_) => None,
         },
     };
-    if let Some(n) = threads {
-        anyhow::ensure!(n > 0, "--threads must be at least 1");
+    if let Some((n, flag)) = threads {
+        anyhow::ensure!(n > 0, "{flag} must be at least 1");
+        // More threads than cores only add switching to every product (each is split into one
+        // task per thread), and thousands take tens of seconds to start.
+        let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+        anyhow::ensure!(
+            n <= cores,
+            "{flag} {n}: this process may use {cores} CPU cores, and more threads than cores only slow the CPU backend down; use at most {cores} (or leave it unset for all of them)"
+        );
         rayon::ThreadPoolBuilder::new().num_threads(n).build_global().context("cannot start the thread pool")?;
     }
     let device = match cli.device {

@@ -48,6 +48,12 @@ pub fn run(cmd: RecipesCommand) -> Result<()> {
             Ok(())
         }
         RecipesCommand::Show { recipe, set, devices, nodes, json } => {
+            if devices == Some(0) {
+                anyhow::bail!("--devices 0: a plan needs at least one device per node");
+            }
+            if nodes == Some(0) {
+                anyhow::bail!("--nodes 0: a plan needs at least one node");
+            }
             let r = RecipeArgs { recipe, set }.resolve(&[])?;
             let plan = plan_of(&r.config, devices, nodes)?;
             if json {
