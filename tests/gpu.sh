@@ -42,6 +42,7 @@ PHASES=(
     "gpu-test|1|engine gpu-test: every kernel against the CPU, model parity, graphs, remat, memory, 200-step training"
     "test-all|1|engine test-all, quick then full (full holds gpu-test again), as the image runs it"
     "baselines|1|engine baselines create, quick and full, 3 runs each: the CUDA baselines to commit"
+    "cudnn|6|cuDNN's fused attention: its gpu-test checks (stopping there if they fail, with cuDNN's log), gpu-test whole, bench --profile of both recipes, one round of the peers"
     "profile|3|engine bench --profile of llama3.2-1b (4 x 4096) and fuji-3B-v3 (2 x 4096), and bench/attention_peers.py at both shapes"
     "nccl|1|engine launch --nproc 1 on the GPU: NCCL loaded, a one-rank communicator, the watchdog running beside a short training run"
     "bench-llama3.2-1b|7|bench/compare.py: the engine, PyTorch eager, torch.compile per block and JAX + cuDNN, llama3.2-1b at 4 x 4096"
@@ -144,6 +145,21 @@ phase() {
         # Read back as test-all reads them: the curves against the new files.
         "$ENGINE" --device "$DEVICE" test-all --quick --filter 'tiny-*' --filter throughput --baselines "$out"
         echo "to commit: cp $out/cuda/*.json tests/baselines/cuda/ (docs/ci.md)"
+        ;;
+    cudnn)
+        # cuDNN's own log of why a graph is refused goes to the phase's folder.
+        "$ENGINE" info
+        CUDNN_LOGERR_DBG=1 CUDNN_LOGWARN_DBG=1 CUDNN_LOGDEST_DBG="$out/cudnn.log" \
+            "$ENGINE" gpu-test --only "attention on cuDNN" --json "$out/gpu-test-cudnn.json"
+        "$ENGINE" gpu-test --json "$out/gpu-test.json"
+        local shape recipe batch
+        for shape in "llama3.2-1b 4" "fuji-3B-v3 2"; do
+            read -r recipe batch <<<"$shape"
+            "$ENGINE" --device "$DEVICE" bench --recipe "$recipe" --set train.seq_len=4096 --set "train.batch_size=$batch" \
+                --steps 5 --warmup 2 --profile --json "$out/bench-$recipe.json"
+        done
+        "$PYTHON" bench/compare.py --engine "$ENGINE" --python "$PYTHON" --recipe llama3.2-1b --peers "$PEERS" \
+            --set train.seq_len=4096 --set train.batch_size=4 --rounds 1 --json "$out/compare.json"
         ;;
     profile)
         local shape recipe batch

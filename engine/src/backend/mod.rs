@@ -310,6 +310,12 @@ pub struct Segment {
 pub trait Backend {
     /// Short device description for logs (e.g. `cpu (2 threads)`).
     fn describe(&self) -> String;
+    /// Chooses the kernels that run attention (`train.attention`) for attention of `shape` (the
+    /// model's heads on this device, a micro-batch's sequences), checking what it chooses;
+    /// [`Backend::describe`] then says which. A backend with one implementation keeps it.
+    fn select_attention(&mut self, _choice: crate::config::AttentionImpl, _shape: AttnShape) -> Result<(), String> {
+        Ok(())
+    }
     /// Waits until every op issued so far has finished (a no-op where ops are synchronous).
     fn synchronize(&mut self) {}
 

@@ -89,6 +89,9 @@ impl<B: Backend> Backend for Traced<B> {
     fn describe(&self) -> String {
         self.inner.describe()
     }
+    fn select_attention(&mut self, choice: crate::config::AttentionImpl, shape: AttnShape) -> Result<(), String> {
+        self.inner.select_attention(choice, shape)
+    }
     fn peak_memory_bytes(&self) -> usize {
         self.inner.peak_memory_bytes()
     }

@@ -2,7 +2,7 @@
 
 use anyhow::Result;
 use engine::backend::cpu;
-use engine::backend::cuda::{device, nvrtc};
+use engine::backend::cuda::{cudnn, device, nvrtc};
 
 /// Where an image keeps the lock of the sources it was built from.
 const LOCK_IN_IMAGE: &str = "/opt/distro/manifest.lock";
@@ -43,6 +43,14 @@ pub fn run() -> Result<()> {
             nvrtc::cache_dir().map_or("off".into(), |d| d.display().to_string())
         ),
         Err(e) => println!("  nvrtc       none: {e}"),
+    }
+    // cuDNN's fused attention: `train.attention = "auto"` takes it after a check against the CPU.
+    match cudnn::version() {
+        Ok(v) => println!(
+            "  cudnn       {} (fused attention; train.attention = \"auto\" takes it after its check)",
+            cudnn::dotted(v)
+        ),
+        Err(e) => println!("  cudnn       none: {e}; attention runs on the native kernels"),
     }
     println!("\nflags in effect");
     let mut any = false;

@@ -282,6 +282,8 @@ pub struct TrainConfig {
     /// Record each micro-batch's forward and backward pass once as a CUDA graph and replay it
     /// (CUDA only; ignored on CPU).
     pub cuda_graphs: bool,
+    /// Which kernels run attention on a GPU (ignored on CPU).
+    pub attention: AttentionImpl,
     /// Refuse, before allocating, a run whose estimated memory exceeds what the device has
     /// (GPU: free memory; CPU: available RAM and `ulimit -v`); `false` skips the check.
     pub memory_check: bool,
@@ -334,6 +336,21 @@ impl PipelineSchedule {
     }
 }
 
+/// The kernels that run attention on a GPU (`train.attention`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AttentionImpl {
+    /// cuDNN's fused flash attention where the library loads, is 9.2 or newer, builds plans for
+    /// the model's shapes and passes a check against the CPU reference; else the native kernels,
+    /// saying why.
+    #[default]
+    Auto,
+    /// cuDNN's, or an error saying why not.
+    Cudnn,
+    /// The engine's own flash-attention kernels.
+    Native,
+}
+
 /// Activation recomputation policy (`train.remat`): memory traded for compute.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -368,6 +385,7 @@ impl Default for TrainConfig {
             eval_steps: 10,
             remat: Remat::None,
             cuda_graphs: true,
+            attention: AttentionImpl::Auto,
             memory_check: true,
             pipeline_microbatches: 1,
             pipeline_schedule: PipelineSchedule::OneFOneB,

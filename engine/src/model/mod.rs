@@ -317,7 +317,7 @@ impl Model {
         &self.layout.stage
     }
 
-    fn attn_shape(&self, batch: usize, seq: usize) -> AttnShape {
+    pub(crate) fn attn_shape(&self, batch: usize, seq: usize) -> AttnShape {
         let m = &self.config;
         AttnShape {
             batch,

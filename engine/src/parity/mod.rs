@@ -152,7 +152,15 @@ fn checks(scale: Scale) -> Vec<(String, Check)> {
         let shape = AttnShape { batch: b, seq: s, n_heads: h, n_kv_heads: kv, head_dim: dh, window: w };
         add(
             &format!("attention B={b} S={s} H={h} KV={kv} dh={dh} window={w}: forward and backward"),
-            Box::new(move |g, _| attention(g, shape, unmasked)),
+            Box::new(move |g, _| attention(g, shape, unmasked, true)),
+        );
+    }
+    // cuDNN's fused attention at the same shapes (a GPU only: the emulator has no cuDNN).
+    for &(b, s, h, kv, dh, w, _) in attention_shapes.iter().filter(|_| !scale.emulated) {
+        let shape = AttnShape { batch: b, seq: s, n_heads: h, n_kv_heads: kv, head_dim: dh, window: w };
+        add(
+            &format!("attention on cuDNN B={b} S={s} H={h} KV={kv} dh={dh} window={w}: forward and backward"),
+            Box::new(move |g, _| attention(g, shape, false, false)),
         );
     }
     for f in [128, 100] {

@@ -114,6 +114,8 @@ impl<B: Backend> Trainer<B> {
         // The devices of a tensor group and of a pipeline share their samples, cut into the
         // pipeline's micro-batches.
         let batch = parallel_plan.microbatch;
+        // The attention kernels, chosen (and checked) before any buffer is planned.
+        backend.select_attention(t.attention, model.attn_shape(batch, seq_len)).map_err(anyhow::Error::msg)?;
         let schedule = &parallel_plan.schedules[coords.pipeline];
         let (actions, slot_of, slot_count) = (schedule.actions.clone(), schedule.slot_of.clone(), schedule.in_flight);
         // Under FSDP no device holds the whole model: the passes borrow each unit's buffers.

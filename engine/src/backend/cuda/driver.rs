@@ -9,6 +9,7 @@ use cudarc::driver::sys::{self, CUdeviceptr, CUfunction};
 use cudarc::driver::{CudaContext, CudaGraph, CudaStream, result};
 
 use super::blas::{self, Blas, Gemm};
+use super::cudnn::Cudnn;
 use super::device::{self, DeviceInfo};
 use super::ops::MODULES;
 use super::{Device, nvrtc};
@@ -23,6 +24,8 @@ pub struct Gpu {
     blas: Blas,
     workspace: CUdeviceptr,
     modules: Vec<sys::CUmodule>,
+    /// Opened when attention first asks for it; dropped before the stream and context.
+    cudnn: Option<Cudnn>,
     raw: sys::CUstream,
     stream: Arc<CudaStream>,
     ctx: Arc<CudaContext>,
@@ -96,6 +99,7 @@ impl Gpu {
             blas,
             workspace,
             modules,
+            cudnn: None,
             raw,
             stream,
             ctx,
@@ -217,6 +221,13 @@ impl Device for Gpu {
 
     fn stream(&self) -> Option<sys::CUstream> {
         Some(self.raw)
+    }
+
+    fn cudnn(&mut self) -> Result<&mut Cudnn, String> {
+        if self.cudnn.is_none() {
+            self.cudnn = Some(Cudnn::new(self.raw)?);
+        }
+        Ok(self.cudnn.as_mut().expect("opened above"))
     }
 }
 

@@ -17,6 +17,7 @@
 //! Libraries are loaded at run time ([`device`]): the engine builds and runs without CUDA.
 
 mod blas;
+pub mod cudnn;
 pub mod device;
 mod driver;
 pub mod emulator;
@@ -28,7 +29,7 @@ use std::collections::HashMap;
 use cudarc::driver::sys::{self, CUdeviceptr};
 
 use super::{AdamWStep, AttnShape, Backend, BufKind, ExpertWeights, IdxView, MatMul, MoeDispatch, Segment, View, gib};
-use crate::config::ModelConfig;
+use crate::config::{AttentionImpl, ModelConfig};
 use blas::Gemm;
 pub use device::DeviceInfo;
 
@@ -72,6 +73,19 @@ trait Device {
     fn stream(&self) -> Option<sys::CUstream> {
         None
     }
+    /// cuDNN on the device's stream, opened the first time it is asked for.
+    fn cudnn(&mut self) -> Result<&mut cudnn::Cudnn, String> {
+        Err("cuDNN runs on a GPU, and this device is the emulator".into())
+    }
+}
+
+/// Which kernels run attention (`train.attention`, resolved by [`Backend::select_attention`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Attention {
+    /// The engine's own flash-attention kernels (`ops/attention.cu`).
+    Native,
+    /// cuDNN's fused flash attention ([`cudnn`]).
+    Cudnn,
 }
 
 /// Bytes of plain numbers (f32, u16, u32, u64), for copies to and from the device.
@@ -190,6 +204,9 @@ pub struct Cuda {
     adam_runs: Vec<u64>,
     sections: HashMap<u32, Section>,
     capturing: bool,
+    attention: Attention,
+    /// What [`Backend::select_attention`] chose and why, for [`Backend::describe`].
+    attention_note: String,
     allocated: usize,
     /// The most `allocated` has been.
     peak: usize,
@@ -216,6 +233,8 @@ impl Cuda {
             adam_runs: Vec::new(),
             sections: HashMap::new(),
             capturing: false,
+            attention: Attention::Native,
+            attention_note: String::new(),
             allocated: blas::WORKSPACE_BYTES,
             peak: blas::WORKSPACE_BYTES,
             dev,
@@ -406,7 +425,36 @@ impl Drop for Cuda {
 impl Backend for Cuda {
     fn describe(&self) -> String {
         let i = self.dev.info();
-        format!("cuda:{} {} (sm_{}{}, {:.0} GiB)", i.ordinal, i.name, i.capability.0, i.capability.1, gib(i.memory))
+        let note = if self.attention_note.is_empty() { String::new() } else { format!("; {}", self.attention_note) };
+        format!(
+            "cuda:{} {} (sm_{}{}, {:.0} GiB{note})",
+            i.ordinal,
+            i.name,
+            i.capability.0,
+            i.capability.1,
+            gib(i.memory)
+        )
+    }
+
+    fn select_attention(&mut self, choice: AttentionImpl, shape: AttnShape) -> Result<(), String> {
+        let cudnn = |gpu: &mut Cuda| -> Result<String, String> {
+            let checked = cudnn::self_check(gpu, shape)?;
+            let c = gpu.dev.cudnn()?;
+            c.prepare(shape)?;
+            Ok(format!("cuDNN {} (checked against the CPU: {checked})", cudnn::dotted(c.version())))
+        };
+        (self.attention, self.attention_note) = match choice {
+            AttentionImpl::Native => (Attention::Native, "attention: native kernels".into()),
+            AttentionImpl::Cudnn => {
+                let how = cudnn(self).map_err(|e| format!("train.attention = \"cudnn\": {e}"))?;
+                (Attention::Cudnn, format!("attention: {how}"))
+            }
+            AttentionImpl::Auto => match cudnn(self) {
+                Ok(how) => (Attention::Cudnn, format!("attention: {how}")),
+                Err(why) => (Attention::Native, format!("attention: native kernels (cuDNN not used: {why})")),
+            },
+        };
+        Ok(())
     }
 
     fn peak_memory_bytes(&self) -> usize {
@@ -562,11 +610,17 @@ impl Backend for Cuda {
     }
 
     fn attention_forward(&mut self, out: View, lse: View, qkv: View, s: AttnShape) {
-        ops::attention::forward(self, out, lse, qkv, s)
+        match self.attention {
+            Attention::Native => ops::attention::forward(self, out, lse, qkv, s),
+            Attention::Cudnn => cudnn::forward(self, out, lse, qkv, s),
+        }
     }
 
     fn attention_backward(&mut self, dqkv: View, dout: View, qkv: View, out: View, lse: View, s: AttnShape) {
-        ops::attention::backward(self, dqkv, dout, qkv, out, lse, s)
+        match self.attention {
+            Attention::Native => ops::attention::backward(self, dqkv, dout, qkv, out, lse, s),
+            Attention::Cudnn => cudnn::backward(self, dqkv, dout, qkv, out, lse, s),
+        }
     }
 
     fn layernorm_forward(&mut self, out: View, mean: View, rstd: View, x: View, w: View, b: View, d: usize, eps: f32) {
