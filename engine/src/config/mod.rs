@@ -498,6 +498,12 @@ pub struct MeshConfig {
     pub ici_pipeline: i64,
     /// Pipeline stages across nodes.
     pub dcn_pipeline: i64,
+    /// Sequence (context) parallelism within a node (AXLearn's `seq` axis): each sequence is
+    /// cut into two chunks per device, one early and one late (Llama 3's load-balanced causal
+    /// split), and attention all-gathers the keys and values over the axis.
+    pub ici_seq: i64,
+    /// Sequence parallelism across nodes.
+    pub dcn_seq: i64,
     /// FSDP: whether the forward pass releases each layer's gathered parameters once done with
     /// it (and the backward pass gathers them again), as FSDP2's `reshard_after_forward`. Off,
     /// the gathered parameters stay until the backward pass is done with them: one gather per
@@ -516,15 +522,11 @@ impl Default for MeshConfig {
             ici_tensor: 1,
             dcn_data: -1,
             dcn_fsdp: 1,
-    /// Sequence (context) parallelism within a node (AXLearn's `seq` axis): each sequence is
-    /// cut into two chunks per device, one early and one late (Llama 3's load-balanced causal
-    /// split), and attention all-gathers the keys and values over the axis.
-    pub ici_seq: i64,
-    /// Sequence parallelism across nodes.
-    pub dcn_seq: i64,
             dcn_tensor: 1,
             ici_pipeline: 1,
             dcn_pipeline: 1,
+            ici_seq: 1,
+            dcn_seq: 1,
             fsdp_reshard_after_forward: true,
             fsdp_prefetch: true,
         }
@@ -543,8 +545,6 @@ impl ModelConfig {
     }
 
     /// Whether this is the GPT family (LayerNorm, learned positions, GELU, biases).
-            ici_seq: 1,
-            dcn_seq: 1,
     pub fn is_gpt(&self) -> bool {
         self.family == Family::Gpt
     }

@@ -159,10 +159,10 @@ impl<B: Backend> Trainer<B> {
             parallel,
             tokens: vec![0; n],
             targets: vec![0; n],
-        })
-    }
             local: Vec::new(),
             chunk_positions,
+        })
+    }
 
     /// Devices of the run.
     pub fn devices(&self) -> usize {
@@ -390,8 +390,6 @@ pub(crate) enum Fault {
     DropGradient,
     /// The first stage sends micro-batch 0's activation again in place of micro-batch 1's.
     StaleActivation,
-}
-
     /// A seq axis's devices give their late chunk a wrong offset ([`Trainer::wrong_chunk_offset`]).
     ChunkOffset,
 }
@@ -429,6 +427,8 @@ fn upload_chunks<B: Backend>(
         scratch.extend(positions.iter().map(|&p| sequence[p]));
     }
     be.upload_idx(to, scratch);
+}
+
 impl<B: Backend> Trainer<B> {
     /// Replaces the parameters (e.g. by imported ones), given in single-device layout order:
     /// each device takes its slice.
