@@ -423,3 +423,273 @@ fn a_gpt_trains_on_a_sentencepiece_vocabulary_and_runs_lambada() {
     assert_eq!(result["per_example"].as_array().unwrap().len() as u64, lines);
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// The documents of `tests/fixtures/corpus/make.py`, which wrote the Arrow and Parquet fixtures
+/// with pyarrow as Hugging Face `datasets` writes them (stream-format `.arrow`, dictionary-encoded
+/// snappy Parquet).
+const DOCS: [&str; 6] = [
+    "The first document.\nIt has two lines.",
+    "Zweites Dokument: café, naïve, 日本語, 🦀.",
+    "  leading spaces and trailing  ",
+    "",
+    "{\"json\": \"inside\"}\ttabs\tand \\ backslashes",
+    "last",
+];
+
+fn jsonl_of(docs: &[&str], field: &str) -> String {
+    docs.iter().enumerate().map(|(i, d)| format!("{}\n", serde_json::json!({"id": i, field: d}))).collect()
+}
+
+/// A Parquet file written by the parquet crate: an id column, then the text (optional when some
+/// cells are `None`).
+fn write_parquet(path: &Path, docs: &[Option<&str>]) {
+    use parquet::data_type::{ByteArray, ByteArrayType, Int64Type};
+    use parquet::file::{properties::WriterProperties, writer::SerializedFileWriter};
+    let nullable = docs.iter().any(Option::is_none);
+    let schema = format!(
+        "message m {{ required int64 id; {} binary text (UTF8); }}",
+        if nullable { "optional" } else { "required" }
+    );
+    let schema = std::sync::Arc::new(parquet::schema::parser::parse_message_type(&schema).unwrap());
+    let props = std::sync::Arc::new(WriterProperties::builder().build());
+    let mut w = SerializedFileWriter::new(std::fs::File::create(path).unwrap(), schema, props).unwrap();
+    let mut group = w.next_row_group().unwrap();
+    let ids: Vec<i64> = (0..docs.len() as i64).collect();
+    let mut id = group.next_column().unwrap().unwrap();
+    id.typed::<Int64Type>().write_batch(&ids, None, None).unwrap();
+    id.close().unwrap();
+    let mut text = group.next_column().unwrap().unwrap();
+    let values: Vec<ByteArray> = docs.iter().flatten().map(|d| ByteArray::from(*d)).collect();
+    let defs: Vec<i16> = docs.iter().map(|d| d.is_some() as i16).collect();
+    text.typed::<ByteArrayType>().write_batch(&values, nullable.then_some(&defs[..]), None).unwrap();
+    text.close().unwrap();
+    group.close().unwrap();
+    w.close().unwrap();
+}
+
+fn shard_tokens(out: &Path) -> Vec<u32> {
+    let shards = Shards::open(out).unwrap();
+    let mut got = vec![0; shards.len()];
+    shards.read(0, &mut got);
+    got
+}
+
+/// Issue 25: the same documents as JSON lines, gzip (`.json.gz`, C4's form), zstd (`.jsonl.zst`,
+/// the Pile's), bzip2, Parquet (the parquet crate's and pyarrow's) and Arrow IPC (Hugging Face's
+/// stream cache files, an IPC file with a `large_string` column named by `--text-field`) give the
+/// same shards; a directory of all of them gives the same shards on 1 thread and on 2.
+#[test]
+fn every_published_form_of_a_corpus_gives_the_same_shards() {
+    use std::io::Write;
+    let dir = scratch("prepare-forms");
+    let tok = fixture("tokenizers/bytelevel-bpe.json");
+    let corpus = dir.join("corpus");
+    std::fs::create_dir_all(&corpus).unwrap();
+    let jsonl = jsonl_of(&DOCS, "text");
+    std::fs::write(corpus.join("a.jsonl"), &jsonl).unwrap();
+    let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+    gz.write_all(jsonl.as_bytes()).unwrap();
+    std::fs::write(corpus.join("b.json.gz"), gz.finish().unwrap()).unwrap();
+    // Two zstd frames, as zstd -T and pzstd write them.
+    let half = jsonl.find("\n{").unwrap() + 1;
+    let mut zst =
+        ruzstd::encoding::compress_to_vec(&jsonl.as_bytes()[..half], ruzstd::encoding::CompressionLevel::Fastest);
+    zst.extend(ruzstd::encoding::compress_to_vec(
+        &jsonl.as_bytes()[half..],
+        ruzstd::encoding::CompressionLevel::Fastest,
+    ));
+    std::fs::write(corpus.join("c.jsonl.zst"), zst).unwrap();
+    let mut bz = bzip2::write::BzEncoder::new(Vec::new(), bzip2::Compression::fast());
+    bz.write_all(jsonl.as_bytes()).unwrap();
+    std::fs::write(corpus.join("d.jsonl.bz2"), bz.finish().unwrap()).unwrap();
+    write_parquet(&corpus.join("e.parquet"), &DOCS.map(Some));
+    std::fs::copy(fixture("corpus/docs.parquet"), corpus.join("f.parquet")).unwrap();
+    std::fs::copy(fixture("corpus/docs.arrow"), corpus.join("g.arrow")).unwrap();
+
+    let prepare = |input: &Path, out: &str, extra: &[&str]| {
+        let out = dir.join(out);
+        let mut args = vec!["data", "prepare", "--tokenizer", s(&tok), "--input", s(input), "--out", s(&out)];
+        args.extend_from_slice(extra);
+        ok(&args);
+        (shard_tokens(&out), report(&out))
+    };
+    let (want, r) = prepare(&corpus.join("a.jsonl"), "a", &[]);
+    assert_eq!(r.documents, 5, "the empty document is no document");
+    let t = engine::data::tokenizer::TextTokenizer::open(&tok).unwrap();
+    let reference: Vec<u32> =
+        DOCS.iter().filter(|d| !d.is_empty()).flat_map(|d| t.encode(d).unwrap().into_iter().chain([1])).collect();
+    assert_eq!(want, reference);
+    for name in ["b.json.gz", "c.jsonl.zst", "d.jsonl.bz2", "e.parquet", "f.parquet", "g.arrow"] {
+        let (got, r) = prepare(&corpus.join(name), name, &[]);
+        assert_eq!(got, want, "{name}");
+        assert_eq!(r.text_bytes, DOCS.iter().map(|d| d.len() as u64).sum::<u64>(), "{name}");
+    }
+    let (got, _) = prepare(&fixture("corpus/docs-file.arrow"), "file.arrow", &["--text-field", "content"]);
+    assert_eq!(got, want, "an IPC file with a large_string column");
+    std::fs::write(dir.join("content.jsonl"), jsonl_of(&DOCS, "content")).unwrap();
+    let (got, _) = prepare(&dir.join("content.jsonl"), "content", &["--text-field", "content"]);
+    assert_eq!(got, want, "--text-field in JSON lines");
+
+    let all = |threads: &str, out: &str| {
+        let out = dir.join(out);
+        let args =
+            ["--threads", threads, "data", "prepare", "--tokenizer", s(&tok), "--input", s(&corpus), "--out", s(&out)];
+        ok(&args);
+        shard_tokens(&out)
+    };
+    let one = all("1", "all-1");
+    assert_eq!(one, want.repeat(7), "seven files, in name order");
+    assert_eq!(all("2", "all-2"), one);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Issue 25: a damaged or unreadable corpus gets one line naming the file (and the line or row),
+/// exit code 2, and leaves no output directory.
+#[test]
+fn damaged_corpora_are_named_and_leave_nothing() {
+    use std::io::Write;
+    let dir = scratch("prepare-damaged-forms");
+    let tok = fixture("tokenizers/spm-unigram.model");
+    let jsonl: String =
+        (0..2000).map(|i| format!("{{\"text\": \"document {i} of the corpus, some words\"}}\n")).collect();
+    let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+    gz.write_all(jsonl.as_bytes()).unwrap();
+    let gz = gz.finish().unwrap();
+    let write = |name: &str, bytes: &[u8]| {
+        let p = dir.join(name);
+        std::fs::write(&p, bytes).unwrap();
+        p
+    };
+    let truncated = write("c4-train.json.gz", &gz[..gz.len() / 2]);
+    let mut zst = ruzstd::encoding::compress_to_vec(jsonl.as_bytes(), ruzstd::encoding::CompressionLevel::Fastest);
+    let mid = zst.len() / 2;
+    zst[mid..mid + 64].fill(0x55);
+    let garbage = write("00.jsonl.zst", &zst);
+    let parquet = dir.join("docs.parquet");
+    write_parquet(&parquet, &DOCS.map(Some));
+    let nulls = dir.join("nulls.parquet");
+    write_parquet(&nulls, &[Some("a"), None, Some("c")]);
+    let not_ipc = write("data-00000-of-00001.arrow", jsonl.as_bytes());
+    let arrow = fixture("corpus/docs.arrow");
+    let cases: Vec<(&Path, &str, String)> = vec![
+        (&truncated, "text", format!("{}: cannot decompress after line", s(&truncated))),
+        (&garbage, "text", format!("{}: cannot decompress after line", s(&garbage))),
+        (&parquet, "body", format!("{}: no column `body` (the columns: id, text)", s(&parquet))),
+        (&parquet, "id", format!("{}: column `id` holds INT64, not strings", s(&parquet))),
+        (&nulls, "text", format!("{}: row 2: the `text` cell is null", s(&nulls))),
+        (&arrow, "id", format!("{}: column `id` holds int, not strings", s(&arrow))),
+        (&arrow, "body", "no column `body` (the columns: id, meta, text)".into()),
+        (&not_ipc, "text", format!("{}: not an Arrow IPC stream", s(&not_ipc))),
+    ];
+    for (i, (input, field, expected)) in cases.iter().enumerate() {
+        let out = dir.join(format!("out-{i}"));
+        #[rustfmt::skip]
+        fails(&["data", "prepare", "--tokenizer", s(&tok), "--input", s(input), "--out", s(&out), "--text-field", field], expected);
+        assert!(!out.exists(), "{expected}: {} was left behind", out.display());
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Issue 28, item 4: a preparation holds `--out`'s lock for its life; a second one into the
+/// same directory is refused instead of deleting the first one's shards as leftovers. The lock
+/// file is never opened through a symbolic link.
+#[test]
+fn a_second_prepare_into_the_same_out_is_refused() {
+    let dir = scratch("prepare-lock");
+    let out = dir.join("shards");
+    std::fs::create_dir_all(&out).unwrap();
+    let held = engine::fsutil::DirLock::acquire(&out, "test", "").unwrap();
+    let e = fails(
+        &[
+            "data",
+            "prepare",
+            "--tokenizer",
+            s(&fixture("tokenizers/bytelevel-bpe.json")),
+            "--input",
+            s(&fixture("corpus/docs.arrow")),
+            "--out",
+            s(&out),
+        ],
+        &format!("--out {} is in use by process {}", s(&out), std::process::id()),
+    );
+    assert!(e.contains("engine data prepare"), "{e}");
+    drop(held);
+    assert!(prepare_shakespeare(&out, &[]).status.success());
+    let victim = dir.join("victim");
+    std::fs::write(&victim, "keep").unwrap();
+    let other = dir.join("other");
+    std::fs::create_dir_all(&other).unwrap();
+    std::os::unix::fs::symlink(&victim, other.join(".lock")).unwrap();
+    assert!(!prepare_shakespeare(&other, &[]).status.success(), "a symbolic link as the lock is refused");
+    assert_eq!(std::fs::read_to_string(&victim).unwrap(), "keep");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Issue 28, item 5: an `--out` inside an `--input` is refused, and the outputs of earlier
+/// preparations found inside an input directory (a `prepare.json` directory, stray shards) are
+/// not read as text.
+#[test]
+fn outputs_of_preparations_are_never_inputs() {
+    let dir = scratch("prepare-nested");
+    let tok = fixture("tokenizers/bytelevel-bpe.json");
+    let corpus = dir.join("c");
+    std::fs::create_dir_all(&corpus).unwrap();
+    std::fs::write(corpus.join("a.jsonl"), jsonl_of(&DOCS, "text")).unwrap();
+    let inside = corpus.join("shards");
+    #[rustfmt::skip]
+    fails(&["data", "prepare", "--tokenizer", s(&tok), "--input", s(&corpus), "--out", s(&inside)], "is inside --input");
+    assert!(!inside.exists());
+    let out = dir.join("out");
+    ok(&["data", "prepare", "--tokenizer", s(&tok), "--input", s(&corpus), "--out", s(&out)]);
+    let want = shard_tokens(&out);
+    // An earlier preparation moved into the corpus, and a stray shard.
+    std::fs::rename(&out, &inside).unwrap();
+    std::fs::copy(inside.join("shard-00000.tok"), corpus.join("stray.tok")).unwrap();
+    let again = dir.join("again");
+    ok(&["data", "prepare", "--tokenizer", s(&tok), "--input", s(&corpus), "--out", s(&again)]);
+    assert_eq!(shard_tokens(&again), want);
+    assert_eq!(report(&again).inputs.len(), 1);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Issue 28, item 6: a large document (a plain text file without separators) is tokenized in
+/// parts, so memory follows the part size and the thread count, not the document (a 4 MB one
+/// took 800 MB before); the parts are cut where tokens do not change.
+#[test]
+fn a_large_document_is_tokenized_in_bounded_memory() {
+    let dir = scratch("prepare-large");
+    let tok = fixture("tokenizers/bytelevel-bpe.json");
+    let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/data/shakespeare.txt")).unwrap();
+    let big = dir.join("big.txt");
+    std::fs::write(&big, text.repeat(32)).unwrap(); // 4 MB, one document
+    let out = dir.join("out");
+    let mut cmd = engine_cmd(&["data", "prepare", "--tokenizer", s(&tok), "--input", s(&big), "--out", s(&out)]);
+    let child = cmd.env("ENGINE_THREADS", "2").stdout(std::process::Stdio::null()).spawn().unwrap();
+    let (mut status, mut usage) = (0, unsafe { std::mem::zeroed::<libc::rusage>() });
+    // SAFETY: waiting for our own child, with pointers to locals.
+    assert_eq!(unsafe { libc::wait4(child.id() as i32, &mut status, 0, &mut usage) }, child.id() as i32);
+    assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0);
+    let peak_mb = usage.ru_maxrss / 1024;
+    assert!(peak_mb < 400, "a 4 MB document took {peak_mb} MB");
+    assert_eq!(report(&out).documents, 1);
+    // Where a tokenizer's seams are checked to keep tokens, parts give the whole's tokens: on a
+    // text cut into 4 KB parts. The byte-level BPE is one of them.
+    let sample = &text[..64 << 10];
+    for name in ["bytelevel-bpe.json", "spm-unigram.model", "spm-bpe.model", "spm-bpe-nfkc.model"] {
+        let t = engine::data::tokenizer::TextTokenizer::open(&fixture(&format!("tokenizers/{name}"))).unwrap();
+        let splits = engine::data::prepare::seams_keep_tokens(&t).unwrap();
+        assert!(splits || name != "bytelevel-bpe.json");
+        if !splits {
+            continue;
+        }
+        let (mut parts, mut rest) = (Vec::new(), sample);
+        while rest.len() > 4096 {
+            let cut = engine::data::readers::seam(rest, 4096);
+            parts.extend(t.encode(&rest[..cut]).unwrap());
+            rest = &rest[cut..];
+        }
+        parts.extend(t.encode(rest).unwrap());
+        assert_eq!(parts, t.encode(sample).unwrap(), "{name}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}

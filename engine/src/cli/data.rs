@@ -9,7 +9,7 @@ use engine::data::prepare::{PrepareOptions, prepare};
 
 #[derive(Subcommand)]
 pub enum DataCommand {
-    /// Tokenize text and JSONL files into token shards (docs/data.md).
+    /// Tokenize text, JSON lines, Parquet and Arrow files into token shards (docs/data.md).
     Prepare(PrepareArgs),
 }
 
@@ -19,7 +19,8 @@ pub struct PrepareArgs {
     #[arg(long, value_name = "FILE")]
     tokenizer: PathBuf,
     /// Input files or directories (repeatable; directories are read recursively in name order).
-    /// `.jsonl` files hold one JSON object with a `text` field per line; other files are text.
+    /// `.jsonl` and `.json` files hold one JSON object per line, `.parquet` and `.arrow` files a
+    /// column of strings; other files are text. `.gz`, `.zst` and `.bz2` are decompressed.
     #[arg(long = "input", value_name = "PATH", required = true, num_args = 1..)]
     inputs: Vec<PathBuf>,
     /// Directory for the shards and prepare.json (created).
@@ -32,6 +33,9 @@ pub struct PrepareArgs {
     /// LINE may start with `-` (`--separator ---`).
     #[arg(long, value_name = "LINE", allow_hyphen_values = true)]
     separator: Option<String>,
+    /// The JSON field, or Parquet or Arrow column, holding each document's text.
+    #[arg(long, value_name = "NAME", default_value = "text")]
+    text_field: String,
     /// Start a new shard once the current one holds this many tokens.
     #[arg(long, value_name = "N", default_value_t = 1 << 28)]
     shard_tokens: u64,
@@ -55,13 +59,14 @@ pub fn run(cmd: DataCommand) -> Result<()> {
         out: args.out.clone(),
         eos: args.eos,
         separator: args.separator,
+        text_field: args.text_field,
         shard_tokens: args.shard_tokens,
         max_vocab,
         progress: std::io::stderr().is_terminal(),
     };
     let r = prepare(&opts)?;
     println!(
-        "prepared {} documents, {} tokens in {} shard(s) of {}-bit tokens (vocabulary {}, end of sequence {:?} = {}) from {:.1} MB in {:.2} s: {:.0} tokens/s, {:.1} MB/s -> {}",
+        "prepared {} documents, {} tokens in {} shard(s) of {}-bit tokens (vocabulary {}, end of sequence {:?} = {}) from {:.1} MB ({:.1} MB of text) in {:.2} s: {:.0} tokens/s, {:.0} documents/s, {:.1} MB/s -> {}",
         r.documents,
         r.tokens,
         r.shards.len(),
@@ -70,8 +75,10 @@ pub fn run(cmd: DataCommand) -> Result<()> {
         r.eos_token,
         r.eos_id,
         r.input_bytes as f64 / 1e6,
+        r.text_bytes as f64 / 1e6,
         r.seconds,
         r.tokens as f64 / r.seconds,
+        r.documents as f64 / r.seconds,
         r.input_bytes as f64 / 1e6 / r.seconds,
         args.out.display()
     );

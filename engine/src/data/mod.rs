@@ -10,7 +10,9 @@
 //! ([`shard`]) that `engine data prepare` ([`prepare`]) writes with a real tokenizer
 //! ([`tokenizer`], [`sentencepiece`]).
 
+pub mod arrow_ipc;
 pub mod prepare;
+pub mod readers;
 pub mod sentencepiece;
 pub mod shard;
 pub mod tokenizer;

@@ -1,15 +1,28 @@
-//! `engine data prepare`: text and JSONL files → token shards.
+//! `engine data prepare`: corpora as they are published → token shards.
 //!
-//! Inputs are read in the order given (a directory: its files, recursively, in name order).
-//! A `.jsonl` file holds one JSON object per line whose `text` field is a document (blank lines
-//! are skipped); any other file is plain text: one document, or, with a separator line, the
-//! documents between separator lines. Every document is tokenized without special tokens and
-//! closed by the end-of-sequence token. Documents are tokenized in parallel (rayon) in batches
-//! and written in input order, so the shards do not depend on the number of threads.
+//! Inputs are read in the order given (a directory: its files, recursively, in name order,
+//! skipping the outputs of earlier preparations). [`readers`] reads each file's documents:
+//! JSON lines (`.jsonl`, `.json`), Parquet and Arrow columns, plain text, through gzip, zstd or
+//! bzip2 by name. Every document is tokenized without special tokens and closed by the
+//! end-of-sequence token.
+//!
+//! Work is a pipeline. Reader threads take the files in order, each file's documents going, in
+//! batches of about [`BATCH_BYTES`], through a channel of its own that holds at most two
+//! batches; the main thread takes the files' channels in input order, tokenizes each batch in
+//! parallel (rayon) and writes it. So files are read and decompressed in parallel with each other
+//! and with tokenization, the shards do not depend on the number of threads, and memory holds a
+//! few batches whatever the corpus's size. A long document comes in parts cut where its tokens do
+//! not change ([`readers::seam`]), so no tokenizer call sees more than about
+//! [`readers::PART_BYTES`] of text: the tokenizers crate takes about 200 times its input in
+//! memory while it works, which made one 90 MB document take 15 GB.
+//!
+//! The output directory is locked (`DIR/.lock`, as run directories are) for the preparation's
+//! life: a second preparation into it is refused instead of taking the first one's shards for an
+//! interrupted preparation's leftovers.
 
-use std::fs::File;
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
 use std::time::Instant;
 
 use crate::digest::sha256_file;
@@ -17,12 +30,16 @@ use anyhow::{Context, Result, anyhow, bail};
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
+use super::readers::{self, Part, ReadOptions};
 use super::shard::{self, ShardWriter};
 use super::tokenizer::TextTokenizer;
-use crate::fsutil::write_atomic;
+use crate::fsutil::{DirLock, write_atomic};
 
 /// Text gathered before a batch is tokenized in parallel.
 const BATCH_BYTES: usize = 8 << 20;
+
+/// Files read at once, at most.
+const READERS: usize = 4;
 
 /// What to prepare.
 #[derive(Debug, Clone)]
@@ -37,6 +54,8 @@ pub struct PrepareOptions {
     pub eos: Option<String>,
     /// In plain-text files, a line equal to this separates documents.
     pub separator: Option<String>,
+    /// The JSON field, or Parquet or Arrow column, that holds the text (`text`).
+    pub text_field: String,
     /// A new shard is started once the current one holds this many tokens.
     pub shard_tokens: u64,
     /// The recipe's `model.vocab_size` and the recipe's name: the tokenizer must fit in it.
@@ -64,8 +83,11 @@ pub struct PrepareReport {
     pub documents: u64,
     /// Tokens written (end-of-sequence tokens included).
     pub tokens: u64,
-    /// Bytes of input read.
+    /// Bytes of input read (as stored: compressed files count their compressed size).
     pub input_bytes: u64,
+    /// Bytes of text tokenized (decompressed).
+    #[serde(default)]
+    pub text_bytes: u64,
     /// The input files, in the order read.
     pub inputs: Vec<String>,
     /// The shard files (names in the output directory), in order.
@@ -93,22 +115,42 @@ pub fn prepare(opts: &PrepareOptions) -> Result<PrepareReport> {
     if opts.shard_tokens == 0 {
         bail!("--shard-tokens must be at least 1");
     }
+    check_out_outside_inputs(&opts.out, &opts.inputs)?;
     let files = input_files(&opts.inputs)?;
     let created = !opts.out.exists();
-    check_out_dir(&opts.out)?;
+    std::fs::create_dir_all(&opts.out).with_context(|| format!("cannot create {}", opts.out.display()))?;
+    let lock = DirLock::acquire(
+        &opts.out,
+        "--out",
+        "wait for its `engine data prepare` to finish, or choose another directory",
+    );
+    let lock = match lock {
+        Ok(lock) => lock,
+        Err(e) => {
+            if created {
+                let _ = std::fs::remove_dir(&opts.out);
+            }
+            return Err(e);
+        }
+    };
 
     let mut written: Vec<PathBuf> = Vec::new();
-    let result = run(opts, &tokenizer, eos, &files, &mut written);
+    let result = check_out_dir(&opts.out).and_then(|()| run(opts, &tokenizer, eos, &files, &mut written));
     if result.is_err() {
         for path in &written {
             let _ = std::fs::remove_file(path);
         }
         if created {
+            let _ = std::fs::remove_file(opts.out.join(".lock"));
             let _ = std::fs::remove_dir(&opts.out);
         }
     }
+    drop(lock);
     result
 }
+
+/// One file's batches of document parts, or the error that ended its reading.
+type Batch = Result<Vec<Part>>;
 
 fn run(
     opts: &PrepareOptions,
@@ -129,41 +171,112 @@ fn run(
         );
         bar
     });
+    let read_opts = ReadOptions {
+        separator: opts.separator.clone(),
+        text_field: opts.text_field.clone(),
+        part_bytes: seams_keep_tokens(tokenizer)?.then_some(readers::PART_BYTES),
+    };
+    let progress = |n: u64| {
+        if let Some(bar) = &bar {
+            bar.inc(n);
+        }
+    };
 
     let mut shards =
         Shards { out: opts.out.clone(), vocab: tokenizer.vocab_size, eos, current: None, names: Vec::new() };
-    let (mut documents, mut tokens) = (0u64, 0u64);
-    for file in files {
-        let mut flush = |batch: Vec<String>| -> Result<()> {
-            let encoded: Vec<Vec<u32>> = batch
-                .par_iter()
-                .map(|doc| {
-                    let mut ids = tokenizer.encode(doc)?;
-                    ids.push(eos);
-                    Ok(ids)
-                })
-                .collect::<Result<_>>()
-                .with_context(|| file.display().to_string())?;
-            for ids in &encoded {
-                let w = shards.writer(written)?;
-                w.push_document(ids)?;
-                documents += 1;
-                tokens += ids.len() as u64;
-                if w.tokens() >= opts.shard_tokens {
-                    shards.close()?;
+    let (mut documents, mut tokens, mut text_bytes) = (0u64, 0u64, 0u64);
+    // The tokens of a document whose parts are still coming, and whether it has any text (a
+    // document of whitespace alone may have no tokens, yet is a document).
+    let (mut pending, mut has_text): (Vec<u32>, bool) = (Vec::new(), false);
+    let (senders, receivers): (Vec<SyncSender<Batch>>, Vec<Receiver<Batch>>) =
+        files.iter().map(|_| sync_channel::<Batch>(2)).unzip();
+    let senders: Vec<std::sync::Mutex<Option<SyncSender<Batch>>>> =
+        senders.into_iter().map(|s| std::sync::Mutex::new(Some(s))).collect();
+    let next_file = AtomicU64::new(0);
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let readers = READERS.min(files.len()).min(rayon::current_num_threads().max(1)).max(1);
+    std::thread::scope(|scope| -> Result<()> {
+        for _ in 0..readers {
+            scope.spawn(|| {
+                loop {
+                    let i = next_file.fetch_add(1, Ordering::Relaxed) as usize;
+                    if i >= files.len() || stop.load(Ordering::Relaxed) {
+                        return;
+                    }
+                    let Some(tx) = senders[i].lock().expect("not poisoned").take() else { return };
+                    let (mut batch, mut bytes) = (Vec::new(), 0usize);
+                    let result = readers::read_file(&files[i], &read_opts, &progress, &mut |part| {
+                        bytes += part.text.len();
+                        batch.push(part);
+                        if bytes >= BATCH_BYTES {
+                            bytes = 0;
+                            tx.send(Ok(std::mem::take(&mut batch))).map_err(|_| anyhow!("stopped"))?;
+                        }
+                        Ok(())
+                    });
+                    let last = match result {
+                        Ok(()) => Ok(batch),
+                        Err(e) => Err(e),
+                    };
+                    if tx.send(last).is_err() {
+                        return; // the writer stopped: an error elsewhere
+                    }
+                }
+            });
+        }
+        let started = Instant::now();
+        let result = (|| -> Result<()> {
+            for (file, rx) in files.iter().zip(&receivers) {
+                loop {
+                    // A file's channel closes after its last batch.
+                    let Ok(batch) = rx.recv() else { break };
+                    let batch = batch?;
+                    let encoded: Vec<Vec<u32>> = batch
+                        .par_iter()
+                        .map(|part| tokenizer.encode(&part.text))
+                        .collect::<Result<_>>()
+                        .with_context(|| file.display().to_string())?;
+                    for (part, ids) in batch.iter().zip(encoded) {
+                        text_bytes += part.text.len() as u64;
+                        has_text |= !part.text.is_empty();
+                        if pending.is_empty() {
+                            pending = ids;
+                        } else {
+                            pending.extend(ids);
+                        }
+                        if !part.last {
+                            continue;
+                        }
+                        if !std::mem::take(&mut has_text) {
+                            continue; // an empty document is no document
+                        }
+                        pending.push(eos);
+                        let w = shards.writer(written)?;
+                        w.push_document(&pending)?;
+                        documents += 1;
+                        tokens += pending.len() as u64;
+                        pending.clear();
+                        if w.tokens() >= opts.shard_tokens {
+                            shards.close()?;
+                        }
+                    }
+                    if let Some(bar) = &bar {
+                        let s = started.elapsed().as_secs_f64().max(1e-9);
+                        bar.set_message(format!(
+                            "{documents} documents ({:.0}/s), {tokens} tokens ({:.0}/s)",
+                            documents as f64 / s,
+                            tokens as f64 / s
+                        ));
+                    }
                 }
             }
-            if let Some(bar) = &bar {
-                bar.set_message(format!("{documents} documents, {tokens} tokens"));
-            }
             Ok(())
-        };
-        read_documents(file, opts.separator.as_deref(), &mut flush, &mut |n| {
-            if let Some(bar) = &bar {
-                bar.inc(n);
-            }
-        })?;
-    }
+        })();
+        // Stop the readers (after an error: their channels close) before leaving the scope.
+        stop.store(true, Ordering::Relaxed);
+        drop(receivers);
+        result
+    })?;
     shards.close()?;
     if let Some(bar) = bar {
         bar.finish_and_clear();
@@ -181,6 +294,7 @@ fn run(
         documents,
         tokens,
         input_bytes: total_bytes,
+        text_bytes,
         inputs: files.iter().map(|f| f.display().to_string()).collect(),
         shards: shards.names,
         seconds: start.elapsed().as_secs_f64(),
@@ -189,6 +303,27 @@ fn run(
     write_atomic(&manifest, serde_json::to_string_pretty(&report)?.as_bytes())?;
     written.push(manifest);
     Ok(report)
+}
+
+/// Whether cutting a document at [`readers::seam`]s keeps its tokens with this tokenizer,
+/// tried on a probe text at every seam: true for tokenizers that split words at whitespace before
+/// anything else (byte-level BPE); false for SentencePiece models (a piece starts with its
+/// dummy prefix, and whole texts are cut by the Viterbi search's score resets) and tokenizer.json
+/// files that normalize the whole text first (Llama 2's), whose documents are tokenized whole.
+pub fn seams_keep_tokens(tokenizer: &TextTokenizer) -> Result<bool> {
+    if tokenizer.kind == "sentencepiece" {
+        return Ok(false); // its Viterbi search spans the whole text: a probe cannot show it safe
+    }
+    const PROBE: &str = "Hello, world.\nIt's 2024 now; fine\tok: x-y (z) \"q\" \u{e9}t\u{e9} 42.5%\nend.\nMIXED case\n\n  two  spaces\nlast";
+    let whole = tokenizer.encode(PROBE)?;
+    for at in (1..PROBE.len()).filter(|&i| readers::is_seam(PROBE, i)) {
+        let mut parts = tokenizer.encode(&PROBE[..at])?;
+        parts.extend(tokenizer.encode(&PROBE[at..])?);
+        if parts != whole {
+            return Ok(false);
+        }
+    }
+    Ok(true)
 }
 
 /// The shard being written and those finished.
@@ -220,7 +355,9 @@ impl Shards {
     }
 }
 
-/// The files the inputs name: files as given, directories walked recursively in name order.
+/// The files the inputs name: files as given, directories walked recursively in name order,
+/// without hidden files and without what preparations write (a directory holding a
+/// `prepare.json` is skipped whole, and `*.tok` shards anywhere).
 pub fn input_files(inputs: &[PathBuf]) -> Result<Vec<PathBuf>> {
     fn walk(dir: &Path, out: &mut Vec<PathBuf>) -> Result<()> {
         let mut entries: Vec<PathBuf> = std::fs::read_dir(dir)
@@ -229,9 +366,14 @@ pub fn input_files(inputs: &[PathBuf]) -> Result<Vec<PathBuf>> {
             .collect::<std::io::Result<_>>()?;
         entries.sort();
         for e in entries {
+            if e.file_name().is_none_or(|n| n.to_string_lossy().starts_with('.')) {
+                continue;
+            }
             if e.is_dir() {
-                walk(&e, out)?;
-            } else if e.file_name().is_some_and(|n| !n.to_string_lossy().starts_with('.')) {
+                if !e.join(shard::MANIFEST).exists() {
+                    walk(&e, out)?;
+                }
+            } else if e.extension().is_none_or(|x| x != shard::EXTENSION) {
                 out.push(e);
             }
         }
@@ -253,6 +395,37 @@ pub fn input_files(inputs: &[PathBuf]) -> Result<Vec<PathBuf>> {
         bail!("the inputs hold no files");
     }
     Ok(files)
+}
+
+/// Refuses an output directory inside (or equal to) an input directory: its shards would be
+/// read as text by the next preparation of that input.
+fn check_out_outside_inputs(out: &Path, inputs: &[PathBuf]) -> Result<()> {
+    // The output may not exist yet: resolve its nearest existing ancestor.
+    let absolute = std::path::absolute(out).with_context(|| format!("--out {}", out.display()))?;
+    let mut existing = absolute.as_path();
+    let mut rest = Vec::new();
+    while !existing.exists() {
+        match (existing.parent(), existing.file_name()) {
+            (Some(parent), Some(name)) => {
+                rest.push(name.to_owned());
+                existing = parent;
+            }
+            _ => break,
+        }
+    }
+    let mut resolved = existing.canonicalize().unwrap_or_else(|_| existing.to_path_buf());
+    resolved.extend(rest.iter().rev());
+    for input in inputs {
+        let Ok(dir) = input.canonicalize() else { continue };
+        if dir.is_dir() && resolved.starts_with(&dir) {
+            bail!(
+                "--out {} is inside --input {}: a later preparation of it would read these shards as text; choose an --out outside it",
+                out.display(),
+                input.display()
+            );
+        }
+    }
+    Ok(())
 }
 
 /// An output directory must hold no complete preparation. What an interrupted one left (shards
@@ -289,67 +462,4 @@ fn check_out_dir(out: &Path) -> Result<()> {
         }
     }
     std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))
-}
-
-/// Reads one input file's documents, handing them to `flush` in batches of about
-/// [`BATCH_BYTES`], and the bytes read to `progress`. Errors name the file and line.
-fn read_documents(
-    path: &Path,
-    separator: Option<&str>,
-    flush: &mut dyn FnMut(Vec<String>) -> Result<()>,
-    progress: &mut dyn FnMut(u64),
-) -> Result<()> {
-    #[derive(Deserialize)]
-    struct Record {
-        text: Option<String>,
-    }
-    let jsonl = path.extension().is_some_and(|e| e == "jsonl");
-    let file = File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
-    let mut reader = BufReader::with_capacity(1 << 20, file);
-    let (mut line, mut number) = (Vec::new(), 0usize);
-    let (mut batch, mut batch_bytes) = (Vec::new(), 0usize);
-    let mut doc = String::new();
-    let mut push = |doc: String, batch: &mut Vec<String>, batch_bytes: &mut usize| -> Result<()> {
-        if doc.is_empty() {
-            return Ok(());
-        }
-        *batch_bytes += doc.len();
-        batch.push(doc);
-        if *batch_bytes >= BATCH_BYTES {
-            *batch_bytes = 0;
-            flush(std::mem::take(batch))?;
-        }
-        Ok(())
-    };
-    loop {
-        line.clear();
-        let n = reader.read_until(b'\n', &mut line).with_context(|| format!("cannot read {}", path.display()))?;
-        if n == 0 {
-            break;
-        }
-        number += 1;
-        progress(n as u64);
-        let text = std::str::from_utf8(&line).map_err(|e| {
-            anyhow!("{}:{number}: not valid UTF-8 (at byte {} of the line)", path.display(), e.valid_up_to() + 1)
-        })?;
-        if jsonl {
-            if text.trim().is_empty() {
-                continue;
-            }
-            let record: Record = serde_json::from_str(text.trim_end_matches(['\n', '\r']))
-                .map_err(|e| anyhow!("{}:{number}: {e}", path.display()))?;
-            let text =
-                record.text.ok_or_else(|| anyhow!("{}:{number}: the object has no `text` field", path.display()))?;
-            push(text, &mut batch, &mut batch_bytes)?;
-        } else if separator.is_some_and(|s| text.trim_end_matches(['\n', '\r']) == s) {
-            push(std::mem::take(&mut doc), &mut batch, &mut batch_bytes)?;
-        } else {
-            doc.push_str(text);
-        }
-    }
-    push(doc, &mut batch, &mut batch_bytes)?;
-    if !batch.is_empty() {
-        flush(batch)?;
-    }
-    Ok(())
 }

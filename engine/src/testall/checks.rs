@@ -463,6 +463,7 @@ pub fn data_prepare(ctx: &mut Ctx) -> Result<Verdict> {
         out: out.clone(),
         eos: None,
         separator: None,
+        text_field: "text".into(),
         shard_tokens: 10_000,
         max_vocab: None,
         progress: false,

@@ -1,0 +1,432 @@
+//! The documents of one input file, streamed, whatever form the corpus is published in.
+//!
+//! The name says how to read a file: a compression suffix (`.gz`, `.zst`/`.zstd`, `.bz2`) is
+//! undone while reading, then `.jsonl` and `.json` are JSON lines (one object per line, the
+//! document in its `--text-field`), `.parquet` and `.arrow` are a column of strings, and any
+//! other file is plain text (one document, or documents between separator lines). Nothing is
+//! decompressed to disk or held whole: lines, Parquet pages and Arrow record batches are read one
+//! at a time, and a long document is handed on in parts of about [`PART_BYTES`] cut at seams that
+//! do not change its tokens ([`seam`]). Errors name the file and the line or row.
+
+use std::borrow::Cow;
+use std::fs::File;
+use std::io::{BufRead, BufReader, Read};
+use std::path::Path;
+
+use anyhow::{Context, Result, anyhow, bail};
+use serde::de::{DeserializeSeed, Deserializer, IgnoredAny, MapAccess, Visitor};
+
+use super::arrow_ipc;
+
+/// A long document is handed on in parts of about this many bytes.
+pub const PART_BYTES: usize = 64 << 10;
+
+/// How to read the inputs.
+#[derive(Debug, Clone)]
+pub struct ReadOptions {
+    /// In plain-text files, a line equal to this separates documents.
+    pub separator: Option<String>,
+    /// The field (JSON lines) or column (Parquet, Arrow) holding the text.
+    pub text_field: String,
+    /// Hand long documents on in parts of about this many bytes, cut at [`seam`]s; none: whole.
+    pub part_bytes: Option<usize>,
+}
+
+/// A document, or a part of one: the document ends with the part whose `last` is set.
+#[derive(Debug)]
+pub struct Part {
+    /// The text.
+    pub text: String,
+    /// Whether the document ends here.
+    pub last: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Compression {
+    None,
+    Gzip,
+    Zstd,
+    Bzip2,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Format {
+    Jsonl,
+    Parquet,
+    Arrow,
+    Text,
+}
+
+fn kind(path: &Path) -> (Compression, Format) {
+    let name = path.file_name().map(|n| n.to_string_lossy().to_lowercase()).unwrap_or_default();
+    let (compression, inner) = [(".gz", Compression::Gzip), (".zst", Compression::Zstd), (".zstd", Compression::Zstd)]
+        .into_iter()
+        .chain([(".bz2", Compression::Bzip2)])
+        .find_map(|(suffix, c)| name.strip_suffix(suffix).map(|inner| (c, inner.to_owned())))
+        .unwrap_or((Compression::None, name));
+    let format = match inner.rsplit_once('.').map(|(_, ext)| ext) {
+        Some("jsonl" | "json") => Format::Jsonl,
+        Some("parquet") => Format::Parquet,
+        Some("arrow") => Format::Arrow,
+        _ => Format::Text,
+    };
+    (compression, format)
+}
+
+/// Counts the bytes read from the file, for the progress bar.
+struct Counted<'a, R> {
+    inner: R,
+    progress: &'a (dyn Fn(u64) + Sync),
+}
+
+impl<R: Read> Read for Counted<'_, R> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        (self.progress)(n as u64);
+        Ok(n)
+    }
+}
+
+/// A zstd stream of one or more frames (`zstd` and `pzstd` write several).
+struct Zstd<R: BufRead> {
+    decoder: Option<ruzstd::decoding::StreamingDecoder<R, ruzstd::decoding::FrameDecoder>>,
+}
+
+impl<R: BufRead> Zstd<R> {
+    fn new(source: R) -> std::io::Result<Self> {
+        let decoder = ruzstd::decoding::StreamingDecoder::new(source).map_err(std::io::Error::other)?;
+        Ok(Zstd { decoder: Some(decoder) })
+    }
+}
+
+impl<R: BufRead> Read for Zstd<R> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        loop {
+            let Some(decoder) = self.decoder.as_mut() else { return Ok(0) };
+            let n = decoder.read(buf)?;
+            if n > 0 || buf.is_empty() {
+                return Ok(n);
+            }
+            // The frame is over: another one, or the end.
+            let (mut source, frames) = self.decoder.take().expect("present").into_parts();
+            if source.fill_buf()?.is_empty() {
+                return Ok(0);
+            }
+            self.decoder = Some(
+                ruzstd::decoding::StreamingDecoder::new_with_decoder(source, frames).map_err(std::io::Error::other)?,
+            );
+        }
+    }
+}
+
+/// Reads one input file's documents, handing them to `emit` (long ones in parts), and the bytes
+/// read from the file to `progress`. Errors name the file and the line or row.
+pub fn read_file(
+    path: &Path,
+    opts: &ReadOptions,
+    progress: &(dyn Fn(u64) + Sync),
+    emit: &mut dyn FnMut(Part) -> Result<()>,
+) -> Result<()> {
+    let (compression, format) = kind(path);
+    let file = File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
+    if format == Format::Parquet {
+        if compression != Compression::None {
+            bail!("{}: a compressed Parquet file cannot be read as a stream; decompress it first", path.display());
+        }
+        return read_parquet(path, file, opts, progress, emit);
+    }
+    let counted = BufReader::with_capacity(1 << 20, Counted { inner: file, progress });
+    let open_error = |e: std::io::Error| anyhow!("{}: not {} data: {e}", path.display(), name(compression));
+    let mut reader: Box<dyn BufRead> = match compression {
+        Compression::None => Box::new(counted),
+        Compression::Gzip => Box::new(BufReader::with_capacity(1 << 20, flate2::bufread::MultiGzDecoder::new(counted))),
+        Compression::Zstd => Box::new(BufReader::with_capacity(1 << 20, Zstd::new(counted).map_err(open_error)?)),
+        Compression::Bzip2 => Box::new(BufReader::with_capacity(1 << 20, bzip2::bufread::MultiBzDecoder::new(counted))),
+    };
+    match format {
+        Format::Arrow => {
+            arrow_ipc::read_column(&mut reader, &opts.text_field, &mut |_, text| split_long(text, true, opts, emit))
+                .map_err(|e| anyhow!("{}: {e:#}", path.display()))
+        }
+        Format::Jsonl => read_lines(path, compression, &mut *reader, &mut |number, line| {
+            if line.trim().is_empty() {
+                return Ok(());
+            }
+            let text = text_of(line.trim_end_matches(['\n', '\r']), &opts.text_field)
+                .map_err(|e| anyhow!("{}:{number}: {e}", path.display()))?;
+            split_long(&text, true, opts, emit)
+        }),
+        Format::Text => {
+            let mut doc = String::new();
+            read_lines(path, compression, &mut *reader, &mut |_, line| {
+                if opts.separator.as_deref().is_some_and(|s| line.trim_end_matches(['\n', '\r']) == s) {
+                    if !doc.is_empty() {
+                        split_long(&std::mem::take(&mut doc), true, opts, emit)?;
+                    }
+                } else {
+                    doc.push_str(line);
+                    if opts.part_bytes.is_some_and(|part| doc.len() >= 2 * part) {
+                        // Hand on what is before the last seam; the rest waits for more lines.
+                        let cut = seam(&doc, doc.len() - 1);
+                        if cut > 0 {
+                            let rest = doc.split_off(cut);
+                            split_long(&std::mem::replace(&mut doc, rest), false, opts, emit)?;
+                        }
+                    }
+                }
+                Ok(())
+            })?;
+            if !doc.is_empty() {
+                split_long(&doc, true, opts, emit)?;
+            }
+            Ok(())
+        }
+        Format::Parquet => unreachable!("read above"),
+    }
+}
+
+fn name(c: Compression) -> &'static str {
+    match c {
+        Compression::None => "plain",
+        Compression::Gzip => "gzip",
+        Compression::Zstd => "zstd",
+        Compression::Bzip2 => "bzip2",
+    }
+}
+
+/// Calls `line` with each line's 1-based number and text (newline included), checking UTF-8.
+fn read_lines(
+    path: &Path,
+    compression: Compression,
+    reader: &mut dyn BufRead,
+    line: &mut dyn FnMut(usize, &str) -> Result<()>,
+) -> Result<()> {
+    let (mut buf, mut number) = (Vec::new(), 0usize);
+    loop {
+        buf.clear();
+        let n = reader.read_until(b'\n', &mut buf).map_err(|e| match compression {
+            Compression::None => anyhow!("{}:{}: cannot read: {e}", path.display(), number + 1),
+            // Decompression runs ahead of the lines: the damage is somewhere after this one.
+            c => anyhow!(
+                "{}: cannot decompress after line {number} ({} data damaged or truncated?): {e}",
+                path.display(),
+                name(c)
+            ),
+        })?;
+        if n == 0 {
+            return Ok(());
+        }
+        number += 1;
+        let text = std::str::from_utf8(&buf).map_err(|e| {
+            anyhow!("{}:{number}: not valid UTF-8 (at byte {} of the line)", path.display(), e.valid_up_to() + 1)
+        })?;
+        line(number, text)?;
+    }
+}
+
+/// The string in `field` of a JSON object, the other fields skipped unparsed into values.
+fn text_of(line: &str, field: &str) -> Result<String> {
+    struct Object<'f>(&'f str);
+    struct Key<'f>(&'f str);
+    impl<'de> DeserializeSeed<'de> for Key<'_> {
+        type Value = bool;
+        fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<bool, D::Error> {
+            d.deserialize_str(self)
+        }
+    }
+    impl<'de> Visitor<'de> for Key<'_> {
+        type Value = bool;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("a key")
+        }
+        fn visit_str<E>(self, v: &str) -> Result<bool, E> {
+            Ok(v == self.0)
+        }
+    }
+    impl<'de> DeserializeSeed<'de> for Object<'_> {
+        type Value = Option<Option<String>>;
+        fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+            d.deserialize_map(self)
+        }
+    }
+    impl<'de> Visitor<'de> for Object<'_> {
+        type Value = Option<Option<String>>;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("a JSON object")
+        }
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+            let mut found = None;
+            while let Some(ours) = map.next_key_seed(Key(self.0))? {
+                if ours && found.is_none() {
+                    found = Some(map.next_value::<Option<Cow<'de, str>>>()?.map(Cow::into_owned));
+                } else {
+                    map.next_value::<IgnoredAny>()?;
+                }
+            }
+            Ok(found)
+        }
+    }
+    let mut de = serde_json::Deserializer::from_str(line);
+    let text = Object(field).deserialize(&mut de)?;
+    de.end()?;
+    text.flatten().ok_or_else(|| anyhow!("the object has no `{field}` field"))
+}
+
+/// Streams column `field` of a Parquet file, one page of values at a time.
+fn read_parquet(
+    path: &Path,
+    file: File,
+    opts: &ReadOptions,
+    progress: &(dyn Fn(u64) + Sync),
+    emit: &mut dyn FnMut(Part) -> Result<()>,
+) -> Result<()> {
+    use parquet::basic::{ConvertedType, LogicalType, Type as Physical};
+    use parquet::column::reader::ColumnReader;
+    use parquet::file::reader::{FileReader, SerializedFileReader};
+
+    let field = opts.text_field.as_str();
+    let at = |e: &dyn std::fmt::Display| anyhow!("{}: {e}", path.display());
+    let reader = SerializedFileReader::new(file).map_err(|e| at(&format_args!("not a Parquet file: {e}")))?;
+    let meta = reader.metadata();
+    let schema = meta.file_metadata().schema_descr();
+    let index = (0..schema.num_columns()).find(|&i| schema.column(i).path().parts() == [field]);
+    let Some(index) = index else {
+        let names: Vec<String> = schema.root_schema().get_fields().iter().map(|f| f.name().to_owned()).collect();
+        return Err(at(&format_args!("no column `{field}` (the columns: {})", names.join(", "))));
+    };
+    let column = schema.column(index);
+    let stringy = matches!(column.logical_type_ref(), None | Some(LogicalType::String))
+        && matches!(column.converted_type(), ConvertedType::NONE | ConvertedType::UTF8);
+    if column.physical_type() != Physical::BYTE_ARRAY || !stringy {
+        let what = column.logical_type_ref().map_or_else(|| column.physical_type().to_string(), |t| format!("{t:?}"));
+        return Err(at(&format_args!("column `{field}` holds {what}, not strings")));
+    }
+    let max_def = column.max_def_level();
+    let mut row = 0u64;
+    for g in 0..reader.num_row_groups() {
+        let group = reader.get_row_group(g).map_err(|e| at(&e))?;
+        let ColumnReader::ByteArrayColumnReader(mut values_reader) =
+            group.get_column_reader(index).map_err(|e| at(&e))?
+        else {
+            unreachable!("a BYTE_ARRAY column");
+        };
+        let (mut defs, mut values) = (Vec::new(), Vec::new());
+        loop {
+            defs.clear();
+            values.clear();
+            let (records, _, _) = values_reader
+                .read_records(1024, Some(&mut defs), None, &mut values)
+                .map_err(|e| at(&format_args!("row {}: {e}", row + 1)))?;
+            if records == 0 {
+                break;
+            }
+            let mut values = values.iter();
+            for r in 0..records {
+                row += 1;
+                if max_def > 0 && defs.get(r).is_some_and(|&d| d < max_def) {
+                    return Err(at(&format_args!("row {row}: the `{field}` cell is null")));
+                }
+                let v = values.next().ok_or_else(|| at(&format_args!("row {row}: a value is missing")))?;
+                let text =
+                    std::str::from_utf8(v.data()).map_err(|_| at(&format_args!("row {row}: not valid UTF-8")))?;
+                split_long(text, true, opts, emit)?;
+            }
+        }
+        progress(meta.row_group(g).compressed_size().max(0) as u64);
+    }
+    Ok(())
+}
+
+/// Hands on a document (or a part of one, `last` false), in parts of at most about
+/// `part_bytes` cut at seams when the options ask for parts.
+fn split_long(text: &str, last: bool, opts: &ReadOptions, emit: &mut dyn FnMut(Part) -> Result<()>) -> Result<()> {
+    let mut rest = text;
+    if let Some(part) = opts.part_bytes {
+        while rest.len() > part {
+            let cut = seam(rest, part);
+            emit(Part { text: rest[..cut].to_owned(), last: false })?;
+            rest = &rest[cut..];
+        }
+    }
+    if !rest.is_empty() || last {
+        emit(Part { text: rest.to_owned(), last })?;
+    }
+    Ok(())
+}
+
+/// Where to cut `text` at or before byte `max` (and after `max / 2` where it can) so that the
+/// two sides tokenize as the whole does, for tokenizers that split text into words at whitespace
+/// first (byte-level BPE: GPT-2, Llama 3, Qwen...): after a single newline between two
+/// characters that are not whitespace, else before a single space between two such characters.
+/// A text with neither (one enormous word) is cut at a character boundary, and its tokens there
+/// may differ. Whether a tokenizer splits so is checked on a probe text before parts are used
+/// (`prepare::seams_keep_tokens`).
+pub fn seam(text: &str, max: usize) -> usize {
+    let b = text.as_bytes();
+    let max = max.min(b.len().saturating_sub(1));
+    let low = (max / 2).max(1);
+    if let Some(i) = (low..=max).rev().find(|&i| newline_seam(b, i)) {
+        return i;
+    }
+    if let Some(i) = (low..=max).rev().find(|&i| space_seam(b, i)) {
+        return i;
+    }
+    let mut cut = max.max(1).min(b.len());
+    while cut < b.len() && !text.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    cut
+}
+
+/// Whether cutting at `i` is a seam: after a single newline, or before a single space, between
+/// two characters that are not whitespace.
+pub fn is_seam(text: &str, i: usize) -> bool {
+    newline_seam(text.as_bytes(), i) || space_seam(text.as_bytes(), i)
+}
+
+fn newline_seam(b: &[u8], i: usize) -> bool {
+    i >= 2 && i < b.len() && b[i - 1] == b'\n' && !b[i - 2].is_ascii_whitespace() && !b[i].is_ascii_whitespace()
+}
+
+fn space_seam(b: &[u8], i: usize) -> bool {
+    i >= 1 && i + 1 < b.len() && b[i] == b' ' && !b[i - 1].is_ascii_whitespace() && !b[i + 1].is_ascii_whitespace()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_say_how_to_read() {
+        let k = |n: &str| kind(Path::new(n));
+        assert_eq!(k("c4-train.00000-of-01024.json.gz"), (Compression::Gzip, Format::Jsonl));
+        assert_eq!(k("00.jsonl.zst"), (Compression::Zstd, Format::Jsonl));
+        assert_eq!(k("a.txt.bz2"), (Compression::Bzip2, Format::Text));
+        assert_eq!(k("train-00000-of-00002.parquet"), (Compression::None, Format::Parquet));
+        assert_eq!(k("data-00000-of-00001.arrow"), (Compression::None, Format::Arrow));
+        assert_eq!(k("README"), (Compression::None, Format::Text));
+    }
+
+    #[test]
+    fn the_text_field_is_found_whatever_else_the_object_holds() {
+        let line = r#"{"url": "x", "meta": {"text": 1}, "content": "a\"b", "text": "t"}"#;
+        assert_eq!(text_of(line, "content").unwrap(), "a\"b");
+        assert_eq!(text_of(line, "text").unwrap(), "t");
+        assert!(text_of(line, "body").unwrap_err().to_string().contains("no `body` field"));
+        assert!(text_of(r#"{"text": null}"#, "text").is_err());
+        let e = text_of(r#"{"text": 5}"#, "text").unwrap_err().to_string();
+        assert!(e.contains("invalid type: integer `5`, expected a string"), "{e}");
+    }
+
+    #[test]
+    fn seams_fall_between_words() {
+        let text = "alpha beta\ngamma  delta\n\nepsilon";
+        for max in 1..text.len() {
+            let cut = seam(text, max);
+            assert!(cut > 0 && cut <= max.max(1) && text.is_char_boundary(cut), "{max}: {cut}");
+        }
+        assert_eq!(&text[..seam(text, 17)], "alpha beta\n");
+        assert_eq!(&text[..seam(text, 8)], "alpha"); // before the space
+        assert_eq!(seam("ééééé", 3), 2);
+    }
+}
