@@ -24,6 +24,7 @@
 
 pub mod cli;
 pub mod dated;
+pub mod diff;
 pub mod docker;
 pub mod error;
 pub mod fsutil;

@@ -38,6 +38,8 @@ enum Command {
     Retention(cli::retention::RetentionArgs),
     /// Write the SPDX SBOM of the workspace's engine for one platform (used by the Dockerfile).
     Sbom(cli::sbom::SbomArgs),
+    /// Show what changed between two images: sources, patches, base and its packages, env, sizes.
+    Diff(cli::diff::DiffArgs),
 }
 
 fn main() -> ExitCode {
@@ -75,6 +77,7 @@ fn main() -> ExitCode {
         Command::Load(a) => cli::load::load_cmd(a),
         Command::Run(a) => cli::run::run_cmd(a),
         Command::Sbom(a) => cli::sbom::sbom_cmd(a),
+        Command::Diff(a) => cli::diff::diff_cmd(a),
         Command::Triage(a) => cli::triage::triage_cmd(a),
         Command::Retention(a) => cli::retention::retention_cmd(a),
     };

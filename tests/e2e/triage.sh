@@ -232,6 +232,26 @@ done
 [ -n "$found" ] || die "no layer of the new build holds /opt/distro/sbom.spdx.json"
 jq -e '[.packages[] | select(.name == "libfixture1") | .externalRefs[0].referenceLocator] == ["pkg:deb/ubuntu/libfixture1@1%3A1.2-3%2Bb1?arch=amd64&distro=ubuntu-24.04"]' \
     "$WORK/sbom.json" >/dev/null || die "the SBOM does not list the base's dpkg package libfixture1 with its purl"
-#DIFF#
+grep -q "^size linux/amd64: [0-9.]* MiB compressed, [0-9.]* MiB uncompressed$" "$WORK/base-new.log" \
+    || die "the build did not report its size: $(cat "$WORK/base-new.log")"
+# Over its budget, a build with --enforce-budget fails and writes nothing.
+printf '\n[budget]\ncompressed_mib = 0\n' >>"$PB/images/probe.toml"
+rc=0
+(cd "$PB" && "$DISTRO" build --image probe --date 2026-03-13 --enforce-budget --output "$WORK/base-over" >/dev/null 2>"$WORK/over.log") || rc=$?
+[ "$rc" = 1 ] && grep -q "^error: linux/amd64: [0-9.]* MiB compressed is over the budget of 0 MiB (.*probe.toml budget.compressed_mib)" "$WORK/over.log" \
+    || die "an over-budget build was not refused (rc $rc): $(tail -2 "$WORK/over.log")"
+[ ! -e "$WORK/base-over/index.json" ] || die "an over-budget build wrote its layout"
+
+phase "distro diff: two layouts (the base moved), then two dated tags in the registry (the source moved)"
+"$DISTRO" diff "$WORK/base-old" "$WORK/base-new" >"$WORK/diff.txt" 2>"$WORK/diff.log" || die "distro diff failed: $(cat "$WORK/diff.log")"
+grep -qx "  ~ org.opencontainers.image.base.digest: $BASE_DIGEST -> $NEW_BASE" "$WORK/diff.txt" || die "diff does not show the base digest: $(cat "$WORK/diff.txt")"
+grep -qx "  + linux/amd64 libfixture1 1:1.2-3+b1" "$WORK/diff.txt" || die "diff does not show the base's new package: $(cat "$WORK/diff.txt")"
+grep -q "^  ~ linux/amd64 compressed: [0-9]* -> [0-9]*$" "$WORK/diff.txt" || die "diff does not show the size: $(cat "$WORK/diff.txt")"
+grep -q "^  ~ \[bases.busybox\]: .*$BASE_DIGEST (since 2026-03-11) -> .*$NEW_BASE (since 2026-03-12)$" "$WORK/diff.txt" \
+    || die "diff does not show the locked base: $(cat "$WORK/diff.txt")"
+"$DISTRO" diff --json "$REPO:probe-2026-03-01" "$REPO:probe-2026-03-10" >"$WORK/diff.json" 2>"$WORK/diff.log" || die "distro diff of tags failed: $(cat "$WORK/diff.log")"
+jq -e --arg a "${U[0]}" --arg b "${U[14]}" --arg up "$UP" \
+    '.sources == [{"name": "upstream", "old": ("git " + $up + " " + $a), "new": ("git " + $up + " " + $b)}]' "$WORK/diff.json" >/dev/null || die "diff does not show the source's move: $(jq -c .sources "$WORK/diff.json")"
+(cd "$P" && expect_fail 2 "neither an OCI layout directory nor an image reference" "$DISTRO" diff "$WORK/nowhere" "$WORK/base-new")
 
 phase "done in $(($(date +%s) - T0))s"

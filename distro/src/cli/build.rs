@@ -49,6 +49,10 @@ pub struct BuildArgs {
     /// Upload blobs in chunks of this many bytes (default: one request per blob).
     #[arg(long, value_name = "BYTES", hide = true, value_parser = super::chunk_size)]
     pub chunk_size: Option<u64>,
+    /// Fail, writing and pushing nothing, when a platform's image is over the definition's
+    /// `[budget]` (without it, a warning).
+    #[arg(long)]
+    pub enforce_budget: bool,
 }
 
 /// Runs `distro build`; prints the index digest as the last line on stdout.
@@ -91,6 +95,21 @@ pub fn build_cmd(a: BuildArgs) -> Result<ExitCode> {
     // One client pulls the base and pushes, with the credentials of the registry pushed to.
     let client = Client::new(Credentials::from_environment(push.as_ref().map(|r| r.api_host()))?, a.insecure)?;
     let built = build(&opts, &build_dir, &client, &progress)?;
+    // Sizes against the definition's budget, before anything is written or pushed.
+    let def_name = built.def_path.display().to_string();
+    let mut over = Vec::new();
+    for s in &built.sizes {
+        progress.info(format!("size {}", s.report(&built.budget)));
+        over.extend(s.over(&built.budget, &def_name));
+    }
+    if let Some(first) = over.first() {
+        if a.enforce_budget {
+            anyhow::bail!("{first}; nothing was written or pushed (--enforce-budget)");
+        }
+        for o in &over {
+            progress.info(format!("warning: {o}"));
+        }
+    }
     // The layout: where asked, else target/distro/oci unless pushing.
     if let Some(dir) = &layout {
         publish(&OciLayout { dir: dir.clone() }, &built.bundle, &progress)?;

@@ -12,6 +12,7 @@ use std::path::{Path, PathBuf};
 
 pub mod build;
 pub mod bump;
+pub mod diff;
 pub mod fetch;
 pub mod load;
 pub mod lock;

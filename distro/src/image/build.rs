@@ -60,6 +60,12 @@ pub struct Built {
     /// platform, `NAME-YYYY-MM-DD-ARCH`, at that platform's manifest, for tools that cannot pick
     /// a platform from an index (umoci).
     pub bundle: Bundle,
+    /// Each platform's size, compressed and uncompressed.
+    pub sizes: Vec<super::size::PlatformSize>,
+    /// The definition's size budget.
+    pub budget: super::size::Budget,
+    /// The image definition's path (for messages).
+    pub def_path: PathBuf,
 }
 
 /// The build directory: `$DISTRO_TARGET_DIR`, else `<workspace>/target/distro` (the sources
@@ -264,6 +270,7 @@ pub fn build(opts: &BuildOptions, dir: &BuildDir, client: &Client, progress: &Pr
     }
     annotations.extend(sources.annotations.clone());
     let mut manifests: Vec<(Platform, Descriptor)> = Vec::new();
+    let mut sizes = Vec::new();
     let mut blobs: Vec<BundleBlob> = Vec::new();
     let mut manifest_docs: Vec<ManifestDoc> = Vec::new();
     let base_origin = BlobOrigin { api_host: base_ref.api_host().to_string(), repository: base_ref.repository.clone() };
@@ -350,6 +357,7 @@ pub fn build(opts: &BuildOptions, dir: &BuildDir, client: &Client, progress: &Pr
         }
         manifest_docs.push(ManifestDoc::new(OCI_MANIFEST, manifest));
         manifests.push((p.clone(), md));
+        sizes.push(super::size::measure(&p.to_string(), &layers, &store, &cache.join("sizes"))?);
     }
     let index = image_index(&manifests, &annotations)?;
     store.put(&index)?;
@@ -365,5 +373,5 @@ pub fn build(opts: &BuildOptions, dir: &BuildDir, client: &Client, progress: &Pr
         refs.push((format!("{version}-{}", p.architecture), md.clone()));
     }
     let bundle = Bundle { name: version, store, blobs, manifests: manifest_docs, refs };
-    Ok(Built { index: index_desc, bundle })
+    Ok(Built { index: index_desc, bundle, sizes, budget: def.budget.clone(), def_path })
 }

@@ -38,6 +38,8 @@ pub struct ImageDef {
     pub env: BTreeMap<String, EnvVar>,
     /// Extra labels (the `org.opencontainers.image.*` annotations are added by the build).
     pub labels: BTreeMap<String, String>,
+    /// The most each platform's image may weigh (`[budget]`).
+    pub budget: super::size::Budget,
 }
 
 /// Where an image definition's base comes from.
@@ -175,6 +177,8 @@ struct Raw {
     env: BTreeMap<String, Spanned<EnvVar>>,
     #[serde(default)]
     labels: BTreeMap<String, String>,
+    #[serde(default)]
+    budget: super::size::Budget,
 }
 
 #[derive(Deserialize)]
@@ -314,6 +318,7 @@ impl ImageDef {
             source_trees,
             env,
             labels: raw.labels,
+            budget: raw.budget,
         })
     }
 }
@@ -375,6 +380,14 @@ reason = "show warnings"
         assert!(e.starts_with("x.toml:5: base:"), "{e}");
         let e = err(&GOOD.replace("base = \"", "base = { sorce = \"cuda\" }\nx = \""));
         assert!(e.starts_with("x.toml:5:"), "{e}");
+    }
+
+    #[test]
+    fn a_budget_is_read_and_its_keys_checked() {
+        let d = ImageDef::parse(&format!("{GOOD}\n[budget]\ncompressed_mib = 10\n"), "x.toml").unwrap();
+        assert_eq!(d.budget, crate::image::size::Budget { compressed_mib: Some(10), uncompressed_mib: None });
+        let e = err(&format!("{GOOD}\n[budget]\ncompresed_mib = 10\n"));
+        assert!(e.starts_with("x.toml:") && e.contains("compresed_mib"), "{e}");
     }
 
     #[test]

@@ -9,5 +9,6 @@ pub mod dpkg;
 pub mod engine_build;
 pub mod layer;
 pub mod sbom;
+pub mod size;
 pub mod sources;
 pub mod workspace;

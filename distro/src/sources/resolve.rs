@@ -174,6 +174,8 @@ pub fn lock_for_run(
         };
         out.sources.insert(source.name.clone(), entry);
     }
+    // The bases the lock of record pins go into the build's lock as they are.
+    out.bases = lock.map(|l| l.bases.clone()).unwrap_or_default();
     Ok(out)
 }
 

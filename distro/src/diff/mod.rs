@@ -1,0 +1,426 @@
+//! `distro diff OLD NEW`: what changed between two images this tool built, read from the images
+//! themselves (an OCI layout or a registry reference each): the upstream sources and patches
+//! (their `/opt/distro/manifest.lock`), the base (the index's base annotations and, from each
+//! SBOM, the base's Debian packages), the baked environment, the sizes per platform and per
+//! layer, and the engine's revision. Nothing is rebuilt; only the `/opt/distro` layer of each
+//! platform is downloaded.
+use crate::error::bad_input;
+use crate::oci::digest::Digest;
+use crate::oci::layout::Layout;
+use crate::oci::manifest::{Descriptor, ImageParts, is_index};
+use crate::oci::store::BlobStore;
+use crate::registry::client::Client;
+use crate::registry::reference::Reference;
+use crate::sources::{Lock, Origin};
+use anyhow::{Context, Result, anyhow};
+use serde::Serialize;
+use serde_json::Value;
+use std::collections::{BTreeMap, BTreeSet};
+use std::io::Read;
+use std::path::Path;
+
+/// Where an image is read from.
+pub enum Source<'a> {
+    /// An OCI layout, and the ref in it.
+    Layout(Layout, Descriptor),
+    /// A registry reference.
+    Registry(&'a Client, Reference, BlobStore),
+}
+
+impl<'a> Source<'a> {
+    /// `DIR` or `DIR:REF` (an OCI layout: its only index, or the ref named) when that directory
+    /// exists, else a registry reference. `scratch` holds the blobs pulled from a registry.
+    pub fn open(arg: &str, client: &'a Client, scratch: &Path) -> Result<Source<'a>> {
+        let (dir, want) = match arg.rsplit_once(':') {
+            Some((d, r)) if Path::new(d).join("oci-layout").is_file() => (d, Some(r)),
+            _ => (arg, None),
+        };
+        if Path::new(dir).join("oci-layout").is_file() {
+            let layout = Layout::open(Path::new(dir))?;
+            let refs = layout.refs()?;
+            let names: Vec<&str> = refs.iter().map(|(n, _)| n.as_str()).collect();
+            let pick = match want {
+                Some(w) => refs.iter().find(|(n, _)| n == w),
+                None => refs.iter().find(|(_, d)| is_index(&d.media_type)).or(refs.first()),
+            };
+            let (_, d) = pick.ok_or_else(|| {
+                bad_input(format!("{dir}: no ref {} (refs: {})", want.unwrap_or("with an index"), names.join(", ")))
+            })?;
+            let d = d.clone();
+            return Ok(Source::Layout(layout, d));
+        }
+        let r = Reference::parse(arg)
+            .map_err(|e| bad_input(format!("{arg}: neither an OCI layout directory nor an image reference ({e:#})")))?;
+        Ok(Source::Registry(client, r, BlobStore::new(scratch)))
+    }
+
+    fn root(&self) -> Result<(Vec<u8>, Digest)> {
+        match self {
+            Source::Layout(l, d) => Ok((l.store.read_sized(&d.digest, d.size)?, d.digest.clone())),
+            Source::Registry(c, r, _) => {
+                let f = c.fetch_manifest(r)?;
+                Ok((f.bytes, f.digest))
+            }
+        }
+    }
+
+    fn manifest(&self, d: &Descriptor) -> Result<Vec<u8>> {
+        match self {
+            Source::Layout(l, _) => l.store.read_sized(&d.digest, d.size),
+            Source::Registry(c, r, _) => Ok(c.fetch_manifest(&r.with_digest(&d.digest))?.bytes),
+        }
+    }
+
+    fn blob_path(&self, d: &Descriptor) -> Result<std::path::PathBuf> {
+        match self {
+            Source::Layout(l, _) => Ok(l.store.path(&d.digest)),
+            Source::Registry(c, r, store) => {
+                if !store.has(&d.digest) {
+                    c.fetch_blob(r, &d.digest, Some(d.size), store)?;
+                }
+                Ok(store.path(&d.digest))
+            }
+        }
+    }
+}
+
+/// What one image says about itself.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Facts {
+    /// The index (or manifest) digest.
+    pub digest: String,
+    /// The index's annotations (revision, version, base name and digest).
+    pub annotations: BTreeMap<String, String>,
+    /// Per platform (`linux/amd64`).
+    pub platforms: BTreeMap<String, PlatformFacts>,
+    /// The manifest lock the image was built with (`/opt/distro/manifest.lock`).
+    #[serde(skip)]
+    pub lock: Option<Lock>,
+}
+
+/// One platform of an image.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct PlatformFacts {
+    /// The platform manifest's digest.
+    pub manifest: String,
+    /// The config's environment.
+    pub env: BTreeMap<String, String>,
+    /// Layers: digest, compressed size, and what made them (the config's history).
+    pub layers: Vec<LayerFacts>,
+    /// Debian packages of the base (name -> version), from the SBOM.
+    pub packages: BTreeMap<String, String>,
+}
+
+/// One layer.
+#[derive(Clone, Debug, Serialize)]
+pub struct LayerFacts {
+    /// Its digest.
+    pub digest: String,
+    /// Its compressed size.
+    pub size: u64,
+    /// The history's `created_by` (ours start with `distro build:`).
+    pub created_by: String,
+}
+
+/// Reads the facts of the image at `source`.
+pub fn read(source: &Source) -> Result<Facts> {
+    let (bytes, digest) = source.root()?;
+    let top: Value = serde_json::from_slice(&bytes).context("the image's index is not JSON")?;
+    let mut facts = Facts { digest: digest.to_string(), ..Facts::default() };
+    facts.annotations = string_map(&top["annotations"]);
+    let children: Vec<(String, Descriptor)> = match top["manifests"].as_array() {
+        Some(list) => list
+            .iter()
+            .filter_map(|m| serde_json::from_value::<Descriptor>(m.clone()).ok())
+            .filter_map(|d| {
+                let p = d.platform.as_ref()?;
+                let name = format!("{}/{}", p["os"].as_str()?, p["architecture"].as_str()?);
+                let name = match p["variant"].as_str() {
+                    Some(v) => format!("{name}/{v}"),
+                    None => name,
+                };
+                Some((name, d))
+            })
+            .collect(),
+        None => vec![("image".into(), Descriptor::of(crate::oci::manifest::OCI_MANIFEST, &bytes))],
+    };
+    for (platform, d) in children {
+        let mbytes = if d.digest == digest { bytes.clone() } else { source.manifest(&d)? };
+        let parts = ImageParts::parse(&mbytes).with_context(|| format!("{platform}: manifest {}", d.digest))?;
+        let config: Value = serde_json::from_slice(&read_blob(source, &parts.config)?)?;
+        let env = config["config"]["Env"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|e| e.as_str()?.split_once('=').map(|(k, v)| (k.to_owned(), v.to_owned())))
+            .collect();
+        let history: Vec<String> = config["history"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|h| h["empty_layer"] != true)
+            .map(|h| h["created_by"].as_str().unwrap_or("").to_owned())
+            .collect();
+        let layers: Vec<LayerFacts> = parts
+            .layers
+            .iter()
+            .enumerate()
+            .map(|(i, l)| LayerFacts {
+                digest: l.digest.to_string(),
+                size: l.size,
+                created_by: history.get(i).cloned().unwrap_or_default(),
+            })
+            .collect();
+        // The /opt/distro layer is the last one this tool adds.
+        let mut packages = BTreeMap::new();
+        if let Some(last) = parts.layers.last() {
+            let files = opt_distro(&source.blob_path(last)?)?;
+            if facts.lock.is_none()
+                && let Some(text) = files.get("manifest.lock")
+            {
+                facts.lock = Some(Lock::parse(text).context("/opt/distro/manifest.lock")?);
+            }
+            if let Some(sbom) = files.get("sbom.spdx.json") {
+                packages = deb_packages(sbom);
+            }
+        }
+        facts.platforms.insert(platform, PlatformFacts { manifest: d.digest.to_string(), env, layers, packages });
+    }
+    Ok(facts)
+}
+
+fn read_blob(source: &Source, d: &Descriptor) -> Result<Vec<u8>> {
+    let path = source.blob_path(d)?;
+    let file = std::fs::File::open(&path)?;
+    let mut bytes = Vec::new();
+    file.take(d.size + 1).read_to_end(&mut bytes)?;
+    if bytes.len() as u64 != d.size || Digest::of(&bytes) != d.digest {
+        return Err(bad_input(format!("blob {} is corrupt", d.digest)));
+    }
+    Ok(bytes)
+}
+
+/// The text files under `opt/distro/` of a gzip layer (a layer without them gives none).
+fn opt_distro(layer: &Path) -> Result<BTreeMap<String, String>> {
+    let mut out = BTreeMap::new();
+    let file = std::fs::File::open(layer)?;
+    let mut archive = tar::Archive::new(flate2::read::GzDecoder::new(file));
+    let Ok(entries) = archive.entries() else { return Ok(out) };
+    for entry in entries {
+        let Ok(mut entry) = entry else { return Ok(out) };
+        let path = entry.path()?.to_string_lossy().trim_start_matches("./").to_owned();
+        if let Some(name) =
+            path.strip_prefix("opt/distro/").filter(|n| matches!(*n, "manifest.lock" | "sbom.spdx.json"))
+        {
+            let mut text = String::new();
+            entry.read_to_string(&mut text)?;
+            out.insert(name.to_owned(), text);
+        }
+    }
+    Ok(out)
+}
+
+fn deb_packages(sbom: &str) -> BTreeMap<String, String> {
+    let v: Value = serde_json::from_str(sbom).unwrap_or_default();
+    v["packages"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|p| {
+            p["externalRefs"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .any(|r| r["referenceLocator"].as_str().is_some_and(|l| l.starts_with("pkg:deb/")))
+        })
+        .filter_map(|p| Some((p["name"].as_str()?.to_owned(), p["versionInfo"].as_str()?.to_owned())))
+        .collect()
+}
+
+fn string_map(v: &Value) -> BTreeMap<String, String> {
+    v.as_object().into_iter().flatten().filter_map(|(k, v)| v.as_str().map(|s| (k.clone(), s.to_owned()))).collect()
+}
+
+/// One value that changed (or appeared, or went).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Change {
+    /// What changed.
+    pub name: String,
+    /// Before (`None`: added).
+    pub old: Option<String>,
+    /// After (`None`: removed).
+    pub new: Option<String>,
+}
+
+/// The differences between two images.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Diff {
+    /// The two images' digests.
+    pub digest: Vec<Change>,
+    /// The engine's revision (`org.opencontainers.image.revision`).
+    pub revision: Vec<Change>,
+    /// Upstream sources: their pins (crate versions, git commits).
+    pub sources: Vec<Change>,
+    /// Patches carried, per source (`SOURCE ENTRY`, by content).
+    pub patches: Vec<Change>,
+    /// The base: its name and digest, and its tracked base entries.
+    pub base: Vec<Change>,
+    /// Base packages, per platform (`PLATFORM NAME`).
+    pub packages: Vec<Change>,
+    /// Environment and flags, per platform (`PLATFORM KEY`).
+    pub env: Vec<Change>,
+    /// Compressed size per platform, and per layer (`PLATFORM #N WHAT`).
+    pub sizes: Vec<Change>,
+}
+
+fn changes(old: &BTreeMap<String, String>, new: &BTreeMap<String, String>, prefix: &str) -> Vec<Change> {
+    let keys: BTreeSet<&String> = old.keys().chain(new.keys()).collect();
+    keys.into_iter()
+        .filter(|k| old.get(*k) != new.get(*k))
+        .map(|k| Change { name: format!("{prefix}{k}"), old: old.get(k).cloned(), new: new.get(k).cloned() })
+        .collect()
+}
+
+fn pins(lock: Option<&Lock>) -> (BTreeMap<String, String>, BTreeMap<String, String>, BTreeMap<String, String>) {
+    let (mut sources, mut patches, mut bases) = (BTreeMap::new(), BTreeMap::new(), BTreeMap::new());
+    for (name, s) in lock.map(|l| &l.sources).into_iter().flatten() {
+        let pin = match &s.origin {
+            Origin::Git { url, commit, .. } => format!("git {url} {commit}"),
+            Origin::Crate { name: c, version, .. } => format!("crate {c} {version}"),
+        };
+        sources.insert(name.clone(), pin);
+        for p in &s.patches {
+            patches.insert(format!("{name} {}", p.entry), format!("sha256:{}", p.sha256));
+        }
+    }
+    for (name, b) in lock.map(|l| &l.bases).into_iter().flatten() {
+        bases.insert(format!("[bases.{name}]"), format!("{}:{}@{} (since {})", b.image, b.tag, b.digest, b.since));
+    }
+    (sources, patches, bases)
+}
+
+/// Compares two images' facts.
+pub fn diff(old: &Facts, new: &Facts) -> Diff {
+    let mut d = Diff::default();
+    if old.digest != new.digest {
+        d.digest.push(Change { name: "index".into(), old: Some(old.digest.clone()), new: Some(new.digest.clone()) });
+    }
+    let pick = |f: &Facts, keys: &[&str]| -> BTreeMap<String, String> {
+        keys.iter().filter_map(|k| f.annotations.get(*k).map(|v| ((*k).to_owned(), v.clone()))).collect()
+    };
+    d.revision = changes(
+        &pick(old, &["org.opencontainers.image.revision", "org.opencontainers.image.version"]),
+        &pick(new, &["org.opencontainers.image.revision", "org.opencontainers.image.version"]),
+        "",
+    );
+    let (os, op, ob) = pins(old.lock.as_ref());
+    let (ns, np, nb) = pins(new.lock.as_ref());
+    d.sources = changes(&os, &ns, "");
+    d.patches = changes(&op, &np, "");
+    let base_keys = ["org.opencontainers.image.base.name", "org.opencontainers.image.base.digest"];
+    d.base = changes(&pick(old, &base_keys), &pick(new, &base_keys), "");
+    d.base.extend(changes(&ob, &nb, ""));
+    let platforms: BTreeSet<&String> = old.platforms.keys().chain(new.platforms.keys()).collect();
+    let empty = PlatformFacts::default();
+    for p in platforms {
+        let (o, n) = (old.platforms.get(p), new.platforms.get(p));
+        if o.is_none() || n.is_none() {
+            d.sizes.push(Change {
+                name: format!("{p} platform"),
+                old: o.map(|_| "present".into()),
+                new: n.map(|_| "present".into()),
+            });
+        }
+        let (o, n) = (o.unwrap_or(&empty), n.unwrap_or(&empty));
+        d.packages.extend(changes(&o.packages, &n.packages, &format!("{p} ")));
+        d.env.extend(changes(&o.env, &n.env, &format!("{p} ")));
+        let total = |f: &PlatformFacts| f.layers.iter().map(|l| l.size).sum::<u64>();
+        if total(o) != total(n) {
+            d.sizes.push(Change {
+                name: format!("{p} compressed"),
+                old: Some(total(o).to_string()),
+                new: Some(total(n).to_string()),
+            });
+        }
+        for i in 0..o.layers.len().max(n.layers.len()) {
+            let (ol, nl) = (o.layers.get(i), n.layers.get(i));
+            if ol.map(|l| &l.digest) == nl.map(|l| &l.digest) {
+                continue;
+            }
+            let what = nl.or(ol).map(|l| l.created_by.as_str()).unwrap_or("");
+            let what =
+                if what.starts_with("distro build:") { what.trim_start_matches("distro build: ") } else { "base" };
+            let show =
+                |l: Option<&LayerFacts>| l.map(|l| format!("{} {}", l.size, &l.digest[..19.min(l.digest.len())]));
+            d.sizes.push(Change { name: format!("{p} layer {} ({what})", i + 1), old: show(ol), new: show(nl) });
+        }
+    }
+    d
+}
+
+impl Diff {
+    /// The diff as text: one section per kind of change, one line per change; `-`/`+`/`~`
+    /// for removed, added, changed.
+    pub fn text(&self, old: &str, new: &str) -> String {
+        let mut out = format!("distro diff {old} {new}\n");
+        let sections: [(&str, &Vec<Change>); 8] = [
+            ("image", &self.digest),
+            ("revision", &self.revision),
+            ("sources", &self.sources),
+            ("patches", &self.patches),
+            ("base", &self.base),
+            ("base packages", &self.packages),
+            ("environment", &self.env),
+            ("sizes (bytes, compressed)", &self.sizes),
+        ];
+        for (title, list) in sections {
+            if list.is_empty() {
+                out.push_str(&format!("\n{title}: unchanged\n"));
+                continue;
+            }
+            out.push_str(&format!("\n{title}:\n"));
+            for c in list {
+                let line = match (&c.old, &c.new) {
+                    (None, Some(n)) => format!("  + {} {n}", c.name),
+                    (Some(o), None) => format!("  - {} {o}", c.name),
+                    (Some(o), Some(n)) => format!("  ~ {}: {o} -> {n}", c.name),
+                    (None, None) => continue,
+                };
+                out.push_str(&line);
+                out.push('\n');
+            }
+        }
+        out
+    }
+}
+
+/// Reads both images and compares them.
+pub fn run(old: &Source, new: &Source) -> Result<Diff> {
+    let o = read(old).map_err(|e| anyhow!("reading the old image: {e:#}"))?;
+    let n = read(new).map_err(|e| anyhow!("reading the new image: {e:#}"))?;
+    Ok(diff(&o, &n))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn changes_are_added_removed_and_changed() {
+        let a = BTreeMap::from([("A".to_string(), "1".to_string()), ("B".to_string(), "2".to_string())]);
+        let b = BTreeMap::from([("B".to_string(), "3".to_string()), ("C".to_string(), "4".to_string())]);
+        let c = changes(&a, &b, "x ");
+        assert_eq!(c.len(), 3);
+        assert_eq!(c[0], Change { name: "x A".into(), old: Some("1".into()), new: None });
+        let mut old = Facts::default();
+        let mut new = Facts::default();
+        old.platforms.insert("linux/amd64".into(), PlatformFacts { env: a, ..Default::default() });
+        new.platforms.insert("linux/amd64".into(), PlatformFacts { env: b, ..Default::default() });
+        let text = diff(&old, &new).text("OLD", "NEW");
+        assert!(
+            text.contains("\nenvironment:\n  - linux/amd64 A 1\n  ~ linux/amd64 B: 2 -> 3\n  + linux/amd64 C 4\n"),
+            "{text}"
+        );
+        assert!(text.contains("\nsources: unchanged\n"), "{text}");
+    }
+}
