@@ -27,7 +27,7 @@ fn flags_table_matches_the_image_definition() {
 #[test]
 fn engine_definition_is_valid_and_pinned() {
     let def = ImageDef::load(&root().join("images/engine.toml")).unwrap();
-    let base = def.base_reference(&root()).unwrap();
+    let base = def.base_reference(root()).unwrap();
     assert!(base.digest.is_some(), "the production base must be pinned by digest");
     // The Dockerfile builds on the same base as the image definition (images/manifest.toml).
     let dockerfile = std::fs::read_to_string(root().join("Dockerfile")).unwrap();

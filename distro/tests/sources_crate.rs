@@ -147,7 +147,7 @@ fn crate_sources_lock_fetch_and_bump_through_cargo() {
     let app_toml = fs::read_to_string(root.join("app/Cargo.toml")).unwrap();
     assert!(app_toml.contains("fixcrate = { version = \"=0.2.0\" }"), "{app_toml}");
     let cargo_lock = fs::read_to_string(root.join("Cargo.lock")).unwrap();
-    assert!(cargo_lock.contains(&format!("name = \"fixcrate\"\nversion = \"0.2.0\"")), "{cargo_lock}");
+    assert!(cargo_lock.contains("name = \"fixcrate\"\nversion = \"0.2.0\""), "{cargo_lock}");
     a.run(root, &["sources"]).ok();
 
     // Pins that disagree are refused in one line naming the file and line.

@@ -252,17 +252,18 @@ fn comparator_matches(c: &str, v: Version) -> Result<bool, String> {
         "<" => v < low,
         "<=" => v < above_partial,
         "~" => {
-            let upper = if minor.is_none() { (major + 1, 0, 0) } else { (major, minor.unwrap() + 1, 0) };
+            let upper = match minor {
+                None => (major + 1, 0, 0),
+                Some(mi) => (major, mi + 1, 0),
+            };
             v >= low && v < upper
         }
         _ => {
             // Caret: the leftmost non-zero part may not change.
-            let upper = if major > 0 || minor.is_none() {
-                (major + 1, 0, 0)
-            } else if minor.unwrap() > 0 || patch.is_none() {
-                (0, minor.unwrap() + 1, 0)
-            } else {
-                (0, 0, patch.unwrap() + 1)
+            let upper = match (major, minor, patch) {
+                (0, Some(0), Some(pa)) => (0, 0, pa + 1),
+                (0, Some(mi), _) => (0, mi + 1, 0),
+                _ => (major + 1, 0, 0),
             };
             v >= low && v < upper
         }
