@@ -106,6 +106,24 @@ fn pipeline_x_data_and_tensor_across_processes_follow_virtual_devices() {
     assert_eq!((procs.len(), &procs), (3, &virt), "tensor 2");
 }
 
+/// The sequence axis across processes: two processes each keep two chunks of every sequence
+/// and gather the keys and values over TCP, bit for bit the virtual devices' curve and within
+/// 1e-5 of one device with the same global batch.
+#[test]
+fn a_sequence_axis_across_processes_follows_one_device() {
+    let mesh = ["mesh.ici_data=1", "mesh.ici_seq=2"];
+    let (dir, procs, virt) = processes_and_virtual("mp-seq", 2, "3", &mesh);
+    assert_eq!((procs.len(), &procs), (3, &virt), "seq 2");
+    let one = dir.join("one");
+    run(&mut engine(
+        &train_args(&[], &one, "3", &["train.batch_size=2"]).iter().map(String::as_str).collect::<Vec<_>>(),
+        &[],
+    ));
+    for (step, (a, b)) in losses(&one).iter().zip(&procs).enumerate() {
+        assert!((a - b).abs() <= 1e-5 * a.abs(), "step {}: {b} on two processes (seq 2), {a} on one device", step + 1);
+    }
+}
+
 /// Two nodes of two processes each, under the MaxText/Vertex convention (one launcher per
 /// node): FSDP within a node, data parallelism across them (HSDP), against one device with
 /// the same global batch.

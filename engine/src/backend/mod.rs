@@ -414,6 +414,10 @@ pub trait Backend {
     /// Gradient of [`Backend::attention_forward`] with respect to the packed qkv rows (`=`).
     fn attention_backward(&mut self, dqkv: View, dout: View, qkv: View, out: View, lse: View, shape: AttnShape);
 
+    /// Whether [`Backend::attention_forward_split`] takes more than one rank (a seq axis).
+    fn splits_sequences(&self) -> bool {
+        false
+    }
     /// [`Backend::attention_forward`] for the local rows of a sequence split over the sequence
     /// axis ([`SeqSplit`]): `qkv_all` holds every rank's rows, rank-major (`[ranks, batch, seq,
     /// W]`, `shape.seq` being the rows of a sequence on one rank: two chunks), as an all-gather

@@ -175,6 +175,9 @@ impl<B: Backend> Backend for Traced<B> {
     fn attention_backward(&mut self, dqkv: View, dout: View, qkv: View, out: View, lse: View, shape: AttnShape) {
         self.time("attention_backward", |b| b.attention_backward(dqkv, dout, qkv, out, lse, shape))
     }
+    fn splits_sequences(&self) -> bool {
+        self.inner.splits_sequences()
+    }
     fn attention_forward_split(&mut self, out: View, lse: View, qkv_all: View, shape: AttnShape, split: SeqSplit) {
         self.time("attention_forward", |b| b.attention_forward_split(out, lse, qkv_all, shape, split))
     }

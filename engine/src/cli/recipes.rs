@@ -1,4 +1,4 @@
-//! `engine recipes list|show`.
+//! `engine recipes list|show|plan`.
 
 use anyhow::Result;
 use clap::Subcommand;
@@ -34,6 +34,53 @@ pub enum RecipesCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Search the meshes (data, FSDP, tensor, pipeline, seq), recomputation policies and batch
+    /// splits under which a recipe fits the memory of each device, fastest first by an
+    /// estimated step time (FLOPs at an assumed MFU, plus each axis's communication at assumed
+    /// bandwidths). Each row gives the `--set`s that reproduce it.
+    Plan {
+        /// Recipe name or TOML file.
+        #[arg(value_name = "NAME|FILE")]
+        recipe: String,
+        /// Override a key (repeatable), before the search sets the mesh and batch keys.
+        #[arg(long = "set", value_name = "KEY=VALUE")]
+        set: Vec<String>,
+        /// Nodes.
+        #[arg(long, value_name = "N")]
+        nodes: usize,
+        /// Devices per node.
+        #[arg(long, value_name = "G")]
+        devices_per_node: usize,
+        /// Memory per device, GiB.
+        #[arg(long, value_name = "GIB")]
+        memory: f64,
+        /// Sequences per optimizer step [default: the recipe's train.batch_size x devices x
+        /// train.grad_accum].
+        #[arg(long, value_name = "SEQUENCES")]
+        global_batch: Option<usize>,
+        /// Assumed model FLOPs utilisation.
+        #[arg(long, value_name = "FRACTION", default_value_t = 0.4)]
+        mfu: f64,
+        /// Peak dense bf16 TFLOP/s of a device (an H100 SXM's).
+        #[arg(long, value_name = "TFLOPS", default_value_t = 989.0)]
+        peak_tflops: f64,
+        /// Bandwidth a device sends at within a node, GB/s (NVLink 4, one direction).
+        #[arg(long, value_name = "GB_PER_S", default_value_t = 450.0)]
+        ici_gbps: f64,
+        /// Bandwidth a device sends at to other nodes, GB/s (a 400 Gb/s NIC per GPU).
+        #[arg(long, value_name = "GB_PER_S", default_value_t = 50.0)]
+        dcn_gbps: f64,
+        /// GiB of each device kept for the CUDA context and NCCL.
+        #[arg(long, value_name = "GIB", default_value_t = 1.0)]
+        reserve: f64,
+        /// Rows printed (the text; --json lists all).
+        #[arg(long, value_name = "N", default_value_t = 10)]
+        top: usize,
+        /// Print a JSON list, best first, of objects with sets, memory_per_device_bytes and
+        /// step_time_estimate_s.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 pub fn run(cmd: RecipesCommand) -> Result<()> {
@@ -63,6 +110,127 @@ pub fn run(cmd: RecipesCommand) -> Result<()> {
             }
             Ok(())
         }
+        RecipesCommand::Plan {
+            recipe,
+            set,
+            nodes,
+            devices_per_node,
+            memory,
+            global_batch,
+            mfu,
+            peak_tflops,
+            ici_gbps,
+            dcn_gbps,
+            reserve,
+            top,
+            json,
+        } => {
+            let positive = [
+                ("--memory", memory),
+                ("--mfu", mfu),
+                ("--peak-tflops", peak_tflops),
+                ("--ici-gbps", ici_gbps),
+                ("--dcn-gbps", dcn_gbps),
+            ];
+            for (flag, value) in positive {
+                if !(value.is_finite() && value > 0.0) {
+                    anyhow::bail!("{flag} {value}: a plan needs a positive number");
+                }
+            }
+            if mfu > 1.0 {
+                anyhow::bail!("--mfu {mfu}: a share of the peak is at most 1");
+            }
+            if !(reserve.is_finite() && reserve >= 0.0) {
+                anyhow::bail!("--reserve {reserve}: a plan needs a number of GiB, 0 or more");
+            }
+            let r = RecipeArgs { recipe, set }.resolve(&[])?;
+            let c = &r.config;
+            let devices = nodes * devices_per_node;
+            let global = match global_batch {
+                Some(0) => anyhow::bail!("--global-batch 0: a step needs at least one sequence"),
+                Some(g) => g,
+                None => {
+                    let g = c.train.batch_size.0 * (devices * c.train.grad_accum) as f64;
+                    if g < 1.0 || g.fract() != 0.0 {
+                        anyhow::bail!(
+                            "train.batch_size = {} x {devices} devices x train.grad_accum = {} is {g} sequences, not a whole number: give --global-batch",
+                            c.train.batch_size,
+                            c.train.grad_accum
+                        );
+                    }
+                    g as usize
+                }
+            };
+            let gib = |x: f64| (x * (1u64 << 30) as f64) as usize;
+            let hw = engine::parallel::planner::Hardware {
+                nodes,
+                devices_per_node,
+                memory: gib(memory),
+                reserve: gib(reserve),
+                peak_tflops,
+                mfu,
+                ici_bytes_per_s: ici_gbps * 1e9,
+                dcn_bytes_per_s: dcn_gbps * 1e9,
+            };
+            let plans = engine::parallel::planner::search(c, &hw, global)?;
+            if plans.fits.is_empty() {
+                let Some(close) = plans.closest else {
+                    anyhow::bail!(
+                        "recipe `{}`: no mesh of {nodes} x {devices_per_node} devices takes a global batch of {global} sequences (the engine refuses every split)",
+                        r.name
+                    );
+                };
+                let over = close.memory_per_device_bytes + hw.reserve - hw.memory;
+                anyhow::bail!(
+                    "recipe `{}`: nothing fits {memory} GiB per device on {nodes} x {devices_per_node} devices; the closest needs {:.1} GiB ({:.1} GiB over, with {reserve} GiB kept for CUDA and NCCL): --set {}",
+                    r.name,
+                    engine::backend::gib(close.memory_per_device_bytes),
+                    engine::backend::gib(over),
+                    close.sets.join(" --set ")
+                );
+            }
+            if json {
+                let rows: Vec<serde_json::Value> = plans
+                    .fits
+                    .iter()
+                    .map(|row| {
+                        serde_json::json!({
+                            "sets": row.sets,
+                            "memory_per_device_bytes": row.memory_per_device_bytes,
+                            "step_time_estimate_s": row.step_time_estimate_s,
+                            "bubble_fraction": row.bubble,
+                            "mesh": row.mesh,
+                        })
+                    })
+                    .collect();
+                println!("{}", serde_json::to_string_pretty(&rows)?);
+            } else {
+                println!(
+                    "# recipe {}: {} plans fit {memory} GiB per device on {nodes} x {devices_per_node} devices, global batch {global} x {}; \
+                     step time at MFU {mfu} of {peak_tflops} TFLOP/s, ICI {ici_gbps} GB/s, DCN {dcn_gbps} GB/s (the {} fastest)",
+                    r.name,
+                    plans.fits.len(),
+                    c.train.seq_len,
+                    top.min(plans.fits.len())
+                );
+                println!(
+                    "{:>4} {:>10} {:>11} {:>8}  mesh (data x fsdp x tensor x pipeline x seq), --set",
+                    "rank", "step (s)", "memory", "bubble"
+                );
+                for (i, row) in plans.fits.iter().take(top).enumerate() {
+                    println!(
+                        "{:>4} {:>10.3} {:>7.1} GiB {:>7.1}%  {}: --set {}",
+                        i + 1,
+                        row.step_time_estimate_s,
+                        engine::backend::gib(row.memory_per_device_bytes),
+                        100.0 * row.bubble,
+                        row.mesh,
+                        row.sets.join(" --set ")
+                    );
+                }
+            }
+            Ok(())
+        }
     }
 }
 
@@ -70,9 +238,9 @@ pub fn run(cmd: RecipesCommand) -> Result<()> {
 /// `nodes` (by default, what the explicit sizes multiply to).
 fn plan_of(c: &Config, devices: Option<usize>, nodes: Option<usize>) -> Result<ParallelPlan> {
     let m = &c.mesh;
-    let product = |sizes: [i64; 4]| sizes.iter().map(|&s| s.max(1) as usize).product::<usize>();
-    let devices = devices.unwrap_or_else(|| product([m.ici_data, m.ici_fsdp, m.ici_tensor, m.ici_pipeline]));
-    let nodes = nodes.unwrap_or_else(|| product([m.dcn_data, m.dcn_fsdp, m.dcn_tensor, m.dcn_pipeline]));
+    let product = |sizes: [i64; 5]| sizes.iter().map(|&s| s.max(1) as usize).product::<usize>();
+    let devices = devices.unwrap_or_else(|| product([m.ici_data, m.ici_fsdp, m.ici_tensor, m.ici_pipeline, m.ici_seq]));
+    let nodes = nodes.unwrap_or_else(|| product([m.dcn_data, m.dcn_fsdp, m.dcn_tensor, m.dcn_pipeline, m.dcn_seq]));
     ParallelPlan::resolve(c, devices, nodes)
 }
 
@@ -122,13 +290,13 @@ fn show_json(name: &str, c: &Config, plan: &ParallelPlan) -> serde_json::Value {
             "fsdp": size(Axis::Fsdp),
             "tensor": size(Axis::Tensor),
             "pipeline": size(Axis::Pipeline),
+            "seq": size(Axis::Seq),
             "ici": mesh.ici,
             "dcn": mesh.dcn,
         },
         "memory_per_device": { "cuda": part(&gpu), "cpu": part(&cpu) },
         "pipeline": {
             "microbatches": c.train.pipeline_microbatches,
-            "seq": size(Axis::Seq),
             "schedule": c.train.pipeline_schedule,
             "split": split_name(c),
             "bubble_fraction": plan.bubble_fraction(),

@@ -10,6 +10,7 @@ pub mod mesh;
 pub mod nccl;
 pub mod pipeline;
 pub mod plan;
+pub mod planner;
 pub mod rendezvous;
 pub mod strategies;
 pub mod tcp;

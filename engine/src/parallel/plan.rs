@@ -158,7 +158,9 @@ impl ParallelPlan {
     /// Bytes a device of stage `s` takes on `target` when it holds `stage`.
     fn device_estimate(&self, config: &Config, s: usize, stage: &Stage, target: Target) -> Estimate {
         let model = self.model_of(config, stage);
-        let (in_flight, fsdp) = (self.schedules[s].in_flight, self.mesh.size(Axis::Fsdp));
+        // FSDP shards over the fsdp and seq axes together.
+        let fsdp = self.mesh.size(Axis::Fsdp) * self.mesh.size(Axis::Seq);
+        let in_flight = self.schedules[s].in_flight;
         memory::device_estimate(config, &model, self.microbatch, in_flight, fsdp, target)
     }
 

@@ -28,8 +28,10 @@
 //! - **Sequence parallelism.** The devices of a seq group read the same samples, each keeping
 //!   two chunks of every sequence ([`crate::backend::SeqSplit`]); attention gathers every rank's
 //!   q, k and v rows over the group and reduce-scatters their gradients
-//!   ([`Exchange::seq_gather`]). Everything else is per token: the parameters are replicated
-//!   over the axis and their gradients summed over it with the data axis's.
+//!   ([`Exchange::seq_gather`]). Everything else is per token. The parameters are sharded over
+//!   the seq axis as over the fsdp axis (FSDP runs over fsdp × seq, as torchtitan shards over
+//!   its `dp_shard × cp` mesh and MaxText over `fsdp × sequence`), so a seq axis divides the
+//!   state as FSDP does.
 //!
 //! Gradients are scaled so that the objective is the mean over the global batch, as on one
 //! device: the sums over the batch group (data × fsdp × seq) add up its devices' per-device
@@ -56,8 +58,9 @@ pub struct Parallel<B: Backend> {
     /// Its slice of the model's tensors.
     pub slice: TensorSlice,
     tensor: Vec<usize>,
-    /// The devices that hold the same parameters and sum their gradients (data × seq).
+    /// The devices that hold the same parameters (or pieces) and sum their gradients.
     data: Vec<usize>,
+    /// The devices that share the model's pieces under FSDP: fsdp × seq.
     fsdp_group: Vec<usize>,
     /// The devices whose gradients and losses add up: data × fsdp × seq.
     batch: Vec<usize>,
@@ -119,8 +122,8 @@ impl<B: Backend> Parallel<B> {
         let coords = mesh.coords(rank);
         let (tensor, data, fsdp_group) = (
             mesh.group(rank, Axis::Tensor),
-            mesh.group_over(rank, &[Axis::Data, Axis::Seq]),
-            mesh.group(rank, Axis::Fsdp),
+            mesh.group(rank, Axis::Data),
+            mesh.group_over(rank, &[Axis::Fsdp, Axis::Seq]),
         );
         let batch = mesh.group_over(rank, &[Axis::Data, Axis::Fsdp, Axis::Seq]);
         let samples = mesh.group_over(rank, &[Axis::Data, Axis::Fsdp]);
@@ -145,7 +148,8 @@ impl<B: Backend> Parallel<B> {
             .collect(),
         );
         let layout = &slice.local;
-        let fsdp = (fsdp_group.len() > 1).then(|| Fsdp::new(be, layout, fsdp_group.len(), coords.fsdp, fsdp_options));
+        let me = fsdp_group.iter().position(|&r| r == rank).expect("member");
+        let fsdp = (fsdp_group.len() > 1).then(|| Fsdp::new(be, layout, fsdp_group.len(), me, fsdp_options));
         let segments =
             layout.tensors.iter().map(|t| Segment { offset: t.offset, len: t.len(), decay: t.decay }).collect();
         // Two scalars for the tensor axis's sums, and the slots of `gather_from_world`.
@@ -175,7 +179,7 @@ impl<B: Backend> Parallel<B> {
 
     /// Whether this device's mesh shards the model (FSDP): the passes then need no flat buffers.
     pub fn shards_model(mesh: &Mesh) -> bool {
-        mesh.size(Axis::Fsdp) > 1
+        mesh.size(Axis::Fsdp) * mesh.size(Axis::Seq) > 1
     }
 
     /// Writes this device's part of the parameters: `whole(g, out)` fills `out` with all of
@@ -347,7 +351,7 @@ impl<B: Backend> Parallel<B> {
     /// Whether this device saves its buffers in a sharded checkpoint: the first replica of
     /// each slice along the data axis (the others hold copies).
     pub fn saves(&self) -> bool {
-        self.coords.data == 0 && self.coords.seq == 0
+        self.coords.data == 0
     }
 
     /// Tells the communicator the optimizer step in progress (for a failed collective's message).

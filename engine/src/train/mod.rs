@@ -110,6 +110,13 @@ impl<B: Backend> Trainer<B> {
         let mut model = parallel_plan.stage_model(config, coords.pipeline);
         // On a seq axis each device keeps two chunks of every sequence.
         model.seq.rank = coords.seq;
+        if model.seq.ranks > 1 && !backend.splits_sequences() {
+            bail!(
+                "mesh.ici_seq x mesh.dcn_seq = {}: the sequence axis runs on the CPU backend only in this version ({}'s attention kernels do not take chunk offsets yet); set both to 1",
+                model.seq.ranks,
+                backend.describe()
+            );
+        }
         let seq_len = parallel_plan.local_seq_len(config);
         // The devices of a tensor group and of a pipeline share their samples, cut into the
         // pipeline's micro-batches.

@@ -278,6 +278,10 @@ impl Backend for Cpu {
         attention::backward(dqkv, dout, qkv, out, lse, shape);
     }
 
+    fn splits_sequences(&self) -> bool {
+        true
+    }
+
     fn attention_forward_split(&mut self, out: View, lse: View, qkv_all: View, shape: AttnShape, split: SeqSplit) {
         let ([out, lse], [qkv]) = self.mem.io_many([out, lse], [qkv_all]);
         attention::forward_split(out, lse, qkv, shape, split);
