@@ -17,7 +17,8 @@ fn impossible_arguments_are_refused_before_any_work() {
     let file = dir.path().join("a-file");
     std::fs::write(&file, b"not a layout").unwrap();
     let file_arg = file.to_str().unwrap();
-    let cases: [(&[&str], &str); 8] = [
+    let cases: [(&[&str], &str); 9] = [
+        (&["build", "--platform", "linux/amd64", "--push", "127.0.0.1:9/r"], "the index would lack linux/arm64"),
         (&["push", "--chunk-size", "0", "layout", "127.0.0.1:9/r"], "is not a chunk size"),
         (&["build", "--image", "../../x"], "`../../x` is not an image name"),
         (&["sbom", "--image", "/etc/passwd"], "`/etc/passwd` is not an image name"),

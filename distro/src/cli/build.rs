@@ -71,6 +71,19 @@ pub fn build_cmd(a: BuildArgs) -> Result<ExitCode> {
     };
     let start_dir = std::env::current_dir()?;
     let push = a.push.as_deref().map(|p| parse_ref(p, "--push")).transpose()?;
+    // A pushed index holds every platform of the definition: a tag that silently lost one
+    // (JAX-Toolbox's arm64, its #2224) is worse than no tag. A partial build goes to a layout.
+    if let (Some(repo), Some(chosen)) = (&push, &platforms) {
+        let ws = Workspace::open(&start_dir)?;
+        let def_path = ws.root.join("images").join(format!("{}.toml", a.image));
+        let def = crate::image::def::ImageDef::load(&def_path)?;
+        if let Some(missing) = def.platforms.iter().find(|p| !chosen.contains(p)) {
+            return Err(bad_input(format!(
+                "--push {repo}: the index would lack {missing}, a platform of {}; a pushed index holds every platform (build them all, or write a layout with --output)",
+                def_path.display()
+            )));
+        }
+    }
     // One owner per directory, taken before any work so that a refused build changes nothing:
     // the build directory, then the layout this build will write (created now, to be locked).
     let build_dir = BuildDir::lock(&Workspace::open(&start_dir)?)?;
