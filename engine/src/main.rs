@@ -51,6 +51,10 @@ unsafe impl GlobalAlloc for OneLineOnOom {
 #[global_allocator]
 static ALLOCATOR: OneLineOnOom = OneLineOnOom;
 
+/// Set by `engine data prepare`, whose out-of-memory line gives its own advice (the training
+/// advice, a smaller batch or recomputation, means nothing there).
+pub static PREPARING_DATA: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
 /// Writes one line and exits with code 2, allocating nothing (the heap is what failed):
 /// `core::fmt` formats into a buffer on the stack.
 fn out_of_memory(bytes: usize) -> ! {
@@ -67,11 +71,14 @@ fn out_of_memory(bytes: usize) -> ! {
         }
     }
     let mut line = Line { bytes: [0; 192], len: 0 };
+    let advice = if PREPARING_DATA.load(std::sync::atomic::Ordering::Relaxed) {
+        "tokenize on fewer threads (--threads), split very large documents (--separator), or free memory"
+    } else {
+        "lower train.batch_size, set train.remat, or free memory"
+    };
     let _ = std::fmt::Write::write_fmt(
         &mut line,
-        format_args!(
-            "error: out of memory: an allocation of {bytes} bytes failed; lower train.batch_size, set train.remat, or free memory\n"
-        ),
+        format_args!("error: out of memory: an allocation of {bytes} bytes failed; {advice}\n"),
     );
     // SAFETY: writing a buffer we own to standard error, then ending the process at once.
     unsafe {

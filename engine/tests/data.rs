@@ -656,6 +656,7 @@ fn outputs_of_preparations_are_never_inputs() {
 /// parts, so memory follows the part size and the thread count, not the document (a 4 MB one
 /// took 800 MB before); the parts are cut where tokens do not change.
 #[test]
+#[allow(clippy::zombie_processes)] // waited for by wait4, which gives its peak memory
 fn a_large_document_is_tokenized_in_bounded_memory() {
     let dir = scratch("prepare-large");
     let tok = fixture("tokenizers/bytelevel-bpe.json");
@@ -691,5 +692,47 @@ fn a_large_document_is_tokenized_in_bounded_memory() {
         parts.extend(t.encode(rest).unwrap());
         assert_eq!(parts, t.encode(sample).unwrap(), "{name}");
     }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Issue 28, item 6: out of memory in `engine data prepare` (a 4 MB document with a
+/// SentencePiece model, which tokenizes documents whole, under a 150 MB address space) is one
+/// line with advice for preparing data, not for training.
+#[test]
+fn out_of_memory_in_a_preparation_advises_on_preparing() {
+    use std::os::unix::process::CommandExt;
+    let dir = scratch("prepare-oom");
+    let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/data/shakespeare.txt")).unwrap();
+    let big = dir.join("big.txt");
+    std::fs::write(&big, text.repeat(32)).unwrap();
+    let tok = fixture("tokenizers/spm-unigram.model");
+    let out = dir.join("out");
+    let mut cmd = engine_cmd(&[
+        "--threads",
+        "1",
+        "data",
+        "prepare",
+        "--tokenizer",
+        s(&tok),
+        "--input",
+        s(&big),
+        "--out",
+        s(&out),
+    ]);
+    // SAFETY: setrlimit is async-signal-safe; the closure allocates nothing.
+    unsafe {
+        cmd.pre_exec(|| {
+            let limit = libc::rlimit { rlim_cur: 150 << 20, rlim_max: 150 << 20 };
+            if libc::setrlimit(libc::RLIMIT_AS, &limit) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let o = cmd.output().unwrap();
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("out of memory") && stderr.contains("--threads"), "{stderr}");
+    assert!(!stderr.contains("train.batch_size"), "{stderr}");
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -46,6 +46,7 @@ pub struct PrepareArgs {
 
 pub fn run(cmd: DataCommand) -> Result<()> {
     let DataCommand::Prepare(args) = cmd;
+    crate::PREPARING_DATA.store(true, std::sync::atomic::Ordering::Relaxed);
     let max_vocab = match &args.recipe {
         Some(recipe) => {
             let r = super::RecipeArgs { recipe: recipe.clone(), set: Vec::new() }.resolve(&[])?;

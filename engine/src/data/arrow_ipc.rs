@@ -220,10 +220,8 @@ fn next_message(r: &mut dyn Read, first: &mut bool) -> Result<Option<(Vec<u8>, V
         }
     }
     *first = false;
-    if word == [0xff; 4] {
-        if !read_full(r, &mut word)? {
-            bail!("the stream ends inside a message header");
-        }
+    if word == [0xff; 4] && !read_full(r, &mut word)? {
+        bail!("the stream ends inside a message header");
     }
     let len = i32::from_le_bytes(word);
     if len == 0 {
