@@ -417,3 +417,40 @@ fn recipes_show_plans_memory_for_the_mesh() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("does not divide the 3 devices per node"));
 }
+
+/// `engine recipes plan`: a JSON list, best first, whose first row `recipes show` confirms with
+/// its `sets`; every plan that fits llama3.1-8b at 131,072 tokens on one node has a seq axis;
+/// nothing fitting and bad arguments are one line with exit code 2.
+#[test]
+fn recipes_plan_ranks_what_fits_and_names_the_closest_otherwise() {
+    let base = ["recipes", "plan", "llama3.1-8b", "--nodes", "1", "--devices-per-node", "8"];
+    let long = ["--set", "train.seq_len=131072", "--json"];
+    let out = engine(&[&base[..], &["--memory", "80"], &long[..]].concat());
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let rows: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(!rows.is_empty());
+    let times: Vec<f64> = rows.iter().map(|r| r["step_time_estimate_s"].as_f64().unwrap()).collect();
+    assert!(times.windows(2).all(|w| w[0] <= w[1]), "not best first: {times:?}");
+    let sets: Vec<&str> = rows[0]["sets"].as_array().unwrap().iter().map(|s| s.as_str().unwrap()).collect();
+    assert!(rows.iter().all(|r| !r["sets"].as_array().unwrap().contains(&"mesh.ici_seq=1".into())));
+    let mut show = vec!["recipes", "show", "llama3.1-8b", "--json", "--devices", "8", "--nodes", "1"];
+    for set in std::iter::once("train.seq_len=131072").chain(sets.iter().copied()) {
+        show.extend(["--set", set]);
+    }
+    let out = engine(&show);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let shown: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let bytes = shown["memory_per_device"]["cuda"]["total_bytes"].as_u64().unwrap();
+    assert_eq!(bytes, rows[0]["memory_per_device_bytes"].as_u64().unwrap());
+    assert!(bytes < 80 << 30);
+    for (args, want) in [
+        (vec!["--memory", "20"], "nothing fits 20 GiB per device on 1 x 8 devices; the closest needs"),
+        (vec!["--memory", "0"], "--memory 0: a plan needs a positive number"),
+        (vec!["--memory", "80", "--mfu", "1.5"], "--mfu 1.5: a share of the peak is at most 1"),
+    ] {
+        let out = engine(&[&base[..], &args[..], &long[..]].concat());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{err}");
+        assert!(err.contains(want) && err.trim().lines().count() == 1, "{err}");
+    }
+}

@@ -137,6 +137,11 @@ pub fn run(cmd: RecipesCommand) -> Result<()> {
                     anyhow::bail!("{flag} {value}: a plan needs a positive number");
                 }
             }
+            if nodes == 0 || devices_per_node == 0 {
+                anyhow::bail!(
+                    "--nodes {nodes} --devices-per-node {devices_per_node}: a plan needs at least one node of one device"
+                );
+            }
             if mfu > 1.0 {
                 anyhow::bail!("--mfu {mfu}: a share of the peak is at most 1");
             }
