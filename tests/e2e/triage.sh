@@ -138,7 +138,7 @@ phase "bad input: one line, exit code 2"
 
 phase "triage by exit code: 10 dates, then the upstream commits"
 S=$(date +%s%N)
-(cd "$P" && "$DISTRO" triage --repo "$REPO" --image probe --good 2026-03-01 --bad 2026-03-10 --gpus none \
+(cd "$P" && "$DISTRO" triage --repo "$REPO" --image probe --good 2026-03-01 --bad 2026-03-10 --gpus none --confirm 1 \
     --summary "$WORK/triage-exit.json" --work-dir "$WORK/triage-work" -- /opt/probe/check.sh \
     >"$WORK/triage-exit.out" 2>"$WORK/triage-exit.log") || die "triage failed: $(tail -5 "$WORK/triage-exit.log")"
 log "triage (exit code): $((($(date +%s%N) - S) / 1000000)) ms, $(jq '.points | length' "$WORK/triage-exit.json") points"
@@ -151,6 +151,7 @@ jq -e --arg c "${U[8]}" --arg s "${U[6]:0:12}" '
     and .last_good_date == "2026-03-04" and .first_bad_date == "2026-03-05"
     and ([.points[] | select(.kind == "commit" and .verdict == "skip") | .label] == ["upstream@" + $s])
     and ([.points[] | select(.kind == "date")] | length) <= 7
+    and ([.points[] | select(.verdict == "fail") | .note | startswith("failed 2 time(s) (--confirm 1)")] | all)
     and all(.points[]; .run_seconds >= 0 and (.verdict | IN("pass", "fail", "skip")))' "$WORK/triage-exit.json" >/dev/null \
     || die "the summary is not as expected: $(cat "$WORK/triage-exit.json")"
 

@@ -55,6 +55,10 @@ pub struct TriageArgs {
     /// Registry reachable over plain HTTP (loopback registries always are).
     #[arg(long, value_name = "HOST[:PORT]", value_parser = super::registry_host)]
     pub insecure: Vec<String>,
+    /// Rerun a failing point N more times; its failure counts only if every rerun fails too
+    /// (a pass on any rerun makes it a flaky pass).
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub confirm: u32,
     /// The command run in each image; it passes with exit code 0.
     #[arg(last = true, required = true, value_name = "COMMAND")]
     pub command: Vec<String>,
@@ -97,6 +101,7 @@ fn check_args(a: TriageArgs) -> Result<Options> {
         env: a.env,
         gpus: a.gpus,
         insecure: a.insecure,
+        confirm: a.confirm,
         command: a.command,
     })
 }
@@ -123,6 +128,7 @@ mod tests {
             env: vec![],
             gpus: Gpus::None,
             insecure: vec![],
+            confirm: 0,
             command: vec!["true".into()],
         };
         let msg = |a: TriageArgs| {

@@ -68,6 +68,9 @@ pub struct Options {
     pub gpus: Gpus,
     /// Registries reachable over plain HTTP.
     pub insecure: Vec<String>,
+    /// Reruns of a failing point before its failure counts: a point that passes on any rerun
+    /// is a pass (flaky, noted in the summary).
+    pub confirm: u32,
     /// The command run in each image; it passes with exit code 0.
     pub command: Vec<String>,
 }

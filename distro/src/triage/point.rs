@@ -99,16 +99,38 @@ impl Triage {
             binds: vec![format!("{}:{TRIAGE_MOUNT}", out.display())],
             stdout_to_stderr: true,
         };
-        match docker::run(&opts, &self.progress) {
-            Ok(code) => {
-                let metrics = std::fs::read_to_string(out.join("metrics.json")).ok();
-                let (v, m, note) = self.criterion.judge(code, metrics.as_deref());
-                point.verdict = v;
-                point.exit_code = Some(code);
-                point.metric = m;
-                point.note = note;
+        // The first run, then (with --confirm N) up to N reruns while it keeps failing.
+        for attempt in 0..=self.args.confirm {
+            let _ = std::fs::remove_file(out.join("metrics.json"));
+            match docker::run(&opts, &self.progress) {
+                Ok(code) => {
+                    let metrics = std::fs::read_to_string(out.join("metrics.json")).ok();
+                    let (v, m, note) = self.criterion.judge(code, metrics.as_deref());
+                    let flaky = attempt > 0 && v == Verdict::Pass;
+                    point.verdict = v;
+                    point.exit_code = Some(code);
+                    point.metric = m;
+                    point.note = if flaky {
+                        Some(format!("flaky: failed {attempt} time(s), then passed on rerun {attempt}"))
+                    } else if attempt > 0 {
+                        Some(format!(
+                            "failed {} time(s) (--confirm {}){}",
+                            attempt + 1,
+                            self.args.confirm,
+                            note.map(|n| format!("; {n}")).unwrap_or_default()
+                        ))
+                    } else {
+                        note
+                    };
+                }
+                Err(e) => {
+                    point.note = Some(format!("could not run: {}", one_line(&e)));
+                    break;
+                }
             }
-            Err(e) => point.note = Some(format!("could not run: {}", one_line(&e))),
+            if point.verdict != Verdict::Fail {
+                break;
+            }
         }
         point.run_seconds = t.elapsed().as_secs_f64();
         let metric = point.metric.map(|m| format!(", {} = {m}", self.criterion.metric.as_ref().map_or("", |x| &x.0)));
