@@ -565,6 +565,9 @@ mod tests {
             assert_same_curve("seq=2 x fsdp=2", &single(&sf, 4), &losses(&sf, 4, false));
             let w = seq_config("tiny-mistral", &["mesh.ici_seq=2", "model.sliding_window=12", "train.remat=\"full\""]);
             assert_same_curve("mistral seq=2, window 12, remat full", &single(&w, 2), &losses(&w, 2, false));
+            // GPT: learned positions at the chunks' true positions.
+            let gpt = config("tiny-gpt", &["train.steps=5", "mesh.ici_data=1", "mesh.ici_seq=2"]);
+            assert_same_curve("gpt seq=2", &single(&gpt, 2), &losses(&gpt, 2, false));
             // Evaluation: each device's chunks, summed over the axis.
             let mut one = c.clone();
             one.train.batch_size *= 2;
