@@ -151,11 +151,6 @@ impl Cudnn {
         self.plan(pass, s)?;
         self.plans[&(pass, key(s))].execute(self.handle, b, self.workspace.0)
     }
-
-    /// Bytes of the workspace held.
-    pub fn workspace_bytes(&self) -> usize {
-        self.workspace.1
-    }
 }
 
 impl Drop for Cudnn {
