@@ -138,6 +138,16 @@ struct Builder {
 }
 
 impl Builder {
+    /// A graph whose first tensors are the queries and the transposed keys, which both passes read.
+    fn with_queries_and_keys(v: &Views) -> (Builder, usize, usize) {
+        let mut g = Builder { g: Graph { tensors: Vec::new(), ops: Vec::new() } };
+        let (qd, qs) = v.in_qkv(v.hq);
+        let q = g.bound(Role::Q, DType::Bf16, qd, qs);
+        let (td, ts) = v.transposed();
+        let kt = g.bound(Role::Kt, DType::Bf16, td, ts);
+        (g, q, kt)
+    }
+
     fn tensor(&mut self, dtype: DType, dims: [i64; 4], strides: [i64; 4], kind: Kind) -> usize {
         let uid = self.g.tensors.len() as i64 + 1;
         self.g.tensors.push(Tensor { uid, dtype, dims, strides, kind, reorder_f16x16: false });
@@ -283,11 +293,7 @@ pub(crate) fn graph(pass: Pass, s: AttnShape) -> Graph {
 /// O = softmax(mask(Q·Kᵀ·scale))·V, and the statistics log Σ exp of each row of scores.
 fn forward(shape: AttnShape) -> Graph {
     let v = Views::new(shape);
-    let mut g = Builder { g: Graph { tensors: Vec::new(), ops: Vec::new() } };
-    let (qd, qs) = v.in_qkv(v.hq);
-    let q = g.bound(Role::Q, DType::Bf16, qd, qs);
-    let (td, ts) = v.transposed();
-    let kt = g.bound(Role::Kt, DType::Bf16, td, ts);
+    let (mut g, q, kt) = Builder::with_queries_and_keys(&v);
     let (vd, vs) = v.in_qkv(v.hk);
     let val = g.bound(Role::V, DType::Bf16, vd, vs);
     let (od, os) = v.out();
@@ -331,11 +337,9 @@ fn forward(shape: AttnShape) -> Graph {
 /// query heads dK and dV are summed over each group.
 fn backward(shape: AttnShape) -> Graph {
     let v = Views::new(shape);
-    let mut g = Builder { g: Graph { tensors: Vec::new(), ops: Vec::new() } };
+    let (mut g, q, kt) = Builder::with_queries_and_keys(&v);
     let (qd, qs) = v.in_qkv(v.hq);
-    let q = g.bound(Role::Q, DType::Bf16, qd, qs);
     let (td, ts) = v.transposed();
-    let kt = g.bound(Role::Kt, DType::Bf16, td, ts);
     let vt = g.bound(Role::Vt, DType::Bf16, td, ts);
     let (od, os) = v.out();
     let o = g.bound(Role::O, DType::Bf16, od, os);

@@ -194,6 +194,23 @@ impl Descriptor {
         self.set(name, sys::cudnnBackendAttributeType_t::CUDNN_TYPE_BACKEND_DESCRIPTOR, &[d.0])
     }
 
+    /// Reads up to `out.len()` elements of attribute `name` (with `out` empty, only asks how
+    /// many there are); returns how many there are.
+    fn get<V>(
+        &self,
+        name: sys::cudnnBackendAttributeName_t,
+        ty: sys::cudnnBackendAttributeType_t,
+        out: &mut [V],
+        what: &str,
+    ) -> Result<i64, String> {
+        let mut n = 0i64;
+        let ptr = if out.is_empty() { std::ptr::null_mut() } else { out.as_mut_ptr().cast() };
+        // SAFETY: `out` has room for the `out.len()` elements of the type `ty` names (the callers
+        // pair them); a null array with a count of 0 asks for the count alone.
+        check(unsafe { sys::cudnnBackendGetAttribute(self.0, name, ty, out.len() as i64, &mut n, ptr) }, what)?;
+        Ok(n)
+    }
+
     fn finalize(&self, what: &str) -> Result<(), String> {
         // SAFETY: a descriptor whose attributes were set.
         check(unsafe { sys::cudnnBackendFinalize(self.0) }, &format!("finalize {what}"))
@@ -416,63 +433,30 @@ fn choose_plan(handle: sys::cudnnHandle_t, graph: &Descriptor) -> Result<(Descri
             tried.push(e);
             continue;
         }
-        let mut count = 0i64;
-        // SAFETY: a query of the number of results (no array given).
-        let status = unsafe {
-            sys::cudnnBackendGetAttribute(
-                heur.0,
-                A::CUDNN_ATTR_ENGINEHEUR_RESULTS,
-                T::CUDNN_TYPE_BACKEND_DESCRIPTOR,
-                0,
-                &mut count,
-                std::ptr::null_mut(),
-            )
+        let results = (A::CUDNN_ATTR_ENGINEHEUR_RESULTS, T::CUDNN_TYPE_BACKEND_DESCRIPTOR);
+        let count = match heur.get::<sys::cudnnBackendDescriptor_t>(results.0, results.1, &mut [], "count the results")
+        {
+            Ok(count) => count,
+            Err(e) => {
+                tried.push(e);
+                continue;
+            }
         };
-        if let Err(e) = check(status, "count the heuristics' results") {
-            tried.push(e);
-            continue;
-        }
         let configs: Vec<Descriptor> =
             (0..count).map(|_| Descriptor::new(D::CUDNN_BACKEND_ENGINECFG_DESCRIPTOR)).collect::<Result<_, _>>()?;
+        // The created engine-configuration descriptors, for cuDNN to fill.
         let mut raw: Vec<sys::cudnnBackendDescriptor_t> = configs.iter().map(|c| c.0).collect();
-        let mut returned = 0i64;
-        // SAFETY: `raw` holds `count` created engine-configuration descriptors to fill.
-        check(
-            unsafe {
-                sys::cudnnBackendGetAttribute(
-                    heur.0,
-                    A::CUDNN_ATTR_ENGINEHEUR_RESULTS,
-                    T::CUDNN_TYPE_BACKEND_DESCRIPTOR,
-                    count,
-                    &mut returned,
-                    raw.as_mut_ptr().cast(),
-                )
-            },
-            "read the heuristics' results",
-        )?;
+        let returned = heur.get(results.0, results.1, &mut raw, "read the heuristics' results")?;
         for config in configs.iter().take(returned as usize) {
             let plan = Descriptor::new(D::CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR)?;
             plan.set(A::CUDNN_ATTR_EXECUTION_PLAN_HANDLE, T::CUDNN_TYPE_HANDLE, &[handle])?;
             plan.set_desc(A::CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, config)?;
             match plan.finalize("an execution plan") {
                 Ok(()) => {
-                    let mut bytes = 0i64;
-                    let mut n = 0i64;
-                    // SAFETY: reads one INT64 attribute of a finalized plan.
-                    check(
-                        unsafe {
-                            sys::cudnnBackendGetAttribute(
-                                plan.0,
-                                A::CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE,
-                                T::CUDNN_TYPE_INT64,
-                                1,
-                                &mut n,
-                                (&mut bytes as *mut i64).cast(),
-                            )
-                        },
-                        "the plan's workspace size",
-                    )?;
-                    return Ok((plan, bytes.max(0) as usize));
+                    let mut bytes = [0i64];
+                    let size = A::CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE;
+                    plan.get(size, T::CUDNN_TYPE_INT64, &mut bytes, "the plan's workspace size")?;
+                    return Ok((plan, bytes[0].max(0) as usize));
                 }
                 Err(e) => tried.push(e),
             }
