@@ -19,15 +19,13 @@ bench/compare.py runs this beside `engine bench` and the PyTorch peers.
 """
 
 import argparse
-import json
 import math
 import os
-import statistics
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from torch_train import resolved_recipe  # noqa: E402  (plain Python: no torch import at module level)
+from torch_train import report, resolved_recipe  # noqa: E402  (plain Python: no torch import at module level)
 
 
 def rope_frequencies(model, head_dim):
@@ -173,26 +171,20 @@ def main():
         if i >= args.warmup:
             times.append(elapsed)
             losses.append(loss)
-    median = statistics.median(times)
-    tokens = batch * seq * accum
     device = jax.devices()[0]
     stats = device.memory_stats() or {}
-    json.dump(
+    report(
         {
             "peer": f"jax + {args.attention} attention",
             "jax": jax.__version__,
             "recipe": args.recipe,
             "device": getattr(device, "device_kind", str(device)),
-            "tokens_per_step": tokens,
-            "median_step_time_s": median,
-            "tokens_per_s": tokens / median,
-            "final_loss": losses[-1],
-            "peak_memory_gib": stats["peak_bytes_in_use"] / 2**30 if "peak_bytes_in_use" in stats else None,
         },
-        sys.stdout,
+        batch * seq * accum,
+        times,
+        losses,
+        stats["peak_bytes_in_use"] / 2**30 if "peak_bytes_in_use" in stats else None,
     )
-    print()
-
 
 if __name__ == "__main__":
     main()

@@ -37,6 +37,24 @@ def resolved_recipe(engine, recipe, sets):
     return tomllib.loads(text.split("\n# size")[0])
 
 
+def report(about, tokens, times, losses, peak_memory_gib):
+    """Prints a peer's result as one JSON line: `about` (peer, versions, recipe, device) and the
+    step figures bench/compare.py reads."""
+    median = statistics.median(times)
+    json.dump(
+        dict(
+            about,
+            tokens_per_step=tokens,
+            median_step_time_s=median,
+            tokens_per_s=tokens / median,
+            final_loss=losses[-1],
+            peak_memory_gib=peak_memory_gib,
+        ),
+        sys.stdout,
+    )
+    print()
+
+
 def hf_config(model):
     """A transformers config for the engine's model section."""
     import transformers
@@ -189,9 +207,7 @@ def main():
         if step >= args.warmup:
             times.append(elapsed)
             losses.append(loss)
-    median = statistics.median(times)
-    tokens = batch * seq * accum
-    json.dump(
+    report(
         {
             "peer": "pytorch" + (f" + torch.compile ({args.compile})" if args.compile else " eager"),
             "torch": torch.__version__,
@@ -199,16 +215,12 @@ def main():
             "recipe": args.recipe,
             "device": torch.cuda.get_device_name() if cuda else args.device,
             "threads": args.threads,
-            "tokens_per_step": tokens,
-            "median_step_time_s": median,
-            "tokens_per_s": tokens / median,
-            "final_loss": losses[-1],
-            "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
         },
-        sys.stdout,
+        batch * seq * accum,
+        times,
+        losses,
+        torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
     )
-    print()
-
 
 if __name__ == "__main__":
     main()
