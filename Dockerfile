@@ -91,11 +91,9 @@ ARG BASE
 COPY --from=build /out/ /
 COPY --from=sbom /sbom.spdx.json /opt/distro/sbom.spdx.json
 # The flags of docs/flags.md (a test keeps this list equal to images/engine.toml).
-ENV CUDA_DEVICE_MAX_CONNECTIONS=1 \
-    CUDA_MODULE_LOADING=EAGER \
+ENV CUDA_MODULE_LOADING=EAGER \
     ENGINE_DEFAULT_FLAGS="" \
     NCCL_DEBUG=WARN \
-    NCCL_NVLS_ENABLE=0 \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility \
     NVIDIA_VISIBLE_DEVICES=all
 LABEL org.opencontainers.image.title="engine" \

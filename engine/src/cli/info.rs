@@ -2,7 +2,7 @@
 
 use anyhow::Result;
 use engine::backend::cpu;
-use engine::backend::cuda::{cudnn, device, nvrtc};
+use engine::backend::cuda::{cudnn, device, flags, nvrtc};
 
 /// Where an image keeps the lock of the sources it was built from.
 const LOCK_IN_IMAGE: &str = "/opt/distro/manifest.lock";
@@ -12,7 +12,8 @@ pub fn run() -> Result<()> {
     println!("target        {}-{}", std::env::consts::ARCH, std::env::consts::OS);
     println!("\ndevices");
     println!("  cpu         {} ({} threads)", cpu::model_name(), rayon::current_num_threads());
-    match device::probe() {
+    let probed = device::probe();
+    match &probed {
         Ok(devices) => {
             for d in devices {
                 let peak = device::peak_tflops(&d.name)
@@ -51,6 +52,12 @@ pub fn run() -> Result<()> {
             cudnn::dotted(v)
         ),
         Err(e) => println!("  cudnn       none: {e}; attention runs on the native kernels"),
+    }
+    // What the engine decides by GPU generation, for the device a single-GPU run opens.
+    println!("\nflags by GPU generation (cuda:0; docs/flags.md)");
+    let capability = probed.as_ref().ok().and_then(|d| d.first()).map(|d| d.capability);
+    for (name, decision) in flags::decisions(capability, |k| std::env::var(k).ok()) {
+        println!("  {name:<28} {decision}");
     }
     println!("\nflags in effect");
     let mut any = false;

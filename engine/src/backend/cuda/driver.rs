@@ -56,6 +56,8 @@ impl Gpu {
                 device::LIB_PATH_VAR
             ));
         }
+        // Flags by GPU generation: the driver reads them when the context is created.
+        super::flags::apply(info.capability);
         let ctx = CudaContext::new(ordinal).map_err(|e| format!("cannot open CUDA device {ordinal}: {e}"))?;
         // One stream and raw allocations: cudarc's per-slice event tracking has nothing to guard.
         // SAFETY: no cudarc slices are used here.
