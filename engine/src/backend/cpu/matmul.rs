@@ -1,4 +1,4 @@
-//! Matrix products through the `gemm` crate.
+//! Matrix products through the `gemm` family of crates (gemm-f32's kernels, [`sgemm`]).
 //!
 //! `gemm` is fast when both operands are row-major (`a · b`, and with a transposed left operand)
 //! but about three times slower on `x · Wᵀ` with few rows — the forward pass of every linear
@@ -6,6 +6,7 @@
 //! 22016: 85 ms direct, 30 ms as below). For those, [`matmul`] computes `(W · xᵀ)ᵀ` instead: it
 //! transposes the small `x` and the small result, and multiplies row-major operands.
 
+pub(crate) use gemm_common::Parallelism;
 use rayon::prelude::*;
 
 use crate::backend::MatMul;
@@ -104,31 +105,72 @@ fn gemm_raw(out: &mut [f32], a: &[f32], b: &[f32], s: MatMul) {
     let (a_cs, a_rs) = if s.a_t { (s.m, 1) } else { (1, s.k) };
     let (b_cs, b_rs) = if s.b_t { (s.k, 1) } else { (1, s.n) };
     let threads = rayon::current_num_threads();
-    let parallelism =
-        if threads > 1 && s.flops() > 2e6 { gemm::Parallelism::Rayon(threads) } else { gemm::Parallelism::None };
+    let parallelism = if threads > 1 && s.flops() > 2e6 { Parallelism::Rayon(threads) } else { Parallelism::None };
     // SAFETY: the slices hold exactly the elements the shapes and strides address (asserted).
     unsafe {
-        gemm::gemm(
-            s.m,
-            s.n,
-            s.k,
+        sgemm(
+            (s.m, s.n, s.k),
             out.as_mut_ptr(),
-            1,
-            s.n as isize,
+            (1, s.n as isize),
             s.accumulate,
-            a.as_ptr(),
-            a_cs as isize,
-            a_rs as isize,
-            b.as_ptr(),
-            b_cs as isize,
-            b_rs as isize,
+            (a.as_ptr(), a_cs as isize, a_rs as isize),
+            (b.as_ptr(), b_cs as isize, b_rs as isize),
+            parallelism,
+        );
+    }
+}
+
+/// `dst = lhs · rhs`, plus `dst` when `accumulate`: f32, `m × k` times `k × n`, each operand
+/// given by its first element and its (column, row) strides in elements, through gemm-f32's
+/// kernels.
+///
+/// This is the orientation step of the `gemm` front crate's `gemm::gemm` (0.19), kept here so
+/// that the f64 and complex kernels that crate also builds stay out of the tree: the
+/// microkernels want a column-major destination, so a row-major one is computed as its
+/// transpose, `dstᵀ = rhsᵀ · lhsᵀ`. Strides are never negative here (the front crate also flips
+/// those).
+///
+/// # Safety
+///
+/// Each pointer addresses every element its shape and strides reach.
+pub(crate) unsafe fn sgemm(
+    (m, n, k): (usize, usize, usize),
+    dst: *mut f32,
+    (dst_cs, dst_rs): (isize, isize),
+    accumulate: bool,
+    lhs: (*const f32, isize, isize),
+    rhs: (*const f32, isize, isize),
+    parallelism: Parallelism,
+) {
+    debug_assert!([dst_cs, dst_rs, lhs.1, lhs.2, rhs.1, rhs.2].iter().all(|&s| s >= 0));
+    let ((m, n), (dst_cs, dst_rs), lhs, rhs) = if dst_cs < dst_rs {
+        ((n, m), (dst_rs, dst_cs), (rhs.0, rhs.2, rhs.1), (lhs.0, lhs.2, lhs.1))
+    } else {
+        ((m, n), (dst_cs, dst_rs), lhs, rhs)
+    };
+    // SAFETY: the caller's promise, for the same elements under either orientation.
+    unsafe {
+        gemm_f32::gemm::f32::get_gemm_fn()(
+            m,
+            n,
+            k,
+            dst,
+            dst_cs,
+            dst_rs,
+            accumulate,
+            lhs.0,
+            lhs.1,
+            lhs.2,
+            rhs.0,
+            rhs.1,
+            rhs.2,
             1.0,
             1.0,
             false,
             false,
             false,
             parallelism,
-        );
+        )
     }
 }
 

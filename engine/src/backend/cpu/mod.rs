@@ -21,6 +21,7 @@ mod gelu;
 mod layernorm;
 mod loss;
 mod matmul;
+pub(crate) use matmul::{Parallelism, sgemm};
 mod moe;
 mod norm;
 mod reduce;

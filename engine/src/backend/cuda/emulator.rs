@@ -34,6 +34,7 @@ use super::blas::Gemm;
 use super::device::DeviceInfo;
 use super::ops::{COMMON, MODULES};
 use super::{DType, Device, nvrtc};
+use crate::backend::cpu::{Parallelism, sgemm};
 
 const PRELUDE: &str = include_str!("emu/prelude.h");
 const OPS: &str = include_str!("emu/ops.h");
@@ -347,26 +348,14 @@ fn gemm(g: &Gemm) {
     if g.m > 0 && g.n > 0 {
         // SAFETY: the buffers hold every element the shapes and strides address.
         unsafe {
-            gemm::gemm(
-                g.m,
-                g.n,
-                g.k,
+            sgemm(
+                (g.m, g.n, g.k),
                 c.as_mut_ptr(),
-                g.ldc as isize,
-                1,
+                (g.ldc as isize, 1),
                 g.beta != 0.0,
-                a.as_ptr(),
-                a_cs as isize,
-                a_rs as isize,
-                b.as_ptr(),
-                b_cs as isize,
-                b_rs as isize,
-                1.0,
-                1.0,
-                false,
-                false,
-                false,
-                gemm::Parallelism::Rayon(rayon::current_num_threads()),
+                (a.as_ptr(), a_cs as isize, a_rs as isize),
+                (b.as_ptr(), b_cs as isize, b_rs as isize),
+                Parallelism::Rayon(rayon::current_num_threads()),
             )
         }
     }
