@@ -4,7 +4,8 @@ use super::parse_repo;
 use crate::dated::parse_date;
 use crate::docker::Gpus;
 use crate::error::bad_input;
-use crate::triage::{Criterion, Options, triage};
+use crate::registry::reference::Reference;
+use crate::triage::{Criterion, Ends, Options, triage};
 use anyhow::Result;
 use clap::Args;
 use std::path::PathBuf;
@@ -13,17 +14,17 @@ use std::process::ExitCode;
 /// The arguments of `distro triage`.
 #[derive(Args, Debug)]
 pub struct TriageArgs {
-    /// Repository holding the dated images, e.g. ghcr.io/org/distro.
+    /// Repository holding the dated images, e.g. ghcr.io/org/distro (with dates for --good and --bad).
     #[arg(long, value_name = "REPO")]
-    pub repo: String,
-    /// Image name: the tags are NAME-YYYY-MM-DD.
+    pub repo: Option<String>,
+    /// Image name: the tags are NAME-YYYY-MM-DD, and rebuilds use images/NAME.toml.
     #[arg(long, default_value = "engine", value_name = "NAME", value_parser = super::image_name)]
     pub image: String,
-    /// A date whose image passes.
-    #[arg(long, value_name = "YYYY-MM-DD")]
+    /// A date whose image passes (with --repo), or an image that passes (REPO:TAG or REPO@DIGEST).
+    #[arg(long, value_name = "YYYY-MM-DD|IMAGE")]
     pub good: String,
-    /// A later date whose image fails.
-    #[arg(long, value_name = "YYYY-MM-DD")]
+    /// A later date whose image fails (with --repo), or an image that fails.
+    #[arg(long, value_name = "YYYY-MM-DD|IMAGE")]
     pub bad: String,
     /// Decide by this number in $TRIAGE_OUT/metrics.json (with --threshold) as well as by exit code.
     #[arg(long, value_name = "NAME", requires = "threshold")]
@@ -72,14 +73,7 @@ pub fn triage_cmd(args: TriageArgs) -> Result<ExitCode> {
 
 /// Parses and checks the arguments; every problem is bad input (exit 2).
 fn check_args(a: TriageArgs) -> Result<Options> {
-    let repo = parse_repo(&a.repo)?;
-    let good = parse_date(&a.good)
-        .ok_or_else(|| bad_input(format!("--good {:?} is not a date in YYYY-MM-DD form", a.good)))?;
-    let bad =
-        parse_date(&a.bad).ok_or_else(|| bad_input(format!("--bad {:?} is not a date in YYYY-MM-DD form", a.bad)))?;
-    if good >= bad {
-        return Err(bad_input(format!("--good {} must be before --bad {}", a.good, a.bad)));
-    }
+    let ends = ends(a.repo.as_deref(), &a.good, &a.bad)?;
     for e in &a.env {
         if !e.contains('=') {
             return Err(bad_input(format!("--env {e:?}: expected KEY=VALUE")));
@@ -89,11 +83,9 @@ fn check_args(a: TriageArgs) -> Result<Options> {
         return Err(bad_input("--threshold must be a finite number"));
     }
     Ok(Options {
-        repo,
+        ends,
         criterion: Criterion { metric: a.metric.zip(a.threshold), higher_is_better: a.higher_is_better },
         image: a.image,
-        good: a.good,
-        bad: a.bad,
         summary: a.summary,
         dates_only: a.dates_only,
         base: a.base,
@@ -106,6 +98,41 @@ fn check_args(a: TriageArgs) -> Result<Options> {
     })
 }
 
+/// `--good` and `--bad`: two dates of `--repo`'s dated tags, or, without `--repo`, two
+/// images by tag or digest.
+fn ends(repo: Option<&str>, good: &str, bad: &str) -> Result<Ends> {
+    let looks_like_date = |s: &str| s.len() == 10 && s.bytes().all(|b| b.is_ascii_digit() || b == b'-');
+    if let Some(repo) = repo {
+        let repo = parse_repo(repo)?;
+        let date = |flag: &str, s: &str| {
+            parse_date(s).ok_or_else(|| {
+                bad_input(format!(
+                    "{flag} {s:?} is not a date in YYYY-MM-DD form (with --repo, --good and --bad are dates)"
+                ))
+            })
+        };
+        if date("--good", good)? >= date("--bad", bad)? {
+            return Err(bad_input(format!("--good {good} must be before --bad {bad}")));
+        }
+        return Ok(Ends::Dates { repo, good: good.into(), bad: bad.into() });
+    }
+    let image = |flag: &str, s: &str| {
+        if looks_like_date(s) {
+            return Err(bad_input(format!("{flag} {s}: a date needs --repo, the repository of the dated images")));
+        }
+        let r = Reference::parse(s).map_err(|e| bad_input(format!("{flag} {s:?}: {e:#}")))?;
+        if r.tag.is_none() && r.digest.is_none() {
+            return Err(bad_input(format!("{flag} {s:?}: name the image by tag or digest (REPO:TAG or REPO@DIGEST)")));
+        }
+        Ok(r)
+    };
+    let (good, bad) = (image("--good", good)?, image("--bad", bad)?);
+    if good == bad {
+        return Err(bad_input(format!("--good and --bad are the same image, {good}")));
+    }
+    Ok(Ends::Images { good, bad })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -114,7 +141,7 @@ mod tests {
     #[test]
     fn arguments_are_checked() {
         let args = |good: &str, bad: &str, repo: &str| TriageArgs {
-            repo: repo.into(),
+            repo: (!repo.is_empty()).then(|| repo.into()),
             image: "engine".into(),
             good: good.into(),
             bad: bad.into(),
@@ -140,5 +167,16 @@ mod tests {
         assert!(msg(args("2026-13-01", "2026-01-02", "localhost:5000/x")).contains("--good"));
         assert!(msg(args("2026-01-01", "2026-01-02", "localhost:5000/x:tag")).contains("without a tag"));
         assert!(check_args(args("2026-01-01", "2026-01-02", "localhost:5000/x")).is_ok());
+        // Two images instead of two dates: no --repo, each by tag or digest.
+        let o =
+            check_args(args("localhost:5000/x:engine-2026-01-01", "localhost:5000/x:engine-2026-01-09", "")).unwrap();
+        assert!(matches!(o.ends, Ends::Images { ref bad, .. } if bad.tag.as_deref() == Some("engine-2026-01-09")));
+        assert!(msg(args("2026-01-01", "2026-01-02", "")).contains("a date needs --repo"));
+        assert!(msg(args("localhost:5000/x:a", "localhost:5000/x", "")).contains("by tag or digest"));
+        assert!(msg(args("localhost:5000/x:a", "localhost:5000/x:a", "")).contains("the same image"));
+        assert!(
+            msg(args("localhost:5000/x:a", "2026-01-02", "localhost:5000/x"))
+                .contains("with --repo, --good and --bad are dates")
+        );
     }
 }

@@ -359,7 +359,14 @@ pub fn build(opts: &BuildOptions, dir: &BuildDir, client: &Client, progress: &Pr
         manifests.push((p.clone(), md));
         sizes.push(super::size::measure(&p.to_string(), &layers, &store, &cache.join("sizes"))?);
     }
-    let index = image_index(&manifests, &annotations)?;
+    // The index names every platform of its definition, so that a publisher can refuse an
+    // index that lost one (a `--platform` subset written to a layout, then pushed).
+    let mut index_annotations = annotations.clone();
+    index_annotations.insert(
+        crate::publish::registry::PLATFORMS_ANNOTATION.into(),
+        def.platforms.iter().map(Platform::to_string).collect::<Vec<_>>().join(","),
+    );
+    let index = image_index(&manifests, &index_annotations)?;
     store.put(&index)?;
     let index_desc = Descriptor::of(OCI_INDEX, &index);
     manifest_docs.push(ManifestDoc::new(OCI_INDEX, index));

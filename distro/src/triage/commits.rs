@@ -1,9 +1,10 @@
 //! Stage 2: the upstream commit. The pins of the last good and first bad image are compared;
 //! the git sources that moved are stepped from good to bad one at a time to find the one that
-//! breaks the command, then its commits between the two pins are bisected by rebuilding.
-use super::Triage;
+//! breaks the command, then its commits between the two pins are bisected by rebuilding, in a
+//! checkout of the failing image's own revision ([`super::revision`]).
 use super::rebuild::{Rebuild, rebuild_and_run};
-use crate::dated::{DatedTag, Found, Verdict};
+use super::{Pair, Triage};
+use crate::dated::{Found, Verdict};
 use crate::error::bad_input;
 use crate::git::Git;
 use crate::image::sources::PIN_ANNOTATION_PREFIX;
@@ -49,7 +50,7 @@ fn commits_between(dir: &Path, url: &str, tracking_ref: &str, good: &str, bad: &
 }
 
 /// The annotations of a tag's index (or manifest).
-fn annotations(client: &Client, r: &Reference) -> Result<BTreeMap<String, String>> {
+pub(super) fn annotations(client: &Client, r: &Reference) -> Result<BTreeMap<String, String>> {
     let m = client.fetch_manifest(r)?;
     let v: Value = serde_json::from_slice(&m.bytes)?;
     Ok(v.get("annotations")
@@ -68,29 +69,41 @@ fn pins(ann: &BTreeMap<String, String>) -> BTreeMap<String, String> {
 
 /// Stage 2: the git sources that moved between the two images, the one that breaks the command,
 /// then its commit; returns why it stopped short of a commit, if it did.
-#[allow(clippy::too_many_arguments)]
 pub(super) fn find(
     t: &mut Triage,
     client: &Client,
-    repo: &Reference,
     ws: &Workspace,
-    lg: &DatedTag,
-    fb: &DatedTag,
+    pair: &Pair,
     summary: &mut Value,
     culprit: &mut Value,
 ) -> Result<Option<String>> {
-    let good_ann = annotations(client, &repo.with_tag(&lg.tag))?;
-    let bad_ann = annotations(client, &repo.with_tag(&fb.tag))?;
+    let good_ann = annotations(client, &pair.good)?;
+    let bad_ann = annotations(client, &pair.bad)?;
     let (good_pins, bad_pins) = (pins(&good_ann), pins(&bad_ann));
     let rev = |a: &BTreeMap<String, String>| a.get("org.opencontainers.image.revision").cloned().unwrap_or_default();
     summary["revisions"] = json!({"good": rev(&good_ann), "bad": rev(&bad_ann)});
-    let manifest_path = ws.root.join(crate::sources::DEFAULT_MANIFEST);
+    // The project as the failing image was built: its definition, patches, lock and manifest.
+    let bad_rev = rev(&bad_ann);
+    let Some((commit, dirty)) = super::revision::commit_of(&bad_rev) else {
+        bail!(
+            "{}: the image records no revision (org.opencontainers.image.revision is {bad_rev:?}), so it cannot be rebuilt as it was",
+            pair.bad
+        );
+    };
+    let root = super::revision::checkout(ws, &t.work, commit, &pair.bad.to_string())?;
+    t.progress.info(format!(
+        "triage: rebuilding at {}'s revision {commit}{}",
+        pair.bad_label,
+        if dirty { " (it was built from uncommitted changes to it, which cannot be rebuilt)" } else { "" }
+    ));
+    summary["rebuilt_at"] = json!(commit);
+    let manifest_path = root.join(crate::sources::DEFAULT_MANIFEST);
     let manifest = Manifest::load(&manifest_path)?;
     let mut moved: Vec<Moved> = Vec::new();
     let mut notes = Vec::new();
     for (name, bad_pin) in &bad_pins {
         let Some(good_pin) = good_pins.get(name) else {
-            notes.push(format!("source {name} is new in {}", fb.date));
+            notes.push(format!("source {name} is new in {}", pair.bad_label));
             continue;
         };
         if good_pin == bad_pin {
@@ -121,8 +134,8 @@ pub(super) fn find(
     if moved.is_empty() {
         return Ok(Some(format!(
             "no git source moved between {} and {}: look at the project's own changes ({}..{})",
-            lg.date,
-            fb.date,
+            pair.good,
+            pair.bad,
             rev(&good_ann),
             rev(&bad_ann)
         )));
@@ -134,7 +147,7 @@ pub(super) fn find(
             let digest = bad_ann.get("org.opencontainers.image.base.digest");
             match (name, digest) {
                 (Some(n), Some(d)) => Reference::parse(&format!("{n}@{d}"))?,
-                _ => bail!("{}: the image does not name its base; pass --base", fb.tag),
+                _ => bail!("{}: the image does not name its base; pass --base", pair.bad),
             }
         }
     };
@@ -148,7 +161,7 @@ pub(super) fn find(
     for m in &moved {
         env.insert(m.name.clone(), (m.url.clone(), m.good.clone()));
     }
-    let ctx = Rebuild { ws_root: ws.root.clone(), base, date: fb.date.clone(), image: t.args.image.clone() };
+    let ctx = Rebuild { ws_root: root, base, date: pair.date.clone(), image: image_name(&t.args.image, &bad_ann) };
     let start = rebuild_and_run(t, client, &ctx, &env, "all sources at the good pins");
     if start.verdict != Verdict::Pass {
         return Ok(Some(format!(
@@ -210,6 +223,15 @@ pub(super) fn find(
     let last_good = if found.last_pass == 0 { m.good.clone() } else { m.commits[found.last_pass - 1].0.clone() };
     culprit["last_good_commit"] = json!(last_good);
     Ok(None)
+}
+
+/// The image definition a rebuild uses: `--image`, or, when left at its default, the one the
+/// failing image names (`org.opencontainers.image.title`, the definition's `name`).
+fn image_name(arg: &str, ann: &BTreeMap<String, String>) -> String {
+    match ann.get("org.opencontainers.image.title") {
+        Some(title) if arg == "engine" && !title.is_empty() => title.clone(),
+        _ => arg.to_string(),
+    }
 }
 
 fn short(c: &str) -> &str {

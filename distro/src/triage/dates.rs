@@ -14,6 +14,7 @@ pub(super) fn find(
     t: &mut Triage,
     client: &Client,
     repo: &Reference,
+    (good_date, bad_date): (&str, &str),
     summary: &mut Value,
 ) -> Result<(DatedTag, DatedTag)> {
     let tags = client.list_tags(repo)?;
@@ -32,9 +33,9 @@ pub(super) fn find(
             ))
         })
     };
-    let (gi, bi) = (find("--good", &t.args.good)?, find("--bad", &t.args.bad)?);
+    let (gi, bi) = (find("--good", good_date)?, find("--bad", bad_date)?);
     let dates: Vec<DatedTag> = dated[gi..=bi].to_vec();
-    t.progress.info(format!("triage: {} dated images from {} to {}", dates.len(), t.args.good, t.args.bad));
+    t.progress.info(format!("triage: {} dated images from {} to {}", dates.len(), good_date, bad_date));
     let image_of = |d: &DatedTag| repo.with_tag(&d.tag).to_string();
     let good = t.run_in("date", &dates[0].date, &image_of(&dates[0]), 0.0);
     match good.verdict {
@@ -42,10 +43,10 @@ pub(super) fn find(
         Verdict::Fail => {
             return Err(bad_input(format!(
                 "--good {}: the command fails in {} too; give an earlier good date",
-                t.args.good, good.image
+                good_date, good.image
             )));
         }
-        Verdict::Skip => bail!("--good {}: {}", t.args.good, good.note.unwrap_or_default()),
+        Verdict::Skip => bail!("--good {}: {}", good_date, good.note.unwrap_or_default()),
     }
     let last = dates.len() - 1;
     let bad = t.run_in("date", &dates[last].date, &image_of(&dates[last]), 0.0);
@@ -54,10 +55,10 @@ pub(super) fn find(
         Verdict::Pass => {
             return Err(bad_input(format!(
                 "--bad {}: the command passes in {}; give a date that fails",
-                t.args.bad, bad.image
+                bad_date, bad.image
             )));
         }
-        Verdict::Skip => bail!("--bad {}: {}", t.args.bad, bad.note.unwrap_or_default()),
+        Verdict::Skip => bail!("--bad {}: {}", bad_date, bad.note.unwrap_or_default()),
     }
     let found = search(0, last, &mut |i| t.run_in("date", &dates[i].date, &image_of(&dates[i]), 0.0).verdict);
     let (lg, fb) = (&dates[found.last_pass], &dates[found.first_fail]);

@@ -11,6 +11,13 @@
 //!    image definition and patches, the bad image's base) and running the command. A commit
 //!    that does not build is skipped and reported ([`commits`], [`rebuild`]).
 //!
+//! Rebuilds happen in a checkout of the project at the failing image's own recorded revision
+//! (`org.opencontainers.image.revision`), so its image definition, patches and lock are the
+//! ones it was built with, not the checkout's `HEAD` ([`revision`]).
+//!
+//! `--good IMAGE --bad IMAGE` compares two given images instead of dates: both are run, then
+//! stage 2 runs on them ([`images`]).
+//!
 //! The command runs in the container with `$TRIAGE_OUT` (a host directory mounted at
 //! `/triage`); with `--metric NAME --threshold X` it must write `$TRIAGE_OUT/metrics.json`, a
 //! JSON object with a number under `NAME`, and the point fails when that number is above `X`
@@ -33,25 +40,44 @@ use std::time::Instant;
 
 pub mod commits;
 pub mod dates;
+pub mod images;
 pub mod point;
 pub mod rebuild;
+pub mod revision;
 
 pub use point::{Criterion, Point};
 
 /// Where the command finds its output directory inside the container.
 pub const TRIAGE_MOUNT: &str = "/triage";
 
+/// What `--good` and `--bad` name.
+#[derive(Clone, Debug)]
+pub enum Ends {
+    /// Two dates of the dated tags `NAME-YYYY-MM-DD` of a repository (no tag, no digest).
+    Dates {
+        /// The repository (`--repo`).
+        repo: Reference,
+        /// A date whose image passes.
+        good: String,
+        /// A later date whose image fails.
+        bad: String,
+    },
+    /// Two given images (`REPO:TAG` or `REPO@DIGEST`): one that passes, one that fails.
+    Images {
+        /// The image that passes.
+        good: Reference,
+        /// The image that fails.
+        bad: Reference,
+    },
+}
+
 /// What one triage run looks for, checked (the command line's `TriageArgs` after parsing).
 #[derive(Clone, Debug)]
 pub struct Options {
-    /// Repository holding the dated images (no tag, no digest).
-    pub repo: Reference,
-    /// Image name: the tags are NAME-YYYY-MM-DD.
+    /// The two ends: dates of a repository, or two images.
+    pub ends: Ends,
+    /// Image name: the tags are NAME-YYYY-MM-DD, and rebuilds use `images/NAME.toml`.
     pub image: String,
-    /// A date whose image passes.
-    pub good: String,
-    /// A later date whose image fails.
-    pub bad: String,
     /// How a point's exit code and metrics become a verdict.
     pub criterion: Criterion,
     /// Where to write the JSON summary, if anywhere.
@@ -91,7 +117,6 @@ struct Triage {
 /// Runs a triage: prints the culprit line (and the commits that did not build) on stdout and
 /// writes the summary, when asked, whatever happened.
 pub fn triage(args: Options) -> Result<()> {
-    let repo = args.repo.clone();
     let host = Platform::host().ok_or_else(|| anyhow::anyhow!("this machine's architecture has no image platform"))?;
     let ws = Workspace::open(&std::env::current_dir()?).ok();
     // The build directory is held for the whole triage (its rebuilds stage and build there), and
@@ -122,12 +147,20 @@ pub fn triage(args: Options) -> Result<()> {
         started: Instant::now(),
     };
     let mut summary = json!({});
-    let result = run(&mut t, &client, &repo, ws.as_ref(), &mut summary);
+    let result = run(&mut t, &client, ws.as_ref(), &mut summary);
     // The summary is written whatever happened, with what was tested.
-    summary["repo"] = json!(repo.name());
+    match &t.args.ends {
+        Ends::Dates { repo, good, bad } => {
+            summary["repo"] = json!(repo.name());
+            summary["good"] = json!(good);
+            summary["bad"] = json!(bad);
+        }
+        Ends::Images { good, bad } => {
+            summary["good"] = json!(good.to_string());
+            summary["bad"] = json!(bad.to_string());
+        }
+    }
     summary["image"] = json!(t.args.image);
-    summary["good"] = json!(t.args.good);
-    summary["bad"] = json!(t.args.bad);
     summary["command"] = json!(t.args.command);
     summary["criterion"] = match &t.criterion.metric {
         Some((m, x)) => {
@@ -148,17 +181,43 @@ pub fn triage(args: Options) -> Result<()> {
     result
 }
 
+/// The two images stage 2 compares: the last that passes and the first that fails.
+pub(crate) struct Pair {
+    /// The passing image.
+    pub good: Reference,
+    /// The failing image.
+    pub bad: Reference,
+    /// How the failing one is named in messages (its date, or its reference).
+    pub bad_label: String,
+    /// The date the rebuilds are tagged with.
+    pub date: String,
+}
+
 /// Both stages, then the culprit line on stdout.
-fn run(t: &mut Triage, client: &Client, repo: &Reference, ws: Option<&Workspace>, summary: &mut Value) -> Result<()> {
-    let (lg, fb) = dates::find(t, client, repo, summary)?;
-    let (lg, fb) = (&lg, &fb);
-    let mut culprit = json!({"date": fb.date});
+fn run(t: &mut Triage, client: &Client, ws: Option<&Workspace>, summary: &mut Value) -> Result<()> {
+    // 1. The first failing date, or the two given images checked.
+    let (pair, mut culprit, mut line) = match t.args.ends.clone() {
+        Ends::Dates { repo, good, bad } => {
+            let (lg, fb) = dates::find(t, client, &repo, (&good, &bad), summary)?;
+            let pair = Pair {
+                good: repo.with_tag(&lg.tag),
+                bad: repo.with_tag(&fb.tag),
+                bad_label: fb.date.clone(),
+                date: fb.date.clone(),
+            };
+            (pair, json!({"date": fb.date}), format!("culprit: date {} (last good {})", fb.date, lg.date))
+        }
+        Ends::Images { good, bad } => {
+            let pair = images::check(t, client, &good, &bad)?;
+            (pair, json!({"image": bad.to_string()}), format!("culprit: image {bad} (good {good})"))
+        }
+    };
 
     // 2. Upstream commits.
     let outcome = if t.args.dates_only {
         Some("commits not bisected (--dates-only)".to_string())
     } else if let Some(ws) = ws {
-        commits::find(t, client, repo, ws, lg, fb, summary, &mut culprit)?
+        commits::find(t, client, ws, &pair, summary, &mut culprit)?
     } else {
         Some("commits not bisected: not run inside a checkout of the project".to_string())
     };
@@ -167,7 +226,6 @@ fn run(t: &mut Triage, client: &Client, repo: &Reference, ws: Option<&Workspace>
         culprit["note"] = json!(why);
     }
     summary["culprit"] = culprit.clone();
-    let mut line = format!("culprit: date {} (last good {})", fb.date, lg.date);
     if let (Some(s), Some(c)) = (culprit["source"].as_str(), culprit["commit"].as_str()) {
         line += &format!(", source {s}, commit {c} {:?}", culprit["subject"].as_str().unwrap_or(""));
     }
