@@ -6,8 +6,11 @@
 # tests/fixtures/triage (no cargo build: the image content is the probe/ directory of a fixture
 # upstream repository, built by `distro build` through `[[source_tree]]`), with a regression
 # planted in a known upstream commit, then checks that triage finds the date and the commit,
-# by exit code and by a metric, that a commit which does not build is skipped and reported, and
-# that retention deletes what it should and nothing a kept tag needs.
+# by exit code (over dates) and by a metric (between two given images, --good/--bad IMAGE),
+# rebuilding at the failing image's own revision while the checkout's HEAD no longer builds,
+# that a commit which does not build is skipped and reported, that an index lacking a platform
+# of its definition is not pushed, and that retention deletes what it should and nothing a kept
+# tag needs.
 #
 #   tests/e2e/triage.sh            # needs root (apt, dockerd)
 #
@@ -136,6 +139,15 @@ phase "bad input: one line, exit code 2"
 (cd "$P" && AFTER_WORK=1 expect_fail 2 "the command passes" "$DISTRO" triage --repo "$REPO" --image probe --good 2026-03-01 --bad 2026-03-04 --dates-only -- /opt/probe/check.sh)
 (cd "$P" && expect_fail 2 "YYYY-MM-DD" "$DISTRO" retention --repo "$REPO" --image probe --keep-days 3 --today 2026-03-32)
 
+phase "the checkout moves on: rebuilds must use each image's own revision, not HEAD"
+# HEAD's definition no longer builds the probe (its tree is gone): a triage that rebuilt HEAD
+# would skip every commit; one that rebuilds at the failing image's revision is unaffected.
+sed -i 's|^src = "probe"$|src = "moved-away"|' "$P/images/probe.toml"
+grep -q '^src = "moved-away"$' "$P/images/probe.toml" || die "could not change the checkout's definition"
+git -C "$P" add -A && pc -m "HEAD: the probe tree moved (rebuilds at HEAD cannot build)"
+REV05=$(git -C "$P" log --format=%H --grep '^nightly 2026-03-05$')
+[ -n "$REV05" ] || die "no nightly 2026-03-05 commit in the fixture project"
+
 phase "triage by exit code: 10 dates, then the upstream commits"
 S=$(date +%s%N)
 (cd "$P" && "$DISTRO" triage --repo "$REPO" --image probe --good 2026-03-01 --bad 2026-03-10 --gpus none --confirm 1 \
@@ -146,8 +158,9 @@ cat "$WORK/triage-exit.out" >&2
 grep -q "^culprit: date 2026-03-05 (last good 2026-03-04), source upstream, commit ${U[8]} \"check: stricter tolerance\"$" "$WORK/triage-exit.out" \
     || die "triage did not name 2026-03-05 and ${U[8]}: $(cat "$WORK/triage-exit.out")"
 grep -q "^skipped (did not build): upstream@${U[6]:0:12}" "$WORK/triage-exit.out" || die "the commit that does not build was not reported"
-jq -e --arg c "${U[8]}" --arg s "${U[6]:0:12}" '
+jq -e --arg c "${U[8]}" --arg s "${U[6]:0:12}" --arg r "$REV05" '
     .culprit.date == "2026-03-05" and .culprit.commit == $c and .culprit.candidates == [$c]
+    and .rebuilt_at == $r and .revisions.bad == $r
     and .last_good_date == "2026-03-04" and .first_bad_date == "2026-03-05"
     and ([.points[] | select(.kind == "commit" and .verdict == "skip") | .label] == ["upstream@" + $s])
     and ([.points[] | select(.kind == "date")] | length) <= 7
@@ -155,18 +168,33 @@ jq -e --arg c "${U[8]}" --arg s "${U[6]:0:12}" '
     and all(.points[]; .run_seconds >= 0 and (.verdict | IN("pass", "fail", "skip")))' "$WORK/triage-exit.json" >/dev/null \
     || die "the summary is not as expected: $(cat "$WORK/triage-exit.json")"
 
-phase "triage by metric: loss above 2.5 fails"
+phase "triage of two given images (--good IMAGE --bad IMAGE) by metric: loss above 2.5 fails"
+(cd "$P" && expect_fail 2 "a date needs --repo" "$DISTRO" triage --good 2026-03-04 --bad "$REPO:probe-2026-03-05" -- /opt/probe/check.sh)
 S=$(date +%s%N)
-(cd "$P" && "$DISTRO" triage --repo "$REPO" --image probe --good 2026-03-04 --bad 2026-03-05 --gpus none \
+(cd "$P" && "$DISTRO" triage --good "$REPO:probe-2026-03-04" --bad "$REPO:probe-2026-03-05" --image probe --gpus none \
     --metric loss --threshold 2.5 --summary "$WORK/triage-metric.json" --work-dir "$WORK/triage-work" \
     -- /opt/probe/check.sh >"$WORK/triage-metric.out" 2>"$WORK/triage-metric.log") \
     || die "metric triage failed: $(tail -5 "$WORK/triage-metric.log")"
-log "triage (metric): $((($(date +%s%N) - S) / 1000000)) ms"
+log "triage (two images, metric): $((($(date +%s%N) - S) / 1000000)) ms"
 cat "$WORK/triage-metric.out" >&2
-grep -q "^culprit: date 2026-03-05 (last good 2026-03-04), source upstream, commit ${U[4]} " "$WORK/triage-metric.out" \
-    || die "metric triage did not name ${U[4]}: $(cat "$WORK/triage-metric.out")"
-jq -e '[.points[] | select(.metric != null) | .metric] | (index(2) != null and index(2.6) != null)' "$WORK/triage-metric.json" >/dev/null \
-    || die "the summary does not record the metric values"
+grep -q "^culprit: image $REPO:probe-2026-03-05 (good $REPO:probe-2026-03-04), source upstream, commit ${U[4]} " "$WORK/triage-metric.out" \
+    || die "two-image triage did not name ${U[4]}: $(cat "$WORK/triage-metric.out")"
+jq -e --arg r "$REV05" '([.points[] | select(.metric != null) | .metric] | (index(2) != null and index(2.6) != null))
+    and ([.points[] | select(.kind == "image") | .verdict] == ["pass", "fail"]) and .rebuilt_at == $r' "$WORK/triage-metric.json" >/dev/null \
+    || die "the summary does not record the two images, the metric values and the revision: $(cat "$WORK/triage-metric.json")"
+# The checkout back to a definition that builds, for the phases below.
+git -C "$P" -c user.name=fixture -c user.email=fixture@example.invalid revert --no-edit HEAD >/dev/null
+grep -q '^src = "probe"$' "$P/images/probe.toml" || die "could not restore the checkout's definition"
+
+phase "publishing: an index lacking a platform of its definition is refused"
+PA="$WORK/project-arm64"
+rm -rf "$PA" && cp -r "$P" "$PA"
+sed -i 's|^platforms = .*|platforms = ["linux/amd64", "linux/arm64"]|' "$PA/images/probe.toml"
+(cd "$PA" && "$DISTRO" build --image probe --base "$BASE" --date 2026-03-20 --platform linux/amd64 --output "$WORK/oci-amd64-only" \
+    >/dev/null 2>"$WORK/amd64-only.log") || die "an amd64-only build to a layout failed: $(tail -3 "$WORK/amd64-only.log")"
+expect_fail 2 "lacks linux/arm64/v8, a platform of its image definition" \
+    "$DISTRO" push "$WORK/oci-amd64-only" "$REPO"
+curl -sf "http://$REG/v2/triage/tags/list" | jq -e '.tags | index("probe-2026-03-20") == null' >/dev/null || die "the refused index was pushed"
 
 phase "retention: keep 3 days and the first of the month"
 (cd "$P" && "$DISTRO" retention --repo "$REPO" --image probe --keep-days 3 --today 2026-03-10 --dry-run >"$WORK/ret-dry.out" 2>&1) \

@@ -61,6 +61,8 @@ pub fn push_cmd(a: PushArgs) -> Result<ExitCode> {
         return Err(bad_input(format!("{}: nothing to push (no named refs)", a.layout.display())));
     }
     let bundle = Bundle::from_layout(&layout, selected)?;
+    // Before any connection: an index lacking a platform of its definition is not published.
+    crate::publish::registry::check_platforms(&bundle)?;
     let client = Client::new(Credentials::from_environment(Some(target.api_host()))?, a.insecure)?;
     let published = publish(&Registry { client: &client, repo: target, chunk_size: a.chunk_size }, &bundle, &progress)?;
     for (name, digest) in &published.names {
