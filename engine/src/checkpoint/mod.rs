@@ -585,7 +585,7 @@ pub fn latest(parent: &Path) -> Result<Option<Checkpoint>> {
 /// The `mesh.*` keys may change too: checkpoints hold the whole, unsharded state, and the data
 /// position counts the samples of all ranks; so may the pipeline's micro-batches, schedule and layer split,
 /// which cut the same global batch differently (a pipeline run resumes on one device).
-pub const RESUMABLE_KEYS: [&str; 18] = [
+pub const RESUMABLE_KEYS: [&str; 19] = [
     "description",
     "extends",
     "train.steps",
@@ -601,6 +601,7 @@ pub const RESUMABLE_KEYS: [&str; 18] = [
     "train.eval_steps",
     "train.pipeline_microbatches",
     "train.pipeline_schedule",
+    "train.pipeline_virtual_stages",
     "train.pipeline_layers",
     "train.pipeline_split",
     "data.path",

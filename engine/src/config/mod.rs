@@ -293,6 +293,10 @@ pub struct TrainConfig {
     pub pipeline_microbatches: usize,
     /// The order in which pipeline stages run their micro-batches' passes.
     pub pipeline_schedule: PipelineSchedule,
+    /// Virtual stages per pipeline device (Megatron-LM's interleaved 1F1B): device `d` of `P`
+    /// holds the model chunks `d, d + P, d + 2P, …`, which cuts the bubble `V` times. More
+    /// than 1 only with `pipeline_schedule = "interleaved"`.
+    pub pipeline_virtual_stages: usize,
     /// Layers of each pipeline stage, first to last (one number per stage, each at least 1,
     /// summing to `model.n_layers`); empty: split automatically, balancing compute. An explicit
     /// split lets the stages that keep more micro-batches in flight hold fewer layers.
@@ -324,6 +328,11 @@ pub enum PipelineSchedule {
     /// Every forward pass, then every backward pass: all micro-batches in flight at once.
     #[serde(rename = "gpipe")]
     GPipe,
+    /// Megatron-LM's interleaved 1F1B over `pipeline_virtual_stages` model chunks per device:
+    /// the micro-batches go through the chunks in groups of `P`, and the bubble shrinks to
+    /// `(P − 1) / (V·M + P − 1)`.
+    #[serde(rename = "interleaved")]
+    Interleaved,
 }
 
 impl PipelineSchedule {
@@ -332,6 +341,7 @@ impl PipelineSchedule {
         match self {
             PipelineSchedule::OneFOneB => "1F1B",
             PipelineSchedule::GPipe => "GPipe",
+            PipelineSchedule::Interleaved => "interleaved 1F1B",
         }
     }
 }
@@ -389,6 +399,7 @@ impl Default for TrainConfig {
             memory_check: true,
             pipeline_microbatches: 1,
             pipeline_schedule: PipelineSchedule::OneFOneB,
+            pipeline_virtual_stages: 1,
             pipeline_layers: Vec::new(),
             pipeline_split: PipelineSplit::Compute,
         }
@@ -574,6 +585,7 @@ impl Config {
             ("train.seq_len", self.train.seq_len),
             ("train.grad_accum", self.train.grad_accum),
             ("train.pipeline_microbatches", self.train.pipeline_microbatches),
+            ("train.pipeline_virtual_stages", self.train.pipeline_virtual_stages),
         ];
         for (key, value) in positive {
             if value == 0 {
@@ -593,11 +605,19 @@ impl Config {
             ("model.moe.num_experts", m.moe.as_ref().map_or(1, |e| e.num_experts), 1 << 10),
             ("train.grad_accum", self.train.grad_accum, 1 << 20),
             ("train.pipeline_microbatches", self.train.pipeline_microbatches, 1 << 16),
+            ("train.pipeline_virtual_stages", self.train.pipeline_virtual_stages, 1 << 12),
         ];
         for (key, value, max) in at_most {
             if value > max {
                 return Err(format!("{key} = {value} is more than this engine trains (at most {max})"));
             }
+        }
+        let (v, schedule) = (self.train.pipeline_virtual_stages, self.train.pipeline_schedule);
+        if v > 1 && schedule != PipelineSchedule::Interleaved {
+            return Err(format!(
+                "train.pipeline_virtual_stages = {v} needs train.pipeline_schedule = \"interleaved\" (it is \"{}\")",
+                schedule.name()
+            ));
         }
         let layers = &self.train.pipeline_layers;
         if !layers.is_empty() {

@@ -139,8 +139,8 @@ impl Layout {
         let (d, v, f) = (m.d_model, m.vocab_size, m.mlp_dim);
         let mut b = Builder { tensors: Vec::new(), len: 0 };
         let embed = if stage.first { b.push("model.embed_tokens.weight", &[v, d], true) } else { 0 };
-        let mut layers = Vec::with_capacity(stage.layers.len());
-        for i in stage.layers.clone() {
+        let mut layers = Vec::with_capacity(stage.layer_count());
+        for i in stage.layer_indices() {
             let p = format!("model.layers.{i}");
             let start = b.len;
             let ln1 = b.push(&format!("{p}.input_layernorm.weight"), &[d], false);
@@ -198,8 +198,8 @@ impl Layout {
             embed = b.push("transformer.wte.weight", &[v, d], true);
             positions = Some(b.push("transformer.wpe.weight", &[m.max_seq_len, d], true));
         }
-        let mut layers = Vec::with_capacity(stage.layers.len());
-        for i in stage.layers.clone() {
+        let mut layers = Vec::with_capacity(stage.layer_count());
+        for i in stage.layer_indices() {
             let p = format!("transformer.h.{i}");
             let start = b.len;
             let ln1 = b.push(&format!("{p}.ln_1.weight"), &[d], false);
@@ -311,7 +311,7 @@ mod tests {
         let whole = Layout::new(&m);
         let n = m.n_layers;
         let stages =
-            [Stage { layers: 0..1, first: true, last: false }, Stage { layers: 1..n, first: false, last: true }];
+            [Stage { layers: 0..1, first: true, last: false, later: vec![] }, Stage { layers: 1..n, first: false, last: true, later: vec![] }];
         let parts: Vec<Layout> = stages.iter().map(|s| Layout::stage(&m, s)).collect();
         assert_eq!(parts.iter().map(|l| l.len).sum::<usize>(), whole.len);
         assert!(parts[0].get("model.embed_tokens.weight").is_some() && parts[0].get("lm_head.weight").is_none());

@@ -54,12 +54,34 @@ pub struct Stage {
     pub first: bool,
     /// Whether it holds the final norm and the output head (and computes the loss).
     pub last: bool,
+    /// On a device of an interleaved pipeline (`train.pipeline_virtual_stages`), the layers of
+    /// its later virtual stages, each a run of its own laid out after `layers`; empty else.
+    pub later: Vec<std::ops::Range<usize>>,
 }
 
 impl Stage {
     /// The whole model as one stage.
     pub fn whole(n_layers: usize) -> Stage {
-        Stage { layers: 0..n_layers, first: true, last: true }
+        Stage { layers: 0..n_layers, first: true, last: true, later: Vec::new() }
+    }
+
+    /// The layers it holds, in buffer order (those of every virtual stage).
+    pub fn layer_indices(&self) -> impl Iterator<Item = usize> + '_ {
+        self.layers.clone().chain(self.later.iter().flat_map(Clone::clone))
+    }
+
+    /// How many layers it holds.
+    pub fn layer_count(&self) -> usize {
+        self.layers.len() + self.later.iter().map(ExactSizeIterator::len).sum::<usize>()
+    }
+
+    /// Its virtual stages, each a stage of its own: the embedding with the first (if it holds
+    /// it), the head with the last (if it holds it). Without virtual stages, itself.
+    pub fn chunks(&self) -> Vec<Stage> {
+        let runs: Vec<_> = std::iter::once(self.layers.clone()).chain(self.later.iter().cloned()).collect();
+        let n = runs.len();
+        let chunk = |(c, layers)| Stage { layers, first: self.first && c == 0, last: self.last && c + 1 == n, later: Vec::new() };
+        runs.into_iter().enumerate().map(chunk).collect()
     }
 }
 
@@ -153,6 +175,12 @@ impl Window {
     /// A buffer holding the layout's elements from `start` on (a unit's).
     pub fn from(buf: View, start: usize) -> Window {
         Window { buf, start }
+    }
+
+    /// The same buffer addressed with offsets `by` lower: those of a layout that is a part of
+    /// this one starting at `by` (a virtual stage's, inside its device's).
+    pub fn rebased(self, by: usize) -> Window {
+        Window { buf: self.buf, start: self.start - by }
     }
 
     /// The tensor at layout offset `offset`, `len` elements.

@@ -5,7 +5,8 @@
 //! moments, and the buffers it lends the passes for the units in use (gathered parameters,
 //! gradients being accumulated), but never the whole model. A pipeline stage holds its own
 //! units only, and the activations of every micro-batch its schedule keeps in flight
-//! ([`super::pipeline::slots`]).
+//! ([`super::pipeline::slots`]); under interleaved 1F1B, each virtual stage's micro-batches in
+//! flight, each with that virtual stage's layers' activations.
 //!
 //! The plan's stages, micro-batch and schedules come from [`super::plan::ParallelPlan`], whose
 //! [`estimate`](super::plan::ParallelPlan::estimate) and
@@ -31,13 +32,18 @@ pub struct StagePlan {
 
 /// Bytes a device holding `model` (its tensor-parallel slice of a pipeline stage:
 /// [`super::plan::ParallelPlan::stage_model`]) takes on `target` to train `config`'s
-/// micro-batches of `batch` sequences, `in_flight` of them at once, with its parameters,
-/// gradients and moments sharded over `fsdp` devices.
+/// micro-batches of `batch` sequences, `in_flight[c]` of them at once on its virtual stage `c`
+/// (one entry without virtual stages), with its parameters, gradients and moments sharded over
+/// `fsdp` devices.
+///
+/// With virtual stages (interleaved 1F1B) each virtual stage keeps its own activation slots,
+/// sized for its layers alone ([`super::pipeline::chunk_models`]); the first slot of the first
+/// holds the backward scratch they share, as the trainer plans them.
 pub fn device_estimate(
     config: &Config,
     model: &Model,
     batch: usize,
-    in_flight: usize,
+    in_flight: &[usize],
     fsdp: usize,
     target: Target,
 ) -> Estimate {
@@ -45,12 +51,23 @@ pub fn device_estimate(
     let seq_len = config.train.seq_len / model.seq.ranks;
     let mut e = memory::estimate(model, batch, seq_len, target);
     // Each further micro-batch in flight keeps its own activations and inputs.
-    let more = model.slot_activation_elements(batch, seq_len);
     let rope = seq_len * config.model.head_dim;
-    let slot = more.activations * element_bytes(BufKind::Activations, target)
-        + (more.scalars + rope) * element_bytes(BufKind::Scalars, target)
-        + more.indices * 4;
-    e.activations += (in_flight - 1) * slot;
+    let slot = |model: &Model| {
+        let more = model.slot_activation_elements(batch, seq_len);
+        more.activations * element_bytes(BufKind::Activations, target)
+            + (more.scalars + rope) * element_bytes(BufKind::Scalars, target)
+            + more.indices * 4
+    };
+    if let [one] = in_flight {
+        e.activations += (one - 1) * slot(model);
+    } else {
+        let chunks = super::pipeline::chunk_models(model);
+        assert_eq!(chunks.len(), in_flight.len(), "internal error: virtual stages and their slots");
+        e.activations = memory::estimate(&chunks[0], batch, seq_len, target).activations;
+        for (c, (chunk, &n)) in chunks.iter().zip(in_flight).enumerate() {
+            e.activations += (n - usize::from(c == 0)) * slot(chunk);
+        }
+    }
     if fsdp > 1 {
         let f = fsdp_sizes(&model.layout, fsdp, FsdpOptions::of(&config.mesh));
         let bytes = |kind| element_bytes(kind, target);

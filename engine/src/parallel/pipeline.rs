@@ -14,13 +14,20 @@
 //! - **1F1B** (PipeDream-Flush, Megatron-LM's default): stage `s` of `P` runs `P − s − 1`
 //!   forward passes ahead, then alternates one forward and one backward pass, then finishes the
 //!   backward passes: at most `P − s` micro-batches in flight on it.
+//! - **Interleaved 1F1B** (Megatron-LM's, `V` virtual stages per device): the model is cut
+//!   into `P·V` virtual stages and device `d` holds `d, d + P, d + 2P, …` ([`interleave`]), so
+//!   that a micro-batch visits every device `V` times. Each device runs its virtual stages'
+//!   passes in groups of `P` micro-batches (forward: virtual stages in order; backward: in
+//!   reverse), `2(P − d − 1) + (V − 1)·P` forward passes ahead, then one forward and one
+//!   backward, then the rest of the backward passes; `M` must be a multiple of `P`.
 //!
-//! Both leave every device idle for the same share of a step, the bubble
-//! `(P − 1) / (M + P − 1)` ([`bubble_fraction`]), when the stages cost the same.
+//! GPipe and 1F1B leave every device idle for the same share of a step, the bubble
+//! `(P − 1) / (M + P − 1)`, when the stages cost the same; the interleaved schedule's passes
+//! are `V` times shorter, and its bubble is `(P − 1) / (V·M + P − 1)` ([`bubble_fraction`]).
 
+use crate::backend::{Backend, View};
 use crate::config::{ModelConfig, PipelineSchedule};
-use crate::model::Stage;
-
+use crate::model::{Exchange, Model, Pass, Stage, Unit, Window};
 /// One pass of one micro-batch on a stage.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Action {
@@ -43,7 +50,8 @@ pub(crate) fn from_sizes(sizes: &[usize]) -> Vec<Stage> {
         .iter()
         .enumerate()
         .map(|(s, &k)| {
-            let stage = Stage { layers: start..start + k, first: s == 0, last: s + 1 == sizes.len() };
+            let stage =
+                Stage { layers: start..start + k, first: s == 0, last: s + 1 == sizes.len(), later: Vec::new() };
             start += k;
             stage
         })
@@ -91,12 +99,43 @@ pub fn split(m: &ModelConfig, stages: usize) -> Vec<Stage> {
     from_sizes(&pack(lo).expect("the total cost bounds every stage"))
 }
 
+/// Device `d` of a pipeline of `devices` with the `virtual_stages` (in model order, a multiple
+/// of `devices` of them): the stage holding `d, d + P, d + 2P, …` (Megatron-LM's layout), whose
+/// later virtual stages' layers are its [`Stage::later`].
+pub fn interleave(virtual_stages: &[Stage], devices: usize) -> Vec<Stage> {
+    assert!(
+        virtual_stages.len().is_multiple_of(devices),
+        "internal error: {} virtual stages on {devices} devices",
+        virtual_stages.len()
+    );
+    (0..devices)
+        .map(|d| {
+            let mine: Vec<&Stage> = virtual_stages.iter().skip(d).step_by(devices).collect();
+            Stage {
+                layers: mine[0].layers.clone(),
+                first: mine[0].first,
+                last: mine[mine.len() - 1].last,
+                later: mine[1..].iter().map(|s| s.layers.clone()).collect(),
+            }
+        })
+        .collect()
+}
+
 /// The passes stage `stage` of `stages` runs in one step of `microbatches` micro-batches, in
-/// order. Forward passes come in micro-batch order, and so do backward passes.
-pub fn actions(schedule: PipelineSchedule, stages: usize, stage: usize, microbatches: usize) -> Vec<Action> {
+/// order, each with the virtual stage it runs on (0 but under the interleaved schedule, over
+/// `virtual_stages`). Forward passes come in micro-batch order on each virtual stage, and so do
+/// backward passes.
+pub fn actions(
+    schedule: PipelineSchedule,
+    stages: usize,
+    stage: usize,
+    microbatches: usize,
+    virtual_stages: usize,
+) -> Vec<(usize, Action)> {
     let m = microbatches;
+    let plain = |a: Vec<Action>| a.into_iter().map(|a| (0, a)).collect();
     match schedule {
-        PipelineSchedule::GPipe => (0..m).map(Action::Forward).chain((0..m).map(Action::Backward)).collect(),
+        PipelineSchedule::GPipe => plain((0..m).map(Action::Forward).chain((0..m).map(Action::Backward)).collect()),
         PipelineSchedule::OneFOneB => {
             let warmup = (stages - stage - 1).min(m);
             let mut out: Vec<Action> = (0..warmup).map(Action::Forward).collect();
@@ -105,6 +144,27 @@ pub fn actions(schedule: PipelineSchedule, stages: usize, stage: usize, microbat
                 out.push(Action::Backward(i));
             }
             out.extend((m - warmup..m).map(Action::Backward));
+            plain(out)
+        }
+        PipelineSchedule::Interleaved => {
+            let (p, v) = (stages, virtual_stages);
+            assert!(m.is_multiple_of(p), "internal error: {m} micro-batches on {p} stages");
+            // The k-th forward (backward) pass of the device: groups of P micro-batches, each
+            // group through the virtual stages in order (in reverse for the backward passes).
+            let pass = |k: usize, forward: bool| {
+                let (group, within) = (k / (p * v), k % (p * v));
+                let chunk = if forward { within / p } else { v - 1 - within / p };
+                let mb = group * p + within % p;
+                (chunk, if forward { Action::Forward(mb) } else { Action::Backward(mb) })
+            };
+            let total = m * v;
+            let warmup = if m == p { total } else { (2 * (p - stage - 1) + (v - 1) * p).min(total) };
+            let mut out: Vec<(usize, Action)> = (0..warmup).map(|k| pass(k, true)).collect();
+            for k in 0..total - warmup {
+                out.push(pass(warmup + k, true));
+                out.push(pass(k, false));
+            }
+            out.extend((total - warmup..total).map(|k| pass(k, false)));
             out
         }
     }
@@ -132,10 +192,92 @@ pub fn slots(actions: &[Action], microbatches: usize) -> (Vec<usize>, usize) {
     (slot, free.len())
 }
 
-/// The share of a step each device of a pipeline of `stages` equal stages spends idle under
-/// GPipe or 1F1B with `microbatches` micro-batches: `(P − 1) / (M + P − 1)`.
-pub fn bubble_fraction(stages: usize, microbatches: usize) -> f64 {
-    (stages - 1) as f64 / (microbatches + stages - 1) as f64
+/// The share of a step each device of a pipeline of `stages` equal stages spends idle with
+/// `microbatches` micro-batches: `(P − 1) / (V·M + P − 1)` over `virtual_stages` per device
+/// (`V = 1`: GPipe and 1F1B).
+pub fn bubble_fraction(stages: usize, microbatches: usize, virtual_stages: usize) -> f64 {
+    (stages - 1) as f64 / (virtual_stages * microbatches + stages - 1) as f64
+}
+
+/// The models of a device's virtual stages ([`Stage::chunks`]), with its policies: each lays
+/// its units out as the device's layout does from the virtual stage's first unit on
+/// ([`chunk_offsets`]).
+pub fn chunk_models(device: &Model) -> Vec<Model> {
+    let chunk = |stage: Stage| Model { layout: crate::model::Layout::stage(&device.config, &stage), ..device.clone() };
+    device.stage().chunks().into_iter().map(chunk).collect()
+}
+
+/// Where each of `chunks` (a device's virtual stages' models) starts in the device's flat
+/// buffers, and its first layer among the device's.
+pub fn chunk_offsets(chunks: &[Model]) -> Vec<(usize, usize)> {
+    let (mut offset, mut layer) = (0, 0);
+    chunks
+        .iter()
+        .map(|c| {
+            let at = (offset, layer);
+            offset += c.layout.len;
+            layer += c.layout.layers.len();
+            at
+        })
+        .collect()
+}
+
+/// What a virtual stage's passes exchange: its device's exchange, with the virtual stage's
+/// layer `i` the device's `first_layer + i`, and the device's buffers addressed from `offset`
+/// (where the virtual stage's units start in the device's layout).
+pub struct ChunkExchange<'a, B: Backend> {
+    /// The device's exchange.
+    pub inner: &'a mut dyn Exchange<B>,
+    /// The virtual stage's first layer among the device's.
+    pub first_layer: usize,
+    /// Where its units start in the device's flat buffers.
+    pub offset: usize,
+}
+
+impl<B: Backend> ChunkExchange<'_, B> {
+    fn unit(&self, unit: Unit) -> Unit {
+        match unit {
+            Unit::Layer(i) => Unit::Layer(self.first_layer + i),
+            u => u,
+        }
+    }
+}
+
+impl<B: Backend> Exchange<B> for ChunkExchange<'_, B> {
+    fn adds_residual(&self) -> bool {
+        self.inner.adds_residual()
+    }
+    fn tensor_sum(&mut self, be: &mut B, buf: View) {
+        self.inner.tensor_sum(be, buf)
+    }
+    fn batch_sum(&mut self, be: &mut B, buf: View) {
+        self.inner.batch_sum(be, buf)
+    }
+    fn pass_begins(&mut self, be: &mut B, pass: Pass) {
+        self.inner.pass_begins(be, pass)
+    }
+    fn params_needed(&mut self, be: &mut B, unit: Unit, pass: Pass) -> Option<Window> {
+        let unit = self.unit(unit);
+        self.inner.params_needed(be, unit, pass).map(|w| w.rebased(self.offset))
+    }
+    fn params_done(&mut self, be: &mut B, unit: Unit, pass: Pass) {
+        let unit = self.unit(unit);
+        self.inner.params_done(be, unit, pass)
+    }
+    fn grads_needed(&mut self, be: &mut B, unit: Unit) -> Option<Window> {
+        let unit = self.unit(unit);
+        self.inner.grads_needed(be, unit).map(|w| w.rebased(self.offset))
+    }
+    fn grads_ready(&mut self, be: &mut B, unit: Unit) {
+        let unit = self.unit(unit);
+        self.inner.grads_ready(be, unit)
+    }
+    fn seq_gather(&mut self, be: &mut B, local: View, all: View) {
+        self.inner.seq_gather(be, local, all)
+    }
+    fn seq_scatter_sum(&mut self, be: &mut B, all: View, local: View) {
+        self.inner.seq_scatter_sum(be, all, local)
+    }
 }
 
 #[cfg(test)]
@@ -169,7 +311,7 @@ mod tests {
         let (p, m) = (4, 8);
         for s in 0..p {
             for schedule in [PipelineSchedule::OneFOneB, PipelineSchedule::GPipe] {
-                let a = actions(schedule, p, s, m);
+                let a: Vec<Action> = actions(schedule, p, s, m, 1).into_iter().map(|(_, a)| a).collect();
                 assert_eq!(a.len(), 2 * m);
                 let (_, n) = slots(&a, m);
                 let want = if schedule == PipelineSchedule::GPipe { m } else { p - s };
@@ -177,9 +319,135 @@ mod tests {
             }
         }
         use Action::{Backward as B, Forward as F};
-        assert_eq!(actions(PipelineSchedule::OneFOneB, 2, 0, 3), vec![F(0), F(1), B(0), F(2), B(1), B(2)]);
-        assert_eq!(actions(PipelineSchedule::OneFOneB, 2, 1, 3), vec![F(0), B(0), F(1), B(1), F(2), B(2)]);
-        assert!((bubble_fraction(4, 8) - 3.0 / 11.0).abs() < 1e-12);
-        assert_eq!(bubble_fraction(1, 4), 0.0);
+        let plain = |s| actions(PipelineSchedule::OneFOneB, 2, s, 3, 1).into_iter().map(|(_, a)| a).collect::<Vec<_>>();
+        assert_eq!(plain(0), vec![F(0), F(1), B(0), F(2), B(1), B(2)]);
+        assert_eq!(plain(1), vec![F(0), B(0), F(1), B(1), F(2), B(2)]);
+        assert!((bubble_fraction(4, 8, 1) - 3.0 / 11.0).abs() < 1e-12);
+        assert!((bubble_fraction(4, 8, 2) - 3.0 / 19.0).abs() < 1e-12);
+        assert_eq!(bubble_fraction(1, 4, 1), 0.0);
+    }
+
+    /// Megatron-LM's interleaved order on 2 devices, 2 virtual stages, 4 micro-batches, and the
+    /// layout of the virtual stages on the devices.
+    #[test]
+    fn interleaved_order_and_layout_are_megatrons() {
+        use Action::{Backward as B, Forward as F};
+        let a = actions(PipelineSchedule::Interleaved, 2, 0, 4, 2);
+        #[rustfmt::skip]
+        let want = vec![
+            (0, F(0)), (0, F(1)), (1, F(0)), (1, F(1)),
+            (0, F(2)), (1, B(0)), (0, F(3)), (1, B(1)), (1, F(2)), (0, B(0)), (1, F(3)), (0, B(1)),
+            (1, B(2)), (1, B(3)), (0, B(2)), (0, B(3)),
+        ];
+        assert_eq!(a, want);
+        let m = model("model.n_layers=8 model.vocab_size=64");
+        let virtual_stages = from_sizes(&[2; 4]);
+        let devices = interleave(&virtual_stages, 2);
+        assert_eq!((devices[0].layers.clone(), devices[0].later.clone()), (0..2, vec![4..6]));
+        assert_eq!((devices[1].layers.clone(), devices[1].later.clone()), (2..4, vec![6..8]));
+        assert!(devices[0].first && !devices[0].last && !devices[1].first && devices[1].last);
+        // The virtual stages' layouts are the device's, cut where each starts.
+        let device = Model::for_stage(&m, &devices[1]);
+        let chunks = chunk_models(&device);
+        assert_eq!(chunk_offsets(&chunks), vec![(0, 0), (chunks[0].layout.len, 2)]);
+        let names = |l: &crate::model::Layout| l.tensors.iter().map(|t| t.name.clone()).collect::<Vec<_>>();
+        assert_eq!(names(&device.layout), [names(&chunks[0].layout), names(&chunks[1].layout)].concat());
+        assert_eq!(device.layout.len, chunks[0].layout.len + chunks[1].layout.len);
+        assert!(!chunks[0].stage().last && chunks[1].stage().last);
+    }
+
+    /// Every device's passes, run against first-in-first-out mailboxes between each pair of
+    /// devices as the trainer runs them (a pass's sends are posted before the next pass's
+    /// receives, and a receive waits): no device waits forever, and every receive gets the
+    /// message meant for it (a forward activation or a gradient, of its virtual stage and
+    /// micro-batch), whatever the pipeline's shape.
+    #[test]
+    fn interleaved_passes_never_deadlock_and_receive_in_order() {
+        use std::collections::{HashMap, VecDeque};
+        for (p, v, m) in [(2, 2, 2), (2, 2, 4), (2, 3, 6), (3, 2, 3), (3, 2, 6), (4, 2, 8), (4, 3, 4), (2, 1, 4)] {
+            let schedule = if v == 1 { PipelineSchedule::OneFOneB } else { PipelineSchedule::Interleaved };
+            let lists: Vec<_> = (0..p).map(|d| actions(schedule, p, d, m, v)).collect();
+            let (last, device_of) = (p * v - 1, |s: usize| s % p);
+            // A message: (forward?, virtual stage it is for, micro-batch).
+            let mut mail: HashMap<(usize, usize), VecDeque<(bool, usize, usize)>> = HashMap::new();
+            let mut pending: Vec<Vec<((usize, usize), (bool, usize, usize))>> = vec![Vec::new(); p];
+            let mut next = vec![0; p];
+            loop {
+                let mut moved = false;
+                for d in 0..p {
+                    while let Some(&(c, a)) = lists[d].get(next[d]) {
+                        for (key, msg) in pending[d].drain(..) {
+                            mail.entry(key).or_default().push_back(msg);
+                        }
+                        let s = c * p + d;
+                        let (forward, mb) = match a {
+                            Action::Forward(mb) => (true, mb),
+                            Action::Backward(mb) => (false, mb),
+                        };
+                        // Forward: from the virtual stage before; backward: from the one after.
+                        let from = if forward { (s > 0).then(|| s - 1) } else { (s < last).then(|| s + 1) };
+                        if let Some(from) = from {
+                            let Some(got) = mail.get_mut(&(device_of(from), d)).and_then(VecDeque::pop_front) else {
+                                break;
+                            };
+                            assert_eq!(got, (forward, s, mb), "P {p} V {v} M {m}: device {d} at pass {}", next[d]);
+                        }
+                        let to = if forward { (s < last).then(|| s + 1) } else { (s > 0).then(|| s - 1) };
+                        if let Some(to) = to {
+                            pending[d].push(((d, device_of(to)), (forward, to, mb)));
+                        }
+                        next[d] += 1;
+                        moved = true;
+                    }
+                    // The trainer posts the last pass's sends at the end of the step.
+                    if next[d] == lists[d].len() {
+                        for (key, msg) in pending[d].drain(..) {
+                            mail.entry(key).or_default().push_back(msg);
+                            moved = true;
+                        }
+                    }
+                }
+                if (0..p).all(|d| next[d] == lists[d].len()) {
+                    break;
+                }
+                assert!(moved, "P {p} V {v} M {m}: deadlock at {next:?}");
+            }
+            assert!(mail.values().all(VecDeque::is_empty), "P {p} V {v} M {m}: messages left");
+        }
+    }
+
+    /// The activations each device keeps (the virtual stages' slots together) against
+    /// Megatron-LM's count, `2(P − d − 1) + (V − 1)·P + 1` virtual-stage micro-batches at once
+    /// on device `d`. The trainer keeps each virtual stage's own slots (the most micro-batches
+    /// in flight on it), which add up to more than that where the virtual stages' peaks fall
+    /// at different times (12 against 9 on device 1 of P 4, V 2, M 8).
+    #[test]
+    fn interleaved_slots_against_megatrons_count() {
+        for (p, v, m) in [(2, 2, 4), (4, 2, 8), (4, 2, 16), (2, 4, 8)] {
+            for d in 0..p {
+                let a = actions(PipelineSchedule::Interleaved, p, d, m, v);
+                let mut at_once: usize = 0;
+                let mut most = 0;
+                for (_, x) in &a {
+                    if let Action::Forward(_) = x {
+                        at_once += 1
+                    } else {
+                        at_once -= 1
+                    }
+                    most = most.max(at_once);
+                }
+                assert_eq!(most, (2 * (p - d - 1) + (v - 1) * p + 1).min(m * v), "P {p} V {v} M {m} device {d}");
+                let kept: usize = (0..v)
+                    .map(|c| {
+                        let mine: Vec<Action> = a.iter().filter(|(k, _)| *k == c).map(|&(_, x)| x).collect();
+                        slots(&mine, m).1
+                    })
+                    .sum();
+                if (p, v, m, d) == (4, 2, 8, 1) {
+                    assert_eq!((kept, most), (12, 9));
+                }
+                assert!(kept >= most, "P {p} V {v} M {m} device {d}: {kept} slots, {most} at once");
+            }
+        }
     }
 }

@@ -7,7 +7,9 @@
 //! (`train.pipeline_layers`, else the split `train.pipeline_split` names: the compute one of
 //! [`pipeline::split`] or the memory one of [`ParallelPlan::memory_split`]); each stage's
 //! schedule; the sequences of each pipeline micro-batch on a device; and the groups that read
-//! distinct samples.
+//! distinct samples. Under interleaved 1F1B (`train.pipeline_virtual_stages = V`) the layers
+//! are split into `P·V` virtual stages (`train.pipeline_layers` lists them all, else they are
+//! equal), and each device's stage holds `V` of them ([`pipeline::interleave`]).
 
 use anyhow::{Result, anyhow};
 
@@ -24,8 +26,11 @@ use crate::model::{Model, Stage};
 pub struct ParallelPlan {
     /// The mesh.
     pub mesh: Mesh,
-    /// The pipeline's stages in order; without stages, the one holding every layer.
+    /// The pipeline's stages in order, one a device (each holding its virtual stages under
+    /// interleaved 1F1B: [`Stage::later`]); without stages, the one holding every layer.
     pub stages: Vec<Stage>,
+    /// Virtual stages per device (`train.pipeline_virtual_stages`; 1 without stages).
+    pub virtual_stages: usize,
     /// Each stage's schedule, in the same order.
     pub schedules: Vec<Schedule>,
     /// Sequences in each pipeline micro-batch on a device: a pipeline × tensor × seq group reads
@@ -44,18 +49,36 @@ pub struct ParallelPlan {
 pub struct Schedule {
     /// The passes, in order ([`pipeline::actions`]).
     pub actions: Vec<Action>,
-    /// The activation slot of each micro-batch ([`pipeline::slots`]).
-    pub slot_of: Vec<usize>,
-    /// The slots: the most micro-batches in flight at once, each keeping its activations.
+    /// The virtual stage each pass runs on (all 0 without virtual stages).
+    pub chunk_of: Vec<usize>,
+    /// The activation slot of each micro-batch on each virtual stage ([`pipeline::slots`]).
+    pub slot_of: Vec<Vec<usize>>,
+    /// The slots of each virtual stage: the most micro-batches in flight on it at once.
+    pub chunk_in_flight: Vec<usize>,
+    /// The slots of all of them, each keeping its activations.
     pub in_flight: usize,
 }
 
 impl Schedule {
-    /// Stage `stage` of `stages` running `microbatches` micro-batches under `kind`.
-    fn new(kind: PipelineSchedule, stages: usize, stage: usize, microbatches: usize) -> Schedule {
-        let actions = pipeline::actions(kind, stages, stage, microbatches);
-        let (slot_of, in_flight) = pipeline::slots(&actions, microbatches);
-        Schedule { actions, slot_of, in_flight }
+    /// Stage `stage` of `stages` running `microbatches` micro-batches under `kind` over
+    /// `virtual_stages`.
+    fn new(
+        kind: PipelineSchedule,
+        stages: usize,
+        stage: usize,
+        microbatches: usize,
+        virtual_stages: usize,
+    ) -> Schedule {
+        let passes = pipeline::actions(kind, stages, stage, microbatches, virtual_stages);
+        let (chunk_of, actions): (Vec<usize>, Vec<Action>) = passes.iter().copied().unzip();
+        let (slot_of, chunk_in_flight): (Vec<Vec<usize>>, Vec<usize>) = (0..virtual_stages)
+            .map(|c| {
+                let mine: Vec<Action> = passes.iter().filter(|p| p.0 == c).map(|p| p.1).collect();
+                pipeline::slots(&mine, microbatches)
+            })
+            .unzip();
+        let in_flight = chunk_in_flight.iter().sum();
+        Schedule { actions, chunk_of, slot_of, chunk_in_flight, in_flight }
     }
 }
 
@@ -67,6 +90,7 @@ impl ParallelPlan {
     pub fn new(config: &Config, mesh: Mesh) -> Result<ParallelPlan> {
         mesh.check_model(&config.model).map_err(|e| anyhow!("{e}"))?;
         check_layers(config, mesh.size(Axis::Pipeline)).map_err(|e| anyhow!("{e}"))?;
+        check_virtual_stages(config, mesh.size(Axis::Pipeline)).map_err(|e| anyhow!("{e}"))?;
         check_chunks(config, &mesh).map_err(|e| anyhow!("{e}"))?;
         let microbatch = microbatch_sequences(config, &mesh).map_err(|e| anyhow!("{e}"))?;
         Ok(ParallelPlan::build(config, mesh, microbatch))
@@ -91,10 +115,13 @@ impl ParallelPlan {
     fn build(config: &Config, mesh: Mesh, microbatch: usize) -> ParallelPlan {
         let t = &config.train;
         let (stages, microbatches) = (mesh.size(Axis::Pipeline), t.pipeline_microbatches);
-        let schedules = (0..stages).map(|s| Schedule::new(t.pipeline_schedule, stages, s, microbatches)).collect();
+        // One device holds every layer, whatever the schedule asks.
+        let v = if stages == 1 { 1 } else { t.pipeline_virtual_stages };
+        let schedules = (0..stages).map(|s| Schedule::new(t.pipeline_schedule, stages, s, microbatches, v)).collect();
         let mut plan = ParallelPlan {
             mesh,
             stages: Vec::new(),
+            virtual_stages: v,
             schedules,
             microbatch,
             microbatches,
@@ -105,12 +132,19 @@ impl ParallelPlan {
     }
 
     /// The stages: `train.pipeline_layers` when it is given, else the automatic split that
-    /// `train.pipeline_split` names. Without stages the one device holds every layer.
+    /// `train.pipeline_split` names. Without stages the one device holds every layer. With
+    /// virtual stages, those (listed, or equal) laid out on the devices.
     fn split(&self, config: &Config) -> Vec<Stage> {
         let stages = self.schedules.len();
         let layers = &config.train.pipeline_layers;
         if stages == 1 {
             return vec![Stage::whole(config.model.n_layers)];
+        }
+        let v = self.virtual_stages;
+        if v > 1 {
+            let n = config.model.n_layers;
+            let sizes = if layers.is_empty() { vec![n / (stages * v); stages * v] } else { layers.clone() };
+            return pipeline::interleave(&pipeline::from_sizes(&sizes), stages);
         }
         if !layers.is_empty() {
             assert_eq!(layers.len(), stages, "internal error: train.pipeline_layers unchecked");
@@ -134,9 +168,9 @@ impl ParallelPlan {
     }
 
     /// The share of a step each device of the pipeline is idle, by the schedule (0 on one
-    /// stage): [`pipeline::bubble_fraction`].
+    /// stage): [`pipeline::bubble_fraction`], `(P − 1) / (V·M + P − 1)`.
     pub fn bubble_fraction(&self) -> f64 {
-        pipeline::bubble_fraction(self.stages.len(), self.microbatches)
+        pipeline::bubble_fraction(self.stages.len(), self.microbatches, self.virtual_stages)
     }
 
     /// The model a device of stage `s` holds: its tensor-parallel slice of the stage's layers,
@@ -160,7 +194,7 @@ impl ParallelPlan {
         let model = self.model_of(config, stage);
         // FSDP shards over the fsdp and seq axes together.
         let fsdp = self.mesh.size(Axis::Fsdp) * self.mesh.size(Axis::Seq);
-        let in_flight = self.schedules[s].in_flight;
+        let in_flight = &self.schedules[s].chunk_in_flight;
         memory::device_estimate(config, &model, self.microbatch, in_flight, fsdp, target)
     }
 
@@ -197,7 +231,7 @@ impl ParallelPlan {
             .map(|s| {
                 (1..=most)
                     .map(|k| {
-                        let stage = Stage { layers: 0..k, first: s == 0, last: s + 1 == stages };
+                        let stage = Stage { layers: 0..k, first: s == 0, last: s + 1 == stages, later: Vec::new() };
                         self.device_estimate(config, s, &stage, target).total()
                     })
                     .collect()
@@ -268,17 +302,68 @@ fn check_chunks(config: &Config, mesh: &Mesh) -> Result<(), String> {
     ))
 }
 
-/// Refuses a `train.pipeline_layers` that does not give each of the `stages` stages its count
-/// (the counts themselves are checked by [`Config::validate`]). The error names the numbers.
+/// Refuses a `train.pipeline_layers` that does not give each of the `stages` stages (each of
+/// their virtual stages, under interleaved 1F1B) its count (the counts themselves are checked
+/// by [`Config::validate`]). The error names the numbers.
 fn check_layers(config: &Config, stages: usize) -> Result<(), String> {
     let layers = &config.train.pipeline_layers;
-    if layers.is_empty() || layers.len() == stages {
+    let v = if stages > 1 { config.train.pipeline_virtual_stages } else { 1 };
+    if layers.is_empty() || layers.len() == stages * v {
         return Ok(());
+    }
+    if v > 1 {
+        return Err(format!(
+            "train.pipeline_layers = {layers:?} gives {} virtual stages, but {stages} stages x train.pipeline_virtual_stages = {v} makes {}; give one layer count per virtual stage in model order, or [] to split evenly",
+            layers.len(),
+            stages * v
+        ));
     }
     Err(format!(
         "train.pipeline_layers = {layers:?} gives {} stages, but the pipeline axis has {stages} (mesh.ici_pipeline x mesh.dcn_pipeline); give one layer count per stage, or [] to split automatically",
         layers.len()
     ))
+}
+
+/// Refuses virtual stages (interleaved 1F1B) that the run cannot have: without a pipeline axis,
+/// with micro-batches that are not a multiple of the stages (Megatron-LM's rule: they go
+/// through the virtual stages in groups of `P`), more virtual stages than layers, or, without
+/// `train.pipeline_layers`, layers that do not split evenly over them. The error names the
+/// numbers.
+fn check_virtual_stages(config: &Config, stages: usize) -> Result<(), String> {
+    let t = &config.train;
+    let (v, m, n) = (t.pipeline_virtual_stages, t.pipeline_microbatches, config.model.n_layers);
+    if t.pipeline_schedule != PipelineSchedule::Interleaved {
+        return Ok(());
+    }
+    if stages == 1 {
+        return Err(format!(
+            "train.pipeline_schedule = \"interleaved\" needs a pipeline axis, but mesh.ici_pipeline x mesh.dcn_pipeline = 1; use \"1f1b\" without stages"
+        ));
+    }
+    if !m.is_multiple_of(stages) {
+        return Err(format!(
+            "train.pipeline_microbatches = {m} is not a multiple of the {stages} pipeline stages, which interleaved 1F1B needs (the micro-batches go through the virtual stages in groups of {stages}); {m} mod {stages} = {}",
+            m % stages
+        ));
+    }
+    let virtual_stages = stages * v;
+    if virtual_stages > n {
+        return Err(format!(
+            "{stages} stages x train.pipeline_virtual_stages = {v} make {virtual_stages} virtual stages, more than model.n_layers = {n} (each holds at least one layer)"
+        ));
+    }
+    if t.pipeline_layers.is_empty() && v > 1 && !n.is_multiple_of(virtual_stages) {
+        return Err(format!(
+            "model.n_layers = {n} does not split evenly into {stages} stages x train.pipeline_virtual_stages = {v} = {virtual_stages} virtual stages; {n} mod {virtual_stages} = {}; give train.pipeline_layers (one count per virtual stage) or another number of virtual stages",
+            n % virtual_stages
+        ));
+    }
+    if t.pipeline_layers.is_empty() && v > 1 && t.pipeline_split == PipelineSplit::Memory {
+        return Err(format!(
+            "train.pipeline_split = \"memory\" splits stages, not the virtual stages of train.pipeline_virtual_stages = {v}; give train.pipeline_layers or use \"compute\" (equal virtual stages)"
+        ));
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -323,6 +408,48 @@ mod tests {
             plans.iter().map(|p| p.layers.clone()).collect::<Vec<_>>(),
             memory.iter().map(|s| s.layers.clone()).collect::<Vec<_>>()
         );
+    }
+
+    /// Virtual stages the run cannot have are refused in one line that names the numbers; an
+    /// interleaved plan keeps Megatron-LM's bubble and each virtual stage's activations.
+    #[test]
+    fn virtual_stages_are_checked_and_planned() {
+        let base = "model.n_layers=8 model.vocab_size=64 train.batch_size=2 train.pipeline_microbatches=4 \
+                    mesh.ici_data=1 mesh.ici_pipeline=2";
+        let refused = |sets: &str| {
+            let r = resolve("tiny-llama2", &Override::from_list(&format!("{base} {sets}"), "test"));
+            match r {
+                Err(e) => format!("{e:#}"),
+                Ok(r) => ParallelPlan::resolve(&r.config, 2, 1).unwrap_err().to_string(),
+            }
+        };
+        let e = refused("train.pipeline_virtual_stages=2");
+        assert!(e.contains("train.pipeline_virtual_stages = 2 needs train.pipeline_schedule = \"interleaved\""), "{e}");
+        let interleaved = "train.pipeline_schedule=\"interleaved\"";
+        let e = refused(&format!("{interleaved} train.pipeline_virtual_stages=3"));
+        assert!(e.contains("model.n_layers = 8 does not split evenly into 2 stages x train.pipeline_virtual_stages = 3 = 6 virtual stages; 8 mod 6 = 2"), "{e}");
+        let e = refused(&format!(
+            "{interleaved} train.pipeline_virtual_stages=2 train.batch_size=3 train.pipeline_microbatches=3"
+        ));
+        assert!(e.contains("train.pipeline_microbatches = 3 is not a multiple of the 2 pipeline stages"), "{e}");
+        let e = refused(&format!("{interleaved} train.pipeline_virtual_stages=2 train.pipeline_layers=[4,4]"));
+        assert!(e.contains("train.pipeline_layers = [4, 4] gives 2 virtual stages, but 2 stages x train.pipeline_virtual_stages = 2 makes 4"), "{e}");
+        let sets = format!("{base} {interleaved} train.pipeline_virtual_stages=2 train.pipeline_layers=[1,3,2,2]");
+        let c = resolve("tiny-llama2", &Override::from_list(&sets, "test")).unwrap().config;
+        let plan = ParallelPlan::resolve(&c, 2, 1).unwrap();
+        assert_eq!((plan.stages[0].layers.clone(), plan.stages[0].later.clone()), (0..1, vec![4..6]));
+        assert_eq!((plan.stages[1].layers.clone(), plan.stages[1].later.clone()), (1..4, vec![6..8]));
+        assert!((plan.bubble_fraction() - 1.0 / 9.0).abs() < 1e-12);
+        // Device 0 keeps 4 micro-batches of its first virtual stage and 2 of its second; a
+        // virtual stage's slot holds its own layers' activations.
+        assert_eq!(plan.schedules[0].chunk_in_flight, vec![4, 2]);
+        let e = plan.stage_estimates(&c, Target::Cpu);
+        let mut plain = c.clone();
+        (plain.train.pipeline_schedule, plain.train.pipeline_virtual_stages, plain.train.pipeline_layers) =
+            (PipelineSchedule::OneFOneB, 1, vec![3, 5]);
+        let one_f_one_b = ParallelPlan::resolve(&plain, 2, 1).unwrap().stage_estimates(&plain, Target::Cpu);
+        assert_eq!(e[0].estimate.parameters, one_f_one_b[0].estimate.parameters);
+        assert!(e[0].estimate.activations > one_f_one_b[0].estimate.activations, "{e:?} {one_f_one_b:?}");
     }
 
     /// One device holds every layer and reads the whole batch, whatever the mesh and

@@ -23,7 +23,16 @@ pub fn run<T: Send>(
     devices: usize,
     f: impl Fn(usize, &mut Trainer<Traced<Cpu>>) -> Result<T> + Sync,
 ) -> Result<Vec<T>> {
-    let plan = &ParallelPlan::resolve(config, devices, 1)?;
+    run_plan(config, &ParallelPlan::resolve(config, devices, 1)?, f)
+}
+
+/// [`run`] on `plan` (`config`'s, or a test's variation of it).
+pub fn run_plan<T: Send>(
+    config: &Config,
+    plan: &ParallelPlan,
+    f: impl Fn(usize, &mut Trainer<Traced<Cpu>>) -> Result<T> + Sync,
+) -> Result<Vec<T>> {
+    let devices = plan.mesh.devices();
     let f = &f;
     std::thread::scope(|scope| {
         let handles: Vec<_> = Virtual::devices(devices)
@@ -463,6 +472,77 @@ mod tests {
                 peaks.push(peak[0]);
             }
             assert!(peaks[0] < peaks[1], "1F1B's first stage {} bytes, GPipe's {}", peaks[0], peaks[1]);
+        }
+
+        /// Interleaved 1F1B on 2 devices x 2 virtual stages of one layer each (4 micro-batches:
+        /// device 0 holds layers 0 and 2, device 1 layers 1 and 3) follows one device, for Llama
+        /// and for Mixtral (whose routing statistics go through the virtual stages), and so does
+        /// its evaluation; the virtual stages laid out in model order on each device (device 0
+        /// holding layers 0 and 1, so that the micro-batches run them 0, 2, 1, 3) do not. Its
+        /// checkpoint resumes on one device and on plain 1F1B stages.
+        #[test]
+        fn interleaved_stages_follow_one_device_and_a_wrong_order_does_not() {
+            use crate::checkpoint::{self, Checkpoint};
+            let sets = [
+                "model.n_layers=4",
+                "train.batch_size=2",
+                "train.pipeline_microbatches=4",
+                "train.pipeline_schedule=\"interleaved\"",
+                "train.pipeline_virtual_stages=2",
+                "mesh.ici_data=1",
+                "mesh.ici_pipeline=2",
+            ];
+            let c = pipe_config("tiny-llama2", &sets);
+            let plan = ParallelPlan::resolve(&c, 2, 1).unwrap();
+            let held: Vec<Vec<usize>> = plan.stages.iter().map(|s| s.layer_indices().collect()).collect();
+            assert_eq!(held, vec![vec![0, 2], vec![1, 3]]);
+            let want = single(&c, 2);
+            let runs = run(&c, 2, |_, t| {
+                let losses: Vec<f64> = (0..c.train.steps).map(|_| t.train_step(0.0).loss).collect();
+                Ok((losses, t.eval_loss(1)))
+            })
+            .unwrap();
+            assert_same_curve("interleaved pp=2 x V=2", &want, &runs[0].0);
+            let mut one = c.clone();
+            one.train.batch_size *= 2;
+            let mut t = Trainer::new(Traced::new(Cpu::new()), &one).unwrap();
+            (0..c.train.steps).for_each(|_| drop(t.train_step(0.0)));
+            let eval_want = t.eval_loss(1);
+            for (_, (eval, tokens)) in &runs {
+                assert_eq!(*tokens, eval_want.1);
+                assert!((eval - eval_want.0).abs() <= 1e-5 * eval_want.0, "eval {eval}, one device {}", eval_want.0);
+            }
+            let mixtral = pipe_config("tiny-mixtral", &sets);
+            assert_same_curve("mixtral interleaved pp=2 x V=2", &single(&mixtral, 2), &faulty(&mixtral, 2, None));
+
+            let mut wrong = plan.clone();
+            let virtual_stages = crate::parallel::pipeline::from_sizes(&[1; 4]);
+            for (d, stage) in wrong.stages.iter_mut().enumerate() {
+                let mine = &virtual_stages[2 * d..2 * d + 2];
+                (stage.layers, stage.later) = (mine[0].layers.clone(), vec![mine[1].layers.clone()]);
+            }
+            let got =
+                run_plan(&c, &wrong, |_, t| Ok((0..c.train.steps).map(|_| t.train_step(0.0).loss).collect::<Vec<_>>()))
+                    .unwrap();
+            assert!(!same(&want, &got[0]), "virtual stages in the wrong order went unnoticed");
+
+            let tmp = std::env::temp_dir().join(format!("engine-interleaved-{}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&tmp);
+            let half = 3u64;
+            let curve = train_and_save(&c, 2, half, &tmp).unwrap();
+            let ck = Checkpoint::open(&tmp.join(checkpoint::dir_name(half))).unwrap();
+            let rest = |t: &mut Trainer<Traced<Cpu>>| -> Result<Vec<f64>> {
+                t.resume_from(&ck)?;
+                Ok((half..c.train.steps as u64).map(|_| t.train_step(0.0).loss).collect())
+            };
+            let mut t = Trainer::new(Traced::new(Cpu::new()), &one).unwrap();
+            assert_same_curve("interleaved -> one device", &curve[half as usize..], &rest(&mut t).unwrap());
+            let mut plain = c.clone();
+            (plain.train.pipeline_schedule, plain.train.pipeline_virtual_stages) =
+                (crate::config::PipelineSchedule::OneFOneB, 1);
+            let got = run(&plain, 2, |_, t| rest(t)).unwrap().remove(0);
+            assert_same_curve("interleaved -> 1F1B", &curve[half as usize..], &got);
+            std::fs::remove_dir_all(&tmp).unwrap();
         }
 
         /// Impossible splits are refused with the numbers.

@@ -30,7 +30,7 @@ use crate::data::{self, Loader};
 use crate::model::{GRAD_NORM_SQ, LOSS_ACCUM, LOSS_SUM, Model, Plan, init};
 use crate::parallel::comm::{Collectives, Solo};
 use crate::parallel::mesh::Axis;
-use crate::parallel::pipeline::Action;
+use crate::parallel::pipeline::{self, Action, ChunkExchange};
 use crate::parallel::plan::ParallelPlan;
 use crate::parallel::strategies::{FsdpOptions, Parallel};
 use crate::parallel::tensor::TensorSlice;
@@ -49,12 +49,21 @@ pub struct Trainer<B: Backend> {
     pub plan: Plan,
     /// The run's parallel plan: its mesh, stages, schedules and batch.
     pub parallel_plan: ParallelPlan,
-    /// The other activation slots of a pipeline stage's micro-batches in flight, sharing
-    /// `plan`'s parameters and gradients.
-    slots: Vec<Plan>,
-    /// This stage's passes in one step, and the slot of each micro-batch.
+    /// This stage's virtual stages (interleaved 1F1B; else the stage itself), each with the
+    /// other activation slots of its micro-batches in flight, sharing `plan`'s parameters and
+    /// gradients.
+    chunks: Vec<Chunk>,
+    /// This stage's passes in one step, the virtual stage of each, and the slot of each
+    /// micro-batch on each virtual stage.
     actions: Vec<Action>,
-    slot_of: Vec<usize>,
+    chunk_of: Vec<usize>,
+    slot_of: Vec<Vec<usize>>,
+    /// The pipeline offsets of the devices before and after this one, wrapping round under
+    /// interleaved 1F1B (the last device's virtual stage sends to the first device's next).
+    around: (isize, isize),
+    /// The targets of each micro-batch, from its first virtual stage's forward pass (which
+    /// reads the batch) until its last's (which computes the loss); interleaved 1F1B only.
+    stashed: Vec<Vec<u32>>,
     /// The last step's time in forward and backward passes, and from its start until every
     /// stage had finished its schedule (the squared gradient norm summed over the stages):
     /// the pipeline's busy time and its span, whose difference is the idle time.
@@ -124,17 +133,14 @@ impl<B: Backend> Trainer<B> {
         // The attention kernels, chosen (and checked) before any buffer is planned.
         backend.select_attention(t.attention, model.attn_shape(batch, seq_len)).map_err(anyhow::Error::msg)?;
         let schedule = &parallel_plan.schedules[coords.pipeline];
-        let (actions, slot_of, slot_count) = (schedule.actions.clone(), schedule.slot_of.clone(), schedule.in_flight);
+        let (actions, chunk_of, slot_of) =
+            (schedule.actions.clone(), schedule.chunk_of.clone(), schedule.slot_of.clone());
         // Under FSDP no device holds the whole model: the passes borrow each unit's buffers.
-        let mut plan = model.plan_with(&mut backend, batch, seq_len, !Parallel::<B>::shards_model(&mesh));
-        let slots = (1..slot_count)
-            .map(|_| {
-                let mut p = model.plan_slot(&mut backend, batch, seq_len, false, Some(&plan));
-                (p.params, p.grads) = (plan.params, plan.grads);
-                p
-            })
-            .collect();
-        plan.refill_last = slot_count > 1;
+        let flat = !Parallel::<B>::shards_model(&mesh);
+        let (plan, chunks) = plan_chunks(&model, &mut backend, (batch, seq_len), flat, &schedule.chunk_in_flight);
+        let (d, stages) = (coords.pipeline, mesh.size(Axis::Pipeline) as isize);
+        let around = (if d > 0 { -1 } else { stages - 1 }, if (d as isize) + 1 < stages { 1 } else { 1 - stages });
+        let stashed = vec![Vec::new(); if chunks.len() > 1 { t.pipeline_microbatches } else { 0 }];
         let slice = TensorSlice::of_stage(&config.model, &stage, coords.tensor, tensor);
         let global = slice.global.clone();
         let fsdp = FsdpOptions::of(&config.mesh);
@@ -152,9 +158,12 @@ impl<B: Backend> Trainer<B> {
             flops_per_token: config.model.train_flops_per_token(t.seq_len),
             model,
             plan,
-            slots,
+            chunks,
             actions,
+            chunk_of,
             slot_of,
+            around,
+            stashed,
             parallel_plan,
             pass_times: Default::default(),
             #[cfg(test)]
@@ -231,20 +240,32 @@ impl<B: Backend> Trainer<B> {
             let mut pending: Vec<(View, usize)> = Vec::new();
             let mut i = 0;
             while i < self.actions.len() {
-                let action = self.actions[i];
+                let (action, v) = (self.actions[i], self.chunk_of[i]);
                 let (Action::Forward(mb) | Action::Backward(mb)) = action;
-                let k = self.slot_of[mb];
-                let p = if k == 0 { &self.plan } else { &self.slots[k - 1] };
+                let k = self.slot_of[v][mb];
+                let p = slot(&self.plan, &self.chunks, v, k);
+                let chunk = &self.chunks[v];
+                let stage = chunk.model.stage();
                 let (be, par) = (&mut self.backend, &mut self.parallel);
                 match action {
                     Action::Forward(_) => {
-                        self.loader.next_batch(&mut self.tokens, &mut self.targets);
+                        // The first virtual stage reads the batch; the last takes its targets.
                         let rows = (&self.chunk_positions[..], c.train.seq_len);
-                        upload_chunks(be, p.tokens, &self.tokens, rows, &mut self.local);
-                        upload_chunks(be, p.targets, &self.targets, rows, &mut self.local);
+                        let last_chunk = v + 1 == self.chunks.len();
+                        if v == 0 {
+                            self.loader.next_batch(&mut self.tokens, &mut self.targets);
+                            upload_chunks(be, p.tokens, &self.tokens, rows, &mut self.local);
+                            if !last_chunk {
+                                self.stashed[mb].clone_from(&self.targets);
+                            }
+                        }
+                        if last_chunk {
+                            let targets = if v == 0 { &self.targets } else { &self.stashed[mb] };
+                            upload_chunks(be, p.targets, targets, rows, &mut self.local);
+                        }
                         let mut recvs = Vec::new();
                         if !stage.first {
-                            let prev = par.neighbour(-1);
+                            let prev = par.neighbour(self.around.0);
                             recvs.push((p.stage_input(), prev));
                             if moe {
                                 recvs.push((p.moe_stats(), prev));
@@ -259,8 +280,8 @@ impl<B: Backend> Trainer<B> {
                             par.sync = round + 1 == accum && mb + 1 == microbatches;
                             let passes = Instant::now();
                             if be.begin_section(SECTION_MICRO_BATCH) {
-                                self.model.forward(be, p, Some(grad_scale), par);
-                                self.model.backward(be, p, aux_scale, par);
+                                chunk.model.forward(be, p, Some(grad_scale), &mut chunk.exchange(par));
+                                chunk.model.backward(be, p, aux_scale, &mut chunk.exchange(par));
                                 be.add(self.plan.scalars.at(LOSS_ACCUM, 1), p.scalars.at(LOSS_SUM, 1));
                                 be.end_section(SECTION_MICRO_BATCH);
                             }
@@ -270,18 +291,18 @@ impl<B: Backend> Trainer<B> {
                             continue;
                         }
                         let passes = Instant::now();
-                        self.model.forward(be, p, Some(grad_scale), par);
+                        chunk.model.forward(be, p, Some(grad_scale), &mut chunk.exchange(par));
                         busy += passes.elapsed();
                         if stage.last {
                             be.add(self.plan.scalars.at(LOSS_ACCUM, 1), p.scalars.at(LOSS_SUM, 1));
                             aux_sum += self.model.aux_loss(be, p);
                         } else {
-                            let next = par.neighbour(1);
+                            let next = par.neighbour(self.around.1);
                             let out = p.stage_output();
                             #[cfg(test)]
-                            let out = match self.slot_of[0] {
+                            let out = match self.slot_of[v][0] {
                                 s0 if self.fault == Some(Fault::StaleActivation) && mb == 1 && s0 != k => {
-                                    if s0 == 0 { &self.plan } else { &self.slots[s0 - 1] }.stage_output()
+                                    slot(&self.plan, &self.chunks, v, s0).stage_output()
                                 }
                                 _ => out,
                             };
@@ -294,7 +315,7 @@ impl<B: Backend> Trainer<B> {
                     Action::Backward(_) => {
                         let mut recvs = Vec::new();
                         if !stage.last {
-                            let next = par.neighbour(1);
+                            let next = par.neighbour(self.around.1);
                             recvs.push((p.residual_grad(), next));
                             if moe {
                                 recvs.push((p.moe_stats(), next));
@@ -308,10 +329,10 @@ impl<B: Backend> Trainer<B> {
                         }
                         par.sync = round + 1 == accum && mb + 1 == microbatches;
                         let passes = Instant::now();
-                        self.model.backward(be, p, aux_scale, par);
+                        chunk.model.backward(be, p, aux_scale, &mut chunk.exchange(par));
                         busy += passes.elapsed();
                         if !stage.first {
-                            let prev = par.neighbour(-1);
+                            let prev = par.neighbour(self.around.0);
                             pending.push((p.residual_grad(), prev));
                             if moe {
                                 pending.push((p.moe_stats(), prev));
@@ -409,7 +430,7 @@ impl<B: Backend> Trainer<B> {
     pub(crate) fn wrong_chunk_offset(&mut self) {
         let (seq, local) = (self.model.seq, self.plan.seq);
         let wrong: Vec<usize> = (0..local).map(|i| seq.rank * local / 2 + i).collect();
-        for p in std::iter::once(&self.plan).chain(&self.slots) {
+        for p in std::iter::once(&self.plan).chain(self.chunks.iter().flat_map(|c| &c.slots)) {
             self.model.set_positions(&mut self.backend, p, &wrong);
         }
         self.chunk_positions = wrong;
@@ -523,27 +544,35 @@ impl<B: Backend> Trainer<B> {
         // Each device of the batch group takes its own stretch of the validation samples, which
         // the pipeline reads in micro-batches, passing each through the stages.
         let (rank, shards) = par.batch_rank();
-        let loss = p.scalars.at(LOSS_ACCUM, 1);
+        let loss = self.plan.scalars.at(LOSS_ACCUM, 1);
         be.fill(loss, 0.0);
         for i in 0..batches {
             for j in 0..microbatches {
-                let first = ((i * shards + rank) * microbatches + j) * p.batch;
+                let first = ((i * shards + rank) * microbatches + j) * self.plan.batch;
                 self.loader.validation_batch(first, &mut self.tokens, &mut self.targets);
                 let rows = (&self.chunk_positions[..], self.config.train.seq_len);
-                upload_chunks(be, p.tokens, &self.tokens, rows, &mut self.local);
-                upload_chunks(be, p.targets, &self.targets, rows, &mut self.local);
-                if !stage.first {
-                    let prev = par.neighbour(-1);
-                    let stats: &[(View, usize)] = if moe { &[(p.moe_stats(), prev)] } else { &[] };
-                    par.send_recv(be, &[], &[&[(p.stage_input(), prev)], stats].concat());
-                }
-                self.model.forward(be, p, None, par);
-                if stage.last {
-                    be.add(loss, p.scalars.at(LOSS_SUM, 1));
-                } else {
-                    let next = par.neighbour(1);
-                    let stats: &[(View, usize)] = if moe { &[(p.moe_stats(), next)] } else { &[] };
-                    par.send_recv(be, &[&[(p.stage_output(), next)], stats].concat(), &[]);
+                // Through this device's virtual stages in order (the stage itself without).
+                for (v, chunk) in self.chunks.iter().enumerate() {
+                    let (p, stage) = (slot(&self.plan, &self.chunks, v, 0), chunk.model.stage());
+                    if v == 0 {
+                        upload_chunks(be, p.tokens, &self.tokens, rows, &mut self.local);
+                    }
+                    if v + 1 == self.chunks.len() {
+                        upload_chunks(be, p.targets, &self.targets, rows, &mut self.local);
+                    }
+                    if !stage.first {
+                        let prev = par.neighbour(self.around.0);
+                        let stats: &[(View, usize)] = if moe { &[(p.moe_stats(), prev)] } else { &[] };
+                        par.send_recv(be, &[], &[&[(p.stage_input(), prev)], stats].concat());
+                    }
+                    chunk.model.forward(be, p, None, &mut chunk.exchange(par));
+                    if stage.last {
+                        be.add(loss, p.scalars.at(LOSS_SUM, 1));
+                    } else {
+                        let next = par.neighbour(self.around.1);
+                        let stats: &[(View, usize)] = if moe { &[(p.moe_stats(), next)] } else { &[] };
+                        par.send_recv(be, &[&[(p.stage_output(), next)], stats].concat(), &[]);
+                    }
                 }
             }
         }
@@ -559,4 +588,72 @@ fn read_scalar<B: Backend>(be: &mut B, v: View) -> f64 {
     let mut x = [0f32];
     be.download(v, &mut x);
     x[0] as f64
+}
+
+/// One virtual stage of a device under interleaved 1F1B (without, the device's stage itself):
+/// its model, where its units start among the device's layers and in its flat buffers, and
+/// its activation slots.
+struct Chunk {
+    model: Model,
+    first_layer: usize,
+    offset: usize,
+    /// Its slots; the first virtual stage's first is the trainer's `plan`, not here.
+    slots: Vec<Plan>,
+}
+
+impl Chunk {
+    /// The device's exchange, as this virtual stage's passes address it.
+    fn exchange<'a, B: Backend>(&self, par: &'a mut Parallel<B>) -> ChunkExchange<'a, B> {
+        ChunkExchange { inner: par, first_layer: self.first_layer, offset: self.offset }
+    }
+}
+
+/// Slot `k` of virtual stage `v`: `plan` for the first of the first.
+fn slot<'a>(plan: &'a Plan, chunks: &'a [Chunk], v: usize, k: usize) -> &'a Plan {
+    if v == 0 && k == 0 { plan } else { &chunks[v].slots[k - usize::from(v == 0)] }
+}
+
+/// The device's first plan (with the flat parameter and gradient buffers if `flat`) and its
+/// virtual stages with `in_flight[v]` slots each, for micro-batches of `batch` sequences of
+/// `seq` tokens. Every slot shares the first plan's backward scratch and recomputed
+/// activations; a virtual stage's slots address the part of the flat buffers its units are in.
+fn plan_chunks<B: Backend>(
+    model: &Model,
+    be: &mut B,
+    (batch, seq): (usize, usize),
+    flat: bool,
+    in_flight: &[usize],
+) -> (Plan, Vec<Chunk>) {
+    let models = if in_flight.len() == 1 { vec![model.clone()] } else { pipeline::chunk_models(model) };
+    let at = pipeline::chunk_offsets(&models);
+    let mut plan = if models.len() == 1 {
+        model.plan_with(be, batch, seq, flat)
+    } else {
+        // The flat buffers are the whole device's, the activations the first virtual stage's.
+        let mut plan = models[0].plan_slot(be, batch, seq, false, None);
+        let len = if flat { model.layout.len } else { 0 };
+        (plan.params, plan.grads) = (be.alloc(BufKind::Params, len), be.alloc(BufKind::Grads, len));
+        plan
+    };
+    plan.refill_last = in_flight.iter().sum::<usize>() > 1;
+    let chunks = models
+        .into_iter()
+        .zip(at)
+        .zip(in_flight)
+        .enumerate()
+        .map(|(v, ((model, (offset, first_layer)), &n))| {
+            let slots = (usize::from(v == 0)..n)
+                .map(|_| {
+                    let mut p = model.plan_slot(be, batch, seq, false, Some(&plan));
+                    if flat {
+                        let len = model.layout.len;
+                        (p.params, p.grads) = (plan.params.at(offset, len), plan.grads.at(offset, len));
+                    }
+                    p
+                })
+                .collect();
+            Chunk { model, first_layer, offset, slots }
+        })
+        .collect();
+    (plan, chunks)
 }
