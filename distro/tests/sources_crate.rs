@@ -197,3 +197,116 @@ fn the_projects_cudarc_pin_matches_its_lock() {
     let dir = PathBuf::from(run.stdout.trim_end().split('\t').nth(2).unwrap());
     assert!(dir.join("Cargo.toml").exists() && dir.join("src/lib.rs").exists());
 }
+
+/// A carried patch of a crate source reaches the binary `distro build` puts in the image: the
+/// same workspace built without and with `patches/fixcrate/0001-helper.patch` (helper 7 -> 8)
+/// prints what the patched crate returns. Offline: the crate comes from the test's local
+/// registry, and the base (one empty layer) is put in the build's blob store beforehand, so it
+/// is read by digest without a request.
+#[test]
+fn a_carried_crate_patch_changes_what_the_built_binary_prints() {
+    use distro::image::layer::LayerSpec;
+    use distro::oci::manifest::{Descriptor, OCI_CONFIG, OCI_LAYER_GZIP, OCI_MANIFEST, image_manifest};
+    use distro::oci::store::BlobStore;
+    use std::io::Read;
+
+    let tmp = tempfile::tempdir().unwrap();
+    let reg = registry(tmp.path());
+    let project = Project::new(tmp.path().join("project"));
+    let root = &project.root;
+    project.write_file("patches/fixcrate/0001-helper.patch", &helper_patch(tmp.path()));
+    project.write_file("Cargo.toml", b"[workspace]\nmembers = [\"app\"]\nresolver = \"2\"\n");
+    project.write_file(
+        "app/Cargo.toml",
+        b"[package]\nname = \"app\"\nversion = \"0.0.0\"\nedition = \"2021\"\n\n[dependencies]\nfixcrate = { version = \"=0.1.0\" }\n",
+    );
+    project.write_file(
+        "app/src/main.rs",
+        b"fn main() {\n    println!(\"answer {} helper {}\", fixcrate::answer(), fixcrate::helper());\n}\n",
+    );
+    let host = distro::oci::platform::Platform::host().expect("a supported host");
+    project.write_file(
+        "images/app.toml",
+        format!(
+            "name = \"app\"\ndescription = \"patch test\"\nplatforms = [\"linux/{}\"]\nbase = \"127.0.0.1:9/base:none\"\ncmd = [\"/usr/local/bin/app\"]\n\n[[binary]]\npackage = \"app\"\ndest = \"/usr/local/bin/app\"\n",
+            host.architecture
+        )
+        .as_bytes(),
+    );
+    let home = reg.cargo_home.to_str().unwrap();
+    let out = Command::new("cargo")
+        .args(["generate-lockfile", "--quiet"])
+        .env("CARGO_HOME", home)
+        .current_dir(root)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+
+    // The base: one empty layer and a config for this machine, already in the blob store.
+    let build_dir = tmp.path().join("build");
+    let store = BlobStore::new(build_dir.join("store"));
+    let (layer, gz) = LayerSpec::new().build(0).unwrap();
+    store.put(&gz).unwrap();
+    let config = format!(
+        "{{\"architecture\":\"{}\",\"os\":\"linux\",\"config\":{{}},\"rootfs\":{{\"type\":\"layers\",\"diff_ids\":[\"{}\"]}}}}",
+        host.architecture, layer.diff_id
+    );
+    store.put(config.as_bytes()).unwrap();
+    let layer_desc = Descriptor {
+        media_type: OCI_LAYER_GZIP.into(),
+        digest: layer.digest.clone(),
+        size: layer.size,
+        platform: None,
+        annotations: None,
+    };
+    let manifest = image_manifest(
+        &Descriptor::of(OCI_CONFIG, config.as_bytes()),
+        &[layer_desc],
+        &std::collections::BTreeMap::new(),
+    )
+    .unwrap();
+    store.put(&manifest).unwrap();
+    let base = format!("127.0.0.1:9/base@{}", Descriptor::of(OCI_MANIFEST, &manifest).digest);
+
+    let m = Machine::new(&tmp.path().join("m"))
+        .with_env("CARGO_HOME", home)
+        .with_env("DISTRO_TARGET_DIR", build_dir.to_str().unwrap());
+    // Builds the committed workspace into a layout and runs the binary found in its layers.
+    let build_and_run = |patches: &str, out: &str| -> String {
+        project.write_manifest(&format!(
+            "[sources.fixcrate]\ncrate = \"fixcrate\"\nversion = \"0.1.0\"\npatches = [{patches}]\n"
+        ));
+        m.run(root, &["lock"]).ok();
+        if !root.join(".git").exists() {
+            git(root, &["init", "-q", "-b", "main"]);
+        }
+        git(root, &["add", "-A"]);
+        git(root, &["commit", "-q", "--allow-empty", "-m", out]);
+        let layout = tmp.path().join(out);
+        m.run(
+            root,
+            &["build", "--image", "app", "--base", &base, "--date", "2026-01-01", "--output", layout.to_str().unwrap()],
+        )
+        .ok();
+        for blob in fs::read_dir(layout.join("blobs/sha256")).unwrap() {
+            let Ok(bytes) = fs::read(blob.unwrap().path()) else { continue };
+            let mut archive = tar::Archive::new(flate2::read::GzDecoder::new(bytes.as_slice()));
+            let Ok(entries) = archive.entries() else { continue };
+            for mut e in entries.filter_map(Result::ok) {
+                if e.path().is_ok_and(|p| p.to_str() == Some("usr/local/bin/app")) {
+                    let mut exe = Vec::new();
+                    e.read_to_end(&mut exe).unwrap();
+                    let path = tmp.path().join(format!("{out}-app"));
+                    fs::write(&path, exe).unwrap();
+                    use std::os::unix::fs::PermissionsExt;
+                    fs::set_permissions(&path, fs::Permissions::from_mode(0o755)).unwrap();
+                    let run = Command::new(&path).output().unwrap();
+                    return String::from_utf8_lossy(&run.stdout).trim().to_string();
+                }
+            }
+        }
+        panic!("no layer of {} holds usr/local/bin/app", layout.display())
+    };
+    assert_eq!(build_and_run("", "unpatched"), "answer 41 helper 7");
+    assert_eq!(build_and_run("\"patches/fixcrate/0001-helper.patch\"", "patched"), "answer 41 helper 8");
+}
