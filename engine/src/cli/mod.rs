@@ -16,6 +16,7 @@ mod train;
 use anyhow::{Context, Result};
 use clap::error::ErrorKind;
 use clap::{Args, Parser, Subcommand};
+use engine::backend::cuda::CudaFailure;
 use engine::config::{self, Override, Resolved};
 
 /// Trains Llama, Mistral and Mixtral style models with explicit forward and backward passes.
@@ -216,20 +217,54 @@ pub fn run(cli: Cli) -> Result<()> {
 }
 
 /// Panics are bugs: report them in one line with where they happened, without a backtrace
-/// unless RUST_BACKTRACE asks for one, and exit with 101 as Rust does.
+/// unless RUST_BACKTRACE asks for one, and exit with 101 as Rust does. One is not a bug: a CUDA
+/// call that failed while running ([`CudaFailure`]), which is one `error:` line with exit code 1,
+/// the code of an operation that failed without its input being wrong.
 pub fn install_panic_hook() {
-    if std::env::var_os("RUST_BACKTRACE").is_some() {
-        return;
-    }
-    std::panic::set_hook(Box::new(|info| {
-        let message = info
-            .payload()
-            .downcast_ref::<&str>()
-            .map(|s| s.to_string())
-            .or_else(|| info.payload().downcast_ref::<String>().cloned())
-            .unwrap_or_default();
-        let place = info.location().map(|l| format!(" at {}:{}", l.file(), l.line())).unwrap_or_default();
-        eprintln!("internal error: {message}{place} (please report it; RUST_BACKTRACE=1 shows more)");
-        std::process::exit(101);
+    let default = std::panic::take_hook();
+    let backtrace = std::env::var_os("RUST_BACKTRACE").is_some();
+    std::panic::set_hook(Box::new(move |info| {
+        let is_bug = !info.payload().is::<CudaFailure>();
+        if backtrace && is_bug {
+            return default(info);
+        }
+        let (line, code) = panic_report(info.payload(), info.location());
+        eprintln!("{line}");
+        std::process::exit(code);
     }));
+}
+
+/// The line and exit code for a panic with `payload`, raised at `place`.
+fn panic_report(payload: &(dyn std::any::Any + Send), place: Option<&std::panic::Location>) -> (String, i32) {
+    if let Some(failure) = payload.downcast_ref::<CudaFailure>() {
+        return (format!("error: {failure}"), 1);
+    }
+    let message = payload
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_default();
+    let place = place.map(|l| format!(" at {}:{}", l.file(), l.line())).unwrap_or_default();
+    (format!("internal error: {message}{place} (please report it; RUST_BACKTRACE=1 shows more)"), 101)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_cuda_failure_is_one_error_line_with_exit_code_1_and_other_panics_are_bugs() {
+        let failure: Box<dyn std::any::Any + Send> =
+            Box::new(CudaFailure("CUDA error (the step): CUDA_ERROR_ILLEGAL_ADDRESS".into()));
+        let (line, code) = panic_report(failure.as_ref(), None);
+        assert_eq!(code, 1);
+        assert!(line.starts_with("error: CUDA error (the step): CUDA_ERROR_ILLEGAL_ADDRESS; the GPU"), "{line}");
+        assert!(!line.contains('\n'), "{line}");
+        let bug: Box<dyn std::any::Any + Send> = Box::new(String::from("index out of bounds"));
+        let (line, code) = panic_report(bug.as_ref(), None);
+        assert_eq!(
+            (line.as_str(), code),
+            ("internal error: index out of bounds (please report it; RUST_BACKTRACE=1 shows more)", 101)
+        );
+    }
 }

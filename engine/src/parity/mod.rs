@@ -86,7 +86,11 @@ pub fn run(scale: Scale, open: &mut Open, filter: &str, report: &mut dyn FnMut(&
 }
 
 fn panic_text(p: &Box<dyn std::any::Any + Send>) -> String {
-    p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_default()
+    p.downcast_ref::<String>()
+        .cloned()
+        .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+        .or_else(|| p.downcast_ref::<crate::backend::cuda::CudaFailure>().map(|f| f.to_string()))
+        .unwrap_or_default()
 }
 
 /// The attention checks' shapes: (batch, seq, heads, kv heads, head width, window, must have

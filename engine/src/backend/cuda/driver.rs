@@ -109,8 +109,25 @@ impl Gpu {
     }
 }
 
+/// A CUDA call that failed while running: the GPU, its driver or a CUDA library, not the input
+/// (an Xid, an ECC error, a launch that failed). The device's methods return nothing, so it
+/// unwinds as a panic with this payload, which the `engine` binary's panic hook reports as one
+/// line with exit code 1, not as a bug (docs/launch.md, "Exit codes").
+#[derive(Debug)]
+pub struct CudaFailure(pub String);
+
+impl std::fmt::Display for CudaFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{}; the GPU, its driver or a CUDA library failed while running: see nvidia-smi and the kernel log (Xid errors), then continue with --resume=auto",
+            self.0
+        )
+    }
+}
+
 fn fail(what: &str, e: impl std::fmt::Display) -> ! {
-    panic!("CUDA error ({what}): {e}")
+    std::panic::panic_any(CudaFailure(format!("CUDA error ({what}): {e}")))
 }
 
 impl Device for Gpu {

@@ -20,6 +20,7 @@ mod blas;
 pub mod cudnn;
 pub mod device;
 mod driver;
+pub use driver::CudaFailure;
 pub mod flags;
 pub mod emulator;
 pub mod nvrtc;
