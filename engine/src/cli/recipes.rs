@@ -276,9 +276,14 @@ fn show_json(name: &str, c: &Config, plan: &ParallelPlan) -> serde_json::Value {
     let stages: Vec<serde_json::Value> = stages
         .iter()
         .map(|s| {
+            let runs = std::iter::once(&s.layers).chain(&s.later).zip(&s.chunk_in_flight);
+            let virtual_stages: Vec<serde_json::Value> = runs
+                .map(|(l, n)| serde_json::json!({ "layers": [l.start, l.end], "in_flight_microbatches": n }))
+                .collect();
             serde_json::json!({
                 "layers": [s.layers.start, s.layers.end],
                 "in_flight_microbatches": s.in_flight,
+                "virtual_stages": virtual_stages,
                 "cuda": part(&s.estimate),
             })
         })
@@ -303,6 +308,7 @@ fn show_json(name: &str, c: &Config, plan: &ParallelPlan) -> serde_json::Value {
         "pipeline": {
             "microbatches": c.train.pipeline_microbatches,
             "schedule": c.train.pipeline_schedule,
+            "virtual_stages": plan.virtual_stages,
             "split": split_name(c),
             "bubble_fraction": plan.bubble_fraction(),
             "stages": stages,
@@ -398,8 +404,12 @@ fn memory_table(c: &Config, plan: &ParallelPlan) -> String {
     }
     if p > 1 {
         let schedule = c.train.pipeline_schedule.name();
+        let (v, formula) = match plan.virtual_stages {
+            1 => (String::new(), "(P-1)/(M+P-1)"),
+            v => (format!(" x {v} virtual stages"), "(P-1)/(V*M+P-1)"),
+        };
         out += &format!(
-            "\n# pipeline: {p} stages ({} split), {micro} micro-batches, {schedule}: bubble (P-1)/(M+P-1) = {:.1} % of each device's step\n",
+            "\n# pipeline: {p} stages{v} ({} split), {micro} micro-batches, {schedule}: bubble {formula} = {:.1} % of each device's step\n",
             split_name(c),
             100.0 * plan.bubble_fraction()
         );
@@ -410,10 +420,14 @@ fn memory_table(c: &Config, plan: &ParallelPlan) -> String {
         let stages = plan.stage_estimates(c, Target::Cuda { sm_count: 132 });
         for (i, s) in stages.iter().enumerate() {
             let e = &s.estimate;
+            // A device's virtual stages' layers and micro-batches in flight, each its own.
+            let runs = std::iter::once(&s.layers).chain(&s.later);
+            let layers: Vec<String> = runs.map(|l| format!("{}..{}", l.start, l.end)).collect();
+            let in_flight: Vec<String> = s.chunk_in_flight.iter().map(usize::to_string).collect();
             out += &format!(
                 "{i:<8} {:>10} {:>10} {:>16} {:>14} {:>14}\n",
-                format!("{}..{}", s.layers.start, s.layers.end),
-                s.in_flight,
+                layers.join(","),
+                in_flight.join("+"),
                 gib(e.parameters + e.gradients + e.optimizer),
                 gib(e.activations),
                 gib(e.total())

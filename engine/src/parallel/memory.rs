@@ -24,8 +24,13 @@ use crate::model::memory::{self, Estimate, Target, element_bytes};
 pub struct StagePlan {
     /// Its layers.
     pub layers: std::ops::Range<usize>,
-    /// Micro-batches its schedule keeps in flight (each with its activations).
+    /// The layers of its later virtual stages (interleaved 1F1B; empty without).
+    pub later: Vec<std::ops::Range<usize>>,
+    /// Micro-batches its schedule keeps in flight (each with its activations), all its
+    /// virtual stages together.
     pub in_flight: usize,
+    /// Those of each virtual stage, its own slots (one entry without virtual stages).
+    pub chunk_in_flight: Vec<usize>,
     /// Bytes one of its devices holds.
     pub estimate: Estimate,
 }

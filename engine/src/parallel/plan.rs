@@ -202,7 +202,9 @@ impl ParallelPlan {
     pub fn stage_estimates(&self, config: &Config, target: Target) -> Vec<StagePlan> {
         let plan = |(s, stage): (usize, &Stage)| StagePlan {
             layers: stage.layers.clone(),
+            later: stage.later.clone(),
             in_flight: self.schedules[s].in_flight,
+            chunk_in_flight: self.schedules[s].chunk_in_flight.clone(),
             estimate: self.device_estimate(config, s, stage, target),
         };
         self.stages.iter().enumerate().map(plan).collect()

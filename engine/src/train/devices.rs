@@ -443,17 +443,20 @@ mod tests {
             }
         }
 
-        /// Each stage's measured peak memory agrees with its estimate within 10 %, and 1F1B's
-        /// first stage keeps fewer micro-batches' activations than GPipe's.
+        /// Each stage's measured peak memory agrees with its estimate within 10 % (interleaved
+        /// 1F1B's too), and 1F1B's first stage keeps fewer micro-batches' activations than
+        /// GPipe's.
         #[test]
         fn stage_memory_is_estimated_and_one_f_one_b_keeps_less() {
             use crate::backend::Backend;
             use crate::model::memory::Target;
             let sets = ["model.n_layers=4", "train.batch_size=2", "train.pipeline_microbatches=4", "mesh.ici_data=1"];
             let mut peaks = Vec::new();
-            for schedule in ["1f1b", "gpipe"] {
+            // Interleaved: two virtual stages of one layer on each device, each with its slots.
+            for (schedule, v) in [("1f1b", 1), ("gpipe", 1), ("interleaved", 2)] {
                 let s = format!("train.pipeline_schedule=\"{schedule}\"");
-                let c = pipe_config("tiny-llama2", &[&sets[..], &["mesh.ici_pipeline=2", &s]].concat());
+                let v = format!("train.pipeline_virtual_stages={v}");
+                let c = pipe_config("tiny-llama2", &[&sets[..], &["mesh.ici_pipeline=2", &s, &v]].concat());
                 let peak = run(&c, 2, |_, t| {
                     t.train_step(0.0);
                     Ok(t.backend.peak_memory_bytes())

@@ -137,9 +137,13 @@ pub fn run<B: Backend>(trainer: &mut Trainer<Traced<B>>, s: &Session) -> Result<
             let t = &config.train;
             let schedule = t.pipeline_schedule.name();
             // The layers of every stage, so that a memory or explicit split can be checked.
-            let layers: Vec<usize> = trainer.parallel_plan.stages.iter().map(|s| s.layers.len()).collect();
+            let layers: Vec<usize> = trainer.parallel_plan.stages.iter().map(|s| s.layer_count()).collect();
+            let (v, formula) = match trainer.parallel_plan.virtual_stages {
+                1 => (String::new(), "(P-1)/(M+P-1)"),
+                v => (format!(" x {v} virtual stages"), "(P-1)/(V*M+P-1)"),
+            };
             log.say(&format!(
-                "pipeline: {stages} stages of {layers:?} layers, {} micro-batches per step ({schedule}): bubble (P-1)/(M+P-1) = {:.1} % of each device's step idle",
+                "pipeline: {stages} stages{v} of {layers:?} layers, {} micro-batches per step ({schedule}): bubble {formula} = {:.1} % of each device's step idle",
                 t.pipeline_microbatches,
                 100.0 * trainer.bubble_fraction()
             ));
