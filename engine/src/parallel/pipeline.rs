@@ -330,6 +330,7 @@ mod tests {
     /// Megatron-LM's interleaved order on 2 devices, 2 virtual stages, 4 micro-batches, and the
     /// layout of the virtual stages on the devices.
     #[test]
+    #[allow(clippy::single_range_in_vec_init)] // a device's one later virtual stage
     fn interleaved_order_and_layout_are_megatrons() {
         use Action::{Backward as B, Forward as F};
         let a = actions(PipelineSchedule::Interleaved, 2, 0, 4, 2);
@@ -368,9 +369,11 @@ mod tests {
             let schedule = if v == 1 { PipelineSchedule::OneFOneB } else { PipelineSchedule::Interleaved };
             let lists: Vec<_> = (0..p).map(|d| actions(schedule, p, d, m, v)).collect();
             let (last, device_of) = (p * v - 1, |s: usize| s % p);
-            // A message: (forward?, virtual stage it is for, micro-batch).
-            let mut mail: HashMap<(usize, usize), VecDeque<(bool, usize, usize)>> = HashMap::new();
-            let mut pending: Vec<Vec<((usize, usize), (bool, usize, usize))>> = vec![Vec::new(); p];
+            // A message: (forward?, virtual stage it is for, micro-batch), by (sender, receiver).
+            type Message = (bool, usize, usize);
+            type Pair = (usize, usize);
+            let mut mail: HashMap<Pair, VecDeque<Message>> = HashMap::new();
+            let mut pending: Vec<Vec<(Pair, Message)>> = vec![Vec::new(); p];
             let mut next = vec![0; p];
             loop {
                 let mut moved = false;
