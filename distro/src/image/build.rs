@@ -239,6 +239,7 @@ pub fn build(opts: &BuildOptions, dir: &BuildDir, client: &Client, progress: &Pr
 
     // 2. The pinned sources (after the base, so a bad base fails before any fetching).
     let sources = super::sources::collect(&ws, &opts.patches, &opts.source_overrides, progress)?;
+    let wheels = super::wheels::specs(&ws.root, &def, &def_path, &platforms)?;
 
     // 2. Engine binaries, all platforms in one cargo run.
     let stage = Stage::prepare(&ws, &cache, &sources.crate_patches, progress)?;
@@ -304,6 +305,7 @@ pub fn build(opts: &BuildOptions, dir: &BuildDir, client: &Client, progress: &Pr
             base_digest: &bp.manifest_digest,
             base_contents: Some(&base_contents),
         })?;
+        let sbom_bytes = super::wheels::add_to_sbom(sbom_bytes, &wheels, p)?;
         let distro = opt_distro_spec(sbom_bytes, stage.lock(), &sources)?;
         let distro_layer = cached_layer(&distro, epoch, &cache, &store)?;
 
@@ -323,6 +325,7 @@ pub fn build(opts: &BuildOptions, dir: &BuildDir, client: &Client, progress: &Pr
                         .join(" "),
             ));
         }
+        ours.extend(super::wheels::layers(&wheels, p, epoch, &cache, &store, progress)?);
         ours.push((distro_layer, "/opt/distro: manifest lock, patches, Cargo.lock, SBOM".into()));
 
         let added: Vec<AddedLayer> = ours

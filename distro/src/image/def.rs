@@ -40,6 +40,9 @@ pub struct ImageDef {
     pub labels: BTreeMap<String, String>,
     /// The most each platform's image may weigh (`[budget]`).
     pub budget: super::size::Budget,
+    /// Pinned wheels (`[wheels.NAME]` of images/manifest.toml) whose shared libraries are
+    /// unpacked into the image, one layer each (`image::wheels`).
+    pub wheels: Vec<String>,
 }
 
 /// Where an image definition's base comes from.
@@ -179,6 +182,8 @@ struct Raw {
     labels: BTreeMap<String, String>,
     #[serde(default)]
     budget: super::size::Budget,
+    #[serde(default)]
+    wheels: Vec<Spanned<String>>,
 }
 
 #[derive(Deserialize)]
@@ -304,7 +309,15 @@ impl ImageDef {
             }
             env.insert(k, v.into_inner());
         }
+        let mut wheels: Vec<String> = Vec::new();
+        for w in raw.wheels {
+            if wheels.contains(w.get_ref()) {
+                return Err(at(w.span(), "wheels", format!("{:?} is listed twice", w.get_ref())));
+            }
+            wheels.push(w.into_inner());
+        }
         Ok(ImageDef {
+            wheels,
             name,
             description: raw.description,
             platforms,
@@ -412,6 +425,14 @@ reason = "show warnings"
         std::fs::write(&m, "").unwrap();
         let e = format!("{:#}", d.base_reference(dir.path()).unwrap_err());
         assert!(e.contains("has no [bases.deb]"), "{e}");
+    }
+
+    #[test]
+    fn wheels_are_listed_once() {
+        let d = ImageDef::parse(&GOOD.replace("cmd = ", "wheels = [\"nvrtc\", \"cublas\"]\ncmd = "), "x.toml").unwrap();
+        assert_eq!(d.wheels, ["nvrtc", "cublas"]);
+        let e = err(&GOOD.replace("cmd = ", "wheels = [\"nvrtc\", \"nvrtc\"]\ncmd = "));
+        assert!(e.starts_with("x.toml:6: wheels:") && e.contains("listed twice"), "{e}");
     }
 
     #[test]

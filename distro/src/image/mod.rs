@@ -11,4 +11,5 @@ pub mod layer;
 pub mod sbom;
 pub mod size;
 pub mod sources;
+pub mod wheels;
 pub mod workspace;

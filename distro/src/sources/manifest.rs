@@ -54,6 +54,8 @@ pub struct Manifest {
     pub sources: BTreeMap<String, Source>,
     /// The base images (`[bases.NAME]`), by name: what image definitions build on.
     pub bases: BTreeMap<String, BaseSpec>,
+    /// Pinned Python wheels (`[wheels.NAME]`: NVIDIA's CUDA libraries), by name.
+    pub wheels: BTreeMap<String, super::wheels::WheelSpec>,
 }
 
 /// A base image the manifest tracks (`[bases.NAME]`): a registry repository, the tag `distro
@@ -227,6 +229,8 @@ struct RawManifest {
     sources: BTreeMap<String, Spanned<RawSource>>,
     #[serde(default)]
     bases: BTreeMap<String, Spanned<RawBase>>,
+    #[serde(default)]
+    wheels: BTreeMap<String, Spanned<super::wheels::RawWheel>>,
 }
 
 #[derive(Deserialize)]
@@ -331,7 +335,14 @@ impl Manifest {
             };
             bases.insert(name.clone(), BaseSpec { name, image, tag, digest, loc: Loc::at(text, table) });
         }
-        Ok(Manifest { path: path.to_path_buf(), root, sources, bases })
+        let mut wheels = BTreeMap::new();
+        for (name, raw_wheel) in raw.wheels {
+            let table = raw_wheel.span().start;
+            let w = super::wheels::validate(&name, raw_wheel.into_inner(), table, text)
+                .map_err(|(offset, msg)| err_at(offset, &msg))?;
+            wheels.insert(name, w);
+        }
+        Ok(Manifest { path: path.to_path_buf(), root, sources, bases, wheels })
     }
 
     /// The lock file that belongs to this manifest: the same path with the `.lock` extension.

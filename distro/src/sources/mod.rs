@@ -35,6 +35,7 @@ pub mod out;
 pub mod refresh;
 pub mod resolve;
 pub mod status;
+pub mod wheels;
 
 mod crates;
 mod patch;
