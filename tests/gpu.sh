@@ -45,6 +45,7 @@ PHASES=(
     "cudnn|6|cuDNN's fused attention: its gpu-test checks (stopping there if they fail, with cuDNN's log), gpu-test whole, bench --profile of both recipes, one round of the peers"
     "profile|3|engine bench --profile of llama3.2-1b (4 x 4096) and fuji-3B-v3 (2 x 4096), and bench/attention_peers.py at both shapes"
     "nccl|1|engine launch --nproc 1 on the GPU: NCCL loaded, a one-rank communicator, the watchdog running beside a short training run"
+    "image|2|the engine-wheels image (IMAGE_LAYOUT) unpacked and run in a chroot with the host driver bound in: engine gpu-test and test-all --quick inside it"
     "bench-llama3.2-1b|7|bench/compare.py: the engine, PyTorch eager, torch.compile per block and JAX + cuDNN, llama3.2-1b at 4 x 4096"
     "bench-fuji-3B-v3|9|bench/compare.py: the same for fuji-3B-v3 at 2 x 4096"
     "long-cpu|4|the long run's first 3 steps on the CPU (the reference for long-check)"
@@ -178,6 +179,9 @@ phase() {
         "$ENGINE" launch --nproc 1 -- train --device "$DEVICE" --recipe tiny-llama2 --steps 20 \
             --run-dir "$out/run"
         ;;
+    image)
+        image_phase
+        ;;
     bench-llama3.2-1b)
         "$PYTHON" bench/compare.py --engine "$ENGINE" --python "$PYTHON" --recipe llama3.2-1b --peers "$PEERS" \
             --set train.seq_len=4096 --set train.batch_size=4 --rounds "$ROUNDS" --json "$out/compare.json"
@@ -215,6 +219,97 @@ assert last < 0.7 * first, "the device's loss did not keep falling"
 PY
         ;;
     esac
+}
+
+# The `image` phase: the image as users run it, not the carried binary. IMAGE_LAYOUT is an OCI
+# layout of the engine-wheels image (`distro build --image engine-wheels --platform linux/amd64
+# --output DIR`, or that DIR as a .tar); nothing is fetched (the GPU machine may have no network).
+# Its layers are unpacked in order into OUTDIR/image/rootfs and the image's Env is read from its
+# config. The host driver is bound in as NVIDIA's container toolkit does for
+# NVIDIA_DRIVER_CAPABILITIES=compute,utility: each of the host's libcuda, libnvidia-ml,
+# libnvidia-ptxjitcompiler, libnvidia-nvvm and libnvidia-gpucomp files (found with ldconfig -p)
+# bind-mounted read-only at the same name in the rootfs's /usr/lib/x86_64-linux-gnu, nvidia-smi
+# at /usr/bin/nvidia-smi, the host's /dev (the /dev/nvidia* nodes), /proc and /sys, then
+# ldconfig inside; all in a private mount namespace (unshare), as root, so nothing outlives it.
+# Needs root (or unprivileged user namespaces) and python3. Without IMAGE_LAYOUT: SKIPPED.
+image_phase() {
+    if [ -z "${IMAGE_LAYOUT:-}" ]; then
+        echo "image: SKIPPED: set IMAGE_LAYOUT to the engine-wheels image's OCI layout (docs/images.md)"
+        return 0
+    fi
+    local layout rootfs
+    layout=$(absolute "$IMAGE_LAYOUT")
+    rootfs="$out/rootfs"
+    rm -rf "$rootfs"
+    mkdir -p "$rootfs"
+    "$PYTHON" - "$layout" "$rootfs" "$out/env" <<'PY'
+import io, json, os, sys, tarfile
+layout, rootfs, env_out = sys.argv[1:]
+tar = tarfile.open(layout) if os.path.isfile(layout) else None
+def blob(digest):
+    rel = "blobs/" + digest.replace(":", "/")
+    if tar:
+        return tar.extractfile(next(m for m in tar.getmembers() if m.name.lstrip("./") == rel)).read()
+    return open(os.path.join(layout, rel), "rb").read()
+def doc(rel):
+    if tar:
+        return json.load(tar.extractfile(next(m for m in tar.getmembers() if m.name.lstrip("./") == rel)))
+    return json.load(open(os.path.join(layout, rel)))
+index = doc("index.json")
+m = index["manifests"][0]
+while m["mediaType"].endswith("index.v1+json"):
+    m = next(x for x in json.loads(blob(m["digest"]))["manifests"] if x.get("platform", {}).get("architecture") == "amd64")
+manifest = json.loads(blob(m["digest"]))
+config = json.loads(blob(manifest["config"]["digest"]))
+for layer in manifest["layers"]:
+    with tarfile.open(fileobj=io.BytesIO(blob(layer["digest"])), mode="r:*") as t:
+        for e in t.getmembers():
+            head, _, name = e.name.rpartition("/")
+            if name.startswith(".wh."):  # OCI whiteouts: remove what a lower layer put there
+                victim = os.path.join(rootfs, head, name[4:])
+                os.system(f"rm -rf '{victim}'")
+                continue
+            try:
+                t.extract(e, rootfs, numeric_owner=True, filter="fully_trusted")
+            except TypeError:  # Python before 3.11.4 has no extraction filters
+                t.extract(e, rootfs, numeric_owner=True)
+    print(f"unpacked {layer['digest']} ({layer['size']} bytes)")
+with open(env_out, "w") as f:
+    f.write("\n".join(config["config"].get("Env", [])) + "\n")
+PY
+    echo "image env:"
+    cat "$out/env"
+    # The driver as the container toolkit binds it (compute, utility).
+    local libdir="$rootfs/usr/lib/x86_64-linux-gnu" binds=() f
+    mkdir -p "$libdir" "$rootfs/out" "$rootfs/dev" "$rootfs/proc" "$rootfs/sys"
+    while read -r f; do
+        [ -e "$f" ] && binds+=("$f")
+    done < <(ldconfig -p | awk '$1 ~ /^lib(cuda|nvidia-ml|nvidia-ptxjitcompiler|nvidia-nvvm|nvidia-gpucomp)\.so/ {print $NF}' | sort -u)
+    [ ${#binds[@]} -gt 0 ] || { echo "image: no libcuda on this host (ldconfig -p): is the NVIDIA driver installed?" >&2; return 1; }
+    printf 'driver file bound in: %s\n' "${binds[@]}"
+    local script="$out/inside.sh"
+    {
+        echo "set -e"
+        for f in "${binds[@]}"; do
+            # Bind the real file (the host's names are links to it), under the name the loader asks for.
+            echo "touch '$libdir/$(basename "$f")' && mount --bind -o ro '$(readlink -f "$f")' '$libdir/$(basename "$f")'"
+        done
+        if command -v nvidia-smi >/dev/null; then
+            echo "touch '$rootfs/usr/bin/nvidia-smi' && mount --bind -o ro '$(command -v nvidia-smi)' '$rootfs/usr/bin/nvidia-smi'"
+        fi
+        echo "mount --rbind /dev '$rootfs/dev' && mount -t proc proc '$rootfs/proc' && mount --rbind /sys '$rootfs/sys'"
+        echo "mount --bind '$out' '$rootfs/out'"
+        echo "chroot '$rootfs' /sbin/ldconfig"
+        echo "run() { chroot '$rootfs' /usr/bin/env -i \$(cat '$out/env') HOME=/root sh -c 'cd /opt/engine && exec \"\$@\"' sh \"\$@\"; }"
+        echo "run engine info"
+        echo "run engine gpu-test --json /out/gpu-test.json"
+        echo "run test-all --quick --report /out/quick"
+    } >"$script"
+    if [ "$(id -u)" = 0 ]; then
+        unshare --mount --propagation private bash "$script"
+    else
+        unshare --user --map-root-user --mount --propagation private bash "$script"
+    fi
 }
 
 # train.batch_size of the long run (the CPU reference accumulates that many micro-batches of one).
