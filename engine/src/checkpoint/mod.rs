@@ -270,12 +270,12 @@ fn write_into(
         let sha = tensors::write(&dir.join(OPTIMIZER_FILE), &moments, FloatType::F32)?;
         add(OPTIMIZER_FILE, Some(sha))?;
     }
-    let head = Head { step: snap.step, position: snap.position, data_tokens: snap.data_tokens };
+    let head = Head { step: snap.step, position: snap.position.clone(), data_tokens: snap.data_tokens };
     seal(dir, config, head, None, files, extras)
 }
 
 /// What a checkpoint records of the run besides its tensors and configuration.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Head {
     /// Optimizer steps completed.
     pub step: u64,
@@ -468,7 +468,7 @@ impl Checkpoint {
     pub fn snapshot(&self, layout: &Layout) -> Result<Snapshot> {
         Ok(Snapshot {
             step: self.state.step,
-            position: self.state.data_position,
+            position: self.state.data_position.clone(),
             data_tokens: self.state.data_tokens,
             params: self.params(layout)?,
             moments: self.moments(layout)?,
@@ -690,22 +690,26 @@ pub fn resume_point(parent: &Path, explicit: Option<&Path>, config: &Config, dev
 fn check_data(ck: &Checkpoint, config: &Config) -> Result<()> {
     let Some(saved) = &ck.state.data_shards else { return Ok(()) };
     let now = crate::data::fingerprint(&config.data)?.unwrap_or_default();
-    let (d, path) = (ck.dir.display(), &config.data.path);
+    let d = ck.dir.display();
+    let path = match config.data.mixture.is_empty() {
+        true => format!("data.path = {}", config.data.path),
+        false => "data.mixture".to_owned(),
+    };
     let advice = "resume on the data the run trained on, or start a new run in another --run-dir";
     for (name, header) in saved {
         match now.get(name) {
             None => bail!(
-                "cannot resume from {d}: shard {name}, part of the data it was saved with, is not in data.path = {path}; {advice}"
+                "cannot resume from {d}: shard {name}, part of the data it was saved with, is not in {path}; {advice}"
             ),
             Some(h) if h != header => bail!(
-                "cannot resume from {d}: shard {name} in data.path = {path} changed since the checkpoint was saved (its header and content digest differ); {advice}"
+                "cannot resume from {d}: shard {name} in {path} changed since the checkpoint was saved (its header and content digest differ); {advice}"
             ),
             Some(_) => {}
         }
     }
     if let Some(extra) = now.keys().find(|n| !saved.contains_key(*n)) {
         bail!(
-            "cannot resume from {d}: shard {extra} in data.path = {path} was not part of the data the checkpoint was saved with; {advice}"
+            "cannot resume from {d}: shard {extra} in {path} was not part of the data the checkpoint was saved with; {advice}"
         );
     }
     Ok(())

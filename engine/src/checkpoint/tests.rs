@@ -24,8 +24,8 @@ fn snapshot(config: &Config, step: u64) -> (Layout, Snapshot) {
     let params = init::params(&model, 3);
     let m: Vec<f32> = params.iter().map(|x| x * 0.5).collect();
     let v: Vec<f32> = params.iter().map(|x| x * x).collect();
-    let snap =
-        Snapshot { step, position: Position { epoch: 1, index: 7 }, data_tokens: 1000, params, moments: Some((m, v)) };
+    let position = Position { epoch: 1, index: 7, ..Position::default() };
+    let snap = Snapshot { step, position, data_tokens: 1000, params, moments: Some((m, v)) };
     (model.layout, snap)
 }
 
@@ -137,6 +137,7 @@ fn a_resume_on_other_shards_is_refused_naming_the_shard() {
     config.data = crate::config::DataConfig {
         source: crate::config::DataSource::Shards,
         path: data.path().display().to_string(),
+        ..Default::default()
     };
     let (layout, snap) = snapshot(&config, 4);
     let runs = tempfile::tempdir().unwrap();

@@ -482,6 +482,33 @@ pub struct DataConfig {
     /// With `source = "shards"`: a directory of shards (read in name order) or one shard file.
     /// A relative path is relative to the working directory.
     pub path: String,
+    /// With `source = "shards"`, in place of `path`: several prepared datasets, each sequence
+    /// read from one of them in proportion to the weights ([`crate::data::mixture`]).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub mixture: Vec<MixtureSource>,
+    /// Prepared shards that `eval_loss` reads instead of a held-out tail of the training data
+    /// (none is held out then). Empty: the tail.
+    pub validation_path: String,
+}
+
+/// One dataset of a mixture (`[[data.mixture]]`).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MixtureSource {
+    /// A directory of shards or one shard file, as `data.path`.
+    pub path: String,
+    /// Its relative share of the training sequences: positive; the weights need not sum to 1.
+    pub weight: f64,
+    /// Its name in `tokens_by_source` and checkpoints; the path when unset.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub name: String,
+}
+
+impl MixtureSource {
+    /// The source's name: `name`, else its path.
+    pub fn name(&self) -> &str {
+        if self.name.is_empty() { &self.path } else { &self.name }
+    }
 }
 
 /// The device mesh: five parallel axes (data, fsdp, tensor, pipeline, seq), each split into an
@@ -772,10 +799,11 @@ impl Config {
         if !(0.0..=1.0).contains(&o.min_lr_ratio) {
             return Err(format!("optim.min_lr_ratio = {} must lie in [0, 1]", o.min_lr_ratio));
         }
-        match (self.data.source, self.data.path.is_empty()) {
+        self.data.check_mixture()?;
+        match (self.data.source, self.data.path.is_empty() && self.data.mixture.is_empty()) {
             (DataSource::Shards, true) => {
                 return Err(
-                    "data.source = \"shards\" needs data.path (a directory written by `engine data prepare`)".into()
+                    "data.source = \"shards\" needs data.path (a directory written by `engine data prepare`) or [[data.mixture]] entries".into()
                 );
             }
             (DataSource::Embedded | DataSource::Synthetic, false) => {
@@ -794,6 +822,46 @@ impl Config {
                 "train.checkpoint_every_minutes = {} must be non-negative (0: no time-based checkpoints)",
                 self.train.checkpoint_every_minutes
             ));
+        }
+        Ok(())
+    }
+}
+
+impl DataConfig {
+    /// A mixture's entries: each with a path and a positive weight, names unique, in place of
+    /// `data.path` and with shards only.
+    fn check_mixture(&self) -> Result<(), String> {
+        if self.mixture.is_empty() {
+            return Ok(());
+        }
+        if !self.path.is_empty() {
+            return Err(format!(
+                "data.path = {} and data.mixture are both set; a run reads data.path or the mixture's datasets, not both",
+                self.path
+            ));
+        }
+        if self.source != DataSource::Shards {
+            return Err("data.mixture is set but data.source is not \"shards\"; set data.source = \"shards\"".into());
+        }
+        for (i, m) in self.mixture.iter().enumerate() {
+            if m.path.is_empty() {
+                return Err(format!(
+                    "data.mixture[{i}].path is empty; name a directory written by `engine data prepare`"
+                ));
+            }
+            if !positive_number(m.weight) {
+                return Err(format!(
+                    "data.mixture[{i}].weight = {} ({}) must be a positive number",
+                    m.weight,
+                    m.name()
+                ));
+            }
+            if let Some(j) = self.mixture[..i].iter().position(|o| o.name() == m.name()) {
+                return Err(format!(
+                    "data.mixture[{j}] and data.mixture[{i}] are both named {}; give one a distinct `name`",
+                    m.name()
+                ));
+            }
         }
         Ok(())
     }

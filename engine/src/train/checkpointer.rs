@@ -250,7 +250,7 @@ impl Checkpointer {
         let keep = Keep::of(&config);
         self.sealing = Some(std::thread::spawn(move || {
             let known = writing.sums.unwrap_or_default();
-            sharded::commit(&writing.tmp, &writing.dir, &config, writing.head, devices, &extras, &known)
+            sharded::commit(&writing.tmp, &writing.dir, &config, writing.head.clone(), devices, &extras, &known)
                 .map_err(|e| e.context(format!("cannot write checkpoint {}", writing.dir.display())))?;
             checkpoint::prune(&parent, keep.last, keep.every)?;
             Ok(SaveReport {

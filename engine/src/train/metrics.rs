@@ -40,6 +40,10 @@ pub struct StepMetrics {
     /// Mean cross-entropy on the validation split, on steps that evaluate (`train.eval_every`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub eval_loss: Option<f64>,
+    /// With a mixture of datasets (`data.mixture`): the tokens trained on from each source so
+    /// far, all devices together, by source name.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tokens_by_source: Option<std::collections::BTreeMap<String, u64>>,
     /// Seconds the step loop spent on a checkpoint after this step: copying the state to the
     /// host, and waiting for the previous save if it was still writing.
     #[serde(skip_serializing_if = "Option::is_none")]

@@ -111,7 +111,7 @@ impl<B: Backend> Trainer<B> {
         parallel_plan: ParallelPlan,
     ) -> Result<Trainer<B>> {
         let t = &config.train;
-        let source = data::open(&config.data, config.model.vocab_size, t.seed)?;
+        let data = data::open_data(&config.data, config.model.vocab_size, t.seed)?;
         let mesh = parallel_plan.mesh;
         let tensor = mesh.size(Axis::Tensor);
         let coords = mesh.coords(comm.rank());
@@ -148,7 +148,7 @@ impl<B: Backend> Trainer<B> {
         let std = config.model.init_std as f32;
         parallel.upload_params(&mut backend, |g, out| init::tensor(&global.tensors[g], g, t.seed, std, out));
         let (rank, ranks) = parallel.batch_rank();
-        let loader = Loader::new(source, t.seq_len, t.seed, rank, ranks)?;
+        let loader = Loader::open(data, t.seq_len, t.seed, rank, ranks)?;
         let moment_len = parallel.moment_len();
         let moments = (backend.alloc(BufKind::OptState, moment_len), backend.alloc(BufKind::OptState, moment_len));
         let n = plan.batch * t.seq_len;
@@ -400,6 +400,7 @@ impl<B: Backend> Trainer<B> {
             tflops_per_device: tflops,
             mfu: if peak_tflops > 0.0 { tflops / peak_tflops } else { 0.0 },
             eval_loss: None,
+            tokens_by_source: self.loader.tokens_by_source(),
             checkpoint_s: None,
             slowest_rank: None,
             slowest_step_time_s: None,
@@ -483,16 +484,9 @@ impl<B: Backend> Trainer<B> {
                 ck.state.data_tokens
             );
         }
-        let position = ck.state.data_position;
-        if position.index > self.loader.train_samples() as u64 {
-            bail!(
-                "checkpoint {}: its data position (sample {} of epoch {}) is past the {} training samples of the data",
-                ck.dir.display(),
-                position.index,
-                position.epoch,
-                self.loader.train_samples()
-            );
-        }
+        self.loader
+            .seek(&ck.state.data_position)
+            .map_err(|e| anyhow::anyhow!("checkpoint {}: {e}", ck.dir.display()))?;
         let (be, par) = (&mut self.backend, &mut self.parallel);
         let chunks = par.chunks();
         let params = par.master_params();
@@ -503,7 +497,6 @@ impl<B: Backend> Trainer<B> {
         }
         par.after_step(be);
         self.step = ck.state.step;
-        self.loader.seek(ck.state.data_position);
         Ok(())
     }
 

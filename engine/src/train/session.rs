@@ -62,6 +62,10 @@ pub struct Summary {
     /// Last validation loss, when the run evaluates.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub final_eval_loss: Option<f64>,
+    /// With a mixture of datasets: the tokens trained on from each source by the end of the
+    /// run (from its start, across resumptions), by source name.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tokens_by_source: Option<std::collections::BTreeMap<String, u64>>,
     /// Steps the performance figures leave out: the first `train.perf_warmup_steps` this process
     /// ran and the profiled one.
     pub perf_steps_excluded: usize,
@@ -393,6 +397,7 @@ fn summarise(
         first_loss: history[0].loss,
         final_loss: history[history.len() - 1].loss,
         final_eval_loss: history.iter().rev().find_map(|m| m.eval_loss),
+        tokens_by_source: history[history.len() - 1].tokens_by_source.clone(),
         perf_steps_excluded: excluded,
         median_step_time_s: median,
         p90_step_time_s: p90,
