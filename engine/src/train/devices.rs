@@ -479,8 +479,8 @@ mod tests {
 
         /// Interleaved 1F1B on 2 devices x 2 virtual stages of one layer each (4 micro-batches:
         /// device 0 holds layers 0 and 2, device 1 layers 1 and 3) follows one device, for Llama
-        /// and for Mixtral (whose routing statistics go through the virtual stages), and so does
-        /// its evaluation; the virtual stages laid out in model order on each device (device 0
+        /// (alone, with FSDP 2 and with tensor 2) and for Mixtral (whose routing statistics go
+        /// through the virtual stages), and so does its evaluation; the virtual stages laid out in model order on each device (device 0
         /// holding layers 0 and 1, so that the micro-batches run them 0, 2, 1, 3) do not. Its
         /// checkpoint resumes on one device and on plain 1F1B stages.
         #[test]
@@ -514,6 +514,12 @@ mod tests {
             for (_, (eval, tokens)) in &runs {
                 assert_eq!(*tokens, eval_want.1);
                 assert!((eval - eval_want.0).abs() <= 1e-5 * eval_want.0, "eval {eval}, one device {}", eval_want.0);
+            }
+            // With FSDP (whose units and prefetch are the device's) and tensor slices, on 4.
+            for (axis, name) in [("mesh.ici_fsdp=2", "fsdp"), ("mesh.ici_tensor=2", "tensor")] {
+                let mut c = pipe_config("tiny-llama2", &[&sets[..], &[axis, "train.batch_size=1"]].concat());
+                c.train.pipeline_microbatches = 2;
+                assert_same_curve(&format!("interleaved pp=2 x V=2 x {name}=2"), &single(&c, 4), &parallel(&c, 4));
             }
             let mixtral = pipe_config("tiny-mixtral", &sets);
             assert_same_curve("mixtral interleaved pp=2 x V=2", &single(&mixtral, 2), &faulty(&mixtral, 2, None));
