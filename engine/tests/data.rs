@@ -786,7 +786,7 @@ fn a_mixture_trains_on_its_shares_and_resumes_on_the_same_curve() {
     let mix = ["--set", mixture.as_str()];
 
     let whole = dir.join("whole");
-    ok(&args(&train(&whole, "200", &mix)));
+    let printed = ok(&args(&train(&whole, "200", &mix)));
     let summary: serde_json::Value =
         serde_json::from_slice(&std::fs::read(whole.join("summary.json")).unwrap()).unwrap();
     let by_source = &summary["tokens_by_source"];
@@ -796,6 +796,11 @@ fn a_mixture_trains_on_its_shares_and_resumes_on_the_same_curve() {
         let got = tokens as f64 / (p + l) as f64;
         assert!((got - share).abs() <= 0.05 * share, "{got} of the tokens where {share} was asked: {summary}");
     }
+    let shares = |a: u64, b: u64| (100.0 * a as f64 / (a + b) as f64, 100.0 * b as f64 / (a + b) as f64);
+    let (ls, ps) = shares(l, p);
+    // By name: the absolute path of prose before lists.
+    let line = format!("tokens by source: {} {p} ({ps:.1}%), lists {l} ({ls:.1}%)", s(&prose));
+    assert!(printed.contains(&line), "{printed}");
     let m = metrics(&whole);
     assert_eq!(m[199]["tokens_by_source"], *by_source);
     assert_eq!(m[0]["tokens_by_source"].as_object().unwrap().values().map(|v| v.as_u64().unwrap()).sum::<u64>(), 32);

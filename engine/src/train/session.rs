@@ -241,6 +241,12 @@ pub fn run<B: Backend>(trainer: &mut Trainer<Traced<B>>, s: &Session) -> Result<
         peak_memory,
     );
     write_atomic(&s.run_dir.join(run_dir::SUMMARY), serde_json::to_string_pretty(&summary)?.as_bytes())?;
+    if let Some(by_source) = &summary.tokens_by_source {
+        let total = by_source.values().sum::<u64>().max(1) as f64;
+        let each: Vec<String> =
+            by_source.iter().map(|(name, &n)| format!("{name} {n} ({:.1}%)", 100.0 * n as f64 / total)).collect();
+        log.say(&format!("tokens by source: {}", each.join(", ")));
+    }
     log.say(&format!(
         "done: loss {:.4} -> {:.4} in {} steps{}; step time median {:.3} s, p90 {:.3} s (leaving out {} warm-up/profiled steps); {:.0} tokens/s, {:.3} TFLOP/s, MFU {:.1}%; peak memory {:.3} GiB per device",
         summary.first_loss,
