@@ -305,11 +305,15 @@ PY
         echo "run engine gpu-test --json /out/gpu-test.json"
         echo "run test-all --quick --report /out/quick"
     } >"$script"
+    local rc=0
     if [ "$(id -u)" = 0 ]; then
-        unshare --mount --propagation private bash "$script"
+        unshare --mount --propagation private bash "$script" || rc=$?
     else
-        unshare --user --map-root-user --mount --propagation private bash "$script"
+        unshare --user --map-root-user --mount --propagation private bash "$script" || rc=$?
     fi
+    # The mounts went with the namespace; the 1.6 GB rootfs need not come back with OUTDIR.
+    rm -rf "$rootfs"
+    return "$rc"
 }
 
 # train.batch_size of the long run (the CPU reference accumulates that many micro-batches of one).

@@ -27,6 +27,7 @@ pub fn sources(args: SourcesArgs) -> Result<()> {
     if args.json {
         let mut all: Vec<serde_json::Value> = rows.iter().map(serde_json::to_value).collect::<Result<_, _>>()?;
         all.extend(bases.iter().map(serde_json::to_value).collect::<Result<Vec<_>, _>>()?);
+        all.extend(manifest.wheels.values().map(crate::sources::wheels::json));
         println!("{}", serde_json::to_string_pretty(&all)?);
     } else {
         if !rows.is_empty() || bases.is_empty() {
@@ -37,6 +38,10 @@ pub fn sources(args: SourcesArgs) -> Result<()> {
                 println!();
             }
             print!("{}", status::base_table(&bases));
+        }
+        if !manifest.wheels.is_empty() {
+            println!();
+            print!("{}", crate::sources::wheels::table(&manifest.wheels));
         }
     }
     // The crate sources' pins must agree with the workspace's Cargo.toml and Cargo.lock.

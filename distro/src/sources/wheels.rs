@@ -44,6 +44,38 @@ impl WheelSpec {
     }
 }
 
+/// The wheels' table of `distro sources`: name, project, version and the pinned platforms.
+pub fn table(wheels: &BTreeMap<String, WheelSpec>) -> String {
+    let rows: Vec<[String; 4]> = wheels
+        .values()
+        .map(|w| {
+            let platforms: Vec<String> = w.sha256.keys().map(|p| format!("{}/{}", p.os, p.architecture)).collect();
+            [w.name.clone(), w.project.clone(), w.version.clone(), platforms.join(",")]
+        })
+        .collect();
+    let header = ["WHEEL".to_string(), "PROJECT".into(), "VERSION".into(), "PLATFORMS".into()];
+    let mut widths = [0usize; 4];
+    for r in std::iter::once(&header).chain(&rows) {
+        for (w, c) in widths.iter_mut().zip(r) {
+            *w = (*w).max(c.len());
+        }
+    }
+    let mut out = String::new();
+    for r in std::iter::once(&header).chain(&rows) {
+        let cells: Vec<String> = r.iter().zip(widths).map(|(c, w)| format!("{c:<w$}")).collect();
+        out.push_str(cells.join("  ").trim_end());
+        out.push('\n');
+    }
+    out
+}
+
+/// One wheel as `distro sources --json` prints it.
+pub fn json(w: &WheelSpec) -> serde_json::Value {
+    let sha: BTreeMap<String, &String> =
+        w.sha256.iter().map(|(p, h)| (format!("{}/{}", p.os, p.architecture), h)).collect();
+    serde_json::json!({"wheel": w.name, "project": w.project, "version": w.version, "sha256": sha, "purl": w.purl()})
+}
+
 /// The raw TOML of a `[wheels.NAME]` table.
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -355,6 +387,11 @@ mod tests {
         );
         let m = parse(&good).unwrap();
         assert_eq!(m.wheels["cublas"].project, "nvidia-cublas");
+        assert_eq!(
+            table(&m.wheels),
+            "WHEEL   PROJECT        VERSION   PLATFORMS\ncublas  nvidia-cublas  13.1.0.3  linux/amd64\n"
+        );
+        assert_eq!(json(&m.wheels["cublas"])["sha256"]["linux/amd64"], "a".repeat(64));
         let e = format!("{:#}", parse(&good.replace("13.1.0.3", ">=13")).unwrap_err());
         assert!(e.starts_with("m.toml:3:") && e.contains("exact version"), "{e}");
         let e = format!("{:#}", parse(&good.replace("linux/amd64", "linux/s390x")).unwrap_err());
