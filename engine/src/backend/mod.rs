@@ -316,6 +316,17 @@ pub trait Backend {
     fn select_attention(&mut self, _choice: crate::config::AttentionImpl, _shape: AttnShape) -> Result<(), String> {
         Ok(())
     }
+    /// [`Backend::select_attention`] for a run whose attention is document-masked when
+    /// `documents` ([`Backend::attention_forward_docs`]): kernels without the mask are not
+    /// chosen (`"auto"` says why) and not accepted when named.
+    fn select_attention_for(
+        &mut self,
+        choice: crate::config::AttentionImpl,
+        shape: AttnShape,
+        _documents: bool,
+    ) -> Result<(), String> {
+        self.select_attention(choice, shape)
+    }
     /// Waits until every op issued so far has finished (a no-op where ops are synchronous).
     fn synchronize(&mut self) {}
 
@@ -445,6 +456,31 @@ pub trait Backend {
         assert_eq!(split.ranks, 1, "this backend's attention does not take chunk offsets (sequence axis)");
         self.attention_backward(dqkv_all, dout, qkv_all, out, lse, shape)
     }
+
+    /// Document masking of packed sequences (`data.document_mask`), from the `[N]` tokens of
+    /// sequences of `seq`: `bounds[r]` (`r = b·T + i`) is the position in sequence b where row
+    /// r's document begins, one past the last `eos` before position i (0 without one), so that
+    /// the EOS ends the document it closes and belongs to it (as MaxText and torchtitan segment
+    /// them); `bounds[N + r]` is where it ends, one past its EOS (T without one). With
+    /// `positions`, also `positions[r] = i - bounds[r]`: positions restarted at each document
+    /// (`data.reset_positions`).
+    fn document_bounds(&mut self, bounds: IdxView, positions: Option<IdxView>, tokens: IdxView, seq: usize, eos: u32);
+    /// [`Backend::attention_forward`] under document masking: query i sees key j only when
+    /// `bounds[i] <= j` too, that is only its own document's keys (`bounds`, `[2N]`, from
+    /// [`Backend::document_bounds`]).
+    fn attention_forward_docs(&mut self, out: View, lse: View, qkv: View, shape: AttnShape, bounds: IdxView);
+    /// Gradient of [`Backend::attention_forward_docs`] with respect to the packed qkv rows (`=`).
+    #[allow(clippy::too_many_arguments)]
+    fn attention_backward_docs(
+        &mut self,
+        dqkv: View,
+        dout: View,
+        qkv: View,
+        out: View,
+        lse: View,
+        shape: AttnShape,
+        bounds: IdxView,
+    );
 
     /// `h = silu(gate) ⊙ up` where rows of `gu` are `[gate (f) | up (f)]`.
     fn swiglu_forward(&mut self, h: View, gu: View, f: usize);

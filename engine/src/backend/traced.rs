@@ -92,6 +92,14 @@ impl<B: Backend> Backend for Traced<B> {
     fn select_attention(&mut self, choice: crate::config::AttentionImpl, shape: AttnShape) -> Result<(), String> {
         self.inner.select_attention(choice, shape)
     }
+    fn select_attention_for(
+        &mut self,
+        choice: crate::config::AttentionImpl,
+        shape: AttnShape,
+        documents: bool,
+    ) -> Result<(), String> {
+        self.inner.select_attention_for(choice, shape, documents)
+    }
     fn peak_memory_bytes(&self) -> usize {
         self.inner.peak_memory_bytes()
     }
@@ -192,6 +200,24 @@ impl<B: Backend> Backend for Traced<B> {
         split: SeqSplit,
     ) {
         self.time("attention_backward", |b| b.attention_backward_split(dqkv_all, dout, qkv_all, out, lse, shape, split))
+    }
+    fn document_bounds(&mut self, bounds: IdxView, positions: Option<IdxView>, tokens: IdxView, seq: usize, eos: u32) {
+        self.time("document_bounds", |b| b.document_bounds(bounds, positions, tokens, seq, eos))
+    }
+    fn attention_forward_docs(&mut self, out: View, lse: View, qkv: View, shape: AttnShape, bounds: IdxView) {
+        self.time("attention_forward", |b| b.attention_forward_docs(out, lse, qkv, shape, bounds))
+    }
+    fn attention_backward_docs(
+        &mut self,
+        dqkv: View,
+        dout: View,
+        qkv: View,
+        out: View,
+        lse: View,
+        shape: AttnShape,
+        bounds: IdxView,
+    ) {
+        self.time("attention_backward", |b| b.attention_backward_docs(dqkv, dout, qkv, out, lse, shape, bounds))
     }
     fn layernorm_forward(&mut self, out: View, mean: View, rstd: View, x: View, w: View, b: View, d: usize, eps: f32) {
         self.time("layernorm_forward", |be| be.layernorm_forward(out, mean, rstd, x, w, b, d, eps))

@@ -46,10 +46,26 @@ pub struct EvalArgs {
     /// The tokenizer (task lambada) [default: the model's tokenizer.json or tokenizer.model].
     #[arg(long, value_name = "FILE")]
     tokenizer: Option<PathBuf>,
+    /// Attention stops at each EOS: a token attends only to its own document of the packed
+    /// sequence (as training with data.document_mask).
+    #[arg(long)]
+    document_mask: bool,
+    /// The EOS id that ends a document (with --document-mask) [default: the model's config.json
+    /// eos_token_id].
+    #[arg(long, value_name = "ID")]
+    eos: Option<u32>,
+    /// Positions restart at each document (with --document-mask; GPT models' learned positions).
+    #[arg(long)]
+    reset_positions: bool,
 }
 
 pub fn run(args: EvalArgs) -> Result<()> {
-    let model = Loaded::open(args.checkpoint.as_deref(), args.hf.as_deref())?;
+    let mut model = Loaded::open(args.checkpoint.as_deref(), args.hf.as_deref())?;
+    if args.document_mask {
+        model.mask_documents(args.eos, args.reset_positions)?;
+    } else if args.eos.is_some() || args.reset_positions {
+        bail!("--eos and --reset-positions go with --document-mask");
+    }
     match args.task {
         Task::Loss => {
             let tokens = args.tokens.as_ref().ok_or_else(|| anyhow!("--task loss needs --tokens FILE"))?;

@@ -477,6 +477,12 @@ pub enum DataSource {
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct DataConfig {
+    /// Document masking: attention inside a packed sequence stops at each EOS (the id the
+    /// shards record), so that a token attends only to its own document's (docs/data.md).
+    pub document_mask: bool,
+    /// With `document_mask`: positions restart at 0 at each document (the GPT family's learned
+    /// positions).
+    pub reset_positions: bool,
     /// Token source.
     pub source: DataSource,
     /// With `source = "shards"`: a directory of shards (read in name order) or one shard file.
@@ -714,6 +720,24 @@ impl Config {
             }
             if s.original_max_seq_len == 0 {
                 return Err("model.rope_scaling.original_max_seq_len must be greater than 0".into());
+            }
+        }
+        let d = &self.data;
+        if d.reset_positions && !d.document_mask {
+            return Err("data.reset_positions = true needs data.document_mask = true (positions restart at each document)".into());
+        }
+        if d.document_mask {
+            if d.source != DataSource::Shards {
+                return Err("data.document_mask = true needs an EOS id, which only prepared shards record; set data.source = \"shards\"".into());
+            }
+            if self.mesh.ici_seq != 1 || self.mesh.dcn_seq != 1 {
+                return Err(format!(
+                    "data.document_mask = true with mesh.ici_seq = {} and mesh.dcn_seq = {}: document masking does not take the sequence axis's chunks yet; set both to 1",
+                    self.mesh.ici_seq, self.mesh.dcn_seq
+                ));
+            }
+            if d.reset_positions && !m.is_gpt() {
+                return Err("data.reset_positions = true is for learned positions (model.family = \"gpt\"): RoPE's scores depend only on the distance between tokens, which the mask keeps within a document".into());
             }
         }
         match (m.family, &m.moe) {

@@ -6,6 +6,11 @@
 //! all predicted positions (every position but the last of each sequence). For mixture-of-experts
 //! models the load-balancing loss is Mixtral's, over all tokens of the batch and all layers, and
 //! the gradient is that of `loss + router_aux_loss_coef · aux_loss`.
+//!
+//! With document masking ([`Loaded::mask_documents`], `engine eval --document-mask`) attention
+//! stays within each EOS-ended document of a sequence, as in training with
+//! `data.document_mask`; the loss is unchanged (every predicted position counts, an EOS
+//! predicting the next document's first token).
 
 pub mod lambada;
 
@@ -20,7 +25,7 @@ use crate::checkpoint::Checkpoint;
 use crate::config::ModelConfig;
 use crate::data::shard::Shard;
 use crate::hf::HfModel;
-use crate::model::{Model, Plan};
+use crate::model::{Documents, Model, Plan};
 pub use lambada::{LambadaResult, lambada};
 
 /// A model's architecture and parameters, loaded from a checkpoint or a Hugging Face directory.
@@ -31,6 +36,8 @@ pub struct Loaded {
     pub params: Vec<f32>,
     /// Where it came from, for messages.
     pub source: String,
+    /// The EOS id its `config.json` names (`eos_token_id`; the first of a list), if any.
+    pub eos: Option<u32>,
 }
 
 impl Loaded {
@@ -41,14 +48,15 @@ impl Loaded {
                 let ck = Checkpoint::open(dir)?;
                 let model = Model::new(&ck.config.model);
                 let params = ck.params(&model.layout)?;
-                Ok(Loaded { model, params, source: dir.display().to_string() })
+                let eos = config_eos(&dir.join("hf"))?;
+                Ok(Loaded { model, params, source: dir.display().to_string(), eos })
             }
             (None, Some(dir)) => {
                 let hf = HfModel::open(dir)?;
                 let model = Model::new(&hf.model);
                 // Refuses a non-finite weight, naming its tensor.
                 let params = hf.params(&model.layout)?;
-                Ok(Loaded { model, params, source: dir.display().to_string() })
+                Ok(Loaded { model, params, source: dir.display().to_string(), eos: config_eos(dir)? })
             }
             _ => bail!("name the model with exactly one of --checkpoint CKPT and --hf DIR"),
         }
@@ -58,6 +66,39 @@ impl Loaded {
     pub fn config(&self) -> &ModelConfig {
         &self.model.config
     }
+
+    /// Masks attention at documents' ends (`--document-mask`): EOS id `eos`, else the one the
+    /// model's `config.json` names; with `reset_positions`, positions restart at each document
+    /// (learned positions only, as `data.reset_positions`).
+    pub fn mask_documents(&mut self, eos: Option<u32>, reset_positions: bool) -> Result<()> {
+        let Some(eos) = eos.or(self.eos) else {
+            bail!("--document-mask needs --eos ID: the config.json of {} names no eos_token_id", self.source);
+        };
+        let v = self.config().vocab_size;
+        if eos as usize >= v {
+            bail!("--eos {eos} is outside the vocabulary of {v}");
+        }
+        if reset_positions && !self.config().is_gpt() {
+            bail!(
+                "--reset-positions is for learned positions (GPT models): RoPE's scores depend only on the distance between tokens, which the mask keeps within a document"
+            );
+        }
+        self.model.documents = Some(Documents { eos, reset_positions });
+        Ok(())
+    }
+}
+
+/// `eos_token_id` of `dir/config.json` (the first of a list), if the file names one.
+fn config_eos(dir: &Path) -> Result<Option<u32>> {
+    let path = dir.join("config.json");
+    let Ok(bytes) = std::fs::read(&path) else { return Ok(None) };
+    let json: serde_json::Value =
+        serde_json::from_slice(&bytes).with_context(|| format!("{} is not JSON", path.display()))?;
+    let id = match &json["eos_token_id"] {
+        serde_json::Value::Array(ids) => ids.first().cloned().unwrap_or_default(),
+        id => id.clone(),
+    };
+    Ok(id.as_u64().and_then(|id| u32::try_from(id).ok()))
 }
 
 /// Sequences of equal length, row-major.
@@ -221,4 +262,66 @@ pub fn write_dumps(
         write(path, &list, FloatType::F32)?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Family;
+    use crate::model::init;
+
+    const EOS: u32 = 36;
+
+    fn loaded(family: Family) -> Loaded {
+        let config = ModelConfig {
+            family,
+            vocab_size: 37,
+            d_model: 16,
+            n_layers: 2,
+            n_heads: 4,
+            n_kv_heads: if family == Family::Gpt { 4 } else { 2 },
+            head_dim: 6,
+            mlp_dim: 24,
+            max_seq_len: 64,
+            init_std: 0.3,
+            norm_eps: 1e-5,
+            ..ModelConfig::default()
+        };
+        let model = Model::new(&config);
+        let params = init::params(&model, 5);
+        Loaded { model, params, source: "test".into(), eos: None }
+    }
+
+    /// `--document-mask`: the logits of a document packed behind another are those it has alone
+    /// (within 1e-4), under RoPE (whose scores see only distances) and under learned positions
+    /// restarted at each document; without the mask they are not.
+    #[test]
+    fn a_document_packed_behind_another_has_the_logits_it_has_alone() {
+        let (first, second) = (vec![5, 7, 11, 2, EOS], vec![3, 8, 13, 21, 34, 1, 9]);
+        let packed = Batch { tokens: [first.clone(), second.clone()].concat(), rows: 1, seq: 12 };
+        let alone = Batch { tokens: second, rows: 1, seq: 7 };
+        let logits = |m: &Loaded, b: &Batch| evaluate(m, b, true, false).unwrap().1.logits.unwrap();
+        let v = 37;
+        for (family, reset) in [(Family::Llama, false), (Family::Gpt, true)] {
+            let mut m = loaded(family);
+            let unmasked = logits(&m, &packed);
+            m.mask_documents(Some(EOS), reset).unwrap();
+            let (masked, want) = (logits(&m, &packed), logits(&m, &alone));
+            let diff = |a: &[f32]| a.iter().zip(&want).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+            assert!(diff(&masked[first.len() * v..]) <= 1e-4, "{family:?}: {}", diff(&masked[first.len() * v..]));
+            assert!(diff(&unmasked[first.len() * v..]) > 1e-2, "{family:?}: the mask changed nothing");
+        }
+    }
+
+    #[test]
+    fn document_masking_refuses_what_it_cannot_do_in_one_line() {
+        let mut m = loaded(Family::Llama);
+        let err = |r: Result<()>| r.unwrap_err().to_string();
+        assert!(err(m.mask_documents(None, false)).starts_with("--document-mask needs --eos ID"));
+        assert_eq!(err(m.mask_documents(Some(37), false)), "--eos 37 is outside the vocabulary of 37");
+        assert!(err(m.mask_documents(Some(EOS), true)).starts_with("--reset-positions is for learned positions"));
+        m.eos = Some(EOS);
+        m.mask_documents(None, false).unwrap();
+        assert_eq!(m.model.documents.map(|d| d.eos), Some(EOS));
+    }
 }

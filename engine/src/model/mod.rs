@@ -41,6 +41,51 @@ pub struct Model {
     /// without): a plan's `seq` rows are those chunks, at their true positions (RoPE, learned
     /// positions), and attention reads every rank's keys and values ([`Exchange::seq_gather`]).
     pub seq: SeqSplit,
+    /// Document masking of packed sequences (`data.document_mask`): attention stays within each
+    /// document of a sequence; none attends across EOS.
+    pub documents: Option<Documents>,
+}
+
+/// How packed sequences are cut into documents ([`Model::documents`]). A document ends with
+/// its EOS token, which belongs to it (as in MaxText and torchtitan): the token after an EOS
+/// starts the next document. The loss is untouched, as MaxText's packing keeps it: every
+/// position predicts its next token, so an EOS position is trained to predict the next
+/// document's first token (from its own document alone).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Documents {
+    /// The token that ends a document.
+    pub eos: u32,
+    /// Whether positions restart at 0 at each document (`data.reset_positions`; the GPT
+    /// family's learned positions).
+    pub reset_positions: bool,
+}
+
+impl Documents {
+    /// The run's document masking (`data.document_mask`, `data.reset_positions`), with the EOS
+    /// id that its shards record (every dataset of a mixture must agree); none when off.
+    pub fn of(data: &crate::config::DataConfig) -> anyhow::Result<Option<Documents>> {
+        if !data.document_mask {
+            return Ok(None);
+        }
+        let paths = std::iter::once(data.path.as_str()).chain(data.mixture.iter().map(|m| m.path.as_str()));
+        let mut eos: Option<(u32, String)> = None;
+        for path in paths.filter(|p| !p.is_empty()) {
+            let first = crate::data::shard::list(std::path::Path::new(path))?;
+            let Some(first) = first.first() else { continue };
+            let id = crate::data::shard::Shard::open(first)?.header.eos;
+            match &eos {
+                Some((e, other)) if *e != id => anyhow::bail!(
+                    "data.document_mask = true: the shards of {other} end documents with EOS id {e}, those of {path} with {id}; mask with one EOS"
+                ),
+                Some(_) => {}
+                None => eos = Some((id, path.to_string())),
+            }
+        }
+        let Some((eos, _)) = eos else {
+            anyhow::bail!("data.document_mask = true, but no shard names an EOS id (data.path and data.mixture hold none)")
+        };
+        Ok(Some(Documents { eos, reset_positions: data.reset_positions }))
+    }
 }
 
 /// The part of the model one pipeline stage holds: a contiguous run of layers, with the
@@ -254,8 +299,13 @@ pub struct Plan {
     pub tokens: IdxView,
     /// `[N]` next-token targets.
     pub targets: IdxView,
-    /// `[N]` position of each token in its sequence (the GPT family's learned positions).
+    /// `[N]` position of each token in its sequence (the GPT family's learned positions); in
+    /// its document under [`Documents::reset_positions`].
     positions: IdxView,
+    /// `[2N]` where each token's document begins in its sequence, then where it ends (document
+    /// masking, [`Backend::document_bounds`]; empty without), from the tokens at every forward
+    /// pass.
+    bounds: IdxView,
     /// `[ranks · N, (H + 2 KV) · Dh]` every seq rank's q, k and v rows, gathered for attention
     /// (empty without a sequence axis); shared by the layers and the slots.
     qkv_all: View,
@@ -337,6 +387,7 @@ impl Model {
             remat: Remat::None,
             batch_shards: 1,
             seq: SeqSplit::WHOLE,
+            documents: None,
         }
     }
 
@@ -463,7 +514,9 @@ impl Model {
     /// the positions of the GPT family.
     fn extra_idx_len(&self, n: usize) -> usize {
         let positions = if self.config.is_gpt() { n } else { 0 };
+        let bounds = if self.documents.is_some() { 2 * n } else { 0 };
         positions
+            + bounds
             + match &self.config.moe {
                 None => 0,
                 Some(moe) => self.layout.layers.len() * (3 * n * moe.top_k + moe.num_experts + 1),
@@ -495,6 +548,7 @@ impl Model {
         // The GPT family: positions, LayerNorm's two statistics per row, `c_fc`'s F columns.
         let gpt = m.is_gpt();
         let positions = take_idx(if gpt { n } else { 0 });
+        let bounds = take_idx(if self.documents.is_some() { 2 * n } else { 0 });
         let (stats, up) = if gpt { (2, f) } else { (1, 2 * f) };
         // Which activations one buffer serves for all layers: the cheap ones under `minimal`,
         // all but the layer input (and the routing tables) under `full`.
@@ -575,6 +629,7 @@ impl Model {
             tokens: idx.at(0, n),
             targets: idx.at(n, n),
             positions,
+            bounds,
             qkv_all,
             dqkv_all,
             ones: take(A, if gpt { n } else { 0 }),
@@ -614,6 +669,12 @@ impl Model {
 
         let stage = &l.stage;
         ex.pass_begins(be, fwd);
+        if let Some(docs) = self.documents {
+            // Every stage's attention reads the bounds; the first stage's embedding the positions.
+            assert_eq!(self.seq.ranks, 1, "internal error: document masking under a sequence axis");
+            let positions = docs.reset_positions.then_some(p.positions);
+            be.document_bounds(p.bounds, positions, p.tokens, p.seq, docs.eos);
+        }
         // A later stage's input (and the routing statistics so far) came from the stage before.
         if stage.first {
             let w = p.params_of(ex, be, Unit::Embed, fwd);
@@ -696,6 +757,8 @@ impl Model {
         if self.seq.ranks > 1 {
             ex.seq_gather(be, a.qkv, p.qkv_all);
             be.attention_forward_split(a.attn, a.lse, p.qkv_all, shape, self.seq);
+        } else if self.documents.is_some() {
+            be.attention_forward_docs(a.attn, a.lse, a.qkv, shape, p.bounds);
         } else {
             be.attention_forward(a.attn, a.lse, a.qkv, shape);
         }
@@ -913,6 +976,8 @@ impl Model {
                 ex.seq_gather(be, a.qkv, p.qkv_all);
                 be.attention_backward_split(p.dqkv_all, p.dattn, p.qkv_all, a.attn, a.lse, shape, self.seq);
                 ex.seq_scatter_sum(be, p.dqkv_all, p.dqkv);
+            } else if self.documents.is_some() {
+                be.attention_backward_docs(p.dqkv, p.dattn, a.qkv, a.attn, a.lse, shape, p.bounds);
             } else {
                 be.attention_backward(p.dqkv, p.dattn, a.qkv, a.attn, a.lse, shape);
             }

@@ -2,7 +2,7 @@
 //! (mean cross-entropy + coefficient × load-balancing loss) for a small model of each family,
 //! and determinism across thread counts.
 
-use super::{LOSS_SUM, Model, Plan, init};
+use super::{Documents, LOSS_SUM, Model, Plan, init};
 use crate::backend::Backend;
 use crate::backend::cpu::Cpu;
 use crate::config::{Family, ModelConfig, MoeConfig, Remat, RopeScaling};
@@ -33,18 +33,24 @@ struct Setup {
 }
 
 fn setup(config: ModelConfig, batch: usize, seq: usize) -> Setup {
-    setup_with(config, batch, seq, Remat::None)
+    setup_with(config, batch, seq, Remat::None, None)
 }
 
-fn setup_with(config: ModelConfig, batch: usize, seq: usize, remat: Remat) -> Setup {
+/// With `documents`, positions 3 and 7 of every sequence hold its EOS.
+fn setup_with(config: ModelConfig, batch: usize, seq: usize, remat: Remat, documents: Option<Documents>) -> Setup {
     let mut model = Model::new(&config);
     model.remat = remat;
+    model.documents = documents;
     let mut cpu = Cpu::new();
     let plan = model.plan(&mut cpu, batch, seq);
     let params = init::params(&model, 5);
     cpu.upload(plan.params, &params);
     let n = batch * seq;
-    let stream: Vec<u32> = (0..=n).map(|i| (rng::bits(11, 0, i as u64) % config.vocab_size as u64) as u32).collect();
+    let mut stream: Vec<u32> =
+        (0..=n).map(|i| (rng::bits(11, 0, i as u64) % config.vocab_size as u64) as u32).collect();
+    if let Some(d) = documents {
+        stream.iter_mut().enumerate().filter(|(i, _)| i % seq == 3 || i % seq == 7).for_each(|(_, t)| *t = d.eos);
+    }
     cpu.upload_idx(plan.tokens, &stream[..n]);
     cpu.upload_idx(plan.targets, &stream[1..]);
     Setup { model, cpu, plan, params }
@@ -81,7 +87,10 @@ impl Setup {
 /// For every tensor, compares the directional derivative along a direction close to the
 /// gradient with central differences of the objective.
 fn check_model(name: &str, config: ModelConfig, batch: usize, seq: usize) {
-    let mut s = setup(config, batch, seq);
+    check_setup(name, setup(config, batch, seq));
+}
+
+fn check_setup(name: &str, mut s: Setup) {
     let grad = s.gradient();
     let base = s.params.clone();
     let tensors = s.model.layout.tensors.clone();
@@ -170,6 +179,15 @@ fn gpt_tied_with_erf_gelu() {
     check_model("gpt tied", ModelConfig { tie_embeddings: true, gelu: Gelu::Erf, ..gpt() }, 1, 9);
 }
 
+/// Document masking: attention stops at each EOS, and the GPT family's positions restart there.
+#[test]
+fn document_masking_with_and_without_reset_positions() {
+    for (name, config, reset) in [("gpt documents", gpt(), true), ("llama documents", small(Family::Llama), false)] {
+        let documents = Some(Documents { eos: 5, reset_positions: reset });
+        check_setup(name, setup_with(config, 2, 11, Remat::None, documents));
+    }
+}
+
 /// One training step's gradients and loss, on a rayon pool of `threads` threads.
 fn step_bits(config: &ModelConfig, threads: usize) -> (Vec<u32>, u32) {
     let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
@@ -210,7 +228,7 @@ fn recomputation_changes_memory_but_not_a_bit_of_the_gradients() {
         let mut grads = Vec::new();
         let mut sizes = Vec::new();
         for remat in [Remat::None, Remat::Minimal, Remat::Full] {
-            let mut s = setup_with(config.clone(), 2, 9, remat);
+            let mut s = setup_with(config.clone(), 2, 9, remat, None);
             sizes.push(s.model.activation_elements(2, 9));
             grads.push(s.gradient().iter().map(|g| g.to_bits()).collect::<Vec<_>>());
         }

@@ -119,6 +119,7 @@ impl<B: Backend> Trainer<B> {
         let mut model = parallel_plan.stage_model(config, coords.pipeline);
         // On a seq axis each device keeps two chunks of every sequence.
         model.seq.rank = coords.seq;
+        model.documents = crate::model::Documents::of(&config.data)?;
         if model.seq.ranks > 1 && !backend.splits_sequences() {
             bail!(
                 "mesh.ici_seq x mesh.dcn_seq = {}: the sequence axis runs on the CPU backend only in this version ({}'s attention kernels do not take chunk offsets yet); set both to 1",
@@ -131,7 +132,10 @@ impl<B: Backend> Trainer<B> {
         // pipeline's micro-batches.
         let batch = parallel_plan.microbatch;
         // The attention kernels, chosen (and checked) before any buffer is planned.
-        backend.select_attention(t.attention, model.attn_shape(batch, seq_len)).map_err(anyhow::Error::msg)?;
+        let documents = model.documents.is_some();
+        backend
+            .select_attention_for(t.attention, model.attn_shape(batch, seq_len), documents)
+            .map_err(anyhow::Error::msg)?;
         let schedule = &parallel_plan.schedules[coords.pipeline];
         let (actions, chunk_of, slot_of) =
             (schedule.actions.clone(), schedule.chunk_of.clone(), schedule.slot_of.clone());

@@ -16,6 +16,12 @@
 //! each sequence, at their true positions) and the keys every rank's rows as an all-gather
 //! leaves them (rank-major): the same loops, with each position mapped to its row. One device is
 //! the split of one rank ([`SeqSplit::WHOLE`]), whose rows are the positions in order.
+//!
+//! Under document masking (`starts`, see [`document_bounds`]) query i also needs
+//! `j >= starts[i]`: the first key of its document. A document's rows are contiguous and
+//! `starts` never decreases along a sequence, so the keys a query sees stay one range,
+//! `max(first_key(i), starts[i]) ..= i`, and the queries that see key j stop at the first whose
+//! document begins after j.
 
 use std::ops::Range;
 
@@ -75,6 +81,16 @@ impl Rows {
         if self.s.window == 0 { end } else { (j + self.s.window - 1).min(end) }
     }
 
+    /// The first key (a true position) that a query at position `pos` of sequence `b` sees:
+    /// the window's, or its document's start (`starts`, by sequence and true position) if later.
+    fn first_key<'a>(&self, starts: Option<&'a [u32]>) -> impl Fn(usize, usize) -> usize + 'a {
+        let (s, len) = (self.s, self.len());
+        if let Some(st) = starts {
+            assert_eq!(st.len(), s.batch * len, "internal error: attention: document starts length");
+        }
+        move |b, pos| s.first_key(pos).max(starts.map_or(0, |st| st[b * len + pos] as usize))
+    }
+
     /// This rank's local rows whose true positions lie in `lo..=hi`, in increasing position: its
     /// early chunk's, then its late chunk's.
     fn local_between(&self, lo: usize, hi: usize) -> [Range<usize>; 2] {
@@ -92,6 +108,35 @@ impl Rows {
     }
 }
 
+/// `bounds[r]` (`r = b·T + i`): where row r's document begins in its sequence, one past the
+/// last `eos` before position i (0 without one): the EOS belongs to the document it ends;
+/// `bounds[N + r]`: where it ends, one past its EOS (T without one). With `positions`, each
+/// row's position within its document too.
+pub fn document_bounds(bounds: &mut [u32], mut positions: Option<&mut [u32]>, tokens: &[u32], seq: usize, eos: u32) {
+    let n = tokens.len();
+    assert_eq!(bounds.len(), 2 * n);
+    let (starts, ends) = bounds.split_at_mut(n);
+    for r in 0..n {
+        let i = r % seq;
+        starts[r] = match i {
+            0 => 0,
+            _ if tokens[r - 1] == eos => i as u32,
+            _ => starts[r - 1],
+        };
+        if let Some(p) = positions.as_deref_mut() {
+            p[r] = i as u32 - starts[r];
+        }
+    }
+    for r in (0..n).rev() {
+        let i = r % seq;
+        ends[r] = match i {
+            _ if tokens[r] == eos => i as u32 + 1,
+            _ if i + 1 == seq => seq as u32,
+            _ => ends[r + 1],
+        };
+    }
+}
+
 /// `out[N, H · Dh]` and `lse[N, H]`, with an online softmax per query.
 pub fn forward(out: &mut [f32], lse: &mut [f32], qkv: &[f32], s: AttnShape) {
     forward_split(out, lse, qkv, s, SeqSplit::WHOLE)
@@ -100,11 +145,25 @@ pub fn forward(out: &mut [f32], lse: &mut [f32], qkv: &[f32], s: AttnShape) {
 /// [`forward`] for `split.rank`'s rows of sequences split over the sequence axis, against the
 /// gathered rows of every rank (`qkv_all`, rank-major).
 pub fn forward_split(out: &mut [f32], lse: &mut [f32], qkv_all: &[f32], s: AttnShape, split: SeqSplit) {
+    forward_masked(out, lse, qkv_all, s, split, None)
+}
+
+/// [`forward_split`] under document masking: `starts` (`[batch · positions]`, by true position)
+/// as [`document_bounds`] gives them.
+pub fn forward_masked(
+    out: &mut [f32],
+    lse: &mut [f32],
+    qkv_all: &[f32],
+    s: AttnShape,
+    split: SeqSplit,
+    starts: Option<&[u32]>,
+) {
     let (w, dh) = (s.qkv_width(), s.head_dim);
     let scale = 1.0 / (dh as f32).sqrt();
     let at = Rows { s, split };
     assert_eq!(qkv_all.len(), split.ranks * s.rows() * w);
     assert_eq!(lse.len(), s.rows() * s.n_heads);
+    let first = at.first_key(starts);
     out.par_chunks_mut(s.q_width()).zip(lse.par_chunks_mut(s.n_heads)).enumerate().for_each(|(local, (o, l))| {
         let (b, i) = (local / s.seq, local % s.seq);
         let (row, pos) = (at.row(split.rank, b, i), split.position(split.rank, i, s.seq));
@@ -114,7 +173,7 @@ pub fn forward_split(out: &mut [f32], lse: &mut [f32], qkv_all: &[f32], s: AttnS
             let acc = &mut o[h * dh..(h + 1) * dh];
             acc.fill(0.0);
             let (mut max, mut sum) = (f32::NEG_INFINITY, 0f32);
-            for j in s.first_key(pos)..=pos {
+            for j in first(b, pos)..=pos {
                 let key_row = at.key(b, j) * w;
                 let score = dot(q, &qkv_all[key_row + kc..][..dh]) * scale;
                 if score > max {
@@ -150,9 +209,25 @@ pub fn backward_split(
     s: AttnShape,
     split: SeqSplit,
 ) {
+    backward_masked(dqkv_all, dout, qkv_all, out, lse, s, split, None)
+}
+
+/// [`backward_split`] under document masking (`starts` as [`forward_masked`] reads them).
+#[allow(clippy::too_many_arguments)]
+pub fn backward_masked(
+    dqkv_all: &mut [f32],
+    dout: &[f32],
+    qkv_all: &[f32],
+    out: &[f32],
+    lse: &[f32],
+    s: AttnShape,
+    split: SeqSplit,
+    starts: Option<&[u32]>,
+) {
     let (w, dh, qw) = (s.qkv_width(), s.head_dim, s.q_width());
     let scale = 1.0 / (dh as f32).sqrt();
     let at = Rows { s, split };
+    let first = at.first_key(starts);
     assert_eq!(qkv_all.len(), split.ranks * s.rows() * w);
     assert_eq!(dqkv_all.len(), qkv_all.len());
     // Probability, its gradient and D for local query `qi` (this rank's row) of head h against
@@ -190,7 +265,7 @@ pub fn backward_split(
             let dq = &mut dr[qc..qc + dh];
             dq.fill(0.0);
             let d = big_d(local, h);
-            for j in s.first_key(pos)..=pos {
+            for j in first(b, pos)..=pos {
                 let kj = at.key(b, j);
                 let (p, dp, _) = terms(local, kj, h);
                 let ds = p * (dp - d);
@@ -216,6 +291,9 @@ pub fn backward_split(
             for h in g * group..(g + 1) * group {
                 let qc = columns(&s, h).0;
                 for i in queries.iter().flat_map(Clone::clone) {
+                    if first(b, split.position(split.rank, i, s.seq)) > j {
+                        continue; // a later document's query
+                    }
                     let qi = b * s.seq + i;
                     let q_row = at.row(split.rank, b, i);
                     let (p, dp, d_out) = terms(qi, row, h);
@@ -232,6 +310,70 @@ pub fn backward_split(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_eos_ends_its_document_and_positions_restart_after_it() {
+        const E: u32 = 9;
+        let tokens = [1, 2, E, 3, E, E, 4, /* next sequence */ E, 5, 6, 7, 8, E, 4];
+        let (mut bounds, mut positions) = (vec![0; 28], vec![0; 14]);
+        document_bounds(&mut bounds, Some(&mut positions), &tokens, 7, E);
+        assert_eq!(bounds[..14], [0, 0, 0, 3, 3, 5, 6, 0, 1, 1, 1, 1, 1, 6]);
+        assert_eq!(bounds[14..], [3, 3, 3, 5, 5, 6, 7, 1, 6, 6, 6, 6, 6, 7]);
+        assert_eq!(positions, [0, 1, 2, 0, 1, 0, 0, 0, 0, 1, 2, 3, 4, 0]);
+    }
+
+    /// Two documents packed in one sequence under the mask give each document's outputs,
+    /// statistics and gradients alone (the second one's at its own positions, as RoPE's
+    /// relative scores and reset positions see it), with and without a window; unmasked, the
+    /// second document's differ.
+    #[test]
+    fn a_masked_packed_sequence_is_its_documents_alone() {
+        let (first, second) = (5, 7);
+        let val = |k: usize| ((k * 7919 % 1000) as f32 / 500.0) - 1.0;
+        for window in [0, 3] {
+            let packed = AttnShape { batch: 1, seq: first + second, n_heads: 2, n_kv_heads: 1, head_dim: 4, window };
+            let (w, qw, h) = (packed.qkv_width(), packed.q_width(), packed.n_heads);
+            let qkv: Vec<f32> = (0..packed.rows() * w).map(val).collect();
+            let dout: Vec<f32> = (0..packed.rows() * qw).map(|k| val(k + 17)).collect();
+            let mut tokens = vec![1u32; packed.rows()];
+            tokens[first - 1] = 0; // the first document's EOS
+            let mut bounds = vec![0; 2 * packed.rows()];
+            document_bounds(&mut bounds, None, &tokens, packed.seq, 0);
+            let starts = &bounds[..packed.rows()];
+            let run = |s: AttnShape, qkv: &[f32], dout: &[f32], starts: Option<&[u32]>| {
+                let (mut out, mut lse) = (vec![0.0; s.rows() * qw], vec![0.0; s.rows() * h]);
+                forward_masked(&mut out, &mut lse, qkv, s, SeqSplit::WHOLE, starts);
+                let mut dqkv = vec![0.0; qkv.len()];
+                backward_masked(&mut dqkv, dout, qkv, &out, &lse, s, SeqSplit::WHOLE, starts);
+                (out, lse, dqkv)
+            };
+            let masked = run(packed, &qkv, &dout, Some(starts));
+            let unmasked = run(packed, &qkv, &dout, None);
+            for (doc, rows) in [(0, 0..first), (1, first..first + second)] {
+                let alone = AttnShape { seq: rows.len(), ..packed };
+                let of = |x: &[f32], width: usize| x[rows.start * width..rows.end * width].to_vec();
+                let want = run(alone, &of(&qkv, w), &of(&dout, qw), None);
+                let close = |a: &[f32], b: &[f32], what: &str| {
+                    for (k, (x, y)) in a.iter().zip(b).enumerate() {
+                        assert!(
+                            (x - y).abs() <= 1e-5 * (1.0 + y.abs()),
+                            "window {window}, document {doc}, {what}[{k}]: {x} vs {y}"
+                        );
+                    }
+                };
+                close(&of(&masked.0, qw), &want.0, "out");
+                close(&of(&masked.1, h), &want.1, "lse");
+                close(&of(&masked.2, w), &want.2, "dqkv");
+                if doc == 1 {
+                    assert_ne!(
+                        of(&unmasked.0, qw),
+                        want.0,
+                        "window {window}: unmasked, the second document sees the first"
+                    );
+                }
+            }
+        }
+    }
 
     /// Two ranks' split attention, gathered, gives the single device's outputs, statistics and
     /// gradients (the dk/dv halves summed over the ranks), with and without a window.

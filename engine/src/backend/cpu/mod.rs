@@ -302,6 +302,40 @@ impl Backend for Cpu {
         attention::backward_split(dqkv, dout, qkv, out, lse, shape, split);
     }
 
+    fn document_bounds(&mut self, bounds: IdxView, positions: Option<IdxView>, tokens: IdxView, seq: usize, eos: u32) {
+        match positions {
+            Some(positions) => {
+                let ([bounds, positions], [tokens]) = self.idx.io_many([bounds, positions], [tokens]);
+                attention::document_bounds(bounds, Some(positions), tokens, seq, eos);
+            }
+            None => {
+                let (bounds, [tokens]) = self.idx.io(bounds, [tokens]);
+                attention::document_bounds(bounds, None, tokens, seq, eos);
+            }
+        }
+    }
+
+    fn attention_forward_docs(&mut self, out: View, lse: View, qkv: View, shape: AttnShape, bounds: IdxView) {
+        let ([out, lse], [qkv]) = self.mem.io_many([out, lse], [qkv]);
+        let starts = &self.idx.get(bounds)[..shape.rows()];
+        attention::forward_masked(out, lse, qkv, shape, SeqSplit::WHOLE, Some(starts));
+    }
+
+    fn attention_backward_docs(
+        &mut self,
+        dqkv: View,
+        dout: View,
+        qkv: View,
+        out: View,
+        lse: View,
+        shape: AttnShape,
+        bounds: IdxView,
+    ) {
+        let (dqkv, [dout, qkv, out, lse]) = self.mem.io(dqkv, [dout, qkv, out, lse]);
+        let starts = &self.idx.get(bounds)[..shape.rows()];
+        attention::backward_masked(dqkv, dout, qkv, out, lse, shape, SeqSplit::WHOLE, Some(starts));
+    }
+
     fn swiglu_forward(&mut self, h: View, gu: View, f: usize) {
         let (h, [gu]) = self.mem.io(h, [gu]);
         swiglu::forward(h, gu, f);

@@ -459,6 +459,25 @@ impl Backend for Cuda {
         Ok(())
     }
 
+    fn select_attention_for(&mut self, choice: AttentionImpl, shape: AttnShape, documents: bool) -> Result<(), String> {
+        if !documents {
+            return self.select_attention(choice, shape);
+        }
+        match choice {
+            AttentionImpl::Cudnn => {
+                Err(format!("train.attention = \"cudnn\": {}; set \"auto\" or \"native\"", cudnn::NO_DOCUMENT_MASK))
+            }
+            AttentionImpl::Native | AttentionImpl::Auto => {
+                self.select_attention(AttentionImpl::Native, shape)?;
+                if choice == AttentionImpl::Auto {
+                    self.attention_note =
+                        format!("attention: native kernels (cuDNN not used: {})", cudnn::NO_DOCUMENT_MASK);
+                }
+                Ok(())
+            }
+        }
+    }
+
     fn peak_memory_bytes(&self) -> usize {
         self.peak
     }
@@ -613,16 +632,40 @@ impl Backend for Cuda {
 
     fn attention_forward(&mut self, out: View, lse: View, qkv: View, s: AttnShape) {
         match self.attention {
-            Attention::Native => ops::attention::forward(self, out, lse, qkv, s),
+            Attention::Native => ops::attention::forward(self, out, lse, qkv, s, None),
             Attention::Cudnn => cudnn::forward(self, out, lse, qkv, s),
         }
     }
 
     fn attention_backward(&mut self, dqkv: View, dout: View, qkv: View, out: View, lse: View, s: AttnShape) {
         match self.attention {
-            Attention::Native => ops::attention::backward(self, dqkv, dout, qkv, out, lse, s),
+            Attention::Native => ops::attention::backward(self, dqkv, dout, qkv, out, lse, s, None),
             Attention::Cudnn => cudnn::backward(self, dqkv, dout, qkv, out, lse, s),
         }
+    }
+
+    fn document_bounds(&mut self, bounds: IdxView, positions: Option<IdxView>, tokens: IdxView, seq: usize, eos: u32) {
+        ops::attention::document_bounds(self, bounds, positions, tokens, seq, eos)
+    }
+
+    // Document masking runs on the native kernels only: `select_attention` refuses cuDNN for it.
+    fn attention_forward_docs(&mut self, out: View, lse: View, qkv: View, s: AttnShape, bounds: IdxView) {
+        assert!(self.attention == Attention::Native, "internal error: document masking on cuDNN's attention");
+        ops::attention::forward(self, out, lse, qkv, s, Some(bounds))
+    }
+
+    fn attention_backward_docs(
+        &mut self,
+        dqkv: View,
+        dout: View,
+        qkv: View,
+        out: View,
+        lse: View,
+        s: AttnShape,
+        bounds: IdxView,
+    ) {
+        assert!(self.attention == Attention::Native, "internal error: document masking on cuDNN's attention");
+        ops::attention::backward(self, dqkv, dout, qkv, out, lse, s, Some(bounds))
     }
 
     fn layernorm_forward(&mut self, out: View, mean: View, rstd: View, x: View, w: View, b: View, d: usize, eps: f32) {

@@ -480,6 +480,13 @@ fn open(gpu: &mut Cuda) -> Result<&mut Cudnn, String> {
     gpu.dev.cudnn()
 }
 
+/// Why cuDNN's attention is not used under document masking (`data.document_mask`): its graphs
+/// here carry no padding or ragged mask, and a mask that lets attention cross documents is the
+/// bug MaxText's cuDNN path had (#4476), so the native kernels, which take the documents'
+/// starts, run instead.
+pub(crate) const NO_DOCUMENT_MASK: &str =
+    "data.document_mask = true needs the native kernels (this cuDNN graph takes no document mask)";
+
 /// `Backend::attention_forward` on cuDNN: out and the statistics (`lse` holds them
 /// `[batch, heads, seq]`, natural log, which only the backward pass below reads).
 pub(crate) fn forward(gpu: &mut Cuda, out: View, lse: View, qkv: View, s: AttnShape) {

@@ -22,6 +22,13 @@
 // recomputes P from the saved log-sum-exp, and accumulates dK and dV in registers (written once,
 // no atomics); dQ is accumulated in f32 with atomics and converted by
 // `attention_backward_dq`.
+//
+// Document masking (packed sequences): with `starts` (else null), query i also needs
+// j >= starts[i], the first position of its document, and key j is seen by queries before
+// ends[j], one past its document's last position (`attention_document_bounds`). Documents are
+// contiguous, so a forward block skips every key tile before its first query's start, and a
+// backward block stops at its last key's end; the tiles between are masked element by element
+// unless every query of the tile sees every key (keys at or past the tile's last start).
 
 template <int HD>
 struct Smem {
@@ -65,8 +72,8 @@ __device__ __forceinline__ void load_tile_async(bf16* tile, const bf16* base, u6
 }
 
 template <int HD>
-__device__ void attention_forward_impl(bf16* out, float* lse, const bf16* qkv, int seq, int heads, int kv_heads, int dh,
-                                       int window, float scale) {
+__device__ void attention_forward_impl(bf16* out, float* lse, const bf16* qkv, const u32* starts, int seq, int heads,
+                                       int kv_heads, int dh, int window, float scale) {
     constexpr int LD = HD + 8, BR = 64, BC = 64;
     DYNAMIC_SMEM(uint4, smem_raw);  // uint4: 16-byte aligned, as cp.async and ldmatrix need
     bf16* Qs = (bf16*)smem_raw;
@@ -83,8 +90,12 @@ __device__ void attention_forward_impl(bf16* out, float* lse, const bf16* qkv, i
     u64 width = (u64)(heads + 2 * kv_heads) * dh, row0 = (u64)b * seq;
     int qcol = h * dh, kcol = (heads + g) * dh, vcol = (heads + kv_heads + g) * dh;
 
-    int kv_first = window ? max(0, q0 - window + 1) : 0;
     int kv_end = min(seq, q0 + BR);
+    // Document masking: the tile's rows' document starts, in shared memory (registers are
+    // spent); its first row's bounds the keys it reads, its last row's the tiles seen whole.
+    __shared__ int start_s[BR];
+    if (threadIdx.x < BR) start_s[threadIdx.x] = starts && q0 + threadIdx.x < seq ? (int)starts[row0 + q0 + threadIdx.x] : 0;
+    int kv_first = max(window ? max(0, q0 - window + 1) : 0, starts ? (int)starts[row0 + q0] : 0);
     int t_first = kv_first / BC, t_count = (kv_end + BC - 1) / BC - t_first;
 
     load_tile_async<BR, HD>(Qs, qkv, row0, q0, seq, width, qcol, dh);
@@ -134,7 +145,8 @@ __device__ void attention_forward_impl(bf16* out, float* lse, const bf16* qkv, i
             }
 
         // Scale to base 2, mask where the tile is not entirely visible to the whole block.
-        bool full = j0 + BC - 1 <= q0 && j0 + BC <= seq && (window == 0 || j0 > q0 + BR - 1 - window);
+        bool full = j0 + BC - 1 <= q0 && j0 + BC <= seq && (window == 0 || j0 > q0 + BR - 1 - window) &&
+                    j0 >= start_s[kv_end - 1 - q0];
 #pragma unroll
         for (int nt = 0; nt < BC / 8; nt++)
 #pragma unroll
@@ -142,7 +154,8 @@ __device__ void attention_forward_impl(bf16* out, float* lse, const bf16* qkv, i
                 float v = s[nt][e] * scale2;
                 if (!full) {
                     int row = row_a + (e >> 1) * 8, key = j0 + nt * 8 + tig * 2 + (e & 1);
-                    bool ok = key <= row && key < seq && (window == 0 || key > row - window);
+                    bool ok = key <= row && key < seq && (window == 0 || key > row - window) &&
+                              key >= start_s[row - q0];
                     v = ok ? v : NEG_INF;
                 }
                 s[nt][e] = v;
@@ -225,8 +238,9 @@ __device__ void attention_forward_impl(bf16* out, float* lse, const bf16* qkv, i
 #define FORWARD_MIN_BLOCKS(HD) ((HD) <= 64 ? 4 : 1)
 #define ATTENTION_FORWARD(HD)                                                                                        \
     extern "C" __global__ void __launch_bounds__(ATTN_THREADS, FORWARD_MIN_BLOCKS(HD)) attention_forward_hd##HD(                                     \
-        bf16* out, float* lse, const bf16* qkv, int seq, int heads, int kv_heads, int dh, int window, float scale) { \
-        attention_forward_impl<HD>(out, lse, qkv, seq, heads, kv_heads, dh, window, scale);                          \
+        bf16* out, float* lse, const bf16* qkv, const u32* starts, int seq, int heads, int kv_heads, int dh, int window, \
+        float scale) {                                                                                               \
+        attention_forward_impl<HD>(out, lse, qkv, starts, seq, heads, kv_heads, dh, window, scale);                  \
     }
 ATTENTION_FORWARD(16)
 ATTENTION_FORWARD(32)
@@ -254,8 +268,8 @@ extern "C" __global__ void attention_backward_dot(float* big_d, const bf16* dout
 // 128-thread blocks did).
 template <int HD, int BR, int BC>
 __device__ void attention_backward_impl(bf16* dqkv, float* dq_acc, const bf16* dout, const bf16* qkv, const float* lse,
-                                        const float* big_d, int seq, int heads, int kv_heads, int dh, int window,
-                                        float scale) {
+                                        const float* big_d, const u32* starts, const u32* ends, int seq, int heads,
+                                        int kv_heads, int dh, int window, float scale) {
     constexpr int LD = HD + 8, LDS = BR + 8, WARPS = BC / 16, T = WARPS * 32;
     DYNAMIC_SMEM(uint4, smem_raw);
     bf16* Ks = (bf16*)smem_raw;     // [BC][LD]
@@ -265,6 +279,7 @@ __device__ void attention_backward_impl(bf16* dqkv, float* dq_acc, const bf16* d
     bf16* dSs = dOs_buf + 2 * BR * LD;     // [BC][LDS]: dSᵀ, keys × queries
     float* lse_buf = (float*)(dSs + BC * LDS);  // [2][BR]
     float* d_buf = lse_buf + 2 * BR;            // [2][BR]
+    int* start_buf = (int*)(d_buf + 2 * BR);    // [2][BR]: the queries' document starts (0 unmasked)
 
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, group = lane >> 2, tig = lane & 3;
     // Grid (key/value head, batch, key tile), x fastest: the first key tiles, which the most
@@ -286,6 +301,7 @@ __device__ void attention_backward_impl(bf16* dqkv, float* dq_acc, const bf16* d
     int key_a = k0 + warp * 16 + group;  // this thread's keys: key_a and key_a + 8
 
     int q_end = window ? min(seq, k0 + BC - 1 + window) : seq;  // queries that see some key here
+    if (ends) q_end = min(q_end, (int)ends[row0 + min(k0 + BC, seq) - 1]);  // and in its documents
     int qt_first = k0 / BR, qt_end = (q_end + BR - 1) / BR;
 
     // The (query head, query tile) pairs this block visits, in order: step = head · q_tiles +
@@ -302,6 +318,7 @@ __device__ void attention_backward_impl(bf16* dqkv, float* dq_acc, const bf16* d
             bool ok = q0 + i < seq;
             lse_buf[buf * BR + i] = ok ? lse[(row0 + q0 + i) * heads + h] * LOG2E : POS_INF;
             d_buf[buf * BR + i] = ok ? big_d[(row0 + q0 + i) * heads + h] : 0.f;
+            start_buf[buf * BR + i] = ok && starts ? (int)starts[row0 + q0 + i] : 0;
         }
     };
     int h = g * per_group, qt = 0;  // the pair of this step
@@ -342,7 +359,7 @@ __device__ void attention_backward_impl(bf16* dqkv, float* dq_acc, const bf16* d
             // seen whole by every query (all keys before all queries, inside the window): those
             // skip the mask, as the forward pass does.
             bool full = k0 + BC - 1 <= q0 && k0 + BC <= seq && q0 + BR <= seq &&
-                        (window == 0 || k0 > q0 + BR - 1 - window);
+                        (window == 0 || k0 > q0 + BR - 1 - window) && k0 >= start_buf[buf * BR + BR - 1];
 #pragma unroll
             for (int nt = 0; nt < BR / 8; nt++)
 #pragma unroll
@@ -351,7 +368,8 @@ __device__ void attention_backward_impl(bf16* dqkv, float* dq_acc, const bf16* d
                     float p = fast_exp2(st[nt][e] * scale2 - lse_s[qi]);
                     if (!full) {
                         int key = key_a + (e >> 1) * 8, q = q0 + qi;
-                        bool ok = key < seq && q < seq && key <= q && (window == 0 || key > q - window);
+                        bool ok = key < seq && q < seq && key <= q && (window == 0 || key > q - window) &&
+                                  key >= start_buf[buf * BR + qi];
                         p = ok ? p : 0.f;
                     }
                     st[nt][e] = p;
@@ -467,10 +485,10 @@ __device__ void attention_backward_impl(bf16* dqkv, float* dq_acc, const bf16* d
 
 #define ATTENTION_BACKWARD(HD, BR, BC)                                                                              \
     extern "C" __global__ void __launch_bounds__(BC / 16 * 32) attention_backward_hd##HD(                           \
-        bf16* dqkv, float* dq_acc, const bf16* dout, const bf16* qkv, const float* lse, const float* big_d, int seq, \
-        int heads, int kv_heads, int dh, int window, float scale) {                                                  \
-        attention_backward_impl<HD, BR, BC>(dqkv, dq_acc, dout, qkv, lse, big_d, seq, heads, kv_heads, dh, window,   \
-                                            scale);                                                                  \
+        bf16* dqkv, float* dq_acc, const bf16* dout, const bf16* qkv, const float* lse, const float* big_d,          \
+        const u32* starts, const u32* ends, int seq, int heads, int kv_heads, int dh, int window, float scale) {     \
+        attention_backward_impl<HD, BR, BC>(dqkv, dq_acc, dout, qkv, lse, big_d, starts, ends, seq, heads, kv_heads, \
+                                            dh, window, scale);                                                      \
     }
 ATTENTION_BACKWARD(16, 64, 64)
 ATTENTION_BACKWARD(32, 64, 64)
@@ -492,5 +510,44 @@ extern "C" __global__ void attention_backward_dq(bf16* dqkv, const float* dq_acc
             dst[c] = make_uint4(pack_bf16(a.x * scale, a.y * scale), pack_bf16(a.z * scale, a.w * scale),
                                 pack_bf16(b.x * scale, b.y * scale), pack_bf16(b.z * scale, b.w * scale));
         }
+    }
+}
+
+// Document bounds of packed sequences (rows r = b·T + i): starts[r] = 1 + the last position
+// j < i of sequence b whose token is `eos` (0 without one), so the EOS belongs to the document it
+// ends; ends[r] = 1 + the first position j >= i holding `eos` (T without one); with `positions`
+// (else null), positions[r] = i - starts[r]. A block per sequence: each thread finds the last
+// and the first EOS of its stretch of T / blockDim.x tokens, scans over the threads (a prefix
+// maximum and a suffix minimum) give the last EOS before each stretch and the first after it,
+// and each thread writes its stretch.
+#define BOUNDS_THREADS 256
+extern "C" __global__ void __launch_bounds__(BOUNDS_THREADS)
+    attention_document_bounds(u32* starts, u32* ends, u32* positions, const u32* tokens, int seq, int eos) {
+    __shared__ int last[BOUNDS_THREADS], first[BOUNDS_THREADS];
+    u64 row0 = (u64)blockIdx.x * seq;
+    int t = threadIdx.x, per = (seq + BOUNDS_THREADS - 1) / BOUNDS_THREADS;
+    int lo = min(seq, t * per), hi = min(seq, lo + per);
+    int mine_last = -1, mine_first = seq;
+    for (int i = hi - 1; i >= lo; i--)
+        if ((int)tokens[row0 + i] == eos) mine_last = max(mine_last, i), mine_first = i;
+    last[t] = mine_last, first[t] = mine_first;
+    __syncthreads();
+    for (int off = 1; off < BOUNDS_THREADS; off *= 2) {
+        int before = t >= off ? last[t - off] : -1, after = t + off < BOUNDS_THREADS ? first[t + off] : seq;
+        __syncthreads();
+        last[t] = max(last[t], before), first[t] = min(first[t], after);
+        __syncthreads();
+    }
+    int prev = t > 0 ? last[t - 1] : -1;  // the last EOS before this stretch
+    for (int i = lo; i < hi; i++) {
+        u32 start = (u32)(prev + 1);
+        starts[row0 + i] = start;
+        if (positions) positions[row0 + i] = (u32)i - start;
+        if ((int)tokens[row0 + i] == eos) prev = i;
+    }
+    int next = t + 1 < BOUNDS_THREADS ? first[t + 1] : seq;  // the first EOS after it
+    for (int i = hi - 1; i >= lo; i--) {
+        if ((int)tokens[row0 + i] == eos) next = i;
+        ends[row0 + i] = (u32)min(next + 1, seq);
     }
 }

@@ -1,9 +1,10 @@
 //! Flash attention on the tensor cores, forward and backward (`attention.cu`): causal,
-//! grouped-query, optional sliding window; one kernel per padded head width.
+//! grouped-query, optional sliding window, optional document masking (`bounds`); one kernel per
+//! padded head width.
 
 use super::{Module, aligned16, c_int, row_threads};
 use crate::backend::cuda::{Arg, Cuda, DType, Scratch};
-use crate::backend::{AttnShape, View};
+use crate::backend::{AttnShape, IdxView, View};
 
 /// The kernels of `attention.cu`.
 pub(crate) const MODULE: Module = Module {
@@ -20,6 +21,7 @@ pub(crate) const MODULE: Module = Module {
         "attention_backward_hd64",
         "attention_backward_hd128",
         "attention_backward_dq",
+        "attention_document_bounds",
     ],
 };
 
@@ -60,10 +62,42 @@ fn backward_threads(hd: usize) -> u32 {
 
 /// Dynamic shared memory of the attention backward kernel: keys and values (BC rows of
 /// `hd + 8`), two buffers each of a query tile and its output gradient (BR rows), dSᵀ
-/// (BC × (BR + 8)), and two buffers each of the tile's log-sum-exp and D (f32).
+/// (BC × (BR + 8)), and two buffers each of the tile's log-sum-exp, D (f32) and document
+/// starts (i32).
 fn backward_smem(hd: usize) -> usize {
     let (br, bc) = (backward_br(hd), backward_bc(hd));
-    (2 * bc * (hd + 8) + 4 * br * (hd + 8) + bc * (br + 8)) * 2 + 4 * br * 4
+    (2 * bc * (hd + 8) + 4 * br * (hd + 8) + bc * (br + 8)) * 2 + 6 * br * 4
+}
+
+/// Threads per block of `attention_document_bounds` (`BOUNDS_THREADS`).
+const BOUNDS_THREADS: u32 = 256;
+
+/// `Backend::document_bounds`: a block per sequence.
+pub(crate) fn document_bounds(
+    gpu: &mut Cuda,
+    bounds: IdxView,
+    positions: Option<IdxView>,
+    tokens: IdxView,
+    seq: usize,
+    eos: u32,
+) {
+    let n = tokens.len;
+    assert!(seq > 0 && n.is_multiple_of(seq), "internal error: document_bounds: tokens length");
+    assert_eq!(bounds.len, 2 * n, "internal error: document_bounds: bounds length");
+    let pos = positions.map_or(0, |p| {
+        assert_eq!(p.len, n, "internal error: document_bounds: positions length");
+        gpu.iptr(p)
+    });
+    let (starts, ends) = (gpu.iptr(bounds.at(0, n)), gpu.iptr(bounds.at(n, n)));
+    let args = [
+        Arg::P(starts),
+        Arg::P(ends),
+        Arg::P(pos),
+        Arg::P(gpu.iptr(tokens)),
+        Arg::I(c_int(seq, "seq")),
+        Arg::I(c_int(eos as usize, "eos")),
+    ];
+    gpu.launch("attention_document_bounds", ((n / seq) as u32, 1, 1), BOUNDS_THREADS, 0, &args);
 }
 
 /// The kernels' tile copies address a row within its sequence with a 32-bit offset
@@ -84,9 +118,9 @@ fn check_offsets(s: AttnShape) {
     );
 }
 
-/// `Backend::attention_forward`: a block per 64 queries of a head, the kernel of the padded
-/// head width.
-pub(crate) fn forward(gpu: &mut Cuda, out: View, lse: View, qkv: View, s: AttnShape) {
+/// `Backend::attention_forward` (and `attention_forward_docs` with `bounds`): a block per 64
+/// queries of a head, the kernel of the padded head width.
+pub(crate) fn forward(gpu: &mut Cuda, out: View, lse: View, qkv: View, s: AttnShape, bounds: Option<IdxView>) {
     gpu.expect(out, DType::Bf16, "attention_forward", "out");
     gpu.expect(qkv, DType::Bf16, "attention_forward", "qkv");
     gpu.expect(lse, DType::F32, "attention_forward", "lse");
@@ -107,6 +141,7 @@ pub(crate) fn forward(gpu: &mut Cuda, out: View, lse: View, qkv: View, s: AttnSh
         Arg::P(o),
         Arg::P(l),
         Arg::P(q),
+        Arg::P(doc_ptrs(gpu, bounds, s).0),
         Arg::I(c_int(s.seq, "seq")),
         Arg::I(s.n_heads as i32),
         Arg::I(s.n_kv_heads as i32),
@@ -119,10 +154,29 @@ pub(crate) fn forward(gpu: &mut Cuda, out: View, lse: View, qkv: View, s: AttnSh
     gpu.launch(name, grid, THREADS, forward_smem(hd), &args);
 }
 
-/// `Backend::attention_backward`: D = rowsum(dout · out) first, then a block per 128 keys (64
-/// for heads up to 32 wide) of a key/value head accumulating dQ in the f32 scratch, and last dQ
-/// converted into `dqkv`.
-pub(crate) fn backward(gpu: &mut Cuda, dqkv: View, dout: View, qkv: View, out: View, lse: View, s: AttnShape) {
+/// The kernels' `starts` and `ends` arguments: the halves of the document bounds, or null
+/// without masking.
+fn doc_ptrs(gpu: &Cuda, bounds: Option<IdxView>, s: AttnShape) -> (u64, u64) {
+    bounds.map_or((0, 0), |v| {
+        assert_eq!(v.len, 2 * s.rows(), "internal error: attention: document bounds length");
+        (gpu.iptr(v.at(0, s.rows())), gpu.iptr(v.at(s.rows(), s.rows())))
+    })
+}
+
+/// `Backend::attention_backward` (and `attention_backward_docs` with `bounds`): D =
+/// rowsum(dout · out) first, then a block per 128 keys (64 for heads up to 32 wide) of a
+/// key/value head accumulating dQ in the f32 scratch, and last dQ converted into `dqkv`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn backward(
+    gpu: &mut Cuda,
+    dqkv: View,
+    dout: View,
+    qkv: View,
+    out: View,
+    lse: View,
+    s: AttnShape,
+    bounds: Option<IdxView>,
+) {
     for (v, name) in [(dqkv, "dqkv"), (dout, "dout"), (qkv, "qkv"), (out, "out")] {
         gpu.expect(v, DType::Bf16, "attention_backward", name);
     }
@@ -152,6 +206,8 @@ pub(crate) fn backward(gpu: &mut Cuda, dqkv: View, dout: View, qkv: View, out: V
         Arg::P(q),
         Arg::P(l),
         Arg::P(big_d),
+        Arg::P(doc_ptrs(gpu, bounds, s).0),
+        Arg::P(doc_ptrs(gpu, bounds, s).1),
         Arg::I(c_int(s.seq, "seq")),
         Arg::I(heads as i32),
         Arg::I(s.n_kv_heads as i32),
