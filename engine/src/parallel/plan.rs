@@ -326,22 +326,16 @@ fn check_layers(config: &Config, stages: usize) -> Result<(), String> {
     ))
 }
 
-/// Refuses virtual stages (interleaved 1F1B) that the run cannot have: without a pipeline axis,
-/// with micro-batches that are not a multiple of the stages (Megatron-LM's rule: they go
+/// Refuses virtual stages (interleaved 1F1B) that a pipeline cannot have: with micro-batches that are not a multiple of the stages (Megatron-LM's rule: they go
 /// through the virtual stages in groups of `P`), more virtual stages than layers, or, without
 /// `train.pipeline_layers`, layers that do not split evenly over them. The error names the
 /// numbers.
 fn check_virtual_stages(config: &Config, stages: usize) -> Result<(), String> {
     let t = &config.train;
     let (v, m, n) = (t.pipeline_virtual_stages, t.pipeline_microbatches, config.model.n_layers);
-    if t.pipeline_schedule != PipelineSchedule::Interleaved {
+    // Without stages every device holds every layer: the keys change nothing.
+    if t.pipeline_schedule != PipelineSchedule::Interleaved || stages == 1 {
         return Ok(());
-    }
-    if stages == 1 {
-        return Err(
-            "train.pipeline_schedule = \"interleaved\" needs a pipeline axis, but mesh.ici_pipeline x mesh.dcn_pipeline = 1; use \"1f1b\" without stages"
-                .to_owned(),
-        );
     }
     if !m.is_multiple_of(stages) {
         return Err(format!(
@@ -444,6 +438,12 @@ mod tests {
         assert_eq!((plan.stages[0].layers.clone(), plan.stages[0].later.clone()), (0..1, vec![4..6]));
         assert_eq!((plan.stages[1].layers.clone(), plan.stages[1].later.clone()), (1..4, vec![6..8]));
         assert!((plan.bubble_fraction() - 1.0 / 9.0).abs() < 1e-12);
+        // Without a pipeline axis (data 2 here) the virtual stages change nothing.
+        let mut data = c.clone();
+        (data.mesh.ici_data, data.mesh.ici_pipeline, data.train.pipeline_layers) = (2, 1, Vec::new());
+        data.train.pipeline_microbatches = 2;
+        let flat = ParallelPlan::resolve(&data, 2, 1).unwrap();
+        assert_eq!((flat.virtual_stages, flat.stages.clone()), (1, vec![Stage::whole(8)]));
         // Device 0 keeps 4 micro-batches of its first virtual stage and 2 of its second; a
         // virtual stage's slot holds its own layers' activations.
         assert_eq!(plan.schedules[0].chunk_in_flight, vec![4, 2]);

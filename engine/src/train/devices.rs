@@ -479,8 +479,8 @@ mod tests {
 
         /// Interleaved 1F1B on 2 devices x 2 virtual stages of one layer each (4 micro-batches:
         /// device 0 holds layers 0 and 2, device 1 layers 1 and 3) follows one device, for Llama
-        /// (alone, with FSDP 2 and with tensor 2) and for Mixtral (whose routing statistics go
-        /// through the virtual stages), and so does its evaluation; the virtual stages laid out in model order on each device (device 0
+        /// (alone, with FSDP 2 and with tensor 2), Mistral and Mixtral (whose routing statistics
+        /// go through the virtual stages), and so does its evaluation; the virtual stages laid out in model order on each device (device 0
         /// holding layers 0 and 1, so that the micro-batches run them 0, 2, 1, 3) do not. Its
         /// checkpoint resumes on one device and on plain 1F1B stages.
         #[test]
@@ -521,8 +521,10 @@ mod tests {
                 c.train.pipeline_microbatches = 2;
                 assert_same_curve(&format!("interleaved pp=2 x V=2 x {name}=2"), &single(&c, 4), &parallel(&c, 4));
             }
-            let mixtral = pipe_config("tiny-mixtral", &sets);
-            assert_same_curve("mixtral interleaved pp=2 x V=2", &single(&mixtral, 2), &faulty(&mixtral, 2, None));
+            for recipe in ["tiny-mistral", "tiny-mixtral"] {
+                let c = pipe_config(recipe, &sets);
+                assert_same_curve(&format!("{recipe} interleaved pp=2 x V=2"), &single(&c, 2), &faulty(&c, 2, None));
+            }
 
             let mut wrong = plan.clone();
             let virtual_stages = crate::parallel::pipeline::from_sizes(&[1; 4]);
