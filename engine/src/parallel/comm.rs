@@ -20,6 +20,12 @@ pub trait Collectives<B: Backend> {
     fn set_step(&mut self, _step: u64) {}
     /// The mesh's names for its groups (`fsdp`, `tensor`, ...), for the same messages.
     fn name_groups(&mut self, _names: Vec<(Vec<usize>, String)>) {}
+    /// Whether [`Collectives::send_recv`] posts its sends and returns before the peers receive
+    /// them (mailboxes, TCP with a reader thread per peer), rather than each send waiting for its
+    /// receive (NCCL). Interleaved 1F1B's order is deadlock-free only for the first.
+    fn buffers_sends(&self) -> bool {
+        true
+    }
     /// Bytes this device has sent to others so far, where they travel over a network that
     /// counts them (the TCP collectives).
     fn bytes_sent(&self) -> Option<u64> {

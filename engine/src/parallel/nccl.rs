@@ -347,6 +347,10 @@ fn check(op: &str, r: std::result::Result<result::NcclStatus, result::NcclError>
 }
 
 impl Collectives<Cuda> for Nccl {
+    fn buffers_sends(&self) -> bool {
+        false
+    }
+
     fn rank(&self) -> usize {
         self.rank
     }
@@ -440,6 +444,10 @@ impl Collectives<Cuda> for Nccl {
 
 /// The same on a traced backend (the trainer's); collectives are not traced spans.
 impl Collectives<Traced<Cuda>> for Nccl {
+    fn buffers_sends(&self) -> bool {
+        false
+    }
+
     fn rank(&self) -> usize {
         self.rank
     }

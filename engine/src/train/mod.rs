@@ -127,6 +127,11 @@ impl<B: Backend> Trainer<B> {
                 backend.describe()
             );
         }
+        if parallel_plan.virtual_stages > 1 && !comm.buffers_sends() {
+            bail!(
+                "train.pipeline_schedule = \"interleaved\" runs on CPU devices only in this version: its passes' exchanges can wait on each other where every send waits for its receive (NCCL on GPUs); use \"1f1b\""
+            );
+        }
         let seq_len = parallel_plan.local_seq_len(config);
         // The devices of a tensor group and of a pipeline share their samples, cut into the
         // pipeline's micro-batches.
