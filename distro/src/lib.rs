@@ -13,6 +13,7 @@
 //! - [`docker`]: the Docker engine (load an image, run a container).
 //! - [`triage`]: the search for the first failing date and upstream commit.
 //! - [`publish`]: where a built image goes: an OCI layout, a registry, the Docker engine.
+//! - [`provenance`]: the SBOM and SLSA provenance attached to a pushed index, and their check.
 //! - [`cli`]: one file per subcommand: arguments and what it prints.
 //!
 //! Cross-cutting helpers sit at the root, below every folder: [`error`] (exit codes),
@@ -33,6 +34,7 @@ pub mod hex;
 pub mod image;
 pub mod oci;
 pub mod progress;
+pub mod provenance;
 pub mod publish;
 pub mod registry;
 pub mod retry;

@@ -40,6 +40,8 @@ enum Command {
     Sbom(cli::sbom::SbomArgs),
     /// Show what changed between two images: sources, patches, base and its packages, env, sizes.
     Diff(cli::diff::DiffArgs),
+    /// Check the SBOM and provenance attached to a pushed index against the image.
+    Verify(cli::verify::VerifyArgs),
 }
 
 fn main() -> ExitCode {
@@ -78,6 +80,7 @@ fn main() -> ExitCode {
         Command::Run(a) => cli::run::run_cmd(a),
         Command::Sbom(a) => cli::sbom::sbom_cmd(a),
         Command::Diff(a) => cli::diff::diff_cmd(a),
+        Command::Verify(a) => cli::verify::verify_cmd(a),
         Command::Triage(a) => cli::triage::triage_cmd(a),
         Command::Retention(a) => cli::retention::retention_cmd(a),
     };

@@ -23,6 +23,7 @@ pub mod run;
 pub mod sbom;
 pub mod sources;
 pub mod triage;
+pub mod verify;
 
 /// `--manifest FILE`, shared by every sources command.
 #[derive(Args, Debug, Clone)]

@@ -1,12 +1,15 @@
 //! Publishing to a registry repository: the bundle becomes a push plan (blobs, manifests
 //! children first, tags), and base image blobs are mounted when the base lives on the same
-//! registry.
+//! registry. After the push, the SBOM and provenance are attached to the index as referrers
+//! ([`crate::provenance`]).
 use super::{Published, Publisher};
 use crate::error::bad_input;
 use crate::oci::bundle::Bundle;
 use crate::oci::manifest::is_index;
 use crate::oci::platform::Platform;
 use crate::progress::Progress;
+use crate::provenance::referrers::attach;
+use crate::provenance::{Subject, artifacts};
 use crate::registry::client::Client;
 use crate::registry::push::{BlobFile, PushOptions, PushPlan, push};
 use crate::registry::reference::Reference;
@@ -86,9 +89,26 @@ impl Publisher for Registry<'_> {
         check_platforms(bundle)?;
         let plan = self.plan(bundle)?;
         let report = push(self.client, &self.repo, &plan, &PushOptions { chunk_size: self.chunk_size }, progress)?;
+        let mut summary = report.to_string();
+        // The SBOM and provenance, attached to the index pushed (once, whatever tags it has).
+        if let Some((_, index)) = bundle.refs.iter().find(|(_, d)| is_index(&d.media_type))
+            && let Some(doc) = bundle.document(index)
+        {
+            let subject = Subject::read(
+                &doc.media_type,
+                &doc.bytes,
+                |d| {
+                    let m = bundle.document(d).ok_or_else(|| anyhow!("manifest {} is not in the bundle", d.digest))?;
+                    Ok(m.bytes.to_vec())
+                },
+                |d| Ok(bundle.store.path(&d.digest)),
+            )?;
+            let how = attach(self.client, &self.repo, &doc.digest, &artifacts(&subject), &bundle.store, progress)?;
+            summary += &format!("; SBOM and provenance attached to {} ({how})", doc.digest);
+        }
         Ok(Published {
             names: plan.tags.iter().map(|(t, doc)| (format!("{}:{t}", self.repo.name()), doc.digest.clone())).collect(),
-            summary: report.to_string(),
+            summary,
         })
     }
 }
