@@ -137,12 +137,15 @@ pub struct Data {
     pub sources: Vec<Named>,
     /// Samples to evaluate on instead of a held-out tail of the training data.
     pub validation: Option<Box<dyn TokenSource>>,
+    /// Whether the sources are a mixture's (of one source too): drawn by [`mixture`]'s rule,
+    /// each with its own position, and counted in `tokens_by_source`.
+    pub mixture: bool,
 }
 
 impl Data {
     /// One source and no validation set of its own.
     pub fn single(source: Box<dyn TokenSource>) -> Data {
-        Data { sources: vec![Named { name: String::new(), weight: 1.0, source }], validation: None }
+        Data { sources: vec![Named { name: String::new(), weight: 1.0, source }], validation: None, mixture: false }
     }
 }
 
@@ -165,7 +168,7 @@ pub fn open_data(data: &DataConfig, vocab_size: usize, seed: u64) -> Result<Data
         "" => None,
         path => Some(open_shards(path, &format!("data.validation_path = {path}"), vocab_size)?),
     };
-    Ok(Data { sources, validation })
+    Ok(Data { sources, validation, mixture: !data.mixture.is_empty() })
 }
 
 /// What identifies the data a config names, for checkpoints to record and a resumed run to
@@ -277,7 +280,7 @@ impl Loader {
     /// A loader over `data`'s sources. With a validation set of its own, no training window is
     /// held out; else each source's last [`VALIDATION_FRACTION`] of windows is.
     pub fn open(data: Data, seq_len: usize, seed: u64, rank: usize, world: usize) -> Result<Loader> {
-        let mixed = data.sources.len() > 1;
+        let mixed = data.mixture || data.sources.len() > 1;
         let own_validation = data.validation.is_some();
         let weights: Vec<f64> = data.sources.iter().map(|s| s.weight).collect();
         let mut streams = Vec::new();
@@ -604,7 +607,7 @@ mod tests {
             source: Box::new(Counting(base, len)) as _,
         };
         let validation = validation.then(|| Box::new(Counting(2_000_000, 81)) as Box<dyn TokenSource>);
-        Data { sources: vec![named("a/", 3.0, 0, 801), named("b", 1.0, 1_000_000, 401)], validation }
+        Data { sources: vec![named("a/", 3.0, 0, 801), named("b", 1.0, 1_000_000, 401)], validation, mixture: true }
     }
 
     /// `steps` batches of 4 sequences on each of `world` ranks: each rank's first tokens.
@@ -699,11 +702,18 @@ mod tests {
         let firsts: Vec<u32> = t.chunks(SEQ).map(|s| s[0]).collect();
         assert!(firsts.iter().enumerate().all(|(i, &f)| f == 2_000_000 + ((3 + i) % 10 * SEQ) as u32), "{firsts:?}");
         assert_eq!(y[0], t[0] + 1);
-        // One source with a validation set: no tail held out.
-        let single =
-            Data { sources: mixture(true).sources.into_iter().take(1).collect(), validation: mixture(true).validation };
-        let l = Loader::open(single, SEQ, 5, 0, 1).unwrap();
+        // One source with a validation set: no tail held out; as a mixture of one, it is counted.
+        let one = |mixed| Data {
+            sources: mixture(true).sources.into_iter().take(1).collect(),
+            mixture: mixed,
+            ..mixture(true)
+        };
+        let l = Loader::open(one(false), SEQ, 5, 0, 1).unwrap();
         assert_eq!((l.train_samples(), l.validation_samples(), l.tokens_by_source()), (100, 10, None));
+        let mut l = Loader::open(one(true), SEQ, 5, 0, 1).unwrap();
+        l.next_batch(&mut t, &mut y);
+        assert_eq!(l.tokens_by_source(), Some([("a/".to_owned(), 40 * SEQ as u64)].into()));
+        assert_eq!(l.position().sources.len(), 1);
     }
 
     #[test]
