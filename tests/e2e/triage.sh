@@ -128,10 +128,53 @@ for d in $(seq 1 10); do
         || die "build $DATE failed: $(tail -5 "$WORK/build-$DATE.log")"
 done
 log "10 builds + pushes: $((($(date +%s%N) - B0) / 1000000)) ms"
-curl -sf "http://$REG/v2/triage/tags/list" | jq -e '.tags | length == 21' >/dev/null \
-    || die "expected 21 tags (10 dated, 10 per-arch, probe): $(curl -s "http://$REG/v2/triage/tags/list")"
+# Image tags (10 dated, 10 per-arch, probe) and, as the distribution registry 2.8 has no
+# referrers API, one referrers fallback tag per index (sha256-HEX: the SBOM and provenance).
+img_tags() { curl -sf "http://$REG/v2/triage/tags/list" | jq -c '.tags | map(select(startswith("sha256-") | not)) | sort'; }
+curl -sf "http://$REG/v2/triage/tags/list" | jq -e '(.tags | map(select(startswith("sha256-") | not)) | length == 21) and ([.tags[] | select(startswith("sha256-"))] | length == 10)' >/dev/null \
+    || die "expected 21 image tags (10 dated, 10 per-arch, probe) and 10 referrers tags: $(curl -s "http://$REG/v2/triage/tags/list")"
 docker run --rm "$REPO:probe-2026-03-01" >"$WORK/run-01.txt" 2>&1 || die "the first image does not pass: $(cat "$WORK/run-01.txt")"
 grep -q "loss 2.0, revision 0" "$WORK/run-01.txt" || die "the image does not hold the pinned probe: $(cat "$WORK/run-01.txt")"
+
+phase "provenance: distro verify passes on a fresh push, and names what was altered"
+"$DISTRO" verify "$REPO:probe-2026-03-10" >"$WORK/verify.out" 2>"$WORK/verify.log" || die "distro verify failed: $(cat "$WORK/verify.out" "$WORK/verify.log")"
+grep -q "^verified $REPO:probe-2026-03-10 (sha256:[0-9a-f]*): SBOM of 1 platform(s), 1 provenance statement(s), found through the tag sha256-" "$WORK/verify.out" \
+    || die "distro verify did not say what it verified: $(cat "$WORK/verify.out")"
+# Alter the provenance as a registry user could: a new statement whose revision is zeros, its
+# artifact manifest, and the fallback tag's index pointing at it instead of the original.
+tamper_provenance() {
+    local idx fb prov st new_st loc sep new_m
+    idx=sha256:$(curl -sf -H 'Accept: application/vnd.oci.image.index.v1+json' "http://$REG/v2/triage/manifests/$1" | sha256sum | cut -d' ' -f1)
+    fb=${idx/:/-}
+    curl -sf -H 'Accept: application/vnd.oci.image.index.v1+json' "http://$REG/v2/triage/manifests/$fb" >"$WORK/referrers.json"
+    prov=$(jq -r '.manifests[] | select(.artifactType == "application/vnd.in-toto+json") | .digest' "$WORK/referrers.json")
+    curl -sf -H 'Accept: application/vnd.oci.image.manifest.v1+json' "http://$REG/v2/triage/manifests/$prov" >"$WORK/prov-manifest.json"
+    st=$(jq -r '.layers[0].digest' "$WORK/prov-manifest.json")
+    curl -sf "http://$REG/v2/triage/blobs/$st" \
+        | jq -c '(.predicate.buildDefinition.resolvedDependencies[] | select(.name == "revision") | .digest.gitCommit) |= "0000000000000000000000000000000000000000"' \
+        | tr -d '\n' >"$WORK/statement.json"
+    new_st=sha256:$(sha256sum "$WORK/statement.json" | cut -d' ' -f1)
+    loc=$(curl -sf -i -X POST "http://$REG/v2/triage/blobs/uploads/" | tr -d '\r' | sed -n 's/^[Ll]ocation: //p')
+    case "$loc" in http*) ;; *) loc="http://$REG$loc" ;; esac
+    sep='?'; case "$loc" in *\?*) sep='&' ;; esac
+    curl -sf -X PUT -H 'Content-Type: application/octet-stream' --data-binary @"$WORK/statement.json" "$loc${sep}digest=$new_st" >/dev/null
+    jq -c --arg d "$new_st" --argjson s "$(stat -c %s "$WORK/statement.json")" '.layers[0].digest = $d | .layers[0].size = $s' \
+        "$WORK/prov-manifest.json" | tr -d '\n' >"$WORK/prov-manifest2.json"
+    new_m=sha256:$(sha256sum "$WORK/prov-manifest2.json" | cut -d' ' -f1)
+    curl -sf -X PUT -H 'Content-Type: application/vnd.oci.image.manifest.v1+json' --data-binary @"$WORK/prov-manifest2.json" \
+        "http://$REG/v2/triage/manifests/$new_m" >/dev/null
+    jq -c --arg old "$prov" --arg new "$new_m" --argjson s "$(stat -c %s "$WORK/prov-manifest2.json")" \
+        '(.manifests[] | select(.digest == $old)) |= (.digest = $new | .size = $s)' "$WORK/referrers.json" | tr -d '\n' >"$WORK/referrers2.json"
+    curl -sf -X PUT -H 'Content-Type: application/vnd.oci.image.index.v1+json' --data-binary @"$WORK/referrers2.json" \
+        "http://$REG/v2/triage/manifests/$fb" >/dev/null
+}
+tamper_provenance probe-2026-03-10 || die "could not alter the provenance in the registry"
+rc=0
+"$DISTRO" verify "$REPO:probe-2026-03-10" >"$WORK/verify2.out" 2>"$WORK/verify2.log" || rc=$?
+REV10=$(git -C "$P" log --format=%H --grep '^nightly 2026-03-10$')
+[ "$rc" = 1 ] && [ "$(cat "$WORK/verify2.out")" = "provenance: dependency revision is {\"gitCommit\":\"0000000000000000000000000000000000000000\"}; the image records {\"gitCommit\":\"$REV10\"}" ] \
+    && grep -q "^error: .*: 1 mismatch(es) between the image and what is attached to it" "$WORK/verify2.log" \
+    || die "distro verify did not name the altered revision (rc $rc): $(cat "$WORK/verify2.out" "$WORK/verify2.log")"
 
 phase "bad input: one line, exit code 2"
 (cd "$P" && expect_fail 2 "must be before" "$DISTRO" triage --repo "$REPO" --image probe --good 2026-03-05 --bad 2026-03-01 -- /opt/probe/check.sh)
@@ -200,11 +243,11 @@ phase "retention: keep 3 days and the first of the month"
 (cd "$P" && "$DISTRO" retention --repo "$REPO" --image probe --keep-days 3 --today 2026-03-10 --dry-run >"$WORK/ret-dry.out" 2>&1) \
     || die "retention --dry-run failed: $(cat "$WORK/ret-dry.out")"
 grep -c '^would delete' "$WORK/ret-dry.out" | grep -qx 10 || die "dry run should plan 10 deletions (5 dates x index + amd64): $(cat "$WORK/ret-dry.out")"
-curl -sf "http://$REG/v2/triage/tags/list" | jq -e '.tags | length == 21' >/dev/null || die "--dry-run deleted something"
+[ "$(img_tags | jq length)" = 21 ] || die "--dry-run deleted something"
 "$DISTRO" retention --repo "$REPO" --image probe --keep-days 3 --today 2026-03-10 >"$WORK/ret.out" 2>&1 \
     || die "retention failed: $(cat "$WORK/ret.out")"
 cat "$WORK/ret.out" >&2
-TAGS=$(curl -sf "http://$REG/v2/triage/tags/list" | jq -c '.tags | sort')
+TAGS=$(img_tags)
 want='["probe","probe-2026-03-01","probe-2026-03-01-amd64","probe-2026-03-07","probe-2026-03-07-amd64","probe-2026-03-08","probe-2026-03-08-amd64","probe-2026-03-09","probe-2026-03-09-amd64","probe-2026-03-10","probe-2026-03-10-amd64"]'
 [ "$TAGS" = "$want" ] || die "after retention the tags are $TAGS, not $want"
 # Keep 0 days later on: 03-07 .. 03-09 go, 03-10 stays because the moving tag shares its index
@@ -214,7 +257,7 @@ want='["probe","probe-2026-03-01","probe-2026-03-01-amd64","probe-2026-03-07","p
 cat "$WORK/ret2.out" >&2
 grep -q '^skip probe-2026-03-10 .*kept tag probe points at the same manifest' "$WORK/ret2.out" || die "retention did not refuse the digest the moving tag shares"
 grep -q '^skip probe-2026-03-10-amd64 .*index references it' "$WORK/ret2.out" || die "retention did not keep the kept index's platform manifest"
-TAGS=$(curl -sf "http://$REG/v2/triage/tags/list" | jq -c '.tags | sort')
+TAGS=$(img_tags)
 want='["probe","probe-2026-03-01","probe-2026-03-01-amd64","probe-2026-03-10","probe-2026-03-10-amd64"]'
 [ "$TAGS" = "$want" ] || die "after the second retention the tags are $TAGS, not $want"
 skopeo inspect --tls-verify=false "docker://$REPO:probe" >/dev/null || die "the moving tag no longer resolves"
