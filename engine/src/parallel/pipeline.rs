@@ -419,6 +419,83 @@ mod tests {
         }
     }
 
+    /// The same passes where every send waits for its receive (NCCL): each exchange is a group
+    /// (a pass's sends with the next pass's receives, as the trainer makes them) that ends once
+    /// all its operations have met their peers' in the peers' current groups. 1F1B gets
+    /// through; the interleaved order deadlocks, which is why a GPU run refuses it.
+    #[test]
+    fn interleaved_exchanges_deadlock_where_sends_wait_for_receives() {
+        type Op = (bool, usize, (bool, usize, usize)); // (send?, peer, message)
+        let groups = |schedule, p: usize, d: usize, m: usize, v: usize| -> Vec<Vec<Op>> {
+            let last = p * v - 1;
+            let (mut out, mut pending): (Vec<Vec<Op>>, Vec<Op>) = (Vec::new(), Vec::new());
+            for (c, a) in actions(schedule, p, d, m, v) {
+                let (s, (forward, mb)) = (
+                    c * p + d,
+                    match a {
+                        Action::Forward(mb) => (true, mb),
+                        Action::Backward(mb) => (false, mb),
+                    },
+                );
+                let from = if forward { (s > 0).then(|| s - 1) } else { (s < last).then(|| s + 1) };
+                let mut group = std::mem::take(&mut pending);
+                group.extend(from.map(|f| (false, f % p, (forward, s, mb))));
+                out.push(group);
+                let to = if forward { (s < last).then(|| s + 1) } else { (s > 0).then(|| s - 1) };
+                pending.extend(to.map(|t| (true, t % p, (forward, t, mb))));
+            }
+            out.push(pending);
+            out.retain(|g| !g.is_empty());
+            out
+        };
+        let finishes = |schedule, p: usize, m: usize, v: usize| -> bool {
+            let g: Vec<Vec<Vec<Op>>> = (0..p).map(|d| groups(schedule, p, d, m, v)).collect();
+            let (mut at, mut met) = (vec![0; p], vec![Vec::<bool>::new(); p]);
+            for d in 0..p {
+                met[d] = vec![false; g[d].first().map_or(0, Vec::len)];
+            }
+            loop {
+                if (0..p).all(|d| at[d] == g[d].len()) {
+                    return true;
+                }
+                let mut moved = false;
+                for d in 0..p {
+                    for i in 0..g[d].get(at[d]).map_or(0, Vec::len) {
+                        let (send, peer, msg) = g[d][at[d]][i];
+                        if met[d][i] || at[peer] == g[peer].len() {
+                            continue;
+                        }
+                        // Operations between a pair meet in order, a send with a receive.
+                        let first = |ops: &[Op], done: &[bool], to: usize, send: bool| {
+                            (0..ops.len()).find(|&j| !done[j] && ops[j].1 == to && ops[j].0 == send)
+                        };
+                        let theirs = first(&g[peer][at[peer]], &met[peer], d, !send);
+                        if first(&g[d][at[d]], &met[d], peer, send) == Some(i)
+                            && let Some(j) = theirs
+                        {
+                            assert_eq!(g[peer][at[peer]][j].2, msg, "P {p} V {v} M {m}: devices {d} and {peer}");
+                            (met[d][i], met[peer][j], moved) = (true, true, true);
+                        }
+                    }
+                }
+                for d in 0..p {
+                    if at[d] < g[d].len() && met[d].iter().all(|&x| x) {
+                        at[d] += 1;
+                        met[d] = vec![false; g[d].get(at[d]).map_or(0, Vec::len)];
+                        moved = true;
+                    }
+                }
+                if !moved {
+                    return false;
+                }
+            }
+        };
+        for (p, m) in [(2, 4), (4, 8)] {
+            assert!(finishes(PipelineSchedule::OneFOneB, p, m, 1), "1F1B P {p} M {m}");
+            assert!(!finishes(PipelineSchedule::Interleaved, p, m, 2), "interleaved P {p} M {m} V 2");
+        }
+    }
+
     /// The activations each device keeps (the virtual stages' slots together) against
     /// Megatron-LM's count, `2(P − d − 1) + (V − 1)·P + 1` virtual-stage micro-batches at once
     /// on device `d`. The trainer keeps each virtual stage's own slots (the most micro-batches
