@@ -240,7 +240,6 @@ impl<B: Backend> Trainer<B> {
         self.backend.fill(self.plan.scalars.at(LOSS_ACCUM, 1), 0.0);
         // Collectives inside a recorded section would need the communicator captured too.
         let graphs = c.train.cuda_graphs && self.parallel.mesh.devices() == 1;
-        let stage = self.model.stage().clone();
         let moe = c.model.moe.is_some();
         let grad_scale = weight / tokens / shards as f32;
         let mut busy = std::time::Duration::ZERO;
@@ -539,8 +538,7 @@ impl<B: Backend> Trainer<B> {
     /// Mean next-token cross-entropy over the first `batches · batch_size` validation samples
     /// (the same samples at every evaluation), and the tokens it covers.
     pub fn eval_loss(&mut self, batches: usize) -> (f64, usize) {
-        let (p, be, par) = (&self.plan, &mut self.backend, &mut self.parallel);
-        let stage = self.model.stage().clone();
+        let (be, par) = (&mut self.backend, &mut self.parallel);
         let microbatches = self.config.train.pipeline_microbatches;
         let moe = self.config.model.moe.is_some();
         // Each device of the batch group takes its own stretch of the validation samples, which
