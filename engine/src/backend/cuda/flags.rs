@@ -25,10 +25,18 @@ pub const NVLS_ENABLE: &str = "NCCL_NVLS_ENABLE";
 pub enum Decision {
     /// Set before the engine started (by the user, a launcher or an image): left alone.
     User(String),
-    /// The engine sets `value`, for the reason given.
-    Engine { value: &'static str, why: String },
-    /// Left unset (the library's default applies), for the reason given.
-    Unset { why: String },
+    /// The engine sets it.
+    Engine {
+        /// The value set.
+        value: &'static str,
+        /// Why, for this device.
+        why: String,
+    },
+    /// Left unset: the library's default applies.
+    Unset {
+        /// Why.
+        why: String,
+    },
 }
 
 impl std::fmt::Display for Decision {
