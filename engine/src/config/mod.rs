@@ -724,7 +724,10 @@ impl Config {
         }
         let d = &self.data;
         if d.reset_positions && !d.document_mask {
-            return Err("data.reset_positions = true needs data.document_mask = true (positions restart at each document)".into());
+            return Err(
+                "data.reset_positions = true needs data.document_mask = true (positions restart at each document)"
+                    .into(),
+            );
         }
         if d.document_mask {
             if d.source != DataSource::Shards {

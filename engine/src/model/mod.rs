@@ -82,7 +82,9 @@ impl Documents {
             }
         }
         let Some((eos, _)) = eos else {
-            anyhow::bail!("data.document_mask = true, but no shard names an EOS id (data.path and data.mixture hold none)")
+            anyhow::bail!(
+                "data.document_mask = true, but no shard names an EOS id (data.path and data.mixture hold none)"
+            )
         };
         Ok(Some(Documents { eos, reset_positions: data.reset_positions }))
     }
