@@ -181,7 +181,7 @@ fn bad_input_gets_one_clear_line() {
     let bad_toml = dir.join("bad.toml");
     std::fs::write(&bad_toml, "[model]\nd_model = 64\nn_layers = \"two\"\n").unwrap();
     let bad_str = bad_toml.to_str().unwrap();
-    let cases: [(&[&str], &str); 19] = [
+    let cases: [(&[&str], &str); 23] = [
         (&["--recipe", "tiny-gpt", "--set", "model.n_kv_heads=2"], "model.n_kv_heads = 2 must equal model.n_heads = 4"),
         (&["--recipe", "tiny-gpt", "--set", "mesh.ici_tensor=2"], "model.family = \"gpt\" trains with data and FSDP"),
         (&["--recipe", "tiny-lama2"], "unknown recipe `tiny-lama2` (did you mean `tiny-llama2`?)"),
@@ -248,6 +248,73 @@ fn bad_input_gets_one_clear_line() {
         (
             &["--recipe", "tiny-llama2", "--set", "model.n_layers=3", "--set", "train.pipeline_layers=[3,0]"],
             "train.pipeline_layers = [3, 0] gives stage 1 no layers",
+        ),
+        (
+            &["--recipe", "tiny-llama2", "--set", "train.pipeline_virtual_stages=2"],
+            "train.pipeline_virtual_stages = 2 needs train.pipeline_schedule = \"interleaved\"",
+        ),
+        (
+            &[
+                "--recipe",
+                "tiny-llama2",
+                "--devices",
+                "2",
+                "--set",
+                "model.n_layers=3",
+                "--set",
+                "mesh.ici_data=1",
+                "--set",
+                "mesh.ici_pipeline=2",
+                "--set",
+                "train.pipeline_schedule=\"interleaved\"",
+                "--set",
+                "train.pipeline_virtual_stages=2",
+                "--set",
+                "train.pipeline_microbatches=2",
+            ],
+            "more than model.n_layers = 3",
+        ),
+        (
+            &[
+                "--recipe",
+                "tiny-llama2",
+                "--devices",
+                "2",
+                "--set",
+                "model.n_layers=6",
+                "--set",
+                "mesh.ici_data=1",
+                "--set",
+                "mesh.ici_pipeline=2",
+                "--set",
+                "train.pipeline_schedule=\"interleaved\"",
+                "--set",
+                "train.pipeline_virtual_stages=2",
+                "--set",
+                "train.pipeline_microbatches=2",
+            ],
+            "model.n_layers = 6 does not split evenly into 2 stages x train.pipeline_virtual_stages = 2 = 4 virtual stages",
+        ),
+        (
+            &[
+                "--recipe",
+                "tiny-llama2",
+                "--devices",
+                "2",
+                "--set",
+                "model.n_layers=4",
+                "--set",
+                "mesh.ici_data=1",
+                "--set",
+                "mesh.ici_pipeline=2",
+                "--set",
+                "train.batch_size=3",
+                "--set",
+                "train.pipeline_schedule=\"interleaved\"",
+                "--set",
+                "train.pipeline_microbatches=3",
+            ],
+            "train.pipeline_microbatches = 3 is not a multiple of the 2 pipeline stages",
         ),
     ];
     for (i, (args, expected)) in cases.iter().enumerate() {
