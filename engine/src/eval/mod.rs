@@ -313,6 +313,38 @@ mod tests {
         }
     }
 
+    /// A training run with `data.document_mask` (and reset positions) differs from one without
+    /// at every step, on the same shard, seed and samples: the mask reaches the trainer's passes.
+    #[test]
+    fn a_training_run_with_the_mask_differs_from_one_without() {
+        use crate::config::{Override, resolve};
+        use crate::data::shard::ShardWriter;
+        use crate::train::Trainer;
+        let dir = std::env::temp_dir().join(format!("engine-document-mask-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let shard = dir.join("shard-00000.tok");
+        let mut w = ShardWriter::create(&shard, 64, 1).unwrap();
+        for d in 0..200u32 {
+            let doc: Vec<u32> = (0..3 + d % 17).map(|i| (d * 31 + i * 7) % 60 + 2).chain([1]).collect();
+            w.push_document(&doc).unwrap();
+        }
+        w.finish().unwrap();
+        let losses = |mask: bool| {
+            let sets = format!(
+                "model.vocab_size=64 train.seq_len=32 train.batch_size=2 data.source=shards data.path={} \
+                 data.document_mask={mask} data.reset_positions={mask}",
+                shard.display()
+            );
+            let config = resolve("tiny-gpt", &Override::from_list(&sets, "test")).unwrap().config;
+            let mut t = Trainer::new(Cpu::new(), &config).unwrap();
+            (0..3).map(|_| t.train_step(0.0).loss).collect::<Vec<_>>()
+        };
+        let (with, without) = (losses(true), losses(false));
+        std::fs::remove_dir_all(&dir).ok();
+        assert!(with.iter().zip(&without).all(|(a, b)| a != b), "masked {with:?}, unmasked {without:?}");
+        assert!(with.iter().all(|l| l.is_finite()), "{with:?}");
+    }
+
     #[test]
     fn document_masking_refuses_what_it_cannot_do_in_one_line() {
         let mut m = loaded(Family::Llama);
