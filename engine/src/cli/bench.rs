@@ -14,6 +14,7 @@ use engine::backend::{Backend, BufKind, MatMul, gib};
 use engine::config::{Override, Resolved};
 use engine::fsutil::write_atomic;
 use engine::train::Trainer;
+use engine::train::step_times::StepTimes;
 use serde::Serialize;
 
 use super::RecipeArgs;
@@ -122,10 +123,7 @@ fn bench_one<B: Backend>(
             times.push(m.step_time_s);
         }
     }
-    times.sort_by(f64::total_cmp);
-    let median = times[times.len() / 2];
-    let tflops = trainer.flops_per_step() / median / 1e12;
-    let mfu = if peak > 0.0 { tflops / peak } else { 0.0 };
+    let stats = StepTimes::of(&times, trainer.flops_per_step(), trainer.tokens_per_step() as f64, peak);
     let m = &config.model;
     let n = trainer.plan.batch * config.train.seq_len;
     let head = match head_gemm_tflops(&mut trainer.backend.inner, n, m.d_model, m.vocab_size) {
@@ -136,10 +134,10 @@ fn bench_one<B: Backend>(
         "{:<16} {:>9} {:>10.3} s {:>11.0} {:>10.3} {:>6.1}%   {head} ({n}x{}x{} fwd, dx, dw)",
         resolved.name,
         trainer.tokens_per_step(),
-        median,
-        trainer.tokens_per_step() as f64 / median,
-        tflops,
-        100.0 * mfu,
+        stats.median_s,
+        stats.tokens_per_s,
+        stats.tflops_per_device,
+        100.0 * stats.mfu,
         m.d_model,
         m.vocab_size
     );
@@ -151,10 +149,10 @@ fn bench_one<B: Backend>(
         recipe: resolved.name.clone(),
         device: trainer.backend.describe(),
         tokens_per_step: trainer.tokens_per_step(),
-        median_step_time_s: median,
-        tokens_per_s: trainer.tokens_per_step() as f64 / median,
-        tflops_per_device: tflops,
-        mfu,
+        median_step_time_s: stats.median_s,
+        tokens_per_s: stats.tokens_per_s,
+        tflops_per_device: stats.tflops_per_device,
+        mfu: stats.mfu,
         peak_tflops: peak,
     })
 }
@@ -248,14 +246,13 @@ fn measure_device(
             span += trainer.pass_times.1.as_secs_f64();
         }
     }
-    times.sort_by(f64::total_cmp);
     let stage = trainer.parallel.coords.pipeline;
     let peak = trainer.backend.peak_memory_bytes();
     let e = &plans[stage].estimate;
     Ok(DeviceResult {
         rank,
         stage,
-        median_step_time_s: times[times.len() / 2],
+        median_step_time_s: StepTimes::of(&times, 0.0, 0.0, 0.0).median_s,
         idle_share: 1.0 - busy / span,
         peak_memory_bytes: peak,
         activation_bytes: peak.saturating_sub(e.parameters + e.gradients + e.optimizer),

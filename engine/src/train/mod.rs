@@ -15,6 +15,7 @@ pub mod run_dir;
 pub mod schedule;
 pub mod session;
 pub mod signals;
+pub mod step_times;
 pub mod tensorboard;
 
 use std::time::Instant;

@@ -14,6 +14,7 @@ use super::logger::MetricsLogger;
 pub use super::run_dir::CHECKPOINTS;
 use super::run_dir::{self, RunDir};
 use super::signals::{StopRequest, Stopped};
+use super::step_times::StepTimes;
 use super::{StepMetrics, Trainer};
 use crate::backend::Backend;
 use crate::backend::traced::{Traced, chrome_trace};
@@ -390,12 +391,9 @@ fn summarise(
         .filter(|m| (m.step - first) as usize > t.perf_warmup_steps && m.step as usize != t.profile_step)
         .map(|m| m.step_time_s)
         .collect();
-    let mut times = if kept.is_empty() { history.iter().map(|m| m.step_time_s).collect() } else { kept };
+    let times = if kept.is_empty() { history.iter().map(|m| m.step_time_s).collect() } else { kept };
     let excluded = history.len() - times.len();
-    times.sort_by(f64::total_cmp);
-    let median = times[times.len() / 2];
-    let p90 = times[((times.len() as f64 * 0.9).ceil() as usize).clamp(1, times.len()) - 1];
-    let tflops = flops_per_step / median / 1e12;
+    let stats = StepTimes::of(&times, flops_per_step, tokens_per_step, peak_tflops);
     Summary {
         recipe: recipe.to_owned(),
         steps: history.len() as u64,
@@ -405,11 +403,11 @@ fn summarise(
         final_eval_loss: history.iter().rev().find_map(|m| m.eval_loss),
         tokens_by_source: history[history.len() - 1].tokens_by_source.clone(),
         perf_steps_excluded: excluded,
-        median_step_time_s: median,
-        p90_step_time_s: p90,
-        tokens_per_s: tokens_per_step / median,
-        tflops_per_device: tflops,
-        mfu: if peak_tflops > 0.0 { tflops / peak_tflops } else { 0.0 },
+        median_step_time_s: stats.median_s,
+        p90_step_time_s: stats.p90_s,
+        tokens_per_s: stats.tokens_per_s,
+        tflops_per_device: stats.tflops_per_device,
+        mfu: stats.mfu,
         device,
         peak_tflops,
         peak_memory_bytes: peak_memory.iter().copied().max().unwrap_or(0),
