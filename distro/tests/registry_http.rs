@@ -18,6 +18,7 @@ struct Req {
     method: String,
     path: String,
     headers: BTreeMap<String, String>,
+    body: Vec<u8>,
 }
 
 struct Resp {
@@ -64,7 +65,7 @@ fn serve(handler: impl Fn(&Req) -> Resp + Send + Sync + 'static) -> (u16, Log) {
             let len: usize = headers.get("content-length").and_then(|l| l.parse().ok()).unwrap_or(0);
             let mut body = vec![0; len];
             reader.read_exact(&mut body).unwrap();
-            let req = Req { method, path, headers };
+            let req = Req { method, path, headers, body };
             seen.lock().unwrap().push(req.clone());
             let r = handler(&req);
             let mut out =
@@ -231,4 +232,116 @@ fn content_that_does_not_match_its_digest_is_refused() {
     let host = format!("127.0.0.1:{registry}");
     let e = client(&host, None).fetch_manifest(&Reference::parse(&format!("{host}/a:b")).unwrap()).unwrap_err();
     assert!(format!("{e:#}").contains("does not match"), "{e:#}");
+}
+
+/// A registry in memory for the referrers tests: blobs and manifests (by digest and by tag),
+/// uploads in one PUT, and, when `api`, the referrers API (`GET /v2/r/referrers/DIGEST`).
+fn memory_registry(api: bool) -> (u16, Log) {
+    use distro::oci::manifest::OCI_INDEX;
+    let blobs: Arc<Mutex<BTreeMap<String, Vec<u8>>>> = Arc::default();
+    let manifests: Arc<Mutex<BTreeMap<String, Vec<u8>>>> = Arc::default();
+    serve(move |r| {
+        let path = r.path.split('?').next().unwrap_or("");
+        let digest_of = |b: &[u8]| Digest::of(b).to_string();
+        match (r.method.as_str(), path.strip_prefix("/v2/r/")) {
+            ("HEAD", Some(p)) if p.starts_with("blobs/") => {
+                let found = blobs.lock().unwrap().contains_key(&p[6..]);
+                resp(if found { 200 } else { 404 }, &[], b"")
+            }
+            ("GET", Some(p)) if p.starts_with("blobs/") => match blobs.lock().unwrap().get(&p[6..]) {
+                Some(b) => resp(200, &[], b),
+                None => resp(404, &[], b""),
+            },
+            ("POST", Some("blobs/uploads/")) => resp(202, &[("Location", "/v2/r/blobs/uploads/1")], b""),
+            ("PUT", Some("blobs/uploads/1")) => {
+                blobs.lock().unwrap().insert(digest_of(&r.body), r.body.clone());
+                resp(201, &[], b"")
+            }
+            (m @ ("HEAD" | "GET"), Some(p)) if p.starts_with("manifests/") => {
+                match manifests.lock().unwrap().get(&p[10..]) {
+                    Some(b) => {
+                        let d = digest_of(b);
+                        let ct = serde_json::from_slice::<serde_json::Value>(b).unwrap()["mediaType"]
+                            .as_str()
+                            .unwrap()
+                            .to_string();
+                        let body: &[u8] = if m == "GET" { b } else { b"" };
+                        resp(200, &[("Docker-Content-Digest", &d), ("Content-Type", &ct)], body)
+                    }
+                    None => resp(404, &[], b""),
+                }
+            }
+            ("PUT", Some(p)) if p.starts_with("manifests/") => {
+                let d = digest_of(&r.body);
+                let mut m = manifests.lock().unwrap();
+                m.insert(p[10..].to_string(), r.body.clone());
+                m.insert(d.clone(), r.body.clone());
+                resp(201, &[("Docker-Content-Digest", &d)], b"")
+            }
+            ("GET", Some(p)) if api && p.starts_with("referrers/") => {
+                let subject = &p[10..];
+                let list: Vec<serde_json::Value> = manifests
+                    .lock()
+                    .unwrap()
+                    .iter()
+                    .filter(|(k, _)| k.starts_with("sha256:"))
+                    .filter_map(|(k, b)| {
+                        let v: serde_json::Value = serde_json::from_slice(b).ok()?;
+                        (v["subject"]["digest"] == subject).then(|| {
+                            serde_json::json!({"mediaType": v["mediaType"], "digest": k, "size": b.len(), "artifactType": v["artifactType"]})
+                        })
+                    })
+                    .collect();
+                let body = serde_json::to_vec(
+                    &serde_json::json!({"schemaVersion": 2, "mediaType": OCI_INDEX, "manifests": list}),
+                )
+                .unwrap();
+                resp(200, &[("Content-Type", OCI_INDEX)], &body)
+            }
+            _ => resp(404, &[], b""),
+        }
+    })
+}
+
+/// The SBOM and provenance of an index reach a registry through its referrers API where it has
+/// one (no fallback tag), through the `sha256-HEX` fallback tag where not; either way they are
+/// listed back, and attaching them again adds nothing.
+#[test]
+fn artifacts_attach_through_the_referrers_api_or_the_fallback_tag() {
+    use distro::oci::manifest::{Descriptor, OCI_INDEX};
+    use distro::progress::Progress;
+    use distro::provenance::{INTOTO_TYPE, SBOM_TYPE, Subject, artifacts, referrers};
+    let subject = Subject {
+        index: Some(Descriptor::of(OCI_INDEX, b"{\"an\": \"index\"}")),
+        annotations: BTreeMap::from([("org.opencontainers.image.revision".to_string(), "a".repeat(40))]),
+        platforms: BTreeMap::from([("linux/amd64".to_string(), (Digest::of(b"m"), Some(b"{\"spdx\": 1}".to_vec())))]),
+    };
+    let index = subject.index.clone().unwrap().digest;
+    let arts = artifacts(&subject);
+    let tmp = tempfile::tempdir().unwrap();
+    let store = BlobStore::new(tmp.path());
+    for api in [true, false] {
+        let (port, log) = memory_registry(api);
+        let host = format!("127.0.0.1:{port}");
+        let repo = Reference::parse(&format!("{host}/r")).unwrap();
+        let c = client(&host, None);
+        let how = referrers::attach(&c, &repo, &index, &arts, &store, &Progress::plain()).unwrap();
+        let tag = referrers::fallback_tag(&index);
+        let tag_puts = || log.lock().unwrap().iter().filter(|q| q.method == "PUT" && q.path.ends_with(&tag)).count();
+        if api {
+            assert_eq!(how, "referrers API");
+            assert_eq!(tag_puts(), 0, "no fallback tag where the API answers");
+        } else {
+            assert_eq!(how, format!("tag {tag}"));
+            assert_eq!(tag_puts(), 1);
+        }
+        let (list, found) = referrers::list(&c, &repo, &index).unwrap();
+        assert_eq!(found, how);
+        let mut kinds: Vec<&str> = list.iter().filter_map(|e| e["artifactType"].as_str()).collect();
+        kinds.sort();
+        assert_eq!(kinds, [SBOM_TYPE, INTOTO_TYPE]);
+        // Again: the same artifacts, nothing new listed.
+        referrers::attach(&c, &repo, &index, &arts, &store, &Progress::plain()).unwrap();
+        assert_eq!(referrers::list(&c, &repo, &index).unwrap().0.len(), 2);
+    }
 }
