@@ -239,7 +239,7 @@ pub fn build(opts: &BuildOptions, dir: &BuildDir, client: &Client, progress: &Pr
 
     // 2. The pinned sources (after the base, so a bad base fails before any fetching).
     let sources = super::sources::collect(&ws, &opts.patches, &opts.source_overrides, progress)?;
-    let wheels = super::wheels::specs(&ws.root, &def, &def_path, &platforms)?;
+    let wheels = super::wheels::specs(&ws.root, &def, &def_path, &platforms, progress)?;
 
     // 2. Engine binaries, all platforms in one cargo run.
     let stage = Stage::prepare(&ws, &cache, &sources.crate_patches, progress)?;

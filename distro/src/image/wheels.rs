@@ -29,9 +29,17 @@ pub const LIB_DIR: &str = "/opt/nvidia/lib";
 /// Where each wheel's license files go (`LICENSE_DIR/PROJECT/...`).
 pub const LICENSE_DIR: &str = "/opt/nvidia/licenses";
 
-/// The wheels `def` names, from `root`/images/manifest.toml; a name the manifest lacks, or a
-/// platform of the build the manifest pins no file for, is bad input naming the definition.
-pub fn specs(root: &Path, def: &ImageDef, def_path: &Path, platforms: &[Platform]) -> Result<Vec<WheelSpec>> {
+/// The wheels `def` names, from `root`/images/manifest.toml, each fetched (or found in the
+/// cache) and verified for every platform, so that a bad pin fails the build before the engine
+/// is compiled. A name the manifest lacks, or a platform of the build the manifest pins no file
+/// for, is bad input naming the definition.
+pub fn specs(
+    root: &Path,
+    def: &ImageDef,
+    def_path: &Path,
+    platforms: &[Platform],
+    progress: &Progress,
+) -> Result<Vec<WheelSpec>> {
     if def.wheels.is_empty() {
         return Ok(Vec::new());
     }
@@ -54,6 +62,12 @@ pub fn specs(root: &Path, def: &ImageDef, def_path: &Path, platforms: &[Platform
         }
         out.push(w.clone());
     }
+    let fetcher = Fetcher::new(crate::sources::Cache::from_env()?.root())?;
+    for p in platforms {
+        for w in &out {
+            fetcher.fetch(w, p, progress)?;
+        }
+    }
     Ok(out)
 }
 
@@ -73,17 +87,18 @@ pub fn layers(
     let fetcher = Fetcher::new(crate::sources::Cache::from_env()?.root())?;
     let mut out = Vec::new();
     for w in wheels {
-        let path = fetcher.fetch(w, platform, progress)?;
         let sha = &w.sha256[platform];
         let mut k = KeyHasher::new("wheel-layer-v1");
-        k.part(sha.as_bytes()).part(LIB_DIR.as_bytes()).part(LICENSE_DIR.as_bytes()).part(w.project.as_bytes());
+        k.part(sha.as_bytes()).part(LIB_DIR.as_bytes()).part(LICENSE_DIR.as_bytes());
+        k.part(w.project.as_bytes()).part(w.version.as_bytes());
         k.part(&epoch.to_le_bytes()).part(&GZIP_LEVEL.to_le_bytes()).part(env!("CARGO_PKG_VERSION").as_bytes());
         let meta = cache.join("layers").join(format!("{}.json", k.finish()));
         let layer = match cached(&meta, store) {
             Some(l) => l,
             None => {
+                let path = fetcher.fetch(w, platform, progress)?;
                 let step = progress.step(format!("unpacking {} {} ({platform})", w.project, w.version));
-                let spec = wheel_layer(&path, &w.project)?;
+                let spec = wheel_layer(&path, &w.project, &w.version)?;
                 let (layer, gz) = spec.build(epoch)?;
                 store.put(&gz)?;
                 let v = serde_json::json!({"digest": layer.digest, "diff_id": layer.diff_id, "size": layer.size});
@@ -106,7 +121,7 @@ fn cached(meta: &Path, store: &BlobStore) -> Option<Layer> {
 
 /// The layer of one wheel file: its shared libraries under [`LIB_DIR`] (mode 0755) and its
 /// license files under `LICENSE_DIR/project/`, each checked against the wheel's `RECORD`.
-pub fn wheel_layer(path: &Path, project: &str) -> Result<LayerSpec> {
+pub fn wheel_layer(path: &Path, project: &str, version: &str) -> Result<LayerSpec> {
     let file = std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
     let mut zip = zip::ZipArchive::new(std::io::BufReader::new(file))
         .map_err(|e| bad_input(format!("{}: not a wheel (zip): {e}", path.display())))?;
@@ -120,6 +135,16 @@ pub fn wheel_layer(path: &Path, project: &str) -> Result<LayerSpec> {
         .find(|n| n.ends_with(".dist-info/RECORD") && n.matches('/').count() == 1)
         .ok_or_else(|| bad_input(format!("{}: a wheel without a .dist-info/RECORD", path.display())))?
         .clone();
+    // The file is the pinned one by its hash; its own name and version must be the pin's too,
+    // or the SBOM and the license directory would name another package.
+    let info = record_name.trim_end_matches(".dist-info/RECORD");
+    let normal = |n: &str| n.to_ascii_lowercase().replace(['_', '.'], "-");
+    if info.rsplit_once('-').is_none_or(|(n, v)| normal(n) != normal(project) || v != version) {
+        return Err(bad_input(format!(
+            "{}: the wheel is {info}, not {project} {version} as images/manifest.toml says",
+            path.display()
+        )));
+    }
     let record = read_entry(&mut zip, &record_name, path)?;
     let record_text = String::from_utf8_lossy(&record).into_owned();
     let record = parse_record(&record_text);
@@ -135,7 +160,7 @@ pub fn wheel_layer(path: &Path, project: &str) -> Result<LayerSpec> {
             return Err(bad_input(format!("{}: {name} is not listed in {record_name}", path.display())));
         };
         let got = base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(Sha256::digest(&bytes));
-        if got != *hash || *size != Some(bytes.len() as u64) && size.is_some() {
+        if got != *hash || size.is_some_and(|s| s != bytes.len() as u64) {
             return Err(bad_input(format!("{}: {name} does not match its {record_name} entry", path.display())));
         }
         let lib = dest.starts_with(LIB_DIR);
@@ -263,7 +288,7 @@ pub(crate) mod tests {
     fn a_wheel_unpacks_to_its_libraries_and_license_deterministically() {
         let dir = tempfile::tempdir().unwrap();
         let path = wheel(dir.path(), None);
-        let spec = wheel_layer(&path, "nvidia-x").unwrap();
+        let spec = wheel_layer(&path, "nvidia-x", "1.0").unwrap();
         let files: Vec<&str> = spec
             .entries()
             .filter(|(_, e)| matches!(e.kind, super::super::layer::EntryKind::File(_)))
@@ -271,19 +296,23 @@ pub(crate) mod tests {
             .collect();
         assert_eq!(files, ["opt/nvidia/lib/libx.so.1", "opt/nvidia/licenses/nvidia-x/License.txt"]);
         let (a, ga) = spec.build(7).unwrap();
-        let (b, gb) = wheel_layer(&path, "nvidia-x").unwrap().build(7).unwrap();
+        let (b, gb) = wheel_layer(&path, "nvidia-x", "1.0").unwrap().build(7).unwrap();
         assert_eq!((a.digest, ga), (b.digest, gb), "same wheel, same layer bytes");
+        for (project, version) in [("nvidia-y", "1.0"), ("nvidia-x", "1.1")] {
+            let e = wheel_layer(&path, project, version).unwrap_err();
+            assert!(format!("{e:#}").contains(&format!("the wheel is nvidia_x-1.0, not {project} {version}")), "{e:#}");
+        }
     }
 
     #[test]
     fn a_file_that_differs_from_its_record_is_refused() {
         let dir = tempfile::tempdir().unwrap();
         let path = wheel(dir.path(), Some("AAAA"));
-        let e = wheel_layer(&path, "nvidia-x").unwrap_err();
+        let e = wheel_layer(&path, "nvidia-x", "1.0").unwrap_err();
         assert!(crate::error::is_bad_input(&e), "{e:#}");
         assert!(format!("{e:#}").contains("nvidia/x/lib/libx.so.1 does not match its"), "{e:#}");
         std::fs::write(&path, b"not a zip").unwrap();
-        assert!(crate::error::is_bad_input(&wheel_layer(&path, "nvidia-x").unwrap_err()));
+        assert!(crate::error::is_bad_input(&wheel_layer(&path, "nvidia-x", "1.0").unwrap_err()));
     }
 
     #[test]

@@ -279,19 +279,35 @@ impl Fetcher {
             std::fs::remove_file(&path)?;
         }
         let json_url = self.index.join(&format!("pypi/{}/json", spec.project))?.to_string();
-        let json = retry(self.policy, &format!("GET {json_url}"), || self.get(&json_url)?.text().map_err(transient))?;
+        let json = retry(self.policy, &format!("GET {json_url}"), || match self.get(&json_url) {
+            Err(Failure::Permanent(m)) if m.starts_with("HTTP 404") => Ok(None),
+            r => r?.text().map(Some).map_err(transient),
+        })?
+        .ok_or_else(|| {
+            bad_input(format!("wheel `{}`: the index has no project {} ({json_url}: 404)", spec.name, spec.project))
+        })?;
         let file = pick_file(&json, &json_url, spec, platform)?;
         let step = progress.step(format!("downloading {}", file.filename));
         let what = format!("{} from {}", file.filename, file.url);
-        retry(self.policy, &format!("GET {}", file.url), || {
+        // A download whose bytes do not hash to the pin is the pin's problem (exit 2), kept
+        // aside so that the retry's wrapping does not turn it into a network failure.
+        let mut refused = None;
+        let fetched = retry(self.policy, &format!("GET {}", file.url), || {
             let resp = self.get(&file.url)?;
             match store_verified(resp, pin, &path, &what) {
                 Ok(()) => Ok(()),
-                Err(e) if crate::error::is_bad_input(&e) => Err(Failure::Permanent(format!("{e:#}"))),
+                Err(e) if crate::error::is_bad_input(&e) => {
+                    let msg = format!("{e:#}");
+                    refused = Some(e);
+                    Err(Failure::Permanent(msg))
+                }
                 Err(e) => Err(transient(e)),
             }
-        })
-        .map_err(|e| if format!("{e:#}").contains("not the pinned") { bad_input(format!("{e:#}")) } else { e })?;
+        });
+        if let Some(e) = refused {
+            return Err(e);
+        }
+        fetched?;
         step.done("sha256 verified");
         Ok(path)
     }
