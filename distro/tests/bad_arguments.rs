@@ -17,7 +17,7 @@ fn impossible_arguments_are_refused_before_any_work() {
     let file = dir.path().join("a-file");
     std::fs::write(&file, b"not a layout").unwrap();
     let file_arg = file.to_str().unwrap();
-    let cases: [(&[&str], &str); 9] = [
+    let cases: [(&[&str], &str); 11] = [
         (&["build", "--platform", "linux/amd64", "--push", "127.0.0.1:9/r"], "the index would lack linux/arm64"),
         (&["push", "--chunk-size", "0", "layout", "127.0.0.1:9/r"], "is not a chunk size"),
         (&["build", "--image", "../../x"], "`../../x` is not an image name"),
@@ -27,6 +27,8 @@ fn impossible_arguments_are_refused_before_any_work() {
         (&["build", "--date", "2026-02-30"], "`2026-02-30` is not a date"),
         (&["push", "--insecure", "http://127.0.0.1:5000", "layout", "127.0.0.1:5000/r"], "is not HOST[:PORT]"),
         (&["build", "--output", file_arg], "exists and is not a directory"),
+        (&["verify", "127.0.0.1:9/r"], "name the index by tag or digest"),
+        (&["triage", "--good", "2026-03-01", "--bad", "127.0.0.1:9/r:b", "--", "true"], "a date needs --repo"),
     ];
     for (args, expected) in cases {
         let (code, stderr) = distro(args);
