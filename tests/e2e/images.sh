@@ -138,9 +138,9 @@ for arch in amd64 arm64; do
         [ -e "$R/$f" ] || die "$arch image lacks /$f"
     done
     [ -x "$R/usr/local/bin/test-all" ] || die "test-all is not executable"
-    jq -e '.spdxVersion == "SPDX-2.3" and ([.packages[].name] | index("gemm")) != null' "$R/opt/distro/sbom.spdx.json" >/dev/null \
+    jq -e '.spdxVersion == "SPDX-2.3" and ([.packages[].name] | index("cudarc")) != null' "$R/opt/distro/sbom.spdx.json" >/dev/null \
         || die "$arch SBOM is not SPDX 2.3 with the engine's crates"
-    jq -e '.process.env | index("CUDA_DEVICE_MAX_CONNECTIONS=1") != null' "$WORK/bundle-$arch/config.json" >/dev/null \
+    jq -e '.process.env | index("CUDA_MODULE_LOADING=EAGER") != null' "$WORK/bundle-$arch/config.json" >/dev/null \
         || die "$arch image lacks the baked-in flags"
 done
 file "$WORK/bundle-arm64/rootfs/usr/local/bin/engine" | grep -q aarch64 || die "the arm64 engine is not an aarch64 binary"
@@ -173,7 +173,9 @@ phase "docker pull + run, amd64 and arm64 (qemu)"
 docker pull -q "$PLAIN/distro:engine-$DATE" >&2
 docker run --rm "$PLAIN/distro:engine-$DATE" >"$WORK/info.txt" 2>&1 || die "engine info (default command) failed"
 grep -q "$(git -C "$ROOT" rev-parse HEAD)" "$WORK/info.txt" || die "engine info does not show the revision: $(head -3 "$WORK/info.txt")"
-grep -q "CUDA_DEVICE_MAX_CONNECTIONS=1" "$WORK/info.txt" || die "engine info does not show the baked flags"
+grep -q "CUDA_MODULE_LOADING=EAGER" "$WORK/info.txt" || die "engine info does not show the baked flags"
+# Set by the engine on Hopper only, so not baked: engine info says why it is not set here.
+grep -q "CUDA_DEVICE_MAX_CONNECTIONS  *not set: no CUDA device" "$WORK/info.txt" || die "engine info does not give its decision on CUDA_DEVICE_MAX_CONNECTIONS"
 docker run --rm "$PLAIN/distro:engine-$DATE" engine train --recipe tiny-llama2 --steps 5 >"$WORK/train-amd64.txt" 2>&1 \
     || die "amd64 training failed: $(tail -3 "$WORK/train-amd64.txt")"
 grep -q '^done: loss' "$WORK/train-amd64.txt" || die "amd64 training did not finish"
