@@ -62,9 +62,10 @@ pub struct Trainer<B: Backend> {
     /// The pipeline offsets of the devices before and after this one, wrapping round under
     /// interleaved 1F1B (the last device's virtual stage sends to the first device's next).
     around: (isize, isize),
-    /// The targets of each micro-batch, from its first virtual stage's forward pass (which
-    /// reads the batch) until its last's (which computes the loss); interleaved 1F1B only.
-    stashed: Vec<Vec<u32>>,
+    /// The tokens and targets of each micro-batch, from its first virtual stage's forward pass
+    /// (which reads the batch) until its last's (which computes the loss; every virtual stage
+    /// reads the tokens, for document masking's bounds); interleaved 1F1B only.
+    stashed: Vec<[Vec<u32>; 2]>,
     /// The last step's time in forward and backward passes, and from its start until every
     /// stage had finished its schedule (the squared gradient norm summed over the stages):
     /// the pipeline's busy time and its span, whose difference is the idle time.
@@ -150,7 +151,7 @@ impl<B: Backend> Trainer<B> {
         let (plan, chunks) = plan_chunks(&model, &mut backend, (batch, seq_len), flat, &schedule.chunk_in_flight);
         let (d, stages) = (coords.pipeline, mesh.size(Axis::Pipeline) as isize);
         let around = (if d > 0 { -1 } else { stages - 1 }, if (d as isize) + 1 < stages { 1 } else { 1 - stages });
-        let stashed = vec![Vec::new(); if chunks.len() > 1 { t.pipeline_microbatches } else { 0 }];
+        let stashed = vec![Default::default(); if chunks.len() > 1 { t.pipeline_microbatches } else { 0 }];
         let slice = TensorSlice::of_stage(&config.model, &stage, coords.tensor, tensor);
         let global = slice.global.clone();
         let fsdp = FsdpOptions::of(&config.mesh);
@@ -258,18 +259,23 @@ impl<B: Backend> Trainer<B> {
                 let (be, par) = (&mut self.backend, &mut self.parallel);
                 match action {
                     Action::Forward(_) => {
-                        // The first virtual stage reads the batch; the last takes its targets.
+                        // The first virtual stage reads the batch; every one takes its tokens (the
+                        // embedding, document masking), the last its targets.
                         let rows = (&self.chunk_positions[..], c.train.seq_len);
                         let last_chunk = v + 1 == self.chunks.len();
                         if v == 0 {
                             self.loader.next_batch(&mut self.tokens, &mut self.targets);
-                            upload_chunks(be, p.tokens, &self.tokens, rows, &mut self.local);
                             if !last_chunk {
-                                self.stashed[mb].clone_from(&self.targets);
+                                self.stashed[mb][0].clone_from(&self.tokens);
+                                self.stashed[mb][1].clone_from(&self.targets);
                             }
                         }
+                        let [tokens, targets] = match v {
+                            0 => [&self.tokens, &self.targets],
+                            _ => [&self.stashed[mb][0], &self.stashed[mb][1]],
+                        };
+                        upload_chunks(be, p.tokens, tokens, rows, &mut self.local);
                         if last_chunk {
-                            let targets = if v == 0 { &self.targets } else { &self.stashed[mb] };
                             upload_chunks(be, p.targets, targets, rows, &mut self.local);
                         }
                         let mut recvs = Vec::new();
@@ -555,9 +561,7 @@ impl<B: Backend> Trainer<B> {
                 // Through this device's virtual stages in order (the stage itself without).
                 for (v, chunk) in self.chunks.iter().enumerate() {
                     let (p, stage) = (slot(&self.plan, &self.chunks, v, 0), chunk.model.stage());
-                    if v == 0 {
-                        upload_chunks(be, p.tokens, &self.tokens, rows, &mut self.local);
-                    }
+                    upload_chunks(be, p.tokens, &self.tokens, rows, &mut self.local);
                     if v + 1 == self.chunks.len() {
                         upload_chunks(be, p.targets, &self.targets, rows, &mut self.local);
                     }
