@@ -521,8 +521,9 @@ extern "C" __global__ void attention_backward_dq(bf16* dqkv, const float* dq_acc
 // maximum and a suffix minimum) give the last EOS before each stretch and the first after it,
 // and each thread writes its stretch.
 #define BOUNDS_THREADS 256
-extern "C" __global__ void __launch_bounds__(BOUNDS_THREADS)
-    attention_document_bounds(u32* starts, u32* ends, u32* positions, const u32* tokens, int seq, int eos) {
+extern "C" __global__ void __launch_bounds__(BOUNDS_THREADS) attention_document_bounds(u32* starts, u32* ends,
+                                                                                      u32* positions, const u32* tokens,
+                                                                                      int seq, int eos) {
     __shared__ int last[BOUNDS_THREADS], first[BOUNDS_THREADS];
     u64 row0 = (u64)blockIdx.x * seq;
     int t = threadIdx.x, per = (seq + BOUNDS_THREADS - 1) / BOUNDS_THREADS;
