@@ -21,8 +21,8 @@ pub mod cudnn;
 pub mod device;
 mod driver;
 pub use driver::CudaFailure;
-pub mod flags;
 pub mod emulator;
+pub mod flags;
 pub mod nvrtc;
 pub mod ops;
 
