@@ -310,8 +310,10 @@ mod tests {
         let m = resolve("tiny-mixtral", &[]).unwrap().config.model;
         let whole = Layout::new(&m);
         let n = m.n_layers;
-        let stages =
-            [Stage { layers: 0..1, first: true, last: false, later: vec![] }, Stage { layers: 1..n, first: false, last: true, later: vec![] }];
+        let stages = [
+            Stage { layers: 0..1, first: true, last: false, later: vec![] },
+            Stage { layers: 1..n, first: false, last: true, later: vec![] },
+        ];
         let parts: Vec<Layout> = stages.iter().map(|s| Layout::stage(&m, s)).collect();
         assert_eq!(parts.iter().map(|l| l.len).sum::<usize>(), whole.len);
         assert!(parts[0].get("model.embed_tokens.weight").is_some() && parts[0].get("lm_head.weight").is_none());

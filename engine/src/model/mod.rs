@@ -127,7 +127,12 @@ impl Stage {
     pub fn chunks(&self) -> Vec<Stage> {
         let runs: Vec<_> = std::iter::once(self.layers.clone()).chain(self.later.iter().cloned()).collect();
         let n = runs.len();
-        let chunk = |(c, layers)| Stage { layers, first: self.first && c == 0, last: self.last && c + 1 == n, later: Vec::new() };
+        let chunk = |(c, layers)| Stage {
+            layers,
+            first: self.first && c == 0,
+            last: self.last && c + 1 == n,
+            later: Vec::new(),
+        };
         runs.into_iter().enumerate().map(chunk).collect()
     }
 }
