@@ -175,13 +175,17 @@ mod tests {
     fn tied_embeddings_and_kept_parameters_follow_the_single_device_curve() {
         let (name, mesh, devices) = MESHES[1];
         for prefetch in ["true", "false"] {
-            let options = [&format!("mesh.fsdp_prefetch={prefetch}"), "model.tie_embeddings=true"];
+            let options =
+                [&format!("mesh.fsdp_prefetch={prefetch}"), "model.tie_embeddings=true", "model.mlp_dim=1024"];
             let c = config("tiny-llama2", &[&mesh[..], &options].concat());
             let name = format!("tied {name}, prefetch {prefetch}");
             assert_same_curve(&name, &single(&c, devices), &parallel(&c, devices));
         }
         let mesh = ["mesh.ici_data=2", "mesh.ici_fsdp=2", "mesh.ici_tensor=1", "train.grad_accum=2"];
-        let c = config("tiny-llama2", &[&mesh[..], &["mesh.fsdp_reshard_after_forward=false"]].concat());
+        let c = config(
+            "tiny-llama2",
+            &[&mesh[..], &["mesh.fsdp_reshard_after_forward=false", "model.mlp_dim=1024"]].concat(),
+        );
         assert_same_curve("HSDP 2x2, kept parameters", &single(&c, 4), &parallel(&c, 4));
     }
 
@@ -189,7 +193,7 @@ mod tests {
     fn mixtral_on_every_mesh_follows_the_single_device_curve_with_accumulation_and_recomputation() {
         every_mesh_matches_one_device(
             "tiny-mixtral",
-            &["model.mlp_dim=256", "train.grad_accum=2", "train.remat=\"full\""],
+            &["model.d_model=256", "model.mlp_dim=256", "train.grad_accum=2", "train.remat=\"full\""],
         );
     }
 
