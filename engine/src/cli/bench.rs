@@ -192,10 +192,11 @@ fn bench_devices(args: &BenchArgs, name: &str, devices: usize) -> Result<()> {
         pool.install(|| measure_device(args, total, &plans, rank, trainer))
     })?;
     println!(
-        "{} on {devices} virtual devices ({per_device} thread(s) each), {stages} stage(s), {} micro-batches, {}: bubble (P-1)/(M+P-1) = {:.1} %",
+        "{} on {devices} virtual devices ({per_device} thread(s) each), {stages} stage(s), {} micro-batches, {}: bubble {} = {:.1} %",
         resolved.name,
         t.pipeline_microbatches,
         t.pipeline_schedule.name(),
+        if plan.virtual_stages > 1 { "(P-1)/(V*M+P-1)" } else { "(P-1)/(M+P-1)" },
         100.0 * bubble
     );
     println!(
