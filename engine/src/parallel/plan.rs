@@ -183,6 +183,12 @@ impl ParallelPlan {
     fn model_of(&self, config: &Config, stage: &Stage) -> Model {
         let mut model = Model::for_stage(&local_config(&config.model, self.mesh.size(Axis::Tensor)), stage);
         model.remat = config.train.remat;
+        // The estimate needs only whether the document bounds are kept (8 bytes a token); the
+        // EOS id itself is read from the shards when training starts.
+        model.documents = config
+            .data
+            .document_mask
+            .then_some(crate::model::Documents { eos: 0, reset_positions: config.data.reset_positions });
         let seq = self.mesh.size(Axis::Seq);
         model.batch_shards = self.batch_shards * seq;
         model.seq = crate::backend::SeqSplit { rank: 0, ranks: seq };
