@@ -70,11 +70,11 @@ pub struct Built {
 
 /// The build directory: `$DISTRO_TARGET_DIR`, else `<workspace>/target/distro` (the sources
 /// cache, `$DISTRO_CACHE_DIR`, is another, per-user directory).
-pub fn cache_dir(ws: &Workspace) -> PathBuf {
+pub fn build_dir(ws: &Workspace) -> PathBuf {
     std::env::var_os("DISTRO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| ws.root.join("target/distro"))
 }
 
-/// The build directory of a workspace ([`cache_dir`]), held by this process for its life: the
+/// The build directory of a workspace ([`build_dir`]), held by this process for its life: the
 /// stage's workspace copy is rewritten by every build and read by cargo for minutes, so two
 /// builds in one directory would build from each other's files. A second process is refused in
 /// one line naming the directory and the process holding it (exit code 2).
@@ -87,7 +87,7 @@ pub struct BuildDir {
 impl BuildDir {
     /// Creates (when missing) and locks the build directory of `ws`.
     pub fn lock(ws: &Workspace) -> Result<BuildDir> {
-        let path = cache_dir(ws);
+        let path = build_dir(ws);
         fs::create_dir_all(&path).with_context(|| format!("creating {}", path.display()))?;
         let lock = DirLock::exclusive(
             &path,

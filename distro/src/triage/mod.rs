@@ -26,7 +26,7 @@ use crate::dated::Verdict;
 use crate::docker::Gpus;
 use crate::error::one_line;
 use crate::fsutil::DirLock;
-use crate::image::build::{BuildDir, cache_dir};
+use crate::image::build::{self, BuildDir};
 use crate::image::workspace::Workspace;
 use crate::oci::platform::Platform;
 use crate::progress::Progress;
@@ -124,7 +124,7 @@ pub fn triage(args: Options) -> Result<()> {
     let build_dir = ws.as_ref().map(BuildDir::lock).transpose()?;
     let work = match (&args.work_dir, &ws) {
         (Some(w), _) => w.clone(),
-        (None, Some(ws)) => cache_dir(ws).join("triage"),
+        (None, Some(ws)) => build::build_dir(ws).join("triage"),
         (None, None) => std::env::temp_dir().join(format!("distro-triage-{}", std::process::id())),
     };
     std::fs::create_dir_all(&work).with_context(|| format!("creating {}", work.display()))?;

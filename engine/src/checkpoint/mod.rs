@@ -270,13 +270,13 @@ fn write_into(
         let sha = tensors::write(&dir.join(OPTIMIZER_FILE), &moments, FloatType::F32)?;
         add(OPTIMIZER_FILE, Some(sha))?;
     }
-    let head = Head { step: snap.step, position: snap.position.clone(), data_tokens: snap.data_tokens };
-    seal(dir, config, head, None, files, extras)
+    let progress = Progress { step: snap.step, position: snap.position.clone(), data_tokens: snap.data_tokens };
+    seal(dir, config, progress, None, files, extras)
 }
 
 /// What a checkpoint records of the run besides its tensors and configuration.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Head {
+pub struct Progress {
     /// Optimizer steps completed.
     pub step: u64,
     /// Where the loader continues.
@@ -291,7 +291,7 @@ pub struct Head {
 fn seal(
     dir: &Path,
     config: &Config,
-    head: Head,
+    progress: Progress,
     shards: Option<usize>,
     mut files: BTreeMap<String, FileSum>,
     extras: &Extras,
@@ -315,9 +315,9 @@ fn seal(
     let state = State {
         format: FORMAT.into(),
         version: VERSION,
-        step: head.step,
-        data_position: head.position,
-        data_tokens: head.data_tokens,
+        step: progress.step,
+        data_position: progress.position,
+        data_tokens: progress.data_tokens,
         // Read from the shards' headers (a few bytes each). Data that cannot be read now (moved
         // away mid-run) leaves the record out rather than fail the save.
         data_shards: crate::data::fingerprint(&config.data).ok().flatten(),

@@ -28,7 +28,7 @@ use std::path::Path;
 use anyhow::{Result, anyhow, bail};
 use serde::{Deserialize, Serialize};
 
-use super::{Checkpoint, Extras, FileSum, Head, MODEL_FILE, OPTIMIZER_FILE, seal};
+use super::{Checkpoint, Extras, FileSum, MODEL_FILE, OPTIMIZER_FILE, Progress, seal};
 use crate::config::Config;
 use crate::digest::sha256_file;
 use crate::model::Layout;
@@ -119,7 +119,7 @@ pub fn commit(
     tmp: &Path,
     dir: &Path,
     config: &Config,
-    head: Head,
+    progress: Progress,
     shards: usize,
     extras: &Extras,
     known: &BTreeMap<String, FileSum>,
@@ -136,7 +136,7 @@ pub fn commit(
             files.insert(name, sum);
         }
     }
-    seal(tmp, config, head, Some(shards), files, extras)?;
+    seal(tmp, config, progress, Some(shards), files, extras)?;
     if dir.exists() {
         bail!("{} already exists", dir.display());
     }

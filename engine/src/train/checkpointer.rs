@@ -28,7 +28,7 @@ use anyhow::{Result, anyhow, bail};
 use super::Trainer;
 use crate::backend::Backend;
 use crate::checkpoint::sharded::{self, DeviceState};
-use crate::checkpoint::{self, Extras, FileSum, Head, PAUSE_HOOK};
+use crate::checkpoint::{self, Extras, FileSum, PAUSE_HOOK, Progress};
 use crate::config::Config;
 
 /// A save that has completed: its checkpoint directory is in place.
@@ -65,7 +65,7 @@ pub struct Checkpointer {
 
 /// A save in flight: this device's writer thread and what sealing needs.
 struct Writing {
-    head: Head,
+    progress: Progress,
     tmp: PathBuf,
     dir: PathBuf,
     started: Instant,
@@ -166,11 +166,11 @@ impl Checkpointer {
 
     /// Snapshots the trainer's state and starts writing this device's part.
     fn start<B: Backend>(&mut self, trainer: &mut Trainer<B>) -> Result<()> {
-        let head = trainer.head();
-        let name = checkpoint::dir_name(head.step);
+        let progress = trainer.progress();
+        let name = checkpoint::dir_name(progress.step);
         let (tmp, dir) = (self.parent.join(format!(".tmp-{name}-sharded")), self.parent.join(&name));
         let state = trainer.device_state(self.spare.take().unwrap_or_default());
-        let (rank, devices, pause, step) = (self.rank, self.devices, self.pause, head.step);
+        let (rank, devices, pause, step) = (self.rank, self.devices, self.pause, progress.step);
         let part_dir = tmp.clone();
         #[cfg(test)]
         let fail_with = self.fail_with;
@@ -191,7 +191,7 @@ impl Checkpointer {
             }
             Ok((state, sums))
         });
-        self.writing = Some(Writing { head, tmp, dir, started: Instant::now(), thread: Some(thread), sums: None });
+        self.writing = Some(Writing { progress, tmp, dir, started: Instant::now(), thread: Some(thread), sums: None });
         Ok(())
     }
 
@@ -250,11 +250,11 @@ impl Checkpointer {
         let keep = Keep::of(&config);
         self.sealing = Some(std::thread::spawn(move || {
             let known = writing.sums.unwrap_or_default();
-            sharded::commit(&writing.tmp, &writing.dir, &config, writing.head.clone(), devices, &extras, &known)
+            sharded::commit(&writing.tmp, &writing.dir, &config, writing.progress.clone(), devices, &extras, &known)
                 .map_err(|e| e.context(format!("cannot write checkpoint {}", writing.dir.display())))?;
             checkpoint::prune(&parent, keep.last, keep.every)?;
             Ok(SaveReport {
-                step: writing.head.step,
+                step: writing.progress.step,
                 dir: writing.dir,
                 write_s: writing.started.elapsed().as_secs_f64(),
             })

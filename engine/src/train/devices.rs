@@ -275,12 +275,12 @@ mod tests {
         for _ in 0..half {
             single.train_step(0.0);
         }
-        let head = single.head();
+        let progress = single.progress();
         let [params, m, v] = single.device_state(Default::default()).bufs;
         let snap = checkpoint::Snapshot {
-            step: head.step,
-            position: head.position,
-            data_tokens: head.data_tokens,
+            step: progress.step,
+            position: progress.position,
+            data_tokens: progress.data_tokens,
             params,
             moments: Some((m, v)),
         };

@@ -24,7 +24,7 @@ use anyhow::{Result, bail};
 
 use crate::backend::{AdamWStep, Backend, BufKind, IdxView, View};
 use crate::checkpoint::Checkpoint;
-use crate::checkpoint::Head;
+use crate::checkpoint::Progress;
 use crate::checkpoint::sharded::{DeviceState, Part};
 use crate::config::Config;
 use crate::data::{self, Loader};
@@ -538,8 +538,8 @@ impl<B: Backend> Trainer<B> {
 
     /// What a checkpoint of the current step records besides the device state: the step, where
     /// the loader continues, and the training data's length.
-    pub fn head(&self) -> Head {
-        Head { step: self.step, position: self.loader.position(), data_tokens: self.loader.source_len() as u64 }
+    pub fn progress(&self) -> Progress {
+        Progress { step: self.step, position: self.loader.position(), data_tokens: self.loader.source_len() as u64 }
     }
 
     /// Mean next-token cross-entropy over the first `batches · batch_size` validation samples
