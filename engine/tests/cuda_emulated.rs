@@ -177,13 +177,13 @@ fn a_packed_document_has_its_logits_alone() {
 fn cudnn_is_not_chosen_under_document_masking() {
     let s = AttnShape { batch: 1, seq: 64, n_heads: 2, n_kv_heads: 1, head_dim: 16, window: 0 };
     let mut gpu = Cuda::emulated().unwrap();
-    let err = gpu.select_attention_for(AttentionImpl::Cudnn, s, true).unwrap_err();
+    let err = gpu.select_attention(AttentionImpl::Cudnn, s, true).unwrap_err();
     assert!(
         err.starts_with("train.attention = \"cudnn\": data.document_mask = true needs the native kernels"),
         "{err}"
     );
     assert!(!err.contains('\n'), "{err}");
-    gpu.select_attention_for(AttentionImpl::Auto, s, true).unwrap();
+    gpu.select_attention(AttentionImpl::Auto, s, true).unwrap();
     let described = gpu.describe();
     assert!(described.contains("attention: native kernels (cuDNN not used: data.document_mask"), "{described}");
 }

@@ -312,20 +312,16 @@ pub trait Backend {
     fn describe(&self) -> String;
     /// Chooses the kernels that run attention (`train.attention`) for attention of `shape` (the
     /// model's heads on this device, a micro-batch's sequences), checking what it chooses;
-    /// [`Backend::describe`] then says which. A backend with one implementation keeps it.
-    fn select_attention(&mut self, _choice: crate::config::AttentionImpl, _shape: AttnShape) -> Result<(), String> {
-        Ok(())
-    }
-    /// [`Backend::select_attention`] for a run whose attention is document-masked when
-    /// `documents` ([`Backend::attention_forward_docs`]): kernels without the mask are not
-    /// chosen (`"auto"` says why) and not accepted when named.
-    fn select_attention_for(
+    /// [`Backend::describe`] then says which. Under document masking (`documents`,
+    /// [`Backend::attention_forward_docs`]) kernels without the mask are not chosen (`"auto"`
+    /// says why) and not accepted when named. A backend with one implementation keeps it.
+    fn select_attention(
         &mut self,
-        choice: crate::config::AttentionImpl,
-        shape: AttnShape,
+        _choice: crate::config::AttentionImpl,
+        _shape: AttnShape,
         _documents: bool,
     ) -> Result<(), String> {
-        self.select_attention(choice, shape)
+        Ok(())
     }
     /// Waits until every op issued so far has finished (a no-op where ops are synchronous).
     fn synchronize(&mut self) {}

@@ -89,16 +89,13 @@ impl<B: Backend> Backend for Traced<B> {
     fn describe(&self) -> String {
         self.inner.describe()
     }
-    fn select_attention(&mut self, choice: crate::config::AttentionImpl, shape: AttnShape) -> Result<(), String> {
-        self.inner.select_attention(choice, shape)
-    }
-    fn select_attention_for(
+    fn select_attention(
         &mut self,
         choice: crate::config::AttentionImpl,
         shape: AttnShape,
         documents: bool,
     ) -> Result<(), String> {
-        self.inner.select_attention_for(choice, shape, documents)
+        self.inner.select_attention(choice, shape, documents)
     }
     fn peak_memory_bytes(&self) -> usize {
         self.inner.peak_memory_bytes()

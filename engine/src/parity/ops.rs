@@ -277,7 +277,7 @@ pub(super) fn attention(mut gpu: Cuda, s: AttnShape, unmasked: bool, native: boo
         return Err(format!("the shape gives no unmasked tile to both passes: {tiles:?}"));
     }
     if !native {
-        gpu.select_attention(AttentionImpl::Cudnn, s)?;
+        gpu.select_attention(AttentionImpl::Cudnn, s, false)?;
     }
     let mut t = Twin::new(gpu);
     if native {

@@ -141,7 +141,7 @@ impl<B: Backend> Trainer<B> {
         // The attention kernels, chosen (and checked) before any buffer is planned.
         let documents = model.documents.is_some();
         backend
-            .select_attention_for(t.attention, model.attn_shape(batch, seq_len), documents)
+            .select_attention(t.attention, model.attn_shape(batch, seq_len), documents)
             .map_err(anyhow::Error::msg)?;
         let schedule = &parallel_plan.schedules[coords.pipeline];
         let (actions, chunk_of, slot_of) =

@@ -438,8 +438,11 @@ impl Backend for Cuda {
         )
     }
 
-    fn select_attention(&mut self, choice: AttentionImpl, shape: AttnShape) -> Result<(), String> {
+    fn select_attention(&mut self, choice: AttentionImpl, shape: AttnShape, documents: bool) -> Result<(), String> {
         let cudnn = |gpu: &mut Cuda| -> Result<String, String> {
+            if documents {
+                return Err(cudnn::NO_DOCUMENT_MASK.into());
+            }
             let checked = cudnn::self_check(gpu, shape)?;
             let c = gpu.dev.cudnn()?;
             c.prepare(shape)?;
@@ -448,7 +451,8 @@ impl Backend for Cuda {
         (self.attention, self.attention_note) = match choice {
             AttentionImpl::Native => (Attention::Native, "attention: native kernels".into()),
             AttentionImpl::Cudnn => {
-                let how = cudnn(self).map_err(|e| format!("train.attention = \"cudnn\": {e}"))?;
+                let how =
+                    cudnn(self).map_err(|e| format!("train.attention = \"cudnn\": {e}; set \"auto\" or \"native\""))?;
                 (Attention::Cudnn, format!("attention: {how}"))
             }
             AttentionImpl::Auto => match cudnn(self) {
@@ -457,25 +461,6 @@ impl Backend for Cuda {
             },
         };
         Ok(())
-    }
-
-    fn select_attention_for(&mut self, choice: AttentionImpl, shape: AttnShape, documents: bool) -> Result<(), String> {
-        if !documents {
-            return self.select_attention(choice, shape);
-        }
-        match choice {
-            AttentionImpl::Cudnn => {
-                Err(format!("train.attention = \"cudnn\": {}; set \"auto\" or \"native\"", cudnn::NO_DOCUMENT_MASK))
-            }
-            AttentionImpl::Native | AttentionImpl::Auto => {
-                self.select_attention(AttentionImpl::Native, shape)?;
-                if choice == AttentionImpl::Auto {
-                    self.attention_note =
-                        format!("attention: native kernels (cuDNN not used: {})", cudnn::NO_DOCUMENT_MASK);
-                }
-                Ok(())
-            }
-        }
     }
 
     fn peak_memory_bytes(&self) -> usize {
