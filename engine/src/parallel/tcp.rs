@@ -323,6 +323,13 @@ impl Net {
                     "rank {to} took no data for {:.0} s (ENGINE_COLLECTIVE_TIMEOUT): is it stopped or stuck?",
                     self.timeout.as_secs_f64()
                 ),
+                // Its end closed before its reader here saw the connection go: it left too.
+                (
+                    None,
+                    std::io::ErrorKind::BrokenPipe
+                    | std::io::ErrorKind::ConnectionReset
+                    | std::io::ErrorKind::ConnectionAborted,
+                ) => format!("rank {to} left the job: its connection failed: {e}"),
                 (None, _) => format!("sending to rank {to} failed: {e}"),
             };
             self.fail(call, &cause);
