@@ -3,7 +3,7 @@
 //! returned as a [`Built`] for the publishers (the `publish` folder); nothing here writes a layout
 //! or pushes. Layer blobs are cached by a key of their exact inputs, so an unchanged input
 //! rebuilds nothing.
-use super::base;
+use super::base::{self, BasePlatform};
 use super::config::{AddedLayer, image_config};
 use super::def::ImageDef;
 use super::engine_build::Stage;
@@ -24,6 +24,7 @@ use crate::oci::store::BlobStore;
 use crate::progress::Progress;
 use crate::registry::client::Client;
 use crate::registry::reference::Reference;
+use crate::sources::wheels::WheelSpec;
 use anyhow::{Context, Result};
 use std::collections::BTreeMap;
 use std::fs;
@@ -270,97 +271,38 @@ pub fn build(opts: &BuildOptions, dir: &BuildDir, client: &Client, progress: &Pr
         annotations.insert("org.opencontainers.image.source".into(), r.clone());
     }
     annotations.extend(sources.annotations.clone());
+    let base_origin = BlobOrigin { api_host: base_ref.api_host().to_string(), repository: base_ref.repository.clone() };
+    let common = Common {
+        ws: &ws,
+        def: &def,
+        version: &version,
+        epoch,
+        cache: &cache,
+        store: &store,
+        stage: &stage,
+        built: &built,
+        sources: &sources,
+        wheels: &wheels,
+        tree_layer: tree_layer.as_ref(),
+        annotations: &annotations,
+        base_ref: &base_ref,
+        base_origin: &base_origin,
+        progress,
+    };
     let mut manifests: Vec<(Platform, Descriptor)> = Vec::new();
     let mut sizes = Vec::new();
     let mut blobs: Vec<BundleBlob> = Vec::new();
     let mut manifest_docs: Vec<ManifestDoc> = Vec::new();
-    let base_origin = BlobOrigin { api_host: base_ref.api_host().to_string(), repository: base_ref.repository.clone() };
-    let roots: Vec<String> = def.binaries.iter().map(|b| b.package.clone()).collect();
     for p in &platforms {
-        let bp = &base.platforms[p];
-        let mut bins = LayerSpec::new();
-        for b in &def.binaries {
-            let path = &built[&(p.clone(), b.bin_name().to_string())];
-            bins.add_file(&b.dest, Arc::new(fs::read(path)?), MODE_EXEC)?;
-        }
-        for f in &def.files {
-            bins.add_file(&f.dest, Arc::new(f.content.clone().into_bytes()), f.mode)?;
-        }
-        let bin_layer = cached_layer(&bins, epoch, &cache, &store)?;
-
-        let metadata = stage.metadata(p)?;
-        let base_contents = super::dpkg::base_contents(&store, &bp.layers, &bp.manifest_digest, &cache.join("dpkg"))?;
-        let sbom_bytes = sbom(&SbomInput {
-            image: &def.name,
-            version: &version,
-            platform: p,
-            epoch,
-            revision: &ws.revision(),
-            repository: ws.repository.as_deref(),
-            lock: stage.lock(),
-            metadata: &metadata,
-            roots: &roots,
-            base_name: base_ref.name(),
-            base_tag: base_ref.tag.clone(),
-            base_digest: &bp.manifest_digest,
-            base_contents: Some(&base_contents),
-        })?;
-        let sbom_bytes = super::wheels::add_to_sbom(sbom_bytes, &wheels, p)?;
-        let distro = opt_distro_spec(sbom_bytes, stage.lock(), &sources)?;
-        let distro_layer = cached_layer(&distro, epoch, &cache, &store)?;
-
-        let bin_paths: Vec<&str> =
-            def.binaries.iter().map(|b| b.dest.as_str()).chain(def.files.iter().map(|f| f.dest.as_str())).collect();
-        let mut ours = vec![(bin_layer, format!("binaries: {}", bin_paths.join(" ")))];
-        if let Some(t) = &tree_layer {
-            ours.push((
-                t.clone(),
-                "trees: ".to_string()
-                    + &def
-                        .trees
-                        .iter()
-                        .map(|t| t.dest.as_str())
-                        .chain(def.source_trees.iter().map(|t| t.dest.as_str()))
-                        .collect::<Vec<_>>()
-                        .join(" "),
-            ));
-        }
-        ours.extend(super::wheels::layers(&wheels, p, epoch, &cache, &store, progress)?);
-        ours.push((distro_layer, "/opt/distro: manifest lock, patches, Cargo.lock, SBOM".into()));
-
-        let added: Vec<AddedLayer> = ours
-            .iter()
-            .map(|(l, what)| AddedLayer { diff_id: l.diff_id.clone(), created_by: format!("distro build: {what}") })
-            .collect();
-        let mut labels = annotations.clone();
-        labels.insert("org.opencontainers.image.base.digest".into(), bp.manifest_digest.to_string());
-        let config = image_config(&bp.config, &def, p, epoch, &added, &labels)?;
-        let config_desc = Descriptor::of(OCI_CONFIG, &config);
-        store.put(&config)?;
-        let mut layers = bp.layers.clone();
-        layers.extend(ours.iter().map(|(l, _)| Descriptor {
-            media_type: OCI_LAYER_GZIP.into(),
-            digest: l.digest.clone(),
-            size: l.size,
-            platform: None,
-            annotations: None,
-        }));
-        let manifest = image_manifest(&config_desc, &layers, &labels)?;
-        store.put(&manifest)?;
-        let md = Descriptor::of(OCI_MANIFEST, &manifest);
-        for d in std::iter::once(&config_desc).chain(&layers) {
-            if !blobs.iter().any(|b| b.digest == d.digest) {
-                let from_base = bp.layers.iter().any(|b| b.digest == d.digest);
-                blobs.push(BundleBlob {
-                    digest: d.digest.clone(),
-                    size: d.size,
-                    origin: from_base.then(|| base_origin.clone()),
-                });
+        let image = platform_image(&common, p, &base.platforms[p])?;
+        for b in image.blobs {
+            if !blobs.iter().any(|have| have.digest == b.digest) {
+                blobs.push(b);
             }
         }
-        manifest_docs.push(ManifestDoc::new(OCI_MANIFEST, manifest));
-        manifests.push((p.clone(), md));
-        sizes.push(super::size::measure(&p.to_string(), &layers, &store, &cache.join("sizes"))?);
+        manifest_docs.push(ManifestDoc::new(OCI_MANIFEST, image.manifest));
+        manifests.push((p.clone(), image.descriptor));
+        sizes.push(image.size);
     }
     // The index names every platform of its definition, so that a publisher can refuse an
     // index that lost one (a `--platform` subset written to a layout, then pushed).
@@ -384,4 +326,122 @@ pub fn build(opts: &BuildOptions, dir: &BuildDir, client: &Client, progress: &Pr
     }
     let bundle = Bundle { name: version, store, blobs, manifests: manifest_docs, refs };
     Ok(Built { index: index_desc, bundle, sizes, budget: def.budget.clone(), def_path })
+}
+
+/// What every platform's image of one build shares: the build's inputs and the layer that does
+/// not depend on the platform.
+struct Common<'a> {
+    ws: &'a Workspace,
+    def: &'a ImageDef,
+    version: &'a str,
+    epoch: u64,
+    cache: &'a Path,
+    store: &'a BlobStore,
+    stage: &'a Stage,
+    /// The engine binaries, by platform and binary name.
+    built: &'a BTreeMap<(Platform, String), PathBuf>,
+    sources: &'a SourcesInput,
+    wheels: &'a [WheelSpec],
+    tree_layer: Option<&'a Layer>,
+    /// The annotations of the index and of every manifest.
+    annotations: &'a BTreeMap<String, String>,
+    base_ref: &'a Reference,
+    base_origin: &'a BlobOrigin,
+    progress: &'a Progress,
+}
+
+/// One platform's image, stored: its manifest and what it references.
+struct PlatformImage {
+    manifest: Vec<u8>,
+    descriptor: Descriptor,
+    /// The config and every layer in manifest order, the base's with their origin.
+    blobs: Vec<BundleBlob>,
+    size: super::size::PlatformSize,
+}
+
+/// The image of platform `p` on the base's `bp`: the binaries layer, the tree layer, the wheels'
+/// layers and the `/opt/distro` layer (with this platform's SBOM), then its config and manifest.
+fn platform_image(c: &Common, p: &Platform, bp: &BasePlatform) -> Result<PlatformImage> {
+    let (def, epoch, cache, store, stage) = (c.def, c.epoch, c.cache, c.store, c.stage);
+    let mut bins = LayerSpec::new();
+    for b in &def.binaries {
+        let path = &c.built[&(p.clone(), b.bin_name().to_string())];
+        bins.add_file(&b.dest, Arc::new(fs::read(path)?), MODE_EXEC)?;
+    }
+    for f in &def.files {
+        bins.add_file(&f.dest, Arc::new(f.content.clone().into_bytes()), f.mode)?;
+    }
+    let bin_layer = cached_layer(&bins, epoch, cache, store)?;
+
+    let metadata = stage.metadata(p)?;
+    let base_contents = super::dpkg::base_contents(store, &bp.layers, &bp.manifest_digest, &cache.join("dpkg"))?;
+    let roots: Vec<String> = def.binaries.iter().map(|b| b.package.clone()).collect();
+    let sbom_bytes = sbom(&SbomInput {
+        image: &def.name,
+        version: c.version,
+        platform: p,
+        epoch,
+        revision: &c.ws.revision(),
+        repository: c.ws.repository.as_deref(),
+        lock: stage.lock(),
+        metadata: &metadata,
+        roots: &roots,
+        base_name: c.base_ref.name(),
+        base_tag: c.base_ref.tag.clone(),
+        base_digest: &bp.manifest_digest,
+        base_contents: Some(&base_contents),
+    })?;
+    let sbom_bytes = super::wheels::add_to_sbom(sbom_bytes, c.wheels, p)?;
+    let distro = opt_distro_spec(sbom_bytes, stage.lock(), c.sources)?;
+    let distro_layer = cached_layer(&distro, epoch, cache, store)?;
+
+    let bin_paths: Vec<&str> =
+        def.binaries.iter().map(|b| b.dest.as_str()).chain(def.files.iter().map(|f| f.dest.as_str())).collect();
+    let mut ours = vec![(bin_layer, format!("binaries: {}", bin_paths.join(" ")))];
+    if let Some(t) = c.tree_layer {
+        ours.push((
+            t.clone(),
+            "trees: ".to_string()
+                + &def
+                    .trees
+                    .iter()
+                    .map(|t| t.dest.as_str())
+                    .chain(def.source_trees.iter().map(|t| t.dest.as_str()))
+                    .collect::<Vec<_>>()
+                    .join(" "),
+        ));
+    }
+    ours.extend(super::wheels::layers(c.wheels, p, epoch, cache, store, c.progress)?);
+    ours.push((distro_layer, "/opt/distro: manifest lock, patches, Cargo.lock, SBOM".into()));
+
+    let added: Vec<AddedLayer> = ours
+        .iter()
+        .map(|(l, what)| AddedLayer { diff_id: l.diff_id.clone(), created_by: format!("distro build: {what}") })
+        .collect();
+    let mut labels = c.annotations.clone();
+    labels.insert("org.opencontainers.image.base.digest".into(), bp.manifest_digest.to_string());
+    let config = image_config(&bp.config, def, p, epoch, &added, &labels)?;
+    let config_desc = Descriptor::of(OCI_CONFIG, &config);
+    store.put(&config)?;
+    let mut layers = bp.layers.clone();
+    layers.extend(ours.iter().map(|(l, _)| Descriptor {
+        media_type: OCI_LAYER_GZIP.into(),
+        digest: l.digest.clone(),
+        size: l.size,
+        platform: None,
+        annotations: None,
+    }));
+    let manifest = image_manifest(&config_desc, &layers, &labels)?;
+    store.put(&manifest)?;
+    let descriptor = Descriptor::of(OCI_MANIFEST, &manifest);
+    let blobs = std::iter::once(&config_desc)
+        .chain(&layers)
+        .map(|d| BundleBlob {
+            digest: d.digest.clone(),
+            size: d.size,
+            origin: bp.layers.iter().any(|b| b.digest == d.digest).then(|| c.base_origin.clone()),
+        })
+        .collect();
+    let size = super::size::measure(&p.to_string(), &layers, store, &cache.join("sizes"))?;
+    Ok(PlatformImage { manifest, descriptor, blobs, size })
 }
