@@ -7,15 +7,14 @@ use super::base::{self, BasePlatform};
 use super::config::{AddedLayer, image_config};
 use super::def::ImageDef;
 use super::engine_build::Stage;
-use super::layer::{Layer, LayerSpec, MODE_EXEC, MODE_FILE};
+use super::layer::{Layer, LayerSpec, MODE_EXEC, MODE_FILE, cached_layer};
 use super::sbom::{SbomInput, sbom};
 use super::sources::{PIN_ANNOTATION_PREFIX, SourcesInput};
 use super::workspace::Workspace;
 use crate::dated::{parse_date, rfc3339, utc_date};
 use crate::error::bad_input;
-use crate::fsutil::{DirLock, write_atomic};
+use crate::fsutil::DirLock;
 use crate::oci::bundle::{BlobOrigin, Bundle, BundleBlob, ManifestDoc};
-use crate::oci::digest::Digest;
 use crate::oci::manifest::{
     Descriptor, OCI_CONFIG, OCI_INDEX, OCI_LAYER_GZIP, OCI_MANIFEST, image_index, image_manifest,
 };
@@ -122,25 +121,6 @@ pub fn epoch_and_date(ws: &Workspace, date: Option<&str>) -> Result<(u64, String
     };
     let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
     Ok((epoch, utc_date(now)))
-}
-
-/// A layer, cached by its key: built (tar + gzip) only when no blob with that key is stored.
-fn cached_layer(spec: &LayerSpec, epoch: u64, cache: &Path, store: &BlobStore) -> Result<Layer> {
-    let key = spec.cache_key(epoch);
-    let meta = cache.join("layers").join(format!("{key}.json"));
-    if let Ok(bytes) = fs::read(&meta)
-        && let Ok(v) = serde_json::from_slice::<serde_json::Value>(&bytes)
-        && let (Some(d), Some(diff), Some(size)) = (v["digest"].as_str(), v["diff_id"].as_str(), v["size"].as_u64())
-        && let (Ok(digest), Ok(diff_id)) = (Digest::parse(d), Digest::parse(diff))
-        && store.size(&digest) == Some(size)
-    {
-        return Ok(Layer { digest, diff_id, size });
-    }
-    let (layer, gz) = spec.build(epoch)?;
-    store.put(&gz)?;
-    let v = serde_json::json!({"digest": layer.digest, "diff_id": layer.diff_id, "size": layer.size});
-    write_atomic(&meta, &serde_json::to_vec(&v)?)?;
-    Ok(layer)
 }
 
 fn file_mode(path: &Path) -> Result<u32> {

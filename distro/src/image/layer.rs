@@ -5,11 +5,15 @@
 //! no extended attributes or PAX records; the gzip header has mtime 0, no file name and OS 255,
 //! and compression runs through flate2's pure-Rust backend (miniz_oxide) at a pinned level.
 use crate::error::bad_input;
+use crate::fsutil::write_atomic;
 use crate::oci::digest::{Digest, KeyHasher};
+use crate::oci::store::BlobStore;
 use anyhow::{Context, Result};
 use flate2::{Compression, GzBuilder};
+use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::io::Write;
+use std::path::Path;
 use std::sync::Arc;
 
 /// The gzip level every layer is compressed with. Changing it changes every digest.
@@ -47,8 +51,9 @@ pub struct LayerSpec {
     entries: BTreeMap<String, Entry>,
 }
 
-/// A finished layer: what the config and the manifest need to reference it.
-#[derive(Clone, Debug)]
+/// A finished layer: what the config and the manifest need to reference it. It is also the
+/// layer's record in the build directory's `layers/KEY.json` (see [`cached_layer`]).
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Layer {
     /// Digest of the compressed blob (what manifests reference).
     pub digest: Digest,
@@ -172,6 +177,33 @@ impl LayerSpec {
     }
 }
 
+impl Layer {
+    /// The layer recorded in `record`, when the file parses and `store` holds its blob at the
+    /// recorded size; `None` sends the caller to build it again.
+    pub fn cached(record: &Path, store: &BlobStore) -> Option<Layer> {
+        let layer: Layer = serde_json::from_slice(&std::fs::read(record).ok()?).ok()?;
+        (store.size(&layer.digest) == Some(layer.size)).then_some(layer)
+    }
+
+    /// Writes the record that [`Layer::cached`] reads.
+    pub fn record(&self, record: &Path) -> Result<()> {
+        write_atomic(record, &serde_json::to_vec(self)?)
+    }
+}
+
+/// The layer of `spec`, cached by its key under `cache/layers/`: built (tar + gzip) and stored
+/// only when no record with that key names a blob the store holds.
+pub fn cached_layer(spec: &LayerSpec, epoch: u64, cache: &Path, store: &BlobStore) -> Result<Layer> {
+    let record = cache.join("layers").join(format!("{}.json", spec.cache_key(epoch)));
+    if let Some(layer) = Layer::cached(&record, store) {
+        return Ok(layer);
+    }
+    let (layer, gz) = spec.build(epoch)?;
+    store.put(&gz)?;
+    layer.record(&record)?;
+    Ok(layer)
+}
+
 /// Gzip with a fixed header (mtime 0, no name, OS "unknown") and the pinned level.
 pub fn gzip(data: &[u8]) -> Result<Vec<u8>> {
     let mut enc = GzBuilder::new()
@@ -281,6 +313,35 @@ mod tests {
         assert_eq!(Digest::of(&gz).as_str(), GOLDEN);
     }
     const GOLDEN: &str = "sha256:93856309683988365c954a3400e5e59f9c9858c40506b75289f0124fabae8000";
+
+    #[test]
+    fn a_layer_is_built_once_and_then_read_from_its_record() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = BlobStore::new(dir.path().join("store"));
+        let built = cached_layer(&sample(), 1, dir.path(), &store).unwrap();
+        assert_eq!(store.size(&built.digest), Some(built.size));
+        let record = dir.path().join("layers").join(format!("{}.json", sample().cache_key(1)));
+        let again = Layer::cached(&record, &store).unwrap();
+        assert_eq!((&again.digest, &again.diff_id, again.size), (&built.digest, &built.diff_id, built.size));
+
+        // The record, not a rebuild, answers: one naming another stored blob is believed.
+        let other = store.put(b"other").unwrap();
+        let fake = Layer { digest: other.clone(), diff_id: built.diff_id.clone(), size: 5 };
+        fake.record(&record).unwrap();
+        assert_eq!(cached_layer(&sample(), 1, dir.path(), &store).unwrap().digest, other);
+
+        // A record whose blob is gone or of another size, or that does not parse, is rebuilt.
+        for bad in [
+            Layer { digest: other.clone(), diff_id: built.diff_id.clone(), size: 6 },
+            Layer { digest: Digest::of(b"gone"), diff_id: built.diff_id.clone(), size: 4 },
+        ] {
+            bad.record(&record).unwrap();
+            assert_eq!(cached_layer(&sample(), 1, dir.path(), &store).unwrap().digest, built.digest);
+        }
+        std::fs::write(&record, br#"{"digest": "sha256:nothex", "diff_id": 1, "size": "x"}"#).unwrap();
+        assert_eq!(cached_layer(&sample(), 1, dir.path(), &store).unwrap().digest, built.digest);
+        assert!(Layer::cached(&record, &store).is_some(), "the rebuild wrote its record again");
+    }
 
     #[test]
     fn bad_paths_are_refused() {

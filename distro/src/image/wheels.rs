@@ -9,8 +9,7 @@
 use super::def::ImageDef;
 use super::layer::{GZIP_LEVEL, Layer, LayerSpec, MODE_EXEC, MODE_FILE};
 use crate::error::bad_input;
-use crate::fsutil::write_atomic;
-use crate::oci::digest::{Digest, KeyHasher};
+use crate::oci::digest::KeyHasher;
 use crate::oci::platform::Platform;
 use crate::oci::store::BlobStore;
 use crate::progress::Progress;
@@ -93,7 +92,7 @@ pub fn layers(
         k.part(w.project.as_bytes()).part(w.version.as_bytes());
         k.part(&epoch.to_le_bytes()).part(&GZIP_LEVEL.to_le_bytes()).part(env!("CARGO_PKG_VERSION").as_bytes());
         let meta = cache.join("layers").join(format!("{}.json", k.finish()));
-        let layer = match cached(&meta, store) {
+        let layer = match Layer::cached(&meta, store) {
             Some(l) => l,
             None => {
                 let path = fetcher.fetch(w, platform, progress)?;
@@ -101,8 +100,7 @@ pub fn layers(
                 let spec = wheel_layer(&path, &w.project, &w.version)?;
                 let (layer, gz) = spec.build(epoch)?;
                 store.put(&gz)?;
-                let v = serde_json::json!({"digest": layer.digest, "diff_id": layer.diff_id, "size": layer.size});
-                write_atomic(&meta, &serde_json::to_vec(&v)?)?;
+                layer.record(&meta)?;
                 step.done(format!("{} bytes compressed", layer.size));
                 layer
             }
@@ -110,13 +108,6 @@ pub fn layers(
         out.push((layer, format!("wheel {} {}: {LIB_DIR}", w.project, w.version)));
     }
     Ok(out)
-}
-
-fn cached(meta: &Path, store: &BlobStore) -> Option<Layer> {
-    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(meta).ok()?).ok()?;
-    let (digest, diff_id) = (Digest::parse(v["digest"].as_str()?).ok()?, Digest::parse(v["diff_id"].as_str()?).ok()?);
-    let size = v["size"].as_u64()?;
-    (store.size(&digest) == Some(size)).then_some(Layer { digest, diff_id, size })
 }
 
 /// The layer of one wheel file: its shared libraries under [`LIB_DIR`] (mode 0755) and its
