@@ -222,7 +222,7 @@ pub fn build(opts: &BuildOptions, dir: &BuildDir, client: &Client, progress: &Pr
     let sources = super::sources::collect(&ws, &opts.patches, &opts.source_overrides, progress)?;
     let wheels = super::wheels::specs(&ws.root, &def, &def_path, &platforms, progress)?;
 
-    // 2. Engine binaries, all platforms in one cargo run.
+    // 3. Engine binaries, all platforms in one cargo run.
     let stage = Stage::prepare(&ws, &cache, &sources.crate_patches, progress)?;
     // A definition without binaries (content only) needs no cargo build.
     let built = if def.binaries.is_empty() {
@@ -231,12 +231,12 @@ pub fn build(opts: &BuildOptions, dir: &BuildDir, client: &Client, progress: &Pr
         stage.build(&platforms, &def.binaries, &ws.revision(), progress)?
     };
 
-    // 3. Layers that do not depend on the platform.
+    // 4. Layers that do not depend on the platform.
     let step = progress.step("assembling layers");
     let trees = trees_spec(&ws, &def, &def_path, &sources)?;
     let tree_layer = if trees.is_empty() { None } else { Some(cached_layer(&trees, epoch, &cache, &store)?) };
 
-    // 4. Per platform: binaries layer, /opt/distro layer, config, manifest.
+    // 5. Per platform: its layers, config and manifest ([`platform_image`]); then the index.
     let base_name = Reference { tag: base_ref.tag.clone(), digest: None, ..base_ref.clone() }.to_string();
     let mut annotations: BTreeMap<String, String> = BTreeMap::from([
         ("org.opencontainers.image.created".into(), rfc3339(epoch)),
@@ -297,7 +297,7 @@ pub fn build(opts: &BuildOptions, dir: &BuildDir, client: &Client, progress: &Pr
     manifest_docs.push(ManifestDoc::new(OCI_INDEX, index));
     step.done(format!("{} layers", blobs.len() + manifest_docs.len()));
 
-    // 5. The refs. The multi-arch tags point at the index; one dated tag per platform points at
+    // 6. The refs. The multi-arch tags point at the index; one dated tag per platform points at
     // that platform's manifest, for tools that cannot pick a platform from an index (umoci).
     let mut refs: Vec<(String, Descriptor)> =
         vec![(version.clone(), index_desc.clone()), (def.name.clone(), index_desc.clone())];
