@@ -8,8 +8,8 @@ use super::config::{AddedLayer, image_config};
 use super::def::ImageDef;
 use super::engine_build::Stage;
 use super::layer::{Layer, LayerSpec, MODE_EXEC, MODE_FILE, cached_layer};
+use super::pins::{PIN_ANNOTATION_PREFIX, PinnedSources};
 use super::sbom::{SbomInput, sbom};
-use super::sources::{PIN_ANNOTATION_PREFIX, SourcesInput};
 use super::workspace::Workspace;
 use crate::dated::{parse_date, rfc3339, utc_date};
 use crate::error::bad_input;
@@ -130,7 +130,7 @@ fn file_mode(path: &Path) -> Result<u32> {
 
 /// The layer of the definition's `[[tree]]`s (tracked workspace files) and `[[source_tree]]`s
 /// (directories of the patched sources); empty when the definition has neither.
-fn trees_spec(ws: &Workspace, def: &ImageDef, def_path: &Path, sources: &SourcesInput) -> Result<LayerSpec> {
+fn trees_spec(ws: &Workspace, def: &ImageDef, def_path: &Path, sources: &PinnedSources) -> Result<LayerSpec> {
     let mut trees = LayerSpec::new();
     for t in &def.trees {
         let mut any = false;
@@ -181,7 +181,7 @@ fn add_host_file(spec: &mut LayerSpec, dest_dir: &str, rel: &str, src: &Path) ->
 
 /// The `/opt/distro` layer of one platform: its SBOM, the `Cargo.lock` the engine was built
 /// with, and the build's manifest lock and applied patches.
-fn opt_distro_spec(sbom: Vec<u8>, cargo_lock: &[u8], sources: &SourcesInput) -> Result<LayerSpec> {
+fn opt_distro_spec(sbom: Vec<u8>, cargo_lock: &[u8], sources: &PinnedSources) -> Result<LayerSpec> {
     let mut distro = LayerSpec::new();
     distro.add_file("/opt/distro/sbom.spdx.json", Arc::new(sbom), MODE_FILE)?;
     distro.add_file("/opt/distro/Cargo.lock", Arc::new(cargo_lock.to_vec()), MODE_FILE)?;
@@ -219,7 +219,7 @@ pub fn build(opts: &BuildOptions, dir: &BuildDir, client: &Client, progress: &Pr
     let base = base::resolve(client, &base_ref, &platforms, &store, progress)?;
 
     // 2. The pinned sources (after the base, so a bad base fails before any fetching).
-    let sources = super::sources::collect(&ws, &opts.patches, &opts.source_overrides, progress)?;
+    let sources = super::pins::collect(&ws, &opts.patches, &opts.source_overrides, progress)?;
     let wheels = super::wheels::specs(&ws.root, &def, &def_path, &platforms, progress)?;
 
     // 3. Engine binaries, all platforms in one cargo run.
@@ -320,7 +320,7 @@ struct Common<'a> {
     stage: &'a Stage,
     /// The engine binaries, by platform and binary name.
     built: &'a BTreeMap<(Platform, String), PathBuf>,
-    sources: &'a SourcesInput,
+    sources: &'a PinnedSources,
     wheels: &'a [WheelSpec],
     tree_layer: Option<&'a Layer>,
     /// The annotations of the index and of every manifest.

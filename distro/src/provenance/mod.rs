@@ -130,7 +130,7 @@ pub fn dependencies(s: &Subject) -> BTreeMap<String, Value> {
         "base".to_string(),
         json!({"name": "base", "uri": format!("oci://{}", get("org.opencontainers.image.base.name")), "digest": {alg: hex}}),
     );
-    let prefix = crate::image::sources::PIN_ANNOTATION_PREFIX;
+    let prefix = crate::image::pins::PIN_ANNOTATION_PREFIX;
     let names: std::collections::BTreeSet<&str> =
         a.keys().filter_map(|k| k.strip_prefix(prefix)?.rsplit_once('.').map(|(n, _)| n)).collect();
     for name in names {
@@ -355,7 +355,7 @@ mod tests {
     use super::*;
 
     fn subject() -> Subject {
-        let prefix = crate::image::sources::PIN_ANNOTATION_PREFIX;
+        let prefix = crate::image::pins::PIN_ANNOTATION_PREFIX;
         Subject {
             index: Some(Descriptor::of(crate::oci::manifest::OCI_INDEX, b"index")),
             annotations: BTreeMap::from([

@@ -7,7 +7,7 @@ use super::{Pair, Triage};
 use crate::dated::{Found, Verdict};
 use crate::error::bad_input;
 use crate::git::Git;
-use crate::image::sources::PIN_ANNOTATION_PREFIX;
+use crate::image::pins::PIN_ANNOTATION_PREFIX;
 use crate::image::workspace::Workspace;
 use crate::registry::client::Client;
 use crate::registry::reference::Reference;

@@ -1,6 +1,7 @@
-//! What the pinned upstream sources contribute to an image build, through the sources library:
-//! the build's lock (the lock of record plus any `--patch`/`--source` override), the patch files
-//! it applied, the patched crates to wire into the engine build, and annotations with the pins.
+//! The pins of an image build: what the pinned upstream sources (the `sources` folder)
+//! contribute to it: the build's lock (the lock of record plus any `--patch`/`--source`
+//! override), the patch files it applied, the patched crates to wire into the engine build, the
+//! patched trees, and annotations with the pins.
 use super::engine_build::CratePatch;
 use super::workspace::Workspace;
 use crate::error::bad_input;
@@ -18,7 +19,7 @@ pub const PIN_ANNOTATION_PREFIX: &str = "io.github.llm-distro.source.";
 /// What the pinned sources contribute to a build (from the sources library: the build's
 /// manifest lock, the patch files it applied, the patched crates to wire in, the pins).
 #[derive(Clone, Debug, Default)]
-pub struct SourcesInput {
+pub struct PinnedSources {
     /// Text of the build's manifest lock (`/opt/distro/manifest.lock`), when there is a manifest.
     pub lock_text: Option<String>,
     /// Applied patch files: path relative to `patches/` and bytes (`/opt/distro/patches/`).
@@ -33,7 +34,7 @@ pub struct SourcesInput {
 
 /// Resolves the build's sources. Without `images/manifest.toml` there is nothing to add (and
 /// `--patch`/`--source` are errors).
-pub fn collect(ws: &Workspace, patches: &[String], overrides: &[String], progress: &Progress) -> Result<SourcesInput> {
+pub fn collect(ws: &Workspace, patches: &[String], overrides: &[String], progress: &Progress) -> Result<PinnedSources> {
     let manifest_path = ws.root.join(crate::sources::DEFAULT_MANIFEST);
     if !manifest_path.exists() {
         if let Some(p) = patches.first().or(overrides.first()) {
@@ -42,7 +43,7 @@ pub fn collect(ws: &Workspace, patches: &[String], overrides: &[String], progres
                 manifest_path.display()
             )));
         }
-        return Ok(SourcesInput::default());
+        return Ok(PinnedSources::default());
     }
     let manifest = Manifest::load(&manifest_path)?;
     let lock = Lock::load(&manifest.lock_path())?;
@@ -62,7 +63,7 @@ pub fn collect(ws: &Workspace, patches: &[String], overrides: &[String], progres
     let trees = materialise(&build_lock, &manifest.root, &cache)?;
     step.done(format!("{} sources", trees.len()));
 
-    let mut input = SourcesInput { lock_text: Some(build_lock.render()), ..Default::default() };
+    let mut input = PinnedSources { lock_text: Some(build_lock.render()), ..Default::default() };
     for (name, locked) in &build_lock.sources {
         let p = format!("{PIN_ANNOTATION_PREFIX}{name}.");
         input.annotations.insert(format!("{p}pin"), locked.pin().to_string());
