@@ -81,7 +81,7 @@ fn train(args: TrainArgs, device: DeviceArg) -> Result<()> {
         Some(dir) => {
             let hf = HfModel::open(dir)?;
             if let Some(key) =
-                resolved.provenance.iter().find(|(k, o)| k.starts_with("model.") && !o.starts_with("recipe "))
+                resolved.provenance.iter().find(|(k, o)| k.starts_with("model.") && !o.is_recipe())
             {
                 bail!(
                     "{} ({}) conflicts with --init-from-hf: the model comes from {}/config.json",

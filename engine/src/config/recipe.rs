@@ -40,6 +40,40 @@ impl Override {
     }
 }
 
+/// Where a key's value was set: the layer that wrote it last.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Origin {
+    /// A built-in recipe, by name: the one resolved or one it extends.
+    Builtin(String),
+    /// A recipe file, by its path.
+    File(PathBuf),
+    /// An override.
+    Override {
+        /// Where it was given: `--set`, `ENGINE_FLAGS`, ...
+        from: String,
+        /// Its `key=value` text.
+        text: String,
+    },
+}
+
+impl Origin {
+    /// Whether a recipe (built-in or file) set the value, rather than an override.
+    pub fn is_recipe(&self) -> bool {
+        !matches!(self, Origin::Override { .. })
+    }
+}
+
+/// As messages name it: `recipe NAME`, `recipe PATH`, `--set key=value`.
+impl std::fmt::Display for Origin {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Origin::Builtin(name) => write!(f, "recipe {name}"),
+            Origin::File(path) => write!(f, "recipe {}", path.display()),
+            Origin::Override { from, text } => write!(f, "{from} {text}"),
+        }
+    }
+}
+
 /// A recipe resolved into a validated configuration.
 #[derive(Debug, Clone)]
 pub struct Resolved {
@@ -48,7 +82,7 @@ pub struct Resolved {
     /// The merged, validated configuration.
     pub config: Config,
     /// For every key set by some layer (dotted), the layer that set it last.
-    pub provenance: BTreeMap<String, String>,
+    pub provenance: BTreeMap<String, Origin>,
 }
 
 /// Resolves a recipe (built-in name or TOML file path) with overrides, and validates the result.
@@ -57,23 +91,23 @@ pub fn resolve(recipe: &str, overrides: &[Override]) -> Result<Resolved> {
     let mut layers = Vec::new();
     load_chain(source, &mut layers, &mut Vec::new())?;
     for o in overrides {
-        let label = format!("{} {}", o.origin, o.text);
-        let table = override_table(&o.text).with_context(|| label.clone())?;
-        check_layer_table(&table).map_err(|message| anyhow!("{label}: {message}"))?;
-        layers.push((label, table));
+        let origin = Origin::Override { from: o.origin.clone(), text: o.text.clone() };
+        let table = override_table(&o.text).with_context(|| origin.to_string())?;
+        check_layer_table(&table).map_err(|message| anyhow!("{origin}: {message}"))?;
+        layers.push((origin, table));
     }
 
     let mut merged = Table::new();
     let mut provenance = BTreeMap::new();
-    for (label, table) in &layers {
-        merge(&mut merged, table, "", label, &mut provenance);
+    for (origin, table) in &layers {
+        merge(&mut merged, table, "", origin, &mut provenance);
     }
     let config = Config::deserialize(Value::Table(merged)).map_err(|e| anyhow!("recipe `{name}`: {}", e.message()))?;
     config.validate().map_err(|message| {
         // Say where the keys the message names were set, when an override set them.
         let mut origins: Vec<String> = provenance
             .iter()
-            .filter(|(key, origin)| message.contains(key.as_str()) && !origin.starts_with("recipe "))
+            .filter(|(key, origin)| message.contains(key.as_str()) && !origin.is_recipe())
             .map(|(key, origin)| format!("{key} from {origin}"))
             .collect();
         origins.dedup();
@@ -137,27 +171,27 @@ fn closest(name: &str) -> Option<&'static str> {
 }
 
 /// Loads a recipe and, first, the recipes it extends; pushes their layers base first.
-fn load_chain(source: Source, layers: &mut Vec<(String, Table)>, seen: &mut Vec<String>) -> Result<()> {
-    let (label, text, dir): (String, String, Option<PathBuf>) = match source {
-        Source::Builtin { name, text } => (format!("recipe {name}"), text.to_owned(), None),
+fn load_chain(source: Source, layers: &mut Vec<(Origin, Table)>, seen: &mut Vec<Origin>) -> Result<()> {
+    let (origin, where_, text, dir) = match source {
+        Source::Builtin { name, text } => (Origin::Builtin(name.clone()), name, text.to_owned(), None),
         Source::File(path) => {
             let text = std::fs::read_to_string(&path)
                 .with_context(|| format!("cannot read recipe file {}", path.display()))?;
             let dir = path.parent().map(Path::to_path_buf);
-            (format!("recipe {}", path.display()), text, dir)
+            (Origin::File(path.clone()), path.display().to_string(), text, dir)
         }
     };
-    if seen.contains(&label) {
-        bail!("{label}: `extends` forms a cycle: {} -> {label}", seen.join(" -> "));
+    if seen.contains(&origin) {
+        let chain: Vec<String> = seen.iter().map(Origin::to_string).collect();
+        bail!("{origin}: `extends` forms a cycle: {} -> {origin}", chain.join(" -> "));
     }
-    seen.push(label.clone());
-    let where_ = label.trim_start_matches("recipe ");
+    seen.push(origin.clone());
     let table = parse_layer(&text).map_err(|message| anyhow!("{where_}:{message}"))?;
     if let Some(parent) = table.get("extends").and_then(Value::as_str) {
         let (_, parent_source) = locate(parent, dir.as_deref()).with_context(|| format!("{where_}: extends"))?;
         load_chain(parent_source, layers, seen)?;
     }
-    layers.push((label, table));
+    layers.push((origin, table));
     Ok(())
 }
 
@@ -216,20 +250,20 @@ fn override_table(text: &str) -> Result<Table> {
 }
 
 /// Deep-merges `layer` into `into`: tables merge key by key, any other value replaces.
-fn merge(into: &mut Table, layer: &Table, prefix: &str, label: &str, provenance: &mut BTreeMap<String, String>) {
+fn merge(into: &mut Table, layer: &Table, prefix: &str, origin: &Origin, provenance: &mut BTreeMap<String, Origin>) {
     for (key, value) in layer {
         let path = if prefix.is_empty() { key.clone() } else { format!("{prefix}.{key}") };
         match (into.get_mut(key), value) {
             (Some(Value::Table(existing)), Value::Table(incoming)) => {
-                merge(existing, incoming, &path, label, provenance)
+                merge(existing, incoming, &path, origin, provenance)
             }
             _ => {
                 if let Value::Table(incoming) = value {
                     let mut fresh = Table::new();
-                    merge(&mut fresh, incoming, &path, label, provenance);
+                    merge(&mut fresh, incoming, &path, origin, provenance);
                     into.insert(key.clone(), Value::Table(fresh));
                 } else {
-                    provenance.insert(path, label.to_owned());
+                    provenance.insert(path, origin.clone());
                     into.insert(key.clone(), value.clone());
                 }
             }
@@ -259,7 +293,10 @@ mod tests {
         let r = resolve("tiny-llama2", &[set("model.n_layers=3"), set("optim.schedule=constant")]).unwrap();
         assert_eq!(r.config.model.n_layers, 3);
         assert_eq!(r.config.optim.schedule, crate::config::Schedule::Constant);
-        assert_eq!(r.provenance["model.n_layers"], "--set model.n_layers=3");
+        let origin = &r.provenance["model.n_layers"];
+        assert_eq!(*origin, Origin::Override { from: "--set".into(), text: "model.n_layers=3".into() });
+        assert_eq!(origin.to_string(), "--set model.n_layers=3");
+        assert_eq!(r.provenance["model.d_model"], Origin::Builtin("tiny-llama2".into()));
     }
 
     #[test]
