@@ -9,28 +9,115 @@ pub mod recipe;
 
 use serde::{Deserialize, Serialize};
 
-pub use recipe::{Override, Resolved, resolve};
+pub use recipe::{Origin, Override, Resolved, resolve};
 
-/// A full training configuration.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct Config {
-    /// One line on what the recipe is for.
-    pub description: String,
-    /// A recipe this one starts from: a built-in name or a path relative to this file. Its keys
-    /// apply first; this file's keys win.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub extends: Option<String>,
-    /// The model architecture.
-    pub model: ModelConfig,
-    /// Batch shape, length of the run and seeding.
-    pub train: TrainConfig,
-    /// AdamW and the learning-rate schedule.
-    pub optim: OptimConfig,
-    /// Where training tokens come from.
-    pub data: DataConfig,
-    /// How devices split the work: data, fsdp and tensor axes, within and across nodes.
-    pub mesh: MeshConfig,
+/// One key of a configuration section, as its field declares it.
+#[derive(Debug, Clone, Copy)]
+pub struct Key {
+    /// The field's name (the key within its section).
+    pub name: &'static str,
+    /// Whether a resumed run may give it another value than the checkpoint's: it does not
+    /// change what the next step computes (a run control, where the data lives, how the same
+    /// global batch is cut over devices). The others must match ([`crate::checkpoint`]).
+    pub resumable: bool,
+    /// Its default as TOML (`None` for an absent optional key), for the test that holds
+    /// docs/recipes.md to the code.
+    pub default: fn() -> Option<toml::Value>,
+}
+
+/// Declares a configuration section: the struct, its `Default` from the defaults written beside
+/// the fields (`pub name: Type = default,`), and its [`Key`]s (`SECTION::KEYS`). `@resumable`
+/// before a field marks a key that a resumed run may change ([`Config::resumable`]).
+macro_rules! section {
+    (@resumable resumable) => { true };
+    (@resumable) => { false };
+    (
+        $(#[$attr:meta])*
+        pub struct $name:ident {
+            $(
+                $(#[$field_attr:meta])*
+                $(@$flag:ident)?
+                pub $field:ident: $ty:ty = $default:expr
+            ),* $(,)?
+        }
+    ) => {
+        $(#[$attr])*
+        pub struct $name {
+            $($(#[$field_attr])* pub $field: $ty,)*
+        }
+
+        impl Default for $name {
+            fn default() -> Self {
+                $name { $($field: $default,)* }
+            }
+        }
+
+        impl $name {
+            /// This section's keys, in the order of its fields.
+            pub const KEYS: &'static [Key] = &[$(Key {
+                name: stringify!($field),
+                resumable: section!(@resumable $($flag)?),
+                default: || toml::Value::try_from(<$name as Default>::default().$field).ok(),
+            },)*];
+        }
+    };
+}
+
+/// Every section's keys by the section's dotted name (`""`: the top level).
+pub const SECTIONS: [(&str, &[Key]); 8] = [
+    ("", Config::KEYS),
+    ("model", ModelConfig::KEYS),
+    ("model.rope_scaling", RopeScaling::KEYS),
+    ("model.moe", MoeConfig::KEYS),
+    ("train", TrainConfig::KEYS),
+    ("optim", OptimConfig::KEYS),
+    ("data", DataConfig::KEYS),
+    ("mesh", MeshConfig::KEYS),
+];
+
+section! {
+    /// A full training configuration.
+    #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+    #[serde(deny_unknown_fields, default)]
+    pub struct Config {
+        /// One line on what the recipe is for.
+        @resumable
+        pub description: String = String::new(),
+        /// A recipe this one starts from: a built-in name or a path relative to this file. Its keys
+        /// apply first; this file's keys win.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        @resumable
+        pub extends: Option<String> = None,
+        /// The model architecture.
+        pub model: ModelConfig = ModelConfig::default(),
+        /// Batch shape, length of the run and seeding.
+        pub train: TrainConfig = TrainConfig::default(),
+        /// AdamW and the learning-rate schedule.
+        pub optim: OptimConfig = OptimConfig::default(),
+        /// Where training tokens come from.
+        pub data: DataConfig = DataConfig::default(),
+        /// How devices split the work: data, fsdp and tensor axes, within and across nodes.
+        pub mesh: MeshConfig = MeshConfig::default(),
+    }
+}
+
+impl Config {
+    /// Checks everything a training run needs to be consistent, section by section; errors name
+    /// the keys involved.
+    pub fn validate(&self) -> Result<(), String> {
+        self.model.validate()?;
+        self.train.validate(&self.model)?;
+        self.optim.validate()?;
+        self.data.validate(&self.model)?;
+        self.mesh.validate(&self.model)
+    }
+
+    /// Whether a resumed run may change the dotted `key` (`train.steps`): whether its field is
+    /// declared `@resumable`. An unknown key is not.
+    pub fn resumable(key: &str) -> bool {
+        let (section, name) = key.rsplit_once('.').unwrap_or(("", key));
+        SECTIONS.iter().any(|(s, keys)| *s == section && keys.iter().any(|k| k.name == name && k.resumable))
+    }
 }
 
 /// Which Hugging Face architecture the model corresponds to (names of tensors and config keys on
@@ -71,106 +158,214 @@ impl Gelu {
     }
 }
 
-/// The transformer: a decoder-only stack of pre-norm attention and (SwiGLU or MoE) MLP blocks.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct ModelConfig {
-    /// Hugging Face architecture the tensors and config map to.
-    pub family: Family,
-    /// Number of token ids.
-    pub vocab_size: usize,
-    /// Width of the residual stream.
-    pub d_model: usize,
-    /// Number of transformer blocks.
-    pub n_layers: usize,
-    /// Number of query heads.
-    pub n_heads: usize,
-    /// Number of key/value heads; must divide `n_heads` (equal: MHA, 1: MQA).
-    pub n_kv_heads: usize,
-    /// Width of one attention head; independent of `d_model`.
-    pub head_dim: usize,
-    /// Hidden width of the SwiGLU MLP (of each expert for MoE).
-    pub mlp_dim: usize,
-    /// RMSNorm epsilon (LayerNorm's for the GPT family).
-    pub norm_eps: f64,
-    /// RoPE base.
-    pub rope_theta: f64,
-    /// Llama 3.1 frequency scaling of RoPE; absent means none.
-    pub rope_scaling: Option<RopeScaling>,
-    /// Longest sequence the model supports (`max_position_embeddings`).
-    pub max_seq_len: usize,
-    /// Sliding attention window W (query i sees keys j with i - W < j <= i); 0 means none.
-    pub sliding_window: usize,
-    /// Whether the output projection shares the input embedding matrix.
-    pub tie_embeddings: bool,
-    /// Standard deviation of the normal initialisation of weight matrices.
-    pub init_std: f64,
-    /// Mixture-of-experts MLP; absent means a dense SwiGLU MLP.
-    pub moe: Option<MoeConfig>,
-    /// The GELU of the GPT family's MLP (ignored by the other families); unwritten when tanh.
-    #[serde(skip_serializing_if = "Gelu::is_tanh")]
-    pub gelu: Gelu,
+section! {
+    /// The transformer: a decoder-only stack of pre-norm attention and (SwiGLU or MoE) MLP blocks.
+    #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+    #[serde(deny_unknown_fields, default)]
+    pub struct ModelConfig {
+        /// Hugging Face architecture the tensors and config map to.
+        pub family: Family = Family::Llama,
+        /// Number of token ids.
+        pub vocab_size: usize = 0,
+        /// Width of the residual stream.
+        pub d_model: usize = 0,
+        /// Number of transformer blocks.
+        pub n_layers: usize = 0,
+        /// Number of query heads.
+        pub n_heads: usize = 0,
+        /// Number of key/value heads; must divide `n_heads` (equal: MHA, 1: MQA).
+        pub n_kv_heads: usize = 0,
+        /// Width of one attention head; independent of `d_model`.
+        pub head_dim: usize = 0,
+        /// Hidden width of the SwiGLU MLP (of each expert for MoE).
+        pub mlp_dim: usize = 0,
+        /// RMSNorm epsilon (LayerNorm's for the GPT family).
+        pub norm_eps: f64 = 1e-5,
+        /// RoPE base.
+        pub rope_theta: f64 = 10_000.0,
+        /// Llama 3.1 frequency scaling of RoPE; absent means none.
+        pub rope_scaling: Option<RopeScaling> = None,
+        /// Longest sequence the model supports (`max_position_embeddings`).
+        pub max_seq_len: usize = 0,
+        /// Sliding attention window W (query i sees keys j with i - W < j <= i); 0 means none.
+        pub sliding_window: usize = 0,
+        /// Whether the output projection shares the input embedding matrix.
+        pub tie_embeddings: bool = false,
+        /// Standard deviation of the normal initialisation of weight matrices.
+        pub init_std: f64 = 0.02,
+        /// Mixture-of-experts MLP; absent means a dense SwiGLU MLP.
+        pub moe: Option<MoeConfig> = None,
+        /// The GELU of the GPT family's MLP (ignored by the other families); unwritten when tanh.
+        #[serde(skip_serializing_if = "Gelu::is_tanh")]
+        pub gelu: Gelu = Gelu::Tanh,
+    }
 }
 
-impl Default for ModelConfig {
-    fn default() -> Self {
-        ModelConfig {
-            family: Family::Llama,
-            vocab_size: 0,
-            d_model: 0,
-            n_layers: 0,
-            n_heads: 0,
-            n_kv_heads: 0,
-            head_dim: 0,
-            mlp_dim: 0,
-            norm_eps: 1e-5,
-            rope_theta: 10_000.0,
-            rope_scaling: None,
-            max_seq_len: 0,
-            sliding_window: 0,
-            tie_embeddings: false,
-            init_std: 0.02,
-            moe: None,
-            gelu: Gelu::Tanh,
+impl ModelConfig {
+    /// The model's own consistency: sizes, the family's features, the experts.
+    fn validate(&self) -> Result<(), String> {
+        let positive = [
+            ("model.vocab_size", self.vocab_size),
+            ("model.d_model", self.d_model),
+            ("model.n_layers", self.n_layers),
+            ("model.n_heads", self.n_heads),
+            ("model.n_kv_heads", self.n_kv_heads),
+            ("model.head_dim", self.head_dim),
+            ("model.mlp_dim", self.mlp_dim),
+            ("model.max_seq_len", self.max_seq_len),
+        ];
+        check_positive(&positive)?;
+        // Bounds well past every published configuration, tight enough that no size computed from
+        // them (parameters, bytes, activations, tokens per step) can overflow.
+        let at_most = [
+            ("model.vocab_size", self.vocab_size, 1 << 24),
+            ("model.d_model", self.d_model, 1 << 17),
+            ("model.n_layers", self.n_layers, 1 << 12),
+            ("model.n_heads", self.n_heads, 1 << 12),
+            ("model.head_dim", self.head_dim, 1 << 10),
+            ("model.mlp_dim", self.mlp_dim, 1 << 20),
+            ("model.max_seq_len", self.max_seq_len, 1 << 24),
+            ("model.moe.num_experts", self.moe.as_ref().map_or(1, |e| e.num_experts), 1 << 10),
+        ];
+        check_at_most(&at_most)?;
+        if !self.n_heads.is_multiple_of(self.n_kv_heads) {
+            return Err(format!(
+                "model.n_heads = {} is not divisible by model.n_kv_heads = {} (grouped-query attention \
+                 shares each key/value head among n_heads / n_kv_heads query heads)",
+                self.n_heads, self.n_kv_heads
+            ));
         }
+        if !self.head_dim.is_multiple_of(2) {
+            return Err(format!("model.head_dim = {} must be even (RoPE rotates pairs of dimensions)", self.head_dim));
+        }
+        let finite_positive = [
+            ("model.norm_eps", self.norm_eps),
+            ("model.rope_theta", self.rope_theta),
+            ("model.init_std", self.init_std),
+        ];
+        for (key, value) in finite_positive {
+            if !positive_number(value) {
+                return Err(format!("{key} = {value} must be a positive number"));
+            }
+        }
+        if let Some(s) = &self.rope_scaling {
+            s.validate()?;
+        }
+        match (self.family, &self.moe) {
+            (Family::Mixtral, None) => {
+                return Err("model.family = \"mixtral\" needs a [model.moe] table (num_experts, top_k)".into());
+            }
+            (Family::Llama | Family::Mistral | Family::Gpt, Some(_)) => {
+                return Err(format!(
+                    "model.moe is set but model.family = \"{}\"; mixture-of-experts models use model.family = \"mixtral\"",
+                    match self.family {
+                        Family::Llama => "llama",
+                        Family::Mistral => "mistral",
+                        _ => "gpt",
+                    }
+                ));
+            }
+            _ => {}
+        }
+        if self.family == Family::Llama && self.sliding_window != 0 {
+            return Err(
+                "model.sliding_window is set but model.family = \"llama\" has no sliding window; use model.family = \"mistral\""
+                    .into(),
+            );
+        }
+        if self.is_gpt() {
+            if self.sliding_window != 0 {
+                return Err("model.sliding_window is set but model.family = \"gpt\" has no sliding window".into());
+            }
+            if self.rope_scaling.is_some() {
+                return Err(
+                    "model.rope_scaling is set but model.family = \"gpt\" has learned positions, no RoPE".into()
+                );
+            }
+            if self.n_kv_heads != self.n_heads {
+                return Err(format!(
+                    "model.family = \"gpt\" has multi-head attention: model.n_kv_heads = {} must equal model.n_heads = {}",
+                    self.n_kv_heads, self.n_heads
+                ));
+            }
+        }
+        if let Some(moe) = &self.moe {
+            moe.validate()?;
+        }
+        let params = self.param_count().total;
+        if params > 1 << 44 {
+            return Err(format!(
+                "the model has {params} parameters, more than this engine trains (at most {} = 2^44)",
+                1u64 << 44
+            ));
+        }
+        Ok(())
     }
 }
 
-/// Llama 3.1 RoPE frequency scaling (`rope_type = "llama3"` in Hugging Face configs).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct RopeScaling {
-    /// Divisor of the low frequencies.
-    pub factor: f64,
-    /// Wavelengths above `original_max_seq_len / low_freq_factor` are divided by `factor`.
-    pub low_freq_factor: f64,
-    /// Wavelengths below `original_max_seq_len / high_freq_factor` are kept.
-    pub high_freq_factor: f64,
-    /// Context length the model was pre-trained with before scaling.
-    pub original_max_seq_len: usize,
-}
-
-impl Default for RopeScaling {
-    fn default() -> Self {
-        RopeScaling { factor: 8.0, low_freq_factor: 1.0, high_freq_factor: 4.0, original_max_seq_len: 8192 }
+section! {
+    /// Llama 3.1 RoPE frequency scaling (`rope_type = "llama3"` in Hugging Face configs).
+    #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+    #[serde(deny_unknown_fields, default)]
+    pub struct RopeScaling {
+        /// Divisor of the low frequencies.
+        pub factor: f64 = 8.0,
+        /// Wavelengths above `original_max_seq_len / low_freq_factor` are divided by `factor`.
+        pub low_freq_factor: f64 = 1.0,
+        /// Wavelengths below `original_max_seq_len / high_freq_factor` are kept.
+        pub high_freq_factor: f64 = 4.0,
+        /// Context length the model was pre-trained with before scaling.
+        pub original_max_seq_len: usize = 8192,
     }
 }
 
-/// Mixtral-style mixture of experts: softmax over all experts, keep the top k, renormalise.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct MoeConfig {
-    /// Number of experts per layer.
-    pub num_experts: usize,
-    /// Experts each token is sent to.
-    pub top_k: usize,
-    /// Coefficient of the load-balancing auxiliary loss added to the objective.
-    pub aux_loss_coef: f64,
+impl RopeScaling {
+    fn validate(&self) -> Result<(), String> {
+        if !at_least(self.factor, 1.0) {
+            return Err(format!("model.rope_scaling.factor = {} must be at least 1", self.factor));
+        }
+        if !(positive_number(self.low_freq_factor) && self.high_freq_factor > self.low_freq_factor) {
+            return Err(format!(
+                "model.rope_scaling.high_freq_factor = {} must be greater than model.rope_scaling.low_freq_factor = {} (and both positive)",
+                self.high_freq_factor, self.low_freq_factor
+            ));
+        }
+        if self.original_max_seq_len == 0 {
+            return Err("model.rope_scaling.original_max_seq_len must be greater than 0".into());
+        }
+        Ok(())
+    }
 }
 
-impl Default for MoeConfig {
-    fn default() -> Self {
-        MoeConfig { num_experts: 8, top_k: 2, aux_loss_coef: 0.02 }
+section! {
+    /// Mixtral-style mixture of experts: softmax over all experts, keep the top k, renormalise.
+    #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+    #[serde(deny_unknown_fields, default)]
+    pub struct MoeConfig {
+        /// Number of experts per layer.
+        pub num_experts: usize = 8,
+        /// Experts each token is sent to.
+        pub top_k: usize = 2,
+        /// Coefficient of the load-balancing auxiliary loss added to the objective.
+        pub aux_loss_coef: f64 = 0.02,
+    }
+}
+
+impl MoeConfig {
+    fn validate(&self) -> Result<(), String> {
+        if self.num_experts == 0 || self.top_k == 0 {
+            return Err("model.moe.num_experts and model.moe.top_k must be greater than 0".into());
+        }
+        if self.top_k > self.num_experts {
+            return Err(format!(
+                "model.moe.top_k = {} is larger than model.moe.num_experts = {}",
+                self.top_k, self.num_experts
+            ));
+        }
+        if !at_least(self.aux_loss_coef, 0.0) {
+            return Err(format!("model.moe.aux_loss_coef = {} must be a non-negative number", self.aux_loss_coef));
+        }
+        Ok(())
     }
 }
 
@@ -239,70 +434,169 @@ impl<'de> Deserialize<'de> for BatchSize {
     }
 }
 
-/// The shape of a step and the length of the run.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct TrainConfig {
-    /// Tokens per sequence.
-    pub seq_len: usize,
-    /// Sequences per device per micro-batch (Pax's `PERCORE_BATCH_SIZE`), possibly a fraction
-    /// when devices share samples: see [`BatchSize`].
-    pub batch_size: BatchSize,
-    /// Micro-batches accumulated into one optimizer step.
-    pub grad_accum: usize,
-    /// Optimizer steps to run.
-    pub steps: usize,
-    /// Seed of initialisation and data order.
-    pub seed: u64,
-    /// Peak TFLOP/s of one device used for MFU; 0 means the device table (GPU) or a measured
-    /// GEMM rate (CPU).
-    pub peak_tflops: f64,
-    /// Steps left out of the run's performance summary (warm-up, compilation, profiling).
-    pub perf_warmup_steps: usize,
-    /// Step (1-based) whose per-op times are written as a Chrome trace; 0 disables profiling.
-    pub profile_step: usize,
-    /// Save a checkpoint every this many steps (and at the last step); 0 disables checkpoints.
-    pub checkpoint_every: usize,
-    /// Also save a checkpoint when this many minutes have passed since the run started or last
-    /// saved, as rank 0's clock says (MaxText's and AXLearn's time-based cadence for long jobs);
-    /// 0 disables it.
-    pub checkpoint_every_minutes: f64,
-    /// Complete checkpoints kept in the run directory (the oldest are removed); 0 keeps all.
-    pub keep_last: usize,
-    /// Checkpoints of steps that are multiples of this are kept for good, whatever `keep_last`
-    /// says (AXLearn's `keep_every_n_steps`); 0 keeps none beyond `keep_last`.
-    pub keep_every_n_steps: usize,
-    /// Evaluate on the validation split every this many steps (and at the last step); 0 never.
-    pub eval_every: usize,
-    /// Batches of `batch_size` validation sequences one evaluation reads.
-    pub eval_steps: usize,
-    /// Activation recomputation: which activations the backward pass recomputes instead of
-    /// keeping them from the forward pass.
-    pub remat: Remat,
-    /// Record each micro-batch's forward and backward pass once as a CUDA graph and replay it
-    /// (CUDA only; ignored on CPU).
-    pub cuda_graphs: bool,
-    /// Which kernels run attention on a GPU (ignored on CPU).
-    pub attention: AttentionImpl,
-    /// Refuse, before allocating, a run whose estimated memory exceeds what the device has
-    /// (GPU: free memory; CPU: available RAM and `ulimit -v`); `false` skips the check.
-    pub memory_check: bool,
-    /// Micro-batches each step's batch is split into for the pipeline (JaxPP's
-    /// `num_pipeline_microbatches`): the sequences a pipeline reads per `grad_accum`
-    /// micro-batch, `batch_size × tensor × pipeline`, must divide by it. 1 without stages.
-    pub pipeline_microbatches: usize,
-    /// The order in which pipeline stages run their micro-batches' passes.
-    pub pipeline_schedule: PipelineSchedule,
-    /// Virtual stages per pipeline device (Megatron-LM's interleaved 1F1B): device `d` of `P`
-    /// holds the model chunks `d, d + P, d + 2P, …`, which cuts the bubble `V` times. More
-    /// than 1 only with `pipeline_schedule = "interleaved"`.
-    pub pipeline_virtual_stages: usize,
-    /// Layers of each pipeline stage, first to last (one number per stage, each at least 1,
-    /// summing to `model.n_layers`); empty: split automatically, balancing compute. An explicit
-    /// split lets the stages that keep more micro-batches in flight hold fewer layers.
-    pub pipeline_layers: Vec<usize>,
-    /// How the layers are split into stages when `pipeline_layers` is empty.
-    pub pipeline_split: PipelineSplit,
+section! {
+    /// The shape of a step and the length of the run.
+    #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+    #[serde(deny_unknown_fields, default)]
+    pub struct TrainConfig {
+        /// Tokens per sequence.
+        pub seq_len: usize = 0,
+        /// Sequences per device per micro-batch (Pax's `PERCORE_BATCH_SIZE`), possibly a fraction
+        /// when devices share samples: see [`BatchSize`].
+        pub batch_size: BatchSize = BatchSize(1.0),
+        /// Micro-batches accumulated into one optimizer step.
+        pub grad_accum: usize = 1,
+        /// Optimizer steps to run. A resumed run may move the end (and with it a cosine schedule
+        /// whose `optim.decay_steps` is 0).
+        @resumable
+        pub steps: usize = 100,
+        /// Seed of initialisation and data order.
+        pub seed: u64 = 1234,
+        /// Peak TFLOP/s of one device used for MFU; 0 means the device table (GPU) or a measured
+        /// GEMM rate (CPU).
+        @resumable
+        pub peak_tflops: f64 = 0.0,
+        /// Steps left out of the run's performance summary (warm-up, compilation, profiling).
+        @resumable
+        pub perf_warmup_steps: usize = 7,
+        /// Step (1-based) whose per-op times are written as a Chrome trace; 0 disables profiling.
+        @resumable
+        pub profile_step: usize = 6,
+        /// Save a checkpoint every this many steps (and at the last step); 0 disables checkpoints.
+        @resumable
+        pub checkpoint_every: usize = 0,
+        /// Also save a checkpoint when this many minutes have passed since the run started or last
+        /// saved, as rank 0's clock says (MaxText's and AXLearn's time-based cadence for long jobs);
+        /// 0 disables it.
+        @resumable
+        pub checkpoint_every_minutes: f64 = 0.0,
+        /// Complete checkpoints kept in the run directory (the oldest are removed); 0 keeps all.
+        @resumable
+        pub keep_last: usize = 3,
+        /// Checkpoints of steps that are multiples of this are kept for good, whatever `keep_last`
+        /// says (AXLearn's `keep_every_n_steps`); 0 keeps none beyond `keep_last`.
+        @resumable
+        pub keep_every_n_steps: usize = 0,
+        /// Evaluate on the validation split every this many steps (and at the last step); 0 never.
+        @resumable
+        pub eval_every: usize = 0,
+        /// Batches of `batch_size` validation sequences one evaluation reads.
+        @resumable
+        pub eval_steps: usize = 10,
+        /// Activation recomputation: which activations the backward pass recomputes instead of
+        /// keeping them from the forward pass.
+        pub remat: Remat = Remat::None,
+        /// Record each micro-batch's forward and backward pass once as a CUDA graph and replay it
+        /// (CUDA only; ignored on CPU).
+        pub cuda_graphs: bool = true,
+        /// Which kernels run attention on a GPU (ignored on CPU).
+        pub attention: AttentionImpl = AttentionImpl::Auto,
+        /// Refuse, before allocating, a run whose estimated memory exceeds what the device has
+        /// (GPU: free memory; CPU: available RAM and `ulimit -v`); `false` skips the check.
+        @resumable
+        pub memory_check: bool = true,
+        /// Micro-batches each step's batch is split into for the pipeline (JaxPP's
+        /// `num_pipeline_microbatches`): the sequences a pipeline reads per `grad_accum`
+        /// micro-batch, `batch_size × tensor × pipeline`, must divide by it. 1 without stages.
+        /// This and the other pipeline keys may change on resuming: they cut the same global
+        /// batch differently (a pipeline run resumes on one device).
+        @resumable
+        pub pipeline_microbatches: usize = 1,
+        /// The order in which pipeline stages run their micro-batches' passes.
+        @resumable
+        pub pipeline_schedule: PipelineSchedule = PipelineSchedule::OneFOneB,
+        /// Virtual stages per pipeline device (Megatron-LM's interleaved 1F1B): device `d` of `P`
+        /// holds the model chunks `d, d + P, d + 2P, …`, which cuts the bubble `V` times. More
+        /// than 1 only with `pipeline_schedule = "interleaved"`.
+        @resumable
+        pub pipeline_virtual_stages: usize = 1,
+        /// Layers of each pipeline stage, first to last (one number per stage, each at least 1,
+        /// summing to `model.n_layers`); empty: split automatically, balancing compute. An explicit
+        /// split lets the stages that keep more micro-batches in flight hold fewer layers.
+        @resumable
+        pub pipeline_layers: Vec<usize> = Vec::new(),
+        /// How the layers are split into stages when `pipeline_layers` is empty.
+        @resumable
+        pub pipeline_split: PipelineSplit = PipelineSplit::Compute,
+    }
+}
+
+impl TrainConfig {
+    /// The step's shape and the run's controls, against the model they train.
+    fn validate(&self, model: &ModelConfig) -> Result<(), String> {
+        let positive = [
+            ("train.seq_len", self.seq_len),
+            ("train.grad_accum", self.grad_accum),
+            ("train.pipeline_microbatches", self.pipeline_microbatches),
+            ("train.pipeline_virtual_stages", self.pipeline_virtual_stages),
+        ];
+        check_positive(&positive)?;
+        let at_most = [
+            ("train.grad_accum", self.grad_accum, 1 << 20),
+            ("train.pipeline_microbatches", self.pipeline_microbatches, 1 << 16),
+            ("train.pipeline_virtual_stages", self.pipeline_virtual_stages, 1 << 12),
+        ];
+        check_at_most(&at_most)?;
+        let (v, schedule) = (self.pipeline_virtual_stages, self.pipeline_schedule);
+        if v > 1 && schedule != PipelineSchedule::Interleaved {
+            return Err(format!(
+                "train.pipeline_virtual_stages = {v} needs train.pipeline_schedule = \"interleaved\" (it is \"{}\")",
+                schedule.name()
+            ));
+        }
+        let layers = &self.pipeline_layers;
+        if !layers.is_empty() {
+            let list = format!("{layers:?}");
+            if let Some(s) = layers.iter().position(|&k| k == 0) {
+                return Err(format!(
+                    "train.pipeline_layers = {list} gives stage {s} no layers (each stage holds at least one)"
+                ));
+            }
+            // Saturating: absurd entries must not overflow before they are refused.
+            let sum = layers.iter().fold(0usize, |a, &k| a.saturating_add(k));
+            if sum != model.n_layers {
+                return Err(format!(
+                    "train.pipeline_layers = {list} sums to {sum} layers, but model.n_layers = {}",
+                    model.n_layers
+                ));
+            }
+        }
+        let batch = self.batch_size.0;
+        if !(batch > 0.0 && batch.is_finite()) {
+            return Err(format!("train.batch_size = {batch} must be a positive number"));
+        }
+        if batch > (1 << 20) as f64 {
+            return Err(format!("train.batch_size = {batch} is more than this engine trains (at most {})", 1 << 20));
+        }
+        let tokens = (batch * self.seq_len as f64).ceil() as u64;
+        if tokens > 1 << 26 {
+            return Err(format!(
+                "train.batch_size x train.seq_len = {} x {} = {tokens} tokens per device and micro-batch, more than this engine trains (at most {}); raise train.grad_accum instead",
+                self.batch_size,
+                self.seq_len,
+                1u64 << 26
+            ));
+        }
+        if self.seq_len > model.max_seq_len {
+            return Err(format!(
+                "train.seq_len = {} is longer than model.max_seq_len = {}",
+                self.seq_len, model.max_seq_len
+            ));
+        }
+        if self.eval_every > 0 && self.eval_steps == 0 {
+            return Err("train.eval_every is set but train.eval_steps = 0; evaluate at least one batch".into());
+        }
+        if !at_least(self.peak_tflops, 0.0) {
+            return Err(format!("train.peak_tflops = {} must be non-negative", self.peak_tflops));
+        }
+        if !at_least(self.checkpoint_every_minutes, 0.0) {
+            return Err(format!(
+                "train.checkpoint_every_minutes = {} must be non-negative (0: no time-based checkpoints)",
+                self.checkpoint_every_minutes
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// The automatic split of the layers into pipeline stages (`train.pipeline_split`).
@@ -376,36 +670,6 @@ pub enum Remat {
     Full,
 }
 
-impl Default for TrainConfig {
-    fn default() -> Self {
-        TrainConfig {
-            seq_len: 0,
-            batch_size: BatchSize(1.0),
-            grad_accum: 1,
-            steps: 100,
-            seed: 1234,
-            peak_tflops: 0.0,
-            perf_warmup_steps: 7,
-            profile_step: 6,
-            checkpoint_every: 0,
-            checkpoint_every_minutes: 0.0,
-            keep_last: 3,
-            keep_every_n_steps: 0,
-            eval_every: 0,
-            eval_steps: 10,
-            remat: Remat::None,
-            cuda_graphs: true,
-            attention: AttentionImpl::Auto,
-            memory_check: true,
-            pipeline_microbatches: 1,
-            pipeline_schedule: PipelineSchedule::OneFOneB,
-            pipeline_virtual_stages: 1,
-            pipeline_layers: Vec::new(),
-            pipeline_split: PipelineSplit::Compute,
-        }
-    }
-}
-
 /// Shape of the learning rate over the run.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -417,46 +681,52 @@ pub enum Schedule {
     Constant,
 }
 
-/// AdamW with decoupled weight decay and global-norm gradient clipping.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct OptimConfig {
-    /// Peak learning rate.
-    pub lr: f64,
-    /// Learning-rate schedule after warmup.
-    pub schedule: Schedule,
-    /// Steps of linear warmup from 0 to `lr`.
-    pub warmup_steps: usize,
-    /// Step at which the cosine reaches its floor; 0 means `train.steps`.
-    pub decay_steps: usize,
-    /// Floor of the cosine as a fraction of `lr`.
-    pub min_lr_ratio: f64,
-    /// Decay rate of the first moment.
-    pub beta1: f64,
-    /// Decay rate of the second moment.
-    pub beta2: f64,
-    /// Added to the root of the second moment.
-    pub eps: f64,
-    /// Decoupled weight decay of matrices (embeddings and projections); norms never decay.
-    pub weight_decay: f64,
-    /// Clip the global gradient norm to this value; 0 disables clipping.
-    pub grad_clip: f64,
+section! {
+    /// AdamW with decoupled weight decay and global-norm gradient clipping.
+    #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+    #[serde(deny_unknown_fields, default)]
+    pub struct OptimConfig {
+        /// Peak learning rate.
+        pub lr: f64 = 3e-4,
+        /// Learning-rate schedule after warmup.
+        pub schedule: Schedule = Schedule::Cosine,
+        /// Steps of linear warmup from 0 to `lr`.
+        pub warmup_steps: usize = 0,
+        /// Step at which the cosine reaches its floor; 0 means `train.steps`.
+        pub decay_steps: usize = 0,
+        /// Floor of the cosine as a fraction of `lr`.
+        pub min_lr_ratio: f64 = 0.1,
+        /// Decay rate of the first moment.
+        pub beta1: f64 = 0.9,
+        /// Decay rate of the second moment.
+        pub beta2: f64 = 0.95,
+        /// Added to the root of the second moment.
+        pub eps: f64 = 1e-8,
+        /// Decoupled weight decay of matrices (embeddings and projections); norms never decay.
+        pub weight_decay: f64 = 0.1,
+        /// Clip the global gradient norm to this value; 0 disables clipping.
+        pub grad_clip: f64 = 1.0,
+    }
 }
 
-impl Default for OptimConfig {
-    fn default() -> Self {
-        OptimConfig {
-            lr: 3e-4,
-            schedule: Schedule::Cosine,
-            warmup_steps: 0,
-            decay_steps: 0,
-            min_lr_ratio: 0.1,
-            beta1: 0.9,
-            beta2: 0.95,
-            eps: 1e-8,
-            weight_decay: 0.1,
-            grad_clip: 1.0,
+impl OptimConfig {
+    fn validate(&self) -> Result<(), String> {
+        if !at_least(self.lr, 0.0) {
+            return Err(format!("optim.lr = {} must be a non-negative number", self.lr));
         }
+        if !(0.0..1.0).contains(&self.beta1) || !(0.0..1.0).contains(&self.beta2) {
+            return Err(format!("optim.beta1 = {} and optim.beta2 = {} must lie in [0, 1)", self.beta1, self.beta2));
+        }
+        if !positive_number(self.eps) {
+            return Err(format!("optim.eps = {} must be positive", self.eps));
+        }
+        if !at_least(self.weight_decay, 0.0) || !at_least(self.grad_clip, 0.0) {
+            return Err("optim.weight_decay and optim.grad_clip must be non-negative".into());
+        }
+        if !(0.0..=1.0).contains(&self.min_lr_ratio) {
+            return Err(format!("optim.min_lr_ratio = {} must lie in [0, 1]", self.min_lr_ratio));
+        }
+        Ok(())
     }
 }
 
@@ -473,28 +743,65 @@ pub enum DataSource {
     Shards,
 }
 
-/// The training data.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct DataConfig {
-    /// Document masking: attention inside a packed sequence stops at each EOS (the id the
-    /// shards record), so that a token attends only to its own document's (docs/data.md).
-    pub document_mask: bool,
-    /// With `document_mask`: positions restart at 0 at each document (the GPT family's learned
-    /// positions).
-    pub reset_positions: bool,
-    /// Token source.
-    pub source: DataSource,
-    /// With `source = "shards"`: a directory of shards (read in name order) or one shard file.
-    /// A relative path is relative to the working directory.
-    pub path: String,
-    /// With `source = "shards"`, in place of `path`: several prepared datasets, each sequence
-    /// read from one of them in proportion to the weights ([`crate::data::mixture`]).
-    #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub mixture: Vec<MixtureSource>,
-    /// Prepared shards that `eval_loss` reads instead of a held-out tail of the training data
-    /// (none is held out then). Empty: the tail.
-    pub validation_path: String,
+section! {
+    /// The training data.
+    #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+    #[serde(deny_unknown_fields, default)]
+    pub struct DataConfig {
+        /// Document masking: attention inside a packed sequence stops at each EOS (the id the
+        /// shards record), so that a token attends only to its own document's (docs/data.md).
+        pub document_mask: bool = false,
+        /// With `document_mask`: positions restart at 0 at each document (the GPT family's learned
+        /// positions).
+        pub reset_positions: bool = false,
+        /// Token source.
+        pub source: DataSource = DataSource::Embedded,
+        /// With `source = "shards"`: a directory of shards (read in name order) or one shard file.
+        /// A relative path is relative to the working directory. The data may move between a run
+        /// and its resumption; it may not change (its shards are checked).
+        @resumable
+        pub path: String = String::new(),
+        /// With `source = "shards"`, in place of `path`: several prepared datasets, each sequence
+        /// read from one of them in proportion to the weights ([`crate::data::mixture`]).
+        #[serde(skip_serializing_if = "Vec::is_empty")]
+        pub mixture: Vec<MixtureSource> = Vec::new(),
+        /// Prepared shards that `eval_loss` reads instead of a held-out tail of the training data
+        /// (none is held out then). Empty: the tail.
+        pub validation_path: String = String::new(),
+    }
+}
+
+impl DataConfig {
+    /// The source and its paths, and document masking against the model it runs on.
+    fn validate(&self, model: &ModelConfig) -> Result<(), String> {
+        if self.reset_positions && !self.document_mask {
+            return Err(
+                "data.reset_positions = true needs data.document_mask = true (positions restart at each document)"
+                    .into(),
+            );
+        }
+        if self.document_mask {
+            if self.source != DataSource::Shards {
+                return Err("data.document_mask = true needs an EOS id, which only prepared shards record; set data.source = \"shards\"".into());
+            }
+            if self.reset_positions && !model.is_gpt() {
+                return Err("data.reset_positions = true is for learned positions (model.family = \"gpt\"): RoPE's scores depend only on the distance between tokens, which the mask keeps within a document".into());
+            }
+        }
+        self.check_mixture()?;
+        match (self.source, self.path.is_empty() && self.mixture.is_empty()) {
+            (DataSource::Shards, true) => {
+                return Err(
+                    "data.source = \"shards\" needs data.path (a directory written by `engine data prepare`) or [[data.mixture]] entries".into()
+                );
+            }
+            (DataSource::Embedded | DataSource::Synthetic, false) => {
+                return Err("data.path is set but data.source is not \"shards\"; set data.source = \"shards\"".into());
+            }
+            _ => {}
+        }
+        Ok(())
+    }
 }
 
 /// One dataset of a mixture (`[[data.mixture]]`).
@@ -517,63 +824,69 @@ impl MixtureSource {
     }
 }
 
-/// The device mesh: five parallel axes (data, fsdp, tensor, pipeline, seq), each split into an
-/// intra-node (`ici`) and an inter-node (`dcn`) size, as in MaxText, Pax and AXLearn. The `ici` sizes multiply to the
-/// devices per node and the `dcn` sizes to the number of nodes; one size per group may be -1,
-/// meaning "whatever fills it".
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct MeshConfig {
-    /// Data parallelism within a node: replicas that all-reduce gradients.
-    pub ici_data: i64,
-    /// Fully sharded data parallelism within a node: parameters, gradients and optimizer state
-    /// sharded, parameters gathered per layer.
-    pub ici_fsdp: i64,
-    /// Tensor parallelism within a node: attention heads, MLP columns and experts split.
-    pub ici_tensor: i64,
-    /// Data parallelism across nodes.
-    pub dcn_data: i64,
-    /// Fully sharded data parallelism across nodes.
-    pub dcn_fsdp: i64,
-    /// Tensor parallelism across nodes.
-    pub dcn_tensor: i64,
-    /// Pipeline stages within a node (AXLearn's `pipeline` axis): the layers are split into
-    /// contiguous stages, each device holding one stage's parameters, gradients and moments.
-    pub ici_pipeline: i64,
-    /// Pipeline stages across nodes.
-    pub dcn_pipeline: i64,
-    /// Sequence (context) parallelism within a node (AXLearn's `seq` axis): each sequence is
-    /// cut into two chunks per device, one early and one late (Llama 3's load-balanced causal
-    /// split), and attention all-gathers the keys and values over the axis.
-    pub ici_seq: i64,
-    /// Sequence parallelism across nodes.
-    pub dcn_seq: i64,
-    /// FSDP: whether the forward pass releases each layer's gathered parameters once done with
-    /// it (and the backward pass gathers them again), as FSDP2's `reshard_after_forward`. Off,
-    /// the gathered parameters stay until the backward pass is done with them: one gather per
-    /// unit and micro-batch instead of two, for the memory of the whole (tensor-local) model.
-    pub fsdp_reshard_after_forward: bool,
-    /// FSDP: whether the next unit's gather starts before the current unit computes, so that
-    /// they overlap, at the memory of one more unit gathered at a time.
-    pub fsdp_prefetch: bool,
+section! {
+    /// The device mesh: five parallel axes (data, fsdp, tensor, pipeline, seq), each split into an
+    /// intra-node (`ici`) and an inter-node (`dcn`) size, as in MaxText, Pax and AXLearn. The `ici` sizes multiply to the
+    /// devices per node and the `dcn` sizes to the number of nodes; one size per group may be -1,
+    /// meaning "whatever fills it". Every key may change when a run resumes: checkpoints hold the
+    /// whole, unsharded state, and the data position counts the samples of all ranks.
+    #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+    #[serde(deny_unknown_fields, default)]
+    pub struct MeshConfig {
+        /// Data parallelism within a node: replicas that all-reduce gradients.
+        @resumable
+        pub ici_data: i64 = -1,
+        /// Fully sharded data parallelism within a node: parameters, gradients and optimizer state
+        /// sharded, parameters gathered per layer.
+        @resumable
+        pub ici_fsdp: i64 = 1,
+        /// Tensor parallelism within a node: attention heads, MLP columns and experts split.
+        @resumable
+        pub ici_tensor: i64 = 1,
+        /// Data parallelism across nodes.
+        @resumable
+        pub dcn_data: i64 = -1,
+        /// Fully sharded data parallelism across nodes.
+        @resumable
+        pub dcn_fsdp: i64 = 1,
+        /// Tensor parallelism across nodes.
+        @resumable
+        pub dcn_tensor: i64 = 1,
+        /// Pipeline stages within a node (AXLearn's `pipeline` axis): the layers are split into
+        /// contiguous stages, each device holding one stage's parameters, gradients and moments.
+        @resumable
+        pub ici_pipeline: i64 = 1,
+        /// Pipeline stages across nodes.
+        @resumable
+        pub dcn_pipeline: i64 = 1,
+        /// Sequence (context) parallelism within a node (AXLearn's `seq` axis): each sequence is
+        /// cut into two chunks per device, one early and one late (Llama 3's load-balanced causal
+        /// split), and attention all-gathers the keys and values over the axis.
+        @resumable
+        pub ici_seq: i64 = 1,
+        /// Sequence parallelism across nodes.
+        @resumable
+        pub dcn_seq: i64 = 1,
+        /// FSDP: whether the forward pass releases each layer's gathered parameters once done with
+        /// it (and the backward pass gathers them again), as FSDP2's `reshard_after_forward`. Off,
+        /// the gathered parameters stay until the backward pass is done with them: one gather per
+        /// unit and micro-batch instead of two, for the memory of the whole (tensor-local) model.
+        @resumable
+        pub fsdp_reshard_after_forward: bool = true,
+        /// FSDP: whether the next unit's gather starts before the current unit computes, so that
+        /// they overlap, at the memory of one more unit gathered at a time.
+        @resumable
+        pub fsdp_prefetch: bool = true,
+    }
 }
 
-impl Default for MeshConfig {
-    fn default() -> Self {
-        MeshConfig {
-            ici_data: -1,
-            ici_fsdp: 1,
-            ici_tensor: 1,
-            dcn_data: -1,
-            dcn_fsdp: 1,
-            dcn_tensor: 1,
-            ici_pipeline: 1,
-            dcn_pipeline: 1,
-            ici_seq: 1,
-            dcn_seq: 1,
-            fsdp_reshard_after_forward: true,
-            fsdp_prefetch: true,
-        }
+impl MeshConfig {
+    /// What the mesh asks of the model (its sizes are checked against the devices when a run
+    /// starts, in `parallel/mesh.rs`).
+    fn validate(&self, _model: &ModelConfig) -> Result<(), String> {
+        // The tensor axis splits every family, GPT's biases included (`parallel/tensor.rs`);
+        // its divisibility is checked against the devices in `parallel/mesh.rs`.
+        Ok(())
     }
 }
 
@@ -599,258 +912,6 @@ impl ModelConfig {
             0 => i + 1,
             w => (i + 1).min(w),
         }
-    }
-}
-
-impl Config {
-    /// Checks everything a training run needs to be consistent; errors name the keys involved.
-    pub fn validate(&self) -> Result<(), String> {
-        let m = &self.model;
-        let positive = [
-            ("model.vocab_size", m.vocab_size),
-            ("model.d_model", m.d_model),
-            ("model.n_layers", m.n_layers),
-            ("model.n_heads", m.n_heads),
-            ("model.n_kv_heads", m.n_kv_heads),
-            ("model.head_dim", m.head_dim),
-            ("model.mlp_dim", m.mlp_dim),
-            ("model.max_seq_len", m.max_seq_len),
-            ("train.seq_len", self.train.seq_len),
-            ("train.grad_accum", self.train.grad_accum),
-            ("train.pipeline_microbatches", self.train.pipeline_microbatches),
-            ("train.pipeline_virtual_stages", self.train.pipeline_virtual_stages),
-        ];
-        for (key, value) in positive {
-            if value == 0 {
-                return Err(format!("{key} must be greater than 0"));
-            }
-        }
-        // Bounds well past every published configuration, tight enough that no size computed from
-        // them (parameters, bytes, activations, tokens per step) can overflow.
-        let at_most = [
-            ("model.vocab_size", m.vocab_size, 1 << 24),
-            ("model.d_model", m.d_model, 1 << 17),
-            ("model.n_layers", m.n_layers, 1 << 12),
-            ("model.n_heads", m.n_heads, 1 << 12),
-            ("model.head_dim", m.head_dim, 1 << 10),
-            ("model.mlp_dim", m.mlp_dim, 1 << 20),
-            ("model.max_seq_len", m.max_seq_len, 1 << 24),
-            ("model.moe.num_experts", m.moe.as_ref().map_or(1, |e| e.num_experts), 1 << 10),
-            ("train.grad_accum", self.train.grad_accum, 1 << 20),
-            ("train.pipeline_microbatches", self.train.pipeline_microbatches, 1 << 16),
-            ("train.pipeline_virtual_stages", self.train.pipeline_virtual_stages, 1 << 12),
-        ];
-        for (key, value, max) in at_most {
-            if value > max {
-                return Err(format!("{key} = {value} is more than this engine trains (at most {max})"));
-            }
-        }
-        let (v, schedule) = (self.train.pipeline_virtual_stages, self.train.pipeline_schedule);
-        if v > 1 && schedule != PipelineSchedule::Interleaved {
-            return Err(format!(
-                "train.pipeline_virtual_stages = {v} needs train.pipeline_schedule = \"interleaved\" (it is \"{}\")",
-                schedule.name()
-            ));
-        }
-        let layers = &self.train.pipeline_layers;
-        if !layers.is_empty() {
-            let list = format!("{layers:?}");
-            if let Some(s) = layers.iter().position(|&k| k == 0) {
-                return Err(format!(
-                    "train.pipeline_layers = {list} gives stage {s} no layers (each stage holds at least one)"
-                ));
-            }
-            // Saturating: absurd entries must not overflow before they are refused.
-            let sum = layers.iter().fold(0usize, |a, &k| a.saturating_add(k));
-            if sum != m.n_layers {
-                return Err(format!(
-                    "train.pipeline_layers = {list} sums to {sum} layers, but model.n_layers = {}",
-                    m.n_layers
-                ));
-            }
-        }
-        let batch = self.train.batch_size.0;
-        if !(batch > 0.0 && batch.is_finite()) {
-            return Err(format!("train.batch_size = {batch} must be a positive number"));
-        }
-        if batch > (1 << 20) as f64 {
-            return Err(format!("train.batch_size = {batch} is more than this engine trains (at most {})", 1 << 20));
-        }
-        let tokens = (batch * self.train.seq_len as f64).ceil() as u64;
-        if tokens > 1 << 26 {
-            return Err(format!(
-                "train.batch_size x train.seq_len = {} x {} = {tokens} tokens per device and micro-batch, more than this engine trains (at most {}); raise train.grad_accum instead",
-                self.train.batch_size,
-                self.train.seq_len,
-                1u64 << 26
-            ));
-        }
-        if !m.n_heads.is_multiple_of(m.n_kv_heads) {
-            return Err(format!(
-                "model.n_heads = {} is not divisible by model.n_kv_heads = {} (grouped-query attention \
-                 shares each key/value head among n_heads / n_kv_heads query heads)",
-                m.n_heads, m.n_kv_heads
-            ));
-        }
-        if !m.head_dim.is_multiple_of(2) {
-            return Err(format!("model.head_dim = {} must be even (RoPE rotates pairs of dimensions)", m.head_dim));
-        }
-        if self.train.seq_len > m.max_seq_len {
-            return Err(format!(
-                "train.seq_len = {} is longer than model.max_seq_len = {}",
-                self.train.seq_len, m.max_seq_len
-            ));
-        }
-        let finite_positive =
-            [("model.norm_eps", m.norm_eps), ("model.rope_theta", m.rope_theta), ("model.init_std", m.init_std)];
-        for (key, value) in finite_positive {
-            if !positive_number(value) {
-                return Err(format!("{key} = {value} must be a positive number"));
-            }
-        }
-        if let Some(s) = &m.rope_scaling {
-            if !at_least(s.factor, 1.0) {
-                return Err(format!("model.rope_scaling.factor = {} must be at least 1", s.factor));
-            }
-            if !(positive_number(s.low_freq_factor) && s.high_freq_factor > s.low_freq_factor) {
-                return Err(format!(
-                    "model.rope_scaling.high_freq_factor = {} must be greater than model.rope_scaling.low_freq_factor = {} (and both positive)",
-                    s.high_freq_factor, s.low_freq_factor
-                ));
-            }
-            if s.original_max_seq_len == 0 {
-                return Err("model.rope_scaling.original_max_seq_len must be greater than 0".into());
-            }
-        }
-        let d = &self.data;
-        if d.reset_positions && !d.document_mask {
-            return Err(
-                "data.reset_positions = true needs data.document_mask = true (positions restart at each document)"
-                    .into(),
-            );
-        }
-        if d.document_mask {
-            if d.source != DataSource::Shards {
-                return Err("data.document_mask = true needs an EOS id, which only prepared shards record; set data.source = \"shards\"".into());
-            }
-            if self.mesh.ici_seq != 1 || self.mesh.dcn_seq != 1 {
-                return Err(format!(
-                    "data.document_mask = true with mesh.ici_seq = {} and mesh.dcn_seq = {}: document masking does not take the sequence axis's chunks yet; set both to 1",
-                    self.mesh.ici_seq, self.mesh.dcn_seq
-                ));
-            }
-            if d.reset_positions && !m.is_gpt() {
-                return Err("data.reset_positions = true is for learned positions (model.family = \"gpt\"): RoPE's scores depend only on the distance between tokens, which the mask keeps within a document".into());
-            }
-        }
-        match (m.family, &m.moe) {
-            (Family::Mixtral, None) => {
-                return Err("model.family = \"mixtral\" needs a [model.moe] table (num_experts, top_k)".into());
-            }
-            (Family::Llama | Family::Mistral | Family::Gpt, Some(_)) => {
-                return Err(format!(
-                    "model.moe is set but model.family = \"{}\"; mixture-of-experts models use model.family = \"mixtral\"",
-                    match m.family {
-                        Family::Llama => "llama",
-                        Family::Mistral => "mistral",
-                        _ => "gpt",
-                    }
-                ));
-            }
-            _ => {}
-        }
-        if m.family == Family::Llama && m.sliding_window != 0 {
-            return Err(
-                "model.sliding_window is set but model.family = \"llama\" has no sliding window; use model.family = \"mistral\""
-                    .into(),
-            );
-        }
-        if m.is_gpt() {
-            if m.sliding_window != 0 {
-                return Err("model.sliding_window is set but model.family = \"gpt\" has no sliding window".into());
-            }
-            if m.rope_scaling.is_some() {
-                return Err(
-                    "model.rope_scaling is set but model.family = \"gpt\" has learned positions, no RoPE".into()
-                );
-            }
-            if m.n_kv_heads != m.n_heads {
-                return Err(format!(
-                    "model.family = \"gpt\" has multi-head attention: model.n_kv_heads = {} must equal model.n_heads = {}",
-                    m.n_kv_heads, m.n_heads
-                ));
-            }
-            let tensor = |v: i64| v != 1;
-            if tensor(self.mesh.ici_tensor) || tensor(self.mesh.dcn_tensor) {
-                return Err(format!(
-                    "mesh.ici_tensor = {} and mesh.dcn_tensor = {}: model.family = \"gpt\" trains with data and FSDP \
-                     parallelism only (its biases are not split); set both to 1",
-                    self.mesh.ici_tensor, self.mesh.dcn_tensor
-                ));
-            }
-        }
-        if let Some(moe) = &m.moe {
-            if moe.num_experts == 0 || moe.top_k == 0 {
-                return Err("model.moe.num_experts and model.moe.top_k must be greater than 0".into());
-            }
-            if moe.top_k > moe.num_experts {
-                return Err(format!(
-                    "model.moe.top_k = {} is larger than model.moe.num_experts = {}",
-                    moe.top_k, moe.num_experts
-                ));
-            }
-            if !at_least(moe.aux_loss_coef, 0.0) {
-                return Err(format!("model.moe.aux_loss_coef = {} must be a non-negative number", moe.aux_loss_coef));
-            }
-        }
-        let params = m.param_count().total;
-        if params > 1 << 44 {
-            return Err(format!(
-                "the model has {params} parameters, more than this engine trains (at most {} = 2^44)",
-                1u64 << 44
-            ));
-        }
-        let o = &self.optim;
-        if !at_least(o.lr, 0.0) {
-            return Err(format!("optim.lr = {} must be a non-negative number", o.lr));
-        }
-        if !(0.0..1.0).contains(&o.beta1) || !(0.0..1.0).contains(&o.beta2) {
-            return Err(format!("optim.beta1 = {} and optim.beta2 = {} must lie in [0, 1)", o.beta1, o.beta2));
-        }
-        if !positive_number(o.eps) {
-            return Err(format!("optim.eps = {} must be positive", o.eps));
-        }
-        if !at_least(o.weight_decay, 0.0) || !at_least(o.grad_clip, 0.0) {
-            return Err("optim.weight_decay and optim.grad_clip must be non-negative".into());
-        }
-        if !(0.0..=1.0).contains(&o.min_lr_ratio) {
-            return Err(format!("optim.min_lr_ratio = {} must lie in [0, 1]", o.min_lr_ratio));
-        }
-        self.data.check_mixture()?;
-        match (self.data.source, self.data.path.is_empty() && self.data.mixture.is_empty()) {
-            (DataSource::Shards, true) => {
-                return Err(
-                    "data.source = \"shards\" needs data.path (a directory written by `engine data prepare`) or [[data.mixture]] entries".into()
-                );
-            }
-            (DataSource::Embedded | DataSource::Synthetic, false) => {
-                return Err("data.path is set but data.source is not \"shards\"; set data.source = \"shards\"".into());
-            }
-            _ => {}
-        }
-        if self.train.eval_every > 0 && self.train.eval_steps == 0 {
-            return Err("train.eval_every is set but train.eval_steps = 0; evaluate at least one batch".into());
-        }
-        if !at_least(self.train.peak_tflops, 0.0) {
-            return Err(format!("train.peak_tflops = {} must be non-negative", self.train.peak_tflops));
-        }
-        if !at_least(self.train.checkpoint_every_minutes, 0.0) {
-            return Err(format!(
-                "train.checkpoint_every_minutes = {} must be non-negative (0: no time-based checkpoints)",
-                self.train.checkpoint_every_minutes
-            ));
-        }
-        Ok(())
     }
 }
 
@@ -902,4 +963,107 @@ fn positive_number(x: f64) -> bool {
 /// Finite and at least `min` (false for NaN).
 fn at_least(x: f64, min: f64) -> bool {
     x.is_finite() && x >= min
+}
+
+/// The first of `keys` whose value is 0, as an error.
+fn check_positive(keys: &[(&str, usize)]) -> Result<(), String> {
+    match keys.iter().find(|(_, value)| *value == 0) {
+        Some((key, _)) => Err(format!("{key} must be greater than 0")),
+        None => Ok(()),
+    }
+}
+
+/// The first of `keys` whose value is above its bound, as an error.
+fn check_at_most(keys: &[(&str, usize, usize)]) -> Result<(), String> {
+    match keys.iter().find(|(_, value, max)| value > max) {
+        Some((key, value, max)) => Err(format!("{key} = {value} is more than this engine trains (at most {max})")),
+        None => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::{BTreeMap, BTreeSet};
+
+    use toml::Value;
+
+    use super::*;
+
+    /// docs/recipes.md's tables of keys, as the code declares them: every key documented once,
+    /// with its default; no key documented that the code lacks; a section for every nested
+    /// table. `—` (required) stands for a default of 0, which validation refuses; `none` for an
+    /// absent optional key or an empty list.
+    #[test]
+    fn docs_recipes_md_documents_every_key_with_its_default() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/recipes.md");
+        let text = std::fs::read_to_string(path).unwrap();
+        let (mut section, mut headings, mut rows) = (None, BTreeSet::new(), BTreeMap::new());
+        for line in text.lines() {
+            if line.starts_with('#') {
+                let title = line.trim_start_matches('#').trim();
+                section = match title {
+                    "Top level" => Some(String::new()),
+                    _ => title.strip_prefix("`[").and_then(|t| t.split_once("]`")).map(|(s, _)| s.to_owned()),
+                };
+                headings.extend(section.clone());
+                continue;
+            }
+            let Some(section) = &section else { continue };
+            if !line.starts_with("| `") {
+                continue;
+            }
+            let cells: Vec<&str> = line.split('|').map(str::trim).collect();
+            let name = cells[1].trim_matches('`').trim_start_matches("[[").trim_end_matches("]]");
+            let key = if section.is_empty() { name.to_owned() } else { format!("{section}.{name}") };
+            assert!(rows.insert(key.clone(), cells[3].to_owned()).is_none(), "docs/recipes.md lists {key} twice");
+        }
+        let number = |v: &Value| v.as_float().or_else(|| v.as_integer().map(|i| i as f64));
+        for (section, keys) in SECTIONS {
+            for key in keys {
+                let dotted = if section.is_empty() { key.name.to_owned() } else { format!("{section}.{}", key.name) };
+                if SECTIONS.iter().any(|(s, _)| *s == dotted) {
+                    assert!(headings.contains(&dotted), "docs/recipes.md has no section for [{dotted}]");
+                    continue;
+                }
+                let cell = rows.remove(&dotted).unwrap_or_else(|| panic!("docs/recipes.md does not document {dotted}"));
+                let default = (key.default)();
+                match cell.as_str() {
+                    "—" => assert_eq!(default, Some(Value::Integer(0)), "{dotted} is documented as required"),
+                    "none" => assert!(
+                        default.is_none() || default == Some(Value::Array(Vec::new())),
+                        "{dotted} is documented with no default, the code's is {default:?}"
+                    ),
+                    cell => {
+                        let written = cell.trim_matches('`');
+                        let mut doc: toml::Table = format!("v = {written}")
+                            .parse()
+                            .unwrap_or_else(|e| panic!("{dotted}: default {cell} is not TOML: {e}"));
+                        let doc = doc.remove("v").unwrap();
+                        let code = default.unwrap_or_else(|| panic!("{dotted} has no default in the code"));
+                        let same = match (number(&doc), number(&code)) {
+                            (Some(a), Some(b)) => a == b,
+                            _ => doc == code,
+                        };
+                        assert!(same, "{dotted}: docs/recipes.md says the default is {written}, the code {code}");
+                    }
+                }
+            }
+        }
+        assert!(rows.is_empty(), "docs/recipes.md documents keys the configuration lacks: {:?}", rows.keys());
+    }
+
+    /// Resumability is the field's: run controls and the mesh may change, what the next step
+    /// computes may not; nested and unknown keys are not resumable.
+    #[test]
+    fn keys_say_whether_a_resumed_run_may_change_them() {
+        for key in ["description", "extends", "train.steps", "train.keep_last", "data.path", "mesh.ici_data"] {
+            assert!(Config::resumable(key), "{key}");
+        }
+        for key in ["model.d_model", "train.seq_len", "train.batch_size", "optim.lr", "model.moe.top_k", "mesh", "x.y"]
+        {
+            assert!(!Config::resumable(key), "{key}");
+        }
+        let mesh = MeshConfig::KEYS.iter().filter(|k| !k.resumable).map(|k| k.name).collect::<Vec<_>>();
+        assert!(mesh.is_empty(), "every mesh key is resumable: {mesh:?}");
+    }
 }
