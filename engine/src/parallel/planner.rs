@@ -5,7 +5,9 @@
 //! node, the rest all FSDP or all data. Across nodes (`dcn`): pipeline stages `p` dividing the
 //! nodes (memory split), the rest all FSDP or all data. For each, `train.remat` (full, minimal,
 //! none), the sequences of a pipeline micro-batch (1, 2, 4, 8) and, with stages, the
-//! micro-batches `M` per round (P/2, P, 2P, 4P). The global batch (sequences per optimizer step)
+//! micro-batches `M` per round (P/2, P, 2P, 4P) and the virtual stages `V` per device (1, or
+//! interleaved 1F1B's 2 and 4 with layers split evenly over them, `M` a multiple of `P`: a bubble
+//! of (P − 1)/(V·M + P − 1) for V times the pipeline's sends). The global batch (sequences per optimizer step)
 //! is fixed: the recipe's `batch_size × devices × grad_accum` unless given, and `grad_accum`
 //! takes what a round does not. A candidate fits when the CUDA memory estimate of its fullest
 //! device ([`ParallelPlan::estimate`], what `engine recipes show` prints) plus a reserve for the
@@ -22,13 +24,13 @@
 //!   recomputation); seq, the gathers of q, k and v (forward, backward, and the recomputation)
 //!   and the reduce-scatter of their gradient; FSDP, the f32 gathers of the device's parameters
 //!   (twice per micro-batch) and the reduce-scatter of their gradient, over fsdp × seq; data,
-//!   the all-reduce of the device's gradient pieces once per step; pipeline, each micro-batch's activation and its
-//!   gradient.
+//!   the all-reduce of the device's gradient pieces once per step; pipeline, each micro-batch's
+//!   activation and its gradient, once per virtual stage.
 
 use anyhow::{Result, bail};
 
 use super::plan::ParallelPlan;
-use crate::config::{BatchSize, Config, PipelineSplit, Remat};
+use crate::config::{BatchSize, Config, PipelineSchedule, PipelineSplit, Remat};
 use crate::model::memory::Target;
 
 /// The hardware the plan is for, and the assumptions of the step-time estimate.
@@ -153,26 +155,32 @@ fn candidates(
 ) {
     let p = mesh.p;
     let counts: Vec<usize> = if p == 1 { vec![1] } else { vec![(p / 2).max(1), p, 2 * p, 4 * p] };
+    // Interleaved 1F1B only with stages, and only where the layers split evenly into P·V
+    // virtual stages (the memory split does not apply to them).
+    let virtuals: Vec<usize> =
+        [1, 2, 4].into_iter().filter(|&v| v == 1 || (p > 1 && base.model.n_layers.is_multiple_of(p * v))).collect();
     for mb in [1, 2, 4, 8] {
         let mut any = false;
-        for &count in &counts {
-            let round = mb * count;
-            if !per_shard.is_multiple_of(round) {
-                continue;
-            }
-            let Some(row) = evaluate(base, hw, mesh, remat, (mb, count, per_shard / round), devices) else {
-                continue;
-            };
-            let fit = row.memory_per_device_bytes + hw.reserve <= hw.memory;
-            if !fit {
-                if closest.as_ref().is_none_or(|c| row.memory_per_device_bytes < c.memory_per_device_bytes) {
-                    *closest = Some(row);
+        for &v in &virtuals {
+            for &count in &counts {
+                let round = mb * count;
+                if !per_shard.is_multiple_of(round) || (v > 1 && !count.is_multiple_of(p)) {
+                    continue;
                 }
-                // More micro-batches in flight only need more.
-                break;
+                let split = Split { mb, count, accum: per_shard / round, virtual_stages: v };
+                let Some(row) = evaluate(base, hw, mesh, remat, split, devices) else {
+                    continue;
+                };
+                if row.memory_per_device_bytes + hw.reserve > hw.memory {
+                    if closest.as_ref().is_none_or(|c| row.memory_per_device_bytes < c.memory_per_device_bytes) {
+                        *closest = Some(row);
+                    }
+                    // More micro-batches in flight only need more.
+                    break;
+                }
+                any = true;
+                fits.push(row);
             }
-            any = true;
-            fits.push(row);
         }
         if !any {
             return;
@@ -180,13 +188,20 @@ fn candidates(
     }
 }
 
+/// How a shard group's sequences of a step are cut: `mb` sequences a micro-batch, `count`
+/// micro-batches a pipeline round, `accum` rounds (`train.grad_accum`), over `virtual_stages`
+/// per device.
+#[derive(Clone, Copy)]
+struct Split {
+    mb: usize,
+    count: usize,
+    accum: usize,
+    virtual_stages: usize,
+}
+
 /// The config of a candidate and the `--set`s that give it.
-fn configure(
-    base: &Config,
-    mesh: &Mesh,
-    remat: Remat,
-    (mb, count, accum): (usize, usize, usize),
-) -> (Config, Vec<String>) {
+fn configure(base: &Config, mesh: &Mesh, remat: Remat, split: Split) -> (Config, Vec<String>) {
+    let Split { mb, count, accum, virtual_stages: v } = split;
     let mut c = base.clone();
     let group = mesh.t * mesh.p * mesh.s;
     let batch = (mb * count) as f64 / group as f64;
@@ -198,7 +213,15 @@ fn configure(
     let t = &mut c.train;
     (t.batch_size, t.grad_accum, t.pipeline_microbatches, t.remat) = (BatchSize(batch), accum, count, remat);
     t.pipeline_layers.clear();
-    t.pipeline_split = if mesh.p > 1 { PipelineSplit::Memory } else { t.pipeline_split };
+    if mesh.p > 1 {
+        // Stages: the memory split, or interleaved 1F1B's equal virtual stages.
+        t.pipeline_virtual_stages = v;
+        if v > 1 {
+            (t.pipeline_schedule, t.pipeline_split) = (PipelineSchedule::Interleaved, PipelineSplit::Compute);
+        } else {
+            (t.pipeline_schedule, t.pipeline_split) = (PipelineSchedule::OneFOneB, PipelineSplit::Memory);
+        }
+    }
     let remat_name = match remat {
         Remat::None => "none",
         Remat::Minimal => "minimal",
@@ -221,25 +244,21 @@ fn configure(
         format!("train.remat=\"{remat_name}\""),
     ];
     if mesh.p > 1 {
-        sets.push("train.pipeline_split=\"memory\"".to_string());
+        let (schedule, split) = if v > 1 { ("interleaved", "compute") } else { ("1f1b", "memory") };
+        sets.push(format!("train.pipeline_schedule=\"{schedule}\""));
+        sets.push(format!("train.pipeline_virtual_stages={v}"));
+        sets.push(format!("train.pipeline_split=\"{split}\""));
         sets.push("train.pipeline_layers=[]".to_string());
     }
     (c, sets)
 }
 
 /// A candidate's memory and step time; `None` when the engine refuses it.
-fn evaluate(
-    base: &Config,
-    hw: &Hardware,
-    mesh: &Mesh,
-    remat: Remat,
-    split: (usize, usize, usize),
-    devices: usize,
-) -> Option<Row> {
+fn evaluate(base: &Config, hw: &Hardware, mesh: &Mesh, remat: Remat, split: Split, devices: usize) -> Option<Row> {
     let (c, sets) = configure(base, mesh, remat, split);
     let plan = ParallelPlan::resolve(&c, hw.devices_per_node, hw.nodes).ok()?;
     let memory = plan.estimate(&c, Target::Cuda { sm_count: 132 }).total();
-    let (mb, count, accum) = split;
+    let Split { mb, count, accum, virtual_stages } = split;
     let bubble = plan.bubble_fraction();
     let m = &c.model;
     let seq_len = c.train.seq_len;
@@ -265,7 +284,8 @@ fn evaluate(
     // FSDP shards over fsdp × seq.
     let fsdp = micro * 3.0 * ring(f * s) * params * 4.0;
     let data = 2.0 * ring(d) * params / (f * s) * 4.0;
-    let pipeline = if mesh.p > 1 { micro * 2.0 * local_tokens * m.d_model as f64 * 2.0 } else { 0.0 };
+    let pipeline =
+        if mesh.p > 1 { virtual_stages as f64 * micro * 2.0 * local_tokens * m.d_model as f64 * 2.0 } else { 0.0 };
     let link = |dcn: bool| if dcn { hw.dcn_bytes_per_s } else { hw.ici_bytes_per_s };
     let comm = tensor / link(false)
         + seq / link(false)
@@ -277,7 +297,10 @@ fn evaluate(
         memory_per_device_bytes: memory,
         step_time_estimate_s: compute + comm,
         bubble,
-        mesh: format!("{} x {} x {} x {} x {}", d, f, mesh.t, mesh.p, mesh.s),
+        mesh: match virtual_stages {
+            1 => format!("{} x {} x {} x {} x {}", d, f, mesh.t, mesh.p, mesh.s),
+            v => format!("{} x {} x {} x {}(V{v}) x {}", d, f, mesh.t, mesh.p, mesh.s),
+        },
     })
 }
 
@@ -319,5 +342,45 @@ mod tests {
         }
         let best = &plans.fits[0];
         assert!(best.memory_per_device_bytes + (1 << 30) <= 80 << 30);
+    }
+
+    /// With stages, the search weighs interleaved 1F1B: a row with two virtual stages has the
+    /// smaller bubble (P − 1)/(V·M + P − 1) of its one-stage twin, and its `sets` reproduce it.
+    #[test]
+    fn stages_are_also_searched_interleaved() {
+        let c = resolve("llama3.1-70b", &Override::from_list("train.seq_len=8192", "test")).unwrap().config;
+        let plans = search(&c, &h100(4, 80), 32).unwrap();
+        let pipeline_keys = ["train.pipeline_schedule", "train.pipeline_virtual_stages", "train.pipeline_split"];
+        let others = |row: &Row| -> Vec<String> {
+            row.sets.iter().filter(|s| !pipeline_keys.iter().any(|k| s.starts_with(k))).cloned().collect()
+        };
+        let set = |row: &Row, key: &str| -> String {
+            row.sets.iter().find_map(|s| s.strip_prefix(&format!("{key}="))).unwrap().to_string()
+        };
+        let two = plans
+            .fits
+            .iter()
+            .find(|r| r.sets.contains(&"train.pipeline_virtual_stages=2".to_string()))
+            .expect("no interleaved plan fits");
+        assert!(two.sets.contains(&"train.pipeline_schedule=\"interleaved\"".to_string()), "{:?}", two.sets);
+        let one = plans
+            .fits
+            .iter()
+            .find(|r| r.sets.contains(&"train.pipeline_virtual_stages=1".to_string()) && others(r) == others(two))
+            .expect("the interleaved plan's one-stage twin does not fit");
+        let (p, m) = (
+            set(two, "mesh.dcn_pipeline").parse::<f64>().unwrap(),
+            set(two, "train.pipeline_microbatches").parse::<f64>().unwrap(),
+        );
+        assert!((two.bubble - (p - 1.0) / (2.0 * m + p - 1.0)).abs() < 1e-12, "bubble {}", two.bubble);
+        assert!(two.bubble < one.bubble, "{} against {}", two.bubble, one.bubble);
+        // Its sets give the same plan.
+        let sets = two.sets.join(" ");
+        let again = resolve("llama3.1-70b", &Override::from_list(&format!("train.seq_len=8192 {sets}"), "test"))
+            .unwrap()
+            .config;
+        let plan = ParallelPlan::resolve(&again, 8, 4).unwrap();
+        assert_eq!(plan.virtual_stages, 2);
+        assert_eq!(plan.estimate(&again, Target::Cuda { sm_count: 132 }).total(), two.memory_per_device_bytes);
     }
 }
