@@ -9,7 +9,7 @@
 //! - **FSDP / ZeRO-3.** Each unit of the flat buffers (embedding, each layer, head) is cut into
 //!   `F` equal pieces, one per device of the fsdp group; a device keeps only its pieces of the
 //!   parameters, gradients and both AdamW moments: no device holds the whole model. A unit's
-//!   parameters are all-gathered into a buffer lent for the time of their use ([`Slots`]): the
+//!   parameters are all-gathered into a buffer lent for the time of their use ([`Loans`]): the
 //!   forward pass releases each layer's as soon as it is done (unless
 //!   `mesh.fsdp_reshard_after_forward` is off, FSDP2's option, which keeps them until the
 //!   backward pass is done with them), the backward pass gathers them again. The next unit's
@@ -94,9 +94,9 @@ struct Fsdp {
     params: View,
     grads: View,
     /// Gathered parameters of the units in use.
-    gathered: Slots,
+    gathered: Loans,
     /// Gradients of the units the backward pass is writing.
-    accumulating: Slots,
+    accumulating: Loans,
     /// The unit whose gather was started ahead of its use and not yet waited for.
     prefetched: Option<usize>,
     options: FsdpOptions,
@@ -152,7 +152,7 @@ impl<B: Backend> Parallel<B> {
         let fsdp = (fsdp_group.len() > 1).then(|| Fsdp::new(be, layout, fsdp_group.len(), me, fsdp_options));
         let segments =
             layout.tensors.iter().map(|t| Segment { offset: t.offset, len: t.len(), decay: t.decay }).collect();
-        // Two scalars for the tensor axis's sums, and the slots of `gather_from_world`.
+        // Two scalars for the tensor axis's sums, and the limbs of `gather_from_world`.
         let scratch = be.alloc(BufKind::Scalars, 2.max(3 * mesh.devices()));
         Parallel {
             comm,
@@ -377,21 +377,21 @@ impl<B: Backend> Parallel<B> {
     }
 
     /// `value` of every device of the mesh, in rank order, exactly (integers below 2^48: each
-    /// travels as three 16-bit limbs in its own slots of a buffer summed over the mesh, sums
+    /// travels as three 16-bit limbs in its own place of a buffer summed over the mesh, sums
     /// that f32 holds exactly). Every device calls it at the same point.
     pub fn gather_from_world(&mut self, be: &mut B, value: u64) -> Vec<u64> {
         assert!(value < 1 << 48, "gather_from_world: {value} does not fit 48 bits");
         let world = self.mesh.devices();
         // Allocated once with the scratch: this runs at every step boundary.
-        let slots = self.scratch.at(0, 3 * world);
+        let buf = self.scratch.at(0, 3 * world);
         let mut limbs = vec![0f32; 3 * world];
         for (i, limb) in limbs[3 * self.rank..3 * self.rank + 3].iter_mut().enumerate() {
             *limb = ((value >> (16 * i)) & 0xffff) as f32;
         }
-        be.upload(slots, &limbs);
+        be.upload(buf, &limbs);
         let group: Vec<usize> = (0..world).collect();
-        self.comm.all_reduce_sum(be, slots, &group);
-        be.download(slots, &mut limbs);
+        self.comm.all_reduce_sum(be, buf, &group);
+        be.download(buf, &mut limbs);
         limbs.chunks_exact(3).map(|l| l.iter().rev().fold(0u64, |acc, &x| (acc << 16) | x as u64)).collect()
     }
 
@@ -616,46 +616,50 @@ impl FsdpOptions {
     }
 }
 
-/// Buffers lent to units for the time of a use, each of a class ([`Lending`]).
-struct Slots {
+/// FSDP's loans: buffers lent to units for the time of a use, each of a class ([`Lending`]).
+/// (A pipeline's "slots", [`crate::parallel::pipeline`], are another thing: the activations
+/// of a micro-batch in flight.)
+struct Loans {
     bufs: Vec<View>,
     class: Vec<usize>,
-    holder: Vec<Option<usize>>,
+    /// The unit each buffer is lent to.
+    borrower: Vec<Option<usize>>,
     /// The class of each unit.
     unit_class: Vec<usize>,
 }
 
-impl Slots {
-    fn new<B: Backend>(be: &mut B, kind: BufKind, sizes: &[(usize, usize)], unit_class: Vec<usize>) -> Slots {
-        Slots {
+impl Loans {
+    fn new<B: Backend>(be: &mut B, kind: BufKind, sizes: &[(usize, usize)], unit_class: Vec<usize>) -> Loans {
+        Loans {
             bufs: sizes.iter().map(|&(_, len)| be.alloc(kind, len)).collect(),
             class: sizes.iter().map(|s| s.0).collect(),
-            holder: vec![None; sizes.len()],
+            borrower: vec![None; sizes.len()],
             unit_class,
         }
     }
 
-    /// The buffer unit `u` holds, if any.
+    /// The buffer lent to unit `u`, if any.
     fn find(&self, u: usize) -> Option<View> {
-        self.holder.iter().position(|&h| h == Some(u)).map(|i| self.bufs[i])
+        self.borrower.iter().position(|&b| b == Some(u)).map(|i| self.bufs[i])
     }
 
     /// Lends unit `u` a free buffer of its class.
     fn take(&mut self, u: usize) -> View {
         let class = self.unit_class[u];
         let i = (0..self.bufs.len())
-            .find(|&i| self.class[i] == class && self.holder[i].is_none())
+            .find(|&i| self.class[i] == class && self.borrower[i].is_none())
             .unwrap_or_else(|| panic!("internal error: no free FSDP buffer of class {class} for unit {u}"));
-        self.holder[i] = Some(u);
+        self.borrower[i] = Some(u);
         self.bufs[i]
     }
 
+    /// Takes back the buffer lent to unit `u`.
     fn release(&mut self, u: usize) {
-        self.holder.iter_mut().filter(|h| **h == Some(u)).for_each(|h| *h = None);
+        self.borrower.iter_mut().filter(|b| **b == Some(u)).for_each(|b| *b = None);
     }
 
     fn release_all(&mut self) {
-        self.holder.fill(None);
+        self.borrower.fill(None);
     }
 }
 
@@ -664,8 +668,8 @@ impl Fsdp {
         let (units, len) = fsdp_pieces(layout, size);
         let (params, grads) = (be.alloc(BufKind::Params, len), be.alloc(BufKind::Grads, len));
         let lending = Lending::new(&units, size, layout.tied, options);
-        let gathered = Slots::new(be, BufKind::Params, &lending.params, lending.param_class);
-        let accumulating = Slots::new(be, BufKind::Grads, &lending.grads, lending.grad_class);
+        let gathered = Loans::new(be, BufKind::Params, &lending.params, lending.param_class);
+        let accumulating = Loans::new(be, BufKind::Grads, &lending.grads, lending.grad_class);
         let mut f =
             Fsdp { units, params, grads, gathered, accumulating, prefetched: None, options, segments: Vec::new(), me };
         // Each tensor's parts in this device's pieces, in shard order.
