@@ -429,10 +429,22 @@ pub trait Backend {
     /// axis ([`SeqSplit`]): `qkv_all` holds every rank's rows, rank-major (`[ranks, batch, seq,
     /// W]`, `shape.seq` being the rows of a sequence on one rank: two chunks), as an all-gather
     /// leaves them; the queries are `split.rank`'s rows, each at its true position, and see the
-    /// keys of every rank up to that position (the causal mask over each pair of chunks).
-    fn attention_forward_split(&mut self, out: View, lse: View, qkv_all: View, shape: AttnShape, split: SeqSplit) {
+    /// keys of every rank up to that position (the causal mask over each pair of chunks). Under
+    /// document masking, `bounds` are the whole sequences' ([`Backend::document_bounds_split`]).
+    fn attention_forward_split(
+        &mut self,
+        out: View,
+        lse: View,
+        qkv_all: View,
+        shape: AttnShape,
+        split: SeqSplit,
+        bounds: Option<IdxView>,
+    ) {
         assert_eq!(split.ranks, 1, "this backend's attention does not take chunk offsets (sequence axis)");
-        self.attention_forward(out, lse, qkv_all, shape)
+        match bounds {
+            Some(bounds) => self.attention_forward_docs(out, lse, qkv_all, shape, bounds),
+            None => self.attention_forward(out, lse, qkv_all, shape),
+        }
     }
     /// Gradient of [`Backend::attention_forward_split`] with respect to every rank's rows
     /// (`dqkv_all`, laid out as `qkv_all`, `=`): the queries' gradient on `split.rank`'s rows
@@ -448,9 +460,13 @@ pub trait Backend {
         lse: View,
         shape: AttnShape,
         split: SeqSplit,
+        bounds: Option<IdxView>,
     ) {
         assert_eq!(split.ranks, 1, "this backend's attention does not take chunk offsets (sequence axis)");
-        self.attention_backward(dqkv_all, dout, qkv_all, out, lse, shape)
+        match bounds {
+            Some(bounds) => self.attention_backward_docs(dqkv_all, dout, qkv_all, out, lse, shape, bounds),
+            None => self.attention_backward(dqkv_all, dout, qkv_all, out, lse, shape),
+        }
     }
 
     /// Document masking of packed sequences (`data.document_mask`), from the `[N]` tokens of
@@ -461,6 +477,24 @@ pub trait Backend {
     /// `positions`, also `positions[r] = i - bounds[r]`: positions restarted at each document
     /// (`data.reset_positions`).
     fn document_bounds(&mut self, bounds: IdxView, positions: Option<IdxView>, tokens: IdxView, seq: usize, eos: u32);
+    /// [`Backend::document_bounds`] on a sequence axis: `tokens` are the whole sequences
+    /// (`[batch · seq · split.ranks]`, in order), so that a rank sees the EOS in the other ranks'
+    /// chunks; `bounds` (`[2 · batch · seq · split.ranks]`) are the whole sequences', by true
+    /// position, and `positions` (`[batch · seq]`) `split.rank`'s rows' (`seq` rows of a
+    /// sequence on one rank: its two chunks).
+    #[allow(clippy::too_many_arguments)]
+    fn document_bounds_split(
+        &mut self,
+        bounds: IdxView,
+        positions: Option<IdxView>,
+        tokens: IdxView,
+        seq: usize,
+        split: SeqSplit,
+        eos: u32,
+    ) {
+        assert_eq!(split.ranks, 1, "this backend's document masking does not take chunk offsets (sequence axis)");
+        self.document_bounds(bounds, positions, tokens, seq, eos)
+    }
     /// [`Backend::attention_forward`] under document masking: query i sees key j only when
     /// `bounds[i] <= j` too, that is only its own document's keys (`bounds`, `[2N]`, from
     /// [`Backend::document_bounds`]).

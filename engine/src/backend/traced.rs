@@ -183,8 +183,16 @@ impl<B: Backend> Backend for Traced<B> {
     fn splits_sequences(&self) -> bool {
         self.inner.splits_sequences()
     }
-    fn attention_forward_split(&mut self, out: View, lse: View, qkv_all: View, shape: AttnShape, split: SeqSplit) {
-        self.time("attention_forward", |b| b.attention_forward_split(out, lse, qkv_all, shape, split))
+    fn attention_forward_split(
+        &mut self,
+        out: View,
+        lse: View,
+        qkv_all: View,
+        shape: AttnShape,
+        split: SeqSplit,
+        bounds: Option<IdxView>,
+    ) {
+        self.time("attention_forward", |b| b.attention_forward_split(out, lse, qkv_all, shape, split, bounds))
     }
     fn attention_backward_split(
         &mut self,
@@ -195,11 +203,25 @@ impl<B: Backend> Backend for Traced<B> {
         lse: View,
         shape: AttnShape,
         split: SeqSplit,
+        bounds: Option<IdxView>,
     ) {
-        self.time("attention_backward", |b| b.attention_backward_split(dqkv_all, dout, qkv_all, out, lse, shape, split))
+        self.time("attention_backward", |b| {
+            b.attention_backward_split(dqkv_all, dout, qkv_all, out, lse, shape, split, bounds)
+        })
     }
     fn document_bounds(&mut self, bounds: IdxView, positions: Option<IdxView>, tokens: IdxView, seq: usize, eos: u32) {
         self.time("document_bounds", |b| b.document_bounds(bounds, positions, tokens, seq, eos))
+    }
+    fn document_bounds_split(
+        &mut self,
+        bounds: IdxView,
+        positions: Option<IdxView>,
+        tokens: IdxView,
+        seq: usize,
+        split: SeqSplit,
+        eos: u32,
+    ) {
+        self.time("document_bounds", |b| b.document_bounds_split(bounds, positions, tokens, seq, split, eos))
     }
     fn attention_forward_docs(&mut self, out: View, lse: View, qkv: View, shape: AttnShape, bounds: IdxView) {
         self.time("attention_forward", |b| b.attention_forward_docs(out, lse, qkv, shape, bounds))

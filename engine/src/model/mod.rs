@@ -311,8 +311,11 @@ pub struct Plan {
     positions: IdxView,
     /// `[2N]` where each token's document begins in its sequence, then where it ends (document
     /// masking, [`Backend::document_bounds`]; empty without), from the tokens at every forward
-    /// pass.
+    /// pass; on a seq axis, `[2 · ranks · N]`: the whole sequences', by true position.
     bounds: IdxView,
+    /// `[ranks · N]` the whole sequences' tokens, for document masking on a seq axis (empty
+    /// otherwise): each device finds the EOS of every chunk in them.
+    pub whole_tokens: IdxView,
     /// `[ranks · N, (H + 2 KV) · Dh]` every seq rank's q, k and v rows, gathered for attention
     /// (empty without a sequence axis); shared by the layers and the slots.
     qkv_all: View,
@@ -521,13 +524,24 @@ impl Model {
     /// the positions of the GPT family.
     fn extra_idx_len(&self, n: usize) -> usize {
         let positions = if self.config.is_gpt() { n } else { 0 };
-        let bounds = if self.documents.is_some() { 2 * n } else { 0 };
+        let (bounds, whole) = self.document_idx_len(n);
         positions
             + bounds
+            + whole
             + match &self.config.moe {
                 None => 0,
                 Some(moe) => self.layout.layers.len() * (3 * n * moe.top_k + moe.num_experts + 1),
             }
+    }
+
+    /// Index entries of document masking for `n` rows: the bounds, and the whole sequences'
+    /// tokens on a seq axis.
+    fn document_idx_len(&self, n: usize) -> (usize, usize) {
+        match (self.documents, self.seq.ranks) {
+            (None, _) => (0, 0),
+            (Some(_), 1) => (2 * n, 0),
+            (Some(_), ranks) => (2 * ranks * n, ranks * n),
+        }
     }
 
     /// Carves every activation out of `take` (kind, length), in a fixed order (run once to
@@ -555,7 +569,9 @@ impl Model {
         // The GPT family: positions, LayerNorm's two statistics per row, `c_fc`'s F columns.
         let gpt = m.is_gpt();
         let positions = take_idx(if gpt { n } else { 0 });
-        let bounds = take_idx(if self.documents.is_some() { 2 * n } else { 0 });
+        let (bounds_len, whole_len) = self.document_idx_len(n);
+        let bounds = take_idx(bounds_len);
+        let whole_tokens = take_idx(whole_len);
         let (stats, up) = if gpt { (2, f) } else { (1, 2 * f) };
         // Which activations one buffer serves for all layers: the cheap ones under `minimal`,
         // all but the layer input (and the routing tables) under `full`.
@@ -637,6 +653,7 @@ impl Model {
             targets: idx.at(n, n),
             positions,
             bounds,
+            whole_tokens,
             qkv_all,
             dqkv_all,
             ones: take(A, if gpt { n } else { 0 }),
@@ -678,9 +695,14 @@ impl Model {
         ex.pass_begins(be, fwd);
         if let Some(docs) = self.documents {
             // Every stage's attention reads the bounds; the first stage's embedding the positions.
-            assert_eq!(self.seq.ranks, 1, "internal error: document masking under a sequence axis");
             let positions = docs.reset_positions.then_some(p.positions);
-            be.document_bounds(p.bounds, positions, p.tokens, p.seq, docs.eos);
+            if self.seq.ranks > 1 {
+                // From the whole sequences, which every device of the axis reads (the EOS of
+                // the others' chunks bound its queries and positions); no exchange needed.
+                be.document_bounds_split(p.bounds, positions, p.whole_tokens, p.seq, self.seq, docs.eos);
+            } else {
+                be.document_bounds(p.bounds, positions, p.tokens, p.seq, docs.eos);
+            }
         }
         // A later stage's input (and the routing statistics so far) came from the stage before.
         if stage.first {
@@ -763,7 +785,8 @@ impl Model {
         }
         if self.seq.ranks > 1 {
             ex.seq_gather(be, a.qkv, p.qkv_all);
-            be.attention_forward_split(a.attn, a.lse, p.qkv_all, shape, self.seq);
+            let bounds = self.documents.map(|_| p.bounds);
+            be.attention_forward_split(a.attn, a.lse, p.qkv_all, shape, self.seq, bounds);
         } else if self.documents.is_some() {
             be.attention_forward_docs(a.attn, a.lse, a.qkv, shape, p.bounds);
         } else {
@@ -981,7 +1004,8 @@ impl Model {
                 // The keys and values of every rank again (the forward pass's are another
                 // layer's by now), and the gradients of every rank's summed back to their owners.
                 ex.seq_gather(be, a.qkv, p.qkv_all);
-                be.attention_backward_split(p.dqkv_all, p.dattn, p.qkv_all, a.attn, a.lse, shape, self.seq);
+                let bounds = self.documents.map(|_| p.bounds);
+                be.attention_backward_split(p.dqkv_all, p.dattn, p.qkv_all, a.attn, a.lse, shape, self.seq, bounds);
                 ex.seq_scatter_sum(be, p.dqkv_all, p.dqkv);
             } else if self.documents.is_some() {
                 be.attention_backward_docs(p.dqkv, p.dattn, a.qkv, a.attn, a.lse, shape, p.bounds);

@@ -643,11 +643,11 @@ mod tests {
             want.iter().zip(got).all(|(w, g)| (w - g).abs() <= 1e-5 * w.abs())
         }
 
-        /// Losses on `devices` devices, with a wrong chunk offset injected if `fault`.
-        fn losses(c: &Config, devices: usize, fault: bool) -> Vec<f64> {
+        /// Losses on `devices` devices, with `fault` injected on every device.
+        fn losses(c: &Config, devices: usize, fault: Option<Fault>) -> Vec<f64> {
             let runs = run(c, devices, |_, t| {
-                if fault {
-                    t.fault = Some(Fault::ChunkOffset);
+                t.fault = fault;
+                if fault == Some(Fault::ChunkOffset) {
                     t.wrong_chunk_offset();
                 }
                 Ok((0..c.train.steps).map(|_| t.train_step(0.0).loss).collect::<Vec<f64>>())
@@ -663,15 +663,15 @@ mod tests {
         fn seq_two_and_seq_two_by_fsdp_two_follow_one_device() {
             let c = seq_config("tiny-llama2", &["mesh.ici_seq=2", "train.batch_size=1"]);
             let want = single(&c, 2);
-            assert_same_curve("seq=2", &want, &losses(&c, 2, false));
-            assert!(!same(&want, &losses(&c, 2, true)), "a wrong chunk offset went unnoticed");
+            assert_same_curve("seq=2", &want, &losses(&c, 2, None));
+            assert!(!same(&want, &losses(&c, 2, Some(Fault::ChunkOffset))), "a wrong chunk offset went unnoticed");
             let sf = seq_config("tiny-llama2", &["mesh.ici_seq=2", "mesh.ici_fsdp=2", "train.batch_size=1"]);
-            assert_same_curve("seq=2 x fsdp=2", &single(&sf, 4), &losses(&sf, 4, false));
+            assert_same_curve("seq=2 x fsdp=2", &single(&sf, 4), &losses(&sf, 4, None));
             let w = seq_config("tiny-mistral", &["mesh.ici_seq=2", "model.sliding_window=12", "train.remat=\"full\""]);
-            assert_same_curve("mistral seq=2, window 12, remat full", &single(&w, 2), &losses(&w, 2, false));
+            assert_same_curve("mistral seq=2, window 12, remat full", &single(&w, 2), &losses(&w, 2, None));
             // GPT: learned positions at the chunks' true positions.
             let gpt = config("tiny-gpt", &["train.steps=5", "mesh.ici_data=1", "mesh.ici_seq=2"]);
-            assert_same_curve("gpt seq=2", &single(&gpt, 2), &losses(&gpt, 2, false));
+            assert_same_curve("gpt seq=2", &single(&gpt, 2), &losses(&gpt, 2, None));
             // Evaluation: each device's chunks, summed over the axis.
             let mut one = c.clone();
             one.train.batch_size *= 2;
@@ -682,15 +682,58 @@ mod tests {
             }
         }
 
+        /// Document masking on a seq axis: seq 2 and seq 2 x fsdp 2, and GPT with positions
+        /// restarted at each document, follow one device training the same global batch, and
+        /// so does evaluation; a device that bounds documents by the EOS of its own chunks
+        /// alone does not.
+        #[test]
+        fn document_masking_on_seq_two_and_seq_two_by_fsdp_two_follows_one_device() {
+            let dir = std::env::temp_dir().join(format!("engine-seq-documents-{}", std::process::id()));
+            std::fs::create_dir_all(&dir).unwrap();
+            let shard = dir.join("shard-00000.tok");
+            // Documents of 3 to 19 tokens and their EOS (1): several per sequence of 32, across
+            // the chunks of 8.
+            let mut w = crate::data::shard::ShardWriter::create(&shard, 512, 1).unwrap();
+            for d in 0..200u32 {
+                let doc: Vec<u32> = (0..3 + d % 17).map(|i| (d * 31 + i * 7) % 500 + 2).chain([1]).collect();
+                w.push_document(&doc).unwrap();
+            }
+            w.finish().unwrap();
+            let data = format!("data.source=shards data.path={} data.document_mask=true", shard.display());
+            let c = seq_config("tiny-llama2", &["mesh.ici_seq=2", "train.batch_size=1", &data]);
+            let want = single(&c, 2);
+            assert_same_curve("documents, seq=2", &want, &losses(&c, 2, None));
+            let local = Some(Fault::LocalDocuments);
+            assert!(!same(&want, &losses(&c, 2, local)), "documents bounded by each device's chunks went unnoticed");
+            let sf = seq_config("tiny-llama2", &["mesh.ici_seq=2", "mesh.ici_fsdp=2", "train.batch_size=1", &data]);
+            assert_same_curve("documents, seq=2 x fsdp=2", &single(&sf, 4), &losses(&sf, 4, None));
+            let reset = format!("{data} data.reset_positions=true");
+            let gpt = config("tiny-gpt", &["train.steps=5", "mesh.ici_data=1", "mesh.ici_seq=2", &reset]);
+            let want = single(&gpt, 2);
+            assert_same_curve("documents, gpt seq=2, reset positions", &want, &losses(&gpt, 2, None));
+            assert!(
+                !same(&want, &losses(&gpt, 2, local)),
+                "gpt: documents bounded by each device's chunks went unnoticed"
+            );
+            let mut one = c.clone();
+            one.train.batch_size *= 2;
+            let want = Trainer::new(Traced::new(Cpu::new()), &one).unwrap().eval_loss(2);
+            for (eval, tokens) in run(&c, 2, |_, t| Ok(t.eval_loss(2))).unwrap() {
+                assert_eq!(tokens, want.1);
+                assert!((eval - want.0).abs() <= 1e-5 * want.0, "documents: eval {eval}, one device {}", want.0);
+            }
+            std::fs::remove_dir_all(&dir).ok();
+        }
+
         /// seq 2 x tensor 2 x pipeline 2 on 8 devices, Llama and Mixtral (whose routing
         /// statistics add up over the chunks).
         #[test]
         fn seq_tensor_and_pipeline_on_eight_devices_follow_one_device() {
             let mesh = ["mesh.ici_seq=2", "mesh.ici_tensor=2", "mesh.ici_pipeline=2", "model.n_layers=2"];
             let c = seq_config("tiny-llama2", &[&mesh[..], &["train.batch_size=0.25"]].concat());
-            assert_same_curve("seq=2 x tensor=2 x pipeline=2", &single(&c, 8), &losses(&c, 8, false));
+            assert_same_curve("seq=2 x tensor=2 x pipeline=2", &single(&c, 8), &losses(&c, 8, None));
             let c = seq_config("tiny-mixtral", &[&mesh[..], &["train.batch_size=0.25"]].concat());
-            assert_same_curve("mixtral seq=2 x tensor=2 x pipeline=2", &single(&c, 8), &losses(&c, 8, false));
+            assert_same_curve("mixtral seq=2 x tensor=2 x pipeline=2", &single(&c, 8), &losses(&c, 8, None));
         }
 
         /// A checkpoint saved on seq 2 x fsdp 2 resumes on one device, and one saved on one

@@ -2,6 +2,7 @@
 //! scalars, the printed line and, on an interactive terminal, a progress bar. Only the lead
 //! device of a run logs; the others hold a quiet logger.
 
+use std::borrow::Cow;
 use std::io::IsTerminal;
 use std::path::Path;
 
@@ -74,7 +75,8 @@ impl MetricsLogger {
     pub fn step(&mut self, m: &StepMetrics) -> Result<()> {
         if let Some((metrics, events)) = &mut self.files {
             metrics.write(m)?;
-            events.scalars(m.step, &scalars(m))?;
+            let scalars = scalars(m);
+            events.scalars(m.step, &scalars.iter().map(|(tag, v)| (tag.as_ref(), *v)).collect::<Vec<_>>())?;
         }
         self.say(&m.line(self.total_steps));
         if let Some(bar) = &self.bar {
@@ -100,9 +102,10 @@ impl MetricsLogger {
     }
 }
 
-/// The TensorBoard scalars of a step.
-fn scalars(m: &StepMetrics) -> Vec<(&'static str, f64)> {
-    let mut v = vec![
+/// The TensorBoard scalars of a step; with a mixture, `data/tokens/<source>`: the tokens trained
+/// on from each source so far (the summary's `tokens_by_source`), one curve per source.
+fn scalars(m: &StepMetrics) -> Vec<(Cow<'static, str>, f64)> {
+    let mut v: Vec<(Cow<'static, str>, f64)> = [
         ("loss", m.loss),
         ("lr", m.lr),
         ("grad_norm", m.grad_norm),
@@ -110,11 +113,17 @@ fn scalars(m: &StepMetrics) -> Vec<(&'static str, f64)> {
         ("tokens_per_s", m.tokens_per_s),
         ("tflops", m.tflops_per_device),
         ("mfu", m.mfu),
-    ];
-    v.extend(m.aux_loss.map(|a| ("aux_loss", a)));
-    v.extend(m.eval_loss.map(|e| ("eval_loss", e)));
-    v.extend(m.slowest_rank.map(|r| ("slowest_rank", r as f64)));
-    v.extend(m.slowest_step_time_s.map(|s| ("slowest_step_time_s", s)));
+    ]
+    .into_iter()
+    .map(|(tag, x)| (tag.into(), x))
+    .collect();
+    v.extend(m.aux_loss.map(|a| ("aux_loss".into(), a)));
+    v.extend(m.eval_loss.map(|e| ("eval_loss".into(), e)));
+    v.extend(m.slowest_rank.map(|r| ("slowest_rank".into(), r as f64)));
+    v.extend(m.slowest_step_time_s.map(|s| ("slowest_step_time_s".into(), s)));
+    for (source, tokens) in m.tokens_by_source.iter().flatten() {
+        v.push((format!("data/tokens/{source}").into(), *tokens as f64));
+    }
     v
 }
 
@@ -133,4 +142,53 @@ fn forget_steps_after(path: &Path, step: u64) -> Result<()> {
         .map(|l| format!("{l}\n"))
         .collect();
     write_atomic(path, kept.as_bytes()).with_context(|| format!("cannot rewrite {}", path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A mixture's tokens by source reach TensorBoard as one scalar each, `data/tokens/<source>`,
+    /// written into the event file; without a mixture there are none.
+    #[test]
+    fn tokens_by_source_are_scalars_of_their_own() {
+        let mut m = StepMetrics {
+            step: 7,
+            applied: true,
+            loss: 2.0,
+            aux_loss: None,
+            lr: 1e-3,
+            grad_norm: 1.0,
+            step_time_s: 0.1,
+            tokens_per_s: 10.0,
+            tflops_per_device: 0.0,
+            mfu: 0.0,
+            eval_loss: None,
+            tokens_by_source: None,
+            checkpoint_s: None,
+            slowest_rank: None,
+            slowest_step_time_s: None,
+        };
+        assert!(scalars(&m).iter().all(|(tag, _)| !tag.starts_with("data/")));
+        m.tokens_by_source = Some([("c4".to_string(), 3072u64), ("code".to_string(), 1024)].into());
+        let got: Vec<(String, f64)> = scalars(&m).into_iter().map(|(t, v)| (t.into_owned(), v)).collect();
+        assert!(got.contains(&("data/tokens/c4".into(), 3072.0)), "{got:?}");
+        assert!(got.contains(&("data/tokens/code".into(), 1024.0)), "{got:?}");
+        let dir = tempfile::tempdir().unwrap();
+        let run_dir = RunDir::at(dir.path().join("run"));
+        std::fs::create_dir_all(run_dir.path()).unwrap();
+        let mut logger = MetricsLogger::open(&run_dir, 0, 10).unwrap();
+        logger.quiet = true;
+        logger.step(&m).unwrap();
+        let events = std::fs::read_dir(run_dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .find(|p| p.file_name().unwrap().to_string_lossy().starts_with("events.out.tfevents"))
+            .unwrap();
+        let bytes = std::fs::read(events).unwrap();
+        for (tag, tokens) in [("data/tokens/c4", 3072f32), ("data/tokens/code", 1024.0)] {
+            let at = bytes.windows(tag.len()).position(|w| w == tag.as_bytes()).unwrap_or_else(|| panic!("{tag}"));
+            assert!(bytes[at..].windows(4).any(|w| w == tokens.to_le_bytes()), "{tag}'s value");
+        }
+    }
 }

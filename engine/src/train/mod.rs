@@ -274,7 +274,9 @@ impl<B: Backend> Trainer<B> {
                             0 => [&self.tokens, &self.targets],
                             _ => [&self.stashed[mb][0], &self.stashed[mb][1]],
                         };
-                        upload_chunks(be, p.tokens, tokens, rows, &mut self.local);
+                        #[cfg(test)]
+                        let tokens = &local_documents_only(self.fault, tokens, rows, self.model.documents);
+                        upload_tokens(be, p, tokens, rows, &mut self.local);
                         if last_chunk {
                             upload_chunks(be, p.targets, targets, rows, &mut self.local);
                         }
@@ -436,6 +438,29 @@ pub(crate) enum Fault {
     StaleActivation,
     /// A seq axis's devices give their late chunk a wrong offset ([`Trainer::wrong_chunk_offset`]).
     ChunkOffset,
+    /// Document masking on a seq axis: each device finds the EOS of its own chunks only.
+    LocalDocuments,
+}
+
+/// Under [`Fault::LocalDocuments`], the whole sequences as a device that knew only its own
+/// chunks (`rows`) would bound documents: every EOS of the others' chunks turned into another
+/// token. `tokens` unchanged otherwise.
+#[cfg(test)]
+fn local_documents_only(
+    fault: Option<Fault>,
+    tokens: &[u32],
+    (positions, seq_len): (&[usize], usize),
+    documents: Option<crate::model::Documents>,
+) -> Vec<u32> {
+    let mut out = tokens.to_vec();
+    if let (Some(Fault::LocalDocuments), Some(docs)) = (fault, documents) {
+        for (i, t) in out.iter_mut().enumerate() {
+            if *t == docs.eos && !positions.contains(&(i % seq_len)) {
+                *t = docs.eos.wrapping_add(1);
+            }
+        }
+    }
+    out
 }
 
 #[cfg(test)]
@@ -450,6 +475,17 @@ impl<B: Backend> Trainer<B> {
             self.model.set_positions(&mut self.backend, p, &wrong);
         }
         self.chunk_positions = wrong;
+    }
+}
+
+/// Uploads a pass's tokens: this device's rows ([`upload_chunks`]) and, for document masking on
+/// a seq axis, the whole sequences too ([`Plan::whole_tokens`]). Every device of the axis reads
+/// the whole sequences already (it keeps two chunks of each), so it finds the EOS of the
+/// others' chunks there, without an exchange.
+fn upload_tokens<B: Backend>(be: &mut B, p: &Plan, whole: &[u32], rows: (&[usize], usize), scratch: &mut Vec<u32>) {
+    upload_chunks(be, p.tokens, whole, rows, scratch);
+    if p.whole_tokens.len > 0 {
+        be.upload_idx(p.whole_tokens, whole);
     }
 }
 
@@ -561,7 +597,7 @@ impl<B: Backend> Trainer<B> {
                 // Through this device's virtual stages in order (the stage itself without).
                 for (v, chunk) in self.chunks.iter().enumerate() {
                     let (p, stage) = (slot(&self.plan, &self.chunks, v, 0), chunk.model.stage());
-                    upload_chunks(be, p.tokens, &self.tokens, rows, &mut self.local);
+                    upload_tokens(be, p, &self.tokens, rows, &mut self.local);
                     if v + 1 == self.chunks.len() {
                         upload_chunks(be, p.targets, &self.targets, rows, &mut self.local);
                     }

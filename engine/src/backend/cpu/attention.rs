@@ -137,19 +137,37 @@ pub fn document_bounds(bounds: &mut [u32], mut positions: Option<&mut [u32]>, to
     }
 }
 
+/// [`document_bounds`] on a sequence axis: `tokens` are the whole sequences (of
+/// `seq · split.ranks` tokens), `bounds` theirs (by true position), and `positions` those of
+/// `split.rank`'s `seq` rows of each sequence (its two chunks), measured from their documents'
+/// starts, which an EOS in another rank's chunk may set.
+pub fn document_bounds_split(
+    bounds: &mut [u32],
+    positions: Option<&mut [u32]>,
+    tokens: &[u32],
+    seq: usize,
+    split: SeqSplit,
+    eos: u32,
+) {
+    let len = seq * split.ranks;
+    document_bounds(bounds, None, tokens, len, eos);
+    if let Some(p) = positions {
+        assert_eq!(p.len() * split.ranks, tokens.len(), "internal error: document positions length");
+        for (r, p) in p.iter_mut().enumerate() {
+            let (b, pos) = (r / seq, split.position(split.rank, r % seq, seq));
+            *p = (pos - bounds[b * len + pos] as usize) as u32;
+        }
+    }
+}
+
 /// `out[N, H · Dh]` and `lse[N, H]`, with an online softmax per query.
 pub fn forward(out: &mut [f32], lse: &mut [f32], qkv: &[f32], s: AttnShape) {
-    forward_split(out, lse, qkv, s, SeqSplit::WHOLE)
+    forward_masked(out, lse, qkv, s, SeqSplit::WHOLE, None)
 }
 
 /// [`forward`] for `split.rank`'s rows of sequences split over the sequence axis, against the
-/// gathered rows of every rank (`qkv_all`, rank-major).
-pub fn forward_split(out: &mut [f32], lse: &mut [f32], qkv_all: &[f32], s: AttnShape, split: SeqSplit) {
-    forward_masked(out, lse, qkv_all, s, split, None)
-}
-
-/// [`forward_split`] under document masking: `starts` (`[batch · positions]`, by true position)
-/// as [`document_bounds`] gives them.
+/// gathered rows of every rank (`qkv_all`, rank-major), and under document masking with
+/// `starts` (`[batch · positions]`, by true position) as [`document_bounds`] gives them.
 pub fn forward_masked(
     out: &mut [f32],
     lse: &mut [f32],
@@ -194,25 +212,13 @@ pub fn forward_masked(
 
 /// Gradient with respect to the packed qkv rows (overwritten).
 pub fn backward(dqkv: &mut [f32], dout: &[f32], qkv: &[f32], out: &[f32], lse: &[f32], s: AttnShape) {
-    backward_split(dqkv, dout, qkv, out, lse, s, SeqSplit::WHOLE)
+    backward_masked(dqkv, dout, qkv, out, lse, s, SeqSplit::WHOLE, None)
 }
 
-/// [`backward`] under a split: `dqkv_all` (laid out as `qkv_all`) receives the gradient of
-/// every rank's rows from `split.rank`'s queries, which `dout`, `out` and `lse` are (the
-/// queries' gradient on this rank's rows only; zero on the others').
-pub fn backward_split(
-    dqkv_all: &mut [f32],
-    dout: &[f32],
-    qkv_all: &[f32],
-    out: &[f32],
-    lse: &[f32],
-    s: AttnShape,
-    split: SeqSplit,
-) {
-    backward_masked(dqkv_all, dout, qkv_all, out, lse, s, split, None)
-}
-
-/// [`backward_split`] under document masking (`starts` as [`forward_masked`] reads them).
+/// [`backward`] under a split and document masking (`starts` as [`forward_masked`] reads
+/// them): `dqkv_all` (laid out as `qkv_all`) receives the gradient of every rank's rows from
+/// `split.rank`'s queries, which `dout`, `out` and `lse` are (the queries' gradient on this
+/// rank's rows only; zero on the others').
 #[allow(clippy::too_many_arguments)]
 pub fn backward_masked(
     dqkv_all: &mut [f32],
@@ -376,19 +382,27 @@ mod tests {
     }
 
     /// Two ranks' split attention, gathered, gives the single device's outputs, statistics and
-    /// gradients (the dk/dv halves summed over the ranks), with and without a window.
+    /// gradients (the dk/dv halves summed over the ranks), with and without a window, and under
+    /// document masking with bounds from the whole sequences' tokens (documents that cross the
+    /// chunks, an EOS in another rank's chunk bounding this rank's queries and positions).
     #[test]
     fn a_split_over_two_ranks_matches_one_device() {
-        for window in [0, 3] {
+        const E: u32 = 0;
+        // Sequences of 8 in chunks of 2: rank 0 holds positions 0-1 and 6-7, rank 1 2-5.
+        let tokens = [1, 2, 3, E, 4, 5, 6, 7, /* next sequence */ 1, E, 2, 3, 4, E, 5, 6];
+        for (window, masked) in [(0, false), (3, false), (0, true), (3, true)] {
             let s = AttnShape { batch: 2, seq: 8, n_heads: 2, n_kv_heads: 1, head_dim: 4, window };
             let w = s.qkv_width();
             let val = |k: usize| ((k * 7919 % 1000) as f32 / 500.0) - 1.0;
             let qkv: Vec<f32> = (0..s.rows() * w).map(val).collect();
             let dout: Vec<f32> = (0..s.rows() * s.q_width()).map(|k| val(k + 17)).collect();
+            let (mut bounds, mut positions) = (vec![0; 2 * s.rows()], vec![0; s.rows()]);
+            document_bounds(&mut bounds, Some(&mut positions), &tokens, s.seq, E);
+            let starts = masked.then_some(&bounds[..s.rows()]);
             let (mut out, mut lse) = (vec![0.0; s.rows() * s.q_width()], vec![0.0; s.rows() * s.n_heads]);
-            forward(&mut out, &mut lse, &qkv, s);
+            forward_masked(&mut out, &mut lse, &qkv, s, SeqSplit::WHOLE, starts);
             let mut dqkv = vec![0.0; qkv.len()];
-            backward(&mut dqkv, &dout, &qkv, &out, &lse, s);
+            backward_masked(&mut dqkv, &dout, &qkv, &out, &lse, s, SeqSplit::WHOLE, starts);
             // Rank r's rows of each sequence, at their true positions.
             let ranks = 2;
             let local = AttnShape { seq: s.seq / ranks, ..s };
@@ -404,17 +418,26 @@ mod tests {
             for r in 0..ranks {
                 let split = SeqSplit { rank: r, ranks };
                 let rows = rows_of(r);
+                let (mut b, mut p) = (vec![0; 2 * s.rows()], vec![0; local.rows()]);
+                document_bounds_split(&mut b, Some(&mut p), &tokens, local.seq, split, E);
+                assert_eq!(b, bounds, "rank {r}: the whole sequences' bounds");
+                assert_eq!(p, rows.iter().map(|&i| positions[i]).collect::<Vec<_>>(), "rank {r}: positions");
+                let starts = masked.then_some(&b[..s.rows()]);
                 let (mut o, mut l) = (vec![0.0; local.rows() * s.q_width()], vec![0.0; local.rows() * s.n_heads]);
-                forward_split(&mut o, &mut l, &all, local, split);
-                assert_eq!(o, pick(&out, s.q_width(), &rows), "window {window}, rank {r}: outputs");
-                assert_eq!(l, pick(&lse, s.n_heads, &rows), "window {window}, rank {r}: statistics");
+                forward_masked(&mut o, &mut l, &all, local, split, starts);
+                let what = format!("window {window}, masked {masked}, rank {r}");
+                assert_eq!(o, pick(&out, s.q_width(), &rows), "{what}: outputs");
+                assert_eq!(l, pick(&lse, s.n_heads, &rows), "{what}: statistics");
                 let mut d = vec![0.0; all.len()];
-                backward_split(&mut d, &pick(&dout, s.q_width(), &rows), &all, &o, &l, local, split);
+                backward_masked(&mut d, &pick(&dout, s.q_width(), &rows), &all, &o, &l, local, split, starts);
                 dsum.iter_mut().zip(&d).for_each(|(a, b)| *a += b);
             }
             let want: Vec<f32> = (0..ranks).flat_map(|r| pick(&dqkv, w, &rows_of(r))).collect();
             for (k, (a, b)) in dsum.iter().zip(&want).enumerate() {
-                assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()), "window {window}: element {k}: {a} vs {b}");
+                assert!(
+                    (a - b).abs() <= 1e-5 * (1.0 + b.abs()),
+                    "window {window}, masked {masked}: element {k}: {a} vs {b}"
+                );
             }
         }
     }

@@ -283,9 +283,18 @@ impl Backend for Cpu {
         true
     }
 
-    fn attention_forward_split(&mut self, out: View, lse: View, qkv_all: View, shape: AttnShape, split: SeqSplit) {
+    fn attention_forward_split(
+        &mut self,
+        out: View,
+        lse: View,
+        qkv_all: View,
+        shape: AttnShape,
+        split: SeqSplit,
+        bounds: Option<IdxView>,
+    ) {
         let ([out, lse], [qkv]) = self.mem.io_many([out, lse], [qkv_all]);
-        attention::forward_split(out, lse, qkv, shape, split);
+        let starts = bounds.map(|b| &self.idx.get(b)[..shape.rows() * split.ranks]);
+        attention::forward_masked(out, lse, qkv, shape, split, starts);
     }
 
     fn attention_backward_split(
@@ -297,9 +306,11 @@ impl Backend for Cpu {
         lse: View,
         shape: AttnShape,
         split: SeqSplit,
+        bounds: Option<IdxView>,
     ) {
         let (dqkv, [dout, qkv, out, lse]) = self.mem.io(dqkv_all, [dout, qkv_all, out, lse]);
-        attention::backward_split(dqkv, dout, qkv, out, lse, shape, split);
+        let starts = bounds.map(|b| &self.idx.get(b)[..shape.rows() * split.ranks]);
+        attention::backward_masked(dqkv, dout, qkv, out, lse, shape, split, starts);
     }
 
     fn document_bounds(&mut self, bounds: IdxView, positions: Option<IdxView>, tokens: IdxView, seq: usize, eos: u32) {
@@ -311,6 +322,27 @@ impl Backend for Cpu {
             None => {
                 let (bounds, [tokens]) = self.idx.io(bounds, [tokens]);
                 attention::document_bounds(bounds, None, tokens, seq, eos);
+            }
+        }
+    }
+
+    fn document_bounds_split(
+        &mut self,
+        bounds: IdxView,
+        positions: Option<IdxView>,
+        tokens: IdxView,
+        seq: usize,
+        split: SeqSplit,
+        eos: u32,
+    ) {
+        match positions {
+            Some(positions) => {
+                let ([bounds, positions], [tokens]) = self.idx.io_many([bounds, positions], [tokens]);
+                attention::document_bounds_split(bounds, Some(positions), tokens, seq, split, eos);
+            }
+            None => {
+                let (bounds, [tokens]) = self.idx.io(bounds, [tokens]);
+                attention::document_bounds_split(bounds, None, tokens, seq, split, eos);
             }
         }
     }
