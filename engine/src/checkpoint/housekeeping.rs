@@ -14,7 +14,7 @@ pub fn dir_name(step: u64) -> String {
     format!("step-{step:06}")
 }
 
-/// Removes `parent/.tmp-NAME-PID` directories that [`write_dir`] left when killed: those of
+/// Removes `parent/.tmp-NAME-PID` directories that [`super::write_dir`] left when killed: those of
 /// processes that no longer run (an import into `NAME` running now keeps its own).
 pub(super) fn remove_stale_temporaries_of(parent: &Path, name: &str) -> Result<()> {
     let Ok(entries) = fs::read_dir(parent) else { return Ok(()) };

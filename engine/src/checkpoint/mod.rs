@@ -12,7 +12,7 @@
 //! Training saves the sharded format on every mesh, one device included
 //! (`train/checkpointer.rs`); the whole-file format (`model.safetensors` under Hugging
 //! Face names, `optimizer.safetensors` with the moments), which single devices saved before, is
-//! still read, and [`write`] still writes it for `import-hf`. A save writes everything into a
+//! still read, and [`write()`] still writes it for `import-hf`. A save writes everything into a
 //! `.tmp-*` sibling, flushes every file, writes `state.json` last, flushes the directory and
 //! renames it to `step-000120`: a directory under a `step-*` name is complete. Loading verifies
 //! every file's size and SHA-256 against `state.json` and refuses a damaged checkpoint, naming

@@ -126,6 +126,31 @@ mod tests {
     use crate::checkpoint::testing::{small, snapshot};
     use crate::checkpoint::{Extras, STATE_FILE, write};
 
+    /// docs/checkpoints.md's list of the keys that may differ is the keys declared resumable
+    /// (`mesh.*` standing for every mesh key).
+    #[test]
+    fn docs_checkpoints_md_names_the_resumable_keys() {
+        let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/checkpoints.md")).unwrap();
+        let start = text.find("Keys that may differ:").expect("docs/checkpoints.md lists the keys that may differ");
+        let list = &text[start..start + text[start..].find("\n- ").unwrap()];
+        let mut documented = std::collections::BTreeSet::new();
+        for quoted in list.split('`').skip(1).step_by(2).filter(|q| !q.contains(' ')) {
+            match quoted {
+                "mesh.*" => {
+                    documented.extend(crate::config::MeshConfig::KEYS.iter().map(|k| format!("mesh.{}", k.name)))
+                }
+                key => _ = documented.insert(key.to_owned()),
+            }
+        }
+        let declared = crate::config::SECTIONS.iter().flat_map(|(section, keys)| {
+            keys.iter().filter(|k| k.resumable).map(move |k| match *section {
+                "" => k.name.to_owned(),
+                s => format!("{s}.{}", k.name),
+            })
+        });
+        assert_eq!(documented, declared.collect(), "docs/checkpoints.md and the @resumable fields differ");
+    }
+
     #[test]
     fn differing_keys_are_named_and_run_controls_may_change() {
         let a = small();
