@@ -108,8 +108,9 @@ impl Config {
         self.model.validate()?;
         self.train.validate(&self.model)?;
         self.optim.validate()?;
-        self.data.validate(&self.model)?;
-        self.mesh.validate(&self.model)
+        // The mesh's sizes are checked against the devices and the model when a run starts
+        // (`parallel/mesh.rs`): the tensor axis splits every family, GPT's biases included.
+        self.data.validate(&self.model)
     }
 
     /// Whether a resumed run may change the dotted `key` (`train.steps`): whether its field is
@@ -877,16 +878,6 @@ section! {
         /// they overlap, at the memory of one more unit gathered at a time.
         @resumable
         pub fsdp_prefetch: bool = true,
-    }
-}
-
-impl MeshConfig {
-    /// What the mesh asks of the model (its sizes are checked against the devices when a run
-    /// starts, in `parallel/mesh.rs`).
-    fn validate(&self, _model: &ModelConfig) -> Result<(), String> {
-        // The tensor axis splits every family, GPT's biases included (`parallel/tensor.rs`);
-        // its divisibility is checked against the devices in `parallel/mesh.rs`.
-        Ok(())
     }
 }
 
