@@ -3,6 +3,10 @@
 //! Every key is documented in `docs/recipes.md`; the doc comments here are the short form of it.
 //! A [`Config`] is plain data. [`recipe`] builds one from TOML layers and [`Config::validate`]
 //! rejects what cannot train, naming the keys involved.
+//!
+//! A key is defined in one place, its field: each section is declared with `section!`, which
+//! keeps a field's doc, its default and whether a resumed run may change it together, and
+//! validates itself beside its struct. A unit test holds docs/recipes.md's tables to the fields.
 
 pub mod count;
 pub mod recipe;
@@ -18,7 +22,7 @@ pub struct Key {
     pub name: &'static str,
     /// Whether a resumed run may give it another value than the checkpoint's: it does not
     /// change what the next step computes (a run control, where the data lives, how the same
-    /// global batch is cut over devices). The others must match ([`crate::checkpoint`]).
+    /// global batch is cut over devices). The others must match (`checkpoint/resume.rs`).
     pub resumable: bool,
     /// Its default as TOML (`None` for an absent optional key), for the test that holds
     /// docs/recipes.md to the code.
