@@ -183,7 +183,21 @@ fn bad_input_gets_one_clear_line() {
     let bad_str = bad_toml.to_str().unwrap();
     let cases: [(&[&str], &str); 23] = [
         (&["--recipe", "tiny-gpt", "--set", "model.n_kv_heads=2"], "model.n_kv_heads = 2 must equal model.n_heads = 4"),
-        (&["--recipe", "tiny-gpt", "--set", "mesh.ici_tensor=2"], "model.family = \"gpt\" trains with data and FSDP"),
+        (
+            &[
+                "--recipe",
+                "tiny-gpt",
+                "--devices",
+                "2",
+                "--set",
+                "mesh.ici_data=1",
+                "--set",
+                "mesh.ici_tensor=2",
+                "--set",
+                "model.vocab_size=513",
+            ],
+            "does not divide model.vocab_size = 513 (vocabulary parallelism",
+        ),
         (&["--recipe", "tiny-lama2"], "unknown recipe `tiny-lama2` (did you mean `tiny-llama2`?)"),
         (&["--recipe", "tiny-llama2", "--set", "model.n_headz=4"], "unknown field `n_headz`"),
         (&["--recipe", "tiny-llama2", "--set", "train.seq_len=long"], "--set train.seq_len=long: invalid type"),

@@ -383,6 +383,12 @@ pub trait Backend {
     fn embedding_forward(&mut self, out: View, table: View, tokens: IdxView, d: usize);
     /// `dtable[tokens[n]] += dout[n]`.
     fn embedding_backward(&mut self, dtable: View, dout: View, tokens: IdxView, d: usize);
+    /// [`Backend::embedding_forward`] from a slice of the table (vocabulary parallelism): `table`
+    /// holds the rows of tokens `first..first + table.len / d`; another slice's token gets a
+    /// zero row (the tensor group's sum adds its holder's).
+    fn embedding_forward_slice(&mut self, out: View, table: View, tokens: IdxView, d: usize, first: usize);
+    /// [`Backend::embedding_backward`] into a slice of the table: only the slice's tokens add.
+    fn embedding_backward_slice(&mut self, dtable: View, dout: View, tokens: IdxView, d: usize, first: usize);
 
     /// `out = x · rstd · w` with `rstd = 1 / sqrt(mean(x²) + eps)` per row of width `d`;
     /// saves `rstd` for the backward pass.
@@ -527,6 +533,27 @@ pub trait Backend {
     /// (`lse(row) - row[target]`). With `grad_scale = Some(s)`, overwrites the logits with the
     /// gradient `s · (softmax(row) - onehot(target))`.
     fn cross_entropy(&mut self, losses: View, logits: View, targets: IdxView, v: usize, grad_scale: Option<f32>);
+    /// Vocabulary-parallel cross-entropy (Megatron-LM's), step 1 of 3, when this device holds
+    /// the `v` logit columns of tokens `first..first + v`: `max[n] = max_v z[n, v]` over its
+    /// columns. The caller takes the maximum over the tensor group.
+    fn cross_entropy_max(&mut self, max: View, logits: View, v: usize);
+    /// Step 2: `sums[n] = Σ_v exp(z[n, v] - max[n])` and `sums[N + n] = z[n, target - first]`
+    /// if this device holds the target's column, else 0. The caller sums both over the group.
+    fn cross_entropy_partials(&mut self, sums: View, logits: View, max: View, targets: IdxView, v: usize, first: usize);
+    /// Step 3: `losses[n] = ln sums[n] + max[n] - sums[N + n]`; with `grad_scale`, the logits are
+    /// overwritten by their gradient, `scale · (exp(z - max) / sums[n] - [first + v = target])`.
+    #[allow(clippy::too_many_arguments)]
+    fn cross_entropy_finish(
+        &mut self,
+        losses: View,
+        logits: View,
+        max: View,
+        sums: View,
+        targets: IdxView,
+        v: usize,
+        first: usize,
+        grad_scale: Option<f32>,
+    );
 
     /// Mixtral routing of `router_logits[N, E]`: `probs = softmax(logits)` (saved), the top-k
     /// experts of each token (ties to the lower index), their probabilities renormalised to sum

@@ -165,6 +165,12 @@ impl<B: Backend> Backend for Traced<B> {
     fn embedding_backward(&mut self, dtable: View, dout: View, tokens: IdxView, d: usize) {
         self.time("embedding_backward", |b| b.embedding_backward(dtable, dout, tokens, d))
     }
+    fn embedding_forward_slice(&mut self, out: View, table: View, tokens: IdxView, d: usize, first: usize) {
+        self.time("embedding_forward", |b| b.embedding_forward_slice(out, table, tokens, d, first))
+    }
+    fn embedding_backward_slice(&mut self, dtable: View, dout: View, tokens: IdxView, d: usize, first: usize) {
+        self.time("embedding_backward", |b| b.embedding_backward_slice(dtable, dout, tokens, d, first))
+    }
     fn rmsnorm_forward(&mut self, out: View, rstd: View, x: View, w: View, d: usize, eps: f32) {
         self.time("rmsnorm_forward", |b| b.rmsnorm_forward(out, rstd, x, w, d, eps))
     }
@@ -269,6 +275,33 @@ impl<B: Backend> Backend for Traced<B> {
     }
     fn cross_entropy(&mut self, losses: View, logits: View, targets: IdxView, v: usize, grad_scale: Option<f32>) {
         self.time("cross_entropy", |b| b.cross_entropy(losses, logits, targets, v, grad_scale))
+    }
+    fn cross_entropy_max(&mut self, max: View, logits: View, v: usize) {
+        self.time("cross_entropy", |b| b.cross_entropy_max(max, logits, v))
+    }
+    fn cross_entropy_partials(
+        &mut self,
+        sums: View,
+        logits: View,
+        max: View,
+        targets: IdxView,
+        v: usize,
+        first: usize,
+    ) {
+        self.time("cross_entropy", |b| b.cross_entropy_partials(sums, logits, max, targets, v, first))
+    }
+    fn cross_entropy_finish(
+        &mut self,
+        losses: View,
+        logits: View,
+        max: View,
+        sums: View,
+        targets: IdxView,
+        v: usize,
+        first: usize,
+        grad_scale: Option<f32>,
+    ) {
+        self.time("cross_entropy", |b| b.cross_entropy_finish(losses, logits, max, sums, targets, v, first, grad_scale))
     }
     fn moe_route(&mut self, probs: View, router_logits: View, dispatch: MoeDispatch) {
         self.time("moe_route", |b| b.moe_route(probs, router_logits, dispatch))

@@ -44,6 +44,10 @@ pub struct Model {
     /// Document masking of packed sequences (`data.document_mask`): attention stays within each
     /// document of a sequence; none attends across EOS.
     pub documents: Option<Documents>,
+    /// A test's fault in the vocabulary-parallel loss: the row maxima are not reduced over the
+    /// tensor group, so each device's partial sums are against another maximum.
+    #[cfg(test)]
+    pub(crate) fault_local_vocab_max: bool,
 }
 
 /// How packed sequences are cut into documents ([`Model::documents`]). A document ends with
@@ -173,6 +177,13 @@ pub trait Exchange<B: Backend> {
     fn tensor_sum(&mut self, _be: &mut B, _buf: View) {}
     /// `buf = Σ buf` over the devices that share the global batch (routing statistics).
     fn batch_sum(&mut self, _be: &mut B, _buf: View) {}
+    /// This device's position in its tensor group and the group's size (vocabulary
+    /// parallelism: with a vocab_size of `V` rows, it holds tokens `position · V ..`).
+    fn tensor_rank_for_vocab(&self) -> (usize, usize) {
+        (0, 1)
+    }
+    /// `buf = max_tensor group buf`, in place (the vocabulary-parallel loss's row maxima).
+    fn tensor_max_for_vocab(&mut self, _be: &mut B, _buf: View) {}
     /// Called when a pass begins, before any other call of the pass.
     fn pass_begins(&mut self, _be: &mut B, _pass: Pass) {}
     /// Where the parameters of `unit` are, before `pass` first reads them.
@@ -325,6 +336,9 @@ pub struct Plan {
     ones: View,
     /// `[N]` per-token cross-entropy.
     pub losses: View,
+    /// `[3N]` on the last stage, the vocabulary-parallel loss's row maxima, then its sums of
+    /// exponentials and the target logits (each reduced over the tensor group).
+    vocab_stats: View,
     /// `[N, V]` logits; after a training forward pass, their gradient.
     pub logits: View,
     /// `[4]`: sum of the losses ([`LOSS_SUM`]); the squared gradient norm ([`GRAD_NORM_SQ`]);
@@ -398,6 +412,8 @@ impl Model {
             batch_shards: 1,
             seq: SeqSplit::WHOLE,
             documents: None,
+            #[cfg(test)]
+            fault_local_vocab_max: false,
         }
     }
 
@@ -662,6 +678,7 @@ impl Model {
             rstdf: take(S, last_only(stats * n)),
             logits: take(A, last_only(n * v)),
             losses: take(S, last_only(n)),
+            vocab_stats: take(S, last_only(3 * n)),
             scalars: take(S, 4),
             rope: take(S, 0),
             layers,
@@ -708,7 +725,15 @@ impl Model {
         if stage.first {
             let w = p.params_of(ex, be, Unit::Embed, fwd);
             let x0 = p.stage_input();
-            be.embedding_forward(x0, w.at(l.embed, v * d), p.tokens, d);
+            let (vocab_rank, vocab_ranks) = ex.tensor_rank_for_vocab();
+            if vocab_ranks > 1 {
+                // Each device looks up the tokens of its slice of the vocabulary (zero rows for
+                // the others'); the sum over the tensor group is the whole lookup.
+                be.embedding_forward_slice(x0, w.at(l.embed, v * d), p.tokens, d, vocab_rank * v);
+                ex.tensor_sum(be, x0);
+            } else {
+                be.embedding_forward(x0, w.at(l.embed, v * d), p.tokens, d);
+            }
             if let Some(pos) = l.positions {
                 // x0 = wte[token] + wpe[position]; `dln` is free until the backward pass.
                 be.embedding_forward(p.dln, w.at(pos, m.max_seq_len * d), p.positions, d);
@@ -736,9 +761,35 @@ impl Model {
             let (w, head) = self.head_params(be, p, ex, fwd);
             self.norm_forward(be, p.lnf, p.rstdf, p.x_out, w, l.norm);
             be.matmul(p.logits, p.lnf, head, MatMul::linear(n, d, v));
-            be.cross_entropy(p.losses, p.logits, p.targets, v, grad_scale);
+            self.cross_entropy_vocab(be, p, grad_scale, ex);
             be.sum(p.scalars.at(LOSS_SUM, 1), p.losses);
         }
+    }
+
+    /// The per-token losses of `p.logits` (and with `grad_scale`, their gradient in their place).
+    /// Under vocabulary parallelism each device holds its slice's columns of the logits, and
+    /// Megatron-LM's loss never gathers them: the row maxima reduced over the tensor group (max),
+    /// then the sums of exponentials and the target logits (held by one device each; sum).
+    fn cross_entropy_vocab<B: Backend>(&self, be: &mut B, p: &Plan, grad_scale: Option<f32>, ex: &mut dyn Exchange<B>) {
+        let (n, v) = (p.batch * p.seq, self.config.vocab_size);
+        let (vocab_rank, vocab_ranks) = ex.tensor_rank_for_vocab();
+        if vocab_ranks == 1 {
+            be.cross_entropy(p.losses, p.logits, p.targets, v, grad_scale);
+            return;
+        }
+        let first = vocab_rank * v;
+        let (max, sums) = (p.vocab_stats.at(0, n), p.vocab_stats.at(n, 2 * n));
+        be.cross_entropy_max(max, p.logits, v);
+        #[cfg(test)]
+        let reduce_max = !self.fault_local_vocab_max;
+        #[cfg(not(test))]
+        let reduce_max = true;
+        if reduce_max {
+            ex.tensor_max_for_vocab(be, max);
+        }
+        be.cross_entropy_partials(sums, p.logits, max, p.targets, v, first);
+        ex.tensor_sum(be, sums);
+        be.cross_entropy_finish(p.losses, p.logits, max, sums, p.targets, v, first, grad_scale);
     }
 
     /// The head unit's parameters and the output matrix, which is the embedding's when tied.
@@ -938,6 +989,8 @@ impl Model {
             let g = p.grads_of(ex, be, Unit::Head);
             let dhead = if self.tied() { p.grads_of(ex, be, Unit::Embed) } else { g }.at(l.head, v * d);
             be.matmul(p.dln, p.logits, head, MatMul::linear_dx(n, d, v));
+            // Under vocabulary parallelism, each device's columns give a partial sum.
+            ex.tensor_sum(be, p.dln);
             be.matmul(dhead, p.logits, p.lnf, MatMul::linear_dw(n, d, v));
             be.fill(p.dres, 0.0);
             self.norm_backward(be, p.dres, g, p.dln, p.x_out, w, l.norm, p.rstdf);
@@ -1026,7 +1079,13 @@ impl Model {
         // A later stage's input gradient stays in `dres`, for the stage before.
         if stage.first {
             let g = p.grads_of(ex, be, Unit::Embed);
-            be.embedding_backward(g.at(l.embed, v * d), p.dres, p.tokens, d);
+            match ex.tensor_rank_for_vocab() {
+                (_, 1) => be.embedding_backward(g.at(l.embed, v * d), p.dres, p.tokens, d),
+                // Each device's slice takes its own tokens' rows (`dres` is the whole group's).
+                (vocab_rank, _) => {
+                    be.embedding_backward_slice(g.at(l.embed, v * d), p.dres, p.tokens, d, vocab_rank * v)
+                }
+            }
             if let Some(pos) = l.positions {
                 be.embedding_backward(g.at(pos, m.max_seq_len * d), p.dres, p.positions, d);
             }

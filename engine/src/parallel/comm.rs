@@ -33,6 +33,9 @@ pub trait Collectives<B: Backend> {
     }
     /// `buf = Σ_group buf`, in place.
     fn all_reduce_sum(&mut self, be: &mut B, buf: View, group: &[usize]);
+    /// `buf = max_group buf`, element by element, in place (f32 buffers: the vocabulary-parallel
+    /// loss's row maxima).
+    fn all_reduce_max(&mut self, be: &mut B, buf: View, group: &[usize]);
     /// `output = (Σ_group input)[shard]`: the member at position i of the group receives the i-th
     /// of `group.len()` equal parts of the sum (`input.len = output.len · group.len()`).
     fn reduce_scatter_sum(&mut self, be: &mut B, input: View, output: View, group: &[usize]);
@@ -71,6 +74,10 @@ impl<B: Backend> Collectives<B> for Solo {
     }
 
     fn all_reduce_sum(&mut self, _be: &mut B, _buf: View, group: &[usize]) {
+        debug_assert_eq!(group, [0], "a device alone has no peers");
+    }
+
+    fn all_reduce_max(&mut self, _be: &mut B, _buf: View, group: &[usize]) {
         debug_assert_eq!(group, [0], "a device alone has no peers");
     }
 
@@ -213,6 +220,15 @@ fn exchange(shared: &Shared, rank: usize, data: &[f32], group: &[usize], combine
     barrier.wait();
 }
 
+/// `max parts`, element by element.
+pub(crate) fn max_of(parts: &[&[f32]], len: usize) -> Vec<f32> {
+    let mut max = vec![f32::NEG_INFINITY; len];
+    for part in parts {
+        max.iter_mut().zip(*part).for_each(|(m, &x)| *m = m.max(x));
+    }
+    max
+}
+
 /// `Σ parts`, element by element, in part order.
 fn sum_of(parts: &[&[f32]], len: usize) -> Vec<f32> {
     let mut sum = vec![0f32; len];
@@ -234,6 +250,16 @@ impl<B: Backend> Collectives<B> for Virtual {
         let mut sum = Vec::new();
         self.exchange(&data, group, |parts| sum = sum_of(parts, buf.len));
         be.upload(buf, &sum);
+        self.staging = data;
+    }
+
+    fn all_reduce_max(&mut self, be: &mut B, buf: View, group: &[usize]) {
+        let mut data = std::mem::take(&mut self.staging);
+        data.resize(buf.len, 0.0);
+        be.download(buf, &mut data);
+        let mut max = Vec::new();
+        self.exchange(&data, group, |parts| max = max_of(parts, buf.len));
+        be.upload(buf, &max);
         self.staging = data;
     }
 
@@ -344,6 +370,16 @@ mod tests {
             Collectives::<Cpu>::all_reduce_sum(comm, cpu, buf, &group);
             let mut reduced = vec![0f32; 4];
             cpu.download(buf, &mut reduced);
+            let top = cpu.alloc(BufKind::Scalars, 2);
+            cpu.upload(top, &[rank as f32, -(rank as f32)]);
+            Collectives::<Cpu>::all_reduce_max(comm, cpu, top, &group);
+            let mut maxima = vec![0f32; 2];
+            cpu.download(top, &mut maxima);
+            assert_eq!(
+                maxima,
+                [(rank % 2 + 2) as f32, -((rank % 2) as f32)],
+                "rank {rank}: the maximum over {group:?}"
+            );
 
             let (input, shard) = (cpu.alloc(BufKind::Grads, 4), cpu.alloc(BufKind::Grads, 1));
             cpu.upload(input, &[1.0, 2.0, 3.0, 4.0].map(|x| x * (rank + 1) as f32));

@@ -196,6 +196,11 @@ impl Mesh {
             "each device takes a slice of the MLP's columns"
         };
         must_divide.push(("model.mlp_dim", m.mlp_dim, what));
+        must_divide.push((
+            "model.vocab_size",
+            m.vocab_size,
+            "vocabulary parallelism: each device takes a slice of the embedding's rows and of the output head's",
+        ));
         for (key, value, why) in must_divide {
             if value % tp != 0 {
                 return Err(format!(
@@ -326,7 +331,9 @@ mod tests {
         let model = ModelConfig { n_heads: 8, n_kv_heads: 8, mlp_dim: 96, ..ModelConfig::default() };
         let e = m.check_model(&model).unwrap_err();
         assert!(e.contains("does not divide model.n_heads = 8") && e.contains("8 mod 3 = 2"), "{e}");
-        let ok = ModelConfig { n_heads: 6, n_kv_heads: 3, mlp_dim: 96, ..model };
+        let ok = ModelConfig { n_heads: 6, n_kv_heads: 3, mlp_dim: 96, vocab_size: 33, ..model };
         assert!(m.check_model(&ok).is_ok());
+        let e = m.check_model(&ModelConfig { vocab_size: 32, ..ok }).unwrap_err();
+        assert!(e.contains("does not divide model.vocab_size = 32") && e.contains("32 mod 3 = 2"), "{e}");
     }
 }

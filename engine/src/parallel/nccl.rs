@@ -304,14 +304,12 @@ impl Nccl {
         }
     }
 
-    fn all_reduce(&mut self, be: &mut Cuda, buf: View, group: &[usize]) {
+    fn all_reduce(&mut self, be: &mut Cuda, buf: View, group: &[usize], op: sys::ncclRedOp_t) {
         let comm = self.comm(group);
         let (ptr, dtype) = target(be, buf);
         let stream = self.begin(be);
         // SAFETY: in place on a live device buffer of `buf.len` elements, ordered by events.
-        check("all-reduce", unsafe {
-            result::all_reduce(ptr, ptr, buf.len, dtype, sys::ncclRedOp_t::ncclSum, comm, stream)
-        });
+        check("all-reduce", unsafe { result::all_reduce(ptr, ptr, buf.len, dtype, op, comm, stream) });
         self.watch("all-reduce", group);
     }
 
@@ -364,7 +362,13 @@ impl Collectives<Cuda> for Nccl {
     }
 
     fn all_reduce_sum(&mut self, be: &mut Cuda, buf: View, group: &[usize]) {
-        self.all_reduce(be, buf, group);
+        self.all_reduce(be, buf, group, sys::ncclRedOp_t::ncclSum);
+        self.join(be);
+        be.written(buf);
+    }
+
+    fn all_reduce_max(&mut self, be: &mut Cuda, buf: View, group: &[usize]) {
+        self.all_reduce(be, buf, group, sys::ncclRedOp_t::ncclMax);
         self.join(be);
         be.written(buf);
     }
@@ -392,7 +396,7 @@ impl Collectives<Cuda> for Nccl {
     }
 
     fn all_reduce_sum_start(&mut self, be: &mut Cuda, buf: View, group: &[usize]) {
-        self.all_reduce(be, buf, group);
+        self.all_reduce(be, buf, group, sys::ncclRedOp_t::ncclSum);
         self.side.as_mut().expect("begun").started = true;
     }
 
@@ -462,6 +466,10 @@ impl Collectives<Traced<Cuda>> for Nccl {
 
     fn all_reduce_sum(&mut self, be: &mut Traced<Cuda>, buf: View, group: &[usize]) {
         Collectives::<Cuda>::all_reduce_sum(self, &mut be.inner, buf, group)
+    }
+
+    fn all_reduce_max(&mut self, be: &mut Traced<Cuda>, buf: View, group: &[usize]) {
+        Collectives::<Cuda>::all_reduce_max(self, &mut be.inner, buf, group)
     }
 
     fn reduce_scatter_sum(&mut self, be: &mut Traced<Cuda>, input: View, output: View, group: &[usize]) {

@@ -253,6 +253,12 @@ impl<B: Backend> Exchange<B> for ChunkExchange<'_, B> {
     fn batch_sum(&mut self, be: &mut B, buf: View) {
         self.inner.batch_sum(be, buf)
     }
+    fn tensor_rank_for_vocab(&self) -> (usize, usize) {
+        self.inner.tensor_rank_for_vocab()
+    }
+    fn tensor_max_for_vocab(&mut self, be: &mut B, buf: View) {
+        self.inner.tensor_max_for_vocab(be, buf)
+    }
     fn pass_begins(&mut self, be: &mut B, pass: Pass) {
         self.inner.pass_begins(be, pass)
     }

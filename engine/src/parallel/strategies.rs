@@ -404,6 +404,16 @@ impl<B: Backend> Exchange<B> for Parallel<B> {
         self.sum_over_batch(be, buf);
     }
 
+    fn tensor_rank_for_vocab(&self) -> (usize, usize) {
+        (self.coords.tensor, self.tensor.len())
+    }
+
+    fn tensor_max_for_vocab(&mut self, be: &mut B, buf: View) {
+        if self.tensor.len() > 1 {
+            self.comm.all_reduce_max(be, buf, &self.tensor);
+        }
+    }
+
     fn seq_gather(&mut self, be: &mut B, local: View, all: View) {
         self.comm.all_gather(be, local, all, &self.seq);
     }

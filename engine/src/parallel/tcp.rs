@@ -523,6 +523,15 @@ impl<B: Backend> Collectives<B> for Tcp {
         self.staging = data;
     }
 
+    fn all_reduce_max(&mut self, be: &mut B, buf: View, group: &[usize]) {
+        // Small buffers (a maximum per row): every member's, gathered, then the maximum.
+        let data = self.download(be, buf);
+        let all = self.net.all_gather(&Call { op: "all-reduce (max)", group }, Lane::Step, &data);
+        let parts: Vec<&[f32]> = all.chunks_exact(buf.len.max(1)).collect();
+        be.upload(buf, &super::comm::max_of(&parts, buf.len));
+        self.staging = data;
+    }
+
     fn reduce_scatter_sum(&mut self, be: &mut B, input: View, output: View, group: &[usize]) {
         assert_eq!(input.len, output.len * group.len(), "reduce-scatter sizes");
         let data = self.download(be, input);
@@ -626,6 +635,9 @@ mod tests {
             comm.all_reduce_sum(be, buf, &world);
             out.push(read(be, buf));
             comm.all_reduce_sum(be, buf, &pairs);
+            out.push(read(be, buf));
+            be.upload(buf, &(0..len).map(|i| value(i) - value(i + 1)).collect::<Vec<_>>());
+            comm.all_reduce_max(be, buf, &pairs);
             out.push(read(be, buf));
         }
         let (input, shard) = (be.alloc(BufKind::Grads, 12), be.alloc(BufKind::Grads, 3));

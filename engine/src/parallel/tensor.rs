@@ -1,13 +1,20 @@
 //! Tensor parallelism: which slice of each tensor a device of the tensor group holds.
 //!
-//! Megatron-LM's split. A device of a group of `T` keeps `1/T` of the query and key/value heads
-//! and `1/T` of the MLP's columns (of every expert's, in a mixture of experts), so it runs the
-//! same model with `n_heads / T`, `n_kv_heads / T` and `mlp_dim / T`: its [`Layout`] is the
-//! layout of that *local* configuration. The products into a slice (`q_proj`, `k_proj`,
-//! `v_proj`, `gate_proj`, `up_proj`, `w1`, `w3`) take whole rows of the weight; the products
-//! out of it (`o_proj`, `down_proj`, `w2`) take whole columns and give partial sums that the
-//! group adds up ([`crate::model::Exchange`]). Everything else (embeddings, norms, router,
-//! output head) is replicated.
+//! Megatron-LM's split. A device of a group of `T` keeps `1/T` of the query and key/value heads,
+//! `1/T` of the MLP's columns (of every expert's, in a mixture of experts) and `1/T` of the
+//! vocabulary, so it runs the same model with `n_heads / T`, `n_kv_heads / T`, `mlp_dim / T`
+//! and `vocab_size / T`: its [`Layout`] is the layout of that *local* configuration. The
+//! products into a slice (`q_proj`, `k_proj`, `v_proj`, `gate_proj`, `up_proj`, `w1`, `w3`;
+//! GPT's `c_attn` and `c_fc` with their biases) take whole rows of the weight; the products out
+//! of it (`o_proj`, `down_proj`, `w2`; GPT's two `c_proj`) take whole columns and give partial
+//! sums that the group adds up ([`crate::model::Exchange`]), their biases replicated and added
+//! once, after the sum. Vocabulary parallelism: the embedding's rows and the output head's
+//! (its output columns) are split by token, device `r` holding tokens `r · V/T ..`; the
+//! embedding's lookups and the loss are summed (and maximised) over the group
+//! ([`crate::model::Model::forward`]). Everything else (positions, norms, router) is replicated.
+//!
+//! GPT's `c_attn` holds q, k and v one after the other in one tensor: a device's rows are its
+//! heads' part of each, three runs.
 //!
 //! A [`TensorSlice`] maps each local tensor onto the single-device layout as a strided [`Run`],
 //! which is all that initialisation, checkpoints and resharding need.
@@ -28,22 +35,52 @@ pub enum Split {
 
 /// How the tensor with this Hugging Face name is split.
 pub fn split_of(name: &str) -> Split {
-    const ROWS: [&str; 7] = ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", ".w1", ".w3"];
-    const COLS: [&str; 3] = ["o_proj", "down_proj", ".w2"];
-    let base = name.strip_suffix(".weight").unwrap_or(name);
+    const ROWS: [&str; 12] = [
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "gate_proj",
+        "up_proj",
+        ".w1",
+        ".w3",
+        "attn.c_attn",
+        "mlp.c_fc",
+        "embed_tokens",
+        "transformer.wte",
+        "lm_head",
+    ];
+    const COLS: [&str; 4] = ["o_proj", "down_proj", ".w2", ".c_proj"];
+    // Biases: those of column-parallel products split with their rows (`c_attn`, `c_fc`);
+    // those of row-parallel ones (`c_proj`) are replicated, added once after the sum.
+    let (base, bias) = match name.strip_suffix(".bias") {
+        Some(base) => (base, true),
+        None => (name.strip_suffix(".weight").unwrap_or(name), false),
+    };
     if ROWS.iter().any(|s| base.ends_with(s)) {
         Split::Rows
-    } else if COLS.iter().any(|s| base.ends_with(s)) {
+    } else if !bias && COLS.iter().any(|s| base.ends_with(s)) {
         Split::Cols
     } else {
         Split::Replicated
     }
 }
 
+/// How many blocks a split-by-rows tensor stacks, each split on its own: GPT's `c_attn` (q, k
+/// and v; multi-head attention, so three equal blocks); one for the others.
+fn row_blocks(name: &str) -> usize {
+    if name.contains("attn.c_attn.") { 3 } else { 1 }
+}
+
 /// The configuration one device of a tensor group of `size` runs (see the module comment).
 /// The caller has checked divisibility ([`crate::parallel::mesh::Mesh::check_model`]).
 pub fn local_config(m: &ModelConfig, size: usize) -> ModelConfig {
-    ModelConfig { n_heads: m.n_heads / size, n_kv_heads: m.n_kv_heads / size, mlp_dim: m.mlp_dim / size, ..m.clone() }
+    ModelConfig {
+        n_heads: m.n_heads / size,
+        n_kv_heads: m.n_kv_heads / size,
+        mlp_dim: m.mlp_dim / size,
+        vocab_size: m.vocab_size / size,
+        ..m.clone()
+    }
 }
 
 /// `count` chunks of `len` elements: local elements `local + i·len ..` are global elements
@@ -114,7 +151,10 @@ impl TensorSlice {
                 _ if size == 1 => Run { local: t.offset, global: g.offset, len: t.len(), count: 1, stride: 0 },
                 Split::Replicated => Run { local: t.offset, global: g.offset, len: t.len(), count: 1, stride: 0 },
                 Split::Rows => {
-                    Run { local: t.offset, global: g.offset + rank * t.len(), len: t.len(), count: 1, stride: 0 }
+                    // Each block's rows `r · rows / T ..` (one block but for GPT's `c_attn`).
+                    let blocks = row_blocks(&t.name);
+                    let (len, stride) = (t.len() / blocks, g.len() / blocks);
+                    Run { local: t.offset, global: g.offset + rank * len, len, count: blocks, stride }
                 }
                 Split::Cols => {
                     let (rows, cols) = (t.shape[0], t.shape[1]);
@@ -167,7 +207,7 @@ mod tests {
     /// on each device.
     #[test]
     fn the_slices_of_a_group_tile_the_model() {
-        for name in ["tiny-llama2", "tiny-mixtral"] {
+        for name in ["tiny-llama2", "tiny-mixtral", "tiny-gpt"] {
             let m = resolve(name, &Override::from_list("model.vocab_size=64", "test")).unwrap().config.model;
             let global = Layout::new(&m);
             let mut hits = vec![0u8; global.len];
@@ -194,6 +234,30 @@ mod tests {
         assert_eq!(split_of("model.layers.0.mlp.down_proj.weight"), Split::Cols);
         assert_eq!(split_of("model.layers.1.block_sparse_moe.experts.0.w2.weight"), Split::Cols);
         assert_eq!(split_of("model.layers.1.block_sparse_moe.gate.weight"), Split::Replicated);
-        assert_eq!(split_of("lm_head.weight"), Split::Replicated);
+        assert_eq!(split_of("lm_head.weight"), Split::Rows);
+        assert_eq!(split_of("model.embed_tokens.weight"), Split::Rows);
+        assert_eq!(split_of("model.norm.weight"), Split::Replicated);
+        // GPT: the fused q, k, v and the MLP's first product are column-parallel with their
+        // biases; the two `c_proj` are row-parallel, their biases replicated.
+        assert_eq!(split_of("transformer.wte.weight"), Split::Rows);
+        assert_eq!(split_of("transformer.wpe.weight"), Split::Replicated);
+        assert_eq!(split_of("transformer.h.0.attn.c_attn.bias"), Split::Rows);
+        assert_eq!(split_of("transformer.h.0.mlp.c_fc.weight"), Split::Rows);
+        assert_eq!(split_of("transformer.h.0.mlp.c_fc.bias"), Split::Rows);
+        assert_eq!(split_of("transformer.h.0.attn.c_proj.weight"), Split::Cols);
+        assert_eq!(split_of("transformer.h.0.mlp.c_proj.bias"), Split::Replicated);
+        assert_eq!(split_of("transformer.h.1.ln_2.bias"), Split::Replicated);
+    }
+
+    /// A device's part of GPT's fused `c_attn` is its heads' rows of q, of k and of v.
+    #[test]
+    fn gpt_fused_qkv_splits_each_of_q_k_and_v() {
+        let m = resolve("tiny-gpt", &Override::from_list("model.vocab_size=64", "test")).unwrap().config.model;
+        let slice = TensorSlice::new(&m, 1, 2);
+        let i = slice.local.tensors.iter().position(|t| t.name == "transformer.h.0.attn.c_attn.weight").unwrap();
+        let (run, g) = (slice.runs[i], &slice.global.tensors[slice.global_index[i]]);
+        let q = m.q_dim() * m.d_model;
+        assert_eq!((run.count, run.len, run.stride), (3, q / 2, q));
+        assert_eq!(run.global, g.offset + q / 2);
     }
 }

@@ -156,12 +156,18 @@ pub(super) fn embedding(gpu: Cuda) -> Result<String, String> {
     let tok = t.idx(&tokens);
     let (out, dout, dtable) =
         (t.alloc(ACT, n as usize * d), t.random(ACT, n as usize * d, 1.0), t.random(GRAD, v * d, 0.1));
+    // Vocabulary parallelism: a slice of rows 10..30, which half the tokens (0..20) miss.
+    let (out_slice, dtable_slice) = (t.alloc(ACT, n as usize * d), t.random(GRAD, 20 * d, 0.1));
     t.both(|be| {
         be.embedding_forward(out, table, tok, d);
         be.embedding_backward(dtable, dout, tok, d);
+        be.embedding_forward_slice(out_slice, table.at(10 * d, 20 * d), tok, d, 10);
+        be.embedding_backward_slice(dtable_slice, dout, tok, d, 10);
     });
     t.check("forward", out, BF16)?;
     t.check("backward (f32 atomics)", dtable, F32)?;
+    t.check("vocabulary slice forward", out_slice, BF16)?;
+    t.check("vocabulary slice backward", dtable_slice, F32)?;
     t.done()
 }
 
@@ -333,13 +339,23 @@ pub(super) fn cross_entropy(gpu: Cuda, v: usize) -> Result<String, String> {
     let tgt = t.idx(&targets);
     let (logits, grads) = (t.random(ACT, n as usize * v, 3.0), t.random(ACT, n as usize * v, 3.0));
     let (l1, l2) = (t.alloc(F32S, n as usize), t.alloc(F32S, n as usize));
+    // Vocabulary-parallel steps on a slice holding columns v/2..3v/2: the targets from v/2 on.
+    let slice = t.random(ACT, n as usize * v, 3.0);
+    let (max, sums, l3) = (t.alloc(F32S, n as usize), t.alloc(F32S, 2 * n as usize), t.alloc(F32S, n as usize));
     t.both(|be| {
         be.cross_entropy(l1, logits, tgt, v, None);
         be.cross_entropy(l2, grads, tgt, v, Some(0.5));
+        be.cross_entropy_max(max, slice, v);
+        be.cross_entropy_partials(sums, slice, max, tgt, v, v / 2);
+        be.cross_entropy_finish(l3, slice, max, sums, tgt, v, v / 2, Some(0.5));
     });
     t.check("losses", l1, F32)?;
     t.check("losses with gradient", l2, F32)?;
     t.check("gradient", grads, BF16)?;
+    t.check("vocabulary slice: row maxima", max, F32)?;
+    t.check("vocabulary slice: sums and target logits", sums, F32)?;
+    t.check("vocabulary slice: losses", l3, F32)?;
+    t.check("vocabulary slice: gradient", slice, BF16)?;
     t.done()
 }
 

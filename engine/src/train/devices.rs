@@ -792,4 +792,59 @@ mod tests {
             assert!(e.contains("32 mod 6 = 2"), "{e}");
         }
     }
+
+    /// Vocabulary parallelism: tensor 2 splits the embedding's rows and the output head's, and
+    /// the loss never gathers the logits. Small layers, four steps.
+    mod vocab {
+        use super::pipeline_small as small;
+        use super::*;
+
+        fn vocab_config(recipe: &str, extra: &[&str]) -> Config {
+            let mesh = ["train.steps=4", "mesh.ici_data=1", "mesh.ici_tensor=2"];
+            config(recipe, &[&small()[..], &mesh, extra].concat())
+        }
+
+        /// Losses on 2 devices; with `fault`, the loss's row maxima stay each device's own.
+        fn losses(c: &Config, fault: bool) -> Vec<f64> {
+            let runs = run(c, 2, |_, t| {
+                t.chunks.iter_mut().for_each(|chunk| chunk.model.fault_local_vocab_max = fault);
+                Ok((0..c.train.steps).map(|_| t.train_step(0.0).loss).collect::<Vec<f64>>())
+            })
+            .unwrap();
+            // Under the fault each device has a loss of its own.
+            assert!(fault || runs.iter().all(|r| r == &runs[0]), "devices disagree on the loss");
+            runs[0].clone()
+        }
+
+        /// Tensor 2 with the vocabulary split follows one device for Llama (tied embeddings
+        /// too), Mistral, Mixtral and GPT (whose biases split with their columns, or are added
+        /// once after a row-parallel sum); a loss without the maximum over the axis does not.
+        /// Each device holds half the vocabulary's rows, as the memory plan counts.
+        #[test]
+        fn tensor_two_with_the_vocabulary_split_follows_one_device() {
+            let c = vocab_config("tiny-llama2", &[]);
+            let want = single(&c, 2);
+            assert_same_curve("llama tensor=2", &want, &losses(&c, false));
+            let got = losses(&c, true);
+            assert!(
+                !want.iter().zip(&got).all(|(w, g)| (w - g).abs() <= 1e-5 * w.abs()),
+                "a loss without the maximum over the tensor axis went unnoticed: {got:?}"
+            );
+            let tied = vocab_config("tiny-llama2", &["model.tie_embeddings=true"]);
+            assert_same_curve("llama tied tensor=2", &single(&tied, 2), &losses(&tied, false));
+            let mistral = vocab_config("tiny-mistral", &["model.sliding_window=12"]);
+            assert_same_curve("mistral tensor=2", &single(&mistral, 2), &losses(&mistral, false));
+            let mixtral = vocab_config("tiny-mixtral", &[]);
+            assert_same_curve("mixtral tensor=2", &single(&mixtral, 2), &losses(&mixtral, false));
+            // GPT: learned positions added once after the embedding's sum, tied head.
+            let gpt = config("tiny-gpt", &["train.steps=4", "mesh.ici_data=1", "mesh.ici_tensor=2"]);
+            assert_same_curve("gpt tensor=2", &single(&gpt, 2), &losses(&gpt, false));
+
+            let plan = ParallelPlan::resolve(&c, 2, 1).unwrap();
+            let (m, v) = (plan.stage_model(&c, 0), c.model.vocab_size);
+            let head = m.layout.get("lm_head.weight").unwrap();
+            assert_eq!(head.shape, [v / 2, c.model.d_model]);
+            assert_eq!(m.layout.get("model.embed_tokens.weight").unwrap().shape, head.shape);
+        }
+    }
 }

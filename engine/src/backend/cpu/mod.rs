@@ -231,6 +231,16 @@ impl Backend for Cpu {
         embedding::backward(dtable, dout, self.idx.get(tokens), d);
     }
 
+    fn embedding_forward_slice(&mut self, out: View, table: View, tokens: IdxView, d: usize, first: usize) {
+        let (out, [table]) = self.mem.io(out, [table]);
+        embedding::forward_slice(out, table, self.idx.get(tokens), d, first);
+    }
+
+    fn embedding_backward_slice(&mut self, dtable: View, dout: View, tokens: IdxView, d: usize, first: usize) {
+        let (dtable, [dout]) = self.mem.io(dtable, [dout]);
+        embedding::backward_slice(dtable, dout, self.idx.get(tokens), d, first);
+    }
+
     fn rmsnorm_forward(&mut self, out: View, rstd: View, x: View, w: View, d: usize, eps: f32) {
         let ([out, rstd], [x, w]) = self.mem.io_many([out, rstd], [x, w]);
         norm::forward(out, rstd, x, w, d, eps);
@@ -391,6 +401,39 @@ impl Backend for Cpu {
     fn cross_entropy(&mut self, losses: View, logits: View, targets: IdxView, v: usize, grad_scale: Option<f32>) {
         let ([losses, logits], []) = self.mem.io_many([losses, logits], []);
         loss::cross_entropy(losses, logits, self.idx.get(targets), v, grad_scale);
+    }
+
+    fn cross_entropy_max(&mut self, max: View, logits: View, v: usize) {
+        let (max, [logits]) = self.mem.io(max, [logits]);
+        loss::row_max(max, logits, v);
+    }
+
+    fn cross_entropy_partials(
+        &mut self,
+        sums: View,
+        logits: View,
+        max: View,
+        targets: IdxView,
+        v: usize,
+        first: usize,
+    ) {
+        let (sums, [logits, max]) = self.mem.io(sums, [logits, max]);
+        loss::partials(sums, logits, max, self.idx.get(targets), v, first);
+    }
+
+    fn cross_entropy_finish(
+        &mut self,
+        losses: View,
+        logits: View,
+        max: View,
+        sums: View,
+        targets: IdxView,
+        v: usize,
+        first: usize,
+        grad_scale: Option<f32>,
+    ) {
+        let ([losses, logits], [max, sums]) = self.mem.io_many([losses, logits], [max, sums]);
+        loss::finish(losses, logits, max, sums, self.idx.get(targets), v, first, grad_scale);
     }
 
     fn moe_route(&mut self, probs: View, router_logits: View, dispatch: MoeDispatch) {

@@ -603,6 +603,14 @@ impl Backend for Cuda {
         ops::embedding::backward(self, dtable, dout, tokens, d)
     }
 
+    fn embedding_forward_slice(&mut self, out: View, table: View, tokens: IdxView, d: usize, first: usize) {
+        ops::embedding::forward_slice(self, out, table, tokens, d, first)
+    }
+
+    fn embedding_backward_slice(&mut self, dtable: View, dout: View, tokens: IdxView, d: usize, first: usize) {
+        ops::embedding::backward_slice(self, dtable, dout, tokens, d, first)
+    }
+
     fn rmsnorm_forward(&mut self, out: View, rstd: View, x: View, w: View, d: usize, eps: f32) {
         ops::rmsnorm::forward(self, out, rstd, x, w, d, eps)
     }
@@ -690,6 +698,36 @@ impl Backend for Cuda {
 
     fn cross_entropy(&mut self, losses: View, logits: View, targets: IdxView, v: usize, grad_scale: Option<f32>) {
         ops::cross_entropy::cross_entropy(self, losses, logits, targets, v, grad_scale)
+    }
+
+    fn cross_entropy_max(&mut self, max: View, logits: View, v: usize) {
+        ops::cross_entropy::max(self, max, logits, v)
+    }
+
+    fn cross_entropy_partials(
+        &mut self,
+        sums: View,
+        logits: View,
+        max: View,
+        targets: IdxView,
+        v: usize,
+        first: usize,
+    ) {
+        ops::cross_entropy::partials(self, sums, logits, max, targets, v, first)
+    }
+
+    fn cross_entropy_finish(
+        &mut self,
+        losses: View,
+        logits: View,
+        max: View,
+        sums: View,
+        targets: IdxView,
+        v: usize,
+        first: usize,
+        grad_scale: Option<f32>,
+    ) {
+        ops::cross_entropy::finish(self, losses, logits, max, sums, targets, v, first, grad_scale)
     }
 
     fn moe_route(&mut self, probs: View, router_logits: View, d: MoeDispatch) {

@@ -71,3 +71,63 @@ extern "C" __global__ void cross_entropy_v8(float* losses, bf16* logits, const u
                                             int grad) {
     cross_entropy_impl<8>(losses, logits, targets, v, scale, grad);
 }
+
+// Vocabulary-parallel cross-entropy (Megatron-LM's): this device holds columns first..first + v
+// of every row, and the tensor group reduces between the three kernels (one block per row):
+//
+// cross_entropy_max:      m_n = max_v z_nv                              (then max over the group)
+// cross_entropy_partials: s_n = Σ_v exp(z_nv - m_n), p_n = z_n,target-first where held, else 0
+//                                                                       (then summed over the group)
+// cross_entropy_finish:   loss_n = log s_n + m_n - p_n,
+//                         dz_nv = scale · (exp(z_nv - m_n) / s_n - [first + v = target])
+
+// Maximum over the block, as block_sum (every thread gets it; ends with a barrier).
+__device__ __forceinline__ float block_max(float v, float* scratch) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    v = warp_max(v);
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    float t = lane < warps ? scratch[lane] : NEG_INF;
+    t = warp_max(t);
+    __syncthreads();
+    return t;
+}
+
+extern "C" __global__ void cross_entropy_max(float* max, const bf16* logits, u64 v) {
+    __shared__ float scratch[32];
+    const bf16* z = logits + (u64)blockIdx.x * v;
+    float m = NEG_INF;
+    for (u64 j = threadIdx.x; j < v; j += blockDim.x) m = fmaxf(m, bf2f(z[j]));
+    m = block_max(m, scratch);
+    if (threadIdx.x == 0) max[blockIdx.x] = m;
+}
+
+extern "C" __global__ void cross_entropy_partials(float* sums, const bf16* logits, const float* max, const u32* targets,
+                                                  u64 v, u64 first, u64 n) {
+    __shared__ float scratch[32];
+    u64 row = blockIdx.x;
+    const bf16* z = logits + row * v;
+    float m = max[row], s = 0.f;
+    for (u64 j = threadIdx.x; j < v; j += blockDim.x) s += __expf(bf2f(z[j]) - m);
+    s = block_sum(s, scratch);
+    if (threadIdx.x == 0) {
+        u64 t = targets[row];
+        sums[row] = s;
+        sums[n + row] = t >= first && t - first < v ? bf2f(z[t - first]) : 0.f;
+    }
+}
+
+extern "C" __global__ void cross_entropy_finish(float* losses, bf16* logits, const float* max, const float* sums,
+                                                const u32* targets, u64 v, u64 first, u64 n, float scale, int grad) {
+    u64 row = blockIdx.x, t = targets[row];
+    bf16* z = logits + row * v;
+    float m = max[row], s = sums[row];
+    if (threadIdx.x == 0) losses[row] = __logf(s) + m - sums[n + row];
+    if (!grad) return;
+    float k = scale / s;
+    for (u64 j = threadIdx.x; j < v; j += blockDim.x) {
+        float g = __expf(bf2f(z[j]) - m) * k;
+        if (first + j == t) g -= scale;
+        z[j] = f2bf(g);
+    }
+}

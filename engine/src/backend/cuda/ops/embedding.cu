@@ -35,3 +35,23 @@ extern "C" __global__ void embedding_backward(float* dtable, const bf16* dout, c
     if (t >= vocab) return;
     for (int j = threadIdx.x; j < d; j += blockDim.x) red_add(&dtable[t * d + j], bf2f(dout[n * d + j]));
 }
+
+// Vocabulary parallelism: the table holds the rows of tokens first..first + rows; another slice's
+// token gets a zero row (the tensor group's sum adds its holder's) and adds no gradient.
+//
+// forward:  out[n, :] = table[tokens[n] - first, :], or 0
+// backward: dtable[tokens[n] - first, :] += dout[n, :], where held
+extern "C" __global__ void embedding_forward_slice(bf16* out, const bf16* table, const u32* tokens, int d, u64 first,
+                                                   u64 rows) {
+    u64 n = blockIdx.x, t = tokens[n];
+    bf16* row = out + n * d;
+    bool held = t >= first && t - first < rows;
+    for (int j = threadIdx.x; j < d; j += blockDim.x) row[j] = held ? table[(t - first) * d + j] : f2bf(0.f);
+}
+
+extern "C" __global__ void embedding_backward_slice(float* dtable, const bf16* dout, const u32* tokens, int d, u64 first,
+                                                    u64 rows) {
+    u64 n = blockIdx.x, t = tokens[n];
+    if (t < first || t - first >= rows) return;
+    for (int j = threadIdx.x; j < d; j += blockDim.x) red_add(&dtable[(t - first) * d + j], bf2f(dout[n * d + j]));
+}
