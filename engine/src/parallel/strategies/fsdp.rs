@@ -338,3 +338,81 @@ impl Fsdp {
         range.start + self.me * piece + (x - offset)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::cpu::Cpu;
+    use crate::config::recipe::resolve;
+
+    /// tiny-gpt's layout (about 200,000 elements a layer) with `layers` layers.
+    fn layout(layers: usize, tied: bool) -> Layout {
+        let mut m = resolve("tiny-gpt", &[]).unwrap().config.model;
+        (m.n_layers, m.tie_embeddings) = (layers, tied);
+        Layout::new(&m)
+    }
+
+    const OPTIONS: FsdpOptions = FsdpOptions { reshard_after_forward: true, prefetch: true };
+
+    /// Over 3 devices (pieces that do not divide the units evenly): every element of every
+    /// tensor is in exactly one device's pieces, where `full_offset` finds it again.
+    #[test]
+    fn the_pieces_cover_every_element_once() {
+        let l = layout(2, false);
+        let mut be = Cpu::new();
+        let mut owner = vec![usize::MAX; l.len];
+        for me in 0..3 {
+            let f = Fsdp::new(&mut be, &l, 3, me, OPTIONS);
+            for t in &l.tensors {
+                for (at, part) in f.parts_of(t.offset..t.offset + t.len()) {
+                    for (k, x) in part.clone().enumerate() {
+                        assert_eq!(owner[x], usize::MAX, "element {x} in two pieces");
+                        owner[x] = me;
+                        assert_eq!(f.full_offset(at + k), x);
+                    }
+                }
+            }
+            let held: usize = f.segments.iter().map(|s| s.len).sum();
+            assert_eq!(held, owner.iter().filter(|&&o| o == me).count());
+            assert!(f.params.len >= held && f.params.len == fsdp_pieces(&l, 3).1);
+        }
+        assert!(owner.iter().all(|&o| o < 3), "an element in no piece");
+    }
+
+    /// What the memory plan counts is what a device allocates, for every arrangement.
+    #[test]
+    fn the_sizes_are_what_a_device_allocates() {
+        for (layers, tied) in [(1, false), (3, false), (3, true)] {
+            let l = layout(layers, tied);
+            for (reshard_after_forward, prefetch) in [(true, true), (true, false), (false, true)] {
+                let options = FsdpOptions { reshard_after_forward, prefetch };
+                let f = Fsdp::new(&mut Cpu::new(), &l, 2, 0, options);
+                let lent = |loans: &Loans| loans.bufs.iter().map(|b| b.len).sum::<usize>();
+                let want = fsdp_sizes(&l, 2, options);
+                assert_eq!(
+                    (f.params.len, lent(&f.gathered), lent(&f.accumulating)),
+                    (want.shard, want.gathered, want.accumulating)
+                );
+            }
+        }
+    }
+
+    /// A tied model gathers its embedding for the head while the layers come and go; a layer
+    /// and the next one prefetched fit at once, and a released buffer is lent again.
+    #[test]
+    fn loans_follow_the_classes() {
+        let l = layout(3, true);
+        let mut f = Fsdp::new(&mut Cpu::new(), &l, 2, 0, OPTIONS);
+        let head = f.units.len() - 1;
+        let g = &mut f.gathered;
+        let embed = g.take(0);
+        let (a, b) = (g.take(1), g.take(2));
+        assert!(a != b && g.find(1) == Some(a) && g.find(2) == Some(b));
+        g.release(1);
+        assert_eq!(g.find(1), None);
+        assert_eq!(g.take(head), a, "the head goes with the layers");
+        assert_eq!(g.find(0), Some(embed));
+        g.release_all();
+        assert!((0..=head).all(|u| g.find(u).is_none()));
+    }
+}
