@@ -330,16 +330,19 @@ mod tests {
         }
     }
 
-    /// llama3.1-8b at 131,072 tokens on one node of 8 H100s fits with a seq axis and not
-    /// without; every plan that fits has one.
+    /// llama3.1-8b at 131,072 tokens on one node of 8 H100s fits with a seq axis, the fastest
+    /// plan has one, and every plan that fits splits the sequence or (vocabulary parallelism)
+    /// the 128k vocabulary's logits over a tensor axis: data and FSDP alone do not fit.
     #[test]
     fn a_long_sequence_fits_one_node_only_with_a_seq_axis() {
         let c = resolve("llama3.1-8b", &Override::from_list("train.seq_len=131072", "test")).unwrap().config;
         let plans = search(&c, &h100(1, 80), 8).unwrap();
         assert!(!plans.fits.is_empty(), "nothing fits; closest {:?}", plans.closest);
+        let unsplit = ["mesh.ici_seq=1", "mesh.ici_tensor=1"].map(String::from);
         for row in &plans.fits {
-            assert!(!row.sets.contains(&"mesh.ici_seq=1".to_string()), "{:?} fits without a seq axis", row.sets);
+            assert!(!unsplit.iter().all(|s| row.sets.contains(s)), "{:?} fits with data and FSDP alone", row.sets);
         }
+        assert!(!plans.fits[0].sets.contains(&unsplit[0]), "the fastest plan has no seq axis: {:?}", plans.fits[0]);
         let best = &plans.fits[0];
         assert!(best.memory_per_device_bytes + (1 << 30) <= 80 << 30);
     }
