@@ -487,7 +487,8 @@ pub trait Backend {
     /// (`[batch · seq · split.ranks]`, in order), so that a rank sees the EOS in the other ranks'
     /// chunks; `bounds` (`[2 · batch · seq · split.ranks]`) are the whole sequences', by true
     /// position, and `positions` (`[batch · seq]`) `split.rank`'s rows' (`seq` rows of a
-    /// sequence on one rank: its two chunks).
+    /// sequence on one rank: its two chunks). The bounds are [`Backend::document_bounds`]' of
+    /// the whole sequences; picking a rank's positions out of theirs takes a backend's own op.
     #[allow(clippy::too_many_arguments)]
     fn document_bounds_split(
         &mut self,
@@ -498,8 +499,14 @@ pub trait Backend {
         split: SeqSplit,
         eos: u32,
     ) {
-        assert_eq!(split.ranks, 1, "this backend's document masking does not take chunk offsets (sequence axis)");
-        self.document_bounds(bounds, positions, tokens, seq, eos)
+        if split.ranks == 1 {
+            return self.document_bounds(bounds, positions, tokens, seq, eos);
+        }
+        assert!(
+            positions.is_none(),
+            "this backend does not restart positions at documents on a sequence axis (data.reset_positions)"
+        );
+        self.document_bounds(bounds, None, tokens, seq * split.ranks, eos)
     }
     /// [`Backend::attention_forward`] under document masking: query i sees key j only when
     /// `bounds[i] <= j` too, that is only its own document's keys (`bounds`, `[2N]`, from
