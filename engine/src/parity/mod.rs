@@ -28,11 +28,12 @@ mod ops;
 
 use std::time::Instant;
 
-use crate::backend::AttnShape;
 use crate::backend::cuda::Cuda;
+use crate::backend::{AttnShape, SeqSplit};
 use models::{graphs, memory_estimate, nccl_alone, parity, remat, training};
 use ops::{
-    adamw, attention, cross_entropy, elementwise, embedding, gelu, layernorm, matmul, moe, rmsnorm, rope, swiglu,
+    adamw, attention, attention_split, cross_entropy, elementwise, embedding, gelu, layernorm, matmul, moe, rmsnorm,
+    rope, swiglu,
 };
 
 /// One check's result.
@@ -126,6 +127,22 @@ fn attention_shapes(emulated: bool) -> &'static [AttnCase] {
     }
 }
 
+/// The sequence axis's attention checks: (batch, rows of a sequence on a rank, heads, kv
+/// heads, head width, window, rank, ranks, an EOS every so many positions).
+type SplitCase = (usize, usize, usize, usize, usize, usize, usize, usize, Option<usize>);
+fn split_attention_shapes(emulated: bool) -> &'static [SplitCase] {
+    if emulated {
+        &[(1, 256, 2, 1, 64, 0, 1, 2, Some(150)), (1, 256, 2, 2, 16, 0, 0, 2, None)]
+    } else {
+        &[
+            (2, 512, 8, 2, 64, 0, 0, 2, None),
+            (1, 256, 4, 1, 128, 0, 2, 4, Some(300)),
+            (2, 256, 4, 2, 32, 200, 1, 2, None),
+            (1, 1024, 4, 2, 64, 0, 3, 4, Some(700)),
+        ]
+    }
+}
+
 type Check = Box<dyn Fn(Cuda, &mut Open) -> Result<String, String>>;
 
 fn checks(scale: Scale) -> Vec<(String, Check)> {
@@ -165,6 +182,19 @@ fn checks(scale: Scale) -> Vec<(String, Check)> {
         add(
             &format!("attention on cuDNN B={b} S={s} H={h} KV={kv} dh={dh} window={w}: forward and backward"),
             Box::new(move |g, _| attention(g, shape, false, false)),
+        );
+    }
+    // The sequence axis: one rank's two chunks against every rank's keys (chunks of 128 rows,
+    // the kernels' widest tile), unmasked, in a sliding window and under document masking.
+    for &(b, s, h, kv, dh, w, rank, ranks, docs) in split_attention_shapes(scale.emulated) {
+        let shape = AttnShape { batch: b, seq: s, n_heads: h, n_kv_heads: kv, head_dim: dh, window: w };
+        let split = SeqSplit { rank, ranks };
+        let masked = if docs.is_some() { ", documents" } else { "" };
+        add(
+            &format!(
+                "attention on a sequence axis, rank {rank} of {ranks}: B={b} S={s} H={h} KV={kv} dh={dh} window={w}{masked}"
+            ),
+            Box::new(move |g, _| attention_split(g, shape, split, docs)),
         );
     }
     for f in [128, 100] {

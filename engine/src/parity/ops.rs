@@ -5,7 +5,7 @@ use super::{BF16, F32, Tol, compare};
 use crate::backend::cpu::Cpu;
 use crate::backend::cuda::Cuda;
 use crate::backend::{
-    AdamWStep, AttnShape, Backend, BufKind, ExpertWeights, IdxView, MatMul, MoeDispatch, Segment, View,
+    AdamWStep, AttnShape, Backend, BufKind, ExpertWeights, IdxView, MatMul, MoeDispatch, Segment, SeqSplit, View,
 };
 use crate::config::AttentionImpl;
 use crate::rng;
@@ -312,6 +312,56 @@ pub(super) fn attention(mut gpu: Cuda, s: AttnShape, unmasked: bool, native: boo
         let idx = cols(start, width);
         let pick = |x: &[f32]| idx.iter().map(|&i| x[i]).collect::<Vec<f32>>();
         t.notes.push(compare(name, &pick(&c), &pick(&g), Tol { rel_l2: 2e-2, max: 8e-2 })?);
+    }
+    t.done()
+}
+
+/// Attention for `split.rank`'s chunks of sequences split over a sequence axis of
+/// `split.ranks` (`s.seq`: the rows of a sequence on one rank), against every rank's rows, with
+/// document masking when `eos_every` is set (an EOS token every that many positions, offset so
+/// that documents cross the chunks' edges): out, log-sum-exp and the gradient of every rank's
+/// rows (dq zero on the others').
+pub(super) fn attention_split(
+    gpu: Cuda,
+    s: AttnShape,
+    split: SeqSplit,
+    eos_every: Option<usize>,
+) -> Result<String, String> {
+    let mut t = Twin::new(gpu);
+    let all = split.ranks * s.rows();
+    let qkv = t.random(ACT, all * s.qkv_width(), 1.0);
+    let (out, lse) = (t.alloc(ACT, s.rows() * s.q_width()), t.alloc(F32S, s.rows() * s.n_heads));
+    let (dout, dqkv) = (t.random(ACT, s.rows() * s.q_width(), 1.0), t.alloc(ACT, all * s.qkv_width()));
+    let bounds = eos_every.map(|every| {
+        let tokens: Vec<u32> = (0..all).map(|i| if i % every == every / 3 { 1 } else { 2 + (i % 7) as u32 }).collect();
+        let tokens = t.idx(&tokens);
+        let bounds = t.idx(&vec![0; 2 * all]);
+        t.both(|be| be.document_bounds(bounds, None, tokens, s.seq * split.ranks, 1));
+        bounds
+    });
+    t.both(|be| {
+        be.attention_forward_split(out, lse, qkv, s, split, bounds);
+        be.attention_backward_split(dqkv, dout, qkv, out, lse, s, split, bounds);
+    });
+    t.check("out", out, BF16)?;
+    t.check("lse", lse, F32)?;
+    let (q, kv, w) = (s.q_width(), s.n_kv_heads * s.head_dim, s.qkv_width());
+    let (mut c, mut g) = (vec![0f32; dqkv.len], vec![0f32; dqkv.len]);
+    t.cpu.download(dqkv, &mut c);
+    t.gpu.download(dqkv, &mut g);
+    for (name, start, width) in [("dq", 0, q), ("dk", q, kv), ("dv", q + kv, kv)] {
+        let idx: Vec<usize> = (0..all).flat_map(|r| (0..width).map(move |c| r * w + start + c)).collect();
+        let pick = |x: &[f32]| idx.iter().map(|&i| x[i]).collect::<Vec<f32>>();
+        t.notes.push(compare(name, &pick(&c), &pick(&g), Tol { rel_l2: 2e-2, max: 8e-2 })?);
+    }
+    // The other ranks' rows have no query gradient: exactly zero, not small.
+    let stray = (0..all)
+        .filter(|r| r / s.rows() != split.rank)
+        .flat_map(|r| (0..q).map(move |c| r * w + c))
+        .filter(|&i| g[i] != 0.0)
+        .count();
+    if stray > 0 {
+        return Err(format!("{stray} query-gradient elements of other ranks' rows are not zero"));
     }
     t.done()
 }

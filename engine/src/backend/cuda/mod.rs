@@ -30,7 +30,9 @@ use std::collections::HashMap;
 
 use cudarc::driver::sys::{self, CUdeviceptr};
 
-use super::{AdamWStep, AttnShape, Backend, BufKind, ExpertWeights, IdxView, MatMul, MoeDispatch, Segment, View, gib};
+use super::{
+    AdamWStep, AttnShape, Backend, BufKind, ExpertWeights, IdxView, MatMul, MoeDispatch, Segment, SeqSplit, View, gib,
+};
 use crate::config::{AttentionImpl, ModelConfig};
 use blas::Gemm;
 pub use device::DeviceInfo;
@@ -625,14 +627,14 @@ impl Backend for Cuda {
 
     fn attention_forward(&mut self, out: View, lse: View, qkv: View, s: AttnShape) {
         match self.attention {
-            Attention::Native => ops::attention::forward(self, out, lse, qkv, s, None),
+            Attention::Native => ops::attention::forward(self, out, lse, qkv, s, SeqSplit::WHOLE, None),
             Attention::Cudnn => cudnn::forward(self, out, lse, qkv, s),
         }
     }
 
     fn attention_backward(&mut self, dqkv: View, dout: View, qkv: View, out: View, lse: View, s: AttnShape) {
         match self.attention {
-            Attention::Native => ops::attention::backward(self, dqkv, dout, qkv, out, lse, s, None),
+            Attention::Native => ops::attention::backward(self, dqkv, dout, qkv, out, lse, s, SeqSplit::WHOLE, None),
             Attention::Cudnn => cudnn::backward(self, dqkv, dout, qkv, out, lse, s),
         }
     }
@@ -644,7 +646,7 @@ impl Backend for Cuda {
     // Document masking runs on the native kernels only: `select_attention` refuses cuDNN for it.
     fn attention_forward_docs(&mut self, out: View, lse: View, qkv: View, s: AttnShape, bounds: IdxView) {
         assert!(self.attention == Attention::Native, "internal error: document masking on cuDNN's attention");
-        ops::attention::forward(self, out, lse, qkv, s, Some(bounds))
+        ops::attention::forward(self, out, lse, qkv, s, SeqSplit::WHOLE, Some(bounds))
     }
 
     fn attention_backward_docs(
@@ -658,7 +660,44 @@ impl Backend for Cuda {
         bounds: IdxView,
     ) {
         assert!(self.attention == Attention::Native, "internal error: document masking on cuDNN's attention");
-        ops::attention::backward(self, dqkv, dout, qkv, out, lse, s, Some(bounds))
+        ops::attention::backward(self, dqkv, dout, qkv, out, lse, s, SeqSplit::WHOLE, Some(bounds))
+    }
+
+    // A sequence axis runs on the native kernels, whatever `train.attention` chose: they take
+    // the chunk offsets (cuDNN's graphs would need a mask per chunk pair). Forward and backward
+    // both, so the log-sum-exp's layout is the one the backward pass reads.
+    fn attention_forward_split(
+        &mut self,
+        out: View,
+        lse: View,
+        qkv_all: View,
+        s: AttnShape,
+        split: SeqSplit,
+        bounds: Option<IdxView>,
+    ) {
+        match (split.ranks, bounds) {
+            (1, Some(bounds)) => self.attention_forward_docs(out, lse, qkv_all, s, bounds),
+            (1, None) => self.attention_forward(out, lse, qkv_all, s),
+            _ => ops::attention::forward(self, out, lse, qkv_all, s, split, bounds),
+        }
+    }
+
+    fn attention_backward_split(
+        &mut self,
+        dqkv_all: View,
+        dout: View,
+        qkv_all: View,
+        out: View,
+        lse: View,
+        s: AttnShape,
+        split: SeqSplit,
+        bounds: Option<IdxView>,
+    ) {
+        match (split.ranks, bounds) {
+            (1, Some(bounds)) => self.attention_backward_docs(dqkv_all, dout, qkv_all, out, lse, s, bounds),
+            (1, None) => self.attention_backward(dqkv_all, dout, qkv_all, out, lse, s),
+            _ => ops::attention::backward(self, dqkv_all, dout, qkv_all, out, lse, s, split, bounds),
+        }
     }
 
     fn layernorm_forward(&mut self, out: View, mean: View, rstd: View, x: View, w: View, b: View, d: usize, eps: f32) {

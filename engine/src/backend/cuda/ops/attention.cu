@@ -30,6 +30,52 @@
 // backward block stops at its last key's end; the tiles between are masked element by element
 // unless every query of the tile sees every key (keys at or past the tile's last start).
 
+// Sequence axis (context parallelism): each of `ranks` devices holds two chunks of L positions
+// of every sequence, chunk `rank` and chunk 2·ranks − 1 − rank (load-balanced under the causal
+// mask); its queries are those rows, the keys every rank's rows, gathered rank-major. `seq` is
+// then the positions of a whole sequence and `local` = 2L the rows a rank holds (`seq` unsplit).
+// Masks and tiles work in positions; SeqRows maps a position to its row in qkv (every rank's)
+// and in the per-query buffers (out, lse, dout, D, dQ: this rank's). The launcher checks that L
+// is a multiple of every tile, so a tile lies inside one chunk and its rows are contiguous.
+struct SeqRows {
+    int seq, local, rank, ranks, batch;
+
+    // The row of position p within the `local` rows of the rank that holds it.
+    __device__ __forceinline__ int chunk_row(int p) const {
+        int L = local >> 1, c = p / L;
+        return c < ranks ? p - c * L : L + p - c * L;
+    }
+    __device__ __forceinline__ u64 qkv_row(int b, int p) const {
+        if (ranks == 1) return (u64)b * seq + p;
+        int c = p / (local >> 1), holder = c < ranks ? c : 2 * ranks - 1 - c;
+        return ((u64)holder * batch + b) * local + chunk_row(p);
+    }
+    // Position p must be one of this rank's.
+    __device__ __forceinline__ u64 local_row(int b, int p) const {
+        return ranks == 1 ? (u64)b * seq + p : (u64)b * local + chunk_row(p);
+    }
+    // The position of this rank's local row i.
+    __device__ __forceinline__ int position(int i) const {
+        int L = local >> 1;
+        return ranks == 1 ? i : i < L ? rank * L + i : (2 * ranks - 1 - rank) * L + i - L;
+    }
+    // This rank's query tiles of `br` local rows that hold a position in [lo, hi), as a range
+    // [x, y) of tile indices: local rows run in position order (chunk `rank` before the late
+    // one), so the tiles of a range of positions are contiguous.
+    struct Range {
+        int first, end;
+    };
+    __device__ __forceinline__ Range tiles(int lo, int hi, int br) const {
+        if (ranks == 1) return {lo / br, (hi + br - 1) / br};
+        int L = local >> 1, first = local, end = 0;
+        for (int k = 0; k < 2; k++) {
+            int c = k == 0 ? rank : 2 * ranks - 1 - rank, a = max(lo, c * L), z = min(hi, c * L + L);
+            if (a < z) first = min(first, (k * L + a - c * L) / br), end = max(end, (k * L + z - c * L + br - 1) / br);
+        }
+        return first < end ? Range{first, end} : Range{0, 0};
+    }
+};
+
 template <int HD>
 struct Smem {
     static constexpr int LD = HD + 8;
@@ -56,8 +102,8 @@ __device__ __forceinline__ void load_tile_async(bf16* tile, const bf16* base, u6
     static_assert(T % PER_ROW == 0, "a thread keeps its column");
     int r = threadIdx.x / PER_ROW, cc = (threadIdx.x % PER_ROW) * 8;
     int rows_left = dh > cc ? limit - r0 - r : 0;  // this thread's rows before `limit`; none past dh
-    // Offsets within one sequence fit 32 bits (the launcher checks seq · width < 2^31): only
-    // the sequence's first row is a 64-bit address.
+    // Offsets within the tile fit 32 bits (the launcher checks 128 · width < 2^31): only the
+    // tile's first row is a 64-bit address.
     const bf16* seq_base = base + row0 * width + col + cc;
     int w = (int)width, off = (r0 + r) * w;
     bf16* dst = tile + r * LD + cc;
@@ -72,7 +118,7 @@ __device__ __forceinline__ void load_tile_async(bf16* tile, const bf16* base, u6
 }
 
 template <int HD>
-__device__ void attention_forward_impl(bf16* out, float* lse, const bf16* qkv, const u32* starts, int seq, int heads,
+__device__ void attention_forward_impl(bf16* out, float* lse, const bf16* qkv, const u32* starts, SeqRows R, int heads,
                                        int kv_heads, int dh, int window, float scale) {
     constexpr int LD = HD + 8, BR = 64, BC = 64;
     DYNAMIC_SMEM(uint4, smem_raw);  // uint4: 16-byte aligned, as cp.async and ldmatrix need
@@ -85,9 +131,9 @@ __device__ void attention_forward_impl(bf16* out, float* lse, const bf16* qkv, c
     // the last query tile (the longest under a causal mask) goes first, then those of the tile
     // before it, so the short tiles fill the last wave. (A grid of (tile, head, batch) kept the
     // order only within a head; bench/kernel_stats.py --waves estimates the difference.)
-    int q0 = (gridDim.z - 1 - blockIdx.z) * BR;
+    int seq = R.seq, q0 = R.position((gridDim.z - 1 - blockIdx.z) * BR);
     int h = blockIdx.x, b = blockIdx.y, g = h / (heads / kv_heads);
-    u64 width = (u64)(heads + 2 * kv_heads) * dh, row0 = (u64)b * seq;
+    u64 width = (u64)(heads + 2 * kv_heads) * dh, row0 = (u64)b * seq;  // row0: of the document bounds
     int qcol = h * dh, kcol = (heads + g) * dh, vcol = (heads + kv_heads + g) * dh;
 
     int kv_end = min(seq, q0 + BR);
@@ -98,9 +144,9 @@ __device__ void attention_forward_impl(bf16* out, float* lse, const bf16* qkv, c
     int kv_first = max(window ? max(0, q0 - window + 1) : 0, starts ? (int)starts[row0 + q0] : 0);
     int t_first = kv_first / BC, t_count = (kv_end + BC - 1) / BC - t_first;
 
-    load_tile_async<BR, HD>(Qs, qkv, row0, q0, seq, width, qcol, dh);
-    load_tile_async<BC, HD>(Ks, qkv, row0, t_first * BC, seq, width, kcol, dh);
-    load_tile_async<BC, HD>(Vs, qkv, row0, t_first * BC, seq, width, vcol, dh);
+    load_tile_async<BR, HD>(Qs, qkv, R.qkv_row(b, q0), 0, seq - q0, width, qcol, dh);
+    load_tile_async<BC, HD>(Ks, qkv, R.qkv_row(b, t_first * BC), 0, seq - t_first * BC, width, kcol, dh);
+    load_tile_async<BC, HD>(Vs, qkv, R.qkv_row(b, t_first * BC), 0, seq - t_first * BC, width, vcol, dh);
     cp_async_commit();
 
     float scale2 = scale * LOG2E;
@@ -114,8 +160,9 @@ __device__ void attention_forward_impl(bf16* out, float* lse, const bf16* qkv, c
     for (int it = 0; it < t_count; it++) {
         int buf = it & 1, j0 = (t_first + it) * BC;
         if (it + 1 < t_count) {
-            load_tile_async<BC, HD>(Ks + (buf ^ 1) * BC * LD, qkv, row0, j0 + BC, seq, width, kcol, dh);
-            load_tile_async<BC, HD>(Vs + (buf ^ 1) * BC * LD, qkv, row0, j0 + BC, seq, width, vcol, dh);
+            u64 next = R.qkv_row(b, j0 + BC);
+            load_tile_async<BC, HD>(Ks + (buf ^ 1) * BC * LD, qkv, next, 0, seq - j0 - BC, width, kcol, dh);
+            load_tile_async<BC, HD>(Vs + (buf ^ 1) * BC * LD, qkv, next, 0, seq - j0 - BC, width, vcol, dh);
             cp_async_commit();
             cp_async_wait<1>();
         } else {
@@ -216,19 +263,20 @@ __device__ void attention_forward_impl(bf16* out, float* lse, const bf16* qkv, c
         l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
         l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
     }
-    u64 out_width = (u64)heads * dh;
+    u64 out_width = (u64)heads * dh, out_row0 = R.local_row(b, q0);
 #pragma unroll
     for (int r = 0; r < 2; r++) {
         int row = row_a + r * 8;
         if (row >= seq) continue;
         float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
-        bf16* dst = out + (row0 + row) * out_width + qcol;
+        u64 out_row = out_row0 + (row - q0);
+        bf16* dst = out + out_row * out_width + qcol;
 #pragma unroll
         for (int dt = 0; dt < HD / 8; dt++) {
             int col = dt * 8 + tig * 2;
             if (col < dh) *(u32*)(dst + col) = pack_bf16(o[dt][2 * r] * inv, o[dt][2 * r + 1] * inv);
         }
-        if (tig == 0) lse[(row0 + row) * heads + h] = (m[r] + __log2f(l[r])) * LN2;
+        if (tig == 0) lse[out_row * heads + h] = (m[r] + __log2f(l[r])) * LN2;
     }
 }
 
@@ -238,9 +286,10 @@ __device__ void attention_forward_impl(bf16* out, float* lse, const bf16* qkv, c
 #define FORWARD_MIN_BLOCKS(HD) ((HD) <= 64 ? 4 : 1)
 #define ATTENTION_FORWARD(HD)                                                                                        \
     extern "C" __global__ void __launch_bounds__(ATTN_THREADS, FORWARD_MIN_BLOCKS(HD)) attention_forward_hd##HD(                                     \
-        bf16* out, float* lse, const bf16* qkv, const u32* starts, int seq, int heads, int kv_heads, int dh, int window, \
-        float scale) {                                                                                               \
-        attention_forward_impl<HD>(out, lse, qkv, starts, seq, heads, kv_heads, dh, window, scale);                  \
+        bf16* out, float* lse, const bf16* qkv, const u32* starts, int seq, int local, int rank, int ranks, int heads,   \
+        int kv_heads, int dh, int window, float scale) {                                                             \
+        SeqRows R{seq, local, rank, ranks, (int)gridDim.y};                                                          \
+        attention_forward_impl<HD>(out, lse, qkv, starts, R, heads, kv_heads, dh, window, scale);                    \
     }
 ATTENTION_FORWARD(16)
 ATTENTION_FORWARD(32)
@@ -268,7 +317,7 @@ extern "C" __global__ void attention_backward_dot(float* big_d, const bf16* dout
 // 128-thread blocks did).
 template <int HD, int BR, int BC>
 __device__ void attention_backward_impl(bf16* dqkv, float* dq_acc, const bf16* dout, const bf16* qkv, const float* lse,
-                                        const float* big_d, const u32* starts, const u32* ends, int seq, int heads,
+                                        const float* big_d, const u32* starts, const u32* ends, SeqRows R, int heads,
                                         int kv_heads, int dh, int window, float scale) {
     constexpr int LD = HD + 8, LDS = BR + 8, WARPS = BC / 16, T = WARPS * 32;
     DYNAMIC_SMEM(uint4, smem_raw);
@@ -284,13 +333,15 @@ __device__ void attention_backward_impl(bf16* dqkv, float* dq_acc, const bf16* d
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, group = lane >> 2, tig = lane & 3;
     // Grid (key/value head, batch, key tile), x fastest: the first key tiles, which the most
     // query tiles see under a causal mask, go first for every head and sequence.
-    int k0 = blockIdx.z * BC, g = blockIdx.x, b = blockIdx.y, per_group = heads / kv_heads;
+    int seq = R.seq, k0 = blockIdx.z * BC, g = blockIdx.x, b = blockIdx.y, per_group = heads / kv_heads;
+    // row0: of the document bounds; key_row0: the block's first key in qkv and dqkv.
     u64 width = (u64)(heads + 2 * kv_heads) * dh, row0 = (u64)b * seq, out_width = (u64)heads * dh;
+    u64 key_row0 = R.qkv_row(b, k0);
     int kcol = (heads + g) * dh, vcol = (heads + kv_heads + g) * dh;
     float scale2 = scale * LOG2E;
 
-    load_tile_async<BC, HD, T>(Ks, qkv, row0, k0, seq, width, kcol, dh);
-    load_tile_async<BC, HD, T>(Vs, qkv, row0, k0, seq, width, vcol, dh);
+    load_tile_async<BC, HD, T>(Ks, qkv, key_row0, 0, seq - k0, width, kcol, dh);
+    load_tile_async<BC, HD, T>(Vs, qkv, key_row0, 0, seq - k0, width, vcol, dh);
     cp_async_commit();
 
     float dk[HD / 8][4], dv[HD / 8][4];
@@ -302,7 +353,8 @@ __device__ void attention_backward_impl(bf16* dqkv, float* dq_acc, const bf16* d
 
     int q_end = window ? min(seq, k0 + BC - 1 + window) : seq;  // queries that see some key here
     if (ends) q_end = min(q_end, (int)ends[row0 + min(k0 + BC, seq) - 1]);  // and in its documents
-    int qt_first = k0 / BR, qt_end = (q_end + BR - 1) / BR;
+    SeqRows::Range qt_range = R.tiles(k0, q_end, BR);  // this rank's query tiles (all of them unsplit)
+    int qt_first = qt_range.first, qt_end = qt_range.end;
 
     // The (query head, query tile) pairs this block visits, in order: step = head · q_tiles +
     // tile, walked with two counters (no divide); the next pair's Q, dO, log-sum-exp and D are
@@ -310,26 +362,27 @@ __device__ void attention_backward_impl(bf16* dqkv, float* dq_acc, const bf16* d
     int q_tiles = qt_end - qt_first, steps = per_group * q_tiles;
     static_assert(BR <= T, "one thread per query row of the tile");
     auto fetch = [&](int h, int q0, int buf) {
-        load_tile_async<BR, HD, T>(Qs_buf + buf * BR * LD, qkv, row0, q0, seq, width, h * dh, dh);
-        load_tile_async<BR, HD, T>(dOs_buf + buf * BR * LD, dout, row0, q0, seq, out_width, h * dh, dh);
+        u64 local0 = R.local_row(b, q0);
+        load_tile_async<BR, HD, T>(Qs_buf + buf * BR * LD, qkv, R.qkv_row(b, q0), 0, seq - q0, width, h * dh, dh);
+        load_tile_async<BR, HD, T>(dOs_buf + buf * BR * LD, dout, local0, 0, seq - q0, out_width, h * dh, dh);
         cp_async_commit();
         int i = threadIdx.x;
         if (i < BR) {
             bool ok = q0 + i < seq;
-            lse_buf[buf * BR + i] = ok ? lse[(row0 + q0 + i) * heads + h] * LOG2E : POS_INF;
-            d_buf[buf * BR + i] = ok ? big_d[(row0 + q0 + i) * heads + h] : 0.f;
+            lse_buf[buf * BR + i] = ok ? lse[(local0 + i) * heads + h] * LOG2E : POS_INF;
+            d_buf[buf * BR + i] = ok ? big_d[(local0 + i) * heads + h] : 0.f;
             start_buf[buf * BR + i] = ok && starts ? (int)starts[row0 + q0 + i] : 0;
         }
     };
     int h = g * per_group, qt = 0;  // the pair of this step
-    fetch(h, qt_first * BR, 0);
+    if (steps > 0) fetch(h, R.position(qt_first * BR), 0);
     for (int step = 0; step < steps; step++) {
-        int buf = step & 1, q0 = (qt_first + qt) * BR;
+        int buf = step & 1, q0 = R.position((qt_first + qt) * BR);
         bool wrap = qt + 1 == q_tiles;
         int next_h = wrap ? h + 1 : h, next_qt = wrap ? 0 : qt + 1;
         // The other buffer was last read before the barrier that ended the previous step.
         if (step + 1 < steps) {
-            fetch(next_h, (qt_first + next_qt) * BR, buf ^ 1);
+            fetch(next_h, R.position((qt_first + next_qt) * BR), buf ^ 1);
             cp_async_wait<1>();
         } else {
             cp_async_wait<0>();
@@ -455,7 +508,7 @@ __device__ void attention_backward_impl(bf16* dqkv, float* dq_acc, const bf16* d
             for (int r = 0; r < 2; r++) {
                 int q = q0 + mi * 16 + group + r * 8;
                 if (q >= seq) continue;
-                float* dst = dq_acc + (row0 + q) * out_width + (u64)h * dh;
+                float* dst = dq_acc + (R.local_row(b, q0) + (q - q0)) * out_width + (u64)h * dh;
 #pragma unroll
                 for (int i = 0; i < NT_PER_WARP; i++) {
                     int col = (nt0 + i) * 8 + tig * 2;
@@ -472,7 +525,7 @@ __device__ void attention_backward_impl(bf16* dqkv, float* dq_acc, const bf16* d
     for (int r = 0; r < 2; r++) {
         int key = key_a + r * 8;
         if (key >= seq) continue;
-        bf16* row = dqkv + (row0 + key) * width;
+        bf16* row = dqkv + (key_row0 + (key - k0)) * width;
 #pragma unroll
         for (int dt = 0; dt < HD / 8; dt++) {
             int col = dt * 8 + tig * 2;
@@ -486,8 +539,10 @@ __device__ void attention_backward_impl(bf16* dqkv, float* dq_acc, const bf16* d
 #define ATTENTION_BACKWARD(HD, BR, BC)                                                                              \
     extern "C" __global__ void __launch_bounds__(BC / 16 * 32) attention_backward_hd##HD(                           \
         bf16* dqkv, float* dq_acc, const bf16* dout, const bf16* qkv, const float* lse, const float* big_d,          \
-        const u32* starts, const u32* ends, int seq, int heads, int kv_heads, int dh, int window, float scale) {     \
-        attention_backward_impl<HD, BR, BC>(dqkv, dq_acc, dout, qkv, lse, big_d, starts, ends, seq, heads, kv_heads, \
+        const u32* starts, const u32* ends, int seq, int local, int rank, int ranks, int heads, int kv_heads, int dh, \
+        int window, float scale) {                                                                                   \
+        SeqRows R{seq, local, rank, ranks, (int)gridDim.y};                                                          \
+        attention_backward_impl<HD, BR, BC>(dqkv, dq_acc, dout, qkv, lse, big_d, starts, ends, R, heads, kv_heads,   \
                                             dh, window, scale);                                                      \
     }
 ATTENTION_BACKWARD(16, 64, 64)

@@ -1,10 +1,11 @@
 //! Flash attention on the tensor cores, forward and backward (`attention.cu`): causal,
-//! grouped-query, optional sliding window, optional document masking (`bounds`); one kernel per
-//! padded head width.
+//! grouped-query, optional sliding window, optional document masking (`bounds`), optionally for
+//! one rank's chunks of sequences split over the sequence axis (`split`); one kernel per padded
+//! head width.
 
 use super::{Module, aligned16, c_int, row_threads};
 use crate::backend::cuda::{Arg, Cuda, DType, Scratch};
-use crate::backend::{AttnShape, IdxView, View};
+use crate::backend::{AttnShape, IdxView, SeqSplit, View};
 
 /// The kernels of `attention.cu`.
 pub(crate) const MODULE: Module = Module {
@@ -100,34 +101,66 @@ pub(crate) fn document_bounds(
     gpu.launch("attention_document_bounds", ((n / seq) as u32, 1, 1), BOUNDS_THREADS, 0, &args);
 }
 
-/// The kernels' tile copies address a row within its sequence with a 32-bit offset
-/// (`load_tile_async`): one sequence of qkv rows must hold fewer than 2^31 elements.
-/// The grids put the batch in y and the 64-row tiles in z, each at most 65535.
-fn check_offsets(s: AttnShape) {
+/// The kernels' tile copies address a row within its tile with a 32-bit offset
+/// (`load_tile_async`): a tile of qkv rows must hold fewer than 2^31 elements. The grids put
+/// the batch in y and the tiles of a whole sequence (`positions`) in z, each at most 65535.
+/// On a sequence axis a tile must not straddle two chunks: the chunk (half the rows a rank
+/// holds) must be a multiple of every tile, 128 rows.
+fn check_shape(s: AttnShape, split: SeqSplit) {
+    let positions = s.seq * split.ranks;
     assert!(
-        s.seq * s.qkv_width() < 1 << 31,
-        "attention: a sequence of {} rows of {} elements is past the kernels' 32-bit offsets",
-        s.seq,
+        128 * s.qkv_width() < 1 << 31 && positions < 1 << 31,
+        "attention: a sequence of {positions} rows of {} elements is past the kernels' 32-bit offsets",
         s.qkv_width()
     );
     assert!(
-        s.batch <= 65535 && s.seq.div_ceil(64) <= 65535,
-        "attention: batch {} or sequence {} is past the grid's limits",
-        s.batch,
-        s.seq
+        s.batch <= 65535 && positions.div_ceil(64) <= 65535,
+        "attention: batch {} or sequence {positions} is past the grid's limits",
+        s.batch
+    );
+    assert!(
+        split.ranks == 1 || (s.seq / 2).is_multiple_of(CHUNK_MULTIPLE) && s.seq.is_multiple_of(2),
+        "attention: chunks of {} rows on the sequence axis; the CUDA kernels need a multiple of {CHUNK_MULTIPLE} (train.seq_len a multiple of {})",
+        s.seq / 2,
+        2 * CHUNK_MULTIPLE * split.ranks
     );
 }
 
-/// `Backend::attention_forward` (and `attention_forward_docs` with `bounds`): a block per 64
-/// queries of a head, the kernel of the padded head width.
-pub(crate) fn forward(gpu: &mut Cuda, out: View, lse: View, qkv: View, s: AttnShape, bounds: Option<IdxView>) {
+/// What a chunk of the sequence axis must be a multiple of on CUDA: the widest tile (the
+/// backward pass's 128 keys), so that no tile straddles two chunks.
+pub(crate) const CHUNK_MULTIPLE: usize = 128;
+
+/// The kernels' sequence arguments: the positions of a whole sequence, the rows of one on this
+/// rank, the rank and the ranks (`SeqRows` in attention.cu).
+fn seq_args(s: AttnShape, split: SeqSplit) -> [Arg; 4] {
+    [
+        Arg::I(c_int(s.seq * split.ranks, "seq")),
+        Arg::I(c_int(s.seq, "seq")),
+        Arg::I(split.rank as i32),
+        Arg::I(split.ranks as i32),
+    ]
+}
+
+/// `Backend::attention_forward` (`attention_forward_docs` with `bounds`,
+/// `attention_forward_split` with `split`: `qkv` is then every rank's rows, rank-major): a block
+/// per 64 queries of a head, the kernel of the padded head width.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn forward(
+    gpu: &mut Cuda,
+    out: View,
+    lse: View,
+    qkv: View,
+    s: AttnShape,
+    split: SeqSplit,
+    bounds: Option<IdxView>,
+) {
     gpu.expect(out, DType::Bf16, "attention_forward", "out");
     gpu.expect(qkv, DType::Bf16, "attention_forward", "qkv");
     gpu.expect(lse, DType::F32, "attention_forward", "lse");
-    assert_eq!(qkv.len, s.rows() * s.qkv_width(), "internal error: attention_forward: qkv length");
+    assert_eq!(qkv.len, split.ranks * s.rows() * s.qkv_width(), "internal error: attention_forward: qkv length");
     assert_eq!(out.len, s.rows() * s.q_width(), "internal error: attention_forward: out length");
     assert_eq!(lse.len, s.rows() * s.n_heads, "internal error: attention_forward: lse length");
-    check_offsets(s);
+    check_shape(s, split);
     let hd = padded_hd(s.head_dim);
     let name = match hd {
         16 => "attention_forward_hd16",
@@ -137,12 +170,16 @@ pub(crate) fn forward(gpu: &mut Cuda, out: View, lse: View, qkv: View, s: AttnSh
     };
     let (o, l, q) = (gpu.out(out, "attention"), gpu.out(lse, "attention"), gpu.ptr(qkv));
     assert!(aligned16(&[o, q]), "internal error: attention rows must start 16-byte aligned");
+    let [seq, local, rank, ranks] = seq_args(s, split);
     let args = [
         Arg::P(o),
         Arg::P(l),
         Arg::P(q),
-        Arg::P(doc_ptrs(gpu, bounds, s).0),
-        Arg::I(c_int(s.seq, "seq")),
+        Arg::P(doc_ptrs(gpu, bounds, s, split).0),
+        seq,
+        local,
+        rank,
+        ranks,
         Arg::I(s.n_heads as i32),
         Arg::I(s.n_kv_heads as i32),
         Arg::I(s.head_dim as i32),
@@ -154,18 +191,21 @@ pub(crate) fn forward(gpu: &mut Cuda, out: View, lse: View, qkv: View, s: AttnSh
     gpu.launch(name, grid, THREADS, forward_smem(hd), &args);
 }
 
-/// The kernels' `starts` and `ends` arguments: the halves of the document bounds, or null
-/// without masking.
-fn doc_ptrs(gpu: &Cuda, bounds: Option<IdxView>, s: AttnShape) -> (u64, u64) {
+/// The kernels' `starts` and `ends` arguments: the halves of the document bounds (of the whole
+/// sequences, by position), or null without masking.
+fn doc_ptrs(gpu: &Cuda, bounds: Option<IdxView>, s: AttnShape, split: SeqSplit) -> (u64, u64) {
+    let n = s.rows() * split.ranks;
     bounds.map_or((0, 0), |v| {
-        assert_eq!(v.len, 2 * s.rows(), "internal error: attention: document bounds length");
-        (gpu.iptr(v.at(0, s.rows())), gpu.iptr(v.at(s.rows(), s.rows())))
+        assert_eq!(v.len, 2 * n, "internal error: attention: document bounds length");
+        (gpu.iptr(v.at(0, n)), gpu.iptr(v.at(n, n)))
     })
 }
 
-/// `Backend::attention_backward` (and `attention_backward_docs` with `bounds`): D =
-/// rowsum(dout · out) first, then a block per 128 keys (64 for heads up to 32 wide) of a
-/// key/value head accumulating dQ in the f32 scratch, and last dQ converted into `dqkv`.
+/// `Backend::attention_backward` (`attention_backward_docs` with `bounds`,
+/// `attention_backward_split` with `split`): D = rowsum(dout · out) first, then a block per 128
+/// keys (64 for heads up to 32 wide) of a key/value head accumulating dQ in the f32 scratch,
+/// and last dQ converted into `dqkv`. On a sequence axis the keys are every rank's, and `dqkv`
+/// (every rank's rows) is zeroed first: the other ranks' rows get only key and value gradients.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn backward(
     gpu: &mut Cuda,
@@ -175,13 +215,14 @@ pub(crate) fn backward(
     out: View,
     lse: View,
     s: AttnShape,
+    split: SeqSplit,
     bounds: Option<IdxView>,
 ) {
     for (v, name) in [(dqkv, "dqkv"), (dout, "dout"), (qkv, "qkv"), (out, "out")] {
         gpu.expect(v, DType::Bf16, "attention_backward", name);
     }
     gpu.expect(lse, DType::F32, "attention_backward", "lse");
-    assert_eq!(dqkv.len, s.rows() * s.qkv_width(), "internal error: attention_backward: dqkv length");
+    assert_eq!(dqkv.len, split.ranks * s.rows() * s.qkv_width(), "internal error: attention_backward: dqkv length");
     let (rows, heads, dh) = (s.rows(), s.n_heads, s.head_dim);
     let big_d = gpu.scratch(Scratch::AttnD, rows * heads * 4);
     let dq = gpu.scratch(Scratch::AttnDq, rows * heads * dh * 4);
@@ -190,7 +231,10 @@ pub(crate) fn backward(
     let args = [Arg::P(big_d), Arg::P(g), Arg::P(o), Arg::U(rows as u64), Arg::I(heads as i32), Arg::I(dh as i32)];
     gpu.launch("attention_backward_dot", (((rows * heads) as u64 * 32).div_ceil(256) as u32, 1, 1), 256, 0, &args);
     gpu.dev.zero_u32(dq, rows * heads * dh);
-    check_offsets(s);
+    check_shape(s, split);
+    if split.ranks > 1 {
+        gpu.dev.zero_u32(dqkv_p, dqkv.len / 2); // bf16 pairs: the widths are multiples of 8
+    }
     let hd = padded_hd(dh);
     let name = match hd {
         16 => "attention_backward_hd16",
@@ -199,6 +243,7 @@ pub(crate) fn backward(
         _ => "attention_backward_hd128",
     };
     let scale = 1.0 / (dh as f32).sqrt();
+    let [seq, local, rank, ranks] = seq_args(s, split);
     let args = [
         Arg::P(dqkv_p),
         Arg::P(dq),
@@ -206,9 +251,12 @@ pub(crate) fn backward(
         Arg::P(q),
         Arg::P(l),
         Arg::P(big_d),
-        Arg::P(doc_ptrs(gpu, bounds, s).0),
-        Arg::P(doc_ptrs(gpu, bounds, s).1),
-        Arg::I(c_int(s.seq, "seq")),
+        Arg::P(doc_ptrs(gpu, bounds, s, split).0),
+        Arg::P(doc_ptrs(gpu, bounds, s, split).1),
+        seq,
+        local,
+        rank,
+        ranks,
         Arg::I(heads as i32),
         Arg::I(s.n_kv_heads as i32),
         Arg::I(dh as i32),
@@ -216,10 +264,13 @@ pub(crate) fn backward(
         Arg::F(scale),
     ];
     // (key/value head, batch, key tile): the longest tiles of every head and sequence first.
-    let grid = (s.n_kv_heads as u32, s.batch as u32, s.seq.div_ceil(backward_bc(hd)) as u32);
+    let positions = s.seq * split.ranks;
+    let grid = (s.n_kv_heads as u32, s.batch as u32, positions.div_ceil(backward_bc(hd)) as u32);
     gpu.launch(name, grid, backward_threads(hd), backward_smem(hd), &args);
+    // This rank's rows of dqkv: a block of `rows`, rank-major.
+    let own = dqkv_p + (split.rank * rows * s.qkv_width() * 2) as u64;
     let args = [
-        Arg::P(dqkv_p),
+        Arg::P(own),
         Arg::P(dq),
         Arg::U(rows as u64),
         Arg::I(c_int(s.q_width(), "q width")),
