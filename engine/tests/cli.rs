@@ -500,7 +500,8 @@ fn recipes_show_plans_memory_for_the_mesh() {
 }
 
 /// `engine recipes plan`: a JSON list, best first, whose first row `recipes show` confirms with
-/// its `sets`; every plan that fits llama3.1-8b at 131,072 tokens on one node has a seq axis;
+/// its `sets`; every plan that fits llama3.1-8b at 131,072 tokens on one node has a seq or a
+/// tensor axis, the first a seq axis;
 /// nothing fitting and bad arguments are one line with exit code 2.
 #[test]
 fn recipes_plan_ranks_what_fits_and_names_the_closest_otherwise() {
@@ -513,7 +514,12 @@ fn recipes_plan_ranks_what_fits_and_names_the_closest_otherwise() {
     let times: Vec<f64> = rows.iter().map(|r| r["step_time_estimate_s"].as_f64().unwrap()).collect();
     assert!(times.windows(2).all(|w| w[0] <= w[1]), "not best first: {times:?}");
     let sets: Vec<&str> = rows[0]["sets"].as_array().unwrap().iter().map(|s| s.as_str().unwrap()).collect();
-    assert!(rows.iter().all(|r| !r["sets"].as_array().unwrap().contains(&"mesh.ici_seq=1".into())));
+    // Each splits the sequence or (vocabulary parallelism) the logits over a tensor axis.
+    let unsplit = |r: &serde_json::Value| {
+        let sets = r["sets"].as_array().unwrap();
+        sets.contains(&"mesh.ici_seq=1".into()) && sets.contains(&"mesh.ici_tensor=1".into())
+    };
+    assert!(rows.iter().all(|r| !unsplit(r)) && !sets.contains(&"mesh.ici_seq=1"), "{rows:?}");
     let mut show = vec!["recipes", "show", "llama3.1-8b", "--json", "--devices", "8", "--nodes", "1"];
     for set in std::iter::once("train.seq_len=131072").chain(sets.iter().copied()) {
         show.extend(["--set", set]);
