@@ -10,7 +10,7 @@
 
 use engine::backend::cpu::Cpu;
 use engine::backend::cuda::{Cuda, emulator};
-use engine::backend::{AttnShape, Backend, BufKind};
+use engine::backend::{AttnNeeds, AttnShape, Backend, BufKind, SeqSplit};
 use engine::config::{AttentionImpl, Family, ModelConfig};
 use engine::model::{Alone, Documents, Model, init};
 use engine::parity::{self, Scale};
@@ -77,6 +77,26 @@ fn document_bounds_match_the_cpu() {
     let n = tokens.len();
     assert_eq!((want[0][seq - 1], want[0][n + 6]), (301, 300), "the CPU reference");
     assert_eq!(bounds(&mut Cuda::emulated().unwrap(), &tokens, seq, eos), want, "document bounds on the emulator");
+    // On a sequence axis of 3 (chunks of 100): the whole sequences' bounds, and rank 1's rows'
+    // positions (chunks 1 and 4), which the EOS at 2..5 and 299 in other ranks' chunks set.
+    let split = SeqSplit { rank: 1, ranks: 3 };
+    let on = |be: &mut dyn Backend| {
+        let (t, s, p) = (be.alloc_idx(tokens.len()), be.alloc_idx(2 * tokens.len()), be.alloc_idx(tokens.len() / 3));
+        be.upload_idx(t, &tokens);
+        be.document_bounds_split(s, Some(p), t, seq / 3, split, eos);
+        let mut out = [vec![0; 2 * tokens.len()], vec![0; tokens.len() / 3]];
+        be.download_idx(s, &mut out[0]);
+        be.download_idx(p, &mut out[1]);
+        out
+    };
+    let want = on(&mut Cpu::new());
+    assert_eq!(
+        want[0],
+        bounds(&mut Cpu::new(), &tokens, seq, eos)[0],
+        "the CPU's split bounds are the whole sequences'"
+    );
+    assert_eq!(want[1][0], 100 - 6, "position 100 is 94 past the EOS at 5");
+    assert_eq!(on(&mut Cuda::emulated().unwrap()), want, "split document bounds on the emulator");
 }
 
 /// Masked attention forward and backward against the CPU at a shape of several tiles each way,
@@ -177,13 +197,14 @@ fn a_packed_document_has_its_logits_alone() {
 fn cudnn_is_not_chosen_under_document_masking() {
     let s = AttnShape { batch: 1, seq: 64, n_heads: 2, n_kv_heads: 1, head_dim: 16, window: 0 };
     let mut gpu = Cuda::emulated().unwrap();
-    let err = gpu.select_attention(AttentionImpl::Cudnn, s, true).unwrap_err();
+    let documents = AttnNeeds { documents: true, seq_split: false };
+    let err = gpu.select_attention(AttentionImpl::Cudnn, s, documents).unwrap_err();
     assert!(
         err.starts_with("train.attention = \"cudnn\": data.document_mask = true needs the native kernels"),
         "{err}"
     );
     assert!(!err.contains('\n'), "{err}");
-    gpu.select_attention(AttentionImpl::Auto, s, true).unwrap();
+    gpu.select_attention(AttentionImpl::Auto, s, documents).unwrap();
     let described = gpu.describe();
     assert!(described.contains("attention: native kernels (cuDNN not used: data.document_mask"), "{described}");
 }

@@ -306,20 +306,30 @@ pub struct Segment {
     pub decay: bool,
 }
 
+/// What a model's attention takes beyond the causal mask and the window, which not every
+/// implementation has ([`Backend::select_attention`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct AttnNeeds {
+    /// Document masking ([`Backend::attention_forward_docs`]).
+    pub documents: bool,
+    /// A sequence axis's chunks ([`Backend::attention_forward_split`]).
+    pub seq_split: bool,
+}
+
 /// A compute device and the ops of a training step.
 pub trait Backend {
     /// Short device description for logs (e.g. `cpu (2 threads)`).
     fn describe(&self) -> String;
     /// Chooses the kernels that run attention (`train.attention`) for attention of `shape` (the
     /// model's heads on this device, a micro-batch's sequences), checking what it chooses;
-    /// [`Backend::describe`] then says which. Under document masking (`documents`,
-    /// [`Backend::attention_forward_docs`]) kernels without the mask are not chosen (`"auto"`
-    /// says why) and not accepted when named. A backend with one implementation keeps it.
+    /// [`Backend::describe`] then says which. Kernels without what `needs` names (document
+    /// masking, a sequence axis's chunks) are not chosen (`"auto"` says why) and not accepted
+    /// when named. A backend with one implementation keeps it.
     fn select_attention(
         &mut self,
         _choice: crate::config::AttentionImpl,
         _shape: AttnShape,
-        _documents: bool,
+        _needs: AttnNeeds,
     ) -> Result<(), String> {
         Ok(())
     }
@@ -427,9 +437,11 @@ pub trait Backend {
     /// Gradient of [`Backend::attention_forward`] with respect to the packed qkv rows (`=`).
     fn attention_backward(&mut self, dqkv: View, dout: View, qkv: View, out: View, lse: View, shape: AttnShape);
 
-    /// Whether [`Backend::attention_forward_split`] takes more than one rank (a seq axis).
-    fn splits_sequences(&self) -> bool {
-        false
+    /// What a chunk of a sequence split over the sequence axis (half of a rank's rows) must be
+    /// a multiple of for [`Backend::attention_forward_split`], or `None` when this backend takes
+    /// no more than one rank.
+    fn seq_chunk_multiple(&self) -> Option<usize> {
+        None
     }
     /// [`Backend::attention_forward`] for the local rows of a sequence split over the sequence
     /// axis ([`SeqSplit`]): `qkv_all` holds every rank's rows, rank-major (`[ranks, batch, seq,

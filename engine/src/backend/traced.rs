@@ -8,7 +8,8 @@
 use std::time::Instant;
 
 use super::{
-    AdamWStep, AttnShape, Backend, BufKind, ExpertWeights, IdxView, MatMul, MoeDispatch, Segment, SeqSplit, View,
+    AdamWStep, AttnNeeds, AttnShape, Backend, BufKind, ExpertWeights, IdxView, MatMul, MoeDispatch, Segment, SeqSplit,
+    View,
 };
 
 /// One timed op.
@@ -93,9 +94,9 @@ impl<B: Backend> Backend for Traced<B> {
         &mut self,
         choice: crate::config::AttentionImpl,
         shape: AttnShape,
-        documents: bool,
+        needs: AttnNeeds,
     ) -> Result<(), String> {
-        self.inner.select_attention(choice, shape, documents)
+        self.inner.select_attention(choice, shape, needs)
     }
     fn peak_memory_bytes(&self) -> usize {
         self.inner.peak_memory_bytes()
@@ -186,8 +187,8 @@ impl<B: Backend> Backend for Traced<B> {
     fn attention_backward(&mut self, dqkv: View, dout: View, qkv: View, out: View, lse: View, shape: AttnShape) {
         self.time("attention_backward", |b| b.attention_backward(dqkv, dout, qkv, out, lse, shape))
     }
-    fn splits_sequences(&self) -> bool {
-        self.inner.splits_sequences()
+    fn seq_chunk_multiple(&self) -> Option<usize> {
+        self.inner.seq_chunk_multiple()
     }
     fn attention_forward_split(
         &mut self,

@@ -5,7 +5,8 @@ use super::{BF16, F32, Tol, compare};
 use crate::backend::cpu::Cpu;
 use crate::backend::cuda::Cuda;
 use crate::backend::{
-    AdamWStep, AttnShape, Backend, BufKind, ExpertWeights, IdxView, MatMul, MoeDispatch, Segment, SeqSplit, View,
+    AdamWStep, AttnNeeds, AttnShape, Backend, BufKind, ExpertWeights, IdxView, MatMul, MoeDispatch, Segment, SeqSplit,
+    View,
 };
 use crate::config::AttentionImpl;
 use crate::rng;
@@ -283,7 +284,7 @@ pub(super) fn attention(mut gpu: Cuda, s: AttnShape, unmasked: bool, native: boo
         return Err(format!("the shape gives no unmasked tile to both passes: {tiles:?}"));
     }
     if !native {
-        gpu.select_attention(AttentionImpl::Cudnn, s, false)?;
+        gpu.select_attention(AttentionImpl::Cudnn, s, AttnNeeds::default())?;
     }
     let mut t = Twin::new(gpu);
     if native {

@@ -22,7 +22,7 @@ use std::time::Instant;
 
 use anyhow::{Result, bail};
 
-use crate::backend::{AdamWStep, Backend, BufKind, IdxView, View};
+use crate::backend::{AdamWStep, AttnNeeds, Backend, BufKind, IdxView, View};
 use crate::checkpoint::Checkpoint;
 use crate::checkpoint::Progress;
 use crate::checkpoint::sharded::{DeviceState, Part};
@@ -122,12 +122,23 @@ impl<B: Backend> Trainer<B> {
         // On a seq axis each device keeps two chunks of every sequence.
         model.seq.rank = coords.seq;
         model.documents = crate::model::Documents::of(&config.data)?;
-        if model.seq.ranks > 1 && !backend.splits_sequences() {
-            bail!(
-                "mesh.ici_seq x mesh.dcn_seq = {}: the sequence axis runs on the CPU backend only in this version ({}'s attention kernels do not take chunk offsets yet); set both to 1",
-                model.seq.ranks,
-                backend.describe()
-            );
+        if model.seq.ranks > 1 {
+            let chunk = config.train.seq_len / (2 * model.seq.ranks);
+            match backend.seq_chunk_multiple() {
+                None => bail!(
+                    "mesh.ici_seq x mesh.dcn_seq = {}: {}'s attention kernels do not take the sequence axis's chunks; set both to 1",
+                    model.seq.ranks,
+                    backend.describe()
+                ),
+                Some(k) if !chunk.is_multiple_of(k) => bail!(
+                    "train.seq_len = {} over mesh.ici_seq x mesh.dcn_seq = {} gives chunks of {chunk} tokens (two a device); {}'s attention kernels need a multiple of {k}: make train.seq_len a multiple of {}",
+                    config.train.seq_len,
+                    model.seq.ranks,
+                    backend.describe(),
+                    2 * k * model.seq.ranks
+                ),
+                Some(_) => {}
+            }
         }
         if parallel_plan.virtual_stages > 1 && !comm.buffers_sends() {
             bail!(
@@ -139,10 +150,8 @@ impl<B: Backend> Trainer<B> {
         // pipeline's micro-batches.
         let batch = parallel_plan.microbatch;
         // The attention kernels, chosen (and checked) before any buffer is planned.
-        let documents = model.documents.is_some();
-        backend
-            .select_attention(t.attention, model.attn_shape(batch, seq_len), documents)
-            .map_err(anyhow::Error::msg)?;
+        let needs = AttnNeeds { documents: model.documents.is_some(), seq_split: model.seq.ranks > 1 };
+        backend.select_attention(t.attention, model.attn_shape(batch, seq_len), needs).map_err(anyhow::Error::msg)?;
         let schedule = &parallel_plan.schedules[coords.pipeline];
         let (actions, chunk_of, slot_of) =
             (schedule.actions.clone(), schedule.chunk_of.clone(), schedule.slot_of.clone());

@@ -289,8 +289,8 @@ impl Backend for Cpu {
         attention::backward(dqkv, dout, qkv, out, lse, shape);
     }
 
-    fn splits_sequences(&self) -> bool {
-        true
+    fn seq_chunk_multiple(&self) -> Option<usize> {
+        Some(1)
     }
 
     fn attention_forward_split(

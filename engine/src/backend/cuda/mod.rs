@@ -31,7 +31,8 @@ use std::collections::HashMap;
 use cudarc::driver::sys::{self, CUdeviceptr};
 
 use super::{
-    AdamWStep, AttnShape, Backend, BufKind, ExpertWeights, IdxView, MatMul, MoeDispatch, Segment, SeqSplit, View, gib,
+    AdamWStep, AttnNeeds, AttnShape, Backend, BufKind, ExpertWeights, IdxView, MatMul, MoeDispatch, Segment, SeqSplit,
+    View, gib,
 };
 use crate::config::{AttentionImpl, ModelConfig};
 use blas::Gemm;
@@ -440,10 +441,13 @@ impl Backend for Cuda {
         )
     }
 
-    fn select_attention(&mut self, choice: AttentionImpl, shape: AttnShape, documents: bool) -> Result<(), String> {
+    fn select_attention(&mut self, choice: AttentionImpl, shape: AttnShape, needs: AttnNeeds) -> Result<(), String> {
         let cudnn = |gpu: &mut Cuda| -> Result<String, String> {
-            if documents {
+            if needs.documents {
                 return Err(cudnn::NO_DOCUMENT_MASK.into());
+            }
+            if needs.seq_split {
+                return Err(cudnn::NO_SEQ_SPLIT.into());
             }
             let checked = cudnn::self_check(gpu, shape)?;
             let c = gpu.dev.cudnn()?;
@@ -661,6 +665,22 @@ impl Backend for Cuda {
     ) {
         assert!(self.attention == Attention::Native, "internal error: document masking on cuDNN's attention");
         ops::attention::backward(self, dqkv, dout, qkv, out, lse, s, SeqSplit::WHOLE, Some(bounds))
+    }
+
+    fn seq_chunk_multiple(&self) -> Option<usize> {
+        Some(ops::attention::CHUNK_MULTIPLE)
+    }
+
+    fn document_bounds_split(
+        &mut self,
+        bounds: IdxView,
+        positions: Option<IdxView>,
+        tokens: IdxView,
+        seq: usize,
+        split: SeqSplit,
+        eos: u32,
+    ) {
+        ops::attention::document_bounds_split(self, bounds, positions, tokens, seq, split, eos)
     }
 
     // A sequence axis runs on the native kernels, whatever `train.attention` chose: they take

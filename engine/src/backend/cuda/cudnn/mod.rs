@@ -487,6 +487,10 @@ fn open(gpu: &mut Cuda) -> Result<&mut Cudnn, String> {
 pub(crate) const NO_DOCUMENT_MASK: &str =
     "data.document_mask = true needs the native kernels (this cuDNN graph takes no document mask)";
 
+/// Why cuDNN's attention is not used on a sequence axis: a rank's queries are two chunks at
+/// their true positions against every rank's keys, which the native kernels take.
+pub(crate) const NO_SEQ_SPLIT: &str = "a sequence axis (mesh.ici_seq x mesh.dcn_seq > 1) needs the native kernels (this cuDNN graph takes no chunk offsets)";
+
 /// `Backend::attention_forward` on cuDNN: out and the statistics (`lse` holds them
 /// `[batch, heads, seq]`, natural log, which only the backward pass below reads).
 pub(crate) fn forward(gpu: &mut Cuda, out: View, lse: View, qkv: View, s: AttnShape) {

@@ -607,3 +607,15 @@ extern "C" __global__ void __launch_bounds__(BOUNDS_THREADS) attention_document_
         ends[row0 + i] = (u32)min(next + 1, seq);
     }
 }
+
+// On a sequence axis, the positions within their documents of one rank's rows (r = b·local + i)
+// from the whole sequences' starts (`attention_document_bounds` over every rank's tokens):
+// positions[r] = p - starts[b·seq + p], p the true position of local row i. A thread a row.
+extern "C" __global__ void attention_document_positions(u32* positions, const u32* starts, int seq, int local,
+                                                        int rank, int ranks, u64 rows) {
+    u64 r = global_thread();
+    if (r >= rows) return;
+    SeqRows R{seq, local, rank, ranks, 0};
+    int b = (int)(r / local), p = R.position((int)(r % local));
+    positions[r] = (u32)p - starts[(u64)b * seq + p];
+}

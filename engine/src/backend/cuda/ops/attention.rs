@@ -23,6 +23,7 @@ pub(crate) const MODULE: Module = Module {
         "attention_backward_hd128",
         "attention_backward_dq",
         "attention_document_bounds",
+        "attention_document_positions",
     ],
 };
 
@@ -99,6 +100,36 @@ pub(crate) fn document_bounds(
         Arg::I(c_int(eos as usize, "eos")),
     ];
     gpu.launch("attention_document_bounds", ((n / seq) as u32, 1, 1), BOUNDS_THREADS, 0, &args);
+}
+
+/// `Backend::document_bounds_split`: the whole sequences' bounds (`tokens` holds every rank's
+/// rows, in order), then, with `positions`, this rank's rows' positions within their documents
+/// from them, a thread a row.
+pub(crate) fn document_bounds_split(
+    gpu: &mut Cuda,
+    bounds: IdxView,
+    positions: Option<IdxView>,
+    tokens: IdxView,
+    seq: usize,
+    split: SeqSplit,
+    eos: u32,
+) {
+    let whole = seq * split.ranks;
+    document_bounds(gpu, bounds, None, tokens, whole, eos);
+    if let Some(p) = positions {
+        let rows = tokens.len / split.ranks;
+        assert_eq!(p.len, rows, "internal error: document_bounds_split: positions length");
+        let args = [
+            Arg::P(gpu.iptr(p)),
+            Arg::P(gpu.iptr(bounds.at(0, tokens.len))),
+            Arg::I(c_int(whole, "seq")),
+            Arg::I(c_int(seq, "seq")),
+            Arg::I(split.rank as i32),
+            Arg::I(split.ranks as i32),
+            Arg::U(rows as u64),
+        ];
+        gpu.launch("attention_document_positions", ((rows as u64).div_ceil(256) as u32, 1, 1), 256, 0, &args);
+    }
 }
 
 /// The kernels' tile copies address a row within its tile with a 32-bit offset
