@@ -80,9 +80,7 @@ fn train(args: TrainArgs, device: DeviceArg) -> Result<()> {
     let hf = match &args.init_from_hf {
         Some(dir) => {
             let hf = HfModel::open(dir)?;
-            if let Some(key) =
-                resolved.provenance.iter().find(|(k, o)| k.starts_with("model.") && !o.is_recipe())
-            {
+            if let Some(key) = resolved.provenance.iter().find(|(k, o)| k.starts_with("model.") && !o.is_recipe()) {
                 bail!(
                     "{} ({}) conflicts with --init-from-hf: the model comes from {}/config.json",
                     key.1,
