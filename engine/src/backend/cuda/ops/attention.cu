@@ -37,6 +37,11 @@
 // Masks and tiles work in positions; SeqRows maps a position to its row in qkv (every rank's)
 // and in the per-query buffers (out, lse, dout, D, dQ: this rank's). The launcher checks that L
 // is a multiple of every tile, so a tile lies inside one chunk and its rows are contiguous.
+// SPLIT is a compile-time choice: the kernels without it (`attention_forward_hd64`, ...) fold
+// every mapping to `b·seq + p` and keep no register for the split's numbers (with them as
+// run-time values, the forward hd64 and backward hd128 kernels spilled on sm_90); those with it
+// are the `_split_` entry points.
+template <bool SPLIT>
 struct SeqRows {
     int seq, local, rank, ranks, batch;
 
@@ -46,18 +51,33 @@ struct SeqRows {
         return c < ranks ? p - c * L : L + p - c * L;
     }
     __device__ __forceinline__ u64 qkv_row(int b, int p) const {
-        if (ranks == 1) return (u64)b * seq + p;
+        if (!SPLIT) return (u64)b * seq + p;
         int c = p / (local >> 1), holder = c < ranks ? c : 2 * ranks - 1 - c;
         return ((u64)holder * batch + b) * local + chunk_row(p);
     }
     // Position p must be one of this rank's.
     __device__ __forceinline__ u64 local_row(int b, int p) const {
-        return ranks == 1 ? (u64)b * seq + p : (u64)b * local + chunk_row(p);
+        return !SPLIT ? (u64)b * seq + p : (u64)b * local + chunk_row(p);
+    }
+    // A tile starting at position p, as load_tile_async takes it (its rows' base, the first
+    // row from there, the row where zero-filling starts): unsplit, the sequence's first row
+    // and p, as the kernels had it before the split (32-bit offsets within the sequence).
+    struct Tile {
+        u64 row0;
+        int r0, limit;
+    };
+    __device__ __forceinline__ Tile qkv_tile(int b, int p) const {
+        if (!SPLIT) return {(u64)b * seq, p, seq};
+        return {qkv_row(b, p), 0, seq - p};
+    }
+    __device__ __forceinline__ Tile local_tile(int b, int p) const {
+        if (!SPLIT) return {(u64)b * seq, p, seq};
+        return {local_row(b, p), 0, seq - p};
     }
     // The position of this rank's local row i.
     __device__ __forceinline__ int position(int i) const {
         int L = local >> 1;
-        return ranks == 1 ? i : i < L ? rank * L + i : (2 * ranks - 1 - rank) * L + i - L;
+        return !SPLIT ? i : i < L ? rank * L + i : (2 * ranks - 1 - rank) * L + i - L;
     }
     // This rank's query tiles of `br` local rows that hold a position in [lo, hi), as a range
     // [x, y) of tile indices: local rows run in position order (chunk `rank` before the late
@@ -66,7 +86,7 @@ struct SeqRows {
         int first, end;
     };
     __device__ __forceinline__ Range tiles(int lo, int hi, int br) const {
-        if (ranks == 1) return {lo / br, (hi + br - 1) / br};
+        if (!SPLIT) return {lo / br, (hi + br - 1) / br};
         int L = local >> 1, first = local, end = 0;
         for (int k = 0; k < 2; k++) {
             int c = k == 0 ? rank : 2 * ranks - 1 - rank, a = max(lo, c * L), z = min(hi, c * L + L);
@@ -117,8 +137,8 @@ __device__ __forceinline__ void load_tile_async(bf16* tile, const bf16* base, u6
     }
 }
 
-template <int HD>
-__device__ void attention_forward_impl(bf16* out, float* lse, const bf16* qkv, const u32* starts, SeqRows R, int heads,
+template <int HD, class Rows>
+__device__ void attention_forward_impl(bf16* out, float* lse, const bf16* qkv, const u32* starts, Rows R, int heads,
                                        int kv_heads, int dh, int window, float scale) {
     constexpr int LD = HD + 8, BR = 64, BC = 64;
     DYNAMIC_SMEM(uint4, smem_raw);  // uint4: 16-byte aligned, as cp.async and ldmatrix need
@@ -144,9 +164,10 @@ __device__ void attention_forward_impl(bf16* out, float* lse, const bf16* qkv, c
     int kv_first = max(window ? max(0, q0 - window + 1) : 0, starts ? (int)starts[row0 + q0] : 0);
     int t_first = kv_first / BC, t_count = (kv_end + BC - 1) / BC - t_first;
 
-    load_tile_async<BR, HD>(Qs, qkv, R.qkv_row(b, q0), 0, seq - q0, width, qcol, dh);
-    load_tile_async<BC, HD>(Ks, qkv, R.qkv_row(b, t_first * BC), 0, seq - t_first * BC, width, kcol, dh);
-    load_tile_async<BC, HD>(Vs, qkv, R.qkv_row(b, t_first * BC), 0, seq - t_first * BC, width, vcol, dh);
+    auto qt = R.qkv_tile(b, q0), kt0 = R.qkv_tile(b, t_first * BC);
+    load_tile_async<BR, HD>(Qs, qkv, qt.row0, qt.r0, qt.limit, width, qcol, dh);
+    load_tile_async<BC, HD>(Ks, qkv, kt0.row0, kt0.r0, kt0.limit, width, kcol, dh);
+    load_tile_async<BC, HD>(Vs, qkv, kt0.row0, kt0.r0, kt0.limit, width, vcol, dh);
     cp_async_commit();
 
     float scale2 = scale * LOG2E;
@@ -160,9 +181,9 @@ __device__ void attention_forward_impl(bf16* out, float* lse, const bf16* qkv, c
     for (int it = 0; it < t_count; it++) {
         int buf = it & 1, j0 = (t_first + it) * BC;
         if (it + 1 < t_count) {
-            u64 next = R.qkv_row(b, j0 + BC);
-            load_tile_async<BC, HD>(Ks + (buf ^ 1) * BC * LD, qkv, next, 0, seq - j0 - BC, width, kcol, dh);
-            load_tile_async<BC, HD>(Vs + (buf ^ 1) * BC * LD, qkv, next, 0, seq - j0 - BC, width, vcol, dh);
+            auto next = R.qkv_tile(b, j0 + BC);
+            load_tile_async<BC, HD>(Ks + (buf ^ 1) * BC * LD, qkv, next.row0, next.r0, next.limit, width, kcol, dh);
+            load_tile_async<BC, HD>(Vs + (buf ^ 1) * BC * LD, qkv, next.row0, next.r0, next.limit, width, vcol, dh);
             cp_async_commit();
             cp_async_wait<1>();
         } else {
@@ -263,13 +284,13 @@ __device__ void attention_forward_impl(bf16* out, float* lse, const bf16* qkv, c
         l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
         l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
     }
-    u64 out_width = (u64)heads * dh, out_row0 = R.local_row(b, q0);
+    u64 out_width = (u64)heads * dh;
 #pragma unroll
     for (int r = 0; r < 2; r++) {
         int row = row_a + r * 8;
         if (row >= seq) continue;
         float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
-        u64 out_row = out_row0 + (row - q0);
+        u64 out_row = R.local_row(b, row);
         bf16* dst = out + out_row * out_width + qcol;
 #pragma unroll
         for (int dt = 0; dt < HD / 8; dt++) {
@@ -283,18 +304,24 @@ __device__ void attention_forward_impl(bf16* out, float* lse, const bf16* qkv, c
 // Forward blocks per SM that registers must allow: 4 up to hd64 (its 46 KB of shared memory
 // allow 4 as well; without the bound ptxas takes 134 registers at hd64 and 3 fit), 1 at hd128
 // (87 KB of shared memory: 2 fit whatever the registers).
-#define FORWARD_MIN_BLOCKS(HD) ((HD) <= 64 ? 4 : 1)
-#define ATTENTION_FORWARD(HD)                                                                                        \
-    extern "C" __global__ void __launch_bounds__(ATTN_THREADS, FORWARD_MIN_BLOCKS(HD)) attention_forward_hd##HD(                                     \
-        bf16* out, float* lse, const bf16* qkv, const u32* starts, int seq, int local, int rank, int ranks, int heads,   \
+// The split variants' position arithmetic costs hd64 a few registers more, which the bound of 4
+// blocks would spill (20 bytes on sm_90): they take 3.
+#define FORWARD_MIN_BLOCKS(HD, SPLIT) ((HD) <= 64 ? ((SPLIT) && (HD) == 64 ? 3 : 4) : 1)
+#define ATTENTION_FORWARD(NAME, HD, SPLIT)                                                                           \
+    extern "C" __global__ void __launch_bounds__(ATTN_THREADS, FORWARD_MIN_BLOCKS(HD, SPLIT)) NAME(                   \
+        bf16* out, float* lse, const bf16* qkv, const u32* starts, int seq, int local, int rank, int ranks, int heads, \
         int kv_heads, int dh, int window, float scale) {                                                             \
-        SeqRows R{seq, local, rank, ranks, (int)gridDim.y};                                                          \
+        SeqRows<SPLIT> R{seq, local, rank, ranks, (int)gridDim.y};                                                   \
         attention_forward_impl<HD>(out, lse, qkv, starts, R, heads, kv_heads, dh, window, scale);                    \
     }
-ATTENTION_FORWARD(16)
-ATTENTION_FORWARD(32)
-ATTENTION_FORWARD(64)
-ATTENTION_FORWARD(128)
+ATTENTION_FORWARD(attention_forward_hd16, 16, false)
+ATTENTION_FORWARD(attention_forward_hd32, 32, false)
+ATTENTION_FORWARD(attention_forward_hd64, 64, false)
+ATTENTION_FORWARD(attention_forward_hd128, 128, false)
+ATTENTION_FORWARD(attention_forward_split_hd16, 16, true)
+ATTENTION_FORWARD(attention_forward_split_hd32, 32, true)
+ATTENTION_FORWARD(attention_forward_split_hd64, 64, true)
+ATTENTION_FORWARD(attention_forward_split_hd128, 128, true)
 
 // D[row, h] = Σ_d dout[row, h, d] · out[row, h, d]   (one warp per (row, head))
 extern "C" __global__ void attention_backward_dot(float* big_d, const bf16* dout, const bf16* out, u64 rows, int heads,
@@ -315,9 +342,9 @@ extern "C" __global__ void attention_backward_dot(float* big_d, const bf16* dout
 // its dQ contribution is one set of atomics per query tile, so 128 keys a block halve both
 // per key against 64; registers hold one 256-thread block per SM either way (8 warps, as two
 // 128-thread blocks did).
-template <int HD, int BR, int BC>
+template <int HD, int BR, int BC, class Rows>
 __device__ void attention_backward_impl(bf16* dqkv, float* dq_acc, const bf16* dout, const bf16* qkv, const float* lse,
-                                        const float* big_d, const u32* starts, const u32* ends, SeqRows R, int heads,
+                                        const float* big_d, const u32* starts, const u32* ends, Rows R, int heads,
                                         int kv_heads, int dh, int window, float scale) {
     constexpr int LD = HD + 8, LDS = BR + 8, WARPS = BC / 16, T = WARPS * 32;
     DYNAMIC_SMEM(uint4, smem_raw);
@@ -334,14 +361,14 @@ __device__ void attention_backward_impl(bf16* dqkv, float* dq_acc, const bf16* d
     // Grid (key/value head, batch, key tile), x fastest: the first key tiles, which the most
     // query tiles see under a causal mask, go first for every head and sequence.
     int seq = R.seq, k0 = blockIdx.z * BC, g = blockIdx.x, b = blockIdx.y, per_group = heads / kv_heads;
-    // row0: of the document bounds; key_row0: the block's first key in qkv and dqkv.
+    // row0: of the document bounds (and unsplit, of everything).
     u64 width = (u64)(heads + 2 * kv_heads) * dh, row0 = (u64)b * seq, out_width = (u64)heads * dh;
-    u64 key_row0 = R.qkv_row(b, k0);
     int kcol = (heads + g) * dh, vcol = (heads + kv_heads + g) * dh;
     float scale2 = scale * LOG2E;
 
-    load_tile_async<BC, HD, T>(Ks, qkv, key_row0, 0, seq - k0, width, kcol, dh);
-    load_tile_async<BC, HD, T>(Vs, qkv, key_row0, 0, seq - k0, width, vcol, dh);
+    auto kt = R.qkv_tile(b, k0);
+    load_tile_async<BC, HD, T>(Ks, qkv, kt.row0, kt.r0, kt.limit, width, kcol, dh);
+    load_tile_async<BC, HD, T>(Vs, qkv, kt.row0, kt.r0, kt.limit, width, vcol, dh);
     cp_async_commit();
 
     float dk[HD / 8][4], dv[HD / 8][4];
@@ -353,7 +380,7 @@ __device__ void attention_backward_impl(bf16* dqkv, float* dq_acc, const bf16* d
 
     int q_end = window ? min(seq, k0 + BC - 1 + window) : seq;  // queries that see some key here
     if (ends) q_end = min(q_end, (int)ends[row0 + min(k0 + BC, seq) - 1]);  // and in its documents
-    SeqRows::Range qt_range = R.tiles(k0, q_end, BR);  // this rank's query tiles (all of them unsplit)
+    auto qt_range = R.tiles(k0, q_end, BR);  // this rank's query tiles (all of them unsplit)
     int qt_first = qt_range.first, qt_end = qt_range.end;
 
     // The (query head, query tile) pairs this block visits, in order: step = head · q_tiles +
@@ -362,20 +389,21 @@ __device__ void attention_backward_impl(bf16* dqkv, float* dq_acc, const bf16* d
     int q_tiles = qt_end - qt_first, steps = per_group * q_tiles;
     static_assert(BR <= T, "one thread per query row of the tile");
     auto fetch = [&](int h, int q0, int buf) {
-        u64 local0 = R.local_row(b, q0);
-        load_tile_async<BR, HD, T>(Qs_buf + buf * BR * LD, qkv, R.qkv_row(b, q0), 0, seq - q0, width, h * dh, dh);
-        load_tile_async<BR, HD, T>(dOs_buf + buf * BR * LD, dout, local0, 0, seq - q0, out_width, h * dh, dh);
+        auto qt = R.qkv_tile(b, q0), ot = R.local_tile(b, q0);
+        load_tile_async<BR, HD, T>(Qs_buf + buf * BR * LD, qkv, qt.row0, qt.r0, qt.limit, width, h * dh, dh);
+        load_tile_async<BR, HD, T>(dOs_buf + buf * BR * LD, dout, ot.row0, ot.r0, ot.limit, out_width, h * dh, dh);
         cp_async_commit();
         int i = threadIdx.x;
         if (i < BR) {
             bool ok = q0 + i < seq;
-            lse_buf[buf * BR + i] = ok ? lse[(local0 + i) * heads + h] * LOG2E : POS_INF;
-            d_buf[buf * BR + i] = ok ? big_d[(local0 + i) * heads + h] : 0.f;
+            u64 row = ok ? R.local_row(b, q0 + i) : 0;
+            lse_buf[buf * BR + i] = ok ? lse[row * heads + h] * LOG2E : POS_INF;
+            d_buf[buf * BR + i] = ok ? big_d[row * heads + h] : 0.f;
             start_buf[buf * BR + i] = ok && starts ? (int)starts[row0 + q0 + i] : 0;
         }
     };
     int h = g * per_group, qt = 0;  // the pair of this step
-    if (steps > 0) fetch(h, R.position(qt_first * BR), 0);
+    fetch(h, R.position(qt_first * BR), 0);  // (a valid tile even when there are no steps)
     for (int step = 0; step < steps; step++) {
         int buf = step & 1, q0 = R.position((qt_first + qt) * BR);
         bool wrap = qt + 1 == q_tiles;
@@ -508,7 +536,7 @@ __device__ void attention_backward_impl(bf16* dqkv, float* dq_acc, const bf16* d
             for (int r = 0; r < 2; r++) {
                 int q = q0 + mi * 16 + group + r * 8;
                 if (q >= seq) continue;
-                float* dst = dq_acc + (R.local_row(b, q0) + (q - q0)) * out_width + (u64)h * dh;
+                float* dst = dq_acc + R.local_row(b, q) * out_width + (u64)h * dh;
 #pragma unroll
                 for (int i = 0; i < NT_PER_WARP; i++) {
                     int col = (nt0 + i) * 8 + tig * 2;
@@ -525,7 +553,7 @@ __device__ void attention_backward_impl(bf16* dqkv, float* dq_acc, const bf16* d
     for (int r = 0; r < 2; r++) {
         int key = key_a + r * 8;
         if (key >= seq) continue;
-        bf16* row = dqkv + (key_row0 + (key - k0)) * width;
+        bf16* row = dqkv + R.qkv_row(b, key) * width;
 #pragma unroll
         for (int dt = 0; dt < HD / 8; dt++) {
             int col = dt * 8 + tig * 2;
@@ -536,19 +564,26 @@ __device__ void attention_backward_impl(bf16* dqkv, float* dq_acc, const bf16* d
     }
 }
 
-#define ATTENTION_BACKWARD(HD, BR, BC)                                                                              \
-    extern "C" __global__ void __launch_bounds__(BC / 16 * 32) attention_backward_hd##HD(                           \
+// BOUNDS: the unsplit kernels leave ptxas its register heuristics; the split ones say one block
+// per SM suffices, which gives their position arithmetic the registers it needs (hd16 spilled
+// 24 bytes on sm_90 at the 128 registers ptxas chose otherwise).
+#define ATTENTION_BACKWARD(NAME, HD, BR, BC, SPLIT, BOUNDS)                                                         \
+    extern "C" __global__ void BOUNDS NAME(                                                                         \
         bf16* dqkv, float* dq_acc, const bf16* dout, const bf16* qkv, const float* lse, const float* big_d,          \
         const u32* starts, const u32* ends, int seq, int local, int rank, int ranks, int heads, int kv_heads, int dh, \
         int window, float scale) {                                                                                   \
-        SeqRows R{seq, local, rank, ranks, (int)gridDim.y};                                                          \
+        SeqRows<SPLIT> R{seq, local, rank, ranks, (int)gridDim.y};                                                   \
         attention_backward_impl<HD, BR, BC>(dqkv, dq_acc, dout, qkv, lse, big_d, starts, ends, R, heads, kv_heads,   \
                                             dh, window, scale);                                                      \
     }
-ATTENTION_BACKWARD(16, 64, 64)
-ATTENTION_BACKWARD(32, 64, 64)
-ATTENTION_BACKWARD(64, 64, 128)
-ATTENTION_BACKWARD(128, 32, 128)
+ATTENTION_BACKWARD(attention_backward_hd16, 16, 64, 64, false, __launch_bounds__(128))
+ATTENTION_BACKWARD(attention_backward_hd32, 32, 64, 64, false, __launch_bounds__(128))
+ATTENTION_BACKWARD(attention_backward_hd64, 64, 64, 128, false, __launch_bounds__(256))
+ATTENTION_BACKWARD(attention_backward_hd128, 128, 32, 128, false, __launch_bounds__(256))
+ATTENTION_BACKWARD(attention_backward_split_hd16, 16, 64, 64, true, __launch_bounds__(128, 1))
+ATTENTION_BACKWARD(attention_backward_split_hd32, 32, 64, 64, true, __launch_bounds__(128, 1))
+ATTENTION_BACKWARD(attention_backward_split_hd64, 64, 64, 128, true, __launch_bounds__(256, 1))
+ATTENTION_BACKWARD(attention_backward_split_hd128, 128, 32, 128, true, __launch_bounds__(256, 1))
 
 // dqkv[row, q columns] = scale · dq_acc[row]. A block per row (striding over the rows), its
 // threads over the row's columns 8 at a time: no divide, two 16-byte loads and one 16-byte
@@ -615,7 +650,7 @@ extern "C" __global__ void attention_document_positions(u32* positions, const u3
                                                         int rank, int ranks, u64 rows) {
     u64 r = global_thread();
     if (r >= rows) return;
-    SeqRows R{seq, local, rank, ranks, 0};
+    SeqRows<true> R{seq, local, rank, ranks, 0};
     int b = (int)(r / local), p = R.position((int)(r % local));
     positions[r] = (u32)p - starts[(u64)b * seq + p];
 }

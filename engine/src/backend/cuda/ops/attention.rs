@@ -16,11 +16,19 @@ pub(crate) const MODULE: Module = Module {
         "attention_forward_hd32",
         "attention_forward_hd64",
         "attention_forward_hd128",
+        "attention_forward_split_hd16",
+        "attention_forward_split_hd32",
+        "attention_forward_split_hd64",
+        "attention_forward_split_hd128",
         "attention_backward_dot",
         "attention_backward_hd16",
         "attention_backward_hd32",
         "attention_backward_hd64",
         "attention_backward_hd128",
+        "attention_backward_split_hd16",
+        "attention_backward_split_hd32",
+        "attention_backward_split_hd64",
+        "attention_backward_split_hd128",
         "attention_backward_dq",
         "attention_document_bounds",
         "attention_document_positions",
@@ -193,11 +201,15 @@ pub(crate) fn forward(
     assert_eq!(lse.len, s.rows() * s.n_heads, "internal error: attention_forward: lse length");
     check_shape(s, split);
     let hd = padded_hd(s.head_dim);
-    let name = match hd {
-        16 => "attention_forward_hd16",
-        32 => "attention_forward_hd32",
-        64 => "attention_forward_hd64",
-        _ => "attention_forward_hd128",
+    let name = match (hd, split.ranks > 1) {
+        (16, false) => "attention_forward_hd16",
+        (32, false) => "attention_forward_hd32",
+        (64, false) => "attention_forward_hd64",
+        (_, false) => "attention_forward_hd128",
+        (16, true) => "attention_forward_split_hd16",
+        (32, true) => "attention_forward_split_hd32",
+        (64, true) => "attention_forward_split_hd64",
+        (_, true) => "attention_forward_split_hd128",
     };
     let (o, l, q) = (gpu.out(out, "attention"), gpu.out(lse, "attention"), gpu.ptr(qkv));
     assert!(aligned16(&[o, q]), "internal error: attention rows must start 16-byte aligned");
@@ -267,11 +279,15 @@ pub(crate) fn backward(
         gpu.dev.zero_u32(dqkv_p, dqkv.len / 2); // bf16 pairs: the widths are multiples of 8
     }
     let hd = padded_hd(dh);
-    let name = match hd {
-        16 => "attention_backward_hd16",
-        32 => "attention_backward_hd32",
-        64 => "attention_backward_hd64",
-        _ => "attention_backward_hd128",
+    let name = match (hd, split.ranks > 1) {
+        (16, false) => "attention_backward_hd16",
+        (32, false) => "attention_backward_hd32",
+        (64, false) => "attention_backward_hd64",
+        (_, false) => "attention_backward_hd128",
+        (16, true) => "attention_backward_split_hd16",
+        (32, true) => "attention_backward_split_hd32",
+        (64, true) => "attention_backward_split_hd64",
+        (_, true) => "attention_backward_split_hd128",
     };
     let scale = 1.0 / (dh as f32).sqrt();
     let [seq, local, rank, ranks] = seq_args(s, split);
