@@ -2,7 +2,7 @@
 
 use anyhow::{Result, bail};
 use engine::backend::cpu::{self, Cpu};
-use engine::backend::cuda::{self, Cuda, device};
+use engine::backend::cuda::{self, Cuda, discovery};
 use engine::backend::gib;
 use engine::config::Config;
 use engine::model::memory::Target;
@@ -69,7 +69,7 @@ pub fn open(arg: DeviceArg, config: Option<&Config>) -> Result<Opened> {
     };
     let gpu = match arg {
         DeviceArg::Cpu => return cpu(),
-        DeviceArg::Auto if device::probe().is_err() => return cpu(),
+        DeviceArg::Auto if discovery::probe().is_err() => return cpu(),
         DeviceArg::Auto => "a CUDA GPU was found but",
         DeviceArg::Cuda => "--device cuda:",
     };

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use anyhow::Result;
 use clap::Args;
-use engine::backend::cuda::{Cuda, device, nvrtc};
+use engine::backend::cuda::{Cuda, discovery, nvrtc};
 use engine::fsutil::write_atomic;
 use engine::parity::{self, Outcome, Scale};
 
@@ -40,7 +40,7 @@ struct JsonOutcome<'a> {
 
 pub fn run(args: GpuTestArgs) -> Result<()> {
     if !args.emulate {
-        match device::probe() {
+        match discovery::probe() {
             Err(e) => {
                 println!(
                     "SKIPPED: no usable CUDA GPU ({e}); nothing was checked (--emulate runs the checks on the CPU)"

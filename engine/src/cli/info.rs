@@ -2,7 +2,7 @@
 
 use anyhow::Result;
 use engine::backend::cpu;
-use engine::backend::cuda::{cudnn, device, flags, nvrtc};
+use engine::backend::cuda::{cudnn, discovery, flags, nvrtc};
 
 /// Where an image keeps the lock of the sources it was built from.
 const LOCK_IN_IMAGE: &str = "/opt/distro/manifest.lock";
@@ -12,11 +12,11 @@ pub fn run() -> Result<()> {
     println!("target        {}-{}", std::env::consts::ARCH, std::env::consts::OS);
     println!("\ndevices");
     println!("  cpu         {} ({} threads)", cpu::model_name(), rayon::current_num_threads());
-    let probed = device::probe();
+    let probed = discovery::probe();
     match &probed {
         Ok(devices) => {
             for d in devices {
-                let peak = device::peak_tflops(&d.name)
+                let peak = discovery::peak_tflops(&d.name)
                     .map_or("not in the peak table".into(), |p| format!("{p} TFLOP/s dense bf16"));
                 println!(
                     "  cuda:{}      {} (sm_{}{}, {:.0} GiB, {} SMs, {peak})",
@@ -31,9 +31,9 @@ pub fn run() -> Result<()> {
         }
         Err(e) => println!("  cuda        none: {e}"),
     }
-    let (loaded, problems) = device::preload_libraries();
+    let (loaded, problems) = discovery::preload_libraries();
     for path in loaded {
-        println!("  loaded      {path} ({})", device::LIB_PATH_VAR);
+        println!("  loaded      {path} ({})", discovery::LIB_PATH_VAR);
     }
     for p in problems {
         println!("  warning     {p}");

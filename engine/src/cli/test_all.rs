@@ -8,7 +8,7 @@ use std::time::{Instant, SystemTime};
 
 use anyhow::{Result, bail};
 use clap::{Args, Subcommand};
-use engine::backend::cuda::{device, emulator};
+use engine::backend::cuda::{discovery, emulator};
 use engine::testall::baselines::{self, Reference, rfc3339_utc};
 use engine::testall::{self, Ctx, Mode, Status, Target, report};
 
@@ -69,11 +69,11 @@ pub struct CreateArgs {
 fn target(arg: DeviceArg) -> Result<Target> {
     Ok(match arg {
         DeviceArg::Cpu => Target::Cpu,
-        DeviceArg::Cuda => match device::probe() {
+        DeviceArg::Cuda => match discovery::probe() {
             Ok(_) => Target::Gpu,
             Err(e) => bail!("--device cuda: no usable CUDA GPU ({e})"),
         },
-        DeviceArg::Auto => match device::probe() {
+        DeviceArg::Auto => match discovery::probe() {
             Ok(_) => Target::Gpu,
             Err(_) => Target::Cpu,
         },

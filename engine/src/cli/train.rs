@@ -217,8 +217,8 @@ impl Start {
     /// the CPU joined by the TCP collectives.
     fn run_job(mut self, config: &Config, job: &Job, device: DeviceArg) -> Result<()> {
         let plan = parallel::plan::ParallelPlan::resolve(config, job.local_world, job.nodes())?;
-        let gpu =
-            device == DeviceArg::Cuda || (device == DeviceArg::Auto && engine::backend::cuda::device::probe().is_ok());
+        let gpu = device == DeviceArg::Cuda
+            || (device == DeviceArg::Auto && engine::backend::cuda::discovery::probe().is_ok());
         if !gpu {
             device::check_cpu_memory_of_rank(config, &plan, job.local_world)?;
             self.peak = device::peak(&Opened::Cpu(engine::backend::cpu::Cpu::new()), config);

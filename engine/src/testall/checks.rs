@@ -9,7 +9,7 @@ use super::baselines::{self, Against, tolerance};
 use super::{CURVE_RECIPES, Ctx, DeviceClass, Mode, Target, Verdict};
 use crate::backend::Backend;
 use crate::backend::cpu::Cpu;
-use crate::backend::cuda::{Cuda, device};
+use crate::backend::cuda::{Cuda, discovery};
 use crate::checkpoint::{self, Checkpoint, Extras, Snapshot};
 use crate::config::{self, Config, Override};
 use crate::data::prepare::{PrepareOptions, prepare};
@@ -523,7 +523,7 @@ pub fn data_prepare(ctx: &mut Ctx) -> Result<Verdict> {
 pub fn gpu_parity(ctx: &mut Ctx) -> Result<Verdict> {
     let emulated = ctx.target == Target::Emulator;
     if !emulated {
-        if let Err(e) = device::probe() {
+        if let Err(e) = discovery::probe() {
             return Ok(Verdict::skip(format!("no CUDA GPU ({e})")));
         }
         if ctx.target == Target::Cpu {

@@ -19,7 +19,7 @@ use anyhow::{Result, bail};
 use serde::{Deserialize, Serialize};
 
 use crate::backend::cpu;
-use crate::backend::cuda::{self, Cuda, device};
+use crate::backend::cuda::{self, Cuda, discovery};
 use baselines::{Curve, Reference};
 
 /// How much work the checks do.
@@ -65,7 +65,7 @@ impl DeviceClass {
     pub fn describe(self) -> String {
         match self {
             DeviceClass::Cpu => format!("cpu: {} ({} threads)", cpu::model_name(), rayon::current_num_threads()),
-            DeviceClass::Cuda => match device::probe() {
+            DeviceClass::Cuda => match discovery::probe() {
                 Ok(d) => format!("cuda: {} (sm_{}{})", d[0].name, d[0].capability.0, d[0].capability.1),
                 Err(e) => format!("cuda: unavailable ({e})"),
             },

@@ -10,7 +10,7 @@ use cudarc::driver::{CudaContext, CudaGraph, CudaStream, result};
 
 use super::blas::{self, Blas, Gemm};
 use super::cudnn::Cudnn;
-use super::device::{self, DeviceInfo};
+use super::discovery::{self, DeviceInfo};
 use super::ops::MODULES;
 use super::{Device, nvrtc};
 
@@ -35,7 +35,7 @@ impl Gpu {
     /// Opens device `ordinal`: checks the driver, the device and the libraries, compiles (or
     /// loads from the cache) every kernel module for the device's architecture.
     pub fn open(ordinal: usize) -> Result<Gpu, String> {
-        let devices = device::probe()?;
+        let devices = discovery::probe()?;
         let info = devices
             .get(ordinal)
             .cloned()
@@ -53,7 +53,7 @@ impl Gpu {
             return Err(format!(
                 "cuBLASLt (libcublasLt.so.13) was not found on the library path nor in {0}; install the CUDA 13 \
                  toolkit's cuBLAS or point {0} at its lib directory",
-                device::LIB_PATH_VAR
+                discovery::LIB_PATH_VAR
             ));
         }
         // Flags by GPU generation: the driver reads them when the context is created.

@@ -31,7 +31,7 @@ use cudarc::driver::sys::CUdeviceptr;
 use sha2::{Digest, Sha256};
 
 use super::blas::Gemm;
-use super::device::DeviceInfo;
+use super::discovery::DeviceInfo;
 use super::ops::{COMMON, MODULES};
 use super::{DType, Device, nvrtc};
 use crate::backend::cpu::{Parallelism, sgemm};

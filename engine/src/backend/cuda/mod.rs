@@ -14,11 +14,11 @@
 //! and [`Backend::synchronize`]. A section ([`Backend::begin_section`]) runs eagerly once, is
 //! captured as a CUDA graph the second time, and is replayed from then on.
 //!
-//! Libraries are loaded at run time ([`device`]): the engine builds and runs without CUDA.
+//! Libraries are loaded at run time ([`discovery`]): the engine builds and runs without CUDA.
 
 mod blas;
 pub mod cudnn;
-pub mod device;
+pub mod discovery;
 mod driver;
 pub use driver::CudaFailure;
 pub mod emulator;
@@ -36,7 +36,7 @@ use super::{
 };
 use crate::config::{AttentionImpl, ModelConfig};
 use blas::Gemm;
-pub use device::DeviceInfo;
+pub use discovery::DeviceInfo;
 
 /// What the backend needs from a device: zeroed memory, copies, kernel launches, cuBLASLt
 /// products, and capture and replay of work. [`driver::Gpu`] drives a GPU; the
@@ -251,9 +251,9 @@ impl Cuda {
         self.dev.info()
     }
 
-    /// Dense bf16 peak of the device in TFLOP/s, from [`device::PEAK_BF16_TFLOPS`].
+    /// Dense bf16 peak of the device in TFLOP/s, from [`discovery::PEAK_BF16_TFLOPS`].
     pub fn peak_tflops(&self) -> Option<f64> {
-        device::peak_tflops(&self.dev.info().name)
+        discovery::peak_tflops(&self.dev.info().name)
     }
 
     /// Sections recorded as graphs (and replayed since).

@@ -13,7 +13,7 @@ use std::path::PathBuf;
 use cudarc::nvrtc::{result, sys};
 use sha2::{Digest, Sha256};
 
-use super::device::{LIB_PATH_VAR, preload_libraries};
+use super::discovery::{LIB_PATH_VAR, preload_libraries};
 use super::ops::Module;
 use crate::fsutil::write_atomic;
 
