@@ -122,8 +122,8 @@ __device__ __forceinline__ void load_tile_async(bf16* tile, const bf16* base, u6
     static_assert(T % PER_ROW == 0, "a thread keeps its column");
     int r = threadIdx.x / PER_ROW, cc = (threadIdx.x % PER_ROW) * 8;
     int rows_left = dh > cc ? limit - r0 - r : 0;  // this thread's rows before `limit`; none past dh
-    // Offsets within the tile fit 32 bits (the launcher checks 128 · width < 2^31): only the
-    // tile's first row is a 64-bit address.
+    // Offsets from row0 fit 32 bits (the launcher checks: row0 is the sequence's first row
+    // unsplit, the tile's on a sequence axis): only row0 is a 64-bit address.
     const bf16* seq_base = base + row0 * width + col + cc;
     int w = (int)width, off = (r0 + r) * w;
     bf16* dst = tile + r * LD + cc;

@@ -140,15 +140,17 @@ pub(crate) fn document_bounds_split(
     }
 }
 
-/// The kernels' tile copies address a row within its tile with a 32-bit offset
-/// (`load_tile_async`): a tile of qkv rows must hold fewer than 2^31 elements. The grids put
-/// the batch in y and the tiles of a whole sequence (`positions`) in z, each at most 65535.
-/// On a sequence axis a tile must not straddle two chunks: the chunk (half the rows a rank
-/// holds) must be a multiple of every tile, 128 rows.
+/// The kernels' tile copies address a row with a 32-bit offset from a 64-bit base
+/// (`load_tile_async`): unsplit, from the sequence's first row, so a sequence of qkv rows must
+/// hold fewer than 2^31 elements; on a sequence axis from the tile's, which a tile of 128 rows
+/// must. The grids put the batch in y and the tiles of a whole sequence (`positions`) in z,
+/// each at most 65535. On a sequence axis a tile must not straddle two chunks: the chunk (half
+/// the rows a rank holds) must be a multiple of every tile, 128 rows.
 fn check_shape(s: AttnShape, split: SeqSplit) {
     let positions = s.seq * split.ranks;
+    let rows_from_base = if split.ranks == 1 { s.seq } else { CHUNK_MULTIPLE };
     assert!(
-        128 * s.qkv_width() < 1 << 31 && positions < 1 << 31,
+        rows_from_base * s.qkv_width() < 1 << 31 && positions < 1 << 31,
         "attention: a sequence of {positions} rows of {} elements is past the kernels' 32-bit offsets",
         s.qkv_width()
     );
