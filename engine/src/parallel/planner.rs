@@ -21,7 +21,8 @@
 //!   (ICI when the axis lies within a node, DCN when it spans nodes), as ring collectives move
 //!   them (an all-reduce `2 (n − 1)/n` of the buffer, a gather or reduce-scatter `(n − 1)/n`):
 //!   tensor, the four bf16 sums of a layer's `[tokens, d_model]` per micro-batch (six with full
-//!   recomputation); seq, the gathers of q, k and v (forward, backward, and the recomputation)
+//!   recomputation), and the vocabulary split's two (the embedding's output, the head's input
+//!   gradient) with the loss's row maxima and sums (`[3 · tokens]` f32); seq, the gathers of q, k and v (forward, backward, and the recomputation)
 //!   and the reduce-scatter of their gradient; FSDP, the f32 gathers of the device's parameters
 //!   (twice per micro-batch) and the reduce-scatter of their gradient, over fsdp × seq; data,
 //!   the all-reduce of the device's gradient pieces once per step; pipeline, each micro-batch's
@@ -276,7 +277,8 @@ fn evaluate(base: &Config, hw: &Hardware, mesh: &Mesh, remat: Remat, split: Spli
     let local_tokens = (mb * seq_len) as f64 / s;
     let ring = |n: f64| if n > 1.0 { (n - 1.0) / n } else { 0.0 };
     let tensor_sums = if remat == Remat::Full { 6.0 } else { 4.0 };
-    let tensor = micro * layers * tensor_sums * 2.0 * ring(t) * local_tokens * m.d_model as f64 * 2.0;
+    let vocab = 2.0 * local_tokens * m.d_model as f64 * 2.0 + 3.0 * local_tokens * 4.0;
+    let tensor = micro * 2.0 * ring(t) * (layers * tensor_sums * local_tokens * m.d_model as f64 * 2.0 + vocab);
     let qkv = (m.q_dim() + 2 * m.kv_dim()) as f64 / t;
     let seq_moves = if remat == Remat::Full { 4.0 } else { 3.0 };
     let seq = micro * layers * seq_moves * ring(s) * s * local_tokens * qkv * 2.0;
