@@ -293,6 +293,7 @@ pub(crate) fn backward(
     };
     let scale = 1.0 / (dh as f32).sqrt();
     let [seq, local, rank, ranks] = seq_args(s, split);
+    let (starts, ends) = doc_ptrs(gpu, bounds, s, split);
     let args = [
         Arg::P(dqkv_p),
         Arg::P(dq),
@@ -300,8 +301,8 @@ pub(crate) fn backward(
         Arg::P(q),
         Arg::P(l),
         Arg::P(big_d),
-        Arg::P(doc_ptrs(gpu, bounds, s, split).0),
-        Arg::P(doc_ptrs(gpu, bounds, s, split).1),
+        Arg::P(starts),
+        Arg::P(ends),
         seq,
         local,
         rank,
