@@ -301,19 +301,7 @@ pub(super) fn attention(mut gpu: Cuda, s: AttnShape, unmasked: bool, native: boo
     if native {
         t.check("lse", lse, F32)?;
     }
-    let (q, kv) = (s.q_width(), s.n_kv_heads * s.head_dim);
-    // dq, dk, dv separately: each has its own scale.
-    let cols = |start: usize, width: usize| -> Vec<usize> {
-        (0..s.rows()).flat_map(|r| (0..width).map(move |c| r * s.qkv_width() + start + c)).collect()
-    };
-    let (mut c, mut g) = (vec![0f32; dqkv.len], vec![0f32; dqkv.len]);
-    t.cpu.download(dqkv, &mut c);
-    t.gpu.download(dqkv, &mut g);
-    for (name, start, width) in [("dq", 0, q), ("dk", q, kv), ("dv", q + kv, kv)] {
-        let idx = cols(start, width);
-        let pick = |x: &[f32]| idx.iter().map(|&i| x[i]).collect::<Vec<f32>>();
-        t.notes.push(compare(name, &pick(&c), &pick(&g), Tol { rel_l2: 2e-2, max: 8e-2 })?);
-    }
+    compare_qkv_gradients(&mut t, dqkv, s)?;
     t.done()
 }
 
@@ -346,15 +334,8 @@ pub(super) fn attention_split(
     });
     t.check("out", out, BF16)?;
     t.check("lse", lse, F32)?;
-    let (q, kv, w) = (s.q_width(), s.n_kv_heads * s.head_dim, s.qkv_width());
-    let (mut c, mut g) = (vec![0f32; dqkv.len], vec![0f32; dqkv.len]);
-    t.cpu.download(dqkv, &mut c);
-    t.gpu.download(dqkv, &mut g);
-    for (name, start, width) in [("dq", 0, q), ("dk", q, kv), ("dv", q + kv, kv)] {
-        let idx: Vec<usize> = (0..all).flat_map(|r| (0..width).map(move |c| r * w + start + c)).collect();
-        let pick = |x: &[f32]| idx.iter().map(|&i| x[i]).collect::<Vec<f32>>();
-        t.notes.push(compare(name, &pick(&c), &pick(&g), Tol { rel_l2: 2e-2, max: 8e-2 })?);
-    }
+    let g = compare_qkv_gradients(&mut t, dqkv, s)?;
+    let (q, w) = (s.q_width(), s.qkv_width());
     // The other ranks' rows have no query gradient: exactly zero, not small.
     let stray = (0..all)
         .filter(|r| r / s.rows() != split.rank)
@@ -365,6 +346,21 @@ pub(super) fn attention_split(
         return Err(format!("{stray} query-gradient elements of other ranks' rows are not zero"));
     }
     t.done()
+}
+
+/// Compares the packed gradient `dqkv` (rows of `s.qkv_width()`) on both backends, dq, dk and
+/// dv apart (each has its own scale), and returns the GPU's.
+fn compare_qkv_gradients(t: &mut Twin, dqkv: View, s: AttnShape) -> Result<Vec<f32>, String> {
+    let (q, kv, w) = (s.q_width(), s.n_kv_heads * s.head_dim, s.qkv_width());
+    let (mut c, mut g) = (vec![0f32; dqkv.len], vec![0f32; dqkv.len]);
+    t.cpu.download(dqkv, &mut c);
+    t.gpu.download(dqkv, &mut g);
+    for (name, start, width) in [("dq", 0, q), ("dk", q, kv), ("dv", q + kv, kv)] {
+        let idx: Vec<usize> = (0..dqkv.len / w).flat_map(|r| (0..width).map(move |c| r * w + start + c)).collect();
+        let pick = |x: &[f32]| idx.iter().map(|&i| x[i]).collect::<Vec<f32>>();
+        t.notes.push(compare(name, &pick(&c), &pick(&g), Tol { rel_l2: 2e-2, max: 8e-2 })?);
+    }
+    Ok(g)
 }
 
 /// SwiGLU forward and backward at width `f`.
