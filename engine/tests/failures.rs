@@ -11,7 +11,7 @@
 mod common;
 
 use std::io::{BufRead, BufReader, Read};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, ExitStatus, Stdio};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -40,28 +40,6 @@ const SMALL: &[&str] = &[
     "mesh.ici_data=1",
     "mesh.ici_fsdp=2",
 ];
-
-/// A scratch directory, removed when the test passes (kept to look at when it fails).
-struct Scratch(PathBuf);
-
-impl Scratch {
-    fn new(name: &str) -> Scratch {
-        Scratch(scratch(name))
-    }
-
-    /// The run directory in it.
-    fn run(&self) -> PathBuf {
-        self.0.join("run")
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        if !std::thread::panicking() {
-            let _ = std::fs::remove_dir_all(&self.0);
-        }
-    }
-}
 
 /// One test at a time.
 fn serial() -> MutexGuard<'static, ()> {
@@ -325,8 +303,8 @@ fn verified_checkpoints(run: &Path) -> Vec<u64> {
 fn a_killed_rank_ends_the_job_within_seconds_naming_it() {
     let _one = serial();
     for (nproc, victim, sets) in [("2", 1, vec![]), ("4", 2, vec!["mesh.ici_data=2"])] {
-        let dir = Scratch::new(&format!("failures-killed-{nproc}"));
-        let run = dir.run();
+        let dir = scratch(&format!("failures-killed-{nproc}"));
+        let run = dir.join("run");
         let mut job = Launched::start(&["--nproc", nproc], &train_with(&run, 100_000, 0, &sets), &[]);
         let pids = job.pids(1);
         job.wait_step(&run, 5);
@@ -349,8 +327,8 @@ fn a_killed_rank_ends_the_job_within_seconds_naming_it() {
 fn max_restarts_finish_the_run_on_the_uninterrupted_curve() {
     let _one = serial();
     reference(STEPS);
-    let dir = Scratch::new("failures-restart");
-    let run = dir.run();
+    let dir = scratch("failures-restart");
+    let run = dir.join("run");
     let mut job = Launched::start(&["--nproc", "2", "--max-restarts", "2"], &train(&run, STEPS, EVERY), &[]);
     let pids = job.pids(1);
     job.wait_step(&run, 20);
@@ -373,8 +351,8 @@ fn max_restarts_finish_the_run_on_the_uninterrupted_curve() {
 #[test]
 fn a_stopped_rank_is_ended_by_the_watchdog() {
     let _one = serial();
-    let dir = Scratch::new("failures-stopped");
-    let run = dir.run();
+    let dir = scratch("failures-stopped");
+    let run = dir.join("run");
     let mut job = Launched::start(&["--nproc", "2"], &train(&run, 100_000, 0), &[("ENGINE_COLLECTIVE_TIMEOUT", "3")]);
     let pids = job.pids(1);
     job.wait_step(&run, 5);
@@ -395,8 +373,8 @@ fn a_stopped_rank_is_ended_by_the_watchdog() {
 fn sigterm_to_the_launcher_checkpoints_and_resume_auto_continues() {
     let _one = serial();
     reference(STEPS);
-    let dir = Scratch::new("failures-sigterm");
-    let run = dir.run();
+    let dir = scratch("failures-sigterm");
+    let run = dir.join("run");
     // No checkpoint on the cadence before the end: the one there is, the signal made.
     let mut job = Launched::start(&["--nproc", "2"], &train(&run, STEPS, 1000), &[]);
     job.wait_step(&run, 10);
@@ -421,8 +399,8 @@ fn sigterm_to_the_launcher_checkpoints_and_resume_auto_continues() {
 #[test]
 fn a_second_signal_to_the_launcher_kills_the_job() {
     let _one = serial();
-    let dir = Scratch::new("failures-second");
-    let run = dir.run();
+    let dir = scratch("failures-second");
+    let run = dir.join("run");
     let mut job = Launched::start(&["--nproc", "2"], &train(&run, 100_000, 0), &[]);
     job.wait_step(&run, 3);
     job.signal(libc::SIGINT);
@@ -440,8 +418,8 @@ fn a_second_signal_to_the_launcher_kills_the_job() {
 #[test]
 fn the_processes_die_with_a_killed_launcher() {
     let _one = serial();
-    let dir = Scratch::new("failures-launcher-killed");
-    let run = dir.run();
+    let dir = scratch("failures-launcher-killed");
+    let run = dir.join("run");
     let mut job = Launched::start(&["--nproc", "2"], &train(&run, 100_000, 0), &[]);
     let pids = job.pids(1);
     job.wait_step(&run, 3);
@@ -469,8 +447,8 @@ fn as_pid_1_sigterm_stops_the_job_with_a_checkpoint() {
         eprintln!("skipped: `unshare --pid` is not allowed here");
         return;
     }
-    let dir = Scratch::new("failures-pid1");
-    let run = dir.run();
+    let dir = scratch("failures-pid1");
+    let run = dir.join("run");
     let mut cmd = std::process::Command::new("unshare");
     cmd.args(["--pid", "--fork", "--kill-child", env!("CARGO_BIN_EXE_engine"), "launch", "--nproc", "2", "--"]);
     cmd.args(train(&run, 100_000, 0)).env_remove("ENGINE_FLAGS").env_remove("ENGINE_DEFAULT_FLAGS");
@@ -503,8 +481,8 @@ fn twenty_random_kills_end_on_the_same_curve_and_lose_no_checkpoint() {
     const EVERY: usize = 6;
     let _one = serial();
     reference(STEPS);
-    let dir = Scratch::new("failures-random");
-    let run = dir.run();
+    let dir = scratch("failures-random");
+    let run = dir.join("run");
     // A process killed while the job meets leaves the other waiting for it: SIGKILL after 0.5 s.
     let launch = ["--nproc", "2", "--max-restarts", "20", "--stop-grace", "0.5"];
     let mut job = Launched::start(&launch, &train(&run, STEPS, EVERY), &[]);

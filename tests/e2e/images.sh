@@ -30,7 +30,7 @@ cleanup() {
     local rc=$?
     docker rmi -f "$PLAIN/distro:engine-$DATE" distro:engine "distro:engine-$DATE" distro:engine-$DATE-arm64 >/dev/null 2>&1 || true
     e2e_cleanup
-    [ $rc = 0 ] && log "PASS: images e2e in $(($(date +%s) - T0))s" || log "FAILED (rc=$rc); logs under $WORK"
+    [ $rc = 0 ] && log "PASS: images e2e in $(($(date +%s) - T0))s" || log "FAILED (rc=$rc); logs under $WORK; disk: $(df -h "$WORK" | tail -1)"
 }
 trap cleanup EXIT
 
@@ -86,6 +86,8 @@ if [ "$ma" != "$mb" ]; then
     die "not reproducible: arm64 manifest sha256:$ma (in $ROOT) != sha256:$mb (in $B_SRC); config and layers: $la vs $lb"
 fi
 log "same arm64 manifest from both directories: sha256:$ma"
+# The second checkout and its build cache (about 1 GB) have served; CI's disk is not large.
+rm -rf "$B_SRC"
 
 phase "no-op rebuild"
 S=$(date +%s%N)
@@ -144,6 +146,7 @@ for arch in amd64 arm64; do
         || die "$arch image lacks the baked-in flags"
 done
 file "$WORK/bundle-arm64/rootfs/usr/local/bin/engine" | grep -q aarch64 || die "the arm64 engine is not an aarch64 binary"
+rm -rf "$WORK/bundle-amd64" "$WORK/bundle-arm64" "$WORK/bundle-patch"
 
 phase "push: without credentials (must fail clearly), with, again (no blob bytes), chunked, with mounts"
 expect_fail 1 "no credentials found for $AUTH" env -u DISTRO_REGISTRY_USER -u DISTRO_REGISTRY_PASSWORD DOCKER_CONFIG="$WORK/no-docker-config" \
@@ -214,6 +217,7 @@ log "arm64: $(grep '^done' "$WORK/train-arm64.txt")"
 log "test-all amd64: $(grep -E '^[0-9]+ passed' "$WORK/test-all-amd64.txt"); arm64: $(grep -E '^[0-9]+ passed' "$WORK/test-all-arm64.txt")"
 
 phase "distro load (bollard) + distro run; load tar for docker load"
+docker rmi -f "$PLAIN/distro:engine-$DATE" >/dev/null  # the pulled image has served; keep Docker's disk small
 "$DISTRO" load "$A_OUT" --ref engine >"$WORK/load.out" 2>"$WORK/load.log" || die "distro load failed: $(cat "$WORK/load.log")"
 grep -qx "distro:engine" "$WORK/load.out" || die "distro load did not report distro:engine"
 "$DISTRO" run distro:engine -e ENGINE_FLAGS=train.steps=2 -- engine train --recipe tiny-llama2 >"$WORK/run.txt" 2>&1 \
@@ -222,7 +226,9 @@ grep -q '^step 2/2' "$WORK/run.txt" || die "distro run did not stream the engine
 rc=0; "$DISTRO" run distro:engine -- sh -c 'exit 3' >/dev/null 2>&1 || rc=$?
 [ "$rc" = 3 ] || die "distro run returned $rc, not the container's exit code 3"
 "$DISTRO" load "$A_OUT" --ref "engine-$DATE" --platform linux/arm64 --output "$WORK/engine-arm64.tar" >/dev/null 2>&1
+docker rmi -f distro:engine >/dev/null
 docker load -i "$WORK/engine-arm64.tar" >&2
+rm -f "$WORK/engine-arm64.tar"
 [ "$(docker image inspect "distro:engine-$DATE" --format '{{.Architecture}}')" = arm64 ] || die "docker load of the arm64 tar gave another platform"
 
 phase "tampered base blob on pull is rejected"
