@@ -1,0 +1,124 @@
+//! What the passes exchange with the other devices of a parallel run ([`Exchange`]), and the
+//! vocabulary of that conversation: the [`Unit`]s of the flat buffers, the [`Pass`] that reads
+//! them, and the [`Window`] a unit's parameters or gradients are lent in. Kept apart from the
+//! passes so that a parallel strategy (`parallel::strategies`) reads the contract it implements
+//! without the model's math around it.
+
+use crate::backend::{Backend, View};
+
+/// A stretch of the flat buffers the passes read or finish as one piece: the unit of the
+/// per-layer collectives (FSDP's gathers and reduce-scatters, data parallelism's buckets).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Unit {
+    /// Everything before the first layer: the token embedding.
+    Embed,
+    /// Layer `i`.
+    Layer(usize),
+    /// Everything after the last layer: the final norm and the output head (unless tied).
+    Head,
+}
+
+/// What the passes exchange with the other devices of a parallel run, at the points where
+/// the math needs it. A single device needs nothing: [`Alone`].
+///
+/// Tensor parallelism (Megatron-LM): each device of the tensor group holds a slice of the
+/// heads and of the MLP columns (`parallel::tensor`), so the products that leave a
+/// slice (`o_proj`, `down_proj`, the experts' `w2`) give partial sums, added up over the group
+/// before the residual add; in the backward pass the same happens to the gradient that
+/// reaches each RMSNorm from the sliced products.
+///
+/// FSDP (ZeRO-3): no device holds the whole model. Before a pass reads a unit's parameters it
+/// asks where they are ([`Exchange::params_needed`]: the exchange gathers them into a buffer it
+/// lends for the time of the use), says when it is done with them ([`Exchange::params_done`]),
+/// and asks where to accumulate a unit's gradient ([`Exchange::grads_needed`]) before handing
+/// it over ([`Exchange::grads_ready`]). `None` means the plan's flat buffers.
+pub trait Exchange<B: Backend> {
+    /// Whether this device adds the residual stream to the partial sums of the sliced products
+    /// (exactly one device of a tensor group does, so that the sum counts it once).
+    fn adds_residual(&self) -> bool {
+        true
+    }
+    /// `buf = Σ_tensor group buf`, in place.
+    fn tensor_sum(&mut self, _be: &mut B, _buf: View) {}
+    /// `buf = Σ buf` over the devices that share the global batch (routing statistics).
+    fn batch_sum(&mut self, _be: &mut B, _buf: View) {}
+    /// This device's position in its tensor group and the group's size (vocabulary
+    /// parallelism: with a vocab_size of `V` rows, it holds tokens `position · V ..`).
+    fn tensor_rank_for_vocab(&self) -> (usize, usize) {
+        (0, 1)
+    }
+    /// `buf = max_tensor group buf`, in place (the vocabulary-parallel loss's row maxima).
+    fn tensor_max_for_vocab(&mut self, _be: &mut B, _buf: View) {}
+    /// Called when a pass begins, before any other call of the pass.
+    fn pass_begins(&mut self, _be: &mut B, _pass: Pass) {}
+    /// Where the parameters of `unit` are, before `pass` first reads them.
+    fn params_needed(&mut self, _be: &mut B, _unit: Unit, _pass: Pass) -> Option<Window> {
+        None
+    }
+    /// Called once `pass` has read `unit`'s parameters for the last time. The forward pass does
+    /// not call it for the head (and the embedding it may be tied to): the backward pass reads
+    /// them next.
+    fn params_done(&mut self, _be: &mut B, _unit: Unit, _pass: Pass) {}
+    /// Where the gradient of `unit` accumulates, before the backward pass first writes it.
+    fn grads_needed(&mut self, _be: &mut B, _unit: Unit) -> Option<Window> {
+        None
+    }
+    /// Called once the backward pass has written its last gradient into `unit`.
+    fn grads_ready(&mut self, _be: &mut B, _unit: Unit) {}
+    /// `all = [local of every rank of the seq group]`, rank-major: an all-gather over the
+    /// sequence axis. Called only when the model's [`SeqSplit`](crate::backend::SeqSplit) has
+    /// more than one rank.
+    fn seq_gather(&mut self, be: &mut B, local: View, all: View) {
+        be.copy(all, local);
+    }
+    /// `local = Σ_seq group all[this rank's part]`: a reduce-scatter over the sequence axis.
+    fn seq_scatter_sum(&mut self, be: &mut B, all: View, local: View) {
+        be.copy(local, all);
+    }
+}
+
+/// Which pass reads the parameters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pass {
+    /// The forward pass (training or evaluation).
+    Forward,
+    /// The backward pass (recomputation included).
+    Backward,
+}
+
+/// Where a unit's parameters or gradients are: a buffer that holds the unit (or the whole flat
+/// buffer), addressed with the layout's offsets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Window {
+    buf: View,
+    /// The layout offset of `buf`'s first element.
+    start: usize,
+}
+
+impl Window {
+    /// The whole flat buffer.
+    pub fn whole(buf: View) -> Window {
+        Window { buf, start: 0 }
+    }
+
+    /// A buffer holding the layout's elements from `start` on (a unit's).
+    pub fn from(buf: View, start: usize) -> Window {
+        Window { buf, start }
+    }
+
+    /// The same buffer addressed with offsets `by` lower: those of a layout that is a part of
+    /// this one starting at `by` (a virtual stage's, inside its device's).
+    pub fn rebased(self, by: usize) -> Window {
+        Window { buf: self.buf, start: self.start - by }
+    }
+
+    /// The tensor at layout offset `offset`, `len` elements.
+    pub fn at(self, offset: usize, len: usize) -> View {
+        self.buf.at(offset - self.start, len)
+    }
+}
+
+/// The [`Exchange`] of a single device: nothing to exchange.
+pub struct Alone;
+
+impl<B: Backend> Exchange<B> for Alone {}

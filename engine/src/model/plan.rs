@@ -1,0 +1,455 @@
+//! The activation plan: every buffer a step uses on the device for one batch shape ([`Plan`]),
+//! carved out before the first step and measured by the same code ([`ActivationSizes`]) for the
+//! memory estimate and the parallel planner. Kept apart from the passes, which only read it:
+//! the plan decides where things live, the passes what they compute.
+
+use super::{Exchange, Model, Pass, Unit, Window, rope};
+use crate::backend::{Backend, BufId, BufKind, IdxView, MoeDispatch, View};
+use crate::config::Remat;
+
+/// Activations of one layer kept for the backward pass. Under recomputation some of these views
+/// are shared by all layers and refilled before each layer's backward pass.
+pub(super) struct LayerActs {
+    /// `[N, D]` input of the layer (the residual stream).
+    pub(super) x: View,
+    pub(super) ln1: View,
+    /// `[N]` RMSNorm's rstd; `[2N]` LayerNorm's mean then rstd (the GPT family), as `rstd2`.
+    pub(super) rstd1: View,
+    /// `[N, (H + 2 KV) · Dh]` q, k (after RoPE) and v.
+    pub(super) qkv: View,
+    /// `[N, H · Dh]` attention output, before `o_proj`.
+    pub(super) attn: View,
+    /// `[N, H]` log-sum-exp of the attention scores.
+    pub(super) lse: View,
+    /// `[N, D]` residual stream after attention.
+    pub(super) xmid: View,
+    pub(super) ln2: View,
+    pub(super) rstd2: View,
+    pub(super) mlp: MlpActs,
+}
+
+#[allow(clippy::large_enum_variant)] // one per layer, built once
+pub(super) enum MlpActs {
+    Dense {
+        /// `[N, 2F]` gate and up projections (GPT: `[N, F]`, `c_fc`'s output).
+        gu: View,
+        /// `[N, F]` SwiGLU (GPT: GELU) output.
+        h: View,
+    },
+    Moe {
+        /// `[N, E]` router logits.
+        logits: View,
+        /// `[N, E]` router probabilities.
+        probs: View,
+        dispatch: MoeDispatch,
+        /// `[N · k, D]` inputs gathered in dispatch order.
+        xe: View,
+        /// `[N · k, 2F]`, `[N · k, F]`, `[N · k, D]` the experts' activations and outputs.
+        gu: View,
+        h: View,
+        ye: View,
+    },
+}
+
+/// Everything a step uses on the device for one batch shape, planned before the first step:
+/// the flat parameter and gradient buffers, the inputs, the activations and the scratch of the
+/// backward pass. Nothing is allocated afterwards.
+pub struct Plan {
+    /// Sequences per micro-batch.
+    pub batch: usize,
+    /// Tokens per sequence.
+    pub seq: usize,
+    /// The flat parameter buffer.
+    pub params: View,
+    /// The flat gradient buffer (same layout).
+    pub grads: View,
+    /// `[N]` input tokens.
+    pub tokens: IdxView,
+    /// `[N]` next-token targets.
+    pub targets: IdxView,
+    /// `[N]` position of each token in its sequence (the GPT family's learned positions); in
+    /// its document under
+    /// [`Documents::reset_positions`](super::Documents::reset_positions).
+    pub(super) positions: IdxView,
+    /// `[2N]` where each token's document begins in its sequence, then where it ends (document
+    /// masking, [`Backend::document_bounds`]; empty without), from the tokens at every forward
+    /// pass; on a seq axis, `[2 · ranks · N]`: the whole sequences', by true position.
+    pub(super) bounds: IdxView,
+    /// `[ranks · N]` the whole sequences' tokens, for document masking on a seq axis (empty
+    /// otherwise): each device finds the EOS of every chunk in them.
+    pub whole_tokens: IdxView,
+    /// `[ranks · N, (H + 2 KV) · Dh]` every seq rank's q, k and v rows, gathered for attention
+    /// (empty without a sequence axis); shared by the layers and the slots.
+    pub(super) qkv_all: View,
+    /// The gradient of `qkv_all`, before it is summed over the sequence axis.
+    pub(super) dqkv_all: View,
+    /// `[N]` ones: the column a bias is added with (the GPT family).
+    pub(super) ones: View,
+    /// `[N]` per-token cross-entropy.
+    pub losses: View,
+    /// `[3N]` on the last stage, the vocabulary-parallel loss's row maxima, then its sums of
+    /// exponentials and the target logits (each reduced over the tensor group).
+    pub(super) vocab_stats: View,
+    /// `[N, V]` logits; after a training forward pass, their gradient.
+    pub logits: View,
+    /// `[4]`: sum of the losses ([`LOSS_SUM`]); the squared gradient norm ([`GRAD_NORM_SQ`]);
+    /// the step's accumulated loss sum ([`LOSS_ACCUM`]); spare.
+    pub scalars: View,
+    pub(super) rope: View,
+    pub(super) layers: Vec<LayerActs>,
+    pub(super) x_out: View,
+    pub(super) lnf: View,
+    pub(super) rstdf: View,
+    /// `[2E]` routing statistics summed over the model's layers (MoE): tokens routed to each
+    /// expert, then each expert's router probabilities. A pipeline stage adds its layers' to
+    /// those of the stages before it, and its backward pass reads the whole model's.
+    pub(super) stats: View,
+    /// `[N, D]` the MoE layer's combined output before the residual add.
+    pub(super) moe_out: View,
+    // Backward scratch, shared by the layers.
+    pub(super) dres: View,
+    pub(super) dln: View,
+    pub(super) dqkv: View,
+    pub(super) dattn: View,
+    pub(super) dgu: View,
+    pub(super) dh: View,
+    pub(super) dye: View,
+    pub(super) dxe: View,
+    pub(super) dweight: View,
+    pub(super) drouter: View,
+    /// Whether the backward pass refills the last layer's shared activations too: when
+    /// several micro-batches in flight share them ([`Model::plan_slot`]), another's forward
+    /// pass may have overwritten them.
+    pub refill_last: bool,
+    /// The buffers shared by all layers, by name.
+    shared: std::collections::HashMap<&'static str, View>,
+}
+
+/// Index of `Plan::scalars` holding the sum of the per-token losses.
+pub const LOSS_SUM: usize = 0;
+/// Index of `Plan::scalars` holding the squared gradient norm.
+pub const GRAD_NORM_SQ: usize = 1;
+/// Index of `Plan::scalars` where a step adds up its micro-batches' loss sums on the device, so
+/// that the host reads the losses once per step.
+pub const LOSS_ACCUM: usize = 2;
+
+/// Every planned activation starts at a multiple of this many elements (128 bytes in bf16), so
+/// that kernels may move rows 16 bytes at a time whatever the batch shape.
+const ALIGN: usize = 64;
+
+/// Elements of the buffers [`Model::plan`] allocates for one batch shape, by kind.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ActivationSizes {
+    /// [`BufKind::Activations`] elements (bf16 on a GPU).
+    pub activations: usize,
+    /// [`BufKind::Scalars`] elements (always f32), the RoPE table aside.
+    pub scalars: usize,
+    /// `u32` index entries (tokens, targets, routing tables).
+    pub indices: usize,
+}
+
+impl Model {
+    /// Allocates the flat buffers, the inputs and the activations for micro-batches of `batch`
+    /// sequences of `seq` tokens. Parameters start at zero; see [`init`](super::init) and
+    /// [`Backend::upload`].
+    ///
+    /// Activations come from two buffers: [`BufKind::Activations`] for what the matrix products
+    /// read and write (bf16 on a GPU), [`BufKind::Scalars`] for the small statistics kept in f32
+    /// everywhere (norm and softmax statistics, losses, routing weights and probabilities).
+    pub fn plan<B: Backend>(&self, be: &mut B, batch: usize, seq: usize) -> Plan {
+        self.plan_with(be, batch, seq, true)
+    }
+
+    /// [`Model::plan`], with the flat parameter and gradient buffers only if `flat`: under FSDP
+    /// the exchange lends each unit its buffers ([`Exchange::params_needed`]), and the plan's
+    /// are empty.
+    pub fn plan_with<B: Backend>(&self, be: &mut B, batch: usize, seq: usize, flat: bool) -> Plan {
+        self.plan_slot(be, batch, seq, flat, None)
+    }
+
+    /// [`Model::plan_with`] for another micro-batch in flight on a pipeline stage, beside
+    /// `first` (`reuse`): it takes its own inputs and the activations its backward pass reads,
+    /// and shares `first`'s parameters' buffers, backward scratch and the buffers the
+    /// recomputation policy refills (all of its plans then refill the last layer's too:
+    /// [`Plan::refill_last`]).
+    pub fn plan_slot<B: Backend>(
+        &self,
+        be: &mut B,
+        batch: usize,
+        seq: usize,
+        flat: bool,
+        reuse: Option<&Plan>,
+    ) -> Plan {
+        let len = if flat { self.layout.len } else { 0 };
+        let (params, grads) = (be.alloc(BufKind::Params, len), be.alloc(BufKind::Grads, len));
+        let n = batch * seq;
+        let idx = be.alloc_idx(2 * n + self.extra_idx_len(n));
+        let sizes = self.measure(batch, seq, reuse.is_some());
+        let (acts, stats) =
+            (be.alloc(BufKind::Activations, sizes.activations), be.alloc(BufKind::Scalars, sizes.scalars));
+        let mut next = [0usize; 2];
+        let mut plan = self.plan_activations(
+            batch,
+            seq,
+            idx,
+            &mut |kind, len| {
+                let (buf, i) = if kind == BufKind::Scalars { (stats, 1) } else { (acts, 0) };
+                let v = buf.at(next[i], len);
+                next[i] += len.next_multiple_of(ALIGN);
+                v
+            },
+            reuse,
+        );
+        plan.params = params;
+        plan.grads = grads;
+        if self.config.is_gpt() {
+            be.upload(plan.ones, &vec![1.0; n]);
+        } else {
+            plan.rope = be.alloc(BufKind::Scalars, seq * self.config.head_dim);
+        }
+        self.set_positions(be, &plan, &self.seq.positions(seq));
+        plan
+    }
+
+    /// Gives the plan's rows of each sequence these true positions (RoPE's angles, or the GPT
+    /// family's learned positions): the plan's own chunks, or (a test's fault) others.
+    pub(crate) fn set_positions<B: Backend>(&self, be: &mut B, plan: &Plan, positions: &[usize]) {
+        assert_eq!(positions.len(), plan.seq);
+        if self.config.is_gpt() {
+            let n = plan.batch * plan.seq;
+            let all: Vec<u32> = (0..n).map(|i| positions[i % plan.seq] as u32).collect();
+            be.upload_idx(plan.positions, &all);
+        } else {
+            be.upload(plan.rope, &rope::table_at(&self.config, positions));
+        }
+    }
+
+    /// Elements [`Model::plan`] takes for activations, statistics and indices at this batch
+    /// shape (under this model's recomputation policy).
+    pub fn activation_elements(&self, batch: usize, seq: usize) -> ActivationSizes {
+        self.measure(batch, seq, false)
+    }
+
+    /// Elements [`Model::plan_slot`] takes for each further micro-batch in flight.
+    pub fn slot_activation_elements(&self, batch: usize, seq: usize) -> ActivationSizes {
+        self.measure(batch, seq, true)
+    }
+
+    /// Elements of a first plan, or of a further slot (`slot`).
+    fn measure(&self, batch: usize, seq: usize, slot: bool) -> ActivationSizes {
+        let n = batch * seq;
+        let idx_len = 2 * n + self.extra_idx_len(n);
+        let idx = IdxView { buf: BufId(u32::MAX), offset: 0, len: idx_len };
+        let dummy = |_: BufKind, len: usize| View { buf: BufId(u32::MAX), offset: 0, len };
+        let first = slot.then(|| self.plan_activations(batch, seq, idx, &mut dummy.clone(), None));
+        let mut sizes = ActivationSizes { activations: 0, scalars: 0, indices: idx_len };
+        let mut count = |kind, len: usize| {
+            let total = if kind == BufKind::Scalars { &mut sizes.scalars } else { &mut sizes.activations };
+            *total += len.next_multiple_of(ALIGN);
+            dummy(kind, len)
+        };
+        self.plan_activations(batch, seq, idx, &mut count, first.as_ref());
+        sizes
+    }
+
+    /// Index entries beyond tokens and targets: the routing tables of the stage's MoE layers,
+    /// the positions of the GPT family.
+    fn extra_idx_len(&self, n: usize) -> usize {
+        let positions = if self.config.is_gpt() { n } else { 0 };
+        let (bounds, whole) = self.document_idx_len(n);
+        positions
+            + bounds
+            + whole
+            + match &self.config.moe {
+                None => 0,
+                Some(moe) => self.layout.layers.len() * (3 * n * moe.top_k + moe.num_experts + 1),
+            }
+    }
+
+    /// Index entries of document masking for `n` rows: the bounds, and the whole sequences'
+    /// tokens on a seq axis.
+    fn document_idx_len(&self, n: usize) -> (usize, usize) {
+        match (self.documents, self.seq.ranks) {
+            (None, _) => (0, 0),
+            (Some(_), 1) => (2 * n, 0),
+            (Some(_), ranks) => (2 * ranks * n, ranks * n),
+        }
+    }
+
+    /// Carves every activation out of `take` (kind, length), in a fixed order (run once to
+    /// measure, once to place). Activations the recomputation policy refills in the backward
+    /// pass are taken once and shared by all layers.
+    fn plan_activations(
+        &self,
+        batch: usize,
+        seq: usize,
+        idx: IdxView,
+        take: &mut dyn FnMut(BufKind, usize) -> View,
+        reuse: Option<&Plan>,
+    ) -> Plan {
+        use BufKind::{Activations as A, Scalars as S};
+        let m = &self.config;
+        let (n, d, f, v) = (batch * seq, m.d_model, m.mlp_dim, m.vocab_size);
+        let (q, qkv) = (m.q_dim(), m.q_dim() + 2 * m.kv_dim());
+        let (experts, k) = m.moe.as_ref().map_or((0, 1), |moe| (moe.num_experts, moe.top_k));
+        let mut next_idx = 2 * n;
+        let mut take_idx = |len: usize| {
+            let v = idx.at(next_idx, len);
+            next_idx += len;
+            v
+        };
+        // The GPT family: positions, LayerNorm's two statistics per row, `c_fc`'s F columns.
+        let gpt = m.is_gpt();
+        let positions = take_idx(if gpt { n } else { 0 });
+        let (bounds_len, whole_len) = self.document_idx_len(n);
+        let bounds = take_idx(bounds_len);
+        let whole_tokens = take_idx(whole_len);
+        let (stats, up) = if gpt { (2, f) } else { (1, 2 * f) };
+        // Which activations one buffer serves for all layers: the cheap ones under `minimal`,
+        // all but the layer input (and the routing tables) under `full`.
+        let (full, minimal) = (self.remat == Remat::Full, self.remat != Remat::None);
+        // A further slot shares the first's refilled buffers and backward scratch.
+        let mut shared: std::collections::HashMap<&'static str, View> =
+            reuse.map(|r| r.shared.clone()).unwrap_or_default();
+        let mut act = |name: &'static str, kind: BufKind, len: usize, share: bool| -> View {
+            if share { *shared.entry(name).or_insert_with(|| take(kind, len)) } else { take(kind, len) }
+        };
+        let rows = n * k;
+        let layers = (0..self.layout.layers.len())
+            .map(|_| {
+                let x = act("x", A, n * d, false);
+                let ln1 = act("ln1", A, n * d, minimal);
+                let rstd1 = act("rstd1", S, stats * n, full);
+                let qkv_v = act("qkv", A, n * qkv, full);
+                let attn = act("attn", A, n * q, full);
+                let lse = act("lse", S, n * m.n_heads, full);
+                let xmid = act("xmid", A, n * d, full);
+                let ln2 = act("ln2", A, n * d, minimal);
+                let rstd2 = act("rstd2", S, stats * n, full);
+                let mlp = match &m.moe {
+                    None => MlpActs::Dense { gu: act("gu", A, n * up, full), h: act("h", A, n * f, minimal) },
+                    Some(_) => {
+                        let dispatch = MoeDispatch {
+                            tokens: n,
+                            experts,
+                            top_k: k,
+                            expert: take_idx(rows),
+                            weight: act("weight", S, rows, false),
+                            slot_row: take_idx(rows),
+                            row_slot: take_idx(rows),
+                            offsets: take_idx(experts + 1),
+                            stats: act("stats", S, 2 * experts, false),
+                        };
+                        MlpActs::Moe {
+                            logits: act("router_logits", S, n * experts, full),
+                            probs: act("probs", S, n * experts, full),
+                            dispatch,
+                            xe: act("xe", A, rows * d, full),
+                            gu: act("gu", A, rows * 2 * f, full),
+                            h: act("h", A, rows * f, minimal),
+                            ye: act("ye", A, rows * d, full),
+                        }
+                    }
+                };
+                LayerActs { x, ln1, rstd1, qkv: qkv_v, attn, lse, xmid, ln2, rstd2, mlp }
+            })
+            .collect();
+        let moe = m.moe.is_some();
+        let moe_only = |len: usize| if moe { len } else { 0 };
+        // The head's activations live on the last stage only.
+        let last = self.layout.stage.last;
+        let last_only = |len: usize| if last { len } else { 0 };
+        let mut scratch = |kind: BufKind, len: usize, of: fn(&Plan) -> View| match reuse {
+            Some(r) => of(r),
+            None => take(kind, len),
+        };
+        let moe_out = scratch(A, moe_only(n * d), |r| r.moe_out);
+        let dln = scratch(A, n * d, |r| r.dln);
+        let dqkv = scratch(A, n * qkv, |r| r.dqkv);
+        let dattn = scratch(A, n * q, |r| r.dattn);
+        let dgu = scratch(A, rows * 2 * f, |r| r.dgu);
+        let dh = scratch(A, rows * f, |r| r.dh);
+        let dye = scratch(A, moe_only(rows * d), |r| r.dye);
+        let dxe = scratch(A, moe_only(rows * d), |r| r.dxe);
+        let dweight = scratch(S, moe_only(rows), |r| r.dweight);
+        let drouter = scratch(A, moe_only(n * experts), |r| r.drouter);
+        let gathered = if self.seq.ranks > 1 { self.seq.ranks * n * qkv } else { 0 };
+        let qkv_all = scratch(A, gathered, |r| r.qkv_all);
+        let dqkv_all = scratch(A, gathered, |r| r.dqkv_all);
+        Plan {
+            batch,
+            seq,
+            params: take(A, 0),
+            grads: take(A, 0),
+            tokens: idx.at(0, n),
+            targets: idx.at(n, n),
+            positions,
+            bounds,
+            whole_tokens,
+            qkv_all,
+            dqkv_all,
+            ones: take(A, if gpt { n } else { 0 }),
+            x_out: take(A, n * d),
+            lnf: take(A, last_only(n * d)),
+            rstdf: take(S, last_only(stats * n)),
+            logits: take(A, last_only(n * v)),
+            losses: take(S, last_only(n)),
+            vocab_stats: take(S, last_only(3 * n)),
+            scalars: take(S, 4),
+            rope: take(S, 0),
+            layers,
+            stats: take(S, moe_only(2 * experts)),
+            moe_out,
+            // Each slot's own: it carries the gradient between stages.
+            dres: take(A, n * d),
+            dln,
+            dqkv,
+            dattn,
+            dgu,
+            dh,
+            dye,
+            dxe,
+            dweight,
+            drouter,
+            refill_last: reuse.is_some(),
+            shared,
+        }
+    }
+}
+
+impl Plan {
+    /// `[N, D]` the stage's input: the embedding's output, or on a later stage the activation
+    /// the stage before sends.
+    pub fn stage_input(&self) -> View {
+        self.layers.first().map_or(self.x_out, |a| a.x)
+    }
+
+    /// `[N, D]` the stage's output, the last layer's, which a stage before the last sends on.
+    pub fn stage_output(&self) -> View {
+        self.x_out
+    }
+
+    /// `[N, D]` the residual stream's gradient: after a backward pass, the gradient of the
+    /// stage's input (sent to the stage before); before a stage's backward pass (but the
+    /// last's), the gradient of its output (received from the next).
+    pub fn residual_grad(&self) -> View {
+        self.dres
+    }
+
+    /// `[2E]` the routing statistics summed over the layers so far (MoE; empty otherwise),
+    /// which travel with the activations and their gradients between stages.
+    pub fn moe_stats(&self) -> View {
+        self.stats
+    }
+
+    /// Where `unit`'s parameters are for `pass`: where the exchange put them, else the flat
+    /// buffer.
+    pub(super) fn params_of<B: Backend>(&self, ex: &mut dyn Exchange<B>, be: &mut B, unit: Unit, pass: Pass) -> Window {
+        ex.params_needed(be, unit, pass).unwrap_or(Window::whole(self.params))
+    }
+
+    /// Where `unit`'s gradient accumulates.
+    pub(super) fn grads_of<B: Backend>(&self, ex: &mut dyn Exchange<B>, be: &mut B, unit: Unit) -> Window {
+        ex.grads_needed(be, unit).unwrap_or(Window::whole(self.grads))
+    }
+}
