@@ -77,6 +77,10 @@ impl IdxView {
 pub enum BufKind {
     /// The flat parameter buffer.
     Params,
+    /// Parameters gathered for the time of a use (FSDP's lent buffers): the ops read them as
+    /// they read [`BufKind::Params`], but nothing updates them, so a GPU backend keeps only the
+    /// copy the ops read (bf16), and a gather moves and holds 2 bytes an element.
+    Gathered,
     /// The flat gradient buffer (same layout as the parameters).
     Grads,
     /// Optimizer moments (same layout as the parameters).

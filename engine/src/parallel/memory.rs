@@ -2,8 +2,9 @@
 //! the device's pipeline stage and tensor-parallel slice and its share of the batch, with the
 //! strategies' own buffers. It follows what [`super::strategies::Parallel`] allocates
 //! ([`fsdp_sizes`]): under FSDP a device keeps its pieces of the parameters, gradients and
-//! moments, and the buffers it lends the passes for the units in use (gathered parameters,
-//! gradients being accumulated), but never the whole model. A pipeline stage holds its own
+//! moments, and the buffers it lends the passes for the units in use (gathered parameters, in
+//! the precision the ops read: bf16 on a GPU; gradients being accumulated, in f32), but never
+//! the whole model. A pipeline stage holds its own
 //! units only, and the activations of every micro-batch its schedule keeps in flight
 //! ([`super::pipeline::slots`]); under interleaved 1F1B, each virtual stage's micro-batches in
 //! flight, each with that virtual stage's layers' activations.
@@ -76,7 +77,7 @@ pub fn device_estimate(
     if fsdp > 1 {
         let f = fsdp_sizes(&model.layout, fsdp, FsdpOptions::of(&config.mesh));
         let bytes = |kind| element_bytes(kind, target);
-        e.parameters = (f.shard + f.gathered) * bytes(BufKind::Params);
+        e.parameters = f.shard * bytes(BufKind::Params) + f.gathered * bytes(BufKind::Gathered);
         e.gradients = (f.shard + f.accumulating) * bytes(BufKind::Grads);
         e.optimizer = 2 * f.shard * bytes(BufKind::OptState);
     }

@@ -316,7 +316,11 @@ impl Nccl {
     fn all_gather_on_side(&mut self, be: &mut Cuda, input: View, output: View, group: &[usize]) {
         assert_eq!(output.len, input.len * group.len(), "all-gather sizes");
         let comm = self.comm(group);
-        let ((src, t), (dst, u)) = (target(be, input), target(be, output));
+        // Into bf16 (FSDP's gathered parameters), the pieces' bf16 copies travel: 2 bytes an
+        // element, the values the ops would read from the pieces themselves.
+        let (dst, u) = target(be, output);
+        let (src, t) =
+            if u == sys::ncclDataType_t::ncclBfloat16 { compute_target(be, input) } else { target(be, input) };
         assert!(t == u, "internal error: all-gather between element types");
         let stream = self.begin(be);
         // SAFETY: live device buffers of the asserted sizes, ordered by events.
@@ -327,7 +331,15 @@ impl Nccl {
 
 /// Address and NCCL type of a view.
 fn target(be: &Cuda, v: View) -> (*mut c_void, sys::ncclDataType_t) {
-    let (ptr, bf16) = be.raw_view(v);
+    typed(be.raw_view(v))
+}
+
+/// Address and NCCL type of what the ops read from a view (parameters: their bf16 copy).
+fn compute_target(be: &Cuda, v: View) -> (*mut c_void, sys::ncclDataType_t) {
+    typed(be.compute_view(v))
+}
+
+fn typed((ptr, bf16): (driver::CUdeviceptr, bool)) -> (*mut c_void, sys::ncclDataType_t) {
     let dtype = if bf16 { sys::ncclDataType_t::ncclBfloat16 } else { sys::ncclDataType_t::ncclFloat32 };
     (ptr as *mut c_void, dtype)
 }

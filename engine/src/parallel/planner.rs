@@ -23,8 +23,8 @@
 //!   tensor, the four bf16 sums of a layer's `[tokens, d_model]` per micro-batch (six with full
 //!   recomputation), and the vocabulary split's two (the embedding's output, the head's input
 //!   gradient) with the loss's row maxima and sums (`[3 · tokens]` f32); seq, the gathers of q, k and v (forward, backward, and the recomputation)
-//!   and the reduce-scatter of their gradient; FSDP, the f32 gathers of the device's parameters
-//!   (twice per micro-batch) and the reduce-scatter of their gradient, over fsdp × seq; data,
+//!   and the reduce-scatter of their gradient; FSDP, the bf16 gathers of the device's parameters
+//!   (twice per micro-batch) and the f32 reduce-scatter of their gradient, over fsdp × seq; data,
 //!   the all-reduce of the device's gradient pieces once per step; pipeline, each micro-batch's
 //!   activation and its gradient, once per virtual stage.
 
@@ -283,8 +283,8 @@ fn evaluate(base: &Config, hw: &Hardware, mesh: &Mesh, remat: Remat, split: Spli
     let seq_moves = if remat == Remat::Full { 4.0 } else { 3.0 };
     let seq = micro * layers * seq_moves * ring(s) * s * local_tokens * qkv * 2.0;
     let params = m.param_count().total as f64 / (t * p);
-    // FSDP shards over fsdp × seq.
-    let fsdp = micro * 3.0 * ring(f * s) * params * 4.0;
+    // FSDP shards over fsdp × seq: two bf16 gathers and an f32 reduce-scatter a micro-batch.
+    let fsdp = micro * ring(f * s) * params * (2.0 * 2.0 + 4.0);
     let data = 2.0 * ring(d) * params / (f * s) * 4.0;
     let pipeline =
         if mesh.p > 1 { virtual_stages as f64 * micro * 2.0 * local_tokens * m.d_model as f64 * 2.0 } else { 0.0 };

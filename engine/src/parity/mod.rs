@@ -30,7 +30,7 @@ use std::time::Instant;
 
 use crate::backend::cuda::Cuda;
 use crate::backend::{AttnShape, SeqSplit};
-use models::{graphs, memory_estimate, nccl_alone, parity, remat, training};
+use models::{fsdp_bf16_gathers, graphs, memory_estimate, nccl_alone, parity, remat, training};
 use ops::{
     adamw, attention, attention_split, cross_entropy, elementwise, embedding, gelu, layernorm, matmul, moe, rmsnorm,
     rope, swiglu,
@@ -206,7 +206,10 @@ fn checks(scale: Scale) -> Vec<(String, Check)> {
     add("mixture of experts: route, dispatch, experts, combine, backward", Box::new(|g, _| moe(g)));
     add("adamw with clipping and decay segments", Box::new(|g, _| adamw(g)));
     if !scale.emulated {
-        add("nccl, world size 1: all-reduce, reduce-scatter, all-gather (f32, bf16)", Box::new(|g, _| nccl_alone(g)));
+        add(
+            "nccl, world size 1: all-reduce, reduce-scatter, all-gather (f32, bf16, parameters into bf16)",
+            Box::new(|g, _| nccl_alone(g)),
+        );
     }
     for name in ["tiny-llama2", "tiny-mistral", "tiny-mixtral", "tiny-gpt"] {
         add(
@@ -228,6 +231,14 @@ fn checks(scale: Scale) -> Vec<(String, Check)> {
     add("tiny-llama2: CUDA graph replay matches eager steps", Box::new(move |g, open| graphs(g, open, scale)));
     add("tiny-llama2: gradients under remat=full match remat=none", Box::new(move |g, open| remat(g, open, scale)));
     add("memory estimate matches what the backend allocates", Box::new(move |g, _| memory_estimate(g, scale)));
+    // Two devices on the emulator, each a thread with its own backend (on a GPU, FSDP runs one
+    // process per device, over NCCL: `nccl_alone` checks its bf16 gather).
+    if scale.emulated {
+        add(
+            "tiny-llama2 under FSDP 2: bf16 gathers follow one device, memory as planned",
+            Box::new(move |g, _| fsdp_bf16_gathers(g, scale)),
+        );
+    }
     // tiny-gpt trains on a GPU only: its 20 steps took 397 s on the emulator (its loss and
     // gradients are checked above there too).
     let trained: &[&str] = if scale.emulated {

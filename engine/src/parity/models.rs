@@ -146,6 +146,49 @@ pub(super) fn memory_estimate(gpu: Cuda, scale: Scale) -> Result<String, String>
     if off > 0.01 { Err(format!("{detail}: {:.2} % off", 100.0 * off)) } else { Ok(detail) }
 }
 
+/// FSDP over two devices, whose lent buffers hold the gathered parameters in bf16 alone
+/// ([`BufKind::Gathered`]): two emulated devices (threads meeting through the virtual
+/// collectives) follow one device training the same global batch, and each allocates what the
+/// mesh's memory plan says, the gathered units at 2 bytes an element.
+pub(super) fn fsdp_bf16_gathers(gpu: Cuda, scale: Scale) -> Result<String, String> {
+    use crate::parallel::comm::Virtual;
+    use crate::parallel::plan::ParallelPlan;
+    // The second step reads gathers of the parameters AdamW updated.
+    let steps = 2;
+    let config =
+        |extra: &[&str]| tiny("tiny-llama2", scale, &[&["model.n_layers=2", "mesh.ici_data=1"], extra].concat());
+    let (one, fsdp) = (config(&["train.batch_size=2"]), config(&["train.batch_size=1", "mesh.ici_fsdp=2"]));
+    let (single, _) = train_losses(gpu, &one, steps)?;
+    let plan = ParallelPlan::resolve(&fsdp, 2, 1).map_err(|e| format!("{e:#}"))?;
+    let device = |comm: Virtual| -> Result<(Vec<f64>, usize, usize), String> {
+        let gpu = Cuda::emulated()?;
+        let estimate = plan.estimate(&fsdp, Target::Cuda { sm_count: gpu.info().sm_count as usize }).total();
+        let mut t = Trainer::new_parallel(gpu, &fsdp, Box::new(comm), plan.clone()).map_err(|e| format!("{e:#}"))?;
+        let losses = (0..steps).map(|_| t.train_step(0.0).loss).collect();
+        Ok((losses, t.backend.memory_in_use().0, estimate))
+    };
+    let runs: Vec<_> = std::thread::scope(|s| {
+        let handles: Vec<_> = Virtual::devices(2).into_iter().map(|comm| s.spawn(|| device(comm))).collect();
+        handles.into_iter().map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p))).collect()
+    });
+    let mut detail = Vec::new();
+    for (rank, run) in runs.into_iter().enumerate() {
+        let (losses, allocated, estimate) = run?;
+        for (step, (a, b)) in losses.iter().zip(&single).enumerate() {
+            if (a - b).abs() > 2e-3 * b.abs() {
+                return Err(format!("device {rank}, step {}: loss {a} under FSDP 2, {b} on one device", step + 1));
+            }
+        }
+        let off = (allocated as f64 - estimate as f64).abs() / estimate as f64;
+        let memory = format!("device {rank}: allocated {:.4} GiB, planned {:.4} GiB", gib(allocated), gib(estimate));
+        if off > 0.01 {
+            return Err(format!("{memory}: {:.2} % off", 100.0 * off));
+        }
+        detail.push(format!("{memory}, losses {losses:.4?}"));
+    }
+    Ok(format!("{}; one device: {single:.4?}", detail.join("; ")))
+}
+
 /// A few training steps of tiny configuration `name` lower the loss.
 pub(super) fn training(gpu: Cuda, name: &str, scale: Scale) -> Result<String, String> {
     let config = tiny(name, scale, &[&format!("train.steps={}", scale.train_steps)]);
@@ -181,5 +224,20 @@ pub(super) fn nccl_alone(mut gpu: Cuda) -> Result<String, String> {
             failures.push(format!("{kind:?}: element {bad} is {} after the collectives, {} before", got[bad], x[bad]));
         }
     }
-    if failures.is_empty() { Ok(format!("{n} elements unchanged in f32 and bf16")) } else { Err(failures.join("; ")) }
+    // FSDP's gather into bf16 alone: a piece's bf16 copy, not its f32 master, travels.
+    let y: Vec<f32> = (0..n).map(|i| i as f32 * 0.013 - 6.5).collect();
+    let (piece, gathered) = (gpu.alloc(BufKind::Params, n), gpu.alloc(BufKind::Gathered, n));
+    gpu.upload(piece, &y);
+    Collectives::<Cuda>::all_gather(&mut comm, &mut gpu, piece, gathered, &[0]);
+    let mut got = vec![0f32; n];
+    gpu.download(gathered, &mut got);
+    if let Some(bad) = got.iter().zip(&y).position(|(&g, &w)| g != half::bf16::from_f32(w).to_f32()) {
+        failures
+            .push(format!("parameters gathered into bf16: element {bad} is {}, {} rounded to bf16", got[bad], y[bad]));
+    }
+    if failures.is_empty() {
+        Ok(format!("{n} elements unchanged in f32 and bf16; parameters gathered into bf16 rounded as their copy"))
+    } else {
+        Err(failures.join("; "))
+    }
 }

@@ -48,7 +48,7 @@ impl Twin {
 
     fn set(&mut self, kind: BufKind, data: &[f32]) -> View {
         let v = self.alloc(kind, data.len());
-        let rounded: Vec<f32> = if matches!(kind, BufKind::Activations | BufKind::Params) {
+        let rounded: Vec<f32> = if matches!(kind, BufKind::Activations | BufKind::Params | BufKind::Gathered) {
             data.iter().map(|&x| half::bf16::from_f32(x).to_f32()).collect()
         } else {
             data.to_vec()

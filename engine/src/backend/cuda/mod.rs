@@ -5,7 +5,8 @@
 //! weights) are f32; every product and reduction accumulates in f32 (or f64). A
 //! [`BufKind::Params`] buffer is two allocations: the f32 master, which uploads, downloads and
 //! the optimizer use, and its bf16 copy, which the ops read; AdamW refreshes the copy as it
-//! updates the master.
+//! updates the master. Parameters gathered for a use ([`BufKind::Gathered`], FSDP) are the bf16
+//! copy alone: gathered from the pieces' copies, they never need a master.
 //!
 //! Work: dense products go through cuBLASLt (`blas.rs`); everything else is CUDA C compiled at
 //! start by NVRTC for the device's architecture and cached on disk ([`nvrtc`]). Each op has one
@@ -122,11 +123,11 @@ impl DType {
 }
 
 /// Bytes of one element of each buffer kind on the GPU (parameters: the f32 master plus its
-/// bf16 copy).
+/// bf16 copy; gathered parameters: the bf16 copy alone).
 pub fn bytes_per_element(kind: BufKind) -> usize {
     match kind {
         BufKind::Params => 6,
-        BufKind::Activations => 2,
+        BufKind::Activations | BufKind::Gathered => 2,
         BufKind::Grads | BufKind::OptState | BufKind::Scalars => 4,
     }
 }
@@ -307,6 +308,12 @@ impl Cuda {
         (ptr, dtype == DType::Bf16)
     }
 
+    /// Address of what the ops read from `v`, and whether it is bf16 (parameters: their bf16
+    /// copy): what a gather into bf16 sends ([`BufKind::Gathered`]).
+    pub fn compute_view(&self, v: View) -> (CUdeviceptr, bool) {
+        (self.ptr(v), self.dtype(v) == DType::Bf16)
+    }
+
     /// Tells the backend that `v` was written behind its back ([`Cuda::raw_view`]).
     pub fn written(&mut self, v: View) {
         ops::elementwise::refresh_compute_copy(self, v);
@@ -321,7 +328,7 @@ impl Cuda {
     /// Element type the ops read from a view (parameters: their bf16 copy).
     fn dtype(&self, v: View) -> DType {
         match self.buffer(v).kind {
-            BufKind::Params | BufKind::Activations => DType::Bf16,
+            BufKind::Params | BufKind::Activations | BufKind::Gathered => DType::Bf16,
             _ => DType::F32,
         }
     }
@@ -331,7 +338,7 @@ impl Cuda {
         let b = self.buffer(v);
         match b.kind {
             BufKind::Params => b.compute + 2 * v.offset as u64,
-            BufKind::Activations => b.ptr + 2 * v.offset as u64,
+            BufKind::Activations | BufKind::Gathered => b.ptr + 2 * v.offset as u64,
             _ => b.ptr + 4 * v.offset as u64,
         }
     }
@@ -340,14 +347,15 @@ impl Cuda {
     fn exact(&self, v: View) -> (CUdeviceptr, DType) {
         let b = self.buffer(v);
         match b.kind {
-            BufKind::Activations => (b.ptr + 2 * v.offset as u64, DType::Bf16),
+            BufKind::Activations | BufKind::Gathered => (b.ptr + 2 * v.offset as u64, DType::Bf16),
             _ => (b.ptr + 4 * v.offset as u64, DType::F32),
         }
     }
 
     /// A view the op writes: its address and type, for any kind but parameters.
     fn out(&self, v: View, op: &str) -> CUdeviceptr {
-        assert!(self.buffer(v).kind != BufKind::Params, "internal error: {op} writes into the parameters");
+        let kind = self.buffer(v).kind;
+        assert!(!matches!(kind, BufKind::Params | BufKind::Gathered), "internal error: {op} writes into parameters");
         self.ptr(v)
     }
 
@@ -517,7 +525,8 @@ impl Backend for Cuda {
     }
 
     fn alloc(&mut self, kind: BufKind, len: usize) -> View {
-        let ptr = self.device_alloc(len * if kind == BufKind::Activations { 2 } else { 4 }, &format!("{kind:?}"));
+        let stored = if kind == BufKind::Params { 4 } else { bytes_per_element(kind) };
+        let ptr = self.device_alloc(len * stored, &format!("{kind:?}"));
         let compute = if kind == BufKind::Params { self.device_alloc(len * 2, "parameters (bf16 copy)") } else { 0 };
         self.bufs.push(Buffer { kind, len, ptr, compute });
         View { buf: super::BufId(self.bufs.len() as u32 - 1), offset: 0, len }

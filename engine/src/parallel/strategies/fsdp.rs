@@ -191,7 +191,7 @@ impl Fsdp {
         let (units, len) = fsdp_pieces(layout, size);
         let (params, grads) = (be.alloc(BufKind::Params, len), be.alloc(BufKind::Grads, len));
         let lending = Lending::new(&units, size, layout.tied, options);
-        let gathered = Loans::new(be, BufKind::Params, &lending.params, lending.param_class);
+        let gathered = Loans::new(be, BufKind::Gathered, &lending.params, lending.param_class);
         let accumulating = Loans::new(be, BufKind::Grads, &lending.grads, lending.grad_class);
         let mut f =
             Fsdp { units, params, grads, gathered, accumulating, prefetched: None, options, segments: Vec::new(), me };
