@@ -4,7 +4,7 @@ use std::fs::{self, File};
 use std::io::Write;
 use std::path::Path;
 
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, anyhow, bail};
 
 /// Writes `bytes` to `path` atomically: a temporary file in the same directory, flushed to
 /// disk, then renamed over `path`. Readers see the old file or the new one, never a part.
@@ -75,25 +75,25 @@ pub fn is_plain_relative(name: &str) -> bool {
 /// `root` (itself canonical, as [`fs::canonicalize`] gives it). Otherwise an error that says
 /// why: the file is missing, leaves `root` (through a symbolic link, absolute or relative), or
 /// is not a regular file (a directory, a device, a FIFO).
-pub fn regular_file_under(path: &Path, root: &Path) -> std::result::Result<std::path::PathBuf, String> {
+pub fn regular_file_under(path: &Path, root: &Path) -> Result<std::path::PathBuf> {
     let p = path.display();
     let real = fs::canonicalize(path).map_err(|e| match fs::symlink_metadata(path) {
         Ok(m) if m.file_type().is_symlink() => {
             let to = fs::read_link(path).map(|t| t.display().to_string()).unwrap_or_default();
-            format!("{p} is a symbolic link to {to}, which does not exist")
+            anyhow!("{p} is a symbolic link to {to}, which does not exist")
         }
-        _ => format!("cannot read {p}: {e}"),
+        _ => anyhow!("cannot read {p}: {e}"),
     })?;
     if !real.starts_with(root) {
-        return Err(format!(
+        bail!(
             "{p} leads outside {} (a symbolic link to {}); copy the file in instead (cp -L)",
             root.display(),
             real.display()
-        ));
+        );
     }
-    let meta = fs::metadata(&real).map_err(|e| format!("cannot read {p}: {e}"))?;
+    let meta = fs::metadata(&real).map_err(|e| anyhow!("cannot read {p}: {e}"))?;
     if !meta.is_file() {
-        return Err(format!("{p} is not a regular file"));
+        bail!("{p} is not a regular file");
     }
     Ok(real)
 }
@@ -253,7 +253,7 @@ mod tests {
             ("sub", "is not a regular file"),
             ("absent", "cannot read"),
         ] {
-            let e = regular_file_under(&root.join(name), &root).unwrap_err();
+            let e = regular_file_under(&root.join(name), &root).unwrap_err().to_string();
             assert!(e.contains(expected), "{name}: {e}");
         }
     }

@@ -41,37 +41,42 @@ impl ManifestArg {
 }
 
 /// `--image NAME`: an image definition `images/NAME.toml` or a tag prefix, by name, never a
-/// path (`../../x` would read or tag outside the definitions).
-pub fn image_name(s: &str) -> Result<String, String> {
+/// path (`../../x` would read or tag outside the definitions). Like the value parsers below, its
+/// error is bad input, which clap prints after the option's name.
+pub fn image_name(s: &str) -> Result<String> {
     let ok = s.chars().next().is_some_and(|c| c.is_ascii_alphanumeric())
         && s.chars().all(|c| c.is_ascii_alphanumeric() || "._-".contains(c));
     ok.then(|| s.to_owned()).ok_or_else(|| {
-        format!("`{s}` is not an image name: letters, digits, '.', '_' and '-', starting with a letter or digit")
+        bad_input(format!(
+            "`{s}` is not an image name: letters, digits, '.', '_' and '-', starting with a letter or digit"
+        ))
     })
 }
 
 /// `--date YYYY-MM-DD`: a real date from 1970-01-01 on (tags and build times count from the
 /// Unix epoch).
-pub fn date_arg(s: &str) -> Result<String, String> {
+pub fn date_arg(s: &str) -> Result<String> {
     match crate::dated::parse_date(s) {
         Some(days) if days >= 0 => Ok(s.to_owned()),
-        _ => Err(format!("`{s}` is not a date YYYY-MM-DD from 1970-01-01 on")),
+        _ => Err(bad_input(format!("`{s}` is not a date YYYY-MM-DD from 1970-01-01 on"))),
     }
 }
 
 /// `--insecure HOST[:PORT]`: a registry host, without a scheme or a path.
-pub fn registry_host(s: &str) -> Result<String, String> {
+pub fn registry_host(s: &str) -> Result<String> {
     if s.is_empty() || s.contains("://") || s.contains('/') {
-        return Err(format!("`{s}` is not HOST[:PORT] (no scheme, no path): e.g. --insecure registry.lan:5000"));
+        return Err(bad_input(format!(
+            "`{s}` is not HOST[:PORT] (no scheme, no path): e.g. --insecure registry.lan:5000"
+        )));
     }
     Ok(s.to_owned())
 }
 
 /// `--chunk-size BYTES`: at least one byte (0 would mean a request per byte, or none at all).
-pub fn chunk_size(s: &str) -> Result<u64, String> {
+pub fn chunk_size(s: &str) -> Result<u64> {
     match s.parse::<u64>() {
         Ok(n) if n > 0 => Ok(n),
-        _ => Err(format!("`{s}` is not a chunk size: a number of bytes of at least 1")),
+        _ => Err(bad_input(format!("`{s}` is not a chunk size: a number of bytes of at least 1"))),
     }
 }
 

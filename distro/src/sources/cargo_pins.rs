@@ -8,7 +8,7 @@
 //! Requirements are matched as Cargo matches them (`=`, `^` or bare, `~`, `<`, `<=`, `>`, `>=`,
 //! `*` and `x` wildcards, comma-separated); pre-release versions are not pins this tool makes.
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use std::fs;
 use std::path::{Path, PathBuf};
 
@@ -125,7 +125,7 @@ pub fn check(manifest: &Manifest) -> Result<Vec<String>> {
         let SourceKind::Crate(c) = &source.kind else { continue };
         let Some(version) = &c.version else { continue };
         for r in requirements(&manifest.root, &c.name)? {
-            if !matches(&r.req, version).map_err(|e| bad_input(format!("{}:{}: {e}", r.file, r.line)))? {
+            if !matches(&r.req, version).with_context(|| format!("{}:{}", r.file, r.line))? {
                 out.push(format!(
                     "{}:{}: requires {} `{}`, but {manifest_name} pins {} {version}: `distro bump` moves both; or make them agree",
                     r.file, r.line, c.name, r.req, c.name
@@ -154,7 +154,7 @@ pub fn requirement_edits(root: &Path, krate: &str, new: &str) -> Result<Vec<(Pat
     let mut by_file: Vec<(String, String)> = Vec::new();
     let reqs = requirements(root, krate)?;
     for r in reqs.iter().rev() {
-        if matches(&r.req, new).map_err(|e| bad_input(format!("{}:{}: {e}", r.file, r.line)))? {
+        if matches(&r.req, new).with_context(|| format!("{}:{}", r.file, r.line))? {
             continue;
         }
         if !r.req.trim().starts_with('=') {
@@ -197,28 +197,29 @@ pub fn update_cargo_lock(root: &Path, krate: &str, old: &str, new: &str) -> Resu
 
 type Version = (u64, u64, u64);
 
-fn parse_version(v: &str) -> Result<Version, String> {
+fn parse_version(v: &str) -> Result<Version> {
     let core = v.split(['-', '+']).next().unwrap_or(v);
     let parts: Vec<&str> = core.split('.').collect();
-    let num = |s: &str| s.parse::<u64>().map_err(|_| format!("`{v}` is not a version"));
+    let num = |s: &str| s.parse::<u64>().map_err(|_| bad_input(format!("`{v}` is not a version")));
     match parts.as_slice() {
         [a, b, c] => Ok((num(a)?, num(b)?, num(c)?)),
-        _ => Err(format!("`{v}` is not a version")),
+        _ => Err(bad_input(format!("`{v}` is not a version"))),
     }
 }
 
-/// Whether `version` satisfies Cargo requirement `req`.
-pub fn matches(req: &str, version: &str) -> Result<bool, String> {
+/// Whether `version` satisfies Cargo requirement `req`; a malformed version or requirement is
+/// bad input (the caller names the file and line it came from).
+pub fn matches(req: &str, version: &str) -> Result<bool> {
     let v = parse_version(version)?;
     for comparator in req.split(',') {
-        if !comparator_matches(comparator.trim(), v).map_err(|e| format!("requirement `{req}`: {e}"))? {
+        if !comparator_matches(comparator.trim(), v).with_context(|| format!("requirement `{req}`"))? {
             return Ok(false);
         }
     }
     Ok(true)
 }
 
-fn comparator_matches(c: &str, v: Version) -> Result<bool, String> {
+fn comparator_matches(c: &str, v: Version) -> Result<bool> {
     let (op, rest) = ["<=", ">=", "=", "<", ">", "^", "~"]
         .iter()
         .find_map(|op| c.strip_prefix(op).map(|r| (*op, r.trim())))
@@ -231,11 +232,11 @@ fn comparator_matches(c: &str, v: Version) -> Result<bool, String> {
     for p in rest.split('.') {
         parts.push(match p {
             "*" | "x" | "X" => None,
-            n => Some(n.parse::<u64>().map_err(|_| format!("`{c}` is not a comparator"))?),
+            n => Some(n.parse::<u64>().map_err(|_| bad_input(format!("`{c}` is not a comparator")))?),
         });
     }
     if parts.len() > 3 || parts.first().copied().flatten().is_none() {
-        return Err(format!("`{c}` is not a comparator"));
+        return Err(bad_input(format!("`{c}` is not a comparator")));
     }
     let (major, minor, patch) = (parts[0].unwrap(), parts.get(1).copied().flatten(), parts.get(2).copied().flatten());
     // The lowest version the comparator names and the first above its partial range.
@@ -296,7 +297,7 @@ mod tests {
             ("=0.19", "0.19.4"),
         ];
         for (r, v) in yes {
-            assert_eq!(matches(r, v), Ok(true), "{r} {v}");
+            assert!(matches(r, v).unwrap(), "{r} {v}");
         }
         let no = [
             ("=0.19.10", "0.19.11"),
@@ -308,9 +309,11 @@ mod tests {
             ("<0.19.10", "0.19.10"),
         ];
         for (r, v) in no {
-            assert_eq!(matches(r, v), Ok(false), "{r} {v}");
+            assert!(!matches(r, v).unwrap(), "{r} {v}");
         }
-        assert!(matches("banana", "1.0.0").is_err());
+        let e = matches("banana", "1.0.0").unwrap_err();
+        assert!(crate::error::is_bad_input(&e), "{e:#}");
+        assert_eq!(format!("{e:#}"), "requirement `banana`: `banana` is not a comparator");
     }
 
     fn workspace(dir: &Path, req: &str, locked: &str) {

@@ -158,7 +158,9 @@ impl PatchSpec {
     /// Parses a `patches` entry of source `source`.
     pub fn parse(entry: &str, source: &str) -> std::result::Result<PatchSpec, String> {
         if is_upstream_ref(entry) {
-            validate_ref(entry).map_err(|e| format!("patch ref `{entry}` {e}"))?;
+            if !valid_ref(entry) {
+                return Err(format!("patch ref `{entry}` is not a valid git ref name"));
+            }
             return Ok(PatchSpec::Ref(entry.to_owned()));
         }
         if entry.ends_with(".patch") || entry.ends_with(".diff") {
@@ -197,7 +199,9 @@ fn is_upstream_ref(entry: &str) -> bool {
     entry.starts_with("refs/") || entry.starts_with("pull/") || entry.starts_with("merge-requests/")
 }
 
-fn validate_ref(r: &str) -> std::result::Result<(), String> {
+/// Whether `r` is a name git accepts for a ref (`git check-ref-format`'s rules, as far as a
+/// manifest needs them).
+fn valid_ref(r: &str) -> bool {
     let bad = r.is_empty()
         || r.ends_with('/')
         || r.ends_with(".lock")
@@ -205,7 +209,7 @@ fn validate_ref(r: &str) -> std::result::Result<(), String> {
         || r.contains("//")
         || r.contains("@{")
         || r.chars().any(|c| c.is_whitespace() || c.is_control() || "~^:?*[\\".contains(c));
-    if bad { Err("is not a valid git ref name".into()) } else { Ok(()) }
+    !bad
 }
 
 /// The file name an upstream ref is exported to: `pull/123/head` → `PR-123.patch`,
@@ -547,7 +551,7 @@ fn validate_source(name: &str, raw: RawSource, table: usize, text: &str) -> std:
                     ),
                 ));
             };
-            if validate_ref(tracking_ref.get_ref()).is_err() || tracking_ref.get_ref().starts_with('-') {
+            if !valid_ref(tracking_ref.get_ref()) || tracking_ref.get_ref().starts_with('-') {
                 return Err((
                     tracking_ref.span().start,
                     format!("`tracking_ref` `{}` is not a valid git ref name", tracking_ref.get_ref()),

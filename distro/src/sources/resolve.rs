@@ -1,7 +1,7 @@
 //! From manifest to lock to patched trees: resolving sources (with one-run overrides and extra
 //! patches) and materialising a lock's trees into the cache.
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result, anyhow, bail};
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
@@ -29,23 +29,24 @@ pub struct SourceOverride {
 }
 
 impl FromStr for SourceOverride {
-    type Err = String;
+    type Err = anyhow::Error;
 
-    /// Parses `NAME=URL#REF` (`#REF` optional; the last `#` separates it).
-    fn from_str(spec: &str) -> std::result::Result<Self, String> {
-        let (name, rest) = spec.split_once('=').ok_or_else(|| format!("`{spec}` is not NAME=URL#REF"))?;
+    /// Parses `NAME=URL#REF` (`#REF` optional; the last `#` separates it); a malformed one is
+    /// bad input.
+    fn from_str(spec: &str) -> Result<Self> {
+        let (name, rest) = spec.split_once('=').ok_or_else(|| bad_input(format!("`{spec}` is not NAME=URL#REF")))?;
         let (url, git_ref) = match rest.rsplit_once('#') {
             Some((u, r)) => (u, Some(r.to_owned())),
             None => (rest, None),
         };
         if name.is_empty() || url.is_empty() || git_ref.as_deref() == Some("") {
-            return Err(format!("`{spec}` is not NAME=URL#REF"));
+            return Err(bad_input(format!("`{spec}` is not NAME=URL#REF")));
         }
         let url = if is_remote_url(url) {
             url.to_owned()
         } else {
             // A local path on the command line is relative to the current directory.
-            std::path::absolute(url).map_err(|e| format!("{url}: {e}"))?.to_string_lossy().into_owned()
+            std::path::absolute(url).map_err(|e| anyhow!("{url}: {e}"))?.to_string_lossy().into_owned()
         };
         Ok(SourceOverride { name: name.to_owned(), url, git_ref })
     }
@@ -64,16 +65,16 @@ pub struct ExtraPatch {
 }
 
 impl FromStr for ExtraPatch {
-    type Err = String;
+    type Err = anyhow::Error;
 
-    /// Parses `NAME=FILE`, `NAME=REF`, `FILE` or `REF`.
-    fn from_str(spec: &str) -> std::result::Result<Self, String> {
+    /// Parses `NAME=FILE`, `NAME=REF`, `FILE` or `REF`; a malformed one is bad input.
+    fn from_str(spec: &str) -> Result<Self> {
         let (source, patch) = match spec.split_once('=') {
             Some((n, p)) if !n.contains('/') => (Some(n.to_owned()), p.to_owned()),
             _ => (None, spec.to_owned()),
         };
         if patch.is_empty() || source.as_deref() == Some("") {
-            return Err(format!("`{spec}` is not [NAME=]FILE|REF"));
+            return Err(bad_input(format!("`{spec}` is not [NAME=]FILE|REF")));
         }
         Ok(ExtraPatch { source, patch })
     }

@@ -6,7 +6,7 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use anyhow::Result;
+use anyhow::{Result, bail};
 use clap::Args;
 use engine::backend::cpu;
 use engine::backend::traced::Traced;
@@ -282,13 +282,13 @@ fn print_profile<B: Backend>(trainer: &mut Trainer<Traced<B>>, peak: f64) {
 /// Rate of the three products of an output head `[n, d] x [v, d]ᵀ` (forward, input and weight
 /// gradients) on the benchmarked backend, best of three rounds, in TFLOP/s. Its buffers come on
 /// top of the model's, so on a device that the model nearly fills it is skipped, with the reason.
-fn head_gemm_tflops<B: Backend>(be: &mut B, n: usize, d: usize, v: usize) -> Result<f64, String> {
+fn head_gemm_tflops<B: Backend>(be: &mut B, n: usize, d: usize, v: usize) -> Result<f64> {
     // At most 4 bytes an element, and 6 more for parameters (a GPU's f32 master and bf16 copy).
     let needed = 4 * (2 * n * d + n * v + v * d) + 6 * v * d;
     if let Some(free) = be.free_memory_bytes()
         && free < needed
     {
-        return Err(format!("its buffers need {:.2} GiB, {:.2} GiB are free beside the model", gib(needed), gib(free)));
+        bail!("its buffers need {:.2} GiB, {:.2} GiB are free beside the model", gib(needed), gib(free));
     }
     let (x, w, y) = (
         be.alloc(BufKind::Activations, n * d),

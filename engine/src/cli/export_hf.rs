@@ -2,7 +2,7 @@
 
 use std::path::PathBuf;
 
-use anyhow::{Result, anyhow};
+use anyhow::{Result, anyhow, bail};
 use clap::Args;
 use engine::checkpoint::Checkpoint;
 use engine::tensors::FloatType;
@@ -43,12 +43,12 @@ pub fn run(args: ExportArgs) -> Result<()> {
     Ok(())
 }
 
-/// `5GB` → 5·10⁹, `40KiB` → 40960, `123` → 123.
-fn parse_size(text: &str) -> Result<u64, String> {
+/// `5GB` → 5·10⁹, `40KiB` → 40960, `123` → 123 (clap prints the error after the option's name).
+fn parse_size(text: &str) -> Result<u64> {
     let t = text.trim();
     let split = t.find(|c: char| !c.is_ascii_digit() && c != '.').unwrap_or(t.len());
     let (number, unit) = t.split_at(split);
-    let number: f64 = number.parse().map_err(|_| format!("`{text}` is not a size such as 5GB or 500MB"))?;
+    let number: f64 = number.parse().map_err(|_| anyhow!("`{text}` is not a size such as 5GB or 500MB"))?;
     let scale = match unit.trim().to_ascii_uppercase().as_str() {
         "" | "B" => 1.0,
         "KB" => 1e3,
@@ -57,11 +57,11 @@ fn parse_size(text: &str) -> Result<u64, String> {
         "KIB" => 1024.0,
         "MIB" => 1024.0 * 1024.0,
         "GIB" => 1024.0 * 1024.0 * 1024.0,
-        other => return Err(format!("unknown unit `{other}` (use KB, MB, GB, KiB, MiB or GiB)")),
+        other => bail!("unknown unit `{other}` (use KB, MB, GB, KiB, MiB or GiB)"),
     };
     let bytes = (number * scale) as u64;
     if bytes == 0 {
-        return Err("the size must be at least one byte".into());
+        bail!("the size must be at least one byte");
     }
     Ok(bytes)
 }

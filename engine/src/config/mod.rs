@@ -11,6 +11,7 @@
 pub mod count;
 pub mod recipe;
 
+use anyhow::{Result, anyhow, bail};
 use serde::{Deserialize, Serialize};
 
 pub use recipe::{Origin, Override, Resolved, resolve};
@@ -108,7 +109,7 @@ section! {
 impl Config {
     /// Checks everything a training run needs to be consistent, section by section; errors name
     /// the keys involved.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<()> {
         self.model.validate()?;
         self.train.validate(&self.model)?;
         self.optim.validate()?;
@@ -208,7 +209,7 @@ section! {
 
 impl ModelConfig {
     /// The model's own consistency: sizes, the family's features, the experts.
-    fn validate(&self) -> Result<(), String> {
+    fn validate(&self) -> Result<()> {
         let positive = [
             ("model.vocab_size", self.vocab_size),
             ("model.d_model", self.d_model),
@@ -234,14 +235,15 @@ impl ModelConfig {
         ];
         check_at_most(&at_most)?;
         if !self.n_heads.is_multiple_of(self.n_kv_heads) {
-            return Err(format!(
+            bail!(
                 "model.n_heads = {} is not divisible by model.n_kv_heads = {} (grouped-query attention \
                  shares each key/value head among n_heads / n_kv_heads query heads)",
-                self.n_heads, self.n_kv_heads
-            ));
+                self.n_heads,
+                self.n_kv_heads
+            );
         }
         if !self.head_dim.is_multiple_of(2) {
-            return Err(format!("model.head_dim = {} must be even (RoPE rotates pairs of dimensions)", self.head_dim));
+            bail!("model.head_dim = {} must be even (RoPE rotates pairs of dimensions)", self.head_dim);
         }
         let finite_positive = [
             ("model.norm_eps", self.norm_eps),
@@ -250,7 +252,7 @@ impl ModelConfig {
         ];
         for (key, value) in finite_positive {
             if !positive_number(value) {
-                return Err(format!("{key} = {value} must be a positive number"));
+                bail!("{key} = {value} must be a positive number");
             }
         }
         if let Some(s) = &self.rope_scaling {
@@ -258,40 +260,38 @@ impl ModelConfig {
         }
         match (self.family, &self.moe) {
             (Family::Mixtral, None) => {
-                return Err("model.family = \"mixtral\" needs a [model.moe] table (num_experts, top_k)".into());
+                bail!("model.family = \"mixtral\" needs a [model.moe] table (num_experts, top_k)");
             }
             (Family::Llama | Family::Mistral | Family::Gpt, Some(_)) => {
-                return Err(format!(
+                bail!(
                     "model.moe is set but model.family = \"{}\"; mixture-of-experts models use model.family = \"mixtral\"",
                     match self.family {
                         Family::Llama => "llama",
                         Family::Mistral => "mistral",
                         _ => "gpt",
                     }
-                ));
+                );
             }
             _ => {}
         }
         if self.family == Family::Llama && self.sliding_window != 0 {
-            return Err(
+            bail!(
                 "model.sliding_window is set but model.family = \"llama\" has no sliding window; use model.family = \"mistral\""
-                    .into(),
             );
         }
         if self.is_gpt() {
             if self.sliding_window != 0 {
-                return Err("model.sliding_window is set but model.family = \"gpt\" has no sliding window".into());
+                bail!("model.sliding_window is set but model.family = \"gpt\" has no sliding window");
             }
             if self.rope_scaling.is_some() {
-                return Err(
-                    "model.rope_scaling is set but model.family = \"gpt\" has learned positions, no RoPE".into()
-                );
+                bail!("model.rope_scaling is set but model.family = \"gpt\" has learned positions, no RoPE");
             }
             if self.n_kv_heads != self.n_heads {
-                return Err(format!(
+                bail!(
                     "model.family = \"gpt\" has multi-head attention: model.n_kv_heads = {} must equal model.n_heads = {}",
-                    self.n_kv_heads, self.n_heads
-                ));
+                    self.n_kv_heads,
+                    self.n_heads
+                );
             }
         }
         if let Some(moe) = &self.moe {
@@ -299,10 +299,7 @@ impl ModelConfig {
         }
         let params = self.param_count().total;
         if params > 1 << 44 {
-            return Err(format!(
-                "the model has {params} parameters, more than this engine trains (at most {} = 2^44)",
-                1u64 << 44
-            ));
+            bail!("the model has {params} parameters, more than this engine trains (at most {} = 2^44)", 1u64 << 44);
         }
         Ok(())
     }
@@ -325,18 +322,19 @@ section! {
 }
 
 impl RopeScaling {
-    fn validate(&self) -> Result<(), String> {
+    fn validate(&self) -> Result<()> {
         if !at_least(self.factor, 1.0) {
-            return Err(format!("model.rope_scaling.factor = {} must be at least 1", self.factor));
+            bail!("model.rope_scaling.factor = {} must be at least 1", self.factor);
         }
         if !(positive_number(self.low_freq_factor) && self.high_freq_factor > self.low_freq_factor) {
-            return Err(format!(
+            bail!(
                 "model.rope_scaling.high_freq_factor = {} must be greater than model.rope_scaling.low_freq_factor = {} (and both positive)",
-                self.high_freq_factor, self.low_freq_factor
-            ));
+                self.high_freq_factor,
+                self.low_freq_factor
+            );
         }
         if self.original_max_seq_len == 0 {
-            return Err("model.rope_scaling.original_max_seq_len must be greater than 0".into());
+            bail!("model.rope_scaling.original_max_seq_len must be greater than 0");
         }
         Ok(())
     }
@@ -357,18 +355,15 @@ section! {
 }
 
 impl MoeConfig {
-    fn validate(&self) -> Result<(), String> {
+    fn validate(&self) -> Result<()> {
         if self.num_experts == 0 || self.top_k == 0 {
-            return Err("model.moe.num_experts and model.moe.top_k must be greater than 0".into());
+            bail!("model.moe.num_experts and model.moe.top_k must be greater than 0");
         }
         if self.top_k > self.num_experts {
-            return Err(format!(
-                "model.moe.top_k = {} is larger than model.moe.num_experts = {}",
-                self.top_k, self.num_experts
-            ));
+            bail!("model.moe.top_k = {} is larger than model.moe.num_experts = {}", self.top_k, self.num_experts);
         }
         if !at_least(self.aux_loss_coef, 0.0) {
-            return Err(format!("model.moe.aux_loss_coef = {} must be a non-negative number", self.aux_loss_coef));
+            bail!("model.moe.aux_loss_coef = {} must be a non-negative number", self.aux_loss_coef);
         }
         Ok(())
     }
@@ -528,7 +523,7 @@ section! {
 
 impl TrainConfig {
     /// The step's shape and the run's controls, against the model they train.
-    fn validate(&self, model: &ModelConfig) -> Result<(), String> {
+    fn validate(&self, model: &ModelConfig) -> Result<()> {
         let positive = [
             ("train.seq_len", self.seq_len),
             ("train.grad_accum", self.grad_accum),
@@ -544,61 +539,53 @@ impl TrainConfig {
         check_at_most(&at_most)?;
         let (v, schedule) = (self.pipeline_virtual_stages, self.pipeline_schedule);
         if v > 1 && schedule != PipelineSchedule::Interleaved {
-            return Err(format!(
+            bail!(
                 "train.pipeline_virtual_stages = {v} needs train.pipeline_schedule = \"interleaved\" (it is \"{}\")",
                 schedule.name()
-            ));
+            );
         }
         let layers = &self.pipeline_layers;
         if !layers.is_empty() {
             let list = format!("{layers:?}");
             if let Some(s) = layers.iter().position(|&k| k == 0) {
-                return Err(format!(
-                    "train.pipeline_layers = {list} gives stage {s} no layers (each stage holds at least one)"
-                ));
+                bail!("train.pipeline_layers = {list} gives stage {s} no layers (each stage holds at least one)");
             }
             // Saturating: absurd entries must not overflow before they are refused.
             let sum = layers.iter().fold(0usize, |a, &k| a.saturating_add(k));
             if sum != model.n_layers {
-                return Err(format!(
-                    "train.pipeline_layers = {list} sums to {sum} layers, but model.n_layers = {}",
-                    model.n_layers
-                ));
+                bail!("train.pipeline_layers = {list} sums to {sum} layers, but model.n_layers = {}", model.n_layers);
             }
         }
         let batch = self.batch_size.0;
         if !(batch > 0.0 && batch.is_finite()) {
-            return Err(format!("train.batch_size = {batch} must be a positive number"));
+            bail!("train.batch_size = {batch} must be a positive number");
         }
         if batch > (1 << 20) as f64 {
-            return Err(format!("train.batch_size = {batch} is more than this engine trains (at most {})", 1 << 20));
+            bail!("train.batch_size = {batch} is more than this engine trains (at most {})", 1 << 20);
         }
         let tokens = (batch * self.seq_len as f64).ceil() as u64;
         if tokens > 1 << 26 {
-            return Err(format!(
+            bail!(
                 "train.batch_size x train.seq_len = {} x {} = {tokens} tokens per device and micro-batch, more than this engine trains (at most {}); raise train.grad_accum instead",
                 self.batch_size,
                 self.seq_len,
                 1u64 << 26
-            ));
+            );
         }
         if self.seq_len > model.max_seq_len {
-            return Err(format!(
-                "train.seq_len = {} is longer than model.max_seq_len = {}",
-                self.seq_len, model.max_seq_len
-            ));
+            bail!("train.seq_len = {} is longer than model.max_seq_len = {}", self.seq_len, model.max_seq_len);
         }
         if self.eval_every > 0 && self.eval_steps == 0 {
-            return Err("train.eval_every is set but train.eval_steps = 0; evaluate at least one batch".into());
+            bail!("train.eval_every is set but train.eval_steps = 0; evaluate at least one batch");
         }
         if !at_least(self.peak_tflops, 0.0) {
-            return Err(format!("train.peak_tflops = {} must be non-negative", self.peak_tflops));
+            bail!("train.peak_tflops = {} must be non-negative", self.peak_tflops);
         }
         if !at_least(self.checkpoint_every_minutes, 0.0) {
-            return Err(format!(
+            bail!(
                 "train.checkpoint_every_minutes = {} must be non-negative (0: no time-based checkpoints)",
                 self.checkpoint_every_minutes
-            ));
+            );
         }
         Ok(())
     }
@@ -715,21 +702,21 @@ section! {
 }
 
 impl OptimConfig {
-    fn validate(&self) -> Result<(), String> {
+    fn validate(&self) -> Result<()> {
         if !at_least(self.lr, 0.0) {
-            return Err(format!("optim.lr = {} must be a non-negative number", self.lr));
+            bail!("optim.lr = {} must be a non-negative number", self.lr);
         }
         if !(0.0..1.0).contains(&self.beta1) || !(0.0..1.0).contains(&self.beta2) {
-            return Err(format!("optim.beta1 = {} and optim.beta2 = {} must lie in [0, 1)", self.beta1, self.beta2));
+            bail!("optim.beta1 = {} and optim.beta2 = {} must lie in [0, 1)", self.beta1, self.beta2);
         }
         if !positive_number(self.eps) {
-            return Err(format!("optim.eps = {} must be positive", self.eps));
+            bail!("optim.eps = {} must be positive", self.eps);
         }
         if !at_least(self.weight_decay, 0.0) || !at_least(self.grad_clip, 0.0) {
-            return Err("optim.weight_decay and optim.grad_clip must be non-negative".into());
+            bail!("optim.weight_decay and optim.grad_clip must be non-negative");
         }
         if !(0.0..=1.0).contains(&self.min_lr_ratio) {
-            return Err(format!("optim.min_lr_ratio = {} must lie in [0, 1]", self.min_lr_ratio));
+            bail!("optim.min_lr_ratio = {} must lie in [0, 1]", self.min_lr_ratio);
         }
         Ok(())
     }
@@ -778,30 +765,31 @@ section! {
 
 impl DataConfig {
     /// The source and its paths, and document masking against the model it runs on.
-    fn validate(&self, model: &ModelConfig) -> Result<(), String> {
+    fn validate(&self, model: &ModelConfig) -> Result<()> {
         if self.reset_positions && !self.document_mask {
-            return Err(
-                "data.reset_positions = true needs data.document_mask = true (positions restart at each document)"
-                    .into(),
-            );
+            bail!("data.reset_positions = true needs data.document_mask = true (positions restart at each document)");
         }
         if self.document_mask {
             if self.source != DataSource::Shards {
-                return Err("data.document_mask = true needs an EOS id, which only prepared shards record; set data.source = \"shards\"".into());
+                bail!(
+                    "data.document_mask = true needs an EOS id, which only prepared shards record; set data.source = \"shards\""
+                );
             }
             if self.reset_positions && !model.is_gpt() {
-                return Err("data.reset_positions = true is for learned positions (model.family = \"gpt\"): RoPE's scores depend only on the distance between tokens, which the mask keeps within a document".into());
+                bail!(
+                    "data.reset_positions = true is for learned positions (model.family = \"gpt\"): RoPE's scores depend only on the distance between tokens, which the mask keeps within a document"
+                );
             }
         }
         self.check_mixture()?;
         match (self.source, self.path.is_empty() && self.mixture.is_empty()) {
             (DataSource::Shards, true) => {
-                return Err(
-                    "data.source = \"shards\" needs data.path (a directory written by `engine data prepare`) or [[data.mixture]] entries".into()
+                bail!(
+                    "data.source = \"shards\" needs data.path (a directory written by `engine data prepare`) or [[data.mixture]] entries"
                 );
             }
             (DataSource::Embedded | DataSource::Synthetic, false) => {
-                return Err("data.path is set but data.source is not \"shards\"; set data.source = \"shards\"".into());
+                bail!("data.path is set but data.source is not \"shards\"; set data.source = \"shards\"");
             }
             _ => {}
         }
@@ -913,37 +901,31 @@ impl ModelConfig {
 impl DataConfig {
     /// A mixture's entries: each with a path and a positive weight, names unique, in place of
     /// `data.path` and with shards only.
-    fn check_mixture(&self) -> Result<(), String> {
+    fn check_mixture(&self) -> Result<()> {
         if self.mixture.is_empty() {
             return Ok(());
         }
         if !self.path.is_empty() {
-            return Err(format!(
+            bail!(
                 "data.path = {} and data.mixture are both set; a run reads data.path or the mixture's datasets, not both",
                 self.path
-            ));
+            );
         }
         if self.source != DataSource::Shards {
-            return Err("data.mixture is set but data.source is not \"shards\"; set data.source = \"shards\"".into());
+            bail!("data.mixture is set but data.source is not \"shards\"; set data.source = \"shards\"");
         }
         for (i, m) in self.mixture.iter().enumerate() {
             if m.path.is_empty() {
-                return Err(format!(
-                    "data.mixture[{i}].path is empty; name a directory written by `engine data prepare`"
-                ));
+                bail!("data.mixture[{i}].path is empty; name a directory written by `engine data prepare`");
             }
             if !positive_number(m.weight) {
-                return Err(format!(
-                    "data.mixture[{i}].weight = {} ({}) must be a positive number",
-                    m.weight,
-                    m.name()
-                ));
+                bail!("data.mixture[{i}].weight = {} ({}) must be a positive number", m.weight, m.name());
             }
             if let Some(j) = self.mixture[..i].iter().position(|o| o.name() == m.name()) {
-                return Err(format!(
+                bail!(
                     "data.mixture[{j}] and data.mixture[{i}] are both named {}; give one a distinct `name`",
                     m.name()
-                ));
+                );
             }
         }
         Ok(())
@@ -961,17 +943,17 @@ fn at_least(x: f64, min: f64) -> bool {
 }
 
 /// The first of `keys` whose value is 0, as an error.
-fn check_positive(keys: &[(&str, usize)]) -> Result<(), String> {
+fn check_positive(keys: &[(&str, usize)]) -> Result<()> {
     match keys.iter().find(|(_, value)| *value == 0) {
-        Some((key, _)) => Err(format!("{key} must be greater than 0")),
+        Some((key, _)) => Err(anyhow!("{key} must be greater than 0")),
         None => Ok(()),
     }
 }
 
 /// The first of `keys` whose value is above its bound, as an error.
-fn check_at_most(keys: &[(&str, usize, usize)]) -> Result<(), String> {
+fn check_at_most(keys: &[(&str, usize, usize)]) -> Result<()> {
     match keys.iter().find(|(_, value, max)| value > max) {
-        Some((key, value, max)) => Err(format!("{key} = {value} is more than this engine trains (at most {max})")),
+        Some((key, value, max)) => Err(anyhow!("{key} = {value} is more than this engine trains (at most {max})")),
         None => Ok(()),
     }
 }

@@ -93,7 +93,7 @@ pub fn resolve(recipe: &str, overrides: &[Override]) -> Result<Resolved> {
     for o in overrides {
         let origin = Origin::Override { from: o.origin.clone(), text: o.text.clone() };
         let table = override_table(&o.text).with_context(|| origin.to_string())?;
-        check_layer_table(&table).map_err(|message| anyhow!("{origin}: {message}"))?;
+        check_layer_table(&table).with_context(|| origin.to_string())?;
         layers.push((origin, table));
     }
 
@@ -105,6 +105,7 @@ pub fn resolve(recipe: &str, overrides: &[Override]) -> Result<Resolved> {
     let config = Config::deserialize(Value::Table(merged)).map_err(|e| anyhow!("recipe `{name}`: {}", e.message()))?;
     config.validate().map_err(|message| {
         // Say where the keys the message names were set, when an override set them.
+        let message = message.to_string();
         let mut origins: Vec<String> = provenance
             .iter()
             .filter(|(key, origin)| message.contains(key.as_str()) && !origin.is_recipe())
@@ -186,7 +187,7 @@ fn load_chain(source: Source, layers: &mut Vec<(Origin, Table)>, seen: &mut Vec<
         bail!("{origin}: `extends` forms a cycle: {} -> {origin}", chain.join(" -> "));
     }
     seen.push(origin.clone());
-    let table = parse_layer(&text).map_err(|message| anyhow!("{where_}:{message}"))?;
+    let table = parse_layer(&text, &where_)?;
     if let Some(parent) = table.get("extends").and_then(Value::as_str) {
         let (_, parent_source) = locate(parent, dir.as_deref()).with_context(|| format!("{where_}: extends"))?;
         load_chain(parent_source, layers, seen)?;
@@ -195,14 +196,15 @@ fn load_chain(source: Source, layers: &mut Vec<(Origin, Table)>, seen: &mut Vec<
     Ok(())
 }
 
-/// Parses one TOML layer and checks its keys and types; errors read `line:column: message`.
-fn parse_layer(text: &str) -> std::result::Result<Table, String> {
+/// Parses one TOML layer (of recipe `where_`, a name or a path) and checks its keys and types;
+/// errors read `where_:line:column: message`.
+fn parse_layer(text: &str, where_: &str) -> Result<Table> {
     let located = |e: toml::de::Error| {
         let (line, column) = match e.span() {
             Some(span) => line_column(text, span.start),
             None => (1, 1),
         };
-        format!("{line}:{column}: {}", e.message())
+        anyhow!("{where_}:{line}:{column}: {}", e.message())
     };
     toml::from_str::<Config>(text).map_err(located)?;
     text.parse::<Table>().map_err(located)
@@ -217,8 +219,8 @@ fn line_column(text: &str, offset: usize) -> (usize, usize) {
 }
 
 /// Checks that a table holds only known keys of the right types.
-fn check_layer_table(table: &Table) -> std::result::Result<(), String> {
-    Config::deserialize(Value::Table(table.clone())).map(|_| ()).map_err(|e| e.message().to_owned())
+fn check_layer_table(table: &Table) -> Result<()> {
+    Config::deserialize(Value::Table(table.clone())).map(|_| ()).map_err(|e| anyhow!("{}", e.message()))
 }
 
 /// Turns `a.b.c=value` into the table `{a = {b = {c = value}}}`. The value is read as TOML

@@ -15,6 +15,8 @@
 //! reads `batch_size · tensor · pipeline · seq` sequences per micro-batch (a seq rank keeps two
 //! chunks of each).
 
+use anyhow::{Result, anyhow, bail};
+
 use crate::config::{MeshConfig, ModelConfig};
 
 /// The four parallel axes.
@@ -77,7 +79,7 @@ impl Mesh {
 
     /// Resolves the configured sizes for `nodes` nodes of `devices_per_node` devices, filling a
     /// -1 in each group. Errors spell out the arithmetic.
-    pub fn resolve(cfg: &MeshConfig, devices_per_node: usize, nodes: usize) -> Result<Mesh, String> {
+    pub fn resolve(cfg: &MeshConfig, devices_per_node: usize, nodes: usize) -> Result<Mesh> {
         let ici = [cfg.ici_data, cfg.ici_fsdp, cfg.ici_tensor, cfg.ici_pipeline, cfg.ici_seq];
         let dcn = [cfg.dcn_data, cfg.dcn_fsdp, cfg.dcn_tensor, cfg.dcn_pipeline, cfg.dcn_seq];
         let ici = fill("ici", ici, devices_per_node, "devices per node")?;
@@ -167,20 +169,20 @@ impl Mesh {
     }
 
     /// Checks that the model splits evenly over the tensor axis and into the pipeline's stages.
-    pub fn check_model(&self, m: &ModelConfig) -> Result<(), String> {
+    pub fn check_model(&self, m: &ModelConfig) -> Result<()> {
         let pp = self.size(Axis::Pipeline);
         if pp > 1 && pp > m.n_layers {
-            return Err(format!(
+            bail!(
                 "mesh: the pipeline axis has {} = {pp} stages, more than model.n_layers = {} (each stage holds at least one layer)",
                 describe_axis(self, 3),
                 m.n_layers
-            ));
+            );
         }
         if pp > 1 && m.tie_embeddings {
-            return Err(format!(
+            bail!(
                 "mesh: the pipeline axis has {} = {pp} stages, but model.tie_embeddings = true: the embedding (first stage) and the output head (last stage) would be one tensor on two devices, which this engine does not split; untie them or train without stages",
                 describe_axis(self, 3)
-            ));
+            );
         }
         let tp = self.size(Axis::Tensor);
         if tp == 1 {
@@ -203,11 +205,11 @@ impl Mesh {
         ));
         for (key, value, why) in must_divide {
             if value % tp != 0 {
-                return Err(format!(
+                bail!(
                     "mesh: the tensor axis has {} = {tp} devices, which does not divide {key} = {value} ({why}); {value} mod {tp} = {}",
                     describe_axis(self, 2),
                     value % tp
-                ));
+                );
             }
         }
         Ok(())
@@ -220,11 +222,11 @@ fn describe_axis(mesh: &Mesh, a: usize) -> String {
 }
 
 /// Resolves one group of sizes whose product must be `total`, filling at most one -1.
-fn fill(group: &str, sizes: [i64; AXES], total: usize, what: &str) -> Result<[usize; AXES], String> {
+fn fill(group: &str, sizes: [i64; AXES], total: usize, what: &str) -> Result<[usize; AXES]> {
     let keys: Vec<String> = NAMES.iter().map(|n| format!("mesh.{group}_{n}")).collect();
     for (key, &s) in keys.iter().zip(&sizes) {
         if s == 0 || s < -1 {
-            return Err(format!("{key} = {s}: a mesh size is a positive number, or -1 to fill"));
+            bail!("{key} = {s}: a mesh size is a positive number, or -1 to fill");
         }
     }
     let fills: Vec<usize> = (0..AXES).filter(|&i| sizes[i] == -1).collect();
@@ -233,7 +235,7 @@ fn fill(group: &str, sizes: [i64; AXES], total: usize, what: &str) -> Result<[us
     let formula = format!("{} = {}", keys.join(" x "), product.join(" x "));
     match fills.as_slice() {
         [] if known == total => Ok(sizes.map(|s| s as usize)),
-        [] => Err(format!(
+        [] => Err(anyhow!(
             "{formula} = {known}, but there are {total} {what}: the {group} sizes must multiply to the {what} (or set one to -1 to fill)"
         )),
         [i] if total.is_multiple_of(known) => {
@@ -241,11 +243,11 @@ fn fill(group: &str, sizes: [i64; AXES], total: usize, what: &str) -> Result<[us
             out[*i] = total / known;
             Ok(out)
         }
-        [i] => Err(format!(
+        [i] => Err(anyhow!(
             "{formula}: the known sizes multiply to {known}, which does not divide the {total} {what}, so {} = -1 cannot fill it",
             keys[*i]
         )),
-        _ => Err(format!("{formula}: at most one {group} size may be -1")),
+        _ => Err(anyhow!("{formula}: at most one {group} size may be -1")),
     }
 }
 
@@ -272,20 +274,20 @@ mod tests {
         let m = Mesh::resolve(&cfg([-1, 2, 2], [-1, 1, 1]), 8, 4).unwrap();
         assert_eq!((m.ici, m.dcn, m.devices()), ([2, 2, 2, 1, 1], [4, 1, 1, 1, 1], 32));
         assert_eq!((m.size(Axis::Data), m.batch_shards()), (8, 16));
-        let e = Mesh::resolve(&cfg([2, 2, 1], [1, 1, 1]), 8, 1).unwrap_err();
+        let e = Mesh::resolve(&cfg([2, 2, 1], [1, 1, 1]), 8, 1).unwrap_err().to_string();
         assert!(
             e.contains(
                 "mesh.ici_data x mesh.ici_fsdp x mesh.ici_tensor x mesh.ici_pipeline x mesh.ici_seq = 2 x 2 x 1 x 1 x 1 = 4, but there are 8 devices per node"
             ),
             "{e}"
         );
-        let e = Mesh::resolve(&cfg([-1, 3, 1], [1, 1, 1]), 8, 1).unwrap_err();
+        let e = Mesh::resolve(&cfg([-1, 3, 1], [1, 1, 1]), 8, 1).unwrap_err().to_string();
         assert!(
             e.contains("multiply to 3, which does not divide the 8 devices per node, so mesh.ici_data = -1"),
             "{e}"
         );
-        assert!(Mesh::resolve(&cfg([-1, -1, 1], [1, 1, 1]), 8, 1).unwrap_err().contains("at most one"));
-        assert!(Mesh::resolve(&cfg([0, 1, 1], [1, 1, 1]), 1, 1).unwrap_err().contains("mesh.ici_data = 0"));
+        assert!(Mesh::resolve(&cfg([-1, -1, 1], [1, 1, 1]), 8, 1).unwrap_err().to_string().contains("at most one"));
+        assert!(Mesh::resolve(&cfg([0, 1, 1], [1, 1, 1]), 1, 1).unwrap_err().to_string().contains("mesh.ici_data = 0"));
         let e = Mesh::resolve(&cfg([8, 1, 1], [-1, 1, 1]), 8, 1).map(|m| m.dcn).unwrap();
         assert_eq!(e, [1, 1, 1, 1, 1]);
     }
@@ -329,11 +331,11 @@ mod tests {
     fn the_model_must_split_over_the_tensor_axis() {
         let m = Mesh::resolve(&cfg([1, 1, 3], [1, 1, 1]), 3, 1).unwrap();
         let model = ModelConfig { n_heads: 8, n_kv_heads: 8, mlp_dim: 96, ..ModelConfig::default() };
-        let e = m.check_model(&model).unwrap_err();
+        let e = m.check_model(&model).unwrap_err().to_string();
         assert!(e.contains("does not divide model.n_heads = 8") && e.contains("8 mod 3 = 2"), "{e}");
         let ok = ModelConfig { n_heads: 6, n_kv_heads: 3, mlp_dim: 96, vocab_size: 33, ..model };
         assert!(m.check_model(&ok).is_ok());
-        let e = m.check_model(&ModelConfig { vocab_size: 32, ..ok }).unwrap_err();
+        let e = m.check_model(&ModelConfig { vocab_size: 32, ..ok }).unwrap_err().to_string();
         assert!(e.contains("does not divide model.vocab_size = 32") && e.contains("32 mod 3 = 2"), "{e}");
     }
 }

@@ -11,7 +11,7 @@
 //! are split into `P·V` virtual stages (`train.pipeline_layers` lists them all, else they are
 //! equal), and each device's stage holds `V` of them ([`pipeline::interleave`]).
 
-use anyhow::{Result, anyhow};
+use anyhow::{Result, anyhow, bail};
 
 use super::memory::{self, StagePlan};
 use super::mesh::{Axis, Mesh};
@@ -88,18 +88,18 @@ impl ParallelPlan {
     /// gives each stage its count, and the batch cuts into whole micro-batches. Each error is
     /// one line that names the numbers.
     pub fn new(config: &Config, mesh: Mesh) -> Result<ParallelPlan> {
-        mesh.check_model(&config.model).map_err(|e| anyhow!("{e}"))?;
-        check_layers(config, mesh.size(Axis::Pipeline)).map_err(|e| anyhow!("{e}"))?;
-        check_virtual_stages(config, mesh.size(Axis::Pipeline)).map_err(|e| anyhow!("{e}"))?;
-        check_chunks(config, &mesh).map_err(|e| anyhow!("{e}"))?;
-        let microbatch = microbatch_sequences(config, &mesh).map_err(|e| anyhow!("{e}"))?;
+        mesh.check_model(&config.model)?;
+        check_layers(config, mesh.size(Axis::Pipeline))?;
+        check_virtual_stages(config, mesh.size(Axis::Pipeline))?;
+        check_chunks(config, &mesh)?;
+        let microbatch = microbatch_sequences(config, &mesh)?;
         Ok(ParallelPlan::build(config, mesh, microbatch))
     }
 
     /// The plan of `config` on its mesh over `nodes` nodes of `devices_per_node` devices
     /// ([`Mesh::resolve`], then [`ParallelPlan::new`]).
     pub fn resolve(config: &Config, devices_per_node: usize, nodes: usize) -> Result<ParallelPlan> {
-        let mesh = Mesh::resolve(&config.mesh, devices_per_node, nodes).map_err(|e| anyhow!("{e}"))?;
+        let mesh = Mesh::resolve(&config.mesh, devices_per_node, nodes)?;
         ParallelPlan::new(config, mesh)
     }
 
@@ -107,7 +107,7 @@ impl ParallelPlan {
     /// every layer (whatever `train.pipeline_layers` lists), so only the batch is checked.
     pub fn single(config: &Config) -> Result<ParallelPlan> {
         let mesh = Mesh::single();
-        let microbatch = microbatch_sequences(config, &mesh).map_err(|e| anyhow!("{e}"))?;
+        let microbatch = microbatch_sequences(config, &mesh)?;
         Ok(ParallelPlan::build(config, mesh, microbatch))
     }
 
@@ -278,30 +278,30 @@ impl ParallelPlan {
 
 /// Sequences in each pipeline micro-batch on `mesh` ([`ParallelPlan::microbatch`]). The error
 /// names the numbers.
-fn microbatch_sequences(config: &Config, mesh: &Mesh) -> Result<usize, String> {
+fn microbatch_sequences(config: &Config, mesh: &Mesh) -> Result<usize> {
     let (tensor, stages, seq) = (mesh.size(Axis::Tensor), mesh.size(Axis::Pipeline), mesh.size(Axis::Seq));
     let t = &config.train;
-    let group = t.batch_size.sequences(tensor * stages * seq)?;
+    let group = t.batch_size.sequences(tensor * stages * seq).map_err(anyhow::Error::msg)?;
     let m = t.pipeline_microbatches;
     if !group.is_multiple_of(m) {
         let seq = if seq > 1 { format!(" x seq {seq}") } else { String::new() };
-        return Err(format!(
+        bail!(
             "train.pipeline_microbatches = {m} does not divide the {group} sequences each pipeline reads per micro-batch (train.batch_size = {} x tensor {tensor} x pipeline {stages}{seq}); {group} mod {m} = {}",
             t.batch_size,
             group % m
-        ));
+        );
     }
     Ok(group / m)
 }
 
 /// Refuses a sequence length that the seq axis cannot cut into two chunks of equal length per
 /// device. The error names the numbers.
-fn check_chunks(config: &Config, mesh: &Mesh) -> Result<(), String> {
+fn check_chunks(config: &Config, mesh: &Mesh) -> Result<()> {
     let (seq, len) = (mesh.size(Axis::Seq), config.train.seq_len);
     if seq == 1 || len.is_multiple_of(2 * seq) {
         return Ok(());
     }
-    Err(format!(
+    Err(anyhow!(
         "train.seq_len = {len} does not split into the 2 x {seq} = {} chunks of the seq axis (mesh.ici_seq x mesh.dcn_seq = {} x {}: each device takes two chunks of equal length, one early and one late); {len} mod {} = {}",
         2 * seq,
         mesh.ici[4],
@@ -314,20 +314,20 @@ fn check_chunks(config: &Config, mesh: &Mesh) -> Result<(), String> {
 /// Refuses a `train.pipeline_layers` that does not give each of the `stages` stages (each of
 /// their virtual stages, under interleaved 1F1B) its count (the counts themselves are checked
 /// by [`Config::validate`]). The error names the numbers.
-fn check_layers(config: &Config, stages: usize) -> Result<(), String> {
+fn check_layers(config: &Config, stages: usize) -> Result<()> {
     let layers = &config.train.pipeline_layers;
     let v = if stages > 1 { config.train.pipeline_virtual_stages } else { 1 };
     if layers.is_empty() || layers.len() == stages * v {
         return Ok(());
     }
     if v > 1 {
-        return Err(format!(
+        bail!(
             "train.pipeline_layers = {layers:?} gives {} virtual stages, but {stages} stages x train.pipeline_virtual_stages = {v} makes {}; give one layer count per virtual stage in model order, or [] to split evenly",
             layers.len(),
             stages * v
-        ));
+        );
     }
-    Err(format!(
+    Err(anyhow!(
         "train.pipeline_layers = {layers:?} gives {} stages, but the pipeline axis has {stages} (mesh.ici_pipeline x mesh.dcn_pipeline); give one layer count per stage, or [] to split automatically",
         layers.len()
     ))
@@ -337,7 +337,7 @@ fn check_layers(config: &Config, stages: usize) -> Result<(), String> {
 /// through the virtual stages in groups of `P`), more virtual stages than layers, or, without
 /// `train.pipeline_layers`, layers that do not split evenly over them. The error names the
 /// numbers.
-fn check_virtual_stages(config: &Config, stages: usize) -> Result<(), String> {
+fn check_virtual_stages(config: &Config, stages: usize) -> Result<()> {
     let t = &config.train;
     let (v, m, n) = (t.pipeline_virtual_stages, t.pipeline_microbatches, config.model.n_layers);
     // Without stages every device holds every layer: the keys change nothing.
@@ -345,27 +345,27 @@ fn check_virtual_stages(config: &Config, stages: usize) -> Result<(), String> {
         return Ok(());
     }
     if !m.is_multiple_of(stages) {
-        return Err(format!(
+        bail!(
             "train.pipeline_microbatches = {m} is not a multiple of the {stages} pipeline stages, which interleaved 1F1B needs (the micro-batches go through the virtual stages in groups of {stages}); {m} mod {stages} = {}",
             m % stages
-        ));
+        );
     }
     let virtual_stages = stages * v;
     if virtual_stages > n {
-        return Err(format!(
+        bail!(
             "{stages} stages x train.pipeline_virtual_stages = {v} make {virtual_stages} virtual stages, more than model.n_layers = {n} (each holds at least one layer)"
-        ));
+        );
     }
     if t.pipeline_layers.is_empty() && v > 1 && !n.is_multiple_of(virtual_stages) {
-        return Err(format!(
+        bail!(
             "model.n_layers = {n} does not split evenly into {stages} stages x train.pipeline_virtual_stages = {v} = {virtual_stages} virtual stages; {n} mod {virtual_stages} = {}; give train.pipeline_layers (one count per virtual stage) or another number of virtual stages",
             n % virtual_stages
-        ));
+        );
     }
     if t.pipeline_layers.is_empty() && v > 1 && t.pipeline_split == PipelineSplit::Memory {
-        return Err(format!(
+        bail!(
             "train.pipeline_split = \"memory\" splits stages, not the virtual stages of train.pipeline_virtual_stages = {v}; give train.pipeline_layers or use \"compute\" (equal virtual stages)"
-        ));
+        );
     }
     Ok(())
 }
