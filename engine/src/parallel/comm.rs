@@ -20,12 +20,6 @@ pub trait Collectives<B: Backend> {
     fn set_step(&mut self, _step: u64) {}
     /// The mesh's names for its groups (`fsdp`, `tensor`, ...), for the same messages.
     fn name_groups(&mut self, _names: Vec<(Vec<usize>, String)>) {}
-    /// Whether [`Collectives::send_recv`] posts its sends and returns before the peers receive
-    /// them (mailboxes, TCP with a reader thread per peer), rather than each send waiting for its
-    /// receive (NCCL). Interleaved 1F1B's order is deadlock-free only for the first.
-    fn buffers_sends(&self) -> bool {
-        true
-    }
     /// Bytes this device has sent to others so far, where they travel over a network that
     /// counts them (the TCP collectives).
     fn bytes_sent(&self) -> Option<u64> {
@@ -60,7 +54,9 @@ pub trait Collectives<B: Backend> {
     /// receives into each `(buffer, rank)` of `recvs`, as one group (NCCL's
     /// `ncclGroupStart`/`End`), so that two neighbours sending to each other at the same time
     /// (1F1B's steady state) do not wait on each other. Messages between two ranks arrive in
-    /// the order they were sent.
+    /// the order they were sent. A send may wait for its receive (NCCL) or not (mailboxes, TCP
+    /// with a reader thread per peer): the pipeline's order of groups is deadlock-free either
+    /// way ([`crate::parallel::pipeline::handoffs`]).
     fn send_recv(&mut self, be: &mut B, sends: &[(View, usize)], recvs: &[(View, usize)]);
 }
 

@@ -357,10 +357,6 @@ fn check(op: &str, r: std::result::Result<result::NcclStatus, result::NcclError>
 }
 
 impl Collectives<Cuda> for Nccl {
-    fn buffers_sends(&self) -> bool {
-        false
-    }
-
     fn rank(&self) -> usize {
         self.rank
     }
@@ -460,10 +456,6 @@ impl Collectives<Cuda> for Nccl {
 
 /// The same on a traced backend (the trainer's); collectives are not traced spans.
 impl Collectives<Traced<Cuda>> for Nccl {
-    fn buffers_sends(&self) -> bool {
-        false
-    }
-
     fn rank(&self) -> usize {
         self.rank
     }

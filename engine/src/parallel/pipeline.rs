@@ -192,6 +192,69 @@ pub fn slots(actions: &[Action], microbatches: usize) -> (Vec<usize>, usize) {
     (slot, free.len())
 }
 
+/// One exchange between neighbouring stages: a [`crate::parallel::comm::Collectives::send_recv`]
+/// group made before pass `before` of a stage's schedule (after its last pass when `None`),
+/// sending the output of each pass of `sends` (a forward pass's activation on, a backward
+/// pass's input gradient back) and receiving the input of each pass of `recvs` (indices into
+/// the schedule's passes).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Handoff {
+    /// The pass it precedes; `None`: after the last.
+    pub before: Option<usize>,
+    /// The passes whose outputs it sends.
+    pub sends: Vec<usize>,
+    /// The passes whose inputs it receives.
+    pub recvs: Vec<usize>,
+}
+
+/// The handoffs of stage `stage` of `stages` running `actions`, pass `i` on its virtual stage
+/// `chunk_of[i]` of `virtual_stages`.
+///
+/// A pass's outputs go out with the next handoff, in one group with that handoff's receives,
+/// so that two neighbours sending to each other at once (1F1B's steady state) do not wait on
+/// each other: before each pass, the sends of the one before and this pass's receives
+/// (Megatron-LM's `send_forward_recv_backward` and `send_backward_recv_forward`). That order
+/// deadlocks the interleaved schedule where every send waits for its receive (NCCL): there, a
+/// forward pass followed by a backward pass, with forward passes still to come, also receives
+/// the backward pass's input, and the backward pass's sends wait for the next handoff
+/// (Megatron-LM's interleaved steady state, `send_forward_backward_recv_forward_backward`).
+/// `handoffs_never_wait_on_each_other` checks every schedule against that rule of sends.
+pub fn handoffs(
+    actions: &[Action],
+    chunk_of: &[usize],
+    stage: usize,
+    stages: usize,
+    virtual_stages: usize,
+) -> Vec<Handoff> {
+    let last = stages * virtual_stages - 1;
+    let place = |i: usize| chunk_of[i] * stages + stage;
+    let forward = |i: usize| matches!(actions[i], Action::Forward(_));
+    let receives = |i: usize| if forward(i) { place(i) > 0 } else { place(i) < last };
+    let sends = |i: usize| if forward(i) { place(i) < last } else { place(i) > 0 };
+    let mut out = Vec::new();
+    let (mut pending, mut received) = (Vec::new(), vec![false; actions.len()]);
+    for i in 0..actions.len() {
+        if !received[i] {
+            let mut recvs: Vec<usize> = receives(i).then_some(i).into_iter().collect();
+            let ahead = i + 1 < actions.len() && forward(i) && !forward(i + 1) && receives(i + 1);
+            if virtual_stages > 1 && ahead && (i + 2..actions.len()).any(forward) {
+                recvs.push(i + 1);
+                received[i + 1] = true;
+            }
+            if !pending.is_empty() || !recvs.is_empty() {
+                out.push(Handoff { before: Some(i), sends: std::mem::take(&mut pending), recvs });
+            }
+        }
+        if sends(i) {
+            pending.push(i);
+        }
+    }
+    if !pending.is_empty() {
+        out.push(Handoff { before: None, sends: pending, recvs: Vec::new() });
+    }
+    out
+}
+
 /// The share of a step each device of a pipeline of `stages` equal stages spends idle with
 /// `microbatches` micro-batches: `(P − 1) / (V·M + P − 1)` over `virtual_stages` per device
 /// (`V = 1`: GPipe and 1F1B).
@@ -312,6 +375,113 @@ mod tests {
         assert_eq!(split(&m, 1), vec![Stage::whole(5)]);
     }
 
+    /// Every schedule's handoffs complete where each send waits for its receive (NCCL). Each
+    /// stage makes its handoffs in order; one completes once each of its sends and receives
+    /// has its match (the k-th message from a device to a neighbour is the k-th that neighbour
+    /// receives from it) in the neighbour's handoff under way or done. Each message is also the
+    /// one its receiver expects (the same micro-batch, from the virtual stage before for a
+    /// forward pass, after for a backward pass), a pass receives before it runs, and it sends
+    /// after. Without the interleaved schedule's receive ahead, P = 2, V = 2, M = 4 deadlocks.
+    #[test]
+    fn handoffs_never_wait_on_each_other() {
+        use PipelineSchedule::{GPipe, Interleaved, OneFOneB};
+        for (schedule, v) in [(GPipe, 1), (OneFOneB, 1), (Interleaved, 2), (Interleaved, 3), (Interleaved, 4)] {
+            for p in [2, 3, 4, 8] {
+                for m in (1..=3 * p).filter(|m| v == 1 || m % p == 0) {
+                    if let Err(e) = run_handoffs(schedule, p, m, v) {
+                        panic!("{schedule:?}, P = {p}, V = {v}, M = {m}: {e}");
+                    }
+                }
+            }
+        }
+    }
+
+    /// What a message carries: a forward pass's activation (else a gradient), its micro-batch,
+    /// its sender's virtual stage.
+    type Carried = (bool, usize, usize);
+    /// One message of a handoff: sent (else received), the neighbour, what it carries.
+    type Message = (bool, usize, Carried);
+
+    fn run_handoffs(schedule: PipelineSchedule, p: usize, m: usize, v: usize) -> Result<(), String> {
+        // Per stage, its handoffs as lists of messages.
+        use std::collections::HashMap;
+        let mut stages: Vec<Vec<Vec<Message>>> = Vec::new();
+        for s in 0..p {
+            let (chunk_of, acts): (Vec<usize>, Vec<Action>) = actions(schedule, p, s, m, v).into_iter().unzip();
+            let place = |i: usize| chunk_of[i] * p + s;
+            let (next, prev) = ((s + 1) % p, (s + p - 1) % p);
+            let mut groups = Vec::new();
+            for h in handoffs(&acts, &chunk_of, s, p, v) {
+                let at = h.before.unwrap_or(acts.len());
+                let mut group = Vec::new();
+                for &i in &h.sends {
+                    assert!(i < at, "pass {i} sends before it runs");
+                    group.push(match acts[i] {
+                        Action::Forward(mb) => (true, next, (true, mb, place(i))),
+                        Action::Backward(mb) => (true, prev, (false, mb, place(i))),
+                    });
+                }
+                for &i in &h.recvs {
+                    assert!(i >= at, "pass {i} receives after it runs");
+                    group.push(match acts[i] {
+                        Action::Forward(mb) => (false, prev, (true, mb, place(i) - 1)),
+                        Action::Backward(mb) => (false, next, (false, mb, place(i) + 1)),
+                    });
+                }
+                groups.push(group);
+            }
+            stages.push(groups);
+        }
+        // Each message numbered among the stage's to (from) that neighbour: the k-th send from
+        // s to q is the k-th receive of q from s.
+        type Numbered = (bool, usize, usize, Carried);
+        let numbered: Vec<Vec<Vec<Numbered>>> = (stages.iter())
+            .map(|groups| {
+                let mut count = HashMap::new();
+                let mut number = |&(send, peer, what): &Message| {
+                    let k = count.entry((send, peer)).or_insert(0);
+                    *k += 1;
+                    (send, peer, *k, what)
+                };
+                groups.iter().map(|g| g.iter().map(&mut number).collect()).collect()
+            })
+            .collect();
+        // Per stage, by (sent?, neighbour, number): the handoff a message is in, what it carries.
+        type Index = HashMap<(bool, usize, usize), (usize, Carried)>;
+        let at: Vec<Index> = (numbered.iter())
+            .map(|groups| {
+                let each = groups.iter().enumerate().flat_map(|(g, group)| group.iter().map(move |m| (g, m)));
+                each.map(|(g, &(send, peer, k, what))| ((send, peer, k), (g, what))).collect()
+            })
+            .collect();
+        for (s, groups) in numbered.iter().enumerate() {
+            for &(send, peer, k, what) in groups.iter().flatten() {
+                match at[peer].get(&(!send, s, k)) {
+                    None => return Err(format!("stage {s}'s message {what:?} has no match on stage {peer}")),
+                    Some(&(_, other)) if send && other != what => {
+                        return Err(format!("stage {peer} receives {what:?} where it expects {other:?}"));
+                    }
+                    Some(_) => {}
+                }
+            }
+        }
+        let mut done = vec![0; p];
+        while (0..p).any(|s| done[s] < numbered[s].len()) {
+            let mut moved = false;
+            for s in 0..p {
+                let Some(group) = numbered[s].get(done[s]) else { continue };
+                if group.iter().all(|&(send, peer, k, _)| at[peer][&(!send, s, k)].0 <= done[peer]) {
+                    done[s] += 1;
+                    moved = true;
+                }
+            }
+            if !moved {
+                return Err(format!("the stages wait on each other after handoffs {done:?}"));
+            }
+        }
+        Ok(())
+    }
+
     #[test]
     fn one_f_one_b_bounds_the_micro_batches_in_flight() {
         let (p, m) = (4, 8);
@@ -361,145 +531,6 @@ mod tests {
         assert_eq!(names(&device.layout), [names(&chunks[0].layout), names(&chunks[1].layout)].concat());
         assert_eq!(device.layout.len, chunks[0].layout.len + chunks[1].layout.len);
         assert!(!chunks[0].stage().last && chunks[1].stage().last);
-    }
-
-    /// Every device's passes, run against first-in-first-out mailboxes between each pair of
-    /// devices as the trainer runs them (a pass's sends are posted before the next pass's
-    /// receives, and a receive waits): no device waits forever, and every receive gets the
-    /// message meant for it (a forward activation or a gradient, of its virtual stage and
-    /// micro-batch), whatever the pipeline's shape.
-    #[test]
-    fn interleaved_passes_never_deadlock_and_receive_in_order() {
-        use std::collections::{HashMap, VecDeque};
-        for (p, v, m) in [(2, 2, 2), (2, 2, 4), (2, 3, 6), (3, 2, 3), (3, 2, 6), (4, 2, 8), (4, 3, 4), (2, 1, 4)] {
-            let schedule = if v == 1 { PipelineSchedule::OneFOneB } else { PipelineSchedule::Interleaved };
-            let lists: Vec<_> = (0..p).map(|d| actions(schedule, p, d, m, v)).collect();
-            let (last, device_of) = (p * v - 1, |s: usize| s % p);
-            // A message: (forward?, virtual stage it is for, micro-batch), by (sender, receiver).
-            type Message = (bool, usize, usize);
-            type Pair = (usize, usize);
-            let mut mail: HashMap<Pair, VecDeque<Message>> = HashMap::new();
-            let mut pending: Vec<Vec<(Pair, Message)>> = vec![Vec::new(); p];
-            let mut next = vec![0; p];
-            loop {
-                let mut moved = false;
-                for d in 0..p {
-                    while let Some(&(c, a)) = lists[d].get(next[d]) {
-                        for (key, msg) in pending[d].drain(..) {
-                            mail.entry(key).or_default().push_back(msg);
-                        }
-                        let s = c * p + d;
-                        let (forward, mb) = match a {
-                            Action::Forward(mb) => (true, mb),
-                            Action::Backward(mb) => (false, mb),
-                        };
-                        // Forward: from the virtual stage before; backward: from the one after.
-                        let from = if forward { (s > 0).then(|| s - 1) } else { (s < last).then(|| s + 1) };
-                        if let Some(from) = from {
-                            let Some(got) = mail.get_mut(&(device_of(from), d)).and_then(VecDeque::pop_front) else {
-                                break;
-                            };
-                            assert_eq!(got, (forward, s, mb), "P {p} V {v} M {m}: device {d} at pass {}", next[d]);
-                        }
-                        let to = if forward { (s < last).then(|| s + 1) } else { (s > 0).then(|| s - 1) };
-                        if let Some(to) = to {
-                            pending[d].push(((d, device_of(to)), (forward, to, mb)));
-                        }
-                        next[d] += 1;
-                        moved = true;
-                    }
-                    // The trainer posts the last pass's sends at the end of the step.
-                    if next[d] == lists[d].len() {
-                        for (key, msg) in pending[d].drain(..) {
-                            mail.entry(key).or_default().push_back(msg);
-                            moved = true;
-                        }
-                    }
-                }
-                if (0..p).all(|d| next[d] == lists[d].len()) {
-                    break;
-                }
-                assert!(moved, "P {p} V {v} M {m}: deadlock at {next:?}");
-            }
-            assert!(mail.values().all(VecDeque::is_empty), "P {p} V {v} M {m}: messages left");
-        }
-    }
-
-    /// The same passes where every send waits for its receive (NCCL): each exchange is a group
-    /// (a pass's sends with the next pass's receives, as the trainer makes them) that ends once
-    /// all its operations have met their peers' in the peers' current groups. 1F1B gets
-    /// through; the interleaved order deadlocks, which is why a GPU run refuses it.
-    #[test]
-    fn interleaved_exchanges_deadlock_where_sends_wait_for_receives() {
-        type Op = (bool, usize, (bool, usize, usize)); // (send?, peer, message)
-        let groups = |schedule, p: usize, d: usize, m: usize, v: usize| -> Vec<Vec<Op>> {
-            let last = p * v - 1;
-            let (mut out, mut pending): (Vec<Vec<Op>>, Vec<Op>) = (Vec::new(), Vec::new());
-            for (c, a) in actions(schedule, p, d, m, v) {
-                let (s, (forward, mb)) = (
-                    c * p + d,
-                    match a {
-                        Action::Forward(mb) => (true, mb),
-                        Action::Backward(mb) => (false, mb),
-                    },
-                );
-                let from = if forward { (s > 0).then(|| s - 1) } else { (s < last).then(|| s + 1) };
-                let mut group = std::mem::take(&mut pending);
-                group.extend(from.map(|f| (false, f % p, (forward, s, mb))));
-                out.push(group);
-                let to = if forward { (s < last).then(|| s + 1) } else { (s > 0).then(|| s - 1) };
-                pending.extend(to.map(|t| (true, t % p, (forward, t, mb))));
-            }
-            out.push(pending);
-            out.retain(|g| !g.is_empty());
-            out
-        };
-        let finishes = |schedule, p: usize, m: usize, v: usize| -> bool {
-            let g: Vec<Vec<Vec<Op>>> = (0..p).map(|d| groups(schedule, p, d, m, v)).collect();
-            let (mut at, mut met) = (vec![0; p], vec![Vec::<bool>::new(); p]);
-            for d in 0..p {
-                met[d] = vec![false; g[d].first().map_or(0, Vec::len)];
-            }
-            loop {
-                if (0..p).all(|d| at[d] == g[d].len()) {
-                    return true;
-                }
-                let mut moved = false;
-                for d in 0..p {
-                    for i in 0..g[d].get(at[d]).map_or(0, Vec::len) {
-                        let (send, peer, msg) = g[d][at[d]][i];
-                        if met[d][i] || at[peer] == g[peer].len() {
-                            continue;
-                        }
-                        // Operations between a pair meet in order, a send with a receive.
-                        let first = |ops: &[Op], done: &[bool], to: usize, send: bool| {
-                            (0..ops.len()).find(|&j| !done[j] && ops[j].1 == to && ops[j].0 == send)
-                        };
-                        let theirs = first(&g[peer][at[peer]], &met[peer], d, !send);
-                        if first(&g[d][at[d]], &met[d], peer, send) == Some(i)
-                            && let Some(j) = theirs
-                        {
-                            assert_eq!(g[peer][at[peer]][j].2, msg, "P {p} V {v} M {m}: devices {d} and {peer}");
-                            (met[d][i], met[peer][j], moved) = (true, true, true);
-                        }
-                    }
-                }
-                for d in 0..p {
-                    if at[d] < g[d].len() && met[d].iter().all(|&x| x) {
-                        at[d] += 1;
-                        met[d] = vec![false; g[d].get(at[d]).map_or(0, Vec::len)];
-                        moved = true;
-                    }
-                }
-                if !moved {
-                    return false;
-                }
-            }
-        };
-        for (p, m) in [(2, 4), (4, 8)] {
-            assert!(finishes(PipelineSchedule::OneFOneB, p, m, 1), "1F1B P {p} M {m}");
-            assert!(!finishes(PipelineSchedule::Interleaved, p, m, 2), "interleaved P {p} M {m} V 2");
-        }
     }
 
     /// The activations each device keeps (the virtual stages' slots together) against

@@ -31,7 +31,7 @@ use crate::data::{self, Loader};
 use crate::model::{GRAD_NORM_SQ, LOSS_ACCUM, LOSS_SUM, Model, Plan, init};
 use crate::parallel::comm::{Collectives, Solo};
 use crate::parallel::mesh::Axis;
-use crate::parallel::pipeline::{self, Action, ChunkExchange};
+use crate::parallel::pipeline::{self, Action, ChunkExchange, Handoff};
 use crate::parallel::plan::ParallelPlan;
 use crate::parallel::strategies::{FsdpOptions, Parallel};
 use crate::parallel::tensor::TensorSlice;
@@ -59,6 +59,8 @@ pub struct Trainer<B: Backend> {
     actions: Vec<Action>,
     chunk_of: Vec<usize>,
     slot_of: Vec<Vec<usize>>,
+    /// When the passes' inputs and outputs go to and from the neighbouring stages.
+    handoffs: Vec<Handoff>,
     /// The pipeline offsets of the devices before and after this one, wrapping round under
     /// interleaved 1F1B (the last device's virtual stage sends to the first device's next).
     around: (isize, isize),
@@ -140,11 +142,6 @@ impl<B: Backend> Trainer<B> {
                 Some(_) => {}
             }
         }
-        if parallel_plan.virtual_stages > 1 && !comm.buffers_sends() {
-            bail!(
-                "train.pipeline_schedule = \"interleaved\" runs on CPU devices only in this version: its passes' exchanges can wait on each other where every send waits for its receive (NCCL on GPUs); use \"1f1b\""
-            );
-        }
         let seq_len = parallel_plan.local_seq_len(config);
         // The devices of a tensor group and of a pipeline share their samples, cut into the
         // pipeline's micro-batches.
@@ -159,6 +156,7 @@ impl<B: Backend> Trainer<B> {
         let flat = !Parallel::<B>::shards_model(&mesh);
         let (plan, chunks) = plan_chunks(&model, &mut backend, (batch, seq_len), flat, &schedule.chunk_in_flight);
         let (d, stages) = (coords.pipeline, mesh.size(Axis::Pipeline) as isize);
+        let handoffs = pipeline::handoffs(&actions, &chunk_of, d, stages as usize, chunks.len());
         let around = (if d > 0 { -1 } else { stages - 1 }, if (d as isize) + 1 < stages { 1 } else { 1 - stages });
         let stashed = vec![Default::default(); if chunks.len() > 1 { t.pipeline_microbatches } else { 0 }];
         let slice = TensorSlice::of_stage(&config.model, &stage, coords.tensor, tensor);
@@ -182,6 +180,7 @@ impl<B: Backend> Trainer<B> {
             actions,
             chunk_of,
             slot_of,
+            handoffs,
             around,
             stashed,
             parallel_plan,
@@ -251,14 +250,17 @@ impl<B: Backend> Trainer<B> {
         self.backend.fill(self.plan.scalars.at(LOSS_ACCUM, 1), 0.0);
         // Collectives inside a recorded section would need the communicator captured too.
         let graphs = c.train.cuda_graphs && self.parallel.mesh.devices() == 1;
-        let moe = c.model.moe.is_some();
+        let seq_len = c.train.seq_len;
         let grad_scale = weight / tokens / shards as f32;
         let mut busy = std::time::Duration::ZERO;
         for round in 0..accum {
-            // Sends wait for the next exchange, so that they go in one group with its receives.
-            let mut pending: Vec<(View, usize)> = Vec::new();
+            let mut next_handoff = 0;
             let mut i = 0;
             while i < self.actions.len() {
+                while self.handoffs.get(next_handoff).is_some_and(|h| h.before == Some(i)) {
+                    self.hand_off(next_handoff);
+                    next_handoff += 1;
+                }
                 let (action, v) = (self.actions[i], self.chunk_of[i]);
                 let (Action::Forward(mb) | Action::Backward(mb)) = action;
                 let k = self.slot_of[v][mb];
@@ -270,7 +272,7 @@ impl<B: Backend> Trainer<B> {
                     Action::Forward(_) => {
                         // The first virtual stage reads the batch; every one takes its tokens (the
                         // embedding, document masking), the last its targets.
-                        let rows = (&self.chunk_positions[..], c.train.seq_len);
+                        let rows = (&self.chunk_positions[..], seq_len);
                         let last_chunk = v + 1 == self.chunks.len();
                         if v == 0 {
                             self.loader.next_batch(&mut self.tokens, &mut self.targets);
@@ -289,20 +291,11 @@ impl<B: Backend> Trainer<B> {
                         if last_chunk {
                             upload_chunks(be, p.targets, targets, rows, &mut self.local);
                         }
-                        let mut recvs = Vec::new();
-                        if !stage.first {
-                            let prev = par.neighbour(self.around.0);
-                            recvs.push((p.stage_input(), prev));
-                            if moe {
-                                recvs.push((p.moe_stats(), prev));
-                            }
-                        }
-                        par.send_recv(be, &pending, &recvs);
-                        pending.clear();
                         // One device: the micro-batch's forward and backward pass as one
-                        // recorded section.
+                        // recorded section (no handoffs: a single stage).
                         let fused = graphs && self.actions.get(i + 1) == Some(&Action::Backward(mb));
                         if fused {
+                            debug_assert!(self.handoffs.is_empty(), "internal error: handoffs of a fused pass");
                             par.sync = round + 1 == accum && mb + 1 == microbatches;
                             let passes = Instant::now();
                             if be.begin_section(SECTION_MICRO_BATCH) {
@@ -322,33 +315,9 @@ impl<B: Backend> Trainer<B> {
                         if stage.last {
                             be.add(self.plan.scalars.at(LOSS_ACCUM, 1), p.scalars.at(LOSS_SUM, 1));
                             aux_sum += self.model.aux_loss(be, p);
-                        } else {
-                            let next = par.neighbour(self.around.1);
-                            let out = p.stage_output();
-                            #[cfg(test)]
-                            let out = match self.slot_of[v][0] {
-                                s0 if self.fault == Some(Fault::StaleActivation) && mb == 1 && s0 != k => {
-                                    slot(&self.plan, &self.chunks, v, s0).stage_output()
-                                }
-                                _ => out,
-                            };
-                            pending.push((out, next));
-                            if moe {
-                                pending.push((p.moe_stats(), next));
-                            }
                         }
                     }
                     Action::Backward(_) => {
-                        let mut recvs = Vec::new();
-                        if !stage.last {
-                            let next = par.neighbour(self.around.1);
-                            recvs.push((p.residual_grad(), next));
-                            if moe {
-                                recvs.push((p.moe_stats(), next));
-                            }
-                        }
-                        par.send_recv(be, &pending, &recvs);
-                        pending.clear();
                         #[cfg(test)]
                         if self.fault == Some(Fault::DropGradient) && mb == 1 && !stage.last {
                             be.fill(p.residual_grad(), 0.0);
@@ -357,21 +326,17 @@ impl<B: Backend> Trainer<B> {
                         let passes = Instant::now();
                         chunk.model.backward(be, p, aux_scale, &mut chunk.exchange(par));
                         busy += passes.elapsed();
-                        if !stage.first {
-                            let prev = par.neighbour(self.around.0);
-                            pending.push((p.residual_grad(), prev));
-                            if moe {
-                                pending.push((p.moe_stats(), prev));
-                            }
-                        }
                     }
                 }
                 i += 1;
             }
-            self.parallel.send_recv(&mut self.backend, &pending, &[]);
+            for h in next_handoff..self.handoffs.len() {
+                self.hand_off(h);
+            }
         }
 
         let (p, be, par) = (&self.plan, &mut self.backend, &mut self.parallel);
+        let c = &self.config;
         let total_steps = c.train.steps;
         let lr = schedule::learning_rate(&c.optim, total_steps, self.step as usize);
         let norm_sq = p.scalars.at(GRAD_NORM_SQ, 1);
@@ -391,7 +356,7 @@ impl<B: Backend> Trainer<B> {
         par.sum_over_batch(be, p.scalars.at(LOSS_ACCUM, 1));
         // The last stage computed the loss (and the load-balancing loss); the others hold 0.
         par.sum_over_pipeline(be, p.scalars.at(LOSS_ACCUM, 1));
-        if moe && par.stages() > 1 {
+        if c.model.moe.is_some() && par.stages() > 1 {
             let spare = p.scalars.at(3, 1);
             be.upload(spare, &[aux_sum as f32]);
             par.sum_over_pipeline(be, spare);
@@ -431,6 +396,55 @@ impl<B: Backend> Trainer<B> {
             slowest_rank: None,
             slowest_step_time_s: None,
         }
+    }
+
+    /// Makes handoff `h` of this stage's schedule ([`pipeline::handoffs`]): one group of
+    /// sends and receives with the neighbouring stages. A forward pass receives its input from
+    /// the stage before and sends its output on; a backward pass receives its output's gradient
+    /// from the stage after and sends its input's back; the routing statistics of a mixture of
+    /// experts travel with both.
+    fn hand_off(&mut self, h: usize) {
+        let moe = self.config.model.moe.is_some();
+        let (prev, next) = (self.parallel.neighbour(self.around.0), self.parallel.neighbour(self.around.1));
+        let handoff = &self.handoffs[h];
+        let mut sends = Vec::new();
+        for &i in &handoff.sends {
+            let (p, forward) = (self.pass_plan(i), matches!(self.actions[i], Action::Forward(_)));
+            let (out, to) = if forward { (p.stage_output(), next) } else { (p.residual_grad(), prev) };
+            #[cfg(test)]
+            let out = match (self.actions[i], self.chunk_of[i]) {
+                (Action::Forward(1), v)
+                    if self.fault == Some(Fault::StaleActivation) && self.slot_of[v][0] != self.slot_of[v][1] =>
+                {
+                    slot(&self.plan, &self.chunks, v, self.slot_of[v][0]).stage_output()
+                }
+                _ => out,
+            };
+            sends.push((out, to));
+            if moe {
+                sends.push((p.moe_stats(), to));
+            }
+        }
+        let mut recvs = Vec::new();
+        for &i in &handoff.recvs {
+            let p = self.pass_plan(i);
+            let (into, from) = match self.actions[i] {
+                Action::Forward(_) => (p.stage_input(), prev),
+                Action::Backward(_) => (p.residual_grad(), next),
+            };
+            recvs.push((into, from));
+            if moe {
+                recvs.push((p.moe_stats(), from));
+            }
+        }
+        self.parallel.send_recv(&mut self.backend, &sends, &recvs);
+    }
+
+    /// The activation slot pass `i` of the schedule runs in.
+    fn pass_plan(&self, i: usize) -> &Plan {
+        let (Action::Forward(mb) | Action::Backward(mb)) = self.actions[i];
+        let v = self.chunk_of[i];
+        slot(&self.plan, &self.chunks, v, self.slot_of[v][mb])
     }
 }
 
