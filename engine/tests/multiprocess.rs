@@ -102,7 +102,7 @@ fn four_processes_fsdp_x_data_follow_four_virtual_devices_and_resume_on_two() {
 }
 
 #[test]
-fn pipeline_x_data_and_tensor_across_processes_follow_virtual_devices() {
+fn pipeline_x_data_tensor_and_interleaved_stages_across_processes_follow_virtual_devices() {
     let pipeline = [
         "model.n_layers=2",
         "mesh.ici_data=2",
@@ -114,6 +114,18 @@ fn pipeline_x_data_and_tensor_across_processes_follow_virtual_devices() {
     assert_eq!((procs.len(), &procs), (3, &virt), "pipeline 2 x data 2");
     let (_, procs, virt) = processes_and_virtual("mp-tensor", 2, "3", &["mesh.ici_tensor=2"]);
     assert_eq!((procs.len(), &procs), (3, &virt), "tensor 2");
+    // Interleaved 1F1B: two virtual stages on each of two processes, the handoffs over TCP.
+    let interleaved = [
+        "model.n_layers=4",
+        "mesh.ici_data=1",
+        "mesh.ici_pipeline=2",
+        "train.batch_size=2",
+        "train.pipeline_microbatches=4",
+        "train.pipeline_schedule=\"interleaved\"",
+        "train.pipeline_virtual_stages=2",
+    ];
+    let (_, procs, virt) = processes_and_virtual("mp-interleaved", 2, "3", &interleaved);
+    assert_eq!((procs.len(), &procs), (3, &virt), "interleaved pipeline 2 x V 2");
 }
 
 /// The sequence axis across processes: two processes each keep two chunks of every sequence
