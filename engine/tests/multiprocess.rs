@@ -144,6 +144,22 @@ fn a_sequence_axis_across_processes_follows_one_device() {
     for (step, (a, b)) in losses(&one).iter().zip(&procs).enumerate() {
         assert!((a - b).abs() <= 1e-5 * a.abs(), "step {}: {b} on two processes (seq 2), {a} on one device", step + 1);
     }
+    // With FSDP (which shards over fsdp x seq), and with tensor and pipeline stages on eight
+    // processes (the virtual devices' tests hold those within 1e-5 of one device).
+    let fsdp = ["mesh.ici_data=1", "mesh.ici_seq=2", "mesh.ici_fsdp=2", "train.batch_size=0.5"];
+    let (_, procs, virt) = processes_and_virtual("mp-seq-fsdp", 4, "3", &fsdp);
+    assert_eq!((procs.len(), &procs), (3, &virt), "seq 2 x fsdp 2");
+    let all = [
+        "model.n_layers=2",
+        "mesh.ici_data=1",
+        "mesh.ici_seq=2",
+        "mesh.ici_tensor=2",
+        "mesh.ici_pipeline=2",
+        "train.batch_size=1",
+        "train.pipeline_microbatches=2",
+    ];
+    let (_, procs, virt) = processes_and_virtual("mp-seq-tp-pp", 8, "3", &all);
+    assert_eq!((procs.len(), &procs), (3, &virt), "seq 2 x tensor 2 x pipeline 2");
 }
 
 /// Two nodes of two processes each, under the MaxText/Vertex convention (one launcher per
