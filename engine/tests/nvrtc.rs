@@ -44,7 +44,7 @@ fn cuda_kernels_compile_for_sm80_and_sm90_or_report_skipped_without_nvrtc() {
         let compiled = match compiled {
             Ok(c) => c,
             Err(e) => {
-                failures.push(e);
+                failures.push(e.to_string());
                 continue;
             }
         };

@@ -334,7 +334,7 @@ pub trait Backend {
         _choice: crate::config::AttentionImpl,
         _shape: AttnShape,
         _needs: AttnNeeds,
-    ) -> Result<(), String> {
+    ) -> anyhow::Result<()> {
         Ok(())
     }
     /// Waits until every op issued so far has finished (a no-op where ops are synchronous).

@@ -95,7 +95,7 @@ impl<B: Backend> Backend for Traced<B> {
         choice: crate::config::AttentionImpl,
         shape: AttnShape,
         needs: AttnNeeds,
-    ) -> Result<(), String> {
+    ) -> anyhow::Result<()> {
         self.inner.select_attention(choice, shape, needs)
     }
     fn peak_memory_bytes(&self) -> usize {

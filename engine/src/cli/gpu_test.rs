@@ -49,7 +49,7 @@ pub fn run(args: GpuTestArgs) -> Result<()> {
             }
             Ok(devices) => {
                 let d = &devices[0];
-                let nvrtc = nvrtc::version().map(|(a, b)| format!("NVRTC {a}.{b}")).unwrap_or_else(|e| e);
+                let nvrtc = nvrtc::version().map(|(a, b)| format!("NVRTC {a}.{b}")).unwrap_or_else(|e| e.to_string());
                 println!("{} (sm_{}{}), {nvrtc}", d.name, d.capability.0, d.capability.1);
             }
         }

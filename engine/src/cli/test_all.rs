@@ -93,7 +93,7 @@ fn emulated_target(arg: DeviceArg) -> Result<Target> {
         bail!("--emulate: the CPU emulator needs a C++20 compiler and none was found (install g++ or set CXX)");
     }
     // A misspelt test hook is bad input now, not a failure of every check later.
-    emulator::Fault::from_env().map_err(anyhow::Error::msg)?;
+    emulator::Fault::from_env()?;
     Ok(Target::Emulator)
 }
 

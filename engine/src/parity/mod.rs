@@ -59,7 +59,7 @@ pub struct Scale {
 }
 
 /// Opens a fresh backend for a check.
-pub type Open<'a> = dyn FnMut() -> Result<Cuda, String> + 'a;
+pub type Open<'a> = dyn FnMut() -> anyhow::Result<Cuda> + 'a;
 
 /// Runs every check whose name contains `filter`, reporting each as it ends.
 pub fn run(scale: Scale, open: &mut Open, filter: &str, report: &mut dyn FnMut(&Outcome)) -> Vec<Outcome> {
@@ -72,7 +72,7 @@ pub fn run(scale: Scale, open: &mut Open, filter: &str, report: &mut dyn FnMut(&
         let start = Instant::now();
         let result = match open() {
             Ok(gpu) => std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| check(gpu, &mut *open))),
-            Err(e) => Ok(Err(e)),
+            Err(e) => Ok(Err(format!("{e:#}"))),
         };
         let (passed, detail) = match result {
             Ok(Ok(detail)) => (true, detail),

@@ -94,7 +94,11 @@ fn train_losses(gpu: Cuda, config: &Config, steps: usize) -> Result<(Vec<f64>, u
 pub(super) fn graphs(gpu: Cuda, open: &mut Open, scale: Scale) -> Result<String, String> {
     let steps = 4;
     let (graphs, recorded) = train_losses(gpu, &tiny("tiny-llama2", scale, &[]), steps)?;
-    let (eager, none) = train_losses(open()?, &tiny("tiny-llama2", scale, &["train.cuda_graphs=false"]), steps)?;
+    let (eager, none) = train_losses(
+        open().map_err(|e| format!("{e:#}"))?,
+        &tiny("tiny-llama2", scale, &["train.cuda_graphs=false"]),
+        steps,
+    )?;
     if recorded != 1 || none != 0 {
         return Err(format!("{recorded} graphs recorded with train.cuda_graphs, {none} without (want 1 and 0)"));
     }
@@ -122,7 +126,7 @@ pub(super) fn remat(gpu: Cuda, open: &mut Open, scale: Scale) -> Result<String, 
         model_step(&mut gpu, &model, &plan, &params, &tokens).1
     };
     let none = grads(gpu, Remat::None);
-    let full = grads(open()?, Remat::Full);
+    let full = grads(open().map_err(|e| format!("{e:#}"))?, Remat::Full);
     compare("gradients", &none, &full, Tol { rel_l2: 1e-2, max: 5e-2 })
 }
 
@@ -161,7 +165,7 @@ pub(super) fn fsdp_bf16_gathers(gpu: Cuda, scale: Scale) -> Result<String, Strin
     let (single, _) = train_losses(gpu, &one, steps)?;
     let plan = ParallelPlan::resolve(&fsdp, 2, 1).map_err(|e| format!("{e:#}"))?;
     let device = |comm: Virtual| -> Result<(Vec<f64>, usize, usize), String> {
-        let gpu = Cuda::emulated()?;
+        let gpu = Cuda::emulated().map_err(|e| format!("{e:#}"))?;
         let estimate = plan.estimate(&fsdp, Target::Cuda { sm_count: gpu.info().sm_count as usize }).total();
         let mut t = Trainer::new_parallel(gpu, &fsdp, Box::new(comm), plan.clone()).map_err(|e| format!("{e:#}"))?;
         let losses = (0..steps).map(|_| t.train_step(0.0).loss).collect();

@@ -284,7 +284,7 @@ pub(super) fn attention(mut gpu: Cuda, s: AttnShape, unmasked: bool, native: boo
         return Err(format!("the shape gives no unmasked tile to both passes: {tiles:?}"));
     }
     if !native {
-        gpu.select_attention(AttentionImpl::Cudnn, s, AttnNeeds::default())?;
+        gpu.select_attention(AttentionImpl::Cudnn, s, AttnNeeds::default()).map_err(|e| format!("{e:#}"))?;
     }
     let mut t = Twin::new(gpu);
     if native {

@@ -328,7 +328,7 @@ pub fn open_gpu() -> Result<Cuda> {
 
 /// Whether a recipe's model suits the CUDA kernels (`None`) or why not.
 pub fn cuda_unsuitable(model: &crate::config::ModelConfig) -> Option<String> {
-    cuda::check_model(model).err()
+    cuda::check_model(model).err().map(|e| e.to_string())
 }
 
 #[cfg(test)]

@@ -148,7 +148,7 @@ impl<B: Backend> Trainer<B> {
         let batch = parallel_plan.microbatch;
         // The attention kernels, chosen (and checked) before any buffer is planned.
         let needs = AttnNeeds { documents: model.documents.is_some(), seq_split: model.seq.ranks > 1 };
-        backend.select_attention(t.attention, model.attn_shape(batch, seq_len), needs).map_err(anyhow::Error::msg)?;
+        backend.select_attention(t.attention, model.attn_shape(batch, seq_len), needs)?;
         let schedule = &parallel_plan.schedules[coords.pipeline];
         let (actions, chunk_of, slot_of) =
             (schedule.actions.clone(), schedule.chunk_of.clone(), schedule.slot_of.clone());

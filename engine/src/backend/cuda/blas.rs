@@ -19,6 +19,7 @@
 use std::collections::HashMap;
 use std::ffi::c_void;
 
+use anyhow::{Context, Result, anyhow};
 use cudarc::cublaslt::result as lt;
 use cudarc::cublaslt::sys::{
     self as ltsys, cublasComputeType_t, cublasLtMatmulAlgo_t, cublasLtMatmulDescAttributes_t as DescAttr,
@@ -202,14 +203,14 @@ fn alignment(ptr: CUdeviceptr) -> u32 {
 
 impl Blas {
     /// A handle using `workspace` (at least [`WORKSPACE_BYTES`] of device memory).
-    pub fn new(workspace: CUdeviceptr) -> Result<Blas, String> {
-        let handle = lt::create_handle().map_err(|e| format!("cuBLASLt does not start: {e}"))?;
+    pub fn new(workspace: CUdeviceptr) -> Result<Blas> {
+        let handle = lt::create_handle().map_err(|e| anyhow!("cuBLASLt does not start: {e}"))?;
         let log = std::env::var("ENGINE_BLAS_LOG").is_ok_and(|v| v == "1");
         Ok(Blas { handle, workspace, plans: HashMap::new(), capturing: false, log })
     }
 
     /// Runs one product on `stream`.
-    pub fn gemm(&mut self, stream: CUstream, g: &Gemm) -> Result<(), String> {
+    pub fn gemm(&mut self, stream: CUstream, g: &Gemm) -> Result<()> {
         let key = Key {
             m: g.m,
             n: g.n,
@@ -222,7 +223,7 @@ impl Blas {
         };
         if !self.plans.contains_key(&key) {
             let (desc, layouts, algos) =
-                self.plan(key, g).map_err(|e| format!("cuBLASLt has no algorithm for {g:?} ({e})"))?;
+                self.plan(key, g).map_err(|e| anyhow!("cuBLASLt has no algorithm for {g:?} ({e})"))?;
             let mut plan = Plan { desc, layouts, algo: algos[0] };
             let how = trial(g, algos.len(), self.capturing);
             let chosen = self.choose(stream, g, &plan, &algos, how)?;
@@ -232,14 +233,14 @@ impl Blas {
         let plan = &self.plans[&key];
         // SAFETY: the plan's descriptors live in `self`; pointers are device addresses of the
         // sizes the layouts describe (the backend checks the views' lengths).
-        unsafe { self.run(stream, g, plan, &plan.algo) }.map_err(|e| format!("cuBLASLt matmul {g:?}: {e}"))
+        unsafe { self.run(stream, g, plan, &plan.algo) }.with_context(|| format!("cuBLASLt matmul {g:?}"))
     }
 
     /// Issues `g` with `algo` on `stream`.
     ///
     /// # Safety
     /// `plan` was built for `g`'s key and `g`'s addresses hold what its layouts describe.
-    unsafe fn run(&self, stream: CUstream, g: &Gemm, plan: &Plan, algo: &cublasLtMatmulAlgo_t) -> Result<(), String> {
+    unsafe fn run(&self, stream: CUstream, g: &Gemm, plan: &Plan, algo: &cublasLtMatmulAlgo_t) -> Result<()> {
         let alpha = 1f32;
         let [la, lb, lc] = plan.layouts;
         unsafe {
@@ -262,7 +263,7 @@ impl Blas {
                 stream as ltsys::cudaStream_t,
             )
         }
-        .map_err(|e| e.to_string())
+        .map_err(anyhow::Error::from)
     }
 
     /// The index in `algos` to keep for `g`: the fastest of one timed run each (after one
@@ -275,7 +276,7 @@ impl Blas {
         plan: &Plan,
         algos: &[cublasLtMatmulAlgo_t],
         how: Trial,
-    ) -> Result<usize, String> {
+    ) -> Result<usize> {
         let target = match how {
             Trial::Untimed(why) => {
                 if self.log {
@@ -303,7 +304,7 @@ impl Blas {
             let _ = unsafe { driver::stream::synchronize(stream) };
             let _ = unsafe { driver::free_sync(target.d) };
         }
-        let chosen = fastest(&times).ok_or_else(|| format!("cuBLASLt: no candidate algorithm runs {g:?}"))?;
+        let chosen = fastest(&times).ok_or_else(|| anyhow!("cuBLASLt: no candidate algorithm runs {g:?}"))?;
         if self.log {
             let ms: Vec<String> =
                 times.iter().map(|t| t.map_or("failed".to_string(), |t| format!("{:.3}", t))).collect();

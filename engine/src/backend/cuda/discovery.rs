@@ -10,6 +10,7 @@
 use std::ffi::CString;
 use std::sync::OnceLock;
 
+use anyhow::{Result, anyhow, bail};
 use cudarc::driver::{result, sys};
 
 /// The environment variable listing extra library directories.
@@ -61,8 +62,8 @@ pub fn preload_libraries() -> &'static (Vec<String>, Vec<String>) {
 }
 
 /// Loads a shared library by path with its symbols global, keeping it for the process's life.
-fn dlopen_global(path: &str) -> Result<(), String> {
-    let c = CString::new(path).map_err(|_| "path contains a NUL byte".to_string())?;
+fn dlopen_global(path: &str) -> Result<()> {
+    let c = CString::new(path).map_err(|_| anyhow!("path contains a NUL byte"))?;
     // SAFETY: dlopen with a valid C string; the handle is deliberately never closed.
     let handle = unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) };
     if handle.is_null() {
@@ -74,7 +75,7 @@ fn dlopen_global(path: &str) -> Result<(), String> {
             // SAFETY: non-null C string from dlerror.
             unsafe { std::ffi::CStr::from_ptr(err) }.to_string_lossy().into_owned()
         };
-        return Err(msg);
+        bail!(msg);
     }
     Ok(())
 }
@@ -96,37 +97,38 @@ pub struct DeviceInfo {
 
 /// The devices the driver reports, or why there are none usable: no driver library, a driver
 /// older than CUDA 13.0, no device.
-pub fn probe() -> Result<Vec<DeviceInfo>, String> {
+pub fn probe() -> Result<Vec<DeviceInfo>> {
     preload_libraries();
     // SAFETY: only tries to open the library.
     if !unsafe { sys::is_culib_present() } {
-        return Err("no CUDA driver library (libcuda.so.1) was found; is the NVIDIA driver installed and, in a \
-                    container, is the GPU passed through (docker run --gpus=all)?"
-            .into());
+        bail!(
+            "no CUDA driver library (libcuda.so.1) was found; is the NVIDIA driver installed and, in a \
+             container, is the GPU passed through (docker run --gpus=all)?"
+        );
     }
-    result::init().map_err(|e| format!("the CUDA driver failed to start: {e}"))?;
+    result::init().map_err(|e| anyhow!("the CUDA driver failed to start: {e}"))?;
     let mut version = 0;
     // SAFETY: writes one int.
     unsafe { sys::cuDriverGetVersion(&mut version) }
         .result()
-        .map_err(|e| format!("cannot read the CUDA driver version: {e}"))?;
+        .map_err(|e| anyhow!("cannot read the CUDA driver version: {e}"))?;
     if version < MIN_DRIVER_VERSION {
-        return Err(format!(
+        bail!(
             "the NVIDIA driver supports CUDA {}.{}, older than the 13.0 the engine is built for; update the driver \
              (580 or newer)",
             version / 1000,
             version % 1000 / 10
-        ));
+        );
     }
-    let count = result::device::get_count().map_err(|e| format!("cannot count CUDA devices: {e}"))?;
+    let count = result::device::get_count().map_err(|e| anyhow!("cannot count CUDA devices: {e}"))?;
     if count == 0 {
-        return Err("the CUDA driver reports no device".into());
+        bail!("the CUDA driver reports no device");
     }
     (0..count as usize).map(device_info).collect()
 }
 
-fn device_info(ordinal: usize) -> Result<DeviceInfo, String> {
-    let err = |e: result::DriverError| format!("CUDA device {ordinal}: {e}");
+fn device_info(ordinal: usize) -> Result<DeviceInfo> {
+    let err = |e: result::DriverError| anyhow!("CUDA device {ordinal}: {e}");
     let dev = result::device::get(ordinal as i32).map_err(err)?;
     let attr = |a| unsafe { result::device::get_attribute(dev, a) }.map_err(err);
     use sys::CUdevice_attribute::*;

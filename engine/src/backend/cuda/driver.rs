@@ -5,6 +5,7 @@ use std::collections::HashMap;
 use std::ffi::{CString, c_void};
 use std::sync::Arc;
 
+use anyhow::{Result, anyhow, bail};
 use cudarc::driver::sys::{self, CUdeviceptr, CUfunction};
 use cudarc::driver::{CudaContext, CudaGraph, CudaStream, result};
 
@@ -34,63 +35,64 @@ pub struct Gpu {
 impl Gpu {
     /// Opens device `ordinal`: checks the driver, the device and the libraries, compiles (or
     /// loads from the cache) every kernel module for the device's architecture.
-    pub fn open(ordinal: usize) -> Result<Gpu, String> {
+    pub fn open(ordinal: usize) -> Result<Gpu> {
         let devices = discovery::probe()?;
         let info = devices
             .get(ordinal)
             .cloned()
-            .ok_or_else(|| format!("there is no CUDA device {ordinal} ({} found)", devices.len()))?;
+            .ok_or_else(|| anyhow!("there is no CUDA device {ordinal} ({} found)", devices.len()))?;
         if info.capability.0 < 8 {
-            return Err(format!(
+            bail!(
                 "{} has compute capability {}.{}; the CUDA backend needs 8.0 or newer (bf16 tensor cores: A100, H100, \
                  H200, L4, L40S, B200 ...)",
-                info.name, info.capability.0, info.capability.1
-            ));
+                info.name,
+                info.capability.0,
+                info.capability.1
+            );
         }
         nvrtc::version()?;
         // SAFETY: only tries to open the library.
         if !unsafe { cudarc::cublaslt::sys::is_culib_present() } {
-            return Err(format!(
+            bail!(
                 "cuBLASLt (libcublasLt.so.13) was not found on the library path nor in {0}; install the CUDA 13 \
                  toolkit's cuBLAS or point {0} at its lib directory",
                 discovery::LIB_PATH_VAR
-            ));
+            );
         }
         // Flags by GPU generation: the driver reads them when the context is created.
         super::flags::apply(info.capability);
-        let ctx = CudaContext::new(ordinal).map_err(|e| format!("cannot open CUDA device {ordinal}: {e}"))?;
+        let ctx = CudaContext::new(ordinal).map_err(|e| anyhow!("cannot open CUDA device {ordinal}: {e}"))?;
         // One stream and raw allocations: cudarc's per-slice event tracking has nothing to guard.
         // SAFETY: no cudarc slices are used here.
         unsafe { ctx.disable_event_tracking() };
-        let stream = ctx.new_stream().map_err(|e| format!("cannot create a CUDA stream: {e}"))?;
+        let stream = ctx.new_stream().map_err(|e| anyhow!("cannot create a CUDA stream: {e}"))?;
         let raw = stream.cu_stream();
         let arch = (info.capability.0 * 10 + info.capability.1) as u32;
-        let max_smem = ctx
-            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
-            .map_err(|e| e.to_string())? as usize;
+        let max_smem =
+            ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)? as usize;
 
         // Compile (or load) every module, in parallel: NVRTC programs are independent.
         use rayon::prelude::*;
-        let cubins: Vec<Result<(Vec<u8>, bool), String>> =
+        let cubins: Vec<Result<(Vec<u8>, bool)>> =
             MODULES.par_iter().map(|m| nvrtc::load_or_compile(m, arch)).collect();
         let (mut modules, mut funcs) = (Vec::new(), HashMap::new());
         for (m, cubin) in MODULES.iter().zip(cubins) {
             let (cubin, _) = cubin?;
             // SAFETY: a CUBIN produced by NVRTC for this device's architecture.
             let module = unsafe { result::module::load_data(cubin.as_ptr().cast()) }
-                .map_err(|e| format!("cannot load kernel module {}: {e}", m.name))?;
+                .map_err(|e| anyhow!("cannot load kernel module {}: {e}", m.name))?;
             modules.push(module);
             for &k in m.kernels {
                 let name = CString::new(k).expect("kernel names hold no NUL byte");
                 // SAFETY: a loaded module.
                 let f = unsafe { result::module::get_function(module, name) }
-                    .map_err(|e| format!("kernel {k} missing from module {}: {e}", m.name))?;
+                    .map_err(|e| anyhow!("kernel {k} missing from module {}: {e}", m.name))?;
                 funcs.insert(k, f);
             }
         }
         // SAFETY: a plain device allocation.
         let workspace = unsafe { result::malloc_sync(blas::WORKSPACE_BYTES) }
-            .map_err(|e| format!("cannot allocate the cuBLASLt workspace: {e}"))?;
+            .map_err(|e| anyhow!("cannot allocate the cuBLASLt workspace: {e}"))?;
         let blas = Blas::new(workspace)?;
         Ok(Gpu {
             info,
@@ -139,15 +141,15 @@ impl Device for Gpu {
         self.max_smem
     }
 
-    fn alloc(&mut self, bytes: usize) -> Result<CUdeviceptr, String> {
+    fn alloc(&mut self, bytes: usize) -> Result<CUdeviceptr> {
         // SAFETY: a plain allocation, zeroed before use.
-        let ptr = unsafe { result::malloc_sync(bytes.max(1)) }.map_err(|e| e.to_string())?;
+        let ptr = unsafe { result::malloc_sync(bytes.max(1)) }?;
         // Zeroed on the compute stream, never with the "synchronous" cuMemsetD8: that one runs on
         // the legacy default stream, which our non-blocking stream does not wait for, and returns
         // before it is done. Seen on an H100: a fresh buffer's zeroing landed after the uploads
         // and kernels that followed it, changing the first loss and the embedding gradient.
         // SAFETY: the allocation just made.
-        unsafe { result::memset_d8_async(ptr, 0, bytes.max(1), self.raw) }.map_err(|e| e.to_string())?;
+        unsafe { result::memset_d8_async(ptr, 0, bytes.max(1), self.raw) }?;
         Ok(ptr)
     }
 
@@ -203,7 +205,7 @@ impl Device for Gpu {
     }
 
     fn gemm(&mut self, g: &Gemm) {
-        self.blas.gemm(self.raw, g).unwrap_or_else(|e| panic!("internal error: {e}"));
+        self.blas.gemm(self.raw, g).unwrap_or_else(|e| panic!("internal error: {e:#}"));
     }
 
     fn synchronize(&mut self) {
@@ -242,7 +244,7 @@ impl Device for Gpu {
         Some(self.raw)
     }
 
-    fn cudnn(&mut self) -> Result<&mut Cudnn, String> {
+    fn cudnn(&mut self) -> Result<&mut Cudnn> {
         if self.cudnn.is_none() {
             self.cudnn = Some(Cudnn::new(self.raw)?);
         }

@@ -27,6 +27,7 @@ use std::ffi::{CString, c_char, c_void};
 use std::path::PathBuf;
 use std::sync::Mutex;
 
+use anyhow::{Result, anyhow, bail};
 use cudarc::driver::sys::CUdeviceptr;
 use sha2::{Digest, Sha256};
 
@@ -59,8 +60,8 @@ pub struct Fault {
 
 impl Fault {
     /// Parses `KERNEL` or `KERNEL@N`; `KERNEL` must be an entry point of a kernel module.
-    pub fn parse(text: &str) -> Result<Fault, String> {
-        let bad = |why: &str| format!("{FAULT_HOOK}={text}: {why}");
+    pub fn parse(text: &str) -> Result<Fault> {
+        let bad = |why: &str| anyhow!("{FAULT_HOOK}={text}: {why}");
         let (kernel, launch) = match text.split_once('@') {
             None => (text, None),
             Some((k, n)) => match n.parse::<usize>() {
@@ -75,7 +76,7 @@ impl Fault {
     }
 
     /// The fault [`FAULT_HOOK`] asks for, if it is set and not empty.
-    pub fn from_env() -> Result<Option<Fault>, String> {
+    pub fn from_env() -> Result<Option<Fault>> {
         match std::env::var(FAULT_HOOK) {
             Ok(v) if !v.is_empty() => Fault::parse(&v).map(Some),
             _ => Ok(None),
@@ -114,22 +115,22 @@ pub struct Emulator {
 
 impl Emulator {
     /// Builds (or finds in the cache) the emulated kernels and loads them.
-    pub fn open() -> Result<Emulator, String> {
+    pub fn open() -> Result<Emulator> {
         let fault = Fault::from_env()?;
         if let Some(f) = &fault {
             eprintln!("{FAULT_HOOK}: the emulator breaks a kernel on purpose: {}", f.describe());
         }
         let library = build()?;
-        let path = CString::new(library.to_string_lossy().as_bytes()).map_err(|e| e.to_string())?;
+        let path = CString::new(library.to_string_lossy().as_bytes())?;
         // SAFETY: loading a library this module built; it is never unloaded.
         let handle = unsafe { libc::dlopen(path.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
         if handle.is_null() {
-            return Err(format!("cannot load the CUDA emulator {}", library.display()));
+            bail!("cannot load the CUDA emulator {}", library.display());
         }
         // SAFETY: a symbol the runtime exports with this signature.
         let sym = unsafe { libc::dlsym(handle, c"emu_launch".as_ptr()) };
         if sym.is_null() {
-            return Err("the CUDA emulator has no emu_launch".into());
+            bail!("the CUDA emulator has no emu_launch");
         }
         // SAFETY: emu_launch's C signature is LaunchFn.
         let launch_fn: LaunchFn = unsafe { std::mem::transmute::<*mut c_void, LaunchFn>(sym) };
@@ -224,12 +225,12 @@ impl Device for Emulator {
         227 * 1024
     }
 
-    fn alloc(&mut self, bytes: usize) -> Result<CUdeviceptr, String> {
-        let layout = Layout::from_size_align(bytes.max(1), 256).map_err(|e| e.to_string())?;
+    fn alloc(&mut self, bytes: usize) -> Result<CUdeviceptr> {
+        let layout = Layout::from_size_align(bytes.max(1), 256)?;
         // SAFETY: a non-zero size.
         let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
         if ptr.is_null() {
-            return Err(format!("the emulator cannot allocate {bytes} bytes"));
+            bail!("the emulator cannot allocate {bytes} bytes");
         }
         self.allocations.insert(ptr as CUdeviceptr, layout);
         Ok(ptr as CUdeviceptr)
@@ -375,7 +376,7 @@ fn gemm(g: &Gemm) {
 }
 
 /// Builds the emulator library (or finds it built) and returns its path.
-fn build() -> Result<PathBuf, String> {
+fn build() -> Result<PathBuf> {
     let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
     let mut units: Vec<(String, String)> = vec![("runtime".into(), RUNTIME.to_string())];
     for m in MODULES {
@@ -401,46 +402,46 @@ fn build() -> Result<PathBuf, String> {
     // Build in a private directory, then move the library into place (concurrent builders each
     // produce the same file).
     let work = base.join(format!("emulator-{hex}.build-{}", std::process::id()));
-    std::fs::create_dir_all(&work).map_err(|e| format!("cannot create {}: {e}", work.display()))?;
+    std::fs::create_dir_all(&work).map_err(|e| anyhow!("cannot create {}: {e}", work.display()))?;
     let write = |name: &str, text: &str| {
-        std::fs::write(work.join(name), text).map_err(|e| format!("cannot write {}: {e}", work.join(name).display()))
+        std::fs::write(work.join(name), text).map_err(|e| anyhow!("cannot write {}: {e}", work.join(name).display()))
     };
     write("prelude.h", PRELUDE)?;
     write("ops.h", OPS)?;
     for (name, text) in &units {
         write(&format!("{name}.cpp"), text)?;
     }
-    let compile = |name: &str| -> Result<(), String> {
+    let compile = |name: &str| -> Result<()> {
         let out = std::process::Command::new(&cxx)
             .args(["-std=c++20", "-O1", "-fPIC", "-pthread", "-w", "-c"])
             .arg(format!("{name}.cpp"))
             .args(["-o", &format!("{name}.o")])
             .current_dir(&work)
             .output()
-            .map_err(|e| format!("cannot run the C++ compiler `{cxx}` (set CXX): {e}"))?;
+            .map_err(|e| anyhow!("cannot run the C++ compiler `{cxx}` (set CXX): {e}"))?;
         if out.status.success() {
             Ok(())
         } else {
-            Err(format!("{cxx} cannot compile the emulated {name}.cu:\n{}", String::from_utf8_lossy(&out.stderr)))
+            Err(anyhow!("{cxx} cannot compile the emulated {name}.cu:\n{}", String::from_utf8_lossy(&out.stderr)))
         }
     };
-    let results: Vec<Result<(), String>> = std::thread::scope(|s| {
+    let results: Vec<Result<()>> = std::thread::scope(|s| {
         let jobs: Vec<_> = units.iter().map(|(name, _)| s.spawn(move || compile(name))).collect();
-        jobs.into_iter().map(|j| j.join().unwrap_or_else(|_| Err("compiler thread panicked".into()))).collect()
+        jobs.into_iter().map(|j| j.join().unwrap_or_else(|_| Err(anyhow!("compiler thread panicked")))).collect()
     });
-    results.into_iter().collect::<Result<Vec<()>, String>>()?;
+    results.into_iter().collect::<Result<Vec<()>>>()?;
     let objects: Vec<String> = units.iter().map(|(n, _)| format!("{n}.o")).collect();
     let out = std::process::Command::new(&cxx)
         .args(["-shared", "-pthread", "-o", "libengine_cuda_emulator.so"])
         .args(&objects)
         .current_dir(&work)
         .output()
-        .map_err(|e| format!("cannot run `{cxx}`: {e}"))?;
+        .map_err(|e| anyhow!("cannot run `{cxx}`: {e}"))?;
     if !out.status.success() {
-        return Err(format!("{cxx} cannot link the CUDA emulator:\n{}", String::from_utf8_lossy(&out.stderr)));
+        bail!("{cxx} cannot link the CUDA emulator:\n{}", String::from_utf8_lossy(&out.stderr));
     }
-    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
-    std::fs::rename(work.join("libengine_cuda_emulator.so"), &library).map_err(|e| e.to_string())?;
+    std::fs::create_dir_all(&dir)?;
+    std::fs::rename(work.join("libengine_cuda_emulator.so"), &library)?;
     let _ = std::fs::remove_dir_all(&work);
     Ok(library)
 }
@@ -457,12 +458,12 @@ mod tests {
 
     #[test]
     fn the_fault_hook_names_a_kernel_and_optionally_a_launch() {
-        assert_eq!(Fault::parse("adamw@3"), Ok(Fault { kernel: "adamw".into(), launch: Some(3) }));
-        assert_eq!(Fault::parse("rope"), Ok(Fault { kernel: "rope".into(), launch: None }));
-        let e = Fault::parse("adamv@3").unwrap_err();
+        assert_eq!(Fault::parse("adamw@3").unwrap(), Fault { kernel: "adamw".into(), launch: Some(3) });
+        assert_eq!(Fault::parse("rope").unwrap(), Fault { kernel: "rope".into(), launch: None });
+        let e = Fault::parse("adamv@3").unwrap_err().to_string();
         assert!(e.starts_with("ENGINE_TEST_EMULATOR_FAULT=adamv@3: no kernel is named `adamv`"), "{e}");
         for bad in ["adamw@0", "adamw@x", "adamw@"] {
-            assert!(Fault::parse(bad).unwrap_err().contains("whole number from 1"), "{bad}");
+            assert!(Fault::parse(bad).unwrap_err().to_string().contains("whole number from 1"), "{bad}");
         }
     }
 }

@@ -29,6 +29,7 @@ pub mod ops;
 
 use std::collections::HashMap;
 
+use anyhow::{Result, anyhow, bail};
 use cudarc::driver::sys::{self, CUdeviceptr};
 
 use super::{
@@ -49,7 +50,7 @@ trait Device {
     /// Largest dynamic shared memory a block may have.
     fn max_shared_memory(&self) -> usize;
     /// Zero-filled device memory.
-    fn alloc(&mut self, bytes: usize) -> Result<CUdeviceptr, String>;
+    fn alloc(&mut self, bytes: usize) -> Result<CUdeviceptr>;
     /// Frees what `alloc` returned (nothing may be pending on it).
     fn free(&mut self, ptr: CUdeviceptr);
     /// Host to device, in order with the work issued.
@@ -80,8 +81,8 @@ trait Device {
         None
     }
     /// cuDNN on the device's stream, opened the first time it is asked for.
-    fn cudnn(&mut self) -> Result<&mut cudnn::Cudnn, String> {
-        Err("cuDNN runs on a GPU, and this device is the emulator".into())
+    fn cudnn(&mut self) -> Result<&mut cudnn::Cudnn> {
+        bail!("cuDNN runs on a GPU, and this device is the emulator")
     }
 }
 
@@ -133,22 +134,22 @@ pub fn bytes_per_element(kind: BufKind) -> usize {
 }
 
 /// Why a model cannot train on this backend, if it cannot.
-pub fn check_model(m: &ModelConfig) -> Result<(), String> {
+pub fn check_model(m: &ModelConfig) -> Result<()> {
     if !m.head_dim.is_multiple_of(8) || m.head_dim > ops::attention::MAX_HEAD_DIM {
-        return Err(format!(
+        bail!(
             "model.head_dim = {}: the CUDA attention kernels take a multiple of 8 up to {}; use --device cpu",
             m.head_dim,
             ops::attention::MAX_HEAD_DIM
-        ));
+        );
     }
     if let Some(moe) = &m.moe
         && moe.num_experts > ops::moe::MAX_EXPERTS
     {
-        return Err(format!(
+        bail!(
             "model.moe.num_experts = {}: the CUDA routing kernels take at most {}; use --device cpu",
             moe.num_experts,
             ops::moe::MAX_EXPERTS
-        ));
+        );
     }
     Ok(())
 }
@@ -222,12 +223,12 @@ pub struct Cuda {
 impl Cuda {
     /// Opens GPU `ordinal`: checks the driver, the device and the libraries, and compiles (or
     /// loads from the cache) every kernel module for the device's architecture.
-    pub fn new(ordinal: usize) -> Result<Cuda, String> {
+    pub fn new(ordinal: usize) -> Result<Cuda> {
         Ok(Cuda::on(Box::new(driver::Gpu::open(ordinal)?)))
     }
 
     /// The backend on the CPU emulator: the same kernels and host code, no GPU (slow; tests).
-    pub fn emulated() -> Result<Cuda, String> {
+    pub fn emulated() -> Result<Cuda> {
         Ok(Cuda::on(Box::new(emulator::Emulator::open()?)))
     }
 
@@ -449,13 +450,13 @@ impl Backend for Cuda {
         )
     }
 
-    fn select_attention(&mut self, choice: AttentionImpl, shape: AttnShape, needs: AttnNeeds) -> Result<(), String> {
-        let cudnn = |gpu: &mut Cuda| -> Result<String, String> {
+    fn select_attention(&mut self, choice: AttentionImpl, shape: AttnShape, needs: AttnNeeds) -> Result<()> {
+        let cudnn = |gpu: &mut Cuda| -> Result<String> {
             if needs.documents {
-                return Err(cudnn::NO_DOCUMENT_MASK.into());
+                bail!(cudnn::NO_DOCUMENT_MASK);
             }
             if needs.seq_split {
-                return Err(cudnn::NO_SEQ_SPLIT.into());
+                bail!(cudnn::NO_SEQ_SPLIT);
             }
             let checked = cudnn::self_check(gpu, shape)?;
             let c = gpu.dev.cudnn()?;
@@ -465,13 +466,13 @@ impl Backend for Cuda {
         (self.attention, self.attention_note) = match choice {
             AttentionImpl::Native => (Attention::Native, "attention: native kernels".into()),
             AttentionImpl::Cudnn => {
-                let how =
-                    cudnn(self).map_err(|e| format!("train.attention = \"cudnn\": {e}; set \"auto\" or \"native\""))?;
+                let how = cudnn(self)
+                    .map_err(|e| anyhow!("train.attention = \"cudnn\": {e:#}; set \"auto\" or \"native\""))?;
                 (Attention::Cudnn, format!("attention: {how}"))
             }
             AttentionImpl::Auto => match cudnn(self) {
                 Ok(how) => (Attention::Cudnn, format!("attention: {how}")),
-                Err(why) => (Attention::Native, format!("attention: native kernels (cuDNN not used: {why})")),
+                Err(why) => (Attention::Native, format!("attention: native kernels (cuDNN not used: {why:#})")),
             },
         };
         Ok(())
@@ -867,7 +868,7 @@ mod tests {
     #[test]
     fn model_checks_name_the_key() {
         let m = ModelConfig { head_dim: 6, ..ModelConfig::default() };
-        assert!(check_model(&m).unwrap_err().contains("model.head_dim = 6"));
+        assert!(check_model(&m).unwrap_err().to_string().contains("model.head_dim = 6"));
         let m = ModelConfig { head_dim: 256, ..ModelConfig::default() };
         assert!(check_model(&m).is_err());
         assert!(check_model(&ModelConfig { head_dim: 128, ..ModelConfig::default() }).is_ok());

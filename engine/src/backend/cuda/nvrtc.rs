@@ -10,6 +10,7 @@
 use std::ffi::CStr;
 use std::path::PathBuf;
 
+use anyhow::{Result, anyhow, bail};
 use cudarc::nvrtc::{result, sys};
 use sha2::{Digest, Sha256};
 
@@ -22,21 +23,21 @@ use crate::fsutil::write_atomic;
 const OPTIONS: [&str; 2] = ["-std=c++17", "-lineinfo"];
 
 /// The NVRTC version (major, minor), or why NVRTC cannot be used.
-pub fn version() -> Result<(i32, i32), String> {
+pub fn version() -> Result<(i32, i32)> {
     let (_, problems) = preload_libraries();
     // SAFETY: only tries to open the library.
     if !unsafe { sys::is_culib_present() } {
         let extra = if problems.is_empty() { String::new() } else { format!(" ({})", problems.join("; ")) };
-        return Err(format!(
+        bail!(
             "NVRTC (libnvrtc.so.13) was not found on the library path nor in {LIB_PATH_VAR}{extra}; install the CUDA 13 \
              toolkit's NVRTC or the nvidia-cuda-nvrtc wheel and point {LIB_PATH_VAR} at its lib directory"
-        ));
+        );
     }
     let (mut major, mut minor) = (0, 0);
     // SAFETY: writes two ints.
     unsafe { sys::nvrtcVersion(&mut major, &mut minor) }
         .result()
-        .map_err(|e| format!("NVRTC does not answer: {e:?}"))?;
+        .map_err(|e| anyhow!("NVRTC does not answer: {e:?}"))?;
     Ok((major, minor))
 }
 
@@ -51,7 +52,7 @@ pub struct Compiled {
 
 /// Compiles `module` for `sm_{arch}` (e.g. 90). `verbose` asks ptxas for its report of
 /// registers, spills and shared memory per kernel.
-pub fn compile(module: &Module, arch: u32, verbose: bool) -> Result<Compiled, String> {
+pub fn compile(module: &Module, arch: u32, verbose: bool) -> Result<Compiled> {
     version()?;
     let source = std::ffi::CString::new(module.full_source()).expect("kernel sources hold no NUL byte");
     let name = std::ffi::CString::new(format!("{}.cu", module.name)).expect("module names hold no NUL byte");
@@ -60,13 +61,13 @@ pub fn compile(module: &Module, arch: u32, verbose: bool) -> Result<Compiled, St
     if verbose {
         options.push("--ptxas-options=-v".into());
     }
-    let prog = result::create_program(&source, Some(&name)).map_err(|e| format!("NVRTC: {e:?}"))?;
+    let prog = result::create_program(&source, Some(&name)).map_err(|e| anyhow!("NVRTC: {e:?}"))?;
     // SAFETY: `prog` is a live program until destroyed at the end of this function.
     unsafe {
         let compiled = result::compile_program(prog, &options);
         let log = result::get_program_log(prog).map(|raw| c_text(&raw)).unwrap_or_default();
         let out = match compiled {
-            Err(e) => Err(format!("NVRTC cannot compile {}.cu for sm_{arch} ({e:?}):\n{log}", module.name)),
+            Err(e) => Err(anyhow!("NVRTC cannot compile {}.cu for sm_{arch} ({e:?}):\n{log}", module.name)),
             Ok(()) => cubin(prog).map(|cubin| Compiled { cubin, log }),
         };
         let _ = result::destroy_program(prog);
@@ -84,13 +85,13 @@ fn c_text(raw: &[std::ffi::c_char]) -> String {
 ///
 /// # Safety
 /// `prog` must be a successfully compiled program.
-unsafe fn cubin(prog: sys::nvrtcProgram) -> Result<Vec<u8>, String> {
+unsafe fn cubin(prog: sys::nvrtcProgram) -> Result<Vec<u8>> {
     let mut size = 0usize;
     // SAFETY: per the function's contract.
-    unsafe { sys::nvrtcGetCUBINSize(prog, &mut size) }.result().map_err(|e| format!("NVRTC: {e:?}"))?;
+    unsafe { sys::nvrtcGetCUBINSize(prog, &mut size) }.result().map_err(|e| anyhow!("NVRTC: {e:?}"))?;
     let mut buf = vec![0u8; size];
     // SAFETY: `buf` holds `size` bytes.
-    unsafe { sys::nvrtcGetCUBIN(prog, buf.as_mut_ptr().cast()) }.result().map_err(|e| format!("NVRTC: {e:?}"))?;
+    unsafe { sys::nvrtcGetCUBIN(prog, buf.as_mut_ptr().cast()) }.result().map_err(|e| anyhow!("NVRTC: {e:?}"))?;
     Ok(buf)
 }
 
@@ -115,7 +116,7 @@ pub fn cache_file(module: &Module, arch: u32, nvrtc: (i32, i32)) -> String {
 
 /// The module's CUBIN for `sm_{arch}`, from the cache when it is there, else compiled (and
 /// cached). Returns whether it was compiled.
-pub fn load_or_compile(module: &Module, arch: u32) -> Result<(Vec<u8>, bool), String> {
+pub fn load_or_compile(module: &Module, arch: u32) -> Result<(Vec<u8>, bool)> {
     let nvrtc = version()?;
     let path = cache_dir().map(|d| d.join(cache_file(module, arch, nvrtc)));
     if let Some(cubin) = path.as_ref().and_then(|p| std::fs::read(p).ok()) {

@@ -14,6 +14,7 @@ pub(crate) mod graph;
 use std::collections::HashMap;
 use std::ffi::{CStr, c_void};
 
+use anyhow::{Context, Result, anyhow, bail};
 use cudarc::cudnn::sys;
 use cudarc::driver::result;
 use cudarc::driver::sys::{CUdeviceptr, CUstream};
@@ -62,19 +63,15 @@ impl Bindings {
 }
 
 /// The cuDNN version of the library found, e.g. 91400 for 9.14.0, or why there is none.
-pub fn version() -> Result<usize, String> {
+pub fn version() -> Result<usize> {
     // SAFETY: only tries to open the library.
     if !unsafe { sys::is_culib_present() } {
-        return Err("cuDNN (libcudnn.so.9) was not found on the library path".into());
+        bail!("cuDNN (libcudnn.so.9) was not found on the library path");
     }
     // SAFETY: a plain query of the loaded library.
     let v = unsafe { sys::cudnnGetVersion() };
     if v < MIN_VERSION {
-        return Err(format!(
-            "cuDNN {} is older than {} (the oldest whose fused attention is used)",
-            dotted(v),
-            dotted(MIN_VERSION)
-        ));
+        bail!("cuDNN {} is older than {} (the oldest whose fused attention is used)", dotted(v), dotted(MIN_VERSION));
     }
     Ok(v)
 }
@@ -101,7 +98,7 @@ pub struct Cudnn {
 
 impl Cudnn {
     /// Opens cuDNN on `stream` (of the current CUDA context).
-    pub fn new(stream: CUstream) -> Result<Cudnn, String> {
+    pub fn new(stream: CUstream) -> Result<Cudnn> {
         let version = version()?;
         let mut handle = std::ptr::null_mut();
         // SAFETY: the library is present (checked above); the handle is destroyed in Drop.
@@ -118,27 +115,27 @@ impl Cudnn {
 
     /// Builds the plans of both passes for shape `s`, unless built: the first time a shape is
     /// seen, outside any CUDA graph capture (the first step runs eagerly).
-    pub(crate) fn prepare(&mut self, s: AttnShape) -> Result<(), String> {
+    pub(crate) fn prepare(&mut self, s: AttnShape) -> Result<()> {
         for pass in [Pass::Forward, Pass::Backward] {
             self.plan(pass, s)?;
         }
         Ok(())
     }
 
-    fn plan(&mut self, pass: Pass, s: AttnShape) -> Result<(), String> {
+    fn plan(&mut self, pass: Pass, s: AttnShape) -> Result<()> {
         if !self.plans.contains_key(&(pass, key(s))) {
             let plan = Plan::build(self.handle, graph::graph(pass, s))
-                .map_err(|e| format!("cuDNN {} {pass:?} attention plan for {s:?}: {e}", dotted(self.version)))?;
+                .with_context(|| format!("cuDNN {} {pass:?} attention plan for {s:?}", dotted(self.version)))?;
             if plan.workspace > self.workspace.1 {
                 if self.workspace.0 != 0 {
                     // SAFETY: nothing is pending on the old workspace: plans are built eagerly,
                     // and the stream is synchronised first.
-                    result::ctx::synchronize().map_err(|e| e.to_string())?;
-                    unsafe { result::free_sync(self.workspace.0) }.map_err(|e| e.to_string())?;
+                    result::ctx::synchronize()?;
+                    unsafe { result::free_sync(self.workspace.0) }?;
                 }
                 // SAFETY: a plain device allocation.
                 let ptr = unsafe { result::malloc_sync(plan.workspace) }
-                    .map_err(|e| format!("cannot allocate cuDNN's workspace of {} bytes: {e}", plan.workspace))?;
+                    .map_err(|e| anyhow!("cannot allocate cuDNN's workspace of {} bytes: {e}", plan.workspace))?;
                 self.workspace = (ptr, plan.workspace);
             }
             self.plans.insert((pass, key(s)), plan);
@@ -147,7 +144,7 @@ impl Cudnn {
     }
 
     /// Runs `pass` of attention of shape `s` on `b` (building its plan if needed).
-    pub(crate) fn run(&mut self, pass: Pass, s: AttnShape, b: &Bindings) -> Result<(), String> {
+    pub(crate) fn run(&mut self, pass: Pass, s: AttnShape, b: &Bindings) -> Result<()> {
         self.plan(pass, s)?;
         self.plans[&(pass, key(s))].execute(self.handle, b, self.workspace.0)
     }
@@ -170,7 +167,7 @@ impl Drop for Cudnn {
 struct Descriptor(sys::cudnnBackendDescriptor_t);
 
 impl Descriptor {
-    fn new(kind: sys::cudnnBackendDescriptorType_t) -> Result<Descriptor, String> {
+    fn new(kind: sys::cudnnBackendDescriptorType_t) -> Result<Descriptor> {
         let mut d = std::ptr::null_mut();
         // SAFETY: creates a descriptor; ownership moves into the returned value.
         check(unsafe { sys::cudnnBackendCreateDescriptor(kind, &mut d) }, &format!("create {kind:?}"))?;
@@ -182,7 +179,7 @@ impl Descriptor {
         name: sys::cudnnBackendAttributeName_t,
         ty: sys::cudnnBackendAttributeType_t,
         v: &[T],
-    ) -> Result<(), String> {
+    ) -> Result<()> {
         // SAFETY: `v` holds `v.len()` elements of the type `ty` names (the callers pair them).
         check(
             unsafe { sys::cudnnBackendSetAttribute(self.0, name, ty, v.len() as i64, v.as_ptr().cast()) },
@@ -190,7 +187,7 @@ impl Descriptor {
         )
     }
 
-    fn set_desc(&self, name: sys::cudnnBackendAttributeName_t, d: &Descriptor) -> Result<(), String> {
+    fn set_desc(&self, name: sys::cudnnBackendAttributeName_t, d: &Descriptor) -> Result<()> {
         self.set(name, sys::cudnnBackendAttributeType_t::CUDNN_TYPE_BACKEND_DESCRIPTOR, &[d.0])
     }
 
@@ -202,7 +199,7 @@ impl Descriptor {
         ty: sys::cudnnBackendAttributeType_t,
         out: &mut [V],
         what: &str,
-    ) -> Result<i64, String> {
+    ) -> Result<i64> {
         let mut n = 0i64;
         let ptr = if out.is_empty() { std::ptr::null_mut() } else { out.as_mut_ptr().cast() };
         // SAFETY: `out` has room for the `out.len()` elements of the type `ty` names (the callers
@@ -211,7 +208,7 @@ impl Descriptor {
         Ok(n)
     }
 
-    fn finalize(&self, what: &str) -> Result<(), String> {
+    fn finalize(&self, what: &str) -> Result<()> {
         // SAFETY: a descriptor whose attributes were set.
         check(unsafe { sys::cudnnBackendFinalize(self.0) }, &format!("finalize {what}"))
     }
@@ -225,7 +222,7 @@ impl Drop for Descriptor {
 }
 
 /// A status as a message: cuDNN's name for it and its last error's text.
-fn check(status: sys::cudnnStatus_t, what: &str) -> Result<(), String> {
+fn check(status: sys::cudnnStatus_t, what: &str) -> Result<()> {
     if status == sys::cudnnStatus_t::CUDNN_STATUS_SUCCESS {
         return Ok(());
     }
@@ -236,7 +233,7 @@ fn check(status: sys::cudnnStatus_t, what: &str) -> Result<(), String> {
         CStr::from_ptr(text.as_ptr()).to_string_lossy().into_owned()
     };
     let last = if last.is_empty() { String::new() } else { format!(": {last}") };
-    Err(format!("{what}: {status:?}{last}"))
+    bail!("{what}: {status:?}{last}")
 }
 
 use sys::cudnnBackendAttributeName_t as A;
@@ -282,7 +279,7 @@ struct Plan {
 }
 
 impl Plan {
-    fn build(handle: sys::cudnnHandle_t, g: Graph) -> Result<Plan, String> {
+    fn build(handle: sys::cudnnHandle_t, g: Graph) -> Result<Plan> {
         let mut keep = Vec::new();
         let mut tensors = Vec::new();
         for t in &g.tensors {
@@ -395,7 +392,7 @@ impl Plan {
         Ok(Plan { plan, workspace, bound, scalars: scalars.into_boxed_slice(), _graph: keep })
     }
 
-    fn execute(&self, handle: sys::cudnnHandle_t, b: &Bindings, workspace: CUdeviceptr) -> Result<(), String> {
+    fn execute(&self, handle: sys::cudnnHandle_t, b: &Bindings, workspace: CUdeviceptr) -> Result<()> {
         let mut uids = Vec::with_capacity(self.bound.len());
         let mut pointers: Vec<*mut c_void> = Vec::with_capacity(self.bound.len());
         let mut next_scalar = 0;
@@ -422,15 +419,16 @@ impl Plan {
 
 /// The first engine configuration, in the order of heuristics A and then the fallback list,
 /// whose execution plan finalizes; with the workspace it needs.
-fn choose_plan(handle: sys::cudnnHandle_t, graph: &Descriptor) -> Result<(Descriptor, usize), String> {
-    let mut tried = Vec::new();
+fn choose_plan(handle: sys::cudnnHandle_t, graph: &Descriptor) -> Result<(Descriptor, usize)> {
+    // What each refusal said, as text: repeats are dropped and the rest joined in one line.
+    let mut tried: Vec<String> = Vec::new();
     for mode in [sys::cudnnBackendHeurMode_t::CUDNN_HEUR_MODE_A, sys::cudnnBackendHeurMode_t::CUDNN_HEUR_MODE_FALLBACK]
     {
         let heur = Descriptor::new(D::CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR)?;
         heur.set_desc(A::CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH, graph)?;
         heur.set(A::CUDNN_ATTR_ENGINEHEUR_MODE, T::CUDNN_TYPE_HEUR_MODE, &[mode])?;
         if let Err(e) = heur.finalize(&format!("heuristics {mode:?}")) {
-            tried.push(e);
+            tried.push(format!("{e:#}"));
             continue;
         }
         let results = (A::CUDNN_ATTR_ENGINEHEUR_RESULTS, T::CUDNN_TYPE_BACKEND_DESCRIPTOR);
@@ -438,12 +436,12 @@ fn choose_plan(handle: sys::cudnnHandle_t, graph: &Descriptor) -> Result<(Descri
         {
             Ok(count) => count,
             Err(e) => {
-                tried.push(e);
+                tried.push(format!("{e:#}"));
                 continue;
             }
         };
         let configs: Vec<Descriptor> =
-            (0..count).map(|_| Descriptor::new(D::CUDNN_BACKEND_ENGINECFG_DESCRIPTOR)).collect::<Result<_, _>>()?;
+            (0..count).map(|_| Descriptor::new(D::CUDNN_BACKEND_ENGINECFG_DESCRIPTOR)).collect::<Result<_>>()?;
         // The created engine-configuration descriptors, for cuDNN to fill.
         let mut raw: Vec<sys::cudnnBackendDescriptor_t> = configs.iter().map(|c| c.0).collect();
         let returned = heur.get(results.0, results.1, &mut raw, "read the heuristics' results")?;
@@ -458,7 +456,7 @@ fn choose_plan(handle: sys::cudnnHandle_t, graph: &Descriptor) -> Result<(Descri
                     plan.get(size, T::CUDNN_TYPE_INT64, &mut bytes, "the plan's workspace size")?;
                     return Ok((plan, bytes[0].max(0) as usize));
                 }
-                Err(e) => tried.push(e),
+                Err(e) => tried.push(format!("{e:#}")),
             }
         }
         if returned == 0 {
@@ -466,7 +464,7 @@ fn choose_plan(handle: sys::cudnnHandle_t, graph: &Descriptor) -> Result<(Descri
         }
     }
     tried.dedup();
-    Err(format!("no engine takes the graph ({})", tried.join("; ")))
+    bail!("no engine takes the graph ({})", tried.join("; "))
 }
 
 /// The addresses of Q, K and V in packed qkv rows starting at `qkv` (bf16).
@@ -476,7 +474,7 @@ fn qkv_parts(qkv: CUdeviceptr, s: AttnShape) -> (CUdeviceptr, CUdeviceptr, CUdev
 }
 
 /// Opens cuDNN on the backend's device, or says why it cannot be.
-fn open(gpu: &mut Cuda) -> Result<&mut Cudnn, String> {
+fn open(gpu: &mut Cuda) -> Result<&mut Cudnn> {
     gpu.dev.cudnn()
 }
 
@@ -498,7 +496,7 @@ pub(crate) fn forward(gpu: &mut Cuda, out: View, lse: View, qkv: View, s: AttnSh
     let (q, k, v) = qkv_parts(base, s);
     let b = Bindings { q, k, v, o, stats, ..Bindings::default() };
     if let Err(e) = open(gpu).and_then(|c| c.run(Pass::Forward, s, &b)) {
-        panic!("attention forward on cuDNN: {e}; run with --set train.attention=native")
+        panic!("attention forward on cuDNN: {e:#}; run with --set train.attention=native")
     }
 }
 
@@ -514,14 +512,14 @@ pub(crate) fn backward(gpu: &mut Cuda, dqkv: View, dout: View, qkv: View, out: V
     let (o, stats, d_o) = (gpu.ptr(out), gpu.ptr(lse), gpu.ptr(dout));
     let b = Bindings { q, k, v, o, stats, d_o, dq, dk, dv, dq_accum };
     if let Err(e) = open(gpu).and_then(|c| c.run(Pass::Backward, s, &b)) {
-        panic!("attention backward on cuDNN: {e}; run with --set train.attention=native")
+        panic!("attention backward on cuDNN: {e:#}; run with --set train.attention=native")
     }
 }
 
 /// cuDNN's attention against the f32 CPU reference on one small case of the model's heads
 /// (both passes, its plans built for that shape): the check `train.attention = "auto"` makes
 /// before it takes cuDNN, and `"cudnn"` before it runs. Returns the errors measured.
-pub(crate) fn self_check(gpu: &mut Cuda, model: AttnShape) -> Result<String, String> {
+pub(crate) fn self_check(gpu: &mut Cuda, model: AttnShape) -> Result<String> {
     open(gpu)?;
     let s = AttnShape { batch: 1, seq: 192, ..model };
     let (n, nq) = (s.rows() * s.qkv_width(), s.rows() * s.q_width());
@@ -585,7 +583,7 @@ pub(crate) fn self_check(gpu: &mut Cuda, model: AttnShape) -> Result<String, Str
 }
 
 /// `name`'s relative L2 error against the reference, if within `tol`.
-fn check_close(name: &str, got: &[f32], want: &[f32], tol: f64) -> Result<String, String> {
+fn check_close(name: &str, got: &[f32], want: &[f32], tol: f64) -> Result<String> {
     let (mut err, mut norm) = (0f64, 0f64);
     for (g, w) in got.iter().zip(want) {
         err += f64::from(g - w).powi(2);
@@ -593,7 +591,7 @@ fn check_close(name: &str, got: &[f32], want: &[f32], tol: f64) -> Result<String
     }
     let rel = (err / norm.max(f64::MIN_POSITIVE)).sqrt();
     if rel.is_nan() || rel > tol {
-        return Err(format!("{name} is {rel:.2e} off the CPU reference (relative L2; at most {tol:.0e} expected)"));
+        bail!("{name} is {rel:.2e} off the CPU reference (relative L2; at most {tol:.0e} expected)");
     }
     Ok(format!("{name} {rel:.1e}"))
 }
