@@ -402,7 +402,7 @@ mod tests {
     /// One message of a handoff: sent (else received), the neighbour, what it carries.
     type Message = (bool, usize, Carried);
 
-    fn run_handoffs(schedule: PipelineSchedule, p: usize, m: usize, v: usize) -> Result<(), String> {
+    fn run_handoffs(schedule: PipelineSchedule, p: usize, m: usize, v: usize) -> anyhow::Result<()> {
         // Per stage, its handoffs as lists of messages.
         use std::collections::HashMap;
         let mut stages: Vec<Vec<Vec<Message>>> = Vec::new();
@@ -457,9 +457,9 @@ mod tests {
         for (s, groups) in numbered.iter().enumerate() {
             for &(send, peer, k, what) in groups.iter().flatten() {
                 match at[peer].get(&(!send, s, k)) {
-                    None => return Err(format!("stage {s}'s message {what:?} has no match on stage {peer}")),
+                    None => anyhow::bail!("stage {s}'s message {what:?} has no match on stage {peer}"),
                     Some(&(_, other)) if send && other != what => {
-                        return Err(format!("stage {peer} receives {what:?} where it expects {other:?}"));
+                        anyhow::bail!("stage {peer} receives {what:?} where it expects {other:?}");
                     }
                     Some(_) => {}
                 }
@@ -476,7 +476,7 @@ mod tests {
                 }
             }
             if !moved {
-                return Err(format!("the stages wait on each other after handoffs {done:?}"));
+                anyhow::bail!("the stages wait on each other after handoffs {done:?}");
             }
         }
         Ok(())

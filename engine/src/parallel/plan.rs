@@ -281,7 +281,7 @@ impl ParallelPlan {
 fn microbatch_sequences(config: &Config, mesh: &Mesh) -> Result<usize> {
     let (tensor, stages, seq) = (mesh.size(Axis::Tensor), mesh.size(Axis::Pipeline), mesh.size(Axis::Seq));
     let t = &config.train;
-    let group = t.batch_size.sequences(tensor * stages * seq).map_err(anyhow::Error::msg)?;
+    let group = t.batch_size.sequences(tensor * stages * seq)?;
     let m = t.pipeline_microbatches;
     if !group.is_multiple_of(m) {
         let seq = if seq > 1 { format!(" x seq {seq}") } else { String::new() };

@@ -207,7 +207,7 @@ mod tests {
         half.train.batch_size = crate::config::BatchSize(0.5);
         let mut one = half.clone();
         one.train.batch_size *= 4;
-        assert_eq!(one.train.batch_size.sequences(1), Ok(2));
+        assert_eq!(one.train.batch_size.sequences(1).unwrap(), 2);
         let want: Vec<f64> = {
             let mut t = Trainer::new(Traced::new(Cpu::new()), &one).unwrap();
             (0..half.train.steps).map(|_| t.train_step(0.0).loss).collect()
