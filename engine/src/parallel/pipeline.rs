@@ -231,13 +231,21 @@ pub fn handoffs(
     let forward = |i: usize| matches!(actions[i], Action::Forward(_));
     let receives = |i: usize| if forward(i) { place(i) > 0 } else { place(i) < last };
     let sends = |i: usize| if forward(i) { place(i) < last } else { place(i) > 0 };
+    // A receive ahead only where forward passes come after the backward pass.
+    let last_forward = (0..actions.len()).rev().find(|&i| forward(i));
+    let ahead = |i: usize| {
+        virtual_stages > 1
+            && last_forward.is_some_and(|f| f > i + 1)
+            && forward(i)
+            && !forward(i + 1)
+            && receives(i + 1)
+    };
     let mut out = Vec::new();
     let (mut pending, mut received) = (Vec::new(), vec![false; actions.len()]);
     for i in 0..actions.len() {
         if !received[i] {
             let mut recvs: Vec<usize> = receives(i).then_some(i).into_iter().collect();
-            let ahead = i + 1 < actions.len() && forward(i) && !forward(i + 1) && receives(i + 1);
-            if virtual_stages > 1 && ahead && (i + 2..actions.len()).any(forward) {
+            if ahead(i) {
                 recvs.push(i + 1);
                 received[i + 1] = true;
             }

@@ -15,7 +15,7 @@ use anyhow::{Result, anyhow, bail};
 
 use super::memory::{self, StagePlan};
 use super::mesh::{Axis, Mesh};
-use super::pipeline::{self, Action};
+use super::pipeline::{self, Action, Handoff};
 use super::tensor::local_config;
 use crate::config::{Config, PipelineSchedule, PipelineSplit};
 use crate::model::memory::{Estimate, Target};
@@ -57,6 +57,9 @@ pub struct Schedule {
     pub chunk_in_flight: Vec<usize>,
     /// The slots of all of them, each keeping its activations.
     pub in_flight: usize,
+    /// When the passes' inputs and outputs go to and from the neighbouring stages
+    /// ([`pipeline::handoffs`]).
+    pub handoffs: Vec<Handoff>,
 }
 
 impl Schedule {
@@ -78,7 +81,8 @@ impl Schedule {
             })
             .unzip();
         let in_flight = chunk_in_flight.iter().sum();
-        Schedule { actions, chunk_of, slot_of, chunk_in_flight, in_flight }
+        let handoffs = pipeline::handoffs(&actions, &chunk_of, stage, stages, virtual_stages);
+        Schedule { actions, chunk_of, slot_of, chunk_in_flight, in_flight, handoffs }
     }
 }
 

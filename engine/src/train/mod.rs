@@ -150,13 +150,12 @@ impl<B: Backend> Trainer<B> {
         let needs = AttnNeeds { documents: model.documents.is_some(), seq_split: model.seq.ranks > 1 };
         backend.select_attention(t.attention, model.attn_shape(batch, seq_len), needs)?;
         let schedule = &parallel_plan.schedules[coords.pipeline];
-        let (actions, chunk_of, slot_of) =
-            (schedule.actions.clone(), schedule.chunk_of.clone(), schedule.slot_of.clone());
+        let (actions, chunk_of, slot_of, handoffs) =
+            (schedule.actions.clone(), schedule.chunk_of.clone(), schedule.slot_of.clone(), schedule.handoffs.clone());
         // Under FSDP no device holds the whole model: the passes borrow each unit's buffers.
         let flat = !Parallel::<B>::shards_model(&mesh);
         let (plan, chunks) = plan_chunks(&model, &mut backend, (batch, seq_len), flat, &schedule.chunk_in_flight);
         let (d, stages) = (coords.pipeline, mesh.size(Axis::Pipeline) as isize);
-        let handoffs = pipeline::handoffs(&actions, &chunk_of, d, stages as usize, chunks.len());
         let around = (if d > 0 { -1 } else { stages - 1 }, if (d as isize) + 1 < stages { 1 } else { 1 - stages });
         let stashed = vec![Default::default(); if chunks.len() > 1 { t.pipeline_microbatches } else { 0 }];
         let slice = TensorSlice::of_stage(&config.model, &stage, coords.tensor, tensor);
