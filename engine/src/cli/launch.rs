@@ -29,15 +29,6 @@ use anyhow::{Context, Result, bail};
 use clap::{Args, Subcommand};
 use engine::parallel::{job, rendezvous};
 
-/// Writes one line to standard error in one system call, so that it does not interleave with
-/// the processes' own lines.
-macro_rules! say {
-    ($($arg:tt)*) => {{
-        let line = format!("{}\n", format_args!($($arg)*));
-        let _ = std::io::stderr().write_all(line.as_bytes());
-    }};
-}
-
 /// How often the launcher looks at its processes and signals.
 const POLL: Duration = Duration::from_millis(20);
 

@@ -146,9 +146,9 @@ pub fn run(args: TestAllArgs, device: DeviceArg) -> Result<()> {
     println!("{}", report::header());
     let hook = baselines::hook_overrides();
     if !hook.is_empty() {
-        eprintln!("{}: the curves are trained with {} as well (a test hook)", baselines::CURVE_HOOK, hook.join(" "));
+        say!("{}: the curves are trained with {} as well (a test hook)", baselines::CURVE_HOOK, hook.join(" "));
     }
-    let mut progress = |line: &str| eprintln!("{line}");
+    let mut progress = |line: &str| say!("{line}");
     let mut ctx = Ctx::new(mode, target, reference.as_ref(), &mut progress);
     let outcomes = testall::run(&mut ctx, &selected, &mut |o| println!("{}", report::row(o)));
     let seconds = start.elapsed().as_secs_f64();
@@ -177,7 +177,7 @@ pub fn baselines(cmd: BaselinesCommand, device: DeviceArg) -> Result<()> {
         .or_else(|| std::env::var_os(baselines::ENV).filter(|d| !d.is_empty()).map(PathBuf::from))
         .unwrap_or("tests/baselines".into());
     println!("recording {} baselines on {} ({} runs)", mode.name(), target.describe(), args.runs);
-    let path = baselines::create(&dir, target, mode, args.runs, &mut |line| eprintln!("{line}"))?;
+    let path = baselines::create(&dir, target, mode, args.runs, &mut |line| say!("{line}"))?;
     println!("wrote {}", path.display());
     Ok(())
 }
