@@ -22,3 +22,14 @@ pub mod rng;
 pub mod tensors;
 pub mod testall;
 pub mod train;
+
+/// Writes one line to standard error in one system call. `eprintln!` makes two (the text, then
+/// the newline), and where stdout and stderr travel apart (docker's attach, a launcher's pipes)
+/// another line can land between them and start mid-line.
+#[macro_export]
+macro_rules! say {
+    ($($arg:tt)*) => {{
+        let line = format!("{}\n", format_args!($($arg)*));
+        let _ = std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes());
+    }};
+}

@@ -102,7 +102,7 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             // One line: the error and its causes, outermost first.
-            eprintln!("error: {e:#}");
+            engine::say!("error: {e:#}");
             ExitCode::from(2)
         }
     }

@@ -204,7 +204,7 @@ fn write_into(
     let sha = tensors::write(&dir.join(MODEL_FILE), &tensors, FloatType::F32)?;
     add(MODEL_FILE, Some(sha))?;
     if pause == Some(snap.step) {
-        eprintln!("{PAUSE_HOOK}: the save of step {} stops after {MODEL_FILE}", snap.step);
+        crate::say!("{PAUSE_HOOK}: the save of step {} stops after {MODEL_FILE}", snap.step);
         loop {
             std::thread::sleep(std::time::Duration::from_secs(3600));
         }

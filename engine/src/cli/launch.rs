@@ -28,6 +28,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use clap::{Args, Subcommand};
 use engine::parallel::{job, rendezvous};
+use engine::say;
 
 /// How often the launcher looks at its processes and signals.
 const POLL: Duration = Duration::from_millis(20);

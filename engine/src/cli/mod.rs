@@ -1,15 +1,5 @@
 //! Command-line interface: argument definitions and dispatch to one module per command.
 
-/// Writes one line to standard error in one system call. `eprintln!` makes two (the text, then
-/// the newline), and where stdout and stderr travel apart (docker's attach, a launcher's pipes)
-/// another line can land between them and start mid-line.
-macro_rules! say {
-    ($($arg:tt)*) => {{
-        let line = format!("{}\n", format_args!($($arg)*));
-        let _ = std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes());
-    }};
-}
-
 mod bench;
 mod data;
 mod device;
@@ -126,7 +116,7 @@ pub fn parse() -> Cli {
             ) {
                 e.exit();
             }
-            eprintln!("{}", one_line(&e.render().to_string(), kind));
+            engine::say!("{}", one_line(&e.render().to_string(), kind));
             std::process::exit(2);
         }
     }
@@ -239,7 +229,7 @@ pub fn install_panic_hook() {
             return default(info);
         }
         let (line, code) = panic_report(info.payload(), info.location());
-        eprintln!("{line}");
+        engine::say!("{line}");
         std::process::exit(code);
     }));
 }

@@ -9,6 +9,7 @@ use std::time::{Instant, SystemTime};
 use anyhow::{Result, bail};
 use clap::{Args, Subcommand};
 use engine::backend::cuda::{discovery, emulator};
+use engine::say;
 use engine::testall::baselines::{self, Reference, rfc3339_utc};
 use engine::testall::{self, Ctx, Mode, Status, Target, report};
 

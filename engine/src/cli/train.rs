@@ -58,7 +58,7 @@ pub fn run(args: TrainArgs, device: DeviceArg) -> Result<()> {
     match train(args, device) {
         Err(e) => match e.downcast_ref::<Stopped>() {
             Some(stopped) => {
-                eprintln!("engine: {stopped}");
+                engine::say!("engine: {stopped}");
                 std::process::exit(STOPPED_EXIT.into())
             }
             None => Err(e),

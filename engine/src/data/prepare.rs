@@ -454,7 +454,7 @@ fn check_out_dir(out: &Path) -> Result<()> {
             std::fs::remove_file(path).with_context(|| format!("cannot remove {}", path.display()))?;
         }
         if !leftovers.is_empty() {
-            eprintln!(
+            crate::say!(
                 "removed {} files left in {} by an interrupted `engine data prepare`",
                 leftovers.len(),
                 out.display()

@@ -133,7 +133,7 @@ impl Watchdog {
     fn fail(rank: usize, watched: &Watched, cause: &str) -> ! {
         let step = watched.step.load(Ordering::Relaxed);
         let at = if step == 0 { "before the first step".to_owned() } else { format!("at step {step}") };
-        eprintln!("error: rank {rank}: {cause} ({at}); aborting the NCCL communicators");
+        crate::say!("error: rank {rank}: {cause} ({at}); aborting the NCCL communicators");
         if let Ok(state) = watched.state.lock() {
             for &comm in &state.comms {
                 // SAFETY: a live communicator; aborting from another thread is how NCCL

@@ -351,14 +351,16 @@ fn coordinate(
         while let Ok((from, mut stream, read)) = arrivals.try_recv() {
             let line = read.unwrap_or_default();
             let Some((rank, world, token, brought)) = parse_hello(&line) else {
-                eprintln!(
+                crate::say!(
                     "rendezvous: ignored a connection from {from}: not an engine rank (it sent {:?})",
                     line.trim()
                 );
                 continue;
             };
             if token != job.token {
-                eprintln!("rendezvous: ignored rank {rank} from {from}: it belongs to another job (its token differs)");
+                crate::say!(
+                    "rendezvous: ignored rank {rank} from {from}: it belongs to another job (its token differs)"
+                );
                 let _ = writeln!(stream, "ERR this coordinator serves another job (the job tokens differ)");
                 continue;
             }

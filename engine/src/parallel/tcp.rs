@@ -206,7 +206,7 @@ fn accept_higher(
                         missing.retain(|&r| r != rank);
                         streams[rank] = Some(stream);
                     }
-                    None => eprintln!("rank {}: ignored a connection from {from}: not a rank of this job", job.rank),
+                    None => crate::say!("rank {}: ignored a connection from {from}: not a rank of this job", job.rank),
                 }
             }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
@@ -292,7 +292,7 @@ impl Net {
     /// Stops this process: one line naming the collective and the cause, the peers told why.
     fn fail(&self, call: &Call, cause: &str) -> ! {
         let line = format!("{}: {cause}", self.describe(call));
-        eprintln!("error: {line}");
+        crate::say!("error: {line}");
         let text = line.as_bytes();
         for writer in self.writers.iter().flatten() {
             // A writer held by a stuck send is skipped: that peer is the one not answering.

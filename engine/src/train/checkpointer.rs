@@ -184,7 +184,7 @@ impl Checkpointer {
             let sums =
                 if state.is_empty() { Sums::new() } else { sharded::write_part(&part_dir, rank, devices, &state)? };
             if pause == Some(step) {
-                eprintln!("{PAUSE_HOOK}: the save of step {step} stops after writing its part");
+                crate::say!("{PAUSE_HOOK}: the save of step {step} stops after writing its part");
                 loop {
                     std::thread::sleep(std::time::Duration::from_secs(3600));
                 }
@@ -292,7 +292,7 @@ impl Drop for Checkpointer {
         match self.sealed(true) {
             Ok(Some(report)) => println!("saved checkpoint {}", report.dir.display()),
             Ok(None) => {}
-            Err(e) => eprintln!("warning: the last checkpoint was not saved: {e:#}"),
+            Err(e) => crate::say!("warning: the last checkpoint was not saved: {e:#}"),
         }
     }
 }

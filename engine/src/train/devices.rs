@@ -777,7 +777,7 @@ mod tests {
             let estimate = ParallelPlan::resolve(&c, 2, 1).unwrap().estimate(&c, Target::Cpu).total();
             for peak in peaks {
                 let ratio = peak as f64 / estimate as f64;
-                eprintln!("seq=2: measured peak {peak} bytes, estimated {estimate} ({ratio:.3})");
+                crate::say!("seq=2: measured peak {peak} bytes, estimated {estimate} ({ratio:.3})");
                 assert!((0.9..=1.1).contains(&ratio), "seq=2: measured {peak} bytes, estimated {estimate}");
             }
         }

@@ -280,7 +280,7 @@ impl Blas {
         let target = match how {
             Trial::Untimed(why) => {
                 if self.log {
-                    eprintln!("cuBLASLt {}: the heuristic's first of {} ({why})", describe(g), algos.len());
+                    crate::say!("cuBLASLt {}: the heuristic's first of {} ({why})", describe(g), algos.len());
                 }
                 return Ok(0);
             }
@@ -289,7 +289,7 @@ impl Blas {
                 // SAFETY: plain allocation; freed below once the trials are done.
                 let Ok(buf) = (unsafe { driver::malloc_sync(bytes) }) else {
                     if self.log {
-                        eprintln!("cuBLASLt {}: the heuristic's first (no memory for trials)", describe(g));
+                        crate::say!("cuBLASLt {}: the heuristic's first (no memory for trials)", describe(g));
                     }
                     return Ok(0);
                 };
@@ -308,7 +308,7 @@ impl Blas {
         if self.log {
             let ms: Vec<String> =
                 times.iter().map(|t| t.map_or("failed".to_string(), |t| format!("{:.3}", t))).collect();
-            eprintln!("cuBLASLt {}: candidate {chosen} of {} (ms: {})", describe(g), algos.len(), ms.join(" "));
+            crate::say!("cuBLASLt {}: candidate {chosen} of {} (ms: {})", describe(g), algos.len(), ms.join(" "));
         }
         Ok(chosen)
     }

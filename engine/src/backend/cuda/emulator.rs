@@ -118,7 +118,7 @@ impl Emulator {
     pub fn open() -> Result<Emulator> {
         let fault = Fault::from_env()?;
         if let Some(f) = &fault {
-            eprintln!("{FAULT_HOOK}: the emulator breaks a kernel on purpose: {}", f.describe());
+            crate::say!("{FAULT_HOOK}: the emulator breaks a kernel on purpose: {}", f.describe());
         }
         let library = build()?;
         let path = CString::new(library.to_string_lossy().as_bytes())?;
@@ -306,7 +306,7 @@ impl Drop for Emulator {
             let mut rows: Vec<_> = p.into_iter().collect();
             rows.sort_by(|a, b| b.1.0.total_cmp(&a.1.0));
             for (name, (seconds, launches)) in rows {
-                eprintln!("emulator: {name:<32} {seconds:8.2} s  {launches:6} launches");
+                crate::say!("emulator: {name:<32} {seconds:8.2} s  {launches:6} launches");
             }
         }
         for (ptr, layout) in self.allocations.drain() {

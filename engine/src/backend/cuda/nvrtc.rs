@@ -134,7 +134,7 @@ pub fn load_or_compile(module: &Module, arch: u32) -> Result<(Vec<u8>, bool)> {
 
 fn warn_once(message: &str) {
     static WARNED: std::sync::Once = std::sync::Once::new();
-    WARNED.call_once(|| eprintln!("{message}"));
+    WARNED.call_once(|| crate::say!("{message}"));
 }
 
 /// One kernel's resources as ptxas reported them.
