@@ -31,8 +31,8 @@ use crate::data::{self, Loader};
 use crate::model::{GRAD_NORM_SQ, LOSS_ACCUM, LOSS_SUM, Model, Plan, init};
 use crate::parallel::comm::{Collectives, Solo};
 use crate::parallel::mesh::Axis;
-use crate::parallel::pipeline::{self, Action, ChunkExchange, Handoff};
-use crate::parallel::plan::ParallelPlan;
+use crate::parallel::pipeline::{self, Action, ChunkExchange};
+use crate::parallel::plan::{ParallelPlan, Schedule};
 use crate::parallel::strategies::{FsdpOptions, Parallel};
 use crate::parallel::tensor::TensorSlice;
 pub use metrics::StepMetrics;
@@ -54,13 +54,9 @@ pub struct Trainer<B: Backend> {
     /// other activation slots of its micro-batches in flight, sharing `plan`'s parameters and
     /// gradients.
     chunks: Vec<Chunk>,
-    /// This stage's passes in one step, the virtual stage of each, and the slot of each
-    /// micro-batch on each virtual stage.
-    actions: Vec<Action>,
-    chunk_of: Vec<usize>,
-    slot_of: Vec<Vec<usize>>,
-    /// When the passes' inputs and outputs go to and from the neighbouring stages.
-    handoffs: Vec<Handoff>,
+    /// This stage's passes in one step, the virtual stage and activation slot of each, and
+    /// when their inputs and outputs go to and from the neighbouring stages.
+    schedule: Schedule,
     /// The pipeline offsets of the devices before and after this one, wrapping round under
     /// interleaved 1F1B (the last device's virtual stage sends to the first device's next).
     around: (isize, isize),
@@ -149,9 +145,7 @@ impl<B: Backend> Trainer<B> {
         // The attention kernels, chosen (and checked) before any buffer is planned.
         let needs = AttnNeeds { documents: model.documents.is_some(), seq_split: model.seq.ranks > 1 };
         backend.select_attention(t.attention, model.attn_shape(batch, seq_len), needs)?;
-        let schedule = &parallel_plan.schedules[coords.pipeline];
-        let (actions, chunk_of, slot_of, handoffs) =
-            (schedule.actions.clone(), schedule.chunk_of.clone(), schedule.slot_of.clone(), schedule.handoffs.clone());
+        let schedule = parallel_plan.schedules[coords.pipeline].clone();
         // Under FSDP no device holds the whole model: the passes borrow each unit's buffers.
         let flat = !Parallel::<B>::shards_model(&mesh);
         let (plan, chunks) = plan_chunks(&model, &mut backend, (batch, seq_len), flat, &schedule.chunk_in_flight);
@@ -176,10 +170,7 @@ impl<B: Backend> Trainer<B> {
             model,
             plan,
             chunks,
-            actions,
-            chunk_of,
-            slot_of,
-            handoffs,
+            schedule,
             around,
             stashed,
             parallel_plan,
@@ -255,14 +246,14 @@ impl<B: Backend> Trainer<B> {
         for round in 0..accum {
             let mut next_handoff = 0;
             let mut i = 0;
-            while i < self.actions.len() {
-                while self.handoffs.get(next_handoff).is_some_and(|h| h.before == Some(i)) {
+            while i < self.schedule.actions.len() {
+                while self.schedule.handoffs.get(next_handoff).is_some_and(|h| h.before == Some(i)) {
                     self.hand_off(next_handoff);
                     next_handoff += 1;
                 }
-                let (action, v) = (self.actions[i], self.chunk_of[i]);
+                let (action, v) = (self.schedule.actions[i], self.schedule.chunk_of[i]);
                 let (Action::Forward(mb) | Action::Backward(mb)) = action;
-                let k = self.slot_of[v][mb];
+                let k = self.schedule.slot_of[v][mb];
                 let p = slot(&self.plan, &self.chunks, v, k);
                 let chunk = &self.chunks[v];
                 let stage = chunk.model.stage();
@@ -292,9 +283,12 @@ impl<B: Backend> Trainer<B> {
                         }
                         // One device: the micro-batch's forward and backward pass as one
                         // recorded section (no handoffs: a single stage).
-                        let fused = graphs && self.actions.get(i + 1) == Some(&Action::Backward(mb));
+                        let fused = graphs && self.schedule.actions.get(i + 1) == Some(&Action::Backward(mb));
                         if fused {
-                            debug_assert!(self.handoffs.is_empty(), "internal error: handoffs of a fused pass");
+                            debug_assert!(
+                                self.schedule.handoffs.is_empty(),
+                                "internal error: handoffs of a fused pass"
+                            );
                             par.sync = round + 1 == accum && mb + 1 == microbatches;
                             let passes = Instant::now();
                             if be.begin_section(SECTION_MICRO_BATCH) {
@@ -329,7 +323,7 @@ impl<B: Backend> Trainer<B> {
                 }
                 i += 1;
             }
-            for h in next_handoff..self.handoffs.len() {
+            for h in next_handoff..self.schedule.handoffs.len() {
                 self.hand_off(h);
             }
         }
@@ -405,17 +399,20 @@ impl<B: Backend> Trainer<B> {
     fn hand_off(&mut self, h: usize) {
         let moe = self.config.model.moe.is_some();
         let (prev, next) = (self.parallel.neighbour(self.around.0), self.parallel.neighbour(self.around.1));
-        let handoff = &self.handoffs[h];
+        let s = &self.schedule;
         let mut sends = Vec::new();
-        for &i in &handoff.sends {
-            let (p, forward) = (self.pass_plan(i), matches!(self.actions[i], Action::Forward(_)));
-            let (out, to) = if forward { (p.stage_output(), next) } else { (p.residual_grad(), prev) };
+        for &i in &s.handoffs[h].sends {
+            let p = self.pass_plan(i);
+            let (out, to) = match s.actions[i] {
+                Action::Forward(_) => (p.stage_output(), next),
+                Action::Backward(_) => (p.residual_grad(), prev),
+            };
             #[cfg(test)]
-            let out = match (self.actions[i], self.chunk_of[i]) {
+            let out = match (s.actions[i], s.chunk_of[i]) {
                 (Action::Forward(1), v)
-                    if self.fault == Some(Fault::StaleActivation) && self.slot_of[v][0] != self.slot_of[v][1] =>
+                    if self.fault == Some(Fault::StaleActivation) && s.slot_of[v][0] != s.slot_of[v][1] =>
                 {
-                    slot(&self.plan, &self.chunks, v, self.slot_of[v][0]).stage_output()
+                    slot(&self.plan, &self.chunks, v, s.slot_of[v][0]).stage_output()
                 }
                 _ => out,
             };
@@ -425,9 +422,9 @@ impl<B: Backend> Trainer<B> {
             }
         }
         let mut recvs = Vec::new();
-        for &i in &handoff.recvs {
+        for &i in &s.handoffs[h].recvs {
             let p = self.pass_plan(i);
-            let (into, from) = match self.actions[i] {
+            let (into, from) = match s.actions[i] {
                 Action::Forward(_) => (p.stage_input(), prev),
                 Action::Backward(_) => (p.residual_grad(), next),
             };
@@ -441,9 +438,9 @@ impl<B: Backend> Trainer<B> {
 
     /// The activation slot pass `i` of the schedule runs in.
     fn pass_plan(&self, i: usize) -> &Plan {
-        let (Action::Forward(mb) | Action::Backward(mb)) = self.actions[i];
-        let v = self.chunk_of[i];
-        slot(&self.plan, &self.chunks, v, self.slot_of[v][mb])
+        let s = &self.schedule;
+        let (Action::Forward(mb) | Action::Backward(mb)) = s.actions[i];
+        slot(&self.plan, &self.chunks, s.chunk_of[i], s.slot_of[s.chunk_of[i]][mb])
     }
 }
 
