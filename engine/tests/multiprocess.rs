@@ -70,6 +70,14 @@ fn processes_and_virtual(name: &str, n: usize, steps: &str, sets: &[&str]) -> (S
     (dir, losses(&procs), losses(&virt))
 }
 
+/// Three steps on `n` processes equal three on `n` virtual devices bit for bit (`what` names
+/// the mesh); returns the scratch directory and the processes' losses.
+fn three_steps_follow_virtual(name: &str, n: usize, sets: &[&str], what: &str) -> (Scratch, Vec<f64>) {
+    let (dir, procs, virt) = processes_and_virtual(name, n, "3", sets);
+    assert_eq!((procs.len(), &procs), (3, &virt), "{what}");
+    (dir, procs)
+}
+
 #[test]
 fn four_processes_fsdp_x_data_follow_four_virtual_devices_and_resume_on_two() {
     let mesh = ["mesh.ici_data=2", "mesh.ici_fsdp=2", "train.checkpoint_every=3"];
@@ -110,10 +118,8 @@ fn pipeline_x_data_tensor_and_interleaved_stages_across_processes_follow_virtual
         "train.batch_size=2",
         "train.pipeline_microbatches=2",
     ];
-    let (_, procs, virt) = processes_and_virtual("mp-pipe", 4, "3", &pipeline);
-    assert_eq!((procs.len(), &procs), (3, &virt), "pipeline 2 x data 2");
-    let (_, procs, virt) = processes_and_virtual("mp-tensor", 2, "3", &["mesh.ici_tensor=2"]);
-    assert_eq!((procs.len(), &procs), (3, &virt), "tensor 2");
+    let _ = three_steps_follow_virtual("mp-pipe", 4, &pipeline, "pipeline 2 x data 2");
+    let _ = three_steps_follow_virtual("mp-tensor", 2, &["mesh.ici_tensor=2"], "tensor 2");
     // Interleaved 1F1B: two virtual stages on each of two processes, the handoffs over TCP.
     let interleaved = [
         "model.n_layers=4",
@@ -124,8 +130,7 @@ fn pipeline_x_data_tensor_and_interleaved_stages_across_processes_follow_virtual
         "train.pipeline_schedule=\"interleaved\"",
         "train.pipeline_virtual_stages=2",
     ];
-    let (_, procs, virt) = processes_and_virtual("mp-interleaved", 2, "3", &interleaved);
-    assert_eq!((procs.len(), &procs), (3, &virt), "interleaved pipeline 2 x V 2");
+    let _ = three_steps_follow_virtual("mp-interleaved", 2, &interleaved, "interleaved pipeline 2 x V 2");
 }
 
 /// The sequence axis across processes: two processes each keep two chunks of every sequence
@@ -134,8 +139,7 @@ fn pipeline_x_data_tensor_and_interleaved_stages_across_processes_follow_virtual
 #[test]
 fn a_sequence_axis_across_processes_follows_one_device() {
     let mesh = ["mesh.ici_data=1", "mesh.ici_seq=2"];
-    let (dir, procs, virt) = processes_and_virtual("mp-seq", 2, "3", &mesh);
-    assert_eq!((procs.len(), &procs), (3, &virt), "seq 2");
+    let (dir, procs) = three_steps_follow_virtual("mp-seq", 2, &mesh, "seq 2");
     let one = dir.join("one");
     run(&mut engine(
         &train_args(&[], &one, "3", &["train.batch_size=2"]).iter().map(String::as_str).collect::<Vec<_>>(),
@@ -147,8 +151,7 @@ fn a_sequence_axis_across_processes_follows_one_device() {
     // With FSDP (which shards over fsdp x seq), and with tensor and pipeline stages on eight
     // processes (the virtual devices' tests hold those within 1e-5 of one device).
     let fsdp = ["mesh.ici_data=1", "mesh.ici_seq=2", "mesh.ici_fsdp=2", "train.batch_size=0.5"];
-    let (_, procs, virt) = processes_and_virtual("mp-seq-fsdp", 4, "3", &fsdp);
-    assert_eq!((procs.len(), &procs), (3, &virt), "seq 2 x fsdp 2");
+    let _ = three_steps_follow_virtual("mp-seq-fsdp", 4, &fsdp, "seq 2 x fsdp 2");
     let all = [
         "model.n_layers=2",
         "mesh.ici_data=1",
@@ -158,8 +161,7 @@ fn a_sequence_axis_across_processes_follows_one_device() {
         "train.batch_size=1",
         "train.pipeline_microbatches=2",
     ];
-    let (_, procs, virt) = processes_and_virtual("mp-seq-tp-pp", 8, "3", &all);
-    assert_eq!((procs.len(), &procs), (3, &virt), "seq 2 x tensor 2 x pipeline 2");
+    let _ = three_steps_follow_virtual("mp-seq-tp-pp", 8, &all, "seq 2 x tensor 2 x pipeline 2");
 }
 
 /// Two nodes of two processes each, under the MaxText/Vertex convention (one launcher per
