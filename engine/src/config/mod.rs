@@ -379,10 +379,10 @@ pub struct BatchSize(pub f64);
 impl BatchSize {
     /// Sequences a group of `devices` devices that share their samples reads per micro-batch;
     /// an error with the arithmetic when that is not a whole number.
-    pub fn sequences(self, devices: usize) -> anyhow::Result<usize> {
+    pub fn sequences(self, devices: usize) -> Result<usize> {
         let n = self.0 * devices as f64;
         if n.fract() != 0.0 || n < 1.0 {
-            anyhow::bail!(
+            bail!(
                 "train.batch_size = {self} x {devices} device(s) sharing their samples = {n} sequences: each data or \
                  FSDP group needs a whole number of sequences (the global batch is batch_size x devices)"
             );

@@ -4,10 +4,10 @@
 //! ([`fsdp_sizes`]): under FSDP a device keeps its pieces of the parameters, gradients and
 //! moments, and the buffers it lends the passes for the units in use (gathered parameters, in
 //! the precision the ops read: bf16 on a GPU; gradients being accumulated, in f32), but never
-//! the whole model. A pipeline stage holds its own
-//! units only, and the activations of every micro-batch its schedule keeps in flight
-//! ([`super::pipeline::slots`]); under interleaved 1F1B, each virtual stage's micro-batches in
-//! flight, each with that virtual stage's layers' activations.
+//! the whole model. A pipeline stage holds its own units only, and the activations of every
+//! micro-batch its schedule keeps in flight ([`super::pipeline::slots`]); under interleaved
+//! 1F1B, each virtual stage's micro-batches in flight, each with that virtual stage's layers'
+//! activations.
 //!
 //! The plan's stages, micro-batch and schedules come from [`super::plan::ParallelPlan`], whose
 //! [`estimate`](super::plan::ParallelPlan::estimate) and

@@ -22,8 +22,9 @@
 //!   them (an all-reduce `2 (n − 1)/n` of the buffer, a gather or reduce-scatter `(n − 1)/n`):
 //!   tensor, the four bf16 sums of a layer's `[tokens, d_model]` per micro-batch (six with full
 //!   recomputation), and the vocabulary split's two (the embedding's output, the head's input
-//!   gradient) with the loss's row maxima and sums (`[3 · tokens]` f32); seq, the gathers of q, k and v (forward, backward, and the recomputation)
-//!   and the reduce-scatter of their gradient; FSDP, the bf16 gathers of the device's parameters
+//!   gradient) with the loss's row maxima and sums (`[3 · tokens]` f32); seq, the gathers of
+//!   q, k and v (forward, backward, and the recomputation) and the reduce-scatter of their
+//!   gradient; FSDP, the bf16 gathers of the device's parameters
 //!   (twice per micro-batch) and the f32 reduce-scatter of their gradient, over fsdp × seq; data,
 //!   the all-reduce of the device's gradient pieces once per step; pipeline, each micro-batch's
 //!   activation and its gradient, once per virtual stage.

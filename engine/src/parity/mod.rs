@@ -72,7 +72,7 @@ pub fn run(scale: Scale, open: &mut Open, filter: &str, report: &mut dyn FnMut(&
         let start = Instant::now();
         let result = match open() {
             Ok(gpu) => std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| check(gpu, &mut *open))),
-            Err(e) => Ok(Err(format!("{e:#}"))),
+            Err(e) => Ok(Err(failure(e))),
         };
         let (passed, detail) = match result {
             Ok(Ok(detail)) => (true, detail),
@@ -84,6 +84,11 @@ pub fn run(scale: Scale, open: &mut Open, filter: &str, report: &mut dyn FnMut(&
         out.push(o);
     }
     out
+}
+
+/// An error as a check's failure: the error and its causes on one line.
+fn failure(e: anyhow::Error) -> String {
+    format!("{e:#}")
 }
 
 fn panic_text(p: &Box<dyn std::any::Any + Send>) -> String {

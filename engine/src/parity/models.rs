@@ -1,7 +1,7 @@
 //! Whole models on the CUDA backend: loss and gradients against the f32 CPU model, graph replay,
 //! recomputation, the memory estimate, training that lowers the loss, and NCCL on one GPU.
 
-use super::{Open, Scale, Tol, compare};
+use super::{Open, Scale, Tol, compare, failure};
 use crate::backend::cpu::Cpu;
 use crate::backend::cuda::Cuda;
 use crate::backend::{Backend, BufKind, gib};
@@ -85,7 +85,7 @@ pub(super) fn parity(gpu: Cuda, name: &str, extra: &[&str], scale: Scale) -> Res
 
 /// Losses of `steps` training steps of a tiny configuration, and the sections recorded.
 fn train_losses(gpu: Cuda, config: &Config, steps: usize) -> Result<(Vec<f64>, usize), String> {
-    let mut trainer = Trainer::new(gpu, config).map_err(|e| format!("{e:#}"))?;
+    let mut trainer = Trainer::new(gpu, config).map_err(failure)?;
     let losses = (0..steps).map(|_| trainer.train_step(0.0).loss).collect();
     Ok((losses, trainer.backend.recorded_sections()))
 }
@@ -94,11 +94,8 @@ fn train_losses(gpu: Cuda, config: &Config, steps: usize) -> Result<(Vec<f64>, u
 pub(super) fn graphs(gpu: Cuda, open: &mut Open, scale: Scale) -> Result<String, String> {
     let steps = 4;
     let (graphs, recorded) = train_losses(gpu, &tiny("tiny-llama2", scale, &[]), steps)?;
-    let (eager, none) = train_losses(
-        open().map_err(|e| format!("{e:#}"))?,
-        &tiny("tiny-llama2", scale, &["train.cuda_graphs=false"]),
-        steps,
-    )?;
+    let (eager, none) =
+        train_losses(open().map_err(failure)?, &tiny("tiny-llama2", scale, &["train.cuda_graphs=false"]), steps)?;
     if recorded != 1 || none != 0 {
         return Err(format!("{recorded} graphs recorded with train.cuda_graphs, {none} without (want 1 and 0)"));
     }
@@ -126,7 +123,7 @@ pub(super) fn remat(gpu: Cuda, open: &mut Open, scale: Scale) -> Result<String, 
         model_step(&mut gpu, &model, &plan, &params, &tokens).1
     };
     let none = grads(gpu, Remat::None);
-    let full = grads(open().map_err(|e| format!("{e:#}"))?, Remat::Full);
+    let full = grads(open().map_err(failure)?, Remat::Full);
     compare("gradients", &none, &full, Tol { rel_l2: 1e-2, max: 5e-2 })
 }
 
@@ -137,7 +134,7 @@ pub(super) fn memory_estimate(gpu: Cuda, scale: Scale) -> Result<String, String>
     model.remat = config.train.remat;
     let target = Target::Cuda { sm_count: gpu.info().sm_count as usize };
     let estimate = memory::estimate(&model, config.train.batch_size.per_group(1), config.train.seq_len, target).total();
-    let mut trainer = Trainer::new(gpu, &config).map_err(|e| format!("{e:#}"))?;
+    let mut trainer = Trainer::new(gpu, &config).map_err(failure)?;
     trainer.train_step(0.0);
     let (allocated, in_use) = trainer.backend.memory_in_use();
     let detail = format!(
@@ -163,11 +160,11 @@ pub(super) fn fsdp_bf16_gathers(gpu: Cuda, scale: Scale) -> Result<String, Strin
         |extra: &[&str]| tiny("tiny-llama2", scale, &[&["model.n_layers=2", "mesh.ici_data=1"], extra].concat());
     let (one, fsdp) = (config(&["train.batch_size=2"]), config(&["train.batch_size=1", "mesh.ici_fsdp=2"]));
     let (single, _) = train_losses(gpu, &one, steps)?;
-    let plan = ParallelPlan::resolve(&fsdp, 2, 1).map_err(|e| format!("{e:#}"))?;
+    let plan = ParallelPlan::resolve(&fsdp, 2, 1).map_err(failure)?;
     let device = |comm: Virtual| -> Result<(Vec<f64>, usize, usize), String> {
-        let gpu = Cuda::emulated().map_err(|e| format!("{e:#}"))?;
+        let gpu = Cuda::emulated().map_err(failure)?;
         let estimate = plan.estimate(&fsdp, Target::Cuda { sm_count: gpu.info().sm_count as usize }).total();
-        let mut t = Trainer::new_parallel(gpu, &fsdp, Box::new(comm), plan.clone()).map_err(|e| format!("{e:#}"))?;
+        let mut t = Trainer::new_parallel(gpu, &fsdp, Box::new(comm), plan.clone()).map_err(failure)?;
         let losses = (0..steps).map(|_| t.train_step(0.0).loss).collect();
         Ok((losses, t.backend.memory_in_use().0, estimate))
     };

@@ -1,7 +1,7 @@
 //! Each op of the CUDA backend against its CPU twin: the same inputs on both, one call, the
 //! outputs compared with the tolerance of their type.
 
-use super::{BF16, F32, Tol, compare};
+use super::{BF16, F32, Tol, compare, failure};
 use crate::backend::cpu::Cpu;
 use crate::backend::cuda::Cuda;
 use crate::backend::{
@@ -284,7 +284,7 @@ pub(super) fn attention(mut gpu: Cuda, s: AttnShape, unmasked: bool, native: boo
         return Err(format!("the shape gives no unmasked tile to both passes: {tiles:?}"));
     }
     if !native {
-        gpu.select_attention(AttentionImpl::Cudnn, s, AttnNeeds::default()).map_err(|e| format!("{e:#}"))?;
+        gpu.select_attention(AttentionImpl::Cudnn, s, AttnNeeds::default()).map_err(failure)?;
     }
     let mut t = Twin::new(gpu);
     if native {
