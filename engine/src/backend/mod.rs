@@ -17,6 +17,7 @@
 
 pub mod cpu;
 pub mod cuda;
+pub mod fp8;
 pub mod traced;
 
 /// Identifies one buffer of a backend.
@@ -386,6 +387,28 @@ pub trait Backend {
 
     /// General matrix product, see [`MatMul`].
     fn matmul(&mut self, out: View, a: View, b: View, shape: MatMul);
+    /// Whether this backend has the FP8 ops ([`Backend::fp8_quantize`], [`Backend::matmul_fp8`],
+    /// [`Backend::fp8_delayed_update`]); a run asks before it plans FP8 products.
+    fn supports_fp8(&self) -> bool {
+        false
+    }
+    /// Casts `x` to the FP8 format of `state` into `q`, as [`fp8::quantize`] does: under
+    /// `tensorwise` scaling the state's scale is first set from `x`'s amax; otherwise (delayed
+    /// scaling) `x`'s amax is recorded and the state's scale used. `q` holds `fp8(x · scale)`.
+    fn fp8_quantize(&mut self, _q: View, _x: View, _state: fp8::State, _tensorwise: bool) {
+        unreachable!("internal error: {} has no FP8 ops (Backend::supports_fp8)", self.describe())
+    }
+    /// An FP8 product: [`Backend::matmul`] of operands cast by [`Backend::fp8_quantize`], the
+    /// result multiplied by both operands' inverse scales (`inv_scales`, one element each: the
+    /// states' [`fp8::State::inv_scale`]), accumulated in f32.
+    fn matmul_fp8(&mut self, _out: View, _a: View, _b: View, _shape: MatMul, _inv_scales: [View; 2]) {
+        unreachable!("internal error: {} has no FP8 ops (Backend::supports_fp8)", self.describe())
+    }
+    /// Delayed scaling's step ([`fp8::delayed_update`]) over operand states of `stride` elements
+    /// laid back to back in `states`.
+    fn fp8_delayed_update(&mut self, _states: View, _stride: usize, _margin: u32) {
+        unreachable!("internal error: {} has no FP8 ops (Backend::supports_fp8)", self.describe())
+    }
     /// `out = c + op(a) · op(b)` (`shape.accumulate` is ignored): a residual add in the
     /// product's epilogue, where the backend can read `c` and write `out` in one pass.
     fn matmul_add(&mut self, out: View, a: View, b: View, c: View, shape: MatMul) {

@@ -81,7 +81,14 @@ pub struct DeviceState {
     pub bufs: [Vec<f32>; 3],
     /// Where the buffers' elements are in the single-device layout.
     pub chunks: Vec<Chunk>,
+    /// The FP8 operands' scaling states (`Plan::fp8`), saved as the tensor [`FP8_SCALING`];
+    /// empty without FP8 products.
+    pub fp8: Vec<f32>,
 }
+
+/// The tensor of a device's shard holding its FP8 scaling states (the delayed recipe's scales
+/// and amax histories), when it has FP8 products.
+pub const FP8_SCALING: &str = "fp8_scaling";
 
 impl DeviceState {
     /// Whether the device holds state of its own to save (data-parallel replicas hold none).
@@ -99,8 +106,11 @@ pub fn write_part(dir: &Path, rank: usize, shards: usize, state: &DeviceState) -
     let json = serde_json::to_string(&triples)?;
     crate::fsutil::write_atomic(&dir.join(format!("{name}.json")), json.as_bytes())?;
     let parts = [Part::Params, Part::ExpAvg, Part::ExpAvgSq];
-    let tensors: Vec<(String, &[f32], Vec<usize>)> =
+    let mut tensors: Vec<(String, &[f32], Vec<usize>)> =
         parts.iter().zip(&state.bufs).map(|(p, b)| (p.name().to_owned(), b.as_slice(), vec![b.len()])).collect();
+    if !state.fp8.is_empty() {
+        tensors.push((FP8_SCALING.to_owned(), &state.fp8, vec![state.fp8.len()]));
+    }
     let data = dir.join(format!("{name}.safetensors"));
     let sha256 = tensors::write(&data, &tensors, FloatType::F32)?;
     Ok(BTreeMap::from([
@@ -209,6 +219,24 @@ impl Checkpoint {
             self.dir.display(),
             part.name()
         )
+    }
+
+    /// The FP8 scaling states device `rank` saved ([`FP8_SCALING`]), if it saved a shard with
+    /// them.
+    pub fn fp8_scaling(&self, rank: usize) -> Result<Option<Vec<f32>>> {
+        let Some(shards) = self.state.shards else { return Ok(None) };
+        let name = format!("{}.safetensors", shard_name(rank, shards));
+        if !self.state.files.contains_key(&name) {
+            return Ok(None);
+        }
+        let file = Mapped::open(&self.dir.join(&name))?;
+        let st = file.tensors();
+        let Ok(view) = st.tensor(FP8_SCALING) else { return Ok(None) };
+        if tensors::float_type(FP8_SCALING, &view)? != FloatType::F32 {
+            bail!("checkpoint {}: {name}: {FP8_SCALING} is not f32", self.dir.display());
+        }
+        let values = view.data().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+        Ok(Some(values))
     }
 
     /// Every saved chunk of `part`, sorted by global position, with the files they are in

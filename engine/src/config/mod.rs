@@ -69,12 +69,13 @@ macro_rules! section {
 }
 
 /// Every section's keys by the section's dotted name (`""`: the top level).
-pub const SECTIONS: [(&str, &[Key]); 8] = [
+pub const SECTIONS: [(&str, &[Key]); 9] = [
     ("", Config::KEYS),
     ("model", ModelConfig::KEYS),
     ("model.rope_scaling", RopeScaling::KEYS),
     ("model.moe", MoeConfig::KEYS),
     ("train", TrainConfig::KEYS),
+    ("train.fp8", Fp8Config::KEYS),
     ("optim", OptimConfig::KEYS),
     ("data", DataConfig::KEYS),
     ("mesh", MeshConfig::KEYS),
@@ -491,6 +492,14 @@ section! {
         pub cuda_graphs: bool = true,
         /// Which kernels run attention on a GPU (ignored on CPU).
         pub attention: AttentionImpl = AttentionImpl::Auto,
+        /// The operands of the decoder's linear layers: `"bf16"` (on the CPU reference, f32) or
+        /// `"fp8"` (E4M3 activations and weights, E5M2 gradients, scaled per `[train.fp8]`). A
+        /// resumed run may switch: the master weights stay f32 either way.
+        @resumable
+        pub precision: Precision = Precision::Bf16,
+        /// How FP8 products are scaled, and which products are FP8 (`precision = "fp8"`).
+        @resumable
+        pub fp8: Fp8Config = Fp8Config::default(),
         /// Refuse, before allocating, a run whose estimated memory exceeds what the device has
         /// (GPU: free memory; CPU: available RAM and `ulimit -v`); `false` skips the check.
         @resumable
@@ -531,6 +540,7 @@ impl TrainConfig {
             ("train.pipeline_virtual_stages", self.pipeline_virtual_stages),
         ];
         check_positive(&positive)?;
+        self.fp8.validate()?;
         let at_most = [
             ("train.grad_accum", self.grad_accum, 1 << 20),
             ("train.pipeline_microbatches", self.pipeline_microbatches, 1 << 16),
@@ -588,6 +598,64 @@ impl TrainConfig {
             );
         }
         Ok(())
+    }
+}
+
+/// The operands of the decoder's linear layers (`train.precision`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Precision {
+    /// bf16 operands with f32 accumulation on a GPU; f32 on the CPU reference.
+    #[default]
+    Bf16,
+    /// FP8 operands for q/k/v/o and gate/up/down (E4M3 forward, E5M2 gradients), f32
+    /// accumulation; the embedding, head, router, attention core and norms stay as in bf16.
+    Fp8,
+}
+
+/// How an FP8 operand's scale is chosen (`train.fp8.recipe`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Fp8Recipe {
+    /// Dynamic ("current") scaling, torchao's and Transformer Engine's: one scale per tensor and
+    /// use, `max / amax` of the tensor itself.
+    #[default]
+    Tensorwise,
+    /// Transformer Engine's delayed scaling: a step uses the scale its predecessors' amaxes give
+    /// (`max / max(history) / 2^margin`), and records its own into the history.
+    Delayed,
+}
+
+section! {
+    /// FP8 products (`train.precision = "fp8"`): the scaling recipe and which products qualify.
+    #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+    #[serde(deny_unknown_fields, default)]
+    pub struct Fp8Config {
+        /// How scales are chosen: `"tensorwise"` or `"delayed"`.
+        @resumable
+        pub recipe: Fp8Recipe = Fp8Recipe::Tensorwise,
+        /// Steps of amax history the delayed recipe takes the maximum of (Transformer Engine's
+        /// `amax_history_len`).
+        @resumable
+        pub amax_history: usize = 1024,
+        /// The delayed recipe's scales are divided by `2^margin`, leaving headroom for growth.
+        @resumable
+        pub margin: u32 = 0,
+        /// A linear layer runs in FP8 only when its input and output widths both reach this;
+        /// smaller products lose more to the casts than FP8 gains (they stay bf16). Widths must
+        /// also be multiples of 16 (cuBLASLt's rule), as must the tokens of a micro-batch.
+        @resumable
+        pub min_dim: usize = 2048,
+    }
+}
+
+impl Fp8Config {
+    fn validate(&self) -> Result<()> {
+        check_positive(&[("train.fp8.amax_history", self.amax_history)])?;
+        check_at_most(&[
+            ("train.fp8.amax_history", self.amax_history, 1 << 16),
+            ("train.fp8.margin", self.margin as usize, 64),
+        ])
     }
 }
 

@@ -314,6 +314,12 @@ mod tests {
         assert!(err("tiny-llama2", &[set("train.seq_len=100000")]).contains("longer than model.max_seq_len"));
         assert!(err("tiny-llama2", &[set("model.d_model=0")]).contains("model.d_model must be greater than 0"));
         assert!(err("tiny-llama2", &[set("nonsense")]).contains("expected key=value"));
+        let e = err("tiny-llama2", &[set("train.precision=fp16")]);
+        assert!(e.contains("--set train.precision=fp16: unknown variant `fp16`, expected `bf16` or `fp8`"), "{e}");
+        assert!(err("tiny-llama2", &[set("train.fp8.recipe=rowwise")]).contains("unknown variant `rowwise`"));
+        let e = err("tiny-llama2", &[set("train.fp8.amax_history=0")]);
+        assert!(e.contains("train.fp8.amax_history must be greater than 0"), "{e}");
+        assert!(err("tiny-llama2", &[set("train.fp8.margin=100")]).contains("train.fp8.margin"));
     }
 
     #[test]

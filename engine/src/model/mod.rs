@@ -14,6 +14,7 @@
 //! (deterministic on the CPU, an extra GEMM on a GPU).
 
 mod exchange;
+mod fp8;
 pub mod init;
 pub mod layout;
 pub mod memory;
@@ -25,6 +26,8 @@ mod tests;
 use crate::backend::{AttnShape, Backend, ExpertWeights, MatMul, SeqSplit, View};
 use crate::config::{Gelu, ModelConfig, Remat};
 pub use exchange::{Alone, Exchange, Pass, Unit, Window};
+use fp8::Linear;
+pub use fp8::{Fp8Buffers, Fp8Policy};
 pub use layout::{LayerBiases, LayerOffsets, Layout, MlpOffsets, Tensor};
 use plan::MlpActs;
 pub use plan::{ActivationSizes, GRAD_NORM_SQ, LOSS_ACCUM, LOSS_SUM, Plan};
@@ -39,6 +42,9 @@ pub struct Model {
     pub layout: Layout,
     /// Which activations the backward pass recomputes (`train.remat`); set before planning.
     pub remat: Remat,
+    /// Which linear layers run in FP8, and how they are scaled (`train.precision = "fp8"`);
+    /// none: all in the backend's precision. Set before planning.
+    pub fp8: Option<Fp8Policy>,
     /// Devices that share the global batch's tokens (data × fsdp × seq), over which the
     /// load-balancing loss averages: its routing statistics are summed over them
     /// ([`Exchange::batch_sum`]).
@@ -159,6 +165,7 @@ impl Model {
             config: config.clone(),
             layout: Layout::stage(config, stage),
             remat: Remat::None,
+            fp8: None,
             batch_shards: 1,
             seq: SeqSplit::WHOLE,
             documents: None,
@@ -313,7 +320,16 @@ impl Model {
         };
         let b = o.bias.as_ref();
         self.norm_forward(be, a.ln1, a.rstd1, a.x, w, o.ln1);
-        be.matmul(a.qkv, a.ln1, w.at(o.qkv, qkv * d), MatMul::linear(n, d, qkv));
+        self.linear_forward(
+            be,
+            p,
+            (i, Linear::Qkv),
+            a.qkv,
+            a.ln1,
+            w.at(o.qkv, qkv * d),
+            None,
+            MatMul::linear(n, d, qkv),
+        );
         bias(be, a.qkv, b.map(|b| b.qkv), qkv);
         if !m.is_gpt() {
             be.rope(a.qkv, p.rope, shape, false);
@@ -327,17 +343,36 @@ impl Model {
         } else {
             be.attention_forward(a.attn, a.lse, a.qkv, shape);
         }
-        row_parallel(be, ex, a.xmid, a.attn, w.at(o.o, d * q), a.x, MatMul::linear(n, q, d));
+        self.row_parallel(be, p, ex, (i, Linear::O), a.xmid, a.attn, w.at(o.o, d * q), a.x, MatMul::linear(n, q, d));
         bias(be, a.xmid, b.map(|b| b.o), d);
         self.norm_forward(be, a.ln2, a.rstd2, a.xmid, w, o.ln2);
         match (&a.mlp, &o.mlp) {
             (MlpActs::Dense { gu, h }, MlpOffsets::Dense { gate_up, down }) => {
                 let up = gu.len / n;
-                be.matmul(*gu, a.ln2, w.at(*gate_up, up * d), MatMul::linear(n, d, up));
+                self.linear_forward(
+                    be,
+                    p,
+                    (i, Linear::Up),
+                    *gu,
+                    a.ln2,
+                    w.at(*gate_up, up * d),
+                    None,
+                    MatMul::linear(n, d, up),
+                );
                 bias(be, *gu, b.map(|b| b.up), f);
                 self.activation_forward(be, *h, *gu);
                 if let Some(out) = out {
-                    row_parallel(be, ex, out, *h, w.at(*down, d * f), a.xmid, MatMul::linear(n, f, d));
+                    self.row_parallel(
+                        be,
+                        p,
+                        ex,
+                        (i, Linear::Down),
+                        out,
+                        *h,
+                        w.at(*down, d * f),
+                        a.xmid,
+                        MatMul::linear(n, f, d),
+                    );
                     bias(be, out, b.map(|b| b.down), d);
                 }
             }
@@ -502,16 +537,18 @@ impl Model {
                     let up = gu.len / n;
                     let (dgu, dh) = (p.dgu.at(0, n * up), p.dh.at(0, n * f));
                     bias_grad(be, p.dres, b.map(|b| b.down), d);
-                    be.matmul(dh, p.dres, w.at(*down, d * f), MatMul::linear_dx(n, f, d));
-                    be.matmul(g.at(*down, d * f), p.dres, *h, MatMul::linear_dw(n, f, d));
+                    let (ddown, wdown) = (g.at(*down, d * f), w.at(*down, d * f));
+                    let shapes = (MatMul::linear_dx(n, f, d), MatMul::linear_dw(n, f, d));
+                    self.linear_backward(be, p, (i, Linear::Down), (dh, ddown), p.dres, (*h, wdown), shapes);
                     if m.is_gpt() {
                         be.gelu_backward(dgu, dh, *gu, m.gelu == Gelu::Tanh);
                     } else {
                         be.swiglu_backward(dgu, dh, *gu, f);
                     }
                     bias_grad(be, dgu, b.map(|b| b.up), f);
-                    be.matmul(p.dln, dgu, w.at(*gate_up, up * d), MatMul::linear_dx(n, d, up));
-                    be.matmul(g.at(*gate_up, up * d), dgu, a.ln2, MatMul::linear_dw(n, d, up));
+                    let (dup, wup) = (g.at(*gate_up, up * d), w.at(*gate_up, up * d));
+                    let shapes = (MatMul::linear_dx(n, d, up), MatMul::linear_dw(n, d, up));
+                    self.linear_backward(be, p, (i, Linear::Up), (p.dln, dup), dgu, (a.ln2, wup), shapes);
                     ex.tensor_sum(be, p.dln);
                 }
                 (MlpActs::Moe { probs, dispatch, xe, gu, h, ye, .. }, MlpOffsets::Moe { router, experts, stride }) => {
@@ -535,8 +572,9 @@ impl Model {
             }
             self.norm_backward(be, p.dres, g, p.dln, a.xmid, w, o.ln2, a.rstd2);
             bias_grad(be, p.dres, b.map(|b| b.o), d);
-            be.matmul(p.dattn, p.dres, w.at(o.o, d * q), MatMul::linear_dx(n, q, d));
-            be.matmul(g.at(o.o, d * q), p.dres, a.attn, MatMul::linear_dw(n, q, d));
+            let shapes = (MatMul::linear_dx(n, q, d), MatMul::linear_dw(n, q, d));
+            let (dw, wo) = (g.at(o.o, d * q), w.at(o.o, d * q));
+            self.linear_backward(be, p, (i, Linear::O), (p.dattn, dw), p.dres, (a.attn, wo), shapes);
             if self.seq.ranks > 1 {
                 // The keys and values of every rank again (the forward pass's are another
                 // layer's by now), and the gradients of every rank's summed back to their owners.
@@ -553,8 +591,9 @@ impl Model {
                 be.rope(p.dqkv, p.rope, shape, true);
             }
             bias_grad(be, p.dqkv, b.map(|b| b.qkv), qkv);
-            be.matmul(p.dln, p.dqkv, w.at(o.qkv, qkv * d), MatMul::linear_dx(n, d, qkv));
-            be.matmul(g.at(o.qkv, qkv * d), p.dqkv, a.ln1, MatMul::linear_dw(n, d, qkv));
+            let shapes = (MatMul::linear_dx(n, d, qkv), MatMul::linear_dw(n, d, qkv));
+            let (dw, wqkv) = (g.at(o.qkv, qkv * d), w.at(o.qkv, qkv * d));
+            self.linear_backward(be, p, (i, Linear::Qkv), (p.dln, dw), p.dqkv, (a.ln1, wqkv), shapes);
             ex.tensor_sum(be, p.dln);
             self.norm_backward(be, p.dres, g, p.dln, a.x, w, o.ln1, a.rstd1);
             ex.params_done(be, Unit::Layer(i), bwd);
@@ -578,24 +617,27 @@ impl Model {
     }
 }
 
-/// `out = a · bᵀ + residual` for a product whose inner dimension is split over the tensor
-/// group: each device's product is a partial sum, the group adds them up, and one device adds
-/// the residual so that it counts once.
-fn row_parallel<B: Backend>(
-    be: &mut B,
-    ex: &mut dyn Exchange<B>,
-    out: View,
-    a: View,
-    b: View,
-    residual: View,
-    shape: MatMul,
-) {
-    if ex.adds_residual() {
-        be.matmul_add(out, a, b, residual, shape);
-    } else {
-        be.matmul(out, a, b, shape);
+impl Model {
+    /// `out = a · bᵀ + residual` for a product whose inner dimension is split over the tensor
+    /// group: each device's product is a partial sum, the group adds them up, and one device
+    /// adds the residual so that it counts once.
+    #[allow(clippy::too_many_arguments)]
+    fn row_parallel<B: Backend>(
+        &self,
+        be: &mut B,
+        p: &Plan,
+        ex: &mut dyn Exchange<B>,
+        linear: (usize, Linear),
+        out: View,
+        a: View,
+        b: View,
+        residual: View,
+        shape: MatMul,
+    ) {
+        let residual = ex.adds_residual().then_some(residual);
+        self.linear_forward(be, p, linear, out, a, b, residual, shape);
+        ex.tensor_sum(be, out);
     }
-    ex.tensor_sum(be, out);
 }
 
 /// The experts' `[w1; w3]` (gate and up) and `w2` (down) weights of a layer.

@@ -121,6 +121,9 @@ pub struct Plan {
     /// several micro-batches in flight share them ([`Model::plan_slot`]), another's forward
     /// pass may have overwritten them.
     pub refill_last: bool,
+    /// The FP8 products' scaling states and cast scratch (`train.precision = "fp8"`), shared by
+    /// every slot; none without FP8 products.
+    pub fp8: Option<super::Fp8Buffers>,
     /// The buffers shared by all layers, by name.
     shared: std::collections::HashMap<&'static str, View>,
 }
@@ -202,6 +205,9 @@ impl Model {
         );
         plan.params = params;
         plan.grads = grads;
+        if let (Some(f), None) = (plan.fp8, reuse) {
+            be.upload(f.states, &f.initial_states());
+        }
         if self.config.is_gpt() {
             be.upload(plan.ones, &vec![1.0; n]);
         } else {
@@ -412,6 +418,7 @@ impl Model {
             dweight,
             drouter,
             refill_last: reuse.is_some(),
+            fp8: self.plan_fp8(n, take, reuse),
             shared,
         }
     }

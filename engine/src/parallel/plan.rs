@@ -187,6 +187,7 @@ impl ParallelPlan {
     fn model_of(&self, config: &Config, stage: &Stage) -> Model {
         let mut model = Model::for_stage(&local_config(&config.model, self.mesh.size(Axis::Tensor)), stage);
         model.remat = config.train.remat;
+        model.fp8 = crate::model::Fp8Policy::of(&config.train);
         // The estimate needs only whether the document bounds are kept (8 bytes a token; on a
         // seq axis the whole sequences' bounds and tokens); the EOS id itself is read from the
         // shards when training starts.

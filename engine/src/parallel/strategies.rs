@@ -292,6 +292,13 @@ impl<B: Backend> Parallel<B> {
         }
     }
 
+    /// `buf = max buf` over the batch group (FP8 amaxes, so that every replica scales alike).
+    pub fn max_over_batch(&mut self, be: &mut B, buf: View) {
+        if self.batch.len() > 1 {
+            self.comm.all_reduce_max(be, buf, &self.batch);
+        }
+    }
+
     /// After the optimizer (or new parameters): under FSDP, the gathered parameters are stale
     /// and given back; the next pass gathers again.
     pub fn after_step(&mut self, be: &mut B) {

@@ -847,4 +847,100 @@ mod tests {
             assert_eq!(m.layout.get("model.embed_tokens.weight").unwrap().shape, head.shape);
         }
     }
+
+    /// FP8 products (`train.precision = "fp8"`) on the CPU reference: the curve, the replicas,
+    /// and resuming with the delayed recipe's state or across precisions.
+    mod fp8 {
+        use super::*;
+        use crate::backend::Backend;
+
+        /// tiny-llama2 with every linear layer in FP8 (`min_dim` 16) under `recipe`.
+        fn fp8_config(recipe: &str, extra: &[&str]) -> Config {
+            let recipe = format!("train.fp8.recipe={recipe}");
+            let sets = [
+                "model.d_model=256",
+                "model.n_heads=2",
+                "model.n_kv_heads=2",
+                "model.mlp_dim=512",
+                "train.precision=fp8",
+                "train.fp8.min_dim=16",
+                &recipe,
+                "train.fp8.amax_history=4",
+            ];
+            config("tiny-llama2", &[&sets[..], extra].concat())
+        }
+
+        fn bf16(c: &Config) -> Config {
+            let mut c = c.clone();
+            c.train.precision = crate::config::Precision::Bf16;
+            c
+        }
+
+        /// The largest relative difference between two curves, step by step.
+        fn apart(a: &[f64], b: &[f64]) -> f64 {
+            a.iter().zip(b).map(|(x, y)| (x - y).abs() / x.abs()).fold(0.0, f64::max)
+        }
+
+        #[test]
+        fn fp8_training_follows_the_f32_curve_on_its_own_path() {
+            for recipe in ["tensorwise", "delayed"] {
+                let c = fp8_config(recipe, &[]);
+                let (want, got) = (single(&bf16(&c), 1), single(&c, 1));
+                let gap = apart(&want, &got);
+                assert!(gap > 1e-6, "{recipe}: the FP8 curve is the f32 curve: FP8 was not used");
+                assert!(gap < 0.02, "{recipe}: the FP8 curve strays {gap:.4} from the f32 curve: {got:?} vs {want:?}");
+                assert!(got[got.len() - 1] < got[0] - 0.5, "{recipe}: FP8 does not train: {got:?}");
+            }
+        }
+
+        #[test]
+        fn replicas_scale_alike_and_follow_one_device_closely() {
+            // Two data-parallel replicas see different halves of the batch, hence their own
+            // amaxes: the reduction over the batch group keeps their scales (and so their
+            // losses and parameters) the same; the curve stays near one device's.
+            let c = fp8_config("delayed", &["mesh.ici_data=2", "mesh.ici_fsdp=1", "mesh.ici_tensor=1"]);
+            let states = run(&c, 2, |_, t| {
+                for _ in 0..3 {
+                    t.train_step(0.0);
+                }
+                let f = t.plan.fp8.expect("FP8 buffers");
+                let mut s = vec![0f32; f.states.len];
+                t.backend.download(f.states, &mut s);
+                Ok(s)
+            })
+            .unwrap();
+            assert_eq!(states[0], states[1], "the replicas' scaling states differ");
+            let gap = apart(&single(&c, 2), &parallel(&c, 2));
+            assert!(gap < 0.01, "data parallelism moves the FP8 curve by {gap:.4}");
+        }
+
+        #[test]
+        fn resuming_keeps_the_delayed_recipes_history_and_switches_precision() {
+            use crate::checkpoint::{self, Checkpoint};
+            let tmp = std::env::temp_dir().join(format!("engine-fp8-resume-{}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&tmp);
+            let c = fp8_config("delayed", &["train.steps=6"]);
+            let half = 3u64;
+            let rest = |c: &Config, ck: &Checkpoint| -> Vec<f64> {
+                let mut t = Trainer::new(Traced::new(Cpu::new()), c).unwrap();
+                t.resume_from(ck).unwrap();
+                (half..c.train.steps as u64).map(|_| t.train_step(0.0).loss).collect()
+            };
+            let curve = train_and_save(&c, 1, half, &tmp.join("fp8")).unwrap();
+            let ck = Checkpoint::open(&tmp.join("fp8").join(checkpoint::dir_name(half))).unwrap();
+            assert_eq!(rest(&c, &ck), curve[half as usize..], "the resumed delayed-FP8 curve");
+            // Without the saved histories (another length starts them afresh) the curve moves:
+            // what the checkpoint keeps matters.
+            let mut fresh = c.clone();
+            fresh.train.fp8.amax_history = 2;
+            assert_ne!(rest(&fresh, &ck), curve[half as usize..], "fresh histories should move the curve");
+
+            // A bf16 checkpoint continues in FP8, and an FP8 one in bf16, near the curve.
+            let plain = train_and_save(&bf16(&c), 1, half, &tmp.join("bf16")).unwrap();
+            let ck16 = Checkpoint::open(&tmp.join("bf16").join(checkpoint::dir_name(half))).unwrap();
+            assert!(apart(&rest(&c, &ck16), &plain[half as usize..]) < 0.02, "bf16 -> fp8");
+            assert!(apart(&rest(&bf16(&c), &ck), &plain[half as usize..]) < 0.02, "fp8 -> bf16");
+            std::fs::remove_dir_all(&tmp).unwrap();
+        }
+    }
 }

@@ -145,6 +145,12 @@ impl<B: Backend> Trainer<B> {
         // The attention kernels, chosen (and checked) before any buffer is planned.
         let needs = AttnNeeds { documents: model.documents.is_some(), seq_split: model.seq.ranks > 1 };
         backend.select_attention(t.attention, model.attn_shape(batch, seq_len), needs)?;
+        if model.fp8.is_some() && !backend.supports_fp8() {
+            bail!(
+                "train.precision = \"fp8\": {} has no FP8 products in this release (the CPU reference has); set train.precision = \"bf16\"",
+                backend.describe()
+            );
+        }
         let schedule = parallel_plan.schedules[coords.pipeline].clone();
         // Under FSDP no device holds the whole model: the passes borrow each unit's buffers.
         let flat = !Parallel::<B>::shards_model(&mesh);
@@ -366,6 +372,12 @@ impl<B: Backend> Trainer<B> {
             be.fill(grads, 0.0);
         } else {
             be.adamw(params, grads, m, v, norm_sq, segments, adamw);
+            if let Some(f) = p.fp8 {
+                // Every replica records the same amaxes, then scales alike (Transformer
+                // Engine's amax reduction).
+                par.max_over_batch(be, f.states);
+                f.step_done(be);
+            }
             self.step += 1;
         }
         par.after_step(be);
@@ -567,6 +579,44 @@ impl<B: Backend> Trainer<B> {
         }
         par.after_step(be);
         self.step = ck.state.step;
+        self.resume_fp8_scaling(ck)
+    }
+
+    /// Restores the delayed FP8 recipe's scales and amax histories from `ck`, where it saved
+    /// them for this device: on the same mesh, from this device's shard or that of a replica
+    /// holding the same layers and tensor slice. Elsewhere (another mesh, a bf16 or tensorwise
+    /// checkpoint, another history length) the histories start afresh, which one line says.
+    fn resume_fp8_scaling(&mut self, ck: &Checkpoint) -> Result<()> {
+        let Some(f) = self.plan.fp8 else { return Ok(()) };
+        let (now, then) = (&self.config, &ck.config);
+        if now.train.fp8.recipe != crate::config::Fp8Recipe::Delayed {
+            return Ok(());
+        }
+        let mesh = &self.parallel.mesh;
+        let me = mesh.coords(self.parallel.rank);
+        let same_run = then.train.precision == now.train.precision
+            && then.train.fp8.recipe == now.train.fp8.recipe
+            && then.train.fp8.amax_history == now.train.fp8.amax_history
+            && then.mesh == now.mesh
+            && ck.state.shards == Some(mesh.devices());
+        if same_run {
+            let holders = (0..mesh.devices()).filter(|&r| {
+                let c = mesh.coords(r);
+                (c.pipeline, c.tensor) == (me.pipeline, me.tensor)
+            });
+            for r in holders {
+                if let Some(states) = ck.fp8_scaling(r)?.filter(|s| s.len() == f.states.len) {
+                    self.backend.upload(f.states, &states);
+                    return Ok(());
+                }
+            }
+        }
+        if self.parallel.rank == 0 {
+            crate::say!(
+                "resuming from {}: the delayed FP8 recipe's amax histories start afresh (the checkpoint saved none for this precision, recipe, history length and mesh)",
+                ck.dir.display()
+            );
+        }
         Ok(())
     }
 
@@ -588,6 +638,11 @@ impl<B: Backend> Trainer<B> {
             self.backend.download(view, buf);
         }
         state.chunks = self.parallel.chunks();
+        state.fp8.clear();
+        if let Some(f) = self.plan.fp8 {
+            state.fp8.resize(f.states.len, 0.0);
+            self.backend.download(f.states, &mut state.fp8);
+        }
         state
     }
 

@@ -17,6 +17,7 @@
 mod adamw;
 mod attention;
 mod embedding;
+mod fp8;
 mod gelu;
 mod layernorm;
 mod loss;
@@ -48,6 +49,8 @@ pub struct Cpu {
     scratch: Vec<f64>,
     /// Reusable space for the transposes of some matrix products (grows once, on first use).
     gemm: matmul::Scratch,
+    /// Reusable space for an accumulating FP8 product's result before it is scaled.
+    fp8: Vec<f32>,
 }
 
 /// Where a view lies: (buffer, offset, length).
@@ -159,7 +162,7 @@ impl Backend for Cpu {
 
     /// Nothing is freed: what the buffers and the scratch hold now is the high-water mark.
     fn peak_memory_bytes(&self) -> usize {
-        self.mem.bytes() + self.idx.bytes() + self.scratch.capacity() * 8 + self.gemm.bytes()
+        self.mem.bytes() + self.idx.bytes() + self.scratch.capacity() * 8 + self.gemm.bytes() + self.fp8.capacity() * 4
     }
 
     fn alloc(&mut self, _kind: BufKind, len: usize) -> View {
@@ -219,6 +222,26 @@ impl Backend for Cpu {
     fn matmul(&mut self, out: View, a: View, b: View, shape: MatMul) {
         let (out, [a, b]) = self.mem.io(out, [a, b]);
         matmul::matmul(out, a, b, shape, &mut self.gemm);
+    }
+
+    fn supports_fp8(&self) -> bool {
+        true
+    }
+
+    fn fp8_quantize(&mut self, q: View, x: View, state: crate::backend::fp8::State, tensorwise: bool) {
+        let ([q, s], [x]) = self.mem.io_many([q, state.view], [x]);
+        crate::backend::fp8::quantize(q, x, s, state.format, tensorwise);
+    }
+
+    fn matmul_fp8(&mut self, out: View, a: View, b: View, shape: MatMul, inv_scales: [View; 2]) {
+        let factor = self.mem.get(inv_scales[0])[0] * self.mem.get(inv_scales[1])[0];
+        let (out, [a, b]) = self.mem.io(out, [a, b]);
+        fp8::matmul_scaled(out, a, b, shape, factor, &mut self.fp8, &mut self.gemm);
+    }
+
+    fn fp8_delayed_update(&mut self, states: View, stride: usize, margin: u32) {
+        let (s, []) = self.mem.io(states, []);
+        crate::backend::fp8::delayed_update(s, stride, margin);
     }
 
     fn embedding_forward(&mut self, out: View, table: View, tokens: IdxView, d: usize) {

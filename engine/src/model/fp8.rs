@@ -1,0 +1,391 @@
+//! FP8 products of the decoder's linear layers (`train.precision = "fp8"`): which products run
+//! in FP8, the scaling state of their operands, and the three products of a linear layer.
+//!
+//! A linear layer `y[N, O] = x[N, I] · W[O, I]ᵀ` has three products, each with its operands in
+//! FP8 (Transformer Engine's and torchao's "hybrid" format):
+//!
+//! ```text
+//! forward  y  = x_q(E4M3) · W_q(E4M3)ᵀ      fast accumulation on a GPU
+//! dgrad    dx = dy_q(E5M2) · W_q(E4M3)
+//! wgrad    dW += dy_q(E5M2)ᵀ · x_q(E4M3)
+//! ```
+//!
+//! Each of x, W and dy has a scaling state ([`crate::backend::fp8::State`]) per layer and
+//! product; a cast sets or uses it by the recipe (`train.fp8.recipe`). The backward pass casts
+//! x and W again from the tensors the forward pass read (the bf16 activation, the weight):
+//! within a step a cast gives the same values every time (tensorwise: the same amax; delayed:
+//! the step's fixed scale), so the reference need not keep the FP8 copies between the passes.
+//! The embedding, the output head, the router, attention's core, the norms and the biases stay
+//! in the model's precision, as do products too small for FP8 to pay (`train.fp8.min_dim`) and
+//! the experts' products.
+
+use super::{Model, Plan};
+use crate::backend::fp8::{Fp8Format, State};
+use crate::backend::{Backend, BufKind, MatMul, View};
+use crate::config::{Fp8Config, Fp8Recipe, ModelConfig, Precision, TrainConfig};
+
+/// The linear layers of a decoder block that may run in FP8.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Linear {
+    /// The packed q, k and v projections.
+    Qkv,
+    /// Attention's output projection.
+    O,
+    /// The packed gate and up projections (GPT: `c_fc`).
+    Up,
+    /// The down projection (GPT: `c_proj`).
+    Down,
+}
+
+impl Linear {
+    const ALL: [Linear; 4] = [Linear::Qkv, Linear::O, Linear::Up, Linear::Down];
+
+    /// Its (input, output) widths in a layer of `m` (a device's slice under tensor parallelism).
+    fn widths(self, m: &ModelConfig) -> (usize, usize) {
+        let up = if m.is_gpt() { m.mlp_dim } else { 2 * m.mlp_dim };
+        match self {
+            Linear::Qkv => (m.d_model, m.q_dim() + 2 * m.kv_dim()),
+            Linear::O => (m.q_dim(), m.d_model),
+            Linear::Up => (m.d_model, up),
+            Linear::Down => (m.mlp_dim, m.d_model),
+        }
+    }
+}
+
+/// The operands of a linear layer's products.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Operand {
+    X,
+    W,
+    Dy,
+}
+
+impl Operand {
+    const ALL: [Operand; 3] = [Operand::X, Operand::W, Operand::Dy];
+
+    fn format(self) -> Fp8Format {
+        match self {
+            Operand::X | Operand::W => Fp8Format::E4M3,
+            Operand::Dy => Fp8Format::E5M2,
+        }
+    }
+}
+
+/// Which products of a model run in FP8, and how they are scaled: the run's `[train.fp8]`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Fp8Policy {
+    /// The recipe, history, margin and size threshold.
+    pub config: Fp8Config,
+}
+
+impl Fp8Policy {
+    /// The policy of a run: none unless `train.precision = "fp8"`.
+    pub fn of(train: &TrainConfig) -> Option<Fp8Policy> {
+        (train.precision == Precision::Fp8).then(|| Fp8Policy { config: train.fp8.clone() })
+    }
+
+    /// Whether `linear` of model `m` runs in FP8 for micro-batches of `n` tokens: both widths
+    /// at least `min_dim`, and every dimension of its three products a multiple of 16
+    /// (cuBLASLt's FP8 rule), experts excepted.
+    fn covers(&self, m: &ModelConfig, linear: Linear, n: usize) -> bool {
+        let (inp, out) = linear.widths(m);
+        let moe = m.moe.is_some() && matches!(linear, Linear::Up | Linear::Down);
+        !moe && inp.min(out) >= self.config.min_dim && [inp, out, n].iter().all(|k| k % 16 == 0 && *k > 0)
+    }
+
+    /// Elements of one operand's state.
+    fn stride(&self) -> usize {
+        State::len(if self.config.recipe == Fp8Recipe::Delayed { self.config.amax_history } else { 0 })
+    }
+}
+
+/// A device's FP8 buffers ([`Plan::fp8`]): the scaling state of every operand of every FP8
+/// product of the whole model (indexed by the layer's place in the whole model, so that every
+/// virtual stage and micro-batch slot shares one), and the casts' scratch.
+#[derive(Debug, Clone, Copy)]
+pub struct Fp8Buffers {
+    /// `[layers × 4 products × 3 operands, stride]` states ([`State`]).
+    pub states: View,
+    /// Elements of one state.
+    stride: usize,
+    /// Which of [`Linear::ALL`] run in FP8 (the same in every layer).
+    covered: [bool; 4],
+    /// The cast input, weight and output gradient of the product running.
+    x: View,
+    w: View,
+    dy: View,
+    tensorwise: bool,
+    /// The delayed recipe's `2^margin` headroom.
+    margin: u32,
+}
+
+impl Fp8Buffers {
+    /// The initial states of all operands, to upload at the start of a run (scale 1).
+    pub fn initial_states(&self) -> Vec<f32> {
+        let formats = Operand::ALL.map(Operand::format);
+        let history = self.stride - State::len(0);
+        let operands = self.states.len / self.stride;
+        (0..operands).flat_map(|i| State::initial(formats[i % 3], history)).collect()
+    }
+
+    /// Elements of one operand's state: what [`Backend::fp8_delayed_update`] steps by.
+    pub fn stride(&self) -> usize {
+        self.stride
+    }
+
+    /// The end of an optimizer step: the delayed recipe rolls every operand's amax into its
+    /// history and sets the next step's scales (nothing under tensorwise scaling).
+    pub fn step_done<B: Backend>(&self, be: &mut B) {
+        if !self.tensorwise {
+            be.fp8_delayed_update(self.states, self.stride, self.margin);
+        }
+    }
+
+    fn state(&self, layer: usize, linear: Linear, operand: Operand) -> State {
+        let index = (layer * 4 + linear as usize) * 3 + operand as usize;
+        State { view: self.states.at(index * self.stride, self.stride), format: operand.format() }
+    }
+}
+
+impl Model {
+    /// Takes the FP8 buffers of a plan for `n` tokens from `take`, or shares `reuse`'s; none
+    /// when the model has no FP8 policy or no product qualifies.
+    pub(super) fn plan_fp8(
+        &self,
+        n: usize,
+        take: &mut dyn FnMut(BufKind, usize) -> View,
+        reuse: Option<&Plan>,
+    ) -> Option<Fp8Buffers> {
+        let policy = self.fp8.as_ref()?;
+        let m = &self.config;
+        let covered = Linear::ALL.map(|l| policy.covers(m, l, n));
+        if !covered.contains(&true) {
+            return None;
+        }
+        if let Some(r) = reuse {
+            return r.fp8;
+        }
+        let widths = Linear::ALL.iter().zip(covered).filter(|(_, c)| *c).map(|(l, _)| l.widths(m));
+        let (mut x, mut w, mut dy) = (0, 0, 0);
+        for (inp, out) in widths {
+            (x, w, dy) = (x.max(n * inp), w.max(inp * out), dy.max(n * out));
+        }
+        let stride = policy.stride();
+        Some(Fp8Buffers {
+            states: take(BufKind::Scalars, m.n_layers * 4 * 3 * stride),
+            stride,
+            covered,
+            x: take(BufKind::Activations, x),
+            w: take(BufKind::Activations, w),
+            dy: take(BufKind::Activations, dy),
+            tensorwise: policy.config.recipe == Fp8Recipe::Tensorwise,
+            margin: policy.config.margin,
+        })
+    }
+
+    /// The FP8 buffers of `p` if `linear` runs in FP8, with layer `i`'s place in the whole model.
+    fn fp8_of(&self, p: &Plan, i: usize, linear: Linear) -> Option<(Fp8Buffers, usize)> {
+        let f = p.fp8.filter(|f| f.covered[linear as usize])?;
+        let layer = self.layout.stage.layer_indices().nth(i).expect("a layer of the stage");
+        Some((f, layer))
+    }
+
+    /// `out = x · Wᵀ` (plus `residual`, when given) for `linear` of layer `i`, in FP8 where the
+    /// policy says.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn linear_forward<B: Backend>(
+        &self,
+        be: &mut B,
+        p: &Plan,
+        (i, linear): (usize, Linear),
+        out: View,
+        x: View,
+        w: View,
+        residual: Option<View>,
+        shape: MatMul,
+    ) {
+        let Some((f, layer)) = self.fp8_of(p, i, linear) else {
+            return match residual {
+                Some(c) => be.matmul_add(out, x, w, c, shape),
+                None => be.matmul(out, x, w, shape),
+            };
+        };
+        let (sx, sw) = (f.state(layer, linear, Operand::X), f.state(layer, linear, Operand::W));
+        let (xq, wq) = (f.x.at(0, x.len), f.w.at(0, w.len));
+        be.fp8_quantize(xq, x, sx, f.tensorwise);
+        be.fp8_quantize(wq, w, sw, f.tensorwise);
+        let shape = match residual {
+            Some(c) => {
+                be.copy(out, c);
+                shape.accumulating()
+            }
+            None => shape,
+        };
+        be.matmul_fp8(out, xq, wq, shape, [sx.inv_scale(), sw.inv_scale()]);
+    }
+
+    /// The backward pass of [`Model::linear_forward`]: `dx = dy · W` (added to `dx` when
+    /// `shape_dx` accumulates) and `dW += dyᵀ · x`.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn linear_backward<B: Backend>(
+        &self,
+        be: &mut B,
+        p: &Plan,
+        (i, linear): (usize, Linear),
+        (dx, dw): (View, View),
+        dy: View,
+        (x, w): (View, View),
+        (shape_dx, shape_dw): (MatMul, MatMul),
+    ) {
+        let Some((f, layer)) = self.fp8_of(p, i, linear) else {
+            be.matmul(dx, dy, w, shape_dx);
+            be.matmul(dw, dy, x, shape_dw);
+            return;
+        };
+        let [sx, sw, sdy] = Operand::ALL.map(|o| f.state(layer, linear, o));
+        let (xq, wq, dyq) = (f.x.at(0, x.len), f.w.at(0, w.len), f.dy.at(0, dy.len));
+        be.fp8_quantize(dyq, dy, sdy, f.tensorwise);
+        be.fp8_quantize(wq, w, sw, f.tensorwise);
+        be.matmul_fp8(dx, dyq, wq, shape_dx, [sdy.inv_scale(), sw.inv_scale()]);
+        be.fp8_quantize(xq, x, sx, f.tensorwise);
+        be.matmul_fp8(dw, dyq, xq, shape_dw, [sdy.inv_scale(), sx.inv_scale()]);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::cpu::Cpu;
+    use crate::config::ModelConfig;
+    use crate::model::{Alone, init};
+
+    /// A layer whose every linear product qualifies at `min_dim = 16`: widths of 32 and 64.
+    fn config() -> ModelConfig {
+        ModelConfig {
+            vocab_size: 40,
+            d_model: 32,
+            n_layers: 2,
+            n_heads: 2,
+            n_kv_heads: 1,
+            head_dim: 16,
+            mlp_dim: 48,
+            max_seq_len: 32,
+            init_std: 0.2,
+            ..ModelConfig::default()
+        }
+    }
+
+    fn policy(recipe: Fp8Recipe, min_dim: usize) -> Fp8Policy {
+        Fp8Policy { config: Fp8Config { recipe, min_dim, amax_history: 4, ..Fp8Config::default() } }
+    }
+
+    /// A model (FP8 by `fp8`) on the CPU with its parameters and 16 tokens; returns the
+    /// gradient of the mean loss after one forward and backward pass.
+    fn run(fp8: Option<Fp8Policy>) -> (Model, Cpu, Plan, Vec<f32>) {
+        let mut model = Model::new(&config());
+        model.fp8 = fp8;
+        let mut cpu = Cpu::new();
+        let plan = model.plan(&mut cpu, 1, 16);
+        cpu.upload(plan.params, &init::params(&model, 5));
+        let tokens: Vec<u32> = (0..17).map(|i| (i * 7 % 40) as u32).collect();
+        cpu.upload_idx(plan.tokens, &tokens[..16]);
+        cpu.upload_idx(plan.targets, &tokens[1..]);
+        model.forward(&mut cpu, &plan, Some(1.0 / 16.0), &mut Alone);
+        model.backward(&mut cpu, &plan, 0.0, &mut Alone);
+        let mut grads = vec![0f32; plan.grads.len];
+        cpu.download(plan.grads, &mut grads);
+        (model, cpu, plan, grads)
+    }
+
+    fn get(cpu: &mut Cpu, v: View) -> Vec<f32> {
+        let mut out = vec![0f32; v.len];
+        cpu.download(v, &mut out);
+        out
+    }
+
+    /// `x` cast as tensorwise scaling casts it: (the FP8 values, 1 / scale).
+    fn cast(x: &[f32], format: Fp8Format) -> (Vec<f64>, f64) {
+        let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let scale = format.max() / amax;
+        (x.iter().map(|&v| format.round(v * scale) as f64).collect(), 1.0 / scale as f64)
+    }
+
+    #[test]
+    fn a_forward_product_multiplies_the_rounded_operands() {
+        let (model, mut cpu, plan, _) = run(Some(policy(Fp8Recipe::Tensorwise, 16)));
+        let (a, o) = (&plan.layers[0], &model.layout.layers[0]);
+        let (n, d, width) = (16, 32, 64);
+        let ln1 = get(&mut cpu, a.ln1);
+        let w = get(&mut cpu, plan.params.at(o.qkv, width * d));
+        // q before RoPE is what the product wrote: compare the v columns, which RoPE leaves.
+        let qkv = get(&mut cpu, a.qkv);
+        let ((xq, sx), (wq, sw)) = (cast(&ln1, Fp8Format::E4M3), cast(&w, Fp8Format::E4M3));
+        let (mut worst, mut moved) = (0f64, 0f64);
+        for r in 0..n {
+            for c in 48..width {
+                let exact: f64 = (0..d).map(|k| ln1[r * d + k] as f64 * w[c * d + k] as f64).sum();
+                let fp8: f64 = (0..d).map(|k| xq[r * d + k] * wq[c * d + k]).sum::<f64>() * sx * sw;
+                worst = worst.max((qkv[r * width + c] as f64 - fp8).abs());
+                moved = moved.max((exact - fp8).abs());
+            }
+        }
+        assert!(worst < 1e-5, "the product differs from the rounded operands' by {worst}");
+        assert!(moved > 1e-3, "FP8 rounding should move the product (by {moved} at most)");
+    }
+
+    #[test]
+    fn fp8_gradients_point_where_the_f32_gradients_do() {
+        let (_, _, _, exact) = run(None);
+        for recipe in [Fp8Recipe::Tensorwise, Fp8Recipe::Delayed] {
+            let (model, _, _, fp8) = run(Some(policy(recipe, 16)));
+            assert_ne!(exact, fp8, "{recipe:?}: the FP8 products were not used");
+            for t in &model.layout.tensors {
+                let r = t.offset..t.offset + t.len();
+                let (e, f) = (&exact[r.clone()], &fp8[r]);
+                let dot: f64 = e.iter().zip(f).map(|(&a, &b)| a as f64 * b as f64).sum();
+                let norm = |v: &[f32]| v.iter().map(|&a| (a as f64).powi(2)).sum::<f64>().sqrt();
+                let (cosine, ratio) = (dot / (norm(e) * norm(f)), norm(f) / norm(e));
+                // E5M2 gradients keep 2 mantissa bits: each element moves by up to 1/8, and the
+                // noise adds up through the layers; a wrong scale would show in the ratio.
+                assert!(
+                    cosine > 0.9 && (0.8..1.25).contains(&ratio),
+                    "{recipe:?}: {}: cosine {cosine:.4}, norm ratio {ratio:.3} against the f32 gradient",
+                    t.name
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn small_products_stay_in_the_models_precision() {
+        let (_, _, plan, grads) = run(Some(policy(Fp8Recipe::Tensorwise, 2048)));
+        assert!(plan.fp8.is_none(), "no product reaches min_dim: no FP8 buffers");
+        assert_eq!(grads, run(None).3, "the same products as without FP8");
+        // Widths or tokens off cuBLASLt's multiple of 16 stay out too.
+        let p = policy(Fp8Recipe::Tensorwise, 16);
+        let m = config();
+        assert!(p.covers(&m, Linear::Qkv, 32));
+        assert!(!p.covers(&m, Linear::Qkv, 24));
+        assert!(!p.covers(&ModelConfig { d_model: 40, ..m.clone() }, Linear::O, 32));
+        let moe = ModelConfig { moe: Some(Default::default()), ..m };
+        assert!(!p.covers(&moe, Linear::Up, 32) && p.covers(&moe, Linear::O, 32), "experts stay out");
+    }
+
+    #[test]
+    fn delayed_scaling_moves_its_scales_at_the_step_and_not_before() {
+        let (_, mut cpu, plan, _) = run(Some(policy(Fp8Recipe::Delayed, 16)));
+        let f = plan.fp8.unwrap();
+        let before = get(&mut cpu, f.states);
+        let s = f.stride();
+        assert!(before.chunks(s).all(|st| st[0] == 1.0), "within the first step every scale is 1");
+        assert!(before.chunks(s).any(|st| st[2] > 0.0), "the casts recorded amaxes");
+        f.step_done(&mut cpu);
+        let after = get(&mut cpu, f.states);
+        for (b, a) in before.chunks(s).zip(after.chunks(s)) {
+            assert_eq!(a[4], b[2], "the amax entered the history");
+            if b[2] > 0.0 {
+                assert_eq!(a[0], a[3] / b[2], "scale = max / amax");
+            }
+        }
+    }
+}
