@@ -118,8 +118,18 @@ pub fn scale_for(amax: f32, max: f32, margin: u32) -> Option<f32> {
 
 /// Casts `x` to `format` with its state: under `tensorwise` the scale is set from `x`'s own
 /// amax first; otherwise (delayed) the state's scale is used and `x`'s amax recorded. Writes
-/// `fp8(x · scale)` to `q`.
-pub fn quantize(q: &mut [f32], x: &[f32], state: &mut [f32], format: Fp8Format, tensorwise: bool) {
+/// `fp8(x · scale)` to `q`, or with `transpose = Some(cols)` its transpose: `x` is then
+/// `[len / cols, cols]` and `q` `[cols, len / cols]` (cuBLASLt's FP8 products take one layout,
+/// so the backward pass's operands are cast transposed).
+pub fn quantize(
+    q: &mut [f32],
+    x: &[f32],
+    state: &mut [f32],
+    format: Fp8Format,
+    tensorwise: bool,
+    transpose: Option<usize>,
+) {
+    use rayon::prelude::*;
     assert_eq!(q.len(), x.len(), "fp8 cast: output and input lengths differ");
     let a = amax(x);
     if tensorwise {
@@ -131,12 +141,22 @@ pub fn quantize(q: &mut [f32], x: &[f32], state: &mut [f32], format: Fp8Format, 
         state[slot::AMAX] = if a.is_nan() || m.is_nan() { f32::NAN } else { m.max(a) };
     }
     let scale = state[slot::SCALE];
-    use rayon::prelude::*;
-    q.par_chunks_mut(1 << 14).zip(x.par_chunks(1 << 14)).for_each(|(q, x)| {
-        for (o, &v) in q.iter_mut().zip(x) {
-            *o = format.round(v * scale);
+    match transpose {
+        None => q.par_chunks_mut(1 << 14).zip(x.par_chunks(1 << 14)).for_each(|(q, x)| {
+            for (o, &v) in q.iter_mut().zip(x) {
+                *o = format.round(v * scale);
+            }
+        }),
+        Some(cols) => {
+            let rows = x.len() / cols;
+            assert_eq!(rows * cols, x.len(), "fp8 cast: {} elements are not rows of {cols}", x.len());
+            q.par_chunks_mut(rows.max(1)).enumerate().for_each(|(c, q)| {
+                for (r, o) in q.iter_mut().enumerate() {
+                    *o = format.round(x[r * cols + c] * scale);
+                }
+            });
         }
-    });
+    }
 }
 
 /// The delayed recipe's step: each operand's recorded amax enters its history (newest first,
@@ -204,13 +224,21 @@ mod tests {
     fn tensorwise_maps_the_amax_onto_the_largest_value() {
         let x = [0.5, -2.0, 1.0, 0.0];
         let (mut q, mut s) = ([0f32; 4], State::initial(Fp8Format::E4M3, 0));
-        quantize(&mut q, &x, &mut s, Fp8Format::E4M3, true);
+        quantize(&mut q, &x, &mut s, Fp8Format::E4M3, true, None);
         assert_eq!(s[slot::SCALE], 224.0);
         assert_eq!(s[slot::INV_SCALE], 1.0 / 224.0);
         assert_eq!(q, [112.0, -448.0, 224.0, 0.0]);
         // All zeros keep a scale of one (nothing to map), and cast to zeros.
-        quantize(&mut q, &[0.0; 4], &mut s, Fp8Format::E4M3, true);
+        quantize(&mut q, &[0.0; 4], &mut s, Fp8Format::E4M3, true, None);
         assert_eq!((s[slot::SCALE], q), (1.0, [0.0; 4]));
+    }
+
+    #[test]
+    fn a_transposed_cast_writes_the_transpose() {
+        let x = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]; // [2, 3]
+        let (mut q, mut s) = ([0f32; 6], State::initial(Fp8Format::E4M3, 0));
+        quantize(&mut q, &x, &mut s, Fp8Format::E4M3, false, Some(3));
+        assert_eq!(q, [1.0, 4.0, 2.0, 5.0, 3.0, 6.0]);
     }
 
     #[test]
@@ -219,9 +247,9 @@ mod tests {
         let mut s = State::initial(f, 3);
         let mut q = [0f32; 2];
         // Step 1 casts with the initial scale (1) and records its amax (4).
-        quantize(&mut q, &[4.0, -1.0], &mut s, f, false);
+        quantize(&mut q, &[4.0, -1.0], &mut s, f, false, None);
         assert_eq!((q, s[slot::AMAX]), ([4.0, -1.0], 4.0));
-        quantize(&mut q, &[-3.0, 2.0], &mut s, f, false);
+        quantize(&mut q, &[-3.0, 2.0], &mut s, f, false, None);
         assert_eq!(s[slot::AMAX], 4.0, "the step's amax is the largest of its casts");
         delayed_update(&mut s, State::len(3), 1);
         assert_eq!(&s[slot::HISTORY..], &[4.0, 0.0, 0.0]);
@@ -229,7 +257,7 @@ mod tests {
         assert_eq!(s[slot::AMAX], 0.0);
         // Steps with smaller amaxes keep the largest of the history until it leaves it.
         for (step, amax) in [1.0f32, 2.0, 2.0].into_iter().enumerate() {
-            quantize(&mut q, &[amax, 0.0], &mut s, f, false);
+            quantize(&mut q, &[amax, 0.0], &mut s, f, false, None);
             delayed_update(&mut s, State::len(3), 0);
             let expected = if step < 2 { 4.0 } else { 2.0 };
             assert_eq!(s[slot::SCALE], 57344.0 / expected, "step {step}");
@@ -249,7 +277,7 @@ mod tests {
         assert_eq!(scale_for(0.0, 448.0, 0), None);
         let mut s = State::initial(Fp8Format::E4M3, 2);
         let mut q = [0f32; 1];
-        quantize(&mut q, &[f32::NAN], &mut s, Fp8Format::E4M3, false);
+        quantize(&mut q, &[f32::NAN], &mut s, Fp8Format::E4M3, false, None);
         delayed_update(&mut s, State::len(2), 0);
         assert_eq!(s[slot::SCALE], 1.0);
     }

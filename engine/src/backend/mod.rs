@@ -90,6 +90,9 @@ pub enum BufKind {
     Activations,
     /// Small f32 values: losses, norms, statistics, RoPE tables.
     Scalars,
+    /// FP8 operands of products (`train.precision = "fp8"`): one byte an element on a GPU, the
+    /// FP8 values held in f32 on the CPU reference.
+    Fp8,
 }
 
 /// Bytes in GiB (2³⁰ bytes), for messages about memory: a device's, a backend's allocations,
@@ -394,14 +397,25 @@ pub trait Backend {
     }
     /// Casts `x` to the FP8 format of `state` into `q`, as [`fp8::quantize`] does: under
     /// `tensorwise` scaling the state's scale is first set from `x`'s amax; otherwise (delayed
-    /// scaling) `x`'s amax is recorded and the state's scale used. `q` holds `fp8(x · scale)`.
-    fn fp8_quantize(&mut self, _q: View, _x: View, _state: fp8::State, _tensorwise: bool) {
+    /// scaling) `x`'s amax is recorded and the state's scale used. `q` holds `fp8(x · scale)`,
+    /// transposed with `transpose = Some(cols)` (`x` being `[len / cols, cols]`); `q` is a
+    /// [`BufKind::Fp8`] buffer.
+    fn fp8_quantize(&mut self, _q: View, _x: View, _state: fp8::State, _tensorwise: bool, _transpose: Option<usize>) {
         unreachable!("internal error: {} has no FP8 ops (Backend::supports_fp8)", self.describe())
     }
-    /// An FP8 product: [`Backend::matmul`] of operands cast by [`Backend::fp8_quantize`], the
-    /// result multiplied by both operands' inverse scales (`inv_scales`, one element each: the
-    /// states' [`fp8::State::inv_scale`]), accumulated in f32.
-    fn matmul_fp8(&mut self, _out: View, _a: View, _b: View, _shape: MatMul, _inv_scales: [View; 2]) {
+    /// An FP8 product in cuBLASLt's one FP8 layout, `out[m, n] (+)= a[m, k] · b[n, k]ᵀ` (`shape`
+    /// has `b_t` and not `a_t`), of operands cast by [`Backend::fp8_quantize`], multiplied by
+    /// both states' inverse scales and accumulated in f32; `fast_accum` lets a GPU accumulate
+    /// in its faster, less precise way (the forward products only, as Transformer Engine does).
+    fn matmul_fp8(
+        &mut self,
+        _out: View,
+        _a: View,
+        _b: View,
+        _shape: MatMul,
+        _scales: [fp8::State; 2],
+        _fast_accum: bool,
+    ) {
         unreachable!("internal error: {} has no FP8 ops (Backend::supports_fp8)", self.describe())
     }
     /// Delayed scaling's step ([`fp8::delayed_update`]) over operand states of `stride` elements

@@ -160,16 +160,11 @@ impl<B: Backend> Backend for Traced<B> {
     fn supports_fp8(&self) -> bool {
         self.inner.supports_fp8()
     }
-    fn fp8_quantize(&mut self, q: View, x: View, state: super::fp8::State, tensorwise: bool) {
-        self.time("fp8_quantize", |be| be.fp8_quantize(q, x, state, tensorwise))
+    fn fp8_quantize(&mut self, q: View, x: View, state: super::fp8::State, tensorwise: bool, transpose: Option<usize>) {
+        self.time("fp8_quantize", |be| be.fp8_quantize(q, x, state, tensorwise, transpose))
     }
-    fn matmul_fp8(&mut self, out: View, a: View, b: View, shape: MatMul, inv_scales: [View; 2]) {
-        let name = match (shape.a_t, shape.b_t) {
-            (false, true) => "matmul_fp8_forward",
-            (false, false) => "matmul_fp8_dx",
-            (true, _) => "matmul_fp8_dw",
-        };
-        self.time(name, |be| be.matmul_fp8(out, a, b, shape, inv_scales))
+    fn matmul_fp8(&mut self, out: View, a: View, b: View, shape: MatMul, scales: [super::fp8::State; 2], fast: bool) {
+        self.time("matmul_fp8", |be| be.matmul_fp8(out, a, b, shape, scales, fast))
     }
     fn fp8_delayed_update(&mut self, states: View, stride: usize, margin: u32) {
         self.time("fp8_delayed_update", |be| be.fp8_delayed_update(states, stride, margin))

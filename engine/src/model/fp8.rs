@@ -175,9 +175,9 @@ impl Model {
             states: take(BufKind::Scalars, m.n_layers * 4 * 3 * stride),
             stride,
             covered,
-            x: take(BufKind::Activations, x),
-            w: take(BufKind::Activations, w),
-            dy: take(BufKind::Activations, dy),
+            x: take(BufKind::Fp8, x),
+            w: take(BufKind::Fp8, w),
+            dy: take(BufKind::Fp8, dy),
             tensorwise: policy.config.recipe == Fp8Recipe::Tensorwise,
             margin: policy.config.margin,
         })
@@ -212,8 +212,8 @@ impl Model {
         };
         let (sx, sw) = (f.state(layer, linear, Operand::X), f.state(layer, linear, Operand::W));
         let (xq, wq) = (f.x.at(0, x.len), f.w.at(0, w.len));
-        be.fp8_quantize(xq, x, sx, f.tensorwise);
-        be.fp8_quantize(wq, w, sw, f.tensorwise);
+        be.fp8_quantize(xq, x, sx, f.tensorwise, None);
+        be.fp8_quantize(wq, w, sw, f.tensorwise, None);
         let shape = match residual {
             Some(c) => {
                 be.copy(out, c);
@@ -221,7 +221,7 @@ impl Model {
             }
             None => shape,
         };
-        be.matmul_fp8(out, xq, wq, shape, [sx.inv_scale(), sw.inv_scale()]);
+        be.matmul_fp8(out, xq, wq, shape, [sx, sw], true);
     }
 
     /// The backward pass of [`Model::linear_forward`]: `dx = dy · W` (added to `dx` when
@@ -244,11 +244,16 @@ impl Model {
         };
         let [sx, sw, sdy] = Operand::ALL.map(|o| f.state(layer, linear, o));
         let (xq, wq, dyq) = (f.x.at(0, x.len), f.w.at(0, w.len), f.dy.at(0, dy.len));
-        be.fp8_quantize(dyq, dy, sdy, f.tensorwise);
-        be.fp8_quantize(wq, w, sw, f.tensorwise);
-        be.matmul_fp8(dx, dyq, wq, shape_dx, [sdy.inv_scale(), sw.inv_scale()]);
-        be.fp8_quantize(xq, x, sx, f.tensorwise);
-        be.matmul_fp8(dw, dyq, xq, shape_dw, [sdy.inv_scale(), sx.inv_scale()]);
+        // FP8 products take one layout, `a · bᵀ`: dx = dy · (Wᵀ)ᵀ and dW = dyᵀ · (xᵀ)ᵀ, with
+        // Wᵀ, dyᵀ and xᵀ cast transposed (`[O, I]`, `[N, O]` and `[N, I]` read by columns).
+        let linear_form = |s: MatMul| MatMul { a_t: false, b_t: true, ..s };
+        let (inp, out) = (shape_dx.n, shape_dx.k);
+        be.fp8_quantize(dyq, dy, sdy, f.tensorwise, None);
+        be.fp8_quantize(wq, w, sw, f.tensorwise, Some(inp));
+        be.matmul_fp8(dx, dyq, wq, linear_form(shape_dx), [sdy, sw], false);
+        be.fp8_quantize(dyq, dy, sdy, f.tensorwise, Some(out));
+        be.fp8_quantize(xq, x, sx, f.tensorwise, Some(inp));
+        be.matmul_fp8(dw, dyq, xq, linear_form(shape_dw), [sdy, sx], false);
     }
 }
 

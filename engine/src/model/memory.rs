@@ -78,6 +78,7 @@ pub fn estimate(model: &Model, batch: usize, seq: usize, target: Target) -> Esti
         optimizer: 2 * p * bytes(BufKind::OptState),
         activations: a.activations * bytes(BufKind::Activations)
             + (a.scalars + rope) * bytes(BufKind::Scalars)
+            + a.fp8 * bytes(BufKind::Fp8)
             + a.indices * 4,
         scratch,
         communication: 0,

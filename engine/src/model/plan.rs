@@ -147,6 +147,8 @@ pub struct ActivationSizes {
     pub activations: usize,
     /// [`BufKind::Scalars`] elements (always f32), the RoPE table aside.
     pub scalars: usize,
+    /// [`BufKind::Fp8`] elements (one byte on a GPU): the casts of FP8 products.
+    pub fp8: usize,
     /// `u32` index entries (tokens, targets, routing tables).
     pub indices: usize,
 }
@@ -188,16 +190,16 @@ impl Model {
         let n = batch * seq;
         let idx = be.alloc_idx(2 * n + self.extra_idx_len(n));
         let sizes = self.measure(batch, seq, reuse.is_some());
-        let (acts, stats) =
-            (be.alloc(BufKind::Activations, sizes.activations), be.alloc(BufKind::Scalars, sizes.scalars));
-        let mut next = [0usize; 2];
+        let bufs = [BufKind::Activations, BufKind::Scalars, BufKind::Fp8]
+            .map(|kind| be.alloc(kind, [sizes.activations, sizes.scalars, sizes.fp8][kind_index(kind)]));
+        let mut next = [0usize; 3];
         let mut plan = self.plan_activations(
             batch,
             seq,
             idx,
             &mut |kind, len| {
-                let (buf, i) = if kind == BufKind::Scalars { (stats, 1) } else { (acts, 0) };
-                let v = buf.at(next[i], len);
+                let i = kind_index(kind);
+                let v = bufs[i].at(next[i], len);
                 next[i] += len.next_multiple_of(ALIGN);
                 v
             },
@@ -248,14 +250,14 @@ impl Model {
         let idx = IdxView { buf: BufId(u32::MAX), offset: 0, len: idx_len };
         let dummy = |_: BufKind, len: usize| View { buf: BufId(u32::MAX), offset: 0, len };
         let first = slot.then(|| self.plan_activations(batch, seq, idx, &mut dummy.clone(), None));
-        let mut sizes = ActivationSizes { activations: 0, scalars: 0, indices: idx_len };
+        let mut totals = [0usize; 3];
         let mut count = |kind, len: usize| {
-            let total = if kind == BufKind::Scalars { &mut sizes.scalars } else { &mut sizes.activations };
-            *total += len.next_multiple_of(ALIGN);
+            totals[kind_index(kind)] += len.next_multiple_of(ALIGN);
             dummy(kind, len)
         };
         self.plan_activations(batch, seq, idx, &mut count, first.as_ref());
-        sizes
+        let [activations, scalars, fp8] = totals;
+        ActivationSizes { activations, scalars, fp8, indices: idx_len }
     }
 
     /// Index entries beyond tokens and targets: the routing tables of the stage's MoE layers,
@@ -421,6 +423,16 @@ impl Model {
             fp8: self.plan_fp8(n, take, reuse),
             shared,
         }
+    }
+}
+
+/// Which of a plan's three buffers holds a kind of activation: the activations (what the other
+/// kinds are not), the f32 statistics, the FP8 casts.
+fn kind_index(kind: BufKind) -> usize {
+    match kind {
+        BufKind::Scalars => 1,
+        BufKind::Fp8 => 2,
+        _ => 0,
     }
 }
 

@@ -915,6 +915,27 @@ mod tests {
         }
 
         #[test]
+        fn the_memory_plan_counts_the_fp8_casts() {
+            use crate::model::memory;
+            let c = fp8_config("delayed", &["train.batch_size=2"]);
+            let mut t = Trainer::new(Traced::new(Cpu::new()), &c).unwrap();
+            t.train_step(0.0);
+            let measured = t.backend.peak_memory_bytes() as f64;
+            let plan = ParallelPlan::resolve(&c, 1, 1).unwrap();
+            let estimate = plan.estimate(&c, memory::Target::Cpu).total() as f64;
+            assert!((measured / estimate - 1.0).abs() <= 0.10, "measured {measured} bytes, estimated {estimate}");
+            // On a GPU the casts take a byte an element: a quarter of the CPU's f32.
+            let model = plan.stage_model(&c, 0);
+            let sizes = model.activation_elements(2, c.train.seq_len);
+            let (d, f, n) = (c.model.d_model, c.model.mlp_dim, 2 * c.train.seq_len);
+            assert!(sizes.fp8 >= n * f + 2 * f * d + n * 2 * f, "casts of x, W and dy: {sizes:?}");
+            let gpu = memory::Target::Cuda { sm_count: 132 };
+            let with = memory::estimate(&model, 2, c.train.seq_len, gpu).activations;
+            let without = memory::estimate(&plan.stage_model(&bf16(&c), 0), 2, c.train.seq_len, gpu).activations;
+            assert!(with - without >= sizes.fp8, "the GPU estimate counts the casts: {with} vs {without}");
+        }
+
+        #[test]
         fn resuming_keeps_the_delayed_recipes_history_and_switches_precision() {
             use crate::checkpoint::{self, Checkpoint};
             let tmp = std::env::temp_dir().join(format!("engine-fp8-resume-{}", std::process::id()));

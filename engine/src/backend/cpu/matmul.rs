@@ -32,13 +32,19 @@ impl Scratch {
 /// `out[m, n] (+)= op(a) · op(b)`, see [`MatMul`]. Threads split the output only, so the result
 /// does not depend on their number.
 pub fn matmul(out: &mut [f32], a: &[f32], b: &[f32], s: MatMul, scratch: &mut Scratch) {
+    matmul_scaled(out, a, b, s, 1.0, scratch)
+}
+
+/// `out[m, n] (+)= op(a) · op(b) · scale`: [`matmul`] with the product multiplied by `scale`
+/// before it is stored or added (the FP8 products' inverse scales).
+pub fn matmul_scaled(out: &mut [f32], a: &[f32], b: &[f32], s: MatMul, scale: f32, scratch: &mut Scratch) {
     if !s.a_t && s.b_t && s.m <= TRANSPOSE_ROWS && s.m > 0 && s.n > 0 && s.k > 0 {
         // outᵀ[n, m] = b[n, k] · aᵀ[k, m], both row-major.
         scratch.a_t.resize(s.k * s.m, 0.0);
         scratch.out_t.resize(s.n * s.m, 0.0);
         transpose(a, &mut scratch.a_t, s.m, s.k);
         let product = MatMul { m: s.n, n: s.m, k: s.k, a_t: false, b_t: false, accumulate: false };
-        gemm_raw(&mut scratch.out_t, b, &scratch.a_t, product);
+        gemm_raw(&mut scratch.out_t, b, &scratch.a_t, product, scale);
         if s.accumulate {
             add_transposed(out, &scratch.out_t, s.n, s.m);
         } else {
@@ -46,7 +52,7 @@ pub fn matmul(out: &mut [f32], a: &[f32], b: &[f32], s: MatMul, scratch: &mut Sc
         }
         return;
     }
-    gemm_raw(out, a, b, s)
+    gemm_raw(out, a, b, s, scale)
 }
 
 /// Tile edge of the transposes: a tile of each side stays in L1.
@@ -87,8 +93,8 @@ fn add_transposed(dst: &mut [f32], src: &[f32], rows: usize, cols: usize) {
     });
 }
 
-/// The product through `gemm` as given.
-fn gemm_raw(out: &mut [f32], a: &[f32], b: &[f32], s: MatMul) {
+/// The product through `gemm` as given, multiplied by `scale`.
+fn gemm_raw(out: &mut [f32], a: &[f32], b: &[f32], s: MatMul, scale: f32) {
     assert_eq!(out.len(), s.m * s.n, "matmul output");
     assert_eq!(a.len(), s.m * s.k, "matmul lhs");
     assert_eq!(b.len(), s.k * s.n, "matmul rhs");
@@ -115,14 +121,15 @@ fn gemm_raw(out: &mut [f32], a: &[f32], b: &[f32], s: MatMul) {
             s.accumulate,
             (a.as_ptr(), a_cs as isize, a_rs as isize),
             (b.as_ptr(), b_cs as isize, b_rs as isize),
+            scale,
             parallelism,
         );
     }
 }
 
-/// `dst = lhs · rhs`, plus `dst` when `accumulate`: f32, `m × k` times `k × n`, each operand
-/// given by its first element and its (column, row) strides in elements, through gemm-f32's
-/// kernels.
+/// `dst = lhs · rhs · scale`, plus `dst` when `accumulate`: f32, `m × k` times `k × n`, each
+/// operand given by its first element and its (column, row) strides in elements, through
+/// gemm-f32's kernels.
 ///
 /// This is the orientation step of the `gemm` front crate's `gemm::gemm` (0.19), kept here so
 /// that the f64 and complex kernels that crate also builds stay out of the tree: the
@@ -140,6 +147,7 @@ pub(crate) unsafe fn sgemm(
     accumulate: bool,
     lhs: (*const f32, isize, isize),
     rhs: (*const f32, isize, isize),
+    scale: f32,
     parallelism: Parallelism,
 ) {
     debug_assert!([dst_cs, dst_rs, lhs.1, lhs.2, rhs.1, rhs.2].iter().all(|&s| s >= 0));
@@ -165,7 +173,7 @@ pub(crate) unsafe fn sgemm(
             rhs.1,
             rhs.2,
             1.0,
-            1.0,
+            scale,
             false,
             false,
             false,

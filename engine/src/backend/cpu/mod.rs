@@ -17,7 +17,6 @@
 mod adamw;
 mod attention;
 mod embedding;
-mod fp8;
 mod gelu;
 mod layernorm;
 mod loss;
@@ -33,7 +32,8 @@ mod swiglu;
 mod gradcheck;
 
 use super::{
-    AdamWStep, AttnShape, Backend, BufId, BufKind, ExpertWeights, IdxView, MatMul, MoeDispatch, Segment, SeqSplit, View,
+    AdamWStep, AttnShape, Backend, BufId, BufKind, ExpertWeights, IdxView, MatMul, MoeDispatch, Segment, SeqSplit,
+    View, fp8,
 };
 
 /// Rows handled by one task in row-parallel kernels with cross-row reductions; fixed so that
@@ -49,8 +49,6 @@ pub struct Cpu {
     scratch: Vec<f64>,
     /// Reusable space for the transposes of some matrix products (grows once, on first use).
     gemm: matmul::Scratch,
-    /// Reusable space for an accumulating FP8 product's result before it is scaled.
-    fp8: Vec<f32>,
 }
 
 /// Where a view lies: (buffer, offset, length).
@@ -162,7 +160,7 @@ impl Backend for Cpu {
 
     /// Nothing is freed: what the buffers and the scratch hold now is the high-water mark.
     fn peak_memory_bytes(&self) -> usize {
-        self.mem.bytes() + self.idx.bytes() + self.scratch.capacity() * 8 + self.gemm.bytes() + self.fp8.capacity() * 4
+        self.mem.bytes() + self.idx.bytes() + self.scratch.capacity() * 8 + self.gemm.bytes()
     }
 
     fn alloc(&mut self, _kind: BufKind, len: usize) -> View {
@@ -228,20 +226,24 @@ impl Backend for Cpu {
         true
     }
 
-    fn fp8_quantize(&mut self, q: View, x: View, state: crate::backend::fp8::State, tensorwise: bool) {
+    fn fp8_quantize(&mut self, q: View, x: View, state: fp8::State, tensorwise: bool, transpose: Option<usize>) {
         let ([q, s], [x]) = self.mem.io_many([q, state.view], [x]);
-        crate::backend::fp8::quantize(q, x, s, state.format, tensorwise);
+        fp8::quantize(q, x, s, state.format, tensorwise, transpose);
     }
 
-    fn matmul_fp8(&mut self, out: View, a: View, b: View, shape: MatMul, inv_scales: [View; 2]) {
-        let factor = self.mem.get(inv_scales[0])[0] * self.mem.get(inv_scales[1])[0];
+    /// The operands hold FP8 values in f32: every product of two is exact, and the sums are
+    /// f32's, fast accumulation or not. The inverse scales multiply the product, as cuBLASLt's
+    /// scale pointers do.
+    fn matmul_fp8(&mut self, out: View, a: View, b: View, shape: MatMul, scales: [fp8::State; 2], _fast: bool) {
+        assert!(!shape.a_t && shape.b_t, "internal error: an FP8 product in another layout than a · bᵀ");
+        let factor = self.mem.get(scales[0].inv_scale())[0] * self.mem.get(scales[1].inv_scale())[0];
         let (out, [a, b]) = self.mem.io(out, [a, b]);
-        fp8::matmul_scaled(out, a, b, shape, factor, &mut self.fp8, &mut self.gemm);
+        matmul::matmul_scaled(out, a, b, shape, factor, &mut self.gemm);
     }
 
     fn fp8_delayed_update(&mut self, states: View, stride: usize, margin: u32) {
         let (s, []) = self.mem.io(states, []);
-        crate::backend::fp8::delayed_update(s, stride, margin);
+        fp8::delayed_update(s, stride, margin);
     }
 
     fn embedding_forward(&mut self, out: View, table: View, tokens: IdxView, d: usize) {

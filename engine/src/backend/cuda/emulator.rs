@@ -356,6 +356,7 @@ fn gemm(g: &Gemm) {
                 g.beta != 0.0,
                 (a.as_ptr(), a_cs as isize, a_rs as isize),
                 (b.as_ptr(), b_cs as isize, b_rs as isize),
+                1.0,
                 Parallelism::Rayon(rayon::current_num_threads()),
             )
         }

@@ -130,6 +130,7 @@ pub fn bytes_per_element(kind: BufKind) -> usize {
         BufKind::Params => 6,
         BufKind::Activations | BufKind::Gathered => 2,
         BufKind::Grads | BufKind::OptState | BufKind::Scalars => 4,
+        BufKind::Fp8 => 1,
     }
 }
 
