@@ -18,7 +18,7 @@
 use crate::backend::View;
 
 /// An FP8 format (OCP 8-bit floating point).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Fp8Format {
     /// 4 exponent bits, 3 mantissa bits, no infinities: ±448 at most, 2⁻⁹ the smallest
     /// subnormal. Activations and weights.
@@ -43,6 +43,14 @@ impl Fp8Format {
         match self {
             Fp8Format::E4M3 => float8::F8E4M3::from_f32(x).to_f32(),
             Fp8Format::E5M2 => float8::F8E5M2::from_f32(x).to_f32(),
+        }
+    }
+
+    /// The value of an FP8 byte of this format (NaN for its NaN codes).
+    pub fn decode(self, byte: u8) -> f32 {
+        match self {
+            Fp8Format::E4M3 => float8::F8E4M3::from_bits(byte).to_f32(),
+            Fp8Format::E5M2 => float8::F8E5M2::from_bits(byte).to_f32(),
         }
     }
 

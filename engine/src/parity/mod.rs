@@ -32,8 +32,8 @@ use crate::backend::cuda::Cuda;
 use crate::backend::{AttnShape, SeqSplit};
 use models::{fsdp_bf16_gathers, graphs, memory_estimate, nccl_alone, parity, remat, training};
 use ops::{
-    adamw, attention, attention_split, cross_entropy, elementwise, embedding, gelu, layernorm, matmul, moe, rmsnorm,
-    rope, swiglu,
+    adamw, attention, attention_split, cross_entropy, elementwise, embedding, fp8, gelu, layernorm, matmul, moe,
+    rmsnorm, rope, swiglu,
 };
 
 /// One check's result.
@@ -157,6 +157,13 @@ fn checks(scale: Scale) -> Vec<(String, Check)> {
     for (m, n, k) in [(64, 96, 80), (37, 45, 33)] {
         add(&format!("matmul {m}x{n}x{k}: forward, dx, dW, residual"), Box::new(move |g, _| matmul(g, m, n, k)));
     }
+    // FP8: sizes of multiples of 16 (cuBLASLt's rule), one with a partial 32 × 32 transpose tile.
+    for (m, n, k) in [(64, 96, 80), (48, 32, 112)] {
+        add(
+            &format!("fp8 {m}x{n}x{k}: casts, delayed update, forward and dW products"),
+            Box::new(move |g, _| fp8(g, m, n, k)),
+        );
+    }
     add("embedding forward and backward", Box::new(|g, _| embedding(g)));
     // d 256: the 8-wide kernel with one warp a block; d 100: the scalar one with four warps;
     // d 1024: the 8-wide one with four warps, whose backward pass walks its rows in chunks of
@@ -220,6 +227,17 @@ fn checks(scale: Scale) -> Vec<(String, Check)> {
         add(
             &format!("{name}: loss and gradients against the f32 CPU model"),
             Box::new(move |g, _| parity(g, name, &[], scale)),
+        );
+    }
+    // FP8 products for every linear layer (min_dim 16), against the CPU reference's FP8.
+    for recipe in ["tensorwise", "delayed"] {
+        let sets = ["train.precision=fp8", "train.fp8.min_dim=16"];
+        add(
+            &format!("tiny-llama2 in FP8 ({recipe}): loss and gradients against the FP8 CPU model"),
+            Box::new(move |g, _| {
+                let recipe = format!("train.fp8.recipe={recipe}");
+                parity(g, "tiny-llama2", &[sets[0], sets[1], &recipe], scale)
+            }),
         );
     }
     // Odd sizes: scalar fallbacks of the vector kernels, planned views padded for alignment.

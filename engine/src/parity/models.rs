@@ -47,7 +47,8 @@ fn model_step<B: Backend>(be: &mut B, model: &Model, plan: &Plan, params: &[f32]
 /// Loss and gradients of tiny configuration `name` (with `extra` overrides) against the f32 CPU model.
 pub(super) fn parity(gpu: Cuda, name: &str, extra: &[&str], scale: Scale) -> Result<String, String> {
     let config = tiny(name, scale, extra);
-    let model = Model::new(&config.model);
+    let mut model = Model::new(&config.model);
+    model.fp8 = crate::model::Fp8Policy::of(&config.train);
     let (batch, seq) = (config.train.batch_size.per_group(1), config.train.seq_len);
     let params = init::params(&model, 7);
     let tokens: Vec<u32> =
@@ -65,6 +66,14 @@ pub(super) fn parity(gpu: Cuda, name: &str, extra: &[&str], scale: Scale) -> Res
     if !close {
         return Err(format!("loss {gl} on the GPU, {cl} on the CPU (tolerance 0.5 %)"));
     }
+    // FP8 casts of bf16 operands (the GPU's) and of f32 ones (the CPU's) round a few elements
+    // to neighbouring FP8 values (a quantum is 1/8 of an E4M3 value, 1/4 of an E5M2 one), and the
+    // backward pass carries those differences through the layers: wider tolerances, still far
+    // below what a wrong scale or transpose gives (a relative error of 1 or more).
+    let (tensor_tol, all_tol) = match model.fp8 {
+        None => (Tol { rel_l2: 0.03, max: 1.0 }, Tol { rel_l2: 0.02, max: 1.0 }),
+        Some(_) => (Tol { rel_l2: 0.25, max: 1.0 }, Tol { rel_l2: 0.15, max: 1.0 }),
+    };
     let mut worst = (0f64, String::new());
     for tensor in &model.layout.tensors {
         let r = tensor.offset..tensor.offset + tensor.len();
@@ -72,14 +81,14 @@ pub(super) fn parity(gpu: Cuda, name: &str, extra: &[&str], scale: Scale) -> Res
         if c.iter().all(|&x| x == 0.0) {
             continue; // an expert no token reached
         }
-        let text = compare(&tensor.name, c, g, Tol { rel_l2: 0.03, max: 1.0 })?;
+        let text = compare(&tensor.name, c, g, tensor_tol)?;
         let rel: f64 = text.split_whitespace().last().and_then(|s| s.split('/').next()?.parse().ok()).unwrap_or(0.0);
         if rel > worst.0 {
             worst = (rel, text);
         }
     }
     notes.push(format!("worst gradient: {}", worst.1));
-    notes.push(compare("all gradients", &cpu_grads, &gpu_grads, Tol { rel_l2: 0.02, max: 1.0 })?);
+    notes.push(compare("all gradients", &cpu_grads, &gpu_grads, all_tol)?);
     Ok(notes.join(", "))
 }
 

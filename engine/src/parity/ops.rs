@@ -10,7 +10,7 @@ use crate::backend::{
 };
 use crate::config::AttentionImpl;
 use crate::rng;
-use BufKind::{Activations as ACT, Grads as GRAD, OptState as OPT, Params as PARAM, Scalars as F32S};
+use BufKind::{Activations as ACT, Fp8 as FP8, Grads as GRAD, OptState as OPT, Params as PARAM, Scalars as F32S};
 
 /// The same buffers on the CPU and the GPU, filled with the same values.
 struct Twin {
@@ -146,6 +146,63 @@ pub(super) fn matmul(gpu: Cuda, m: usize, n: usize, k: usize) -> Result<String, 
     t.check("dW += dyᵀ·x (f32)", dw, F32)?;
     t.check("x·Wᵀ into f32", logits, F32)?;
     t.done()
+}
+
+/// FP8 casts (tensorwise and delayed, E4M3 and E5M2, plain and transposed), the delayed
+/// recipe's update and the FP8 products in their one layout, into bf16 and accumulated into f32.
+/// The casts read bf16 inputs on both backends, so their bytes must be equal: the GPU's rounding
+/// is the CPU reference's (the float8 crate's, CUDA's saturating round-to-nearest-even).
+pub(super) fn fp8(gpu: Cuda, m: usize, n: usize, k: usize) -> Result<String, String> {
+    use crate::backend::fp8::{Fp8Format, State};
+    let mut t = Twin::new(gpu);
+    let (x, w, dy) = (t.random(ACT, m * k, 3.0), t.random(PARAM, n * k, 0.05), t.random(ACT, m * n, 1e-3));
+    let history = 3;
+    let state = |t: &mut Twin, format: Fp8Format| {
+        let v = t.set(F32S, &State::initial(format, history));
+        State { view: v, format }
+    };
+    let (sx, sw, sdy) =
+        (state(&mut t, Fp8Format::E4M3), state(&mut t, Fp8Format::E4M3), state(&mut t, Fp8Format::E5M2));
+    let (xq, wq, dyq, dyq_t) = (t.alloc(FP8, m * k), t.alloc(FP8, n * k), t.alloc(FP8, m * n), t.alloc(FP8, m * n));
+    let (y, dw) = (t.alloc(ACT, m * n), t.random(GRAD, n * k, 0.1));
+    let delayed = state(&mut t, Fp8Format::E4M3);
+    let xd = t.alloc(FP8, m * k);
+    t.both(|be| {
+        be.fp8_quantize(xq, x, sx, true, None);
+        be.fp8_quantize(wq, w, sw, true, None);
+        be.fp8_quantize(dyq, dy, sdy, true, None);
+        be.fp8_quantize(dyq_t, dy, sdy, true, Some(n));
+        be.matmul_fp8(y, xq, wq, MatMul::linear(m, k, n), [sx, sw], true);
+        // dW[n, k] += dyᵀ · x as a · bᵀ: (dyᵀ)[n, m] · ((xᵀ)[k, m])ᵀ, xᵀ cast transposed.
+        be.fp8_quantize(xd, x, sx, true, Some(k));
+        be.matmul_fp8(dw, dyq_t, xd, MatMul { a_t: false, b_t: true, ..MatMul::linear_dw(m, k, n) }, [sdy, sx], false);
+        // Delayed: the first step casts with scale 1 and records the amax; the update sets the
+        // next scale from the history.
+        be.fp8_quantize(xq, x, delayed, false, None);
+        be.fp8_delayed_update(delayed.view, delayed.view.len, 1);
+    });
+    let mut notes = Vec::new();
+    for (what, v, format) in [
+        ("W (E4M3)", wq, Fp8Format::E4M3),
+        ("dy (E5M2)", dyq, Fp8Format::E5M2),
+        ("dy transposed (E5M2)", dyq_t, Fp8Format::E5M2),
+        ("x transposed (E4M3)", xd, Fp8Format::E4M3),
+        ("x at scale 1, delayed (E4M3)", xq, Fp8Format::E4M3),
+    ] {
+        let mut c = vec![0f32; v.len];
+        t.cpu.download(v, &mut c);
+        let g = t.gpu.download_fp8(v, format);
+        if let Some(i) = c.iter().zip(&g).position(|(a, b)| a.to_bits() != b.to_bits() && !(a.is_nan() && b.is_nan())) {
+            return Err(format!("cast of {what}: element {i} is {} on the GPU, {} on the CPU", g[i], c[i]));
+        }
+        notes.push(format!("{what} exact"));
+    }
+    for (what, s) in [("x", sx), ("W", sw), ("dy", sdy), ("delayed x after the update", delayed)] {
+        t.check(&format!("{what}'s scaling state"), s.view, Tol { rel_l2: 0.0, max: 0.0 })?;
+    }
+    t.check("x·Wᵀ in FP8 (fast accumulation, bf16 out)", y, BF16)?;
+    t.check("dW += dyᵀ·x in FP8 (f32)", dw, F32)?;
+    Ok(format!("{}, {}", notes.join(", "), t.done()?))
 }
 
 /// Embedding lookup and the scatter-add of its gradient, with repeated tokens.

@@ -30,6 +30,7 @@ use cudarc::driver::sys::{self as dsys, CUdeviceptr, CUstream};
 
 use super::DType;
 use crate::backend::MatMul;
+use crate::backend::fp8::Fp8Format;
 
 /// Workspace cuBLASLt may use per product (what NVIDIA recommends for Hopper).
 pub const WORKSPACE_BYTES: usize = 32 << 20;
@@ -121,6 +122,25 @@ pub struct Gemm {
     pub output: DType,
     /// 0 overwrites C, 1 accumulates into it.
     pub beta: f32,
+    /// For an FP8 product (`inputs` [`DType::Fp8`]): the operands' formats and scales.
+    pub fp8: Option<Fp8Gemm>,
+}
+
+/// What an FP8 product adds to [`Gemm`]: `D = (a_scale · b_scale) · op(A) · op(B) + beta · C`,
+/// the scales read from device memory when the product runs (cuBLASLt's scale pointers).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Fp8Gemm {
+    /// A's format.
+    pub a: Fp8Format,
+    /// B's format.
+    pub b: Fp8Format,
+    /// Address of the f32 A is multiplied by (its inverse scale).
+    pub a_scale: CUdeviceptr,
+    /// Address of B's.
+    pub b_scale: CUdeviceptr,
+    /// cuBLASLt's fast accumulation (fewer promotions of the tensor cores' partial sums to
+    /// f32): the forward products only.
+    pub fast_accum: bool,
 }
 
 impl Gemm {
@@ -151,6 +171,7 @@ impl Gemm {
             inputs,
             output,
             beta: if s.accumulate { 1.0 } else { 0.0 },
+            fp8: None,
         }
     }
 }
@@ -165,6 +186,8 @@ struct Key {
     inputs: DType,
     output: DType,
     align: [u32; 3],
+    /// An FP8 product's formats and fast accumulation (its scale pointers are set at each run).
+    fp8: Option<(Fp8Format, Fp8Format, bool)>,
 }
 
 struct Plan {
@@ -187,6 +210,14 @@ fn data_type(t: DType) -> cudaDataType {
     match t {
         DType::Bf16 => cudaDataType::CUDA_R_16BF,
         DType::F32 => cudaDataType::CUDA_R_32F,
+        DType::Fp8 => unreachable!("internal error: an FP8 operand's type is its format's"),
+    }
+}
+
+fn fp8_type(f: Fp8Format) -> cudaDataType {
+    match f {
+        Fp8Format::E4M3 => cudaDataType::CUDA_R_8F_E4M3,
+        Fp8Format::E5M2 => cudaDataType::CUDA_R_8F_E5M2,
     }
 }
 
@@ -220,6 +251,7 @@ impl Blas {
             inputs: g.inputs,
             output: g.output,
             align: [alignment(g.a), alignment(g.b), alignment(g.c).min(alignment(g.d))],
+            fp8: g.fp8.map(|f| (f.a, f.b, f.fast_accum)),
         };
         if !self.plans.contains_key(&key) {
             let (desc, layouts, algos) =
@@ -243,6 +275,17 @@ impl Blas {
     unsafe fn run(&self, stream: CUstream, g: &Gemm, plan: &Plan, algo: &cublasLtMatmulAlgo_t) -> Result<()> {
         let alpha = 1f32;
         let [la, lb, lc] = plan.layouts;
+        if let Some(f) = g.fp8 {
+            // The scales' addresses differ from product to product of one shape (each layer's
+            // operands have their own): set on the shared descriptor before each run.
+            for (attr, ptr) in [
+                (DescAttr::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, f.a_scale),
+                (DescAttr::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, f.b_scale),
+            ] {
+                // SAFETY: the attribute takes a device pointer, 8 bytes.
+                unsafe { lt::set_matmul_desc_attribute(plan.desc, attr, (&ptr as *const u64).cast(), 8) }?;
+            }
+        }
         unsafe {
             lt::matmul(
                 self.handle,
@@ -353,17 +396,20 @@ impl Blas {
         lt::CublasError,
     > {
         let (m, n, k) = (g.m as u64, g.n as u64, g.k as u64);
-        let (ab, cd) = (data_type(g.inputs), data_type(g.output));
+        let ((ta_, tb_), cd) = match g.fp8 {
+            Some(f) => ((fp8_type(f.a), fp8_type(f.b)), data_type(g.output)),
+            None => ((data_type(g.inputs), data_type(g.inputs)), data_type(g.output)),
+        };
         // Layouts describe the matrices as stored (before the transpose).
         let la = if g.transa {
-            lt::create_matrix_layout(ab, k, m, g.lda as i64)?
+            lt::create_matrix_layout(ta_, k, m, g.lda as i64)?
         } else {
-            lt::create_matrix_layout(ab, m, k, g.lda as i64)?
+            lt::create_matrix_layout(ta_, m, k, g.lda as i64)?
         };
         let lb = if g.transb {
-            lt::create_matrix_layout(ab, n, k, g.ldb as i64)?
+            lt::create_matrix_layout(tb_, n, k, g.ldb as i64)?
         } else {
-            lt::create_matrix_layout(ab, k, n, g.ldb as i64)?
+            lt::create_matrix_layout(tb_, k, n, g.ldb as i64)?
         };
         let lc = lt::create_matrix_layout(cd, m, n, g.ldc as i64)?;
         let desc = lt::create_matmul_desc(cublasComputeType_t::CUBLAS_COMPUTE_32F, cudaDataType::CUDA_R_32F)?;
@@ -374,6 +420,19 @@ impl Blas {
         let algo = unsafe {
             lt::set_matmul_desc_attribute(desc, DescAttr::CUBLASLT_MATMUL_DESC_TRANSA, (&ta as *const i32).cast(), 4)?;
             lt::set_matmul_desc_attribute(desc, DescAttr::CUBLASLT_MATMUL_DESC_TRANSB, (&tb as *const i32).cast(), 4)?;
+            if let Some(f) = g.fp8 {
+                let fast = f.fast_accum as i8;
+                let attr = DescAttr::CUBLASLT_MATMUL_DESC_FAST_ACCUM;
+                lt::set_matmul_desc_attribute(desc, attr, (&fast as *const i8).cast(), 1)?;
+                // The heuristic is asked with the scales set (to any device address: they are
+                // read when the product runs).
+                for (attr, ptr) in [
+                    (DescAttr::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, f.a_scale),
+                    (DescAttr::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, f.b_scale),
+                ] {
+                    lt::set_matmul_desc_attribute(desc, attr, (&ptr as *const u64).cast(), 8)?;
+                }
+            }
             let ws = WORKSPACE_BYTES as u64;
             lt::set_matmul_pref_attribute(
                 pref,

@@ -36,6 +36,7 @@ use super::discovery::DeviceInfo;
 use super::ops::{COMMON, MODULES};
 use super::{DType, Device, nvrtc};
 use crate::backend::cpu::{Parallelism, sgemm};
+use crate::backend::fp8::Fp8Format;
 
 const PRELUDE: &str = include_str!("emu/prelude.h");
 const OPS: &str = include_str!("emu/ops.h");
@@ -326,6 +327,7 @@ fn read(ptr: CUdeviceptr, t: DType, n: usize) -> Vec<f32> {
     // SAFETY: the backend checked that the operands lie in their allocations.
     unsafe {
         match t {
+            DType::Fp8 => unreachable!("internal error: FP8 operands are read with their format (read_fp8)"),
             DType::F32 => std::slice::from_raw_parts(ptr as *const f32, n).to_vec(),
             DType::Bf16 => std::slice::from_raw_parts(ptr as *const u16, n)
                 .iter()
@@ -335,12 +337,27 @@ fn read(ptr: CUdeviceptr, t: DType, n: usize) -> Vec<f32> {
     }
 }
 
-/// cuBLASLt's product, in f32: `D = op(A) · op(B) + beta · C`, column-major.
+/// `n` FP8 bytes of `format` at `ptr`, decoded.
+fn read_fp8(ptr: CUdeviceptr, format: Fp8Format, n: usize) -> Vec<f32> {
+    // SAFETY: the backend checked that the operands lie in their allocations.
+    unsafe { std::slice::from_raw_parts(ptr as *const u8, n) }.iter().map(|&b| format.decode(b)).collect()
+}
+
+/// cuBLASLt's product, in f32: `D = op(A) · op(B) + beta · C`, column-major; for FP8 operands
+/// `D = (a_scale · b_scale) · op(A) · op(B) + beta · C`, the scales read from memory as the
+/// product runs (every product of two FP8 values is exact in f32: only the sums' order may
+/// differ from a GPU's, fast accumulation or not).
 fn gemm(g: &Gemm) {
     let (a_rows, a_cols) = if g.transa { (g.k, g.m) } else { (g.m, g.k) };
     let (b_rows, b_cols) = if g.transb { (g.n, g.k) } else { (g.k, g.n) };
-    let a = read(g.a, g.inputs, span(a_rows, a_cols, g.lda));
-    let b = read(g.b, g.inputs, span(b_rows, b_cols, g.ldb));
+    let (a_len, b_len) = (span(a_rows, a_cols, g.lda), span(b_rows, b_cols, g.ldb));
+    let (a, b, scale) = match g.fp8 {
+        // SAFETY: the scales are f32 values in device (here host) memory.
+        Some(f) => (read_fp8(g.a, f.a, a_len), read_fp8(g.b, f.b, b_len), unsafe {
+            *(f.a_scale as *const f32) * *(f.b_scale as *const f32)
+        }),
+        None => (read(g.a, g.inputs, a_len), read(g.b, g.inputs, b_len), 1.0),
+    };
     let c_len = span(g.m, g.n, g.ldc);
     let mut c = if g.beta != 0.0 { read(g.c, g.output, c_len) } else { vec![0f32; c_len] };
     // gemm takes (column stride, row stride) per operand.
@@ -356,7 +373,7 @@ fn gemm(g: &Gemm) {
                 g.beta != 0.0,
                 (a.as_ptr(), a_cs as isize, a_rs as isize),
                 (b.as_ptr(), b_cs as isize, b_rs as isize),
-                1.0,
+                scale,
                 Parallelism::Rayon(rayon::current_num_threads()),
             )
         }
@@ -370,6 +387,7 @@ fn gemm(g: &Gemm) {
                 match g.output {
                     DType::F32 => *(g.d as *mut f32).add(at) = c[at],
                     DType::Bf16 => *(g.d as *mut u16).add(at) = half::bf16::from_f32(c[at]).to_bits(),
+                    DType::Fp8 => unreachable!("internal error: a product into FP8"),
                 }
             }
         }

@@ -34,7 +34,7 @@ use cudarc::driver::sys::{self, CUdeviceptr};
 
 use super::{
     AdamWStep, AttnNeeds, AttnShape, Backend, BufKind, ExpertWeights, IdxView, MatMul, MoeDispatch, Segment, SeqSplit,
-    View, gib,
+    View, fp8, gib,
 };
 use crate::config::{AttentionImpl, ModelConfig};
 use blas::Gemm;
@@ -112,11 +112,14 @@ pub enum DType {
     Bf16,
     /// IEEE f32.
     F32,
+    /// An FP8 format's byte ([`BufKind::Fp8`]); which format, the op that reads it says.
+    Fp8,
 }
 
 impl DType {
     fn size(self) -> usize {
         match self {
+            DType::Fp8 => 1,
             DType::Bf16 => 2,
             DType::F32 => 4,
         }
@@ -316,6 +319,17 @@ impl Cuda {
         (self.ptr(v), self.dtype(v) == DType::Bf16)
     }
 
+    /// The FP8 values of a [`BufKind::Fp8`] view holding `format`, decoded (a check's
+    /// read-back: the ops never need it).
+    pub fn download_fp8(&mut self, src: View, format: fp8::Fp8Format) -> Vec<f32> {
+        self.sync_check("download_fp8");
+        let (ptr, t) = self.exact(src);
+        assert_eq!(t, DType::Fp8, "internal error: download_fp8 of a {t:?} view");
+        let mut bytes = vec![0u8; src.len];
+        self.dev.download(&mut bytes, ptr);
+        bytes.into_iter().map(|b| format.decode(b)).collect()
+    }
+
     /// Tells the backend that `v` was written behind its back ([`Cuda::raw_view`]).
     pub fn written(&mut self, v: View) {
         ops::elementwise::refresh_compute_copy(self, v);
@@ -331,6 +345,7 @@ impl Cuda {
     fn dtype(&self, v: View) -> DType {
         match self.buffer(v).kind {
             BufKind::Params | BufKind::Activations | BufKind::Gathered => DType::Bf16,
+            BufKind::Fp8 => DType::Fp8,
             _ => DType::F32,
         }
     }
@@ -341,6 +356,7 @@ impl Cuda {
         match b.kind {
             BufKind::Params => b.compute + 2 * v.offset as u64,
             BufKind::Activations | BufKind::Gathered => b.ptr + 2 * v.offset as u64,
+            BufKind::Fp8 => b.ptr + v.offset as u64,
             _ => b.ptr + 4 * v.offset as u64,
         }
     }
@@ -350,6 +366,7 @@ impl Cuda {
         let b = self.buffer(v);
         match b.kind {
             BufKind::Activations | BufKind::Gathered => (b.ptr + 2 * v.offset as u64, DType::Bf16),
+            BufKind::Fp8 => (b.ptr + v.offset as u64, DType::Fp8),
             _ => (b.ptr + 4 * v.offset as u64, DType::F32),
         }
     }
@@ -550,6 +567,7 @@ impl Backend for Cuda {
                 let host: Vec<u16> = src.iter().map(|&x| half::bf16::from_f32(x).to_bits()).collect();
                 self.dev.upload(ptr, bytes_of(&host))
             }
+            DType::Fp8 => panic!("internal error: FP8 buffers are written by fp8_quantize alone"),
         }
         ops::elementwise::refresh_compute_copy(self, dst);
     }
@@ -573,6 +591,9 @@ impl Backend for Cuda {
                 for (d, h) in dst.iter_mut().zip(&host) {
                     *d = half::bf16::from_bits(*h).to_f32();
                 }
+            }
+            DType::Fp8 => {
+                panic!("internal error: FP8 buffers are read back with Cuda::download_fp8, which knows their format")
             }
         }
     }
@@ -606,6 +627,22 @@ impl Backend for Cuda {
 
     fn matmul(&mut self, out: View, a: View, b: View, s: MatMul) {
         ops::matmul::matmul(self, out, a, b, s)
+    }
+
+    fn supports_fp8(&self) -> bool {
+        true
+    }
+
+    fn fp8_quantize(&mut self, q: View, x: View, state: fp8::State, tensorwise: bool, transpose: Option<usize>) {
+        ops::fp8::quantize(self, q, x, state, tensorwise, transpose)
+    }
+
+    fn matmul_fp8(&mut self, out: View, a: View, b: View, s: MatMul, scales: [fp8::State; 2], fast: bool) {
+        ops::matmul::matmul_fp8(self, out, a, b, s, scales, fast)
+    }
+
+    fn fp8_delayed_update(&mut self, states: View, stride: usize, margin: u32) {
+        ops::fp8::delayed_update(self, states, stride, margin)
     }
 
     fn matmul_add(&mut self, out: View, a: View, b: View, c: View, s: MatMul) {

@@ -65,6 +65,7 @@ pub(crate) fn copy(gpu: &mut Cuda, dst: View, src: View) {
         (DType::F32, _) => {
             gpu.launch_1d("copy_f32_bf16", dst.len as u64, &[Arg::P(dp), Arg::P(sp), Arg::U(dst.len as u64)])
         }
+        (DType::Fp8, _) => unreachable!("internal error: copy into FP8 (fp8_quantize casts)"),
     }
     refresh_compute_copy(gpu, dst);
 }
@@ -78,6 +79,7 @@ pub(crate) fn add(gpu: &mut Cuda, dst: View, src: View) {
         (DType::F32, DType::Bf16) => "add_f32_bf16",
         (DType::Bf16, DType::F32) => "add_bf16_f32",
         (DType::Bf16, DType::Bf16) => "add_bf16_bf16",
+        _ => unreachable!("internal error: add of FP8 values"),
     };
     gpu.launch_1d(name, dst.len as u64, &[Arg::P(dp), Arg::P(sp), Arg::U(dst.len as u64)]);
     refresh_compute_copy(gpu, dst);
@@ -102,6 +104,7 @@ pub(crate) fn sum(gpu: &mut Cuda, out: View, x: View, squares: bool) {
         (DType::Bf16, false, _) => "sum_partials_bf16",
         (DType::F32, true, false) => "sumsq_partials_f32",
         (DType::Bf16, true, _) => "sumsq_partials_bf16",
+        (DType::Fp8, ..) => unreachable!("internal error: sum of FP8 values"),
     };
     gpu.launch(name, (blocks, 1, 1), 256, 0, &[Arg::P(xp), Arg::U(x.len as u64), Arg::P(parts)]);
     gpu.launch("sum_finish", (1, 1, 1), 256, 0, &[Arg::P(parts), Arg::I(blocks as i32), Arg::P(out_ptr)]);

@@ -1,8 +1,9 @@
 //! Dense matrix products: no kernel of ours, cuBLASLt through [`Gemm`] (see `blas.rs`), with
 //! the residual add of `matmul_add` in the product's epilogue.
 
-use crate::backend::cuda::blas::Gemm;
+use crate::backend::cuda::blas::{Fp8Gemm, Gemm};
 use crate::backend::cuda::{Cuda, DType};
+use crate::backend::fp8::State;
 use crate::backend::{MatMul, View};
 
 /// `Backend::matmul`: one cuBLASLt product (with `k = 0` only the zeroing it implies).
@@ -37,5 +38,24 @@ pub(crate) fn matmul_add(gpu: &mut Cuda, out: View, a: View, b: View, c: View, s
     let (ap, bp) = (gpu.ptr(a), gpu.ptr(b));
     let mut g = Gemm::row_major(s.accumulating(), o, ap, bp, inputs, gpu.dtype(out));
     g.c = cp;
+    gpu.dev.gemm(&g);
+}
+
+/// `Backend::matmul_fp8`: one cuBLASLt FP8 product, `a · bᵀ` (in cuBLASLt's column-major terms
+/// `TN`, the one layout its FP8 kernels take on Hopper), each operand's inverse scale read by
+/// the epilogue through a scale pointer; bf16 or f32 output.
+pub(crate) fn matmul_fp8(gpu: &mut Cuda, out: View, a: View, b: View, s: MatMul, scales: [State; 2], fast: bool) {
+    assert!(!s.a_t && s.b_t, "internal error: matmul_fp8 takes a · bᵀ only");
+    assert_eq!(a.len, s.m * s.k, "internal error: matmul_fp8: a is not {}x{}", s.m, s.k);
+    assert_eq!(b.len, s.k * s.n, "internal error: matmul_fp8: b is not {}x{}", s.n, s.k);
+    assert_eq!(out.len, s.m * s.n, "internal error: matmul_fp8: out is not {}x{}", s.m, s.n);
+    gpu.expect(a, DType::Fp8, "matmul_fp8", "a");
+    gpu.expect(b, DType::Fp8, "matmul_fp8", "b");
+    let (o, ot) = (gpu.out(out, "matmul_fp8"), gpu.dtype(out));
+    let (ap, bp) = (gpu.ptr(a), gpu.ptr(b));
+    let [sa, sb] = scales.map(|st| gpu.ptr(st.inv_scale()));
+    let mut g = Gemm::row_major(s, o, ap, bp, DType::Fp8, ot);
+    // cuBLASLt's A is our b, its B our a.
+    g.fp8 = Some(Fp8Gemm { a: scales[1].format, b: scales[0].format, a_scale: sb, b_scale: sa, fast_accum: fast });
     gpu.dev.gemm(&g);
 }

@@ -14,6 +14,7 @@ pub(crate) mod attention;
 pub(crate) mod cross_entropy;
 pub(crate) mod elementwise;
 pub(crate) mod embedding;
+pub(crate) mod fp8;
 pub(crate) mod gelu;
 pub(crate) mod gemm;
 pub(crate) mod layernorm;
@@ -60,6 +61,7 @@ pub const MODULES: &[Module] = &[
     moe::MODULE,
     gemm::MODULE,
     attention::MODULE,
+    fp8::MODULE,
 ];
 
 /// Threads for a block that walks a row of `items` in strides: a multiple of 32, 32 to 256.

@@ -1,0 +1,151 @@
+// FP8 casts of the products' operands (train.precision = "fp8"), in the rounding of
+// backend/fp8.rs: x · scale rounded to nearest, ties to even, saturating to the format's
+// largest finite value, with subnormals. The scale and the amax live in the operand's state,
+// [scale, 1 / scale, amax, max, history...] (f32, device memory): the product reads 1 / scale
+// through cuBLASLt's scale pointers, so the host never sees a scale.
+//
+// Formats (OCP): E4M3 (bias 7, 3 mantissa bits, ±448, NaN 0x7f) and E5M2 (bias 15, 2 bits,
+// ±57344, NaN 0x7e). The conversion is written out rather than taken from cuda_fp8.h (which
+// NVRTC's include-free build and the emulator lack), and it is exact on every architecture.
+
+#define FP8_SCALE 0
+#define FP8_INV_SCALE 1
+#define FP8_AMAX 2
+#define FP8_MAX 3
+#define FP8_HISTORY 4
+
+// x rounded to the FP8 format with `mbits` mantissa bits and exponent `bias`, largest finite
+// value `max`, as its byte.
+__device__ __forceinline__ unsigned char fp8_encode(float x, int mbits, int bias, float max, unsigned char nan) {
+    if (x != x) return nan;
+    unsigned char sign = x < 0.f ? 0x80 : 0;
+    float a = fabsf(x);
+    // The quantum at a's binade (the subnormals' below the smallest normal), then rint: the
+    // division and multiplication by powers of two are exact, rint rounds ties to even.
+    int e;
+    frexpf(a, &e);  // a = m · 2^e, m in [0.5, 1): a's binade is 2^(e - 1)
+    int lowest = 1 - bias;
+    int binade = a == 0.f ? lowest : (e - 1 < lowest ? lowest : e - 1);
+    float quantum = ldexpf(1.f, binade - mbits);
+    float r = rintf(a / quantum) * quantum;
+    if (r > max) r = max;
+    if (r == 0.f) return sign;
+    frexpf(r, &e);
+    int exponent = e - 1;  // after rounding, which may carry into the next binade
+    unsigned char code;
+    if (exponent < lowest) {
+        code = (unsigned char)(r / ldexpf(1.f, lowest - mbits));  // a subnormal: exponent field 0
+    } else {
+        int mantissa = (int)((r / ldexpf(1.f, exponent) - 1.f) * (float)(1 << mbits));
+        code = (unsigned char)(((exponent + bias) << mbits) | mantissa);
+    }
+    return sign | code;
+}
+
+__device__ __forceinline__ unsigned char to_fp8(float x, int e5m2) {
+    return e5m2 ? fp8_encode(x, 2, 15, 57344.f, 0x7e) : fp8_encode(x, 3, 7, 448.f, 0x7f);
+}
+
+// |x| as bits: for non-negative floats the unsigned order is the numeric one, and every NaN
+// lies above +inf, so the maximum of the bits is the amax, NaN if any element is NaN.
+__device__ __forceinline__ u32 abs_bits(float x) { return __float_as_uint(x) & 0x7fffffffu; }
+
+__device__ __forceinline__ u32 block_max_u32(u32 v, u32* scratch) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    for (int o = 16; o > 0; o >>= 1) {
+        u32 w = __shfl_xor_sync(0xffffffffu, v, o);
+        v = w > v ? w : v;
+    }
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    u32 t = lane < warps ? scratch[lane] : 0u;
+    for (int o = 16; o > 0; o >>= 1) {
+        u32 w = __shfl_xor_sync(0xffffffffu, t, o);
+        t = w > t ? w : t;
+    }
+    __syncthreads();
+    return t;
+}
+
+// One amax partial per block (as bits), over a grid-stride walk of the bf16 tensor.
+extern "C" __global__ void fp8_amax_partials(const bf16* x, u64 n, u32* partials) {
+    __shared__ u32 scratch[32];
+    u32 m = 0;
+    for (u64 i = global_thread(); i < n; i += global_stride()) {
+        u32 b = abs_bits(bf2f(x[i]));
+        m = b > m ? b : m;
+    }
+    m = block_max_u32(m, scratch);
+    if (threadIdx.x == 0) partials[blockIdx.x] = m;
+}
+
+// The amax of the partials, into the state: under tensorwise scaling it sets the scale
+// (max / amax, 1 when the amax gives none: zero, infinite or NaN); under delayed scaling it is
+// recorded (the largest of the step's casts, NaN sticking).
+extern "C" __global__ void fp8_amax_finish(const u32* partials, int count, float* state, int tensorwise) {
+    __shared__ u32 scratch[32];
+    u32 m = 0;
+    for (int i = threadIdx.x; i < count; i += blockDim.x) m = partials[i] > m ? partials[i] : m;
+    m = block_max_u32(m, scratch);
+    if (threadIdx.x != 0) return;
+    float amax = __uint_as_float(m);
+    if (tensorwise) {
+        float scale = state[FP8_MAX] / amax;
+        bool usable = amax > 0.f && amax <= 3.4e38f && scale <= 3.4e38f && scale > 0.f;
+        state[FP8_SCALE] = usable ? scale : 1.f;
+        state[FP8_INV_SCALE] = 1.f / state[FP8_SCALE];
+    } else {
+        u32 recorded = abs_bits(state[FP8_AMAX]);
+        state[FP8_AMAX] = __uint_as_float(m > recorded ? m : recorded);
+    }
+}
+
+// q[i] = fp8(x[i] · scale).
+extern "C" __global__ void fp8_cast(unsigned char* q, const bf16* x, u64 n, const float* state, int e5m2) {
+    float scale = state[FP8_SCALE];
+    for (u64 i = global_thread(); i < n; i += global_stride()) q[i] = to_fp8(bf2f(x[i]) * scale, e5m2);
+}
+
+// The transposed cast: x is [rows, cols], q [cols, rows]; a 32 × 32 tile goes through shared
+// memory so that both the reads and the writes are along rows. Blocks of 256 threads (8 warps,
+// each warp a row of the tile at a time), a grid of (cols / 32, rows / 32) tiles.
+extern "C" __global__ void fp8_cast_transposed(unsigned char* q, const bf16* x, int rows, int cols, const float* state,
+                                               int e5m2) {
+    __shared__ unsigned char tile[32][33];
+    float scale = state[FP8_SCALE];
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    int c0 = blockIdx.x * 32, r0 = blockIdx.y * 32;
+    for (int dy = warp; dy < 32; dy += warps) {
+        int r = r0 + dy, c = c0 + lane;
+        if (r < rows && c < cols) tile[dy][lane] = to_fp8(bf2f(x[(u64)r * cols + c]) * scale, e5m2);
+    }
+    __syncthreads();
+    for (int dy = warp; dy < 32; dy += warps) {
+        int c = c0 + dy, r = r0 + lane;
+        if (r < rows && c < cols) q[(u64)c * rows + r] = tile[lane][dy];
+    }
+}
+
+// The delayed recipe's step, one thread an operand: the recorded amax enters the history
+// (newest first), and the scale becomes max / max(history) / 2^margin where that is usable.
+extern "C" __global__ void fp8_delayed_update(float* states, int operands, int stride, int margin) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= operands) return;
+    float* s = states + (u64)i * stride;
+    int history = stride - FP8_HISTORY;
+    if (history > 0) {
+        for (int h = history - 1; h > 0; h--) s[FP8_HISTORY + h] = s[FP8_HISTORY + h - 1];
+        s[FP8_HISTORY] = s[FP8_AMAX];
+    }
+    s[FP8_AMAX] = 0.f;
+    float newest = 0.f;
+    for (int h = 0; h < history; h++) {
+        float v = s[FP8_HISTORY + h];
+        if (v == v && v > newest) newest = v;
+    }
+    float scale = s[FP8_MAX] / newest / ldexpf(1.f, margin);
+    if (newest > 0.f && newest <= 3.4e38f && scale <= 3.4e38f && scale > 0.f) {
+        s[FP8_SCALE] = scale;
+        s[FP8_INV_SCALE] = 1.f / scale;
+    }
+}

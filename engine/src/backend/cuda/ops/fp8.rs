@@ -1,0 +1,55 @@
+//! FP8 casts and the delayed recipe's update (`fp8.cu`): the host side of
+//! [`crate::backend::Backend::fp8_quantize`] and [`crate::backend::Backend::fp8_delayed_update`].
+//! The products themselves are cuBLASLt's (`matmul.rs`).
+
+use super::{Module, c_int};
+use crate::backend::View;
+use crate::backend::cuda::{Arg, Cuda, DType, Scratch};
+use crate::backend::fp8::{Fp8Format, State};
+
+/// The kernels of `fp8.cu`.
+pub(crate) const MODULE: Module = Module {
+    name: "fp8",
+    source: include_str!("fp8.cu"),
+    kernels: &["fp8_amax_partials", "fp8_amax_finish", "fp8_cast", "fp8_cast_transposed", "fp8_delayed_update"],
+};
+
+/// `Backend::fp8_quantize`: the amax over fixed blocks into the state (setting the scale under
+/// tensorwise scaling, recording it under delayed), then the cast, transposed through shared
+/// memory when asked. Three launches; the scale never leaves the device.
+pub(crate) fn quantize(gpu: &mut Cuda, q: View, x: View, state: State, tensorwise: bool, transpose: Option<usize>) {
+    assert_eq!(q.len, x.len, "internal error: fp8_quantize: q and x differ in length");
+    gpu.expect(x, DType::Bf16, "fp8_quantize", "x");
+    gpu.expect(q, DType::Fp8, "fp8_quantize", "q");
+    gpu.expect(state.view, DType::F32, "fp8_quantize", "state");
+    let (qp, xp, sp) = (gpu.out(q, "fp8_quantize"), gpu.ptr(x), gpu.out(state.view, "fp8_quantize"));
+    let n = x.len as u64;
+    let most = super::elementwise::sum_blocks(gpu.dev.info().sm_count as usize);
+    let parts = gpu.scratch(Scratch::SumPartials, most * 8);
+    let blocks = n.div_ceil(256).clamp(1, most as u64) as u32;
+    gpu.launch("fp8_amax_partials", (blocks, 1, 1), 256, 0, &[Arg::P(xp), Arg::U(n), Arg::P(parts)]);
+    let finish = [Arg::P(parts), Arg::I(blocks as i32), Arg::P(sp), Arg::I(tensorwise as i32)];
+    gpu.launch("fp8_amax_finish", (1, 1, 1), 256, 0, &finish);
+    let e5m2 = Arg::I((state.format == Fp8Format::E5M2) as i32);
+    match transpose {
+        None => gpu.launch_1d("fp8_cast", n, &[Arg::P(qp), Arg::P(xp), Arg::U(n), Arg::P(sp), e5m2]),
+        Some(cols) => {
+            let rows = x.len / cols;
+            assert_eq!(rows * cols, x.len, "internal error: fp8_quantize: {} elements are not rows of {cols}", x.len);
+            let grid = (cols.div_ceil(32) as u32, rows.div_ceil(32) as u32, 1);
+            assert!(grid.1 < 65536, "internal error: fp8_quantize: {rows} rows are more than a grid takes");
+            let (r, c) = (Arg::I(c_int(rows, "rows")), Arg::I(c_int(cols, "cols")));
+            gpu.launch("fp8_cast_transposed", grid, 256, 0, &[Arg::P(qp), Arg::P(xp), r, c, Arg::P(sp), e5m2]);
+        }
+    }
+}
+
+/// `Backend::fp8_delayed_update`: one thread an operand.
+pub(crate) fn delayed_update(gpu: &mut Cuda, states: View, stride: usize, margin: u32) {
+    gpu.expect(states, DType::F32, "fp8_delayed_update", "states");
+    let operands = states.len / stride;
+    let sp = gpu.out(states, "fp8_delayed_update");
+    let args =
+        [Arg::P(sp), Arg::I(c_int(operands, "operands")), Arg::I(c_int(stride, "stride")), Arg::I(margin as i32)];
+    gpu.launch("fp8_delayed_update", ((operands as u32).div_ceil(256).max(1), 1, 1), 256, 0, &args);
+}
