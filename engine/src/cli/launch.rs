@@ -581,3 +581,14 @@ mod signals {
         Some(FIRST.load(Ordering::SeqCst)).filter(|&s| s != 0)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn identical_lines_of_several_processes_are_folded_into_one() {
+        assert_eq!(folded("error: x", &[1]), "error: x (rank 1)");
+        assert_eq!(folded("error: x", &[0, 1, 2]), "error: x (3 ranks said it: 0, 1, 2)");
+    }
+}

@@ -694,4 +694,75 @@ mod tests {
         assert_eq!(first_host("solo").as_deref(), Some("solo"));
         assert_eq!(first_host(""), None);
     }
+
+    /// The two ranks of a job on threads, meeting at a fresh port, each with its `terms` and
+    /// `timeout`; without `arrive`, rank 1 never comes and rank 0 waits alone.
+    fn meet_two(terms: [&'static str; 2], timeout: Duration, arrive: bool) -> [Result<Meeting>; 2] {
+        let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let job =
+            |rank| Job { rank, world: 2, coordinator: format!("127.0.0.1:{port}"), token: "t".into(), ..Job::single() };
+        let ranks: Vec<_> = (0..2)
+            .filter(|&rank| rank == 0 || arrive)
+            .map(|rank| {
+                let job = job(rank);
+                std::thread::spawn(move || meet(&job, timeout, terms[rank], |_| Ok("-".into()), Vec::new))
+            })
+            .collect();
+        let mut out = ranks.into_iter().map(|t| t.join().unwrap());
+        let zero = out.next().unwrap();
+        [zero, out.next().unwrap_or_else(|| Err(anyhow!("did not run")))]
+    }
+
+    /// Ranks whose terms differ are refused on every rank, one line naming each key and both
+    /// values (rank 0's first); as bad input, not as a transient fault.
+    #[test]
+    fn ranks_whose_terms_differ_are_refused_naming_the_keys() {
+        let ours = "engine = 1\noptim.lr = 0.001\ntrain.seed = 1\ntrain.steps = 3\n";
+        let theirs = "engine = 1\noptim.lr = 0.5\ntrain.seed = 1\ntrain.steps = 5\ntrain.extra = true\n";
+        let [zero, one] = meet_two([ours, theirs], Duration::from_secs(20), true);
+        let want = "rank 1's configuration differs from rank 0's: optim.lr 0.001 vs 0.5, train.extra unset vs true, train.steps 3 vs 5;";
+        for (rank, result) in [zero, one].into_iter().enumerate() {
+            let e = result.err().unwrap_or_else(|| panic!("rank {rank} was not refused"));
+            assert!(e.to_string().contains(want), "rank {rank}: {e}");
+            assert!(e.downcast_ref::<Transient>().is_none(), "rank {rank}: bad input, not a transient fault");
+            assert!(!e.to_string().contains('\n'), "{e}");
+        }
+        let [zero, one] = meet_two([ours, ours], Duration::from_secs(20), true);
+        assert_eq!(zero.unwrap().brought.len(), 2);
+        assert_eq!(one.unwrap().brought.len(), 2);
+        let many: String = (0..12).map(|i| format!("k{i:02} = {i}\n")).collect();
+        assert_eq!(
+            differences("", &many),
+            "k00 unset vs 0, k01 unset vs 1, k02 unset vs 2, k03 unset vs 3, k04 unset vs 4, k05 unset vs 5, k06 unset vs 6, k07 unset vs 7 and 4 more"
+        );
+    }
+
+    /// A rank that never arrives is a transient fault (exit 75), not bad input.
+    #[test]
+    fn a_rank_that_never_arrives_is_a_transient_fault() {
+        let [zero, _] = meet_two(["a = 1\n", "a = 1\n"], Duration::from_millis(300), false);
+        let e = zero.err().expect("rank 0 alone times out");
+        assert!(e.to_string().contains("rank(s) 1 of 2 never arrived"), "{e}");
+        assert!(e.downcast_ref::<Transient>().is_some(), "{e}");
+    }
+
+    /// Hellos: an engine rank's, a stranger's, and one of another rendezvous protocol.
+    #[test]
+    fn hellos_are_read_with_their_terms() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let hello = |bytes: &[u8]| {
+            let mut peer = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+            peer.write_all(bytes).unwrap();
+            drop(peer);
+            read_hello(&listener.accept().unwrap().0)
+        };
+        let terms = "engine = 1\nk = v\n";
+        let text = format!("{PROTOCOL} {VERSION} tok 1 2 10.0.0.1:5 {}\n{terms}", terms.len());
+        let want = Hello { token: "tok".into(), rank: 1, world: 2, brought: "10.0.0.1:5".into(), terms: terms.into() };
+        assert_eq!(hello(text.as_bytes()), Ok(want));
+        assert_eq!(hello(b"GET / HTTP/1.0\r\n\r\n"), Err(Unfit::Stranger("GET / HTTP/1.0".into())));
+        assert_eq!(hello(b"ENGINE-RENDEZVOUS 2 tok 1 2 -\n"), Err(Unfit::Protocol("2".into())));
+        let huge = format!("{PROTOCOL} {VERSION} tok 1 2 - {}\n", MAX_TERMS + 1);
+        assert!(matches!(hello(huge.as_bytes()), Err(Unfit::Stranger(_))));
+    }
 }

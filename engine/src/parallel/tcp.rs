@@ -891,4 +891,64 @@ mod tests {
         Collectives::<Cpu>::all_reduce_sum(&mut rank0, &mut be, buf, &[0, 1]);
         assert_eq!(t.join().unwrap(), 3.0);
     }
+
+    /// Headers: the lanes, an abort, kinds no engine sends; a length is the sender's word, and
+    /// a receive refuses any other than it expects, naming the peer, the lane and the length.
+    #[test]
+    fn frame_headers_and_unexpected_lengths() {
+        let head = |kind: u8, len: u64| {
+            let mut h = [kind; 9];
+            h[1..].copy_from_slice(&len.to_le_bytes());
+            h
+        };
+        assert_eq!(Header::parse(head(2, 7)), Ok(Header::Data { lane: Lane::PointToPoint, len: 7 }));
+        assert_eq!(Header::parse(head(ABORT, 12)), Ok(Header::Abort { len: 12 }));
+        assert!(Header::parse(head(ABORT, 1 << 40)).unwrap_err().contains("stop message of 1099511627776 bytes"));
+        assert_eq!(Header::parse(head(7, 1)), Err("it sent a frame of unknown kind 7".into()));
+        let frame = Header::Data { lane: Lane::Started, len: 1 << 61 };
+        assert_eq!(Header::parse(frame.bytes()), Ok(frame));
+        assert_eq!(unexpected(1, Lane::Step, 20544, 20544), None);
+        let why = unexpected(1, Lane::Step, 1 << 61, 20544).unwrap();
+        assert!(
+            why.starts_with("rank 1 sent a frame of 2305843009213693952 elements on the step lane where 20544"),
+            "{why}"
+        );
+    }
+
+    /// A body is read as it arrives: a header that claims 2^40 or 2^61 elements over a stream
+    /// that ends costs one part's memory, not the claim's (which would abort the process).
+    #[test]
+    fn a_body_is_read_as_it_arrives_not_as_its_header_claims() {
+        let bytes: Vec<u8> = (0..10u32).flat_map(|i| (i as f32).to_le_bytes()).collect();
+        assert_eq!(read_body(&mut &bytes[..], 10).unwrap(), (0..10).map(|i| i as f32).collect::<Vec<_>>());
+        for claim in [1u64 << 40, 1 << 61] {
+            let e = read_body(&mut &bytes[..], claim).unwrap_err();
+            assert_eq!(e.kind(), std::io::ErrorKind::UnexpectedEof);
+        }
+        let parts: Vec<u8> = (0..BODY_PART as u32 + 3).flat_map(|i| (i as f32).to_le_bytes()).collect();
+        let body = read_body(&mut &parts[..], BODY_PART as u64 + 3).unwrap();
+        assert_eq!((body.len(), body[BODY_PART + 2]), (BODY_PART + 3, (BODY_PART + 2) as f32));
+    }
+
+    /// A connection to a rank's mesh listener that says nothing does not hold up the mesh: its
+    /// hello is read on a thread of its own (it used to hold the accepting loop for 10 s).
+    #[test]
+    fn a_silent_connection_does_not_delay_the_mesh() {
+        let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let job =
+            |rank| Job { rank, world: 2, coordinator: format!("127.0.0.1:{port}"), token: "t".into(), ..Job::single() };
+        let zero = job(0);
+        let rank0 =
+            std::thread::spawn(move || Tcp::connect(&zero, Duration::from_secs(20), Duration::from_secs(5), TERMS));
+        // Rank 1 by hand: it learns rank 0's listener at the rendezvous, and a stranger that
+        // says nothing connects to it first.
+        let meeting = rendezvous::meet(&job(1), Duration::from_secs(20), TERMS, |_| Ok("-".into()), Vec::new).unwrap();
+        let _silent = TcpStream::connect(&meeting.brought[0]).unwrap();
+        std::thread::sleep(Duration::from_millis(100));
+        let start = Instant::now();
+        let rank1 = TcpStream::connect(&meeting.brought[0]).unwrap();
+        (&rank1).write_all(format!("{HELLO} t 1\n").as_bytes()).unwrap();
+        rank0.join().unwrap().unwrap();
+        assert!(start.elapsed() < Duration::from_secs(5), "the mesh took {:?}", start.elapsed());
+    }
 }
