@@ -128,7 +128,7 @@ impl Header {
     }
 
     /// The header's 9 bytes.
-    fn bytes(self) -> [u8; 9] {
+    pub fn bytes(self) -> [u8; 9] {
         let (kind, len) = match self {
             Header::Data { lane, len } => (lane as u8, len),
             Header::Abort { len } => (ABORT, len),
