@@ -150,6 +150,44 @@ pub fn unexpected(peer: usize, lane: Lane, len: u64, want: usize) -> Option<Stri
     })
 }
 
+/// A frame as its receiver takes it.
+#[derive(Debug, PartialEq)]
+pub enum Frame {
+    /// A message on a lane.
+    Data {
+        /// The lane it belongs to.
+        lane: Lane,
+        /// Its elements.
+        body: Vec<f32>,
+    },
+    /// The sender's word that it stops, and why.
+    Abort(String),
+}
+
+/// Reads the next frame of a peer's connection: its header ([`Header::parse`]), then its body
+/// in parts as it arrives ([`read_body`]); `arriving` is told a message's lane and length as
+/// soon as its header is read, before its body. Fails with the reason the connection is of no
+/// further use: it closed, it broke, or it sent what no engine sends.
+pub fn next_frame(stream: &mut impl Read, arriving: impl FnOnce(Lane, u64)) -> Result<Frame, String> {
+    let broke = |e: std::io::Error| format!("its connection failed in the middle of a message: {e}");
+    let mut head = [0u8; 9];
+    stream.read_exact(&mut head).map_err(|e| match e.kind() {
+        std::io::ErrorKind::UnexpectedEof => "it closed its connection (the process ended)".to_owned(),
+        _ => format!("its connection failed: {e}"),
+    })?;
+    match Header::parse(head)? {
+        Header::Abort { len } => {
+            let mut text = vec![0u8; len as usize];
+            stream.read_exact(&mut text).map_err(broke)?;
+            Ok(Frame::Abort(String::from_utf8_lossy(&text).into_owned()))
+        }
+        Header::Data { lane, len } => {
+            arriving(lane, len);
+            Ok(Frame::Data { lane, body: read_body(stream, len).map_err(broke)? })
+        }
+    }
+}
+
 /// Reads a frame's body of `len` elements from `stream`, in parts of [`BODY_PART`] elements: the
 /// buffer grows with the bytes that arrive, not with what the header claims.
 pub fn read_body(stream: &mut impl Read, len: u64) -> std::io::Result<Vec<f32>> {
@@ -372,46 +410,28 @@ fn hello_line(mut stream: &TcpStream) -> String {
 /// its body follows as it comes.
 fn read_from(net: &Net, peer: usize, stream: TcpStream) {
     let mut stream = std::io::BufReader::with_capacity(1 << 16, stream);
-    let why = loop {
-        let mut head = [0u8; 9];
-        if let Err(e) = stream.read_exact(&mut head) {
-            break match e.kind() {
-                std::io::ErrorKind::UnexpectedEof => "it closed its connection (the process ended)".to_owned(),
-                _ => format!("its connection failed: {e}"),
-            };
-        }
+    let arriving = |lane: Lane, len: u64| {
         if net.panic_hook {
             panic!("{PANIC_HOOK}=1: the reader of rank {peer}'s frames panics on purpose");
         }
-        let (lane, len) = match Header::parse(head) {
-            Ok(Header::Data { lane, len }) => (lane, len),
-            Ok(Header::Abort { len }) => {
-                let mut text = vec![0u8; len as usize];
-                let _ = stream.read_exact(&mut text);
+        let mut inbox = net.inbox.lock().expect("inbox");
+        inbox.queues.entry((peer, lane)).or_default().push_back(Incoming { len, body: None });
+        net.arrived.notify_all();
+    };
+    let why = loop {
+        match next_frame(&mut stream, &arriving) {
+            Ok(Frame::Data { lane, body }) => {
                 let mut inbox = net.inbox.lock().expect("inbox");
-                inbox.aborted.get_or_insert(String::from_utf8_lossy(&text).into_owned());
-                net.arrived.notify_all();
-                continue;
+                // Only this thread adds to the peer's queues, and the receiver takes only whole
+                // messages: the last one is the one arriving.
+                let last = inbox.queues.get_mut(&(peer, lane)).and_then(VecDeque::back_mut);
+                last.expect("the message arriving").body = Some(body);
+            }
+            Ok(Frame::Abort(text)) => {
+                net.inbox.lock().expect("inbox").aborted.get_or_insert(text);
             }
             Err(why) => break why,
-        };
-        net.inbox
-            .lock()
-            .expect("inbox")
-            .queues
-            .entry((peer, lane))
-            .or_default()
-            .push_back(Incoming { len, body: None });
-        net.arrived.notify_all();
-        let body = match read_body(&mut stream, len) {
-            Ok(body) => body,
-            Err(e) => break format!("its connection failed in the middle of a message: {e}"),
-        };
-        let mut inbox = net.inbox.lock().expect("inbox");
-        // Only this thread adds to the peer's queues, and the receiver takes only whole
-        // messages: the last one is the one arriving.
-        inbox.queues.get_mut(&(peer, lane)).and_then(VecDeque::back_mut).expect("the message arriving").body =
-            Some(body);
+        }
         net.arrived.notify_all();
     };
     net.inbox.lock().expect("inbox").gone.insert(peer, format!("rank {peer} left the job: {why}"));
@@ -928,6 +948,36 @@ mod tests {
         let parts: Vec<u8> = (0..BODY_PART as u32 + 3).flat_map(|i| (i as f32).to_le_bytes()).collect();
         let body = read_body(&mut &parts[..], BODY_PART as u64 + 3).unwrap();
         assert_eq!((body.len(), body[BODY_PART + 2]), (BODY_PART + 3, (BODY_PART + 2) as f32));
+    }
+
+    /// The fuzz target's seeds (fuzz/seeds/tcp_frame) read as a reader reads a connection:
+    /// headers claiming 2^61 and 2^40 elements end their stream at its end, without the claim's
+    /// memory; a stream of whole frames reads back frame by frame.
+    #[test]
+    fn the_fuzz_seeds_read_frame_by_frame() {
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../fuzz/seeds/tcp_frame");
+        let read = |name: &str| {
+            let bytes = std::fs::read(format!("{dir}/{name}")).unwrap();
+            let (mut stream, mut frames, mut claims) = (&bytes[..], Vec::new(), Vec::new());
+            let end = loop {
+                match next_frame(&mut stream, |lane, len| claims.push((lane, len))) {
+                    Ok(frame) => frames.push(frame),
+                    Err(why) => break why,
+                }
+            };
+            (frames, claims, end)
+        };
+        for (name, lane, len) in [("elements_2_61", Lane::Step, 1 << 61), ("elements_2_40", Lane::Started, 1 << 40)] {
+            let (frames, claims, end) = read(name);
+            assert_eq!((frames, claims), (vec![], vec![(lane, len)]), "{name}");
+            assert!(end.contains("in the middle of a message"), "{name}: {end}");
+        }
+        let (frames, _, end) = read("frames");
+        assert_eq!(frames.len(), 4, "{frames:?}");
+        assert_eq!(frames[0], Frame::Data { lane: Lane::Step, body: vec![1.5, -2.0, 1e-3] });
+        assert_eq!(frames[2], Frame::Data { lane: Lane::PointToPoint, body: vec![] });
+        assert!(matches!(&frames[3], Frame::Abort(text) if text.ends_with("rank 1 left the job")));
+        assert_eq!(end, "it closed its connection (the process ended)");
     }
 
     /// A connection to a rank's mesh listener that says nothing does not hold up the mesh: its
