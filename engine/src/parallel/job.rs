@@ -77,3 +77,34 @@ pub fn nccl_communicator(job: &Job, config: &Config) -> Result<Nccl> {
     let id = rendezvous::rendezvous(job, rendezvous_timeout(None)?, &terms(Some(config)), move || id)?;
     Nccl::init(&id, job.rank, job.world, collective_timeout()?)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn terms_hold_the_version_and_every_key_but_the_per_rank_ones() {
+        let mut config = Config::default();
+        config.optim.lr = 0.001;
+        let text = terms(Some(&config));
+        assert!(text.starts_with(&format!("engine = {}\n", engine_version())), "{text}");
+        assert!(text.contains("\noptim.lr = 0.001\n") && text.contains("\ntrain.steps = "), "{text}");
+        config.description = "another".into();
+        config.train.memory_check = !config.train.memory_check;
+        assert_eq!(terms(Some(&config)), text, "keys that may differ per rank are left out");
+        config.train.seed += 1;
+        assert_ne!(terms(Some(&config)), text);
+        assert_eq!(terms(None), format!("engine = {}\n", engine_version()));
+    }
+
+    /// docs/launch.md lists the keys that may differ from rank to rank.
+    #[test]
+    fn the_per_rank_keys_are_documented() {
+        let docs = include_str!("../../../docs/launch.md");
+        let section = docs.split("### Every rank trains the same recipe").nth(1).expect("the section");
+        let section = section.split("\n## ").next().unwrap();
+        for key in PER_RANK_KEYS {
+            assert!(section.contains(&format!("`{key}`")), "docs/launch.md does not list `{key}`");
+        }
+    }
+}
