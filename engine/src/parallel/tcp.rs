@@ -419,7 +419,7 @@ fn read_from(net: &Net, peer: usize, stream: TcpStream) {
         net.arrived.notify_all();
     };
     let why = loop {
-        match next_frame(&mut stream, &arriving) {
+        match next_frame(&mut stream, arriving) {
             Ok(Frame::Data { lane, body }) => {
                 let mut inbox = net.inbox.lock().expect("inbox");
                 // Only this thread adds to the peer's queues, and the receiver takes only whole
