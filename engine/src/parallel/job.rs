@@ -33,7 +33,8 @@ pub fn terms(config: Option<&Config>) -> String {
     let mut text = format!("engine = {}\n", engine_version());
     for (key, value) in config.map(flatten).unwrap_or_default() {
         if !PER_RANK_KEYS.contains(&key.as_str()) {
-            text += &format!("{key} = {value}\n");
+            // One line a key, whatever its value holds.
+            text += &format!("{key} = {}\n", value.replace('\n', "\\n"));
         }
     }
     text
@@ -95,6 +96,9 @@ mod tests {
         config.train.seed += 1;
         assert_ne!(terms(Some(&config)), text);
         assert_eq!(terms(None), format!("engine = {}\n", engine_version()));
+        config.data.path = "two\nlines = 1".into();
+        let lines = terms(Some(&config));
+        assert!(lines.lines().all(|l| l.contains(" = ")) && !lines.contains("\nlines = 1"), "{lines}");
     }
 
     /// docs/launch.md lists the keys that may differ from rank to rank.
