@@ -101,9 +101,13 @@ fn main() -> ExitCode {
     match cli::run(args) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            // One line: the error and its causes, outermost first.
-            engine::say!("error: {e:#}");
-            ExitCode::from(2)
+            // One line: the error and its causes, outermost first. A fault of the job rather
+            // than of its input (a rank that never arrived) is worth a restart: 75, not 2.
+            cli::report_error(&format!("error: {e:#}"));
+            match e.downcast_ref::<engine::parallel::Transient>() {
+                Some(_) => ExitCode::from(engine::parallel::tcp::COLLECTIVE_FAILED as u8),
+                None => ExitCode::from(2),
+            }
         }
     }
 }

@@ -531,3 +531,154 @@ fn twenty_random_kills_end_on_the_same_curve_and_lose_no_checkpoint() {
     assert_eq!(verified_checkpoints(&run), every, "{out}");
     all_gone(&out, &run);
 }
+
+/// The variables that make a process rank `rank` of a torchrun-style job of two at `port`.
+fn rank_of_two(rank: usize, port: &str) -> Vec<(&'static str, String)> {
+    vec![
+        ("MASTER_ADDR", "127.0.0.1".into()),
+        ("MASTER_PORT", port.into()),
+        ("RANK", rank.to_string()),
+        ("WORLD_SIZE", "2".into()),
+        ("ENGINE_RENDEZVOUS_TIMEOUT", "60".into()),
+    ]
+}
+
+fn free_port() -> String {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string()
+}
+
+/// SIGTERM to a rank waiting at the rendezvous (rank 0 for a rank that never comes, rank 1 for
+/// rank 0's answer) ends it within a second, with the code of a stop that had nothing to save
+/// (76, docs/launch.md), leaving no run directory; it used to say "stopping after this step"
+/// and wait out the rendezvous timeout.
+#[test]
+fn a_stop_during_the_rendezvous_ends_the_rank_within_a_second() {
+    let _one = serial();
+    let dir = scratch("failures-rendezvous-stop");
+    let run = dir.join("run");
+    for rank in [0, 1] {
+        let port = free_port();
+        let env = rank_of_two(rank, &port);
+        let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        // Rank 1's rank 0 is this test: it takes rank 1's hello and answers nothing.
+        let coordinator = (rank == 1).then(|| std::net::TcpListener::bind(format!("127.0.0.1:{port}")).unwrap());
+        let mut job =
+            Launched::spawn(engine_cmd(&train(&run, 3, 0).iter().map(String::as_str).collect::<Vec<_>>()), &env);
+        // Wait until the rank is at the rendezvous: rank 0 listens, rank 1 has said hello.
+        let _hello = match &coordinator {
+            None => loop {
+                if std::net::TcpStream::connect(format!("127.0.0.1:{port}")).is_ok() {
+                    break None;
+                }
+                assert!(job.child.try_wait().unwrap().is_none(), "rank 0 ended:\n{}", job.output());
+                std::thread::sleep(Duration::from_millis(10));
+            },
+            Some(listener) => {
+                let (stream, _) = listener.accept().unwrap();
+                let mut line = String::new();
+                BufReader::new(&stream).read_line(&mut line).unwrap();
+                assert!(line.starts_with("ENGINE-RENDEZVOUS"), "{line}");
+                Some(stream)
+            }
+        };
+        std::thread::sleep(Duration::from_millis(100));
+        job.signal(libc::SIGTERM);
+        let (status, out, took) = job.finish(Duration::from_secs(30));
+        assert!(took < Duration::from_secs(1), "rank {rank} took {took:?} to stop:\n{out}");
+        assert_eq!(status.code(), Some(STOPPED), "rank {rank}: {out}");
+        assert!(
+            out.contains("engine: stopped by SIGTERM during the rendezvous, before the first step: nothing to save"),
+            "{out}"
+        );
+        assert!(!run.exists(), "rank {rank} left {}", run.display());
+    }
+}
+
+/// A panic on a helper thread (the test hook makes the TCP collectives' readers panic at their
+/// first frame) ends the process at once with 101, RUST_BACKTRACE set or not; with it set, the
+/// panic used to end only the thread, and its rank waited out the collective timeout (60 s here).
+#[test]
+fn a_panic_on_a_helper_thread_ends_the_process_with_101() {
+    let _one = serial();
+    let dir = scratch("failures-panic");
+    let run = dir.join("run");
+    for backtrace in ["1", "0"] {
+        let env =
+            [("RUST_BACKTRACE", backtrace), ("ENGINE_TEST_PANIC_READER", "1"), ("ENGINE_COLLECTIVE_TIMEOUT", "60")];
+        let job = Launched::start(&["--nproc", "2"], &train(&run, 3, 0), &env);
+        let (status, out, took) = job.finish(Duration::from_secs(90));
+        assert!(took < Duration::from_secs(20), "RUST_BACKTRACE={backtrace}: the job took {took:?}:\n{out}");
+        assert_eq!(status.code(), Some(101), "RUST_BACKTRACE={backtrace}: {out}");
+        assert!(out.contains("ENGINE_TEST_PANIC_READER=1: the reader of rank"), "{out}");
+        all_gone(&out, &run);
+        let _ = std::fs::remove_dir_all(&run);
+    }
+}
+
+/// `--max-restarts` does not restart a process that exited 2 (bad input: a restart repeats it):
+/// one attempt, and its error once, the processes' identical lines folded into one.
+#[test]
+fn bad_input_is_not_restarted_and_its_error_is_printed_once() {
+    let _one = serial();
+    let dir = scratch("failures-bad-input");
+    let run = dir.join("run");
+    let job = Launched::start(&["--nproc", "2", "--max-restarts", "3"], &train_with(&run, 3, 0, &["optim.lrr=1"]), &[]);
+    let (status, out, _) = job.finish(Duration::from_secs(60));
+    assert_eq!(status.code(), Some(2), "{out}");
+    assert_eq!(started(&out).len(), 1, "restarted:\n{out}");
+    assert_eq!(out.matches("unknown field `lrr`").count(), 1, "{out}");
+    assert!(out.contains("not restarting: exit code 2 is bad input, which a restart repeats"), "{out}");
+    assert!(!out.contains("restarting all"), "{out}");
+}
+
+/// A peer's frame of another length than the collective expects (headers of 2^61 and 2^40
+/// elements, which were a capacity-overflow panic and an out-of-memory blamed on the recipe) ends
+/// the rank in one line naming the peer, the lane and the length, exit 75. Rank 1 is this test:
+/// it meets rank 0 with the same terms, connects as the mesh does, and sends the header.
+#[test]
+fn a_frame_of_an_unexpected_length_ends_the_rank_naming_it() {
+    use engine::parallel::rendezvous::{Job, meet};
+    use engine::parallel::tcp::{Header, Lane};
+    use std::io::Write;
+    let _one = serial();
+    let dir = scratch("failures-frame");
+    let run = dir.join("run");
+    let args = train(&run, 3, 0);
+    // The configuration rank 0 resolves from the same flags.
+    let mut overrides: Vec<engine::config::Override> = args
+        .windows(2)
+        .filter(|w| w[0] == "--set")
+        .map(|w| engine::config::Override { text: w[1].clone(), origin: "--set".into() })
+        .collect();
+    overrides.push(engine::config::Override { text: "train.steps=3".into(), origin: "--steps".into() });
+    let config = engine::config::resolve("tiny-llama2", &overrides).unwrap().config;
+    let terms = engine::parallel::job::terms(Some(&config));
+    for len in [1u64 << 61, 1 << 40] {
+        let port = free_port();
+        let env = rank_of_two(0, &port);
+        let mut env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        env.push(("ENGINE_COLLECTIVE_TIMEOUT", "60"));
+        let job = Launched::spawn(engine_cmd(&args.iter().map(String::as_str).collect::<Vec<_>>()), &env);
+        let me = Job {
+            rank: 1,
+            world: 2,
+            local_rank: 1,
+            local_world: 2,
+            coordinator: format!("127.0.0.1:{port}"),
+            convention: "test",
+            token: "-".into(),
+        };
+        let meeting = meet(&me, Duration::from_secs(30), &terms, |_| Ok("-".into()), Vec::new).unwrap();
+        let mut mesh = std::net::TcpStream::connect(&meeting.brought[0]).unwrap();
+        mesh.write_all(b"ENGINE-TCP 1 - 1\n").unwrap();
+        let header = Header::Data { lane: Lane::Step, len };
+        mesh.write_all(&header.bytes()).unwrap();
+        let (status, out, took) = job.finish(Duration::from_secs(90));
+        assert_eq!(status.code(), Some(75), "{out}");
+        let want = format!("rank 1 sent a frame of {len} elements on the step lane where");
+        let line = out.lines().find(|l| l.contains(&want)).unwrap_or_else(|| panic!("expected `{want}` in:\n{out}"));
+        eprintln!("{line}");
+        assert!(took < Duration::from_secs(20), "{took:?}:\n{out}");
+        let _ = std::fs::remove_dir_all(&run);
+    }
+}

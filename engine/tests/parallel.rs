@@ -60,14 +60,67 @@ fn a_rank_that_never_arrives_is_named() {
         })
         .collect();
     let outs: Vec<Output> = children.into_iter().map(|c| c.wait_with_output().unwrap()).collect();
+    // A rank that never arrived is a transient fault (a slow pod, an image still pulling): 75,
+    // which schedulers retry, not 2, which they do not.
     let (_, rank0) = text(&outs[0]);
-    assert_eq!(outs[0].status.code(), Some(2));
+    assert_eq!(outs[0].status.code(), Some(75), "{rank0}");
     assert!(rank0.contains("rendezvous timed out after 3 s: rank(s) 3 of 4 never arrived"), "{rank0}");
     assert_eq!(rank0.trim_end().lines().count(), 1, "{rank0}");
     for out in &outs[1..] {
         let (_, stderr) = text(out);
-        assert_eq!(out.status.code(), Some(2));
+        assert_eq!(out.status.code(), Some(75), "{stderr}");
         assert!(stderr.contains("rank 0 says: rendezvous timed out") && stderr.contains("rank(s) 3 of 4"), "{stderr}");
+    }
+}
+
+/// Two ranks of one job started with different recipes (one rank's flags edited) are refused
+/// at the rendezvous, on both ranks, in one line naming each key and both values, exit 2:
+/// another learning rate or seed trained silently, another model shape failed mid-step, and
+/// fewer steps left the other rank waiting out the collective timeout.
+#[test]
+fn ranks_of_different_recipes_are_refused_at_the_rendezvous() {
+    // Rank 1's overrides and steps (rank 0 has neither override, and 3 steps), and the line.
+    let cases: [(&[&str], &str, &str); 3] = [
+        (
+            &["optim.lr=0.5", "train.seed=7"],
+            "3",
+            "rank 1's configuration differs from rank 0's: optim.lr 0.001 vs 0.5, train.seed 1234 vs 7;",
+        ),
+        (&["model.d_model=128"], "3", "rank 1's configuration differs from rank 0's: model.d_model 64 vs 128;"),
+        (&[], "5", "rank 1's configuration differs from rank 0's: train.steps 3 vs 5;"),
+    ];
+    for (sets, steps, want) in cases {
+        let port = free_port().to_string();
+        let dir = std::env::temp_dir().join(format!("engine-dist-differ-{}-{port}", std::process::id()));
+        let run = dir.join("run");
+        let ranks: Vec<Child> = (0..2)
+            .map(|rank| {
+                let (sets, steps) = if rank == 1 { (sets, steps) } else { (&[][..], "3") };
+                let mut args = vec!["--device", "cpu", "train", "--recipe", "tiny-llama2", "--steps", steps];
+                args.extend(["--run-dir", run.to_str().unwrap()]);
+                let shrink = ["model.d_model=64", "model.n_heads=2", "model.n_kv_heads=2", "model.head_dim=32"];
+                for set in shrink.iter().chain(sets) {
+                    args.extend(["--set", set]);
+                }
+                let env = [
+                    ("MASTER_ADDR", "127.0.0.1".to_string()),
+                    ("MASTER_PORT", port.clone()),
+                    ("RANK", rank.to_string()),
+                    ("WORLD_SIZE", "2".to_string()),
+                    ("ENGINE_RENDEZVOUS_TIMEOUT", "30".to_string()),
+                ];
+                engine(&args, &env)
+            })
+            .collect();
+        for (rank, child) in ranks.into_iter().enumerate() {
+            let out = child.wait_with_output().unwrap();
+            let (_, stderr) = text(&out);
+            assert_eq!(out.status.code(), Some(2), "rank {rank}: {stderr}");
+            assert!(stderr.contains(want), "rank {rank}: expected `{want}` in: {stderr}");
+            assert_eq!(stderr.trim_end().lines().count(), 1, "rank {rank}: {stderr}");
+        }
+        assert!(!run.join("metrics.jsonl").exists(), "nothing trained");
+        let _ = std::fs::remove_dir_all(dir);
     }
 }
 

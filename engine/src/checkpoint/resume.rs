@@ -9,26 +9,12 @@ use anyhow::{Result, anyhow, bail};
 use super::housekeeping::latest;
 use super::{Checkpoint, OPTIMIZER_FILE};
 use crate::config::Config;
+use crate::config::flat::flatten;
 
 /// The keys whose values differ between a checkpoint's configuration and the current one, other
 /// than those a resumed run may change ([`Config::resumable`]), as `key (checkpoint A, now B)`.
 pub fn incompatible_keys(saved: &Config, now: &Config) -> Vec<String> {
-    fn flatten(prefix: &str, v: &toml::Value, out: &mut BTreeMap<String, String>) {
-        match v {
-            toml::Value::Table(t) => {
-                for (k, v) in t {
-                    let key = if prefix.is_empty() { k.clone() } else { format!("{prefix}.{k}") };
-                    flatten(&key, v, out);
-                }
-            }
-            other => {
-                out.insert(prefix.to_owned(), other.to_string());
-            }
-        }
-    }
-    let (mut a, mut b) = (BTreeMap::new(), BTreeMap::new());
-    flatten("", &toml::Value::try_from(saved).expect("configs serialize"), &mut a);
-    flatten("", &toml::Value::try_from(now).expect("configs serialize"), &mut b);
+    let (a, b) = (flatten(saved), flatten(now));
     let keys: std::collections::BTreeSet<&String> = a.keys().chain(b.keys()).collect();
     keys.into_iter()
         .filter(|k| !Config::resumable(k) && a.get(*k) != b.get(*k))

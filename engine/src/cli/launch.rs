@@ -16,9 +16,14 @@
 //!   the second for "stop at once".
 //! - They die with it ([`spawn`]'s `PR_SET_PDEATHSIG`), so that a launcher killed abruptly
 //!   leaves no process training on, holding the run directory's lock.
+//! - Each process writes its final error line to a pipe of the launcher's ([`ERROR_FD`]) rather
+//!   than to standard error, so that the launcher prints the lines of an attempt once it has
+//!   ended, identical lines of several processes folded into one: bad input that every rank
+//!   reads alike is one line, not one per process.
 
-use std::io::Write;
+use std::io::{PipeReader, Read, Write};
 use std::net::TcpListener;
+use std::os::fd::AsRawFd;
 use std::os::unix::process::CommandExt;
 use std::path::Path;
 use std::process::Command;
@@ -36,6 +41,13 @@ const POLL: Duration = Duration::from_millis(20);
 /// The exit code of `engine train` stopped by SIGTERM, SIGINT or SIGUSR1 after writing its
 /// checkpoint (76): not a failure, so not restarted.
 const EXIT_STOPPED_ON_SIGNAL: i32 = engine::train::signals::STOPPED_EXIT as i32;
+
+/// The exit code of bad input, which running the command again repeats: never restarted.
+const EXIT_BAD_INPUT: i32 = 2;
+
+/// The variable naming the file descriptor where a process started by `engine launch` writes
+/// its final error line ([`super::report_error`]), the write end of a pipe the launcher reads.
+pub const ERROR_FD: &str = "ENGINE_LAUNCH_ERROR_FD";
 
 #[derive(Args)]
 pub struct LaunchArgs {
@@ -71,7 +83,7 @@ pub fn check(cmd: DistCommand) -> Result<()> {
     let DistCommand::Check { timeout } = cmd;
     let job = rendezvous::discover(|k| std::env::var(k).ok())?;
     // Rank 0 makes a token; everyone printing the same one shows they met the same coordinator.
-    let token = rendezvous::rendezvous(&job, job::rendezvous_timeout(timeout)?, || {
+    let token = rendezvous::rendezvous(&job, job::rendezvous_timeout(timeout)?, &job::terms(None), || {
         let seed =
             std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
         engine::rng::mix(seed ^ std::process::id() as u64).to_le_bytes().to_vec()
@@ -140,7 +152,9 @@ pub fn launch(args: LaunchArgs) -> Result<()> {
             false => None,
         };
         let mut procs = start(&exe, &args, node, first_rank)?;
-        let failed = match supervise(&mut procs, grace) {
+        let end = supervise(&mut procs, grace);
+        report_errors(&mut procs);
+        let failed = match end {
             End::Done => return Ok(()),
             End::Stopped(code) => {
                 say!(
@@ -157,6 +171,12 @@ pub fn launch(args: LaunchArgs) -> Result<()> {
         if let Some(signal) = signals::first() {
             say!("error: {cause}; stopped the others; not restarting: engine launch received {}", signal_name(signal));
             exit(outcome.exit_code());
+        }
+        if outcome == Outcome::Code(EXIT_BAD_INPUT) && args.max_restarts > 0 {
+            say!(
+                "error: {cause}; stopped the others; not restarting: exit code 2 is bad input, which a restart repeats"
+            );
+            exit(EXIT_BAD_INPUT);
         }
         if restarts == args.max_restarts {
             let left = match args.max_restarts {
@@ -210,6 +230,8 @@ struct Proc {
     pid: libc::pid_t,
     /// How it ended, once reaped.
     outcome: Option<Outcome>,
+    /// The read end of the pipe it writes its final error line to ([`ERROR_FD`]).
+    errors: PipeReader,
 }
 
 /// How a process ended.
@@ -282,12 +304,17 @@ fn start(exe: &Path, args: &LaunchArgs, node: Option<(u16, String)>, first_rank:
                 .env("WORLD_SIZE", args.nproc.to_string())
                 .env("ENGINE_JOB_TOKEN", token);
         }
-        match spawn(cmd, group) {
+        let (errors, writer) = std::io::pipe().context("cannot make a pipe for a process's errors")?;
+        cmd.env(ERROR_FD, writer.as_raw_fd().to_string());
+        let spawned = spawn(cmd, group, writer.as_raw_fd());
+        // The process holds the write end now: the pipe ends when the process does.
+        drop(writer);
+        match spawned {
             Ok(pid) => {
                 if local == 0 {
                     group = pid;
                 }
-                procs.push(Proc { local, rank: first_rank + local, pid, outcome: None });
+                procs.push(Proc { local, rank: first_rank + local, pid, outcome: None, errors });
             }
             Err(e) => {
                 signal_running(&procs, libc::SIGKILL);
@@ -305,8 +332,9 @@ fn start(exe: &Path, args: &LaunchArgs, node: Option<(u16, String)>, first_rank:
     Ok(procs)
 }
 
-/// Spawns `cmd` in process group `group` (a new one when 0); returns its pid.
-fn spawn(mut cmd: Command, group: libc::pid_t) -> std::io::Result<libc::pid_t> {
+/// Spawns `cmd` in process group `group` (a new one when 0), passing it the file descriptor
+/// `errors` (which is closed on exec otherwise); returns its pid.
+fn spawn(mut cmd: Command, group: libc::pid_t, errors: i32) -> std::io::Result<libc::pid_t> {
     // SAFETY: getpid has no preconditions.
     let launcher = unsafe { libc::getpid() };
     cmd.process_group(group);
@@ -329,11 +357,48 @@ fn spawn(mut cmd: Command, group: libc::pid_t) -> std::io::Result<libc::pid_t> {
             if libc::getppid() != launcher {
                 libc::_exit(128 + libc::SIGKILL);
             }
+            if libc::fcntl(errors, libc::F_SETFD, 0) == -1 {
+                return Err(std::io::Error::last_os_error());
+            }
             Ok(())
         });
     }
     // The `Child` is dropped without waiting: the launcher reaps with waitpid(-1) ([`reap`]).
     Ok(cmd.spawn()?.id() as libc::pid_t)
+}
+
+/// Prints the final error lines the processes of an attempt wrote ([`ERROR_FD`]), once each:
+/// a line several processes wrote alike is one line that says how many did. Called once every
+/// process has ended, so each pipe holds all its process wrote; a descriptor some grandchild
+/// still holds is read without waiting.
+fn report_errors(procs: &mut [Proc]) {
+    let mut lines: Vec<(String, Vec<usize>)> = Vec::new();
+    for p in procs.iter_mut() {
+        // SAFETY: fcntl on a descriptor this process owns.
+        unsafe { libc::fcntl(p.errors.as_raw_fd(), libc::F_SETFL, libc::O_NONBLOCK) };
+        let mut text = Vec::new();
+        let _ = (&mut p.errors).take(1 << 16).read_to_end(&mut text);
+        for line in String::from_utf8_lossy(&text).lines().filter(|l| !l.trim().is_empty()) {
+            match lines.iter_mut().find(|(l, _)| l == line) {
+                Some((_, ranks)) => ranks.push(p.rank),
+                None => lines.push((line.to_owned(), vec![p.rank])),
+            }
+        }
+    }
+    for (line, ranks) in lines {
+        say!("{}", folded(&line, &ranks));
+    }
+}
+
+/// A line and the ranks that wrote it: `LINE (rank 1)`, `LINE (4 ranks said it: 0, 1, 2, 3)`.
+fn folded(line: &str, ranks: &[usize]) -> String {
+    match ranks {
+        [rank] => format!("{line} (rank {rank})"),
+        _ => {
+            let list: Vec<String> = ranks.iter().map(usize::to_string).collect();
+            format!("{line} ({} ranks said it: {})", ranks.len(), list.join(", "))
+        }
+    }
 }
 
 /// How an attempt ended.
@@ -514,5 +579,16 @@ mod signals {
     /// The first signal received, if any.
     pub fn first() -> Option<i32> {
         Some(FIRST.load(Ordering::SeqCst)).filter(|&s| s != 0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn identical_lines_of_several_processes_are_folded_into_one() {
+        assert_eq!(folded("error: x", &[1]), "error: x (rank 1)");
+        assert_eq!(folded("error: x", &[0, 1, 2]), "error: x (3 ranks said it: 0, 1, 2)");
     }
 }

@@ -216,20 +216,42 @@ pub fn run(cli: Cli) -> Result<()> {
     }
 }
 
+/// Writes the command's final error line: to standard error, or, in a process started by
+/// `engine launch`, to the pipe it reads ([`launch::ERROR_FD`]), which prints the lines of its
+/// processes once each, identical lines folded into one. Standard error when the descriptor
+/// cannot be written.
+pub fn report_error(line: &str) {
+    let text = format!("{line}\n");
+    if let Some(fd) = std::env::var(launch::ERROR_FD).ok().and_then(|v| v.parse::<i32>().ok()) {
+        // SAFETY: writes a buffer this function owns; a descriptor that is not open fails (EBADF).
+        let written = unsafe { libc::write(fd, text.as_ptr().cast(), text.len()) };
+        if written == text.len() as isize {
+            return;
+        }
+    }
+    engine::say!("{line}");
+}
+
 /// Panics are bugs: report them in one line with where they happened, without a backtrace
 /// unless RUST_BACKTRACE asks for one, and exit with 101 as Rust does. One is not a bug: a CUDA
 /// call that failed while running ([`CudaFailure`]), which is one `error:` line with exit code 1,
 /// the code of an operation that failed without its input being wrong.
+///
+/// The process ends from the hook, whichever thread panicked and whatever RUST_BACKTRACE says:
+/// Rust's own handling would end only that thread, and a helper thread that dies (a collective's
+/// reader, a checkpoint writer) leaves the others waiting for it, up to a collective's timeout.
 pub fn install_panic_hook() {
     let default = std::panic::take_hook();
     let backtrace = std::env::var_os("RUST_BACKTRACE").is_some();
     std::panic::set_hook(Box::new(move |info| {
         let is_bug = !info.payload().is::<CudaFailure>();
-        if backtrace && is_bug {
-            return default(info);
-        }
         let (line, code) = panic_report(info.payload(), info.location());
-        engine::say!("{line}");
+        if backtrace && is_bug {
+            // Rust's report: the message, the thread and the backtrace.
+            default(info);
+        } else {
+            engine::say!("{line}");
+        }
         std::process::exit(code);
     }));
 }

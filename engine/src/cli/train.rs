@@ -222,7 +222,9 @@ impl Start {
         if !gpu {
             device::check_cpu_memory_of_rank(config, &plan, job.local_world)?;
             self.peak = device::peak(&Opened::Cpu(engine::backend::cpu::Cpu::new()), config);
-            let comm = Box::new(parallel::job::tcp_communicator(job)?);
+            let comm = Box::new(signals::exit_on_stop_during("during the rendezvous", || {
+                parallel::job::tcp_communicator(job, config)
+            })?);
             return self.run_rank(engine::backend::cpu::Cpu::new(), comm, config, plan, job);
         }
         engine::backend::cuda::check_model(&config.model).map_err(|e| anyhow!("--device cuda: {e}"))?;
@@ -231,7 +233,9 @@ impl Start {
         let opened = Opened::Cuda(Box::new(gpu));
         self.peak = device::peak(&opened, config);
         let Opened::Cuda(gpu) = opened else { unreachable!() };
-        let comm = Box::new(parallel::job::nccl_communicator(job)?);
+        let comm = Box::new(signals::exit_on_stop_during("during the rendezvous", || {
+            parallel::job::nccl_communicator(job, config)
+        })?);
         self.run_rank(*gpu, comm, config, plan, job)
     }
 

@@ -9,6 +9,7 @@
 //! validates itself beside its struct. A unit test holds docs/recipes.md's tables to the fields.
 
 pub mod count;
+pub mod flat;
 pub mod recipe;
 
 use anyhow::{Result, anyhow, bail};

@@ -9,12 +9,17 @@
 //! 3. torchrun: `MASTER_ADDR`, `MASTER_PORT`, `RANK`, `WORLD_SIZE`, `LOCAL_RANK`.
 //!
 //! Then rank 0 listens on the coordinator's address (only there), every other rank connects and
-//! says who it is, its job's token and what it brings (the address of its TCP collectives'
-//! listener), and once all have arrived rank 0 hands each the same payload (NCCL's unique id)
-//! and what every rank brought. Each connection's hello is read on a thread of its own, so a
-//! stranger (a port scan, a health probe) is named and dropped without holding anyone up, and a
-//! rank of another job (another token) is turned away. A rank that never arrives makes rank 0
-//! fail after the timeout with the missing ranks named, and rank 0 tells the others why.
+//! says who it is, its job's token, what it brings (the address of its TCP collectives'
+//! listener) and its terms: the engine's version and its resolved configuration as `key = value`
+//! lines ([`super::job::terms`]). Once all have arrived rank 0 compares every rank's terms with its
+//! own and, when they agree, hands each the same payload (NCCL's unique id) and what every rank
+//! brought. Ranks that disagree would train one job with two recipes (silently, or until a
+//! collective's sizes differ), so the job is refused on every rank, naming the keys and both
+//! values. Each connection's hello is read on a thread of its own, so a stranger (a port scan, a
+//! health probe) is named and dropped without holding anyone up, and a rank of another job
+//! (another token) is turned away. A rank that never arrives makes rank 0 fail after the timeout
+//! with the missing ranks named, and rank 0 tells the others why: a transient fault
+//! ([`Transient`], exit 75), which a restart may not meet again, unlike bad input (exit 2).
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Read, Write};
@@ -22,6 +27,8 @@ use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail};
+
+use super::Transient;
 
 /// Port used when a convention names a coordinator host but no port (Slurm without
 /// `MASTER_PORT`): offset by the job id so that jobs sharing a node do not collide.
@@ -222,8 +229,16 @@ fn split_top_level(list: &str) -> Vec<&str> {
 }
 
 /// First line every peer sends: protocol name and version, then the job's token, its rank, its
-/// world size and what it brings (the address of its collectives' listener, or `-`).
-const HELLO: &str = "ENGINE-RENDEZVOUS 2";
+/// world size, what it brings (the address of its collectives' listener, or `-`) and the length
+/// in bytes of its terms, which follow the line.
+const PROTOCOL: &str = "ENGINE-RENDEZVOUS";
+const VERSION: u32 = 3;
+
+/// The most bytes of terms a rank may send: a resolved configuration is a few KiB as text.
+const MAX_TERMS: usize = 1 << 20;
+
+/// Keys of two ranks' terms that differ, at most this many named in the refusal.
+const MAX_NAMED: usize = 8;
 
 /// How long rank 0 waits for a connection's hello before it drops it as a stranger.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
@@ -238,24 +253,33 @@ pub struct Meeting {
 }
 
 /// Meets every process of the job and returns the payload rank 0 made with `payload` (called on
-/// rank 0 only). Fails after `timeout` naming the ranks that never arrived.
-pub fn rendezvous(job: &Job, timeout: Duration, payload: impl FnOnce() -> Vec<u8>) -> Result<Vec<u8>> {
-    Ok(meet(job, timeout, |_| Ok("-".into()), payload)?.payload)
+/// rank 0 only). Fails after `timeout` naming the ranks that never arrived, and refuses ranks
+/// whose `terms` differ from rank 0's.
+pub fn rendezvous(job: &Job, timeout: Duration, terms: &str, payload: impl FnOnce() -> Vec<u8>) -> Result<Vec<u8>> {
+    Ok(meet(job, timeout, terms, |_| Ok("-".into()), payload)?.payload)
 }
 
 /// Meets every process of the job: each rank brings a one-word string made by `bring` from the
-/// local address it reaches rank 0 through (rank 0: the coordinator's), rank 0 adds `payload`,
-/// and every rank learns all of it.
+/// local address it reaches rank 0 through (rank 0: the coordinator's) and its `terms` (`key =
+/// value` lines every rank must have alike), rank 0 adds `payload`, and every rank learns all of
+/// it. A rank that never arrives fails the job with a [`Transient`] error on every rank; terms
+/// that differ from rank 0's fail it as bad input, naming the keys.
 pub fn meet(
     job: &Job,
     timeout: Duration,
+    terms: &str,
     bring: impl FnOnce(IpAddr) -> Result<String>,
     payload: impl FnOnce() -> Vec<u8>,
 ) -> Result<Meeting> {
     if job.world == 1 {
         return Ok(Meeting { brought: vec![bring(IpAddr::from([127, 0, 0, 1]))?], payload: payload() });
     }
-    if job.rank == 0 { coordinate(job, timeout, bring, payload()) } else { join(job, timeout, bring) }
+    anyhow::ensure!(
+        terms.len() <= MAX_TERMS,
+        "the configuration is {} bytes as text, more than the rendezvous carries ({MAX_TERMS})",
+        terms.len()
+    );
+    if job.rank == 0 { coordinate(job, timeout, terms, bring, payload()) } else { join(job, timeout, terms, bring) }
 }
 
 /// The addresses the coordinator's host name resolves to.
@@ -290,19 +314,82 @@ fn listen(job: &Job) -> Result<TcpListener> {
     bail!("rank 0 cannot listen on {addr} for the rendezvous (coordinator {}): {e}{hint}", job.coordinator)
 }
 
-/// A hello as rank 0 reads it: (rank, world, token, brought).
-fn parse_hello(line: &str) -> Option<(usize, usize, &str, &str)> {
-    let rest = line.trim().strip_prefix(HELLO)?.trim();
-    let f: Vec<&str> = rest.split(' ').collect();
-    match f[..] {
-        [token, rank, world, brought] => Some((rank.parse().ok()?, world.parse().ok()?, token, brought)),
-        _ => None,
+/// A rank's hello, as rank 0 reads it.
+#[derive(Debug, PartialEq)]
+struct Hello {
+    token: String,
+    rank: usize,
+    world: usize,
+    brought: String,
+    terms: String,
+}
+
+/// Why a connection's hello is not one rank 0 can take.
+#[derive(Debug, PartialEq)]
+enum Unfit {
+    /// Not an engine rank at all (a port scan, a health probe): what it sent.
+    Stranger(String),
+    /// An engine of another rendezvous protocol: its version.
+    Protocol(String),
+}
+
+/// Reads a connection's hello: its first line (at most 4 KiB), then the terms it announces.
+fn read_hello(stream: &TcpStream) -> Result<Hello, Unfit> {
+    let mut reader = BufReader::new(stream.take((4096 + MAX_TERMS) as u64));
+    let mut line = String::new();
+    let _ = (&mut reader).take(4096).read_line(&mut line);
+    let stranger = || Unfit::Stranger(line.trim().to_owned());
+    let rest = line.trim().strip_prefix(PROTOCOL).ok_or_else(stranger)?.trim_start();
+    let (version, rest) = rest.split_once(' ').ok_or_else(stranger)?;
+    if version != VERSION.to_string() {
+        return Err(Unfit::Protocol(version.to_owned()));
     }
+    let f: Vec<&str> = rest.split(' ').collect();
+    let [token, rank, world, brought, len] = f[..] else { return Err(stranger()) };
+    let parse = |n: &str| n.parse::<usize>().map_err(|_| stranger());
+    let (rank, world, len) = (parse(rank)?, parse(world)?, parse(len)?);
+    if len > MAX_TERMS {
+        return Err(stranger());
+    }
+    let mut terms = vec![0u8; len];
+    reader.read_exact(&mut terms).map_err(|_| stranger())?;
+    let terms = String::from_utf8(terms).map_err(|_| stranger())?;
+    Ok(Hello { token: token.to_owned(), rank, world, brought: brought.to_owned(), terms })
+}
+
+/// The keys whose values differ between rank 0's terms and another rank's, as `key A vs B`
+/// (rank 0's value first; `unset` where one has no such key), in key order, the first
+/// [`MAX_NAMED`] of them and how many more.
+fn differences(ours: &str, theirs: &str) -> String {
+    let pairs = |text: &str| -> BTreeMap<String, String> {
+        text.lines().filter_map(|l| l.split_once(" = ")).map(|(k, v)| (k.to_owned(), v.to_owned())).collect()
+    };
+    let (a, b) = (pairs(ours), pairs(theirs));
+    let keys: std::collections::BTreeSet<&String> = a.keys().chain(b.keys()).collect();
+    let show = |m: &BTreeMap<String, String>, k: &String| m.get(k).cloned().unwrap_or_else(|| "unset".into());
+    let differ: Vec<String> = keys
+        .into_iter()
+        .filter(|k| a.get(*k) != b.get(*k))
+        .map(|k| format!("{k} {} vs {}", show(&a, k), show(&b, k)))
+        .collect();
+    let mut text = differ.iter().take(MAX_NAMED).cloned().collect::<Vec<_>>().join(", ");
+    if differ.len() > MAX_NAMED {
+        text += &format!(" and {} more", differ.len() - MAX_NAMED);
+    }
+    text
+}
+
+/// Tells a rank why the rendezvous failed: `ERR`, the exit code it should end with (2: bad input,
+/// 75: a transient fault) and the reason.
+fn refuse(stream: &mut TcpStream, code: i32, reason: &str) {
+    let _ = stream.set_write_timeout(Some(Duration::from_secs(1)));
+    let _ = writeln!(stream, "ERR {code} {reason}");
 }
 
 fn coordinate(
     job: &Job,
     timeout: Duration,
+    terms: &str,
     bring: impl FnOnce(IpAddr) -> Result<String>,
     payload: Vec<u8>,
 ) -> Result<Meeting> {
@@ -312,8 +399,15 @@ fn coordinate(
     let deadline = Instant::now() + timeout;
     // Each connection's hello is read on a thread of its own, so that a stranger that sends
     // nothing (a port scan, a health probe) holds up no one; strangers are named and dropped.
-    let (hellos, arrivals) = std::sync::mpsc::channel::<(SocketAddr, TcpStream, std::io::Result<String>)>();
-    let mut peers: BTreeMap<usize, (TcpStream, String)> = BTreeMap::new();
+    let (hellos, arrivals) = std::sync::mpsc::channel::<(SocketAddr, TcpStream, Result<Hello, Unfit>)>();
+    let mut peers: BTreeMap<usize, (TcpStream, Hello)> = BTreeMap::new();
+    // Tells every rank that arrived why the job fails, and fails it.
+    let fail = |peers: &mut BTreeMap<usize, (TcpStream, Hello)>, code: i32, reason: String| -> anyhow::Error {
+        for (stream, _) in peers.values_mut() {
+            refuse(stream, code, &reason);
+        }
+        if code == TRANSIENT { Transient(reason).into() } else { anyhow!(reason) }
+    };
     while peers.len() + 1 < job.world {
         if Instant::now() >= deadline {
             let missing: Vec<String> =
@@ -326,22 +420,17 @@ fn coordinate(
                 job.coordinator,
                 job.convention
             );
-            for (stream, _) in peers.values_mut() {
-                let _ = writeln!(stream, "ERR {reason}");
-            }
-            bail!(reason);
+            return Err(fail(&mut peers, TRANSIENT, reason));
         }
         match listener.accept() {
             Ok((stream, from)) => {
                 let hellos = hellos.clone();
                 std::thread::spawn(move || {
-                    let mut line = String::new();
                     let read = stream
                         .set_nonblocking(false)
                         .and_then(|()| stream.set_read_timeout(Some(HELLO_TIMEOUT)))
-                        .and_then(|()| stream.try_clone())
-                        .and_then(|s| BufReader::new(s.take(4096)).read_line(&mut line))
-                        .map(|_| line);
+                        .map_err(|e| Unfit::Stranger(format!("nothing: {e}")))
+                        .and_then(|()| read_hello(&stream));
                     let _ = hellos.send((from, stream, read));
                 });
             }
@@ -349,47 +438,78 @@ fn coordinate(
             Err(e) => return Err(e).context("rendezvous: accepting a connection"),
         }
         while let Ok((from, mut stream, read)) = arrivals.try_recv() {
-            let line = read.unwrap_or_default();
-            let Some((rank, world, token, brought)) = parse_hello(&line) else {
-                crate::say!(
-                    "rendezvous: ignored a connection from {from}: not an engine rank (it sent {:?})",
-                    line.trim()
-                );
-                continue;
+            let hello = match read {
+                Ok(hello) => hello,
+                Err(Unfit::Stranger(sent)) => {
+                    crate::say!("rendezvous: ignored a connection from {from}: not an engine rank (it sent {sent:?})");
+                    continue;
+                }
+                Err(Unfit::Protocol(theirs)) => {
+                    let reason = format!(
+                        "{from} speaks rendezvous protocol {theirs}, rank 0 protocol {VERSION}: every rank must run the same engine build ({})",
+                        super::job::engine_version()
+                    );
+                    refuse(&mut stream, BAD_INPUT, &reason);
+                    return Err(fail(&mut peers, BAD_INPUT, format!("rendezvous: {reason}")));
+                }
             };
-            if token != job.token {
+            if hello.token != job.token {
                 crate::say!(
-                    "rendezvous: ignored rank {rank} from {from}: it belongs to another job (its token differs)"
+                    "rendezvous: ignored rank {} from {from}: it belongs to another job (its token differs)",
+                    hello.rank
                 );
-                let _ = writeln!(stream, "ERR this coordinator serves another job (the job tokens differ)");
+                refuse(&mut stream, BAD_INPUT, "this coordinator serves another job (the job tokens differ)");
                 continue;
             }
-            if world != job.world || rank == 0 || rank >= job.world {
-                let reason = format!("{from} says it is rank {rank} of {world}, but this job has {} ranks", job.world);
-                let _ = writeln!(stream, "ERR {reason}");
-                bail!("rendezvous: {reason}");
+            let rank = hello.rank;
+            if hello.world != job.world || rank == 0 || rank >= job.world {
+                let reason =
+                    format!("{from} says it is rank {rank} of {}, but this job has {} ranks", hello.world, job.world);
+                refuse(&mut stream, BAD_INPUT, &reason);
+                return Err(fail(&mut peers, BAD_INPUT, format!("rendezvous: {reason}")));
             }
             if peers.contains_key(&rank) {
-                let _ = writeln!(stream, "ERR two processes claim rank {rank}");
-                bail!("rendezvous: two processes claim rank {rank} (the second from {from})");
+                refuse(&mut stream, BAD_INPUT, &format!("two processes claim rank {rank}"));
+                let reason = format!("rendezvous: two processes claim rank {rank} (the second from {from})");
+                return Err(fail(&mut peers, BAD_INPUT, reason));
             }
-            peers.insert(rank, (stream, brought.to_owned()));
+            peers.insert(rank, (stream, hello));
         }
         std::thread::sleep(Duration::from_millis(10));
     }
-    let brought: Vec<String> = std::iter::once(mine).chain(peers.values().map(|(_, b)| b.clone())).collect();
+    // Every rank has arrived: they must agree on their terms before anything runs.
+    let differ: Vec<usize> = peers.iter().filter(|(_, (_, h))| h.terms != terms).map(|(&r, _)| r).collect();
+    if let Some(&first) = differ.first() {
+        let others = match &differ[1..] {
+            [] => String::new(),
+            more => {
+                format!("; rank(s) {} differ too", more.iter().map(usize::to_string).collect::<Vec<_>>().join(", "))
+            }
+        };
+        let reason = format!(
+            "rank {first}'s configuration differs from rank 0's: {}{others}; start every rank with the same engine, recipe and flags",
+            differences(terms, &peers[&first].1.terms)
+        );
+        return Err(fail(&mut peers, BAD_INPUT, reason));
+    }
+    let brought: Vec<String> = std::iter::once(mine).chain(peers.values().map(|(_, h)| h.brought.clone())).collect();
     for (rank, (stream, _)) in peers.iter_mut() {
         let send = |stream: &mut TcpStream| -> std::io::Result<()> {
             stream.set_write_timeout(Some(HELLO_TIMEOUT))?;
             writeln!(stream, "OK {} {}", payload.len(), brought.join(" "))?;
             stream.write_all(&payload)
         };
-        send(stream).with_context(|| format!("rendezvous: rank {rank} left before it was told the job's set-up"))?;
+        send(stream)
+            .map_err(|e| Transient(format!("rendezvous: rank {rank} left before it was told the job's set-up: {e}")))?;
     }
     Ok(Meeting { payload, brought })
 }
 
-fn join(job: &Job, timeout: Duration, bring: impl FnOnce(IpAddr) -> Result<String>) -> Result<Meeting> {
+/// The exit codes rank 0 tells the others to end with: bad input, or a transient fault.
+const BAD_INPUT: i32 = 2;
+const TRANSIENT: i32 = super::tcp::COLLECTIVE_FAILED;
+
+fn join(job: &Job, timeout: Duration, terms: &str, bring: impl FnOnce(IpAddr) -> Result<String>) -> Result<Meeting> {
     let deadline = Instant::now() + timeout;
     // Rank 0 may start later than we do: keep trying until the deadline.
     let stream = loop {
@@ -398,20 +518,24 @@ fn join(job: &Job, timeout: Duration, bring: impl FnOnce(IpAddr) -> Result<Strin
             break s;
         }
         if Instant::now() >= deadline {
-            bail!(
+            return Err(Transient(format!(
                 "rendezvous timed out after {:.0} s: rank {} could not reach rank 0 at {} ({})",
                 timeout.as_secs_f64(),
                 job.rank,
                 job.coordinator,
                 job.convention
-            );
+            ))
+            .into());
         }
         std::thread::sleep(Duration::from_millis(200));
     };
     let brought = bring(stream.local_addr()?.ip())?;
     let mut writer = stream.try_clone()?;
-    writeln!(writer, "{HELLO} {} {} {} {brought}", job.token, job.rank, job.world)
-        .with_context(|| format!("rendezvous: rank 0 at {} closed the connection", job.coordinator))?;
+    let hello =
+        format!("{PROTOCOL} {VERSION} {} {} {} {brought} {}\n{terms}", job.token, job.rank, job.world, terms.len());
+    writer
+        .write_all(hello.as_bytes())
+        .map_err(|e| Transient(format!("rendezvous: rank 0 at {} closed the connection: {e}", job.coordinator)))?;
     // Rank 0 answers when everyone arrived, or says why it gave up; allow for its own timeout.
     let wait = deadline.saturating_duration_since(Instant::now()) + Duration::from_secs(10);
     stream.set_read_timeout(Some(wait))?;
@@ -426,24 +550,37 @@ fn join(job: &Job, timeout: Duration, bring: impl FnOnce(IpAddr) -> Result<Strin
             job.coordinator
         )
     };
-    match reader.read_line(&mut line) {
-        Ok(0) => bail!("rendezvous: rank 0 at {} closed the connection before every rank arrived", job.coordinator),
+    let gone = |e: &dyn std::fmt::Display| {
+        Transient(format!("rendezvous: rank {} waiting for rank 0 at {}: {e}", job.rank, job.coordinator))
+    };
+    match (&mut reader).take(4096 + 64 * job.world as u64).read_line(&mut line) {
+        Ok(0) => {
+            return Err(Transient(format!(
+                "rendezvous: rank 0 at {} closed the connection before every rank arrived",
+                job.coordinator
+            ))
+            .into());
+        }
         Ok(_) => {}
-        Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => bail!(silent()),
-        Err(e) => return Err(e).with_context(|| format!("rendezvous: rank {} waiting for rank 0", job.rank)),
+        Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
+            return Err(Transient(silent()).into());
+        }
+        Err(e) => return Err(gone(&e).into()),
     }
-    if let Some(reason) = line.trim().strip_prefix("ERR ") {
-        bail!("rendezvous failed; rank 0 says: {reason}");
+    if let Some(refusal) = line.trim().strip_prefix("ERR ") {
+        let (code, reason) = refusal.split_once(' ').unwrap_or(("", refusal));
+        let reason = format!("rendezvous failed; rank 0 says: {reason}");
+        return Err(if code == TRANSIENT.to_string() { Transient(reason).into() } else { anyhow!(reason) });
     }
     let bad = || anyhow!("rendezvous: unexpected reply from rank 0: `{}`", line.trim());
     let mut fields = line.trim().strip_prefix("OK ").ok_or_else(bad)?.split(' ');
     let len: usize = fields.next().and_then(|n| n.parse().ok()).ok_or_else(bad)?;
     let brought: Vec<String> = fields.map(str::to_owned).collect();
-    if brought.len() != job.world {
+    if brought.len() != job.world || len > MAX_TERMS {
         return Err(bad());
     }
     let mut payload = vec![0u8; len];
-    reader.read_exact(&mut payload).context("rendezvous: reading the payload")?;
+    reader.read_exact(&mut payload).map_err(|e| gone(&format!("reading the payload: {e}")))?;
     Ok(Meeting { payload, brought })
 }
 
@@ -556,5 +693,76 @@ mod tests {
         assert_eq!(first_host("x[3,5-6]").as_deref(), Some("x3"));
         assert_eq!(first_host("solo").as_deref(), Some("solo"));
         assert_eq!(first_host(""), None);
+    }
+
+    /// The two ranks of a job on threads, meeting at a fresh port, each with its `terms` and
+    /// `timeout`; without `arrive`, rank 1 never comes and rank 0 waits alone.
+    fn meet_two(terms: [&'static str; 2], timeout: Duration, arrive: bool) -> [Result<Meeting>; 2] {
+        let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let job =
+            |rank| Job { rank, world: 2, coordinator: format!("127.0.0.1:{port}"), token: "t".into(), ..Job::single() };
+        let ranks: Vec<_> = (0..2)
+            .filter(|&rank| rank == 0 || arrive)
+            .map(|rank| {
+                let job = job(rank);
+                std::thread::spawn(move || meet(&job, timeout, terms[rank], |_| Ok("-".into()), Vec::new))
+            })
+            .collect();
+        let mut out = ranks.into_iter().map(|t| t.join().unwrap());
+        let zero = out.next().unwrap();
+        [zero, out.next().unwrap_or_else(|| Err(anyhow!("did not run")))]
+    }
+
+    /// Ranks whose terms differ are refused on every rank, one line naming each key and both
+    /// values (rank 0's first); as bad input, not as a transient fault.
+    #[test]
+    fn ranks_whose_terms_differ_are_refused_naming_the_keys() {
+        let ours = "engine = 1\noptim.lr = 0.001\ntrain.seed = 1\ntrain.steps = 3\n";
+        let theirs = "engine = 1\noptim.lr = 0.5\ntrain.seed = 1\ntrain.steps = 5\ntrain.extra = true\n";
+        let [zero, one] = meet_two([ours, theirs], Duration::from_secs(20), true);
+        let want = "rank 1's configuration differs from rank 0's: optim.lr 0.001 vs 0.5, train.extra unset vs true, train.steps 3 vs 5;";
+        for (rank, result) in [zero, one].into_iter().enumerate() {
+            let e = result.err().unwrap_or_else(|| panic!("rank {rank} was not refused"));
+            assert!(e.to_string().contains(want), "rank {rank}: {e}");
+            assert!(e.downcast_ref::<Transient>().is_none(), "rank {rank}: bad input, not a transient fault");
+            assert!(!e.to_string().contains('\n'), "{e}");
+        }
+        let [zero, one] = meet_two([ours, ours], Duration::from_secs(20), true);
+        assert_eq!(zero.unwrap().brought.len(), 2);
+        assert_eq!(one.unwrap().brought.len(), 2);
+        let many: String = (0..12).map(|i| format!("k{i:02} = {i}\n")).collect();
+        assert_eq!(
+            differences("", &many),
+            "k00 unset vs 0, k01 unset vs 1, k02 unset vs 2, k03 unset vs 3, k04 unset vs 4, k05 unset vs 5, k06 unset vs 6, k07 unset vs 7 and 4 more"
+        );
+    }
+
+    /// A rank that never arrives is a transient fault (exit 75), not bad input.
+    #[test]
+    fn a_rank_that_never_arrives_is_a_transient_fault() {
+        let [zero, _] = meet_two(["a = 1\n", "a = 1\n"], Duration::from_millis(300), false);
+        let e = zero.err().expect("rank 0 alone times out");
+        assert!(e.to_string().contains("rank(s) 1 of 2 never arrived"), "{e}");
+        assert!(e.downcast_ref::<Transient>().is_some(), "{e}");
+    }
+
+    /// Hellos: an engine rank's, a stranger's, and one of another rendezvous protocol.
+    #[test]
+    fn hellos_are_read_with_their_terms() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let hello = |bytes: &[u8]| {
+            let mut peer = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+            peer.write_all(bytes).unwrap();
+            drop(peer);
+            read_hello(&listener.accept().unwrap().0)
+        };
+        let terms = "engine = 1\nk = v\n";
+        let text = format!("{PROTOCOL} {VERSION} tok 1 2 10.0.0.1:5 {}\n{terms}", terms.len());
+        let want = Hello { token: "tok".into(), rank: 1, world: 2, brought: "10.0.0.1:5".into(), terms: terms.into() };
+        assert_eq!(hello(text.as_bytes()), Ok(want));
+        assert_eq!(hello(b"GET / HTTP/1.0\r\n\r\n"), Err(Unfit::Stranger("GET / HTTP/1.0".into())));
+        assert_eq!(hello(b"ENGINE-RENDEZVOUS 2 tok 1 2 -\n"), Err(Unfit::Protocol("2".into())));
+        let huge = format!("{PROTOCOL} {VERSION} tok 1 2 - {}\n", MAX_TERMS + 1);
+        assert!(matches!(hello(huge.as_bytes()), Err(Unfit::Stranger(_))));
     }
 }

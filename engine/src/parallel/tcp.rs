@@ -27,6 +27,17 @@
 //! first cause, not the rank that gave up after it), and exits with [`COLLECTIVE_FAILED`]: the
 //! [`Collectives`] calls return nothing, and a job that lost a rank cannot go on anyway.
 //!
+//! **Frames.** Every message is a frame: a kind byte (the lane, or [`ABORT`]) and a length (f32
+//! elements; bytes of text for an abort), little-endian, then the body. A receiving collective
+//! knows how many elements each peer must send it, and a frame of any other length ends the
+//! rank as a lost peer does (exit 75), naming the peer, the lane and the length, as soon as its
+//! header arrives; its body is read in parts as it comes ([`read_body`]), so a header that
+//! claims 2^61 elements costs no more memory than the bytes the peer really sent.
+//!
+//! **Test hook.** `ENGINE_TEST_PANIC_READER=1` ([`PANIC_HOOK`]) makes every reader thread panic
+//! at its first frame: the tests use it to show that a panic on a helper thread ends the process
+//! at once (exit 101) rather than leaving its rank to wait out the collective timeout.
+//!
 //! [`Virtual`]: super::comm::Virtual
 
 use std::collections::{HashMap, VecDeque};
@@ -37,11 +48,15 @@ use std::sync::mpsc::{Receiver, Sender, channel};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result};
 
+use super::Transient;
 use super::comm::Collectives;
 use super::rendezvous::{self, Job};
 use crate::backend::{Backend, View};
+
+/// The test hook's variable (see the [module documentation](self)).
+pub const PANIC_HOOK: &str = "ENGINE_TEST_PANIC_READER";
 
 /// The exit code of a rank whose collective failed (a peer left, or did not answer in time):
 /// 75, `EX_TEMPFAIL`: the job can be restarted and resume from its last checkpoint.
@@ -50,7 +65,7 @@ pub const COLLECTIVE_FAILED: i32 = 75;
 /// Which stream of messages between two ranks a message belongs to.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
 #[repr(u8)]
-enum Lane {
+pub enum Lane {
     /// The collectives the step waits for.
     Step = 0,
     /// Collectives started and waited for later (the worker thread's).
@@ -59,11 +74,138 @@ enum Lane {
     PointToPoint = 2,
 }
 
+impl Lane {
+    /// Its name in messages.
+    pub fn name(self) -> &'static str {
+        match self {
+            Lane::Step => "step",
+            Lane::Started => "started-collectives",
+            Lane::PointToPoint => "pipeline",
+        }
+    }
+}
+
 /// A frame's kind byte for "this rank stops; the text says why".
 const ABORT: u8 = 255;
 
+/// The longest text an abort frame may carry, in bytes.
+const MAX_ABORT_TEXT: u64 = 4096;
+
+/// Elements of a frame's body read at a time: what a header alone can make a reader allocate.
+const BODY_PART: usize = 1 << 18;
+
+/// A frame's header: 9 bytes on the wire.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Header {
+    /// `len` f32 elements on `lane`.
+    Data {
+        /// The lane the message belongs to.
+        lane: Lane,
+        /// Elements that follow (as the sender says: checked against what the receiver expects).
+        len: u64,
+    },
+    /// The sender stops: `len` bytes of text say why.
+    Abort {
+        /// Bytes of text that follow.
+        len: u64,
+    },
+}
+
+impl Header {
+    /// Reads a header's 9 bytes: a kind byte (a lane, or [`ABORT`]) and a little-endian length.
+    /// Fails on a kind no engine sends, and on an abort text longer than any engine sends.
+    pub fn parse(head: [u8; 9]) -> Result<Header, String> {
+        let len = u64::from_le_bytes(head[1..].try_into().expect("8 bytes"));
+        let lane = match head[0] {
+            0 => Lane::Step,
+            1 => Lane::Started,
+            2 => Lane::PointToPoint,
+            ABORT if len <= MAX_ABORT_TEXT => return Ok(Header::Abort { len }),
+            ABORT => return Err(format!("it sent a stop message of {len} bytes (at most {MAX_ABORT_TEXT})")),
+            k => return Err(format!("it sent a frame of unknown kind {k}")),
+        };
+        Ok(Header::Data { lane, len })
+    }
+
+    /// The header's 9 bytes.
+    pub fn bytes(self) -> [u8; 9] {
+        let (kind, len) = match self {
+            Header::Data { lane, len } => (lane as u8, len),
+            Header::Abort { len } => (ABORT, len),
+        };
+        let mut head = [kind; 9];
+        head[1..].copy_from_slice(&len.to_le_bytes());
+        head
+    }
+}
+
+/// Why a peer's frame is refused: `len` elements on `lane`, where the receiving collective
+/// expects `want`. `None` when it is the length expected.
+pub fn unexpected(peer: usize, lane: Lane, len: u64, want: usize) -> Option<String> {
+    (len != want as u64).then(|| {
+        format!(
+            "rank {peer} sent a frame of {len} elements on the {} lane where {want} were expected (a peer of another recipe or engine, or not an engine rank)",
+            lane.name()
+        )
+    })
+}
+
+/// A frame as its receiver takes it.
+#[derive(Debug, PartialEq)]
+pub enum Frame {
+    /// A message on a lane.
+    Data {
+        /// The lane it belongs to.
+        lane: Lane,
+        /// Its elements.
+        body: Vec<f32>,
+    },
+    /// The sender's word that it stops, and why.
+    Abort(String),
+}
+
+/// Reads the next frame of a peer's connection: its header ([`Header::parse`]), then its body
+/// in parts as it arrives ([`read_body`]); `arriving` is told a message's lane and length as
+/// soon as its header is read, before its body. Fails with the reason the connection is of no
+/// further use: it closed, it broke, or it sent what no engine sends.
+pub fn next_frame(stream: &mut impl Read, arriving: impl FnOnce(Lane, u64)) -> Result<Frame, String> {
+    let broke = |e: std::io::Error| format!("its connection failed in the middle of a message: {e}");
+    let mut head = [0u8; 9];
+    stream.read_exact(&mut head).map_err(|e| match e.kind() {
+        std::io::ErrorKind::UnexpectedEof => "it closed its connection (the process ended)".to_owned(),
+        _ => format!("its connection failed: {e}"),
+    })?;
+    match Header::parse(head)? {
+        Header::Abort { len } => {
+            let mut text = vec![0u8; len as usize];
+            stream.read_exact(&mut text).map_err(broke)?;
+            Ok(Frame::Abort(String::from_utf8_lossy(&text).into_owned()))
+        }
+        Header::Data { lane, len } => {
+            arriving(lane, len);
+            Ok(Frame::Data { lane, body: read_body(stream, len).map_err(broke)? })
+        }
+    }
+}
+
+/// Reads a frame's body of `len` elements from `stream`, in parts of [`BODY_PART`] elements: the
+/// buffer grows with the bytes that arrive, not with what the header claims.
+pub fn read_body(stream: &mut impl Read, len: u64) -> std::io::Result<Vec<f32>> {
+    let mut data: Vec<f32> = Vec::new();
+    while (data.len() as u64) < len {
+        let start = data.len();
+        let part = (len - start as u64).min(BODY_PART as u64) as usize;
+        data.resize(start + part, 0.0);
+        stream.read_exact(bytemuck::cast_slice_mut(&mut data[start..]))?;
+    }
+    Ok(data)
+}
+
 /// First line of each mesh connection: protocol, job token, the connecting rank.
 const HELLO: &str = "ENGINE-TCP 1";
+
+/// How long a mesh connection has to say which rank it is before it is dropped as a stranger.
+const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// One rank's collectives over TCP.
 pub struct Tcp {
@@ -94,26 +236,39 @@ struct Net {
     names: Mutex<Vec<(Vec<usize>, String)>>,
     /// Bytes this rank has sent to its peers (frames and their headers).
     sent: AtomicU64,
+    /// The test hook: readers panic at their first frame ([`PANIC_HOOK`]).
+    panic_hook: bool,
 }
 
 #[derive(Default)]
 struct Inbox {
-    queues: HashMap<(usize, Lane), VecDeque<Vec<f32>>>,
-    /// Peers whose connection closed, and how.
+    queues: HashMap<(usize, Lane), VecDeque<Incoming>>,
+    /// Peers whose connection closed or broke, and the cause as a clause (`rank 2 left the
+    /// job: ...`).
     gone: HashMap<usize, String>,
     /// A peer's word that it stopped, and why.
     aborted: Option<String>,
+}
+
+/// A message on its way in: its length as its header says, as soon as the header arrives, and
+/// its body once all of it has.
+struct Incoming {
+    len: u64,
+    body: Option<Vec<f32>>,
 }
 
 impl Tcp {
     /// Joins the job: meets every rank through the rendezvous (each brings the address of a
     /// listener on the interface it reaches rank 0 through), then connects to every other rank
     /// (each rank dials the lower ranks and accepts the higher ones).
-    pub fn connect(job: &Job, rendezvous_timeout: Duration, timeout: Duration) -> Result<Tcp> {
+    /// A rank whose `terms` differ from rank 0's is refused ([`rendezvous::meet`]). Peers that
+    /// do not arrive or connect in time fail it with a [`Transient`] error.
+    pub fn connect(job: &Job, rendezvous_timeout: Duration, timeout: Duration, terms: &str) -> Result<Tcp> {
         let mut listener = None;
         let meeting = rendezvous::meet(
             job,
             rendezvous_timeout,
+            terms,
             |ip: IpAddr| {
                 let l = TcpListener::bind(SocketAddr::new(ip, 0))
                     .with_context(|| format!("rank {} cannot listen on {ip} for its peers", job.rank))?;
@@ -127,8 +282,9 @@ impl Tcp {
         let deadline = Instant::now() + rendezvous_timeout;
         let mut streams: Vec<Option<TcpStream>> = (0..job.world).map(|_| None).collect();
         for (peer, addr) in meeting.brought.iter().enumerate().take(job.rank) {
-            let stream = dial(addr, deadline).with_context(|| format!("rank {} cannot reach rank {peer}", job.rank))?;
-            (&stream).write_all(format!("{HELLO} {} {}\n", job.token, job.rank).as_bytes())?;
+            let stream = dial(addr, deadline)
+                .and_then(|s| (&s).write_all(format!("{HELLO} {} {}\n", job.token, job.rank).as_bytes()).map(|()| s))
+                .map_err(|e| Transient(format!("rank {} cannot reach rank {peer} at {addr}: {e}", job.rank)))?;
             streams[peer] = Some(stream);
         }
         accept_higher(job, &listener, deadline, &mut streams)?;
@@ -153,6 +309,7 @@ impl Tcp {
             step: AtomicU64::new(0),
             names: Mutex::new(Vec::new()),
             sent: AtomicU64::new(0),
+            panic_hook: std::env::var(PANIC_HOOK).is_ok_and(|v| v == "1"),
         });
         for (peer, reader) in readers {
             let net = net.clone();
@@ -166,19 +323,22 @@ impl Tcp {
 }
 
 /// Connects to `addr`, retrying until `deadline` (the peer may still be starting its listener).
-fn dial(addr: &str, deadline: Instant) -> Result<TcpStream> {
-    let to: SocketAddr = addr.parse().with_context(|| format!("`{addr}` is not a socket address"))?;
+fn dial(addr: &str, deadline: Instant) -> std::io::Result<TcpStream> {
+    let to: SocketAddr = addr.parse().map_err(|_| {
+        std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("`{addr}` is not a socket address"))
+    })?;
     loop {
         match TcpStream::connect_timeout(&to, Duration::from_secs(2)) {
             Ok(s) => return Ok(s),
-            Err(e) if Instant::now() >= deadline => return Err(e).with_context(|| format!("connecting to {addr}")),
+            Err(e) if Instant::now() >= deadline => return Err(e),
             Err(_) => std::thread::sleep(Duration::from_millis(50)),
         }
     }
 }
 
 /// Accepts one connection from every rank above this one; strangers and other jobs' ranks are
-/// named and dropped.
+/// named and dropped. Each connection's hello is read on a thread of its own, as the
+/// rendezvous reads its hellos, so that a connection that says nothing delays no one.
 fn accept_higher(
     job: &Job,
     listener: &TcpListener,
@@ -186,37 +346,49 @@ fn accept_higher(
     streams: &mut [Option<TcpStream>],
 ) -> Result<()> {
     listener.set_nonblocking(true)?;
+    let (hellos, arrivals) = std::sync::mpsc::channel::<(SocketAddr, TcpStream, String)>();
     let mut missing: Vec<usize> = (job.rank + 1..job.world).collect();
     while !missing.is_empty() {
         match listener.accept() {
             Ok((stream, from)) => {
-                stream.set_nonblocking(false)?;
-                stream.set_read_timeout(Some(Duration::from_secs(10)))?;
-                let line = hello_line(&stream);
-                let rank = line
-                    .trim()
-                    .strip_prefix(HELLO)
-                    .and_then(|rest| rest.trim().split_once(' '))
-                    .filter(|(token, _)| *token == job.token)
-                    .and_then(|(_, rank)| rank.parse::<usize>().ok())
-                    .filter(|r| missing.contains(r));
-                match rank {
-                    Some(rank) => {
-                        stream.set_read_timeout(None)?;
-                        missing.retain(|&r| r != rank);
-                        streams[rank] = Some(stream);
-                    }
-                    None => crate::say!("rank {}: ignored a connection from {from}: not a rank of this job", job.rank),
-                }
+                let hellos = hellos.clone();
+                std::thread::spawn(move || {
+                    let read =
+                        stream.set_nonblocking(false).and_then(|()| stream.set_read_timeout(Some(HELLO_TIMEOUT)));
+                    let line = if read.is_ok() { hello_line(&stream) } else { String::new() };
+                    let _ = hellos.send((from, stream, line));
+                });
             }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                 if Instant::now() >= deadline {
                     let names: Vec<String> = missing.iter().map(usize::to_string).collect();
-                    bail!("rank {}: rank(s) {} never connected to it after the rendezvous", job.rank, names.join(", "));
+                    return Err(Transient(format!(
+                        "rank {}: rank(s) {} never connected to it after the rendezvous",
+                        job.rank,
+                        names.join(", ")
+                    ))
+                    .into());
                 }
                 std::thread::sleep(Duration::from_millis(10));
             }
             Err(e) => return Err(e).context("accepting a peer's connection"),
+        }
+        while let Ok((from, stream, line)) = arrivals.try_recv() {
+            let rank = line
+                .trim()
+                .strip_prefix(HELLO)
+                .and_then(|rest| rest.trim().split_once(' '))
+                .filter(|(token, _)| *token == job.token)
+                .and_then(|(_, rank)| rank.parse::<usize>().ok())
+                .filter(|r| missing.contains(r));
+            match rank {
+                Some(rank) => {
+                    stream.set_read_timeout(None)?;
+                    missing.retain(|&r| r != rank);
+                    streams[rank] = Some(stream);
+                }
+                None => crate::say!("rank {}: ignored a connection from {from}: not a rank of this job", job.rank),
+            }
         }
     }
     Ok(())
@@ -233,41 +405,36 @@ fn hello_line(mut stream: &TcpStream) -> String {
     String::from_utf8_lossy(&line).into_owned()
 }
 
-/// A reader thread: moves `peer`'s frames into the inbox until the connection closes.
+/// A reader thread: moves `peer`'s frames into the inbox until the connection closes. A
+/// message's length is in the inbox as soon as its header arrives, for the receiver to check;
+/// its body follows as it comes.
 fn read_from(net: &Net, peer: usize, stream: TcpStream) {
     let mut stream = std::io::BufReader::with_capacity(1 << 16, stream);
-    let why = loop {
-        let mut head = [0u8; 9];
-        if let Err(e) = stream.read_exact(&mut head) {
-            break match e.kind() {
-                std::io::ErrorKind::UnexpectedEof => "it closed its connection (the process ended)".to_owned(),
-                _ => format!("its connection failed: {e}"),
-            };
-        }
-        let len = u64::from_le_bytes(head[1..].try_into().expect("8 bytes")) as usize;
-        if head[0] == ABORT {
-            let mut text = vec![0u8; len.min(4096)];
-            let _ = stream.read_exact(&mut text);
-            let mut inbox = net.inbox.lock().expect("inbox");
-            inbox.aborted.get_or_insert(String::from_utf8_lossy(&text).into_owned());
-            net.arrived.notify_all();
-            continue;
-        }
-        let lane = match head[0] {
-            0 => Lane::Step,
-            1 => Lane::Started,
-            2 => Lane::PointToPoint,
-            k => break format!("it sent a frame of unknown kind {k}"),
-        };
-        let mut data = vec![0f32; len];
-        if let Err(e) = stream.read_exact(bytemuck::cast_slice_mut(&mut data)) {
-            break format!("its connection failed in the middle of a message: {e}");
+    let arriving = |lane: Lane, len: u64| {
+        if net.panic_hook {
+            panic!("{PANIC_HOOK}=1: the reader of rank {peer}'s frames panics on purpose");
         }
         let mut inbox = net.inbox.lock().expect("inbox");
-        inbox.queues.entry((peer, lane)).or_default().push_back(data);
+        inbox.queues.entry((peer, lane)).or_default().push_back(Incoming { len, body: None });
         net.arrived.notify_all();
     };
-    net.inbox.lock().expect("inbox").gone.insert(peer, why);
+    let why = loop {
+        match next_frame(&mut stream, arriving) {
+            Ok(Frame::Data { lane, body }) => {
+                let mut inbox = net.inbox.lock().expect("inbox");
+                // Only this thread adds to the peer's queues, and the receiver takes only whole
+                // messages: the last one is the one arriving.
+                let last = inbox.queues.get_mut(&(peer, lane)).and_then(VecDeque::back_mut);
+                last.expect("the message arriving").body = Some(body);
+            }
+            Ok(Frame::Abort(text)) => {
+                net.inbox.lock().expect("inbox").aborted.get_or_insert(text);
+            }
+            Err(why) => break why,
+        }
+        net.arrived.notify_all();
+    };
+    net.inbox.lock().expect("inbox").gone.insert(peer, format!("rank {peer} left the job: {why}"));
     net.arrived.notify_all();
 }
 
@@ -298,8 +465,8 @@ impl Net {
             // A writer held by a stuck send is skipped: that peer is the one not answering.
             if let Ok(mut w) = writer.try_lock() {
                 let _ = w.set_write_timeout(Some(Duration::from_secs(1)));
-                let mut frame = vec![ABORT];
-                frame.extend_from_slice(&(text.len() as u64).to_le_bytes());
+                let text = &text[..text.len().min(MAX_ABORT_TEXT as usize)];
+                let mut frame = Header::Abort { len: text.len() as u64 }.bytes().to_vec();
                 frame.extend_from_slice(text);
                 let _ = w.write_all(&frame);
             }
@@ -310,15 +477,14 @@ impl Net {
     fn send(&self, call: &Call, to: usize, lane: Lane, data: &[f32]) {
         let Some(writer) = &self.writers[to] else { panic!("internal error: rank {to} sends to itself over TCP") };
         let mut w = writer.lock().expect("writer");
-        let mut head = [lane as u8; 9];
-        head[1..].copy_from_slice(&(data.len() as u64).to_le_bytes());
+        let head = Header::Data { lane, len: data.len() as u64 }.bytes();
         let sent = w.write_all(&head).and_then(|()| w.write_all(bytemuck::cast_slice(data)));
         drop(w);
         self.sent.fetch_add((head.len() + 4 * data.len()) as u64, Ordering::Relaxed);
         if let Err(e) = sent {
             let gone = self.inbox.lock().expect("inbox").gone.get(&to).cloned();
             let cause = match (gone, e.kind()) {
-                (Some(why), _) => format!("rank {to} left the job: {why}"),
+                (Some(cause), _) => cause,
                 (None, std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => format!(
                     "rank {to} took no data for {:.0} s (ENGINE_COLLECTIVE_TIMEOUT): is it stopped or stuck?",
                     self.timeout.as_secs_f64()
@@ -336,17 +502,35 @@ impl Net {
         }
     }
 
-    /// One message from each of `from` on `lane`, in the order of `from`.
-    fn recv_all(&self, call: &Call, from: &[usize], lane: Lane) -> Vec<Vec<f32>> {
+    /// One message from each of `from` on `lane`, in the order of `from`, of `want[i]` elements
+    /// from `from[i]`: a message of another length fails the collective as soon as its header
+    /// arrives.
+    fn recv_all(&self, call: &Call, from: &[usize], lane: Lane, want: &[usize]) -> Vec<Vec<f32>> {
         let deadline = Instant::now() + self.timeout;
         let mut inbox = self.inbox.lock().expect("inbox");
         loop {
-            let waiting: Vec<usize> =
-                from.iter().copied().filter(|&p| inbox.queues.get(&(p, lane)).is_none_or(VecDeque::is_empty)).collect();
+            let mut waiting = Vec::new();
+            for (&peer, &want) in from.iter().zip(want) {
+                match inbox.queues.get(&(peer, lane)).and_then(VecDeque::front) {
+                    Some(next) => {
+                        if let Some(cause) = unexpected(peer, lane, next.len, want) {
+                            drop(inbox);
+                            self.fail(call, &cause);
+                        }
+                        if next.body.is_none() {
+                            waiting.push(peer);
+                        }
+                    }
+                    None => waiting.push(peer),
+                }
+            }
             if waiting.is_empty() {
                 return from
                     .iter()
-                    .map(|&p| inbox.queues.get_mut(&(p, lane)).and_then(VecDeque::pop_front).expect("a message"))
+                    .map(|&p| {
+                        let next = inbox.queues.get_mut(&(p, lane)).and_then(VecDeque::pop_front);
+                        next.and_then(|m| m.body).expect("a whole message")
+                    })
                     .collect();
             }
             if let Some(why) = &inbox.aborted {
@@ -354,9 +538,9 @@ impl Net {
                 drop(inbox);
                 self.fail(call, &cause);
             }
-            if let Some((peer, why)) = waiting.iter().find_map(|p| inbox.gone.get(p).map(|w| (p, w.clone()))) {
+            if let Some(cause) = waiting.iter().find_map(|p| inbox.gone.get(p).cloned()) {
                 drop(inbox);
-                self.fail(call, &format!("rank {peer} left the job: {why}"));
+                self.fail(call, &cause);
             }
             let now = Instant::now();
             if now >= deadline {
@@ -391,8 +575,8 @@ impl Net {
                 self.send(call, peer, lane, &data[parts[i].clone()]);
             }
         }
-        let mut received = self.recv_all(call, &others, lane).into_iter();
         let mine = &parts[me];
+        let mut received = self.recv_all(call, &others, lane, &vec![mine.len(); others.len()]).into_iter();
         let mut sum = vec![0f32; mine.len()];
         for &member in call.group {
             let got;
@@ -402,7 +586,6 @@ impl Net {
                 got = received.next().expect("a part");
                 &got
             };
-            check_len(call, member, part.len(), sum.len());
             sum.iter_mut().zip(part).for_each(|(s, x)| *s += x);
         }
         sum
@@ -414,7 +597,7 @@ impl Net {
         for &peer in &others {
             self.send(call, peer, lane, data);
         }
-        let mut received = self.recv_all(call, &others, lane).into_iter();
+        let mut received = self.recv_all(call, &others, lane, &vec![data.len(); others.len()]).into_iter();
         let mut all = Vec::with_capacity(data.len() * call.group.len());
         for &member in call.group {
             if member == self.rank {
@@ -433,31 +616,23 @@ impl Net {
         let chunks: Vec<std::ops::Range<usize>> =
             (0..n).map(|i| data.len() * i / n..data.len() * (i + 1) / n).collect();
         let mine = self.reduce_scatter(call, lane, data, &chunks);
-        let (others, _) = self.others(call.group);
+        let (others, me) = self.others(call.group);
         for &peer in &others {
             self.send(call, peer, lane, &mine);
         }
-        let mut received = self.recv_all(call, &others, lane).into_iter();
+        // Member i's chunk, in group order, without this rank's.
+        let want: Vec<usize> = (0..n).filter(|&i| i != me).map(|i| chunks[i].len()).collect();
+        let mut received = self.recv_all(call, &others, lane, &want).into_iter();
         let mut all = Vec::with_capacity(data.len());
-        for (i, &member) in call.group.iter().enumerate() {
+        for &member in call.group {
             if member == self.rank {
                 all.extend_from_slice(&mine);
-                continue;
+            } else {
+                all.extend(received.next().expect("a chunk"));
             }
-            let chunk = received.next().expect("a chunk");
-            check_len(call, member, chunk.len(), chunks[i].len());
-            all.extend(chunk);
         }
         all
     }
-}
-
-fn check_len(call: &Call, member: usize, got: usize, want: usize) {
-    assert_eq!(
-        got, want,
-        "internal error: in {} over {:?}, rank {member} sent {got} elements, not {want}",
-        call.op, call.group
-    );
 }
 
 impl Tcp {
@@ -575,15 +750,7 @@ impl<B: Backend> Collectives<B> for Tcp {
         }
         for &(buf, from) in recvs {
             let call = Call { op: "pipeline receive", group: &[from, self.net.rank] };
-            let got = self.net.recv_all(&call, &[from], Lane::PointToPoint).swap_remove(0);
-            assert_eq!(
-                got.len(),
-                buf.len,
-                "rank {from} sent {} elements, rank {} expects {}",
-                got.len(),
-                self.net.rank,
-                buf.len
-            );
+            let got = self.net.recv_all(&call, &[from], Lane::PointToPoint, &[buf.len]).swap_remove(0);
             be.upload(buf, &got);
         }
     }
@@ -594,6 +761,9 @@ mod tests {
     use super::*;
     use crate::backend::{BufKind, cpu::Cpu};
     use crate::parallel::comm::Virtual;
+
+    /// What the test ranks agree on.
+    const TERMS: &str = "engine = test\n";
 
     /// `n` ranks of one job, each on a thread, joined over loopback TCP.
     fn ranks(n: usize) -> Vec<Tcp> {
@@ -610,7 +780,7 @@ mod tests {
                     token: "t".into(),
                 };
                 std::thread::spawn(move || {
-                    Tcp::connect(&job, Duration::from_secs(30), Duration::from_secs(30)).unwrap()
+                    Tcp::connect(&job, Duration::from_secs(30), Duration::from_secs(30), TERMS).unwrap()
                 })
             })
             .collect();
@@ -715,15 +885,16 @@ mod tests {
         };
         let (zero, one) = (job(0, "mine"), job(1, "mine"));
         let coordinator =
-            std::thread::spawn(move || Tcp::connect(&zero, Duration::from_secs(20), Duration::from_secs(5)));
+            std::thread::spawn(move || Tcp::connect(&zero, Duration::from_secs(20), Duration::from_secs(5), TERMS));
         // A silent stranger, a talkative one, and a rank of another job come first.
         std::thread::sleep(Duration::from_millis(300));
         let _silent = TcpStream::connect(("127.0.0.1", port)).unwrap();
         (&TcpStream::connect(("127.0.0.1", port)).unwrap()).write_all(b"GET / HTTP/1.0\r\n\r\n").unwrap();
         let other = job(1, "theirs");
-        let refused = rendezvous::meet(&other, Duration::from_secs(5), |_| Ok("-".into()), Vec::new).err().unwrap();
+        let refused =
+            rendezvous::meet(&other, Duration::from_secs(5), TERMS, |_| Ok("-".into()), Vec::new).err().unwrap();
         assert!(refused.to_string().contains("another job"), "{refused}");
-        let mut rank1 = Tcp::connect(&one, Duration::from_secs(20), Duration::from_secs(5)).unwrap();
+        let mut rank1 = Tcp::connect(&one, Duration::from_secs(20), Duration::from_secs(5), TERMS).unwrap();
         let mut rank0 = coordinator.join().unwrap().unwrap();
         let t = std::thread::spawn(move || {
             let mut be = Cpu::new();
@@ -739,5 +910,95 @@ mod tests {
         be.upload(buf, &[2.0]);
         Collectives::<Cpu>::all_reduce_sum(&mut rank0, &mut be, buf, &[0, 1]);
         assert_eq!(t.join().unwrap(), 3.0);
+    }
+
+    /// Headers: the lanes, an abort, kinds no engine sends; a length is the sender's word, and
+    /// a receive refuses any other than it expects, naming the peer, the lane and the length.
+    #[test]
+    fn frame_headers_and_unexpected_lengths() {
+        let head = |kind: u8, len: u64| {
+            let mut h = [kind; 9];
+            h[1..].copy_from_slice(&len.to_le_bytes());
+            h
+        };
+        assert_eq!(Header::parse(head(2, 7)), Ok(Header::Data { lane: Lane::PointToPoint, len: 7 }));
+        assert_eq!(Header::parse(head(ABORT, 12)), Ok(Header::Abort { len: 12 }));
+        assert!(Header::parse(head(ABORT, 1 << 40)).unwrap_err().contains("stop message of 1099511627776 bytes"));
+        assert_eq!(Header::parse(head(7, 1)), Err("it sent a frame of unknown kind 7".into()));
+        let frame = Header::Data { lane: Lane::Started, len: 1 << 61 };
+        assert_eq!(Header::parse(frame.bytes()), Ok(frame));
+        assert_eq!(unexpected(1, Lane::Step, 20544, 20544), None);
+        let why = unexpected(1, Lane::Step, 1 << 61, 20544).unwrap();
+        assert!(
+            why.starts_with("rank 1 sent a frame of 2305843009213693952 elements on the step lane where 20544"),
+            "{why}"
+        );
+    }
+
+    /// A body is read as it arrives: a header that claims 2^40 or 2^61 elements over a stream
+    /// that ends costs one part's memory, not the claim's (which would abort the process).
+    #[test]
+    fn a_body_is_read_as_it_arrives_not_as_its_header_claims() {
+        let bytes: Vec<u8> = (0..10u32).flat_map(|i| (i as f32).to_le_bytes()).collect();
+        assert_eq!(read_body(&mut &bytes[..], 10).unwrap(), (0..10).map(|i| i as f32).collect::<Vec<_>>());
+        for claim in [1u64 << 40, 1 << 61] {
+            let e = read_body(&mut &bytes[..], claim).unwrap_err();
+            assert_eq!(e.kind(), std::io::ErrorKind::UnexpectedEof);
+        }
+        let parts: Vec<u8> = (0..BODY_PART as u32 + 3).flat_map(|i| (i as f32).to_le_bytes()).collect();
+        let body = read_body(&mut &parts[..], BODY_PART as u64 + 3).unwrap();
+        assert_eq!((body.len(), body[BODY_PART + 2]), (BODY_PART + 3, (BODY_PART + 2) as f32));
+    }
+
+    /// The fuzz target's seeds (fuzz/seeds/tcp_frame) read as a reader reads a connection:
+    /// headers claiming 2^61 and 2^40 elements end their stream at its end, without the claim's
+    /// memory; a stream of whole frames reads back frame by frame.
+    #[test]
+    fn the_fuzz_seeds_read_frame_by_frame() {
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../fuzz/seeds/tcp_frame");
+        let read = |name: &str| {
+            let bytes = std::fs::read(format!("{dir}/{name}")).unwrap();
+            let (mut stream, mut frames, mut claims) = (&bytes[..], Vec::new(), Vec::new());
+            let end = loop {
+                match next_frame(&mut stream, |lane, len| claims.push((lane, len))) {
+                    Ok(frame) => frames.push(frame),
+                    Err(why) => break why,
+                }
+            };
+            (frames, claims, end)
+        };
+        for (name, lane, len) in [("elements_2_61", Lane::Step, 1 << 61), ("elements_2_40", Lane::Started, 1 << 40)] {
+            let (frames, claims, end) = read(name);
+            assert_eq!((frames, claims), (vec![], vec![(lane, len)]), "{name}");
+            assert!(end.contains("in the middle of a message"), "{name}: {end}");
+        }
+        let (frames, _, end) = read("frames");
+        assert_eq!(frames.len(), 4, "{frames:?}");
+        assert_eq!(frames[0], Frame::Data { lane: Lane::Step, body: vec![1.5, -2.0, 1e-3] });
+        assert_eq!(frames[2], Frame::Data { lane: Lane::PointToPoint, body: vec![] });
+        assert!(matches!(&frames[3], Frame::Abort(text) if text.ends_with("rank 1 left the job")));
+        assert_eq!(end, "it closed its connection (the process ended)");
+    }
+
+    /// A connection to a rank's mesh listener that says nothing does not hold up the mesh: its
+    /// hello is read on a thread of its own (it used to hold the accepting loop for 10 s).
+    #[test]
+    fn a_silent_connection_does_not_delay_the_mesh() {
+        let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let job =
+            |rank| Job { rank, world: 2, coordinator: format!("127.0.0.1:{port}"), token: "t".into(), ..Job::single() };
+        let zero = job(0);
+        let rank0 =
+            std::thread::spawn(move || Tcp::connect(&zero, Duration::from_secs(20), Duration::from_secs(5), TERMS));
+        // Rank 1 by hand: it learns rank 0's listener at the rendezvous, and a stranger that
+        // says nothing connects to it first.
+        let meeting = rendezvous::meet(&job(1), Duration::from_secs(20), TERMS, |_| Ok("-".into()), Vec::new).unwrap();
+        let _silent = TcpStream::connect(&meeting.brought[0]).unwrap();
+        std::thread::sleep(Duration::from_millis(100));
+        let start = Instant::now();
+        let rank1 = TcpStream::connect(&meeting.brought[0]).unwrap();
+        (&rank1).write_all(format!("{HELLO} t 1\n").as_bytes()).unwrap();
+        rank0.join().unwrap().unwrap();
+        assert!(start.elapsed() < Duration::from_secs(5), "the mesh took {:?}", start.elapsed());
     }
 }

@@ -93,6 +93,39 @@ extern "C" fn handler(signal: libc::c_int) {
     }
 }
 
+/// Runs `f`, a phase before the first step that may wait long and has nothing to save (meeting
+/// the job's other ranks: the rendezvous waits `ENGINE_RENDEZVOUS_TIMEOUT`, 300 s by default), and
+/// ends the process within a tenth of a second when a stop signal arrives before or during it:
+/// one line, then [`STOPPED_EXIT`], as a stop that saved its step, since `--resume=auto`
+/// continues the run just the same. A scheduler's grace period (Kubernetes' 30 s by default,
+/// Slurm's `KillWait`) is far shorter than the phase's timeout, so waiting it out would end the
+/// rank with a SIGKILL anyway.
+pub fn exit_on_stop_during<T>(phase: &str, f: impl FnOnce() -> T) -> T {
+    let (done, finished) = std::sync::mpsc::channel::<()>();
+    let phase = phase.to_owned();
+    let watcher = std::thread::spawn(move || {
+        while let Err(std::sync::mpsc::RecvTimeoutError::Timeout) =
+            finished.recv_timeout(std::time::Duration::from_millis(50))
+        {
+            let signal = FIRST.load(Ordering::SeqCst);
+            if signal != 0 {
+                crate::say!(
+                    "engine: stopped by {} {phase}, before the first step: nothing to save (exit code {STOPPED_EXIT}); start again with --resume=auto",
+                    name(signal)
+                );
+                // `_exit`: the phase's thread may be inside a network or driver call, and
+                // nothing this process holds needs a destructor or an exit handler.
+                // SAFETY: ends the process at once; no memory is touched.
+                unsafe { libc::_exit(STOPPED_EXIT.into()) }
+            }
+        }
+    });
+    let out = f();
+    drop(done);
+    let _ = watcher.join();
+    out
+}
+
 /// Where a run learns that it was asked to stop: the process's signal handlers, or (tests, and
 /// callers that stop a run themselves) a flag of its own.
 #[derive(Debug, Clone, Default)]

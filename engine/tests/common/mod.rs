@@ -12,6 +12,7 @@ pub fn engine_cmd(args: &[&str]) -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_engine"));
     cmd.args(args).env_remove("ENGINE_FLAGS").env_remove("ENGINE_DEFAULT_FLAGS").env_remove("ENGINE_TEST_PAUSE_SAVE");
     cmd.env_remove("ENGINE_TEST_EMULATOR_FAULT").env_remove("ENGINE_TEST_CURVE_OVERRIDES");
+    cmd.env_remove("ENGINE_TEST_PANIC_READER").env_remove("ENGINE_LAUNCH_ERROR_FD");
     cmd
 }
 
