@@ -46,6 +46,7 @@ PHASES=(
     "profile|3|engine bench --profile of llama3.2-1b (4 x 4096) and fuji-3B-v3 (2 x 4096), and bench/attention_peers.py at both shapes"
     "nccl|1|engine launch --nproc 1 on the GPU: NCCL loaded, a one-rank communicator, the watchdog running beside a short training run"
     "image|2|the engine-wheels image (IMAGE_LAYOUT) unpacked and run in a chroot with the host driver bound in: engine gpu-test and test-all --quick inside it"
+    "fp8|8|FP8: engine gpu-test's FP8 checks, then bf16 and fp8 steps of llama3.2-1b, fuji-3B-v3, llama3.1-8b (8 layers) and mixtral-8x7b (2 layers), interleaved, and llama3.2-1b's fp8 at min_dim 1024, 2048 and 4096"
     "bench-llama3.2-1b|7|bench/compare.py: the engine, PyTorch eager, torch.compile per block and JAX + cuDNN, llama3.2-1b at 4 x 4096"
     "bench-fuji-3B-v3|9|bench/compare.py: the same for fuji-3B-v3 at 2 x 4096"
     "long-cpu|4|the long run's first 3 steps on the CPU (the reference for long-check)"
@@ -170,6 +171,31 @@ phase() {
                 --steps 5 --warmup 2 --profile --json "$out/bench-$recipe.json"
             "$PYTHON" bench/attention_peers.py --engine "$ENGINE" --recipe "$recipe" --set train.seq_len=4096 \
                 --set "train.batch_size=$batch" --json "$out/attention-peers.jsonl"
+        done
+        ;;
+    fp8)
+        # train.precision = "fp8" against bf16 on the same GPU (docs/PERF.md#fp8): the FP8
+        # kernels and a whole FP8 step against the CPU reference first, then each shape's step
+        # in both precisions, two interleaved rounds, then the products' size threshold.
+        "$ENGINE" gpu-test --only FP8 --json "$out/gpu-test-fp8.json"
+        local shape recipe rest round precision min sets
+        for shape in "llama3.2-1b train.seq_len=4096 train.batch_size=4" \
+            "fuji-3B-v3 train.seq_len=4096 train.batch_size=2" \
+            "llama3.1-8b model.n_layers=8 train.seq_len=8192 train.batch_size=1" \
+            "mixtral-8x7b model.n_layers=2 train.seq_len=4096 train.batch_size=2"; do
+            read -r recipe rest <<<"$shape"
+            read -r -a sets <<<"$rest"
+            sets=("${sets[@]/#/--set=}")
+            for round in 1 2; do
+                for precision in bf16 fp8; do
+                    "$ENGINE" --device "$DEVICE" bench --recipe "$recipe" "${sets[@]}" --set "train.precision=$precision" \
+                        --steps 6 --warmup 3 --json "$out/bench-$recipe-$precision-$round.json"
+                done
+            done
+        done
+        for min in 1024 4096; do
+            "$ENGINE" --device "$DEVICE" bench --recipe llama3.2-1b --set train.seq_len=4096 --set train.batch_size=4 \
+                --set train.precision=fp8 --set "train.fp8.min_dim=$min" --steps 6 --warmup 3 --json "$out/bench-min-dim-$min.json"
         done
         ;;
     nccl)

@@ -1,5 +1,5 @@
 //! `tests/gpu.sh`, the GPU phases, without a GPU: the script parses, its phase list keeps every
-//! phase within 10 minutes and the whole within 45 (by its own estimates), bad usage is one line
+//! phase within 10 minutes and the whole within 55 (by its own estimates), bad usage is one line
 //! with exit code 2, and the long run's pieces — each resuming from the previous one's
 //! checkpoint — make exactly the run one process makes (on the CPU, with a tiny model in place of
 //! llama3.2-1b, through the script's DEVICE / LONG_* variables).
@@ -48,7 +48,7 @@ fn the_script_parses_and_lists_phases_within_the_time_budget() {
         }
     }
     let names: Vec<&str> = rows.iter().map(|(n, _)| n.as_str()).collect();
-    for phase in ["gpu-test", "test-all", "bench-llama3.2-1b", "bench-fuji-3B-v3", "long-1", "long-4", "long-check"] {
+    for phase in ["gpu-test", "test-all", "fp8", "bench-llama3.2-1b", "bench-fuji-3B-v3", "long-1", "long-4", "long-check"] {
         assert!(names.contains(&phase), "{phase} missing: {stdout}");
     }
     // The long run's pieces come in order, after its CPU reference and before its check.
@@ -59,7 +59,8 @@ fn the_script_parses_and_lists_phases_within_the_time_budget() {
     }
     let sum: u32 = rows.iter().map(|(_, m)| m).sum();
     assert_eq!(total, Some(sum), "{stdout}");
-    assert!(sum <= 45, "the phases take {sum} minutes, more than 45: {stdout}");
+    // Six slots of 10 minutes: what a lent GPU's time should cover when every phase runs.
+    assert!(sum <= 55, "the phases take {sum} minutes, more than 55: {stdout}");
     assert!(stdout.contains("which were measured on a GPU"), "{stdout}");
 }
 
