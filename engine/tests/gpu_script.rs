@@ -48,7 +48,9 @@ fn the_script_parses_and_lists_phases_within_the_time_budget() {
         }
     }
     let names: Vec<&str> = rows.iter().map(|(n, _)| n.as_str()).collect();
-    for phase in ["gpu-test", "test-all", "fp8", "bench-llama3.2-1b", "bench-fuji-3B-v3", "long-1", "long-4", "long-check"] {
+    for phase in
+        ["gpu-test", "test-all", "fp8", "bench-llama3.2-1b", "bench-fuji-3B-v3", "long-1", "long-4", "long-check"]
+    {
         assert!(names.contains(&phase), "{phase} missing: {stdout}");
     }
     // The long run's pieces come in order, after its CPU reference and before its check.

@@ -183,6 +183,29 @@ impl Model {
         })
     }
 
+    /// What runs in FP8 under this model's policy with plan `p`, for the start-up line: the
+    /// recipe and the linear layers, or that none qualified; none without the policy.
+    pub fn describe_fp8(&self, p: &Plan) -> Option<String> {
+        let policy = self.fp8.as_ref()?;
+        let c = &policy.config;
+        Some(match p.fp8 {
+            Some(f) => {
+                let names = ["q/k/v", "o", "gate/up", "down"];
+                let on: Vec<&str> = names.iter().zip(f.covered).filter(|(_, c)| *c).map(|(n, _)| *n).collect();
+                let recipe = match c.recipe {
+                    Fp8Recipe::Tensorwise => "tensorwise".to_string(),
+                    Fp8Recipe::Delayed => format!("delayed, history {}, margin {}", c.amax_history, c.margin),
+                };
+                format!("FP8 ({recipe}): {}", on.join(", "))
+            }
+            None => format!(
+                "FP8 asked, but no linear layer qualifies (widths of at least train.fp8.min_dim = {}, multiples of 16, and {} tokens a micro-batch, a multiple of 16): all in bf16",
+                c.min_dim,
+                p.batch * p.seq
+            ),
+        })
+    }
+
     /// The FP8 buffers of `p` if `linear` runs in FP8, with layer `i`'s place in the whole model.
     fn fp8_of(&self, p: &Plan, i: usize, linear: Linear) -> Option<(Fp8Buffers, usize)> {
         let f = p.fp8.filter(|f| f.covered[linear as usize])?;

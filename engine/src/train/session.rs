@@ -360,16 +360,18 @@ fn tidy_checkpoints(checkpoints: &Path, first: u64, log: &MetricsLogger) -> Resu
     Ok(())
 }
 
-/// The device, and the mesh in a parallel run.
+/// The device, and the mesh in a parallel run; what runs in FP8 if that was asked.
 fn describe<B: Backend>(trainer: &Trainer<Traced<B>>) -> String {
     let mesh = &trainer.parallel.mesh;
+    let fp8 = trainer.model.describe_fp8(&trainer.plan).map_or(String::new(), |f| format!("; {f}"));
     if mesh.devices() == 1 {
-        return trainer.backend.describe();
+        return format!("{}{fp8}", trainer.backend.describe());
     }
     let [d, f, t, p, s] = [0, 1, 2, 3, 4].map(|a| mesh.ici[a] * mesh.dcn[a]);
     let stages = if p > 1 { format!(" x pipeline {p}") } else { String::new() };
     let seq = if s > 1 { format!(" x seq {s}") } else { String::new() };
-    format!("{} x {} (mesh data {d} x fsdp {f} x tensor {t}{stages}{seq})", mesh.devices(), trainer.backend.describe())
+    let devices = trainer.backend.describe();
+    format!("{} x {devices} (mesh data {d} x fsdp {f} x tensor {t}{stages}{seq}){fp8}", mesh.devices())
 }
 
 /// The run's summary. Step times leave out the first `perf_warmup_steps` steps this process ran

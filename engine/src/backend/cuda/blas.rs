@@ -501,7 +501,7 @@ mod tests {
         let (a, b) = (0x1000, 0x2000);
         let (m, n, k) = (64, 32, 16);
         let (inputs, transa, transb) = (DType::Bf16, false, false);
-        Gemm { m, n, k, transa, transb, a, lda: m, b, ldb: k, c, d, ldc: m, inputs, output, beta }
+        Gemm { m, n, k, transa, transb, a, lda: m, b, ldb: k, c, d, ldc: m, inputs, output, beta, fp8: None }
     }
 
     #[test]
