@@ -239,9 +239,9 @@ impl RunDir {
     }
 
     /// What `--resume=auto` found when it starts again from step 0 over an earlier attempt: its
-    /// logged steps, and the checkpoints its log says it saved (the steps that record
-    /// `checkpoint_s`), none of which is in `checkpoints/` any more (removed since, say), or that
-    /// it saved none.
+    /// logged steps, and the checkpoints its log records as begun (the steps that record
+    /// `checkpoint_s`: a save started after them, which a kill may have cut short), none of which
+    /// is in `checkpoints/` any more (removed since, say), or that it began none.
     pub fn earlier_attempt(&self) -> String {
         let text = std::fs::read_to_string(self.metrics()).unwrap_or_default();
         let saved: Vec<u64> = text
@@ -254,9 +254,12 @@ impl RunDir {
         let checkpoints = self.checkpoints();
         let what = match saved.as_slice() {
             [] => "saved no checkpoint".to_owned(),
-            [step] => format!("saved a checkpoint after step {step}, which is no longer in {}", checkpoints.display()),
+            [step] => format!(
+                "began a checkpoint after step {step}, which is not in {} (removed, or cut short)",
+                checkpoints.display()
+            ),
             [.., last] => format!(
-                "saved {} checkpoints (the last after step {last}), none of which is in {} any more",
+                "began {} checkpoints (the last after step {last}), none of which is in {} any more (removed, or cut short)",
                 saved.len(),
                 checkpoints.display()
             ),
@@ -334,14 +337,14 @@ mod tests {
         assert_eq!(
             run.earlier_attempt(),
             format!(
-                "{d} holds an earlier attempt of 3 logged steps that saved a checkpoint after step 2, which is no longer in {d}/checkpoints"
+                "{d} holds an earlier attempt of 3 logged steps that began a checkpoint after step 2, which is not in {d}/checkpoints (removed, or cut short)"
             )
         );
         std::fs::write(run.metrics(), step(1, false) + &step(2, true) + &step(3, false) + &step(4, true)).unwrap();
         assert_eq!(
             run.earlier_attempt(),
             format!(
-                "{d} holds an earlier attempt of 4 logged steps that saved 2 checkpoints (the last after step 4), none of which is in {d}/checkpoints any more"
+                "{d} holds an earlier attempt of 4 logged steps that began 2 checkpoints (the last after step 4), none of which is in {d}/checkpoints any more (removed, or cut short)"
             )
         );
     }
