@@ -264,12 +264,14 @@ fn read_lines(
     let (mut buf, mut number, mut offset, mut starts) = (Vec::new(), 0usize, 0usize, true);
     loop {
         let (mut ends, mut eof) = (false, false);
+        // The lines read whole so far (the current one is not, when a piece of it was handed on).
+        let done = number - usize::from(!starts);
         while !ends && buf.len() < PART_BYTES {
             let available = reader.fill_buf().map_err(|e| match compression {
-                Compression::None => anyhow!("{}:{}: cannot read: {e}", path.display(), number + 1),
+                Compression::None => anyhow!("{}:{}: cannot read: {e}", path.display(), done + 1),
                 // Decompression runs ahead of the lines: the damage is somewhere after this one.
                 c => anyhow!(
-                    "{}: cannot decompress after line {number} ({} data damaged or truncated?): {e}",
+                    "{}: cannot decompress after line {done} ({} data damaged or truncated?): {e}",
                     path.display(),
                     name(c)
                 ),
