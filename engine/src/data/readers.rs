@@ -94,35 +94,73 @@ impl<R: Read> Read for Counted<'_, R> {
     }
 }
 
-/// A zstd stream of one or more frames (`zstd` and `pzstd` write several).
+/// A zstd stream of one or more frames (`zstd` and `pzstd` write several), skipping the
+/// skippable frames between them (`pzstd` writes one before each frame, holding its size).
 struct Zstd<R: BufRead> {
-    decoder: Option<ruzstd::decoding::StreamingDecoder<R, ruzstd::decoding::FrameDecoder>>,
+    decoder: Option<ruzstd::decoding::StreamingDecoder<Frame<R>, ruzstd::decoding::FrameDecoder>>,
 }
+
+/// A frame's source: its magic number, read to tell skippable frames apart, then the rest.
+type Frame<R> = std::io::Chain<std::io::Cursor<[u8; 4]>, R>;
+
+/// The magic numbers of skippable frames: `0x184d2a50` to `0x184d2a5f`.
+const SKIPPABLE: std::ops::RangeInclusive<u32> = 0x184d_2a50..=0x184d_2a5f;
 
 impl<R: BufRead> Zstd<R> {
     fn new(source: R) -> std::io::Result<Self> {
-        let decoder = ruzstd::decoding::StreamingDecoder::new(source).map_err(zstd_error)?;
-        Ok(Zstd { decoder: Some(decoder) })
+        let decoder = Self::frame(source, ruzstd::decoding::FrameDecoder::new())?;
+        if decoder.is_none() {
+            return Err(zstd_error(&"the data ends before a zstd frame begins (an empty or truncated file?)"));
+        }
+        Ok(Zstd { decoder })
+    }
+
+    /// The decoder of the next frame, past any skippable ones; none at the end of the data.
+    fn frame(
+        mut source: R,
+        frames: ruzstd::decoding::FrameDecoder,
+    ) -> std::io::Result<Option<ruzstd::decoding::StreamingDecoder<Frame<R>, ruzstd::decoding::FrameDecoder>>> {
+        let truncated = |e: std::io::Error| match e.kind() {
+            std::io::ErrorKind::UnexpectedEof => zstd_error(&"the data ends inside a frame's header (truncated?)"),
+            _ => e,
+        };
+        loop {
+            if source.fill_buf()?.is_empty() {
+                return Ok(None);
+            }
+            let mut magic = [0u8; 4];
+            source.read_exact(&mut magic).map_err(truncated)?;
+            let number = u32::from_le_bytes(magic);
+            if !SKIPPABLE.contains(&number) {
+                let frame = std::io::Cursor::new(magic).chain(source);
+                return ruzstd::decoding::StreamingDecoder::new_with_decoder(frame, frames).map(Some).map_err(|e| {
+                    use ruzstd::decoding::errors::{FrameDecoderError as Error, ReadFrameHeaderError as Header};
+                    match e {
+                        Error::ReadFrameHeaderError(Header::BadMagicNumber(m)) => zstd_error(&format_args!(
+                            "a frame begins with 0x{m:08x}, not zstd's magic number 0xfd2fb528"
+                        )),
+                        Error::ReadFrameHeaderError(_) | Error::FrameHeaderError(_) => {
+                            zstd_error(&"a frame's header is damaged or truncated")
+                        }
+                        // ruzstd's own text, a sentence for the other errors at a frame's start.
+                        other => zstd_error(&other),
+                    }
+                });
+            }
+            let mut length = [0u8; 4];
+            source.read_exact(&mut length).map_err(truncated)?;
+            let length = u32::from_le_bytes(length) as u64;
+            if std::io::copy(&mut (&mut source).take(length), &mut std::io::sink())? != length {
+                return Err(zstd_error(&"the data ends inside a skippable frame (truncated?)"));
+            }
+        }
     }
 }
 
-/// A sentence for ruzstd's error at a frame's start, whose `Display` is Rust's debug text for
-/// header errors (`MagicNumberReadError(Error { kind: UnexpectedEof, ... })`).
-fn zstd_error(e: ruzstd::decoding::errors::FrameDecoderError) -> std::io::Error {
-    use ruzstd::decoding::errors::{FrameDecoderError as Frame, ReadFrameHeaderError as Header};
-    let text = match &e {
-        Frame::ReadFrameHeaderError(Header::MagicNumberReadError(_)) => {
-            "the data ends before a zstd frame begins (an empty or truncated file?)".to_owned()
-        }
-        Frame::ReadFrameHeaderError(Header::BadMagicNumber(magic)) => {
-            format!("a frame begins with 0x{magic:08x}, not zstd's magic number 0xfd2fb528")
-        }
-        Frame::ReadFrameHeaderError(_) | Frame::FrameHeaderError(_) => {
-            "a zstd frame's header is damaged or truncated".to_owned()
-        }
-        other => other.to_string(),
-    };
-    std::io::Error::new(std::io::ErrorKind::InvalidData, text)
+/// An error of the zstd data, in a sentence: ruzstd's `Display` of a frame header error is
+/// Rust's debug text (`MagicNumberReadError(Error { kind: UnexpectedEof, ... })`).
+fn zstd_error(text: &dyn std::fmt::Display) -> std::io::Error {
+    std::io::Error::new(std::io::ErrorKind::InvalidData, text.to_string())
 }
 
 impl<R: BufRead> Read for Zstd<R> {
@@ -134,12 +172,8 @@ impl<R: BufRead> Read for Zstd<R> {
                 return Ok(n);
             }
             // The frame is over: another one, or the end.
-            let (mut source, frames) = self.decoder.take().expect("present").into_parts();
-            if source.fill_buf()?.is_empty() {
-                return Ok(0);
-            }
-            self.decoder =
-                Some(ruzstd::decoding::StreamingDecoder::new_with_decoder(source, frames).map_err(zstd_error)?);
+            let (frame, frames) = self.decoder.take().expect("present").into_parts();
+            self.decoder = Self::frame(frame.into_inner().1, frames)?;
         }
     }
 }
@@ -583,6 +617,30 @@ mod tests {
             e,
             "text.jsonl.zst: not zstd data: a frame begins with 0x6574227b, not zstd's magic number 0xfd2fb528"
         );
+    }
+
+    /// `pzstd` writes a skippable frame (its magic, a length, that many bytes) before each
+    /// frame; they were refused (`not zstd data: SkipFrame { magic_number: 407710288, ... }`).
+    #[test]
+    fn skippable_frames_between_frames_are_skipped() {
+        let frame = |text: &str| {
+            ruzstd::encoding::compress_to_vec(text.as_bytes(), ruzstd::encoding::CompressionLevel::Fastest)
+        };
+        let skippable =
+            |bytes: &[u8]| [&0x184d_2a50u32.to_le_bytes()[..], &(bytes.len() as u32).to_le_bytes(), bytes].concat();
+        let one = "{\"text\": \"one\"}\n";
+        let two = "{\"text\": \"two\"}\n";
+        let pzstd = [skippable(&[9; 4]), frame(one), skippable(&[]), frame(two)].concat();
+        let (parts, _) = read_parts("p.jsonl.zst", &pzstd).unwrap();
+        assert_eq!(parts.iter().map(|p| p.text.as_str()).collect::<Vec<_>>(), ["one", "two"]);
+        let cut = &pzstd[..pzstd.len() - frame(two).len() - 2];
+        let e = read_parts("cut.jsonl.zst", cut).unwrap_err().to_string();
+        assert!(
+            e.ends_with("(zstd data damaged or truncated?): the data ends inside a frame's header (truncated?)"),
+            "{e}"
+        );
+        let e = read_parts("cut.jsonl.zst", &pzstd[..10]).unwrap_err().to_string();
+        assert_eq!(e, "cut.jsonl.zst: not zstd data: the data ends inside a skippable frame (truncated?)");
     }
 
     #[test]
