@@ -197,8 +197,8 @@ impl Data {
 /// A mixture's missing or unreadable dataset is named by its entry and path.
 /// A validation set that shares shards with a training source is refused, naming them.
 pub fn open_data(data: &DataConfig, vocab_size: usize, seed: u64) -> Result<Data> {
-    // The training sources' shards (label, name, weight), kept apart until the validation set
-    // is checked against them.
+    // The training sources' shards, with their label, name and weight, kept as shards until the
+    // validation set is checked against them.
     let mut shards = Vec::new();
     let mut sources = Vec::new();
     if data.mixture.is_empty() {
