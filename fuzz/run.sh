@@ -18,7 +18,7 @@ if [[ "${1:-}" == --seconds ]]; then
 fi
 targets=("$@")
 if [[ ${#targets[@]} -eq 0 ]]; then
-    targets=(recipe safetensors_header shard oci_manifest www_authenticate sources_manifest tcp_frame)
+    targets=(recipe safetensors_header shard oci_manifest www_authenticate sources_manifest tcp_frame arrow_ipc)
 fi
 # Lowest priority: the machine is shared with builds and tests.
 nice_run() { nice -n 19 "$@"; }

@@ -232,6 +232,11 @@ fn content_that_does_not_match_its_digest_is_refused() {
     let host = format!("127.0.0.1:{registry}");
     let e = client(&host, None).fetch_manifest(&Reference::parse(&format!("{host}/a:b")).unwrap()).unwrap_err();
     assert!(format!("{e:#}").contains("does not match"), "{e:#}");
+    // A manifest larger than 4 MiB is refused once 4 MiB and a byte came.
+    let (registry, _) = serve(|_| resp(200, &[], &vec![b' '; (4 << 20) + 1]));
+    let host = format!("127.0.0.1:{registry}");
+    let e = client(&host, None).fetch_manifest(&Reference::parse(&format!("{host}/a:b")).unwrap()).unwrap_err();
+    assert!(format!("{e:#}").contains("a manifest of more than 4194304 bytes (4 MiB); refusing it"), "{e:#}");
 }
 
 /// A registry in memory for the referrers tests: blobs and manifests (by digest and by tag),

@@ -571,6 +571,13 @@ fn damaged_corpora_are_named_and_leave_nothing() {
     write_parquet(&nulls, &[Some("a"), None, Some("c")]);
     let not_ipc = write("data-00000-of-00001.arrow", jsonl.as_bytes());
     let arrow = fixture("corpus/docs.arrow");
+    // Issue 37's crafted Arrow streams, as the fuzz target's seeds keep them: a row count whose
+    // offsets' size wrapped around (a panic), a schema nested 3,000 levels deep (300,000
+    // overflowed the stack, leaving --out holding a .lock).
+    let seed =
+        |name: &str| std::fs::read(format!("{}/../fuzz/seeds/arrow_ipc/{name}", env!("CARGO_MANIFEST_DIR"))).unwrap();
+    let wrapped = write("wrapped.arrow", &seed("rows-wrap"));
+    let deep = write("deep.arrow", &seed("deep-schema"));
     let cases: Vec<(&Path, &str, String)> = vec![
         (&truncated, "text", format!("{}: cannot decompress after line", s(&truncated))),
         (&garbage, "text", format!("{}: cannot decompress after line", s(&garbage))),
@@ -580,6 +587,8 @@ fn damaged_corpora_are_named_and_leave_nothing() {
         (&arrow, "id", format!("{}: column `id` holds int, not strings", s(&arrow))),
         (&arrow, "body", "no column `body` (the columns: id, meta, text)".into()),
         (&not_ipc, "text", format!("{}: not an Arrow IPC stream", s(&not_ipc))),
+        (&wrapped, "text", format!("{}: a record batch declares 4611686018427387903 rows", s(&wrapped))),
+        (&deep, "text", format!("{}: the schema nests fields more than 64 levels deep", s(&deep))),
     ];
     for (i, (input, field, expected)) in cases.iter().enumerate() {
         let out = dir.join(format!("out-{i}"));
@@ -837,6 +846,18 @@ fn a_mixture_trains_on_its_shares_and_resumes_on_the_same_curve() {
 
     // data.validation_path: eval_loss on that set; no tail of the training data is held out
     // then, so two runs evaluating on two sets train alike, and the run on the tail does not.
+    // The second set is text the model never trains on, but like its own: Shakespeare's lines
+    // with their words in reverse order (the training data itself is refused, below).
+    let verse = dir.join("verse");
+    let reversed: String = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/data/shakespeare.txt"))
+        .unwrap()
+        .lines()
+        .map(|l| l.split(' ').rev().collect::<Vec<_>>().join(" ") + "\n")
+        .collect();
+    std::fs::write(dir.join("verse.txt"), reversed).unwrap();
+    let o =
+        engine(&["data", "prepare", "--tokenizer", s(&tok), "--input", s(&dir.join("verse.txt")), "--out", s(&verse)]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let eval = |name: &str, extra: &[&str]| {
         let run = dir.join(name);
         let mut e = vec!["--set", "train.eval_every=50", "--set", "train.eval_steps=4", "--set", "optim.lr=3e-3"];
@@ -846,13 +867,13 @@ fn a_mixture_trains_on_its_shares_and_resumes_on_the_same_curve() {
     };
     let path = format!("data.path={}", s(&prose));
     let on = |set: &Path| format!("data.validation_path={}", s(set));
-    let (on_lists, on_prose) = (on(&lists), on(&prose));
+    let (on_lists, on_verse) = (on(&lists), on(&verse));
     let (trained, lists_eval) = eval("on-lists", &["--set", &path, "--set", &on_lists]);
-    let (same, prose_eval) = eval("on-prose", &["--set", &path, "--set", &on_prose]);
+    let (same, verse_eval) = eval("on-verse", &["--set", &path, "--set", &on_verse]);
     let (tail_trained, _) = eval("on-tail", &["--set", &path]);
     assert_eq!(trained, same, "the validation set changed the training");
     assert_ne!(trained, tail_trained, "a tail was held out beside the validation set");
-    assert!((lists_eval - prose_eval).abs() > 0.05, "eval loss {lists_eval} on lists, {prose_eval} on prose");
+    assert!((lists_eval - verse_eval).abs() > 0.05, "eval loss {lists_eval} on lists, {verse_eval} on verse");
 
     // Bad input: one line naming the entry, exit code 2.
     let bad = |set: &str, expected: &str| {
@@ -866,6 +887,10 @@ fn a_mixture_trains_on_its_shares_and_resumes_on_the_same_curve() {
     bad(&missing, &format!("data.mixture[1] (path = {})", s(&dir.join("nowhere"))));
     let nowhere = on(&dir.join("nowhere"));
     fails(&args(&train(&dir.join("bad"), "1", &["--set", &path, "--set", &nowhere])), "data.validation_path = ");
+    // The training data as its own validation set: eval_loss would be measured on what it trains.
+    let itself =
+        format!("data.validation_path = {0} shares shards with the training data of data.path = {0}: ", s(&prose));
+    fails(&args(&train(&dir.join("bad"), "1", &["--set", &path, "--set", &on(&prose)])), &itself);
     let both = train(&dir.join("bad"), "1", &["--set", &mixture, "--set", &path]);
     fails(&args(&both), "and data.mixture are both set");
     std::fs::remove_dir_all(&dir).unwrap();

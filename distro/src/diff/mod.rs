@@ -56,7 +56,7 @@ impl<'a> Source<'a> {
 
     fn root(&self) -> Result<(Vec<u8>, Digest)> {
         match self {
-            Source::Layout(l, d) => Ok((l.store.read_sized(&d.digest, d.size)?, d.digest.clone())),
+            Source::Layout(l, d) => Ok((l.store.read_document(&d.digest, d.size)?, d.digest.clone())),
             Source::Registry(c, r, _) => {
                 let f = c.fetch_manifest(r)?;
                 Ok((f.bytes, f.digest))
@@ -66,7 +66,7 @@ impl<'a> Source<'a> {
 
     fn manifest(&self, d: &Descriptor) -> Result<Vec<u8>> {
         match self {
-            Source::Layout(l, _) => l.store.read_sized(&d.digest, d.size),
+            Source::Layout(l, _) => l.store.read_document(&d.digest, d.size),
             Source::Registry(c, r, _) => Ok(c.fetch_manifest(&r.with_digest(&d.digest))?.bytes),
         }
     }
@@ -147,7 +147,7 @@ pub fn read(source: &Source) -> Result<Facts> {
     for (platform, d) in children {
         let mbytes = if d.digest == digest { bytes.clone() } else { source.manifest(&d)? };
         let parts = ImageParts::parse(&mbytes).with_context(|| format!("{platform}: manifest {}", d.digest))?;
-        let config: Value = serde_json::from_slice(&read_blob(source, &parts.config)?)?;
+        let config: Value = serde_json::from_slice(&read_config(source, &parts.config)?)?;
         let env = config["config"]["Env"]
             .as_array()
             .into_iter()
@@ -189,7 +189,9 @@ pub fn read(source: &Source) -> Result<Facts> {
     Ok(facts)
 }
 
-fn read_blob(source: &Source, d: &Descriptor) -> Result<Vec<u8>> {
+/// A config blob: its size is checked against the cap before it is read or downloaded.
+fn read_config(source: &Source, d: &Descriptor) -> Result<Vec<u8>> {
+    crate::oci::store::check_document_size(&d.digest, d.size)?;
     let path = source.blob_path(d)?;
     let file = std::fs::File::open(&path)?;
     let mut bytes = Vec::new();
@@ -422,5 +424,43 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("\nsources: unchanged\n"), "{text}");
+    }
+
+    /// A layout whose manifest or config descriptor declares 4,000,000,000 bytes, on a blob
+    /// linked to /dev/zero, made `distro diff` read 4 GB into memory before calling it corrupt;
+    /// both are refused unread.
+    #[test]
+    fn huge_manifest_and_config_descriptors_are_refused_unread() {
+        use crate::oci::fixture::arm64_layout;
+        use crate::oci::manifest::{OCI_INDEX, OCI_MANIFEST, image_index, image_manifest};
+        use crate::oci::platform::Platform;
+        let dir = tempfile::tempdir().unwrap();
+        let f = arm64_layout(dir.path());
+        let store = &f.layout.store;
+        let huge = |d: &Descriptor| {
+            let mut huge = d.clone();
+            huge.size = 4_000_000_000;
+            std::fs::remove_file(store.path(&d.digest)).unwrap();
+            std::os::unix::fs::symlink("/dev/zero", store.path(&d.digest)).unwrap();
+            huge
+        };
+        let arm = Platform::parse("linux/arm64").unwrap();
+        let index_of = |manifest: &Descriptor| {
+            let index = image_index(&[(arm.clone(), manifest.clone())], &BTreeMap::new()).unwrap();
+            store.put(&index).unwrap();
+            Descriptor::of(OCI_INDEX, &index)
+        };
+        // The config first (the manifest naming it is read whole and is small).
+        let manifest = store.read_document(&f.manifest.digest, f.manifest.size).unwrap();
+        let parts = ImageParts::parse(&manifest).unwrap();
+        let m = image_manifest(&huge(&parts.config), &parts.layers, &BTreeMap::new()).unwrap();
+        store.put(&m).unwrap();
+        let source = Source::Layout(Layout::open(&f.layout.dir).unwrap(), index_of(&Descriptor::of(OCI_MANIFEST, &m)));
+        let e = read(&source).err().unwrap();
+        assert!(crate::error::is_bad_input(&e), "{e:#}");
+        assert!(format!("{e:#}").contains("declares 4000000000 bytes, more than the 4194304 bytes"), "{e:#}");
+        let source = Source::Layout(Layout::open(&f.layout.dir).unwrap(), index_of(&huge(&f.manifest)));
+        let e = format!("{:#}", read(&source).err().unwrap());
+        assert!(e.contains(&format!("blob {}: its descriptor declares 4000000000 bytes", f.manifest.digest)), "{e}");
     }
 }

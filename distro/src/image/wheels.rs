@@ -185,10 +185,27 @@ fn dest_of(name: &str, project: &str) -> Option<String> {
     }
 }
 
+/// The most memory reserved for an entry before its bytes are read.
+const ENTRY_RESERVE: u64 = 64 << 20;
+
+/// Reads entry `name` of a wheel. Its declared size is believed no further than its content
+/// bears it out: at most [`ENTRY_RESERVE`] is reserved up front (a declared size near 2^64 made
+/// `Vec::with_capacity` panic, one of 4 GiB was allocated before a byte was read), at most one
+/// byte past the declared size is read, and an entry whose content is not its declared size is
+/// refused as damaged.
 fn read_entry<R: Read + std::io::Seek>(zip: &mut zip::ZipArchive<R>, name: &str, path: &Path) -> Result<Vec<u8>> {
-    let mut f = zip.by_name(name).map_err(|e| bad_input(format!("{}: {name}: {e}", path.display())))?;
-    let mut bytes = Vec::with_capacity(f.size() as usize);
-    f.read_to_end(&mut bytes).map_err(|e| bad_input(format!("{}: {name}: {e}", path.display())))?;
+    let damaged = |e: &dyn std::fmt::Display| bad_input(format!("{}: {name}: {e}", path.display()));
+    let mut f = zip.by_name(name).map_err(|e| damaged(&e))?;
+    let declared = f.size();
+    let mut bytes = Vec::with_capacity(declared.min(ENTRY_RESERVE) as usize);
+    (&mut f).take(declared.saturating_add(1)).read_to_end(&mut bytes).map_err(|e| damaged(&e))?;
+    if bytes.len() as u64 != declared {
+        let held =
+            if bytes.len() as u64 > declared { format!("more than {declared}") } else { bytes.len().to_string() };
+        return Err(damaged(&format_args!(
+            "it holds {held} bytes where the zip's directory declares {declared}; the wheel is damaged"
+        )));
+    }
     Ok(bytes)
 }
 
@@ -304,6 +321,36 @@ pub(crate) mod tests {
         assert!(format!("{e:#}").contains("nvidia/x/lib/libx.so.1 does not match its"), "{e:#}");
         std::fs::write(&path, b"not a zip").unwrap();
         assert!(crate::error::is_bad_input(&wheel_layer(&path, "nvidia-x", "1.0").unwrap_err()));
+    }
+
+    /// An entry whose zip directory declares 4 GiB was given a buffer of that size before a
+    /// byte was read, and its content was taken whatever its size; now the declared size must
+    /// be the content's.
+    #[test]
+    fn an_entry_is_not_believed_beyond_its_content() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = wheel(dir.path(), None);
+        let mut bytes = std::fs::read(&path).unwrap();
+        // The library's uncompressed size, in its local header (offset 22) and in the central
+        // directory (offset 24), set to 4 GiB - 2.
+        let name = b"nvidia/x/lib/libx.so.1";
+        for (signature, at) in [(b"PK\x03\x04", 22), (b"PK\x01\x02", 24)] {
+            let header = (0..bytes.len() - name.len())
+                .find(|&i| {
+                    bytes[i..].starts_with(signature) && bytes[i..].windows(name.len()).take(100).any(|w| w == name)
+                })
+                .unwrap();
+            bytes[header + at..header + at + 4].copy_from_slice(&0xffff_fffeu32.to_le_bytes());
+        }
+        std::fs::write(&path, &bytes).unwrap();
+        let e = wheel_layer(&path, "nvidia-x", "1.0").unwrap_err();
+        assert!(crate::error::is_bad_input(&e), "{e:#}");
+        assert!(
+            format!("{e:#}").contains(
+                "libx.so.1: it holds 17 bytes where the zip's directory declares 4294967294; the wheel is damaged"
+            ),
+            "{e:#}"
+        );
     }
 
     #[test]

@@ -100,12 +100,14 @@ impl Bundle {
             }
             for x in all.iter().filter(|x| x.media_type == OCI_MANIFEST) {
                 if seen.insert(x.digest.clone()) {
-                    bundle.manifests.push(ManifestDoc::new(&x.media_type, layout.store.read_sized(&x.digest, x.size)?));
+                    bundle
+                        .manifests
+                        .push(ManifestDoc::new(&x.media_type, layout.store.read_document(&x.digest, x.size)?));
                 }
             }
             if seen.insert(d.digest.clone()) {
                 let media_type = if is_index(&d.media_type) { OCI_INDEX } else { &d.media_type };
-                bundle.manifests.push(ManifestDoc::new(media_type, layout.store.read_sized(&d.digest, d.size)?));
+                bundle.manifests.push(ManifestDoc::new(media_type, layout.store.read_document(&d.digest, d.size)?));
             }
             bundle.refs.push((name, d));
         }

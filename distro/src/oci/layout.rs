@@ -134,7 +134,7 @@ impl Layout {
                 continue;
             }
             if d.media_type.ends_with("+json") && (is_index(&d.media_type) || d.media_type.contains("manifest")) {
-                let v: Value = serde_json::from_slice(&self.store.read_sized(&d.digest, d.size)?)
+                let v: Value = serde_json::from_slice(&self.store.read_document(&d.digest, d.size)?)
                     .with_context(|| format!("{} in {}", d.digest, self.dir.display()))?;
                 let children =
                     v["manifests"].as_array().into_iter().flatten().chain(v["layers"].as_array().into_iter().flatten());

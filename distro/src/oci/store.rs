@@ -9,6 +9,22 @@ use std::fs::{self, File};
 use std::io::{BufWriter, Read, Write};
 use std::path::{Path, PathBuf};
 
+/// The largest manifest, index or config read. The distribution spec has registries accept
+/// manifests of at least 4 MiB and lets them refuse larger ones; a descriptor that declares
+/// more is refused before anything is read, whatever the blob behind it (a link to
+/// `/dev/zero` under a descriptor of 4,000,000,000 bytes was read into memory whole).
+pub const MAX_DOCUMENT_BYTES: u64 = 4 << 20;
+
+/// Refuses a manifest, index or config descriptor larger than [`MAX_DOCUMENT_BYTES`].
+pub fn check_document_size(d: &Digest, size: u64) -> Result<()> {
+    if size > MAX_DOCUMENT_BYTES {
+        return Err(crate::error::bad_input(format!(
+            "blob {d}: its descriptor declares {size} bytes, more than the {MAX_DOCUMENT_BYTES} bytes (4 MiB) a manifest, index or config may have; refusing it unread"
+        )));
+    }
+    Ok(())
+}
+
 /// A blob store rooted at a directory.
 #[derive(Clone, Debug)]
 pub struct BlobStore {
@@ -91,10 +107,12 @@ impl BlobStore {
         result
     }
 
-    /// Reads blob `d`, which its descriptor says is `size` bytes: at most `size + 1` bytes are
+    /// Reads the manifest, index or config `d`, which its descriptor says is `size` bytes: a
+    /// size above [`MAX_DOCUMENT_BYTES`] is refused unread, and at most `size + 1` bytes are
     /// read, so a blob that is larger (a file grown, a link to a device) is refused as corrupt
     /// at once instead of being read whole; then its digest is checked.
-    pub fn read_sized(&self, d: &Digest, size: u64) -> Result<Vec<u8>> {
+    pub fn read_document(&self, d: &Digest, size: u64) -> Result<Vec<u8>> {
+        check_document_size(d, size)?;
         let file = fs::File::open(self.path(d)).with_context(|| format!("reading blob {d}"))?;
         let mut bytes = Vec::with_capacity(size.min(1 << 24) as usize);
         file.take(size.saturating_add(1)).read_to_end(&mut bytes).with_context(|| format!("reading blob {d}"))?;
@@ -180,6 +198,22 @@ mod tests {
         // A corrupted file is noticed on read.
         fs::write(s.path(&d), b"bad!").unwrap();
         assert!(s.read(&d).is_err());
+    }
+
+    /// A descriptor of 4,000,000,000 bytes on a blob linked to /dev/zero was read whole (3.9 GB
+    /// of memory) before the blob was called corrupt; now the size is refused unread.
+    #[test]
+    fn documents_are_read_no_further_than_their_descriptor_and_the_cap() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = BlobStore::new(dir.path());
+        let d = s.put(b"{}").unwrap();
+        fs::remove_file(s.path(&d)).unwrap();
+        std::os::unix::fs::symlink("/dev/zero", s.path(&d)).unwrap();
+        let e = s.read_document(&d, 4_000_000_000).unwrap_err();
+        assert!(crate::error::is_bad_input(&e), "{e}");
+        assert!(e.to_string().contains("declares 4000000000 bytes, more than the 4194304 bytes (4 MiB)"), "{e}");
+        let e = s.read_document(&d, MAX_DOCUMENT_BYTES).unwrap_err().to_string();
+        assert!(e.contains("is corrupt: more than 4194304 bytes where its descriptor says 4194304"), "{e}");
     }
 
     #[test]

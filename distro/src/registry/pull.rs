@@ -4,7 +4,7 @@ use super::client::{Client, Request, error_text};
 use super::reference::Reference;
 use crate::oci::digest::Digest;
 use crate::oci::manifest::ACCEPT_MANIFESTS;
-use crate::oci::store::BlobStore;
+use crate::oci::store::{BlobStore, MAX_DOCUMENT_BYTES};
 use anyhow::{Context, Result, anyhow, bail};
 use reqwest::Method;
 use std::sync::atomic::Ordering;
@@ -37,7 +37,13 @@ impl Client {
         }
         let header_digest = resp.headers().get("docker-content-digest").and_then(|v| v.to_str().ok()).map(String::from);
         let content_type = resp.headers().get("content-type").and_then(|v| v.to_str().ok()).map(String::from);
-        let bytes = resp.bytes().with_context(|| format!("{r}: reading the manifest"))?.to_vec();
+        // A registry may send any length: no more than the cap and one byte is read.
+        let mut bytes = Vec::new();
+        std::io::Read::read_to_end(&mut std::io::Read::take(resp, MAX_DOCUMENT_BYTES + 1), &mut bytes)
+            .with_context(|| format!("{r}: reading the manifest"))?;
+        if bytes.len() as u64 > MAX_DOCUMENT_BYTES {
+            bail!("{r}: the registry sent a manifest of more than {MAX_DOCUMENT_BYTES} bytes (4 MiB); refusing it");
+        }
         let digest = Digest::of(&bytes);
         if let Some(want) = &r.digest
             && want != &digest

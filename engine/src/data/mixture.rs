@@ -33,14 +33,17 @@ pub struct Mixture {
 }
 
 impl Mixture {
-    /// The choice for `weights` (positive, any sum) from `(seed, stream)`.
+    /// The choice for `weights` (positive and finite, any sum) from `(seed, stream)`. The
+    /// weights are divided by the largest first: two weights of 1e308 sum to infinity, which
+    /// made every share 0 and sent every sequence to the last source.
     pub fn new(weights: &[f64], seed: u64, stream: u64) -> Mixture {
-        let total: f64 = weights.iter().sum();
+        let largest = weights.iter().copied().fold(0.0, f64::max);
+        let total: f64 = weights.iter().map(|w| w / largest).sum();
         let mut sum = 0.0;
         let bounds = weights
             .iter()
             .map(|w| {
-                sum += w;
+                sum += w / largest;
                 // 2^64 · share, rounded down; `as` saturates at u64::MAX for the last.
                 (sum / total * 18_446_744_073_709_551_616.0) as u64
             })
@@ -93,5 +96,18 @@ mod tests {
         assert_ne!(a, order(2, TRAIN_STREAM));
         assert_ne!(a, order(1, VALIDATION_STREAM));
         assert_eq!(counts(&Mixture::new(&[1.0], 3, TRAIN_STREAM), 100, 1), [100]);
+    }
+
+    /// Weights whose sum overflows to infinity keep their shares (two of 1e308 sent every
+    /// sequence to the last source); so do weights too small for their shares to be computed
+    /// from their sum directly.
+    #[test]
+    fn extreme_weights_keep_their_shares() {
+        for (weights, want) in
+            [([1e308, 1e308], [320, 320]), ([3e-320, 1e-320], [480, 160]), ([f64::MAX, f64::MAX / 3.0], [480, 160])]
+        {
+            let c = counts(&Mixture::new(&weights, 4, TRAIN_STREAM), 640, 2);
+            assert!(c.iter().zip(want).all(|(&n, want)| n.abs_diff(want) <= 4), "{weights:?}: {c:?}");
+        }
     }
 }

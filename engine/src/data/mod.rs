@@ -97,7 +97,7 @@ pub fn open(data: &DataConfig, vocab_size: usize, seed: u64) -> Result<Box<dyn T
     let source: Box<dyn TokenSource> = match data.source {
         DataSource::Embedded => Box::new(Bytes(CORPUS)),
         DataSource::Synthetic => Box::new(Synthetic { vocab: vocab_size, seed }),
-        DataSource::Shards => return open_shards(&data.path, &format!("data.path = {}", data.path), vocab_size),
+        DataSource::Shards => return Ok(Box::new(open_shards(&data.path, &path_label(data), vocab_size)?)),
     };
     if source.vocab_needed() > vocab_size {
         bail!(
@@ -108,8 +108,13 @@ pub fn open(data: &DataConfig, vocab_size: usize, seed: u64) -> Result<Box<dyn T
     Ok(source)
 }
 
+/// How errors name `data.path`.
+fn path_label(data: &DataConfig) -> String {
+    format!("data.path = {}", data.path)
+}
+
 /// Opens the shards at `path` (named `label` in errors), checking they fit the vocabulary.
-fn open_shards(path: &str, label: &str, vocab_size: usize) -> Result<Box<dyn TokenSource>> {
+fn open_shards(path: &str, label: &str, vocab_size: usize) -> Result<shard::Shards> {
     let source = shard::Shards::open(Path::new(path)).with_context(|| label.to_owned())?;
     if source.vocab_needed() > vocab_size {
         bail!(
@@ -117,7 +122,46 @@ fn open_shards(path: &str, label: &str, vocab_size: usize) -> Result<Box<dyn Tok
             source.vocab_needed()
         );
     }
-    Ok(Box::new(source))
+    Ok(source)
+}
+
+/// What identifies each shard's tokens, with its path: the content digest its header records,
+/// or, for a shard written before digests, the file itself. Empty shards hold nothing to share.
+fn shard_identities(shards: &shard::Shards) -> Vec<(String, &Path)> {
+    let key = |s: &shard::Shard| match s.header.has_digest() {
+        true => crate::digest::hex(&s.header.digest),
+        false => s.path.canonicalize().unwrap_or_else(|_| s.path.clone()).display().to_string(),
+    };
+    shards.shards().iter().filter(|s| !s.is_empty()).map(|s| (key(s), s.path.as_path())).collect()
+}
+
+/// Refuses a validation set that shares shards with the training data (the same directory, or
+/// shards copied from it, which the content digests show): `eval_loss` would be measured on
+/// samples trained on. `training` holds each training source's label and shards.
+fn check_validation_apart(label: &str, validation: &shard::Shards, training: &[(&str, &shard::Shards)]) -> Result<()> {
+    let validation = shard_identities(validation);
+    for (source, shards) in training {
+        let trained: BTreeMap<String, &Path> = shard_identities(shards).into_iter().collect();
+        let shared: Vec<String> = validation
+            .iter()
+            .filter_map(|(key, path)| {
+                let twin = trained.get(key)?;
+                Some(format!("{} holds the tokens of {}", path.display(), twin.display()))
+            })
+            .collect();
+        if shared.is_empty() {
+            continue;
+        }
+        let shown = shared.len().min(3);
+        let more = if shared.len() > shown { format!(" and {} more", shared.len() - shown) } else { String::new() };
+        bail!(
+            "{label} shares shards with the training data of {source}: {}{more}; eval_loss would be measured on \
+             samples trained on. Prepare the validation set from other text, or leave data.validation_path empty \
+             to hold out the training data's tail",
+            shared[..shown].join(", ")
+        );
+    }
+    Ok(())
 }
 
 /// One training source of a run, with its name (in `tokens_by_source` and checkpoints) and weight.
@@ -151,23 +195,40 @@ impl Data {
 
 /// Opens everything a data config names: its source or its mixture's, and its validation set.
 /// A mixture's missing or unreadable dataset is named by its entry and path.
+/// A validation set that shares shards with a training source is refused, naming them.
 pub fn open_data(data: &DataConfig, vocab_size: usize, seed: u64) -> Result<Data> {
-    let sources = if data.mixture.is_empty() {
-        let name = if data.source == DataSource::Shards { data.path.clone() } else { String::new() };
-        vec![Named { name, weight: 1.0, source: open(data, vocab_size, seed)? }]
-    } else {
-        let mut sources = Vec::new();
-        for (i, m) in data.mixture.iter().enumerate() {
-            let label = format!("data.mixture[{i}] (path = {})", m.path);
-            let source = open_shards(&m.path, &label, vocab_size)?;
-            sources.push(Named { name: m.name().to_owned(), weight: m.weight, source });
+    // The training sources' shards, with their label, name and weight, kept as shards until the
+    // validation set is checked against them.
+    let mut shards = Vec::new();
+    let mut sources = Vec::new();
+    if data.mixture.is_empty() {
+        match data.source {
+            DataSource::Shards => {
+                let label = path_label(data);
+                shards.push((open_shards(&data.path, &label, vocab_size)?, label, data.path.clone(), 1.0));
+            }
+            DataSource::Embedded | DataSource::Synthetic => {
+                sources.push(Named { name: String::new(), weight: 1.0, source: open(data, vocab_size, seed)? });
+            }
         }
-        sources
-    };
+    }
+    for (i, m) in data.mixture.iter().enumerate() {
+        let label = format!("data.mixture[{i}] (path = {})", m.path);
+        shards.push((open_shards(&m.path, &label, vocab_size)?, label, m.name().to_owned(), m.weight));
+    }
     let validation = match data.validation_path.as_str() {
         "" => None,
-        path => Some(open_shards(path, &format!("data.validation_path = {path}"), vocab_size)?),
+        path => {
+            let label = format!("data.validation_path = {path}");
+            let validation = open_shards(path, &label, vocab_size)?;
+            let training: Vec<(&str, &shard::Shards)> = shards.iter().map(|(s, l, ..)| (l.as_str(), s)).collect();
+            check_validation_apart(&label, &validation, &training)?;
+            Some(Box::new(validation) as Box<dyn TokenSource>)
+        }
     };
+    for (source, _, name, weight) in shards {
+        sources.push(Named { name, weight, source: Box::new(source) });
+    }
     Ok(Data { sources, validation, mixture: !data.mixture.is_empty() })
 }
 
@@ -714,6 +775,53 @@ mod tests {
         l.next_batch(&mut t, &mut y);
         assert_eq!(l.tokens_by_source(), Some([("a/".to_owned(), 40 * SEQ as u64)].into()));
         assert_eq!(l.position().sources.len(), 1);
+    }
+
+    /// A validation set that is the training data, or holds a copy of one of its shards, made
+    /// `eval_loss` measure samples trained on, without a word; it is refused, naming the shards.
+    #[test]
+    fn a_validation_set_sharing_shards_with_the_training_data_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let prepared = |name: &str, shards: &[(&str, u32)]| {
+            let d = dir.path().join(name);
+            std::fs::create_dir(&d).unwrap();
+            for &(shard, start) in shards {
+                let mut w = shard::ShardWriter::create(&d.join(shard), 70_000, 0).unwrap();
+                w.push_document(&(start..start + 500).collect::<Vec<_>>()).unwrap();
+                w.finish().unwrap();
+            }
+            let names: Vec<&str> = shards.iter().map(|(n, _)| *n).collect();
+            shard::write_test_manifest(&d, &names, 500 * shards.len() as u64);
+            d.display().to_string()
+        };
+        let train = prepared("train", &[("a.tok", 0), ("b.tok", 1000)]);
+        let copied = prepared("val", &[("x.tok", 5000), ("y.tok", 1000)]);
+        let apart = prepared("apart", &[("x.tok", 5000)]);
+        let config = |validation: &str, mixture: bool| DataConfig {
+            source: DataSource::Shards,
+            path: if mixture { String::new() } else { train.clone() },
+            mixture: match mixture {
+                true => vec![crate::config::MixtureSource { path: apart.clone(), weight: 1.0, name: "m".into() }],
+                false => Vec::new(),
+            },
+            validation_path: validation.to_owned(),
+            ..Default::default()
+        };
+        let refused =
+            |validation: &str, mixture| open_data(&config(validation, mixture), 70_000, 1).err().unwrap().to_string();
+        let e = refused(&train, false);
+        let shared =
+            format!("{train}/a.tok holds the tokens of {train}/a.tok, {train}/b.tok holds the tokens of {train}/b.tok");
+        assert!(e.starts_with(&format!("data.validation_path = {train} shares shards with the training data of data.path = {train}: {shared}; eval_loss would be measured on samples trained on.")), "{e}");
+        let e = refused(&copied, false);
+        assert!(
+            e.contains(&format!("of data.path = {train}: {copied}/y.tok holds the tokens of {train}/b.tok;")),
+            "{e}"
+        );
+        let e = refused(&apart, true);
+        assert!(e.contains(&format!("of data.mixture[0] (path = {apart}): {apart}/x.tok holds")), "{e}");
+        let data = open_data(&config(&apart, false), 70_000, 1).unwrap();
+        assert_eq!((data.sources.len(), data.validation.unwrap().len()), (1, 500));
     }
 
     #[test]

@@ -185,9 +185,10 @@ fn run(
     let mut shards =
         Shards { out: opts.out.clone(), vocab: tokenizer.vocab_size, eos, current: None, names: Vec::new() };
     let (mut documents, mut tokens, mut text_bytes) = (0u64, 0u64, 0u64);
-    // The tokens of a document whose parts are still coming, and whether it has any text (a
-    // document of whitespace alone may have no tokens, yet is a document).
-    let (mut pending, mut has_text): (Vec<u32>, bool) = (Vec::new(), false);
+    // Whether the document whose parts are coming has any text (a document of whitespace alone
+    // may have no tokens, yet is a document). Its tokens are written part by part, never held
+    // whole: the shard is not closed before the document ends, so it stays in one shard.
+    let mut has_text = false;
     let (senders, receivers): (Vec<SyncSender<Batch>>, Vec<Receiver<Batch>>) =
         files.iter().map(|_| sync_channel::<Batch>(2)).unzip();
     let senders: Vec<std::sync::Mutex<Option<SyncSender<Batch>>>> =
@@ -239,23 +240,21 @@ fn run(
                     for (part, ids) in batch.iter().zip(encoded) {
                         text_bytes += part.text.len() as u64;
                         has_text |= !part.text.is_empty();
-                        if pending.is_empty() {
-                            pending = ids;
-                        } else {
-                            pending.extend(ids);
+                        if !ids.is_empty() {
+                            shards.writer(written)?.push_tokens(&ids)?;
+                            tokens += ids.len() as u64;
                         }
                         if !part.last {
                             continue;
                         }
                         if !std::mem::take(&mut has_text) {
-                            continue; // an empty document is no document
+                            continue; // an empty document is no document (and wrote no token)
                         }
-                        pending.push(eos);
                         let w = shards.writer(written)?;
-                        w.push_document(&pending)?;
+                        w.push_tokens(&[eos])?;
+                        w.end_document();
                         documents += 1;
-                        tokens += pending.len() as u64;
-                        pending.clear();
+                        tokens += 1;
                         if w.tokens() >= opts.shard_tokens {
                             shards.close()?;
                         }

@@ -4,9 +4,11 @@
 //! undone while reading, then `.jsonl` and `.json` are JSON lines (one object per line, the
 //! document in its `--text-field`), `.parquet` and `.arrow` are a column of strings, and any
 //! other file is plain text (one document, or documents between separator lines). Nothing is
-//! decompressed to disk or held whole: lines, Parquet pages and Arrow record batches are read one
-//! at a time, and a long document is handed on in parts of about [`PART_BYTES`] cut at seams that
-//! do not change its tokens ([`seam`]). Errors name the file and the line or row.
+//! decompressed to disk or held whole: lines are read in pieces of at most [`PART_BYTES`] (a
+//! JSON line, which is parsed whole, is refused past [`MAX_JSON_LINE`]), Parquet pages and Arrow
+//! record batches one at a time, and a long document is handed on in parts of about
+//! [`PART_BYTES`] cut at seams that do not change its tokens ([`seam`]). Errors name the file and
+//! the line or row.
 
 use std::borrow::Cow;
 use std::fs::File;
@@ -18,8 +20,13 @@ use serde::de::{DeserializeSeed, Deserializer, IgnoredAny, MapAccess, Visitor};
 
 use super::arrow_ipc;
 
-/// A long document is handed on in parts of about this many bytes.
+/// A long document is handed on in parts of about this many bytes; lines are read in pieces
+/// of at most this many.
 pub const PART_BYTES: usize = 64 << 10;
+
+/// The longest JSON line read: a line is parsed whole, so a longer one (a decompression bomb
+/// expands to a single line of any length) is refused rather than held in memory.
+pub const MAX_JSON_LINE: usize = 32 << 20;
 
 /// How to read the inputs.
 #[derive(Debug, Clone)]
@@ -87,16 +94,73 @@ impl<R: Read> Read for Counted<'_, R> {
     }
 }
 
-/// A zstd stream of one or more frames (`zstd` and `pzstd` write several).
+/// A zstd stream of one or more frames (`zstd` and `pzstd` write several), skipping the
+/// skippable frames between them (`pzstd` writes one before each frame, holding its size).
 struct Zstd<R: BufRead> {
-    decoder: Option<ruzstd::decoding::StreamingDecoder<R, ruzstd::decoding::FrameDecoder>>,
+    decoder: Option<ruzstd::decoding::StreamingDecoder<Frame<R>, ruzstd::decoding::FrameDecoder>>,
 }
+
+/// A frame's source: its magic number, read to tell skippable frames apart, then the rest.
+type Frame<R> = std::io::Chain<std::io::Cursor<[u8; 4]>, R>;
+
+/// The magic numbers of skippable frames: `0x184d2a50` to `0x184d2a5f`.
+const SKIPPABLE: std::ops::RangeInclusive<u32> = 0x184d_2a50..=0x184d_2a5f;
 
 impl<R: BufRead> Zstd<R> {
     fn new(source: R) -> std::io::Result<Self> {
-        let decoder = ruzstd::decoding::StreamingDecoder::new(source).map_err(std::io::Error::other)?;
-        Ok(Zstd { decoder: Some(decoder) })
+        let decoder = Self::frame(source, ruzstd::decoding::FrameDecoder::new())?;
+        if decoder.is_none() {
+            return Err(zstd_error(&"the data ends before a zstd frame begins (an empty or truncated file?)"));
+        }
+        Ok(Zstd { decoder })
     }
+
+    /// The decoder of the next frame, past any skippable ones; none at the end of the data.
+    fn frame(
+        mut source: R,
+        frames: ruzstd::decoding::FrameDecoder,
+    ) -> std::io::Result<Option<ruzstd::decoding::StreamingDecoder<Frame<R>, ruzstd::decoding::FrameDecoder>>> {
+        let truncated = |e: std::io::Error| match e.kind() {
+            std::io::ErrorKind::UnexpectedEof => zstd_error(&"the data ends inside a frame's header (truncated?)"),
+            _ => e,
+        };
+        loop {
+            if source.fill_buf()?.is_empty() {
+                return Ok(None);
+            }
+            let mut magic = [0u8; 4];
+            source.read_exact(&mut magic).map_err(truncated)?;
+            let number = u32::from_le_bytes(magic);
+            if !SKIPPABLE.contains(&number) {
+                let frame = std::io::Cursor::new(magic).chain(source);
+                return ruzstd::decoding::StreamingDecoder::new_with_decoder(frame, frames).map(Some).map_err(|e| {
+                    use ruzstd::decoding::errors::{FrameDecoderError as Error, ReadFrameHeaderError as Header};
+                    match e {
+                        Error::ReadFrameHeaderError(Header::BadMagicNumber(m)) => zstd_error(&format_args!(
+                            "a frame begins with 0x{m:08x}, not zstd's magic number 0xfd2fb528"
+                        )),
+                        Error::ReadFrameHeaderError(_) | Error::FrameHeaderError(_) => {
+                            zstd_error(&"a frame's header is damaged or truncated")
+                        }
+                        // ruzstd's own text, a sentence for the other errors at a frame's start.
+                        other => zstd_error(&other),
+                    }
+                });
+            }
+            let mut length = [0u8; 4];
+            source.read_exact(&mut length).map_err(truncated)?;
+            let length = u32::from_le_bytes(length) as u64;
+            if std::io::copy(&mut (&mut source).take(length), &mut std::io::sink())? != length {
+                return Err(zstd_error(&"the data ends inside a skippable frame (truncated?)"));
+            }
+        }
+    }
+}
+
+/// An error of the zstd data, in a sentence: ruzstd's `Display` of a frame header error is
+/// Rust's debug text (`MagicNumberReadError(Error { kind: UnexpectedEof, ... })`).
+fn zstd_error(text: &dyn std::fmt::Display) -> std::io::Error {
+    std::io::Error::new(std::io::ErrorKind::InvalidData, text.to_string())
 }
 
 impl<R: BufRead> Read for Zstd<R> {
@@ -108,13 +172,8 @@ impl<R: BufRead> Read for Zstd<R> {
                 return Ok(n);
             }
             // The frame is over: another one, or the end.
-            let (mut source, frames) = self.decoder.take().expect("present").into_parts();
-            if source.fill_buf()?.is_empty() {
-                return Ok(0);
-            }
-            self.decoder = Some(
-                ruzstd::decoding::StreamingDecoder::new_with_decoder(source, frames).map_err(std::io::Error::other)?,
-            );
+            let (frame, frames) = self.decoder.take().expect("present").into_parts();
+            self.decoder = Self::frame(frame.into_inner().1, frames)?;
         }
     }
 }
@@ -148,23 +207,43 @@ pub fn read_file(
             arrow_ipc::read_column(&mut reader, &opts.text_field, &mut |_, text| split_long(text, true, opts, emit))
                 .map_err(|e| anyhow!("{}: {e:#}", path.display()))
         }
-        Format::Jsonl => read_lines(path, compression, &mut *reader, &mut |number, line| {
-            if line.trim().is_empty() {
-                return Ok(());
-            }
-            let text = text_of(line.trim_end_matches(['\n', '\r']), &opts.text_field)
-                .map_err(|e| anyhow!("{}:{number}: {e}", path.display()))?;
-            split_long(&text, true, opts, emit)
-        }),
+        Format::Jsonl => {
+            let mut line = String::new();
+            read_lines(path, compression, &mut *reader, &mut |piece| {
+                if line.len() + piece.text.len() > MAX_JSON_LINE {
+                    bail!(
+                        "{}:{}: a JSON line longer than {} MiB, the most this reader holds; cut the document into several lines, or give it as a plain-text file, which is read in parts",
+                        path.display(),
+                        piece.number,
+                        MAX_JSON_LINE >> 20
+                    );
+                }
+                line.push_str(piece.text);
+                if !piece.ends {
+                    return Ok(());
+                }
+                if line.trim().is_empty() {
+                    line.clear();
+                    return Ok(());
+                }
+                let text = text_of(line.trim_end_matches(['\n', '\r']), &opts.text_field)
+                    .map_err(|e| anyhow!("{}:{}: {e}", path.display(), piece.number))?;
+                line.clear();
+                split_long(&text, true, opts, emit)
+            })
+        }
         Format::Text => {
             let mut doc = String::new();
-            read_lines(path, compression, &mut *reader, &mut |_, line| {
-                if opts.separator.as_deref().is_some_and(|s| line.trim_end_matches(['\n', '\r']) == s) {
+            read_lines(path, compression, &mut *reader, &mut |piece| {
+                let whole_line = piece.starts && piece.ends;
+                if whole_line
+                    && opts.separator.as_deref().is_some_and(|s| piece.text.trim_end_matches(['\n', '\r']) == s)
+                {
                     if !doc.is_empty() {
                         split_long(&std::mem::take(&mut doc), true, opts, emit)?;
                     }
                 } else {
-                    doc.push_str(line);
+                    doc.push_str(piece.text);
                     if opts.part_bytes.is_some_and(|part| doc.len() >= 2 * part) {
                         // Hand on what is before the last seam; the rest waits for more lines.
                         let cut = seam(&doc, doc.len() - 1);
@@ -194,33 +273,79 @@ fn name(c: Compression) -> &'static str {
     }
 }
 
-/// Calls `line` with each line's 1-based number and text (newline included), checking UTF-8.
+/// A piece of a line: the whole line, or at most [`PART_BYTES`] of it.
+struct LinePiece<'a> {
+    /// The line's 1-based number.
+    number: usize,
+    /// The text (the newline included in the line's last piece), whole characters only.
+    text: &'a str,
+    /// Whether the line starts with this piece.
+    starts: bool,
+    /// Whether the line ends with this piece.
+    ends: bool,
+}
+
+/// Calls `piece` with each line in pieces of at most [`PART_BYTES`] (a character cut at a
+/// piece's end goes on to the next piece), checking UTF-8: a line is never held whole, however
+/// long a decompression bomb makes it.
 fn read_lines(
     path: &Path,
     compression: Compression,
     reader: &mut dyn BufRead,
-    line: &mut dyn FnMut(usize, &str) -> Result<()>,
+    piece: &mut dyn FnMut(LinePiece) -> Result<()>,
 ) -> Result<()> {
-    let (mut buf, mut number) = (Vec::new(), 0usize);
+    // `offset`: the bytes of the current line handed on before `buf`.
+    let (mut buf, mut number, mut offset, mut starts) = (Vec::new(), 0usize, 0usize, true);
     loop {
-        buf.clear();
-        let n = reader.read_until(b'\n', &mut buf).map_err(|e| match compression {
-            Compression::None => anyhow!("{}:{}: cannot read: {e}", path.display(), number + 1),
-            // Decompression runs ahead of the lines: the damage is somewhere after this one.
-            c => anyhow!(
-                "{}: cannot decompress after line {number} ({} data damaged or truncated?): {e}",
-                path.display(),
-                name(c)
-            ),
-        })?;
-        if n == 0 {
+        let (mut ends, mut eof) = (false, false);
+        // The lines read whole so far (the current one is not, when a piece of it was handed on).
+        let done = number - usize::from(!starts);
+        while !ends && buf.len() < PART_BYTES {
+            let available = reader.fill_buf().map_err(|e| match compression {
+                Compression::None => anyhow!("{}:{}: cannot read: {e}", path.display(), done + 1),
+                // Decompression runs ahead of the lines: the damage is somewhere after this one.
+                c => anyhow!(
+                    "{}: cannot decompress after line {done} ({} data damaged or truncated?): {e}",
+                    path.display(),
+                    name(c)
+                ),
+            })?;
+            if available.is_empty() {
+                eof = true;
+                break;
+            }
+            let room = available.len().min(PART_BYTES - buf.len());
+            let n = match available[..room].iter().position(|&b| b == b'\n') {
+                Some(i) => {
+                    ends = true;
+                    i + 1
+                }
+                None => room,
+            };
+            buf.extend_from_slice(&available[..n]);
+            reader.consume(n);
+        }
+        if buf.is_empty() {
             return Ok(());
         }
-        number += 1;
-        let text = std::str::from_utf8(&buf).map_err(|e| {
-            anyhow!("{}:{number}: not valid UTF-8 (at byte {} of the line)", path.display(), e.valid_up_to() + 1)
-        })?;
-        line(number, text)?;
+        ends |= eof;
+        if starts {
+            number += 1;
+        }
+        let valid = match std::str::from_utf8(&buf) {
+            Ok(_) => buf.len(),
+            // A character cut at the piece's end: it goes on to the next piece.
+            Err(e) if e.error_len().is_none() && !ends => e.valid_up_to(),
+            Err(e) => bail!(
+                "{}:{number}: not valid UTF-8 (at byte {} of the line)",
+                path.display(),
+                offset + e.valid_up_to() + 1
+            ),
+        };
+        let text = std::str::from_utf8(&buf[..valid]).expect("checked above");
+        piece(LinePiece { number, text, starts, ends })?;
+        buf.drain(..valid);
+        (offset, starts) = if ends { (0, true) } else { (offset + valid, false) };
     }
 }
 
@@ -416,6 +541,106 @@ mod tests {
         assert!(text_of(r#"{"text": null}"#, "text").is_err());
         let e = text_of(r#"{"text": 5}"#, "text").unwrap_err().to_string();
         assert!(e.contains("invalid type: integer `5`, expected a string"), "{e}");
+    }
+
+    /// Reads `name` holding `bytes` as `read_file` does (parts of [`PART_BYTES`]): the parts,
+    /// and the bytes read from the file when the first part came.
+    fn read_parts(name: &str, bytes: &[u8]) -> Result<(Vec<Part>, u64)> {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(name);
+        std::fs::write(&path, bytes).unwrap();
+        let opts = ReadOptions { separator: None, text_field: "text".into(), part_bytes: Some(PART_BYTES) };
+        let read = std::sync::atomic::AtomicU64::new(0);
+        let progress = |n| {
+            read.fetch_add(n, std::sync::atomic::Ordering::Relaxed);
+        };
+        let (mut parts, mut read_at_first) = (Vec::new(), None);
+        read_file(&path, &opts, &progress, &mut |part| {
+            read_at_first.get_or_insert(read.load(std::sync::atomic::Ordering::Relaxed));
+            parts.push(part);
+            Ok(())
+        })
+        .map_err(|e| anyhow!("{}", e.to_string().replace(&path.display().to_string(), name)))?;
+        Ok((parts, read_at_first.unwrap_or(0)))
+    }
+
+    fn gzip(bytes: &[u8]) -> Vec<u8> {
+        use std::io::Write;
+        let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+        gz.write_all(bytes).unwrap();
+        gz.finish().unwrap()
+    }
+
+    /// A document on one line of 8 MiB (a decompression bomb's shape) was read whole by
+    /// `read_until` before its first part was handed on; now its parts go on while it is read,
+    /// and come out as the text was.
+    #[test]
+    fn a_long_line_is_handed_on_while_it_is_read() {
+        let text = "word ".repeat(8 << 20 >> 2) + "é".repeat(100_003).as_str();
+        let (parts, read_at_first) = read_parts("one-line.txt", text.as_bytes()).unwrap();
+        assert!(read_at_first <= 2 << 20, "the first part came after reading {read_at_first} bytes");
+        assert!(parts.iter().all(|p| p.text.len() <= PART_BYTES));
+        assert!(parts.iter().rev().skip(1).all(|p| !p.last) && parts.last().unwrap().last);
+        assert_eq!(parts.iter().map(|p| p.text.as_str()).collect::<String>(), text);
+    }
+
+    /// A JSON line is parsed whole, so one longer than [`MAX_JSON_LINE`] (a 457 KB `.gz` that
+    /// expanded to a 100 MB line ran out of memory) is refused, naming the line; lines are read
+    /// in pieces, so characters cut at a piece's end and a bad byte far into a line are found.
+    #[test]
+    fn json_lines_are_bounded_and_read_in_pieces() {
+        let long = format!("{{\"text\": \"{}\"}}\n", "a".repeat(MAX_JSON_LINE));
+        let e = read_parts("bomb.jsonl.gz", &gzip(format!("{{\"text\": \"x\"}}\n{long}").as_bytes()))
+            .unwrap_err()
+            .to_string();
+        assert!(e.starts_with("bomb.jsonl.gz:2: a JSON line longer than 32 MiB, the most this reader holds;"), "{e}");
+        let text = "xé".repeat(150_001);
+        let (parts, _) = read_parts("a.jsonl", format!("\n{{\"text\": \"{text}\"}}\n  \n").as_bytes()).unwrap();
+        assert_eq!(parts.iter().map(|p| p.text.as_str()).collect::<String>(), text);
+        let mut bad = format!("{{\"text\": \"{text}").into_bytes();
+        bad.extend(b"\xff\"}\n");
+        let e = read_parts("b.jsonl", &bad).unwrap_err().to_string();
+        assert_eq!(e, format!("b.jsonl:1: not valid UTF-8 (at byte {} of the line)", bad.len() - 3));
+    }
+
+    /// ruzstd's own text for a frame header it cannot read is Rust's debug output
+    /// (`MagicNumberReadError(Error { kind: UnexpectedEof, ... })`).
+    #[test]
+    fn zstd_errors_are_sentences() {
+        let e = read_parts("empty.jsonl.zst", b"").unwrap_err().to_string();
+        assert_eq!(
+            e,
+            "empty.jsonl.zst: not zstd data: the data ends before a zstd frame begins (an empty or truncated file?)"
+        );
+        let e = read_parts("text.jsonl.zst", b"{\"text\": 1}\n").unwrap_err().to_string();
+        assert_eq!(
+            e,
+            "text.jsonl.zst: not zstd data: a frame begins with 0x6574227b, not zstd's magic number 0xfd2fb528"
+        );
+    }
+
+    /// `pzstd` writes a skippable frame (its magic, a length, that many bytes) before each
+    /// frame; they were refused (`not zstd data: SkipFrame { magic_number: 407710288, ... }`).
+    #[test]
+    fn skippable_frames_between_frames_are_skipped() {
+        let frame = |text: &str| {
+            ruzstd::encoding::compress_to_vec(text.as_bytes(), ruzstd::encoding::CompressionLevel::Fastest)
+        };
+        let skippable =
+            |bytes: &[u8]| [&0x184d_2a50u32.to_le_bytes()[..], &(bytes.len() as u32).to_le_bytes(), bytes].concat();
+        let one = "{\"text\": \"one\"}\n";
+        let two = "{\"text\": \"two\"}\n";
+        let pzstd = [skippable(&[9; 4]), frame(one), skippable(&[]), frame(two)].concat();
+        let (parts, _) = read_parts("p.jsonl.zst", &pzstd).unwrap();
+        assert_eq!(parts.iter().map(|p| p.text.as_str()).collect::<Vec<_>>(), ["one", "two"]);
+        let cut = &pzstd[..pzstd.len() - frame(two).len() - 2];
+        let e = read_parts("cut.jsonl.zst", cut).unwrap_err().to_string();
+        assert!(
+            e.ends_with("(zstd data damaged or truncated?): the data ends inside a frame's header (truncated?)"),
+            "{e}"
+        );
+        let e = read_parts("cut.jsonl.zst", &pzstd[..10]).unwrap_err().to_string();
+        assert_eq!(e, "cut.jsonl.zst: not zstd data: the data ends inside a skippable frame (truncated?)");
     }
 
     #[test]

@@ -456,6 +456,14 @@ impl ShardWriter {
 
     /// Appends one document's tokens (the caller has closed it with the end-of-sequence token).
     pub fn push_document(&mut self, tokens: &[u32]) -> Result<()> {
+        self.push_tokens(tokens)?;
+        self.end_document();
+        Ok(())
+    }
+
+    /// Appends some of a document's tokens, so that a long document's are written as its parts
+    /// are tokenized instead of held until it ends; [`ShardWriter::end_document`] counts it.
+    pub fn push_tokens(&mut self, tokens: &[u32]) -> Result<()> {
         let mut buf = Vec::with_capacity(tokens.len() * self.header.token_bytes as usize);
         for &t in tokens {
             debug_assert!(t < self.header.vocab_size);
@@ -468,8 +476,13 @@ impl ShardWriter {
         out.write_all(&buf).with_context(|| format!("cannot write {}", self.tmp.display()))?;
         self.digest.update(&buf);
         self.header.tokens += tokens.len() as u64;
-        self.header.documents += 1;
         Ok(())
+    }
+
+    /// Counts the document whose tokens [`ShardWriter::push_tokens`] wrote (the last of them
+    /// its end-of-sequence token).
+    pub fn end_document(&mut self) {
+        self.header.documents += 1;
     }
 
     /// Writes the final header (with the content digest), flushes the file to disk and renames

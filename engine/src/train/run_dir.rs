@@ -238,6 +238,35 @@ impl RunDir {
         }
     }
 
+    /// What `--resume=auto` found when it starts again from step 0 over an earlier attempt: its
+    /// logged steps, and the checkpoints its log records as begun (the steps that record
+    /// `checkpoint_s`: a save started after them, which a kill may have cut short), none of which
+    /// is in `checkpoints/` any more (removed since, say), or that it began none.
+    pub fn earlier_attempt(&self) -> String {
+        let text = std::fs::read_to_string(self.metrics()).unwrap_or_default();
+        let saved: Vec<u64> = text
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .filter(|r| r.get("checkpoint_s").is_some())
+            .filter_map(|r| r.get("step")?.as_u64())
+            .collect();
+        let (d, records) = (self.path.display(), text.lines().count());
+        let checkpoints = self.checkpoints();
+        let what = match saved.as_slice() {
+            [] => "saved no checkpoint".to_owned(),
+            [step] => format!(
+                "began a checkpoint after step {step}, which is not in {} (removed, or cut short)",
+                checkpoints.display()
+            ),
+            [.., last] => format!(
+                "began {} checkpoints (the last after step {last}), none of which is in {} any more (removed, or cut short)",
+                saved.len(),
+                checkpoints.display()
+            ),
+        };
+        format!("{d} holds an earlier attempt of {records} logged steps that {what}")
+    }
+
     /// The configuration an earlier run here wrote, if it wrote one that reads.
     fn config(&self) -> Result<Option<Config>> {
         let Ok(text) = std::fs::read_to_string(self.join(CONFIG)) else { return Ok(None) };
@@ -286,5 +315,37 @@ mod tests {
         let second = named("tiny-2").path().to_path_buf();
         drop(claimed);
         assert_eq!(RunDir::claim(&base).unwrap().path(), second);
+    }
+
+    /// `--resume=auto` over an attempt whose checkpoints were deleted said it "saved no
+    /// checkpoint"; it says what it found.
+    #[test]
+    fn an_earlier_attempt_is_described_as_found() {
+        let tmp = tempfile::tempdir().unwrap();
+        let run = RunDir::at(tmp.path());
+        let step = |n: u64, saved: bool| {
+            let checkpoint = if saved { r#", "checkpoint_s": 0.1"# } else { "" };
+            format!("{{\"step\": {n}, \"loss\": 5.0{checkpoint}}}\n")
+        };
+        let d = tmp.path().display();
+        std::fs::write(run.metrics(), step(1, false) + &step(2, false)).unwrap();
+        assert_eq!(
+            run.earlier_attempt(),
+            format!("{d} holds an earlier attempt of 2 logged steps that saved no checkpoint")
+        );
+        std::fs::write(run.metrics(), step(1, false) + &step(2, true) + &step(3, false)).unwrap();
+        assert_eq!(
+            run.earlier_attempt(),
+            format!(
+                "{d} holds an earlier attempt of 3 logged steps that began a checkpoint after step 2, which is not in {d}/checkpoints (removed, or cut short)"
+            )
+        );
+        std::fs::write(run.metrics(), step(1, false) + &step(2, true) + &step(3, false) + &step(4, true)).unwrap();
+        assert_eq!(
+            run.earlier_attempt(),
+            format!(
+                "{d} holds an earlier attempt of 4 logged steps that began 2 checkpoints (the last after step 4), none of which is in {d}/checkpoints any more (removed, or cut short)"
+            )
+        );
     }
 }

@@ -118,9 +118,8 @@ pub fn run<B: Backend>(trainer: &mut Trainer<Traced<B>>, s: &Session) -> Result<
         }
     }
     let checkpoints = s.run_dir.checkpoints();
-    // An earlier attempt that logged steps but saved no checkpoint (--resume=auto starts again).
-    let earlier = (s.lead && first == 0 && s.run_dir.holds_run())
-        .then(|| std::fs::read_to_string(s.run_dir.metrics()).map_or(0, |t| t.lines().count()));
+    // An earlier attempt that logged steps and left no checkpoint (--resume=auto starts again).
+    let earlier = (s.lead && first == 0 && s.run_dir.holds_run()).then(|| s.run_dir.earlier_attempt());
     let mut log = if s.lead { MetricsLogger::open(&s.run_dir, first, steps)? } else { MetricsLogger::quiet() };
     if s.lead {
         write_atomic(&s.run_dir.join(run_dir::CONFIG), toml::to_string(&config)?.as_bytes())?;
@@ -156,10 +155,9 @@ pub fn run<B: Backend>(trainer: &mut Trainer<Traced<B>>, s: &Session) -> Result<
         if let Some(from) = &s.resumed_from {
             log.say(&format!("resuming after step {first} from {}", from.display()));
         }
-        if let Some(records) = earlier {
+        if let Some(earlier) = earlier {
             log.say(&format!(
-                "starting again from step 0: {} holds an earlier attempt that saved no checkpoint ({records} steps logged, replaced as they are computed again)",
-                s.run_dir.path().display()
+                "starting again from step 0: {earlier} (its steps are replaced as they are computed again)"
             ));
         }
         let t = &config.train;
