@@ -498,8 +498,8 @@ section! {
         /// resumed run may switch: the master weights stay f32 either way.
         @resumable
         pub precision: Precision = Precision::Bf16,
-        /// How FP8 products are scaled, and which products are FP8 (`precision = "fp8"`).
-        @resumable
+        /// How FP8 products are scaled, and which products are FP8 (`precision = "fp8"`); its
+        /// keys say themselves whether a resumed run may change them (all may).
         pub fp8: Fp8Config = Fp8Config::default(),
         /// Refuse, before allocating, a run whose estimated memory exceeds what the device has
         /// (GPU: free memory; CPU: available RAM and `ulimit -v`); `false` skips the check.
