@@ -159,7 +159,8 @@ fi
 
 # n1 and n2 are names of this machine (the engine's rank 0 is the first host of the node list).
 for n in "${NODES[@]}"; do
-    addr=$(getent hosts "$n" | awk '{print $1; exit}')
+    # getent exits 2 for a name it does not know (a fresh machine): that is the case to handle.
+    addr=$(getent hosts "$n" | awk '{print $1; exit}' || true)
     if [ -z "$addr" ]; then
         echo "127.0.0.1 $n" >>/etc/hosts
     elif [ "$addr" != 127.0.0.1 ]; then
