@@ -135,14 +135,8 @@ mod tests {
     #[test]
     fn peak_memory_is_measured_and_agrees_with_the_estimate() {
         use crate::backend::Backend;
-        use crate::model::{Model, memory};
-        let c = config("tiny-llama2", &["train.batch_size=2"]);
-        let mut t = Trainer::new(Traced::new(Cpu::new()), &c).unwrap();
-        t.train_step(0.0);
-        let measured = t.backend.peak_memory_bytes() as f64;
-        let mut model = Model::new(&c.model);
-        model.remat = c.train.remat;
-        let estimate = memory::estimate(&model, 2, c.train.seq_len, memory::Target::Cpu).total() as f64;
+        use crate::model::memory;
+        let (measured, estimate) = measured_and_estimated(&config("tiny-llama2", &["train.batch_size=2"]));
         assert!((measured / estimate - 1.0).abs() <= 0.10, "measured {measured} bytes, estimated {estimate}");
 
         for (name, mesh, devices) in MESHES {
@@ -162,6 +156,15 @@ mod tests {
                 assert!((0.9..=1.1).contains(&ratio), "{name}: measured {peak} bytes, estimated {estimate}");
             }
         }
+    }
+
+    /// One device's high-water mark after a step of `c`, and the memory plan's estimate of it.
+    fn measured_and_estimated(c: &Config) -> (f64, f64) {
+        use crate::backend::Backend;
+        let mut t = Trainer::new(Traced::new(Cpu::new()), c).unwrap();
+        t.train_step(0.0);
+        let estimate = ParallelPlan::resolve(c, 1, 1).unwrap().estimate(c, crate::model::memory::Target::Cpu).total();
+        (t.backend.peak_memory_bytes() as f64, estimate as f64)
     }
 
     #[test]
@@ -918,12 +921,9 @@ mod tests {
         fn the_memory_plan_counts_the_fp8_casts() {
             use crate::model::memory;
             let c = fp8_config("delayed", &["train.batch_size=2"]);
-            let mut t = Trainer::new(Traced::new(Cpu::new()), &c).unwrap();
-            t.train_step(0.0);
-            let measured = t.backend.peak_memory_bytes() as f64;
-            let plan = ParallelPlan::resolve(&c, 1, 1).unwrap();
-            let estimate = plan.estimate(&c, memory::Target::Cpu).total() as f64;
+            let (measured, estimate) = measured_and_estimated(&c);
             assert!((measured / estimate - 1.0).abs() <= 0.10, "measured {measured} bytes, estimated {estimate}");
+            let plan = ParallelPlan::resolve(&c, 1, 1).unwrap();
             // On a GPU the casts take a byte an element: a quarter of the CPU's f32.
             let model = plan.stage_model(&c, 0);
             let sizes = model.activation_elements(2, c.train.seq_len);
