@@ -222,8 +222,7 @@ impl Model {
         p: &Plan,
         (i, linear): (usize, Linear),
         out: View,
-        x: View,
-        w: View,
+        (x, w): (View, View),
         residual: Option<View>,
         shape: MatMul,
     ) {

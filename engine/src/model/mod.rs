@@ -320,16 +320,8 @@ impl Model {
         };
         let b = o.bias.as_ref();
         self.norm_forward(be, a.ln1, a.rstd1, a.x, w, o.ln1);
-        self.linear_forward(
-            be,
-            p,
-            (i, Linear::Qkv),
-            a.qkv,
-            a.ln1,
-            w.at(o.qkv, qkv * d),
-            None,
-            MatMul::linear(n, d, qkv),
-        );
+        let wqkv = w.at(o.qkv, qkv * d);
+        self.linear_forward(be, p, (i, Linear::Qkv), a.qkv, (a.ln1, wqkv), None, MatMul::linear(n, d, qkv));
         bias(be, a.qkv, b.map(|b| b.qkv), qkv);
         if !m.is_gpt() {
             be.rope(a.qkv, p.rope, shape, false);
@@ -343,36 +335,20 @@ impl Model {
         } else {
             be.attention_forward(a.attn, a.lse, a.qkv, shape);
         }
-        self.row_parallel(be, p, ex, (i, Linear::O), a.xmid, a.attn, w.at(o.o, d * q), a.x, MatMul::linear(n, q, d));
+        let wo = w.at(o.o, d * q);
+        self.row_parallel(be, p, ex, (i, Linear::O), a.xmid, (a.attn, wo), a.x, MatMul::linear(n, q, d));
         bias(be, a.xmid, b.map(|b| b.o), d);
         self.norm_forward(be, a.ln2, a.rstd2, a.xmid, w, o.ln2);
         match (&a.mlp, &o.mlp) {
             (MlpActs::Dense { gu, h }, MlpOffsets::Dense { gate_up, down }) => {
                 let up = gu.len / n;
-                self.linear_forward(
-                    be,
-                    p,
-                    (i, Linear::Up),
-                    *gu,
-                    a.ln2,
-                    w.at(*gate_up, up * d),
-                    None,
-                    MatMul::linear(n, d, up),
-                );
+                let (wup, wdown) = (w.at(*gate_up, up * d), w.at(*down, d * f));
+                self.linear_forward(be, p, (i, Linear::Up), *gu, (a.ln2, wup), None, MatMul::linear(n, d, up));
                 bias(be, *gu, b.map(|b| b.up), f);
                 self.activation_forward(be, *h, *gu);
                 if let Some(out) = out {
-                    self.row_parallel(
-                        be,
-                        p,
-                        ex,
-                        (i, Linear::Down),
-                        out,
-                        *h,
-                        w.at(*down, d * f),
-                        a.xmid,
-                        MatMul::linear(n, f, d),
-                    );
+                    let shape = MatMul::linear(n, f, d);
+                    self.row_parallel(be, p, ex, (i, Linear::Down), out, (*h, wdown), a.xmid, shape);
                     bias(be, out, b.map(|b| b.down), d);
                 }
             }
@@ -629,13 +605,12 @@ impl Model {
         ex: &mut dyn Exchange<B>,
         linear: (usize, Linear),
         out: View,
-        a: View,
-        b: View,
+        (a, b): (View, View),
         residual: View,
         shape: MatMul,
     ) {
         let residual = ex.adds_residual().then_some(residual);
-        self.linear_forward(be, p, linear, out, a, b, residual, shape);
+        self.linear_forward(be, p, linear, out, (a, b), residual, shape);
         ex.tensor_sum(be, out);
     }
 }
