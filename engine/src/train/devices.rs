@@ -918,6 +918,26 @@ mod tests {
         }
 
         #[test]
+        fn fp8_on_tensor_and_interleaved_pipeline_stages_follows_one_device_closely() {
+            // Virtual stages share one buffer of scaling states, indexed by a layer's place in
+            // the whole model; each tensor slice scales its own part. The curve is not one
+            // device's bit for bit (a slice's amax is its own), but close to it.
+            let sets = [
+                "model.n_layers=4",
+                "mesh.ici_data=1",
+                "mesh.ici_tensor=2",
+                "mesh.ici_pipeline=2",
+                "train.pipeline_microbatches=4",
+                "train.pipeline_schedule=interleaved",
+                "train.pipeline_virtual_stages=2",
+                "train.steps=4",
+            ];
+            let c = fp8_config("delayed", &sets);
+            let gap = apart(&single(&c, 4), &parallel(&c, 4));
+            assert!(gap < 0.02, "tensor 2 x interleaved pipeline 2 moves the FP8 curve by {gap:.4}");
+        }
+
+        #[test]
         fn the_memory_plan_counts_the_fp8_casts() {
             use crate::model::memory;
             let c = fp8_config("delayed", &["train.batch_size=2"]);
