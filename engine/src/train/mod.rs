@@ -147,7 +147,7 @@ impl<B: Backend> Trainer<B> {
         backend.select_attention(t.attention, model.attn_shape(batch, seq_len), needs)?;
         if model.fp8.is_some() && !backend.supports_fp8() {
             bail!(
-                "train.precision = \"fp8\": {} has no FP8 products in this release (the CPU reference has); set train.precision = \"bf16\"",
+                "train.precision = \"fp8\": {} has no FP8 products (GPUs need compute capability 8.9 or newer: Ada, Hopper, Blackwell); set train.precision = \"bf16\"",
                 backend.describe()
             );
         }

@@ -629,8 +629,9 @@ impl Backend for Cuda {
         ops::matmul::matmul(self, out, a, b, s)
     }
 
+    /// cuBLASLt's FP8 products need compute capability 8.9 (Ada) or newer (Hopper: 9.0).
     fn supports_fp8(&self) -> bool {
-        true
+        self.dev.info().capability >= (8, 9)
     }
 
     fn fp8_quantize(&mut self, q: View, x: View, state: fp8::State, tensorwise: bool, transpose: Option<usize>) {
