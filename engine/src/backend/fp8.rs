@@ -108,13 +108,28 @@ impl State {
     }
 }
 
-/// The largest |x| (NaN if any element is NaN, so that a diverged tensor is not scaled as a
-/// finite one).
+/// How a cast chooses its scale.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Scaling {
+    /// Tensorwise: the state's scale is set from this tensor's own amax first.
+    Current,
+    /// Delayed: the state's scale as the last update left it; this tensor's amax is recorded.
+    Delayed,
+    /// The state's scale as it is, and no amax taken: the same tensor cast again (in another
+    /// layout), whose scale the first cast set or whose amax it recorded.
+    Again,
+}
+
+/// The larger of `m` and |v|, NaN sticking (a diverged tensor is not scaled as a finite one).
+fn nan_max(m: f32, v: f32) -> f32 {
+    if v.is_nan() || m.is_nan() { f32::NAN } else { m.max(v.abs()) }
+}
+
+/// The largest |x| (NaN if any element is NaN).
 pub fn amax(x: &[f32]) -> f32 {
     use rayon::prelude::*;
     // The maximum does not depend on the order: any split gives the same value.
-    let max = |m: f32, v: f32| if v.is_nan() || m.is_nan() { f32::NAN } else { m.max(v.abs()) };
-    x.par_chunks(1 << 14).map(|c| c.iter().fold(0f32, |m, &v| max(m, v))).reduce(|| 0.0, max)
+    x.par_chunks(1 << 14).map(|c| c.iter().fold(0f32, |m, &v| nan_max(m, v))).reduce(|| 0.0, nan_max)
 }
 
 /// The scale that maps `amax` onto the format's largest value `max`, divided by `2^margin`;
@@ -124,8 +139,7 @@ pub fn scale_for(amax: f32, max: f32, margin: u32) -> Option<f32> {
     (amax > 0.0 && amax.is_finite() && scale.is_finite() && scale > 0.0).then_some(scale)
 }
 
-/// Casts `x` to `format` with its state: under `tensorwise` the scale is set from `x`'s own
-/// amax first; otherwise (delayed) the state's scale is used and `x`'s amax recorded. Writes
+/// Casts `x` to `format` with its state, the scale chosen as `scaling` says. Writes
 /// `fp8(x · scale)` to `q`, or with `transpose = Some(cols)` its transpose: `x` is then
 /// `[len / cols, cols]` and `q` `[cols, len / cols]` (cuBLASLt's FP8 products take one layout,
 /// so the backward pass's operands are cast transposed).
@@ -134,19 +148,19 @@ pub fn quantize(
     x: &[f32],
     state: &mut [f32],
     format: Fp8Format,
-    tensorwise: bool,
+    scaling: Scaling,
     transpose: Option<usize>,
 ) {
     use rayon::prelude::*;
     assert_eq!(q.len(), x.len(), "fp8 cast: output and input lengths differ");
-    let a = amax(x);
-    if tensorwise {
-        let scale = scale_for(a, format.max(), 0).unwrap_or(1.0);
-        state[slot::SCALE] = scale;
-        state[slot::INV_SCALE] = 1.0 / scale;
-    } else {
-        let m = state[slot::AMAX];
-        state[slot::AMAX] = if a.is_nan() || m.is_nan() { f32::NAN } else { m.max(a) };
+    match scaling {
+        Scaling::Current => {
+            let scale = scale_for(amax(x), format.max(), 0).unwrap_or(1.0);
+            state[slot::SCALE] = scale;
+            state[slot::INV_SCALE] = 1.0 / scale;
+        }
+        Scaling::Delayed => state[slot::AMAX] = nan_max(state[slot::AMAX], amax(x)),
+        Scaling::Again => {}
     }
     let scale = state[slot::SCALE];
     match transpose {
@@ -232,12 +246,12 @@ mod tests {
     fn tensorwise_maps_the_amax_onto_the_largest_value() {
         let x = [0.5, -2.0, 1.0, 0.0];
         let (mut q, mut s) = ([0f32; 4], State::initial(Fp8Format::E4M3, 0));
-        quantize(&mut q, &x, &mut s, Fp8Format::E4M3, true, None);
+        quantize(&mut q, &x, &mut s, Fp8Format::E4M3, Scaling::Current, None);
         assert_eq!(s[slot::SCALE], 224.0);
         assert_eq!(s[slot::INV_SCALE], 1.0 / 224.0);
         assert_eq!(q, [112.0, -448.0, 224.0, 0.0]);
         // All zeros keep a scale of one (nothing to map), and cast to zeros.
-        quantize(&mut q, &[0.0; 4], &mut s, Fp8Format::E4M3, true, None);
+        quantize(&mut q, &[0.0; 4], &mut s, Fp8Format::E4M3, Scaling::Current, None);
         assert_eq!((s[slot::SCALE], q), (1.0, [0.0; 4]));
     }
 
@@ -245,7 +259,7 @@ mod tests {
     fn a_transposed_cast_writes_the_transpose() {
         let x = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]; // [2, 3]
         let (mut q, mut s) = ([0f32; 6], State::initial(Fp8Format::E4M3, 0));
-        quantize(&mut q, &x, &mut s, Fp8Format::E4M3, false, Some(3));
+        quantize(&mut q, &x, &mut s, Fp8Format::E4M3, Scaling::Delayed, Some(3));
         assert_eq!(q, [1.0, 4.0, 2.0, 5.0, 3.0, 6.0]);
     }
 
@@ -255,9 +269,9 @@ mod tests {
         let mut s = State::initial(f, 3);
         let mut q = [0f32; 2];
         // Step 1 casts with the initial scale (1) and records its amax (4).
-        quantize(&mut q, &[4.0, -1.0], &mut s, f, false, None);
+        quantize(&mut q, &[4.0, -1.0], &mut s, f, Scaling::Delayed, None);
         assert_eq!((q, s[slot::AMAX]), ([4.0, -1.0], 4.0));
-        quantize(&mut q, &[-3.0, 2.0], &mut s, f, false, None);
+        quantize(&mut q, &[-3.0, 2.0], &mut s, f, Scaling::Delayed, None);
         assert_eq!(s[slot::AMAX], 4.0, "the step's amax is the largest of its casts");
         delayed_update(&mut s, State::len(3), 1);
         assert_eq!(&s[slot::HISTORY..], &[4.0, 0.0, 0.0]);
@@ -265,7 +279,7 @@ mod tests {
         assert_eq!(s[slot::AMAX], 0.0);
         // Steps with smaller amaxes keep the largest of the history until it leaves it.
         for (step, amax) in [1.0f32, 2.0, 2.0].into_iter().enumerate() {
-            quantize(&mut q, &[amax, 0.0], &mut s, f, false, None);
+            quantize(&mut q, &[amax, 0.0], &mut s, f, Scaling::Delayed, None);
             delayed_update(&mut s, State::len(3), 0);
             let expected = if step < 2 { 4.0 } else { 2.0 };
             assert_eq!(s[slot::SCALE], 57344.0 / expected, "step {step}");
@@ -285,7 +299,7 @@ mod tests {
         assert_eq!(scale_for(0.0, 448.0, 0), None);
         let mut s = State::initial(Fp8Format::E4M3, 2);
         let mut q = [0f32; 1];
-        quantize(&mut q, &[f32::NAN], &mut s, Fp8Format::E4M3, false, None);
+        quantize(&mut q, &[f32::NAN], &mut s, Fp8Format::E4M3, Scaling::Delayed, None);
         delayed_update(&mut s, State::len(2), 0);
         assert_eq!(s[slot::SCALE], 1.0);
     }

@@ -395,12 +395,19 @@ pub trait Backend {
     fn supports_fp8(&self) -> bool {
         false
     }
-    /// Casts `x` to the FP8 format of `state` into `q`, as [`fp8::quantize`] does: under
-    /// `tensorwise` scaling the state's scale is first set from `x`'s amax; otherwise (delayed
-    /// scaling) `x`'s amax is recorded and the state's scale used. `q` holds `fp8(x · scale)`,
+    /// Casts `x` to the FP8 format of `state` into `q`, as [`fp8::quantize`] does, the scale
+    /// chosen as `scaling` says (set from `x`'s amax, the state's with `x`'s amax recorded, or
+    /// the state's as it is). `q` holds `fp8(x · scale)`,
     /// transposed with `transpose = Some(cols)` (`x` being `[len / cols, cols]`); `q` is a
     /// [`BufKind::Fp8`] buffer.
-    fn fp8_quantize(&mut self, _q: View, _x: View, _state: fp8::State, _tensorwise: bool, _transpose: Option<usize>) {
+    fn fp8_quantize(
+        &mut self,
+        _q: View,
+        _x: View,
+        _state: fp8::State,
+        _scaling: fp8::Scaling,
+        _transpose: Option<usize>,
+    ) {
         unreachable!("internal error: {} has no FP8 ops (Backend::supports_fp8)", self.describe())
     }
     /// An FP8 product in cuBLASLt's one FP8 layout, `out[m, n] (+)= a[m, k] · b[n, k]ᵀ` (`shape`

@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use super::{
     AdamWStep, AttnNeeds, AttnShape, Backend, BufKind, ExpertWeights, IdxView, MatMul, MoeDispatch, Segment, SeqSplit,
-    View,
+    View, fp8,
 };
 
 /// One timed op.
@@ -160,10 +160,10 @@ impl<B: Backend> Backend for Traced<B> {
     fn supports_fp8(&self) -> bool {
         self.inner.supports_fp8()
     }
-    fn fp8_quantize(&mut self, q: View, x: View, state: super::fp8::State, tensorwise: bool, transpose: Option<usize>) {
-        self.time("fp8_quantize", |be| be.fp8_quantize(q, x, state, tensorwise, transpose))
+    fn fp8_quantize(&mut self, q: View, x: View, state: fp8::State, scaling: fp8::Scaling, transpose: Option<usize>) {
+        self.time("fp8_quantize", |be| be.fp8_quantize(q, x, state, scaling, transpose))
     }
-    fn matmul_fp8(&mut self, out: View, a: View, b: View, shape: MatMul, scales: [super::fp8::State; 2], fast: bool) {
+    fn matmul_fp8(&mut self, out: View, a: View, b: View, shape: MatMul, scales: [fp8::State; 2], fast: bool) {
         self.time("matmul_fp8", |be| be.matmul_fp8(out, a, b, shape, scales, fast))
     }
     fn fp8_delayed_update(&mut self, states: View, stride: usize, margin: u32) {

@@ -12,15 +12,18 @@
 //!
 //! Each of x, W and dy has a scaling state ([`crate::backend::fp8::State`]) per layer and
 //! product; a cast sets or uses it by the recipe (`train.fp8.recipe`). The backward pass casts
-//! x and W again from the tensors the forward pass read (the bf16 activation, the weight):
-//! within a step a cast gives the same values every time (tensorwise: the same amax; delayed:
-//! the step's fixed scale), so the reference need not keep the FP8 copies between the passes.
+//! W and dy a second time, transposed (cuBLASLt's FP8 products take one layout), with the scale
+//! their first cast left (no second amax pass), and x again from the activation the forward
+//! pass read: within a step a cast of x gives the same values every time (tensorwise: the same
+//! amax; delayed: the step's fixed scale), so the reference need not keep the FP8 copies between
+//! the passes.
+//!
 //! The embedding, the output head, the router, attention's core, the norms and the biases stay
 //! in the model's precision, as do products too small for FP8 to pay (`train.fp8.min_dim`) and
 //! the experts' products.
 
 use super::{Model, Plan};
-use crate::backend::fp8::{Fp8Format, State};
+use crate::backend::fp8::{Fp8Format, Scaling, State};
 use crate::backend::{Backend, BufKind, MatMul, View};
 use crate::config::{Fp8Config, Fp8Recipe, ModelConfig, Precision, TrainConfig};
 
@@ -114,7 +117,8 @@ pub struct Fp8Buffers {
     x: View,
     w: View,
     dy: View,
-    tensorwise: bool,
+    /// How a first cast of a tensor scales: the recipe's.
+    scaling: Scaling,
     /// The delayed recipe's `2^margin` headroom.
     margin: u32,
 }
@@ -136,7 +140,7 @@ impl Fp8Buffers {
     /// The end of an optimizer step: the delayed recipe rolls every operand's amax into its
     /// history and sets the next step's scales (nothing under tensorwise scaling).
     pub fn step_done<B: Backend>(&self, be: &mut B) {
-        if !self.tensorwise {
+        if self.scaling == Scaling::Delayed {
             be.fp8_delayed_update(self.states, self.stride, self.margin);
         }
     }
@@ -178,7 +182,10 @@ impl Model {
             x: take(BufKind::Fp8, x),
             w: take(BufKind::Fp8, w),
             dy: take(BufKind::Fp8, dy),
-            tensorwise: policy.config.recipe == Fp8Recipe::Tensorwise,
+            scaling: match policy.config.recipe {
+                Fp8Recipe::Tensorwise => Scaling::Current,
+                Fp8Recipe::Delayed => Scaling::Delayed,
+            },
             margin: policy.config.margin,
         })
     }
@@ -234,8 +241,8 @@ impl Model {
         };
         let (sx, sw) = (f.state(layer, linear, Operand::X), f.state(layer, linear, Operand::W));
         let (xq, wq) = (f.x.at(0, x.len), f.w.at(0, w.len));
-        be.fp8_quantize(xq, x, sx, f.tensorwise, None);
-        be.fp8_quantize(wq, w, sw, f.tensorwise, None);
+        be.fp8_quantize(xq, x, sx, f.scaling, None);
+        be.fp8_quantize(wq, w, sw, f.scaling, None);
         let shape = match residual {
             Some(c) => {
                 be.copy(out, c);
@@ -270,11 +277,14 @@ impl Model {
         // Wᵀ, dyᵀ and xᵀ cast transposed (`[O, I]`, `[N, O]` and `[N, I]` read by columns).
         let linear_form = |s: MatMul| MatMul { a_t: false, b_t: true, ..s };
         let (inp, out) = (shape_dx.n, shape_dx.k);
-        be.fp8_quantize(dyq, dy, sdy, f.tensorwise, None);
-        be.fp8_quantize(wq, w, sw, f.tensorwise, Some(inp));
+        // dy's second cast and W's in the backward pass take the scale their first set (W's in
+        // this layer's forward pass: the weight has not changed since). x's does not: another
+        // micro-batch's forward pass may have cast its own x with the same state since.
+        be.fp8_quantize(dyq, dy, sdy, f.scaling, None);
+        be.fp8_quantize(wq, w, sw, Scaling::Again, Some(inp));
         be.matmul_fp8(dx, dyq, wq, linear_form(shape_dx), [sdy, sw], false);
-        be.fp8_quantize(dyq, dy, sdy, f.tensorwise, Some(out));
-        be.fp8_quantize(xq, x, sx, f.tensorwise, Some(inp));
+        be.fp8_quantize(dyq, dy, sdy, Scaling::Again, Some(out));
+        be.fp8_quantize(xq, x, sx, f.scaling, Some(inp));
         be.matmul_fp8(dw, dyq, xq, linear_form(shape_dw), [sdy, sx], false);
     }
 }

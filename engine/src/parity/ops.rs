@@ -153,7 +153,7 @@ pub(super) fn matmul(gpu: Cuda, m: usize, n: usize, k: usize) -> Result<String, 
 /// The casts read bf16 inputs on both backends, so their bytes must be equal: the GPU's rounding
 /// is the CPU reference's (the float8 crate's, CUDA's saturating round-to-nearest-even).
 pub(super) fn fp8(gpu: Cuda, m: usize, n: usize, k: usize) -> Result<String, String> {
-    use crate::backend::fp8::{Fp8Format, State};
+    use crate::backend::fp8::{Fp8Format, Scaling, State};
     let mut t = Twin::new(gpu);
     let (x, w, dy) = (t.random(ACT, m * k, 3.0), t.random(PARAM, n * k, 0.05), t.random(ACT, m * n, 1e-3));
     let history = 3;
@@ -168,17 +168,18 @@ pub(super) fn fp8(gpu: Cuda, m: usize, n: usize, k: usize) -> Result<String, Str
     let delayed = state(&mut t, Fp8Format::E4M3);
     let xd = t.alloc(FP8, m * k);
     t.both(|be| {
-        be.fp8_quantize(xq, x, sx, true, None);
-        be.fp8_quantize(wq, w, sw, true, None);
-        be.fp8_quantize(dyq, dy, sdy, true, None);
-        be.fp8_quantize(dyq_t, dy, sdy, true, Some(n));
+        be.fp8_quantize(xq, x, sx, Scaling::Current, None);
+        be.fp8_quantize(wq, w, sw, Scaling::Current, None);
+        be.fp8_quantize(dyq, dy, sdy, Scaling::Current, None);
+        // A second cast of dy takes the scale the first set (no amax pass).
+        be.fp8_quantize(dyq_t, dy, sdy, Scaling::Again, Some(n));
         be.matmul_fp8(y, xq, wq, MatMul::linear(m, k, n), [sx, sw], true);
         // dW[n, k] += dyᵀ · x as a · bᵀ: (dyᵀ)[n, m] · ((xᵀ)[k, m])ᵀ, xᵀ cast transposed.
-        be.fp8_quantize(xd, x, sx, true, Some(k));
+        be.fp8_quantize(xd, x, sx, Scaling::Current, Some(k));
         be.matmul_fp8(dw, dyq_t, xd, MatMul { a_t: false, b_t: true, ..MatMul::linear_dw(m, k, n) }, [sdy, sx], false);
         // Delayed: the first step casts with scale 1 and records the amax; the update sets the
         // next scale from the history.
-        be.fp8_quantize(xq, x, delayed, false, None);
+        be.fp8_quantize(xq, x, delayed, Scaling::Delayed, None);
         be.fp8_delayed_update(delayed.view, delayed.view.len, 1);
     });
     let mut notes = Vec::new();

@@ -226,9 +226,9 @@ impl Backend for Cpu {
         true
     }
 
-    fn fp8_quantize(&mut self, q: View, x: View, state: fp8::State, tensorwise: bool, transpose: Option<usize>) {
+    fn fp8_quantize(&mut self, q: View, x: View, state: fp8::State, scaling: fp8::Scaling, transpose: Option<usize>) {
         let ([q, s], [x]) = self.mem.io_many([q, state.view], [x]);
-        fp8::quantize(q, x, s, state.format, tensorwise, transpose);
+        fp8::quantize(q, x, s, state.format, scaling, transpose);
     }
 
     /// The operands hold FP8 values in f32: every product of two is exact, and the sums are

@@ -227,6 +227,19 @@ fn describe(g: &Gemm) -> String {
     format!("{}x{}x{} {}{} {:?}->{:?} beta {}", g.m, g.n, g.k, t(g.transa), t(g.transb), g.inputs, g.output, g.beta)
 }
 
+/// Sets an FP8 product's A and B scale pointers on its descriptor.
+fn set_scale_pointers(desc: ltsys::cublasLtMatmulDesc_t, f: &Fp8Gemm) -> Result<(), lt::CublasError> {
+    let pointers = [
+        (DescAttr::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, f.a_scale),
+        (DescAttr::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, f.b_scale),
+    ];
+    for (attr, ptr) in pointers {
+        // SAFETY: the attribute takes a device pointer, 8 bytes, read from a live local.
+        unsafe { lt::set_matmul_desc_attribute(desc, attr, (&ptr as *const u64).cast(), 8) }?;
+    }
+    Ok(())
+}
+
 /// Largest power of two (up to 256) dividing a device address: what the heuristic may assume.
 fn alignment(ptr: CUdeviceptr) -> u32 {
     1 << ptr.trailing_zeros().min(8)
@@ -278,13 +291,7 @@ impl Blas {
         if let Some(f) = g.fp8 {
             // The scales' addresses differ from product to product of one shape (each layer's
             // operands have their own): set on the shared descriptor before each run.
-            for (attr, ptr) in [
-                (DescAttr::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, f.a_scale),
-                (DescAttr::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, f.b_scale),
-            ] {
-                // SAFETY: the attribute takes a device pointer, 8 bytes.
-                unsafe { lt::set_matmul_desc_attribute(plan.desc, attr, (&ptr as *const u64).cast(), 8) }?;
-            }
+            set_scale_pointers(plan.desc, &f)?;
         }
         unsafe {
             lt::matmul(
@@ -426,12 +433,7 @@ impl Blas {
                 lt::set_matmul_desc_attribute(desc, attr, (&fast as *const i8).cast(), 1)?;
                 // The heuristic is asked with the scales set (to any device address: they are
                 // read when the product runs).
-                for (attr, ptr) in [
-                    (DescAttr::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, f.a_scale),
-                    (DescAttr::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, f.b_scale),
-                ] {
-                    lt::set_matmul_desc_attribute(desc, attr, (&ptr as *const u64).cast(), 8)?;
-                }
+                set_scale_pointers(desc, &f)?;
             }
             let ws = WORKSPACE_BYTES as u64;
             lt::set_matmul_pref_attribute(

@@ -634,8 +634,8 @@ impl Backend for Cuda {
         self.dev.info().capability >= (8, 9)
     }
 
-    fn fp8_quantize(&mut self, q: View, x: View, state: fp8::State, tensorwise: bool, transpose: Option<usize>) {
-        ops::fp8::quantize(self, q, x, state, tensorwise, transpose)
+    fn fp8_quantize(&mut self, q: View, x: View, state: fp8::State, scaling: fp8::Scaling, transpose: Option<usize>) {
+        ops::fp8::quantize(self, q, x, state, scaling, transpose)
     }
 
     fn matmul_fp8(&mut self, out: View, a: View, b: View, s: MatMul, scales: [fp8::State; 2], fast: bool) {

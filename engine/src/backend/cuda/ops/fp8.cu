@@ -46,6 +46,13 @@ __device__ __forceinline__ unsigned char to_fp8(float x, int e5m2) {
     return e5m2 ? fp8_encode(x, 2, 15, 57344.f, 0x7e) : fp8_encode(x, 3, 7, 448.f, 0x7f);
 }
 
+// The scale that maps `amax` onto `max`, divided by 2^margin; 0 when the amax gives none (zero,
+// infinite or NaN), where the caller keeps the scale it has (backend/fp8.rs's scale_for).
+__device__ __forceinline__ float scale_for(float amax, float max, int margin) {
+    float scale = max / amax / ldexpf(1.f, margin);
+    return amax > 0.f && amax <= 3.4e38f && scale <= 3.4e38f && scale > 0.f ? scale : 0.f;
+}
+
 // |x| as bits: for non-negative floats the unsigned order is the numeric one, and every NaN
 // lies above +inf, so the maximum of the bits is the amax, NaN if any element is NaN.
 __device__ __forceinline__ u32 abs_bits(float x) { return __float_as_uint(x) & 0x7fffffffu; }
@@ -90,9 +97,8 @@ extern "C" __global__ void fp8_amax_finish(const u32* partials, int count, float
     if (threadIdx.x != 0) return;
     float amax = __uint_as_float(m);
     if (tensorwise) {
-        float scale = state[FP8_MAX] / amax;
-        bool usable = amax > 0.f && amax <= 3.4e38f && scale <= 3.4e38f && scale > 0.f;
-        state[FP8_SCALE] = usable ? scale : 1.f;
+        float scale = scale_for(amax, state[FP8_MAX], 0);
+        state[FP8_SCALE] = scale > 0.f ? scale : 1.f;
         state[FP8_INV_SCALE] = 1.f / state[FP8_SCALE];
     } else {
         u32 recorded = abs_bits(state[FP8_AMAX]);
@@ -143,8 +149,8 @@ extern "C" __global__ void fp8_delayed_update(float* states, int operands, int s
         float v = s[FP8_HISTORY + h];
         if (v == v && v > newest) newest = v;
     }
-    float scale = s[FP8_MAX] / newest / ldexpf(1.f, margin);
-    if (newest > 0.f && newest <= 3.4e38f && scale <= 3.4e38f && scale > 0.f) {
+    float scale = scale_for(newest, s[FP8_MAX], margin);
+    if (scale > 0.f) {
         s[FP8_SCALE] = scale;
         s[FP8_INV_SCALE] = 1.f / scale;
     }

@@ -5,7 +5,7 @@
 use super::{Module, c_int};
 use crate::backend::View;
 use crate::backend::cuda::{Arg, Cuda, DType, Scratch};
-use crate::backend::fp8::{Fp8Format, State};
+use crate::backend::fp8::{Fp8Format, Scaling, State};
 
 /// The kernels of `fp8.cu`.
 pub(crate) const MODULE: Module = Module {
@@ -15,21 +15,24 @@ pub(crate) const MODULE: Module = Module {
 };
 
 /// `Backend::fp8_quantize`: the amax over fixed blocks into the state (setting the scale under
-/// tensorwise scaling, recording it under delayed), then the cast, transposed through shared
-/// memory when asked. Three launches; the scale never leaves the device.
-pub(crate) fn quantize(gpu: &mut Cuda, q: View, x: View, state: State, tensorwise: bool, transpose: Option<usize>) {
+/// tensorwise scaling, recording it under delayed; not taken for a tensor cast again), then the
+/// cast, transposed through shared memory when asked. Three launches at most; the scale never
+/// leaves the device.
+pub(crate) fn quantize(gpu: &mut Cuda, q: View, x: View, state: State, scaling: Scaling, transpose: Option<usize>) {
     assert_eq!(q.len, x.len, "internal error: fp8_quantize: q and x differ in length");
     gpu.expect(x, DType::Bf16, "fp8_quantize", "x");
     gpu.expect(q, DType::Fp8, "fp8_quantize", "q");
     gpu.expect(state.view, DType::F32, "fp8_quantize", "state");
     let (qp, xp, sp) = (gpu.out(q, "fp8_quantize"), gpu.ptr(x), gpu.out(state.view, "fp8_quantize"));
     let n = x.len as u64;
-    let most = super::elementwise::sum_blocks(gpu.dev.info().sm_count as usize);
-    let parts = gpu.scratch(Scratch::SumPartials, most * 8);
-    let blocks = n.div_ceil(256).clamp(1, most as u64) as u32;
-    gpu.launch("fp8_amax_partials", (blocks, 1, 1), 256, 0, &[Arg::P(xp), Arg::U(n), Arg::P(parts)]);
-    let finish = [Arg::P(parts), Arg::I(blocks as i32), Arg::P(sp), Arg::I(tensorwise as i32)];
-    gpu.launch("fp8_amax_finish", (1, 1, 1), 256, 0, &finish);
+    if scaling != Scaling::Again {
+        let most = super::elementwise::sum_blocks(gpu.dev.info().sm_count as usize);
+        let parts = gpu.scratch(Scratch::SumPartials, most * 8);
+        let blocks = n.div_ceil(256).clamp(1, most as u64) as u32;
+        gpu.launch("fp8_amax_partials", (blocks, 1, 1), 256, 0, &[Arg::P(xp), Arg::U(n), Arg::P(parts)]);
+        let current = Arg::I((scaling == Scaling::Current) as i32);
+        gpu.launch("fp8_amax_finish", (1, 1, 1), 256, 0, &[Arg::P(parts), Arg::I(blocks as i32), Arg::P(sp), current]);
+    }
     let e5m2 = Arg::I((state.format == Fp8Format::E5M2) as i32);
     match transpose {
         None => gpu.launch_1d("fp8_cast", n, &[Arg::P(qp), Arg::P(xp), Arg::U(n), Arg::P(sp), e5m2]),
