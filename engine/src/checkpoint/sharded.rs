@@ -25,7 +25,7 @@ use std::collections::BTreeMap;
 use std::fs;
 use std::path::Path;
 
-use anyhow::{Result, anyhow, bail};
+use anyhow::{Context, Result, anyhow, bail};
 use serde::{Deserialize, Serialize};
 
 use super::{Checkpoint, Extras, FileSum, MODEL_FILE, OPTIMIZER_FILE, Progress, seal};
@@ -232,10 +232,9 @@ impl Checkpoint {
         let file = Mapped::open(&self.dir.join(&name))?;
         let st = file.tensors();
         let Ok(view) = st.tensor(FP8_SCALING) else { return Ok(None) };
-        if tensors::float_type(FP8_SCALING, &view)? != FloatType::F32 {
-            bail!("checkpoint {}: {name}: {FP8_SCALING} is not f32", self.dir.display());
-        }
-        let values = view.data().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+        let mut values = vec![0f32; view.shape().iter().product()];
+        tensors::read_f32(FP8_SCALING, &view, &mut values)
+            .with_context(|| format!("checkpoint {}: {name}", self.dir.display()))?;
         Ok(Some(values))
     }
 
