@@ -425,6 +425,21 @@ pub trait Backend {
     ) {
         unreachable!("internal error: {} has no FP8 ops (Backend::supports_fp8)", self.describe())
     }
+    /// `out = c + a · bᵀ` in FP8 ([`Backend::matmul_fp8`]; `shape.accumulate` is ignored): the
+    /// residual add in the product's epilogue, as [`Backend::matmul_add`] for bf16 products.
+    fn matmul_fp8_add(
+        &mut self,
+        out: View,
+        a: View,
+        b: View,
+        c: View,
+        shape: MatMul,
+        scales: [fp8::State; 2],
+        fast: bool,
+    ) {
+        self.copy(out, c);
+        self.matmul_fp8(out, a, b, shape.accumulating(), scales, fast);
+    }
     /// Delayed scaling's step ([`fp8::delayed_update`]) over operand states of `stride` elements
     /// laid back to back in `states`.
     fn fp8_delayed_update(&mut self, _states: View, _stride: usize, _margin: u32) {

@@ -166,6 +166,9 @@ impl<B: Backend> Backend for Traced<B> {
     fn matmul_fp8(&mut self, out: View, a: View, b: View, shape: MatMul, scales: [fp8::State; 2], fast: bool) {
         self.time("matmul_fp8", |be| be.matmul_fp8(out, a, b, shape, scales, fast))
     }
+    fn matmul_fp8_add(&mut self, out: View, a: View, b: View, c: View, s: MatMul, scales: [fp8::State; 2], fast: bool) {
+        self.time("matmul_fp8", |be| be.matmul_fp8_add(out, a, b, c, s, scales, fast))
+    }
     fn fp8_delayed_update(&mut self, states: View, stride: usize, margin: u32) {
         self.time("fp8_delayed_update", |be| be.fp8_delayed_update(states, stride, margin))
     }

@@ -243,14 +243,10 @@ impl Model {
         let (xq, wq) = (f.x.at(0, x.len), f.w.at(0, w.len));
         be.fp8_quantize(xq, x, sx, f.scaling, None);
         be.fp8_quantize(wq, w, sw, f.scaling, None);
-        let shape = match residual {
-            Some(c) => {
-                be.copy(out, c);
-                shape.accumulating()
-            }
-            None => shape,
-        };
-        be.matmul_fp8(out, xq, wq, shape, [sx, sw], true);
+        match residual {
+            Some(c) => be.matmul_fp8_add(out, xq, wq, c, shape, [sx, sw], true),
+            None => be.matmul_fp8(out, xq, wq, shape, [sx, sw], true),
+        }
     }
 
     /// The backward pass of [`Model::linear_forward`]: `dx = dy · W` (added to `dx` when

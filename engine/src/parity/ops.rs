@@ -165,6 +165,7 @@ pub(super) fn fp8(gpu: Cuda, m: usize, n: usize, k: usize) -> Result<String, Str
         (state(&mut t, Fp8Format::E4M3), state(&mut t, Fp8Format::E4M3), state(&mut t, Fp8Format::E5M2));
     let (xq, wq, dyq, dyq_t) = (t.alloc(FP8, m * k), t.alloc(FP8, n * k), t.alloc(FP8, m * n), t.alloc(FP8, m * n));
     let (y, dw) = (t.alloc(ACT, m * n), t.random(GRAD, n * k, 0.1));
+    let (residual, sum) = (t.random(ACT, m * n, 1.0), t.alloc(ACT, m * n));
     let delayed = state(&mut t, Fp8Format::E4M3);
     let xd = t.alloc(FP8, m * k);
     t.both(|be| {
@@ -174,6 +175,7 @@ pub(super) fn fp8(gpu: Cuda, m: usize, n: usize, k: usize) -> Result<String, Str
         // A second cast of dy takes the scale the first set (no amax pass).
         be.fp8_quantize(dyq_t, dy, sdy, Scaling::Again, Some(n));
         be.matmul_fp8(y, xq, wq, MatMul::linear(m, k, n), [sx, sw], true);
+        be.matmul_fp8_add(sum, xq, wq, residual, MatMul::linear(m, k, n), [sx, sw], true);
         // dW[n, k] += dyᵀ · x as a · bᵀ: (dyᵀ)[n, m] · ((xᵀ)[k, m])ᵀ, xᵀ cast transposed.
         be.fp8_quantize(xd, x, sx, Scaling::Current, Some(k));
         be.matmul_fp8(dw, dyq_t, xd, MatMul { a_t: false, b_t: true, ..MatMul::linear_dw(m, k, n) }, [sdy, sx], false);
@@ -202,6 +204,7 @@ pub(super) fn fp8(gpu: Cuda, m: usize, n: usize, k: usize) -> Result<String, Str
         t.check(&format!("{what}'s scaling state"), s.view, Tol { rel_l2: 0.0, max: 0.0 })?;
     }
     t.check("x·Wᵀ in FP8 (fast accumulation, bf16 out)", y, BF16)?;
+    t.check("residual + x·Wᵀ in FP8, the residual in the epilogue", sum, BF16)?;
     t.check("dW += dyᵀ·x in FP8 (f32)", dw, F32)?;
     Ok(format!("{}, {}", notes.join(", "), t.done()?))
 }

@@ -639,7 +639,11 @@ impl Backend for Cuda {
     }
 
     fn matmul_fp8(&mut self, out: View, a: View, b: View, s: MatMul, scales: [fp8::State; 2], fast: bool) {
-        ops::matmul::matmul_fp8(self, out, a, b, s, scales, fast)
+        ops::matmul::matmul_fp8(self, out, a, b, None, s, scales, fast)
+    }
+
+    fn matmul_fp8_add(&mut self, out: View, a: View, b: View, c: View, s: MatMul, scales: [fp8::State; 2], fast: bool) {
+        ops::matmul::matmul_fp8(self, out, a, b, Some(c), s, scales, fast)
     }
 
     fn fp8_delayed_update(&mut self, states: View, stride: usize, margin: u32) {

@@ -41,10 +41,21 @@ pub(crate) fn matmul_add(gpu: &mut Cuda, out: View, a: View, b: View, c: View, s
     gpu.dev.gemm(&g);
 }
 
-/// `Backend::matmul_fp8`: one cuBLASLt FP8 product, `a · bᵀ` (in cuBLASLt's column-major terms
-/// `TN`, the one layout its FP8 kernels take on Hopper), each operand's inverse scale read by
-/// the epilogue through a scale pointer; bf16 or f32 output.
-pub(crate) fn matmul_fp8(gpu: &mut Cuda, out: View, a: View, b: View, s: MatMul, scales: [State; 2], fast: bool) {
+/// `Backend::matmul_fp8` (and, with `c`, `matmul_fp8_add`): one cuBLASLt FP8 product, `a · bᵀ`
+/// (in cuBLASLt's column-major terms `TN`, the one layout its FP8 kernels take on Hopper), each
+/// operand's inverse scale read by the epilogue through a scale pointer, `c` added there; bf16
+/// or f32 output.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn matmul_fp8(
+    gpu: &mut Cuda,
+    out: View,
+    a: View,
+    b: View,
+    c: Option<View>,
+    s: MatMul,
+    scales: [State; 2],
+    fast: bool,
+) {
     assert!(!s.a_t && s.b_t, "internal error: matmul_fp8 takes a · bᵀ only");
     assert_eq!(a.len, s.m * s.k, "internal error: matmul_fp8: a is not {}x{}", s.m, s.k);
     assert_eq!(b.len, s.k * s.n, "internal error: matmul_fp8: b is not {}x{}", s.n, s.k);
@@ -54,7 +65,14 @@ pub(crate) fn matmul_fp8(gpu: &mut Cuda, out: View, a: View, b: View, s: MatMul,
     let (o, ot) = (gpu.out(out, "matmul_fp8"), gpu.dtype(out));
     let (ap, bp) = (gpu.ptr(a), gpu.ptr(b));
     let [sa, sb] = scales.map(|st| gpu.ptr(st.inv_scale()));
+    let s = if c.is_some() { s.accumulating() } else { s };
     let mut g = Gemm::row_major(s, o, ap, bp, DType::Fp8, ot);
+    if let Some(c) = c {
+        assert_eq!(c.len, out.len, "internal error: matmul_fp8_add: c and out differ in length");
+        assert_eq!(gpu.dtype(c), ot, "internal error: matmul_fp8_add: c and out differ in type");
+        assert!(!c.overlaps(out) || c == out, "internal error: matmul_fp8_add: c overlaps out");
+        g.c = gpu.ptr(c);
+    }
     // cuBLASLt's A is our b, its B our a.
     g.fp8 = Some(Fp8Gemm { a: scales[1].format, b: scales[0].format, a_scale: sb, b_scale: sa, fast_accum: fast });
     gpu.dev.gemm(&g);
