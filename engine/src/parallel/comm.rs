@@ -58,6 +58,60 @@ pub trait Collectives<B: Backend> {
     /// with a reader thread per peer): the pipeline's order of groups is deadlock-free either
     /// way ([`crate::parallel::pipeline::handoffs`]).
     fn send_recv(&mut self, be: &mut B, sends: &[(View, usize)], recvs: &[(View, usize)]);
+    /// All-to-all with variable counts, dropless (the expert axis's token exchange, as
+    /// Megatron-Core's all-to-all dispatcher and MaxText's ragged all-to-all): `input` holds, one
+    /// after the other in group order, the part this member sends to each member (`send[j]`
+    /// elements to member j, its own part included; `input.len ≥ Σ send`). The counts travel
+    /// first, so that each member learns what comes to it; then `output` receives, one after
+    /// the other in group order, the part each member sent to this one. Returns those counts
+    /// (`recv[j]` elements from member j). `output.len ≥ Σ recv`: the caller sizes it for the
+    /// worst case (every member sends all it has here); elements past `Σ recv` are left as
+    /// they were. Parts are copied, never added, so every implementation gives the same bits.
+    fn all_to_all(&mut self, be: &mut B, input: View, send: &[usize], output: View, group: &[usize]) -> Vec<usize>;
+}
+
+/// Where parts laid one after the other start: `[0, c₀, c₀ + c₁, …, Σ c]`.
+pub(crate) fn starts(counts: &[usize]) -> Vec<usize> {
+    let mut at = vec![0];
+    for &c in counts {
+        at.push(at.last().expect("one") + c);
+    }
+    at
+}
+
+/// A count as an element of the f32 messages that collectives move (its `u32` bits, exact for
+/// any count a buffer can hold), and back.
+pub(crate) fn count_to_f32(count: usize) -> f32 {
+    f32::from_bits(u32::try_from(count).expect("internal error: an all-to-all part of 2^32 elements or more"))
+}
+
+/// The count an element made by [`count_to_f32`] carries.
+pub(crate) fn f32_to_count(x: f32) -> usize {
+    x.to_bits() as usize
+}
+
+/// Checks an all-to-all's arguments before anything travels (internal errors: the callers size
+/// the buffers).
+pub(crate) fn check_all_to_all(input: View, send: &[usize], group: &[usize]) {
+    assert_eq!(
+        send.len(),
+        group.len(),
+        "internal error: all-to-all counts for {} members, group of {}",
+        send.len(),
+        group.len()
+    );
+    let total: usize = send.iter().sum();
+    assert!(total <= input.len, "internal error: all-to-all sends {total} elements from a buffer of {}", input.len);
+}
+
+/// Checks that what arrives fits the output.
+pub(crate) fn check_received(recv: &[usize], output: View, rank: usize) {
+    let total: usize = recv.iter().sum();
+    assert!(
+        total <= output.len,
+        "internal error: rank {rank} receives {total} elements in an all-to-all, its buffer holds {}",
+        output.len
+    );
 }
 
 /// A device alone (a mesh of one): every group is this device, so sums and gathers leave the data
@@ -89,6 +143,16 @@ impl<B: Backend> Collectives<B> for Solo {
 
     fn send_recv(&mut self, _be: &mut B, sends: &[(View, usize)], recvs: &[(View, usize)]) {
         assert!(sends.is_empty() && recvs.is_empty(), "internal error: a device alone has no pipeline neighbours");
+    }
+
+    fn all_to_all(&mut self, be: &mut B, input: View, send: &[usize], output: View, group: &[usize]) -> Vec<usize> {
+        debug_assert_eq!(group, [0], "a device alone has no peers");
+        check_all_to_all(input, send, group);
+        check_received(send, output, 0);
+        if send[0] > 0 {
+            be.copy(output.at(0, send[0]), input.at(0, send[0]));
+        }
+        send.to_vec()
     }
 }
 
@@ -306,6 +370,33 @@ impl<B: Backend> Collectives<B> for Virtual {
         }
     }
 
+    fn all_to_all(&mut self, be: &mut B, input: View, send: &[usize], output: View, group: &[usize]) -> Vec<usize> {
+        check_all_to_all(input, send, group);
+        let (n, me) = (group.len(), group.iter().position(|&r| r == self.rank).expect("member"));
+        // One slot holds the counts, then the parts: the counts come first, as on the wire.
+        let total: usize = send.iter().sum();
+        let mut data = std::mem::take(&mut self.staging);
+        data.clear();
+        data.extend(send.iter().map(|&c| count_to_f32(c)));
+        data.resize(n + total, 0.0);
+        be.download(input.at(0, total), &mut data[n..]);
+        let (mut recv, mut all) = (Vec::with_capacity(n), Vec::new());
+        self.exchange(&data, group, |parts| {
+            for part in parts {
+                let counts: Vec<usize> = part[..n].iter().map(|&x| f32_to_count(x)).collect();
+                let at = n + starts(&counts)[me];
+                all.extend_from_slice(&part[at..at + counts[me]]);
+                recv.push(counts[me]);
+            }
+        });
+        check_received(&recv, output, self.rank);
+        if !all.is_empty() {
+            be.upload(output.at(0, all.len()), &all);
+        }
+        self.staging = data;
+        recv
+    }
+
     fn reduce_scatter_sum(&mut self, be: &mut B, input: View, output: View, group: &[usize]) {
         assert_eq!(input.len, output.len * group.len(), "reduce-scatter sizes");
         let me = group.iter().position(|&r| r == self.rank).expect("member");
@@ -354,6 +445,53 @@ mod tests {
             })
             .collect();
         handles.into_iter().map(|h| h.join().expect("device thread")).collect()
+    }
+
+    /// Member `from` sends member `to` `(from + 2·to) % 3` elements (some parts empty, its own
+    /// included), each naming sender, receiver and position.
+    fn part(from: usize, to: usize) -> Vec<f32> {
+        (0..(from + 2 * to) % 3).map(|i| (100 * from + 10 * to + i) as f32).collect()
+    }
+
+    #[test]
+    fn all_to_all_moves_parts_of_any_size_in_group_order() {
+        let results = on_devices(4, |rank, comm, cpu| {
+            // Groups {0, 2} and {1, 3}, then the world, twice each: counts never mix.
+            let pairs = if rank % 2 == 0 { vec![0, 2] } else { vec![1, 3] };
+            let mut got = Vec::new();
+            for group in [pairs.clone(), vec![0, 1, 2, 3], pairs, vec![0, 1, 2, 3]] {
+                let send: Vec<usize> = group.iter().map(|&to| part(rank, to).len()).collect();
+                let data: Vec<f32> = group.iter().flat_map(|&to| part(rank, to)).collect();
+                // Buffers larger than the parts: the rest of the output keeps its values.
+                let (input, output) =
+                    (cpu.alloc(BufKind::Activations, data.len() + 3), cpu.alloc(BufKind::Activations, 12));
+                cpu.upload(input.at(0, data.len()), &data);
+                cpu.fill(output, -1.0);
+                let recv = Collectives::<Cpu>::all_to_all(comm, cpu, input, &send, output, &group);
+                let mut out = vec![0f32; 12];
+                cpu.download(output, &mut out);
+                got.push((group, recv, out));
+            }
+            got
+        });
+        for (rank, got) in results.into_iter().enumerate() {
+            for (group, recv, out) in got {
+                let want: Vec<f32> = group.iter().flat_map(|&from| part(from, rank)).collect();
+                let counts: Vec<usize> = group.iter().map(|&from| part(from, rank).len()).collect();
+                assert_eq!(recv, counts, "rank {rank}, group {group:?}: counts");
+                assert_eq!(out[..want.len()], want[..], "rank {rank}, group {group:?}: parts");
+                assert!(out[want.len()..].iter().all(|&x| x == -1.0), "rank {rank}: past the parts");
+            }
+        }
+        // A device alone keeps its own part.
+        let mut cpu = Cpu::new();
+        let (input, output) = (cpu.alloc(BufKind::Activations, 3), cpu.alloc(BufKind::Activations, 3));
+        cpu.upload(input, &[1.0, 2.0, 3.0]);
+        assert_eq!(Collectives::<Cpu>::all_to_all(&mut Solo, &mut cpu, input, &[2], output, &[0]), [2]);
+        let mut out = vec![0f32; 3];
+        cpu.download(output, &mut out);
+        assert_eq!(out[..2], [1.0, 2.0]);
+        assert_eq!((count_to_f32(0), f32_to_count(count_to_f32(u32::MAX as usize))), (0.0, u32::MAX as usize));
     }
 
     #[test]
