@@ -929,6 +929,15 @@ section! {
         /// Sequence parallelism across nodes.
         @resumable
         pub dcn_seq: i64 = 1,
+        /// Expert parallelism within a node, carved out of the data axis (as Megatron-Core's
+        /// `--expert-model-parallel-size`): each group of this many data ranks holds every expert
+        /// once, whole experts divided among them. It must divide `ici_data` and
+        /// `model.moe.num_experts`, and needs a mixture-of-experts model.
+        @resumable
+        pub ici_expert: i64 = 1,
+        /// Expert parallelism across nodes, carved out of `dcn_data` likewise.
+        @resumable
+        pub dcn_expert: i64 = 1,
         /// FSDP: whether the forward pass releases each layer's gathered parameters once done with
         /// it (and the backward pass gathers them again), as FSDP2's `reshard_after_forward`. Off,
         /// the gathered parameters stay until the backward pass is done with them: one gather per

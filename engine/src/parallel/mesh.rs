@@ -44,6 +44,9 @@ pub struct Mesh {
     pub ici: [usize; AXES],
     /// Inter-node sizes `[data, fsdp, tensor, pipeline, seq]`.
     pub dcn: [usize; AXES],
+    /// The expert axis's `[intra-node, inter-node]` sizes, which divide the data axis's: the
+    /// expert axis is carved out of the data ranks ([`Mesh::expert_group`]).
+    pub expert: [usize; 2],
 }
 
 /// A rank's coordinates on the five axes.
@@ -74,7 +77,7 @@ const ORDER: [usize; AXES] = [3, 0, 1, 4, 2];
 impl Mesh {
     /// The single-device mesh.
     pub fn single() -> Mesh {
-        Mesh { ici: [1; AXES], dcn: [1; AXES] }
+        Mesh { ici: [1; AXES], dcn: [1; AXES], expert: [1, 1] }
     }
 
     /// Resolves the configured sizes for `nodes` nodes of `devices_per_node` devices, filling a
@@ -84,7 +87,63 @@ impl Mesh {
         let dcn = [cfg.dcn_data, cfg.dcn_fsdp, cfg.dcn_tensor, cfg.dcn_pipeline, cfg.dcn_seq];
         let ici = fill("ici", ici, devices_per_node, "devices per node")?;
         let dcn = fill("dcn", dcn, nodes, "nodes")?;
-        Ok(Mesh { ici, dcn })
+        let mut expert = [1; 2];
+        for (i, (group, size, data)) in
+            [("ici", cfg.ici_expert, ici[0]), ("dcn", cfg.dcn_expert, dcn[0])].into_iter().enumerate()
+        {
+            if size < 1 {
+                bail!("mesh.{group}_expert = {size}: the expert axis's size is a positive number (1: no expert axis)");
+            }
+            let size = size as usize;
+            if !data.is_multiple_of(size) {
+                bail!(
+                    "mesh.{group}_expert = {size} does not divide mesh.{group}_data = {data}: the expert axis is carved out of the data axis (each group of {size} data ranks holds every expert once); {data} mod {size} = {}",
+                    data % size
+                );
+            }
+            expert[i] = size;
+        }
+        Ok(Mesh { ici, dcn, expert })
+    }
+
+    /// Size of the expert axis (intra-node × inter-node): how many devices divide the experts
+    /// among them.
+    pub fn expert_size(&self) -> usize {
+        self.expert[0] * self.expert[1]
+    }
+
+    /// A data coordinate's place on the expert axis and among the replicas of one expert
+    /// group: `(expert, replica)`. Within a node, consecutive data ranks form an expert group,
+    /// so that the all-to-all stays inside the node when `dcn_expert` is 1; across nodes,
+    /// consecutive nodes do.
+    fn expert_coords(&self, data: usize) -> (usize, usize) {
+        let (ici, dcn) = (data % self.ici[0], data / self.ici[0]);
+        let [ie, de] = self.expert;
+        ((dcn % de) * ie + ici % ie, (dcn / de) * (self.ici[0] / ie) + ici / ie)
+    }
+
+    /// The expert group of `rank`, in expert-axis order: the ranks of its data group that hold
+    /// every expert once between them, and exchange tokens by all-to-all. The member at
+    /// position `i` holds experts `[i·E/n, (i+1)·E/n)` of `E`.
+    pub fn expert_group(&self, rank: usize) -> Vec<usize> {
+        let data = self.group(rank, Axis::Data);
+        let (_, replica) = self.expert_coords(self.coords(rank).data);
+        let mut members: Vec<(usize, usize)> = (0..data.len())
+            .map(|x| (self.expert_coords(x), data[x]))
+            .filter(|((_, r), _)| *r == replica)
+            .map(|((e, _), rank)| (e, rank))
+            .collect();
+        members.sort();
+        members.into_iter().map(|(_, r)| r).collect()
+    }
+
+    /// The ranks of `rank`'s data group that hold the same experts as it, in data-axis order:
+    /// the experts' gradients are summed over them (the other parameters' over the whole data
+    /// group).
+    pub fn expert_replicas(&self, rank: usize) -> Vec<usize> {
+        let data = self.group(rank, Axis::Data);
+        let (expert, _) = self.expert_coords(self.coords(rank).data);
+        (0..data.len()).filter(|&x| self.expert_coords(x).0 == expert).map(|x| data[x]).collect()
     }
 
     /// Size of an axis (intra-node × inter-node).
@@ -170,6 +229,22 @@ impl Mesh {
 
     /// Checks that the model splits evenly over the tensor axis and into the pipeline's stages.
     pub fn check_model(&self, m: &ModelConfig) -> Result<()> {
+        let ep = self.expert_size();
+        let axis = || format!("ici_expert x dcn_expert = {} x {}", self.expert[0], self.expert[1]);
+        match &m.moe {
+            None if ep > 1 => bail!(
+                "mesh: the expert axis has {} = {ep} devices, but the model is dense (model.moe is not set): there are no experts to distribute; set mesh.ici_expert and mesh.dcn_expert to 1",
+                axis()
+            ),
+            Some(moe) if !moe.num_experts.is_multiple_of(ep) => bail!(
+                "mesh: the expert axis has {} = {ep} devices, which does not divide model.moe.num_experts = {} (each device holds whole experts); {} mod {ep} = {}",
+                axis(),
+                moe.num_experts,
+                moe.num_experts,
+                moe.num_experts % ep
+            ),
+            _ => {}
+        }
         let pp = self.size(Axis::Pipeline);
         if pp > 1 && pp > m.n_layers {
             bail!(
@@ -337,5 +412,33 @@ mod tests {
         assert!(m.check_model(&ok).is_ok());
         let e = m.check_model(&ModelConfig { vocab_size: 32, ..ok }).unwrap_err().to_string();
         assert!(e.contains("does not divide model.vocab_size = 32") && e.contains("32 mod 3 = 2"), "{e}");
+    }
+
+    #[test]
+    fn the_expert_axis_needs_experts_that_it_divides_and_a_data_axis_it_divides() {
+        let mesh = |data: i64, expert: i64| MeshConfig { ici_data: data, ici_expert: expert, ..MeshConfig::default() };
+        let e = Mesh::resolve(&mesh(4, 3), 4, 1).unwrap_err().to_string();
+        assert!(
+            e.contains("mesh.ici_expert = 3 does not divide mesh.ici_data = 4") && e.contains("4 mod 3 = 1"),
+            "{e}"
+        );
+        let e = Mesh::resolve(&mesh(4, 0), 4, 1).unwrap_err().to_string();
+        assert!(e.contains("mesh.ici_expert = 0: the expert axis's size is a positive number"), "{e}");
+        let m = Mesh::resolve(&mesh(-1, 2), 4, 1).unwrap();
+        assert_eq!((m.expert_size(), m.devices()), (2, 4), "the expert axis takes no devices of its own");
+        let dense = ModelConfig::default();
+        let e = m.check_model(&dense).unwrap_err().to_string();
+        assert!(e.contains("ici_expert x dcn_expert = 2 x 1 = 2 devices, but the model is dense"), "{e}");
+        let moe = |num_experts| ModelConfig {
+            moe: Some(crate::config::MoeConfig { num_experts, top_k: 2, ..Default::default() }),
+            ..ModelConfig::default()
+        };
+        assert!(m.check_model(&moe(8)).is_ok());
+        let m = Mesh::resolve(&mesh(-1, 4), 4, 1).unwrap();
+        let e = m.check_model(&moe(6)).unwrap_err().to_string();
+        assert!(
+            e.contains("= 4 devices, which does not divide model.moe.num_experts = 6") && e.contains("6 mod 4 = 2"),
+            "{e}"
+        );
     }
 }
