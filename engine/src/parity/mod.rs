@@ -215,7 +215,9 @@ fn checks(scale: Scale) -> Vec<(String, Check)> {
     for v in [1000, 37] {
         add(&format!("cross-entropy V={v}"), Box::new(move |g, _| cross_entropy(g, v)));
     }
-    add("mixture of experts: route, dispatch, experts, combine, backward", Box::new(|g, _| moe(g)));
+    add("mixture of experts: route, dispatch, experts, combine, backward", Box::new(|g, _| moe(g, None)));
+    // 90 tokens, top-2 of 8 experts: 180 slots, 12 rows an expert (a capacity factor of 0.53).
+    add("mixture of experts with a capacity: dropped slots", Box::new(|g, _| moe(g, Some(12))));
     add("adamw with clipping and decay segments", Box::new(|g, _| adamw(g)));
     if !scale.emulated {
         add(
