@@ -7,7 +7,16 @@ over several rounds so that drifting clocks or a noisy neighbour touch every pee
 - `compile-blocks`: PyTorch + torch.compile of each decoder layer, as torchtitan sets it up;
 - `compile-whole`: PyTorch + torch.compile of the forward pass and the loss together;
 - `jax`: the seeds' stack, a MaxText-style step in JAX with cuDNN flash attention
-  (bench/jax_train.py; `--jax-attention xla` on a CPU).
+  (bench/jax_train.py; `--jax-attention xla` on a CPU); for Mixtral, the experts dropless
+  through `jax.lax.ragged_dot`, MaxText's path;
+- `grouped-mm` (Mixtral only): a torchtitan-style MoE model (bench/torch_moe.py), the experts'
+  products in `torch._grouped_mm`, each block compiled with fullgraph=True as torchtitan does.
+
+On a Mixtral recipe `eager` is Hugging Face's `MixtralForCausalLM` in eager PyTorch, what most
+users start from:
+
+    python3 bench/compare.py --recipe mixtral-8x7b --set model.n_layers=2 --set train.seq_len=4096 \
+        --set train.batch_size=2 --peers engine,eager,grouped-mm,jax
 
 Prints the median tokens/s of each, their TFLOP/s and MFU by the engine's FLOP convention (FLOPs
 per token from `engine recipes show`, peak from the engine's device table), and the engine's
@@ -57,9 +66,10 @@ def engine_round(args, sets):
     return {"peer": "engine", "tokens_per_s": r["tokens_per_s"], "device": r["device"], "peak_tflops": r["peak_tflops"]}
 
 
-def torch_round(args, sets, compiled):
+def torch_round(args, sets, compiled, moe_layer="hf"):
     cmd = [args.python, os.path.join(HERE, "torch_train.py"), "--engine", args.engine, "--recipe", args.recipe,
-           "--device", args.device, "--steps", str(args.steps), "--warmup", str(args.warmup + (3 if compiled else 0))]
+           "--device", args.device, "--steps", str(args.steps), "--warmup", str(args.warmup + (3 if compiled else 0)),
+           "--moe-layer", moe_layer]
     cmd += [a for s in sets for a in ("--set", s)]
     if compiled:
         cmd += ["--compile", compiled]
@@ -81,6 +91,7 @@ PEERS = {
     "compile-blocks": "pytorch + torch.compile (blocks)",
     "compile-whole": "pytorch + torch.compile (whole)",
     "jax": "jax + cudnn attention",
+    "grouped-mm": "pytorch + torch._grouped_mm (blocks)",
 }
 
 
@@ -91,6 +102,8 @@ def peer_round(args, peer):
             return engine_round(args, args.set)
         if peer == "jax":
             return jax_round(args, args.set)
+        if peer == "grouped-mm":
+            return torch_round(args, args.set, "blocks", moe_layer="grouped-mm")
         return torch_round(args, args.set, None if peer == "eager" else peer.split("-")[1])
     except subprocess.CalledProcessError as e:
         tail = (e.stderr or "").strip().splitlines()[-3:]

@@ -9,7 +9,10 @@ RMSNorm, RoPE with Llama 3 frequency scaling, grouped-query attention through
 head, mean next-token cross-entropy in f32, global-norm clipping and AdamW (optax), one jitted
 step with donated state. No recomputation (the engine's bench runs with `train.remat = none`
 at the shapes compared). The model comes from the engine's resolved recipe, so both sides train
-exactly the same shapes. Llama and Mistral (sliding window) only.
+exactly the same shapes. Llama, Mistral (sliding window) and Mixtral: the experts dropless as
+MaxText's `sparse_matmul` path runs them, the (token, slot) pairs sorted by expert and every
+expert's product in one `jax.lax.ragged_dot` (group sizes from the routing), the load-balancing
+loss as the engine's (Hugging Face's).
 
     python3 bench/jax_train.py --recipe llama3.2-1b --set train.seq_len=4096 --set train.batch_size=4
     python3 bench/jax_train.py --recipe tiny-llama2 --attention xla --steps 3   # on a CPU
@@ -57,10 +60,13 @@ def init_params(key, model):
 
     d, hd, f, layers = model["d_model"], model["head_dim"], model["mlp_dim"], model["n_layers"]
     q, kv, vocab, std = model["n_heads"] * hd, model["n_kv_heads"] * hd, model["vocab_size"], model["init_std"]
-    shapes = {
-        "wq": (layers, d, q), "wk": (layers, d, kv), "wv": (layers, d, kv), "wo": (layers, q, d),
-        "w_gate": (layers, d, f), "w_up": (layers, d, f), "w_down": (layers, f, d),
-    }
+    shapes = {"wq": (layers, d, q), "wk": (layers, d, kv), "wv": (layers, d, kv), "wo": (layers, q, d)}
+    moe = model.get("moe")
+    if moe:
+        e = moe["num_experts"]
+        shapes.update({"router": (layers, d, e), "w_gate_up": (layers, e, d, 2 * f), "w_down": (layers, e, f, d)})
+    else:
+        shapes.update({"w_gate": (layers, d, f), "w_up": (layers, d, f), "w_down": (layers, f, d)})
     keys = jax.random.split(key, len(shapes) + 2)
     params = {"layers": {name: std * jax.random.normal(k, shape, jnp.float32) for (name, shape), k in zip(shapes.items(), keys)}}
     params["layers"]["attn_norm"] = jnp.ones((layers, d), jnp.float32)
@@ -93,6 +99,30 @@ def make_loss(model, attention, seq_len):
         c, s = cos[None, :, None, :], sin[None, :, None, :]
         return jnp.concatenate([a * c - b * s, b * c + a * s], axis=-1).astype(bf16)
 
+    moe = model.get("moe")
+
+    def experts(h, w):
+        """Mixtral's sparse MLP, dropless: softmax over the experts, the top k renormalised, the
+        (token, slot) pairs sorted by expert, each expert's SwiGLU through `ragged_dot` over its
+        group; returns the output and the layer's load-balancing statistics."""
+        b, t, d = h.shape
+        e, k = moe["num_experts"], moe["top_k"]
+        rows = h.reshape(b * t, d)
+        probs = jax.nn.softmax((rows @ w["router"]).astype(jnp.float32), axis=-1)  # [N, E]
+        top_p, top_e = jax.lax.top_k(probs, k)  # ties to the lower index, as the engine's
+        weights = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
+        flat = top_e.reshape(-1)  # slot t·k + j
+        order = jnp.argsort(flat, stable=True)
+        sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
+        xs = rows[order // k]  # [N·k, d] grouped by expert
+        gu = jax.lax.ragged_dot(xs, w["w_gate_up"], sizes)  # [N·k, 2F]
+        gate, up = jnp.split(gu, 2, axis=-1)
+        ys = jax.lax.ragged_dot(jax.nn.silu(gate) * up, w["w_down"], sizes)  # [N·k, d]
+        ys = jnp.zeros_like(ys).at[order].set(ys).reshape(b * t, k, d)
+        out = jnp.einsum("nkd,nk->nd", ys.astype(jnp.float32), weights).astype(bf16)
+        # The engine's aux loss: E · Σ_e f_e · P_e over all layers; per layer the sums.
+        return out.reshape(b, t, d), (sizes.astype(jnp.float32), jnp.sum(probs, axis=0))
+
     def layer(x, w):
         w = jax.tree.map(lambda p: p.astype(bf16), w)
         b, t, _ = x.shape
@@ -104,18 +134,27 @@ def make_loss(model, attention, seq_len):
         o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=attention, **window_arg)
         x = x + o.reshape(b, t, heads * hd) @ w["wo"]
         h = rms_norm(x, w["mlp_norm"])
+        if moe:
+            y, stats = experts(h, w)
+            return x + y, stats
         x = x + (jax.nn.silu(h @ w["w_gate"]) * (h @ w["w_up"])) @ w["w_down"]
         return x, None
 
     def loss_fn(params, tokens):
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
         x = params["embed"].astype(bf16)[inputs]
-        x, _ = jax.lax.scan(layer, x, params["layers"])
+        x, stats = jax.lax.scan(layer, x, params["layers"])
         x = rms_norm(x, params["final_norm"])
         head = params["head"] if "head" in params else params["embed"].T
         logits = (x @ head.astype(bf16)).astype(jnp.float32)
         logp = jax.nn.log_softmax(logits, axis=-1)
-        return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+        loss = -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+        if moe:
+            counts, prob_sums = (jnp.sum(s, axis=0) for s in stats)  # over the layers
+            total = model["n_layers"] * inputs.size
+            aux = moe["num_experts"] * jnp.sum(counts * prob_sums) / total**2
+            loss = loss + moe["aux_loss_coef"] * aux
+        return loss
 
     return loss_fn
 
@@ -138,8 +177,10 @@ def main():
 
     recipe = resolved_recipe(args.engine, args.recipe, args.set)
     model, train, optim = recipe["model"], recipe["train"], recipe["optim"]
-    if model["family"] not in ("llama", "mistral"):
-        sys.exit(f"bench/jax_train.py: the {model['family']} family is not written in JAX here (llama and mistral are)")
+    if model["family"] not in ("llama", "mistral", "mixtral"):
+        sys.exit(f"bench/jax_train.py: the {model['family']} family is not written in JAX here (llama, mistral, mixtral are)")
+    if (model.get("moe") or {}).get("capacity_factor"):
+        sys.exit("bench/jax_train.py: the Mixtral peer is dropless; leave model.moe.capacity_factor out")
     batch, seq, accum = train["batch_size"], train["seq_len"], train.get("grad_accum", 1)
 
     params = init_params(jax.random.PRNGKey(train["seed"]), model)
@@ -180,7 +221,7 @@ def main():
     stats = device.memory_stats() or {}
     report(
         {
-            "peer": f"jax + {args.attention} attention",
+            "peer": f"jax + {args.attention} attention" + (" + ragged_dot experts" if model.get("moe") else ""),
             "jax": jax.__version__,
             "recipe": args.recipe,
             "device": getattr(device, "device_kind", str(device)),

@@ -14,6 +14,11 @@ ends with `loss.item()`, which waits for the GPU, as the engine's logged loss do
     python3 bench/torch_train.py --recipe tiny-llama2 --threads 2
     python3 bench/torch_train.py --recipe gpt-126m --set train.seq_len=256 --threads 2   # GPT2LMHeadModel
     python3 bench/torch_train.py --recipe llama3.2-1b --device cuda --compile blocks --set train.seq_len=4096
+    python3 bench/torch_train.py --recipe mixtral-8x7b --set model.n_layers=2 --device cuda --moe-layer grouped-mm --compile blocks
+
+A Mixtral recipe trains transformers' `MixtralForCausalLM` (its experts one by one, as users
+start from), or with `--moe-layer grouped-mm` bench/torch_moe.py's torchtitan-style model (the
+experts' products in `torch._grouped_mm`).
 
 bench/compare.py runs this and `engine bench` side by side.
 """
@@ -129,6 +134,8 @@ def main():
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--compile", choices=["blocks", "whole"],
                     help="torch.compile each decoder layer (torchtitan's way) or the forward pass and loss together")
+    ap.add_argument("--moe-layer", default="hf", choices=["hf", "grouped-mm"],
+                    help="Mixtral: transformers' model, or bench/torch_moe.py's torchtitan-style one (CUDA)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3, help="steps before measuring (torch.compile compiles in the first)")
     args = ap.parse_args()
@@ -139,12 +146,24 @@ def main():
     torch.set_num_threads(args.threads)
     recipe = resolved_recipe(args.engine, args.recipe, args.set)
     train, optim = recipe["train"], recipe["optim"]
-    config = hf_config(recipe["model"])
     cuda = args.device == "cuda"
-    if cuda:
-        config._attn_implementation = "sdpa"
+    moe = recipe["model"].get("moe")
+    grouped = args.moe_layer == "grouped-mm"
+    if grouped and not moe:
+        sys.exit("bench/torch_train.py: --moe-layer grouped-mm needs a Mixtral recipe")
+    if moe and moe.get("capacity_factor"):
+        sys.exit("bench/torch_train.py: the Mixtral peers are dropless; leave model.moe.capacity_factor out")
     torch.manual_seed(train["seed"])
-    model = transformers.AutoModelForCausalLM.from_config(config)
+    if grouped:
+        sys.path.insert(0, here)
+        from torch_moe import Mixtral
+
+        model = Mixtral(recipe["model"], train["seq_len"])
+    else:
+        config = hf_config(recipe["model"])
+        if cuda:
+            config._attn_implementation = "sdpa"
+        model = transformers.AutoModelForCausalLM.from_config(config)
     model = model.to(device=args.device, dtype=torch.bfloat16 if cuda else torch.float32)
     model.train()
     opt = torch.optim.AdamW(
@@ -156,10 +175,11 @@ def main():
         fused=cuda,
     )
     vocab = recipe["model"]["vocab_size"]
-    moe = recipe["model"].get("moe")
 
     def loss_fn(inputs, targets):
         """Mean next-token cross-entropy in f32 (plus the load-balancing loss for Mixtral)."""
+        if grouped:
+            return model(inputs, targets)
         kwargs = {"output_router_logits": True} if moe else {}
         out = model(input_ids=inputs, **kwargs)
         loss = torch.nn.functional.cross_entropy(out.logits.float().view(-1, vocab), targets.reshape(-1))
@@ -178,7 +198,12 @@ def main():
         # recompilations, which fullgraph=True turns into a hard failure (seen on torch 2.11).
         import torch._dynamo
 
-        blocks = model.transformer.h if recipe["model"]["family"] == "gpt" else model.model.layers
+        if grouped:
+            blocks = model.layers
+        elif recipe["model"]["family"] == "gpt":
+            blocks = model.transformer.h
+        else:
+            blocks = model.model.layers
         limit = 2 * len(blocks) + 8
         for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit", "accumulated_cache_size_limit"):
             if hasattr(torch._dynamo.config, name):
@@ -209,7 +234,8 @@ def main():
             losses.append(loss)
     report(
         {
-            "peer": "pytorch" + (f" + torch.compile ({args.compile})" if args.compile else " eager"),
+            "peer": "pytorch" + (f" + torch.compile ({args.compile})" if args.compile else " eager")
+            + (" + grouped_mm experts" if grouped else ""),
             "torch": torch.__version__,
             "transformers": transformers.__version__,
             "recipe": args.recipe,

@@ -11,7 +11,8 @@
 # target/release/engine). Needs the NVIDIA driver (580+) and CUDA 13's NVRTC and cuBLASLt on the
 # library path or in ENGINE_CUDA_LIB_PATH; the bench-* phases need PYTHON (default python3) with
 # torch and transformers, and JAX for its peer (ROUNDS, default 3, interleaved rounds of
-# bench/compare.py; PEERS, its --peers), the profile phase torch and JAX too, long-check
+# bench/compare.py; PEERS, its --peers; MOE_PEERS and MOE_ROUNDS for the Mixtral phase), the
+# profile phase torch and JAX too, long-check
 # only python3. The long run keeps its run directory (with a checkpoint of about 15 GB) in
 # LONG_DIR (default OUTDIR/long-run), which must survive from one piece to the next.
 # Exit codes: 0 done, 1 a check failed, 2 bad usage (one line on stderr).
@@ -25,6 +26,10 @@ ENGINE=$(absolute "${ENGINE:-$PWD/target/release/engine}")
 PYTHON=${PYTHON:-python3}
 ROUNDS=${ROUNDS:-3}
 PEERS=${PEERS:-engine,eager,compile-blocks,jax}
+# Mixtral's peers: transformers' model in eager PyTorch, a torchtitan-style model on
+# torch._grouped_mm compiled per block, JAX with ragged_dot (bench/compare.py).
+MOE_PEERS=${MOE_PEERS:-engine,eager,grouped-mm,jax}
+MOE_ROUNDS=${MOE_ROUNDS:-2}
 # The long run: llama3.2-1b at 8 x 1024 tokens a step, LONG_STEPS steps in 4 pieces, each
 # resuming from the previous piece's checkpoint. The cosine is fixed at LONG_STEPS
 # (optim.decay_steps), so the pieces make exactly the run one process would have made.
@@ -49,6 +54,7 @@ PHASES=(
     "fp8|8|FP8: engine gpu-test's FP8 checks, then bf16 and fp8 steps of llama3.2-1b, fuji-3B-v3, llama3.1-8b (8 layers) and mixtral-8x7b (2 layers), interleaved, and llama3.2-1b's fp8 at min_dim 1024, 2048 and 4096"
     "bench-llama3.2-1b|7|bench/compare.py: the engine, PyTorch eager, torch.compile per block and JAX + cuDNN, llama3.2-1b at 4 x 4096"
     "bench-fuji-3B-v3|9|bench/compare.py: the same for fuji-3B-v3 at 2 x 4096"
+    "bench-mixtral-8x7b|6|mixtral-8x7b cut to 2 layers at 2 x 4096: engine bench --profile (where the MoE step goes), then bench/compare.py against the MoE peers (MOE_PEERS), MOE_ROUNDS interleaved rounds"
     "long-cpu|4|the long run's first 3 steps on the CPU (the reference for long-check)"
     "long-1|3|the long run on the GPU: steps 1 to 250, checkpoint"
     "long-2|2|the long run: resume, steps 251 to 500, checkpoint"
@@ -215,6 +221,15 @@ phase() {
     bench-fuji-3B-v3)
         "$PYTHON" bench/compare.py --engine "$ENGINE" --python "$PYTHON" --recipe fuji-3B-v3 --peers "$PEERS" \
             --set train.seq_len=4096 --set train.batch_size=2 --rounds "$ROUNDS" --json "$out/compare.json"
+        ;;
+    bench-mixtral-8x7b)
+        # Issue 35's GPU figures: the engine's MFU on Mixtral's shapes (experts of 4096 x 14336,
+        # top-2 of 8) and its speed against the MoE peers, with the per-op profile beside them.
+        local mixtral=(--set model.n_layers=2 --set train.seq_len=4096 --set train.batch_size=2)
+        "$ENGINE" --device "$DEVICE" bench --recipe mixtral-8x7b "${mixtral[@]}" --steps 5 --warmup 2 --profile \
+            --json "$out/bench-mixtral-8x7b.json"
+        "$PYTHON" bench/compare.py --engine "$ENGINE" --python "$PYTHON" --recipe mixtral-8x7b --peers "$MOE_PEERS" \
+            "${mixtral[@]}" --rounds "$MOE_ROUNDS" --json "$out/compare.json"
         ;;
     long-cpu)
         # The same seed gives the same initial weights and data order on both devices; the CPU

@@ -312,3 +312,58 @@ fn an_edited_or_moved_state_is_refused() {
     fails(&train_args(&run, "9", &["--resume"]), "says step 3, the directory is named for step 6");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// `model.moe.capacity_factor = 1.0` on tiny Mixtral (4 experts, 64 tokens a pass, top-2: 32
+/// rows an expert): tokens are dropped from the first step, the share is reported in
+/// metrics.jsonl and on the step line, the curve differs from the dropless one, and a run
+/// resumed from a checkpoint continues it bit for bit. A factor ≤ 0 or NaN is refused.
+#[test]
+fn a_capacity_factor_drops_tokens_reports_them_and_resumes_bitwise() {
+    let dir = scratch("capacity");
+    let (dropless, whole, parts) = (dir.join("dropless"), dir.join("whole"), dir.join("parts"));
+    let constant = ["--set", "optim.schedule=constant", "--set", "optim.warmup_steps=2"];
+    let capped = [&constant[..], &["--set", "model.moe.capacity_factor=1.0"]].concat();
+    ok(&train_args(&dropless, "6", &constant));
+    let out = ok(&train_args(&whole, "6", &capped));
+    assert!(out.contains("| dropped "), "no dropped share on the step line: {out}");
+    let tensorboard = |run: &Path| -> Vec<u8> {
+        let events = std::fs::read_dir(run).unwrap().map(|e| e.unwrap().path());
+        events
+            .filter(|p| p.file_name().unwrap().to_string_lossy().starts_with("events.out.tfevents"))
+            .flat_map(|p| bytes(&p))
+            .collect()
+    };
+    let has_tag = |run: &Path| tensorboard(run).windows(16).any(|w| w == b"dropped_fraction");
+    assert!(has_tag(&whole) && !has_tag(&dropless), "TensorBoard's dropped_fraction scalar");
+
+    let dropped = |run: &Path| -> Vec<Option<u64>> {
+        metrics(run).iter().map(|m| m.get("dropped_fraction").map(|f| f.as_f64().unwrap().to_bits())).collect()
+    };
+    assert!(dropped(&dropless).iter().all(Option::is_none), "a dropless run reports a dropped share");
+    for (step, f) in dropped(&whole).iter().enumerate() {
+        let f = f64::from_bits(f.unwrap_or_else(|| panic!("step {}: no dropped_fraction", step + 1)));
+        assert!(f > 0.0 && f < 0.5, "step {}: dropped share {f}", step + 1);
+    }
+    let (a, b) = (loss_bits(&dropless), loss_bits(&whole));
+    assert_ne!(a[0], b[0], "the first step's loss is the dropless one");
+    assert_ne!(a, b);
+
+    ok(&train_args(&parts, "4", &capped));
+    let ck = parts.join("checkpoints/step-000003");
+    let out = ok(&train_args(&parts, "6", &[&capped[..], &["--resume", s(&ck)]].concat()));
+    assert!(out.contains("resuming after step 3"), "{out}");
+    assert_eq!(loss_bits(&parts), loss_bits(&whole));
+    assert_eq!(dropped(&parts), dropped(&whole));
+    assert_eq!(
+        bytes(&whole.join("checkpoints/step-000006").join(SHARD)),
+        bytes(&parts.join("checkpoints/step-000006").join(SHARD))
+    );
+
+    for bad in ["0", "-1.5", "nan"] {
+        let set = format!("model.moe.capacity_factor={bad}");
+        let e = fails(&train_args(&dir.join("bad"), "2", &["--set", &set]), "model.moe.capacity_factor");
+        assert!(e.contains("must be a positive number"), "{e}");
+    }
+    assert!(!dir.join("bad").join("metrics.jsonl").exists());
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -242,19 +242,40 @@ pub struct MoeDispatch {
     pub experts: usize,
     /// Experts per token.
     pub top_k: usize,
+    /// Rows each expert keeps ([`crate::config::MoeConfig::capacity`]): an expert's slots
+    /// beyond its first `capacity` in slot order are dropped. `N · k` is dropless.
+    pub capacity: usize,
     /// `[N · k]`: the expert chosen in each of a token's k slots (slot `t · k + j`).
     pub expert: IdxView,
     /// `[N · k]`: the renormalised routing weight of each slot.
     pub weight: View,
-    /// `[N · k]`: the dispatched row of each slot.
+    /// `[N · k]`: the dispatched row of each slot, [`DROPPED`] for a dropped slot.
     pub slot_row: IdxView,
-    /// `[N · k]`: the slot each dispatched row comes from (its token is `slot / k`).
+    /// `[N · k]`: the slot each dispatched row comes from (its token is `slot / k`);
+    /// [`DROPPED`] for the rows past the kept ones (`offsets[E] ..`).
     pub row_slot: IdxView,
     /// `[E + 1]`: dispatched rows of expert e are `offsets[e] .. offsets[e + 1]`.
     pub offsets: IdxView,
-    /// `[2 · E]`: tokens routed to each expert (over all slots), then the sum over tokens of each
-    /// expert's router probability; the inputs of the load-balancing loss.
+    /// `[2 · E + 1]` ([`MoeDispatch::stats_len`]): tokens routed to each expert (over all
+    /// slots, before any drop), then the sum over tokens of each expert's router probability
+    /// (the inputs of the load-balancing loss), then the number of dropped slots.
     pub stats: View,
+}
+
+/// The dispatched row of a dropped slot, and the slot of a row no slot fills.
+pub const DROPPED: u32 = u32::MAX;
+
+impl MoeDispatch {
+    /// Length of [`MoeDispatch::stats`] for `experts` experts.
+    pub fn stats_len(experts: usize) -> usize {
+        2 * experts + 1
+    }
+
+    /// Most dispatched rows the experts can keep: every slot, or `capacity` rows of each
+    /// expert, which never exceed the tokens (a token picks an expert at most once).
+    pub fn rows_bound(&self) -> usize {
+        (self.tokens * self.top_k).min(self.experts * self.capacity.min(self.tokens))
+    }
 }
 
 /// The weights of all experts of a layer for one projection: expert e's weight is the view
@@ -639,11 +660,14 @@ pub trait Backend {
 
     /// Mixtral routing of `router_logits[N, E]`: `probs = softmax(logits)` (saved), the top-k
     /// experts of each token (ties to the lower index), their probabilities renormalised to sum
-    /// to one, the dispatch tables and the layer's load-balancing statistics.
+    /// to one, the dispatch tables and the layer's load-balancing statistics. Each expert keeps
+    /// its first `capacity` slots in slot order (token order, MaxText's); the rest are dropped.
     fn moe_route(&mut self, probs: View, router_logits: View, dispatch: MoeDispatch);
-    /// `xe[r] = x[row_slot[r] / k]`: gathers token rows of width `d` into dispatched order.
+    /// `xe[r] = x[row_slot[r] / k]`: gathers token rows of width `d` into dispatched order
+    /// (rows no slot fills are zeroed).
     fn moe_gather(&mut self, xe: View, x: View, dispatch: MoeDispatch, d: usize);
-    /// `x[t] = Σ_j xe[slot_row[t·k + j]]` (`=`): the backward pass of [`Backend::moe_gather`].
+    /// `x[t] = Σ_j xe[slot_row[t·k + j]]` over the kept slots (`=`): the backward pass of
+    /// [`Backend::moe_gather`].
     fn moe_gather_backward(&mut self, dx: View, dxe: View, dispatch: MoeDispatch, d: usize);
     /// For every expert e, `out_e = a_e · op(W_e)` over its dispatched rows
     /// `offsets[e] .. offsets[e + 1]` of `a` and `out`. `shape` is that of one expert's product;
@@ -660,10 +684,12 @@ pub trait Backend {
         inp: usize,
         out: usize,
     );
-    /// `out[t] = Σ_j weight[t·k + j] · ye[slot_row[t·k + j]]` (`=`).
+    /// `out[t] = Σ_j weight[t·k + j] · ye[slot_row[t·k + j]]` over the kept slots (`=`): a
+    /// dropped slot adds nothing (the residual carries the token).
     fn moe_combine(&mut self, out: View, ye: View, dispatch: MoeDispatch, d: usize);
     /// Backward of [`Backend::moe_combine`]: `dye[slot_row[s]] = weight[s] · dout[t]` and
-    /// `dweight[s] = dout[t] · ye[slot_row[s]]` (both `=`).
+    /// `dweight[s] = dout[t] · ye[slot_row[s]]` (both `=`; zero for dropped slots and rows no
+    /// slot fills).
     fn moe_combine_backward(&mut self, dye: View, dweight: View, dout: View, ye: View, dispatch: MoeDispatch, d: usize);
     /// Gradient of the router logits (`=`) from the gradient of the renormalised weights and of
     /// the load-balancing loss: `aux_scale · counts[e]` is added to the gradient of every

@@ -152,7 +152,7 @@ mod tests {
         assert_eq!(mistral.param_count().total, 7_241_732_096);
         let mixtral = ModelConfig {
             family: Family::Mixtral,
-            moe: Some(MoeConfig { num_experts: 8, top_k: 2, aux_loss_coef: 0.02 }),
+            moe: Some(MoeConfig { num_experts: 8, top_k: 2, aux_loss_coef: 0.02, capacity_factor: None }),
             ..llama(32000, 4096, 32, 32, 8, 14336)
         };
         let count = mixtral.param_count();

@@ -353,6 +353,10 @@ section! {
         pub top_k: usize = 2,
         /// Coefficient of the load-balancing auxiliary loss added to the objective.
         pub aux_loss_coef: f64 = 0.02,
+        /// Rows each expert keeps, as a multiple of an even share of the slots a device routes
+        /// (`ceil(factor · tokens · top_k / experts)`); slots past it are dropped. None: dropless.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        pub capacity_factor: Option<f64> = None,
     }
 }
 
@@ -367,7 +371,23 @@ impl MoeConfig {
         if !at_least(self.aux_loss_coef, 0.0) {
             bail!("model.moe.aux_loss_coef = {} must be a non-negative number", self.aux_loss_coef);
         }
+        if let Some(factor) = self.capacity_factor
+            && !(factor > 0.0 && factor.is_finite())
+        {
+            bail!("model.moe.capacity_factor = {factor} must be a positive number; leave it out for dropless routing");
+        }
         Ok(())
+    }
+
+    /// Rows each expert keeps of the `tokens · top_k` slots a device routes in one pass:
+    /// `ceil(capacity_factor · tokens · top_k / experts)` (Megatron's and MaxText's
+    /// capacity), all of them without a capacity factor.
+    pub fn capacity(&self, tokens: usize) -> usize {
+        let slots = tokens * self.top_k;
+        match self.capacity_factor {
+            None => slots,
+            Some(factor) => ((factor * slots as f64 / self.num_experts as f64).ceil() as usize).clamp(1, slots.max(1)),
+        }
     }
 }
 
@@ -1043,6 +1063,18 @@ mod tests {
     use toml::Value;
 
     use super::*;
+
+    /// An expert's capacity: `ceil(factor · tokens · top_k / experts)`, at least one row, at most
+    /// every slot; all slots without a factor.
+    #[test]
+    fn capacity_is_an_even_share_of_the_slots_times_the_factor() {
+        let moe = |capacity_factor| MoeConfig { num_experts: 4, top_k: 2, aux_loss_coef: 0.0, capacity_factor };
+        assert_eq!(moe(None).capacity(64), 128);
+        assert_eq!(moe(Some(1.0)).capacity(64), 32);
+        assert_eq!(moe(Some(1.25)).capacity(63), 40); // ceil(39.375)
+        assert_eq!(moe(Some(1e-6)).capacity(64), 1);
+        assert_eq!(moe(Some(100.0)).capacity(64), 128);
+    }
 
     /// docs/recipes.md's tables of keys, as the code declares them: every key documented once,
     /// with its default; no key documented that the code lacks; a section for every nested

@@ -311,6 +311,10 @@ mod tests {
         assert!(e.contains("not divisible") && e.contains("model.n_kv_heads from --set"), "{e}");
         assert!(err("tiny-llama2", &[set("model.moe.top_k=9")]).contains("mixtral"));
         assert!(err("tiny-mixtral", &[set("model.moe.top_k=9")]).contains("top_k = 9 is larger"));
+        for bad in ["0", "-1", "nan", "inf"] {
+            let e = err("tiny-mixtral", &[set(&format!("model.moe.capacity_factor={bad}"))]);
+            assert!(e.contains("model.moe.capacity_factor") && e.contains("must be a positive number"), "{e}");
+        }
         assert!(err("tiny-llama2", &[set("train.seq_len=100000")]).contains("longer than model.max_seq_len"));
         assert!(err("tiny-llama2", &[set("model.d_model=0")]).contains("model.d_model must be greater than 0"));
         assert!(err("tiny-llama2", &[set("nonsense")]).contains("expected key=value"));

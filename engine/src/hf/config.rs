@@ -111,6 +111,8 @@ pub fn parse(v: &Value, file: &str) -> Result<ModelConfig> {
             num_experts: uint("num_local_experts", Some(8))?,
             top_k: uint("num_experts_per_tok", Some(2))?,
             aux_loss_coef: float("router_aux_loss_coef", 0.001)?,
+            // transformers' Mixtral is dropless.
+            capacity_factor: None,
         }),
         _ => None,
     };

@@ -23,7 +23,7 @@ pub mod rope;
 #[cfg(test)]
 mod tests;
 
-use crate::backend::{AttnShape, Backend, ExpertWeights, MatMul, SeqSplit, View};
+use crate::backend::{AttnShape, Backend, ExpertWeights, MatMul, MoeDispatch, SeqSplit, View};
 use crate::config::{Gelu, ModelConfig, Remat};
 pub use exchange::{Alone, Exchange, Pass, Unit, Window};
 use fp8::Linear;
@@ -31,6 +31,15 @@ pub use fp8::{Fp8Buffers, Fp8Policy};
 pub use layout::{LayerBiases, LayerOffsets, Layout, MlpOffsets, Tensor};
 use plan::MlpActs;
 pub use plan::{ActivationSizes, GRAD_NORM_SQ, LOSS_ACCUM, LOSS_SUM, Plan};
+
+/// What the routers of a forward pass did, over the whole model ([`Model::router_stats`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct RouterStats {
+    /// The load-balancing loss.
+    pub aux_loss: f64,
+    /// Share of the (token, expert) assignments dropped by the experts' capacity.
+    pub dropped: f64,
+}
 
 /// A model: its configuration and parameter layout.
 #[derive(Debug, Clone)]
@@ -244,7 +253,7 @@ impl Model {
         if m.moe.is_some() {
             for a in &p.layers {
                 if let MlpActs::Moe { dispatch, .. } = &a.mlp {
-                    be.add(p.stats, dispatch.stats.at(0, 2 * dispatch.experts));
+                    be.add(p.stats, dispatch.stats);
                 }
             }
         }
@@ -438,19 +447,29 @@ impl Model {
 
     /// The load-balancing loss of the last forward pass (0 without experts), as Hugging Face
     /// computes it for Mixtral over all layers' router outputs together:
-    /// `E · Σ_e (tokens routed to e / T) · (Σ router probability of e / T)`, `T = layers · N`.
-    pub fn aux_loss<B: Backend>(&self, be: &mut B, p: &Plan) -> f64 {
+    /// `E · Σ_e (tokens routed to e / T) · (Σ router probability of e / T)`, `T = layers · N`;
+    /// and the share of the `T · k` (token, expert) assignments dropped by the experts'
+    /// capacity (0 when dropless).
+    pub fn router_stats<B: Backend>(&self, be: &mut B, p: &Plan) -> RouterStats {
         let Some(moe) = &self.config.moe else {
-            return 0.0;
+            return RouterStats::default();
         };
         let e = moe.num_experts;
         // The statistics summed over the layers of this stage and every stage before it: on
         // the last stage, the whole model's.
-        let mut stats = vec![0f32; 2 * e];
+        let mut stats = vec![0f32; MoeDispatch::stats_len(e)];
         be.download(p.stats, &mut stats);
-        let (counts, prob_sums) = stats.split_at(e);
+        let (counts, rest) = stats.split_at(e);
+        let (prob_sums, dropped) = rest.split_at(e);
         let total = (self.config.n_layers * p.batch * p.seq * self.batch_shards) as f64;
-        e as f64 * counts.iter().zip(prob_sums).map(|(&c, &s)| c as f64 * s as f64).sum::<f64>() / (total * total)
+        let aux_loss =
+            e as f64 * counts.iter().zip(prob_sums).map(|(&c, &s)| c as f64 * s as f64).sum::<f64>() / (total * total);
+        RouterStats { aux_loss, dropped: dropped[0] as f64 / (total * moe.top_k as f64) }
+    }
+
+    /// The load-balancing loss of the last forward pass ([`Model::router_stats`]).
+    pub fn aux_loss<B: Backend>(&self, be: &mut B, p: &Plan) -> f64 {
+        self.router_stats(be, p).aux_loss
     }
 
     /// Multiplier that turns the load-balancing loss's gradient into the [`Backend`]'s

@@ -341,12 +341,13 @@ impl Model {
                             tokens: n,
                             experts,
                             top_k: k,
+                            capacity: m.moe.as_ref().map_or(rows, |moe| moe.capacity(n)),
                             expert: take_idx(rows),
                             weight: act("weight", S, rows, false),
                             slot_row: take_idx(rows),
                             row_slot: take_idx(rows),
                             offsets: take_idx(experts + 1),
-                            stats: act("stats", S, 2 * experts, false),
+                            stats: act("stats", S, MoeDispatch::stats_len(experts), false),
                         };
                         MlpActs::Moe {
                             logits: act("router_logits", S, n * experts, full),
@@ -406,7 +407,7 @@ impl Model {
             scalars: take(S, 4),
             rope: take(S, 0),
             layers,
-            stats: take(S, moe_only(2 * experts)),
+            stats: take(S, moe_only(MoeDispatch::stats_len(experts))),
             moe_out,
             // Each slot's own: it carries the gradient between stages.
             dres: take(A, n * d),

@@ -155,7 +155,7 @@ fn mistral_with_a_window_shorter_than_the_sequence() {
 
 #[test]
 fn mixtral_top2_of_4_with_the_auxiliary_loss() {
-    let moe = MoeConfig { num_experts: 4, top_k: 2, aux_loss_coef: 0.5 };
+    let moe = MoeConfig { num_experts: 4, top_k: 2, aux_loss_coef: 0.5, capacity_factor: None };
     check_model("mixtral", ModelConfig { moe: Some(moe), ..small(Family::Mixtral) }, 2, 12);
 }
 
@@ -218,7 +218,7 @@ fn gradients_are_bitwise_identical_whatever_the_thread_count() {
 /// change by a bit; and each policy keeps less than the one before.
 #[test]
 fn recomputation_changes_memory_but_not_a_bit_of_the_gradients() {
-    let moe = MoeConfig { num_experts: 4, top_k: 2, aux_loss_coef: 0.5 };
+    let moe = MoeConfig { num_experts: 4, top_k: 2, aux_loss_coef: 0.5, capacity_factor: None };
     for config in [
         small(Family::Llama),
         ModelConfig { sliding_window: 3, ..small(Family::Mistral) },

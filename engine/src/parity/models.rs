@@ -100,11 +100,11 @@ fn train_losses(gpu: Cuda, config: &Config, steps: usize) -> Result<(Vec<f64>, u
 }
 
 /// Steps replayed from a CUDA graph give the losses of eager steps.
-pub(super) fn graphs(gpu: Cuda, open: &mut Open, scale: Scale) -> Result<String, String> {
+pub(super) fn graphs(gpu: Cuda, open: &mut Open, recipe: &str, sets: &[&str], scale: Scale) -> Result<String, String> {
     let steps = 4;
-    let (graphs, recorded) = train_losses(gpu, &tiny("tiny-llama2", scale, &[]), steps)?;
-    let (eager, none) =
-        train_losses(open().map_err(failure)?, &tiny("tiny-llama2", scale, &["train.cuda_graphs=false"]), steps)?;
+    let (graphs, recorded) = train_losses(gpu, &tiny(recipe, scale, sets), steps)?;
+    let eager_sets = [sets, &["train.cuda_graphs=false"]].concat();
+    let (eager, none) = train_losses(open().map_err(failure)?, &tiny(recipe, scale, &eager_sets), steps)?;
     if recorded != 1 || none != 0 {
         return Err(format!("{recorded} graphs recorded with train.cuda_graphs, {none} without (want 1 and 0)"));
     }

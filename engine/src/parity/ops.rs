@@ -467,8 +467,9 @@ pub(super) fn cross_entropy(gpu: Cuda, v: usize) -> Result<String, String> {
     t.done()
 }
 
-/// The mixture-of-experts path: routing, dispatch tables, expert products, combine, backward.
-pub(super) fn moe(gpu: Cuda) -> Result<String, String> {
+/// The mixture-of-experts path: routing, dispatch tables, expert products, combine, backward;
+/// dropless, or with each expert keeping `capacity` rows (the rest dropped).
+pub(super) fn moe(gpu: Cuda, capacity: Option<usize>) -> Result<String, String> {
     let mut t = Twin::new(gpu);
     let (n, e, k, d, f) = (90, 8, 2, 64, 48);
     let rows = n * k;
@@ -480,12 +481,13 @@ pub(super) fn moe(gpu: Cuda) -> Result<String, String> {
         tokens: n,
         experts: e,
         top_k: k,
+        capacity: capacity.unwrap_or(rows),
         expert,
         weight: t.alloc(F32S, rows),
         slot_row,
         row_slot,
         offsets,
-        stats: t.alloc(F32S, 2 * e),
+        stats: t.alloc(F32S, MoeDispatch::stats_len(e)),
     };
     let x = t.random(ACT, n * d, 1.0);
     let weights = t.random(PARAM, e * 3 * f * d, 0.1);
@@ -529,6 +531,13 @@ pub(super) fn moe(gpu: Cuda) -> Result<String, String> {
         t.check_idx(name, v)?;
     }
     t.check("stats", dispatch.stats, F32)?;
+    if capacity.is_some_and(|c| c * e < rows) {
+        let mut stats = vec![0f32; dispatch.stats.len];
+        t.cpu.download(dispatch.stats, &mut stats);
+        if stats[2 * e] == 0.0 {
+            return Err(format!("a capacity of {capacity:?} rows an expert dropped no slot"));
+        }
+    }
     t.check("gathered", xe, BF16)?;
     t.check("gate and up (grouped GEMM)", gu, BF16)?;
     t.check("down (grouped GEMM)", ye, BF16)?;

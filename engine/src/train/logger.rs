@@ -118,6 +118,7 @@ fn scalars(m: &StepMetrics) -> Vec<(Cow<'static, str>, f64)> {
     .map(|(tag, x)| (tag.into(), x))
     .collect();
     v.extend(m.aux_loss.map(|a| ("aux_loss".into(), a)));
+    v.extend(m.dropped_fraction.map(|f| ("dropped_fraction".into(), f)));
     v.extend(m.eval_loss.map(|e| ("eval_loss".into(), e)));
     v.extend(m.slowest_rank.map(|r| ("slowest_rank".into(), r as f64)));
     v.extend(m.slowest_step_time_s.map(|s| ("slowest_step_time_s".into(), s)));
@@ -157,6 +158,7 @@ mod tests {
             applied: true,
             loss: 2.0,
             aux_loss: None,
+            dropped_fraction: None,
             lr: 1e-3,
             grad_norm: 1.0,
             step_time_s: 0.1,

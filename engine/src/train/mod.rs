@@ -242,7 +242,8 @@ impl<B: Backend> Trainer<B> {
         let (tokens, shards) = ((self.plan.batch * self.plan.seq) as f32, self.model.batch_shards);
         let weight = 1.0 / (accum * microbatches) as f32;
         let aux_scale = self.model.aux_scale(&self.plan, weight);
-        let mut aux_sum = 0f64;
+        // The load-balancing loss and the dropped share, summed over the micro-batches.
+        let (mut aux_sum, mut dropped_sum) = (0f64, 0f64);
         self.backend.fill(self.plan.scalars.at(LOSS_ACCUM, 1), 0.0);
         // Collectives inside a recorded section would need the communicator captured too.
         let graphs = c.train.cuda_graphs && self.parallel.mesh.devices() == 1;
@@ -304,7 +305,8 @@ impl<B: Backend> Trainer<B> {
                                 be.end_section(SECTION_MICRO_BATCH);
                             }
                             busy += passes.elapsed();
-                            aux_sum += self.model.aux_loss(be, p);
+                            let router = self.model.router_stats(be, p);
+                            (aux_sum, dropped_sum) = (aux_sum + router.aux_loss, dropped_sum + router.dropped);
                             i += 2;
                             continue;
                         }
@@ -313,7 +315,8 @@ impl<B: Backend> Trainer<B> {
                         busy += passes.elapsed();
                         if stage.last {
                             be.add(self.plan.scalars.at(LOSS_ACCUM, 1), p.scalars.at(LOSS_SUM, 1));
-                            aux_sum += self.model.aux_loss(be, p);
+                            let router = self.model.router_stats(be, p);
+                            (aux_sum, dropped_sum) = (aux_sum + router.aux_loss, dropped_sum + router.dropped);
                         }
                     }
                     Action::Backward(_) => {
@@ -357,9 +360,11 @@ impl<B: Backend> Trainer<B> {
         par.sum_over_pipeline(be, p.scalars.at(LOSS_ACCUM, 1));
         if c.model.moe.is_some() && par.stages() > 1 {
             let spare = p.scalars.at(3, 1);
-            be.upload(spare, &[aux_sum as f32]);
-            par.sum_over_pipeline(be, spare);
-            aux_sum = read_scalar(be, spare);
+            for sum in [&mut aux_sum, &mut dropped_sum] {
+                be.upload(spare, &[*sum as f32]);
+                par.sum_over_pipeline(be, spare);
+                *sum = read_scalar(be, spare);
+            }
         }
         // The loss and the norm are the same on every device now: all of them decide alike.
         let mut scalars = [0f32; 4];
@@ -389,6 +394,9 @@ impl<B: Backend> Trainer<B> {
             applied: !diverged,
             loss: loss_sum / (tokens as f64 * (accum * microbatches * shards) as f64),
             aux_loss: self.config.model.moe.as_ref().map(|_| aux_sum / (accum * microbatches) as f64),
+            dropped_fraction: (self.config.model.moe.as_ref())
+                .and_then(|moe| moe.capacity_factor)
+                .map(|_| dropped_sum / (accum * microbatches) as f64),
             lr,
             grad_norm,
             step_time_s,

@@ -393,26 +393,41 @@ fn rope_and_its_inverse() {
     );
 }
 
+/// Routing tables for `n` tokens over `e` experts, `k` each, each expert keeping `capacity`.
+fn dispatch(cpu: &mut Cpu, n: usize, e: usize, k: usize, capacity: usize) -> MoeDispatch {
+    let idx = cpu.alloc_idx(3 * n * k + e + 1);
+    MoeDispatch {
+        tokens: n,
+        experts: e,
+        top_k: k,
+        capacity,
+        expert: idx.at(0, n * k),
+        weight: cpu.alloc(BufKind::Activations, n * k),
+        slot_row: idx.at(n * k, n * k),
+        row_slot: idx.at(2 * n * k, n * k),
+        offsets: idx.at(3 * n * k, e + 1),
+        stats: cpu.alloc(BufKind::Activations, MoeDispatch::stats_len(e)),
+    }
+}
+
 /// The whole mixture-of-experts MLP as the model composes it: router, route, gather, expert
 /// SwiGLU, combine; inputs are the token rows, the router and the experts' weights.
 #[test]
 fn mixture_of_experts_block() {
+    moe_block("moe", 6 * 2);
+}
+
+/// The same with a capacity of 2 rows an expert (a factor of 2/3 for 6 tokens, top-2 of 4
+/// experts): the dropped slots add nothing and get no gradient.
+#[test]
+fn mixture_of_experts_block_with_capacity() {
+    moe_block("moe with capacity", 2);
+}
+
+fn moe_block(name: &str, capacity: usize) {
     let (n, d, f, e, k) = (6, 4, 3, 4, 2);
     let stride = 3 * f * d;
-    let plan = |cpu: &mut Cpu| {
-        let idx = cpu.alloc_idx(3 * n * k + e + 1);
-        MoeDispatch {
-            tokens: n,
-            experts: e,
-            top_k: k,
-            expert: idx.at(0, n * k),
-            weight: cpu.alloc(BufKind::Activations, n * k),
-            slot_row: idx.at(n * k, n * k),
-            row_slot: idx.at(2 * n * k, n * k),
-            offsets: idx.at(3 * n * k, e + 1),
-            stats: cpu.alloc(BufKind::Activations, 2 * e),
-        }
-    };
+    let plan = |cpu: &mut Cpu| dispatch(cpu, n, e, k, capacity);
     let alloc = |cpu: &mut Cpu, len| cpu.alloc(BufKind::Activations, len);
     type Acts = (MoeDispatch, View, View, View, View, View, View);
     let forward = |cpu: &mut Cpu, x: &[View]| -> Acts {
@@ -437,39 +452,40 @@ fn mixture_of_experts_block() {
         cpu.moe_combine(out, ye, dispatch, d);
         (dispatch, probs, xe, gu, h, ye, out)
     };
-    check(
-        "moe",
-        &[random(n * d, 1, 1.0), random(e * d, 2, 1.0), random(e * stride, 3, 1.0)],
-        &|cpu, x| forward(cpu, x).6,
-        &|cpu, x, dout| {
-            let (dispatch, probs, xe, gu, h, ye, _) = forward(cpu, x);
-            let (dx, drouter_w, dexperts) = (alloc(cpu, n * d), alloc(cpu, e * d), alloc(cpu, e * stride));
-            let (dye, dweight, dh, dgu, dxe, drouter, counts) = (
-                alloc(cpu, n * k * d),
-                alloc(cpu, n * k),
-                alloc(cpu, n * k * f),
-                alloc(cpu, n * k * 2 * f),
-                alloc(cpu, n * k * d),
-                alloc(cpu, n * e),
-                alloc(cpu, e),
-            );
-            let gate_up = ExpertWeights { first: x[2].at(0, 2 * f * d), stride };
-            let down = ExpertWeights { first: x[2].at(2 * f * d, d * f), stride };
-            let dgate_up = ExpertWeights { first: dexperts.at(0, 2 * f * d), stride };
-            let ddown = ExpertWeights { first: dexperts.at(2 * f * d, d * f), stride };
-            cpu.moe_combine_backward(dye, dweight, dout, ye, dispatch, d);
-            cpu.moe_expert_matmul(dh, dye, down, dispatch, MatMul::linear_dx(0, f, d));
-            cpu.moe_expert_matmul_dw(ddown, dye, h, dispatch, f, d);
-            cpu.swiglu_backward(dgu, dh, gu, f);
-            cpu.moe_expert_matmul(dxe, dgu, gate_up, dispatch, MatMul::linear_dx(0, d, 2 * f));
-            cpu.moe_expert_matmul_dw(dgate_up, dgu, xe, dispatch, d, 2 * f);
-            cpu.moe_gather_backward(dx, dxe, dispatch, d);
-            cpu.moe_route_backward(drouter, dweight, probs, dispatch, counts, 0.0);
-            cpu.matmul(dx, drouter, x[1], MatMul::linear_dx(n, d, e).accumulating());
-            cpu.matmul(drouter_w, drouter, x[0], MatMul::linear_dw(n, d, e));
-            vec![dx, drouter_w, dexperts]
-        },
-    );
+    let inputs = [random(n * d, 1, 1.0), random(e * d, 2, 1.0), random(e * stride, 3, 1.0)];
+    let mut cpu = Cpu::new();
+    let x: Vec<View> = inputs.iter().map(|x| upload(&mut cpu, x)).collect();
+    let stats = forward(&mut cpu, &x).0.stats;
+    let dropped = download(&mut cpu, stats)[2 * e];
+    assert_eq!(dropped > 0.0, capacity * e < n * k, "{name}: {dropped} slots dropped");
+    check(name, &inputs, &|cpu, x| forward(cpu, x).6, &|cpu, x, dout| {
+        let (dispatch, probs, xe, gu, h, ye, _) = forward(cpu, x);
+        let (dx, drouter_w, dexperts) = (alloc(cpu, n * d), alloc(cpu, e * d), alloc(cpu, e * stride));
+        let (dye, dweight, dh, dgu, dxe, drouter, counts) = (
+            alloc(cpu, n * k * d),
+            alloc(cpu, n * k),
+            alloc(cpu, n * k * f),
+            alloc(cpu, n * k * 2 * f),
+            alloc(cpu, n * k * d),
+            alloc(cpu, n * e),
+            alloc(cpu, e),
+        );
+        let gate_up = ExpertWeights { first: x[2].at(0, 2 * f * d), stride };
+        let down = ExpertWeights { first: x[2].at(2 * f * d, d * f), stride };
+        let dgate_up = ExpertWeights { first: dexperts.at(0, 2 * f * d), stride };
+        let ddown = ExpertWeights { first: dexperts.at(2 * f * d, d * f), stride };
+        cpu.moe_combine_backward(dye, dweight, dout, ye, dispatch, d);
+        cpu.moe_expert_matmul(dh, dye, down, dispatch, MatMul::linear_dx(0, f, d));
+        cpu.moe_expert_matmul_dw(ddown, dye, h, dispatch, f, d);
+        cpu.swiglu_backward(dgu, dh, gu, f);
+        cpu.moe_expert_matmul(dxe, dgu, gate_up, dispatch, MatMul::linear_dx(0, d, 2 * f));
+        cpu.moe_expert_matmul_dw(dgate_up, dgu, xe, dispatch, d, 2 * f);
+        cpu.moe_gather_backward(dx, dxe, dispatch, d);
+        cpu.moe_route_backward(drouter, dweight, probs, dispatch, counts, 0.0);
+        cpu.matmul(dx, drouter, x[1], MatMul::linear_dx(n, d, e).accumulating());
+        cpu.matmul(drouter_w, drouter, x[0], MatMul::linear_dw(n, d, e));
+        vec![dx, drouter_w, dexperts]
+    });
 }
 
 /// The load-balancing term: `L = aux_scale · Σ_e counts[e] · Σ_t p[t, e]` with the counts held
@@ -478,20 +494,7 @@ fn mixture_of_experts_block() {
 fn load_balancing_gradient() {
     let (n, e, k) = (5, 4, 2);
     let counts = [3f32, 1.0, 4.0, 2.0];
-    let plan = |cpu: &mut Cpu| {
-        let idx = cpu.alloc_idx(3 * n * k + e + 1);
-        MoeDispatch {
-            tokens: n,
-            experts: e,
-            top_k: k,
-            expert: idx.at(0, n * k),
-            weight: cpu.alloc(BufKind::Activations, n * k),
-            slot_row: idx.at(n * k, n * k),
-            row_slot: idx.at(2 * n * k, n * k),
-            offsets: idx.at(3 * n * k, e + 1),
-            stats: cpu.alloc(BufKind::Activations, 2 * e),
-        }
-    };
+    let plan = |cpu: &mut Cpu| dispatch(cpu, n, e, k, n * k);
     check(
         "load balancing",
         &[random(n * e, 1, 2.0)],

@@ -2,15 +2,23 @@
 //!
 //! route:    p = softmax(router_logits);  the top-k experts e_1..e_k of each token (ties to the
 //!           lower index);  w_j = p_{e_j} / Σ_m p_{e_m}
-//! combine:  y_t = Σ_j w_j · expert_{e_j}(x_t)
-//! backward: dw_j = dy_t · expert_{e_j}(x_t);  for the chosen experts
-//!           dp_{e_i} = (dw_i - Σ_j dw_j w_j) / Σ_m p_{e_m};  plus the load-balancing term;
-//!           dlogits = p ⊙ (dp - p · dp)
+//! capacity: expert e keeps its first C slots in slot order (token t's slot j is t·k + j, so
+//!           token order within the batch, as MaxText's cumsum of the expert mask and Megatron's
+//!           `moe_token_drop_policy = "position"` keep them); kept_j ∈ {0, 1}
+//! combine:  y_t = Σ_j kept_j · w_j · expert_{e_j}(x_t)
+//! backward: dw_j = kept_j · dy_t · expert_{e_j}(x_t);  dx_t gets kept_j · dexpert_{e_j} only;
+//!           for the chosen experts dp_{e_i} = (dw_i - Σ_j dw_j w_j) / Σ_m p_{e_m};  plus the
+//!           load-balancing term;  dlogits = p ⊙ (dp - p · dp)
 //!
-//! Dispatched rows are grouped by expert, each expert's rows in token order (a stable counting
-//! sort), so every expert's tokens form one contiguous block for its matrix products.
+//! A dropped slot (kept_j = 0) adds nothing to its token's output (the residual carries the
+//! token) and its expert gets no gradient from it; its weight still shares the renormalisation,
+//! as in Megatron and MaxText, where the weights are computed before the drop.
+//!
+//! Dispatched rows are grouped by expert, each expert's kept rows in token order (a stable
+//! counting sort), so every expert's tokens form one contiguous block for its matrix products;
+//! the rows past the kept ones (`offsets[E] ..`) belong to no slot.
 
-use crate::backend::MoeDispatch;
+use crate::backend::{DROPPED, MoeDispatch};
 use rayon::prelude::*;
 
 /// The writable routing tables of one dispatch.
@@ -52,63 +60,76 @@ pub fn route(probs: &mut [f32], weight: &mut [f32], stats: &mut [f32], t: Tables
             w.iter_mut().for_each(|w| *w /= total);
         });
 
-    // Stable counting sort of the slots by expert; `offsets` doubles as the cursor.
-    let offsets = t.offsets;
-    offsets.fill(0);
+    // Stable counting sort of the slots by expert, each expert's first `capacity` slots kept.
+    let cap = d.capacity;
+    let mut routed = vec![0u32; e];
     for &x in t.expert.iter() {
-        offsets[x as usize + 1] += 1;
+        routed[x as usize] += 1;
     }
-    for x in 0..e {
-        offsets[x + 1] += offsets[x];
-    }
-    for (slot, &x) in t.expert.iter().enumerate() {
-        let row = offsets[x as usize];
-        offsets[x as usize] += 1;
-        t.slot_row[slot] = row;
-        t.row_slot[row as usize] = slot as u32;
-    }
-    for x in (1..=e).rev() {
-        offsets[x] = offsets[x - 1];
-    }
+    let offsets = t.offsets;
     offsets[0] = 0;
-
-    let (counts, prob_sums) = stats.split_at_mut(e);
     for x in 0..e {
-        counts[x] = (offsets[x + 1] - offsets[x]) as f32;
+        offsets[x + 1] = offsets[x] + routed[x].min(cap as u32);
+    }
+    let mut rank = vec![0u32; e];
+    let mut dropped = 0u32;
+    t.row_slot.fill(DROPPED);
+    for (slot, &x) in t.expert.iter().enumerate() {
+        let r = &mut rank[x as usize];
+        if (*r as usize) < cap {
+            let row = offsets[x as usize] + *r;
+            t.slot_row[slot] = row;
+            t.row_slot[row as usize] = slot as u32;
+        } else {
+            t.slot_row[slot] = DROPPED;
+            dropped += 1;
+        }
+        *r += 1;
+    }
+
+    let (counts, rest) = stats.split_at_mut(e);
+    let (prob_sums, dropped_slots) = rest.split_at_mut(e);
+    for x in 0..e {
+        counts[x] = routed[x] as f32;
         prob_sums[x] = probs.chunks_exact(e).map(|p| p[x] as f64).sum::<f64>() as f32;
     }
+    dropped_slots[0] = dropped as f32;
 }
 
-/// `xe[r] = x[row_slot[r] / k]`.
+/// `xe[r] = x[row_slot[r] / k]`; zero for the rows no slot fills.
 pub fn gather(xe: &mut [f32], x: &[f32], row_slot: &[u32], k: usize, d: usize) {
     xe.par_chunks_mut(d).zip(row_slot.par_iter()).for_each(|(row, &slot)| {
-        let t = slot as usize / k;
-        row.copy_from_slice(&x[t * d..(t + 1) * d]);
+        if slot == DROPPED {
+            row.fill(0.0);
+        } else {
+            let t = slot as usize / k;
+            row.copy_from_slice(&x[t * d..(t + 1) * d]);
+        }
     });
 }
 
-/// `dx[t] = Σ_j dxe[slot_row[t·k + j]]`.
+/// `dx[t] = Σ_j dxe[slot_row[t·k + j]]` over the kept slots.
 pub fn gather_backward(dx: &mut [f32], dxe: &[f32], slot_row: &[u32], k: usize, d: usize) {
     dx.par_chunks_mut(d).zip(slot_row.par_chunks(k)).for_each(|(row, rows)| {
         row.fill(0.0);
-        for &r in rows {
+        for &r in rows.iter().filter(|&&r| r != DROPPED) {
             row.iter_mut().zip(&dxe[r as usize * d..][..d]).for_each(|(a, b)| *a += b);
         }
     });
 }
 
-/// `out[t] = Σ_j weight[t·k + j] · ye[slot_row[t·k + j]]`.
+/// `out[t] = Σ_j weight[t·k + j] · ye[slot_row[t·k + j]]` over the kept slots.
 pub fn combine(out: &mut [f32], ye: &[f32], weight: &[f32], slot_row: &[u32], k: usize, d: usize) {
     out.par_chunks_mut(d).zip(slot_row.par_chunks(k)).zip(weight.par_chunks(k)).for_each(|((row, rows), w)| {
         row.fill(0.0);
-        for (&r, &w) in rows.iter().zip(w) {
+        for (&r, &w) in rows.iter().zip(w).filter(|(r, _)| **r != DROPPED) {
             row.iter_mut().zip(&ye[r as usize * d..][..d]).for_each(|(a, y)| *a += w * y);
         }
     });
 }
 
-/// `dye[r] = weight[s] · dout[s / k]` for the slot s of each row, and
-/// `dweight[s] = dout[s / k] · ye[slot_row[s]]`.
+/// `dye[r] = weight[s] · dout[s / k]` for the slot s of each row (zero for the rows no slot
+/// fills), and `dweight[s] = dout[s / k] · ye[slot_row[s]]` (zero for a dropped slot).
 pub fn combine_backward(
     dye: &mut [f32],
     dweight: &mut [f32],
@@ -121,12 +142,20 @@ pub fn combine_backward(
     d: usize,
 ) {
     dye.par_chunks_mut(d).zip(row_slot.par_iter()).for_each(|(row, &s)| {
+        if s == DROPPED {
+            row.fill(0.0);
+            return;
+        }
         let (s, t) = (s as usize, s as usize / k);
         row.iter_mut().zip(&dout[t * d..(t + 1) * d]).for_each(|(g, o)| *g = weight[s] * o);
     });
     dweight.par_iter_mut().zip(slot_row.par_iter()).enumerate().for_each(|(s, (dw, &r))| {
         let t = s / k;
-        *dw = dout[t * d..(t + 1) * d].iter().zip(&ye[r as usize * d..][..d]).map(|(a, b)| a * b).sum();
+        *dw = if r == DROPPED {
+            0.0
+        } else {
+            dout[t * d..(t + 1) * d].iter().zip(&ye[r as usize * d..][..d]).map(|(a, b)| a * b).sum()
+        };
     });
 }
 

@@ -39,8 +39,8 @@ pub(crate) fn expert_matmul(gpu: &mut Cuda, out: View, a: View, weights: ExpertW
         Arg::I(s.accumulate as i32),
         Arg::I(vec as i32),
     ];
-    // Row tiles of all experts together: at most rows / 128 plus one partial tile each.
-    let grid = (s.n.div_ceil(128) as u32, (rows.div_ceil(128) + d.experts) as u32, 1);
+    // Row tiles of all experts together: at most the kept rows / 128 plus one partial tile each.
+    let grid = (s.n.div_ceil(128) as u32, (d.rows_bound().div_ceil(128) + d.experts) as u32, 1);
     gpu.launch(name, grid, 256, 0, &args);
 }
 

@@ -1,18 +1,23 @@
-// Mixtral mixture-of-experts routing, dispatch and combine, without token dropping and without
-// host round trips: the dispatch tables are built on the device and the experts' products
-// (gemm.cu) read the per-expert row counts from them.
+// Mixtral mixture-of-experts routing, dispatch and combine, without host round trips: the
+// dispatch tables are built on the device and the experts' products (gemm.cu) read the
+// per-expert row counts from them.
 //
 // route:    p = softmax(router_logits); top-k experts (ties to the lower index);
 //           w_j = p_{e_j} / Σ_m p_{e_m}                                       (one warp per token)
-// dispatch: a stable counting sort of the N·k slots by expert: rows of expert e are
-//           offsets[e] .. offsets[e + 1], each expert's slots in token order       (one block)
-// stats:    [tokens routed to e | Σ_t p_te], the inputs of the load-balancing loss
-// combine:  y_t = Σ_j w_tj · ye[slot_row[t·k + j]]
-// backward: dw_j = dy_t · ye_j;  dye = w · dy;  router gradient through the renormalisation and
-//           the softmax, plus aux_scale · counts[e] on every probability of expert e.
+// dispatch: a stable counting sort of the N·k slots by expert, each expert keeping its first
+//           `capacity` slots in slot order (token order, as MaxText); rows of expert e are
+//           offsets[e] .. offsets[e + 1]; a dropped slot's row is DROPPED, as is the slot of
+//           every row past offsets[e]                                                (one block)
+// stats:    [tokens routed to e | Σ_t p_te | dropped slots], the inputs of the load-balancing
+//           loss and the dropped share
+// combine:  y_t = Σ_j w_tj · ye[slot_row[t·k + j]] over the kept slots
+// backward: dw_j = dy_t · ye_j (0 if dropped);  dye = w · dy;  router gradient through the
+//           renormalisation and the softmax, plus aux_scale · counts[e] on every probability
+//           of expert e.
 //
 // Experts per layer are at most MAX_EXPERTS (8 per lane of a warp).
 
+#define DROPPED 0xffffffffu
 #define MAX_PER_LANE 8
 
 extern "C" __global__ void moe_route(float* probs, float* weight, u32* expert, const float* logits, u64 n, int e,
@@ -72,9 +77,10 @@ extern "C" __global__ void moe_route(float* probs, float* weight, u32* expert, c
         for (int j = 0; j < k; j++) weight[token * k + j] /= total;
 }
 
-// One block of 1024 threads. Dynamic shared memory: (2 + 32) · e u32.
-extern "C" __global__ void moe_dispatch(u32* slot_row, u32* row_slot, u32* offsets, const u32* expert, u64 slots,
-                                        int e) {
+// One block of 1024 threads. Dynamic shared memory: (2 + 32) · e u32. Writes the routed counts
+// and the dropped slots into stats (moe_stats adds the probability sums).
+extern "C" __global__ void moe_dispatch(u32* slot_row, u32* row_slot, u32* offsets, float* stats, const u32* expert,
+                                        u64 slots, int e, int capacity) {
     DYNAMIC_SMEM(u32, sh);
     u32 *counts = sh, *cursor = sh + e, *warp_counts = sh + 2 * e;
     int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -83,15 +89,20 @@ extern "C" __global__ void moe_dispatch(u32* slot_row, u32* row_slot, u32* offse
     for (u64 s = tid; s < slots; s += blockDim.x) atomicAdd(&counts[expert[s]], 1u);
     __syncthreads();
     if (tid == 0) {
-        u32 acc = 0;
+        u32 acc = 0, dropped = 0;
         for (int x = 0; x < e; x++) {
+            u32 kept = min(counts[x], (u32)capacity);
             offsets[x] = acc;
-            cursor[x] = acc;
-            acc += counts[x];
+            cursor[x] = 0;  // slots of expert x seen so far
+            acc += kept;
+            dropped += counts[x] - kept;
+            stats[x] = (float)counts[x];
         }
         offsets[e] = acc;
+        stats[2 * e] = (float)dropped;
     }
     __syncthreads();
+    for (u64 r = offsets[e] + tid; r < slots; r += blockDim.x) row_slot[r] = DROPPED;
     for (u64 base = 0; base < slots; base += blockDim.x) {
         u64 s = base + tid;
         bool valid = s < slots;
@@ -113,71 +124,97 @@ extern "C" __global__ void moe_dispatch(u32* slot_row, u32* row_slot, u32* offse
         }
         __syncthreads();
         if (valid) {
-            u32 row = warp_counts[warp * e + x] + rank;
-            slot_row[s] = row;
-            row_slot[row] = (u32)s;
+            u32 nth = warp_counts[warp * e + x] + rank;  // the slot's place among expert x's
+            if (nth < (u32)capacity) {
+                u32 row = offsets[x] + nth;
+                slot_row[s] = row;
+                row_slot[row] = (u32)s;
+            } else {
+                slot_row[s] = DROPPED;
+            }
         }
         __syncthreads();
     }
 }
 
-// One block per expert.
-extern "C" __global__ void moe_stats(float* stats, const u32* offsets, const float* probs, u64 n, int e) {
+// One block per expert: Σ_t p_te (the counts and drops are moe_dispatch's).
+extern "C" __global__ void moe_stats(float* stats, const float* probs, u64 n, int e) {
     __shared__ double scratch[32];
     int x = blockIdx.x;
     double acc = 0.0;
     for (u64 t = threadIdx.x; t < n; t += blockDim.x) acc += probs[t * e + x];
     acc = block_sum_f64(acc, scratch);
-    if (threadIdx.x == 0) {
-        stats[x] = (float)(offsets[x + 1] - offsets[x]);
-        stats[e + x] = (float)acc;
-    }
+    if (threadIdx.x == 0) stats[e + x] = (float)acc;
 }
 
-// xe[r] = x[row_slot[r] / k]   (one block per dispatched row)
+// xe[r] = x[row_slot[r] / k], zero for a row no slot fills   (one block per dispatched row)
 extern "C" __global__ void moe_gather(bf16* xe, const bf16* x, const u32* row_slot, int k, int d) {
-    u64 r = blockIdx.x, t = row_slot[r] / k;
+    u64 r = blockIdx.x;
+    u32 s = row_slot[r];
+    if (s == DROPPED) {
+        for (int j = threadIdx.x; j < d; j += blockDim.x) xe[r * d + j] = f2bf(0.f);
+        return;
+    }
+    u64 t = s / k;
     for (int j = threadIdx.x; j < d; j += blockDim.x) xe[r * d + j] = x[t * d + j];
 }
 
-// dx[t] = Σ_j dxe[slot_row[t·k + j]]   (one block per token)
+// dx[t] = Σ_j dxe[slot_row[t·k + j]] over the kept slots   (one block per token)
 extern "C" __global__ void moe_gather_backward(bf16* dx, const bf16* dxe, const u32* slot_row, int k, int d) {
     u64 t = blockIdx.x;
     for (int j = threadIdx.x; j < d; j += blockDim.x) {
         float acc = 0.f;
-        for (int s = 0; s < k; s++) acc += bf2f(dxe[(u64)slot_row[t * k + s] * d + j]);
+        for (int s = 0; s < k; s++) {
+            u32 r = slot_row[t * k + s];
+            if (r != DROPPED) acc += bf2f(dxe[(u64)r * d + j]);
+        }
         dx[t * d + j] = f2bf(acc);
     }
 }
 
-// out[t] = Σ_j weight[t·k + j] · ye[slot_row[t·k + j]]   (one block per token)
+// out[t] = Σ_j weight[t·k + j] · ye[slot_row[t·k + j]] over the kept slots   (one block per token)
 extern "C" __global__ void moe_combine(bf16* out, const bf16* ye, const float* weight, const u32* slot_row, int k,
                                        int d) {
     u64 t = blockIdx.x;
     for (int j = threadIdx.x; j < d; j += blockDim.x) {
         float acc = 0.f;
-        for (int s = 0; s < k; s++) acc += weight[t * k + s] * bf2f(ye[(u64)slot_row[t * k + s] * d + j]);
+        for (int s = 0; s < k; s++) {
+            u32 r = slot_row[t * k + s];
+            if (r != DROPPED) acc += weight[t * k + s] * bf2f(ye[(u64)r * d + j]);
+        }
         out[t * d + j] = f2bf(acc);
     }
 }
 
-// dye[r] = weight[s] · dout[s / k] for the slot s of row r   (one block per dispatched row)
+// dye[r] = weight[s] · dout[s / k] for the slot s of row r, zero for a row no slot fills
+// (one block per dispatched row)
 extern "C" __global__ void moe_combine_backward_rows(bf16* dye, const bf16* dout, const float* weight,
                                                      const u32* row_slot, int k, int d) {
-    u64 r = blockIdx.x, s = row_slot[r], t = s / k;
+    u64 r = blockIdx.x;
+    u32 s = row_slot[r];
+    if (s == DROPPED) {
+        for (int j = threadIdx.x; j < d; j += blockDim.x) dye[r * d + j] = f2bf(0.f);
+        return;
+    }
+    u64 t = s / k;
     float w = weight[s];
     for (int j = threadIdx.x; j < d; j += blockDim.x) dye[r * d + j] = f2bf(w * bf2f(dout[t * d + j]));
 }
 
-// dweight[s] = dout[s / k] · ye[slot_row[s]]   (one warp per slot)
+// dweight[s] = dout[s / k] · ye[slot_row[s]], zero for a dropped slot   (one warp per slot)
 extern "C" __global__ void moe_combine_backward_weights(float* dweight, const bf16* dout, const bf16* ye,
                                                         const u32* slot_row, u64 slots, int k, int d) {
     u64 s = global_thread() / 32;
     int lane = threadIdx.x & 31;
     if (s >= slots) return;
-    u64 t = s / k, r = slot_row[s];
+    u64 t = s / k;
+    u32 r = slot_row[s];
+    if (r == DROPPED) {
+        if (lane == 0) dweight[s] = 0.f;
+        return;
+    }
     float acc = 0.f;
-    for (int j = lane; j < d; j += 32) acc += bf2f(dout[t * d + j]) * bf2f(ye[r * d + j]);
+    for (int j = lane; j < d; j += 32) acc += bf2f(dout[t * d + j]) * bf2f(ye[(u64)r * d + j]);
     acc = warp_sum(acc);
     if (lane == 0) dweight[s] = acc;
 }

@@ -25,8 +25,9 @@ pub(crate) const MODULE: Module = Module {
 /// Largest number of experts the routing kernels handle (8 per lane of a warp).
 pub(crate) const MAX_EXPERTS: usize = 256;
 
-/// `Backend::moe_route`: softmax and top-k (a warp per token), the dispatch tables (one block)
-/// and the per-expert statistics (a block per expert).
+/// `Backend::moe_route`: softmax and top-k (a warp per token), the dispatch tables with the
+/// experts' capacity, the routed counts and the dropped slots (one block), and the probability
+/// sums (a block per expert).
 pub(crate) fn route(gpu: &mut Cuda, probs: View, router_logits: View, d: MoeDispatch) {
     for (v, name) in [(probs, "probs"), (router_logits, "router_logits"), (d.weight, "weight"), (d.stats, "stats")] {
         gpu.expect(v, DType::F32, "moe_route", name);
@@ -38,11 +39,22 @@ pub(crate) fn route(gpu: &mut Cuda, probs: View, router_logits: View, d: MoeDisp
     let (ei, ki) = (e as i32, k as i32);
     let args = [Arg::P(p), Arg::P(w), Arg::P(ex), Arg::P(z), Arg::U(n as u64), Arg::I(ei), Arg::I(ki)];
     gpu.launch("moe_route", ((n as u64 * 32).div_ceil(256) as u32, 1, 1), 256, 0, &args);
+    assert_eq!(d.stats.len, MoeDispatch::stats_len(e), "internal error: moe_route: stats length");
     let (sr, rs, off) = (gpu.iptr(d.slot_row), gpu.iptr(d.row_slot), gpu.iptr(d.offsets));
-    let args = [Arg::P(sr), Arg::P(rs), Arg::P(off), Arg::P(ex), Arg::U((n * k) as u64), Arg::I(ei)];
-    gpu.launch("moe_dispatch", (1, 1, 1), 1024, 34 * e * 4, &args);
     let st = gpu.out(d.stats, "moe_route");
-    let args = [Arg::P(st), Arg::P(off), Arg::P(p), Arg::U(n as u64), Arg::I(ei)];
+    let capacity = i32::try_from(d.capacity).expect("internal error: moe_route: capacity beyond i32");
+    let args = [
+        Arg::P(sr),
+        Arg::P(rs),
+        Arg::P(off),
+        Arg::P(st),
+        Arg::P(ex),
+        Arg::U((n * k) as u64),
+        Arg::I(ei),
+        Arg::I(capacity),
+    ];
+    gpu.launch("moe_dispatch", (1, 1, 1), 1024, 34 * e * 4, &args);
+    let args = [Arg::P(st), Arg::P(p), Arg::U(n as u64), Arg::I(ei)];
     gpu.launch("moe_stats", (e as u32, 1, 1), 256, 0, &args);
 }
 
