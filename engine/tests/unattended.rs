@@ -269,9 +269,10 @@ fn checkpoints_are_saved_on_a_time_cadence() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// A run killed with SIGKILL after its checkpoint of step C and its step K > C, then resumed with
-/// `--resume=auto` to the end: `engine goodput` finds two attempts (the first killed at step K,
-/// the second completed after resuming step C), counts the K − C steps computed again as
+/// A run killed with SIGKILL after its checkpoint of step 2 and its step 5 (the test hook holds the
+/// save of step 4 for good, so the step loop waits there before logging step 6), then resumed with
+/// `--resume=auto` to the end: `engine goodput` finds two attempts (the first killed at step 5,
+/// the second completed after resuming step 2), counts the 3 steps computed again as
 /// wasted progress, and splits every second of each attempt into productive time and causes;
 /// `summary.json` carries the same figures; a directory without a timeline is one line, exit 2.
 #[test]
@@ -279,15 +280,17 @@ fn goodput_accounts_for_a_run_killed_and_resumed() {
     let dir = scratch("goodput");
     let run = dir.join("run");
     let cadence = ["--set", "train.checkpoint_every=2", "--set", "train.eval_every=3"];
-    let (mut child, _) = started(&train_args(&run, "100000", &cadence));
-    while losses(&run).len() < 6 {
+    let mut cmd = engine_cmd(&train_args(&run, "100000", &cadence));
+    cmd.env("ENGINE_TEST_PAUSE_SAVE", "4");
+    let (mut child, _) = started_with(cmd);
+    while losses(&run).len() < 5 {
         std::thread::sleep(std::time::Duration::from_millis(5));
     }
     child.kill().unwrap();
     child.wait().unwrap();
     let killed_at = losses(&run).last().unwrap().0;
     let newest = checkpoints(&run).iter().rev().find_map(|c| c.strip_prefix("step-")?.parse::<u64>().ok()).unwrap();
-    assert!(newest < killed_at, "checkpoint {newest}, killed after {killed_at}");
+    assert_eq!((newest, killed_at), (2, 5), "{:?}", checkpoints(&run));
     let end = (killed_at + 2).to_string();
     let out = ok(&train_args(&run, &end, &[&cadence[..], &["--resume=auto"]].concat()));
     assert!(out.contains(&format!("resuming after step {newest}")), "{out}");

@@ -95,8 +95,8 @@ pub enum Record {
         #[serde(default)]
         logging_s: f64,
     },
-    /// An attempt ended on its own: `completed`, `stopped` (a signal, with a checkpoint) or
-    /// `failed`.
+    /// An attempt ended on its own: `completed`, `stopped` (a signal, with a checkpoint),
+    /// `diverged`, or `failed` (an error ended the step loop: a lost peer, a full disk).
     End {
         /// The attempt.
         attempt: u32,
@@ -153,10 +153,12 @@ pub fn timed<T>(f: impl FnOnce() -> T) -> (T, f64) {
     (out, start.elapsed().as_secs_f64())
 }
 
-/// The lead's handle on the timeline: appends this attempt's records.
+/// The lead's handle on the timeline: appends this attempt's records. Dropped without an end
+/// (an error left the step loop: a lost peer, a full disk), it records the attempt `failed`.
 pub struct Timeline {
     file: File,
     attempt: u32,
+    ended: bool,
 }
 
 impl Timeline {
@@ -170,7 +172,7 @@ impl Timeline {
             .append(true)
             .open(&path)
             .with_context(|| format!("cannot open {} for appending", path.display()))?;
-        let mut timeline = Timeline { file, attempt: earlier as u32 + 1 };
+        let mut timeline = Timeline { file, attempt: earlier as u32 + 1, ended: false };
         let t = process_start();
         timeline.append(&Record::Start {
             attempt: timeline.attempt,
@@ -197,6 +199,7 @@ impl Timeline {
 
     /// Records the attempt's end, after `checkpoint_s` waiting for the last save.
     pub fn end(&mut self, outcome: &str, checkpoint_s: f64) -> Result<()> {
+        self.ended = true;
         self.append(&Record::End { attempt: self.attempt, t: now(), outcome: outcome.into(), checkpoint_s })
     }
 
@@ -205,6 +208,15 @@ impl Timeline {
         let mut line = serde_json::to_vec(record)?;
         line.push(b'\n');
         self.file.write_all(&line).context("cannot append to the goodput timeline")
+    }
+}
+
+impl Drop for Timeline {
+    fn drop(&mut self) {
+        if !self.ended {
+            // Best effort: the error that ends the attempt is the one to report.
+            let _ = self.end("failed", 0.0);
+        }
     }
 }
 
@@ -309,8 +321,8 @@ pub struct Attempt {
     pub started: f64,
     /// The step it continued after.
     pub resumed_after_step: u64,
-    /// `completed`, `stopped`, `failed`, or `killed` (no end record: it ended after its last
-    /// record, killed or lost with its node).
+    /// `completed`, `stopped`, `diverged`, `failed` (an error: a lost peer, a full disk), or
+    /// `killed` (no end record: it ended after its last record, killed or lost with its node).
     pub outcome: String,
     /// Its last logged step.
     pub last_step: u64,
@@ -584,17 +596,22 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let mut first = Timeline::begin(dir.path(), 0, Startup::default()).unwrap();
         first.step(step(0, 1, 0.0, 0.0)).unwrap();
-        drop(first);
+        // Killed: no end record.
+        std::mem::forget(first);
         let mut file = File::options().append(true).open(dir.path().join(GOODPUT)).unwrap();
         file.write_all(b"{\"kind\":\"step\",\"att").unwrap();
         file.write_all(b"\n").unwrap();
         let mut second = Timeline::begin(dir.path(), 1, Startup::default()).unwrap();
         assert_eq!(second.attempt(), 2);
         second.end("completed", 0.0).unwrap();
+        drop(second);
+        // Ended by an error: the end is written as it is dropped.
+        drop(Timeline::begin(dir.path(), 1, Startup::default()).unwrap());
         let records = read(&dir.path().join(GOODPUT)).unwrap();
-        assert_eq!(records.len(), 4);
+        assert_eq!(records.len(), 6);
         let r = Report::of(&records).unwrap();
-        assert_eq!(r.attempts.iter().map(|a| a.outcome.as_str()).collect::<Vec<_>>(), ["killed", "completed"]);
+        let outcomes: Vec<&str> = r.attempts.iter().map(|a| a.outcome.as_str()).collect();
+        assert_eq!(outcomes, ["killed", "completed", "failed"]);
         assert!(r.run.wall_s >= r.last_attempt.wall_s);
     }
 

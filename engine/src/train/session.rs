@@ -193,7 +193,7 @@ pub fn run<B: Backend>(trainer: &mut Trainer<Traced<B>>, s: &Session) -> Result<
             // Every device saw the same loss and norm: all stop here, after the save in flight.
             let (saved, waited_s) = goodput::timed(|| saver.finish(trainer));
             saved?.iter().for_each(|done| log.saved(done));
-            timeline.as_mut().map(|t| t.end("failed", waited_s)).transpose()?;
+            timeline.as_mut().map(|t| t.end("diverged", waited_s)).transpose()?;
             let kept = match checkpoint::list(&checkpoints)?.last() {
                 Some((_, dir)) => format!("the newest checkpoint, {}, is kept", dir.display()),
                 None => "no checkpoint was saved".into(),
