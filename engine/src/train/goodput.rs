@@ -154,7 +154,7 @@ pub fn timed<T>(f: impl FnOnce() -> T) -> (T, f64) {
 }
 
 /// The lead's handle on the timeline: appends this attempt's records. Dropped without an end
-/// (an error left the step loop: a lost peer, a full disk), it records the attempt `failed`.
+/// (an error left the step loop: a full disk), it records the attempt `failed`.
 pub struct Timeline {
     file: File,
     attempt: u32,
@@ -322,7 +322,8 @@ pub struct Attempt {
     /// The step it continued after.
     pub resumed_after_step: u64,
     /// `completed`, `stopped`, `diverged`, `failed` (an error: a lost peer, a full disk), or
-    /// `killed` (no end record: it ended after its last record, killed or lost with its node).
+    /// `killed` (no end record: it ended after its last record, killed, lost with its node, or
+    /// ended at once by the collectives' watchdog when a peer was lost, exit 75).
     pub outcome: String,
     /// Its last logged step.
     pub last_step: u64,
