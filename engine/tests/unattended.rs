@@ -319,6 +319,14 @@ fn goodput_accounts_for_a_run_killed_and_resumed() {
         serde_json::from_str(&std::fs::read_to_string(run.join("summary.json")).unwrap()).unwrap();
     assert_eq!(summary["goodput"]["attempts"], 2);
     assert_eq!(summary["goodput"]["run"]["recomputed_steps"], report["run"]["recomputed_steps"]);
+    // TensorBoard: the resumed attempt's event file carries the goodput and badput scalars.
+    let tagged = |tag: &str| {
+        std::fs::read_dir(&run).unwrap().map(|e| e.unwrap().path()).any(|p| {
+            p.file_name().unwrap().to_string_lossy().starts_with("events.out.tfevents")
+                && std::fs::read(&p).unwrap().windows(tag.len()).any(|w| w == tag.as_bytes())
+        })
+    };
+    assert!(tagged("goodput/run") && tagged("badput/run/recomputed_steps"), "no goodput scalars in TensorBoard");
 
     let table = ok(&["goodput", s(&run)]);
     for row in ["productive", "start-up: checkpoint load", "recomputed steps", "wall", "killed", "completed"] {
