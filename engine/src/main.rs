@@ -96,6 +96,8 @@ fn main() -> ExitCode {
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
     keep_freed_memory();
+    // The goodput timeline's start of the attempt, where /proc does not say.
+    engine::train::goodput::process_start();
     cli::install_panic_hook();
     let args = cli::parse();
     match cli::run(args) {

@@ -3,7 +3,8 @@
 //! documented exit code; a second signal exits at once; `--resume=auto` continues a stopped run
 //! on the uninterrupted curve and starts a run with no checkpoint yet again; runs started at
 //! once without `--run-dir` take one directory each; a resume that would change the global batch
-//! is refused; `train.checkpoint_every_minutes` saves on rank 0's clock.
+//! is refused; `train.checkpoint_every_minutes` saves on rank 0's clock; `engine goodput`
+//! accounts for the attempts of a run killed and resumed.
 
 mod common;
 
@@ -265,5 +266,73 @@ fn checkpoints_are_saved_on_a_time_cadence() {
         assert!(saved.len() >= 2, "{name}: {saved:?}");
         assert_eq!(saved.last().unwrap(), "step-000040", "{name}: the last step is saved");
     }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A run killed with SIGKILL after its checkpoint of step 2 and its step 5 (the test hook holds the
+/// save of step 4 for good, so the step loop waits there before logging step 6), then resumed with
+/// `--resume=auto` to the end: `engine goodput` finds two attempts (the first killed at step 5,
+/// the second completed after resuming step 2), counts the 3 steps computed again as
+/// wasted progress, and splits every second of each attempt into productive time and causes;
+/// `summary.json` carries the same figures; a directory without a timeline is one line, exit 2.
+#[test]
+fn goodput_accounts_for_a_run_killed_and_resumed() {
+    let dir = scratch("goodput");
+    let run = dir.join("run");
+    let cadence = ["--set", "train.checkpoint_every=2", "--set", "train.eval_every=3"];
+    let mut cmd = engine_cmd(&train_args(&run, "100000", &cadence));
+    cmd.env("ENGINE_TEST_PAUSE_SAVE", "4");
+    let (mut child, _) = started_with(cmd);
+    while losses(&run).len() < 5 {
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let killed_at = losses(&run).last().unwrap().0;
+    let newest = checkpoints(&run).iter().rev().find_map(|c| c.strip_prefix("step-")?.parse::<u64>().ok()).unwrap();
+    assert_eq!((newest, killed_at), (2, 5), "{:?}", checkpoints(&run));
+    let end = (killed_at + 2).to_string();
+    let out = ok(&train_args(&run, &end, &[&cadence[..], &["--resume=auto"]].concat()));
+    assert!(out.contains(&format!("resuming after step {newest}")), "{out}");
+    assert!(out.contains("goodput ") && out.contains("(2 attempts"), "{out}");
+
+    let report: serde_json::Value = serde_json::from_str(&ok(&["goodput", s(&run), "--json"])).unwrap();
+    let attempts = report["attempts"].as_array().unwrap();
+    let field = |a: &serde_json::Value, k: &str| a[k].as_u64().unwrap();
+    assert_eq!(attempts.len(), 2, "{report:#}");
+    assert_eq!((attempts[0]["outcome"].as_str(), field(&attempts[0], "last_step")), (Some("killed"), killed_at));
+    assert_eq!((attempts[1]["outcome"].as_str(), field(&attempts[1], "last_step")), (Some("completed"), killed_at + 2));
+    assert_eq!(field(&attempts[1], "resumed_after_step"), newest);
+    assert_eq!(field(&report["run"], "recomputed_steps"), killed_at - newest, "{report:#}");
+    assert_eq!(field(&report["run"], "steps"), killed_at + 2 + killed_at - newest);
+    assert!(report["run"]["badput"]["recomputed_s"].as_f64().unwrap() > 0.0);
+    assert!(report["last_attempt"]["badput"]["startup_checkpoint_load_s"].as_f64().unwrap() > 0.0);
+    assert!(report["run"]["badput"]["eval_s"].as_f64().unwrap() > 0.0);
+    // Productive time and the causes add up to the wall time, attempt by attempt and in all.
+    for f in attempts.iter().chain([&report["run"], &report["last_attempt"]]) {
+        let causes: f64 = f["badput"].as_object().unwrap().values().map(|v| v.as_f64().unwrap()).sum();
+        let (productive, wall) = (f["productive_s"].as_f64().unwrap(), f["wall_s"].as_f64().unwrap());
+        assert!(wall > 0.0 && (productive + causes - wall).abs() < 1e-6 * wall.max(1.0), "{f:#}");
+        assert!(f["goodput"].as_f64().unwrap() > 0.0 && f["goodput"].as_f64().unwrap() < 1.0, "{f:#}");
+    }
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(run.join("summary.json")).unwrap()).unwrap();
+    assert_eq!(summary["goodput"]["attempts"], 2);
+    assert_eq!(summary["goodput"]["run"]["recomputed_steps"], report["run"]["recomputed_steps"]);
+    // TensorBoard: the resumed attempt's event file carries the goodput and badput scalars.
+    let tagged = |tag: &str| {
+        std::fs::read_dir(&run).unwrap().map(|e| e.unwrap().path()).any(|p| {
+            p.file_name().unwrap().to_string_lossy().starts_with("events.out.tfevents")
+                && std::fs::read(&p).unwrap().windows(tag.len()).any(|w| w == tag.as_bytes())
+        })
+    };
+    assert!(tagged("goodput/run") && tagged("badput/run/recomputed_steps"), "no goodput scalars in TensorBoard");
+
+    let table = ok(&["goodput", s(&run)]);
+    for row in ["productive", "start-up: checkpoint load", "recomputed steps", "wall", "killed", "completed"] {
+        assert!(table.contains(row), "{row}: {table}");
+    }
+    fails(&["goodput", s(&dir)], "holds no goodput timeline (goodput.jsonl)");
+    fails(&["goodput", s(&dir.join("absent"))], "no such run directory");
     std::fs::remove_dir_all(&dir).unwrap();
 }

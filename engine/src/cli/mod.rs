@@ -5,6 +5,7 @@ mod data;
 mod device;
 mod eval;
 mod export_hf;
+mod goodput;
 mod gpu_test;
 mod import_hf;
 mod info;
@@ -54,6 +55,9 @@ enum Command {
     Recipes(recipes::RecipesCommand),
     /// Measure step time, tokens/s, TFLOP/s and MFU of recipes, and the GEMM rate.
     Bench(bench::BenchArgs),
+    /// Show a run's goodput: its wall time trained and lost by cause (start-up, checkpoints,
+    /// evaluation, data, steps recomputed after restarts), for its last attempt and all of them.
+    Goodput(goodput::GoodputArgs),
     /// Show the devices, versions and flags in effect.
     Info,
     /// Start one process per local device, each running the given engine command.
@@ -207,6 +211,7 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Eval(args) => eval::run(args),
         Command::Recipes(cmd) => recipes::run(cmd),
         Command::Bench(args) => bench::run(args, device),
+        Command::Goodput(args) => goodput::run(args),
         Command::Info => info::run(),
         Command::Launch(args) => launch::launch(args),
         Command::Dist(cmd) => launch::check(cmd),

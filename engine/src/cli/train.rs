@@ -15,6 +15,7 @@ use engine::model::Layout;
 use engine::parallel::comm::Collectives;
 use engine::parallel::{self, rendezvous::Job};
 use engine::train::Trainer;
+use engine::train::goodput::{Startup, timed};
 use engine::train::run_dir::{Decision, Resume, RunDir};
 use engine::train::session::{self, Session};
 use engine::train::signals::{self, STOPPED_EXIT, StopRequest, Stopped};
@@ -118,14 +119,17 @@ fn train(args: TrainArgs, device: DeviceArg) -> Result<()> {
         run_dir.lock()?;
     }
     // Every process of a job decides alike, reading the same directory.
-    let decision = match claim {
-        Some(_) => Decision::Fresh { restart: false },
-        None => run_dir.decide(&resume, config, args.devices * job.world)?,
-    };
+    // Finding and verifying the checkpoint is the first part of loading it.
+    let (decision, decided_s) = timed(|| match claim {
+        Some(_) => Ok(Decision::Fresh { restart: false }),
+        None => run_dir.decide(&resume, config, args.devices * job.world),
+    });
+    let decision = decision?;
     let (checkpoint, restart) = match decision {
         Decision::Fresh { restart } => (None, restart),
         Decision::Resume(ck) => (Some(*ck), false),
     };
+    let checkpoint_load_s = if checkpoint.is_some() { decided_s } else { 0.0 };
     // The peak for MFU is measured once the device is known.
     let mut start = Start {
         name: resolved.name.clone(),
@@ -135,6 +139,7 @@ fn train(args: TrainArgs, device: DeviceArg) -> Result<()> {
         hf,
         checkpoint,
         peak: (0.0, String::new()),
+        startup: Startup { checkpoint_load_s, ..Startup::default() },
     };
     if job.world > 1 {
         if args.devices > 1 {
@@ -156,9 +161,12 @@ fn train(args: TrainArgs, device: DeviceArg) -> Result<()> {
         device::check_cpu_memory(config, args.devices)?;
         return start.run_virtual(config, args.devices);
     }
-    let opened = device::open(device, Some(config))?;
+    let (opened, opened_s) = timed(|| device::open(device, Some(config)));
+    let opened = opened?;
     // Measured (on CPU) before the model's buffers exist, on a quiet heap.
-    start.peak = device::peak(&opened, config);
+    let peak_s;
+    (start.peak, peak_s) = timed(|| device::peak(&opened, config));
+    start.startup.device_setup_s += opened_s + peak_s;
     match opened {
         Opened::Cpu(be) => start.run(be, config),
         Opened::Cuda(be) => start.run(*be, config),
@@ -180,6 +188,8 @@ struct Start {
     hf: Option<HfModel>,
     checkpoint: Option<Checkpoint>,
     peak: (f64, String),
+    /// The parts of the start-up measured so far (the goodput timeline's start record).
+    startup: Startup,
 }
 
 impl Start {
@@ -195,7 +205,9 @@ impl Start {
 
     fn run<B: Backend>(mut self, backend: B, config: &Config) -> Result<()> {
         self.claim()?;
-        let mut trainer = Trainer::new(Traced::new(backend), config)?;
+        let (trainer, allocated_s) = timed(|| Trainer::new(Traced::new(backend), config));
+        let mut trainer = trainer?;
+        self.startup.device_setup_s += allocated_s;
         let session = self.prepare(&mut trainer, true)?;
         session::run(&mut trainer, &session)?;
         Ok(())
@@ -204,7 +216,9 @@ impl Start {
     /// Runs `devices` virtual CPU devices, rank 0 reporting; the peak for MFU is measured once.
     fn run_virtual(mut self, config: &Config, devices: usize) -> Result<()> {
         self.claim()?;
-        self.peak = device::peak(&Opened::Cpu(engine::backend::cpu::Cpu::new()), config);
+        let peak_s;
+        (self.peak, peak_s) = timed(|| device::peak(&Opened::Cpu(engine::backend::cpu::Cpu::new()), config));
+        self.startup.device_setup_s += peak_s;
         engine::train::devices::run(config, devices, |rank, trainer| {
             let session = self.prepare(trainer, rank == 0)?;
             session::run(trainer, &session)
@@ -221,35 +235,45 @@ impl Start {
             || (device == DeviceArg::Auto && engine::backend::cuda::discovery::probe().is_ok());
         if !gpu {
             device::check_cpu_memory_of_rank(config, &plan, job.local_world)?;
-            self.peak = device::peak(&Opened::Cpu(engine::backend::cpu::Cpu::new()), config);
-            let comm = Box::new(signals::exit_on_stop_during("during the rendezvous", || {
-                parallel::job::tcp_communicator(job, config)
-            })?);
+            let peak_s;
+            (self.peak, peak_s) = timed(|| device::peak(&Opened::Cpu(engine::backend::cpu::Cpu::new()), config));
+            self.startup.device_setup_s += peak_s;
+            let (comm, rendezvous_s) = timed(|| {
+                signals::exit_on_stop_during("during the rendezvous", || parallel::job::tcp_communicator(job, config))
+            });
+            self.startup.rendezvous_s += rendezvous_s;
+            let comm = Box::new(comm?);
             return self.run_rank(engine::backend::cpu::Cpu::new(), comm, config, plan, job);
         }
         engine::backend::cuda::check_model(&config.model).map_err(|e| anyhow!("--device cuda: {e}"))?;
-        let gpu = engine::backend::cuda::Cuda::new(job.local_rank)
-            .map_err(|e| anyhow!("rank {} (local rank {}): {e}", job.rank, job.local_rank))?;
+        let (gpu, gpu_s) = timed(|| engine::backend::cuda::Cuda::new(job.local_rank));
+        let gpu = gpu.map_err(|e| anyhow!("rank {} (local rank {}): {e}", job.rank, job.local_rank))?;
         let opened = Opened::Cuda(Box::new(gpu));
-        self.peak = device::peak(&opened, config);
+        let peak_s;
+        (self.peak, peak_s) = timed(|| device::peak(&opened, config));
+        self.startup.device_setup_s += gpu_s + peak_s;
         let Opened::Cuda(gpu) = opened else { unreachable!() };
-        let comm = Box::new(signals::exit_on_stop_during("during the rendezvous", || {
-            parallel::job::nccl_communicator(job, config)
-        })?);
+        let (comm, rendezvous_s) = timed(|| {
+            signals::exit_on_stop_during("during the rendezvous", || parallel::job::nccl_communicator(job, config))
+        });
+        self.startup.rendezvous_s += rendezvous_s;
+        let comm = Box::new(comm?);
         self.run_rank(*gpu, comm, config, plan, job)
     }
 
     /// Trains this rank of a job; rank 0 ends with the bytes it sent, where the communicator
     /// counts them.
     fn run_rank<B: Backend>(
-        self,
+        mut self,
         backend: B,
         comm: Box<dyn Collectives<Traced<B>> + Send>,
         config: &Config,
         plan: parallel::plan::ParallelPlan,
         job: &Job,
     ) -> Result<()> {
-        let mut trainer = Trainer::new_parallel(Traced::new(backend), config, comm, plan)?;
+        let (trainer, allocated_s) = timed(|| Trainer::new_parallel(Traced::new(backend), config, comm, plan));
+        let mut trainer = trainer?;
+        self.startup.device_setup_s += allocated_s;
         let session = self.prepare(&mut trainer, job.rank == 0)?;
         let first = trainer.step;
         session::run(&mut trainer, &session)?;
@@ -269,8 +293,11 @@ impl Start {
             trainer.load_params(&hf.params(&Layout::new(&trainer.config.model))?)?;
             extras = hf.extras()?;
         }
+        let mut startup = self.startup;
         if let Some(ck) = &self.checkpoint {
-            trainer.resume_from(ck)?;
+            let (resumed, read_s) = timed(|| trainer.resume_from(ck));
+            resumed?;
+            startup.checkpoint_load_s += read_s;
             if extras.files.is_empty() {
                 extras = Extras { files: ck.hf_files()?, hf_dtype: ck.state.hf_dtype.clone() };
             }
@@ -296,6 +323,7 @@ impl Start {
             extras,
             lead,
             stop: StopRequest::signals(),
+            startup,
         })
     }
 }

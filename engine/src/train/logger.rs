@@ -85,6 +85,14 @@ impl MetricsLogger {
         Ok(())
     }
 
+    /// Writes scalars of the run as a whole (goodput) to TensorBoard at `step`.
+    pub fn scalars(&mut self, step: u64, values: &[(String, f64)]) -> Result<()> {
+        if let Some((_, events)) = &mut self.files {
+            events.scalars(step, &values.iter().map(|(tag, v)| (tag.as_str(), *v)).collect::<Vec<_>>())?;
+        }
+        Ok(())
+    }
+
     /// Reports a checkpoint that is complete.
     pub fn saved(&self, done: &SaveReport) {
         self.say(&format!(
@@ -162,6 +170,7 @@ mod tests {
             lr: 1e-3,
             grad_norm: 1.0,
             step_time_s: 0.1,
+            data_s: 0.0,
             tokens_per_s: 10.0,
             tflops_per_device: 0.0,
             mfu: 0.0,

@@ -36,6 +36,9 @@ pub struct StepMetrics {
     pub grad_norm: f64,
     /// Wall time of the step.
     pub step_time_s: f64,
+    /// Of the step time, the time spent waiting for batches (for the goodput timeline).
+    #[serde(skip)]
+    pub data_s: f64,
     /// Tokens processed per second (all micro-batches of this device).
     pub tokens_per_s: f64,
     /// Achieved TFLOP/s of this device.

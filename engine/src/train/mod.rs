@@ -9,6 +9,7 @@
 
 pub mod checkpointer;
 pub mod devices;
+pub mod goodput;
 pub mod logger;
 pub mod metrics;
 pub mod run_dir;
@@ -250,6 +251,7 @@ impl<B: Backend> Trainer<B> {
         let seq_len = c.train.seq_len;
         let grad_scale = weight / tokens / shards as f32;
         let mut busy = std::time::Duration::ZERO;
+        let mut data_wait = std::time::Duration::ZERO;
         for round in 0..accum {
             let mut next_handoff = 0;
             let mut i = 0;
@@ -272,7 +274,9 @@ impl<B: Backend> Trainer<B> {
                         let rows = (&self.chunk_positions[..], seq_len);
                         let last_chunk = v + 1 == self.chunks.len();
                         if v == 0 {
+                            let waited = Instant::now();
                             self.loader.next_batch(&mut self.tokens, &mut self.targets);
+                            data_wait += waited.elapsed();
                             if !last_chunk {
                                 self.stashed[mb][0].clone_from(&self.tokens);
                                 self.stashed[mb][1].clone_from(&self.targets);
@@ -400,6 +404,7 @@ impl<B: Backend> Trainer<B> {
             lr,
             grad_norm,
             step_time_s,
+            data_s: data_wait.as_secs_f64(),
             tokens_per_s: self.tokens_per_step() as f64 / step_time_s,
             tflops_per_device: tflops,
             mfu: if peak_tflops > 0.0 { tflops / peak_tflops } else { 0.0 },

@@ -6,6 +6,7 @@
 //!   .lock               the lead process's OS lock, for the run's life (fsutil::DirLock)
 //!   config.toml         the resolved configuration
 //!   metrics.jsonl       one JSON record per step
+//!   goodput.jsonl       the timeline of every attempt (train::goodput), appended only
 //!   events.out.tfevents.*  TensorBoard
 //!   trace-step-N.json   the profiled step (train.profile_step)
 //!   checkpoints/        step-NNNNNN/ ... (crate::checkpoint)

@@ -10,6 +10,7 @@ use anyhow::{Result, bail};
 use serde::Serialize;
 
 use super::checkpointer::Checkpointer;
+use super::goodput::{self, Startup, Timeline};
 use super::logger::MetricsLogger;
 pub use super::run_dir::CHECKPOINTS;
 use super::run_dir::{self, RunDir};
@@ -45,6 +46,8 @@ pub struct Session {
     /// Where the run learns that it is asked to stop (SIGTERM, SIGUSR1, SIGINT): it stops after
     /// the step in progress, which every rank agrees on, with a checkpoint of it.
     pub stop: StopRequest,
+    /// How long this attempt took to start, by part (the goodput timeline's start record).
+    pub startup: Startup,
 }
 
 /// What `summary.json` holds at the end of a run; its presence marks the run complete.
@@ -89,6 +92,10 @@ pub struct Summary {
     pub peak_memory_bytes: u64,
     /// Each device's high-water mark, in rank order.
     pub peak_memory_bytes_per_device: Vec<u64>,
+    /// Goodput (productive ÷ wall) and badput by cause, for this attempt and the whole run
+    /// across its restarts ([`goodput`]; `engine goodput RUN_DIR` prints the table).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub goodput: Option<goodput::Summary>,
 }
 
 /// Runs the steps from the trainer's current step to `train.steps`; returns the summary (none
@@ -174,6 +181,8 @@ pub fn run<B: Backend>(trainer: &mut Trainer<Traced<B>>, s: &Session) -> Result<
         return Ok(None);
     }
 
+    // The lead appends this attempt to the run's goodput timeline.
+    let mut timeline = if s.lead { Some(Timeline::begin(s.run_dir.path(), first, s.startup)?) } else { None };
     let mut saver = Checkpointer::new(&checkpoints, trainer, s.extras.clone(), s.lead);
     let mut clock = Cadence::new(config.train.checkpoint_every_minutes);
     let mut history: Vec<StepMetrics> = Vec::with_capacity(steps - first as usize);
@@ -182,7 +191,9 @@ pub fn run<B: Backend>(trainer: &mut Trainer<Traced<B>>, s: &Session) -> Result<
         let mut m = profiled(trainer, s, step)?;
         if !m.applied {
             // Every device saw the same loss and norm: all stop here, after the save in flight.
-            saver.finish(trainer)?.iter().for_each(|done| log.saved(done));
+            let (saved, waited_s) = goodput::timed(|| saver.finish(trainer));
+            saved?.iter().for_each(|done| log.saved(done));
+            timeline.as_mut().map(|t| t.end("diverged", waited_s)).transpose()?;
             let kept = match checkpoint::list(&checkpoints)?.last() {
                 Some((_, dir)) => format!("the newest checkpoint, {}, is kept", dir.display()),
                 None => "no checkpoint was saved".into(),
@@ -194,13 +205,15 @@ pub fn run<B: Backend>(trainer: &mut Trainer<Traced<B>>, s: &Session) -> Result<
                 m.grad_norm
             );
         }
-        let agreed = agree(trainer, &s.stop, m.step_time_s, clock.due());
+        let (agreed, sync_s) = goodput::timed(|| agree(trainer, &s.stop, m.step_time_s, clock.due()));
         if let Some((rank, time)) = agreed.slowest {
             (m.slowest_rank, m.slowest_step_time_s) = (Some(rank), Some(time));
         }
         let every = |n: usize| n > 0 && (step.is_multiple_of(n) || step == steps);
+        let mut eval_s = 0.0;
         if every(config.train.eval_every) {
-            m.eval_loss = Some(trainer.eval_loss(config.train.eval_steps).0);
+            let (loss, took) = goodput::timed(|| trainer.eval_loss(config.train.eval_steps).0);
+            (m.eval_loss, eval_s) = (Some(loss), took);
         }
         // The last step ends the run anyway: a request to stop there changes nothing.
         let stop = agreed.stop && step < steps;
@@ -210,25 +223,46 @@ pub fn run<B: Backend>(trainer: &mut Trainer<Traced<B>>, s: &Session) -> Result<
         }
         let (saved, stall) = saver.after_step(trainer, due)?;
         m.checkpoint_s = stall;
-        log.step(&m)?;
+        let (logged, logging_s) = goodput::timed(|| log.step(&m));
+        logged?;
+        if let Some(t) = &mut timeline {
+            let (step_s, data_s, checkpoint_s) = (m.step_time_s, m.data_s, stall.unwrap_or(0.0));
+            t.step(goodput::Record::Step {
+                attempt: 0,
+                step: m.step,
+                t: 0.0,
+                step_s,
+                data_s,
+                sync_s,
+                eval_s,
+                checkpoint_s,
+                logging_s,
+            })?;
+        }
         saved.iter().for_each(|done| log.saved(done));
         history.push(m);
         if stop {
-            saver.finish(trainer)?.iter().for_each(|done| log.saved(done));
+            let (saved, waited_s) = goodput::timed(|| saver.finish(trainer));
+            saved?.iter().for_each(|done| log.saved(done));
+            timeline.as_mut().map(|t| t.end("stopped", waited_s)).transpose()?;
             log.finish();
             let checkpoint = checkpoints.join(checkpoint::dir_name(step as u64));
             return Err(Stopped { signal: s.stop.requested(), step: step as u64, checkpoint }.into());
         }
     }
     log.finish();
-    saver.finish(trainer)?.iter().for_each(|done| log.saved(done));
+    let (saved, waited_s) = goodput::timed(|| saver.finish(trainer));
+    saved?.iter().for_each(|done| log.saved(done));
     let peak = trainer.backend.peak_memory_bytes() as u64;
     let peak_memory = trainer.parallel.gather_from_world(&mut trainer.backend, peak);
-    if !s.lead {
-        return Ok(None);
+    let Some(mut timeline) = timeline else { return Ok(None) };
+    timeline.end("completed", waited_s)?;
+    let report = goodput::Report::of(&goodput::read(&s.run_dir.join(goodput::GOODPUT))?);
+    if let Some(r) = &report {
+        log.scalars(steps as u64, &r.scalars())?;
     }
 
-    let summary = summarise(
+    let mut summary = summarise(
         &s.name,
         &config,
         first,
@@ -239,6 +273,7 @@ pub fn run<B: Backend>(trainer: &mut Trainer<Traced<B>>, s: &Session) -> Result<
         trainer.tokens_per_step() as f64,
         peak_memory,
     );
+    summary.goodput = report.as_ref().map(goodput::Report::summary);
     write_atomic(&s.run_dir.join(run_dir::SUMMARY), serde_json::to_string_pretty(&summary)?.as_bytes())?;
     if let Some(by_source) = &summary.tokens_by_source {
         let total = by_source.values().sum::<u64>().max(1) as f64;
@@ -260,6 +295,16 @@ pub fn run<B: Backend>(trainer: &mut Trainer<Traced<B>>, s: &Session) -> Result<
         100.0 * summary.mfu,
         crate::backend::gib(summary.peak_memory_bytes as usize)
     ));
+    if let Some(g) = &summary.goodput {
+        log.say(&format!(
+            "goodput {:.1} % of this attempt, {:.1} % of the run ({} attempts, {} steps recomputed); `engine goodput {}` shows the causes",
+            100.0 * g.last_attempt.goodput,
+            100.0 * g.run.goodput,
+            g.attempts,
+            g.run.recomputed_steps,
+            s.run_dir.path().display()
+        ));
+    }
     Ok(Some(summary))
 }
 
@@ -412,6 +457,7 @@ fn summarise(
         peak_tflops,
         peak_memory_bytes: peak_memory.iter().copied().max().unwrap_or(0),
         peak_memory_bytes_per_device: peak_memory,
+        goodput: None,
     }
 }
 
@@ -444,7 +490,17 @@ pub(crate) mod tests {
             run_dir.create().unwrap();
         }
         let (name, extras) = ("test".to_owned(), Extras::default());
-        Session { name, run_dir, peak_tflops: 0.0, peak_source: String::new(), resumed_from: None, extras, lead, stop }
+        Session {
+            name,
+            run_dir,
+            peak_tflops: 0.0,
+            peak_source: String::new(),
+            resumed_from: None,
+            extras,
+            lead,
+            stop,
+            startup: Startup::default(),
+        }
     }
 
     /// Only rank 1 of two FSDP devices is asked to stop: both stop after the first step, with
