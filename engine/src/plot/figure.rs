@@ -68,7 +68,7 @@ pub struct Figure {
     /// The curves, coloured by [`PALETTE`] in order.
     pub lines: Vec<Line>,
     /// Points drawn as circles over the curves (a check's failing steps), with their legend
-    /// entry.
+    /// entry (a circle too, drawn last; none when there is no point).
     pub marks: Option<(String, Vec<(f64, f64)>)>,
 }
 
@@ -138,6 +138,37 @@ impl Figure {
         Some((span(&xs, false)?, span(&ys, true)?))
     }
 
+    /// The corner of the plot the legend covers least of: the one with the fewest points in
+    /// its part of the plot (the legend's rough size: a third of the width, a quarter of the
+    /// height), the upper right among equals.
+    fn legend_corner(&self, ((x0, x1), (y0, y1)): ((f64, f64), (f64, f64))) -> SeriesLabelPosition {
+        let points: Vec<(f64, f64)> = self
+            .lines
+            .iter()
+            .flat_map(|l| l.points.iter().copied())
+            .chain(self.marks.iter().flat_map(|m| m.1.iter().copied()))
+            .map(|(x, y)| ((x - x0) / (x1 - x0), (y - y0) / (y1 - y0)))
+            .collect();
+        let covered = |right: bool, upper: bool| {
+            points
+                .iter()
+                .filter(|(x, y)| {
+                    (if right { *x > 0.62 } else { *x < 0.38 }) && (if upper { *y > 0.72 } else { *y < 0.28 })
+                })
+                .count()
+        };
+        [
+            (SeriesLabelPosition::UpperRight, covered(true, true)),
+            (SeriesLabelPosition::UpperLeft, covered(false, true)),
+            (SeriesLabelPosition::LowerRight, covered(true, false)),
+            (SeriesLabelPosition::LowerLeft, covered(false, false)),
+        ]
+        .into_iter()
+        .min_by_key(|c| c.1)
+        .map(|c| c.0)
+        .unwrap_or(SeriesLabelPosition::UpperRight)
+    }
+
     fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> Result<()>
     where
         DB::ErrorType: 'static,
@@ -188,7 +219,7 @@ impl Figure {
                 .label(&line.label)
                 .legend(move |(x, y)| PathElement::new([(x, y), (x + 20, y)], colour.stroke_width(2)));
         }
-        if let Some((label, marks)) = &self.marks {
+        if let Some((label, marks)) = self.marks.as_ref().filter(|m| !m.1.is_empty()) {
             let style = MARK.stroke_width(2);
             chart
                 .draw_series(marks.iter().map(|&p| Circle::new(p, MARK_RADIUS, style)))
@@ -198,7 +229,7 @@ impl Figure {
         }
         chart
             .configure_series_labels()
-            .position(SeriesLabelPosition::UpperRight)
+            .position(self.legend_corner(((x0, x1), (y0, y1))))
             .background_style(WHITE.mix(0.85))
             .border_style(BLACK.mix(0.3))
             .label_font(("sans-serif", 13))
@@ -211,6 +242,8 @@ impl Figure {
 /// A tick's label: at most four significant digits, no trailing zeros, scientific notation for
 /// very small and very large magnitudes.
 pub fn tick(v: f64) -> String {
+    // Ticks are sums of steps: a zero one may come out as 1e-18.
+    let v = if v.abs() < 1e-12 { 0.0 } else { v };
     let a = v.abs();
     if a != 0.0 && !(1e-3..1e6).contains(&a) {
         return format!("{v:.2e}");
@@ -255,6 +288,7 @@ mod tests {
         assert_eq!(tick(0.12345), "0.1235");
         assert_eq!(tick(1234.6), "1235");
         assert_eq!(tick(0.0), "0");
+        assert_eq!(tick(6.94e-18), "0");
         assert_eq!(tick(3e-5), "3.00e-5");
         assert_eq!(tick(-0.0001), "-1.00e-4");
     }

@@ -101,15 +101,24 @@ pub fn polylines(svg: &str, colour: &str) -> Vec<Vec<(f64, f64)>> {
     elements(svg, "polyline")
         .iter()
         .filter(|e| attr(e, "stroke").is_some_and(|s| s.eq_ignore_ascii_case(colour)))
-        .map(|e| {
-            attr(e, "points")
-                .unwrap()
-                .split_whitespace()
-                .map(|p| {
-                    let (x, y) = p.split_once(',').unwrap();
-                    (x.parse().unwrap(), y.parse().unwrap())
-                })
-                .collect()
+        .map(|e| points(attr(e, "points").unwrap()))
+        .collect()
+}
+
+/// The points of every `<polygon>` filled in `colour`, in pixels.
+pub fn polygons(svg: &str, colour: &str) -> Vec<Vec<(f64, f64)>> {
+    elements(svg, "polygon")
+        .iter()
+        .filter(|e| attr(e, "fill").is_some_and(|s| s.eq_ignore_ascii_case(colour)))
+        .map(|e| points(attr(e, "points").unwrap()))
+        .collect()
+}
+
+fn points(text: &str) -> Vec<(f64, f64)> {
+    text.split_whitespace()
+        .map(|p| {
+            let (x, y) = p.split_once(',').unwrap();
+            (x.parse().unwrap(), y.parse().unwrap())
         })
         .collect()
 }
