@@ -18,6 +18,7 @@ pub mod hf;
 pub mod model;
 pub mod parallel;
 pub mod parity;
+pub mod plot;
 pub mod rng;
 pub mod tensors;
 pub mod testall;

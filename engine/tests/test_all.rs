@@ -11,6 +11,7 @@ use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::Output;
 
+use common::svg::{assert_drawn, axes, circles, polygons, polylines, to_data};
 use common::{engine_cmd, fails, s, scratch};
 
 fn committed_baselines() -> PathBuf {
@@ -90,8 +91,53 @@ fn the_quick_suite_passes_against_the_committed_baselines() {
     let mut names: Vec<String> =
         fs::read_dir(&report).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
     names.sort();
-    assert_eq!(names, ["junit.xml", "summary.json"]);
+    assert_eq!(names, ["junit.xml", "report.html", "summary.json"]);
+    let html = fs::read_to_string(report.join("report.html")).unwrap();
+    assert!(html.contains("7 passed, 0 failed, 1 skipped") && html.contains(sum["device"].as_str().unwrap()), "{html}");
+    for check in ["tiny-llama2", "tiny-mistral", "tiny-mixtral", "tiny-gpt"] {
+        let curve = &sum["checks"].as_array().unwrap().iter().find(|c| c["name"] == check).unwrap()["curve"];
+        assert_eq!(curve["failing_steps"], serde_json::json!([]), "{check}");
+        assert_curve_drawn(&html, check, curve, &[]);
+    }
     fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The report's loss figure of `check` (the first SVG of its section): the run's curve equals
+/// summary.json's `loss` within a pixel, and the circled points are exactly `failing` steps.
+fn assert_curve_drawn(html: &str, check: &str, curve: &serde_json::Value, failing: &[u64]) {
+    let section = html.split(&format!("<section id=\"curve-{check}\"")).nth(1).expect("the check's section");
+    let svg = &section[section.find("<svg").unwrap()..section.find("</svg>").unwrap()];
+    let axes = axes(svg);
+    let loss: Vec<(f64, f64)> = curve["loss"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .enumerate()
+        .map(|(i, l)| ((i + 1) as f64, l.as_f64().unwrap()))
+        .collect();
+    // The run's curve is the palette's first colour; its legend sample, a second polyline, follows.
+    assert_drawn(&to_data(&polylines(svg, "#1F77B4")[0], axes), &loss, axes, check);
+    // The band: baseline + tolerance × |baseline| left to right, then baseline − it back.
+    let edge = |sign: f64| -> Vec<(f64, f64)> {
+        let (base, tol) = (curve["baseline"].as_array().unwrap(), curve["tolerance"].as_array().unwrap());
+        base.iter()
+            .zip(tol)
+            .enumerate()
+            .map(|(i, (b, t))| {
+                let (b, t) = (b.as_f64().unwrap(), t.as_f64().unwrap());
+                ((i + 1) as f64, b + sign * t * b.abs())
+            })
+            .collect()
+    };
+    let band: Vec<(f64, f64)> = edge(1.0).into_iter().chain(edge(-1.0).into_iter().rev()).collect();
+    assert_drawn(&to_data(&polygons(svg, "#7F7F7F")[0], axes), &band, axes, &format!("{check}: band"));
+    // The circles in the mark colour; the last is the legend's sample when any step is marked.
+    let mut marks = to_data(&circles(svg, "#D62728"), axes);
+    marks.pop_if(|_| !failing.is_empty());
+    let marked: Vec<u64> = marks.iter().map(|p| p.0.round() as u64).collect();
+    assert_eq!(marked, failing, "{check}: circled steps");
+    let expected: Vec<(f64, f64)> = failing.iter().map(|&s| loss[s as usize - 1]).collect();
+    assert_drawn(&marks, &expected, axes, &format!("{check}: circles"));
 }
 
 #[test]
@@ -105,6 +151,9 @@ fn a_broken_baseline_fails_with_the_check_step_and_values() {
     let loss = &mut v["recipes"]["tiny-mistral"]["loss"][4];
     let true_loss = loss.as_f64().unwrap();
     *loss = (true_loss * 1.05).into();
+    // And a second step, below the curve this time.
+    let loss = &mut v["recipes"]["tiny-mistral"]["loss"][6];
+    *loss = (loss.as_f64().unwrap() * 0.97).into();
     // And a throughput no machine reaches: 10,000 times the recorded one.
     let rate = &mut v["recipes"]["tiny-mixtral"]["tokens_per_s"];
     *rate = (rate.as_f64().unwrap() * 1e4).into();
@@ -125,7 +174,7 @@ fn a_broken_baseline_fails_with_the_check_step_and_values() {
     let stdout = text(&out.stdout);
     assert_eq!(out.status.code(), Some(1), "{stdout}\n{}", text(&out.stderr));
     let expected = format!(
-        "tiny-mistral step 5: loss {true_loss:.6}, baseline {:.6} ± 0.1% (relative difference 4.8%)",
+        "tiny-mistral step 5: loss {true_loss:.6}, baseline {:.6} ± 0.1% (relative difference 4.8%); 2 of 8 steps outside the tolerance",
         true_loss * 1.05
     );
     assert!(stdout.contains(&expected), "expected `{expected}` in:\n{stdout}");
@@ -138,6 +187,24 @@ fn a_broken_baseline_fails_with_the_check_step_and_values() {
     assert_eq!(junit_cases(&report.join("junit.xml")), ["tiny-mistral fail", "tiny-mixtral pass", "throughput fail"]);
     let sum = summary(&report);
     assert!(sum["checks"][0]["detail"].as_str().unwrap().contains(&expected), "{sum}");
+    // The page: the failing curve's circled steps are summary.json's failing steps; the
+    // throughput's figures are in the table, the unreachable one marked failed.
+    assert_eq!(sum["checks"][0]["curve"]["failing_steps"], serde_json::json!([5, 7]), "{sum}");
+    let html = fs::read_to_string(report.join("report.html")).unwrap();
+    assert!(html.contains("1 passed, 2 failed, 0 skipped") && html.contains("steps outside the tolerance (5, 7)"));
+    assert_curve_drawn(&html, "tiny-mistral", &sum["checks"][0]["curve"], &[5, 7]);
+    assert_curve_drawn(&html, "tiny-mixtral", &sum["checks"][1]["curve"], &[]);
+    let mixtral_rate =
+        sum["checks"][2]["measures"].as_array().unwrap().iter().find(|m| m["name"] == "tiny-mixtral").unwrap();
+    assert_eq!(mixtral_rate["ok"], false, "{sum}");
+    assert!(html.contains("<tr class=\"fail\"><td>throughput</td><td>tiny-mixtral</td>"), "{html}");
+    // JUnit and the summary name the page.
+    assert!(
+        fs::read_to_string(report.join("junit.xml"))
+            .unwrap()
+            .contains("<property name=\"report\" value=\"report.html\"/>")
+    );
+    assert_eq!(sum["report"], "report.html");
     fs::remove_dir_all(&dir).unwrap();
 }
 

@@ -10,6 +10,7 @@ mod gpu_test;
 mod import_hf;
 mod info;
 mod launch;
+mod plot;
 mod recipes;
 mod test_all;
 mod train;
@@ -71,6 +72,9 @@ enum Command {
     /// The test suite of the images: loss curves against baselines, checkpoint resumption, a
     /// Hugging Face round trip, data preparation, CPU/GPU parity, throughput (docs/test-all.md).
     TestAll(test_all::TestAllArgs),
+    /// Draw runs' curves (loss, eval loss, learning rate, gradient norm, tokens/s, MFU, step
+    /// time) overlaid, by step or by tokens, into an SVG or PNG (docs/plots.md).
+    Plot(plot::PlotArgs),
     /// Record the baselines test-all compares with.
     #[command(subcommand)]
     Baselines(test_all::BaselinesCommand),
@@ -218,6 +222,7 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::GpuTest(args) => gpu_test::run(args),
         Command::TestAll(args) => test_all::run(args, device),
         Command::Baselines(cmd) => test_all::baselines(cmd, device),
+        Command::Plot(args) => plot::run(args),
     }
 }
 

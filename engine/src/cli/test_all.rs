@@ -29,9 +29,14 @@ pub struct TestAllArgs {
     /// working directory].
     #[arg(long, value_name = "DIR")]
     baselines: Option<PathBuf>,
-    /// Also write DIR/junit.xml (JUnit XML) and DIR/summary.json.
+    /// Also write DIR/junit.xml (JUnit XML), DIR/summary.json and DIR/report.html (a page that
+    /// opens offline: the loss curves over their baselines' bands, the measured figures).
     #[arg(long, value_name = "DIR")]
     report: Option<PathBuf>,
+    /// The image this runs in, for the report (e.g. REPO@sha256:DIGEST; the image cannot know its
+    /// own digest) [env: ENGINE_IMAGE].
+    #[arg(long, value_name = "REF")]
+    image: Option<String>,
     /// List the checks and exit.
     #[arg(long)]
     list: bool,
@@ -153,14 +158,20 @@ pub fn run(args: TestAllArgs, device: DeviceArg) -> Result<()> {
     let mut ctx = Ctx::new(mode, target, reference.as_ref(), &mut progress);
     let outcomes = testall::run(&mut ctx, &selected, &mut |o| println!("{}", report::row(o)));
     let seconds = start.elapsed().as_secs_f64();
-    let summary = report::Summary::new(mode, target, reference.as_ref(), started, seconds, &outcomes);
+    let mut summary = report::Summary::new(mode, target, reference.as_ref(), started, seconds, &outcomes);
+    summary.image = args.image.or_else(|| std::env::var("ENGINE_IMAGE").ok()).filter(|i| !i.trim().is_empty());
     println!("\n{} passed, {} failed, {} skipped in {seconds:.1} s", summary.passed, summary.failed, summary.skipped);
     for o in outcomes.iter().filter(|o| o.status == Status::Fail) {
         println!("FAILED {}: {}", o.name, o.detail);
     }
     if let Some(dir) = &args.report {
         report::write(dir, &summary)?;
-        println!("report: {} and {}", dir.join("junit.xml").display(), dir.join("summary.json").display());
+        println!(
+            "report: {}, {} and {}",
+            dir.join(report::HTML).display(),
+            dir.join("junit.xml").display(),
+            dir.join("summary.json").display()
+        );
     }
     if summary.failed > 0 {
         std::process::exit(1);

@@ -27,7 +27,7 @@ use anyhow::{Context, Result, anyhow, bail};
 use serde::Serialize;
 use serde_json::Value;
 
-use super::{CURVE_RECIPES, DeviceClass, Mode, Target, with_backend};
+use super::{CURVE_RECIPES, CurveRecord, DeviceClass, Mode, Target, with_backend};
 use crate::backend::Backend;
 use crate::config::{self, Config, Override};
 use crate::fsutil::write_atomic;
@@ -504,13 +504,21 @@ impl Reader<'_> {
 }
 
 /// Compares a curve with its baseline step by step: the first step past `tol(step)` (relative)
-/// fails with both values; otherwise the largest difference is reported.
+/// fails with both values; otherwise the largest difference is reported. Also returns the
+/// comparison step by step ([`CurveRecord`]), which the report draws.
 pub fn compare(
     recipe: &str,
     curve: &Curve,
     base: &RecipeBaseline,
     tol: impl Fn(usize) -> f64,
-) -> Result<String, String> {
+) -> (Result<String, String>, CurveRecord) {
+    let steps = curve.loss.len().min(base.loss.len());
+    let mut record = CurveRecord {
+        loss: curve.loss[..steps].to_vec(),
+        baseline: base.loss[..steps].to_vec(),
+        tolerance: (1..=steps).map(&tol).collect(),
+        failing_steps: Vec::new(),
+    };
     let (mut worst, mut at, mut failed) = (0f64, 0usize, Vec::new());
     for (i, (&got, &want)) in curve.loss.iter().zip(&base.loss).enumerate() {
         let rel = (got - want).abs() / want.abs();
@@ -521,17 +529,19 @@ pub fn compare(
             failed.push((i + 1, got, want, rel));
         }
     }
+    record.failing_steps = failed.iter().map(|f| f.0).collect();
     let pct = |x: f64| format!("{}%", trim(100.0 * x));
     if let Some(&(step, got, want, rel)) = failed.first() {
         let more = match failed.len() {
             1 => String::new(),
             n => format!("; {} of {} steps outside the tolerance", n, curve.loss.len()),
         };
-        return Err(format!(
+        let text = format!(
             "{recipe} step {step}: loss {got:.6}, baseline {want:.6} ± {} (relative difference {}){more}",
             pct(tol(step)),
             pct(rel)
-        ));
+        );
+        return (Err(text), record);
     }
     let last = curve.loss.len();
     let difference = if worst == 0.0 {
@@ -542,12 +552,13 @@ pub fn compare(
     let (first, late) = (tol(1), tol(last));
     let tolerance =
         if first == late { pct(first) } else { format!("{} to step {QUICK_STEPS}, then {}", pct(first), pct(late)) };
-    Ok(format!(
+    let text = format!(
         "{last} steps, loss {:.4} -> {:.4} (baseline {:.4}); {difference} (tolerance {tolerance})",
         curve.loss[0],
         curve.loss[last - 1],
         base.loss[last - 1],
-    ))
+    );
+    (Ok(text), record)
 }
 
 /// A number with up to 4 significant decimals and no trailing zeros (0.1, 2.3, 0.0012).
@@ -731,13 +742,18 @@ mod tests {
     fn a_step_outside_the_tolerance_is_named_with_both_values() {
         let base = RecipeBaseline { overrides: vec![], loss: vec![10.0, 8.0, 6.0], tokens_per_s: 1.0, run_spread: 0.0 };
         let ok = Curve { loss: vec![10.0, 8.0001, 6.0], tokens_per_s: 1.0 };
-        let text = compare("r", &ok, &base, |_| 1e-3).unwrap();
+        let text = compare("r", &ok, &base, |_| 1e-3).0.unwrap();
         assert!(text.contains("1.2e-5 at step 2"), "{text}");
         let bad = Curve { loss: vec![10.0, 8.0, 6.138], tokens_per_s: 1.0 };
-        let e = compare("r", &bad, &base, |_| 1e-3).unwrap_err();
-        assert_eq!(e, "r step 3: loss 6.138000, baseline 6.000000 ± 0.1% (relative difference 2.3%)");
+        let (e, record) = compare("r", &bad, &base, |_| 1e-3);
+        assert_eq!(e.unwrap_err(), "r step 3: loss 6.138000, baseline 6.000000 ± 0.1% (relative difference 2.3%)");
+        assert_eq!(record.failing_steps, [3]);
+        assert_eq!(
+            (record.loss, record.baseline, record.tolerance),
+            (bad.loss.clone(), base.loss.clone(), vec![1e-3; 3])
+        );
         // The tolerance of the failing step is the one quoted.
-        let e = compare("r", &bad, &base, |s| if s < 3 { 1e-3 } else { 1e-2 }).unwrap_err();
+        let e = compare("r", &bad, &base, |s| if s < 3 { 1e-3 } else { 1e-2 }).0.unwrap_err();
         assert!(e.contains("± 1% (relative difference 2.3%)"), "{e}");
     }
 }

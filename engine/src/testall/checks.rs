@@ -6,7 +6,7 @@ use std::path::Path;
 use anyhow::{Context, Result, anyhow, bail};
 
 use super::baselines::{self, Against, tolerance};
-use super::{CURVE_RECIPES, Ctx, DeviceClass, Mode, Target, Verdict};
+use super::{CURVE_RECIPES, Ctx, DeviceClass, Measure, Mode, Target, Verdict};
 use crate::backend::Backend;
 use crate::backend::cpu::Cpu;
 use crate::backend::cuda::{Cuda, discovery};
@@ -76,10 +76,12 @@ pub fn loss_curve(ctx: &mut Ctx, recipe: &str) -> Result<Verdict> {
     };
     let curve = ctx.curve(recipe)?;
     let tolerance = |step| if fallback { baselines::bf16_tolerance(moe, step) } else { reference.tolerance(moe, step) };
-    Ok(match baselines::compare(recipe, &curve, base, tolerance) {
+    let (result, record) = baselines::compare(recipe, &curve, base, tolerance);
+    Ok(match result {
         Ok(text) => Verdict::pass(format!("{label}: {text}")),
         Err(text) => Verdict::fail(format!("{text} [{label} {}]", file.path.display())),
-    })
+    }
+    .with_curve(record))
 }
 
 /// Whether `recipe` is a mixture of experts (its bf16 curve gets more room: `BF16_MOE_REL_TOL`).
@@ -100,10 +102,12 @@ fn shrunk_curve(ctx: &mut Ctx, recipe: &str, shrink: &[&str]) -> Result<Verdict>
     };
     let label = format!("cpu curve of this run, bf16 tolerance; shrunk for the emulator: {}", shrink.join(" "));
     let moe = routes_experts(recipe)?;
-    Ok(match baselines::compare(recipe, &curve, &base, |step| baselines::bf16_tolerance(moe, step)) {
+    let (result, record) = baselines::compare(recipe, &curve, &base, |step| baselines::bf16_tolerance(moe, step));
+    Ok(match result {
         Ok(text) => Verdict::pass(format!("{label}: {text}")),
         Err(text) => Verdict::fail(format!("{text} [{label}]")),
-    })
+    }
+    .with_curve(record))
 }
 
 /// Tokens per second of every curve against the baseline's: reported, failing only below
@@ -129,7 +133,7 @@ pub fn throughput(ctx: &mut Ctx) -> Result<Verdict> {
         return Ok(Verdict::skip(format!("{why}{seen}")));
     }
     let file = &reference.file;
-    let (mut parts, mut slow) = (Vec::new(), Vec::new());
+    let (mut parts, mut slow, mut measures) = (Vec::new(), Vec::new(), Vec::new());
     for recipe in CURVE_RECIPES {
         // A recipe the CUDA backend refuses, or one its CUDA baselines lack (compared with the
         // CPU curve: a CPU throughput says nothing about a GPU's).
@@ -140,12 +144,21 @@ pub fn throughput(ctx: &mut Ctx) -> Result<Verdict> {
         let want = file.recipes[recipe].tokens_per_s;
         let ratio = got / want;
         let text = format!("{recipe} {got:.0} tokens/s ({ratio:.2}x the baseline's {want:.0})");
-        if ratio < 1.0 / THROUGHPUT_FLOOR {
+        let ok = ratio >= 1.0 / THROUGHPUT_FLOOR;
+        if !ok {
             slow.push(text.clone());
         }
         parts.push(text);
+        measures.push(Measure {
+            name: recipe.to_owned(),
+            value: got,
+            unit: "tokens/s",
+            baseline: Some(want),
+            ok,
+            note: format!("{ratio:.2}x the baseline; fails below 1/{THROUGHPUT_FLOOR}"),
+        });
     }
-    Ok(if slow.is_empty() {
+    let verdict = if slow.is_empty() {
         Verdict::pass(format!("{}; fails below 1/{THROUGHPUT_FLOOR} of the baseline", parts.join(", ")))
     } else {
         Verdict::fail(format!(
@@ -154,7 +167,8 @@ pub fn throughput(ctx: &mut Ctx) -> Result<Verdict> {
             file.path.display(),
             file.device
         ))
-    })
+    };
+    Ok(verdict.with_measures(measures))
 }
 
 // ---- virtual devices --------------------------------------------------------------------
@@ -543,11 +557,23 @@ pub fn gpu_parity(ctx: &mut Ctx) -> Result<Verdict> {
     });
     let failed: Vec<String> =
         outcomes.iter().filter(|o| !o.passed).map(|o| format!("{}: {}", o.name, o.detail)).collect();
-    Ok(if failed.is_empty() {
+    let measures = outcomes
+        .iter()
+        .map(|o| Measure {
+            name: o.name.clone(),
+            value: o.seconds,
+            unit: "s",
+            baseline: None,
+            ok: o.passed,
+            note: o.detail.clone(),
+        })
+        .collect();
+    let verdict = if failed.is_empty() {
         Verdict::pass(format!("{} gpu-test checks passed", outcomes.len()))
     } else {
         Verdict::fail(format!("{} of {} gpu-test checks failed: {}", failed.len(), outcomes.len(), failed.join("; ")))
-    })
+    };
+    Ok(verdict.with_measures(measures))
 }
 
 #[cfg(test)]

@@ -10,6 +10,7 @@
 
 pub mod baselines;
 mod checks;
+pub mod html;
 pub mod report;
 
 use std::collections::BTreeMap;
@@ -126,28 +127,74 @@ pub enum Status {
     Skip,
 }
 
-/// A check's verdict and its one-line explanation.
+/// A check's verdict and its one-line explanation, with the figures the report draws.
 #[derive(Debug, Clone)]
 pub struct Verdict {
     /// Pass, fail or skip.
     pub status: Status,
     /// Measured figures, the failure, or why it was skipped.
     pub detail: String,
+    /// A curve check's loss against its baseline's band.
+    pub curve: Option<CurveRecord>,
+    /// Figures measured, each against its baseline where it has one (throughput, parity).
+    pub measures: Vec<Measure>,
 }
 
 impl Verdict {
     /// Passed, with the figures.
     pub fn pass(detail: impl Into<String>) -> Verdict {
-        Verdict { status: Status::Pass, detail: detail.into() }
+        Verdict { status: Status::Pass, detail: detail.into(), curve: None, measures: Vec::new() }
     }
     /// Failed, with what did not hold.
     pub fn fail(detail: impl Into<String>) -> Verdict {
-        Verdict { status: Status::Fail, detail: detail.into() }
+        Verdict { status: Status::Fail, detail: detail.into(), curve: None, measures: Vec::new() }
     }
     /// Skipped, with the reason.
     pub fn skip(detail: impl Into<String>) -> Verdict {
-        Verdict { status: Status::Skip, detail: detail.into() }
+        Verdict { status: Status::Skip, detail: detail.into(), curve: None, measures: Vec::new() }
     }
+    /// The same verdict with the curve it compared.
+    pub fn with_curve(self, curve: CurveRecord) -> Verdict {
+        Verdict { curve: Some(curve), ..self }
+    }
+    /// The same verdict with the figures it measured.
+    pub fn with_measures(self, measures: Vec<Measure>) -> Verdict {
+        Verdict { measures, ..self }
+    }
+}
+
+/// A loss curve as a check compared it: step `i + 1`'s loss, the baseline's, and the relative
+/// tolerance that decided that step. A step fails when `|loss - baseline| > tolerance ·
+/// |baseline|` (or the difference is not finite); `failing_steps` lists them, 1-based.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct CurveRecord {
+    /// This run's loss at each step.
+    pub loss: Vec<f64>,
+    /// The baseline's loss at each step.
+    pub baseline: Vec<f64>,
+    /// The relative tolerance at each step.
+    pub tolerance: Vec<f64>,
+    /// The steps outside the tolerance, 1-based.
+    pub failing_steps: Vec<usize>,
+}
+
+/// One measured figure of a check, for the report's table.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Measure {
+    /// What was measured (`tiny-llama2 tokens/s`, a parity check's name).
+    pub name: String,
+    /// The value.
+    pub value: f64,
+    /// Its unit (`tokens/s`, `s`).
+    pub unit: &'static str,
+    /// The baseline's value, where it has one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub baseline: Option<f64>,
+    /// Whether it held.
+    pub ok: bool,
+    /// What else the check said of it.
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub note: String,
 }
 
 /// A finished check.
@@ -161,6 +208,12 @@ pub struct Outcome {
     pub seconds: f64,
     /// Figures, the failure, or the reason for a skip.
     pub detail: String,
+    /// A curve check's loss, baseline, tolerance and failing steps.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub curve: Option<CurveRecord>,
+    /// The figures it measured (throughput against the baseline, parity checks).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub measures: Vec<Measure>,
 }
 
 /// One entry of the suite.
@@ -296,6 +349,8 @@ pub fn run(ctx: &mut Ctx, selected: &[Check], done: &mut dyn FnMut(&Outcome)) ->
             status: verdict.status,
             seconds: start.elapsed().as_secs_f64(),
             detail: verdict.detail,
+            curve: verdict.curve,
+            measures: verdict.measures,
         };
         done(&o);
         out.push(o);

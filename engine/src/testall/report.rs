@@ -1,6 +1,7 @@
 //! What `test-all` reports: the table on stdout, and with `--report DIR` a JUnit XML file
 //! (`junit.xml`, the schema CI systems read: one `testsuite`, one `testcase` per check with a
-//! `failure` or `skipped` element) and a JSON summary (`summary.json`), both written atomically.
+//! `failure` or `skipped` element), a JSON summary (`summary.json`) and a page to look at
+//! (`report.html`, [`super::html`]), each written atomically; the first two name the page.
 
 use std::fmt::Write as _;
 use std::path::Path;
@@ -12,6 +13,9 @@ use super::baselines::Reference;
 use super::{DeviceClass, Mode, Outcome, Status, Target};
 use crate::fsutil::write_atomic;
 
+/// The report page's file name in the report directory.
+pub const HTML: &str = "report.html";
+
 /// `summary.json`.
 #[derive(Debug, Serialize)]
 pub struct Summary<'a> {
@@ -21,6 +25,10 @@ pub struct Summary<'a> {
     pub engine_version: &'static str,
     /// Its source revision, when the build knew it.
     pub revision: &'static str,
+    /// The image the checks ran in (`REPO@sha256:...`), as `--image` or `ENGINE_IMAGE` named it.
+    pub image: Option<String>,
+    /// The page that shows this summary, beside it: [`HTML`].
+    pub report: &'static str,
     /// Quick or full.
     pub mode: Mode,
     /// The device class the checks ran on.
@@ -61,6 +69,8 @@ impl<'a> Summary<'a> {
             format: "engine-test-all-summary",
             engine_version: env!("CARGO_PKG_VERSION"),
             revision: option_env!("ENGINE_REVISION").unwrap_or("unknown"),
+            image: None,
+            report: HTML,
             mode,
             device_class: target.class(),
             device: target.describe(),
@@ -114,6 +124,11 @@ pub fn junit(s: &Summary) -> String {
         escape(s.started.trim_end_matches('Z')),
         escape(&s.device)
     );
+    let _ = writeln!(x, "    <properties>\n      <property name=\"report\" value=\"{HTML}\"/>");
+    if let Some(image) = &s.image {
+        let _ = writeln!(x, "      <property name=\"image\" value=\"{}\"/>", escape(image));
+    }
+    let _ = writeln!(x, "      <property name=\"revision\" value=\"{}\"/>\n    </properties>", escape(s.revision));
     for o in s.checks {
         let _ = write!(
             x,
@@ -145,7 +160,7 @@ pub fn junit(s: &Summary) -> String {
 
 /// Text for XML content and attribute values: the five special characters escaped, and the
 /// control characters XML 1.0 does not allow replaced.
-fn escape(s: &str) -> String {
+pub fn escape(s: &str) -> String {
     let mut out = String::with_capacity(s.len());
     for c in s.chars() {
         match c {
@@ -163,24 +178,30 @@ fn escape(s: &str) -> String {
     out
 }
 
-/// Writes `junit.xml` and `summary.json` into `dir` (created), each atomically.
+/// Writes `junit.xml`, `summary.json` and `report.html` into `dir` (created), each atomically.
 pub fn write(dir: &Path, s: &Summary) -> Result<()> {
     std::fs::create_dir_all(dir).with_context(|| format!("cannot create --report {}", dir.display()))?;
+    let page = super::html::page(s)?;
     write_atomic(&dir.join("junit.xml"), junit(s).as_bytes())?;
     write_atomic(&dir.join("summary.json"), format!("{}\n", serde_json::to_string_pretty(s)?).as_bytes())?;
+    write_atomic(&dir.join(HTML), page.as_bytes())?;
     Ok(())
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
+
+    pub fn outcome(name: &str, status: Status, detail: &str) -> Outcome {
+        Outcome { name: name.into(), status, seconds: 1.0, detail: detail.into(), curve: None, measures: Vec::new() }
+    }
 
     #[test]
     fn junit_escapes_and_counts() {
         let checks = [
-            Outcome { name: "a".into(), status: Status::Pass, seconds: 1.0, detail: "ok".into() },
-            Outcome { name: "b".into(), status: Status::Fail, seconds: 2.0, detail: "x < y & \"z\"\n".into() },
-            Outcome { name: "c".into(), status: Status::Skip, seconds: 0.0, detail: "no GPU".into() },
+            outcome("a", Status::Pass, "ok"),
+            outcome("b", Status::Fail, "x < y & \"z\"\n"),
+            outcome("c", Status::Skip, "no GPU"),
         ];
         let s = Summary::new(Mode::Quick, Target::Cpu, None, "2026-01-01T00:00:00Z".into(), 3.0, &checks);
         let x = junit(&s);
@@ -188,5 +209,6 @@ mod tests {
         assert!(x.contains("<failure message=\"x &lt; y &amp; &quot;z&quot;&#10;\">"), "{x}");
         assert!(x.contains("<skipped message=\"no GPU\"/>"), "{x}");
         assert_eq!((s.passed, s.failed, s.skipped), (1, 1, 1));
+        assert!(x.contains("<property name=\"report\" value=\"report.html\"/>"), "{x}");
     }
 }
