@@ -13,7 +13,7 @@ use engine::config::{Config, Override};
 use engine::hf::HfModel;
 use engine::model::Layout;
 use engine::parallel::comm::Collectives;
-use engine::parallel::{self, rendezvous::Job};
+use engine::parallel::{self, flight, rendezvous::Job};
 use engine::train::Trainer;
 use engine::train::run_dir::{Decision, Resume, RunDir};
 use engine::train::session::{self, Session};
@@ -222,9 +222,9 @@ impl Start {
         if !gpu {
             device::check_cpu_memory_of_rank(config, &plan, job.local_world)?;
             self.peak = device::peak(&Opened::Cpu(engine::backend::cpu::Cpu::new()), config);
-            let comm = Box::new(signals::exit_on_stop_during("during the rendezvous", || {
-                parallel::job::tcp_communicator(job, config)
-            })?);
+            let comm =
+                signals::exit_on_stop_during("during the rendezvous", || parallel::job::tcp_communicator(job, config))?;
+            let comm = self.recorded(comm, config, job)?;
             return self.run_rank(engine::backend::cpu::Cpu::new(), comm, config, plan, job);
         }
         engine::backend::cuda::check_model(&config.model).map_err(|e| anyhow!("--device cuda: {e}"))?;
@@ -233,10 +233,32 @@ impl Start {
         let opened = Opened::Cuda(Box::new(gpu));
         self.peak = device::peak(&opened, config);
         let Opened::Cuda(gpu) = opened else { unreachable!() };
-        let comm = Box::new(signals::exit_on_stop_during("during the rendezvous", || {
-            parallel::job::nccl_communicator(job, config)
-        })?);
+        let comm =
+            signals::exit_on_stop_during("during the rendezvous", || parallel::job::nccl_communicator(job, config))?;
+        let comm = self.recorded(comm, config, job)?;
         self.run_rank(*gpu, comm, config, plan, job)
+    }
+
+    /// This rank's collectives with the flight recorder around them (unless
+    /// `train.diagnostics.flight_recorder = 0`): it writes `RUN_DIR/flight/rank-R.json` when a
+    /// watchdog fails the rank, and on SIGUSR2.
+    fn recorded<B: Backend, C: Collectives<Traced<B>> + Send + 'static>(
+        &self,
+        comm: C,
+        config: &Config,
+        job: &Job,
+    ) -> Result<Box<dyn Collectives<Traced<B>> + Send>> {
+        let capacity = config.train.diagnostics.flight_recorder;
+        if capacity == 0 {
+            return Ok(Box::new(comm));
+        }
+        let run_dir = self.run_dir.lock().map_err(|_| anyhow!("a device thread panicked"))?.path().to_path_buf();
+        let recorder = flight::Recorder::new(job.rank, job.world, capacity, Some(run_dir.join(flight::DIR)));
+        flight::install(recorder.clone());
+        signals::on_sigusr2(|| {
+            flight::dump_process("SIGUSR2", &[], false);
+        })?;
+        Ok(Box::new(flight::Flight::new(comm, recorder)?))
     }
 
     /// Trains this rank of a job; rank 0 ends with the bytes it sent, where the communicator

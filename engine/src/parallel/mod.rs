@@ -4,6 +4,7 @@
 //! rendezvous and communicators that start a job.
 
 pub mod comm;
+pub mod flight;
 pub mod job;
 pub mod memory;
 pub mod mesh;
