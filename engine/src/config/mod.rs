@@ -683,10 +683,10 @@ section! {
         /// The share of the window's steps in which one rank must be the slowest.
         @resumable
         pub straggler_fraction: f64 = 0.5,
-        /// How much slower than the median rank a straggler's median step is, as a fraction of
-        /// the median (0.1: 10 % slower).
+        /// How much slower than the other ranks' median a straggler's median busy time is, as a
+        /// fraction of that median (0.25: 25 % slower).
         @resumable
-        pub straggler_threshold: f64 = 0.1,
+        pub straggler_threshold: f64 = 0.25,
     }
 }
 

@@ -492,6 +492,8 @@ pub struct Flight<C> {
     started: Vec<u64>,
     /// The test hook's operation to skip: (step, name).
     skip: Option<(u64, String)>,
+    /// Time spent in blocking calls and waits ([`Collectives::blocked`]).
+    blocked: Duration,
 }
 
 impl<C> Flight<C> {
@@ -512,7 +514,7 @@ impl<C> Flight<C> {
             }
             Err(_) => None,
         };
-        Ok(Flight { inner, recorder, started: Vec::new(), skip })
+        Ok(Flight { inner, recorder, started: Vec::new(), skip, blocked: Duration::ZERO })
     }
 
     /// Whether the test hook skips this operation (once).
@@ -532,7 +534,9 @@ impl<C> Flight<C> {
             return;
         }
         let seq = self.recorder.ring().begin(op, group, elements);
+        let t = Instant::now();
         run(&mut self.inner);
+        self.blocked += t.elapsed();
         self.recorder.ring().end(seq);
     }
 
@@ -566,6 +570,10 @@ impl<B: Backend, C: Collectives<B>> Collectives<B> for Flight<C> {
         self.inner.bytes_sent()
     }
 
+    fn blocked(&self) -> Option<Duration> {
+        Some(self.blocked)
+    }
+
     fn all_reduce_sum(&mut self, be: &mut B, buf: View, group: &[usize]) {
         self.record("all-reduce", group, buf.len, |c| c.all_reduce_sum(be, buf, group));
     }
@@ -591,7 +599,9 @@ impl<B: Backend, C: Collectives<B>> Collectives<B> for Flight<C> {
     }
 
     fn wait(&mut self, be: &mut B) {
+        let t = Instant::now();
         self.inner.wait(be);
+        self.blocked += t.elapsed();
         let mut ring = self.recorder.ring();
         for seq in self.started.drain(..) {
             ring.end(seq);
