@@ -239,25 +239,29 @@ impl Start {
         self.run_rank(*gpu, comm, config, plan, job)
     }
 
-    /// This rank's collectives with the flight recorder around them (unless
-    /// `train.diagnostics.flight_recorder = 0`): it writes `RUN_DIR/flight/rank-R.json` when a
-    /// watchdog fails the rank, and on SIGUSR2.
+    /// This rank's collectives with the flight recorder around them: it writes
+    /// `RUN_DIR/flight/rank-R.json` when a watchdog fails the rank, and on SIGUSR2 (unless
+    /// `train.diagnostics.flight_recorder = 0`), and times the waits the straggler detector
+    /// subtracts (unless its window is 0 too, when nothing is wrapped).
     fn recorded<B: Backend, C: Collectives<Traced<B>> + Send + 'static>(
         &self,
         comm: C,
         config: &Config,
         job: &Job,
     ) -> Result<Box<dyn Collectives<Traced<B>> + Send>> {
-        let capacity = config.train.diagnostics.flight_recorder;
-        if capacity == 0 {
+        let diagnostics = &config.train.diagnostics;
+        let capacity = diagnostics.flight_recorder;
+        if capacity == 0 && diagnostics.straggler_window == 0 {
             return Ok(Box::new(comm));
         }
         let run_dir = self.run_dir.lock().map_err(|_| anyhow!("a device thread panicked"))?.path().to_path_buf();
         let recorder = flight::Recorder::new(job.rank, job.world, capacity, Some(run_dir.join(flight::DIR)));
-        flight::install(recorder.clone());
-        signals::on_sigusr2(|| {
-            flight::dump_process("SIGUSR2", &[], false);
-        })?;
+        if capacity > 0 {
+            flight::install(recorder.clone());
+            signals::on_sigusr2(|| {
+                flight::dump_process("SIGUSR2", &[], false);
+            })?;
+        }
         Ok(Box::new(flight::Flight::new(comm, recorder)?))
     }
 

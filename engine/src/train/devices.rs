@@ -41,12 +41,14 @@ pub fn run_plan<T: Send>(
             .enumerate()
             .map(|(rank, comm)| {
                 scope.spawn(move || {
-                    // Recorded as a job's ranks are (what `engine bench --devices` measures), with
-                    // no run directory to write to: virtual devices have no watchdog.
-                    let capacity = config.train.diagnostics.flight_recorder;
-                    let comm: Box<dyn Collectives<Traced<Cpu>> + Send> = match capacity {
-                        0 => Box::new(comm),
-                        n => Box::new(Flight::new(comm, Recorder::new(rank, devices, n, None))?),
+                    // Recorded and timed as a job's ranks are (what `engine bench --devices`
+                    // measures), with no run directory to write to: virtual devices have no
+                    // watchdog.
+                    let diagnostics = &config.train.diagnostics;
+                    let (capacity, window) = (diagnostics.flight_recorder, diagnostics.straggler_window);
+                    let comm: Box<dyn Collectives<Traced<Cpu>> + Send> = match (capacity, window) {
+                        (0, 0) => Box::new(comm),
+                        (n, _) => Box::new(Flight::new(comm, Recorder::new(rank, devices, n, None))?),
                     };
                     let mut trainer = Trainer::new_parallel(Traced::new(Cpu::new()), config, comm, plan.clone())?;
                     f(rank, &mut trainer)
