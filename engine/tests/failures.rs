@@ -356,6 +356,14 @@ fn a_stopped_rank_is_ended_by_the_watchdog() {
     let mut job = Launched::start(&["--nproc", "2"], &train(&run, 100_000, 0), &[("ENGINE_COLLECTIVE_TIMEOUT", "3")]);
     let pids = job.pids(1);
     job.wait_step(&run, 5);
+    // SIGUSR2: each rank writes its flight record and trains on.
+    for &pid in &pids {
+        signal(pid, libc::SIGUSR2);
+    }
+    job.wait_until(Duration::from_secs(10), "the flight records", |_| (0..2).all(|r| flight_record(&run, r).is_some()));
+    assert!((0..2).all(|r| flight_record(&run, r).unwrap()["reason"] == "SIGUSR2"));
+    let steps = logged_steps(&run);
+    job.wait_step(&run, steps + 2);
     signal(pids[1], libc::SIGSTOP);
     let (status, out, took) = job.finish(Duration::from_secs(60));
     assert!(took >= Duration::from_secs(2) && took < Duration::from_secs(20), "the job took {took:?} to end:\n{out}");
@@ -364,6 +372,81 @@ fn a_stopped_rank_is_ended_by_the_watchdog() {
     assert!(out.contains("error: process 0 (rank 0) exited with code 75; stopped the others"), "{out}");
     all_gone(&out, &run);
     eprintln!("the job ended {took:?} after the stop");
+    // The flight recorder: rank 0 gave up in a collective, and the diagnosis names rank 1 as
+    // behind, with the collective and the sequence number its own record holds.
+    let zero = flight_record(&run, 0).expect("rank 0's record");
+    assert!(zero["reason"].as_str().unwrap().contains("ENGINE_COLLECTIVE_TIMEOUT"), "{zero}");
+    assert_eq!(zero["suspects"], serde_json::json!([1]), "{zero}");
+    let (seq, op) = behind(&out, 1);
+    let one = flight_record(&run, 1).expect("rank 1's record (it failed once woken to stop)");
+    let entries = one["entries"].as_array().unwrap();
+    assert!(
+        entries.iter().any(|e| e["seq"] == seq && e["op"] == op.as_str()),
+        "#{seq} {op} not in rank 1's record:\n{out}"
+    );
+    // The same, offline.
+    let offline = common::ok(&["flight", s(&run)]);
+    assert_eq!(behind(&offline, 1), (seq, op), "{offline}");
+    eprintln!("{offline}");
+}
+
+/// A rank that skips one collective (the test hook of `parallel/flight.rs`) puts the job out of
+/// step: the diagnosis names the rank, the collective the others ran and its sequence number,
+/// which the others' records hold.
+#[test]
+fn a_skipped_collective_is_named_by_the_flight_recorder() {
+    let _one = serial();
+    let dir = scratch("failures-skipped");
+    let run = dir.join("run");
+    let command = train_with(&run, 100_000, 0, &["mesh.ici_fsdp=1", "mesh.ici_data=3"]);
+    let env = [("ENGINE_COLLECTIVE_TIMEOUT", "3"), ("ENGINE_TEST_FLIGHT_SKIP", "2:3:all-reduce")];
+    let job = Launched::start(&["--nproc", "3"], &command, &env);
+    let (status, out, _) = job.finish(Duration::from_secs(120));
+    assert_eq!(status.code(), Some(75), "{out}");
+    all_gone(&out, &run);
+    // What ranks 0 and 1 ran where rank 2 skipped: their first all-reduce of step 3.
+    let record = flight_record(&run, 0).expect("rank 0's record");
+    let skipped = record["entries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["step"] == 3 && e["op"] == "all-reduce")
+        .unwrap_or_else(|| panic!("no all-reduce at step 3 in rank 0's record:\n{out}"))
+        .clone();
+    let seq = skipped["seq"].as_u64().unwrap();
+    for rank in 1..3 {
+        assert!(flight_record(&run, rank).is_some(), "rank {rank} wrote no record:\n{out}");
+    }
+    let mismatch =
+        out.lines().find(|l| l.contains(&format!("mismatch at #{seq}: rank 2 ran #{seq} "))).unwrap_or_else(|| {
+            panic!("no mismatch at #{seq} naming rank 2:\n{out}");
+        });
+    assert!(mismatch.contains(&format!("ranks 0, 1 ran #{seq} all-reduce over")), "{mismatch}");
+    eprintln!(
+        "{}",
+        out.lines()
+            .filter(|l| l.contains("flight") || l.starts_with("  ") || l.contains("diagnosis"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+}
+
+/// Rank `rank`'s flight record in `run`, if written.
+fn flight_record(run: &Path, rank: usize) -> Option<serde_json::Value> {
+    let text = std::fs::read_to_string(run.join(format!("flight/rank-{rank}.json"))).ok()?;
+    Some(serde_json::from_str(&text).unwrap_or_else(|e| panic!("rank {rank}'s flight record is not JSON: {e}\n{text}")))
+}
+
+/// The sequence number and operation of the diagnosis line naming `rank` as behind.
+fn behind(out: &str, rank: usize) -> (u64, String) {
+    let prefix = format!("diagnosis: rank {rank} is behind: ");
+    let line = out.lines().find_map(|l| l.split_once(&prefix).map(|(_, rest)| rest)).unwrap_or_else(|| {
+        panic!("no diagnosis naming rank {rank} as behind:\n{out}");
+    });
+    let at = line.split_once('#').unwrap_or_else(|| panic!("{line}")).1;
+    let (seq, rest) = at.split_once(' ').unwrap();
+    let op = rest.split(" over ").next().unwrap();
+    (seq.parse().unwrap(), op.to_owned())
 }
 
 /// SIGTERM to the launcher: passed on to both processes, which stop at the same step with a

@@ -213,3 +213,47 @@ fn copy_dir(from: &Path, to: &Path) {
         }
     }
 }
+
+/// Stragglers (`train/stragglers.rs`): a rank slowed on purpose by 200 ms a step (the test hook
+/// `ENGINE_TEST_STEP_DELAY`) is named within its window of 10 steps, by one warning line and in
+/// that step's record of `metrics.jsonl`; the same run without the delay warns of nothing. Steps
+/// of about 20 ms (a wider model than [`SHRINK`]'s, whose 2 ms steps are mostly noise).
+#[test]
+fn a_rank_slowed_on_purpose_is_named_a_straggler_and_no_other_run_warns() {
+    let dir = scratch("multiprocess-stragglers");
+    // A rank four times as busy as the other: on a loaded 2-core machine (the CPU taken from a
+    // rank counts as busy) either rank measured up to 170 % busier than the other without any
+    // delay, past the default threshold's 25 %; the delay of 200 ms makes it 1000 % and more.
+    let sets = [
+        "model.d_model=256",
+        "model.head_dim=128",
+        "model.mlp_dim=512",
+        "train.diagnostics.straggler_window=10",
+        "train.diagnostics.straggler_threshold=3.0",
+    ];
+    for (name, delay) in [("slowed", Some("1:0.2")), ("even", None)] {
+        let run_dir = dir.join(name);
+        let args = train_args(&["launch", "--nproc", "2", "--"], &run_dir, "12", &sets);
+        let env: Vec<(&str, &str)> = delay.map(|d| ("ENGINE_TEST_STEP_DELAY", d)).into_iter().collect();
+        let mut cmd = engine(&args.iter().map(String::as_str).collect::<Vec<_>>(), &env);
+        let out = run(cmd.env("ENGINE_THREADS", "1"));
+        let text = String::from_utf8_lossy(&out.stderr).into_owned() + &String::from_utf8_lossy(&out.stdout);
+        let warnings: Vec<&str> = text.lines().filter(|l| l.contains("warning: straggler")).collect();
+        let named: Vec<serde_json::Value> =
+            metrics(&run_dir).into_iter().filter(|m| m.get("straggler").is_some()).collect();
+        if delay.is_none() {
+            assert!(warnings.is_empty() && named.is_empty(), "a run without a straggler warned:\n{text}");
+            continue;
+        }
+        assert_eq!(warnings.len(), 1, "one warning in 12 steps of a window of 10:\n{text}");
+        assert!(warnings[0].contains("straggler: rank 1 was the slowest in "), "{}", warnings[0]);
+        assert_eq!(named.len(), 1, "{text}");
+        let record = &named[0];
+        assert_eq!(record["step"], 10, "named at the end of its first window: {record}");
+        let s = &record["straggler"];
+        assert_eq!((s["rank"].as_u64(), s["window"].as_u64()), (Some(1), Some(10)), "{record}");
+        let excess_s = s["busy_s"].as_f64().unwrap() - s["median_busy_s"].as_f64().unwrap();
+        assert!(excess_s > 0.15, "the excess is the delay's 0.2 s or about: {record}");
+        eprintln!("{}", warnings[0]);
+    }
+}

@@ -151,9 +151,13 @@ pub fn launch(args: LaunchArgs) -> Result<()> {
             true => Some((free_port()?, var("ENGINE_JOB_TOKEN").unwrap_or_else(|| job_token(restarts)))),
             false => None,
         };
+        let attempt = engine::parallel::flight::now_us();
         let mut procs = start(&exe, &args, node, first_rank)?;
         let end = supervise(&mut procs, grace);
         report_errors(&mut procs);
+        if let (End::Failed(_), Some(dir)) = (&end, run_dir(&args.command)) {
+            diagnose(&dir, attempt);
+        }
         let failed = match end {
             End::Done => return Ok(()),
             End::Stopped(code) => {
@@ -188,6 +192,27 @@ pub fn launch(args: LaunchArgs) -> Result<()> {
         }
         restarts += 1;
         say!("engine launch: {cause}; restarting all {} (restart {restarts} of {})", args.nproc, args.max_restarts);
+    }
+}
+
+/// The run directory of `command`'s `--run-dir`, where its ranks write their flight records.
+fn run_dir(command: &[String]) -> Option<std::path::PathBuf> {
+    let at = command.iter().position(|a| a == "--run-dir").and_then(|i| command.get(i + 1));
+    let joined = command.iter().find_map(|a| a.strip_prefix("--run-dir="));
+    at.map(String::as_str).or(joined).map(std::path::PathBuf::from)
+}
+
+/// Prints the flight recorder's diagnosis of the attempt that started at `since` (Unix µs)
+/// from the records its ranks wrote to `RUN_DIR/flight/`; nothing when none wrote one.
+fn diagnose(run_dir: &Path, since: u64) {
+    let dir = run_dir.join(engine::parallel::flight::DIR);
+    if !dir.is_dir() {
+        return;
+    }
+    match engine::parallel::flight::diagnose_since(&dir, since) {
+        Ok(diagnosis) => say!("engine launch: {diagnosis}"),
+        Err(e) if e.to_string().contains("no flight records") => {}
+        Err(e) => say!("engine launch: the flight records could not be read: {e:#}"),
     }
 }
 
@@ -303,6 +328,10 @@ fn start(exe: &Path, args: &LaunchArgs, node: Option<(u16, String)>, first_rank:
                 .env("RANK", local.to_string())
                 .env("WORLD_SIZE", args.nproc.to_string())
                 .env("ENGINE_JOB_TOKEN", token);
+        }
+        if run_dir(&args.command).is_some() {
+            // The launcher prints the flight recorder's diagnosis; rank 0 need not.
+            cmd.env(engine::parallel::flight::LAUNCHER_DIAGNOSES, "1");
         }
         let (errors, writer) = std::io::pipe().context("cannot make a pipe for a process's errors")?;
         cmd.env(ERROR_FD, writer.as_raw_fd().to_string());
@@ -585,6 +614,14 @@ mod signals {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_run_directory_is_read_from_the_command() {
+        let args = |a: &[&str]| a.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert_eq!(run_dir(&args(&["train", "--run-dir", "runs/a"])), Some("runs/a".into()));
+        assert_eq!(run_dir(&args(&["train", "--run-dir=runs/b", "--steps", "3"])), Some("runs/b".into()));
+        assert_eq!(run_dir(&args(&["train", "--recipe", "r"])), None);
+    }
 
     #[test]
     fn identical_lines_of_several_processes_are_folded_into_one() {

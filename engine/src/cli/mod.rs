@@ -5,6 +5,7 @@ mod data;
 mod device;
 mod eval;
 mod export_hf;
+mod flight;
 mod goodput;
 mod gpu_test;
 mod import_hf;
@@ -66,6 +67,9 @@ enum Command {
     /// Multi-process diagnostics.
     #[command(subcommand)]
     Dist(launch::DistCommand),
+    /// Diagnose a failed job from its flight records (RUN_DIR/flight/rank-R.json): which
+    /// collective each rank was in, at which sequence number, and which rank is behind.
+    Flight(flight::FlightArgs),
     /// Check the CUDA backend against the CPU reference on this machine's GPU (or its CPU
     /// emulator): every kernel, model parity, graphs, recomputation, memory, training.
     GpuTest(gpu_test::GpuTestArgs),
@@ -219,6 +223,7 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Info => info::run(),
         Command::Launch(args) => launch::launch(args),
         Command::Dist(cmd) => launch::check(cmd),
+        Command::Flight(args) => flight::run(args),
         Command::GpuTest(args) => gpu_test::run(args),
         Command::TestAll(args) => test_all::run(args, device),
         Command::Baselines(cmd) => test_all::baselines(cmd, device),

@@ -13,7 +13,7 @@ use engine::config::{Config, Override};
 use engine::hf::HfModel;
 use engine::model::Layout;
 use engine::parallel::comm::Collectives;
-use engine::parallel::{self, rendezvous::Job};
+use engine::parallel::{self, flight, rendezvous::Job};
 use engine::train::Trainer;
 use engine::train::goodput::{Startup, timed};
 use engine::train::run_dir::{Decision, Resume, RunDir};
@@ -242,7 +242,7 @@ impl Start {
                 signals::exit_on_stop_during("during the rendezvous", || parallel::job::tcp_communicator(job, config))
             });
             self.startup.rendezvous_s += rendezvous_s;
-            let comm = Box::new(comm?);
+            let comm = self.recorded(comm?, config, job)?;
             return self.run_rank(engine::backend::cpu::Cpu::new(), comm, config, plan, job);
         }
         engine::backend::cuda::check_model(&config.model).map_err(|e| anyhow!("--device cuda: {e}"))?;
@@ -257,8 +257,34 @@ impl Start {
             signals::exit_on_stop_during("during the rendezvous", || parallel::job::nccl_communicator(job, config))
         });
         self.startup.rendezvous_s += rendezvous_s;
-        let comm = Box::new(comm?);
+        let comm = self.recorded(comm?, config, job)?;
         self.run_rank(*gpu, comm, config, plan, job)
+    }
+
+    /// This rank's collectives with the flight recorder around them: it writes
+    /// `RUN_DIR/flight/rank-R.json` when a watchdog fails the rank, and on SIGUSR2 (unless
+    /// `train.diagnostics.flight_recorder = 0`), and times the waits the straggler detector
+    /// subtracts (unless its window is 0 too, when nothing is wrapped).
+    fn recorded<B: Backend, C: Collectives<Traced<B>> + Send + 'static>(
+        &self,
+        comm: C,
+        config: &Config,
+        job: &Job,
+    ) -> Result<Box<dyn Collectives<Traced<B>> + Send>> {
+        let diagnostics = &config.train.diagnostics;
+        let capacity = diagnostics.flight_recorder;
+        if capacity == 0 && diagnostics.straggler_window == 0 {
+            return Ok(Box::new(comm));
+        }
+        let run_dir = self.run_dir.lock().map_err(|_| anyhow!("a device thread panicked"))?.path().to_path_buf();
+        let recorder = flight::Recorder::new(job.rank, job.world, capacity, Some(run_dir.join(flight::DIR)));
+        if capacity > 0 {
+            flight::install(recorder.clone());
+            signals::on_sigusr2(|| {
+                flight::dump_process("SIGUSR2", &[], false);
+            })?;
+        }
+        Ok(Box::new(flight::Flight::new(comm, recorder)?))
     }
 
     /// Trains this rank of a job; rank 0 ends with the bytes it sent, where the communicator

@@ -70,13 +70,14 @@ macro_rules! section {
 }
 
 /// Every section's keys by the section's dotted name (`""`: the top level).
-pub const SECTIONS: [(&str, &[Key]); 9] = [
+pub const SECTIONS: [(&str, &[Key]); 10] = [
     ("", Config::KEYS),
     ("model", ModelConfig::KEYS),
     ("model.rope_scaling", RopeScaling::KEYS),
     ("model.moe", MoeConfig::KEYS),
     ("train", TrainConfig::KEYS),
     ("train.fp8", Fp8Config::KEYS),
+    ("train.diagnostics", DiagnosticsConfig::KEYS),
     ("optim", OptimConfig::KEYS),
     ("data", DataConfig::KEYS),
     ("mesh", MeshConfig::KEYS),
@@ -521,6 +522,10 @@ section! {
         /// How FP8 products are scaled, and which products are FP8 (`precision = "fp8"`); its
         /// keys say themselves whether a resumed run may change them (all may).
         pub fp8: Fp8Config = Fp8Config::default(),
+        /// What a job keeps to explain its failures and slow ranks: the flight recorder of
+        /// collectives and the straggler detector; its keys say themselves whether a resumed run
+        /// may change them (all may).
+        pub diagnostics: DiagnosticsConfig = DiagnosticsConfig::default(),
         /// Refuse, before allocating, a run whose estimated memory exceeds what the device has
         /// (GPU: free memory; CPU: available RAM and `ulimit -v`); `false` skips the check.
         @resumable
@@ -562,6 +567,7 @@ impl TrainConfig {
         ];
         check_positive(&positive)?;
         self.fp8.validate()?;
+        self.diagnostics.validate()?;
         let at_most = [
             ("train.grad_accum", self.grad_accum, 1 << 20),
             ("train.pipeline_microbatches", self.pipeline_microbatches, 1 << 16),
@@ -677,6 +683,49 @@ impl Fp8Config {
             ("train.fp8.amax_history", self.amax_history, 1 << 16),
             ("train.fp8.margin", self.margin as usize, 64),
         ])
+    }
+}
+
+section! {
+    /// A job's flight recorder of collectives and its straggler detector
+    /// (`engine/src/parallel/flight.rs`, `engine/src/train/stragglers.rs`).
+    #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+    #[serde(deny_unknown_fields, default)]
+    pub struct DiagnosticsConfig {
+        /// Collective operations each rank keeps (a ring), written to `RUN_DIR/flight/rank-R.json`
+        /// on a watchdog timeout, a peer's departure or SIGUSR2; 0 records nothing.
+        @resumable
+        pub flight_recorder: usize = 2048,
+        /// Steps over which the straggler detector looks for a rank slowest most of the time;
+        /// 0 turns it off.
+        @resumable
+        pub straggler_window: usize = 20,
+        /// The share of the window's steps in which one rank must be the slowest.
+        @resumable
+        pub straggler_fraction: f64 = 0.5,
+        /// How much slower than the other ranks' median a straggler's median busy time is, as a
+        /// fraction of that median (0.25: 25 % slower).
+        @resumable
+        pub straggler_threshold: f64 = 0.25,
+    }
+}
+
+impl DiagnosticsConfig {
+    fn validate(&self) -> Result<()> {
+        check_at_most(&[("train.diagnostics.flight_recorder", self.flight_recorder, 1 << 16)])?;
+        if !(self.straggler_fraction > 0.0 && self.straggler_fraction <= 1.0) {
+            bail!(
+                "train.diagnostics.straggler_fraction = {} must be in (0, 1]: the share of the window's steps in which a rank is the slowest",
+                self.straggler_fraction
+            );
+        }
+        if !at_least(self.straggler_threshold, 0.0) {
+            bail!(
+                "train.diagnostics.straggler_threshold = {} must be non-negative (a fraction of the median step time)",
+                self.straggler_threshold
+            );
+        }
+        Ok(())
     }
 }
 

@@ -25,6 +25,12 @@ pub trait Collectives<B: Backend> {
     fn bytes_sent(&self) -> Option<u64> {
         None
     }
+    /// Time this device has spent waiting in collective calls so far (those that block, and
+    /// the waits for started ones), where a wrapper counts it
+    /// ([`super::flight::Flight`]): the straggler detector's "busy" time is a step's time less it.
+    fn blocked(&self) -> Option<std::time::Duration> {
+        None
+    }
     /// `buf = Σ_group buf`, in place.
     fn all_reduce_sum(&mut self, be: &mut B, buf: View, group: &[usize]);
     /// `buf = max_group buf`, element by element, in place (f32 buffers: the vocabulary-parallel

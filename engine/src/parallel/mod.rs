@@ -5,6 +5,7 @@
 
 pub mod comm;
 pub mod experts;
+pub mod flight;
 pub mod job;
 pub mod memory;
 pub mod mesh;

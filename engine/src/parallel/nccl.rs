@@ -137,6 +137,8 @@ impl Watchdog {
         let step = watched.step.load(Ordering::Relaxed);
         let at = if step == 0 { "before the first step".to_owned() } else { format!("at step {step}") };
         crate::say!("error: rank {rank}: {cause} ({at}); aborting the NCCL communicators");
+        // Which collective each rank was in: the flight recorder's ranks.
+        super::flight::on_failure(&format!("rank {rank}: {cause} ({at})"), &[]);
         if let Ok(state) = watched.state.lock() {
             for &comm in &state.comms {
                 // SAFETY: a live communicator; aborting from another thread is how NCCL

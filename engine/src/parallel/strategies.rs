@@ -141,7 +141,7 @@ impl<B: Backend> Parallel<B> {
         let segments =
             layout.tensors.iter().map(|t| Segment { offset: t.offset, len: t.len(), decay: t.decay }).collect();
         // Two scalars for the tensor axis's sums, and the limbs of `gather_from_world`.
-        let scratch = be.alloc(BufKind::Scalars, 2.max(3 * mesh.devices()));
+        let scratch = be.alloc(BufKind::Scalars, 2.max(6 * mesh.devices()));
         Parallel {
             comm,
             mesh,
@@ -375,19 +375,35 @@ impl<B: Backend> Parallel<B> {
     /// travels as three 16-bit limbs in its own place of a buffer summed over the mesh, sums
     /// that f32 holds exactly). Every device calls it at the same point.
     pub fn gather_from_world(&mut self, be: &mut B, value: u64) -> Vec<u64> {
-        assert!(value < 1 << 48, "gather_from_world: {value} does not fit 48 bits");
+        self.gather_many_from_world(be, [value]).into_iter().map(|[v]| v).collect()
+    }
+
+    /// [`Parallel::gather_from_world`] of `N` (at most 2) values at once, in one collective.
+    pub fn gather_many_from_world<const N: usize>(&mut self, be: &mut B, values: [u64; N]) -> Vec<[u64; N]> {
+        assert!(N <= 2, "gather_many_from_world: at most 2 values (the scratch's size)");
         let world = self.mesh.devices();
         // Allocated once with the scratch: this runs at every step boundary.
-        let buf = self.scratch.at(0, 3 * world);
-        let mut limbs = vec![0f32; 3 * world];
-        for (i, limb) in limbs[3 * self.rank..3 * self.rank + 3].iter_mut().enumerate() {
-            *limb = ((value >> (16 * i)) & 0xffff) as f32;
+        let (width, mut limbs) = (3 * N, vec![0f32; 3 * N * world]);
+        let buf = self.scratch.at(0, width * world);
+        for (v, &value) in values.iter().enumerate() {
+            assert!(value < 1 << 48, "gather_from_world: {value} does not fit 48 bits");
+            let at = width * self.rank + 3 * v;
+            for (i, limb) in limbs[at..at + 3].iter_mut().enumerate() {
+                *limb = ((value >> (16 * i)) & 0xffff) as f32;
+            }
         }
         be.upload(buf, &limbs);
         let group: Vec<usize> = (0..world).collect();
         self.comm.all_reduce_sum(be, buf, &group);
         be.download(buf, &mut limbs);
-        limbs.chunks_exact(3).map(|l| l.iter().rev().fold(0u64, |acc, &x| (acc << 16) | x as u64)).collect()
+        let value = |l: &[f32]| l.iter().rev().fold(0u64, |acc, &x| (acc << 16) | x as u64);
+        limbs.chunks_exact(width).map(|rank| std::array::from_fn(|v| value(&rank[3 * v..3 * v + 3]))).collect()
+    }
+
+    /// Time this device has waited in collectives so far, where it is counted
+    /// ([`Collectives::blocked`]).
+    pub fn blocked(&self) -> Option<std::time::Duration> {
+        self.comm.blocked()
     }
 
     /// Moments are laid out like the optimizer's buffers: this device's pieces under FSDP.

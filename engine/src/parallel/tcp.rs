@@ -456,10 +456,13 @@ impl Net {
         format!("rank {}: {} over {axis} {at}", self.rank, call.op)
     }
 
-    /// Stops this process: one line naming the collective and the cause, the peers told why.
-    fn fail(&self, call: &Call, cause: &str) -> ! {
+    /// Stops this process: one line naming the collective and the cause, the flight record
+    /// written ([`super::flight::on_failure`], with `suspects`, the ranks it waited for), the
+    /// peers told why.
+    fn fail(&self, call: &Call, cause: &str, suspects: &[usize]) -> ! {
         let line = format!("{}: {cause}", self.describe(call));
         crate::say!("error: {line}");
+        super::flight::on_failure(&line, suspects);
         let text = line.as_bytes();
         for writer in self.writers.iter().flatten() {
             // A writer held by a stuck send is skipped: that peer is the one not answering.
@@ -498,7 +501,7 @@ impl Net {
                 ) => format!("rank {to} left the job: its connection failed: {e}"),
                 (None, _) => format!("sending to rank {to} failed: {e}"),
             };
-            self.fail(call, &cause);
+            self.fail(call, &cause, &[to]);
         }
     }
 
@@ -515,7 +518,7 @@ impl Net {
                     Some(next) => {
                         if let Some(cause) = unexpected(peer, lane, next.len, want) {
                             drop(inbox);
-                            self.fail(call, &cause);
+                            self.fail(call, &cause, &[peer]);
                         }
                         if next.body.is_none() {
                             waiting.push(peer);
@@ -536,11 +539,11 @@ impl Net {
             if let Some(why) = &inbox.aborted {
                 let cause = format!("a peer stopped the job: {why}");
                 drop(inbox);
-                self.fail(call, &cause);
+                self.fail(call, &cause, &[]);
             }
-            if let Some(cause) = waiting.iter().find_map(|p| inbox.gone.get(p).cloned()) {
+            if let Some((peer, cause)) = waiting.iter().find_map(|p| inbox.gone.get(p).map(|c| (*p, c.clone()))) {
                 drop(inbox);
-                self.fail(call, &cause);
+                self.fail(call, &cause, &[peer]);
             }
             let now = Instant::now();
             if now >= deadline {
@@ -553,6 +556,7 @@ impl Net {
                         names.join(", "),
                         self.timeout.as_secs_f64()
                     ),
+                    &waiting,
                 );
             }
             inbox = self.arrived.wait_timeout(inbox, deadline - now).expect("inbox").0;

@@ -10,7 +10,8 @@ use crate::backend::cpu::Cpu;
 use crate::backend::traced::Traced;
 use crate::checkpoint::Extras;
 use crate::config::Config;
-use crate::parallel::comm::Virtual;
+use crate::parallel::comm::{Collectives, Virtual};
+use crate::parallel::flight::{Flight, Recorder};
 use crate::parallel::plan::ParallelPlan;
 
 /// Builds a trainer for each of `devices` virtual devices and runs `f(rank, trainer)` on its
@@ -40,8 +41,16 @@ pub fn run_plan<T: Send>(
             .enumerate()
             .map(|(rank, comm)| {
                 scope.spawn(move || {
-                    let mut trainer =
-                        Trainer::new_parallel(Traced::new(Cpu::new()), config, Box::new(comm), plan.clone())?;
+                    // Recorded and timed as a job's ranks are (what `engine bench --devices`
+                    // measures), with no run directory to write to: virtual devices have no
+                    // watchdog.
+                    let diagnostics = &config.train.diagnostics;
+                    let (capacity, window) = (diagnostics.flight_recorder, diagnostics.straggler_window);
+                    let comm: Box<dyn Collectives<Traced<Cpu>> + Send> = match (capacity, window) {
+                        (0, 0) => Box::new(comm),
+                        (n, _) => Box::new(Flight::new(comm, Recorder::new(rank, devices, n, None))?),
+                    };
+                    let mut trainer = Trainer::new_parallel(Traced::new(Cpu::new()), config, comm, plan.clone())?;
                     f(rank, &mut trainer)
                 })
             })

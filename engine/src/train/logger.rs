@@ -179,6 +179,7 @@ mod tests {
             checkpoint_s: None,
             slowest_rank: None,
             slowest_step_time_s: None,
+            straggler: None,
         };
         assert!(scalars(&m).iter().all(|(tag, _)| !tag.starts_with("data/")));
         m.tokens_by_source = Some([("c4".to_string(), 3072u64), ("code".to_string(), 1024)].into());

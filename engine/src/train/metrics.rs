@@ -63,6 +63,9 @@ pub struct StepMetrics {
     /// That rank's step time.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub slowest_step_time_s: Option<f64>,
+    /// A rank named a straggler at this step ([`super::stragglers`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub straggler: Option<super::stragglers::Straggler>,
 }
 
 impl StepMetrics {

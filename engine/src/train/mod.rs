@@ -17,6 +17,7 @@ pub mod schedule;
 pub mod session;
 pub mod signals;
 pub mod step_times;
+pub mod stragglers;
 pub mod tensorboard;
 
 use std::time::Instant;
@@ -238,6 +239,9 @@ impl<B: Backend> Trainer<B> {
     pub fn train_step(&mut self, peak_tflops: f64) -> StepMetrics {
         let start = Instant::now();
         self.parallel.set_step(self.step + 1);
+        if let Some(delay) = stragglers::test_delay(self.parallel.rank) {
+            std::thread::sleep(delay);
+        }
         let c = &self.config;
         let (accum, microbatches) = (c.train.grad_accum, c.train.pipeline_microbatches);
         let (tokens, shards) = ((self.plan.batch * self.plan.seq) as f32, self.model.batch_shards);
@@ -413,6 +417,7 @@ impl<B: Backend> Trainer<B> {
             checkpoint_s: None,
             slowest_rank: None,
             slowest_step_time_s: None,
+            straggler: None,
         }
     }
 

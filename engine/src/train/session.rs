@@ -16,6 +16,7 @@ pub use super::run_dir::CHECKPOINTS;
 use super::run_dir::{self, RunDir};
 use super::signals::{StopRequest, Stopped};
 use super::step_times::StepTimes;
+use super::stragglers::Stragglers;
 use super::{StepMetrics, Trainer};
 use crate::backend::Backend;
 use crate::backend::traced::{Traced, chrome_trace};
@@ -187,8 +188,13 @@ pub fn run<B: Backend>(trainer: &mut Trainer<Traced<B>>, s: &Session) -> Result<
     let mut clock = Cadence::new(config.train.checkpoint_every_minutes);
     let mut history: Vec<StepMetrics> = Vec::with_capacity(steps - first as usize);
     log.start_progress(first);
+    // The lead names stragglers from every rank's busy time (its step less its waits).
+    let mut stragglers = (s.lead && devices > 1).then(|| Stragglers::new(&config.train.diagnostics)).flatten();
     for step in first as usize + 1..=steps {
+        let waited_before = trainer.parallel.blocked();
         let mut m = profiled(trainer, s, step)?;
+        let waited = trainer.parallel.blocked().zip(waited_before).map_or(0.0, |(a, b)| (a - b).as_secs_f64());
+        let busy_s = (m.step_time_s - waited).max(0.0);
         if !m.applied {
             // Every device saw the same loss and norm: all stop here, after the save in flight.
             let (saved, waited_s) = goodput::timed(|| saver.finish(trainer));
@@ -205,9 +211,13 @@ pub fn run<B: Backend>(trainer: &mut Trainer<Traced<B>>, s: &Session) -> Result<
                 m.grad_norm
             );
         }
-        let (agreed, sync_s) = goodput::timed(|| agree(trainer, &s.stop, m.step_time_s, clock.due()));
+        let (agreed, sync_s) = goodput::timed(|| agree(trainer, &s.stop, m.step_time_s, busy_s, clock.due()));
         if let Some((rank, time)) = agreed.slowest {
             (m.slowest_rank, m.slowest_step_time_s) = (Some(rank), Some(time));
+        }
+        if let Some(found) = stragglers.as_mut().and_then(|d| d.step(&agreed.busy_s)) {
+            log.say(&found.line());
+            m.straggler = Some(found);
         }
         let every = |n: usize| n > 0 && (step.is_multiple_of(n) || step == steps);
         let mut eval_s = 0.0;
@@ -331,7 +341,7 @@ impl Cadence {
 }
 
 /// What the devices agreed on at a step boundary.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 struct Agreed {
     /// Some device was asked to stop.
     stop: bool,
@@ -339,17 +349,27 @@ struct Agreed {
     timed: bool,
     /// On more than one device: the slowest rank and its step time.
     slowest: Option<(usize, f64)>,
+    /// Every rank's busy time ([`super::stragglers`]), seconds, in rank order (empty on one
+    /// device).
+    busy_s: Vec<f64>,
 }
 
 /// The step boundary's one exchange: each device's "asked to stop" flag, its clock's "checkpoint
-/// due" flag (rank 0's counts) and its step time, gathered from every device in one collective
-/// (none on one device). Every device calls it once per step.
-fn agree<B: Backend>(trainer: &mut Trainer<B>, stop: &StopRequest, step_time_s: f64, timed: bool) -> Agreed {
+/// due" flag (rank 0's counts), its step time and its busy time, gathered from every device in
+/// one collective (none on one device). Every device calls it once per step.
+fn agree<B: Backend>(
+    trainer: &mut Trainer<B>,
+    stop: &StopRequest,
+    step_time_s: f64,
+    busy_s: f64,
+    timed: bool,
+) -> Agreed {
     let stop = stop.requested().is_some();
     if trainer.devices() == 1 {
-        return Agreed { stop, timed, slowest: None };
+        return Agreed { stop, timed, slowest: None, busy_s: Vec::new() };
     }
-    let all = trainer.parallel.gather_from_world(&mut trainer.backend, pack(stop, timed, step_time_s));
+    let mine = [pack(stop, timed, step_time_s), pack(false, false, busy_s)];
+    let all = trainer.parallel.gather_many_from_world(&mut trainer.backend, mine);
     combine(&all)
 }
 
@@ -362,12 +382,17 @@ fn pack(stop: bool, timed: bool, step_time_s: f64) -> u64 {
 
 /// What every device's parts say together: any device's stop, rank 0's clock, the slowest rank
 /// (the lowest of equals).
-fn combine(all: &[u64]) -> Agreed {
+fn combine(all: &[[u64; 2]]) -> Agreed {
     let slowest = (all.iter().enumerate())
-        .map(|(rank, v)| (rank, v >> 2))
+        .map(|(rank, [v, _])| (rank, v >> 2))
         .max_by_key(|&(rank, micros)| (micros, std::cmp::Reverse(rank)))
         .map(|(rank, micros)| (rank, micros as f64 / 1e6));
-    Agreed { stop: all.iter().any(|v| v & 1 == 1), timed: all.first().is_some_and(|v| v & 2 != 0), slowest }
+    Agreed {
+        stop: all.iter().any(|[v, _]| v & 1 == 1),
+        timed: all.first().is_some_and(|[v, _]| v & 2 != 0),
+        slowest,
+        busy_s: all.iter().map(|[_, busy]| (busy >> 2) as f64 / 1e6).collect(),
+    }
 }
 
 /// One training step; on the lead, the step `train.profile_step` is traced op by op into
@@ -535,10 +560,14 @@ pub(crate) mod tests {
     /// the lowest of the slowest.
     #[test]
     fn ranks_agree_on_stop_cadence_and_the_slowest() {
-        let all = [pack(false, false, 0.5), pack(true, true, 1.25), pack(false, false, 1.25)];
-        assert_eq!(combine(&all), Agreed { stop: true, timed: false, slowest: Some((1, 1.25)) });
-        let all = [pack(false, true, 0.5), pack(false, false, 0.25)];
-        assert_eq!(combine(&all), Agreed { stop: false, timed: true, slowest: Some((0, 0.5)) });
+        let busy = |s: f64| pack(false, false, s);
+        let all =
+            [[pack(false, false, 0.5), busy(0.5)], [pack(true, true, 1.25), busy(0.25)], [pack(false, false, 1.25), 0]];
+        let busy_s = vec![0.5, 0.25, 0.0];
+        assert_eq!(combine(&all), Agreed { stop: true, timed: false, slowest: Some((1, 1.25)), busy_s });
+        let all = [[pack(false, true, 0.5), busy(0.125)], [pack(false, false, 0.25), busy(0.25)]];
+        let busy_s = vec![0.125, 0.25];
+        assert_eq!(combine(&all), Agreed { stop: false, timed: true, slowest: Some((0, 0.5)), busy_s });
         assert!(pack(true, true, 1e12) < 1 << 48, "a step time of years still fits");
     }
 }

@@ -36,6 +36,7 @@ pub fn name(signal: i32) -> &'static str {
         libc::SIGTERM => "SIGTERM",
         libc::SIGUSR1 => "SIGUSR1",
         libc::SIGINT => "SIGINT",
+        libc::SIGUSR2 => "SIGUSR2",
         _ => "a signal",
     }
 }
@@ -91,6 +92,39 @@ extern "C" fn handler(signal: libc::c_int) {
             libc::_exit(128 + signal);
         }
     }
+}
+
+/// The write end of the pipe SIGUSR2's handler writes a byte to ([`on_sigusr2`]).
+static USR2_PIPE: AtomicI32 = AtomicI32::new(-1);
+
+extern "C" fn usr2_handler(_: libc::c_int) {
+    let fd = USR2_PIPE.load(Ordering::SeqCst);
+    if fd >= 0 {
+        // SAFETY: write is async-signal-safe; a full pipe drops the byte (a dump is on its way).
+        unsafe { libc::write(fd, b"!".as_ptr().cast(), 1) };
+    }
+}
+
+/// Runs `f` on a thread of its own each time the process receives SIGUSR2 (the flight
+/// recorder's "write your record now", which a rank survives): the handler only writes a byte
+/// to a pipe, which the thread reads, so `f` may do anything. For the rest of the process's life.
+pub fn on_sigusr2(f: impl Fn() + Send + 'static) -> anyhow::Result<()> {
+    let mut fds = [0; 2];
+    // SAFETY: pipe writes two descriptors into the array.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC | libc::O_NONBLOCK) } != 0 {
+        anyhow::bail!("cannot make the SIGUSR2 pipe: {}", std::io::Error::last_os_error());
+    }
+    // SAFETY: the read end is ours alone; blocking reads suit its thread.
+    unsafe { libc::fcntl(fds[0], libc::F_SETFL, 0) };
+    USR2_PIPE.store(fds[1], Ordering::SeqCst);
+    std::thread::Builder::new().name("sigusr2".into()).spawn(move || {
+        let mut byte = [0u8];
+        // SAFETY: reads into a local buffer from a descriptor this thread owns.
+        while unsafe { libc::read(fds[0], byte.as_mut_ptr().cast(), 1) } == 1 {
+            f();
+        }
+    })?;
+    handle(&[libc::SIGUSR2], usr2_handler)
 }
 
 /// Runs `f`, a phase before the first step that may wait long and has nothing to save (meeting
