@@ -355,6 +355,26 @@ impl<B: Backend> Exchange<B> for ChunkExchange<'_, B> {
     fn seq_scatter_sum(&mut self, be: &mut B, all: View, local: View) {
         self.inner.seq_scatter_sum(be, all, local)
     }
+    fn expert_rank(&self) -> (usize, usize) {
+        self.inner.expert_rank()
+    }
+    fn expert_dispatch(
+        &mut self,
+        be: &mut B,
+        layer: usize,
+        rows: View,
+        counts: &[usize],
+        width: usize,
+        out: View,
+    ) -> Vec<Vec<usize>> {
+        self.inner.expert_dispatch(be, self.first_layer + layer, rows, counts, width, out)
+    }
+    fn expert_return(&mut self, be: &mut B, layer: usize, rows: View, width: usize, out: View) {
+        self.inner.expert_return(be, self.first_layer + layer, rows, width, out)
+    }
+    fn expert_dispatch_again(&mut self, be: &mut B, layer: usize, rows: View, width: usize, out: View) -> usize {
+        self.inner.expert_dispatch_again(be, self.first_layer + layer, rows, width, out)
+    }
 }
 
 #[cfg(test)]

@@ -199,6 +199,7 @@ impl ParallelPlan {
         let seq = self.mesh.size(Axis::Seq);
         model.batch_shards = self.batch_shards * seq;
         model.seq = crate::backend::SeqSplit { rank: 0, ranks: seq };
+        model.expert_ranks = self.mesh.expert_size();
         model
     }
 
@@ -302,17 +303,23 @@ fn microbatch_sequences(config: &Config, mesh: &Mesh) -> Result<usize> {
 
 /// Refuses a sequence length that the seq axis cannot cut into two chunks of equal length per
 /// device. The error names the numbers.
-/// The expert axis is placed ([`Mesh::expert_group`]) and its token exchange exists
-/// ([`crate::parallel::experts`]), but the model's expert layers do not dispatch through it yet:
-/// refused up front rather than trained wrong.
+/// The expert axis trains with the data and FSDP axes; with the tensor, pipeline and seq axes it
+/// is not built yet (the experts' column slices, the dispatches of micro-batches in flight,
+/// the chunks of a sequence), and refused up front rather than trained wrong.
 fn check_expert_axis(mesh: &Mesh) -> Result<()> {
     let ep = mesh.expert_size();
-    if ep > 1 {
-        bail!(
-            "mesh: the expert axis (mesh.ici_expert x mesh.dcn_expert = {} x {} = {ep}) is not trained yet: its token exchange exists, but the model's expert layers do not use it (issue 35); set both to 1, and split the experts by columns over the tensor axis instead",
-            mesh.expert[0],
-            mesh.expert[1]
-        );
+    if ep == 1 {
+        return Ok(());
+    }
+    for (axis, name) in [(Axis::Tensor, "tensor"), (Axis::Pipeline, "pipeline"), (Axis::Seq, "seq")] {
+        let size = mesh.size(axis);
+        if size > 1 {
+            bail!(
+                "mesh: the expert axis (mesh.ici_expert x mesh.dcn_expert = {} x {} = {ep}) does not combine with the {name} axis ({size} devices) yet (issue 35); it trains with the data and fsdp axes: set mesh.ici_{name} and mesh.dcn_{name} to 1, or the expert axis to 1",
+                mesh.expert[0],
+                mesh.expert[1]
+            );
+        }
     }
     Ok(())
 }
