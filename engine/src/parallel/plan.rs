@@ -311,7 +311,7 @@ fn check_expert_axis(mesh: &Mesh) -> Result<()> {
     if ep == 1 {
         return Ok(());
     }
-    for (axis, name) in [(Axis::Tensor, "tensor"), (Axis::Pipeline, "pipeline"), (Axis::Seq, "seq")] {
+    for (axis, name) in [(Axis::Pipeline, "pipeline")] {
         let size = mesh.size(axis);
         if size > 1 {
             bail!(
