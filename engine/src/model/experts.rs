@@ -49,7 +49,7 @@ impl Model {
         let member = ex.expert_rank();
         be.moe_gather(*xe, a.ln2, *dispatch, d);
         let counts = self.routed_counts(be, dispatch, member.1);
-        let from = ex.expert_dispatch(be, i, *xe, &counts, d, *xr);
+        let from = ex.expert_dispatch(be, dispatch.offsets, *xe, &counts, d, *xr);
         let received = upload_local_offsets(be, *local_offsets, &from);
         let (gate_up, down) = local_weights(w, experts, member, dispatch.experts, d, f);
         let senders = senders(*dispatch, *local_offsets, member.1);
@@ -60,7 +60,7 @@ impl Model {
         for s in &senders {
             be.moe_expert_matmul(p.yr, *h, down, *s, MatMul::linear(0, f, d));
         }
-        ex.expert_return(be, i, p.yr.at(0, received * d), d, *ye);
+        ex.expert_return(be, dispatch.offsets, p.yr.at(0, received * d), d, *ye);
     }
 
     /// Layer `i`'s experts on the expert axis, backward: from `p.dye` (the gradient of `ye`) to
@@ -80,7 +80,7 @@ impl Model {
             unreachable!("internal error: expert activations planned for a dense layer")
         };
         let member = ex.expert_rank();
-        let received = ex.expert_dispatch_again(be, i, p.dye, d, p.yr);
+        let received = ex.expert_dispatch_again(be, dispatch.offsets, p.dye, d, p.yr);
         let (gate_up, down) = local_weights(w, experts, member, dispatch.experts, d, f);
         let (dgate_up, ddown) = local_weights(g, experts, member, dispatch.experts, d, f);
         let senders = senders(*dispatch, *local_offsets, member.1);
@@ -94,7 +94,7 @@ impl Model {
             be.moe_expert_matmul(p.yr, p.dgu, gate_up, *s, MatMul::linear_dx(0, d, 2 * f));
             be.moe_expert_matmul_dw(dgate_up, p.dgu, *xr, *s, d, 2 * f);
         }
-        ex.expert_return(be, i, p.yr.at(0, received * d), d, p.dxe);
+        ex.expert_return(be, dispatch.offsets, p.yr.at(0, received * d), d, p.dxe);
     }
 
     /// Rows the routing sent each expert of the model (from its dispatch offsets: a host

@@ -93,7 +93,6 @@ impl ParallelPlan {
     /// one line that names the numbers.
     pub fn new(config: &Config, mesh: Mesh) -> Result<ParallelPlan> {
         mesh.check_model(&config.model)?;
-        check_expert_axis(&mesh)?;
         check_layers(config, mesh.size(Axis::Pipeline))?;
         check_virtual_stages(config, mesh.size(Axis::Pipeline))?;
         check_chunks(config, &mesh)?;
@@ -303,27 +302,6 @@ fn microbatch_sequences(config: &Config, mesh: &Mesh) -> Result<usize> {
 
 /// Refuses a sequence length that the seq axis cannot cut into two chunks of equal length per
 /// device. The error names the numbers.
-/// The expert axis trains with the data and FSDP axes; with the tensor, pipeline and seq axes it
-/// is not built yet (the experts' column slices, the dispatches of micro-batches in flight,
-/// the chunks of a sequence), and refused up front rather than trained wrong.
-fn check_expert_axis(mesh: &Mesh) -> Result<()> {
-    let ep = mesh.expert_size();
-    if ep == 1 {
-        return Ok(());
-    }
-    for (axis, name) in [(Axis::Pipeline, "pipeline")] {
-        let size = mesh.size(axis);
-        if size > 1 {
-            bail!(
-                "mesh: the expert axis (mesh.ici_expert x mesh.dcn_expert = {} x {} = {ep}) does not combine with the {name} axis ({size} devices) yet (issue 35); it trains with the data and fsdp axes: set mesh.ici_{name} and mesh.dcn_{name} to 1, or the expert axis to 1",
-                mesh.expert[0],
-                mesh.expert[1]
-            );
-        }
-    }
-    Ok(())
-}
-
 fn check_chunks(config: &Config, mesh: &Mesh) -> Result<()> {
     let (seq, len) = (mesh.size(Axis::Seq), config.train.seq_len);
     if seq == 1 || len.is_multiple_of(2 * seq) {

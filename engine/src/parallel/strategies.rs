@@ -49,7 +49,7 @@ use super::comm::Collectives;
 use super::experts::{ExpertExchange, Received};
 use super::mesh::{Axis, Coords, Mesh};
 use super::tensor::{Run, TensorSlice};
-use crate::backend::{Backend, BufKind, Segment, View};
+use crate::backend::{Backend, BufKind, IdxView, Segment, View};
 use crate::checkpoint::sharded::Chunk;
 use crate::model::{Exchange, Pass, Unit, Window};
 use fsdp::Fsdp;
@@ -97,10 +97,11 @@ pub struct Parallel<B: Backend> {
 }
 
 /// A device's part on the expert axis: its token exchange, and what each layer's last
-/// dispatch brought, which the return and the backward pass's exchanges follow.
+/// dispatch brought (by the layer's routing tables, one per layer of each micro-batch in
+/// flight), which the return and the backward pass's exchanges follow.
 struct Experts {
     exchange: ExpertExchange,
-    received: std::collections::HashMap<usize, Received>,
+    received: std::collections::HashMap<IdxView, Received>,
 }
 
 impl<B: Backend> Parallel<B> {
@@ -471,7 +472,7 @@ impl<B: Backend> Exchange<B> for Parallel<B> {
     fn expert_dispatch(
         &mut self,
         be: &mut B,
-        layer: usize,
+        tables: IdxView,
         rows: View,
         counts: &[usize],
         width: usize,
@@ -480,19 +481,19 @@ impl<B: Backend> Exchange<B> for Parallel<B> {
         let e = self.experts.as_mut().expect("internal error: an expert dispatch without an expert axis");
         let received = e.exchange.dispatch(&mut *self.comm, be, rows, counts, width, out);
         let from = received.from.clone();
-        e.received.insert(layer, received);
+        e.received.insert(tables, received);
         from
     }
 
-    fn expert_return(&mut self, be: &mut B, layer: usize, rows: View, width: usize, out: View) {
+    fn expert_return(&mut self, be: &mut B, tables: IdxView, rows: View, width: usize, out: View) {
         let e = self.experts.as_mut().expect("internal error: an expert return without an expert axis");
-        let received = &e.received[&layer];
+        let received = &e.received[&tables];
         e.exchange.give_back(&mut *self.comm, be, rows, received, width, out);
     }
 
-    fn expert_dispatch_again(&mut self, be: &mut B, layer: usize, rows: View, width: usize, out: View) -> usize {
+    fn expert_dispatch_again(&mut self, be: &mut B, tables: IdxView, rows: View, width: usize, out: View) -> usize {
         let e = self.experts.as_mut().expect("internal error: an expert dispatch without an expert axis");
-        let received = &e.received[&layer];
+        let received = &e.received[&tables];
         e.exchange.dispatch_again(&mut *self.comm, be, rows, received, width, out);
         received.rows()
     }

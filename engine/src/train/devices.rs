@@ -796,7 +796,7 @@ mod tests {
         }
     }
 
-    /// The expert axis (issue 35): tiny-mixtral's 8 experts over 2 and 4 devices, each running
+    /// The expert axis (issue 35): tiny-mixtral's 8 experts (top-2) over 2, 4 and 8 devices, each running
     /// its own on the rows the others route to them, follow one device training the same
     /// global batch. Small layers, five steps.
     mod experts {
@@ -823,7 +823,7 @@ mod tests {
             runs[0].clone()
         }
 
-        /// EP 2 and EP 4 (with gradient accumulation and both recomputation policies on EP 2)
+        /// EP 2, EP 4 and EP 8 (with gradient accumulation and both recomputation policies on EP 2)
         /// follow one device; a token routed to the wrong device does not.
         #[test]
         fn ep_two_and_four_follow_one_device_and_a_misrouted_token_does_not() {
@@ -834,6 +834,9 @@ mod tests {
             assert!(!same(&want, &got), "a token routed to the wrong device went unnoticed: {got:?}");
             let ep4 = ep_config(&["mesh.ici_data=4", "mesh.ici_expert=4"]);
             assert_same_curve("ep=4", &single(&ep4, 4), &losses(&ep4, 4, false));
+            // One expert a device.
+            let ep8 = ep_config(&["mesh.ici_data=8", "mesh.ici_expert=8"]);
+            assert_same_curve("ep=8", &single(&ep8, 8), &losses(&ep8, 8, false));
             for remat in ["full", "minimal"] {
                 let remat = format!("train.remat=\"{remat}\"");
                 let c = ep_config(&["mesh.ici_data=2", "mesh.ici_expert=2", "train.grad_accum=2", &remat]);
@@ -905,13 +908,38 @@ mod tests {
             }
         }
 
-        /// The pipeline axis, which the expert axis does not combine with yet, is refused in
-        /// one line.
+        /// EP 2 x pipeline 2, two micro-batches in flight on each stage (each layer's dispatch
+        /// of each micro-batch returned and reversed by its own), follows one device training
+        /// the same micro-batches; interleaved stages too.
         #[test]
-        fn a_pipeline_with_an_expert_axis_is_refused() {
-            let c = ep_config(&["mesh.ici_data=2", "mesh.ici_expert=2", "mesh.ici_pipeline=2"]);
-            let e = ParallelPlan::resolve(&c, 4, 1).unwrap_err().to_string();
-            assert!(e.contains("does not combine with the pipeline axis (2 devices) yet"), "{e}");
+        fn ep_two_with_pipeline_stages_follows_one_device() {
+            let sets = ["mesh.ici_data=2", "mesh.ici_expert=2", "mesh.ici_pipeline=2", "train.batch_size=2"];
+            let c = ep_config(&[&sets[..], &["train.pipeline_microbatches=2"]].concat());
+            let mut one = c.clone();
+            one.train.batch_size = crate::config::BatchSize(4.0);
+            one.train.grad_accum = 2;
+            one.train.pipeline_microbatches = 1;
+            let want: Vec<f64> = {
+                let mut t = Trainer::new(Traced::new(Cpu::new()), &one).unwrap();
+                (0..c.train.steps).map(|_| t.train_step(0.0).loss).collect()
+            };
+            assert_same_curve("ep=2 x pipeline=2", &want, &losses(&c, 4, false));
+            let interleaved = [
+                "model.n_layers=4",
+                "train.pipeline_microbatches=4",
+                "train.pipeline_schedule=\"interleaved\"",
+                "train.pipeline_virtual_stages=2",
+            ];
+            let c = ep_config(&[&sets[..], &interleaved].concat());
+            let mut one = c.clone();
+            one.train.batch_size = crate::config::BatchSize(2.0);
+            one.train.grad_accum = 4;
+            one.train.pipeline_microbatches = 1;
+            let want: Vec<f64> = {
+                let mut t = Trainer::new(Traced::new(Cpu::new()), &one).unwrap();
+                (0..c.train.steps).map(|_| t.train_step(0.0).loss).collect()
+            };
+            assert_same_curve("ep=2 x interleaved pipeline=2", &want, &losses(&c, 4, false));
         }
     }
 
