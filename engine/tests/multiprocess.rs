@@ -35,10 +35,20 @@ fn engine(args: &[&str], env: &[(&str, &str)]) -> Command {
 /// `train --device cpu` of tiny-llama2 into `run_dir` with `sets` (and the shrinking ones),
 /// after `prefix` (`launch --nproc N --`, or nothing).
 fn train_args<'a>(prefix: &[&'a str], run_dir: &'a Path, steps: &'a str, sets: &[&'a str]) -> Vec<String> {
+    recipe_args("tiny-llama2", prefix, run_dir, steps, sets)
+}
+
+/// [`train_args`] of another recipe.
+fn recipe_args<'a>(
+    recipe: &str,
+    prefix: &[&'a str],
+    run_dir: &'a Path,
+    steps: &'a str,
+    sets: &[&'a str],
+) -> Vec<String> {
     let mut args: Vec<String> = prefix.iter().map(|a| a.to_string()).collect();
     args.extend(
-        ["train", "--device", "cpu", "--recipe", "tiny-llama2", "--steps", steps, "--run-dir", s(run_dir)]
-            .map(String::from),
+        ["train", "--device", "cpu", "--recipe", recipe, "--steps", steps, "--run-dir", s(run_dir)].map(String::from),
     );
     for set in SHRINK.iter().chain(sets) {
         args.extend(["--set".to_string(), set.to_string()]);
@@ -59,12 +69,23 @@ fn losses(run_dir: &Path) -> Vec<f64> {
 /// Losses of `steps` steps on `n` processes of one node and on `n` virtual devices, same mesh,
 /// run in `DIR/processes` and `DIR/virtual` of the scratch directory `DIR` returned.
 fn processes_and_virtual(name: &str, n: usize, steps: &str, sets: &[&str]) -> (Scratch, Vec<f64>, Vec<f64>) {
+    recipe_processes_and_virtual("tiny-llama2", name, n, steps, sets)
+}
+
+/// [`processes_and_virtual`] of another recipe.
+fn recipe_processes_and_virtual(
+    recipe: &str,
+    name: &str,
+    n: usize,
+    steps: &str,
+    sets: &[&str],
+) -> (Scratch, Vec<f64>, Vec<f64>) {
     let dir = scratch(name);
     let (procs, virt) = (dir.join("processes"), dir.join("virtual"));
     let nproc = n.to_string();
-    let args = train_args(&["launch", "--nproc", &nproc, "--"], &procs, steps, sets);
+    let args = recipe_args(recipe, &["launch", "--nproc", &nproc, "--"], &procs, steps, sets);
     run(&mut engine(&args.iter().map(String::as_str).collect::<Vec<_>>(), &[]));
-    let mut args = train_args(&[], &virt, steps, sets);
+    let mut args = recipe_args(recipe, &[], &virt, steps, sets);
     args.extend(["--devices".into(), nproc]);
     run(&mut engine(&args.iter().map(String::as_str).collect::<Vec<_>>(), &[]));
     (dir, losses(&procs), losses(&virt))
@@ -162,6 +183,25 @@ fn a_sequence_axis_across_processes_follows_one_device() {
         "train.pipeline_microbatches=2",
     ];
     let _ = three_steps_follow_virtual("mp-seq-tp-pp", 8, &all, "seq 2 x tensor 2 x pipeline 2");
+}
+
+/// The expert axis across processes: tiny-mixtral's eight experts over two processes (EP 2),
+/// the tokens exchanged by the all-to-all over TCP, bit for bit the virtual devices' curve and
+/// within 1e-5 of one device with the same global batch; and EP 2 x FSDP 2 on four.
+#[test]
+fn an_expert_axis_across_processes_follows_virtual_devices_and_one_device() {
+    let mesh = ["mesh.ici_data=2", "mesh.ici_expert=2"];
+    let (dir, procs, virt) = recipe_processes_and_virtual("tiny-mixtral", "mp-ep", 2, "3", &mesh);
+    assert_eq!((procs.len(), &procs), (3, &virt), "ep 2 on processes and on virtual devices");
+    let one = dir.join("one");
+    let args = recipe_args("tiny-mixtral", &[], &one, "3", &["train.batch_size=2"]);
+    run(&mut engine(&args.iter().map(String::as_str).collect::<Vec<_>>(), &[]));
+    for (step, (a, b)) in losses(&one).iter().zip(&procs).enumerate() {
+        assert!((a - b).abs() <= 1e-5 * a.abs(), "step {}: {b} on two processes (ep 2), {a} on one device", step + 1);
+    }
+    let fsdp = ["mesh.ici_data=2", "mesh.ici_fsdp=2", "mesh.ici_expert=2"];
+    let (_dir, procs, virt) = recipe_processes_and_virtual("tiny-mixtral", "mp-ep-fsdp", 4, "3", &fsdp);
+    assert_eq!((procs.len(), &procs), (3, &virt), "ep 2 x fsdp 2 on processes and on virtual devices");
 }
 
 /// Two nodes of two processes each, under the MaxText/Vertex convention (one launcher per

@@ -54,7 +54,7 @@ impl View {
 }
 
 /// A contiguous range of a buffer of `u32` indices (tokens, routing tables).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct IdxView {
     /// The backend buffer the range lies in.
     pub buf: BufId,

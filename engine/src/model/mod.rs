@@ -14,6 +14,7 @@
 //! (deterministic on the CPU, an extra GEMM on a GPU).
 
 mod exchange;
+mod experts;
 mod fp8;
 pub mod init;
 pub mod layout;
@@ -65,6 +66,14 @@ pub struct Model {
     /// Document masking of packed sequences (`data.document_mask`): attention stays within each
     /// document of a sequence; none attends across EOS.
     pub documents: Option<Documents>,
+    /// Devices the experts are distributed over, whole (the expert axis, `experts.rs`): each
+    /// runs its experts on the rows every member of its expert group routes to them. 1: every
+    /// device runs every expert on its own rows.
+    pub expert_ranks: usize,
+    /// A test's fault on the expert axis: one row of each dispatch goes to the next expert,
+    /// on another device.
+    #[cfg(test)]
+    pub(crate) fault_misroute: bool,
     /// A test's fault in the vocabulary-parallel loss: the row maxima are not reduced over the
     /// tensor group, so each device's partial sums are against another maximum.
     #[cfg(test)]
@@ -178,6 +187,9 @@ impl Model {
             batch_shards: 1,
             seq: SeqSplit::WHOLE,
             documents: None,
+            expert_ranks: 1,
+            #[cfg(test)]
+            fault_misroute: false,
             #[cfg(test)]
             fault_local_vocab_max: false,
         }
@@ -361,15 +373,22 @@ impl Model {
                     bias(be, out, b.map(|b| b.down), d);
                 }
             }
-            (MlpActs::Moe { logits, probs, dispatch, xe, gu, h, ye }, MlpOffsets::Moe { router, experts, stride }) => {
-                let (gate_up, down) = expert_weights(w, *experts, *stride, d, f);
+            (
+                MlpActs::Moe { logits, probs, dispatch, xe, gu, h, ye, .. },
+                MlpOffsets::Moe { router, experts, stride },
+            ) => {
                 be.matmul(*logits, a.ln2, w.at(*router, dispatch.experts * d), MatMul::linear(n, d, dispatch.experts));
                 be.moe_route(*probs, *logits, *dispatch);
                 ex.batch_sum(be, dispatch.stats);
-                be.moe_gather(*xe, a.ln2, *dispatch, d);
-                be.moe_expert_matmul(*gu, *xe, gate_up, *dispatch, MatMul::linear(0, d, 2 * f));
-                be.swiglu_forward(*h, *gu, f);
-                be.moe_expert_matmul(*ye, *h, down, *dispatch, MatMul::linear(0, f, d));
+                if self.expert_ranks > 1 {
+                    self.experts_forward(be, p, i, w, (*experts, *stride), ex);
+                } else {
+                    let (gate_up, down) = expert_weights(w, *experts, *stride, d, f);
+                    be.moe_gather(*xe, a.ln2, *dispatch, d);
+                    be.moe_expert_matmul(*gu, *xe, gate_up, *dispatch, MatMul::linear(0, d, 2 * f));
+                    be.swiglu_forward(*h, *gu, f);
+                    be.moe_expert_matmul(*ye, *h, down, *dispatch, MatMul::linear(0, f, d));
+                }
                 if let Some(out) = out {
                     be.moe_combine(p.moe_out, *ye, *dispatch, d);
                     ex.tensor_sum(be, p.moe_out);
@@ -547,16 +566,21 @@ impl Model {
                     ex.tensor_sum(be, p.dln);
                 }
                 (MlpActs::Moe { probs, dispatch, xe, gu, h, ye, .. }, MlpOffsets::Moe { router, experts, stride }) => {
-                    let (gate_up, down) = expert_weights(w, *experts, *stride, d, f);
-                    let (dgate_up, ddown) = expert_weights(g, *experts, *stride, d, f);
                     let e = dispatch.experts;
                     be.moe_combine_backward(p.dye, p.dweight, p.dres, *ye, *dispatch, d);
                     ex.tensor_sum(be, p.dweight);
-                    be.moe_expert_matmul(p.dh, p.dye, down, *dispatch, MatMul::linear_dx(0, f, d));
-                    be.moe_expert_matmul_dw(ddown, p.dye, *h, *dispatch, f, d);
-                    be.swiglu_backward(p.dgu, p.dh, *gu, f);
-                    be.moe_expert_matmul(p.dxe, p.dgu, gate_up, *dispatch, MatMul::linear_dx(0, d, 2 * f));
-                    be.moe_expert_matmul_dw(dgate_up, p.dgu, *xe, *dispatch, d, 2 * f);
+                    if self.expert_ranks > 1 {
+                        self.experts_backward(be, p, i, (w, g), (*experts, *stride), ex);
+                    } else {
+                        let (gate_up, down) = expert_weights(w, *experts, *stride, d, f);
+                        let (dgate_up, ddown) = expert_weights(g, *experts, *stride, d, f);
+                        be.moe_expert_matmul(p.dh, p.dye, down, *dispatch, MatMul::linear_dx(0, f, d));
+                        be.moe_expert_matmul_dw(ddown, p.dye, *h, *dispatch, f, d);
+                        be.swiglu_backward(p.dgu, p.dh, *gu, f);
+                        let shape = MatMul::linear_dx(0, d, 2 * f);
+                        be.moe_expert_matmul(p.dxe, p.dgu, gate_up, *dispatch, shape);
+                        be.moe_expert_matmul_dw(dgate_up, p.dgu, *xe, *dispatch, d, 2 * f);
+                    }
                     be.moe_gather_backward(p.dln, p.dxe, *dispatch, d);
                     ex.tensor_sum(be, p.dln);
                     be.moe_route_backward(p.drouter, p.dweight, *probs, *dispatch, counts, aux_scale);

@@ -44,10 +44,17 @@ pub(super) enum MlpActs {
         dispatch: MoeDispatch,
         /// `[N · k, D]` inputs gathered in dispatch order.
         xe: View,
-        /// `[N · k, 2F]`, `[N · k, F]`, `[N · k, D]` the experts' activations and outputs.
+        /// `[R, 2F]`, `[R, F]` the experts' activations; `[N · k, D]` their outputs, in
+        /// dispatch order. `R` is `N · k`, or on an expert axis of `n` devices the most rows
+        /// this device's experts can receive, `n · N · k` (dropless: every member's every row).
         gu: View,
         h: View,
         ye: View,
+        /// On an expert axis: `[R, D]` the rows received for this device's experts, and the
+        /// `n · (L + 1)` offsets of each sender's rows of each of its `L` experts among them
+        /// (`experts.rs`); empty without.
+        xr: View,
+        local_offsets: IdxView,
     },
 }
 
@@ -115,6 +122,9 @@ pub struct Plan {
     pub(super) dh: View,
     pub(super) dye: View,
     pub(super) dxe: View,
+    /// `[R, D]` on an expert axis: the experts' outputs before they go back, and in the
+    /// backward pass the gradients received and sent back (`experts.rs`); empty without.
+    pub(super) yr: View,
     pub(super) dweight: View,
     pub(super) drouter: View,
     /// Whether the backward pass refills the last layer's shared activations too: when
@@ -270,8 +280,18 @@ impl Model {
             + whole
             + match &self.config.moe {
                 None => 0,
-                Some(moe) => self.layout.layers.len() * (3 * n * moe.top_k + moe.num_experts + 1),
+                Some(moe) => {
+                    self.layout.layers.len()
+                        * (3 * n * moe.top_k + moe.num_experts + 1 + self.local_offsets_len(moe.num_experts))
+                }
             }
+    }
+
+    /// Index entries of a layer's tables of received rows on an expert axis: `L + 1` offsets
+    /// for each of the `n` senders (none without the axis).
+    fn local_offsets_len(&self, experts: usize) -> usize {
+        let n = self.expert_ranks;
+        if n > 1 { n * (experts / n + 1) } else { 0 }
     }
 
     /// Index entries of document masking for `n` rows: the bounds, and the whole sequences'
@@ -323,6 +343,11 @@ impl Model {
             if share { *shared.entry(name).or_insert_with(|| take(kind, len)) } else { take(kind, len) }
         };
         let rows = n * k;
+        // On an expert axis, the most rows this device's experts can receive (dropless).
+        let ep = self.expert_ranks > 1;
+        let received = self.expert_ranks * rows;
+        let ep_only = |len: usize| if ep { len } else { 0 };
+        let local_offsets_len = self.local_offsets_len(experts);
         let layers = (0..self.layout.layers.len())
             .map(|_| {
                 let x = act("x", A, n * d, false);
@@ -353,10 +378,13 @@ impl Model {
                             logits: act("router_logits", S, n * experts, full),
                             probs: act("probs", S, n * experts, full),
                             dispatch,
-                            xe: act("xe", A, rows * d, full),
-                            gu: act("gu", A, rows * 2 * f, full),
-                            h: act("h", A, rows * f, minimal),
+                            // On an expert axis the backward pass reads the received rows instead.
+                            xe: act("xe", A, rows * d, full || ep),
+                            gu: act("gu", A, received * 2 * f, full),
+                            h: act("h", A, received * f, minimal),
                             ye: act("ye", A, rows * d, full),
+                            xr: act("xr", A, ep_only(received * d), full),
+                            local_offsets: take_idx(local_offsets_len),
                         }
                     }
                 };
@@ -376,10 +404,11 @@ impl Model {
         let dln = scratch(A, n * d, |r| r.dln);
         let dqkv = scratch(A, n * qkv, |r| r.dqkv);
         let dattn = scratch(A, n * q, |r| r.dattn);
-        let dgu = scratch(A, rows * 2 * f, |r| r.dgu);
-        let dh = scratch(A, rows * f, |r| r.dh);
+        let dgu = scratch(A, received * 2 * f, |r| r.dgu);
+        let dh = scratch(A, received * f, |r| r.dh);
         let dye = scratch(A, moe_only(rows * d), |r| r.dye);
         let dxe = scratch(A, moe_only(rows * d), |r| r.dxe);
+        let yr = scratch(A, moe_only(ep_only(received * d)), |r| r.yr);
         let dweight = scratch(S, moe_only(rows), |r| r.dweight);
         let drouter = scratch(A, moe_only(n * experts), |r| r.drouter);
         let gathered = if self.seq.ranks > 1 { self.seq.ranks * n * qkv } else { 0 };
@@ -418,6 +447,7 @@ impl Model {
             dh,
             dye,
             dxe,
+            yr,
             dweight,
             drouter,
             refill_last: reuse.is_some(),

@@ -93,7 +93,6 @@ impl ParallelPlan {
     /// one line that names the numbers.
     pub fn new(config: &Config, mesh: Mesh) -> Result<ParallelPlan> {
         mesh.check_model(&config.model)?;
-        check_expert_axis(&mesh)?;
         check_layers(config, mesh.size(Axis::Pipeline))?;
         check_virtual_stages(config, mesh.size(Axis::Pipeline))?;
         check_chunks(config, &mesh)?;
@@ -199,6 +198,7 @@ impl ParallelPlan {
         let seq = self.mesh.size(Axis::Seq);
         model.batch_shards = self.batch_shards * seq;
         model.seq = crate::backend::SeqSplit { rank: 0, ranks: seq };
+        model.expert_ranks = self.mesh.expert_size();
         model
     }
 
@@ -302,21 +302,6 @@ fn microbatch_sequences(config: &Config, mesh: &Mesh) -> Result<usize> {
 
 /// Refuses a sequence length that the seq axis cannot cut into two chunks of equal length per
 /// device. The error names the numbers.
-/// The expert axis is placed ([`Mesh::expert_group`]) and its token exchange exists
-/// ([`crate::parallel::experts`]), but the model's expert layers do not dispatch through it yet:
-/// refused up front rather than trained wrong.
-fn check_expert_axis(mesh: &Mesh) -> Result<()> {
-    let ep = mesh.expert_size();
-    if ep > 1 {
-        bail!(
-            "mesh: the expert axis (mesh.ici_expert x mesh.dcn_expert = {} x {} = {ep}) is not trained yet: its token exchange exists, but the model's expert layers do not use it (issue 35); set both to 1, and split the experts by columns over the tensor axis instead",
-            mesh.expert[0],
-            mesh.expert[1]
-        );
-    }
-    Ok(())
-}
-
 fn check_chunks(config: &Config, mesh: &Mesh) -> Result<()> {
     let (seq, len) = (mesh.size(Axis::Seq), config.train.seq_len);
     if seq == 1 || len.is_multiple_of(2 * seq) {

@@ -46,9 +46,10 @@ mod fsdp;
 pub use fsdp::{FsdpOptions, FsdpSizes, UnitPiece, fsdp_pieces, fsdp_sizes};
 
 use super::comm::Collectives;
+use super::experts::{ExpertExchange, Received};
 use super::mesh::{Axis, Coords, Mesh};
 use super::tensor::{Run, TensorSlice};
-use crate::backend::{Backend, BufKind, Segment, View};
+use crate::backend::{Backend, BufKind, IdxView, Segment, View};
 use crate::checkpoint::sharded::Chunk;
 use crate::model::{Exchange, Pass, Unit, Window};
 use fsdp::Fsdp;
@@ -91,6 +92,16 @@ pub struct Parallel<B: Backend> {
     pub sync: bool,
     /// `[2]` partial squared norms.
     scratch: View,
+    /// The expert axis ([`Parallel::join_experts`]); none without one.
+    experts: Option<Experts>,
+}
+
+/// A device's part on the expert axis: its token exchange, and what each layer's last
+/// dispatch brought (by the layer's routing tables, one per layer of each micro-batch in
+/// flight), which the return and the backward pass's exchanges follow.
+struct Experts {
+    exchange: ExpertExchange,
+    received: std::collections::HashMap<IdxView, Received>,
 }
 
 impl<B: Backend> Parallel<B> {
@@ -117,6 +128,7 @@ impl<B: Backend> Parallel<B> {
         let samples = mesh.group_over(rank, &[Axis::Data, Axis::Fsdp]);
         let seq = mesh.group(rank, Axis::Seq);
         let pipeline = mesh.group(rank, Axis::Pipeline);
+        let expert = mesh.expert_group(rank);
         let mut comm = comm;
         let world: Vec<usize> = (0..mesh.devices()).collect();
         // Named for the messages of a collective that fails; the first name of a group wins.
@@ -128,6 +140,7 @@ impl<B: Backend> Parallel<B> {
                 (&tensor, "tensor"),
                 (&pipeline, "pipeline"),
                 (&seq, "seq"),
+                (&expert, "expert"),
                 (&samples, "data x fsdp"),
                 (&batch, "data x fsdp x seq"),
             ]
@@ -162,6 +175,23 @@ impl<B: Backend> Parallel<B> {
             fsdp,
             sync: true,
             scratch,
+            experts: None,
+        }
+    }
+
+    /// Joins this device's expert group for a model of `experts` experts, when the mesh has an
+    /// expert axis: the expert layers then run this device's experts on the rows every member
+    /// routes to them ([`crate::parallel::experts`]).
+    ///
+    /// Every device keeps every expert's parameters (the layout is the single device's), but
+    /// computes only with its own: the others' gradients stay zero on it, so the sums over the
+    /// batch group (or FSDP's reduce-scatters) give each expert the sum over the devices that
+    /// hold it, and the optimizer keeps the copies equal.
+    pub fn join_experts(&mut self, be: &mut B, experts: usize) {
+        if self.mesh.expert_size() > 1 {
+            let group = self.mesh.expert_group(self.rank);
+            let exchange = ExpertExchange::new(be, group, self.rank, experts);
+            self.experts = Some(Experts { exchange, received: Default::default() });
         }
     }
 
@@ -443,6 +473,45 @@ impl<B: Backend> Exchange<B> for Parallel<B> {
 
     fn seq_scatter_sum(&mut self, be: &mut B, all: View, local: View) {
         self.comm.reduce_scatter_sum(be, all, local, &self.seq);
+    }
+
+    fn expert_rank(&self) -> (usize, usize) {
+        match &self.experts {
+            None => (0, 1),
+            Some(e) => {
+                let (local, members) = (e.exchange.local_experts(), self.mesh.expert_size());
+                (local.start / local.len(), members)
+            }
+        }
+    }
+
+    fn expert_dispatch(
+        &mut self,
+        be: &mut B,
+        tables: IdxView,
+        rows: View,
+        counts: &[usize],
+        width: usize,
+        out: View,
+    ) -> Vec<Vec<usize>> {
+        let e = self.experts.as_mut().expect("internal error: an expert dispatch without an expert axis");
+        let received = e.exchange.dispatch(&mut *self.comm, be, rows, counts, width, out);
+        let from = received.from.clone();
+        e.received.insert(tables, received);
+        from
+    }
+
+    fn expert_return(&mut self, be: &mut B, tables: IdxView, rows: View, width: usize, out: View) {
+        let e = self.experts.as_mut().expect("internal error: an expert return without an expert axis");
+        let received = &e.received[&tables];
+        e.exchange.give_back(&mut *self.comm, be, rows, received, width, out);
+    }
+
+    fn expert_dispatch_again(&mut self, be: &mut B, tables: IdxView, rows: View, width: usize, out: View) -> usize {
+        let e = self.experts.as_mut().expect("internal error: an expert dispatch without an expert axis");
+        let received = &e.received[&tables];
+        e.exchange.dispatch_again(&mut *self.comm, be, rows, received, width, out);
+        received.rows()
     }
 
     fn pass_begins(&mut self, be: &mut B, pass: Pass) {

@@ -30,7 +30,7 @@ use std::time::Instant;
 
 use crate::backend::cuda::Cuda;
 use crate::backend::{AttnShape, SeqSplit};
-use models::{fsdp_bf16_gathers, graphs, memory_estimate, nccl_alone, parity, remat, training};
+use models::{expert_axis, fsdp_bf16_gathers, graphs, memory_estimate, nccl_alone, parity, remat, training};
 use ops::{
     adamw, attention, attention_split, cross_entropy, elementwise, embedding, fp8, gelu, layernorm, matmul, moe,
     rmsnorm, rope, swiglu,
@@ -280,6 +280,10 @@ fn checks(scale: Scale) -> Vec<(String, Check)> {
         add(
             "tiny-llama2 under FSDP 2: bf16 gathers follow one device, memory as planned",
             Box::new(move |g, _| fsdp_bf16_gathers(g, scale)),
+        );
+        add(
+            "tiny-mixtral under EP 2: the experts' products on received rows follow one device, memory as planned",
+            Box::new(move |g, _| expert_axis(g, scale)),
         );
     }
     // tiny-gpt trains on a GPU only: its 20 steps took 397 s on the emulator (its loss and

@@ -161,13 +161,25 @@ pub(super) fn memory_estimate(gpu: Cuda, scale: Scale) -> Result<String, String>
 /// collectives) follow one device training the same global batch, and each allocates what the
 /// mesh's memory plan says, the gathered units at 2 bytes an element.
 pub(super) fn fsdp_bf16_gathers(gpu: Cuda, scale: Scale) -> Result<String, String> {
+    two_devices(gpu, scale, "tiny-llama2", &["mesh.ici_data=1", "mesh.ici_fsdp=2"], "FSDP 2")
+}
+
+/// The expert axis over two devices: each runs its experts' grouped products on the rows the
+/// other routes to them (per-sender offsets into the received rows), and the two follow one
+/// device training the same global batch, allocating what the memory plan says.
+pub(super) fn expert_axis(gpu: Cuda, scale: Scale) -> Result<String, String> {
+    two_devices(gpu, scale, "tiny-mixtral", &["mesh.ici_data=2", "mesh.ici_expert=2"], "EP 2")
+}
+
+/// Two emulated devices on `mesh` (threads meeting through the virtual collectives) follow one
+/// device training the same global batch, and each allocates what the mesh's memory plan says.
+fn two_devices(gpu: Cuda, scale: Scale, recipe: &str, mesh: &[&str], what: &str) -> Result<String, String> {
     use crate::parallel::comm::Virtual;
     use crate::parallel::plan::ParallelPlan;
-    // The second step reads gathers of the parameters AdamW updated.
+    // The second step reads the parameters AdamW updated (under FSDP, their gathers).
     let steps = 2;
-    let config =
-        |extra: &[&str]| tiny("tiny-llama2", scale, &[&["model.n_layers=2", "mesh.ici_data=1"], extra].concat());
-    let (one, fsdp) = (config(&["train.batch_size=2"]), config(&["train.batch_size=1", "mesh.ici_fsdp=2"]));
+    let config = |extra: &[&str]| tiny(recipe, scale, &[&["model.n_layers=2", "mesh.ici_data=1"], extra].concat());
+    let (one, fsdp) = (config(&["train.batch_size=2"]), config(&[&["train.batch_size=1"], mesh].concat()));
     let (single, _) = train_losses(gpu, &one, steps)?;
     let plan = ParallelPlan::resolve(&fsdp, 2, 1).map_err(failure)?;
     let device = |comm: Virtual| -> Result<(Vec<f64>, usize, usize), String> {
@@ -186,7 +198,7 @@ pub(super) fn fsdp_bf16_gathers(gpu: Cuda, scale: Scale) -> Result<String, Strin
         let (losses, allocated, estimate) = run?;
         for (step, (a, b)) in losses.iter().zip(&single).enumerate() {
             if (a - b).abs() > 2e-3 * b.abs() {
-                return Err(format!("device {rank}, step {}: loss {a} under FSDP 2, {b} on one device", step + 1));
+                return Err(format!("device {rank}, step {}: loss {a} under {what}, {b} on one device", step + 1));
             }
         }
         let off = (allocated as f64 - estimate as f64).abs() / estimate as f64;

@@ -805,6 +805,153 @@ mod tests {
         }
     }
 
+    /// The expert axis (issue 35): tiny-mixtral's 8 experts (top-2) over 2, 4 and 8 devices, each running
+    /// its own on the rows the others route to them, follow one device training the same
+    /// global batch. Small layers, five steps.
+    mod experts {
+        use super::pipeline_small as small;
+        use super::*;
+
+        fn ep_config(extra: &[&str]) -> Config {
+            config("tiny-mixtral", &[&small()[..], &["train.steps=5"], extra].concat())
+        }
+
+        fn same(want: &[f64], got: &[f64]) -> bool {
+            want.iter().zip(got).all(|(w, g)| (w - g).abs() <= 1e-5 * w.abs())
+        }
+
+        /// Losses on `devices` devices; with `fault`, each dispatch sends one row to the wrong
+        /// device's expert.
+        fn losses(c: &Config, devices: usize, fault: bool) -> Vec<f64> {
+            let runs = run(c, devices, |_, t| {
+                t.chunks.iter_mut().for_each(|chunk| chunk.model.fault_misroute = fault);
+                Ok((0..c.train.steps).map(|_| t.train_step(0.0).loss).collect::<Vec<f64>>())
+            })
+            .unwrap();
+            assert!(runs.iter().all(|r| r == &runs[0]), "devices disagree on the loss");
+            runs[0].clone()
+        }
+
+        /// EP 2, EP 4 and EP 8 (with gradient accumulation and both recomputation policies on EP 2)
+        /// follow one device; a token routed to the wrong device does not.
+        #[test]
+        fn ep_two_and_four_follow_one_device_and_a_misrouted_token_does_not() {
+            let ep2 = ep_config(&["mesh.ici_data=2", "mesh.ici_expert=2"]);
+            let want = single(&ep2, 2);
+            assert_same_curve("ep=2", &want, &losses(&ep2, 2, false));
+            let got = losses(&ep2, 2, true);
+            assert!(!same(&want, &got), "a token routed to the wrong device went unnoticed: {got:?}");
+            let ep4 = ep_config(&["mesh.ici_data=4", "mesh.ici_expert=4"]);
+            assert_same_curve("ep=4", &single(&ep4, 4), &losses(&ep4, 4, false));
+            // One expert a device.
+            let ep8 = ep_config(&["mesh.ici_data=8", "mesh.ici_expert=8"]);
+            assert_same_curve("ep=8", &single(&ep8, 8), &losses(&ep8, 8, false));
+            for remat in ["full", "minimal"] {
+                let remat = format!("train.remat=\"{remat}\"");
+                let c = ep_config(&["mesh.ici_data=2", "mesh.ici_expert=2", "train.grad_accum=2", &remat]);
+                assert_same_curve(&format!("ep=2, accumulation, {remat}"), &single(&c, 2), &losses(&c, 2, false));
+            }
+        }
+
+        /// EP 2 within data 4 (two expert groups), and EP 2 x FSDP 2, follow one device.
+        #[test]
+        fn ep_two_with_replicas_and_with_fsdp_follows_one_device() {
+            let dp = ep_config(&["mesh.ici_data=4", "mesh.ici_expert=2"]);
+            assert_same_curve("data=4, ep=2", &single(&dp, 4), &losses(&dp, 4, false));
+            let fsdp = ep_config(&["mesh.ici_data=2", "mesh.ici_fsdp=2", "mesh.ici_expert=2"]);
+            assert_same_curve("ep=2 x fsdp=2", &single(&fsdp, 4), &losses(&fsdp, 4, false));
+        }
+
+        /// A checkpoint written under EP 4 continues the same curve on one device and on EP 2.
+        #[test]
+        fn checkpoints_from_ep_four_resume_on_one_device_and_on_ep_two() {
+            use crate::checkpoint::{self, Checkpoint};
+            let tmp = std::env::temp_dir().join(format!("engine-ep-resume-{}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&tmp);
+            let ep4 = ep_config(&["mesh.ici_data=4", "mesh.ici_expert=4"]);
+            let (steps, half) = (ep4.train.steps as u64, 2u64);
+            let curve = train_and_save(&ep4, 4, half, &tmp).unwrap();
+            let ck = Checkpoint::open(&tmp.join(checkpoint::dir_name(half))).unwrap();
+            let rest = |t: &mut Trainer<Traced<Cpu>>| -> Result<Vec<f64>> {
+                t.resume_from(&ck)?;
+                Ok((half..steps).map(|_| t.train_step(0.0).loss).collect())
+            };
+            let mut one = ep_config(&["mesh.ici_data=1"]);
+            one.train.batch_size *= 4;
+            let mut single = Trainer::new(Traced::new(Cpu::new()), &one).unwrap();
+            assert_same_curve("ep=4 -> one device", &curve[half as usize..], &rest(&mut single).unwrap());
+            let mut ep2 = ep_config(&["mesh.ici_data=2", "mesh.ici_expert=2"]);
+            ep2.train.batch_size *= 2;
+            let resumed = run(&ep2, 2, |_, t| rest(t)).unwrap().remove(0);
+            assert_same_curve("ep=4 -> ep=2", &curve[half as usize..], &resumed);
+            std::fs::remove_dir_all(&tmp).unwrap();
+        }
+
+        /// EP 2 x tensor 2 (each device's experts sliced by columns, partial sums added over
+        /// the tensor group after the combine) and EP 2 x seq 2 follow one device.
+        #[test]
+        fn ep_two_with_tensor_and_with_seq_follows_one_device() {
+            // The global batch is train.batch_size x devices, whatever the mesh.
+            let tp = ep_config(&["mesh.ici_data=2", "mesh.ici_expert=2", "mesh.ici_tensor=2"]);
+            assert_same_curve("ep=2 x tensor=2", &single(&tp, 4), &losses(&tp, 4, false));
+            let seq = ep_config(&["mesh.ici_data=2", "mesh.ici_expert=2", "mesh.ici_seq=2"]);
+            assert_same_curve("ep=2 x seq=2", &single(&seq, 4), &losses(&seq, 4, false));
+        }
+
+        /// A device's high-water mark under EP 4 agrees with the memory plan's estimate (the
+        /// received rows' buffers at their worst) within 10 %.
+        #[test]
+        fn ep_memory_agrees_with_the_estimate() {
+            use crate::backend::Backend;
+            let c = ep_config(&["mesh.ici_data=4", "mesh.ici_expert=4", "train.batch_size=2"]);
+            let peaks = run(&c, 4, |_, t| {
+                t.train_step(0.0);
+                Ok(t.backend.peak_memory_bytes() as f64)
+            })
+            .unwrap();
+            let plan = ParallelPlan::resolve(&c, 4, 1).unwrap();
+            let estimate = plan.estimate(&c, crate::model::memory::Target::Cpu).total() as f64;
+            for peak in peaks {
+                let ratio = peak / estimate;
+                assert!((0.9..=1.1).contains(&ratio), "ep=4: measured {peak} bytes, estimated {estimate}");
+            }
+        }
+
+        /// EP 2 x pipeline 2, two micro-batches in flight on each stage (each layer's dispatch
+        /// of each micro-batch returned and reversed by its own), follows one device training
+        /// the same micro-batches; interleaved stages too.
+        #[test]
+        fn ep_two_with_pipeline_stages_follows_one_device() {
+            let sets = ["mesh.ici_data=2", "mesh.ici_expert=2", "mesh.ici_pipeline=2", "train.batch_size=2"];
+            let c = ep_config(&[&sets[..], &["train.pipeline_microbatches=2"]].concat());
+            let mut one = c.clone();
+            one.train.batch_size = crate::config::BatchSize(4.0);
+            one.train.grad_accum = 2;
+            one.train.pipeline_microbatches = 1;
+            let want: Vec<f64> = {
+                let mut t = Trainer::new(Traced::new(Cpu::new()), &one).unwrap();
+                (0..c.train.steps).map(|_| t.train_step(0.0).loss).collect()
+            };
+            assert_same_curve("ep=2 x pipeline=2", &want, &losses(&c, 4, false));
+            let interleaved = [
+                "model.n_layers=4",
+                "train.pipeline_microbatches=4",
+                "train.pipeline_schedule=\"interleaved\"",
+                "train.pipeline_virtual_stages=2",
+            ];
+            let c = ep_config(&[&sets[..], &interleaved].concat());
+            let mut one = c.clone();
+            one.train.batch_size = crate::config::BatchSize(2.0);
+            one.train.grad_accum = 4;
+            one.train.pipeline_microbatches = 1;
+            let want: Vec<f64> = {
+                let mut t = Trainer::new(Traced::new(Cpu::new()), &one).unwrap();
+                (0..c.train.steps).map(|_| t.train_step(0.0).loss).collect()
+            };
+            assert_same_curve("ep=2 x interleaved pipeline=2", &want, &losses(&c, 4, false));
+        }
+    }
+
     /// Vocabulary parallelism: tensor 2 splits the embedding's rows and the output head's, and
     /// the loss never gathers the logits. Small layers, four steps.
     mod vocab {

@@ -164,6 +164,9 @@ impl<B: Backend> Trainer<B> {
         let global = slice.global.clone();
         let fsdp = FsdpOptions::of(&config.mesh);
         let mut parallel = Parallel::new(&mut backend, comm, mesh, slice, (plan.params, plan.grads), fsdp);
+        if let Some(moe) = &config.model.moe {
+            parallel.join_experts(&mut backend, moe.num_experts);
+        }
         let std = config.model.init_std as f32;
         parallel.upload_params(&mut backend, |g, out| init::tensor(&global.tensors[g], g, t.seed, std, out));
         let (rank, ranks) = parallel.batch_rank();
