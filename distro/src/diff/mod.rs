@@ -5,6 +5,7 @@
 //! layer, and the engine's revision. Nothing is rebuilt; only the `/opt/distro` layer of each
 //! platform is downloaded.
 use crate::error::bad_input;
+use crate::image::build::{GROUP_BASE, LAYER_GROUP_ANNOTATION};
 use crate::oci::digest::Digest;
 use crate::oci::layout::Layout;
 use crate::oci::manifest::{Descriptor, ImageParts, is_index};
@@ -120,6 +121,8 @@ pub struct LayerFacts {
     pub size: u64,
     /// The history's `created_by` (ours start with `distro build:`).
     pub created_by: String,
+    /// Its group: the manifest's [`LAYER_GROUP_ANNOTATION`] of it, `base` without one.
+    pub group: String,
 }
 
 /// Reads the facts of the image at `source`.
@@ -161,6 +164,8 @@ pub fn read(source: &Source) -> Result<Facts> {
             .filter(|h| h["empty_layer"] != true)
             .map(|h| h["created_by"].as_str().unwrap_or("").to_owned())
             .collect();
+        // ImageParts leaves out the descriptors' annotations; the groups are read from the JSON.
+        let raw: Value = serde_json::from_slice(&mbytes)?;
         let layers: Vec<LayerFacts> = parts
             .layers
             .iter()
@@ -169,6 +174,10 @@ pub fn read(source: &Source) -> Result<Facts> {
                 digest: l.digest.to_string(),
                 size: l.size,
                 created_by: history.get(i).cloned().unwrap_or_default(),
+                group: raw["layers"][i]["annotations"][LAYER_GROUP_ANNOTATION]
+                    .as_str()
+                    .unwrap_or(GROUP_BASE)
+                    .to_owned(),
             })
             .collect();
         // The /opt/distro layer is the last one this tool adds.

@@ -308,6 +308,18 @@ pub fn build(opts: &BuildOptions, dir: &BuildDir, client: &Client, progress: &Pr
     Ok(Built { index: index_desc, bundle, sizes, budget: def.budget.clone(), def_path })
 }
 
+/// The annotation of each layer the build adds, naming its group for `distro report`'s sizes:
+/// [`GROUP_ENGINE`] or [`GROUP_CUDA`]. The base's layers carry none: a layer without it is the
+/// base's ([`GROUP_BASE`]). An annotation of the manifest's descriptor, not of the layer, so the
+/// layers' bytes and their cache keys are unchanged.
+pub const LAYER_GROUP_ANNOTATION: &str = "io.github.llm-distro.layer-group";
+/// The base image's layers (never annotated).
+pub const GROUP_BASE: &str = "base";
+/// The engine: its binaries, the trees it reads (recipes, baselines) and `/opt/distro`.
+pub const GROUP_ENGINE: &str = "engine";
+/// The CUDA libraries unpacked from NVIDIA's wheels (images/engine-wheels.toml).
+pub const GROUP_CUDA: &str = "cuda";
+
 /// What every platform's image of one build shares: the build's inputs and the layer that does
 /// not depend on the platform.
 struct Common<'a> {
@@ -377,7 +389,7 @@ fn platform_image(c: &Common, p: &Platform, bp: &BasePlatform) -> Result<Platfor
 
     let bin_paths: Vec<&str> =
         def.binaries.iter().map(|b| b.dest.as_str()).chain(def.files.iter().map(|f| f.dest.as_str())).collect();
-    let mut ours = vec![(bin_layer, format!("binaries: {}", bin_paths.join(" ")))];
+    let mut ours = vec![(bin_layer, format!("binaries: {}", bin_paths.join(" ")), GROUP_ENGINE)];
     if let Some(t) = c.tree_layer {
         ours.push((
             t.clone(),
@@ -389,14 +401,16 @@ fn platform_image(c: &Common, p: &Platform, bp: &BasePlatform) -> Result<Platfor
                     .chain(def.source_trees.iter().map(|t| t.dest.as_str()))
                     .collect::<Vec<_>>()
                     .join(" "),
+            GROUP_ENGINE,
         ));
     }
-    ours.extend(super::wheels::layers(c.wheels, p, epoch, cache, store, c.progress)?);
-    ours.push((distro_layer, "/opt/distro: manifest lock, patches, Cargo.lock, SBOM".into()));
+    let wheels = super::wheels::layers(c.wheels, p, epoch, cache, store, c.progress)?;
+    ours.extend(wheels.into_iter().map(|(l, what)| (l, what, GROUP_CUDA)));
+    ours.push((distro_layer, "/opt/distro: manifest lock, patches, Cargo.lock, SBOM".into(), GROUP_ENGINE));
 
     let added: Vec<AddedLayer> = ours
         .iter()
-        .map(|(l, what)| AddedLayer { diff_id: l.diff_id.clone(), created_by: format!("distro build: {what}") })
+        .map(|(l, what, _)| AddedLayer { diff_id: l.diff_id.clone(), created_by: format!("distro build: {what}") })
         .collect();
     let mut labels = c.annotations.clone();
     labels.insert("org.opencontainers.image.base.digest".into(), bp.manifest_digest.to_string());
@@ -404,12 +418,12 @@ fn platform_image(c: &Common, p: &Platform, bp: &BasePlatform) -> Result<Platfor
     let config_desc = Descriptor::of(OCI_CONFIG, &config);
     store.put(&config)?;
     let mut layers = bp.layers.clone();
-    layers.extend(ours.iter().map(|(l, _)| Descriptor {
+    layers.extend(ours.iter().map(|(l, _, group)| Descriptor {
         media_type: OCI_LAYER_GZIP.into(),
         digest: l.digest.clone(),
         size: l.size,
         platform: None,
-        annotations: None,
+        annotations: Some(BTreeMap::from([(LAYER_GROUP_ANNOTATION.to_string(), group.to_string())])),
     }));
     let manifest = image_manifest(&config_desc, &layers, &labels)?;
     store.put(&manifest)?;
