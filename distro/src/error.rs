@@ -1,7 +1,9 @@
 //! Error kinds that decide the exit code, and the one-line rendering `main` prints.
 //!
 //! Exit codes: 0 success, 1 the operation failed (network, git, a patch that no longer applies),
-//! 2 the input is wrong (command line, manifest, lock, a patch file) and the user must fix it.
+//! 2 the input is wrong (command line, manifest, lock, a patch file) and the user must fix it,
+//! 75 (EX_TEMPFAIL) a transient fault a command marks as such (an unreachable registry after the
+//! retries): running it again later may succeed.
 
 use std::process::ExitCode;
 
@@ -17,9 +19,21 @@ pub fn bad_input(message: impl Into<String>) -> anyhow::Error {
     BadInput(message.into()).into()
 }
 
-/// The exit code for `err`: 2 when any error in its chain is [`BadInput`], else 1.
+/// A fault that may pass (a registry that cannot be reached after the retries): exit code 75.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct Transient(pub String);
+
+/// The exit code for `err`: 2 when any error in its chain is [`BadInput`], 75 when one is
+/// [`Transient`], else 1.
 pub fn exit_code(err: &anyhow::Error) -> u8 {
-    if err.chain().any(|e| e.is::<BadInput>()) { 2 } else { 1 }
+    if err.chain().any(|e| e.is::<BadInput>()) {
+        2
+    } else if err.chain().any(|e| e.is::<Transient>()) {
+        75
+    } else {
+        1
+    }
 }
 
 /// The error chain on a single line (`outer: inner: root cause`), newlines folded to `; `.
@@ -54,6 +68,9 @@ mod tests {
         let err = Err::<(), _>(bad_input("unknown key")).context("reading images/manifest.toml").unwrap_err();
         assert_eq!(exit_code(&err), 2);
         assert_eq!(exit_code(&anyhow::anyhow!("network down")), 1);
+        let err =
+            Err::<(), _>(anyhow::Error::from(Transient("registry down".into()))).context("listing tags").unwrap_err();
+        assert_eq!(exit_code(&err), 75);
     }
 
     #[test]

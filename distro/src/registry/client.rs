@@ -478,7 +478,8 @@ fn is_retryable_status(s: u16) -> bool {
     matches!(s, 408 | 429 | 500 | 502 | 503 | 504)
 }
 
-fn is_transient(e: &anyhow::Error) -> bool {
+/// Whether `e` is a fault of the connection (refused, timed out, cut), which may pass.
+pub fn is_transient(e: &anyhow::Error) -> bool {
     e.chain().any(|c| {
         c.downcast_ref::<reqwest::Error>()
             .is_some_and(|r| r.is_connect() || r.is_timeout() || r.is_request() || r.is_body())
