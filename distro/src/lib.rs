@@ -13,7 +13,9 @@
 //! - [`docker`]: the Docker engine (load an image, run a container).
 //! - [`triage`]: the search for the first failing date and upstream commit.
 //! - [`publish`]: where a built image goes: an OCI layout, a registry, the Docker engine.
-//! - [`provenance`]: the SBOM and SLSA provenance attached to a pushed index, and their check.
+//! - [`provenance`]: the SBOM, SLSA provenance and test summaries attached to a pushed index,
+//!   and the check of the first two.
+//! - [`report`]: the static dashboard of the dated images, read from the registry.
 //! - [`cli`]: one file per subcommand: arguments and what it prints.
 //!
 //! Cross-cutting helpers sit at the root, below every folder: [`error`] (exit codes),
@@ -37,6 +39,7 @@ pub mod progress;
 pub mod provenance;
 pub mod publish;
 pub mod registry;
+pub mod report;
 pub mod retry;
 pub mod sources;
 pub mod triage;

@@ -42,6 +42,10 @@ enum Command {
     Diff(cli::diff::DiffArgs),
     /// Check the SBOM and provenance attached to a pushed index against the image.
     Verify(cli::verify::VerifyArgs),
+    /// Attach test-all's summary.json to a pushed index as an OCI referrer, for `distro report`.
+    AttachTest(cli::attach_test::AttachTestArgs),
+    /// Write the static dashboard of the dated images (index.html, diff-DATE.html), from the registry.
+    Report(cli::report::ReportArgs),
 }
 
 fn main() -> ExitCode {
@@ -81,6 +85,8 @@ fn main() -> ExitCode {
         Command::Sbom(a) => cli::sbom::sbom_cmd(a),
         Command::Diff(a) => cli::diff::diff_cmd(a),
         Command::Verify(a) => cli::verify::verify_cmd(a),
+        Command::AttachTest(a) => cli::attach_test::attach_test_cmd(a),
+        Command::Report(a) => cli::report::report_cmd(a),
         Command::Triage(a) => cli::triage::triage_cmd(a),
         Command::Retention(a) => cli::retention::retention_cmd(a),
     };

@@ -10,6 +10,7 @@ use anyhow::Result;
 use clap::Args;
 use std::path::{Path, PathBuf};
 
+pub mod attach_test;
 pub mod build;
 pub mod bump;
 pub mod diff;
@@ -18,6 +19,7 @@ pub mod load;
 pub mod lock;
 pub mod patches;
 pub mod push;
+pub mod report;
 pub mod retention;
 pub mod run;
 pub mod sbom;

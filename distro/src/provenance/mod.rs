@@ -24,6 +24,7 @@ use std::io::Read;
 use std::path::PathBuf;
 
 pub mod referrers;
+pub mod test_summary;
 
 /// The SBOM artifact's type (and its layers' media type).
 pub const SBOM_TYPE: &str = "application/spdx+json";
@@ -209,23 +210,27 @@ pub struct Artifact {
     pub blobs: Vec<Vec<u8>>,
 }
 
+/// The canonical bytes of an artifact manifest of `artifact_type` whose subject is `index`: the
+/// empty config, `layers`, and `created` as its creation time.
+pub fn artifact_manifest(artifact_type: &str, index: &Descriptor, created: &str, layers: &[Descriptor]) -> Vec<u8> {
+    let subject = Descriptor { platform: None, annotations: None, ..index.clone() };
+    canonical(&json!({
+        "schemaVersion": 2,
+        "mediaType": OCI_MANIFEST,
+        "artifactType": artifact_type,
+        "config": Descriptor::of(EMPTY_TYPE, b"{}"),
+        "layers": layers,
+        "subject": subject,
+        "annotations": {"org.opencontainers.image.created": created},
+    }))
+}
+
 /// The SBOM artifact (one layer per platform that has an SBOM) and the provenance artifact.
 pub fn artifacts(s: &Subject) -> Vec<Artifact> {
     let Some(index) = &s.index else { return Vec::new() };
-    let subject = Descriptor { platform: None, annotations: None, ..index.clone() };
-    let empty = Descriptor::of(EMPTY_TYPE, b"{}");
     let created = s.annotations.get("org.opencontainers.image.created").cloned().unwrap_or_default();
-    let manifest = |artifact_type: &str, layers: &[Descriptor]| {
-        canonical(&json!({
-            "schemaVersion": 2,
-            "mediaType": OCI_MANIFEST,
-            "artifactType": artifact_type,
-            "config": empty,
-            "layers": layers,
-            "subject": subject,
-            "annotations": {"org.opencontainers.image.created": created},
-        }))
-    };
+    let manifest =
+        |artifact_type: &str, layers: &[Descriptor]| artifact_manifest(artifact_type, index, &created, layers);
     let mut out = Vec::new();
     let sboms: Vec<(&String, &Vec<u8>)> =
         s.platforms.iter().filter_map(|(p, (_, sbom))| Some((p, sbom.as_ref()?))).collect();

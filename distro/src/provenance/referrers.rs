@@ -115,8 +115,10 @@ pub fn attach(
         plan.tags.insert(fallback_tag(subject), index);
         how
     };
-    push(client, repo, &plan, &PushOptions::default(), progress)
-        .with_context(|| format!("attaching the SBOM and provenance to {}", repo.with_digest(subject)))?;
+    push(client, repo, &plan, &PushOptions::default(), progress).with_context(|| {
+        let kinds: Vec<&str> = artifacts.iter().map(|a| a.artifact_type).collect();
+        format!("attaching {} to {}", kinds.join(" and "), repo.with_digest(subject))
+    })?;
     Ok(how)
 }
 

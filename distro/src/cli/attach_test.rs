@@ -1,0 +1,76 @@
+//! `distro attach-test IMAGE SUMMARY --platform P`: attaches `test-all`'s `summary.json` of a run
+//! on platform P to a pushed index as an OCI referrer ([`crate::provenance::test_summary`]), for
+//! `distro report` to read back. Prints one line saying what was attached, and how.
+use super::parse_ref;
+use crate::error::bad_input;
+use crate::oci::manifest::{Descriptor, is_index};
+use crate::oci::platform::Platform;
+use crate::oci::store::BlobStore;
+use crate::progress::Progress;
+use crate::provenance::referrers::attach;
+use crate::provenance::test_summary::{TestSummary, artifact};
+use crate::registry::auth::Credentials;
+use crate::registry::client::Client;
+use anyhow::Result;
+use clap::Args;
+use serde_json::Value;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+/// The arguments of `distro attach-test`.
+#[derive(Args, Debug)]
+pub struct AttachTestArgs {
+    /// The pushed index, by tag or digest (REPO:TAG or REPO@DIGEST).
+    #[arg(value_name = "IMAGE")]
+    pub image: String,
+    /// The `summary.json` that `test-all --report DIR` wrote.
+    #[arg(value_name = "SUMMARY")]
+    pub summary: PathBuf,
+    /// The platform the checks ran on, one of the index's (linux/amd64, linux/arm64).
+    #[arg(long, value_name = "PLATFORM", value_parser = |s: &str| Platform::parse(s))]
+    pub platform: Platform,
+    /// Registry reachable over plain HTTP (loopback registries always are).
+    #[arg(long, value_name = "HOST[:PORT]", value_parser = super::registry_host)]
+    pub insecure: Vec<String>,
+}
+
+/// Runs `distro attach-test`.
+pub fn attach_test_cmd(a: AttachTestArgs) -> Result<ExitCode> {
+    let r = parse_ref(&a.image, "IMAGE")?;
+    if r.tag.is_none() && r.digest.is_none() {
+        return Err(bad_input(format!("IMAGE {}: name the index by tag or digest (REPO:TAG or REPO@DIGEST)", a.image)));
+    }
+    let what = a.summary.display().to_string();
+    let bytes = std::fs::read(&a.summary).map_err(|e| bad_input(format!("{what}: {e}")))?;
+    let summary = TestSummary::parse(&bytes, &what)?;
+    let client = Client::new(Credentials::from_environment(Some(r.api_host()))?, a.insecure)?;
+    let top = client.fetch_manifest(&r)?;
+    if !is_index(&top.media_type) {
+        return Err(bad_input(format!(
+            "{r} is a single image manifest; attach test results to the index distro pushed"
+        )));
+    }
+    let v: Value = serde_json::from_slice(&top.bytes)?;
+    if !v["manifests"].as_array().into_iter().flatten().any(|e| a.platform.matches(&e["platform"])) {
+        return Err(bad_input(format!(
+            "{r} ({}) has no {} image: give --platform of one it holds",
+            top.digest, a.platform
+        )));
+    }
+    let index = Descriptor::of(&top.media_type, &top.bytes);
+    let scratch = tempfile::tempdir()?;
+    let store = BlobStore::new(scratch.path());
+    let how = attach(
+        &client,
+        &r,
+        &top.digest,
+        &[artifact(&index, &a.platform.to_string(), &bytes, &summary)],
+        &store,
+        &Progress::new(),
+    )?;
+    println!(
+        "attached {what} ({} on {}: {} passed, {} failed, {} skipped) to {r} ({}) through the {how}",
+        summary.device_class, a.platform, summary.passed, summary.failed, summary.skipped, top.digest
+    );
+    Ok(ExitCode::SUCCESS)
+}
