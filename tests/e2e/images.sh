@@ -2,7 +2,9 @@
 # End-to-end test of `distro build|push|load|run` against real parts: a Docker engine (Debian
 # docker.io), two OCI registries (Debian docker-registry, one with htpasswd auth), skopeo and
 # umoci as independent validators, qemu-user-static for arm64, and a small multi-arch Debian
-# base (debootstrap) served from the local registry in place of the CUDA base.
+# base (debootstrap) served from the local registry in place of the CUDA base. Then the
+# dashboard: a second date pushed, test-all's summaries attached, `distro report`'s site checked
+# against the registry and loaded in headless Chromium.
 #
 # Idempotent: installs what is missing, starts dockerd only if none runs, starts its own
 # registries on loopback, and stops what it started. Caches debootstrap output under $WORK.
@@ -19,6 +21,7 @@ PORT=${DISTRO_E2E_PORT:-5701}
 PLAIN=127.0.0.1:$PORT
 AUTH=127.0.0.1:$((PORT + 1))
 DATE=2026-01-02
+DATE2=2026-01-03 # the dashboard's second date
 mkdir -p "$WORK"
 # shellcheck source=tests/e2e/lib/images-common.sh
 source "$ROOT/tests/e2e/lib/images-common.sh"
@@ -219,6 +222,13 @@ check_test_all arm64 3
 log "amd64: $(grep '^done' "$WORK/train-amd64.txt")"
 log "arm64: $(grep '^done' "$WORK/train-arm64.txt")"
 log "test-all amd64: $(grep -E '^[0-9]+ passed' "$WORK/test-all-amd64.txt"); arm64: $(grep -E '^[0-9]+ passed' "$WORK/test-all-arm64.txt")"
+
+phase "dashboard: a second date, the test summaries attached, distro report, checked in Chromium"
+# The second date reuses every layer but /opt/distro (the same commit, so the same binaries).
+(cd "$ROOT" && "$DISTRO" build --base "$BASE" --date "$DATE2" --push "$PLAIN/distro" >"$WORK/push-date2.out" 2>"$WORK/push-date2.log") \
+    || die "build --date $DATE2 --push failed: $(tail -5 "$WORK/push-date2.log")"
+e2e_dashboard "$DISTRO" "$PLAIN/distro" engine "$WORK/site" "linux/amd64=$WORK/test-all-amd64/summary.json" \
+    "linux/arm64/v8=$WORK/test-all-arm64/summary.json" -- "$DATE" "$DATE2"
 
 phase "distro load (bollard) + distro run; load tar for docker load"
 docker rmi -f "$PLAIN/distro:engine-$DATE" >/dev/null  # the pulled image has served; keep Docker's disk small

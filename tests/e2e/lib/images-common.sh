@@ -156,3 +156,34 @@ e2e_base() {
         "http://$registry/v2/$repo/manifests/bookworm" >&2 || die "pushing the base index failed"
     echo "sha256:$(printf '%s' "$index" | sha256sum | cut -d' ' -f1)"
 }
+
+# e2e_dashboard DISTRO HOST/REPO IMAGE OUT PLATFORM=SUMMARY... -- DATE...: attaches every
+# summary.json to every dated index IMAGE-DATE of REPO (`distro attach-test`), checks `distro
+# report`'s bad input, builds the site in OUT, checks it against the registry
+# (tests/e2e/lib/dashboard_check.py: digests, sizes per layer group, test results, diff links)
+# and loads index.html and the newest diff page in headless Chromium (installed when missing;
+# screenshots in OUT/screenshots).
+e2e_dashboard() {
+    local distro=$1 repo=$2 image=$3 out=$4 lib specs=() s d
+    lib=$(dirname "${BASH_SOURCE[0]}")
+    shift 4
+    while [ "$1" != -- ]; do specs+=("$1"); shift; done
+    shift
+    command -v chromium >/dev/null || e2e_install chromium
+    for d in "$@"; do
+        for s in "${specs[@]}"; do
+            "$distro" attach-test "$repo:$image-$d" "${s#*=}" --platform "${s%%=*}" >>"$WORK/attach-test.log" 2>&1 \
+                || die "distro attach-test $repo:$image-$d ${s#*=} failed: $(tail -3 "$WORK/attach-test.log")"
+        done
+    done
+    expect_fail 2 "is not a date" "$distro" report --repo "$repo" --since 2026-02-30 --out "$out"
+    expect_fail 2 "no dated tags $image-YYYY-MM-DD" "$distro" report --repo "$repo-nowhere" --out "$out"
+    # Port 9 (discard) on loopback: nothing listens, the connection is refused at once.
+    AFTER_WORK=1 expect_fail 75 "cannot be reached" "$distro" report --repo 127.0.0.1:9/distro --out "$out"
+    rm -rf "$out"
+    "$distro" report --repo "$repo" --image "$image" --out "$out" >"$WORK/report.out" 2>"$WORK/report.log" \
+        || die "distro report failed: $(tail -3 "$WORK/report.log")"
+    python3 "$lib/dashboard_check.py" "$out" "$repo" "$image" "${specs[@]}" -- "$@" || die "the dashboard disagrees with the registry"
+    python3 "$lib/browser_check.py" "$out/screenshots" "$out/index.html" "$out/diff-${*: -1}.html" \
+        || die "the dashboard's pages do not load cleanly in Chromium"
+}
