@@ -17,7 +17,9 @@ fn impossible_arguments_are_refused_before_any_work() {
     let file = dir.path().join("a-file");
     std::fs::write(&file, b"not a layout").unwrap();
     let file_arg = file.to_str().unwrap();
-    let cases: [(&[&str], &str); 11] = [
+    let site = dir.path().join("site");
+    let site_arg = site.to_str().unwrap();
+    let cases: [(&[&str], &str); 16] = [
         (&["build", "--platform", "linux/amd64", "--push", "127.0.0.1:9/r"], "the index would lack linux/arm64"),
         (&["push", "--chunk-size", "0", "layout", "127.0.0.1:9/r"], "is not a chunk size"),
         (&["build", "--image", "../../x"], "`../../x` is not an image name"),
@@ -29,6 +31,11 @@ fn impossible_arguments_are_refused_before_any_work() {
         (&["build", "--output", file_arg], "exists and is not a directory"),
         (&["verify", "127.0.0.1:9/r"], "name the index by tag or digest"),
         (&["triage", "--good", "2026-03-01", "--bad", "127.0.0.1:9/r:b", "--", "true"], "a date needs --repo"),
+        (&["report", "--repo", "127.0.0.1:9/r", "--since", "2026-02-30", "--out", site_arg], "`2026-02-30` is not a date"),
+        (&["report", "--repo", "127.0.0.1:9/r:t", "--out", site_arg], "give the repository without a tag or digest"),
+        (&["attach-test", "127.0.0.1:9/r", file_arg, "--platform", "linux/amd64"], "name the index by tag or digest"),
+        (&["attach-test", "127.0.0.1:9/r:t", file_arg, "--platform", "linux/amd64"], "a-file: not a test-all summary.json"),
+        (&["attach-test", "127.0.0.1:9/r:t", file_arg, "--platform", "linux/s390x"], "\"linux/s390x\" is not supported"),
     ];
     for (args, expected) in cases {
         let (code, stderr) = distro(args);
@@ -38,6 +45,21 @@ fn impossible_arguments_are_refused_before_any_work() {
         assert_eq!(stderr.lines().filter(|l| !l.is_empty()).count(), 1, "{args:?}: more than one line: {stderr}");
     }
     assert_eq!(std::fs::read(&file).unwrap(), b"not a layout", "the file named by --output was touched");
+    assert!(!site.exists(), "distro report wrote its site before refusing");
+}
+
+/// A registry nobody answers at is a fault that may pass: exit 75 after the retries, one error
+/// line, and no site written.
+#[test]
+fn distro_report_of_an_unreachable_registry_exits_75() {
+    let dir = tempfile::tempdir().unwrap();
+    let site = dir.path().join("site");
+    let (code, stderr) = distro(&["report", "--repo", "127.0.0.1:9/r", "--out", site.to_str().unwrap()]);
+    assert_eq!(code, Some(75), "{stderr}");
+    let errors: Vec<&str> = stderr.lines().filter(|l| l.starts_with("error:")).collect();
+    assert_eq!(errors.len(), 1, "{stderr}");
+    assert!(errors[0].starts_with("error: the registry cannot be reached (GET http://127.0.0.1:9/v2/r/tags/list"), "{stderr}");
+    assert!(!site.exists());
 }
 
 #[test]

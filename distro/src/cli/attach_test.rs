@@ -1,6 +1,7 @@
 //! `distro attach-test IMAGE SUMMARY --platform P`: attaches `test-all`'s `summary.json` of a run
 //! on platform P to a pushed index as an OCI referrer ([`crate::provenance::test_summary`]), for
-//! `distro report` to read back. Prints one line saying what was attached, and how.
+//! `distro report` to read back. Prints one line saying what was attached, and how; exit 75
+//! when the registry cannot be reached.
 use super::parse_ref;
 use crate::error::bad_input;
 use crate::oci::manifest::{Descriptor, is_index};
@@ -10,7 +11,7 @@ use crate::progress::Progress;
 use crate::provenance::referrers::attach;
 use crate::provenance::test_summary::{TestSummary, artifact};
 use crate::registry::auth::Credentials;
-use crate::registry::client::Client;
+use crate::registry::client::{Client, mark_transient};
 use anyhow::Result;
 use clap::Args;
 use serde_json::Value;
@@ -44,7 +45,7 @@ pub fn attach_test_cmd(a: AttachTestArgs) -> Result<ExitCode> {
     let bytes = std::fs::read(&a.summary).map_err(|e| bad_input(format!("{what}: {e}")))?;
     let summary = TestSummary::parse(&bytes, &what)?;
     let client = Client::new(Credentials::from_environment(Some(r.api_host()))?, a.insecure)?;
-    let top = client.fetch_manifest(&r)?;
+    let top = client.fetch_manifest(&r).map_err(mark_transient)?;
     if !is_index(&top.media_type) {
         return Err(bad_input(format!(
             "{r} is a single image manifest; attach test results to the index distro pushed"
@@ -67,7 +68,8 @@ pub fn attach_test_cmd(a: AttachTestArgs) -> Result<ExitCode> {
         &[artifact(&index, &a.platform.to_string(), &bytes, &summary)],
         &store,
         &Progress::new(),
-    )?;
+    )
+    .map_err(mark_transient)?;
     println!(
         "attached {what} ({} on {}: {} passed, {} failed, {} skipped) to {r} ({}) through the {how}",
         summary.device_class, a.platform, summary.passed, summary.failed, summary.skipped, top.digest

@@ -61,8 +61,8 @@ pub struct CheckSummary {
 pub struct MeasureSummary {
     /// What was measured (a recipe, for throughput).
     pub name: String,
-    /// The value.
-    pub value: f64,
+    /// The value (`null` in the JSON when it was not a finite number).
+    pub value: Option<f64>,
     /// Its unit.
     pub unit: String,
 }
@@ -94,8 +94,8 @@ impl TestSummary {
         self.checks
             .iter()
             .flat_map(|c| &c.measures)
-            .filter(|m| m.unit == "tokens/s" && m.value.is_finite())
-            .map(|m| (m.name.clone(), m.value))
+            .filter(|m| m.unit == "tokens/s")
+            .filter_map(|m| Some((m.name.clone(), m.value.filter(|v| v.is_finite())?)))
             .collect()
     }
 }
@@ -138,7 +138,8 @@ mod tests {
             json!([
                 {"name": "tiny-llama2", "status": "pass", "seconds": 1.0, "detail": ""},
                 {"name": "throughput", "status": "fail", "seconds": 1.0, "detail": "",
-                 "measures": [{"name": "tiny-llama2", "value": 1234.5, "unit": "tokens/s", "ok": false}]},
+                 "measures": [{"name": "tiny-llama2", "value": 1234.5, "unit": "tokens/s", "ok": false},
+                              {"name": "tiny-gpt", "value": null, "unit": "tokens/s", "ok": false}]},
             ]),
             1,
             1,

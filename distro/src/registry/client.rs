@@ -478,8 +478,20 @@ fn is_retryable_status(s: u16) -> bool {
     matches!(s, 408 | 429 | 500 | 502 | 503 | 504)
 }
 
+/// `e` as a [`crate::error::Transient`] (exit 75) when it is a fault of the connection that
+/// outlived the retries, its cause kept in the message; any other error unchanged. For commands
+/// whose callers (the nightly) may simply run them again later.
+pub fn mark_transient(e: anyhow::Error) -> anyhow::Error {
+    if is_transient(&e) {
+        let cause = crate::error::one_line(&e);
+        crate::error::Transient(format!("the registry cannot be reached ({cause}); try again later")).into()
+    } else {
+        e
+    }
+}
+
 /// Whether `e` is a fault of the connection (refused, timed out, cut), which may pass.
-pub fn is_transient(e: &anyhow::Error) -> bool {
+fn is_transient(e: &anyhow::Error) -> bool {
     e.chain().any(|c| {
         c.downcast_ref::<reqwest::Error>()
             .is_some_and(|r| r.is_connect() || r.is_timeout() || r.is_request() || r.is_body())
@@ -529,6 +541,22 @@ pub fn error_text(resp: Response) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_registry_that_refuses_connections_is_a_transient_fault_and_a_refusal_is_not() {
+        let mut client = Client::new(Credentials::default(), vec![]).unwrap();
+        client.retry = Policy { attempts: 1, ..Policy::default() };
+        // Port 9 (discard) on loopback: nothing listens there.
+        let e = client.list_tags(&crate::registry::reference::Reference::parse("127.0.0.1:9/x").unwrap()).unwrap_err();
+        let e = mark_transient(e);
+        assert_eq!(crate::error::exit_code(&e), 75, "{e:#}");
+        assert!(
+            crate::error::one_line(&e)
+                .starts_with("the registry cannot be reached (GET http://127.0.0.1:9/v2/x/tags/list"),
+            "{e:#}"
+        );
+        assert_eq!(crate::error::exit_code(&mark_transient(anyhow::anyhow!("HTTP 403"))), 1);
+    }
 
     #[test]
     fn loopback_detection() {

@@ -10,14 +10,14 @@
 //! - [`write_site`] writes `index.html` and one `diff-DATE.html` per date with an earlier one.
 use crate::dated::{DatedTag, dated_tags};
 use crate::diff::{self, Facts, PlatformFacts, Source};
-use crate::error::{Transient, bad_input, one_line};
+use crate::error::bad_input;
 use crate::oci::digest::Digest;
 use crate::oci::manifest::Descriptor;
 use crate::oci::store::BlobStore;
 use crate::provenance::PLATFORM_ANNOTATION;
 use crate::provenance::referrers;
 use crate::provenance::test_summary::{TEST_SUMMARY_TYPE, TestSummary};
-use crate::registry::client::{Client, is_transient};
+use crate::registry::client::{Client, mark_transient};
 use crate::registry::reference::Reference;
 use anyhow::{Context, Result};
 use serde_json::Value;
@@ -63,16 +63,6 @@ pub fn group_sizes(p: &PlatformFacts) -> BTreeMap<String, u64> {
     sizes
 }
 
-/// A registry fault that may pass (no connection) becomes [`Transient`] (exit 75), its cause
-/// kept in the message.
-fn transient(e: anyhow::Error) -> anyhow::Error {
-    if is_transient(&e) {
-        Transient(format!("the registry cannot be reached ({}); try again later", one_line(&e))).into()
-    } else {
-        e
-    }
-}
-
 /// Reads the dated images of `image` in `repo` from day `since` on (all when `None`), oldest
 /// first, and the one before the first (to diff against), if any.
 pub fn collect(
@@ -81,7 +71,7 @@ pub fn collect(
     image: &str,
     since: Option<i64>,
 ) -> Result<(Vec<Night>, Option<Night>)> {
-    let tags = client.list_tags(repo).map_err(transient)?;
+    let tags = client.list_tags(repo).map_err(mark_transient)?;
     let dated = dated_tags(image, &tags);
     if dated.is_empty() {
         return Err(bad_input(format!(
@@ -96,7 +86,7 @@ pub fn collect(
         return Err(bad_input(format!("{}: no dated tag from --since on (the newest is {newest})", repo.name())));
     };
     let scratch = tempfile::tempdir()?;
-    let read = |d: &DatedTag| night(client, repo, d, scratch.path()).map_err(transient);
+    let read = |d: &DatedTag| night(client, repo, d, scratch.path()).map_err(mark_transient);
     let before = if first > 0 { Some(read(&dated[first - 1])?) } else { None };
     let nights = dated[first..].iter().map(read).collect::<Result<Vec<_>>>()?;
     Ok((nights, before))

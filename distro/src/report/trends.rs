@@ -175,7 +175,8 @@ mod tests {
         );
         let tests = tokens
             .map(|v| {
-                let measures = vec![MeasureSummary { name: "tiny-llama2".into(), value: v, unit: "tokens/s".into() }];
+                let measures =
+                    vec![MeasureSummary { name: "tiny-llama2".into(), value: Some(v), unit: "tokens/s".into() }];
                 let summary = TestSummary {
                     format: "engine-test-all-summary".into(),
                     mode: "full".into(),
@@ -202,9 +203,9 @@ mod tests {
         assert!(!sizes.contains_key("linux/amd64 cuda"), "a group without layers is not drawn");
         let speed = throughput_series(&nights);
         assert_eq!(speed, vec![("linux/amd64 cuda tiny-llama2".to_string(), BTreeMap::from([(0, 1000.0)]))]);
-        let figures = figures(&nights).unwrap();
-        assert_eq!(figures.len(), 2);
-        let svg = figures[0].1.as_ref().unwrap();
+        let drawn = figures(&nights).unwrap();
+        assert_eq!(drawn.len(), 2);
+        let svg = drawn[0].1.as_ref().unwrap();
         assert!(svg.starts_with("<svg") && svg.contains("2026-01-02") && svg.contains("linux/amd64 total"), "{svg}");
         let none = figures(&nights[1..]).unwrap();
         assert!(none[1].1.is_none() && none[1].0.contains("no attached test summary"));
