@@ -31,11 +31,20 @@ fn impossible_arguments_are_refused_before_any_work() {
         (&["build", "--output", file_arg], "exists and is not a directory"),
         (&["verify", "127.0.0.1:9/r"], "name the index by tag or digest"),
         (&["triage", "--good", "2026-03-01", "--bad", "127.0.0.1:9/r:b", "--", "true"], "a date needs --repo"),
-        (&["report", "--repo", "127.0.0.1:9/r", "--since", "2026-02-30", "--out", site_arg], "`2026-02-30` is not a date"),
+        (
+            &["report", "--repo", "127.0.0.1:9/r", "--since", "2026-02-30", "--out", site_arg],
+            "`2026-02-30` is not a date",
+        ),
         (&["report", "--repo", "127.0.0.1:9/r:t", "--out", site_arg], "give the repository without a tag or digest"),
         (&["attach-test", "127.0.0.1:9/r", file_arg, "--platform", "linux/amd64"], "name the index by tag or digest"),
-        (&["attach-test", "127.0.0.1:9/r:t", file_arg, "--platform", "linux/amd64"], "a-file: not a test-all summary.json"),
-        (&["attach-test", "127.0.0.1:9/r:t", file_arg, "--platform", "linux/s390x"], "\"linux/s390x\" is not supported"),
+        (
+            &["attach-test", "127.0.0.1:9/r:t", file_arg, "--platform", "linux/amd64"],
+            "a-file: not a test-all summary.json",
+        ),
+        (
+            &["attach-test", "127.0.0.1:9/r:t", file_arg, "--platform", "linux/s390x"],
+            "\"linux/s390x\" is not supported",
+        ),
     ];
     for (args, expected) in cases {
         let (code, stderr) = distro(args);
@@ -58,7 +67,10 @@ fn distro_report_of_an_unreachable_registry_exits_75() {
     assert_eq!(code, Some(75), "{stderr}");
     let errors: Vec<&str> = stderr.lines().filter(|l| l.starts_with("error:")).collect();
     assert_eq!(errors.len(), 1, "{stderr}");
-    assert!(errors[0].starts_with("error: the registry cannot be reached (GET http://127.0.0.1:9/v2/r/tags/list"), "{stderr}");
+    assert!(
+        errors[0].starts_with("error: the registry cannot be reached (GET http://127.0.0.1:9/v2/r/tags/list"),
+        "{stderr}"
+    );
     assert!(!site.exists());
 }
 
