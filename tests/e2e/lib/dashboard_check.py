@@ -10,13 +10,17 @@ registry), and, for each platform of that index, sizes (`span.size`: `data-platf
 descriptors' `io.github.llm-distro.layer-group` annotation, `base` without one) and in all.
 Each PLATFORM=SUMMARY (a summary.json attached to every date) must show as a `div.test` with
 that platform, the summary's device class and its passed, failed and skipped counts. Every date
-but the first links (`a.diff`) to a file of SITE that holds `distro diff`'s text.
+but the first links (`a.diff`) to a file of SITE that holds `distro diff`'s text. The first
+figure, the size trend, is read back: the axes fitted to their tick labels, each legend entry's
+colour found, and every drawn point of each platform's `total` mapped back to its date and MiB,
+which must equal the table's total within a pixel and a half.
 Exit 0 when all holds, 1 otherwise, one line per problem.
 """
 
 import hashlib
 import json
 import os
+import re
 import sys
 import urllib.request
 from html.parser import HTMLParser
@@ -61,6 +65,29 @@ def fetch(host, repository, ref):
     with urllib.request.urlopen(req, timeout=30) as r:
         body = r.read()
     return body, "sha256:" + hashlib.sha256(body).hexdigest()
+
+
+TEXT = re.compile(r'<text x="([-\d.]+)" y="([-\d.]+)"[^>]*text-anchor="(\w+)"[^>]*>\s*([^<]*?)\s*</text>')
+LINE = re.compile(r'<polyline [^>]*stroke="(#[0-9A-Fa-f]{6})" stroke-width="2" points="(\d+),(\d+) (\d+),(\d+) "/>')
+CIRCLE = re.compile(r'<circle cx="(\d+)" cy="(\d+)" r="\d+" [^>]*fill="(#[0-9A-Fa-f]{6})"')
+
+
+def trend_points(svg):
+    """{legend label: [(date, value)]} of a trend plotters drew, and the value of one pixel."""
+    texts = [(float(x), float(y), anchor, t) for x, y, anchor, t in TEXT.findall(svg)]
+    yticks = [(y, float(t)) for x, y, anchor, t in texts if anchor == "end" and re.fullmatch(r"-?[\d.]+(e-?\d+)?", t)]
+    xticks = [(x, t) for x, y, anchor, t in texts if anchor == "middle" and re.fullmatch(r"\d{4}-\d\d-\d\d", t)]
+    (y0, v0), (y1, v1) = max(yticks), min(yticks)  # the bottom tick and the top one
+    per_px = (v1 - v0) / (y1 - y0)
+    legend_texts = [(y, t) for x, y, anchor, t in texts if anchor == "start"]
+    # Legend samples: 20-pixel horizontal strokes; the series' own polylines are longer.
+    samples = [(int(ya), c) for c, xa, ya, xb, yb in LINE.findall(svg) if ya == yb and int(xb) - int(xa) == 20]
+    points = {}
+    for y, label in legend_texts:
+        colour = min(samples, key=lambda s: abs(s[0] - y))[1]
+        drawn = [(int(cx), int(cy)) for cx, cy, c in CIRCLE.findall(svg) if c == colour]
+        points[label] = [(min(xticks, key=lambda t: abs(t[0] - cx))[1], v0 + (cy - y0) * per_px) for cx, cy in drawn]
+    return points, abs(per_px)
 
 
 def platform_name(p):
@@ -118,10 +145,27 @@ def main():
             problems.append(f"{date}: the diff link {row['diff']} names no file of {site}")
         elif "distro diff" not in open(os.path.join(site, row["diff"]), encoding="utf-8").read():
             problems.append(f"{date}: {row['diff']} does not hold distro diff's text")
+    with open(os.path.join(site, "index.html"), encoding="utf-8") as f:
+        html = f.read()
+    svg = html[html.index("<svg"):html.index("</svg>")]
+    drawn, per_px = trend_points(svg)
+    totals = {label: pts for label, pts in drawn.items() if label.endswith(" total")}
+    if not totals:
+        problems.append(f"the size trend draws no total (legend: {sorted(drawn)})")
+    for label, pts in totals.items():
+        platform = label[: -len(" total")]
+        want = {d: page.rows[d]["sizes"].get((platform, "total"), 0) / 2**20 for d in dates if d in page.rows}
+        missing = sorted(set(want) - {d for d, _ in pts})
+        if missing:
+            problems.append(f"size trend {label}: no point at {missing}")
+        for d, v in pts:
+            if d in want and abs(v - want[d]) > 1.5 * per_px:
+                problems.append(f"size trend {label} {d}: drawn at {v:.6g} MiB, the table says {want[d]:.6g}")
     for p in problems:
         print(p)
     if not problems:
-        print(f"dashboard: {len(dates)} date(s) checked against {repo}: digests, sizes per group, test results, diff links")
+        print(f"dashboard: {len(dates)} date(s) checked against {repo}: digests, sizes per group, test results, diff links, "
+              f"the size trend's {sum(len(p) for p in totals.values())} total points")
     return 1 if problems else 0
 
 

@@ -184,13 +184,17 @@ e2e_dashboard() {
     "$distro" report --repo "$repo" --image "$image" --out "$out" >"$WORK/report.out" 2>"$WORK/report.log" \
         || die "distro report failed: $(tail -3 "$WORK/report.log")"
     python3 "$lib/dashboard_check.py" "$out" "$repo" "$image" "${specs[@]}" -- "$@" || die "the dashboard disagrees with the registry"
-    # The check bites: the same page with every engine size set to 1 byte fails it, naming it.
-    sed -E 's/data-group="engine" data-bytes="[0-9]+"/data-group="engine" data-bytes="1"/g' "$out/index.html" >"$WORK/index-bad.html"
-    mkdir -p "$WORK/site-bad" && cp "$WORK/index-bad.html" "$WORK/site-bad/index.html"
+    # The check bites: the same page with every engine size set to 1 byte and every point of
+    # the trends drawn 40 pixels lower fails it, naming both.
+    mkdir -p "$WORK/site-bad"
+    perl -pe 's/data-group="engine" data-bytes="\d+"/data-group="engine" data-bytes="1"/g;
+        s/(<circle cx="\d+" cy=")(\d+)/$1.($2 + 40)/ge' "$out/index.html" >"$WORK/site-bad/index.html"
     if python3 "$lib/dashboard_check.py" "$WORK/site-bad" "$repo" "$image" -- "$1" >"$WORK/dashboard-bad.log"; then
-        die "the dashboard check passed a page with a wrong size"
+        die "the dashboard check passed a page with wrong sizes and points"
     fi
-    grep -q "engine shown as 1 bytes" "$WORK/dashboard-bad.log" || die "the dashboard check did not name the wrong size: $(cat "$WORK/dashboard-bad.log")"
+    for fault in "engine shown as 1 bytes" "total $1: drawn at"; do
+        grep -qF "$fault" "$WORK/dashboard-bad.log" || die "the dashboard check did not report '$fault': $(cat "$WORK/dashboard-bad.log")"
+    done
     python3 "$lib/browser_check.py" "$out/screenshots" "$out/index.html" "$out/diff-${*: -1}.html" \
         || die "the dashboard's pages do not load cleanly in Chromium"
 }
