@@ -16,6 +16,7 @@ use engine::parallel::comm::Collectives;
 use engine::parallel::{self, flight, rendezvous::Job};
 use engine::train::Trainer;
 use engine::train::goodput::{Startup, timed};
+use engine::train::local_tier::LocalTier;
 use engine::train::run_dir::{Decision, Resume, RunDir};
 use engine::train::session::{self, Session};
 use engine::train::signals::{self, STOPPED_EXIT, StopRequest, Stopped};
@@ -136,6 +137,7 @@ fn train(args: TrainArgs, device: DeviceArg) -> Result<()> {
         run_dir: Mutex::new(run_dir),
         claim,
         restart,
+        auto: resume == Resume::Auto,
         hf,
         checkpoint,
         peak: (0.0, String::new()),
@@ -185,6 +187,8 @@ struct Start {
     /// Whether a fresh start replaces an earlier attempt that saved no checkpoint
     /// (`--resume=auto`).
     restart: bool,
+    /// `--resume=auto`: the local tier may hold a newer step than `checkpoint`.
+    auto: bool,
     hf: Option<HfModel>,
     checkpoint: Option<Checkpoint>,
     peak: (f64, String),
@@ -208,7 +212,7 @@ impl Start {
         let (trainer, allocated_s) = timed(|| Trainer::new(Traced::new(backend), config));
         let mut trainer = trainer?;
         self.startup.device_setup_s += allocated_s;
-        let session = self.prepare(&mut trainer, true)?;
+        let session = self.prepare(&mut trainer, true, 1)?;
         session::run(&mut trainer, &session)?;
         Ok(())
     }
@@ -220,7 +224,7 @@ impl Start {
         (self.peak, peak_s) = timed(|| device::peak(&Opened::Cpu(engine::backend::cpu::Cpu::new()), config));
         self.startup.device_setup_s += peak_s;
         engine::train::devices::run(config, devices, |rank, trainer| {
-            let session = self.prepare(trainer, rank == 0)?;
+            let session = self.prepare(trainer, rank == 0, devices)?;
             session::run(trainer, &session)
         })?;
         Ok(())
@@ -300,7 +304,7 @@ impl Start {
         let (trainer, allocated_s) = timed(|| Trainer::new_parallel(Traced::new(backend), config, comm, plan));
         let mut trainer = trainer?;
         self.startup.device_setup_s += allocated_s;
-        let session = self.prepare(&mut trainer, job.rank == 0)?;
+        let session = self.prepare(&mut trainer, job.rank == 0, job.local_world)?;
         let first = trainer.step;
         session::run(&mut trainer, &session)?;
         let steps = trainer.step - first;
@@ -312,15 +316,27 @@ impl Start {
     }
 
     /// Loads the starting point into `trainer` and describes the session; the lead (rank 0)
-    /// creates the run directory.
-    fn prepare<B: Backend>(&self, trainer: &mut Trainer<B>, lead: bool) -> Result<Session> {
+    /// creates the run directory. Under `--resume=auto` the local tier's newest step that
+    /// every rank can restore replaces the persistent checkpoint when it is at least as new
+    /// (`local_world`: the ranks of this node).
+    fn prepare<B: Backend>(&self, trainer: &mut Trainer<B>, lead: bool, local_world: usize) -> Result<Session> {
         let mut extras = Extras::default();
         if let Some(hf) = &self.hf {
             trainer.load_params(&hf.params(&Layout::new(&trainer.config.model))?)?;
             extras = hf.extras()?;
         }
         let mut startup = self.startup;
-        if let Some(ck) = &self.checkpoint {
+        let run_path = self.run_dir.lock().map_err(|_| anyhow!("a device thread panicked"))?.path().to_path_buf();
+        let mut local = LocalTier::open(trainer, &run_path, local_world)?;
+        let mut restored = None;
+        if let Some(tier) = local.as_mut().filter(|_| self.auto && RunDir::at(&run_path).holds_run()) {
+            let persistent = self.checkpoint.as_ref().map(|ck| ck.state.step);
+            let (found, took) = timed(|| tier.restore(trainer, persistent, lead));
+            restored = found?;
+            startup.checkpoint_load_s += took;
+        }
+        let checkpoint = restored.as_ref().or(self.checkpoint.as_ref());
+        if let Some(ck) = checkpoint {
             let (resumed, read_s) = timed(|| trainer.resume_from(ck));
             resumed?;
             startup.checkpoint_load_s += read_s;
@@ -340,16 +356,21 @@ impl Start {
                 run_dir.ensure_fresh()?;
             }
         }
+        if let Some(tier) = &mut local {
+            tier.discard_after(trainer.step)?;
+            tier.extras = std::sync::Arc::new(extras.clone());
+        }
         Ok(Session {
             name: self.name.clone(),
             run_dir,
             peak_tflops: self.peak.0,
             peak_source: self.peak.1.clone(),
-            resumed_from: self.checkpoint.as_ref().map(|c| c.dir.clone()),
+            resumed_from: checkpoint.map(|c| c.dir.clone()),
             extras,
             lead,
             stop: StopRequest::signals(),
             startup,
+            local_tier: local,
         })
     }
 }
