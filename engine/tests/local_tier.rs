@@ -40,7 +40,8 @@ fn job(run: &Path, local: Option<&Path>, extra: &[&str]) -> Command {
         .map(String::from)
         .into();
     args.extend(["--steps", STEPS, "--run-dir", s(run)].map(String::from));
-    let tier = local.map(|l| ["train.local_checkpoint_every=2".to_owned(), format!("train.local_checkpoint_dir={}", s(l))]);
+    let tier =
+        local.map(|l| ["train.local_checkpoint_every=2".to_owned(), format!("train.local_checkpoint_dir={}", s(l))]);
     for set in SETS.iter().map(|x| x.to_string()).chain(tier.into_iter().flatten()) {
         args.extend(["--set".to_owned(), set]);
     }

@@ -345,9 +345,9 @@ fn choose(own: &[[u64; KEEP]], copies: &[[u64; KEEP]], shift: usize) -> Option<u
     let mut candidates: Vec<u64> = own.iter().chain(copies).flatten().copied().filter(|&s| s > 0).collect();
     candidates.sort_unstable_by(|a, b| b.cmp(a));
     candidates.dedup();
-    candidates.into_iter().find(|s| {
-        (0..world).all(|r| own[r].contains(s) || (world > 1 && copies[(r + shift) % world].contains(s)))
-    })
+    candidates
+        .into_iter()
+        .find(|s| (0..world).all(|r| own[r].contains(s) || (world > 1 && copies[(r + shift) % world].contains(s))))
 }
 
 /// Refuses a tier directory whose file system has not `per_rank` × `ranks` bytes, counting
@@ -405,7 +405,8 @@ fn pack(dir: &Path) -> Result<Vec<u8>> {
     let state: State = serde_json::from_slice(&text).map_err(|e| anyhow!("{}: {STATE_FILE}: {e}", dir.display()))?;
     let mut out = Vec::new();
     for name in state.files.keys().map(String::as_str).chain([STATE_FILE]) {
-        let bytes = std::fs::read(dir.join(name)).with_context(|| format!("cannot read {}", dir.join(name).display()))?;
+        let bytes =
+            std::fs::read(dir.join(name)).with_context(|| format!("cannot read {}", dir.join(name).display()))?;
         out.extend((name.len() as u32).to_le_bytes());
         out.extend(name.as_bytes());
         out.extend((bytes.len() as u64).to_le_bytes());
@@ -486,6 +487,20 @@ mod tests {
         // A save cut short: rank 0 wrote 8, rank 1 did not.
         assert_eq!(choose(&[[8, 6], [6, 4]], &[[6, 4], [6, 4]], 1), Some(6));
         assert_eq!(choose(&[[2, 0]], &[[0, 0]], 0), Some(2));
+    }
+
+    #[test]
+    fn a_tier_without_room_is_refused_with_the_arithmetic() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path().join("tier");
+        check_room(&root, 1 << 20, 2).unwrap();
+        let e = check_room(&root, 1 << 60, 2).unwrap_err().to_string();
+        assert!(
+            e.starts_with(&format!("train.local_checkpoint_dir = {}: the local tier needs", root.display()))
+                && e.contains("x 2 ranks = 1073741824.000 GiB each")
+                && e.contains("set train.local_checkpoint_every = 0"),
+            "{e}"
+        );
     }
 
     #[test]
