@@ -120,9 +120,18 @@ fn train(args: TrainArgs, device: DeviceArg) -> Result<()> {
         run_dir.lock()?;
     }
     // Every process of a job decides alike, reading the same directory.
-    // Finding and verifying the checkpoint is the first part of loading it.
+    // Finding and verifying the checkpoint is the first part of loading it. With the local tier
+    // under --resume=auto, the persistent tier's newest checkpoint is only named here, and read
+    // and verified in `Start::prepare` if the local tier has no step as new: a restart from
+    // node-local copies does not read shared storage.
+    let auto = resume == Resume::Auto;
+    let deferred = match (auto && config.train.local_checkpoint_every > 0, &claim) {
+        (true, None) => engine::checkpoint::list(&run_dir.checkpoints())?.last().map(|(step, _)| *step),
+        _ => None,
+    };
     let (decision, decided_s) = timed(|| match claim {
         Some(_) => Ok(Decision::Fresh { restart: false }),
+        None if deferred.is_some() => Ok(Decision::Fresh { restart: false }),
         None => run_dir.decide(&resume, config, args.devices * job.world),
     });
     let decision = decision?;
@@ -137,7 +146,8 @@ fn train(args: TrainArgs, device: DeviceArg) -> Result<()> {
         run_dir: Mutex::new(run_dir),
         claim,
         restart,
-        auto: resume == Resume::Auto,
+        auto,
+        deferred,
         hf,
         checkpoint,
         peak: (0.0, String::new()),
@@ -189,6 +199,9 @@ struct Start {
     restart: bool,
     /// `--resume=auto`: the local tier may hold a newer step than `checkpoint`.
     auto: bool,
+    /// Under `--resume=auto` with the local tier: the persistent tier's newest step, whose
+    /// checkpoint is verified and read only if the local tier has no step as new.
+    deferred: Option<u64>,
     hf: Option<HfModel>,
     checkpoint: Option<Checkpoint>,
     peak: (f64, String),
@@ -330,12 +343,21 @@ impl Start {
         let mut local = LocalTier::open(trainer, &run_path, local_world)?;
         let mut restored = None;
         if let Some(tier) = local.as_mut().filter(|_| self.auto && RunDir::at(&run_path).holds_run()) {
-            let persistent = self.checkpoint.as_ref().map(|ck| ck.state.step);
+            let persistent = self.checkpoint.as_ref().map(|ck| ck.state.step).or(self.deferred);
             let (found, took) = timed(|| tier.restore(trainer, persistent, lead));
             restored = found?;
             startup.checkpoint_load_s += took;
         }
-        let checkpoint = restored.as_ref().or(self.checkpoint.as_ref());
+        let mut verified = None;
+        if restored.is_none() && self.deferred.is_some() {
+            let devices = trainer.devices();
+            let (decision, took) = timed(|| RunDir::at(&run_path).decide(&Resume::Auto, &trainer.config, devices));
+            startup.checkpoint_load_s += took;
+            if let Decision::Resume(ck) = decision? {
+                verified = Some(*ck);
+            }
+        }
+        let checkpoint = restored.as_ref().or(verified.as_ref()).or(self.checkpoint.as_ref());
         if let Some(ck) = checkpoint {
             let (resumed, read_s) = timed(|| trainer.resume_from(ck));
             resumed?;
@@ -352,7 +374,7 @@ impl Start {
         if lead && !run_dir.is_locked() {
             run_dir.create()?;
             // Checked again under the lock: another run may have started here meanwhile.
-            if self.checkpoint.is_none() && !self.restart {
+            if checkpoint.is_none() && !self.restart {
                 run_dir.ensure_fresh()?;
             }
         }
