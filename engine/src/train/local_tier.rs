@@ -489,6 +489,42 @@ mod tests {
         assert_eq!(choose(&[[2, 0]], &[[0, 0]], 0), Some(2));
     }
 
+    /// Two virtual devices (FSDP 2: each holds half the state) save step 1 and exchange copies
+    /// over the mailboxes; rank 0's own copy is deleted; both restore step 1, rank 0 from the
+    /// copy rank 1 sends back, and hold exactly the state they saved.
+    #[test]
+    fn virtual_devices_restore_a_lost_part_from_the_peers_copy() {
+        let tmp = tempfile::tempdir().unwrap();
+        let local = tmp.path().join("tier");
+        let dir = format!("train.local_checkpoint_dir={}", local.display());
+        let c = crate::train::session::tests::config(&[
+            "mesh.ici_data=1",
+            "mesh.ici_fsdp=2",
+            "train.local_checkpoint_every=1",
+            &dir,
+        ]);
+        let run = tmp.path().join("run");
+        let states = crate::train::devices::run(&c, 2, |rank, t| {
+            let mut tier = LocalTier::open(t, &run, 2)?.expect("the tier is on");
+            t.train_step(0.0);
+            tier.save(t)?;
+            let saved = t.part_state(DeviceState::default());
+            t.train_step(0.0);
+            if rank == 0 {
+                std::fs::remove_dir_all(local.join("rank-00000"))?;
+            }
+            let ck = tier.restore(t, None, rank == 0)?.expect("a step every rank can restore");
+            t.resume_from(&ck)?;
+            Ok((ck.state.step, saved, t.part_state(DeviceState::default())))
+        })
+        .unwrap();
+        for (rank, (step, saved, now)) in states.into_iter().enumerate() {
+            assert_eq!(step, 1, "rank {rank}");
+            assert!(!saved.chunks.is_empty() && saved == now, "rank {rank}: the restored state is the saved one");
+        }
+        assert!(local.join("rank-00000/step-000001/state.json").is_file(), "rank 0 keeps the copy as its own");
+    }
+
     #[test]
     fn a_tier_without_room_is_refused_with_the_arithmetic() {
         let tmp = tempfile::tempdir().unwrap();
