@@ -7,7 +7,7 @@ mod common;
 use std::path::Path;
 use std::process::{Command, Output, Stdio};
 
-use common::{Scratch, metrics, s, scratch};
+use common::{Scratch, copy_dir, metrics, s, scratch};
 
 /// The tiny recipe made cheaper, as the virtual devices' tests make it: what crosses processes
 /// is the same at any width, and the full width's checkpoints took 448 MB each.
@@ -238,19 +238,6 @@ fn two_nodes_of_fsdp_follow_one_device() {
     assert_eq!(got.len(), 3);
     for (step, (w, g)) in want.iter().zip(&got).enumerate() {
         assert!((w - g).abs() <= 1e-5 * w.abs(), "step {}: {g} on 2 nodes x 2, {w} on one device", step + 1);
-    }
-}
-
-fn copy_dir(from: &Path, to: &Path) {
-    std::fs::create_dir_all(to).unwrap();
-    for entry in std::fs::read_dir(from).unwrap() {
-        let entry = entry.unwrap();
-        let target = to.join(entry.file_name());
-        if entry.file_type().unwrap().is_dir() {
-            copy_dir(&entry.path(), &target);
-        } else {
-            std::fs::copy(entry.path(), target).unwrap();
-        }
     }
 }
 

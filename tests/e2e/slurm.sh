@@ -18,7 +18,9 @@
 # - a job with checkpoints whose ranks are killed three times with SIGKILL (a rank's process
 #   chosen at random each time; the job fails and is requeued) ends on the uninterrupted curve,
 #   and `engine goodput` of its run directory finds its 4 attempts and explains at least 95 % of
-#   their summed wall time by cause (docs/launch.md, "Goodput").
+#   their summed wall time by cause (docs/launch.md, "Goodput"); the same job with the local tier
+#   of checkpoints on (train.local_checkpoint_every = 2, docs/checkpoints.md) does too, and
+#   computes fewer steps again than the job with the persistent tier alone.
 #
 #   tests/e2e/slurm.sh            # needs root (apt, /etc/hosts, the daemons)
 #
@@ -388,41 +390,61 @@ log "the requeued job (stopped at steps $stop1 and $stop2) ends on the uninterru
 
 STEPS=60
 EVERY=10
-log "SIGKILL: $STEPS steps with a checkpoint every $EVERY, a rank chosen at random killed 3 times, the job requeued"
-id=$(submit killed --steps "$STEPS" --set train.checkpoint_every=$EVERY "${SHAPES[@]}" "${MESH[@]}")
-reference killed-ref "$STEPS" --set train.checkpoint_every=$EVERY
-dir=$WORK/runs/killed
-engine_exe=$(readlink -f "$ENGINE")
-at=0
-for kill in 1 2 3; do
-    # Past the last kill's step and a few steps past a checkpoint, so that some are lost.
-    wait_step "$id" "$dir" $((at + 5)) 120
-    ranks=()
-    for p in $(pgrep -f -- "--run-dir $dir" || true); do
-        [ "$(readlink -f "/proc/$p/exe" 2>/dev/null)" = "$engine_exe" ] && ranks+=("$p")
-    done
-    [ "${#ranks[@]}" = 4 ] || job_failed "$id" "kill $kill: found ${#ranks[@]} engine ranks of job $id, expected 4"
-    victim=$((RANDOM % 4))
-    kill -9 "${ranks[$victim]}"
-    at=$(last_step "$dir")
-    # The others see it leave and exit 75; the job fails, and is requeued as a watcher would.
-    wait_state "$id" 120 FAILED
-    log "kill $kill: SIGKILL to process ${ranks[$victim]} (of the 4 ranks' processes, number $victim) at step $at; job $id failed, requeued"
-    scontrol requeue "$id"
-    wait_state "$id" 60 PENDING
-    start_now "$id"
-    wait_state "$id" 60 RUNNING
-done
-wait_job "$id" 240
-same_curve "killed 3 times" "$WORK/runs/killed-ref/metrics.jsonl" "$dir/metrics.jsonl" "$STEPS"
-log "the job killed 3 times ends on the uninterrupted curve ($STEPS steps)"
 
-# engine goodput: 4 attempts, and what no cause explains under 5 % of the attempts' summed wall
-# time (the run's wall less the time between attempts).
-"$ENGINE" goodput "$dir" >"$WORK/goodput-killed.txt" || die "engine goodput $dir: $(cat "$WORK/goodput-killed.txt")"
-cat "$WORK/goodput-killed.txt" >&2
-grep -q "^goodput of $dir (4 attempts)" "$WORK/goodput-killed.txt" || die "engine goodput: expected 4 attempts"
-awk '$1 == "wall" { wall = $6 } $1 == "unaccounted" { unaccounted = $6 } /^idle between attempts/ { idle = $8 }
-     END { attempts = wall - idle; share = 100 * (attempts - unaccounted) / attempts
-           printf "goodput: causes account for %.1f %% of the attempts'"'"' %.2f s\n", share, attempts > "/dev/stderr"
-           exit !(share >= 95) }' "$WORK/goodput-killed.txt" || die "engine goodput accounts for less than 95 % of the attempts' wall time"
+# killed NAME WHAT ARGS...: the job NAME (ARGS added to its train command) killed 3 times as the
+# header says, ending on the uninterrupted curve, with `engine goodput` accounting for 95 % of
+# its attempts' wall time. Sets RECOMPUTED to the steps its restarts computed again.
+killed() {
+    local name=$1 what=$2
+    shift 2
+    log "SIGKILL ($what): $STEPS steps with a checkpoint every $EVERY, a rank chosen at random killed 3 times, the job requeued"
+    id=$(submit "$name" --steps "$STEPS" --set train.checkpoint_every=$EVERY "${SHAPES[@]}" "${MESH[@]}" "$@")
+    [ -e "$WORK/runs/killed-ref/metrics.jsonl" ] || reference killed-ref "$STEPS" --set train.checkpoint_every=$EVERY
+    dir=$WORK/runs/$name
+    engine_exe=$(readlink -f "$ENGINE")
+    at=0
+    for kill in 1 2 3; do
+        # Past the last kill's step and a few steps past a checkpoint, so that some are lost.
+        wait_step "$id" "$dir" $((at + 5)) 120
+        ranks=()
+        for p in $(pgrep -f -- "--run-dir $dir" || true); do
+            [ "$(readlink -f "/proc/$p/exe" 2>/dev/null)" = "$engine_exe" ] && ranks+=("$p")
+        done
+        [ "${#ranks[@]}" = 4 ] || job_failed "$id" "kill $kill: found ${#ranks[@]} engine ranks of job $id, expected 4"
+        victim=$((RANDOM % 4))
+        kill -9 "${ranks[$victim]}"
+        at=$(last_step "$dir")
+        # The others see it leave and exit 75; the job fails, and is requeued as a watcher would.
+        wait_state "$id" 120 FAILED
+        log "kill $kill: SIGKILL to process ${ranks[$victim]} (of the 4 ranks' processes, number $victim) at step $at; job $id failed, requeued"
+        scontrol requeue "$id"
+        wait_state "$id" 60 PENDING
+        start_now "$id"
+        wait_state "$id" 60 RUNNING
+    done
+    wait_job "$id" 240
+    same_curve "killed 3 times ($what)" "$WORK/runs/killed-ref/metrics.jsonl" "$dir/metrics.jsonl" "$STEPS"
+    log "the job killed 3 times ($what) ends on the uninterrupted curve ($STEPS steps)"
+
+    # engine goodput: 4 attempts, and what no cause explains under 5 % of the attempts' summed
+    # wall time (the run's wall less the time between attempts).
+    "$ENGINE" goodput "$dir" >"$WORK/goodput-$name.txt" || die "engine goodput $dir: $(cat "$WORK/goodput-$name.txt")"
+    cat "$WORK/goodput-$name.txt" >&2
+    grep -q "^goodput of $dir (4 attempts)" "$WORK/goodput-$name.txt" || die "engine goodput: expected 4 attempts"
+    awk '$1 == "wall" { wall = $6 } $1 == "unaccounted" { unaccounted = $6 } /^idle between attempts/ { idle = $8 }
+         END { attempts = wall - idle; share = 100 * (attempts - unaccounted) / attempts
+               printf "goodput: causes account for %.1f %% of the attempts'"'"' %.2f s\n", share, attempts > "/dev/stderr"
+               exit !(share >= 95) }' "$WORK/goodput-$name.txt" || die "engine goodput accounts for less than 95 % of the attempts' wall time"
+    RECOMPUTED=$(sed -n 's/.* steps run, \([0-9]*\) of them recomputed after a restart$/\1/p' "$WORK/goodput-$name.txt")
+    [ -n "$RECOMPUTED" ] || die "engine goodput: no count of recomputed steps"
+}
+
+killed killed "persistent tier only"
+persistent=$RECOMPUTED
+# The same job with the local tier (train.local_checkpoint_every = 2, in /dev/shm keyed by the
+# run): a rank's process killed leaves its node's copies, so each restart loses at most a step or two.
+killed killed-local "local tier every 2 steps" --set train.local_checkpoint_every=2
+# The local tier's copies, in memory, go with the test's run.
+rm -rf "/dev/shm/engine-local-$(printf %s "$(readlink -f "$WORK/runs/killed-local")" | sha256sum | cut -c1-16)"
+log "recomputed steps: $persistent with the persistent tier only, $RECOMPUTED with the local tier"
+[ "$RECOMPUTED" -lt "$persistent" ] || die "the local tier recomputed $RECOMPUTED steps, not fewer than the persistent tier's $persistent"

@@ -42,7 +42,7 @@ pub use resume::{incompatible_keys, resume_point};
 
 /// What the tests of each part build on: a small configuration and a snapshot of its model.
 #[cfg(test)]
-mod testing {
+pub(crate) mod testing {
     use super::Snapshot;
     use crate::config::{Config, Override, resolve};
     use crate::data::Position;

@@ -16,6 +16,7 @@ use engine::parallel::comm::Collectives;
 use engine::parallel::{self, flight, rendezvous::Job};
 use engine::train::Trainer;
 use engine::train::goodput::{Startup, timed};
+use engine::train::local_tier::LocalTier;
 use engine::train::run_dir::{Decision, Resume, RunDir};
 use engine::train::session::{self, Session};
 use engine::train::signals::{self, STOPPED_EXIT, StopRequest, Stopped};
@@ -119,9 +120,18 @@ fn train(args: TrainArgs, device: DeviceArg) -> Result<()> {
         run_dir.lock()?;
     }
     // Every process of a job decides alike, reading the same directory.
-    // Finding and verifying the checkpoint is the first part of loading it.
+    // Finding and verifying the checkpoint is the first part of loading it. With the local tier
+    // under --resume=auto, the persistent tier's newest checkpoint is only named here, and read
+    // and verified in `Start::prepare` if the local tier has no step as new: a restart from
+    // node-local copies does not read shared storage.
+    let auto = resume == Resume::Auto;
+    let deferred = match (auto && config.train.local_checkpoint_every > 0, &claim) {
+        (true, None) => engine::checkpoint::list(&run_dir.checkpoints())?.last().map(|(step, _)| *step),
+        _ => None,
+    };
     let (decision, decided_s) = timed(|| match claim {
         Some(_) => Ok(Decision::Fresh { restart: false }),
+        None if deferred.is_some() => Ok(Decision::Fresh { restart: false }),
         None => run_dir.decide(&resume, config, args.devices * job.world),
     });
     let decision = decision?;
@@ -136,6 +146,8 @@ fn train(args: TrainArgs, device: DeviceArg) -> Result<()> {
         run_dir: Mutex::new(run_dir),
         claim,
         restart,
+        auto,
+        deferred,
         hf,
         checkpoint,
         peak: (0.0, String::new()),
@@ -185,6 +197,11 @@ struct Start {
     /// Whether a fresh start replaces an earlier attempt that saved no checkpoint
     /// (`--resume=auto`).
     restart: bool,
+    /// `--resume=auto`: the local tier may hold a newer step than `checkpoint`.
+    auto: bool,
+    /// Under `--resume=auto` with the local tier: the persistent tier's newest step, whose
+    /// checkpoint is verified and read only if the local tier has no step as new.
+    deferred: Option<u64>,
     hf: Option<HfModel>,
     checkpoint: Option<Checkpoint>,
     peak: (f64, String),
@@ -208,7 +225,7 @@ impl Start {
         let (trainer, allocated_s) = timed(|| Trainer::new(Traced::new(backend), config));
         let mut trainer = trainer?;
         self.startup.device_setup_s += allocated_s;
-        let session = self.prepare(&mut trainer, true)?;
+        let session = self.prepare(&mut trainer, true, 1)?;
         session::run(&mut trainer, &session)?;
         Ok(())
     }
@@ -220,7 +237,7 @@ impl Start {
         (self.peak, peak_s) = timed(|| device::peak(&Opened::Cpu(engine::backend::cpu::Cpu::new()), config));
         self.startup.device_setup_s += peak_s;
         engine::train::devices::run(config, devices, |rank, trainer| {
-            let session = self.prepare(trainer, rank == 0)?;
+            let session = self.prepare(trainer, rank == 0, devices)?;
             session::run(trainer, &session)
         })?;
         Ok(())
@@ -300,7 +317,7 @@ impl Start {
         let (trainer, allocated_s) = timed(|| Trainer::new_parallel(Traced::new(backend), config, comm, plan));
         let mut trainer = trainer?;
         self.startup.device_setup_s += allocated_s;
-        let session = self.prepare(&mut trainer, job.rank == 0)?;
+        let session = self.prepare(&mut trainer, job.rank == 0, job.local_world)?;
         let first = trainer.step;
         session::run(&mut trainer, &session)?;
         let steps = trainer.step - first;
@@ -312,15 +329,36 @@ impl Start {
     }
 
     /// Loads the starting point into `trainer` and describes the session; the lead (rank 0)
-    /// creates the run directory.
-    fn prepare<B: Backend>(&self, trainer: &mut Trainer<B>, lead: bool) -> Result<Session> {
+    /// creates the run directory. Under `--resume=auto` the local tier's newest step that
+    /// every rank can restore replaces the persistent checkpoint when it is at least as new
+    /// (`local_world`: the ranks of this node).
+    fn prepare<B: Backend>(&self, trainer: &mut Trainer<B>, lead: bool, local_world: usize) -> Result<Session> {
         let mut extras = Extras::default();
         if let Some(hf) = &self.hf {
             trainer.load_params(&hf.params(&Layout::new(&trainer.config.model))?)?;
             extras = hf.extras()?;
         }
         let mut startup = self.startup;
-        if let Some(ck) = &self.checkpoint {
+        let run_path = self.run_dir.lock().map_err(|_| anyhow!("a device thread panicked"))?.path().to_path_buf();
+        let mut local = LocalTier::open(trainer, &run_path, local_world)?;
+        let mut restored = None;
+        if let Some(tier) = local.as_mut().filter(|_| self.auto && RunDir::at(&run_path).holds_run()) {
+            let persistent = self.checkpoint.as_ref().map(|ck| ck.state.step).or(self.deferred);
+            let (found, took) = timed(|| tier.restore(trainer, persistent, lead));
+            restored = found?;
+            startup.checkpoint_load_s += took;
+        }
+        let mut verified = None;
+        if restored.is_none() && self.deferred.is_some() {
+            let devices = trainer.devices();
+            let (decision, took) = timed(|| RunDir::at(&run_path).decide(&Resume::Auto, &trainer.config, devices));
+            startup.checkpoint_load_s += took;
+            if let Decision::Resume(ck) = decision? {
+                verified = Some(*ck);
+            }
+        }
+        let checkpoint = restored.as_ref().or(verified.as_ref()).or(self.checkpoint.as_ref());
+        if let Some(ck) = checkpoint {
             let (resumed, read_s) = timed(|| trainer.resume_from(ck));
             resumed?;
             startup.checkpoint_load_s += read_s;
@@ -336,20 +374,25 @@ impl Start {
         if lead && !run_dir.is_locked() {
             run_dir.create()?;
             // Checked again under the lock: another run may have started here meanwhile.
-            if self.checkpoint.is_none() && !self.restart {
+            if checkpoint.is_none() && !self.restart {
                 run_dir.ensure_fresh()?;
             }
+        }
+        if let Some(tier) = &mut local {
+            tier.discard_after(trainer.step)?;
+            tier.extras = std::sync::Arc::new(extras.clone());
         }
         Ok(Session {
             name: self.name.clone(),
             run_dir,
             peak_tflops: self.peak.0,
             peak_source: self.peak.1.clone(),
-            resumed_from: self.checkpoint.as_ref().map(|c| c.dir.clone()),
+            resumed_from: checkpoint.map(|c| c.dir.clone()),
             extras,
             lead,
             stop: StopRequest::signals(),
             startup,
+            local_tier: local,
         })
     }
 }

@@ -493,6 +493,15 @@ section! {
         /// 0 disables it.
         @resumable
         pub checkpoint_every_minutes: f64 = 0.0,
+        /// Save each rank's part to the node-local tier every this many steps
+        /// (`train/local_tier.rs`): sealed, replicated to a peer rank, restored by
+        /// `--resume=auto` when newer than the persistent tier; 0 disables it.
+        @resumable
+        pub local_checkpoint_every: usize = 0,
+        /// Directory of the local tier on each node; empty: `/dev/shm/engine-local-HASH`, keyed
+        /// by the run directory's canonical path.
+        @resumable
+        pub local_checkpoint_dir: String = String::new(),
         /// Complete checkpoints kept in the run directory (the oldest are removed); 0 keeps all.
         @resumable
         pub keep_last: usize = 3,

@@ -179,6 +179,7 @@ mod tests {
             checkpoint_s: None,
             slowest_rank: None,
             slowest_step_time_s: None,
+            local_checkpoint_s: None,
             straggler: None,
         };
         assert!(scalars(&m).iter().all(|(tag, _)| !tag.starts_with("data/")));

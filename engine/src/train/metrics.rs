@@ -56,6 +56,10 @@ pub struct StepMetrics {
     /// host, and waiting for the previous save if it was still writing.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub checkpoint_s: Option<f64>,
+    /// Seconds the step loop spent saving this step to the local tier and exchanging the
+    /// copies with the peers ([`super::local_tier`]), when it did.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub local_checkpoint_s: Option<f64>,
     /// On runs of more than one device: the rank whose step took longest (the straggler the
     /// others waited for), and its step time. Every rank's time is gathered at each step.
     #[serde(skip_serializing_if = "Option::is_none")]

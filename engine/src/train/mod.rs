@@ -10,6 +10,7 @@
 pub mod checkpointer;
 pub mod devices;
 pub mod goodput;
+pub mod local_tier;
 pub mod logger;
 pub mod metrics;
 pub mod run_dir;
@@ -420,6 +421,7 @@ impl<B: Backend> Trainer<B> {
             checkpoint_s: None,
             slowest_rank: None,
             slowest_step_time_s: None,
+            local_checkpoint_s: None,
             straggler: None,
         }
     }
@@ -653,6 +655,13 @@ impl<B: Backend> Trainer<B> {
             state.bufs.iter_mut().for_each(Vec::clear);
             return state;
         }
+        self.part_state(state)
+    }
+
+    /// [`Trainer::device_state`] of every device, replicas included: the local tier keeps each
+    /// rank's own part, so that each restores from its own copy without asking another.
+    pub fn part_state(&mut self, into: DeviceState) -> DeviceState {
+        let mut state = into;
         let views = [self.parallel.master_params(), self.moments.0, self.moments.1];
         for (buf, view) in state.bufs.iter_mut().zip(views) {
             buf.resize(view.len, 0.0);

@@ -11,6 +11,7 @@ use serde::Serialize;
 
 use super::checkpointer::Checkpointer;
 use super::goodput::{self, Startup, Timeline};
+use super::local_tier::LocalTier;
 use super::logger::MetricsLogger;
 pub use super::run_dir::CHECKPOINTS;
 use super::run_dir::{self, RunDir};
@@ -49,6 +50,8 @@ pub struct Session {
     pub stop: StopRequest,
     /// How long this attempt took to start, by part (the goodput timeline's start record).
     pub startup: Startup,
+    /// The local tier of checkpoints, when `train.local_checkpoint_every` is set.
+    pub local_tier: Option<LocalTier>,
 }
 
 /// What `summary.json` holds at the end of a run; its presence marks the run complete.
@@ -185,6 +188,7 @@ pub fn run<B: Backend>(trainer: &mut Trainer<Traced<B>>, s: &Session) -> Result<
     // The lead appends this attempt to the run's goodput timeline.
     let mut timeline = if s.lead { Some(Timeline::begin(s.run_dir.path(), first, s.startup)?) } else { None };
     let mut saver = Checkpointer::new(&checkpoints, trainer, s.extras.clone(), s.lead);
+    let mut local = s.local_tier.clone();
     let mut clock = Cadence::new(config.train.checkpoint_every_minutes);
     let mut history: Vec<StepMetrics> = Vec::with_capacity(steps - first as usize);
     log.start_progress(first);
@@ -233,10 +237,14 @@ pub fn run<B: Backend>(trainer: &mut Trainer<Traced<B>>, s: &Session) -> Result<
         }
         let (saved, stall) = saver.after_step(trainer, due)?;
         m.checkpoint_s = stall;
+        if let Some(tier) = local.as_mut().filter(|t| t.due(step as u64)) {
+            m.local_checkpoint_s = Some(tier.save(trainer)?);
+        }
         let (logged, logging_s) = goodput::timed(|| log.step(&m));
         logged?;
         if let Some(t) = &mut timeline {
-            let (step_s, data_s, checkpoint_s) = (m.step_time_s, m.data_s, stall.unwrap_or(0.0));
+            let checkpoint_s = stall.unwrap_or(0.0) + m.local_checkpoint_s.unwrap_or(0.0);
+            let (step_s, data_s) = (m.step_time_s, m.data_s);
             t.step(goodput::Record::Step {
                 attempt: 0,
                 step: m.step,
@@ -525,6 +533,7 @@ pub(crate) mod tests {
             lead,
             stop,
             startup: Startup::default(),
+            local_tier: None,
         }
     }
 

@@ -52,6 +52,20 @@ pub fn fails(args: &[&str], expected: &str) -> String {
     stderr
 }
 
+/// Copies the directory `from` to `to`, recursively.
+pub fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        let target = to.join(entry.file_name());
+        if entry.file_type().unwrap().is_dir() {
+            copy_dir(&entry.path(), &target);
+        } else {
+            std::fs::copy(entry.path(), target).unwrap();
+        }
+    }
+}
+
 /// A fresh scratch directory for one test.
 pub fn scratch(name: &str) -> Scratch {
     let dir = std::env::temp_dir().join(format!("engine-test-{name}-{}", std::process::id()));

@@ -1,0 +1,567 @@
+//! The fast local tier of checkpoints (`train.local_checkpoint_every`): each rank's part of the
+//! training state in node-local storage (`/dev/shm` by default), copied to one peer rank, so
+//! that a restart reads memory instead of shared storage and loses fewer steps, as MaxText's
+//! emergency checkpointing and PyTorch's in-cluster checkpoints do.
+//!
+//! ```text
+//! LOCAL_DIR/                      train.local_checkpoint_dir, or /dev/shm/engine-local-HASH
+//!   rank-00001/step-000120/       rank 1's own part: a sealed sharded checkpoint of one shard
+//!   copy-of-rank-00000/step-000120/  the copy of rank 0's part that rank 1 keeps as its peer
+//! ```
+//!
+//! Rank r's peer is rank (r + local_world) mod world, on the next node when there is one (the
+//! next rank on a single node), so losing one node loses no part. A save writes the rank's
+//! own part with the persistent tier's writer and seal ([`sharded::write_part`],
+//! [`sharded::commit`]), sends its files to the peer over the job's collectives (`send_recv`,
+//! in pieces through a fixed staging buffer) and writes the part it receives into its copy
+//! directory, byte for byte the sender's, seal included. Each directory keeps the newest
+//! [`KEEP`] steps: a rank killed in the middle of a save still shares the previous step with
+//! every other rank.
+//!
+//! On `--resume=auto` ([`LocalTier::restore`]) each rank verifies its copies (the seal and every
+//! file's SHA-256: a damaged one is skipped, with a line saying so) and reports the steps it can
+//! serve, for itself and for the rank whose copy it keeps; every rank then takes the newest
+//! step that all can restore, from its own copy or its peer's, when it is at least as new as the
+//! persistent tier's newest. A rank without its own copy receives the peer's, writes it as its
+//! own and loads it like any checkpoint.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{Context, Result, anyhow, bail};
+
+use super::Trainer;
+use crate::backend::{Backend, BufKind, View};
+use crate::checkpoint::sharded::{self, DeviceState};
+use crate::checkpoint::{self, Checkpoint, Extras, STATE_FILE, State};
+use crate::config::Config;
+use crate::fsutil;
+
+/// Steps each directory of the tier keeps: the newest two, so that a save cut short on some
+/// rank leaves the previous step on all.
+pub const KEEP: usize = 2;
+
+/// f32 words one `send_recv` of a transfer moves (4 MiB), the size of each staging buffer.
+const PIECE: usize = 1 << 20;
+
+/// A rank's side of the local tier.
+#[derive(Clone)]
+pub struct LocalTier {
+    /// This run's directory of the tier on this node.
+    root: PathBuf,
+    every: u64,
+    rank: usize,
+    world: usize,
+    /// The rank that keeps this rank's copy.
+    peer: usize,
+    /// The rank whose copy this rank keeps.
+    source: usize,
+    /// Outgoing and incoming staging buffers of the transfers (none on one device).
+    staging: Option<(View, View)>,
+    config: Arc<Config>,
+    /// Files every checkpoint carries (the Hugging Face model's), as the persistent tier's.
+    pub extras: Arc<Extras>,
+}
+
+impl LocalTier {
+    /// The local tier of `trainer`'s run in `run_dir` (none when `train.local_checkpoint_every`
+    /// is 0), on a node of `local_world` ranks. Refuses a directory whose file system has not
+    /// the room for [`KEEP`] steps of this node's parts and their copies.
+    pub fn open<B: Backend>(trainer: &mut Trainer<B>, run_dir: &Path, local_world: usize) -> Result<Option<LocalTier>> {
+        let t = &trainer.config.train;
+        if t.local_checkpoint_every == 0 {
+            return Ok(None);
+        }
+        let root = root_of(&t.local_checkpoint_dir, run_dir);
+        let (rank, world) = (trainer.parallel.rank, trainer.devices());
+        let local_world = local_world.clamp(1, world);
+        let (peer, source) = peers(rank, world, local_world);
+        // Every rank keeps its own part and its source's copy; about as large as its own.
+        let part = 4 * (3 * trainer.parallel.master_params().len + trainer.plan.fp8.map_or(0, |f| f.states.len)) as u64;
+        let copies = if world > 1 { 2 } else { 1 };
+        check_room(&root, KEEP as u64 * copies * part, local_world)?;
+        let tier = LocalTier {
+            root,
+            every: t.local_checkpoint_every as u64,
+            rank,
+            world,
+            peer,
+            source,
+            staging: (world > 1).then(|| {
+                let be = &mut trainer.backend;
+                (be.alloc(BufKind::Activations, PIECE), be.alloc(BufKind::Activations, PIECE))
+            }),
+            config: Arc::new(trainer.config.clone()),
+            extras: Arc::new(Extras::default()),
+        };
+        for dir in [tier.own_dir(), tier.copy_dir()] {
+            std::fs::create_dir_all(&dir).map_err(|e| {
+                anyhow!("train.local_checkpoint_dir: cannot create {}: {e}; set another directory", dir.display())
+            })?;
+            checkpoint::remove_temporaries(&dir)?;
+        }
+        Ok(Some(tier))
+    }
+
+    /// The directory of this rank's own parts.
+    fn own_dir(&self) -> PathBuf {
+        self.root.join(format!("rank-{:05}", self.rank))
+    }
+
+    /// The directory of the copies this rank keeps of its source's parts.
+    fn copy_dir(&self) -> PathBuf {
+        self.root.join(format!("copy-of-rank-{:05}", self.source))
+    }
+
+    /// Whether the step just completed is one the tier saves.
+    pub fn due(&self, step: u64) -> bool {
+        step.is_multiple_of(self.every)
+    }
+
+    /// Saves this rank's part of the trainer's current step and exchanges copies with the
+    /// peers; every rank calls it at the same step. Returns the seconds it took.
+    pub fn save<B: Backend>(&mut self, trainer: &mut Trainer<B>) -> Result<f64> {
+        let start = Instant::now();
+        let progress = trainer.progress();
+        let name = checkpoint::dir_name(progress.step);
+        let dir = self.own_dir().join(&name);
+        let state = trainer.part_state(DeviceState::default());
+        self.write_own(&dir, |tmp| {
+            let known = sharded::write_part(tmp, self.rank, self.world, &state)?;
+            sharded::commit(tmp, &dir, &self.config, progress, self.world, &self.extras, &known)
+        })?;
+        if self.world > 1 {
+            let files = pack(&dir)?;
+            let got = self.exchange(trainer, Some((files, self.peer)), Some(self.source))?.expect("a copy received");
+            unpack(&got, &self.copy_dir().join(&name))?;
+            checkpoint::prune(&self.copy_dir(), KEEP, 0)?;
+        }
+        checkpoint::prune(&self.own_dir(), KEEP, 0)?;
+        Ok(start.elapsed().as_secs_f64())
+    }
+
+    /// Writes `dir` (replacing what an earlier attempt left there) with `write`, which fills a
+    /// temporary sibling and renames it to `dir`.
+    fn write_own(&self, dir: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
+        let name = dir.file_name().context("a step directory")?.to_string_lossy().into_owned();
+        let tmp = dir.with_file_name(format!(".tmp-{name}"));
+        for old in [dir, tmp.as_path()] {
+            if old.exists() {
+                std::fs::remove_dir_all(old).with_context(|| format!("cannot remove {}", old.display()))?;
+            }
+        }
+        std::fs::create_dir_all(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
+        write(&tmp).map_err(|e| {
+            let _ = std::fs::remove_dir_all(&tmp);
+            e.context(format!("cannot write the local checkpoint {}", dir.display()))
+        })
+    }
+
+    /// Sends `send`'s bytes to its rank (when given) and receives from rank `recv` (when
+    /// given), in pieces of [`PIECE`] words: first the byte counts, then the bytes.
+    fn exchange<B: Backend>(
+        &self,
+        trainer: &mut Trainer<B>,
+        send: Option<(Vec<u8>, usize)>,
+        recv: Option<usize>,
+    ) -> Result<Option<Vec<u8>>> {
+        let (out, inn) = self.staging.expect("staging buffers on more than one device");
+        let (be, par) = (&mut trainer.backend, &mut trainer.parallel);
+        let words = send.as_ref().map(|(files, to)| (to_words(files), *to));
+        let to = |v: View| words.as_ref().map(|(_, to)| (v, *to)).into_iter().collect::<Vec<_>>();
+        let from = |v: View| recv.map(|from| (v, from)).into_iter().collect::<Vec<_>>();
+        let receive = recv.is_some();
+        // The byte count as two 32-bit halves, carried as bit patterns.
+        let bytes = send.as_ref().map_or(0, |(f, _)| f.len() as u64);
+        be.upload(out.at(0, 2), &[f32::from_bits(bytes as u32), f32::from_bits((bytes >> 32) as u32)]);
+        par.send_recv(be, &to(out.at(0, 2)), &from(inn.at(0, 2)));
+        let mut header = [0f32; 2];
+        if receive {
+            be.download(inn.at(0, 2), &mut header);
+        }
+        let incoming = (header[0].to_bits() as u64 | (header[1].to_bits() as u64) << 32) as usize;
+        let (send_len, recv_len) = (words.as_ref().map_or(0, |(w, _)| w.len()), incoming.div_ceil(4));
+        let mut got = vec![0f32; recv_len];
+        let (mut sent, mut received) = (0, 0);
+        while sent < send_len || received < recv_len {
+            let (s, r) = ((send_len - sent).min(PIECE), (recv_len - received).min(PIECE));
+            let sends = match &words {
+                Some((w, _)) if s > 0 => {
+                    be.upload(out.at(0, s), &w[sent..sent + s]);
+                    to(out.at(0, s))
+                }
+                _ => Vec::new(),
+            };
+            let recvs = if r > 0 { from(inn.at(0, r)) } else { Vec::new() };
+            par.send_recv(be, &sends, &recvs);
+            if r > 0 {
+                be.download(inn.at(0, r), &mut got[received..received + r]);
+            }
+            (sent, received) = (sent + s, received + r);
+        }
+        if !receive {
+            return Ok(None);
+        }
+        let mut bytes: Vec<u8> = got.iter().flat_map(|w| w.to_bits().to_le_bytes()).collect();
+        bytes.truncate(incoming);
+        Ok(Some(bytes))
+    }
+
+    /// `--resume=auto` with the local tier: the newest step every rank can restore from its own
+    /// copy or its peer's, if at least as new as `persistent` (the persistent tier's newest
+    /// step); this rank's part of it in its own directory (received from the peer when its own
+    /// copy is missing or damaged), verified. None otherwise. The lead says which tier in one
+    /// line. Every rank calls it at the same point.
+    pub fn restore<B: Backend>(
+        &mut self,
+        trainer: &mut Trainer<B>,
+        persistent: Option<u64>,
+        lead: bool,
+    ) -> Result<Option<Checkpoint>> {
+        let own = self.usable(&self.own_dir());
+        let copies = if self.world > 1 { self.usable(&self.copy_dir()) } else { Vec::new() };
+        let report = |steps: &[u64]| std::array::from_fn::<u64, KEEP, _>(|i| steps.get(i).copied().unwrap_or(0));
+        let all_own = trainer.parallel.gather_many_from_world(&mut trainer.backend, report(&own));
+        let all_copies = trainer.parallel.gather_many_from_world(&mut trainer.backend, report(&copies));
+        let choice = choose(&all_own, &all_copies, (self.peer + self.world - self.rank) % self.world);
+        let d = self.root.display();
+        let step = match choice {
+            Some(step) if persistent.is_none_or(|p| step >= p) => step,
+            _ => {
+                if lead {
+                    let found = match choice {
+                        Some(s) => format!("its newest step that every rank can restore is {s}"),
+                        None => "no step there can be restored by every rank".to_owned(),
+                    };
+                    let then = match persistent {
+                        Some(p) => format!("resuming from the persistent tier (step {p})"),
+                        None => "the persistent tier holds none either".to_owned(),
+                    };
+                    crate::say!("local tier ({d}): {found}; {then}");
+                }
+                return Ok(None);
+            }
+        };
+        let has = |steps: &[u64; KEEP]| steps.contains(&step);
+        let name = checkpoint::dir_name(step);
+        let mine = self.own_dir().join(&name);
+        let lacking = !has(&all_own[self.rank]);
+        if self.world > 1 {
+            // The copy this rank keeps goes back to its owner if the owner lacks its own.
+            let send = match has(&all_own[self.source]) {
+                true => None,
+                false => Some((pack(&self.copy_dir().join(&name))?, self.source)),
+            };
+            if let Some(got) = self.exchange(trainer, send, lacking.then_some(self.peer))? {
+                unpack(&got, &mine)?;
+                fsutil::sync_dir(&self.own_dir())?;
+            }
+        }
+        let ck = checkpoint::resume_point(&self.own_dir(), Some(&mine), &trainer.config, self.world)?;
+        if lead {
+            let from_peers: Vec<usize> = (0..self.world).filter(|&r| !has(&all_own[r])).collect();
+            let how = match from_peers.as_slice() {
+                [] => "every rank from its own copy".to_owned(),
+                ranks => format!("ranks {ranks:?} from their peers' copies, the others from their own"),
+            };
+            let newer = persistent.map_or("none".to_owned(), |p| format!("step {p}"));
+            crate::say!(
+                "resuming after step {step} from the local tier ({d}; {how}); the persistent tier's newest is {newer}"
+            );
+        }
+        Ok(Some(ck))
+    }
+
+    /// The steps of `dir` this rank can restore, newest first: complete, sealed, every file
+    /// matching its hash, of this run's configuration on this mesh. Each that is not says so in
+    /// one line and is skipped.
+    fn usable(&self, dir: &Path) -> Vec<u64> {
+        let listed = checkpoint::list(dir).unwrap_or_default();
+        let mut steps = Vec::new();
+        for (step, path) in listed.into_iter().rev() {
+            match checkpoint::resume_point(dir, Some(&path), &self.config, self.world) {
+                Ok(ck) if ck.state.shards == Some(self.world) => steps.push(step),
+                Ok(_) => crate::say!("local tier: {} was saved on another mesh; skipped", path.display()),
+                Err(e) => crate::say!("local tier: rank {}: {e:#}; skipped", self.rank),
+            }
+            if steps.len() == KEEP {
+                break;
+            }
+        }
+        steps
+    }
+
+    /// Removes this rank's local copies of steps after `step` (a run that continues from
+    /// `step`, or starts at 0, replaces them).
+    pub fn discard_after(&self, step: u64) -> Result<()> {
+        for dir in [self.own_dir(), self.copy_dir()] {
+            for (s, path) in checkpoint::list(&dir)?.into_iter().filter(|(s, _)| *s > step) {
+                std::fs::remove_dir_all(&path)
+                    .with_context(|| format!("cannot remove the local checkpoint of step {s}, {}", path.display()))?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The tier's directory of a run: `train.local_checkpoint_dir` as given, or
+/// `/dev/shm/engine-local-HASH` keyed by the run directory's canonical path.
+pub fn root_of(configured: &str, run_dir: &Path) -> PathBuf {
+    if !configured.is_empty() {
+        return PathBuf::from(configured);
+    }
+    let hash = crate::digest::sha256_hex(canonical(run_dir).as_os_str().as_encoded_bytes());
+    PathBuf::from(format!("/dev/shm/engine-local-{}", &hash[..16]))
+}
+
+/// `path` with its longest existing ancestor resolved (links, `..`) and the rest appended, so
+/// that a run directory not yet created keys the tier as it will once it exists.
+fn canonical(path: &Path) -> PathBuf {
+    if let Ok(c) = std::fs::canonicalize(path) {
+        return c;
+    }
+    match (path.parent(), path.file_name()) {
+        (Some(parent), Some(name)) => {
+            canonical(if parent.as_os_str().is_empty() { Path::new(".") } else { parent }).join(name)
+        }
+        _ => std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf()),
+    }
+}
+
+/// Rank `rank`'s peer (which keeps its copy) and source (whose copy it keeps), among `world`
+/// ranks of `local_world` a node: the same local rank on the next node, or the next rank on
+/// one node.
+fn peers(rank: usize, world: usize, local_world: usize) -> (usize, usize) {
+    let shift = if world > local_world { local_world } else { 1 } % world;
+    ((rank + shift) % world, (rank + world - shift) % world)
+}
+
+/// The newest step every rank can restore: rank r from its own copies (`own[r]`) or from
+/// those its peer, rank (r + shift) mod world, keeps of it (`copies[peer]`). Steps are 0 where
+/// none.
+fn choose(own: &[[u64; KEEP]], copies: &[[u64; KEEP]], shift: usize) -> Option<u64> {
+    let world = own.len();
+    let mut candidates: Vec<u64> = own.iter().chain(copies).flatten().copied().filter(|&s| s > 0).collect();
+    candidates.sort_unstable_by(|a, b| b.cmp(a));
+    candidates.dedup();
+    candidates
+        .into_iter()
+        .find(|s| (0..world).all(|r| own[r].contains(s) || (world > 1 && copies[(r + shift) % world].contains(s))))
+}
+
+/// Refuses a tier directory whose file system has not `per_rank` × `ranks` bytes, counting
+/// what this run's copies already hold there (which the new ones replace).
+fn check_room(root: &Path, per_rank: u64, ranks: usize) -> Result<()> {
+    let need = per_rank * ranks as u64;
+    let mut at = root.to_path_buf();
+    while !at.exists() {
+        at = at.parent().map(Path::to_path_buf).unwrap_or_else(|| PathBuf::from("/"));
+    }
+    let free = free_bytes(&at).with_context(|| format!("train.local_checkpoint_dir: cannot stat {}", at.display()))?;
+    let held = bytes_under(root);
+    if free + held < need {
+        let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+        bail!(
+            "train.local_checkpoint_dir = {}: the local tier needs {:.3} GiB on this node ({KEEP} steps x (own part + the peer's copy) x {ranks} ranks = {:.3} GiB each), its file system has {:.3} GiB free (+ {:.3} GiB this run's copies hold); free memory or disk there, set another directory, or set train.local_checkpoint_every = 0",
+            root.display(),
+            gib(need),
+            gib(per_rank),
+            gib(free),
+            gib(held)
+        );
+    }
+    Ok(())
+}
+
+/// Bytes available to this user on the file system of `path` (statvfs).
+fn free_bytes(path: &Path) -> std::io::Result<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes()).map_err(std::io::Error::other)?;
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: a valid C string and a zeroed struct for the call to fill.
+    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(st.f_bavail as u64 * st.f_frsize as u64)
+}
+
+/// The bytes of the files under `dir` (0 when it does not exist).
+fn bytes_under(dir: &Path) -> u64 {
+    let Ok(entries) = std::fs::read_dir(dir) else { return 0 };
+    entries
+        .filter_map(|e| e.ok())
+        .map(|e| match e.file_type() {
+            Ok(t) if t.is_dir() => bytes_under(&e.path()),
+            _ => e.metadata().map_or(0, |m| m.len()),
+        })
+        .sum()
+}
+
+/// A sealed checkpoint directory's files (those its `state.json` lists, then `state.json`)
+/// as one buffer: for each, its name's length (u32), the name, its length (u64), its bytes.
+fn pack(dir: &Path) -> Result<Vec<u8>> {
+    let text = std::fs::read(dir.join(STATE_FILE)).with_context(|| format!("cannot read {}", dir.display()))?;
+    let state: State = serde_json::from_slice(&text).map_err(|e| anyhow!("{}: {STATE_FILE}: {e}", dir.display()))?;
+    let mut out = Vec::new();
+    for name in state.files.keys().map(String::as_str).chain([STATE_FILE]) {
+        let bytes =
+            std::fs::read(dir.join(name)).with_context(|| format!("cannot read {}", dir.join(name).display()))?;
+        out.extend((name.len() as u32).to_le_bytes());
+        out.extend(name.as_bytes());
+        out.extend((bytes.len() as u64).to_le_bytes());
+        out.extend(bytes);
+    }
+    Ok(out)
+}
+
+/// Writes what [`pack`] packed as the directory `dir` (through a temporary sibling, renamed
+/// when complete); names must be plain relative paths.
+fn unpack(packed: &[u8], dir: &Path) -> Result<()> {
+    let tmp = dir.with_file_name(format!(".tmp-{}", dir.file_name().context("a directory")?.to_string_lossy()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    let _ = std::fs::remove_dir_all(dir);
+    std::fs::create_dir_all(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
+    let mut at = 0usize;
+    let take = |at: &mut usize, n: usize| take_from(packed, at, n, dir);
+    while at < packed.len() {
+        let len = u32::from_le_bytes(take(&mut at, 4)?.try_into()?) as usize;
+        let name = String::from_utf8(take(&mut at, len)?.to_vec())?;
+        if !fsutil::is_plain_relative(&name) {
+            bail!("the local checkpoint received for {} names the file `{name}`, not a plain name", dir.display());
+        }
+        let len = u64::from_le_bytes(take(&mut at, 8)?.try_into()?) as usize;
+        let path = tmp.join(&name);
+        if let Some(parent) = path.parent() {
+            std::fs::create_dir_all(parent)?;
+        }
+        std::fs::write(&path, take(&mut at, len)?).with_context(|| format!("cannot write {}", path.display()))?;
+    }
+    std::fs::rename(&tmp, dir).with_context(|| format!("cannot rename {} to {}", tmp.display(), dir.display()))?;
+    Ok(())
+}
+
+/// The `n` bytes of `packed` from `at`, moving `at` past them (`dir`: the copy, for the error).
+fn take_from<'a>(packed: &'a [u8], at: &mut usize, n: usize, dir: &Path) -> Result<&'a [u8]> {
+    let part = (packed.get(*at..at.saturating_add(n)))
+        .ok_or_else(|| anyhow!("the local checkpoint received for {} is truncated", dir.display()))?;
+    *at += n;
+    Ok(part)
+}
+
+/// Bytes as f32 words (their bit patterns), the last padded with zeros.
+fn to_words(bytes: &[u8]) -> Vec<f32> {
+    bytes
+        .chunks(4)
+        .map(|c| {
+            let mut w = [0u8; 4];
+            w[..c.len()].copy_from_slice(c);
+            f32::from_bits(u32::from_le_bytes(w))
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn peers_are_on_the_next_node_or_the_next_rank() {
+        // Two nodes of two: 0 -> 2, 1 -> 3, 2 -> 0, 3 -> 1.
+        assert_eq!((0..4).map(|r| peers(r, 4, 2)).collect::<Vec<_>>(), [(2, 2), (3, 3), (0, 0), (1, 1)]);
+        // One node of three: the next rank.
+        assert_eq!((0..3).map(|r| peers(r, 3, 3)).collect::<Vec<_>>(), [(1, 2), (2, 0), (0, 1)]);
+        assert_eq!(peers(0, 1, 1), (0, 0));
+    }
+
+    #[test]
+    fn the_newest_step_every_rank_can_restore_is_chosen() {
+        // Rank 0 lost its own copies; rank 1 keeps rank 0's copies of 6 and 4.
+        let own = [[0, 0], [6, 4]];
+        let copies = [[6, 4], [6, 4]];
+        assert_eq!(choose(&own, &copies, 1), Some(6));
+        // Rank 1's copy of rank 0's step 6 is gone too: 4 is the newest all can restore.
+        assert_eq!(choose(&own, &[[6, 4], [4, 0]], 1), Some(4));
+        // Both copies of rank 0 gone.
+        assert_eq!(choose(&own, &[[6, 4], [0, 0]], 1), None);
+        // A save cut short: rank 0 wrote 8, rank 1 did not.
+        assert_eq!(choose(&[[8, 6], [6, 4]], &[[6, 4], [6, 4]], 1), Some(6));
+        assert_eq!(choose(&[[2, 0]], &[[0, 0]], 0), Some(2));
+    }
+
+    /// Two virtual devices (FSDP 2: each holds half the state) save step 1 and exchange copies
+    /// over the mailboxes; rank 0's own copy is deleted; both restore step 1, rank 0 from the
+    /// copy rank 1 sends back, and hold exactly the state they saved.
+    #[test]
+    fn virtual_devices_restore_a_lost_part_from_the_peers_copy() {
+        let tmp = tempfile::tempdir().unwrap();
+        let local = tmp.path().join("tier");
+        let dir = format!("train.local_checkpoint_dir={}", local.display());
+        let c = crate::train::session::tests::config(&[
+            "mesh.ici_data=1",
+            "mesh.ici_fsdp=2",
+            "train.local_checkpoint_every=1",
+            &dir,
+        ]);
+        let run = tmp.path().join("run");
+        let states = crate::train::devices::run(&c, 2, |rank, t| {
+            let mut tier = LocalTier::open(t, &run, 2)?.expect("the tier is on");
+            t.train_step(0.0);
+            tier.save(t)?;
+            let saved = t.part_state(DeviceState::default());
+            t.train_step(0.0);
+            if rank == 0 {
+                std::fs::remove_dir_all(local.join("rank-00000"))?;
+            }
+            let ck = tier.restore(t, None, rank == 0)?.expect("a step every rank can restore");
+            t.resume_from(&ck)?;
+            Ok((ck.state.step, saved, t.part_state(DeviceState::default())))
+        })
+        .unwrap();
+        for (rank, (step, saved, now)) in states.into_iter().enumerate() {
+            assert_eq!(step, 1, "rank {rank}");
+            assert!(!saved.chunks.is_empty() && saved == now, "rank {rank}: the restored state is the saved one");
+        }
+        assert!(local.join("rank-00000/step-000001/state.json").is_file(), "rank 0 keeps the copy as its own");
+    }
+
+    #[test]
+    fn a_tier_without_room_is_refused_with_the_arithmetic() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path().join("tier");
+        check_room(&root, 1 << 20, 2).unwrap();
+        let e = check_room(&root, 1 << 60, 2).unwrap_err().to_string();
+        assert!(
+            e.starts_with(&format!("train.local_checkpoint_dir = {}: the local tier needs", root.display()))
+                && e.contains("x 2 ranks = 1073741824.000 GiB each")
+                && e.contains("set train.local_checkpoint_every = 0"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn packed_files_unpack_byte_for_byte_and_bad_names_are_refused() {
+        use crate::checkpoint::testing::{small, snapshot};
+        let tmp = tempfile::tempdir().unwrap();
+        let config = small();
+        let (layout, snap) = snapshot(&config, 4);
+        let from = checkpoint::write(&tmp.path().join("a"), &config, &layout, &snap, &Extras::default(), None).unwrap();
+        let packed = pack(&from).unwrap();
+        let words = to_words(&packed);
+        let back: Vec<u8> = words.iter().flat_map(|w| w.to_bits().to_le_bytes()).take(packed.len()).collect();
+        assert_eq!(back, packed);
+        let to = tmp.path().join("b/step-000004");
+        std::fs::create_dir_all(to.parent().unwrap()).unwrap();
+        unpack(&back, &to).unwrap();
+        let ck = Checkpoint::open(&to).unwrap();
+        assert_eq!(ck.snapshot(&layout).unwrap(), snap);
+        let e = unpack(&packed[..packed.len() - 3], &tmp.path().join("c")).unwrap_err().to_string();
+        assert!(e.contains("truncated"), "{e}");
+        let mut evil = Vec::new();
+        evil.extend(5u32.to_le_bytes());
+        evil.extend(b"../x1");
+        evil.extend(0u64.to_le_bytes());
+        let e = unpack(&evil, &tmp.path().join("d")).unwrap_err().to_string();
+        assert!(e.contains("not a plain name"), "{e}");
+    }
+}

@@ -1,0 +1,167 @@
+//! The local tier of checkpoints (`train.local_checkpoint_every`, `train/local_tier.rs`) across
+//! two processes of `engine launch` on the TCP collectives: a job killed (SIGKILL, every
+//! process) after a local save and before the next persistent one resumes with
+//! `--resume=auto` from the local tier; from the peer's copy when a rank's own is deleted or
+//! corrupted (the corruption found by the seal, with a line saying so); from the persistent
+//! tier when both copies are gone. Every case ends on the uninterrupted curve, bit for bit.
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::os::unix::process::CommandExt;
+use std::path::Path;
+use std::process::{Command, Stdio};
+
+use common::{copy_dir, engine_cmd, metrics, s, scratch};
+
+/// The tiny recipe made cheap, on a mesh of FSDP 2 (each rank's part is half the state, so a
+/// rank cannot restore from its own copy what only the other holds); persistent checkpoints
+/// every 5 steps, local ones every 2.
+const SETS: [&str; 12] = [
+    "model.vocab_size=512",
+    "model.d_model=64",
+    "model.n_heads=2",
+    "model.n_kv_heads=2",
+    "model.head_dim=32",
+    "model.mlp_dim=128",
+    "train.seq_len=32",
+    "optim.warmup_steps=2",
+    "train.profile_step=0",
+    "mesh.ici_data=1",
+    "mesh.ici_fsdp=2",
+    "train.checkpoint_every=5",
+];
+
+const STEPS: &str = "12";
+
+/// `engine launch --nproc 2 -- train ...` into `run` (with the local tier in `local`, if given).
+fn job(run: &Path, local: Option<&Path>, extra: &[&str]) -> Command {
+    let mut args: Vec<String> = ["launch", "--nproc", "2", "--", "train", "--device", "cpu", "--recipe", "tiny-llama2"]
+        .map(String::from)
+        .into();
+    args.extend(["--steps", STEPS, "--run-dir", s(run)].map(String::from));
+    let tier =
+        local.map(|l| ["train.local_checkpoint_every=2".to_owned(), format!("train.local_checkpoint_dir={}", s(l))]);
+    for set in SETS.iter().map(|x| x.to_string()).chain(tier.into_iter().flatten()) {
+        args.extend(["--set".to_owned(), set]);
+    }
+    args.extend(extra.iter().map(|x| x.to_string()));
+    let mut cmd = engine_cmd(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    for var in ["RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID"] {
+        cmd.env_remove(var);
+    }
+    cmd.env_remove("JAX_COORDINATOR_ADDRESS").env_remove("ENGINE_JOB_TOKEN").env_remove("ENGINE_TEST_STEP_DELAY");
+    cmd
+}
+
+/// Runs a job to its end; what it printed (stdout and stderr).
+fn completed(mut cmd: Command) -> String {
+    let out = cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).output().expect("engine runs");
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{cmd:?} failed: {text}");
+    text
+}
+
+fn losses(run: &Path) -> Vec<(u64, u64)> {
+    metrics(run).iter().map(|m| (m["step"].as_u64().unwrap(), m["loss"].as_f64().unwrap().to_bits())).collect()
+}
+
+/// The step directories under `dir`.
+fn steps(dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .map(|d| d.map(|e| e.unwrap().file_name().into_string().unwrap()).filter(|n| n.starts_with("step-")).collect())
+        .unwrap_or_default();
+    names.sort();
+    names
+}
+
+#[test]
+fn a_killed_job_resumes_from_the_local_tier_or_the_peers_copy_or_the_persistent_tier_on_the_same_curve() {
+    let dir = scratch("local-tier");
+    let reference = dir.join("reference");
+    completed(job(&reference, None, &[]));
+    let uninterrupted = losses(&reference);
+    assert_eq!(uninterrupted.len(), 12);
+
+    // The job killed, all of it, during step 8 (rank 0 slowed to 300 ms a step so that the
+    // kill lands there): the local tier holds step 6 (maybe 8), the persistent tier step 5.
+    let (killed, killed_local) = (dir.join("killed"), dir.join("killed-local"));
+    let mut cmd = job(&killed, Some(&killed_local), &[]);
+    cmd.env("ENGINE_TEST_STEP_DELAY", "0:0.3").process_group(0).stdout(Stdio::piped()).stderr(Stdio::null());
+    let mut child = cmd.spawn().unwrap();
+    let mut stdout = BufReader::new(child.stdout.take().unwrap());
+    let mut seen = String::new();
+    loop {
+        let mut line = String::new();
+        assert!(stdout.read_line(&mut line).unwrap() > 0, "the job ended before step 7: {seen}");
+        seen.push_str(&line);
+        if line.starts_with("step") && line.split_whitespace().nth(1).is_some_and(|s| s.starts_with("7/")) {
+            break;
+        }
+    }
+    // SAFETY: the job's own process group, which the test started.
+    assert_eq!(unsafe { libc::kill(-(child.id() as i32), libc::SIGKILL) }, 0);
+    child.wait().unwrap();
+    assert_eq!(steps(&killed.join("checkpoints")), ["step-000005"], "{seen}");
+    let local_steps = steps(&killed_local.join("rank-00000"));
+    assert!(local_steps.contains(&"step-000006".to_owned()), "{local_steps:?}");
+    for part in ["rank-00001", "copy-of-rank-00000", "copy-of-rank-00001"] {
+        assert!(killed_local.join(part).join("step-000006/state.json").is_file(), "{part}: {local_steps:?}");
+    }
+
+    // Each case on a copy of the killed job: its run directory and its local tier.
+    type Damage = fn(&Path);
+    let cases: [(&str, Damage, &str); 4] = [
+        ("intact", |_| {}, "from the local tier"),
+        (
+            "own-deleted",
+            |local| std::fs::remove_dir_all(local.join("rank-00000")).unwrap(),
+            "ranks [0] from their peers' copies",
+        ),
+        (
+            "both-deleted",
+            |local| {
+                std::fs::remove_dir_all(local.join("rank-00000")).unwrap();
+                std::fs::remove_dir_all(local.join("copy-of-rank-00000")).unwrap();
+            },
+            "resuming from the persistent tier (step 5)",
+        ),
+        (
+            "corrupted",
+            |local| {
+                let own = local.join("rank-00000");
+                for step in steps(&own) {
+                    let shard = own.join(step).join("shard-00000-of-00002.safetensors");
+                    let mut bytes = std::fs::read(&shard).unwrap();
+                    let n = bytes.len() - 7;
+                    bytes[n] ^= 0x40;
+                    std::fs::write(&shard, bytes).unwrap();
+                }
+            },
+            "ranks [0] from their peers' copies",
+        ),
+    ];
+    for (name, damage, expected) in cases {
+        let (run, local) = (dir.join(name), dir.join(format!("{name}-local")));
+        copy_dir(&killed, &run);
+        copy_dir(&killed_local, &local);
+        damage(&local);
+        let out = completed(job(&run, Some(&local), &["--resume=auto"]));
+        assert!(out.contains(expected), "{name}: expected `{expected}` in: {out}");
+        let resumed = |what: &str| out.lines().any(|l| l.contains("resuming after step") && l.contains(what));
+        if name == "both-deleted" {
+            assert!(resumed("after step 5 from ") && resumed("checkpoints/step-000005"), "{name}: {out}");
+        } else {
+            assert!(resumed("from the local tier") && !resumed("after step 5 "), "{name}: {out}");
+        }
+        if name == "corrupted" {
+            assert!(
+                out.contains("shard-00000-of-00002.safetensors does not match its SHA-256") && out.contains("skipped"),
+                "{name}: {out}"
+            );
+        }
+        assert_eq!(losses(&run), uninterrupted, "{name}: the resumed job's curve, bit for bit");
+        // The resumed job keeps saving to the local tier and prunes it to two steps.
+        assert_eq!(steps(&local.join("rank-00000")), ["step-000010", "step-000012"], "{name}");
+    }
+}
