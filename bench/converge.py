@@ -67,8 +67,9 @@ Torch and transformers are needed (not part of the test suite). On the CPU:
         --set train.seq_len=32 --set train.batch_size=4 --set optim.warmup_steps=10 \\
         --steps 200 --tolerance 1e-4 --out runs/converge-cpu
 
-(`pip install --index-url https://download.pytorch.org/whl/cpu torch` gives the smaller CPU-only
-wheel where that index is reachable.) On a GPU, issue 34's run:
+(PyTorch's own CPU-only wheel index, where it is reachable, gives a much smaller torch than
+PyPI's, which brings the CUDA libraries along: about 10 minutes to install here.) On a GPU, issue
+34's run:
 
     python3 bench/converge.py --recipe llama3.2-1b --device cuda --precision fp8 \\
         --set train.seq_len=1024 --set train.batch_size=8 --set data.source=shards \\
@@ -314,6 +315,7 @@ def reference(recipe, args, loader, init_dir):
 
     model_cfg, train, optim = recipe["model"], recipe["train"], recipe["optim"]
     cuda = args.device == "cuda"
+    transformers.utils.logging.disable_progress_bar()
     torch.manual_seed(train["seed"])
     config = hf_config(model_cfg)
     config._attn_implementation = "sdpa" if cuda else "eager"
@@ -464,7 +466,7 @@ def main():
     png = os.path.join(args.out, "loss.png")
     title = f"{args.recipe}: engine {args.precision} vs PyTorch {reference_kind} ({args.device})"
     plot = subprocess.run([args.engine, "plot", engine_dir, torch_dir, "--out", png, "--title", title],
-                          stderr=subprocess.PIPE, text=True)
+                          capture_output=True, text=True)
     if plot.returncode != 0:
         fail(f"engine plot failed: {plot.stderr.strip()}", 1)
 
