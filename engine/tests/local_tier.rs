@@ -12,25 +12,12 @@ use std::os::unix::process::CommandExt;
 use std::path::Path;
 use std::process::{Command, Stdio};
 
-use common::{copy_dir, engine_cmd, metrics, s, scratch};
+use common::{SHRINK, copy_dir, engine_cmd, metrics, s, scratch};
 
-/// The tiny recipe made cheap, on a mesh of FSDP 2 (each rank's part is half the state, so a
-/// rank cannot restore from its own copy what only the other holds); persistent checkpoints
-/// every 5 steps, local ones every 2.
-const SETS: [&str; 12] = [
-    "model.vocab_size=512",
-    "model.d_model=64",
-    "model.n_heads=2",
-    "model.n_kv_heads=2",
-    "model.head_dim=32",
-    "model.mlp_dim=128",
-    "train.seq_len=32",
-    "optim.warmup_steps=2",
-    "train.profile_step=0",
-    "mesh.ici_data=1",
-    "mesh.ici_fsdp=2",
-    "train.checkpoint_every=5",
-];
+/// Beside [`SHRINK`]: a mesh of FSDP 2 (each rank's part is half the state, so a rank cannot
+/// restore from its own copy what only the other holds); persistent checkpoints every 5 steps,
+/// local ones every 2.
+const SETS: [&str; 4] = ["train.profile_step=0", "mesh.ici_data=1", "mesh.ici_fsdp=2", "train.checkpoint_every=5"];
 
 const STEPS: &str = "12";
 
@@ -42,7 +29,7 @@ fn job(run: &Path, local: Option<&Path>, extra: &[&str]) -> Command {
     args.extend(["--steps", STEPS, "--run-dir", s(run)].map(String::from));
     let tier =
         local.map(|l| ["train.local_checkpoint_every=2".to_owned(), format!("train.local_checkpoint_dir={}", s(l))]);
-    for set in SETS.iter().map(|x| x.to_string()).chain(tier.into_iter().flatten()) {
+    for set in SHRINK.iter().chain(&SETS).map(|x| x.to_string()).chain(tier.into_iter().flatten()) {
         args.extend(["--set".to_owned(), set]);
     }
     args.extend(extra.iter().map(|x| x.to_string()));

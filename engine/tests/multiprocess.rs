@@ -7,20 +7,7 @@ mod common;
 use std::path::Path;
 use std::process::{Command, Output, Stdio};
 
-use common::{Scratch, copy_dir, metrics, s, scratch};
-
-/// The tiny recipe made cheaper, as the virtual devices' tests make it: what crosses processes
-/// is the same at any width, and the full width's checkpoints took 448 MB each.
-const SHRINK: [&str; 8] = [
-    "model.vocab_size=512",
-    "model.d_model=64",
-    "model.n_heads=2",
-    "model.n_kv_heads=2",
-    "model.head_dim=32",
-    "model.mlp_dim=128",
-    "train.seq_len=32",
-    "optim.warmup_steps=2",
-];
+use common::{SHRINK, Scratch, copy_dir, metrics, s, scratch};
 
 /// `engine ARGS` with the launcher variables of the test process removed and `env` set.
 fn engine(args: &[&str], env: &[(&str, &str)]) -> Command {

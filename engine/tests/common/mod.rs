@@ -138,3 +138,16 @@ pub fn python_with(var: &str, module: &str, ci_installs: bool) -> Option<String>
     eprintln!("skipped: no Python with `{module}` ({var} unset or `{python}` lacks it)");
     None
 }
+
+/// The tiny recipe made cheaper, as the virtual devices' tests make it: what crosses processes
+/// is the same at any width, and the full width's checkpoints took 448 MB each.
+pub const SHRINK: [&str; 8] = [
+    "model.vocab_size=512",
+    "model.d_model=64",
+    "model.n_heads=2",
+    "model.n_kv_heads=2",
+    "model.head_dim=32",
+    "model.mlp_dim=128",
+    "train.seq_len=32",
+    "optim.warmup_steps=2",
+];
