@@ -898,6 +898,15 @@ mod tests {
             assert_same_curve("ep=2 x seq=2", &single(&seq, 4), &losses(&seq, 4, false));
         }
 
+        /// EP 2 x tensor 2 x pipeline 2 on 8 devices (the three-axis layout) follows one
+        /// device training the same global batch.
+        #[test]
+        fn ep_tensor_and_pipeline_on_eight_devices_follow_one_device() {
+            let mesh = ["mesh.ici_data=2", "mesh.ici_expert=2", "mesh.ici_tensor=2", "mesh.ici_pipeline=2"];
+            let c = ep_config(&[&mesh[..], &["train.batch_size=0.5"]].concat());
+            assert_same_curve("ep=2 x tensor=2 x pipeline=2", &single(&c, 8), &losses(&c, 8, false));
+        }
+
         /// A device's high-water mark under EP 4 agrees with the memory plan's estimate (the
         /// received rows' buffers at their worst) within 10 %.
         #[test]
