@@ -11,26 +11,6 @@ use std::process::Stdio;
 
 use common::*;
 
-/// A model small enough for a step to take milliseconds, on the embedded corpus.
-const SMALL: [&str; 16] = [
-    "--set",
-    "model.vocab_size=256",
-    "--set",
-    "model.d_model=32",
-    "--set",
-    "model.mlp_dim=48",
-    "--set",
-    "model.n_heads=2",
-    "--set",
-    "model.n_kv_heads=1",
-    "--set",
-    "model.head_dim=16",
-    "--set",
-    "train.seq_len=32",
-    "--set",
-    "train.batch_size=2",
-];
-
 fn train_args<'a>(run: &'a Path, steps: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
     let mut args = vec!["train", "--recipe", "tiny-mixtral", "--run-dir", s(run), "--steps", steps];
     args.extend_from_slice(&SMALL);

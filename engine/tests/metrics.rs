@@ -10,25 +10,6 @@ use std::process::Command;
 
 use common::*;
 
-const SMALL: [&str; 16] = [
-    "--set",
-    "model.n_kv_heads=1",
-    "--set",
-    "model.vocab_size=256",
-    "--set",
-    "model.d_model=32",
-    "--set",
-    "model.mlp_dim=48",
-    "--set",
-    "model.n_heads=2",
-    "--set",
-    "model.head_dim=16",
-    "--set",
-    "train.seq_len=32",
-    "--set",
-    "train.batch_size=2",
-];
-
 fn train(run: &Path, steps: &str, extra: &[&str]) -> String {
     let mut args = vec!["train", "--recipe", "tiny-llama2", "--run-dir", s(run), "--steps", steps];
     args.extend_from_slice(&SMALL);

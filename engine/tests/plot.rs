@@ -10,7 +10,8 @@ use common::svg::{assert_drawn, axes, polylines, to_data};
 use common::*;
 
 fn train(run: &Path, lr: &str) {
-    ok(&[
+    let lr = format!("optim.lr={lr}");
+    let mut args = vec![
         "train",
         "--recipe",
         "tiny-llama2",
@@ -19,28 +20,14 @@ fn train(run: &Path, lr: &str) {
         "--steps",
         "6",
         "--set",
-        "model.n_kv_heads=1",
-        "--set",
-        "model.vocab_size=256",
-        "--set",
-        "model.d_model=32",
-        "--set",
-        "model.mlp_dim=48",
-        "--set",
-        "model.n_heads=2",
-        "--set",
-        "model.head_dim=16",
-        "--set",
-        "train.seq_len=32",
-        "--set",
-        "train.batch_size=2",
-        "--set",
         "train.eval_every=3",
         "--set",
         "train.eval_steps=1",
         "--set",
-        &format!("optim.lr={lr}"),
-    ]);
+        &lr,
+    ];
+    args.extend_from_slice(&SMALL);
+    ok(&args);
 }
 
 /// `(step or tokens, value)` of `field` in a run's metrics.jsonl.

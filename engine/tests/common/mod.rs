@@ -151,3 +151,24 @@ pub const SHRINK: [&str; 8] = [
     "train.seq_len=32",
     "optim.warmup_steps=2",
 ];
+
+/// A model small enough for a step to take milliseconds, on the embedded corpus, as `--set`
+/// arguments.
+pub const SMALL: [&str; 16] = [
+    "--set",
+    "model.vocab_size=256",
+    "--set",
+    "model.d_model=32",
+    "--set",
+    "model.mlp_dim=48",
+    "--set",
+    "model.n_heads=2",
+    "--set",
+    "model.n_kv_heads=1",
+    "--set",
+    "model.head_dim=16",
+    "--set",
+    "train.seq_len=32",
+    "--set",
+    "train.batch_size=2",
+];
