@@ -432,12 +432,12 @@ impl<B: Backend> Collectives<B> for Virtual {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::backend::{BufKind, cpu::Cpu};
 
     /// Runs `f(rank, comm, backend)` on `n` virtual devices, each on its own thread.
-    fn on_devices<T: Send + 'static>(
+    pub(crate) fn on_devices<T: Send + 'static>(
         n: usize,
         f: impl Fn(usize, &mut Virtual, &mut Cpu) -> T + Send + Sync + 'static,
     ) -> Vec<T> {

@@ -182,7 +182,6 @@ mod tests {
     use crate::backend::cpu::Cpu;
     use crate::parallel::comm::Virtual;
     use crate::parallel::mesh::Mesh;
-    use std::sync::Arc;
 
     const EXPERTS: usize = 8;
     const WIDTH: usize = 3;
@@ -206,7 +205,7 @@ mod tests {
     /// applies its experts to what it received, and gives the results back; each finds its own
     /// rows' results where its rows were, and what it received is what its experts were sent.
     fn exchange_over(groups: fn(usize) -> Vec<usize>) {
-        let f = Arc::new(move |rank: usize, comm: &mut Virtual, be: &mut Cpu| {
+        crate::parallel::comm::tests::on_devices(4, move |rank: usize, comm: &mut Virtual, be: &mut Cpu| {
             let group = groups(rank);
             let mut ex = ExpertExchange::new(be, group.clone(), rank, EXPERTS);
             let counts: Vec<usize> = (0..EXPERTS).map(|e| routed(rank, e)).collect();
@@ -252,17 +251,6 @@ mod tests {
             be.download(received_rows.at(0, again.len()), &mut again);
             assert_eq!(again, got, "rank {rank}: the second dispatch");
         });
-        let handles: Vec<_> = Virtual::devices(4)
-            .into_iter()
-            .enumerate()
-            .map(|(rank, mut comm)| {
-                let f = f.clone();
-                std::thread::spawn(move || f(rank, &mut comm, &mut Cpu::new()))
-            })
-            .collect();
-        for h in handles {
-            h.join().expect("a device's checks");
-        }
     }
 
     #[test]
