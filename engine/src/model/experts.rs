@@ -20,19 +20,20 @@
 //! its own. Moving rows is a permutation, whose adjoint is its inverse, so the backward pass
 //! takes the reverse paths ([`Exchange::expert_dispatch_again`], [`Exchange::expert_return`]).
 //!
-//! Every device keeps every expert's parameters (the single device's layout), but computes
-//! only with its own: the others' gradients stay zero on it, and the sums over the batch group
-//! give each expert its gradient (`parallel::strategies`). The load-balancing loss already
-//! sums the routing statistics over the batch group ([`Exchange::batch_sum`]).
+//! A device's layout holds its own experts only ([`crate::model::Layout::experts`]): their
+//! weights, gradients and moments are divided by the axis, the rest of the layer is not. Their
+//! gradients are summed over the devices that hold the same experts (`parallel::strategies`).
+//! The load-balancing loss sums the routing statistics over the batch group
+//! ([`Exchange::batch_sum`]), so it does not depend on the layout.
 
 use super::plan::MlpActs;
 use super::{Exchange, Model, Plan, Window, expert_weights};
-use crate::backend::{Backend, ExpertWeights, IdxView, MatMul, MoeDispatch};
+use crate::backend::{Backend, IdxView, MatMul, MoeDispatch};
 
 impl Model {
     /// Layer `i`'s experts on the expert axis, forward: from `ln2` to `ye` (the experts'
     /// outputs in dispatch order, as the combine reads them). `experts` is the layer's
-    /// `(offset, stride)` of expert 0's block in the layout.
+    /// `(offset, stride)` of this device's first expert's block in the layout.
     pub(super) fn experts_forward<B: Backend>(
         &self,
         be: &mut B,
@@ -51,7 +52,7 @@ impl Model {
         let counts = self.routed_counts(be, dispatch, member.1);
         let from = ex.expert_dispatch(be, dispatch.offsets, *xe, &counts, d, *xr);
         let received = upload_local_offsets(be, *local_offsets, &from);
-        let (gate_up, down) = local_weights(w, experts, member, dispatch.experts, d, f);
+        let (gate_up, down) = expert_weights(w, experts.0, experts.1, d, f);
         let senders = senders(*dispatch, *local_offsets, member.1);
         for s in &senders {
             be.moe_expert_matmul(*gu, *xr, gate_up, *s, MatMul::linear(0, d, 2 * f));
@@ -81,8 +82,8 @@ impl Model {
         };
         let member = ex.expert_rank();
         let received = ex.expert_dispatch_again(be, dispatch.offsets, p.dye, d, p.yr);
-        let (gate_up, down) = local_weights(w, experts, member, dispatch.experts, d, f);
-        let (dgate_up, ddown) = local_weights(g, experts, member, dispatch.experts, d, f);
+        let (gate_up, down) = expert_weights(w, experts.0, experts.1, d, f);
+        let (dgate_up, ddown) = expert_weights(g, experts.0, experts.1, d, f);
         let senders = senders(*dispatch, *local_offsets, member.1);
         for s in &senders {
             be.moe_expert_matmul(p.dh, p.yr, down, *s, MatMul::linear_dx(0, f, d));
@@ -146,17 +147,4 @@ fn senders(dispatch: MoeDispatch, tables: IdxView, n: usize) -> Vec<MoeDispatch>
             ..dispatch
         })
         .collect()
-}
-
-/// The gate-and-up and down weights (or gradients) in `w` of the experts that `member`
-/// (`(position, members)` of an expert group) holds.
-fn local_weights(
-    w: Window,
-    (first, stride): (usize, usize),
-    (member, n): (usize, usize),
-    experts: usize,
-    d: usize,
-    f: usize,
-) -> (ExpertWeights, ExpertWeights) {
-    expert_weights(w, first + member * (experts / n) * stride, stride, d, f)
 }

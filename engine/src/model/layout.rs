@@ -61,6 +61,17 @@ pub struct LayerOffsets {
     pub range: std::ops::Range<usize>,
 }
 
+impl LayerOffsets {
+    /// The range of the flat buffer the layer's experts take (the end of the layer's), if it
+    /// is a mixture of experts.
+    pub fn experts(&self) -> Option<std::ops::Range<usize>> {
+        match self.mlp {
+            MlpOffsets::Moe { experts, .. } => Some(experts..self.range.end),
+            MlpOffsets::Dense { .. } => None,
+        }
+    }
+}
+
 /// Offsets of one GPT layer's projection biases.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LayerBiases {
@@ -87,11 +98,12 @@ pub enum MlpOffsets {
         down: usize,
     },
     /// Mixture of experts: the router `[E, D]`, then each expert's block of `w1` (gate) and `w3`
-    /// (up) back to back `[2F, D]` and `w2` (down) `[D, F]`.
+    /// (up) back to back `[2F, D]` and `w2` (down) `[D, F]`, for the experts laid out
+    /// ([`Layout::experts`]).
     Moe {
         /// `block_sparse_moe.gate.weight`.
         router: usize,
-        /// Expert 0's block.
+        /// The first expert's block (expert 0's, but on an expert axis).
         experts: usize,
         /// Elements per expert block (`3 · F · D`).
         stride: usize,
@@ -121,6 +133,10 @@ pub struct Layout {
     pub tied: bool,
     /// The part of the model laid out: everything, or one pipeline stage's units.
     pub stage: Stage,
+    /// The experts of each mixture-of-experts layer laid out: all of them, or on an expert
+    /// axis the device's own (whose tensors keep the model's expert numbers); empty for a dense
+    /// model.
+    pub experts: std::ops::Range<usize>,
 }
 
 impl Layout {
@@ -133,6 +149,12 @@ impl Layout {
     /// as the whole model's: the embedding on the first stage, the stage's layers, the final
     /// norm and output head on the last. Offsets of units the stage does not hold are 0.
     pub fn stage(m: &ModelConfig, stage: &Stage) -> Layout {
+        Layout::stage_with_experts(m, stage, 0..m.moe.as_ref().map_or(0, |moe| moe.num_experts))
+    }
+
+    /// [`Layout::stage`] holding only `experts` of each mixture-of-experts layer (a device's
+    /// on an expert axis), named as in the whole model; the router keeps every expert's row.
+    pub fn stage_with_experts(m: &ModelConfig, stage: &Stage, experts: std::ops::Range<usize>) -> Layout {
         if m.is_gpt() {
             return Layout::gpt(m, stage);
         }
@@ -158,14 +180,14 @@ impl Layout {
                 }
                 Some(moe) => {
                     let router = b.push(&format!("{p}.block_sparse_moe.gate.weight"), &[moe.num_experts, d], true);
-                    let experts = b.len;
-                    for e in 0..moe.num_experts {
+                    let first = b.len;
+                    for e in experts.clone() {
                         let q = format!("{p}.block_sparse_moe.experts.{e}");
                         b.push(&format!("{q}.w1.weight"), &[f, d], true);
                         b.push(&format!("{q}.w3.weight"), &[f, d], true);
                         b.push(&format!("{q}.w2.weight"), &[d, f], true);
                     }
-                    MlpOffsets::Moe { router, experts, stride: 3 * f * d }
+                    MlpOffsets::Moe { router, experts: first, stride: 3 * f * d }
                 }
             };
             layers.push(LayerOffsets { ln1, qkv, o, ln2, mlp, bias: None, range: start..b.len });
@@ -185,6 +207,7 @@ impl Layout {
             head,
             tied: m.tie_embeddings,
             stage: stage.clone(),
+            experts: if m.moe.is_some() { experts } else { 0..0 },
         }
     }
 
@@ -240,6 +263,7 @@ impl Layout {
             head,
             tied: m.tie_embeddings,
             stage: stage.clone(),
+            experts: 0..0,
         }
     }
 

@@ -195,6 +195,12 @@ impl Model {
         }
     }
 
+    /// This model holding only `experts` of each mixture-of-experts layer: a device's own on an
+    /// expert axis of [`Model::expert_ranks`] devices.
+    pub fn hold_experts(&mut self, experts: std::ops::Range<usize>) {
+        self.layout = Layout::stage_with_experts(&self.config, &self.layout.stage, experts);
+    }
+
     /// The stage this model is (the whole model: the stage that is first and last).
     pub fn stage(&self) -> &Stage {
         &self.layout.stage

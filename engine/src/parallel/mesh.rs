@@ -137,6 +137,20 @@ impl Mesh {
         members.into_iter().map(|(_, r)| r).collect()
     }
 
+    /// The experts `rank` holds of a model of `experts`: all of them without an expert axis,
+    /// else its expert group position's share, `[i·E/n, (i+1)·E/n)`.
+    pub fn held_experts(&self, rank: usize, experts: usize) -> std::ops::Range<usize> {
+        let n = self.expert_size();
+        let (member, _) = self.expert_coords(self.coords(rank).data);
+        member * experts / n..(member + 1) * experts / n
+    }
+
+    /// `rank`'s place among the replicas of its expert group: 0 for the first data ranks that
+    /// hold every expert once between them (every data rank's own index without an expert axis).
+    pub fn expert_replica(&self, rank: usize) -> usize {
+        self.expert_coords(self.coords(rank).data).1
+    }
+
     /// The ranks of `rank`'s data group that hold the same experts as it, in data-axis order:
     /// the experts' gradients are summed over them (the other parameters' over the whole data
     /// group).

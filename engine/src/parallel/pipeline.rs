@@ -274,7 +274,9 @@ pub fn bubble_fraction(stages: usize, microbatches: usize, virtual_stages: usize
 /// its units out as the device's layout does from the virtual stage's first unit on
 /// ([`chunk_offsets`]).
 pub fn chunk_models(device: &Model) -> Vec<Model> {
-    let chunk = |stage: Stage| Model { layout: crate::model::Layout::stage(&device.config, &stage), ..device.clone() };
+    let experts = &device.layout.experts;
+    let layout = |stage: &Stage| crate::model::Layout::stage_with_experts(&device.config, stage, experts.clone());
+    let chunk = |stage: Stage| Model { layout: layout(&stage), ..device.clone() };
     device.stage().chunks().into_iter().map(chunk).collect()
 }
 

@@ -178,9 +178,20 @@ impl ParallelPlan {
     }
 
     /// The model a device of stage `s` holds: its tensor-parallel slice of the stage's layers,
-    /// with the run's recomputation policy and batch shards.
+    /// with the run's recomputation policy and batch shards; on an expert axis, the first
+    /// member's experts (every member holds as many).
     pub fn stage_model(&self, config: &Config, s: usize) -> Model {
         self.model_of(config, &self.stages[s])
+    }
+
+    /// The model device `rank` holds: [`ParallelPlan::stage_model`] of its stage, with its own
+    /// experts on an expert axis.
+    pub fn device_model(&self, config: &Config, rank: usize) -> Model {
+        let mut model = self.stage_model(config, self.mesh.coords(rank).pipeline);
+        if let Some(moe) = &config.model.moe {
+            model.hold_experts(self.mesh.held_experts(rank, moe.num_experts));
+        }
+        model
     }
 
     /// The model a device would hold for `stage`.
@@ -199,6 +210,9 @@ impl ParallelPlan {
         model.batch_shards = self.batch_shards * seq;
         model.seq = crate::backend::SeqSplit { rank: 0, ranks: seq };
         model.expert_ranks = self.mesh.expert_size();
+        if let (Some(moe), true) = (&config.model.moe, model.expert_ranks > 1) {
+            model.hold_experts(0..moe.num_experts / model.expert_ranks);
+        }
         model
     }
 

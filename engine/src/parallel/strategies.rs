@@ -78,6 +78,12 @@ pub struct Parallel<B: Backend> {
     seq: Vec<usize>,
     /// The pipeline's devices, stage by stage (this device alone without stages).
     pipeline: Vec<usize>,
+    /// The expert group: the devices that hold every expert once between them (this device
+    /// alone without an expert axis).
+    expert_group: Vec<usize>,
+    /// The data ranks that hold this device's experts, over which their gradients are summed
+    /// (the data group without an expert axis).
+    expert_replicas: Vec<usize>,
     /// Time spent in point-to-point exchanges with the neighbouring stages (waiting for them,
     /// on virtual devices), since the counter was last read.
     pub p2p_time: std::time::Duration,
@@ -128,7 +134,7 @@ impl<B: Backend> Parallel<B> {
         let samples = mesh.group_over(rank, &[Axis::Data, Axis::Fsdp]);
         let seq = mesh.group(rank, Axis::Seq);
         let pipeline = mesh.group(rank, Axis::Pipeline);
-        let expert = mesh.expert_group(rank);
+        let (expert_group, expert_replicas) = (mesh.expert_group(rank), mesh.expert_replicas(rank));
         let mut comm = comm;
         let world: Vec<usize> = (0..mesh.devices()).collect();
         // Named for the messages of a collective that fails; the first name of a group wins.
@@ -140,7 +146,8 @@ impl<B: Backend> Parallel<B> {
                 (&tensor, "tensor"),
                 (&pipeline, "pipeline"),
                 (&seq, "seq"),
-                (&expert, "expert"),
+                (&expert_group, "expert"),
+                (&expert_replicas, "expert replicas"),
                 (&samples, "data x fsdp"),
                 (&batch, "data x fsdp x seq"),
             ]
@@ -168,6 +175,8 @@ impl<B: Backend> Parallel<B> {
             samples,
             seq,
             pipeline,
+            expert_group,
+            expert_replicas,
             p2p_time: std::time::Duration::ZERO,
             params,
             grads,
@@ -183,14 +192,13 @@ impl<B: Backend> Parallel<B> {
     /// expert axis: the expert layers then run this device's experts on the rows every member
     /// routes to them ([`crate::parallel::experts`]).
     ///
-    /// Every device keeps every expert's parameters (the layout is the single device's), but
-    /// computes only with its own: the others' gradients stay zero on it, so the sums over the
-    /// batch group (or FSDP's reduce-scatters) give each expert the sum over the devices that
-    /// hold it, and the optimizer keeps the copies equal.
+    /// The device holds its own experts only (its slice's layout): their gradients are summed
+    /// over the data ranks that hold the same experts ([`Mesh::expert_replicas`]), the rest of
+    /// each layer's over the batch group as without the axis, and their squared norms add up
+    /// over the expert group.
     pub fn join_experts(&mut self, be: &mut B, experts: usize) {
         if self.mesh.expert_size() > 1 {
-            let group = self.mesh.expert_group(self.rank);
-            let exchange = ExpertExchange::new(be, group, self.rank, experts);
+            let exchange = ExpertExchange::new(be, self.expert_group.clone(), self.rank, experts);
             self.experts = Some(Experts { exchange, received: Default::default() });
         }
     }
@@ -250,19 +258,35 @@ impl<B: Backend> Parallel<B> {
         self.comm.wait(be);
         let (_, grads, segs) = self.optimizer_buffers();
         let segs = segs.to_vec();
-        if self.tensor.len() == 1 {
+        let experts = self.slice.divides_experts;
+        if self.tensor.len() == 1 && !experts {
             be.sum_squares(out, grads);
         } else {
-            // Replicated tensors count once; the slices of split ones add up over the group.
-            let (split, part) = (self.scratch.at(0, 1), self.scratch.at(1, 1));
+            // Replicated tensors count once; the slices of split ones add up over the tensor
+            // group, the experts of an expert axis over the expert group (and, split over the
+            // tensor axis too, over the tensor group after that).
+            let (split, part, expert) = (self.scratch.at(0, 1), self.scratch.at(1, 1), self.scratch.at(2, 1));
             be.fill(out, 0.0);
             be.fill(split, 0.0);
+            be.fill(expert, 0.0);
             for s in &segs {
                 be.sum_squares(part, grads.at(s.offset, s.len));
-                be.add(if self.segment_is_split(s) { split } else { out }, part);
+                let i = self.segment_tensor(s);
+                let into = match (self.slice.is_divided_expert(i), self.slice.is_split(i)) {
+                    (true, _) => expert,
+                    (false, true) => split,
+                    (false, false) => out,
+                };
+                be.add(into, part);
             }
-            self.comm.all_reduce_sum(be, split, &self.tensor);
-            be.add(out, split);
+            if experts {
+                self.comm.all_reduce_sum(be, expert, &self.expert_group);
+                be.add(if self.tensor.len() > 1 { split } else { out }, expert);
+            }
+            if self.tensor.len() > 1 {
+                self.comm.all_reduce_sum(be, split, &self.tensor);
+                be.add(out, split);
+            }
         }
         if self.fsdp_group.len() > 1 {
             self.comm.all_reduce_sum(be, out, &self.fsdp_group);
@@ -303,16 +327,14 @@ impl<B: Backend> Parallel<B> {
         self.p2p_time += start.elapsed();
     }
 
-    /// Whether an optimizer segment belongs to a tensor split over the tensor axis. Segments
-    /// are whole tensors, or pieces of one under FSDP.
-    fn segment_is_split(&self, s: &Segment) -> bool {
+    /// The local tensor an optimizer segment belongs to. Segments are whole tensors, or pieces
+    /// of one under FSDP.
+    fn segment_tensor(&self, s: &Segment) -> usize {
         let offset = match &self.fsdp {
             None => s.offset,
             Some(f) => f.full_offset(s.offset),
         };
-        let local = &self.slice.local.tensors;
-        let i = local.partition_point(|t| t.offset + t.len() <= offset);
-        self.slice.is_split(i)
+        self.slice.local.tensors.partition_point(|t| t.offset + t.len() <= offset)
     }
 
     /// `buf = Σ buf` over the batch group (the step's loss, evaluation sums).
@@ -334,6 +356,15 @@ impl<B: Backend> Parallel<B> {
     pub fn after_step(&mut self, be: &mut B) {
         if let Some(f) = &mut self.fsdp {
             f.give_back(&mut *self.comm, be);
+        }
+    }
+
+    /// The range of the device's layout that a unit's experts take on an expert axis, where
+    /// they are summed apart from the rest of the unit.
+    fn experts_in(&self, unit: Unit) -> Option<std::ops::Range<usize>> {
+        match unit {
+            Unit::Layer(i) if self.slice.divides_experts => self.slice.local.layers[i].experts(),
+            _ => None,
         }
     }
 
@@ -374,9 +405,10 @@ impl<B: Backend> Parallel<B> {
     }
 
     /// Whether this device saves its buffers in a sharded checkpoint: the first replica of
-    /// each slice along the data axis (the others hold copies).
+    /// each slice along the data axis (the others hold copies); on an expert axis, every member
+    /// of the first expert group, each holding its own experts.
     pub fn saves(&self) -> bool {
-        self.coords.data == 0
+        self.mesh.expert_replica(self.rank) == 0
     }
 
     /// Tells the communicator the optimizer step in progress (for a failed collective's message).
@@ -541,14 +573,15 @@ impl<B: Backend> Exchange<B> for Parallel<B> {
     }
 
     fn grads_ready(&mut self, be: &mut B, unit: Unit) {
-        let u = self.unit_index(unit);
+        let (u, experts) = (self.unit_index(unit), self.experts_in(unit));
         match &mut self.fsdp {
             None => {
                 // Data parallelism: the unit's bucket is summed over the batch group once the
                 // step's last micro-batch has finished it, while the backward pass goes on.
                 let range = self.slice.local.unit_range(unit);
                 if self.sync && self.batch.len() > 1 && !range.is_empty() {
-                    self.comm.all_reduce_sum_start(be, self.grads.at(range.start, range.len()), &self.batch);
+                    let (buf, groups) = (self.grads.at(range.start, range.len()), (&self.batch, &self.expert_replicas));
+                    sum_experts_apart(be, self.comm.as_mut(), (buf, range.start), experts, groups);
                 }
             }
             Some(f) => {
@@ -556,9 +589,30 @@ impl<B: Backend> Exchange<B> for Parallel<B> {
                 // the pieces once per step (HSDP).
                 let mine = f.grads_ready(&mut *self.comm, be, u, &self.fsdp_group);
                 if self.sync && self.data.len() > 1 {
-                    self.comm.all_reduce_sum_start(be, mine, &self.data);
+                    let start = f.full_offset(mine.offset - f.grads.offset);
+                    let groups = (&self.data, &self.expert_replicas);
+                    sum_experts_apart(be, self.comm.as_mut(), (mine, start), experts, groups);
                 }
             }
         }
+    }
+}
+
+/// Starts summing a unit's gradients `buf` (elements `start..` of the device's layout) over
+/// `all`, but those of `experts` (a layer's own experts on an expert axis, which end the
+/// layer) over `replicas`, the devices that hold the same experts.
+fn sum_experts_apart<B: Backend>(
+    be: &mut B,
+    comm: &mut (dyn Collectives<B> + Send),
+    (buf, start): (View, usize),
+    experts: Option<std::ops::Range<usize>>,
+    (all, replicas): (&Vec<usize>, &Vec<usize>),
+) {
+    let split = experts.map_or(buf.len, |e| e.start.saturating_sub(start).min(buf.len));
+    if split > 0 {
+        comm.all_reduce_sum_start(be, buf.at(0, split), all);
+    }
+    if split < buf.len && replicas.len() > 1 {
+        comm.all_reduce_sum_start(be, buf.at(split, buf.len - split), replicas);
     }
 }

@@ -129,19 +129,31 @@ pub struct TensorSlice {
     pub global_index: Vec<usize>,
     /// Devices in the tensor group.
     pub size: usize,
+    /// Whether the device holds only some of the experts (an expert axis): their gradient
+    /// norms add up over the expert group.
+    pub divides_experts: bool,
 }
 
 impl TensorSlice {
     /// The slice device `rank` of a tensor group of `size` holds of `model`.
     pub fn new(model: &ModelConfig, rank: usize, size: usize) -> TensorSlice {
-        TensorSlice::of_stage(model, &Stage::whole(model.n_layers), rank, size)
+        let whole = Layout::new(model);
+        TensorSlice::of_stage(model, &whole.stage, rank, size, whole.experts)
     }
 
     /// The slice device `rank` of a tensor group of `size` holds of a pipeline stage of
-    /// `model`: the stage's tensors, mapped onto the whole model's single-device layout.
-    pub fn of_stage(model: &ModelConfig, stage: &Stage, rank: usize, size: usize) -> TensorSlice {
+    /// `model` and of its `experts` (all, or a device's own on an expert axis): the stage's
+    /// tensors, mapped onto the whole model's single-device layout.
+    pub fn of_stage(
+        model: &ModelConfig,
+        stage: &Stage,
+        rank: usize,
+        size: usize,
+        experts: std::ops::Range<usize>,
+    ) -> TensorSlice {
         let global = Layout::new(model);
-        let local = Layout::stage(&local_config(model, size), stage);
+        let divides_experts = experts != global.experts;
+        let local = Layout::stage_with_experts(&local_config(model, size), stage, experts);
         let mut runs = Vec::with_capacity(local.tensors.len());
         let mut global_index = Vec::with_capacity(local.tensors.len());
         for t in &local.tensors {
@@ -164,12 +176,18 @@ impl TensorSlice {
             runs.push(run);
             global_index.push(i);
         }
-        TensorSlice { local, global, runs, global_index, size }
+        TensorSlice { local, global, runs, global_index, size, divides_experts }
     }
 
     /// Whether the local tensor at `index` is split (its gradient norm adds up over the group).
     pub fn is_split(&self, index: usize) -> bool {
         self.size > 1 && split_of(&self.local.tensors[index].name) != Split::Replicated
+    }
+
+    /// Whether the local tensor at `index` is an expert's that other members of the expert
+    /// group do not hold (its gradient norm adds up over the group).
+    pub fn is_divided_expert(&self, index: usize) -> bool {
+        self.divides_experts && self.local.tensors[index].name.contains(".block_sparse_moe.experts.")
     }
 
     /// Every local tensor's values, one at a time: `whole(g, out)` fills `out` with all of

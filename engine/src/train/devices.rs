@@ -853,13 +853,41 @@ mod tests {
             }
         }
 
-        /// EP 2 within data 4 (two expert groups), and EP 2 x FSDP 2, follow one device.
+        /// EP 2 within data 4 (two expert groups), EP 2 x FSDP 2, and both (the experts' pieces
+        /// summed over their replicas, the rest's over the data axis) follow one device.
         #[test]
         fn ep_two_with_replicas_and_with_fsdp_follows_one_device() {
             let dp = ep_config(&["mesh.ici_data=4", "mesh.ici_expert=2"]);
             assert_same_curve("data=4, ep=2", &single(&dp, 4), &losses(&dp, 4, false));
             let fsdp = ep_config(&["mesh.ici_data=2", "mesh.ici_fsdp=2", "mesh.ici_expert=2"]);
             assert_same_curve("ep=2 x fsdp=2", &single(&fsdp, 4), &losses(&fsdp, 4, false));
+            let hsdp = ep_config(&["mesh.ici_data=4", "mesh.ici_fsdp=2", "mesh.ici_expert=2"]);
+            assert_same_curve("data=4, ep=2 x fsdp=2", &single(&hsdp, 8), &losses(&hsdp, 8, false));
+        }
+
+        /// Under EP 4 a device holds its two experts of each layer and the rest of the model:
+        /// its parameters and both moments are the model's less three quarters of the experts'.
+        #[test]
+        fn a_device_holds_only_its_own_experts() {
+            let c = ep_config(&["mesh.ici_data=4", "mesh.ici_expert=4"]);
+            let whole = crate::model::Layout::new(&c.model);
+            let experts: usize = whole.layers.iter().filter_map(|l| l.experts()).map(|r| r.len()).sum();
+            let held = run(&c, 4, |_, t| {
+                let names = t.parallel.slice.local.tensors.iter().map(|t| t.name.clone());
+                let own: std::collections::BTreeSet<String> =
+                    names.filter_map(|n| n.split(".experts.").nth(1)?.split('.').next().map(str::to_owned)).collect();
+                Ok((t.parallel.master_params().len, t.moments.1.len, own))
+            })
+            .unwrap();
+            for (rank, (params, moments, own)) in held.into_iter().enumerate() {
+                assert_eq!(
+                    (params, moments),
+                    (whole.len - experts * 3 / 4, whole.len - experts * 3 / 4),
+                    "rank {rank}"
+                );
+                let want: std::collections::BTreeSet<String> = [2 * rank, 2 * rank + 1].map(|e| e.to_string()).into();
+                assert_eq!(own, want, "rank {rank}'s experts");
+            }
         }
 
         /// A checkpoint written under EP 4 continues the same curve on one device and on EP 2.

@@ -119,7 +119,7 @@ impl<B: Backend> Trainer<B> {
         let tensor = mesh.size(Axis::Tensor);
         let coords = mesh.coords(comm.rank());
         let stage = parallel_plan.stages[coords.pipeline].clone();
-        let mut model = parallel_plan.stage_model(config, coords.pipeline);
+        let mut model = parallel_plan.device_model(config, comm.rank());
         // On a seq axis each device keeps two chunks of every sequence.
         model.seq.rank = coords.seq;
         model.documents = crate::model::Documents::of(&config.data)?;
@@ -161,7 +161,8 @@ impl<B: Backend> Trainer<B> {
         let (d, stages) = (coords.pipeline, mesh.size(Axis::Pipeline) as isize);
         let around = (if d > 0 { -1 } else { stages - 1 }, if (d as isize) + 1 < stages { 1 } else { 1 - stages });
         let stashed = vec![Default::default(); if chunks.len() > 1 { t.pipeline_microbatches } else { 0 }];
-        let slice = TensorSlice::of_stage(&config.model, &stage, coords.tensor, tensor);
+        let held = model.layout.experts.clone();
+        let slice = TensorSlice::of_stage(&config.model, &stage, coords.tensor, tensor, held);
         let global = slice.global.clone();
         let fsdp = FsdpOptions::of(&config.mesh);
         let mut parallel = Parallel::new(&mut backend, comm, mesh, slice, (plan.params, plan.grads), fsdp);
