@@ -1009,7 +1009,8 @@ section! {
         pub dcn_seq: i64 = 1,
         /// Expert parallelism within a node, carved out of the data axis (as Megatron-Core's
         /// `--expert-model-parallel-size`): each group of this many data ranks holds every expert
-        /// once, whole experts divided among them. It must divide `ici_data` and
+        /// once, whole experts divided among them, and a device holds only its own experts'
+        /// parameters, gradients and moments. It must divide `ici_data` and
         /// `model.moe.num_experts`, and needs a mixture-of-experts model.
         @resumable
         pub ici_expert: i64 = 1,

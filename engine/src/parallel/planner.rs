@@ -2,7 +2,8 @@
 //! recipe fits a given memory per device, ranked by an estimated step time.
 //!
 //! **What is searched.** Within a node (`ici`): tensor `t` and seq `s` dividing the devices per
-//! node, the rest all FSDP or all data. Across nodes (`dcn`): pipeline stages `p` dividing the
+//! node, the rest all FSDP or all data; for a mixture of experts, an expert axis `e` carved out
+//! of the node's data axis (each divisor of it that divides the experts). Across nodes (`dcn`): pipeline stages `p` dividing the
 //! nodes (memory split), the rest all FSDP or all data. For each, `train.remat` (full, minimal,
 //! none), the sequences of a pipeline micro-batch (1, 2, 4, 8) and, with stages, the
 //! micro-batches `M` per round (P/2, P, 2P, 4P) and the virtual stages `V` per device (1, or
@@ -27,7 +28,11 @@
 //!   gradient; FSDP, the bf16 gathers of the device's parameters
 //!   (twice per micro-batch) and the f32 reduce-scatter of their gradient, over fsdp × seq; data,
 //!   the all-reduce of the device's gradient pieces once per step; pipeline, each micro-batch's
-//!   activation and its gradient, once per virtual stage.
+//!   activation and its gradient, once per virtual stage; expert, the all-to-alls of each
+//!   mixture-of-experts layer's `[tokens · top_k, d_model]` bf16 rows per micro-batch (dispatch
+//!   and return, forward and backward; six with full recomputation), `(e − 1)/e` of them
+//!   leaving the device. An expert axis divides the experts' parameters: FSDP gathers and
+//!   reduce-scatters `1/e` of them, and the data axis sums them over its `d/e` replicas.
 
 use anyhow::{Result, bail};
 
@@ -118,9 +123,12 @@ pub fn search(base: &Config, hw: &Hardware, global_batch: usize) -> Result<Plans
                         if !global_batch.is_multiple_of(shards) {
                             continue;
                         }
-                        let mesh = Mesh { t, s, p, ici: (ici_d, ici_f), dcn: (dcn_d, dcn_f) };
-                        for remat in [Remat::Full, Remat::Minimal, Remat::None] {
-                            candidates(base, hw, &mesh, remat, global_batch / shards, devices, &mut fits, &mut closest);
+                        for e in expert_axes(m, ici_d) {
+                            let mesh = Mesh { t, s, p, e, ici: (ici_d, ici_f), dcn: (dcn_d, dcn_f) };
+                            for remat in [Remat::Full, Remat::Minimal, Remat::None] {
+                                let per_shard = global_batch / shards;
+                                candidates(base, hw, &mesh, remat, per_shard, devices, &mut fits, &mut closest);
+                            }
                         }
                     }
                 }
@@ -132,12 +140,21 @@ pub fn search(base: &Config, hw: &Hardware, global_batch: usize) -> Result<Plans
     Ok(Plans { fits, closest })
 }
 
-/// A mesh of the search: tensor, seq and pipeline sizes, and (data, fsdp) within and across
-/// nodes.
+/// The expert axes a node's data axis of `data` ranks can carve for `m`: the divisors of both
+/// it and the experts (only 1 for a dense model).
+fn expert_axes(m: &crate::config::ModelConfig, data: usize) -> Vec<usize> {
+    let experts = m.moe.as_ref().map_or(1, |moe| moe.num_experts);
+    divisors(data).into_iter().filter(|e| experts.is_multiple_of(*e)).collect()
+}
+
+/// A mesh of the search: tensor, seq, pipeline and expert sizes, and (data, fsdp) within and
+/// across nodes.
 struct Mesh {
     t: usize,
     s: usize,
     p: usize,
+    /// The expert axis, within a node's data ranks.
+    e: usize,
     ici: (usize, usize),
     dcn: (usize, usize),
 }
@@ -212,6 +229,7 @@ fn configure(base: &Config, mesh: &Mesh, remat: Remat, split: Split) -> (Config,
         (mesh.ici.0 as i64, mesh.ici.1 as i64, mesh.t as i64, 1, mesh.s as i64);
     (m.dcn_data, m.dcn_fsdp, m.dcn_tensor, m.dcn_pipeline, m.dcn_seq) =
         (mesh.dcn.0 as i64, mesh.dcn.1 as i64, 1, mesh.p as i64, 1);
+    (m.ici_expert, m.dcn_expert) = (mesh.e as i64, 1);
     let t = &mut c.train;
     (t.batch_size, t.grad_accum, t.pipeline_microbatches, t.remat) = (BatchSize(batch), accum, count, remat);
     t.pipeline_layers.clear();
@@ -245,6 +263,9 @@ fn configure(base: &Config, mesh: &Mesh, remat: Remat, split: Split) -> (Config,
         format!("train.pipeline_microbatches={count}"),
         format!("train.remat=\"{remat_name}\""),
     ];
+    if base.model.moe.is_some() {
+        sets.extend([format!("mesh.ici_expert={}", mesh.e), "mesh.dcn_expert=1".to_string()]);
+    }
     if mesh.p > 1 {
         let (schedule, split) = if v > 1 { ("interleaved", "compute") } else { ("1f1b", "memory") };
         sets.push(format!("train.pipeline_schedule=\"{schedule}\""));
@@ -283,10 +304,16 @@ fn evaluate(base: &Config, hw: &Hardware, mesh: &Mesh, remat: Remat, split: Spli
     let qkv = (m.q_dim() + 2 * m.kv_dim()) as f64 / t;
     let seq_moves = if remat == Remat::Full { 4.0 } else { 3.0 };
     let seq = micro * layers * seq_moves * ring(s) * s * local_tokens * qkv * 2.0;
-    let params = m.param_count().total as f64 / (t * p);
+    // The expert axis divides the experts' parameters; the rest are the device's whole.
+    let e = mesh.e as f64;
+    let experts = m.moe.as_ref().map_or(0.0, |moe| (m.n_layers * moe.num_experts * 3 * m.d_model * m.mlp_dim) as f64);
+    let (dense, experts) = ((m.param_count().total as f64 - experts) / (t * p), experts / (t * p * e));
     // FSDP shards over fsdp × seq: two bf16 gathers and an f32 reduce-scatter a micro-batch.
-    let fsdp = micro * ring(f * s) * params * (2.0 * 2.0 + 4.0);
-    let data = 2.0 * ring(d) * params / (f * s) * 4.0;
+    let fsdp = micro * ring(f * s) * (dense + experts) * (2.0 * 2.0 + 4.0);
+    let data = 2.0 * (ring(d) * dense + ring(d / e) * experts) / (f * s) * 4.0;
+    let exchanges = if remat == Remat::Full { 6.0 } else { 4.0 };
+    let top_k = m.moe.as_ref().map_or(0, |moe| moe.top_k) as f64;
+    let expert = micro * layers * exchanges * ring(e) * local_tokens * top_k * m.d_model as f64 * 2.0;
     let pipeline =
         if mesh.p > 1 { virtual_stages as f64 * micro * 2.0 * local_tokens * m.d_model as f64 * 2.0 } else { 0.0 };
     let link = |dcn: bool| if dcn { hw.dcn_bytes_per_s } else { hw.ici_bytes_per_s };
@@ -294,15 +321,19 @@ fn evaluate(base: &Config, hw: &Hardware, mesh: &Mesh, remat: Remat, split: Spli
         + seq / link(false)
         + fsdp / link(mesh.dcn.1 > 1)
         + data / link(mesh.dcn.0 > 1)
+        + expert / link(false)
         + pipeline / link(true);
     Some(Row {
         sets,
         memory_per_device_bytes: memory,
         step_time_estimate_s: compute + comm,
         bubble,
-        mesh: match virtual_stages {
-            1 => format!("{} x {} x {} x {} x {}", d, f, mesh.t, mesh.p, mesh.s),
-            v => format!("{} x {} x {} x {}(V{v}) x {}", d, f, mesh.t, mesh.p, mesh.s),
+        mesh: {
+            let data = if mesh.e > 1 { format!("{d}(EP{})", mesh.e) } else { d.to_string() };
+            match virtual_stages {
+                1 => format!("{data} x {} x {} x {} x {}", f, mesh.t, mesh.p, mesh.s),
+                v => format!("{data} x {} x {} x {}(V{v}) x {}", f, mesh.t, mesh.p, mesh.s),
+            }
         },
     })
 }

@@ -954,6 +954,66 @@ mod tests {
             }
         }
 
+        /// The planner's first plans for mixtral-8x7b on 2 x 8 and on 4 x 8 H100s (80 GiB, the
+        /// recipe's global batch) use an expert axis and fit; the 2 x 8 plan's mesh and batch
+        /// split, on Mixtral shrunk to run here, allocate on each of its 16 virtual devices what
+        /// the memory plan (`recipes show`) estimates, within 10 %.
+        #[test]
+        fn mixtral_8x7b_first_plans_use_an_expert_axis_and_allocate_as_planned() {
+            use crate::backend::Backend;
+            use crate::parallel::planner::{Hardware, search};
+            let mixtral = crate::config::recipe::resolve("mixtral-8x7b", &[]).unwrap().config;
+            let mut first = Vec::new();
+            for nodes in [2, 4] {
+                let hw = Hardware {
+                    nodes,
+                    devices_per_node: 8,
+                    memory: 80 << 30,
+                    reserve: 1 << 30,
+                    peak_tflops: 989.0,
+                    mfu: 0.4,
+                    ici_bytes_per_s: 450e9,
+                    dcn_bytes_per_s: 50e9,
+                };
+                let global = mixtral.train.batch_size.0 as usize * 8 * nodes;
+                let best = search(&mixtral, &hw, global).unwrap().fits.into_iter().next().expect("a plan fits");
+                let ep = best.sets.iter().find_map(|s| s.strip_prefix("mesh.ici_expert=")).unwrap();
+                assert!(ep != "1", "{nodes} x 8: the first plan has no expert axis: {:?}", best.sets);
+                assert!(best.memory_per_device_bytes + hw.reserve <= hw.memory);
+                first.push(best.sets);
+            }
+            // Shrunk: every axis of the plan still divides heads, columns, vocabulary and layers.
+            let shrink = [
+                "model.d_model=32",
+                "model.n_heads=4",
+                "model.n_kv_heads=4",
+                "model.head_dim=8",
+                "model.mlp_dim=64",
+                "model.n_layers=8",
+                "train.steps=1",
+            ];
+            let sets: Vec<&str> = first[0].iter().map(String::as_str).chain(shrink).collect();
+            let c = config("mixtral-8x7b", &sets);
+            let plan = ParallelPlan::resolve(&c, 8, 2).unwrap();
+            let estimates: Vec<f64> = (plan.stage_estimates(&c, crate::model::memory::Target::Cpu))
+                .iter()
+                .map(|s| s.estimate.total() as f64)
+                .collect();
+            let peaks = run_plan(&c, &plan, |_, t| {
+                t.train_step(0.0);
+                Ok((t.parallel.coords.pipeline, t.backend.peak_memory_bytes() as f64))
+            })
+            .unwrap();
+            for (rank, (stage, peak)) in peaks.into_iter().enumerate() {
+                let ratio = peak / estimates[stage];
+                assert!(
+                    (0.9..=1.1).contains(&ratio),
+                    "rank {rank}: measured {peak} bytes, estimated {}",
+                    estimates[stage]
+                );
+            }
+        }
+
         /// EP 2 x pipeline 2, two micro-batches in flight on each stage (each layer's dispatch
         /// of each micro-batch returned and reversed by its own), follows one device training
         /// the same micro-batches; interleaved stages too.
