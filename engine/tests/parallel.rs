@@ -243,3 +243,35 @@ fn expert_axis_bad_input_is_refused_in_one_line() {
         assert_eq!(stderr.trim().lines().count(), 1, "{args:?}: one line, no backtrace: {stderr}");
     }
 }
+
+/// `recipes show` of an expert axis counts what it divides and moves: tiny-mixtral's 8 experts
+/// over EP 4 are 2 a device, a quarter of the experts' parameters; a layer may receive every
+/// member's rows (dropless), or under a capacity factor of 1 the 8 experts' capacity at most;
+/// its all-to-alls send (e − 1)/e of 4 exchanges of `N · k` bf16 rows of `d_model` a layer.
+#[test]
+fn recipes_show_counts_the_expert_axis() {
+    let show = |extra: &[&str]| -> serde_json::Value {
+        let mut args = vec!["recipes", "show", "tiny-mixtral", "--json", "--devices", "4"];
+        for s in ["mesh.ici_data=4", "mesh.ici_expert=4"].iter().chain(extra) {
+            args.extend(["--set", s]);
+        }
+        let out = engine(&args, &[]).wait_with_output().unwrap();
+        let (stdout, stderr) = text(&out);
+        assert!(out.status.success(), "{stderr}");
+        serde_json::from_str(&stdout).unwrap()
+    };
+    let json = show(&[]);
+    let (e, m) = (&json["expert_axis"], &json["mesh"]);
+    let u = |v: &serde_json::Value| v.as_u64().unwrap();
+    assert_eq!((u(&m["expert"]), u(&e["devices"]), u(&e["experts_per_device"])), (4, 4, 2));
+    // tiny-mixtral: 2 layers of 8 experts of 3 x 1024 x 896.
+    let (layers, d, f) = (2, 1024, 896);
+    assert_eq!(u(&e["expert_parameters"]), layers * 2 * 3 * d * f);
+    let rows = u(&e["rows_dispatched"]);
+    assert_eq!(u(&e["received_rows_max"]), 4 * rows, "dropless: every member's rows");
+    let sent = e["all_to_all_bytes_sent_per_step"].as_f64().unwrap();
+    assert_eq!(sent, (layers * 4 * rows * d * 2) as f64 * 3.0 / 4.0);
+    let capped = show(&["model.moe.capacity_factor=1.0"]);
+    let tokens = rows / 2;
+    assert_eq!(u(&capped["expert_axis"]["received_rows_max"]), 8 * (tokens * 2 / 8), "E x C");
+}

@@ -301,6 +301,7 @@ fn show_json(name: &str, c: &Config, plan: &ParallelPlan) -> serde_json::Value {
             "tensor": size(Axis::Tensor),
             "pipeline": size(Axis::Pipeline),
             "seq": size(Axis::Seq),
+            "expert": mesh.expert_size(),
             "ici": mesh.ici,
             "dcn": mesh.dcn,
         },
@@ -313,6 +314,7 @@ fn show_json(name: &str, c: &Config, plan: &ParallelPlan) -> serde_json::Value {
             "bubble_fraction": plan.bubble_fraction(),
             "stages": stages,
         },
+        "expert_axis": ExpertPlan::of(c, plan).map(|e| e.json()),
     })
 }
 
@@ -380,11 +382,13 @@ fn memory_table(c: &Config, plan: &ParallelPlan) -> String {
     let micro = plan.microbatches;
     let (batch, seq) = (plan.microbatch, plan.local_seq_len(c));
     let seq_axis = if s > 1 { format!(" x seq {s}") } else { String::new() };
+    let e = mesh.expert_size();
+    let expert = if e > 1 { format!(" (expert {e})") } else { String::new() };
     let chunks = if s > 1 { format!(" (two chunks of {} per sequence)", c.train.seq_len) } else { String::new() };
     let gib = |b: usize| format!("{:.2} GiB", engine::backend::gib(b));
     let (gpu, cpu) = plans(c, plan);
     let mut out = format!(
-        "\n# memory per device on {} devices (data {d} x fsdp {f} x tensor {t} x pipeline {p}{seq_axis}), micro-batch {batch} x {seq}{chunks}, remat = {} \
+        "\n# memory per device on {} devices (data {d}{expert} x fsdp {f} x tensor {t} x pipeline {p}{seq_axis}), micro-batch {batch} x {seq}{chunks}, remat = {} \
          (estimate; CUDA adds its context, ~0.5 GiB{})\n",
         mesh.devices(),
         remat_name(c.train.remat),
@@ -448,7 +452,90 @@ fn memory_table(c: &Config, plan: &ParallelPlan) -> String {
         let g = plan.estimate(&with, Target::Cuda { sm_count: 132 });
         out += &format!("{:<28} {:>14}\n", format!("total with remat = {}", remat_name(remat)), gib(g.total()));
     }
+    if let Some(experts) = ExpertPlan::of(c, plan) {
+        out += &experts.text(c.model.moe.as_ref().is_some_and(|m| m.capacity_factor.is_none()));
+    }
     out
+}
+
+/// The expert axis's part of a device's plan.
+struct ExpertPlan {
+    /// Devices the experts are divided over.
+    devices: usize,
+    /// Experts a device holds in each layer.
+    per_device: usize,
+    /// The parameters of a device's experts (the first stage's, with stages).
+    parameters: usize,
+    /// The most rows a layer receives: every member's `N · k` (dropless), or `E · C` under a
+    /// capacity factor when fewer.
+    received_rows: usize,
+    /// `N · k`: the rows a device dispatches a layer and micro-batch.
+    rows: usize,
+    /// All-to-alls a layer and micro-batch: dispatch and return, forward and backward (and the
+    /// forward again under full recomputation).
+    exchanges: usize,
+    /// Bytes a device sends a step by them, bf16 rows, when routing is balanced ((e − 1)/e of
+    /// the rows leave the device).
+    sent_bytes: f64,
+}
+
+impl ExpertPlan {
+    /// The plan's expert axis, if it has one.
+    fn of(c: &Config, plan: &ParallelPlan) -> Option<ExpertPlan> {
+        let (moe, e) = (c.model.moe.as_ref()?, plan.mesh.expert_size());
+        if e == 1 {
+            return None;
+        }
+        let layout = plan.stage_model(c, 0).layout;
+        let parameters = layout.layers.iter().filter_map(|l| l.experts()).map(|r| r.len()).sum();
+        let tokens = plan.microbatch * plan.local_seq_len(c);
+        let rows = tokens * moe.top_k;
+        let exchanges = if c.train.remat == Remat::Full { 6 } else { 4 };
+        let passes = plan.microbatches * c.train.grad_accum * (c.model.n_layers / plan.mesh.size(Axis::Pipeline));
+        Some(ExpertPlan {
+            devices: e,
+            per_device: moe.num_experts / e,
+            parameters,
+            received_rows: (e * rows).min(moe.num_experts * moe.capacity(tokens)),
+            rows,
+            exchanges,
+            sent_bytes: (passes * exchanges * rows * c.model.d_model * 2) as f64 * (e - 1) as f64 / e as f64,
+        })
+    }
+
+    fn text(&self, dropless: bool) -> String {
+        let gib = |b: f64| format!("{:.2} GiB", b / (1u64 << 30) as f64);
+        let bound = if dropless { "dropless: every member's N x k" } else { "E x C, the capacity factor's bound" };
+        format!(
+            "\n# expert axis: {} experts a device, over {} devices\n\
+             {:<28} {:>14}  ({} parameters, f32)\n\
+             {:<28} {:>14}  rows a layer ({bound}; N x k = {})\n\
+             {:<28} {:>14}  a step ({} all-to-alls of N x k rows of d_model a layer and micro-batch, bf16; (e-1)/e leave the device when routing is balanced)\n",
+            self.per_device,
+            self.devices,
+            "expert parameters",
+            gib(self.parameters as f64 * 4.0),
+            self.parameters,
+            "received at most",
+            self.received_rows,
+            self.rows,
+            "all-to-all sent",
+            gib(self.sent_bytes),
+            self.exchanges,
+        )
+    }
+
+    fn json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "devices": self.devices,
+            "experts_per_device": self.per_device,
+            "expert_parameters": self.parameters,
+            "received_rows_max": self.received_rows,
+            "rows_dispatched": self.rows,
+            "all_to_alls_per_layer": self.exchanges,
+            "all_to_all_bytes_sent_per_step": self.sent_bytes,
+        })
+    }
 }
 
 fn remat_name(r: Remat) -> &'static str {

@@ -343,9 +343,12 @@ impl Model {
             if share { *shared.entry(name).or_insert_with(|| take(kind, len)) } else { take(kind, len) }
         };
         let rows = n * k;
-        // On an expert axis, the most rows this device's experts can receive (dropless).
+        // On an expert axis, the most rows this device's experts can receive: every member's
+        // rows (dropless), or under a capacity factor each member's C rows of each of the E / n
+        // experts here, E · C, when fewer.
         let ep = self.expert_ranks > 1;
-        let received = self.expert_ranks * rows;
+        let capacity = m.moe.as_ref().map_or(rows, |moe| moe.capacity(n));
+        let received = (self.expert_ranks * rows).min(experts * capacity);
         let ep_only = |len: usize| if ep { len } else { 0 };
         let local_offsets_len = self.local_offsets_len(experts);
         let layers = (0..self.layout.layers.len())
@@ -366,7 +369,7 @@ impl Model {
                             tokens: n,
                             experts,
                             top_k: k,
-                            capacity: m.moe.as_ref().map_or(rows, |moe| moe.capacity(n)),
+                            capacity,
                             expert: take_idx(rows),
                             weight: act("weight", S, rows, false),
                             slot_row: take_idx(rows),

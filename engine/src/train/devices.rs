@@ -936,22 +936,31 @@ mod tests {
         }
 
         /// A device's high-water mark under EP 4 agrees with the memory plan's estimate (the
-        /// received rows' buffers at their worst) within 10 %.
+        /// received rows' buffers at their worst) within 10 %, dropless and under a capacity
+        /// factor of 1, whose bound on the rows received (E · C, not 4 · N · k) the estimate
+        /// shows.
         #[test]
         fn ep_memory_agrees_with_the_estimate() {
             use crate::backend::Backend;
-            let c = ep_config(&["mesh.ici_data=4", "mesh.ici_expert=4", "train.batch_size=2"]);
-            let peaks = run(&c, 4, |_, t| {
-                t.train_step(0.0);
-                Ok(t.backend.peak_memory_bytes() as f64)
-            })
-            .unwrap();
-            let plan = ParallelPlan::resolve(&c, 4, 1).unwrap();
-            let estimate = plan.estimate(&c, crate::model::memory::Target::Cpu).total() as f64;
-            for peak in peaks {
-                let ratio = peak / estimate;
-                assert!((0.9..=1.1).contains(&ratio), "ep=4: measured {peak} bytes, estimated {estimate}");
+            let mut activations = Vec::new();
+            for capacity in ["", "model.moe.capacity_factor=1.0"] {
+                let sets = ["mesh.ici_data=4", "mesh.ici_expert=4", "train.batch_size=2", capacity];
+                let c = ep_config(&sets[..sets.len() - usize::from(capacity.is_empty())]);
+                let peaks = run(&c, 4, |_, t| {
+                    t.train_step(0.0);
+                    Ok(t.backend.peak_memory_bytes() as f64)
+                })
+                .unwrap();
+                let plan = ParallelPlan::resolve(&c, 4, 1).unwrap();
+                let estimate = plan.estimate(&c, crate::model::memory::Target::Cpu);
+                let total = estimate.total() as f64;
+                for peak in peaks {
+                    let ratio = peak / total;
+                    assert!((0.9..=1.1).contains(&ratio), "ep=4 {capacity}: measured {peak} bytes, estimated {total}");
+                }
+                activations.push(estimate.activations);
             }
+            assert!(activations[1] < activations[0], "a capacity factor bounds the rows received: {activations:?}");
         }
 
         /// The planner's first plans for mixtral-8x7b on 2 x 8 and on 4 x 8 H100s (80 GiB, the
