@@ -64,6 +64,14 @@ fn kill_after(child: &mut std::process::Child, step: u64) -> String {
     // SAFETY: the job's own process group, which the test started.
     assert_eq!(unsafe { libc::kill(-(child.id() as i32), libc::SIGKILL) }, 0);
     child.wait().unwrap();
+    // The ranks, orphaned, are reaped after the launcher: until then the run directory's lock
+    // names a live process, and a job started there at once is refused.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    // SAFETY: signal 0 to the same process group only asks whether it still has members.
+    while unsafe { libc::kill(-(child.id() as i32), 0) } == 0 {
+        assert!(std::time::Instant::now() < deadline, "the killed job's processes are still there after 30 s");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
     seen
 }
 

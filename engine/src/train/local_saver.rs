@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Result, anyhow, bail};
 
 use super::Trainer;
-use super::local_tier::LocalTier;
+use super::local_tier::{LocalTier, Words};
 use crate::backend::Backend;
 use crate::checkpoint::sharded::DeviceState;
 
@@ -68,7 +68,7 @@ struct Writing {
 /// and its time.
 struct Written {
     state: DeviceState,
-    packed: Option<Vec<u8>>,
+    packed: Option<Words>,
     write_s: f64,
 }
 
@@ -178,9 +178,9 @@ impl LocalSaver {
         let written = writing.written.expect("a sealed part");
         self.spare = Some(written.state);
         if let Some(packed) = written.packed {
-            let got = self.tier.swap_parts(trainer, packed)?;
+            let got = self.tier.swap_parts(trainer, &packed)?;
             let tier = self.tier.clone();
-            self.receiving = Some(Some(std::thread::spawn(move || tier.keep_copy(writing.step, &got))));
+            self.receiving = Some(Some(std::thread::spawn(move || tier.keep_copy(writing.step, got))));
         }
         Ok(Some(written.write_s))
     }

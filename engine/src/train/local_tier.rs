@@ -125,7 +125,7 @@ impl LocalTier {
     /// (replacing what an earlier attempt left there), prunes that directory to [`KEEP`] steps
     /// and packs the part's files for the peer (none on one device). Runs on the local saver's
     /// writer thread ([`super::local_saver`]); touches no device and no collective.
-    pub(super) fn write_part(&self, progress: Progress, state: &DeviceState) -> Result<Option<Vec<u8>>> {
+    pub(super) fn write_part(&self, progress: Progress, state: &DeviceState) -> Result<Option<Words>> {
         let dir = self.own_dir().join(checkpoint::dir_name(progress.step));
         self.write_own(&dir, |tmp| {
             let known = sharded::write_part(tmp, self.rank, self.world, state)?;
@@ -135,20 +135,20 @@ impl LocalTier {
         if self.world == 1 {
             return Ok(None);
         }
-        Ok(Some(pack(&dir)?))
+        Ok(Some(Words::of(&pack(&dir)?)))
     }
 
     /// Sends this rank's packed part to its peer and receives its source's, over the job's
     /// collectives: only the step loop's thread calls it, every rank at the same boundary.
-    pub(super) fn swap_parts<B: Backend>(&self, trainer: &mut Trainer<B>, packed: Vec<u8>) -> Result<Vec<u8>> {
+    pub(super) fn swap_parts<B: Backend>(&self, trainer: &mut Trainer<B>, packed: &Words) -> Result<Words> {
         let got = self.exchange(trainer, Some((packed, self.peer)), Some(self.source))?;
         got.context("no part received from the source rank")
     }
 
     /// Writes the source's part of `step`, as [`LocalTier::swap_parts`] received it, as this
     /// rank's copy of it, and prunes the copies to [`KEEP`] steps (the local saver's thread).
-    pub(super) fn keep_copy(&self, step: u64, got: &[u8]) -> Result<()> {
-        unpack(got, &self.copy_dir().join(checkpoint::dir_name(step)))?;
+    pub(super) fn keep_copy(&self, step: u64, got: Words) -> Result<()> {
+        unpack(&got.into_bytes(), &self.copy_dir().join(checkpoint::dir_name(step)))?;
         checkpoint::prune(&self.copy_dir(), KEEP, 0)
     }
 
@@ -174,17 +174,17 @@ impl LocalTier {
     fn exchange<B: Backend>(
         &self,
         trainer: &mut Trainer<B>,
-        send: Option<(Vec<u8>, usize)>,
+        send: Option<(&Words, usize)>,
         recv: Option<usize>,
-    ) -> Result<Option<Vec<u8>>> {
+    ) -> Result<Option<Words>> {
         let (out, inn) = self.staging.expect("staging buffers on more than one device");
         let (be, par) = (&mut trainer.backend, &mut trainer.parallel);
-        let words = send.as_ref().map(|(files, to)| (to_words(files), *to));
+        let words = send.map(|(w, to)| (&w.words, to));
         let to = |v: View| words.as_ref().map(|(_, to)| (v, *to)).into_iter().collect::<Vec<_>>();
         let from = |v: View| recv.map(|from| (v, from)).into_iter().collect::<Vec<_>>();
         let receive = recv.is_some();
         // The byte count as two 32-bit halves, carried as bit patterns.
-        let bytes = send.as_ref().map_or(0, |(f, _)| f.len() as u64);
+        let bytes = send.map_or(0, |(w, _)| w.bytes as u64);
         be.upload(out.at(0, 2), &[f32::from_bits(bytes as u32), f32::from_bits((bytes >> 32) as u32)]);
         par.send_recv(be, &to(out.at(0, 2)), &from(inn.at(0, 2)));
         let mut header = [0f32; 2];
@@ -211,12 +211,7 @@ impl LocalTier {
             }
             (sent, received) = (sent + s, received + r);
         }
-        if !receive {
-            return Ok(None);
-        }
-        let mut bytes: Vec<u8> = got.iter().flat_map(|w| w.to_bits().to_le_bytes()).collect();
-        bytes.truncate(incoming);
-        Ok(Some(bytes))
+        Ok(receive.then_some(Words { words: got, bytes: incoming }))
     }
 
     /// `--resume=auto` with the local tier: the newest step every rank can restore from its own
@@ -290,10 +285,11 @@ impl LocalTier {
                 // The copy this rank keeps goes back to its owner if the owner lacks its own.
                 let send = match serves_copy {
                     false => None,
-                    true => Some((pack(&self.copy_dir().join(&name))?, self.source)),
+                    true => Some((Words::of(&pack(&self.copy_dir().join(&name))?), self.source)),
                 };
+                let send = send.as_ref().map(|(w, to)| (w, *to));
                 if let Some(got) = self.exchange(trainer, send, lacking.then_some(self.peer))? {
-                    unpack(&got, &mine)?;
+                    unpack(&got.into_bytes(), &mine)?;
                 }
             }
             let ck = match verified.remove(&step) {
@@ -508,16 +504,35 @@ fn take_from<'a>(packed: &'a [u8], at: &mut usize, n: usize, dir: &Path) -> Resu
     Ok(part)
 }
 
-/// Bytes as f32 words (their bit patterns), the last padded with zeros.
-fn to_words(bytes: &[u8]) -> Vec<f32> {
-    bytes
-        .chunks(4)
-        .map(|c| {
-            let mut w = [0u8; 4];
-            w[..c.len()].copy_from_slice(c);
-            f32::from_bits(u32::from_le_bytes(w))
-        })
-        .collect()
+/// Packed files as the f32 words the collectives carry (their bit patterns, the last padded
+/// with zeros), and their length in bytes. The local saver converts on its threads, so that
+/// the step loop only moves the words.
+pub(super) struct Words {
+    words: Vec<f32>,
+    bytes: usize,
+}
+
+impl Words {
+    fn of(bytes: &[u8]) -> Words {
+        let words = bytes
+            .chunks(4)
+            .map(|c| {
+                let mut w = [0u8; 4];
+                w[..c.len()].copy_from_slice(c);
+                f32::from_bits(u32::from_le_bytes(w))
+            })
+            .collect();
+        Words { words, bytes: bytes.len() }
+    }
+
+    fn into_bytes(self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(4 * self.words.len());
+        for w in &self.words {
+            out.extend_from_slice(&w.to_bits().to_le_bytes());
+        }
+        out.truncate(self.bytes);
+        out
+    }
 }
 
 #[cfg(test)]
@@ -608,8 +623,7 @@ mod tests {
         let (layout, snap) = snapshot(&config, 4);
         let from = checkpoint::write(&tmp.path().join("a"), &config, &layout, &snap, &Extras::default(), None).unwrap();
         let packed = pack(&from).unwrap();
-        let words = to_words(&packed);
-        let back: Vec<u8> = words.iter().flat_map(|w| w.to_bits().to_le_bytes()).take(packed.len()).collect();
+        let back = Words::of(&packed).into_bytes();
         assert_eq!(back, packed);
         let to = tmp.path().join("b/step-000004");
         std::fs::create_dir_all(to.parent().unwrap()).unwrap();
