@@ -205,3 +205,41 @@ impl Drop for LocalSaver {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::train::devices;
+    use crate::train::session::tests::config;
+
+    /// Rank 1 cannot write its part (its directory of the tier is a file): the save fails on
+    /// both ranks at the boundary that waits for it, rank 1 with its error, rank 0 naming rank 1.
+    #[test]
+    fn a_rank_that_cannot_write_its_part_fails_every_rank_and_is_named() {
+        let tmp = tempfile::tempdir().unwrap();
+        let local = tmp.path().join("tier");
+        let dir = format!("train.local_checkpoint_dir={}", local.display());
+        let c = config(&["mesh.ici_data=1", "mesh.ici_fsdp=2", "train.local_checkpoint_every=1", &dir]);
+        let run = tmp.path().join("run");
+        let errors = devices::run(&c, 2, |rank, t| {
+            let tier = LocalTier::open(t, &run, 2)?.expect("the tier is on");
+            if rank == 1 {
+                let own = local.join("rank-00001");
+                std::fs::remove_dir_all(&own)?;
+                std::fs::write(&own, b"not a directory")?;
+            }
+            let mut saver = LocalSaver::new(tier);
+            t.train_step(0.0);
+            let started = saver.after_step(t, 1)?;
+            assert!(started.stall_s.is_some() && started.write_s.is_none());
+            Ok(format!("{:#}", saver.finish(t).unwrap_err()))
+        })
+        .unwrap();
+        assert!(errors[1].starts_with("cannot write the local checkpoint of step 1"), "{}", errors[1]);
+        assert!(errors[1].contains("rank-00001"), "{}", errors[1]);
+        assert_eq!(
+            errors[0],
+            "cannot write the local checkpoint of step 1: ranks [1] could not write theirs (their errors say why)"
+        );
+    }
+}
