@@ -23,10 +23,15 @@ const STEPS: &str = "12";
 
 /// `engine launch --nproc 2 -- train ...` into `run` (with the local tier in `local`, if given).
 fn job(run: &Path, local: Option<&Path>, extra: &[&str]) -> Command {
+    job_of(STEPS, run, local, extra)
+}
+
+/// [`job`] of `steps` steps.
+fn job_of(steps: &str, run: &Path, local: Option<&Path>, extra: &[&str]) -> Command {
     let mut args: Vec<String> = ["launch", "--nproc", "2", "--", "train", "--device", "cpu", "--recipe", "tiny-llama2"]
         .map(String::from)
         .into();
-    args.extend(["--steps", STEPS, "--run-dir", s(run)].map(String::from));
+    args.extend(["--steps", steps, "--run-dir", s(run)].map(String::from));
     let tier =
         local.map(|l| ["train.local_checkpoint_every=2".to_owned(), format!("train.local_checkpoint_dir={}", s(l))]);
     for set in SHRINK.iter().chain(&SETS).map(|x| x.to_string()).chain(tier.into_iter().flatten()) {
@@ -38,7 +43,36 @@ fn job(run: &Path, local: Option<&Path>, extra: &[&str]) -> Command {
         cmd.env_remove(var);
     }
     cmd.env_remove("JAX_COORDINATOR_ADDRESS").env_remove("ENGINE_JOB_TOKEN").env_remove("ENGINE_TEST_STEP_DELAY");
+    cmd.env_remove("ENGINE_TEST_LOCAL_SAVE_DELAY");
     cmd
+}
+
+/// Waits for the line of step `step` on `child`'s stdout, then kills its process group
+/// (SIGKILL); what it printed.
+fn kill_after(child: &mut std::process::Child, step: u64) -> String {
+    let mut stdout = BufReader::new(child.stdout.take().unwrap());
+    let mut seen = String::new();
+    loop {
+        let mut line = String::new();
+        assert!(stdout.read_line(&mut line).unwrap() > 0, "the job ended before step {step}: {seen}");
+        seen.push_str(&line);
+        let prefix = format!("{step}/");
+        if line.starts_with("step") && line.split_whitespace().nth(1).is_some_and(|s| s.starts_with(&prefix)) {
+            break;
+        }
+    }
+    // SAFETY: the job's own process group, which the test started.
+    assert_eq!(unsafe { libc::kill(-(child.id() as i32), libc::SIGKILL) }, 0);
+    child.wait().unwrap();
+    // The ranks, orphaned, are reaped after the launcher: until then the run directory's lock
+    // names a live process, and a job started there at once is refused.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    // SAFETY: signal 0 to the same process group only asks whether it still has members.
+    while unsafe { libc::kill(-(child.id() as i32), 0) } == 0 {
+        assert!(std::time::Instant::now() < deadline, "the killed job's processes are still there after 30 s");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    seen
 }
 
 /// Runs a job to its end; what it printed (stdout and stderr).
@@ -70,25 +104,15 @@ fn a_killed_job_resumes_from_the_local_tier_or_the_peers_copy_or_the_persistent_
     let uninterrupted = losses(&reference);
     assert_eq!(uninterrupted.len(), 12);
 
-    // The job killed, all of it, during step 8 (rank 0 slowed to 300 ms a step so that the
+    // The job killed, all of it, during step 9 (rank 0 slowed to 300 ms a step so that the
     // kill lands there): the local tier holds step 6 (maybe 8), the persistent tier step 5.
+    // (Step 6's copies are written in the background after the boundary where every rank's
+    // part is sealed, and certainly in place at boundary 8, which waits for them.)
     let (killed, killed_local) = (dir.join("killed"), dir.join("killed-local"));
     let mut cmd = job(&killed, Some(&killed_local), &[]);
     cmd.env("ENGINE_TEST_STEP_DELAY", "0:0.3").process_group(0).stdout(Stdio::piped()).stderr(Stdio::null());
     let mut child = cmd.spawn().unwrap();
-    let mut stdout = BufReader::new(child.stdout.take().unwrap());
-    let mut seen = String::new();
-    loop {
-        let mut line = String::new();
-        assert!(stdout.read_line(&mut line).unwrap() > 0, "the job ended before step 7: {seen}");
-        seen.push_str(&line);
-        if line.starts_with("step") && line.split_whitespace().nth(1).is_some_and(|s| s.starts_with("7/")) {
-            break;
-        }
-    }
-    // SAFETY: the job's own process group, which the test started.
-    assert_eq!(unsafe { libc::kill(-(child.id() as i32), libc::SIGKILL) }, 0);
-    child.wait().unwrap();
+    let seen = kill_after(&mut child, 8);
     assert_eq!(steps(&killed.join("checkpoints")), ["step-000005"], "{seen}");
     let local_steps = steps(&killed_local.join("rank-00000"));
     assert!(local_steps.contains(&"step-000006".to_owned()), "{local_steps:?}");
@@ -151,4 +175,82 @@ fn a_killed_job_resumes_from_the_local_tier_or_the_peers_copy_or_the_persistent_
         // The resumed job keeps saving to the local tier and prunes it to two steps.
         assert_eq!(steps(&local.join("rank-00000")), ["step-000010", "step-000012"], "{name}");
     }
+}
+
+/// The local save in the background: every rank's writer sleeps 0.5 s before writing
+/// (`ENGINE_TEST_LOCAL_SAVE_DELAY`) while a step takes 0.3 s (rank 0 slowed), so a save spans
+/// steps. The step loop does not wait for it (the first save's boundary costs less than the
+/// writer's sleep, and the next step is logged before the part is sealed), the job's curve is the
+/// uninterrupted one, and the job killed after step 9 resumes from the local tier, bit for bit.
+#[test]
+fn a_local_save_in_the_background_lets_the_steps_go_on_and_resumes_on_the_same_curve() {
+    let dir = scratch("local-tier-background");
+    let reference = dir.join("reference");
+    completed(job(&reference, None, &[]));
+    let uninterrupted = losses(&reference);
+
+    let (run, local) = (dir.join("run"), dir.join("run-local"));
+    let mut cmd = job(&run, Some(&local), &[]);
+    cmd.env("ENGINE_TEST_STEP_DELAY", "0:0.3").env("ENGINE_TEST_LOCAL_SAVE_DELAY", "0.5");
+    cmd.process_group(0).stdout(Stdio::piped()).stderr(Stdio::null());
+    let mut child = cmd.spawn().unwrap();
+    let seen = kill_after(&mut child, 9);
+    let records = metrics(&run);
+    let at = |step: u64| records.iter().find(|m| m["step"] == step).unwrap_or_else(|| panic!("step {step}: {seen}"));
+    let stall = at(2)["local_checkpoint_s"].as_f64().expect("the save of step 2 is on the loop's record");
+    assert!(stall < 0.5, "the loop waited {stall} s at step 2, not less than the writer's 0.5 s sleep");
+    // The writer took longer than the loop's stall: the loop went on while it wrote. Step 3's
+    // boundary asked the other rank whether the parts were sealed (its record says the time).
+    let written: Vec<f64> = records.iter().filter_map(|m| m["local_checkpoint_write_s"].as_f64()).collect();
+    assert!(!written.is_empty() && written.iter().all(|&w| w >= 0.5), "{written:?}");
+    assert!(at(3)["local_checkpoint_s"].is_f64(), "{seen}");
+    // Step 8's boundary waited for step 6's parts (sealed) and step 4's copies (written).
+    for part in ["rank-00000/step-000006", "rank-00001/step-000006", "copy-of-rank-00000/step-000004"] {
+        assert!(local.join(part).join("state.json").is_file(), "{part}: {seen}");
+    }
+
+    let mut resume = job(&run, Some(&local), &["--resume=auto"]);
+    resume.env("ENGINE_TEST_LOCAL_SAVE_DELAY", "0.5");
+    let out = completed(resume);
+    assert!(out.lines().any(|l| l.contains("resuming after step") && l.contains("from the local tier")), "{out}");
+    assert_eq!(losses(&run), uninterrupted, "the resumed job's curve, bit for bit: {out}");
+}
+
+/// A run whose last step's local save is still being written when the loop ends (the writer
+/// sleeps 1 s) completes it before exiting: every rank's own part and its peer's copy of the
+/// last step are in place, sealed, with nothing temporary left, and restore as they are,
+/// from the own copies and from the peer's.
+#[test]
+fn a_run_ending_while_a_local_save_is_in_flight_leaves_a_valid_tier() {
+    let dir = scratch("local-tier-end");
+    let (run, local) = (dir.join("run"), dir.join("run-local"));
+    let mut cmd = job_of("4", &run, Some(&local), &[]);
+    cmd.env("ENGINE_TEST_LOCAL_SAVE_DELAY", "1");
+    let out = completed(cmd);
+    for part in ["rank-00000", "rank-00001", "copy-of-rank-00000", "copy-of-rank-00001"] {
+        assert_eq!(steps(&local.join(part)), ["step-000002", "step-000004"], "{part}: {out}");
+        let names: Vec<String> = std::fs::read_dir(local.join(part))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        assert!(names.iter().all(|n| n.starts_with("step-")), "{part}: {names:?}");
+    }
+    // Step 2's save was in flight too when step 4 started its own (which waited for it): the
+    // end found step 4's writer asleep.
+    let records = metrics(&run);
+    let stall = records[1]["local_checkpoint_s"].as_f64().unwrap();
+    assert!(stall < 1.0, "the loop waited {stall} s at step 2, not less than the writer's sleep");
+
+    // Each restore verifies what it loads: every file's hash against the seal.
+    let out = completed(job_of("4", &run, Some(&local), &["--resume=auto"]));
+    assert!(
+        out.contains("resuming after step 4 from the local tier") && out.contains("every rank from its own copy"),
+        "{out}"
+    );
+    std::fs::remove_dir_all(local.join("rank-00000")).unwrap();
+    let out = completed(job_of("4", &run, Some(&local), &["--resume=auto"]));
+    assert!(
+        out.contains("resuming after step 4 from the local tier") && out.contains("ranks [0] from their peers' copies"),
+        "{out}"
+    );
 }

@@ -494,8 +494,9 @@ section! {
         @resumable
         pub checkpoint_every_minutes: f64 = 0.0,
         /// Save each rank's part to the node-local tier every this many steps
-        /// (`train/local_tier.rs`): sealed, replicated to a peer rank, restored by
-        /// `--resume=auto` when newer than the persistent tier; 0 disables it.
+        /// (`train/local_tier.rs`), in the background (`train/local_saver.rs`: the step loop
+        /// pays the copy to the host and the exchange): sealed, replicated to a peer rank,
+        /// restored by `--resume=auto` when newer than the persistent tier; 0 disables it.
         @resumable
         pub local_checkpoint_every: usize = 0,
         /// Directory of the local tier on each node; empty: `/dev/shm/engine-local-HASH`, keyed

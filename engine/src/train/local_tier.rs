@@ -10,31 +10,33 @@
 //! ```
 //!
 //! Rank r's peer is rank (r + local_world) mod world, on the next node when there is one (the
-//! next rank on a single node), so losing one node loses no part. A save writes the rank's
-//! own part with the persistent tier's writer and seal ([`sharded::write_part`],
-//! [`sharded::commit`]), sends its files to the peer over the job's collectives (`send_recv`,
-//! in pieces through a fixed staging buffer) and writes the part it receives into its copy
-//! directory, byte for byte the sender's, seal included. Each directory keeps the newest
-//! [`KEEP`] steps: a rank killed in the middle of a save still shares the previous step with
-//! every other rank.
+//! next rank on a single node), so losing one node loses no part. A save
+//! ([`super::local_saver`], in the background) writes the rank's own part with the persistent
+//! tier's writer and seal ([`sharded::write_part`], [`sharded::commit`]) on a thread, sends its
+//! files to the peer over the job's collectives (`send_recv`, in pieces through a fixed staging
+//! buffer) from the step loop once every rank's part is sealed, and writes the part it receives
+//! into its copy directory on a thread again, byte for byte the sender's, seal included. Each
+//! directory keeps the newest [`KEEP`] steps: a rank killed in the middle of a save still shares
+//! the previous step with every other rank.
 //!
-//! On `--resume=auto` ([`LocalTier::restore`]) each rank verifies its copies (the seal and every
-//! file's SHA-256: a damaged one is skipped, with a line saying so) and reports the steps it can
-//! serve, for itself and for the rank whose copy it keeps; every rank then takes the newest
-//! step that all can restore, from its own copy or its peer's, when it is at least as new as the
-//! persistent tier's newest. A rank without its own copy receives the peer's, writes it as its
-//! own and loads it like any checkpoint.
+//! On `--resume=auto` ([`LocalTier::restore`]) each rank reports the steps its directories
+//! list, for itself and for the rank whose copy it keeps; every rank then takes the newest step
+//! that all can restore, from its own copy or its peer's, when it is at least as new as the
+//! persistent tier's newest. Only then is anything verified (the seal and every file's SHA-256),
+//! once, by the rank that serves it: a damaged copy is skipped, with a line saying so, and the
+//! ranks agree again. A rank without its own copy receives the peer's, writes it as its own and
+//! loads it like any checkpoint.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Instant;
 
 use anyhow::{Context, Result, anyhow, bail};
 
 use super::Trainer;
 use crate::backend::{Backend, BufKind, View};
 use crate::checkpoint::sharded::{self, DeviceState};
-use crate::checkpoint::{self, Checkpoint, Extras, STATE_FILE, State};
+use crate::checkpoint::{self, Checkpoint, Extras, Progress, STATE_FILE, State};
 use crate::config::Config;
 use crate::fsutil;
 
@@ -119,26 +121,35 @@ impl LocalTier {
         step.is_multiple_of(self.every)
     }
 
-    /// Saves this rank's part of the trainer's current step and exchanges copies with the
-    /// peers; every rank calls it at the same step. Returns the seconds it took.
-    pub fn save<B: Backend>(&mut self, trainer: &mut Trainer<B>) -> Result<f64> {
-        let start = Instant::now();
-        let progress = trainer.progress();
-        let name = checkpoint::dir_name(progress.step);
-        let dir = self.own_dir().join(&name);
-        let state = trainer.part_state(DeviceState::default());
+    /// Writes and seals this rank's part of `progress`'s step from `state` in its own directory
+    /// (replacing what an earlier attempt left there), prunes that directory to [`KEEP`] steps
+    /// and packs the part's files for the peer (none on one device). Runs on the local saver's
+    /// writer thread ([`super::local_saver`]); touches no device and no collective.
+    pub(super) fn write_part(&self, progress: Progress, state: &DeviceState) -> Result<Option<Words>> {
+        let dir = self.own_dir().join(checkpoint::dir_name(progress.step));
         self.write_own(&dir, |tmp| {
-            let known = sharded::write_part(tmp, self.rank, self.world, &state)?;
+            let known = sharded::write_part(tmp, self.rank, self.world, state)?;
             sharded::commit(tmp, &dir, &self.config, progress, self.world, &self.extras, &known)
         })?;
-        if self.world > 1 {
-            let files = pack(&dir)?;
-            let got = self.exchange(trainer, Some((files, self.peer)), Some(self.source))?.expect("a copy received");
-            unpack(&got, &self.copy_dir().join(&name))?;
-            checkpoint::prune(&self.copy_dir(), KEEP, 0)?;
-        }
         checkpoint::prune(&self.own_dir(), KEEP, 0)?;
-        Ok(start.elapsed().as_secs_f64())
+        if self.world == 1 {
+            return Ok(None);
+        }
+        Ok(Some(Words::of(&pack(&dir)?)))
+    }
+
+    /// Sends this rank's packed part to its peer and receives its source's, over the job's
+    /// collectives: only the step loop's thread calls it, every rank at the same boundary.
+    pub(super) fn swap_parts<B: Backend>(&self, trainer: &mut Trainer<B>, packed: &Words) -> Result<Words> {
+        let got = self.exchange(trainer, Some((packed, self.peer)), Some(self.source))?;
+        got.context("no part received from the source rank")
+    }
+
+    /// Writes the source's part of `step`, as [`LocalTier::swap_parts`] received it, as this
+    /// rank's copy of it, and prunes the copies to [`KEEP`] steps (the local saver's thread).
+    pub(super) fn keep_copy(&self, step: u64, got: Words) -> Result<()> {
+        unpack(&got.into_bytes(), &self.copy_dir().join(checkpoint::dir_name(step)))?;
+        checkpoint::prune(&self.copy_dir(), KEEP, 0)
     }
 
     /// Writes `dir` (replacing what an earlier attempt left there) with `write`, which fills a
@@ -163,17 +174,17 @@ impl LocalTier {
     fn exchange<B: Backend>(
         &self,
         trainer: &mut Trainer<B>,
-        send: Option<(Vec<u8>, usize)>,
+        send: Option<(&Words, usize)>,
         recv: Option<usize>,
-    ) -> Result<Option<Vec<u8>>> {
+    ) -> Result<Option<Words>> {
         let (out, inn) = self.staging.expect("staging buffers on more than one device");
         let (be, par) = (&mut trainer.backend, &mut trainer.parallel);
-        let words = send.as_ref().map(|(files, to)| (to_words(files), *to));
+        let words = send.map(|(w, to)| (&w.words, to));
         let to = |v: View| words.as_ref().map(|(_, to)| (v, *to)).into_iter().collect::<Vec<_>>();
         let from = |v: View| recv.map(|from| (v, from)).into_iter().collect::<Vec<_>>();
         let receive = recv.is_some();
         // The byte count as two 32-bit halves, carried as bit patterns.
-        let bytes = send.as_ref().map_or(0, |(f, _)| f.len() as u64);
+        let bytes = send.map_or(0, |(w, _)| w.bytes as u64);
         be.upload(out.at(0, 2), &[f32::from_bits(bytes as u32), f32::from_bits((bytes >> 32) as u32)]);
         par.send_recv(be, &to(out.at(0, 2)), &from(inn.at(0, 2)));
         let mut header = [0f32; 2];
@@ -200,12 +211,7 @@ impl LocalTier {
             }
             (sent, received) = (sent + s, received + r);
         }
-        if !receive {
-            return Ok(None);
-        }
-        let mut bytes: Vec<u8> = got.iter().flat_map(|w| w.to_bits().to_le_bytes()).collect();
-        bytes.truncate(incoming);
-        Ok(Some(bytes))
+        Ok(receive.then_some(Words { words: got, bytes: incoming }))
     }
 
     /// `--resume=auto` with the local tier: the newest step every rank can restore from its own
@@ -213,83 +219,115 @@ impl LocalTier {
     /// step); this rank's part of it in its own directory (received from the peer when its own
     /// copy is missing or damaged), verified. None otherwise. The lead says which tier in one
     /// line. Every rank calls it at the same point.
+    ///
+    /// Each file is hashed once: the ranks agree on the newest step from what their directories
+    /// list, then each verifies only what it serves of that step (its own part, and its
+    /// source's copy when the source lacks its own) and keeps the verified checkpoint to load.
+    /// When any rank finds its part damaged, it drops that step from its list, with a line
+    /// saying so, and all agree again on what is left.
     pub fn restore<B: Backend>(
         &mut self,
         trainer: &mut Trainer<B>,
         persistent: Option<u64>,
         lead: bool,
     ) -> Result<Option<Checkpoint>> {
-        let own = self.usable(&self.own_dir());
-        let copies = if self.world > 1 { self.usable(&self.copy_dir()) } else { Vec::new() };
-        let report = |steps: &[u64]| std::array::from_fn::<u64, KEEP, _>(|i| steps.get(i).copied().unwrap_or(0));
-        let all_own = trainer.parallel.gather_many_from_world(&mut trainer.backend, report(&own));
-        let all_copies = trainer.parallel.gather_many_from_world(&mut trainer.backend, report(&copies));
-        let choice = choose(&all_own, &all_copies, (self.peer + self.world - self.rank) % self.world);
+        let mut own = listed(&self.own_dir());
+        let mut copies = if self.world > 1 { listed(&self.copy_dir()) } else { Vec::new() };
+        // Own parts verified so far, by step: loaded as they are, not read again.
+        let mut verified: BTreeMap<u64, Checkpoint> = BTreeMap::new();
         let d = self.root.display();
-        let step = match choice {
-            Some(step) if persistent.is_none_or(|p| step >= p) => step,
-            _ => {
-                if lead {
-                    let found = match choice {
-                        Some(s) => format!("its newest step that every rank can restore is {s}"),
-                        None => "no step there can be restored by every rank".to_owned(),
-                    };
-                    let then = match persistent {
-                        Some(p) => format!("resuming from the persistent tier (step {p})"),
-                        None => "the persistent tier holds none either".to_owned(),
-                    };
-                    crate::say!("local tier ({d}): {found}; {then}");
+        loop {
+            let report = |steps: &[u64]| std::array::from_fn::<u64, KEEP, _>(|i| steps.get(i).copied().unwrap_or(0));
+            let all_own = trainer.parallel.gather_many_from_world(&mut trainer.backend, report(&own));
+            let all_copies = trainer.parallel.gather_many_from_world(&mut trainer.backend, report(&copies));
+            let choice = choose(&all_own, &all_copies, (self.peer + self.world - self.rank) % self.world);
+            let step = match choice {
+                Some(step) if persistent.is_none_or(|p| step >= p) => step,
+                _ => {
+                    if lead {
+                        let found = match choice {
+                            Some(s) => format!("its newest step that every rank can restore is {s}"),
+                            None => "no step there can be restored by every rank".to_owned(),
+                        };
+                        let then = match persistent {
+                            Some(p) => format!("resuming from the persistent tier (step {p})"),
+                            None => "the persistent tier holds none either".to_owned(),
+                        };
+                        crate::say!("local tier ({d}): {found}; {then}");
+                    }
+                    return Ok(None);
                 }
-                return Ok(None);
-            }
-        };
-        let has = |steps: &[u64; KEEP]| steps.contains(&step);
-        let name = checkpoint::dir_name(step);
-        let mine = self.own_dir().join(&name);
-        let lacking = !has(&all_own[self.rank]);
-        if self.world > 1 {
-            // The copy this rank keeps goes back to its owner if the owner lacks its own.
-            let send = match has(&all_own[self.source]) {
-                true => None,
-                false => Some((pack(&self.copy_dir().join(&name))?, self.source)),
             };
-            if let Some(got) = self.exchange(trainer, send, lacking.then_some(self.peer))? {
-                unpack(&got, &mine)?;
-                fsutil::sync_dir(&self.own_dir())?;
+            let has = |steps: &[u64; KEEP]| steps.contains(&step);
+            // What this rank serves of `step`, verified once.
+            let mut damaged = false;
+            if has(&all_own[self.rank]) && !verified.contains_key(&step) {
+                match self.verify(&self.own_dir(), step) {
+                    Some(ck) => _ = verified.insert(step, ck),
+                    None => {
+                        own.retain(|&s| s != step);
+                        damaged = true;
+                    }
+                }
             }
-        }
-        let ck = checkpoint::resume_point(&self.own_dir(), Some(&mine), &trainer.config, self.world)?;
-        if lead {
-            let from_peers: Vec<usize> = (0..self.world).filter(|&r| !has(&all_own[r])).collect();
-            let how = match from_peers.as_slice() {
-                [] => "every rank from its own copy".to_owned(),
-                ranks => format!("ranks {ranks:?} from their peers' copies, the others from their own"),
+            let serves_copy = self.world > 1 && !has(&all_own[self.source]);
+            if serves_copy && self.verify(&self.copy_dir(), step).is_none() {
+                copies.retain(|&s| s != step);
+                damaged = true;
+            }
+            if trainer.parallel.sum_over_world(&mut trainer.backend, damaged as u8 as f32) > 0.0 {
+                continue;
+            }
+            let name = checkpoint::dir_name(step);
+            let mine = self.own_dir().join(&name);
+            let lacking = !has(&all_own[self.rank]);
+            if self.world > 1 {
+                // The copy this rank keeps goes back to its owner if the owner lacks its own.
+                let send = match serves_copy {
+                    false => None,
+                    true => Some((Words::of(&pack(&self.copy_dir().join(&name))?), self.source)),
+                };
+                let send = send.as_ref().map(|(w, to)| (w, *to));
+                if let Some(got) = self.exchange(trainer, send, lacking.then_some(self.peer))? {
+                    unpack(&got.into_bytes(), &mine)?;
+                }
+            }
+            let ck = match verified.remove(&step) {
+                Some(ck) => ck,
+                // The peer's copy, received: this rank's first read of these files.
+                None => checkpoint::resume_point(&self.own_dir(), Some(&mine), &trainer.config, self.world)?,
             };
-            let newer = persistent.map_or("none".to_owned(), |p| format!("step {p}"));
-            crate::say!(
-                "resuming after step {step} from the local tier ({d}; {how}); the persistent tier's newest is {newer}"
-            );
+            if lead {
+                let from_peers: Vec<usize> = (0..self.world).filter(|&r| !has(&all_own[r])).collect();
+                let how = match from_peers.as_slice() {
+                    [] => "every rank from its own copy".to_owned(),
+                    ranks => format!("ranks {ranks:?} from their peers' copies, the others from their own"),
+                };
+                let newer = persistent.map_or("none".to_owned(), |p| format!("step {p}"));
+                crate::say!(
+                    "resuming after step {step} from the local tier ({d}; {how}); the persistent tier's newest is {newer}"
+                );
+            }
+            return Ok(Some(ck));
         }
-        Ok(Some(ck))
     }
 
-    /// The steps of `dir` this rank can restore, newest first: complete, sealed, every file
-    /// matching its hash, of this run's configuration on this mesh. Each that is not says so in
-    /// one line and is skipped.
-    fn usable(&self, dir: &Path) -> Vec<u64> {
-        let listed = checkpoint::list(dir).unwrap_or_default();
-        let mut steps = Vec::new();
-        for (step, path) in listed.into_iter().rev() {
-            match checkpoint::resume_point(dir, Some(&path), &self.config, self.world) {
-                Ok(ck) if ck.state.shards == Some(self.world) => steps.push(step),
-                Ok(_) => crate::say!("local tier: {} was saved on another mesh; skipped", path.display()),
-                Err(e) => crate::say!("local tier: rank {}: {e:#}; skipped", self.rank),
+    /// `dir`'s checkpoint of `step`, if this rank can restore it: complete, sealed, every file
+    /// matching its hash, of this run's configuration on this mesh. One that is not says so in
+    /// one line.
+    fn verify(&self, dir: &Path, step: u64) -> Option<Checkpoint> {
+        let path = dir.join(checkpoint::dir_name(step));
+        match checkpoint::resume_point(dir, Some(&path), &self.config, self.world) {
+            Ok(ck) if ck.state.shards == Some(self.world) => Some(ck),
+            Ok(_) => {
+                crate::say!("local tier: {} was saved on another mesh; skipped", path.display());
+                None
             }
-            if steps.len() == KEEP {
-                break;
+            Err(e) => {
+                crate::say!("local tier: rank {}: {e:#}; skipped", self.rank);
+                None
             }
         }
-        steps
     }
 
     /// Removes this rank's local copies of steps after `step` (a run that continues from
@@ -303,6 +341,14 @@ impl LocalTier {
         }
         Ok(())
     }
+}
+
+/// The steps `dir` holds, newest first, as their directories name them: nothing is read or
+/// verified yet ([`LocalTier::restore`] verifies the one chosen).
+fn listed(dir: &Path) -> Vec<u64> {
+    let mut steps: Vec<u64> = checkpoint::list(dir).unwrap_or_default().into_iter().map(|(s, _)| s).collect();
+    steps.reverse();
+    steps
 }
 
 /// The tier's directory of a run: `train.local_checkpoint_dir` as given, or
@@ -435,9 +481,18 @@ fn unpack(packed: &[u8], dir: &Path) -> Result<()> {
         if let Some(parent) = path.parent() {
             std::fs::create_dir_all(parent)?;
         }
-        std::fs::write(&path, take(&mut at, len)?).with_context(|| format!("cannot write {}", path.display()))?;
+        let write = |bytes: &[u8]| -> std::io::Result<()> {
+            let mut file = std::fs::File::create(&path)?;
+            std::io::Write::write_all(&mut file, bytes)?;
+            file.sync_all()
+        };
+        write(take(&mut at, len)?).with_context(|| format!("cannot write {}", path.display()))?;
     }
+    // Flushed before the rename, and the rename flushed, as every checkpoint is: a copy under
+    // a `step-*` name is complete after a crash of the node's kernel too (`/dev/shm` aside).
+    fsutil::sync_dir(&tmp)?;
     std::fs::rename(&tmp, dir).with_context(|| format!("cannot rename {} to {}", tmp.display(), dir.display()))?;
+    fsutil::sync_dir(dir.parent().unwrap_or(Path::new(".")))?;
     Ok(())
 }
 
@@ -449,16 +504,35 @@ fn take_from<'a>(packed: &'a [u8], at: &mut usize, n: usize, dir: &Path) -> Resu
     Ok(part)
 }
 
-/// Bytes as f32 words (their bit patterns), the last padded with zeros.
-fn to_words(bytes: &[u8]) -> Vec<f32> {
-    bytes
-        .chunks(4)
-        .map(|c| {
-            let mut w = [0u8; 4];
-            w[..c.len()].copy_from_slice(c);
-            f32::from_bits(u32::from_le_bytes(w))
-        })
-        .collect()
+/// Packed files as the f32 words the collectives carry (their bit patterns, the last padded
+/// with zeros), and their length in bytes. The local saver converts on its threads, so that
+/// the step loop only moves the words.
+pub(super) struct Words {
+    words: Vec<f32>,
+    bytes: usize,
+}
+
+impl Words {
+    fn of(bytes: &[u8]) -> Words {
+        let words = bytes
+            .chunks(4)
+            .map(|c| {
+                let mut w = [0u8; 4];
+                w[..c.len()].copy_from_slice(c);
+                f32::from_bits(u32::from_le_bytes(w))
+            })
+            .collect();
+        Words { words, bytes: bytes.len() }
+    }
+
+    fn into_bytes(self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(4 * self.words.len());
+        for w in &self.words {
+            out.extend_from_slice(&w.to_bits().to_le_bytes());
+        }
+        out.truncate(self.bytes);
+        out
+    }
 }
 
 #[cfg(test)]
@@ -506,8 +580,10 @@ mod tests {
         let run = tmp.path().join("run");
         let states = crate::train::devices::run(&c, 2, |rank, t| {
             let mut tier = LocalTier::open(t, &run, 2)?.expect("the tier is on");
+            let mut saver = super::super::local_saver::LocalSaver::new(tier.clone());
             t.train_step(0.0);
-            tier.save(t)?;
+            saver.after_step(t, 1)?;
+            saver.finish(t)?;
             let saved = t.part_state(DeviceState::default());
             t.train_step(0.0);
             if rank == 0 {
@@ -547,8 +623,7 @@ mod tests {
         let (layout, snap) = snapshot(&config, 4);
         let from = checkpoint::write(&tmp.path().join("a"), &config, &layout, &snap, &Extras::default(), None).unwrap();
         let packed = pack(&from).unwrap();
-        let words = to_words(&packed);
-        let back: Vec<u8> = words.iter().flat_map(|w| w.to_bits().to_le_bytes()).take(packed.len()).collect();
+        let back = Words::of(&packed).into_bytes();
         assert_eq!(back, packed);
         let to = tmp.path().join("b/step-000004");
         std::fs::create_dir_all(to.parent().unwrap()).unwrap();

@@ -180,6 +180,7 @@ mod tests {
             slowest_rank: None,
             slowest_step_time_s: None,
             local_checkpoint_s: None,
+            local_checkpoint_write_s: None,
             straggler: None,
         };
         assert!(scalars(&m).iter().all(|(tag, _)| !tag.starts_with("data/")));

@@ -56,10 +56,17 @@ pub struct StepMetrics {
     /// host, and waiting for the previous save if it was still writing.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub checkpoint_s: Option<f64>,
-    /// Seconds the step loop spent saving this step to the local tier and exchanging the
-    /// copies with the peers ([`super::local_tier`]), when it did.
+    /// Seconds the step loop spent on the local tier ([`super::local_saver`]) at this step's
+    /// boundary, when a local save was due or in flight: copying the state to the host, waiting
+    /// for the previous save, agreeing whether every rank's part is sealed, and exchanging the
+    /// copies with the peers. A checkpoint stall in goodput.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub local_checkpoint_s: Option<f64>,
+    /// Seconds this rank's thread took to write, seal and pack its part of a local save, in
+    /// the background (not on the step loop); given at the boundary where every rank's part was
+    /// found sealed.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub local_checkpoint_write_s: Option<f64>,
     /// On runs of more than one device: the rank whose step took longest (the straggler the
     /// others waited for), and its step time. Every rank's time is gathered at each step.
     #[serde(skip_serializing_if = "Option::is_none")]

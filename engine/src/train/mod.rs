@@ -10,6 +10,7 @@
 pub mod checkpointer;
 pub mod devices;
 pub mod goodput;
+pub mod local_saver;
 pub mod local_tier;
 pub mod logger;
 pub mod metrics;
@@ -423,6 +424,7 @@ impl<B: Backend> Trainer<B> {
             slowest_rank: None,
             slowest_step_time_s: None,
             local_checkpoint_s: None,
+            local_checkpoint_write_s: None,
             straggler: None,
         }
     }

@@ -9,8 +9,9 @@ use std::time::{Duration, Instant};
 use anyhow::{Result, bail};
 use serde::Serialize;
 
-use super::checkpointer::Checkpointer;
+use super::checkpointer::{Checkpointer, SaveReport};
 use super::goodput::{self, Startup, Timeline};
+use super::local_saver::LocalSaver;
 use super::local_tier::LocalTier;
 use super::logger::MetricsLogger;
 pub use super::run_dir::CHECKPOINTS;
@@ -188,7 +189,7 @@ pub fn run<B: Backend>(trainer: &mut Trainer<Traced<B>>, s: &Session) -> Result<
     // The lead appends this attempt to the run's goodput timeline.
     let mut timeline = if s.lead { Some(Timeline::begin(s.run_dir.path(), first, s.startup)?) } else { None };
     let mut saver = Checkpointer::new(&checkpoints, trainer, s.extras.clone(), s.lead);
-    let mut local = s.local_tier.clone();
+    let mut local = s.local_tier.clone().map(LocalSaver::new);
     let mut clock = Cadence::new(config.train.checkpoint_every_minutes);
     let mut history: Vec<StepMetrics> = Vec::with_capacity(steps - first as usize);
     log.start_progress(first);
@@ -201,7 +202,7 @@ pub fn run<B: Backend>(trainer: &mut Trainer<Traced<B>>, s: &Session) -> Result<
         let busy_s = (m.step_time_s - waited).max(0.0);
         if !m.applied {
             // Every device saw the same loss and norm: all stop here, after the save in flight.
-            let (saved, waited_s) = goodput::timed(|| saver.finish(trainer));
+            let (saved, waited_s) = goodput::timed(|| finish_saves(&mut saver, &mut local, trainer));
             saved?.iter().for_each(|done| log.saved(done));
             timeline.as_mut().map(|t| t.end("diverged", waited_s)).transpose()?;
             let kept = match checkpoint::list(&checkpoints)?.last() {
@@ -237,8 +238,9 @@ pub fn run<B: Backend>(trainer: &mut Trainer<Traced<B>>, s: &Session) -> Result<
         }
         let (saved, stall) = saver.after_step(trainer, due)?;
         m.checkpoint_s = stall;
-        if let Some(tier) = local.as_mut().filter(|t| t.due(step as u64)) {
-            m.local_checkpoint_s = Some(tier.save(trainer)?);
+        if let Some(local) = local.as_mut() {
+            let spent = local.after_step(trainer, step as u64)?;
+            (m.local_checkpoint_s, m.local_checkpoint_write_s) = (spent.stall_s, spent.write_s);
         }
         let (logged, logging_s) = goodput::timed(|| log.step(&m));
         logged?;
@@ -260,7 +262,7 @@ pub fn run<B: Backend>(trainer: &mut Trainer<Traced<B>>, s: &Session) -> Result<
         saved.iter().for_each(|done| log.saved(done));
         history.push(m);
         if stop {
-            let (saved, waited_s) = goodput::timed(|| saver.finish(trainer));
+            let (saved, waited_s) = goodput::timed(|| finish_saves(&mut saver, &mut local, trainer));
             saved?.iter().for_each(|done| log.saved(done));
             timeline.as_mut().map(|t| t.end("stopped", waited_s)).transpose()?;
             log.finish();
@@ -269,7 +271,7 @@ pub fn run<B: Backend>(trainer: &mut Trainer<Traced<B>>, s: &Session) -> Result<
         }
     }
     log.finish();
-    let (saved, waited_s) = goodput::timed(|| saver.finish(trainer));
+    let (saved, waited_s) = goodput::timed(|| finish_saves(&mut saver, &mut local, trainer));
     saved?.iter().for_each(|done| log.saved(done));
     let peak = trainer.backend.peak_memory_bytes() as u64;
     let peak_memory = trainer.parallel.gather_from_world(&mut trainer.backend, peak);
@@ -324,6 +326,21 @@ pub fn run<B: Backend>(trainer: &mut Trainer<Traced<B>>, s: &Session) -> Result<
         ));
     }
     Ok(Some(summary))
+}
+
+/// Completes the saves in flight, persistent and local, on every device at the same point (the
+/// run's end, a stop, a divergence): the process must not end while a checkpoint it will say it
+/// saved is not in place. Returns the persistent saves that completed.
+fn finish_saves<B: Backend>(
+    saver: &mut Checkpointer,
+    local: &mut Option<LocalSaver>,
+    trainer: &mut Trainer<Traced<B>>,
+) -> Result<Vec<SaveReport>> {
+    let saved = saver.finish(trainer)?;
+    if let Some(local) = local {
+        local.finish(trainer)?;
+    }
+    Ok(saved)
 }
 
 /// `train.checkpoint_every_minutes` on this device's clock (rank 0's decides for the run).
