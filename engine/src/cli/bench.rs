@@ -170,6 +170,9 @@ struct DeviceResult {
     /// The peak less the parameters, gradients and moments (exact sizes): the activations and
     /// the backend's scratch.
     activation_bytes: usize,
+    /// Seconds a measured step spent in the collectives' recording wrapper's own work (the
+    /// flight recorder, the straggler detector's timing); none without the wrapper.
+    recorder_s_per_step: Option<f64>,
 }
 
 /// `engine bench --devices N`: each virtual device of the recipe's mesh.
@@ -200,18 +203,23 @@ fn bench_devices(args: &BenchArgs, name: &str, devices: usize) -> Result<()> {
         100.0 * bubble
     );
     println!(
-        "{:>5} {:>6} {:>12} {:>10} {:>14} {:>16}",
-        "rank", "stage", "step (med)", "idle", "peak memory", "activation part"
+        "{:>5} {:>6} {:>12} {:>10} {:>14} {:>16} {:>18}",
+        "rank", "stage", "step (med)", "idle", "peak memory", "activation part", "recorder a step"
     );
     for r in &results {
+        let recorder = match r.recorder_s_per_step {
+            Some(s) => format!("{:.1} us {:.2}%", s * 1e6, 100.0 * s / r.median_step_time_s),
+            None => "off".to_owned(),
+        };
         println!(
-            "{:>5} {:>6} {:>10.3} s {:>9.1}% {:>10.2} MiB {:>12.2} MiB",
+            "{:>5} {:>6} {:>10.3} s {:>9.1}% {:>10.2} MiB {:>12.2} MiB {:>18}",
             r.rank,
             r.stage,
             r.median_step_time_s,
             100.0 * r.idle_share,
             r.peak_memory_bytes as f64 / (1 << 20) as f64,
-            r.activation_bytes as f64 / (1 << 20) as f64
+            r.activation_bytes as f64 / (1 << 20) as f64,
+            recorder
         );
     }
     if let Some(path) = &args.json {
@@ -239,7 +247,11 @@ fn measure_device(
 ) -> Result<DeviceResult> {
     let mut times = Vec::with_capacity(args.steps);
     let (mut busy, mut span) = (0.0, 0.0);
+    let mut recorder_before = None;
     for i in 0..total {
+        if i == args.warmup {
+            recorder_before = trainer.parallel.collectives_overhead();
+        }
         let m = trainer.train_step(0.0);
         if i >= args.warmup {
             times.push(m.step_time_s);
@@ -257,6 +269,8 @@ fn measure_device(
         idle_share: 1.0 - busy / span,
         peak_memory_bytes: peak,
         activation_bytes: peak.saturating_sub(e.parameters + e.gradients + e.optimizer),
+        recorder_s_per_step: (trainer.parallel.collectives_overhead().zip(recorder_before))
+            .map(|(after, before)| (after - before).as_secs_f64() / args.steps.max(1) as f64),
     })
 }
 

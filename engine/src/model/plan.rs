@@ -348,7 +348,10 @@ impl Model {
         // experts here, E · C, when fewer.
         let ep = self.expert_ranks > 1;
         let capacity = m.moe.as_ref().map_or(rows, |moe| moe.capacity(n));
-        let received = (self.expert_ranks * rows).min(experts * capacity);
+        let received = match m.moe {
+            Some(_) => (self.expert_ranks * rows).min(experts * capacity),
+            None => rows,
+        };
         let ep_only = |len: usize| if ep { len } else { 0 };
         let local_offsets_len = self.local_offsets_len(experts);
         let layers = (0..self.layout.layers.len())

@@ -31,6 +31,12 @@ pub trait Collectives<B: Backend> {
     fn blocked(&self) -> Option<std::time::Duration> {
         None
     }
+    /// Time a wrapper ([`super::flight::Flight`]) has spent on its own work so far (recording
+    /// each operation, timing it), beside the operations themselves: what the flight recorder
+    /// and the straggler detector cost.
+    fn overhead(&self) -> Option<std::time::Duration> {
+        None
+    }
     /// `buf = Σ_group buf`, in place.
     fn all_reduce_sum(&mut self, be: &mut B, buf: View, group: &[usize]);
     /// `buf = max_group buf`, element by element, in place (f32 buffers: the vocabulary-parallel

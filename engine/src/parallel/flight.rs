@@ -494,6 +494,9 @@ pub struct Flight<C> {
     skip: Option<(u64, String)>,
     /// Time spent in blocking calls and waits ([`Collectives::blocked`]).
     blocked: Duration,
+    /// Time spent on the wrapper's own work: recording, and timing for `blocked`
+    /// ([`Collectives::overhead`]).
+    own: Duration,
 }
 
 impl<C> Flight<C> {
@@ -514,7 +517,7 @@ impl<C> Flight<C> {
             }
             Err(_) => None,
         };
-        Ok(Flight { inner, recorder, started: Vec::new(), skip, blocked: Duration::ZERO })
+        Ok(Flight { inner, recorder, started: Vec::new(), skip, blocked: Duration::ZERO, own: Duration::ZERO })
     }
 
     /// Whether the test hook skips this operation (once).
@@ -533,11 +536,14 @@ impl<C> Flight<C> {
         if self.skip.is_some() && self.skipped(op) {
             return;
         }
+        let entered = Instant::now();
         let seq = self.recorder.ring().begin(op, group, elements);
         let t = Instant::now();
         run(&mut self.inner);
-        self.blocked += t.elapsed();
+        let done = Instant::now();
+        self.blocked += done - t;
         self.recorder.ring().end(seq);
+        self.own += (t - entered) + done.elapsed();
     }
 
     /// Starts `run` as operation `op`: it ends at the next wait.
@@ -545,8 +551,10 @@ impl<C> Flight<C> {
         if self.skip.is_some() && self.skipped(op) {
             return;
         }
+        let entered = Instant::now();
         let seq = self.recorder.ring().begin(op, group, elements);
         self.started.push(seq);
+        self.own += entered.elapsed();
         run(&mut self.inner);
     }
 }
@@ -572,6 +580,10 @@ impl<B: Backend, C: Collectives<B>> Collectives<B> for Flight<C> {
 
     fn blocked(&self) -> Option<Duration> {
         Some(self.blocked)
+    }
+
+    fn overhead(&self) -> Option<Duration> {
+        Some(self.own)
     }
 
     fn all_reduce_sum(&mut self, be: &mut B, buf: View, group: &[usize]) {
@@ -601,19 +613,23 @@ impl<B: Backend, C: Collectives<B>> Collectives<B> for Flight<C> {
     fn wait(&mut self, be: &mut B) {
         let t = Instant::now();
         self.inner.wait(be);
-        self.blocked += t.elapsed();
+        let done = Instant::now();
+        self.blocked += done - t;
         let mut ring = self.recorder.ring();
         for seq in self.started.drain(..) {
             ring.end(seq);
         }
+        self.own += done.elapsed();
     }
 
     fn send_recv(&mut self, be: &mut B, sends: &[(View, usize)], recvs: &[(View, usize)]) {
+        let entered = Instant::now();
         let mut group = vec![self.inner.rank()];
         group.extend(sends.iter().chain(recvs).map(|&(_, r)| r));
         group.sort_unstable();
         group.dedup();
         let elements = sends.iter().chain(recvs).map(|(v, _)| v.len).sum();
+        self.own += entered.elapsed();
         self.record("send/recv", &group, elements, |c| c.send_recv(be, sends, recvs));
     }
 

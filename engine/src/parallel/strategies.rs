@@ -468,6 +468,12 @@ impl<B: Backend> Parallel<B> {
         self.comm.blocked()
     }
 
+    /// Time the collectives' wrapper has spent on its own work so far, where there is one
+    /// ([`Collectives::overhead`]).
+    pub fn collectives_overhead(&self) -> Option<std::time::Duration> {
+        self.comm.overhead()
+    }
+
     /// Moments are laid out like the optimizer's buffers: this device's pieces under FSDP.
     pub fn moment_len(&self) -> usize {
         self.fsdp.as_ref().map_or(self.slice.local.len, |f| f.params.len)
