@@ -496,7 +496,7 @@ impl ExpertPlan {
             devices: e,
             per_device: moe.num_experts / e,
             parameters,
-            received_rows: (e * rows).min(moe.num_experts * moe.capacity(tokens)),
+            received_rows: moe.most_received(tokens, e),
             rows,
             exchanges,
             sent_bytes: (passes * exchanges * rows * c.model.d_model * 2) as f64 * (e - 1) as f64 / e as f64,

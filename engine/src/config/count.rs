@@ -69,6 +69,11 @@ impl ModelConfig {
         self.attention_params() + mlp
     }
 
+    /// Parameters of every layer's experts (0 for a dense model): what an expert axis divides.
+    pub fn expert_params(&self) -> u64 {
+        self.moe.as_ref().map_or(0, |moe| self.n_layers as u64 * moe.num_experts as u64 * self.mlp_params())
+    }
+
     /// Counts the model's parameters.
     pub fn param_count(&self) -> ParamCount {
         let d = self.d_model as u64;

@@ -390,6 +390,14 @@ impl MoeConfig {
             Some(factor) => ((factor * slots as f64 / self.num_experts as f64).ceil() as usize).clamp(1, slots.max(1)),
         }
     }
+
+    /// The most rows a member of an expert group of `members` receives a layer when each
+    /// routes `tokens` tokens: every member's `tokens · k` (dropless), or under a capacity
+    /// factor each member's [`MoeConfig::capacity`] rows of each of the member's `E / members`
+    /// experts, `E · C`, when fewer.
+    pub fn most_received(&self, tokens: usize, members: usize) -> usize {
+        (members * tokens * self.top_k).min(self.num_experts * self.capacity(tokens))
+    }
 }
 
 /// `train.batch_size`: sequences per device per micro-batch, as Pax's `PERCORE_BATCH_SIZE`. The

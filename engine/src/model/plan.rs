@@ -343,15 +343,10 @@ impl Model {
             if share { *shared.entry(name).or_insert_with(|| take(kind, len)) } else { take(kind, len) }
         };
         let rows = n * k;
-        // On an expert axis, the most rows this device's experts can receive: every member's
-        // rows (dropless), or under a capacity factor each member's C rows of each of the E / n
-        // experts here, E · C, when fewer.
+        // On an expert axis, the most rows this device's experts can receive.
         let ep = self.expert_ranks > 1;
         let capacity = m.moe.as_ref().map_or(rows, |moe| moe.capacity(n));
-        let received = match m.moe {
-            Some(_) => (self.expert_ranks * rows).min(experts * capacity),
-            None => rows,
-        };
+        let received = m.moe.as_ref().map_or(rows, |moe| moe.most_received(n, self.expert_ranks));
         let ep_only = |len: usize| if ep { len } else { 0 };
         let local_offsets_len = self.local_offsets_len(experts);
         let layers = (0..self.layout.layers.len())

@@ -306,7 +306,7 @@ fn evaluate(base: &Config, hw: &Hardware, mesh: &Mesh, remat: Remat, split: Spli
     let seq = micro * layers * seq_moves * ring(s) * s * local_tokens * qkv * 2.0;
     // The expert axis divides the experts' parameters; the rest are the device's whole.
     let e = mesh.e as f64;
-    let experts = m.moe.as_ref().map_or(0.0, |moe| (m.n_layers * moe.num_experts * 3 * m.d_model * m.mlp_dim) as f64);
+    let experts = m.expert_params() as f64;
     let (dense, experts) = ((m.param_count().total as f64 - experts) / (t * p), experts / (t * p * e));
     // FSDP shards over fsdp × seq: two bf16 gathers and an f32 reduce-scatter a micro-batch.
     let fsdp = micro * ring(f * s) * (dense + experts) * (2.0 * 2.0 + 4.0);
