@@ -19,9 +19,11 @@ pub(crate) fn expert_matmul(gpu: &mut Cuda, out: View, a: View, weights: ExpertW
     gpu.expect(a, DType::Bf16, "moe_expert_matmul", "a");
     gpu.expect(weights.first, DType::Bf16, "moe_expert_matmul", "weights");
     assert!(!s.a_t, "internal error: moe_expert_matmul with a transposed");
-    let rows = d.tokens * d.top_k;
-    assert_eq!(a.len, rows * s.k, "internal error: moe_expert_matmul: a length");
-    assert_eq!(out.len, rows * s.n, "internal error: moe_expert_matmul: out length");
+    // The kernel reads and writes only the kept rows, `offsets[E]`, which a capacity bounds
+    // below the `tokens · k` slots: buffers sized by `rows_bound` suffice.
+    let rows = d.rows_bound();
+    assert!(a.len >= rows * s.k, "internal error: moe_expert_matmul: a holds {} < {rows}·{}", a.len, s.k);
+    assert!(out.len >= rows * s.n, "internal error: moe_expert_matmul: out holds {} < {rows}·{}", out.len, s.n);
     gpu.ptr(weights.expert(d.experts - 1)); // the last expert's weight lies in the buffer
     let (o, ap, wp, off) = (gpu.out(out, "moe_expert_matmul"), gpu.ptr(a), gpu.ptr(weights.first), gpu.iptr(d.offsets));
     let vec =
