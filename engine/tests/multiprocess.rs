@@ -235,17 +235,18 @@ fn two_nodes_of_fsdp_follow_one_device() {
 #[test]
 fn a_rank_slowed_on_purpose_is_named_a_straggler_and_no_other_run_warns() {
     let dir = scratch("multiprocess-stragglers");
-    // A rank four times as busy as the other: on a loaded 2-core machine (the CPU taken from a
+    // A rank six times as busy as the other: on a loaded 2-core machine (the CPU taken from a
     // rank counts as busy) either rank measured up to 170 % busier than the other without any
-    // delay, past the default threshold's 25 %; the delay of 200 ms makes it 1000 % and more.
+    // delay, past the default threshold's 25 %, and once past 300 % under a load average of 256;
+    // the delay of 500 ms makes it 2500 % and more.
     let sets = [
         "model.d_model=256",
         "model.head_dim=128",
         "model.mlp_dim=512",
         "train.diagnostics.straggler_window=10",
-        "train.diagnostics.straggler_threshold=3.0",
+        "train.diagnostics.straggler_threshold=5.0",
     ];
-    for (name, delay) in [("slowed", Some("1:0.2")), ("even", None)] {
+    for (name, delay) in [("slowed", Some("1:0.5")), ("even", None)] {
         let run_dir = dir.join(name);
         let args = train_args(&["launch", "--nproc", "2", "--"], &run_dir, "12", &sets);
         let env: Vec<(&str, &str)> = delay.map(|d| ("ENGINE_TEST_STEP_DELAY", d)).into_iter().collect();
@@ -267,7 +268,7 @@ fn a_rank_slowed_on_purpose_is_named_a_straggler_and_no_other_run_warns() {
         let s = &record["straggler"];
         assert_eq!((s["rank"].as_u64(), s["window"].as_u64()), (Some(1), Some(10)), "{record}");
         let excess_s = s["busy_s"].as_f64().unwrap() - s["median_busy_s"].as_f64().unwrap();
-        assert!(excess_s > 0.15, "the excess is the delay's 0.2 s or about: {record}");
+        assert!(excess_s > 0.4, "the excess is the delay's 0.5 s or about: {record}");
         eprintln!("{}", warnings[0]);
     }
 }
