@@ -15,6 +15,7 @@ pub mod digest;
 pub mod eval;
 pub mod fsutil;
 pub mod hf;
+pub mod host;
 pub mod model;
 pub mod parallel;
 pub mod parity;

@@ -117,7 +117,7 @@ pub fn check_cpu_memory_of_rank(c: &Config, plan: &ParallelPlan, devices: usize)
     }
     let one = plan.estimate(c, Target::Cpu);
     let need = one.total() as u64 * devices as u64;
-    let Some((limit, what)) = memory_limit() else { return Ok(()) };
+    let Some((limit, what)) = engine::host::memory_limit() else { return Ok(()) };
     if need > limit {
         let per_device =
             if devices > 1 { format!(" ({devices} devices of {:.1} GiB)", gib(one.total())) } else { String::new() };
@@ -135,21 +135,4 @@ pub fn check_cpu_memory_of_rank(c: &Config, plan: &ParallelPlan, devices: usize)
         );
     }
     Ok(())
-}
-
-/// The memory this process can have, and where the figure comes from: the smaller of the
-/// available RAM and the address-space limit (less what the program itself maps, about 1 GiB
-/// of code, stacks and libraries).
-fn memory_limit() -> Option<(u64, String)> {
-    let available = std::fs::read_to_string("/proc/meminfo").ok().and_then(|text| {
-        let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
-        let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-        Some((kib * 1024, "available RAM (MemAvailable)".to_owned()))
-    });
-    let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
-    // SAFETY: getrlimit writes the struct it is given and nothing else.
-    let ulimit = (unsafe { libc::getrlimit(libc::RLIMIT_AS, &mut limit) } == 0
-        && limit.rlim_cur != libc::RLIM_INFINITY)
-        .then(|| (limit.rlim_cur.saturating_sub(1 << 30), "the address-space limit (ulimit -v) less 1 GiB".to_owned()));
-    [available, ulimit].into_iter().flatten().min_by_key(|(bytes, _)| *bytes)
 }

@@ -82,7 +82,12 @@ impl LocalTier {
         // Every rank keeps its own part and its source's copy; about as large as its own.
         let part = 4 * (3 * trainer.parallel.master_params().len + trainer.plan.fp8.map_or(0, |f| f.states.len)) as u64;
         let copies = if world > 1 { 2 } else { 1 };
-        check_room(&root, KEEP as u64 * copies * part, local_world)?;
+        // In host memory at once: the snapshot, and while the copies are exchanged the part
+        // packed for the peer and the copy received.
+        let buffers = if world > 1 { 3 } else { 1 };
+        let room = Room { files: KEEP as u64 * copies * part, buffers: buffers * part, ranks: local_world };
+        let memory = if t.memory_check { crate::host::memory_limit() } else { None };
+        room.check(&root, memory)?;
         let tier = LocalTier {
             root,
             every: t.local_checkpoint_every as u64,
@@ -396,40 +401,60 @@ fn choose(own: &[[u64; KEEP]], copies: &[[u64; KEEP]], shift: usize) -> Option<u
         .find(|s| (0..world).all(|r| own[r].contains(s) || (world > 1 && copies[(r + shift) % world].contains(s))))
 }
 
-/// Refuses a tier directory whose file system has not `per_rank` × `ranks` bytes, counting
-/// what this run's copies already hold there (which the new ones replace).
-fn check_room(root: &Path, per_rank: u64, ranks: usize) -> Result<()> {
-    let need = per_rank * ranks as u64;
-    let mut at = root.to_path_buf();
-    while !at.exists() {
-        at = at.parent().map(Path::to_path_buf).unwrap_or_else(|| PathBuf::from("/"));
-    }
-    let free = free_bytes(&at).with_context(|| format!("train.local_checkpoint_dir: cannot stat {}", at.display()))?;
-    let held = bytes_under(root);
-    if free + held < need {
-        let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
-        bail!(
-            "train.local_checkpoint_dir = {}: the local tier needs {:.3} GiB on this node ({KEEP} steps x (own part + the peer's copy) x {ranks} ranks = {:.3} GiB each), its file system has {:.3} GiB free (+ {:.3} GiB this run's copies hold); free memory or disk there, set another directory, or set train.local_checkpoint_every = 0",
-            root.display(),
-            gib(need),
-            gib(per_rank),
-            gib(free),
-            gib(held)
-        );
-    }
-    Ok(())
+/// What the local tier of one node needs: each rank's files (its parts and its copies of
+/// [`KEEP`] steps) and its host buffers, for `ranks` ranks.
+struct Room {
+    files: u64,
+    buffers: u64,
+    ranks: usize,
 }
 
-/// Bytes available to this user on the file system of `path` (statvfs).
-fn free_bytes(path: &Path) -> std::io::Result<u64> {
-    use std::os::unix::ffi::OsStrExt;
-    let c = std::ffi::CString::new(path.as_os_str().as_bytes()).map_err(std::io::Error::other)?;
-    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
-    // SAFETY: a valid C string and a zeroed struct for the call to fill.
-    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
-        return Err(std::io::Error::last_os_error());
+impl Room {
+    /// Refuses a tier directory whose file system has not the room for the files, counting
+    /// what this run's copies already hold there (which the new ones replace), and a node whose
+    /// `memory` (the bytes this process can have, and where the figure comes from) cannot hold
+    /// the host buffers, and the files too where the directory is a tmpfs (`/dev/shm`).
+    fn check(&self, root: &Path, memory: Option<(u64, String)>) -> Result<()> {
+        let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+        let ranks = self.ranks as u64;
+        let mut at = root.to_path_buf();
+        while !at.exists() {
+            at = at.parent().map(Path::to_path_buf).unwrap_or_else(|| PathBuf::from("/"));
+        }
+        let (free, in_memory) = crate::host::file_system(&at)
+            .with_context(|| format!("train.local_checkpoint_dir: cannot stat {}", at.display()))?;
+        let held = bytes_under(root);
+        let files = self.files * ranks;
+        let what = "free memory or disk there, set another directory, or set train.local_checkpoint_every = 0";
+        if free + held < files {
+            bail!(
+                "train.local_checkpoint_dir = {}: the local tier needs {:.3} GiB on this node ({KEEP} steps x (own part + the peer's copy) x {ranks} ranks = {:.3} GiB each), its file system has {:.3} GiB free (+ {:.3} GiB this run's copies hold); {what}",
+                root.display(),
+                gib(files),
+                gib(self.files),
+                gib(free),
+                gib(held)
+            );
+        }
+        let Some((limit, source)) = memory else { return Ok(()) };
+        let on_tmpfs = if in_memory { files.saturating_sub(held) } else { 0 };
+        let need = self.buffers * ranks + on_tmpfs;
+        if need > limit {
+            let files = if in_memory {
+                format!(" + its new files on this tmpfs {:.3} GiB", gib(on_tmpfs))
+            } else {
+                String::new()
+            };
+            bail!(
+                "train.local_checkpoint_dir = {}: the local tier needs {:.3} GiB of host memory on this node (its host buffers, {:.3} GiB a rank x {ranks} ranks{files}), this process can have {:.3} GiB ({source}); {what} (train.memory_check=false skips this check)",
+                root.display(),
+                gib(need),
+                gib(self.buffers),
+                gib(limit)
+            );
+        }
+        Ok(())
     }
-    Ok(st.f_bavail as u64 * st.f_frsize as u64)
 }
 
 /// The bytes of the files under `dir` (0 when it does not exist).
@@ -605,14 +630,43 @@ mod tests {
     fn a_tier_without_room_is_refused_with_the_arithmetic() {
         let tmp = tempfile::tempdir().unwrap();
         let root = tmp.path().join("tier");
-        check_room(&root, 1 << 20, 2).unwrap();
-        let e = check_room(&root, 1 << 60, 2).unwrap_err().to_string();
+        let room = |files, buffers| Room { files, buffers, ranks: 2 };
+        room(1 << 20, 1 << 20).check(&root, None).unwrap();
+        let e = room(1 << 60, 0).check(&root, None).unwrap_err().to_string();
         assert!(
             e.starts_with(&format!("train.local_checkpoint_dir = {}: the local tier needs", root.display()))
                 && e.contains("x 2 ranks = 1073741824.000 GiB each")
                 && e.contains("set train.local_checkpoint_every = 0"),
             "{e}"
         );
+        // The host buffers against the memory the process can have.
+        let memory = Some((3 << 30, "available RAM (MemAvailable)".to_owned()));
+        room(1 << 20, 1 << 30).check(&root, memory.clone()).unwrap();
+        let e = room(1 << 20, 2 << 30).check(&root, memory.clone()).unwrap_err().to_string();
+        assert!(
+            e.contains("needs 4.000 GiB of host memory on this node (its host buffers, 2.000 GiB a rank x 2 ranks)")
+                && e.contains("this process can have 3.000 GiB (available RAM (MemAvailable))"),
+            "{e}"
+        );
+    }
+
+    /// On a tmpfs the files take memory too: what this run already holds there is replaced, so
+    /// only the rest counts.
+    #[test]
+    fn a_tier_on_a_tmpfs_counts_its_files_as_memory() {
+        if !Path::new("/dev/shm").is_dir() {
+            return eprintln!("skipped: no /dev/shm");
+        }
+        let tmp = tempfile::Builder::new().prefix("engine-room-").tempdir_in("/dev/shm").unwrap();
+        let root = tmp.path().join("tier");
+        std::fs::create_dir_all(root.join("rank-00000")).unwrap();
+        std::fs::write(root.join("rank-00000/part"), vec![0u8; 1 << 20]).unwrap();
+        let memory = Some(((8 << 20) - 1, "available RAM (MemAvailable)".to_owned()));
+        // 2 ranks x (2 MiB of buffers + 3 MiB of files) - 1 MiB held = 9 MiB.
+        let room = Room { files: 3 << 20, buffers: 2 << 20, ranks: 2 };
+        let e = room.check(&root, memory).unwrap_err().to_string();
+        assert!(e.contains("x 2 ranks + its new files on this tmpfs 0.005 GiB)"), "{e}");
+        room.check(&root, Some((9 << 20, String::new()))).unwrap();
     }
 
     #[test]
