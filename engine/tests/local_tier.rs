@@ -48,8 +48,8 @@ fn job_of(steps: &str, run: &Path, local: Option<&Path>, extra: &[&str]) -> Comm
 }
 
 /// Waits for the line of step `step` on `child`'s stdout, then kills its process group
-/// (SIGKILL); what it printed.
-fn kill_after(child: &mut std::process::Child, step: u64) -> String {
+/// (SIGKILL) and waits until nothing holds `run`'s lock; what it printed.
+fn kill_after(child: &mut std::process::Child, step: u64, run: &Path) -> String {
     let mut stdout = BufReader::new(child.stdout.take().unwrap());
     let mut seen = String::new();
     loop {
@@ -64,12 +64,15 @@ fn kill_after(child: &mut std::process::Child, step: u64) -> String {
     // SAFETY: the job's own process group, which the test started.
     assert_eq!(unsafe { libc::kill(-(child.id() as i32), libc::SIGKILL) }, 0);
     child.wait().unwrap();
-    // The ranks, orphaned, are reaped after the launcher: until then the run directory's lock
-    // names a live process, and a job started there at once is refused.
+    // The ranks, in a process group of their own, die with the launcher (its PR_SET_PDEATHSIG)
+    // but not at once: one in the middle of a write may take seconds on a loaded machine. Until
+    // the last is gone the run directory's lock is held (by a process the test cannot see from
+    // the launcher's group), and a job started there is refused. The lock is flock(2), as
+    // `File::try_lock` takes it: once this process can take it, nothing else holds it.
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-    // SAFETY: signal 0 to the same process group only asks whether it still has members.
-    while unsafe { libc::kill(-(child.id() as i32), 0) } == 0 {
-        assert!(std::time::Instant::now() < deadline, "the killed job's processes are still there after 30 s");
+    let lock = std::fs::File::open(run.join(".lock")).unwrap();
+    while let Err(std::fs::TryLockError::WouldBlock) = lock.try_lock() {
+        assert!(std::time::Instant::now() < deadline, "the killed job's ranks still hold its run directory after 30 s");
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
     seen
@@ -112,7 +115,7 @@ fn a_killed_job_resumes_from_the_local_tier_or_the_peers_copy_or_the_persistent_
     let mut cmd = job(&killed, Some(&killed_local), &[]);
     cmd.env("ENGINE_TEST_STEP_DELAY", "0:0.3").process_group(0).stdout(Stdio::piped()).stderr(Stdio::null());
     let mut child = cmd.spawn().unwrap();
-    let seen = kill_after(&mut child, 8);
+    let seen = kill_after(&mut child, 8, &killed);
     assert_eq!(steps(&killed.join("checkpoints")), ["step-000005"], "{seen}");
     let local_steps = steps(&killed_local.join("rank-00000"));
     assert!(local_steps.contains(&"step-000006".to_owned()), "{local_steps:?}");
@@ -194,7 +197,7 @@ fn a_local_save_in_the_background_lets_the_steps_go_on_and_resumes_on_the_same_c
     cmd.env("ENGINE_TEST_STEP_DELAY", "0:0.3").env("ENGINE_TEST_LOCAL_SAVE_DELAY", "0.5");
     cmd.process_group(0).stdout(Stdio::piped()).stderr(Stdio::null());
     let mut child = cmd.spawn().unwrap();
-    let seen = kill_after(&mut child, 9);
+    let seen = kill_after(&mut child, 9, &run);
     let records = metrics(&run);
     let at = |step: u64| records.iter().find(|m| m["step"] == step).unwrap_or_else(|| panic!("step {step}: {seen}"));
     let stall = at(2)["local_checkpoint_s"].as_f64().expect("the save of step 2 is on the loop's record");
