@@ -490,7 +490,7 @@ impl ExpertPlan {
         let parameters = layout.layers.iter().filter_map(|l| l.experts()).map(|r| r.len()).sum();
         let tokens = plan.microbatch * plan.local_seq_len(c);
         let rows = tokens * moe.top_k;
-        let exchanges = if c.train.remat == Remat::Full { 6 } else { 4 };
+        let exchanges = engine::parallel::experts::all_to_alls_per_layer(c.train.remat);
         let passes = plan.microbatches * c.train.grad_accum * (c.model.n_layers / plan.mesh.size(Axis::Pipeline));
         Some(ExpertPlan {
             devices: e,

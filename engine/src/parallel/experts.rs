@@ -37,6 +37,14 @@ use std::ops::Range;
 
 use super::comm::{Collectives, count_to_f32, f32_to_count};
 use crate::backend::{Backend, BufKind, View};
+use crate::config::Remat;
+
+/// The all-to-alls of `[tokens · k, d_model]` rows a mixture-of-experts layer makes a
+/// micro-batch on an expert axis: dispatch and return, forward and backward, and the forward's
+/// two again where full recomputation runs the layer again.
+pub fn all_to_alls_per_layer(remat: Remat) -> usize {
+    if remat == Remat::Full { 6 } else { 4 }
+}
 
 /// One device's part in an expert group.
 pub struct ExpertExchange {

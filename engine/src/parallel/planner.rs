@@ -311,7 +311,7 @@ fn evaluate(base: &Config, hw: &Hardware, mesh: &Mesh, remat: Remat, split: Spli
     // FSDP shards over fsdp × seq: two bf16 gathers and an f32 reduce-scatter a micro-batch.
     let fsdp = micro * ring(f * s) * (dense + experts) * (2.0 * 2.0 + 4.0);
     let data = 2.0 * (ring(d) * dense + ring(d / e) * experts) / (f * s) * 4.0;
-    let exchanges = if remat == Remat::Full { 6.0 } else { 4.0 };
+    let exchanges = super::experts::all_to_alls_per_layer(remat) as f64;
     let top_k = m.moe.as_ref().map_or(0, |moe| moe.top_k) as f64;
     let expert = micro * layers * exchanges * ring(e) * local_tokens * top_k * m.d_model as f64 * 2.0;
     let pipeline =

@@ -440,13 +440,13 @@ impl Room {
         let on_tmpfs = if in_memory { files.saturating_sub(held) } else { 0 };
         let need = self.buffers * ranks + on_tmpfs;
         if need > limit {
-            let files = if in_memory {
+            let tmpfs = if in_memory {
                 format!(" + its new files on this tmpfs {:.3} GiB", gib(on_tmpfs))
             } else {
                 String::new()
             };
             bail!(
-                "train.local_checkpoint_dir = {}: the local tier needs {:.3} GiB of host memory on this node (its host buffers, {:.3} GiB a rank x {ranks} ranks{files}), this process can have {:.3} GiB ({source}); {what} (train.memory_check=false skips this check)",
+                "train.local_checkpoint_dir = {}: the local tier needs {:.3} GiB of host memory on this node (its host buffers, {:.3} GiB a rank x {ranks} ranks{tmpfs}), this process can have {:.3} GiB ({source}); {what} (train.memory_check=false skips this check)",
                 root.display(),
                 gib(need),
                 gib(self.buffers),
