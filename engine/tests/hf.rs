@@ -1,6 +1,6 @@
 //! Hugging Face interoperability against transformers' own numbers (tests/fixtures/hf, made by
 //! its generate.py): loss, load-balancing loss, logits and gradients of tiny Llama, Mistral,
-//! Mixtral and GPT-2 models (GPT-2 in both spellings: transformers' `transformer.h.0...` and the
+//! Mixtral, Qwen3, Qwen3-MoE and GPT-2 models (GPT-2 in both spellings: transformers' `transformer.h.0...` and the
 //! original hub checkpoint's `h.0...` with its mask buffers); byte-exact import/export round trips; fine-tuning from a Hugging Face model;
 //! clear errors for models the engine cannot read; LAMBADA accuracy.
 
@@ -13,10 +13,21 @@ use common::*;
 use engine::tensors::Mapped;
 
 /// The fixtures an import/export round trip gives back byte for byte.
-const MODELS: [&str; 4] = ["llama", "mistral", "mixtral", "gpt2"];
+const MODELS: [&str; 8] = ["llama", "mistral", "mixtral", "gpt2", "qwen3", "qwen3-tied", "qwen3-moe", "qwen3-moe-norm"];
 /// Every fixture model: the above and GPT-2 in the hub checkpoint's spelling, which export
 /// writes in transformers' (`transformer.` prefix, no mask buffers).
-const ALL_MODELS: [&str; 6] = ["llama", "mistral", "mixtral", "gpt2", "gpt2-hub", "gpt2-lambada"];
+const ALL_MODELS: [&str; 10] = [
+    "llama",
+    "mistral",
+    "mixtral",
+    "gpt2",
+    "gpt2-hub",
+    "gpt2-lambada",
+    "qwen3",
+    "qwen3-tied",
+    "qwen3-moe",
+    "qwen3-moe-norm",
+];
 
 /// Every tensor of a safetensors file (or of a model directory's weight files `model*.safetensors`):
 /// dtype, shape, bytes.
@@ -131,7 +142,7 @@ fn eval_reads_token_shards() {
 }
 
 #[test]
-fn eval_agrees_with_transformers_for_the_four_architectures() {
+fn eval_agrees_with_transformers_for_every_architecture() {
     let dir = scratch("hf-eval");
     for model in ALL_MODELS {
         let hf = fixture(&format!("hf/{model}"));

@@ -242,6 +242,9 @@ pub struct MoeDispatch {
     pub experts: usize,
     /// Experts per token.
     pub top_k: usize,
+    /// Whether the top-k probabilities are renormalised to sum to one
+    /// ([`crate::config::MoeConfig::renormalize`]); else a slot's weight is its probability.
+    pub renormalize: bool,
     /// Rows each expert keeps ([`crate::config::MoeConfig::capacity`]): an expert's slots
     /// beyond its first `capacity` in slot order are dropped. `N · k` is dropless.
     pub capacity: usize,
@@ -509,6 +512,15 @@ pub trait Backend {
         rstd: View,
         d: usize,
     );
+
+    /// QK-norm (Qwen3): RMSNorm of width `head_dim` over each query head (weight `w[..Dh]`) and
+    /// each key head (`w[Dh..]`) of packed qkv rows, before RoPE: `out`'s q and k parts are
+    /// normalised, its v part copied from `qkv`; saves `rstd[N, H + KV]`.
+    fn qk_norm_forward(&mut self, out: View, rstd: View, qkv: View, w: View, shape: AttnShape, eps: f32);
+    /// The backward pass of [`Backend::qk_norm_forward`], in place: `dqkv`'s q and k parts (the
+    /// gradient of `out`) become the gradient of its input `qkv` (v's passes through unchanged);
+    /// the weight gradients add to `dw` (`[dwq | dwk]`).
+    fn qk_norm_backward(&mut self, dqkv: View, dw: View, qkv: View, w: View, rstd: View, shape: AttnShape);
 
     /// Rotates the q and k parts of packed qkv rows by RoPE, in place; `inverse` rotates back
     /// (the backward pass). `rope` is `[seq, head_dim / 2]` pairs `(cos, sin)` interleaved.

@@ -193,6 +193,12 @@ impl<B: Backend> Backend for Traced<B> {
     fn rmsnorm_backward(&mut self, dx: View, dw: View, dout: View, x: View, w: View, rstd: View, d: usize) {
         self.time("rmsnorm_backward", |b| b.rmsnorm_backward(dx, dw, dout, x, w, rstd, d))
     }
+    fn qk_norm_forward(&mut self, out: View, rstd: View, qkv: View, w: View, shape: AttnShape, eps: f32) {
+        self.time("qk_norm_forward", |b| b.qk_norm_forward(out, rstd, qkv, w, shape, eps))
+    }
+    fn qk_norm_backward(&mut self, dqkv: View, dw: View, qkv: View, w: View, rstd: View, shape: AttnShape) {
+        self.time("qk_norm_backward", |b| b.qk_norm_backward(dqkv, dw, qkv, w, rstd, shape))
+    }
     fn rope(&mut self, qkv: View, rope: View, shape: AttnShape, inverse: bool) {
         self.time(if inverse { "rope_backward" } else { "rope_forward" }, |b| b.rope(qkv, rope, shape, inverse))
     }

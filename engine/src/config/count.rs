@@ -81,7 +81,9 @@ impl ModelConfig {
         let positions = if self.is_gpt() { self.max_seq_len as u64 * d } else { 0 };
         let embedding = tokens + positions;
         let head = if self.tie_embeddings { 0 } else { tokens };
-        let norms_per_layer = 2 * d + self.layer_bias_params();
+        // QK-norm's two weights of one head's width.
+        let qk_norm = if self.qk_norm() { 2 * self.head_dim as u64 } else { 0 };
+        let norms_per_layer = 2 * d + qk_norm + self.layer_bias_params();
         // The final norm: RMSNorm's weight, or LayerNorm's weight and bias.
         let final_norm = if self.is_gpt() { 2 * d } else { d };
         let (mlp_total, mlp_active) = match &self.moe {
@@ -157,7 +159,13 @@ mod tests {
         assert_eq!(mistral.param_count().total, 7_241_732_096);
         let mixtral = ModelConfig {
             family: Family::Mixtral,
-            moe: Some(MoeConfig { num_experts: 8, top_k: 2, aux_loss_coef: 0.02, capacity_factor: None }),
+            moe: Some(MoeConfig {
+                num_experts: 8,
+                top_k: 2,
+                aux_loss_coef: 0.02,
+                capacity_factor: None,
+                renormalize: true,
+            }),
             ..llama(32000, 4096, 32, 32, 8, 14336)
         };
         let count = mixtral.param_count();

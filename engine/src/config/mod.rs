@@ -146,6 +146,32 @@ pub enum Family {
     /// embeddings (`max_seq_len` rows) added to the token embedding, no RoPE, biases on every
     /// projection, a plain `4·d` GELU MLP (no gate), usually tied embeddings.
     Gpt,
+    /// `Qwen3ForCausalLM`: Llama's block with QK-norm (an RMSNorm over each query and key head,
+    /// before RoPE: `self_attn.q_norm`, `self_attn.k_norm`).
+    Qwen3,
+    /// `Qwen3MoeForCausalLM`: Qwen3's attention with a mixture-of-experts MLP (`mlp.gate`,
+    /// `mlp.experts.E.{gate,up,down}_proj`).
+    #[serde(rename = "qwen3_moe")]
+    Qwen3Moe,
+}
+
+impl Family {
+    /// The name recipes write (`model.family`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Family::Llama => "llama",
+            Family::Mistral => "mistral",
+            Family::Mixtral => "mixtral",
+            Family::Gpt => "gpt",
+            Family::Qwen3 => "qwen3",
+            Family::Qwen3Moe => "qwen3_moe",
+        }
+    }
+
+    /// Whether its MLP is a mixture of experts (`[model.moe]`).
+    pub fn is_moe(self) -> bool {
+        matches!(self, Family::Mixtral | Family::Qwen3Moe)
+    }
 }
 
 /// The GELU of the GPT family's MLP (`model.gelu`).
@@ -261,25 +287,22 @@ impl ModelConfig {
         if let Some(s) = &self.rope_scaling {
             s.validate()?;
         }
-        match (self.family, &self.moe) {
-            (Family::Mixtral, None) => {
-                bail!("model.family = \"mixtral\" needs a [model.moe] table (num_experts, top_k)");
+        match (self.family.is_moe(), &self.moe) {
+            (true, None) => {
+                bail!("model.family = \"{}\" needs a [model.moe] table (num_experts, top_k)", self.family.name());
             }
-            (Family::Llama | Family::Mistral | Family::Gpt, Some(_)) => {
+            (false, Some(_)) => {
                 bail!(
-                    "model.moe is set but model.family = \"{}\"; mixture-of-experts models use model.family = \"mixtral\"",
-                    match self.family {
-                        Family::Llama => "llama",
-                        Family::Mistral => "mistral",
-                        _ => "gpt",
-                    }
+                    "model.moe is set but model.family = \"{}\"; mixture-of-experts models use model.family = \"mixtral\" or \"qwen3_moe\"",
+                    self.family.name()
                 );
             }
             _ => {}
         }
-        if self.family == Family::Llama && self.sliding_window != 0 {
+        if matches!(self.family, Family::Llama | Family::Qwen3 | Family::Qwen3Moe) && self.sliding_window != 0 {
             bail!(
-                "model.sliding_window is set but model.family = \"llama\" has no sliding window; use model.family = \"mistral\""
+                "model.sliding_window is set but model.family = \"{}\" has no sliding window; use model.family = \"mistral\"",
+                self.family.name()
             );
         }
         if self.is_gpt() {
@@ -344,7 +367,8 @@ impl RopeScaling {
 }
 
 section! {
-    /// Mixtral-style mixture of experts: softmax over all experts, keep the top k, renormalise.
+    /// A mixture of experts, Mixtral's and Qwen3-MoE's routing: softmax over all experts, keep the
+    /// top k, renormalise (or not).
     #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
     #[serde(deny_unknown_fields, default)]
     pub struct MoeConfig {
@@ -358,6 +382,9 @@ section! {
         /// (`ceil(factor · tokens · top_k / experts)`); slots past it are dropped. None: dropless.
         #[serde(skip_serializing_if = "Option::is_none")]
         pub capacity_factor: Option<f64> = None,
+        /// Whether the top k probabilities are renormalised to sum to one (Mixtral; Qwen3-MoE's
+        /// `norm_topk_prob`); false: each expert's output is weighted by its softmax probability.
+        pub renormalize: bool = true,
     }
 }
 
@@ -1055,6 +1082,11 @@ impl ModelConfig {
         self.family == Family::Gpt
     }
 
+    /// Whether attention normalises each query and key head before RoPE (QK-norm: Qwen3).
+    pub fn qk_norm(&self) -> bool {
+        matches!(self.family, Family::Qwen3 | Family::Qwen3Moe)
+    }
+
     /// Number of keys query `i` (0-based) attends to in a sequence.
     pub fn keys_attended(&self, i: usize) -> usize {
         match self.sliding_window {
@@ -1136,7 +1168,13 @@ mod tests {
     /// every slot; all slots without a factor.
     #[test]
     fn capacity_is_an_even_share_of_the_slots_times_the_factor() {
-        let moe = |capacity_factor| MoeConfig { num_experts: 4, top_k: 2, aux_loss_coef: 0.0, capacity_factor };
+        let moe = |capacity_factor| MoeConfig {
+            num_experts: 4,
+            top_k: 2,
+            aux_loss_coef: 0.0,
+            capacity_factor,
+            renormalize: true,
+        };
         assert_eq!(moe(None).capacity(64), 128);
         assert_eq!(moe(Some(1.0)).capacity(64), 32);
         assert_eq!(moe(Some(1.25)).capacity(63), 40); // ceil(39.375)

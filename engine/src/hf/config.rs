@@ -12,11 +12,13 @@ use serde_json::{Map, Value, json};
 use crate::config::{Family, Gelu, ModelConfig, MoeConfig, RopeScaling};
 
 /// The architectures (`architectures[0]`) this engine reads and writes.
-pub const ARCHITECTURES: [(&str, Family); 4] = [
+pub const ARCHITECTURES: [(&str, Family); 6] = [
     ("LlamaForCausalLM", Family::Llama),
     ("MistralForCausalLM", Family::Mistral),
     ("MixtralForCausalLM", Family::Mixtral),
     ("GPT2LMHeadModel", Family::Gpt),
+    ("Qwen3ForCausalLM", Family::Qwen3),
+    ("Qwen3MoeForCausalLM", Family::Qwen3Moe),
 ];
 
 fn architecture(f: Family) -> &'static str {
@@ -29,6 +31,8 @@ fn model_type(f: Family) -> &'static str {
         Family::Mistral => "mistral",
         Family::Mixtral => "mixtral",
         Family::Gpt => "gpt2",
+        Family::Qwen3 => "qwen3",
+        Family::Qwen3Moe => "qwen3_moe",
     }
 }
 
@@ -44,10 +48,9 @@ pub fn parse(v: &Value, file: &str) -> Result<ModelConfig> {
             ),
         },
         None => match obj.get("model_type").and_then(Value::as_str) {
-            Some("llama") => Family::Llama,
-            Some("mistral") => Family::Mistral,
-            Some("mixtral") => Family::Mixtral,
-            Some("gpt2") => Family::Gpt,
+            Some(t) if ARCHITECTURES.iter().any(|(_, f)| model_type(*f) == t) => {
+                ARCHITECTURES.iter().find(|(_, f)| model_type(*f) == t).expect("found").1
+            }
             other => bail!(
                 "{file}: no `architectures` and model_type {} is not supported (supported: {})",
                 other.map_or("absent".into(), |t| format!("`{t}`")),
@@ -97,11 +100,16 @@ pub fn parse(v: &Value, file: &str) -> Result<ModelConfig> {
         Family::Llama => (10_000.0, 1e-6, 2048),
         Family::Mistral => (10_000.0, 1e-6, 4096 * 32),
         Family::Mixtral | Family::Gpt => (1_000_000.0, 1e-5, 4096 * 32),
+        Family::Qwen3 | Family::Qwen3Moe => (10_000.0, 1e-6, 32768),
     };
+    if matches!(family, Family::Qwen3 | Family::Qwen3Moe) {
+        qwen3_refusals(obj, file)?;
+    }
     let max_seq_len = uint("max_position_embeddings", Some(default_max))?;
     let (rope_theta, rope_scaling) = rope(obj, file, default_theta, max_seq_len)?;
     let sliding_window = match family {
-        Family::Llama => 0,
+        // Qwen3's window applies only with use_sliding_window = true, which is refused.
+        Family::Llama | Family::Qwen3 | Family::Qwen3Moe => 0,
         // MistralConfig's default when the key is absent; null means none.
         Family::Mistral if !obj.contains_key("sliding_window") => 4096,
         _ => uint("sliding_window", Some(0))?,
@@ -113,8 +121,26 @@ pub fn parse(v: &Value, file: &str) -> Result<ModelConfig> {
             aux_loss_coef: float("router_aux_loss_coef", 0.001)?,
             // transformers' Mixtral is dropless.
             capacity_factor: None,
+            renormalize: true,
+        }),
+        Family::Qwen3Moe => Some(MoeConfig {
+            // Hub configs say `num_experts`; transformers 5 saves `num_local_experts`.
+            num_experts: match get("num_local_experts") {
+                Some(_) => uint("num_local_experts", None)?,
+                None => uint("num_experts", Some(128))?,
+            },
+            top_k: uint("num_experts_per_tok", Some(8))?,
+            aux_loss_coef: float("router_aux_loss_coef", 0.001)?,
+            capacity_factor: None,
+            renormalize: flag("norm_topk_prob")?,
         }),
         _ => None,
+    };
+    // Qwen3-MoE's experts are `moe_intermediate_size` wide; `intermediate_size` is that of
+    // the dense MLP of `mlp_only_layers`, which the engine refuses (`qwen3_refusals`).
+    let mlp_dim = match family {
+        Family::Qwen3Moe => uint("moe_intermediate_size", Some(768))?,
+        _ => uint("intermediate_size", None)?,
     };
     Ok(ModelConfig {
         family,
@@ -128,7 +154,7 @@ pub fn parse(v: &Value, file: &str) -> Result<ModelConfig> {
             _ => uint("num_key_value_heads", Some(if family == Family::Llama { n_heads } else { 8 }))?,
         },
         head_dim: uint("head_dim", Some(d_model / n_heads))?,
-        mlp_dim: uint("intermediate_size", None)?,
+        mlp_dim,
         norm_eps: float("rms_norm_eps", default_eps)?,
         rope_theta,
         rope_scaling,
@@ -139,6 +165,27 @@ pub fn parse(v: &Value, file: &str) -> Result<ModelConfig> {
         moe,
         gelu: Gelu::Tanh,
     })
+}
+
+/// The keys of `Qwen3Config` and `Qwen3MoeConfig` whose values change the math in ways the
+/// engine does not compute, refused by name.
+fn qwen3_refusals(obj: &Map<String, Value>, file: &str) -> Result<()> {
+    let get = |key: &str| obj.get(key).filter(|v| !v.is_null());
+    if get("use_sliding_window").and_then(Value::as_bool) == Some(true) {
+        bail!("{file}: use_sliding_window = true is not supported (Qwen3's per-layer sliding window)");
+    }
+    if let Some(types) = get("layer_types").and_then(Value::as_array)
+        && let Some(t) = types.iter().find(|t| t.as_str() != Some("full_attention"))
+    {
+        bail!("{file}: layer_types holds {t}, which is not supported (every layer \"full_attention\")");
+    }
+    if let Some(step) = get("decoder_sparse_step").filter(|v| v.as_u64() != Some(1)) {
+        bail!("{file}: decoder_sparse_step = {step} is not supported (every layer a mixture of experts: 1)");
+    }
+    if let Some(layers) = get("mlp_only_layers").filter(|v| v.as_array().is_none_or(|a| !a.is_empty())) {
+        bail!("{file}: mlp_only_layers = {layers} is not supported (dense layers among the experts' layers)");
+    }
+    Ok(())
 }
 
 /// `GPT2Config`: `n_embd`, `n_layer`, `n_head`, `n_inner` (null: `4 · n_embd`), `n_positions`,
@@ -279,6 +326,8 @@ pub fn write(m: &ModelConfig, base: Option<&Value>, dtype: &str) -> Value {
     if family == Family::Gpt {
         return write_gpt2(m, o, dtype);
     }
+    let has_intermediate = o.contains_key("intermediate_size");
+    let has_local_experts = o.contains_key("num_local_experts");
     let mut set = |k: &str, v: Value| {
         o.insert(k.to_owned(), v);
     };
@@ -286,7 +335,10 @@ pub fn write(m: &ModelConfig, base: Option<&Value>, dtype: &str) -> Value {
     set("model_type", json!(model_type(family)));
     set("vocab_size", json!(m.vocab_size));
     set("hidden_size", json!(m.d_model));
-    set("intermediate_size", json!(m.mlp_dim));
+    // Qwen3-MoE's intermediate_size is the unused dense width: the base's is kept.
+    if family != Family::Qwen3Moe || !has_intermediate {
+        set("intermediate_size", json!(m.mlp_dim));
+    }
     set("num_hidden_layers", json!(m.n_layers));
     set("num_attention_heads", json!(m.n_heads));
     set("num_key_value_heads", json!(m.n_kv_heads));
@@ -296,14 +348,27 @@ pub fn write(m: &ModelConfig, base: Option<&Value>, dtype: &str) -> Value {
     set("rms_norm_eps", json!(m.norm_eps));
     set("initializer_range", json!(m.init_std));
     set("tie_word_embeddings", json!(m.tie_embeddings));
-    if family == Family::Llama {
-        set("attention_bias", json!(false));
-        set("mlp_bias", json!(false));
-    } else {
-        set("sliding_window", if m.sliding_window == 0 { Value::Null } else { json!(m.sliding_window) });
+    match family {
+        Family::Llama => {
+            set("attention_bias", json!(false));
+            set("mlp_bias", json!(false));
+        }
+        Family::Qwen3 | Family::Qwen3Moe => {
+            set("attention_bias", json!(false));
+            set("use_sliding_window", json!(false));
+        }
+        _ => set("sliding_window", if m.sliding_window == 0 { Value::Null } else { json!(m.sliding_window) }),
     }
     if let Some(moe) = &m.moe {
-        set("num_local_experts", json!(moe.num_experts));
+        if family == Family::Qwen3Moe {
+            set(if has_local_experts { "num_local_experts" } else { "num_experts" }, json!(moe.num_experts));
+            set("moe_intermediate_size", json!(m.mlp_dim));
+            set("norm_topk_prob", json!(moe.renormalize));
+            set("decoder_sparse_step", json!(1));
+            set("mlp_only_layers", json!([]));
+        } else {
+            set("num_local_experts", json!(moe.num_experts));
+        }
         set("num_experts_per_tok", json!(moe.top_k));
         set("router_aux_loss_coef", json!(moe.aux_loss_coef));
     }

@@ -1,12 +1,13 @@
-//! Hugging Face models: `LlamaForCausalLM`, `MistralForCausalLM`, `MixtralForCausalLM` and
-//! `GPT2LMHeadModel` directories (`config.json` and `model.safetensors` or a sharded
+//! Hugging Face models: `LlamaForCausalLM`, `MistralForCausalLM`, `MixtralForCausalLM`,
+//! `Qwen3ForCausalLM`, `Qwen3MoeForCausalLM` and `GPT2LMHeadModel` directories (`config.json` and `model.safetensors` or a sharded
 //! `model.safetensors.index.json`) read into the engine's layout, and written back.
 //!
 //! The engine's tensor names are Hugging Face's, so import and export copy ranges of the flat
-//! parameter buffer. Mixtral experts are read under both spellings: the per-expert
-//! `block_sparse_moe.experts.E.w1/w2/w3.weight` of checkpoints (what transformers writes) and
-//! the fused `mlp.experts.gate_up_proj` / `down_proj` of transformers 5's modules; they are
-//! written per expert. GPT-2's `Conv1D` weights (`c_attn`, `c_proj`, `c_fc`) are stored
+//! parameter buffer. Experts are read under both spellings: the per-expert tensors of checkpoints
+//! (what transformers writes: Mixtral's `block_sparse_moe.experts.E.w1/w2/w3.weight`,
+//! Qwen3-MoE's `mlp.experts.E.gate_proj/up_proj/down_proj.weight`) and the fused
+//! `mlp.experts.gate_up_proj` / `down_proj` of transformers 5's modules (which it saves again
+//! when it loaded them so); they are written per expert. GPT-2's `Conv1D` weights (`c_attn`, `c_proj`, `c_fc`) are stored
 //! `[in, out]`, the transpose of the engine's `[out, in]`: they are transposed on the way in and
 //! out ([`hf_tensor`]). GPT-2 tensors are read under both spellings, `transformer.h.0...` (what
 //! transformers writes) and the original hub checkpoint's `h.0...`, whose `attn.bias` and
@@ -26,7 +27,7 @@ use serde_json::{Value, json};
 use crate::checkpoint::{self, Checkpoint, Extras, Snapshot};
 use crate::config::{Config, ModelConfig, TrainConfig};
 use crate::fsutil;
-use crate::model::{Layout, MlpOffsets, Tensor};
+use crate::model::{ExpertNames, Layout, MlpOffsets, Tensor};
 use crate::tensors::{self, FloatType, Mapped};
 
 /// Files of a model directory that travel with the model through import, training and export.
@@ -163,7 +164,7 @@ impl HfModel {
                 out[at..at + d * f].copy_from_slice(&buf[x * d * f..(x + 1) * d * f]);
             }
             used.extend([gate_up, down]);
-            fused_layers.insert(format!("model.layers.{i}.block_sparse_moe.experts."));
+            fused_layers.insert(format!("model.layers.{i}.{}.experts.", ExpertNames::of(m.family).block));
         }
         for t in &layout.tensors {
             if fused_layers.iter().any(|p| t.name.starts_with(p.as_str())) {

@@ -14,7 +14,7 @@
 //! follows its weight, and each projection's bias has its offset in [`LayerBiases`].
 
 use super::Stage;
-use crate::config::ModelConfig;
+use crate::config::{Family, ModelConfig};
 
 /// One named tensor of the flat buffer.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -50,6 +50,9 @@ pub struct LayerOffsets {
     pub qkv: usize,
     /// `o_proj` `[D, H · Dh]`.
     pub o: usize,
+    /// QK-norm's `self_attn.q_norm.weight` and `self_attn.k_norm.weight` back to back `[2 · Dh]`
+    /// (Qwen3); `None` without QK-norm.
+    pub qk_norm: Option<usize>,
     /// `post_attention_layernorm.weight` `[D]`.
     pub ln2: usize,
     /// The MLP's tensors: gate and up (adjacent) and down, or the router and the experts'.
@@ -108,6 +111,30 @@ pub enum MlpOffsets {
         /// Elements per expert block (`3 · F · D`).
         stride: usize,
     },
+}
+
+/// How a family names a mixture-of-experts layer's tensors in checkpoints:
+/// `{block}.gate.weight` (the router) and `{block}.experts.E.{gate,up,down}.weight`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ExpertNames {
+    /// The layer's MLP module: Mixtral's `block_sparse_moe`, Qwen3-MoE's `mlp`.
+    pub block: &'static str,
+    /// An expert's gate projection: Mixtral's `w1`, Qwen3-MoE's `gate_proj`.
+    pub gate: &'static str,
+    /// Its up projection: `w3`, `up_proj`.
+    pub up: &'static str,
+    /// Its down projection: `w2`, `down_proj`.
+    pub down: &'static str,
+}
+
+impl ExpertNames {
+    /// The names of `family`'s checkpoints.
+    pub fn of(family: Family) -> ExpertNames {
+        match family {
+            Family::Qwen3Moe => ExpertNames { block: "mlp", gate: "gate_proj", up: "up_proj", down: "down_proj" },
+            _ => ExpertNames { block: "block_sparse_moe", gate: "w1", up: "w3", down: "w2" },
+        }
+    }
 }
 
 /// The parameter layout of a model.
@@ -170,6 +197,11 @@ impl Layout {
             b.push(&format!("{p}.self_attn.k_proj.weight"), &[m.kv_dim(), d], true);
             b.push(&format!("{p}.self_attn.v_proj.weight"), &[m.kv_dim(), d], true);
             let o = b.push(&format!("{p}.self_attn.o_proj.weight"), &[d, m.q_dim()], true);
+            let qk_norm = m.qk_norm().then(|| {
+                let q = b.push(&format!("{p}.self_attn.q_norm.weight"), &[m.head_dim], false);
+                b.push(&format!("{p}.self_attn.k_norm.weight"), &[m.head_dim], false);
+                q
+            });
             let ln2 = b.push(&format!("{p}.post_attention_layernorm.weight"), &[d], false);
             let mlp = match &m.moe {
                 None => {
@@ -179,18 +211,19 @@ impl Layout {
                     MlpOffsets::Dense { gate_up, down }
                 }
                 Some(moe) => {
-                    let router = b.push(&format!("{p}.block_sparse_moe.gate.weight"), &[moe.num_experts, d], true);
+                    let names = ExpertNames::of(m.family);
+                    let router = b.push(&format!("{p}.{}.gate.weight", names.block), &[moe.num_experts, d], true);
                     let first = b.len;
                     for e in experts.clone() {
-                        let q = format!("{p}.block_sparse_moe.experts.{e}");
-                        b.push(&format!("{q}.w1.weight"), &[f, d], true);
-                        b.push(&format!("{q}.w3.weight"), &[f, d], true);
-                        b.push(&format!("{q}.w2.weight"), &[d, f], true);
+                        let q = format!("{p}.{}.experts.{e}", names.block);
+                        b.push(&format!("{q}.{}.weight", names.gate), &[f, d], true);
+                        b.push(&format!("{q}.{}.weight", names.up), &[f, d], true);
+                        b.push(&format!("{q}.{}.weight", names.down), &[d, f], true);
                     }
                     MlpOffsets::Moe { router, experts: first, stride: 3 * f * d }
                 }
             };
-            layers.push(LayerOffsets { ln1, qkv, o, ln2, mlp, bias: None, range: start..b.len });
+            layers.push(LayerOffsets { ln1, qkv, o, qk_norm, ln2, mlp, bias: None, range: start..b.len });
         }
         let (mut norm, mut head) = (0, 0);
         if stage.last {
@@ -241,6 +274,7 @@ impl Layout {
                 ln1,
                 qkv: qkv_w,
                 o,
+                qk_norm: None,
                 ln2,
                 mlp: MlpOffsets::Dense { gate_up: up, down },
                 bias: Some(LayerBiases { qkv: qkv_b, o: o_b, up: up_b, down: down_b }),

@@ -29,7 +29,7 @@ use crate::config::{Gelu, ModelConfig, Remat};
 pub use exchange::{Alone, Exchange, Pass, Unit, Window};
 use fp8::Linear;
 pub use fp8::{Fp8Buffers, Fp8Policy};
-pub use layout::{LayerBiases, LayerOffsets, Layout, MlpOffsets, Tensor};
+pub use layout::{ExpertNames, LayerBiases, LayerOffsets, Layout, MlpOffsets, Tensor};
 use plan::MlpActs;
 pub use plan::{ActivationSizes, GRAD_NORM_SQ, LOSS_ACCUM, LOSS_SUM, Plan};
 
@@ -348,8 +348,13 @@ impl Model {
         let b = o.bias.as_ref();
         self.norm_forward(be, a.ln1, a.rstd1, a.x, w, o.ln1);
         let wqkv = w.at(o.qkv, qkv * d);
-        self.linear_forward(be, p, (i, Linear::Qkv), a.qkv, (a.ln1, wqkv), None, MatMul::linear(n, d, qkv));
-        bias(be, a.qkv, b.map(|b| b.qkv), qkv);
+        // Under QK-norm the projections land in `raw`, and the norm writes `a.qkv`.
+        let raw = a.qk.map_or(a.qkv, |(raw, _)| raw);
+        self.linear_forward(be, p, (i, Linear::Qkv), raw, (a.ln1, wqkv), None, MatMul::linear(n, d, qkv));
+        bias(be, raw, b.map(|b| b.qkv), qkv);
+        if let (Some((raw, rstd)), Some(at)) = (a.qk, o.qk_norm) {
+            be.qk_norm_forward(a.qkv, rstd, raw, w.at(at, 2 * m.head_dim), shape, m.norm_eps as f32);
+        }
         if !m.is_gpt() {
             be.rope(a.qkv, p.rope, shape, false);
         }
@@ -614,6 +619,15 @@ impl Model {
             }
             if !m.is_gpt() {
                 be.rope(p.dqkv, p.rope, shape, true);
+            }
+            if let (Some((raw, rstd)), Some(at)) = (a.qk, o.qk_norm) {
+                // Each device of a tensor group holds some of the heads: its weight gradients
+                // are partial sums, added up over the group before they accumulate.
+                let dw = p.dqk_norm;
+                be.fill(dw, 0.0);
+                be.qk_norm_backward(p.dqkv, dw, raw, w.at(at, dw.len), rstd, shape);
+                ex.tensor_sum(be, dw);
+                be.add(g.at(at, dw.len), dw);
             }
             bias_grad(be, p.dqkv, b.map(|b| b.qkv), qkv);
             let shapes = (MatMul::linear_dx(n, d, qkv), MatMul::linear_dw(n, d, qkv));

@@ -17,6 +17,9 @@ pub(super) struct LayerActs {
     pub(super) rstd1: View,
     /// `[N, (H + 2 KV) · Dh]` q, k (after RoPE) and v.
     pub(super) qkv: View,
+    /// Under QK-norm: `[N, (H + 2 KV) · Dh]` the projections' q, k and v before the norm, and
+    /// `[N, H + KV]` the norm's rstd of each head; none without.
+    pub(super) qk: Option<(View, View)>,
     /// `[N, H · Dh]` attention output, before `o_proj`.
     pub(super) attn: View,
     /// `[N, H]` log-sum-exp of the attention scores.
@@ -127,6 +130,9 @@ pub struct Plan {
     pub(super) yr: View,
     pub(super) dweight: View,
     pub(super) drouter: View,
+    /// `[2 · Dh]` under QK-norm: a layer's q and k norm weight gradients of this micro-batch
+    /// alone, summed over the tensor group (each device holds some heads) before they add up.
+    pub(super) dqk_norm: View,
     /// Whether the backward pass refills the last layer's shared activations too: when
     /// several micro-batches in flight share them ([`Model::plan_slot`]), another's forward
     /// pass may have overwritten them.
@@ -355,6 +361,9 @@ impl Model {
                 let ln1 = act("ln1", A, n * d, minimal);
                 let rstd1 = act("rstd1", S, stats * n, full);
                 let qkv_v = act("qkv", A, n * qkv, full);
+                let qk = m.qk_norm().then(|| {
+                    (act("qkv_raw", A, n * qkv, full), act("qk_rstd", S, n * (m.n_heads + m.n_kv_heads), full))
+                });
                 let attn = act("attn", A, n * q, full);
                 let lse = act("lse", S, n * m.n_heads, full);
                 let xmid = act("xmid", A, n * d, full);
@@ -362,11 +371,12 @@ impl Model {
                 let rstd2 = act("rstd2", S, stats * n, full);
                 let mlp = match &m.moe {
                     None => MlpActs::Dense { gu: act("gu", A, n * up, full), h: act("h", A, n * f, minimal) },
-                    Some(_) => {
+                    Some(moe) => {
                         let dispatch = MoeDispatch {
                             tokens: n,
                             experts,
                             top_k: k,
+                            renormalize: moe.renormalize,
                             capacity,
                             expert: take_idx(rows),
                             weight: act("weight", S, rows, false),
@@ -389,7 +399,7 @@ impl Model {
                         }
                     }
                 };
-                LayerActs { x, ln1, rstd1, qkv: qkv_v, attn, lse, xmid, ln2, rstd2, mlp }
+                LayerActs { x, ln1, rstd1, qkv: qkv_v, qk, attn, lse, xmid, ln2, rstd2, mlp }
             })
             .collect();
         let moe = m.moe.is_some();
@@ -412,6 +422,7 @@ impl Model {
         let yr = scratch(A, moe_only(ep_only(received * d)), |r| r.yr);
         let dweight = scratch(S, moe_only(rows), |r| r.dweight);
         let drouter = scratch(A, moe_only(n * experts), |r| r.drouter);
+        let dqk_norm = scratch(S, if m.qk_norm() { 2 * m.head_dim } else { 0 }, |r| r.dqk_norm);
         let gathered = if self.seq.ranks > 1 { self.seq.ranks * n * qkv } else { 0 };
         let qkv_all = scratch(A, gathered, |r| r.qkv_all);
         let dqkv_all = scratch(A, gathered, |r| r.dqkv_all);
@@ -451,6 +462,7 @@ impl Model {
             yr,
             dweight,
             drouter,
+            dqk_norm,
             refill_last: reuse.is_some(),
             fp8: self.plan_fp8(n, take, reuse),
             shared,

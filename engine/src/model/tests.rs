@@ -155,8 +155,21 @@ fn mistral_with_a_window_shorter_than_the_sequence() {
 
 #[test]
 fn mixtral_top2_of_4_with_the_auxiliary_loss() {
-    let moe = MoeConfig { num_experts: 4, top_k: 2, aux_loss_coef: 0.5, capacity_factor: None };
+    let moe = MoeConfig { num_experts: 4, top_k: 2, aux_loss_coef: 0.5, capacity_factor: None, renormalize: true };
     check_model("mixtral", ModelConfig { moe: Some(moe), ..small(Family::Mixtral) }, 2, 12);
+}
+
+/// QK-norm over 4 query and 2 key/value heads wider than `d_model / heads`, as Qwen3's.
+#[test]
+fn qwen3_with_qk_norm() {
+    check_model("qwen3", ModelConfig { head_dim: 12, ..small(Family::Qwen3) }, 2, 7);
+}
+
+/// Qwen3-MoE with `norm_topk_prob = false`: the weights are the softmax's probabilities.
+#[test]
+fn qwen3_moe_top2_of_4_without_renormalisation() {
+    let moe = MoeConfig { num_experts: 4, top_k: 2, aux_loss_coef: 0.5, capacity_factor: None, renormalize: false };
+    check_model("qwen3_moe", ModelConfig { moe: Some(moe), ..small(Family::Qwen3Moe) }, 2, 12);
 }
 
 #[test]
@@ -218,12 +231,13 @@ fn gradients_are_bitwise_identical_whatever_the_thread_count() {
 /// change by a bit; and each policy keeps less than the one before.
 #[test]
 fn recomputation_changes_memory_but_not_a_bit_of_the_gradients() {
-    let moe = MoeConfig { num_experts: 4, top_k: 2, aux_loss_coef: 0.5, capacity_factor: None };
+    let moe = MoeConfig { num_experts: 4, top_k: 2, aux_loss_coef: 0.5, capacity_factor: None, renormalize: true };
     for config in [
         small(Family::Llama),
         ModelConfig { sliding_window: 3, ..small(Family::Mistral) },
         ModelConfig { moe: Some(moe), ..small(Family::Mixtral) },
         gpt(),
+        small(Family::Qwen3),
     ] {
         let mut grads = Vec::new();
         let mut sizes = Vec::new();

@@ -187,7 +187,7 @@ impl TensorSlice {
     /// Whether the local tensor at `index` is an expert's that other members of the expert
     /// group do not hold (its gradient norm adds up over the group).
     pub fn is_divided_expert(&self, index: usize) -> bool {
-        self.divides_experts && self.local.tensors[index].name.contains(".block_sparse_moe.experts.")
+        self.divides_experts && self.local.tensors[index].name.contains(".experts.")
     }
 
     /// Every local tensor's values, one at a time: `whole(g, out)` fills `out` with all of

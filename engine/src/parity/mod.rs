@@ -33,7 +33,7 @@ use crate::backend::{AttnShape, SeqSplit};
 use models::{expert_axis, fsdp_bf16_gathers, graphs, memory_estimate, nccl_alone, parity, remat, training};
 use ops::{
     adamw, attention, attention_split, cross_entropy, elementwise, embedding, fp8, gelu, layernorm, matmul, moe,
-    rmsnorm, rope, swiglu,
+    qk_norm, rmsnorm, rope, swiglu,
 };
 
 /// One check's result.
@@ -171,6 +171,22 @@ fn checks(scale: Scale) -> Vec<(String, Check)> {
     for d in [256, 100, 1024] {
         add(&format!("rmsnorm d={d} forward and backward"), Box::new(move |g, _| rmsnorm(g, d)));
     }
+    // QK-norm (B, S, H, KV, dh): heads of 128 and 64 on the 8-wide kernels, 20 on the scalar
+    // ones; 24 heads a row, more than a block's 8 warps; odd row counts, so that the backward
+    // pass's blocks hold unequal numbers of rows (on the emulator's 2 SMs, 33 rows are blocks of
+    // 5 and one of 3) and its warps unequal numbers of head vectors.
+    let qk_norm_shapes: &[(usize, usize, usize, usize, usize)] = if scale.emulated {
+        &[(1, 7, 4, 2, 128), (3, 11, 4, 2, 64), (1, 5, 16, 8, 64), (1, 9, 2, 1, 20)]
+    } else {
+        &[(2, 333, 4, 2, 128), (3, 257, 4, 2, 64), (2, 129, 16, 8, 128), (1, 75, 2, 1, 20)]
+    };
+    for &(b, s, h, kv, dh) in qk_norm_shapes {
+        let shape = AttnShape { batch: b, seq: s, n_heads: h, n_kv_heads: kv, head_dim: dh, window: 0 };
+        add(
+            &format!("qk-norm B={b} S={s} H={h} KV={kv} dh={dh}: forward and backward"),
+            Box::new(move |g, _| qk_norm(g, shape)),
+        );
+    }
     // Fewer rows on the emulator, where a row of the backward pass is slow (35 s at 75 x 256).
     let rows = if scale.emulated { 20 } else { 75 };
     for d in [256, 100] {
@@ -215,9 +231,11 @@ fn checks(scale: Scale) -> Vec<(String, Check)> {
     for v in [1000, 37] {
         add(&format!("cross-entropy V={v}"), Box::new(move |g, _| cross_entropy(g, v)));
     }
-    add("mixture of experts: route, dispatch, experts, combine, backward", Box::new(|g, _| moe(g, None)));
+    add("mixture of experts: route, dispatch, experts, combine, backward", Box::new(|g, _| moe(g, None, true)));
     // 90 tokens, top-2 of 8 experts: 180 slots, 12 rows an expert (a capacity factor of 0.53).
-    add("mixture of experts with a capacity: dropped slots", Box::new(|g, _| moe(g, Some(12))));
+    add("mixture of experts with a capacity: dropped slots", Box::new(|g, _| moe(g, Some(12), true)));
+    // Qwen3-MoE's norm_topk_prob = false: the weights are the softmax's probabilities.
+    add("mixture of experts without renormalisation", Box::new(|g, _| moe(g, None, false)));
     add("adamw with clipping and decay segments", Box::new(|g, _| adamw(g)));
     if !scale.emulated {
         add(
@@ -225,7 +243,7 @@ fn checks(scale: Scale) -> Vec<(String, Check)> {
             Box::new(|g, _| nccl_alone(g)),
         );
     }
-    for name in ["tiny-llama2", "tiny-mistral", "tiny-mixtral", "tiny-gpt"] {
+    for name in ["tiny-llama2", "tiny-mistral", "tiny-mixtral", "tiny-gpt", "tiny-qwen3-moe"] {
         add(
             &format!("{name}: loss and gradients against the f32 CPU model"),
             Box::new(move |g, _| parity(g, name, &[], scale)),

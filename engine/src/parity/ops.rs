@@ -251,6 +251,37 @@ pub(super) fn rmsnorm(gpu: Cuda, d: usize) -> Result<String, String> {
     t.done()
 }
 
+/// QK-norm forward and backward on packed qkv rows of shape `s`: q and k normalised (v copied),
+/// rstd, the input's gradient in place of the output's (v's unchanged) and the weight gradients
+/// added to `dw`.
+pub(super) fn qk_norm(gpu: Cuda, s: AttnShape) -> Result<String, String> {
+    let mut t = Twin::new(gpu);
+    let (n, dh, heads) = (s.rows() * s.qkv_width(), s.head_dim, s.n_heads + s.n_kv_heads);
+    let (qkv, w) = (t.random(ACT, n, 1.0), t.random(PARAM, 2 * dh, 1.0));
+    let (out, rstd) = (t.alloc(ACT, n), t.alloc(F32S, s.rows() * heads));
+    let (dqkv, dw) = (t.random(ACT, n, 1.0), t.random(GRAD, 2 * dh, 1.0));
+    t.both(|be| {
+        be.qk_norm_forward(out, rstd, qkv, w, s, 1e-6);
+        be.qk_norm_backward(dqkv, dw, qkv, w, rstd, s);
+    });
+    t.check("y", out, BF16)?;
+    t.check("rstd", rstd, F32)?;
+    t.check("dqkv (in place)", dqkv, BF16)?;
+    t.check("dw", dw, Tol { rel_l2: 1e-3, max: 1e-2 })?;
+    // The v parts pass through exactly: y's is qkv's, dqkv's is left as it came.
+    let (width, v0) = (s.qkv_width(), heads * dh);
+    for (what, on_gpu, on_cpu) in [("y's v part", out, qkv), ("dqkv's v part", dqkv, dqkv)] {
+        let (mut g, mut c) = (vec![0f32; n], vec![0f32; n]);
+        t.gpu.download(on_gpu, &mut g);
+        t.cpu.download(on_cpu, &mut c);
+        if let Some(i) = (0..n).find(|&i| i % width >= v0 && g[i].to_bits() != c[i].to_bits()) {
+            return Err(format!("{what}: element {i} is {} on the GPU, {} on the CPU", g[i], c[i]));
+        }
+        t.notes.push(format!("{what} exact"));
+    }
+    t.done()
+}
+
 /// LayerNorm forward and backward (the residual add into dx, the weight and bias gradients) at
 /// width `d` over `rows` rows.
 pub(super) fn layernorm(gpu: Cuda, rows: usize, d: usize) -> Result<String, String> {
@@ -469,7 +500,7 @@ pub(super) fn cross_entropy(gpu: Cuda, v: usize) -> Result<String, String> {
 
 /// The mixture-of-experts path: routing, dispatch tables, expert products, combine, backward;
 /// dropless, or with each expert keeping `capacity` rows (the rest dropped).
-pub(super) fn moe(gpu: Cuda, capacity: Option<usize>) -> Result<String, String> {
+pub(super) fn moe(gpu: Cuda, capacity: Option<usize>, renormalize: bool) -> Result<String, String> {
     let mut t = Twin::new(gpu);
     let (n, e, k, d, f) = (90, 8, 2, 64, 48);
     let rows = n * k;
@@ -481,6 +512,7 @@ pub(super) fn moe(gpu: Cuda, capacity: Option<usize>) -> Result<String, String> 
         tokens: n,
         experts: e,
         top_k: k,
+        renormalize,
         capacity: capacity.unwrap_or(rows),
         expert,
         weight: t.alloc(F32S, rows),

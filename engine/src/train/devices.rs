@@ -1246,4 +1246,68 @@ mod tests {
             std::fs::remove_dir_all(&tmp).unwrap();
         }
     }
+
+    /// Qwen3 (QK-norm: under tensor parallelism the norms' weight gradients are partial sums
+    /// over each device's heads) and Qwen3-MoE (top-4 of 16 fine-grained experts without
+    /// renormalisation) on the axes, against one device training the same global batch.
+    mod qwen3 {
+        use super::*;
+
+        /// Small layers (4 query, 2 key/value heads of 24: wider than `d_model / heads`), a
+        /// few steps.
+        fn qwen_config(recipe: &str, extra: &[&str]) -> Config {
+            let small = ["model.d_model=64", "model.head_dim=24", "model.mlp_dim=96", "train.steps=5"];
+            config(recipe, &[&small[..], extra].concat())
+        }
+
+        fn on(c: &Config, devices: usize) -> Vec<f64> {
+            let runs =
+                run(c, devices, |_, t| Ok((0..c.train.steps).map(|_| t.train_step(0.0).loss).collect())).unwrap();
+            assert!(runs.iter().all(|r: &Vec<f64>| r == &runs[0]), "devices disagree on the loss");
+            runs[0].clone()
+        }
+
+        #[test]
+        fn qwen3_on_fsdp_tensor_seq_and_pipeline_follows_one_device() {
+            let pipeline = [
+                "mesh.ici_data=1",
+                "mesh.ici_pipeline=2",
+                "train.pipeline_microbatches=2",
+                "model.tie_embeddings=false",
+            ];
+            let interleaved = [
+                "model.n_layers=4",
+                "train.pipeline_schedule=\"interleaved\"",
+                "train.pipeline_virtual_stages=2",
+                "train.pipeline_microbatches=4",
+            ];
+            for (name, sets) in [
+                ("FSDP=2", vec!["mesh.ici_data=1", "mesh.ici_fsdp=2"]),
+                ("TP=2", vec!["mesh.ici_data=1", "mesh.ici_tensor=2"]),
+                ("seq=2", vec!["mesh.ici_data=1", "mesh.ici_seq=2"]),
+                ("pipeline=2 (1F1B)", [&pipeline[..], &["train.batch_size=2"]].concat()),
+                ("pipeline=2 (interleaved)", [&pipeline[..], &interleaved[..], &["train.batch_size=2"]].concat()),
+            ] {
+                let c = qwen_config("tiny-qwen3", &sets);
+                assert_same_curve(&format!("qwen3 {name}"), &single(&c, 2), &on(&c, 2));
+            }
+        }
+
+        #[test]
+        fn qwen3_moe_on_the_expert_axis_follows_one_device() {
+            for (name, sets, devices) in [
+                ("EP=2 x FSDP=2", vec!["mesh.ici_data=2", "mesh.ici_fsdp=2", "mesh.ici_expert=2"], 4),
+                ("EP=4", vec!["mesh.ici_data=4", "mesh.ici_expert=4"], 4),
+                (
+                    "EP=2 x TP=2 x PP=2",
+                    vec!["mesh.ici_data=2", "mesh.ici_expert=2", "mesh.ici_tensor=2", "mesh.ici_pipeline=2"],
+                    8,
+                ),
+                ("TP=2", vec!["mesh.ici_data=1", "mesh.ici_tensor=2"], 2),
+            ] {
+                let c = qwen_config("tiny-qwen3-moe", &sets);
+                assert_same_curve(&format!("qwen3_moe {name}"), &single(&c, devices), &on(&c, devices));
+            }
+        }
+    }
 }

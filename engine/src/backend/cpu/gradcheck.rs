@@ -144,6 +144,30 @@ fn rmsnorm() {
     );
 }
 
+/// QK-norm over the q and k heads of packed rows (2 query heads, 1 key/value head), with the
+/// values passing through; the backward pass works in place of the output's gradient.
+#[test]
+fn qk_norm() {
+    let shape = AttnShape { batch: 1, seq: 3, n_heads: 2, n_kv_heads: 1, head_dim: 4, window: 0 };
+    let (rows, width, dh) = (3, shape.qkv_width(), shape.head_dim);
+    let forward = |cpu: &mut Cpu, x: &[View]| {
+        let (out, rstd) = (cpu.alloc(BufKind::Activations, rows * width), cpu.alloc(BufKind::Activations, rows * 3));
+        cpu.qk_norm_forward(out, rstd, x[0], x[1], shape, 1e-6);
+        (out, rstd)
+    };
+    check(
+        "qk_norm",
+        &[random(rows * width, 1, 2.0), random(2 * dh, 2, 1.5)],
+        &|cpu, x| forward(cpu, x).0,
+        &|cpu, x, dout| {
+            let (_, rstd) = forward(cpu, x);
+            let dw = cpu.alloc(BufKind::Activations, 2 * dh);
+            cpu.qk_norm_backward(dout, dw, x[0], x[1], rstd, shape);
+            vec![dout, dw]
+        },
+    );
+}
+
 #[test]
 fn layernorm_with_weight_and_bias() {
     let (rows, d) = (5, 7);
@@ -400,6 +424,7 @@ fn dispatch(cpu: &mut Cpu, n: usize, e: usize, k: usize, capacity: usize) -> Moe
         tokens: n,
         experts: e,
         top_k: k,
+        renormalize: true,
         capacity,
         expert: idx.at(0, n * k),
         weight: cpu.alloc(BufKind::Activations, n * k),
@@ -414,20 +439,26 @@ fn dispatch(cpu: &mut Cpu, n: usize, e: usize, k: usize, capacity: usize) -> Moe
 /// SwiGLU, combine; inputs are the token rows, the router and the experts' weights.
 #[test]
 fn mixture_of_experts_block() {
-    moe_block("moe", 6 * 2);
+    moe_block("moe", 6 * 2, true);
+}
+
+/// Qwen3-MoE's `norm_topk_prob = false`: each slot weighted by its softmax probability.
+#[test]
+fn mixture_of_experts_block_without_renormalisation() {
+    moe_block("moe without renormalisation", 6 * 2, false);
 }
 
 /// The same with a capacity of 2 rows an expert (a factor of 2/3 for 6 tokens, top-2 of 4
 /// experts): the dropped slots add nothing and get no gradient.
 #[test]
 fn mixture_of_experts_block_with_capacity() {
-    moe_block("moe with capacity", 2);
+    moe_block("moe with capacity", 2, true);
 }
 
-fn moe_block(name: &str, capacity: usize) {
+fn moe_block(name: &str, capacity: usize, renormalize: bool) {
     let (n, d, f, e, k) = (6, 4, 3, 4, 2);
     let stride = 3 * f * d;
-    let plan = |cpu: &mut Cpu| dispatch(cpu, n, e, k, capacity);
+    let plan = |cpu: &mut Cpu| MoeDispatch { renormalize, ..dispatch(cpu, n, e, k, capacity) };
     let alloc = |cpu: &mut Cpu, len| cpu.alloc(BufKind::Activations, len);
     type Acts = (MoeDispatch, View, View, View, View, View, View);
     let forward = |cpu: &mut Cpu, x: &[View]| -> Acts {

@@ -24,6 +24,7 @@ mod matmul;
 pub(crate) use matmul::{Parallelism, sgemm};
 mod moe;
 mod norm;
+mod qknorm;
 mod reduce;
 mod rope;
 mod swiglu;
@@ -297,6 +298,18 @@ impl Backend for Cpu {
         let partials = scratch(&mut self.scratch, (x.len / d).div_ceil(ROW_CHUNK) * 2 * d);
         let ([dx, dw, db], [dout, x, w, mean, rstd]) = self.mem.io_many([dx, dw, db], [dout, x, w, mean, rstd]);
         layernorm::backward(dx, dw, db, dout, x, w, mean, rstd, d, partials);
+    }
+
+    fn qk_norm_forward(&mut self, out: View, rstd: View, qkv: View, w: View, shape: AttnShape, eps: f32) {
+        let ([out, rstd], [qkv, w]) = self.mem.io_many([out, rstd], [qkv, w]);
+        qknorm::forward(out, rstd, qkv, w, shape, eps);
+    }
+
+    fn qk_norm_backward(&mut self, dqkv: View, dw: View, qkv: View, w: View, rstd: View, shape: AttnShape) {
+        let rows = qkv.len / shape.qkv_width();
+        let partials = scratch(&mut self.scratch, rows.div_ceil(ROW_CHUNK) * 2 * shape.head_dim);
+        let ([dqkv, dw], [qkv, w, rstd]) = self.mem.io_many([dqkv, dw], [qkv, w, rstd]);
+        qknorm::backward(dqkv, dw, qkv, w, rstd, shape, partials);
     }
 
     fn rope(&mut self, qkv: View, rope: View, shape: AttnShape, inverse: bool) {

@@ -1,13 +1,14 @@
 //! Mixtral mixture-of-experts routing, dispatch and combine.
 //!
 //! route:    p = softmax(router_logits);  the top-k experts e_1..e_k of each token (ties to the
-//!           lower index);  w_j = p_{e_j} / Σ_m p_{e_m}
+//!           lower index);  w_j = p_{e_j} / Σ_m p_{e_m}  (renormalised; else w_j = p_{e_j})
 //! capacity: expert e keeps its first C slots in slot order (token t's slot j is t·k + j, so
 //!           token order within the batch, as MaxText's cumsum of the expert mask and Megatron's
 //!           `moe_token_drop_policy = "position"` keep them); kept_j ∈ {0, 1}
 //! combine:  y_t = Σ_j kept_j · w_j · expert_{e_j}(x_t)
 //! backward: dw_j = kept_j · dy_t · expert_{e_j}(x_t);  dx_t gets kept_j · dexpert_{e_j} only;
-//!           for the chosen experts dp_{e_i} = (dw_i - Σ_j dw_j w_j) / Σ_m p_{e_m};  plus the
+//!           for the chosen experts dp_{e_i} = (dw_i - Σ_j dw_j w_j) / Σ_m p_{e_m} (renormalised;
+//!           else dp_{e_i} = dw_i);  plus the
 //!           load-balancing term;  dlogits = p ⊙ (dp - p · dp)
 //!
 //! A dropped slot (kept_j = 0) adds nothing to its token's output (the residual carries the
@@ -56,8 +57,10 @@ pub fn route(probs: &mut [f32], weight: &mut [f32], stats: &mut [f32], t: Tables
                 chosen[j] = best as u32;
                 w[j] = p[best];
             }
-            let total: f32 = w.iter().sum();
-            w.iter_mut().for_each(|w| *w /= total);
+            if d.renormalize {
+                let total: f32 = w.iter().sum();
+                w.iter_mut().for_each(|w| *w /= total);
+            }
         });
 
     // Stable counting sort of the slots by expert, each expert's first `capacity` slots kept.
@@ -180,10 +183,16 @@ pub fn route_backward(
         .for_each(|(((dr, p), chosen), (dw, w))| {
             // dr first holds dL/dp, then becomes dL/dlogits in place.
             dr.iter_mut().zip(counts).for_each(|(g, &c)| *g = aux_scale * c);
-            let chosen_sum: f32 = chosen.iter().map(|&x| p[x as usize]).sum();
-            let c: f32 = dw.iter().zip(w).map(|(a, b)| a * b).sum();
-            for (&x, &g) in chosen.iter().zip(dw) {
-                dr[x as usize] += (g - c) / chosen_sum;
+            if d.renormalize {
+                let chosen_sum: f32 = chosen.iter().map(|&x| p[x as usize]).sum();
+                let c: f32 = dw.iter().zip(w).map(|(a, b)| a * b).sum();
+                for (&x, &g) in chosen.iter().zip(dw) {
+                    dr[x as usize] += (g - c) / chosen_sum;
+                }
+            } else {
+                for (&x, &g) in chosen.iter().zip(dw) {
+                    dr[x as usize] += g;
+                }
             }
             let dot: f32 = dr.iter().zip(p).map(|(g, p)| g * p).sum();
             dr.iter_mut().zip(p).for_each(|(g, &p)| *g = p * (*g - dot));

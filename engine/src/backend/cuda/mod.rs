@@ -160,13 +160,17 @@ pub fn check_model(m: &ModelConfig) -> Result<()> {
 
 /// Device memory the backend allocates for itself, beyond the views it hands out, for a model
 /// at a batch shape: the cuBLASLt workspace, the reduction partials, the RMSNorm weight-gradient
-/// partials (LayerNorm's weight and bias gradients: twice as many) and the attention backward pass's f32 dQ accumulator and D.
+/// partials (LayerNorm's weight and bias gradients: twice as many; QK-norm's `[dwq | dwk]`, which
+/// share that scratch: `2·head_dim` a block) and the attention backward pass's f32 dQ
+/// accumulator and D.
 pub fn scratch_bytes(m: &ModelConfig, batch: usize, seq: usize, sm_count: usize) -> usize {
     let rows = batch * seq;
     let (norm_blocks, _) = ops::rmsnorm::backward_blocks(rows, sm_count);
+    let qk_norm_row = if m.qk_norm() { 2 * m.head_dim } else { 0 };
+    let norm_row = (m.d_model * if m.is_gpt() { 2 } else { 1 }).max(qk_norm_row);
     blas::WORKSPACE_BYTES
         + ops::elementwise::sum_blocks(sm_count) * 8
-        + norm_blocks * m.d_model * 4 * if m.is_gpt() { 2 } else { 1 }
+        + norm_blocks * norm_row * 4
         + rows * m.n_heads * (m.head_dim + 1) * 4
 }
 
@@ -676,6 +680,14 @@ impl Backend for Cuda {
 
     fn rmsnorm_backward(&mut self, dx: View, dw: View, dout: View, x: View, w: View, rstd: View, d: usize) {
         ops::rmsnorm::backward(self, dx, dw, dout, x, w, rstd, d)
+    }
+
+    fn qk_norm_forward(&mut self, out: View, rstd: View, qkv: View, w: View, s: AttnShape, eps: f32) {
+        ops::qknorm::forward(self, out, rstd, qkv, w, s, eps)
+    }
+
+    fn qk_norm_backward(&mut self, dqkv: View, dw: View, qkv: View, w: View, rstd: View, s: AttnShape) {
+        ops::qknorm::backward(self, dqkv, dw, qkv, w, rstd, s)
     }
 
     fn rope(&mut self, qkv: View, rope: View, s: AttnShape, inverse: bool) {

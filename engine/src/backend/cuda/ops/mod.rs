@@ -20,6 +20,7 @@ pub(crate) mod gemm;
 pub(crate) mod layernorm;
 pub(crate) mod matmul;
 pub(crate) mod moe;
+pub(crate) mod qknorm;
 pub(crate) mod rmsnorm;
 pub(crate) mod rope;
 pub(crate) mod swiglu;
@@ -52,6 +53,7 @@ pub const MODULES: &[Module] = &[
     elementwise::MODULE,
     embedding::MODULE,
     rmsnorm::MODULE,
+    qknorm::MODULE,
     rope::MODULE,
     swiglu::MODULE,
     layernorm::MODULE,

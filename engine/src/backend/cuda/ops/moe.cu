@@ -3,7 +3,8 @@
 // per-expert row counts from them.
 //
 // route:    p = softmax(router_logits); top-k experts (ties to the lower index);
-//           w_j = p_{e_j} / Σ_m p_{e_m}                                       (one warp per token)
+//           w_j = p_{e_j} / Σ_m p_{e_m}, or w_j = p_{e_j} without renormalisation
+//                                                                             (one warp per token)
 // dispatch: a stable counting sort of the N·k slots by expert, each expert keeping its first
 //           `capacity` slots in slot order (token order, as MaxText); rows of expert e are
 //           offsets[e] .. offsets[e + 1]; a dropped slot's row is DROPPED, as is the slot of
@@ -12,7 +13,7 @@
 //           loss and the dropped share
 // combine:  y_t = Σ_j w_tj · ye[slot_row[t·k + j]] over the kept slots
 // backward: dw_j = dy_t · ye_j (0 if dropped);  dye = w · dy;  router gradient through the
-//           renormalisation and the softmax, plus aux_scale · counts[e] on every probability
+//           renormalisation (if any) and the softmax, plus aux_scale · counts[e] on every probability
 //           of expert e.
 //
 // Experts per layer are at most MAX_EXPERTS (8 per lane of a warp).
@@ -21,7 +22,7 @@
 #define MAX_PER_LANE 8
 
 extern "C" __global__ void moe_route(float* probs, float* weight, u32* expert, const float* logits, u64 n, int e,
-                                     int k) {
+                                     int k, int renormalize) {
     u64 token = global_thread() / 32;
     int lane = threadIdx.x & 31;
     if (token >= n) return;  // whole warps
@@ -73,7 +74,7 @@ extern "C" __global__ void moe_route(float* probs, float* weight, u32* expert, c
         }
         total += best;
     }
-    if (lane == 0)
+    if (lane == 0 && renormalize)
         for (int j = 0; j < k; j++) weight[token * k + j] /= total;
 }
 
@@ -224,7 +225,7 @@ extern "C" __global__ void moe_combine_backward_weights(float* dweight, const bf
 //   drouter_e = p_e · (g_e - Σ_x g_x p_x)
 extern "C" __global__ void moe_route_backward(bf16* drouter, const float* dweight, const float* probs,
                                               const float* weight, const float* counts, const u32* expert, u64 n,
-                                              int e, int k, float aux_scale) {
+                                              int e, int k, float aux_scale, int renormalize) {
     u64 token = global_thread() / 32;
     int lane = threadIdx.x & 31;
     if (token >= n) return;
@@ -242,7 +243,7 @@ extern "C" __global__ void moe_route_backward(bf16* drouter, const float* dweigh
     }
     for (int j = 0; j < k; j++) {
         u32 x = expert[token * k + j];
-        float add = (dweight[token * k + j] - c) / chosen_sum;
+        float add = renormalize ? (dweight[token * k + j] - c) / chosen_sum : dweight[token * k + j];
 #pragma unroll
         for (int q = 0; q < MAX_PER_LANE; q++)
             if (lane + 32 * q == (int)x) g[q] += add;

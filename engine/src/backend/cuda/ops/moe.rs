@@ -37,7 +37,8 @@ pub(crate) fn route(gpu: &mut Cuda, probs: View, router_logits: View, d: MoeDisp
     let (p, z, w, ex) =
         (gpu.out(probs, "moe_route"), gpu.ptr(router_logits), gpu.out(d.weight, "moe_route"), gpu.iptr(d.expert));
     let (ei, ki) = (e as i32, k as i32);
-    let args = [Arg::P(p), Arg::P(w), Arg::P(ex), Arg::P(z), Arg::U(n as u64), Arg::I(ei), Arg::I(ki)];
+    let renormalize = Arg::I(d.renormalize as i32);
+    let args = [Arg::P(p), Arg::P(w), Arg::P(ex), Arg::P(z), Arg::U(n as u64), Arg::I(ei), Arg::I(ki), renormalize];
     gpu.launch("moe_route", ((n as u64 * 32).div_ceil(256) as u32, 1, 1), 256, 0, &args);
     assert_eq!(d.stats.len, MoeDispatch::stats_len(e), "internal error: moe_route: stats length");
     let (sr, rs, off) = (gpu.iptr(d.slot_row), gpu.iptr(d.row_slot), gpu.iptr(d.offsets));
@@ -144,6 +145,7 @@ pub(crate) fn route_backward(
         Arg::I(d.experts as i32),
         Arg::I(d.top_k as i32),
         Arg::F(aux_scale),
+        Arg::I(d.renormalize as i32),
     ];
     gpu.launch("moe_route_backward", ((d.tokens as u64 * 32).div_ceil(256) as u32, 1, 1), 256, 0, &args);
 }
