@@ -175,6 +175,34 @@ mod tests {
         assert_eq!(tied.param_count().total, 1_235_814_400, "llama3.2-1b");
     }
 
+    /// The Qwen3 recipes against their model cards' figures (total, and active where they
+    /// differ), in billions as the cards round them.
+    #[test]
+    fn qwen3_recipes_match_the_model_cards() {
+        let cards = [
+            ("qwen3-0.6b", 0.6, None),
+            ("qwen3-1.7b", 1.7, None),
+            ("qwen3-4b", 4.0, None),
+            ("qwen3-8b", 8.2, None),
+            ("qwen3-14b", 14.8, None),
+            ("qwen3-32b", 32.8, None),
+            ("qwen3-30b-a3b", 30.5, Some(3.3)),
+            ("qwen3-235b-a22b", 235.0, Some(22.0)),
+        ];
+        for (name, total, active) in cards {
+            let count = crate::config::recipe::resolve(name, &[]).unwrap().config.model.param_count();
+            // The cards give one decimal (rounded or cut: 3.35 B active is "3.3B") or, for 22
+            // and 235, none: within a little more than half their last digit.
+            let near = |x: u64, card: f64| {
+                let unit = if card.fract() == 0.0 && card >= 10.0 { 1.0 } else { 0.1 };
+                (x as f64 / 1e9 - card).abs() <= 0.6 * unit
+            };
+            assert!(near(count.total, total), "{name}: {} parameters, the card says {total} B", count.total);
+            let want = active.unwrap_or(total);
+            assert!(near(count.active, want), "{name}: {} active parameters, the card says {want} B", count.active);
+        }
+    }
+
     /// GPT-2 small as transformers counts it (124,439,808 with the tied head counted once), and
     /// Pax's GPT126M with its padded vocabulary and 2k positions.
     #[test]

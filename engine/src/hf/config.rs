@@ -451,6 +451,40 @@ mod tests {
         assert_eq!((m.rope_theta, m.moe.unwrap().aux_loss_coef), (1e6, 0.001));
     }
 
+    /// Qwen3-MoE: the expert count under both spellings, the experts' width from
+    /// `moe_intermediate_size`, `norm_topk_prob` false by default; what it cannot compute is
+    /// refused by key; export keeps the dense `intermediate_size` and the count's spelling.
+    #[test]
+    fn qwen3_moe_keys_and_refusals() {
+        let v = json!({"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 64, "hidden_size": 32,
+                       "intermediate_size": 48, "moe_intermediate_size": 16, "num_hidden_layers": 2,
+                       "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                       "num_local_experts": 6, "num_experts_per_tok": 2, "mlp_only_layers": [],
+                       "decoder_sparse_step": 1, "use_sliding_window": false});
+        let m = parse(&v, "c").unwrap();
+        let moe = m.moe.clone().unwrap();
+        assert!(m.qk_norm() && (m.mlp_dim, moe.num_experts, moe.renormalize) == (16, 6, false));
+        let back = write(&m, Some(&v), "float32");
+        assert_eq!((back["intermediate_size"].clone(), back["num_local_experts"].clone()), (json!(48), json!(6)));
+        assert_eq!(parse(&back, "c").unwrap(), m);
+        let mut hub = v.clone();
+        hub.as_object_mut().unwrap().remove("num_local_experts");
+        hub["num_experts"] = json!(6);
+        assert_eq!(parse(&hub, "c").unwrap(), m);
+        for (key, value, says) in [
+            ("mlp_only_layers", json!([0]), "mlp_only_layers = [0] is not supported"),
+            ("decoder_sparse_step", json!(2), "decoder_sparse_step = 2 is not supported"),
+            ("use_sliding_window", json!(true), "use_sliding_window = true"),
+            ("layer_types", json!(["full_attention", "sliding_attention"]), "layer_types holds \"sliding_attention\""),
+            ("attention_bias", json!(true), "attention_bias = true"),
+        ] {
+            let mut bad = v.clone();
+            bad[key] = value;
+            let e = parse(&bad, "config.json").unwrap_err().to_string();
+            assert!(e.starts_with("config.json: ") && e.contains(says), "{key}: {e}");
+        }
+    }
+
     /// GPT2Config's defaults: n_inner null is 4 · n_embd, the head is tied, GELU is tanh.
     #[test]
     fn gpt2_defaults_and_round_trip() {

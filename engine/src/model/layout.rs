@@ -347,7 +347,16 @@ mod tests {
 
     #[test]
     fn layout_covers_the_parameter_count_without_gaps() {
-        for name in ["tiny-llama2", "tiny-mixtral", "tiny-mistral", "llama3.2-1b", "tiny-gpt", "gpt-126m"] {
+        for name in [
+            "tiny-llama2",
+            "tiny-mixtral",
+            "tiny-mistral",
+            "llama3.2-1b",
+            "tiny-gpt",
+            "gpt-126m",
+            "qwen3-0.6b",
+            "tiny-qwen3-moe",
+        ] {
             let m = resolve(name, &[]).unwrap().config.model;
             let layout = Layout::new(&m);
             assert_eq!(layout.len as u64, m.param_count().total, "{name}");

@@ -225,7 +225,7 @@ mod tests {
     /// on each device.
     #[test]
     fn the_slices_of_a_group_tile_the_model() {
-        for name in ["tiny-llama2", "tiny-mixtral", "tiny-gpt"] {
+        for name in ["tiny-llama2", "tiny-mixtral", "tiny-gpt", "tiny-qwen3", "tiny-qwen3-moe"] {
             let m = resolve(name, &Override::from_list("model.vocab_size=64", "test")).unwrap().config.model;
             let global = Layout::new(&m);
             let mut hits = vec![0u8; global.len];

@@ -309,7 +309,7 @@ fn checks(scale: Scale) -> Vec<(String, Check)> {
     let trained: &[&str] = if scale.emulated {
         &["tiny-llama2", "tiny-mistral", "tiny-mixtral"]
     } else {
-        &["tiny-llama2", "tiny-mistral", "tiny-mixtral", "tiny-gpt"]
+        &["tiny-llama2", "tiny-mistral", "tiny-mixtral", "tiny-gpt", "tiny-qwen3", "tiny-qwen3-moe"]
     };
     for &name in trained {
         add(
