@@ -68,9 +68,17 @@ fn the_quick_suite_passes_against_the_committed_baselines() {
     let out = test_all(&args);
     let stdout = text(&out.stdout);
     assert_eq!(out.status.code(), Some(0), "{stdout}\n{}", text(&out.stderr));
-    for check in
-        ["tiny-llama2", "tiny-mistral", "tiny-mixtral", "tiny-gpt", "checkpoint-resume", "hf-roundtrip", "data-prepare"]
-    {
+    for check in [
+        "tiny-llama2",
+        "tiny-mistral",
+        "tiny-mixtral",
+        "tiny-gpt",
+        "tiny-qwen3",
+        "tiny-qwen3-moe",
+        "checkpoint-resume",
+        "hf-roundtrip",
+        "data-prepare",
+    ] {
         assert!(stdout.lines().any(|l| l.starts_with(check) && l.contains(" pass ")), "{check}: {stdout}");
     }
     assert!(stdout.lines().any(|l| l.starts_with("gpu-parity") && l.contains(" skip ")), "{stdout}");
@@ -79,22 +87,22 @@ fn the_quick_suite_passes_against_the_committed_baselines() {
     );
 
     let cases = junit_cases(&report.join("junit.xml"));
-    assert_eq!(cases.len(), 8, "{cases:?}");
+    assert_eq!(cases.len(), 10, "{cases:?}");
     assert!(cases.contains(&"gpu-parity skip".to_string()) && cases.contains(&"tiny-llama2 pass".to_string()));
     let sum = summary(&report);
-    assert_eq!((sum["passed"].as_u64(), sum["failed"].as_u64(), sum["skipped"].as_u64()), (Some(7), Some(0), Some(1)));
+    assert_eq!((sum["passed"].as_u64(), sum["failed"].as_u64(), sum["skipped"].as_u64()), (Some(9), Some(0), Some(1)));
     assert_eq!(sum["mode"], "quick");
     assert_eq!(sum["device_class"], "cpu");
     assert_eq!(sum["reference"], "cpu baseline");
-    assert_eq!(sum["checks"].as_array().unwrap().len(), 8);
+    assert_eq!(sum["checks"].as_array().unwrap().len(), 10);
     // Written atomically: nothing else in the report directory.
     let mut names: Vec<String> =
         fs::read_dir(&report).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
     names.sort();
     assert_eq!(names, ["junit.xml", "report.html", "summary.json"]);
     let html = fs::read_to_string(report.join("report.html")).unwrap();
-    assert!(html.contains("7 passed, 0 failed, 1 skipped") && html.contains(sum["device"].as_str().unwrap()), "{html}");
-    for check in ["tiny-llama2", "tiny-mistral", "tiny-mixtral", "tiny-gpt"] {
+    assert!(html.contains("9 passed, 0 failed, 1 skipped") && html.contains(sum["device"].as_str().unwrap()), "{html}");
+    for check in ["tiny-llama2", "tiny-mistral", "tiny-mixtral", "tiny-gpt", "tiny-qwen3", "tiny-qwen3-moe"] {
         let curve = &sum["checks"].as_array().unwrap().iter().find(|c| c["name"] == check).unwrap()["curve"];
         assert_eq!(curve["failing_steps"], serde_json::json!([]), "{check}");
         assert_curve_drawn(&html, check, curve, &[]);
@@ -271,7 +279,7 @@ fn baselines_create_records_a_file_test_all_reads() {
     // kind of CPU, and within the tolerance elsewhere (docs/test-all.md).
     let committed: serde_json::Value =
         serde_json::from_slice(&fs::read(committed_baselines().join("cpu/quick.json")).unwrap()).unwrap();
-    for r in ["tiny-llama2", "tiny-mistral", "tiny-mixtral", "tiny-gpt"] {
+    for r in engine::testall::CURVE_RECIPES {
         let (a, b) = (v["recipes"][r]["loss"].as_array().unwrap(), committed["recipes"][r]["loss"].as_array().unwrap());
         for (x, y) in a.iter().zip(b) {
             let (x, y) = (x.as_f64().unwrap(), y.as_f64().unwrap());
