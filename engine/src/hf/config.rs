@@ -48,9 +48,7 @@ pub fn parse(v: &Value, file: &str) -> Result<ModelConfig> {
             ),
         },
         None => match obj.get("model_type").and_then(Value::as_str) {
-            Some(t) if ARCHITECTURES.iter().any(|(_, f)| model_type(*f) == t) => {
-                ARCHITECTURES.iter().find(|(_, f)| model_type(*f) == t).expect("found").1
-            }
+            Some(t) if let Some((_, f)) = ARCHITECTURES.iter().find(|(_, f)| model_type(*f) == t) => *f,
             other => bail!(
                 "{file}: no `architectures` and model_type {} is not supported (supported: {})",
                 other.map_or("absent".into(), |t| format!("`{t}`")),
