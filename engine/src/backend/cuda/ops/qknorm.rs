@@ -35,6 +35,21 @@ pub(crate) fn partial_floats(rows: usize, head_dim: usize, sm_count: usize) -> u
     backward_blocks(rows, sm_count).0 * 2 * head_dim
 }
 
+/// The token rows of `qkv` (none for an empty shape), after checking that `other` (the output,
+/// or the gradient) has its length, `rstd` one value a head of a row, and `w` `[wq | wk]`.
+fn rows_of(qkv: View, other: View, rstd: View, w: View, s: AttnShape, op: &str) -> Option<usize> {
+    let width = s.qkv_width();
+    if width == 0 {
+        return None;
+    }
+    let rows = qkv.len / width;
+    assert_eq!(qkv.len, rows * width, "internal error: {op}: qkv length");
+    assert_eq!(other.len, qkv.len, "internal error: {op}: output or gradient length");
+    assert_eq!(rstd.len, rows * (s.n_heads + s.n_kv_heads), "internal error: {op}: rstd length");
+    assert_eq!(w.len, 2 * s.head_dim, "internal error: {op}: the weights are [wq | wk]");
+    Some(rows)
+}
+
 /// `Backend::qk_norm_forward`: a block per token row, a warp per head vector (the 8-wide kernel
 /// when the head width and the addresses allow), the block copying the v part.
 pub(crate) fn forward(gpu: &mut Cuda, out: View, rstd: View, qkv: View, w: View, s: AttnShape, eps: f32) {
@@ -43,14 +58,7 @@ pub(crate) fn forward(gpu: &mut Cuda, out: View, rstd: View, qkv: View, w: View,
     }
     gpu.expect(rstd, DType::F32, "qk_norm_forward", "rstd");
     let (width, dh, heads) = (s.qkv_width(), s.head_dim, s.n_heads + s.n_kv_heads);
-    if width == 0 {
-        return;
-    }
-    let rows = qkv.len / width;
-    assert_eq!(qkv.len, rows * width, "internal error: qk_norm_forward: qkv length");
-    assert_eq!(out.len, qkv.len, "internal error: qk_norm_forward: out length");
-    assert_eq!(rstd.len, rows * heads, "internal error: qk_norm_forward: rstd length");
-    assert_eq!(w.len, 2 * dh, "internal error: qk_norm_forward: the weights are [wq | wk]");
+    let Some(rows) = rows_of(qkv, out, rstd, w, s, "qk_norm_forward") else { return };
     let (o, r, xp, wp) = (gpu.out(out, "qk_norm_forward"), gpu.out(rstd, "qk_norm_forward"), gpu.ptr(qkv), gpu.ptr(w));
     let name = if wide(dh, &[o, xp, wp]) { "qk_norm_forward_v8" } else { "qk_norm_forward" };
     let args = [
@@ -77,14 +85,7 @@ pub(crate) fn backward(gpu: &mut Cuda, dqkv: View, dw: View, qkv: View, w: View,
     gpu.expect(dw, DType::F32, "qk_norm_backward", "dw");
     gpu.expect(rstd, DType::F32, "qk_norm_backward", "rstd");
     let (width, dh, heads) = (s.qkv_width(), s.head_dim, s.n_heads + s.n_kv_heads);
-    if width == 0 {
-        return;
-    }
-    let rows = qkv.len / width;
-    assert_eq!(qkv.len, rows * width, "internal error: qk_norm_backward: qkv length");
-    assert_eq!(dqkv.len, qkv.len, "internal error: qk_norm_backward: dqkv length");
-    assert_eq!(rstd.len, rows * heads, "internal error: qk_norm_backward: rstd length");
-    assert_eq!(w.len, 2 * dh, "internal error: qk_norm_backward: the weights are [wq | wk]");
+    let Some(rows) = rows_of(qkv, dqkv, rstd, w, s, "qk_norm_backward") else { return };
     assert_eq!(dw.len, 2 * dh, "internal error: qk_norm_backward: the weight gradients are [dwq | dwk]");
     let sm_count = gpu.dev.info().sm_count as usize;
     let (blocks, per_block) = backward_blocks(rows, sm_count);
