@@ -185,6 +185,66 @@ impl AttnShape {
     }
 }
 
+/// Shape of DeepSeek-V3's multi-head latent attention (MLA) as the backend sees it, after the
+/// up-projections: per token row, `q [H·(nope + rope)]` (each head `[q_nope | q_rope]`),
+/// `kv [H·(nope + v)]` (each head `[k_nope | v]`) and one rotary key `kpe [rope]` shared by all
+/// heads. [`Backend::mla_qkv_forward`] assembles them into packed qkv rows that the attention op
+/// reads with `n_heads = n_kv_heads = heads` and `head_dim = qk()`, v zero-padded to `qk()`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MlaShape {
+    /// Token rows `N` (sequences · `seq`).
+    pub rows: usize,
+    /// Tokens per sequence: row `r` is at position `r % seq`.
+    pub seq: usize,
+    /// Attention heads `H` (this device's).
+    pub heads: usize,
+    /// Width of the part of a query and key head without position (`qk_nope_head_dim`).
+    pub nope: usize,
+    /// Width of the rotary part of a query and key head (`qk_rope_head_dim`, even).
+    pub rope: usize,
+    /// Width of a value head (`v_head_dim`, at most `qk()`).
+    pub v: usize,
+    /// The rotary dimensions come in interleaved pairs `(x0, x1), (x2, x3), …` (Hugging Face's
+    /// `rope_interleave`): they are de-interleaved (`[x0, x2, …, x1, x3, …]`) before the
+    /// "rotate half" rotation, and stay in that order in the assembled rows.
+    pub interleave: bool,
+}
+
+impl MlaShape {
+    /// Width of a query and key head: `nope + rope` (the attention's `head_dim`).
+    pub fn qk(&self) -> usize {
+        self.nope + self.rope
+    }
+
+    /// Width of an assembled packed qkv row: `3 · H · qk`.
+    pub fn qkv_width(&self) -> usize {
+        3 * self.heads * self.qk()
+    }
+
+    /// Width of a row of the queries `q`: `H · (nope + rope)`.
+    pub fn q_width(&self) -> usize {
+        self.heads * self.qk()
+    }
+
+    /// Width of a row of the keys without position and the values, `kv`: `H · (nope + v)`.
+    pub fn kv_width(&self) -> usize {
+        self.heads * (self.nope + self.v)
+    }
+
+    /// The attention over the assembled rows: `batch = rows / seq` sequences, `H` query and
+    /// key/value heads of width `qk()`, no window.
+    pub fn attention(&self) -> AttnShape {
+        AttnShape {
+            batch: self.rows / self.seq.max(1),
+            seq: self.seq,
+            n_heads: self.heads,
+            n_kv_heads: self.heads,
+            head_dim: self.qk(),
+            window: 0,
+        }
+    }
+}
+
 /// How a sequence is split over the sequence (context-parallel) axis: into `2 · ranks` chunks of
 /// equal length, rank `r` holding chunk `r` (early) and chunk `2 · ranks − 1 − r` (late), so that
 /// every rank does the same share of causal attention (Llama 3's load-balanced split). A rank's
@@ -232,9 +292,75 @@ impl SeqSplit {
     }
 }
 
+/// How a mixture-of-experts router scores its experts ([`Routing::scoring`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Scoring {
+    /// `softmax` over all experts (Mixtral, Qwen3-MoE).
+    Softmax,
+    /// An independent `sigmoid` per expert (DeepSeek-V3).
+    Sigmoid,
+}
+
+/// The routing rule of a mixture-of-experts layer, Hugging Face's `DeepseekV3TopkRouter` in
+/// general and Mixtral's softmax top-k as its special case ([`Routing::softmax`]), all in f32:
+///
+/// ```text
+/// s   = scoring(logits)               probabilities, saved (softmax over the E, or sigmoid)
+/// sel = s + bias                      for the selection only
+/// groups > 1: group g (experts g·E/G .. (g+1)·E/G) scores the sum of its top-2 `sel`; the
+///             `top_groups` best groups are kept (ties to the lower index), the others' experts
+///             are excluded
+/// the top-k `sel` among the allowed experts (ties to the lower index)
+/// w_j = s[chosen_j]                   the unbiased scores
+/// renormalize: w /= Σ w (Softmax), w /= Σ w + 1e-20 (Sigmoid)
+/// w *= scale
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Routing {
+    /// The scoring function of the router logits.
+    pub scoring: Scoring,
+    /// Whether the chosen experts' scores are renormalised to sum to one
+    /// ([`crate::config::MoeConfig::renormalize`], `norm_topk_prob`); else a slot's weight is
+    /// its score (times [`Routing::scale`]).
+    pub renormalize: bool,
+    /// Expert groups (`n_group`), dividing the experts evenly; 1: no group limit.
+    pub groups: usize,
+    /// Groups kept per token (`topk_group`), `1 ..= groups`; unused with one group.
+    pub top_groups: usize,
+    /// Multiplies the final weights (`routed_scaling_factor`); 1 for Mixtral.
+    pub scale: f32,
+    /// `[E]` f32 selection bias (`e_score_correction_bias`, updated by
+    /// [`Backend::moe_bias_update`]); it changes which experts are chosen, never their weights.
+    /// None: zero.
+    pub bias: Option<View>,
+}
+
+impl Routing {
+    /// Mixtral's (`renormalize`) or Qwen3-MoE's softmax top-k: one group, no bias, scale 1.
+    pub fn softmax(renormalize: bool) -> Routing {
+        Routing { scoring: Scoring::Softmax, renormalize, groups: 1, top_groups: 1, scale: 1.0, bias: None }
+    }
+
+    /// Panics unless the rule fits `experts` experts and `top_k` choices: the groups divide the
+    /// experts, each group holds at least two (its score is a top-2 sum), and the kept groups
+    /// hold at least `top_k` experts.
+    pub fn validate(&self, experts: usize, top_k: usize) {
+        let (g, kept) = (self.groups, self.top_groups);
+        assert!(g >= 1 && experts.is_multiple_of(g), "moe routing: {g} groups do not divide {experts} experts");
+        if g > 1 {
+            assert!(experts / g >= 2, "moe routing: groups of {} expert (a group scores its top two)", experts / g);
+            assert!((1..=g).contains(&kept), "moe routing: keeping {kept} of {g} groups");
+            assert!(top_k <= kept * experts / g, "moe routing: top-{top_k} from {kept} groups of {}", experts / g);
+        }
+        if let Some(b) = self.bias {
+            assert_eq!(b.len, experts, "moe routing: the bias must hold one value per expert");
+        }
+    }
+}
+
 /// Routing tables of one mixture-of-experts layer for `N` tokens, each sent to `k` experts.
 /// Rows of the dispatched (expert-major) activations are grouped by expert.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct MoeDispatch {
     /// Tokens.
     pub tokens: usize,
@@ -242,15 +368,14 @@ pub struct MoeDispatch {
     pub experts: usize,
     /// Experts per token.
     pub top_k: usize,
-    /// Whether the top-k probabilities are renormalised to sum to one
-    /// ([`crate::config::MoeConfig::renormalize`]); else a slot's weight is its probability.
-    pub renormalize: bool,
+    /// The routing rule: scoring, renormalisation, group limit, scale and selection bias.
+    pub routing: Routing,
     /// Rows each expert keeps ([`crate::config::MoeConfig::capacity`]): an expert's slots
     /// beyond its first `capacity` in slot order are dropped. `N · k` is dropless.
     pub capacity: usize,
     /// `[N · k]`: the expert chosen in each of a token's k slots (slot `t · k + j`).
     pub expert: IdxView,
-    /// `[N · k]`: the renormalised routing weight of each slot.
+    /// `[N · k]`: the routing weight of each slot (renormalised and scaled per [`Routing`]).
     pub weight: View,
     /// `[N · k]`: the dispatched row of each slot, [`DROPPED`] for a dropped slot.
     pub slot_row: IdxView,
@@ -526,6 +651,42 @@ pub trait Backend {
     /// (the backward pass). `rope` is `[seq, head_dim / 2]` pairs `(cos, sin)` interleaved.
     fn rope(&mut self, qkv: View, rope: View, shape: AttnShape, inverse: bool);
 
+    /// Assembles DeepSeek-V3's MLA pieces into packed qkv rows `qkv [N, 3·H·qk]` for
+    /// [`Backend::attention_forward`] with [`MlaShape::attention`]: from `q [N, H·qk]`, `kv [N,
+    /// H·(nope + v)]`, the shared rotary key `kpe [N, rope]` and `table [seq, rope/2, 2]` (cos,
+    /// sin pairs, as [`Backend::rope`]'s), at position `t = row % seq`, for every head h:
+    ///
+    /// ```text
+    /// q_h = q_scale · [ q_nope_h | R_t(P(q_rope_h)) ]
+    /// k_h =           [ k_nope_h | R_t(P(kpe))      ]
+    /// v_h =           [ v_h      | 0 … 0            ]   (qk − v zeros)
+    /// ```
+    ///
+    /// R_t is the "rotate half" rotation (pairs i, i + rope/2 by table pair i); P is the
+    /// identity, or with `shape.interleave` the de-interleaving `[x0, x2, …, x1, x3, …]`.
+    /// `q_scale` multiplies the whole query (a softmax scale other than `1 / sqrt(qk)`).
+    fn mla_qkv_forward(&mut self, qkv: View, q: View, kv: View, kpe: View, table: View, shape: MlaShape, q_scale: f32);
+    /// The adjoint of [`Backend::mla_qkv_forward`], every output overwritten: from the packed
+    /// rows' gradient `dqkv`, `dq = q_scale · [dq_nope | Pᵀ R_tᵀ dq_rope]`, `dkv = [dk_nope |
+    /// dv]` (the first `v` columns of each value head's gradient; the padding's is dropped) and
+    /// `dkpe = Σ_h Pᵀ R_tᵀ dk_rope_h`, the heads summed in a fixed order.
+    fn mla_qkv_backward(
+        &mut self,
+        dq: View,
+        dkv: View,
+        dkpe: View,
+        dqkv: View,
+        table: View,
+        shape: MlaShape,
+        q_scale: f32,
+    );
+    /// `out [rows, heads·to]` holds the first `to` (≤ `from`) columns of each `from`-wide head of
+    /// `x [rows, heads·from]` (MLA: the attention's output heads, `qk` wide, cut to o_proj's `v`).
+    fn heads_narrow(&mut self, out: View, x: View, rows: usize, heads: usize, from: usize, to: usize);
+    /// The adjoint of [`Backend::heads_narrow`]: `out [rows, heads·to]` (`to` ≥ `from`) holds each
+    /// `from`-wide head of `x [rows, heads·from]` followed by `to − from` zeros.
+    fn heads_widen(&mut self, out: View, x: View, rows: usize, heads: usize, from: usize, to: usize);
+
     /// Causal (optionally windowed) grouped-query attention over packed qkv rows:
     /// `out[N, H · Dh]`, and the log-sum-exp of each query's scores `lse[N, H]` for the
     /// backward pass. Scores are scaled by `1 / sqrt(Dh)`.
@@ -670,9 +831,10 @@ pub trait Backend {
         grad_scale: Option<f32>,
     );
 
-    /// Mixtral routing of `router_logits[N, E]`: `probs = softmax(logits)` (saved), the top-k
-    /// experts of each token (ties to the lower index), their probabilities renormalised to sum
-    /// to one, the dispatch tables and the layer's load-balancing statistics. Each expert keeps
+    /// Routing of `router_logits[N, E]` by [`MoeDispatch::routing`]: `probs` = the scores
+    /// (softmax or sigmoid, saved), the top-k experts of each token by biased score among its
+    /// kept groups (ties to the lower index), their unbiased scores as weights (renormalised,
+    /// scaled), the dispatch tables and the layer's load-balancing statistics. Each expert keeps
     /// its first `capacity` slots in slot order (token order, MaxText's); the rest are dropped.
     fn moe_route(&mut self, probs: View, router_logits: View, dispatch: MoeDispatch);
     /// `xe[r] = x[row_slot[r] / k]`: gathers token rows of width `d` into dispatched order
@@ -703,10 +865,11 @@ pub trait Backend {
     /// `dweight[s] = dout[t] · ye[slot_row[s]]` (both `=`; zero for dropped slots and rows no
     /// slot fills).
     fn moe_combine_backward(&mut self, dye: View, dweight: View, dout: View, ye: View, dispatch: MoeDispatch, d: usize);
-    /// Gradient of the router logits (`=`) from the gradient of the renormalised weights and of
-    /// the load-balancing loss: `aux_scale · counts[e]` is added to the gradient of every
-    /// token's probability of expert e (`counts` holds the tokens routed to each expert over
-    /// the whole model, as the loss uses them).
+    /// Gradient of the router logits (`=`) from the gradient of the routing weights (through
+    /// the scale, the renormalisation and the scoring function) and of the load-balancing loss:
+    /// `aux_scale · counts[e]` is added to the gradient of every token's score of expert e
+    /// (`counts` holds the tokens routed to each expert over the whole model, as the loss uses
+    /// them). The selection (bias, groups) gets no gradient.
     fn moe_route_backward(
         &mut self,
         drouter: View,
@@ -716,6 +879,10 @@ pub trait Backend {
         counts: View,
         aux_scale: f32,
     );
+    /// DeepSeek-V3's auxiliary-loss-free balancing: `bias[e] += rate · sign(mean(loads) -
+    /// loads[e])` over the `[E]` f32 `bias` and `loads` (tokens routed to each expert), the
+    /// mean over the E entries (summed in f64, in order), sign(0) = 0.
+    fn moe_bias_update(&mut self, bias: View, loads: View, rate: f32);
 
     /// AdamW over the flat buffers: gradients clipped first by [`AdamWStep::clip_scale`] of the
     /// squared global norm held in `norm_squared[0]` (read on the device: no host round trip),

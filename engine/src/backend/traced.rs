@@ -8,8 +8,8 @@
 use std::time::Instant;
 
 use super::{
-    AdamWStep, AttnNeeds, AttnShape, Backend, BufKind, ExpertWeights, IdxView, MatMul, MoeDispatch, Segment, SeqSplit,
-    View, fp8,
+    AdamWStep, AttnNeeds, AttnShape, Backend, BufKind, ExpertWeights, IdxView, MatMul, MlaShape, MoeDispatch, Segment,
+    SeqSplit, View, fp8,
 };
 
 /// One timed op.
@@ -202,6 +202,27 @@ impl<B: Backend> Backend for Traced<B> {
     fn rope(&mut self, qkv: View, rope: View, shape: AttnShape, inverse: bool) {
         self.time(if inverse { "rope_backward" } else { "rope_forward" }, |b| b.rope(qkv, rope, shape, inverse))
     }
+    fn mla_qkv_forward(&mut self, qkv: View, q: View, kv: View, kpe: View, table: View, shape: MlaShape, q_scale: f32) {
+        self.time("mla_qkv_forward", |b| b.mla_qkv_forward(qkv, q, kv, kpe, table, shape, q_scale))
+    }
+    fn mla_qkv_backward(
+        &mut self,
+        dq: View,
+        dkv: View,
+        dkpe: View,
+        dqkv: View,
+        table: View,
+        shape: MlaShape,
+        q_scale: f32,
+    ) {
+        self.time("mla_qkv_backward", |b| b.mla_qkv_backward(dq, dkv, dkpe, dqkv, table, shape, q_scale))
+    }
+    fn heads_narrow(&mut self, out: View, x: View, rows: usize, heads: usize, from: usize, to: usize) {
+        self.time("heads_narrow", |b| b.heads_narrow(out, x, rows, heads, from, to))
+    }
+    fn heads_widen(&mut self, out: View, x: View, rows: usize, heads: usize, from: usize, to: usize) {
+        self.time("heads_widen", |b| b.heads_widen(out, x, rows, heads, from, to))
+    }
     fn attention_forward(&mut self, out: View, lse: View, qkv: View, shape: AttnShape) {
         self.time("attention_forward", |b| b.attention_forward(out, lse, qkv, shape))
     }
@@ -372,6 +393,9 @@ impl<B: Backend> Backend for Traced<B> {
         aux_scale: f32,
     ) {
         self.time("moe_route_backward", |b| b.moe_route_backward(drouter, dweight, probs, dispatch, counts, aux_scale))
+    }
+    fn moe_bias_update(&mut self, bias: View, loads: View, rate: f32) {
+        self.time("moe_bias_update", |b| b.moe_bias_update(bias, loads, rate))
     }
     fn adamw(
         &mut self,

@@ -4,12 +4,14 @@
 //! step (forward + backward) costs 3 forward passes, so a token costs
 //!
 //! ```text
-//! 6 · N_matmul  +  12 · L · H · Dh · K̄
+//! 6 · N_matmul  +  6 · L · H · (Dh + Dv) · K̄
 //! ```
 //!
 //! where `N_matmul` counts the weights that take part in a matrix product for that token (every
 //! projection and the output head, only the `top_k` experts a token is routed to, not the input
 //! embedding, which is a lookup), and `K̄` is the mean number of keys a query attends to. Causal
+//! `Dv` is the values' head width (`Dh` but under latent attention, whose `Dh` is the query and key
+//! width). Causal
 //! halving is applied: with the causal mask `K̄ = (S + 1) / 2`, and with a sliding window `W` each
 //! query counts `min(i + 1, W)` keys. Element-wise work (norms, softmax, RoPE, the optimizer) is not
 //! counted, as in MaxText, torchtitan and llm.c.
@@ -35,10 +37,43 @@ pub struct ParamCount {
 }
 
 impl ModelConfig {
-    /// Parameters of one attention block's projections (q, k, v, o).
+    /// Parameters of one attention block's projections (q, k, v, o; latent attention's six).
     fn attention_params(&self) -> u64 {
         let (d, q, kv) = (self.d_model as u64, self.q_dim() as u64, self.kv_dim() as u64);
-        d * q + 2 * d * kv + q * d
+        let Some(a) = &self.mla else {
+            return d * q + 2 * d * kv + q * d;
+        };
+        let (h, rq, rkv) = (self.n_heads as u64, a.q_lora_rank as u64, a.kv_lora_rank as u64);
+        let queries = if rq > 0 { d * rq + rq * q } else { d * q };
+        let keys_values = d * (rkv + a.rope_dim as u64) + rkv * h * (a.nope_dim + a.v_dim) as u64;
+        queries + keys_values + h * a.v_dim as u64 * d
+    }
+
+    /// Norm weights of one attention block: QK-norm's two of a head's width, latent
+    /// attention's two latents'.
+    fn attention_norm_params(&self) -> u64 {
+        match &self.mla {
+            Some(a) => (a.q_lora_rank + a.kv_lora_rank) as u64,
+            None if self.qk_norm() => 2 * self.head_dim as u64,
+            None => 0,
+        }
+    }
+
+    /// `(total, active)` parameters of layer `i`'s MLP: a dense SwiGLU; or the router (and its
+    /// selection bias), the shared experts and all (`top_k`) routed experts.
+    fn layer_mlp_params(&self, i: usize) -> (u64, u64) {
+        let d = self.d_model as u64;
+        match &self.moe {
+            None => (self.mlp_params(), self.mlp_params()),
+            Some(moe) if moe.is_dense(i) => (3 * d * moe.dense_mlp_dim as u64, 3 * d * moe.dense_mlp_dim as u64),
+            Some(moe) => {
+                let e = moe.num_experts as u64;
+                let router = d * e + if moe.selection_bias { e } else { 0 };
+                let shared = moe.shared_experts as u64 * self.mlp_params();
+                let each = self.mlp_params();
+                (router + shared + e * each, router + shared + moe.top_k as u64 * each)
+            }
+        }
     }
 
     /// Parameters of one SwiGLU MLP (gate, up, down), or of the GPT family's (up, down) without
@@ -58,20 +93,24 @@ impl ModelConfig {
         qkv + d + self.mlp_dim as u64 + d + 2 * d
     }
 
-    /// Matrix parameters of one layer that a token multiplies with: attention, the router and the
-    /// MLPs of the experts it is sent to.
+    /// Matrix parameters of a layer that a token multiplies with: attention, the router and the
+    /// MLPs of the experts it is sent to (the shared ones too), the mean over the layers when
+    /// some are dense among experts' layers.
     pub(crate) fn layer_matmul_params_active(&self) -> u64 {
-        let d = self.d_model as u64;
-        let mlp = match &self.moe {
-            None => self.mlp_params(),
-            Some(moe) => d * moe.num_experts as u64 + moe.top_k as u64 * self.mlp_params(),
-        };
-        self.attention_params() + mlp
+        let mlp: u64 = (0..self.n_layers).map(|i| self.layer_mlp_params(i).1).sum();
+        // The selection bias is no product's.
+        let bias = self.moe.as_ref().filter(|m| m.selection_bias).map_or(0, |m| m.num_experts as u64);
+        let layers = self.n_layers.max(1) as u64;
+        let moe_layers = self.moe.as_ref().map_or(0, |m| m.moe_layers(self.n_layers)) as u64;
+        self.attention_params() + (mlp - moe_layers * bias) / layers
     }
 
-    /// Parameters of every layer's experts (0 for a dense model): what an expert axis divides.
+    /// Parameters of every layer's routed experts (0 for a dense model): what an expert axis
+    /// divides.
     pub fn expert_params(&self) -> u64 {
-        self.moe.as_ref().map_or(0, |moe| self.n_layers as u64 * moe.num_experts as u64 * self.mlp_params())
+        self.moe
+            .as_ref()
+            .map_or(0, |moe| moe.moe_layers(self.n_layers) as u64 * moe.num_experts as u64 * self.mlp_params())
     }
 
     /// Counts the model's parameters.
@@ -81,22 +120,14 @@ impl ModelConfig {
         let positions = if self.is_gpt() { self.max_seq_len as u64 * d } else { 0 };
         let embedding = tokens + positions;
         let head = if self.tie_embeddings { 0 } else { tokens };
-        // QK-norm's two weights of one head's width.
-        let qk_norm = if self.qk_norm() { 2 * self.head_dim as u64 } else { 0 };
-        let norms_per_layer = 2 * d + qk_norm + self.layer_bias_params();
+        let norms_per_layer = 2 * d + self.attention_norm_params() + self.layer_bias_params();
         // The final norm: RMSNorm's weight, or LayerNorm's weight and bias.
         let final_norm = if self.is_gpt() { 2 * d } else { d };
-        let (mlp_total, mlp_active) = match &self.moe {
-            None => (self.mlp_params(), self.mlp_params()),
-            Some(moe) => {
-                let router = d * moe.num_experts as u64;
-                (router + moe.num_experts as u64 * self.mlp_params(), router + moe.top_k as u64 * self.mlp_params())
-            }
-        };
-        let layer = |mlp: u64| self.attention_params() + mlp + norms_per_layer;
-        let layers = self.n_layers as u64;
-        let total = embedding + head + layers * layer(mlp_total) + final_norm;
-        let active = embedding + head + layers * layer(mlp_active) + final_norm;
+        let (mlp_total, mlp_active) =
+            (0..self.n_layers).map(|i| self.layer_mlp_params(i)).fold((0, 0), |(t, a), (lt, la)| (t + lt, a + la));
+        let layers = self.n_layers as u64 * (self.attention_params() + norms_per_layer);
+        let total = embedding + head + layers + mlp_total + final_norm;
+        let active = embedding + head + layers + mlp_active + final_norm;
         ParamCount { total, active, embedding }
     }
 
@@ -113,8 +144,14 @@ impl ModelConfig {
     pub fn train_flops_per_token(&self, seq_len: usize) -> f64 {
         let matmul =
             self.n_layers as f64 * self.layer_matmul_params_active() as f64 + (self.vocab_size * self.d_model) as f64;
-        let attention =
-            12.0 * self.n_layers as f64 * self.n_heads as f64 * self.head_dim as f64 * self.mean_keys_attended(seq_len);
+        // q·k over the query and key width, the weighted sum over the values' (the same but
+        // under latent attention).
+        let v_dim = self.mla.as_ref().map_or(self.head_dim, |a| a.v_dim);
+        let attention = 6.0
+            * self.n_layers as f64
+            * self.n_heads as f64
+            * (self.head_dim + v_dim) as f64
+            * self.mean_keys_attended(seq_len);
         6.0 * matmul + attention
     }
 }
@@ -164,7 +201,7 @@ mod tests {
                 top_k: 2,
                 aux_loss_coef: 0.02,
                 capacity_factor: None,
-                renormalize: true,
+                ..MoeConfig::default()
             }),
             ..llama(32000, 4096, 32, 32, 8, 14336)
         };

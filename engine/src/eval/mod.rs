@@ -205,7 +205,7 @@ pub fn evaluate(m: &Loaded, batch: &Batch, want_logits: bool, want_grads: bool) 
     if !loss.is_finite() {
         bail!("the loss of {} on these tokens is {loss}: the model's outputs overflow", m.source);
     }
-    let aux_loss = c.moe.as_ref().map(|_| m.model.aux_loss(&mut cpu, &plan));
+    let aux_loss = c.moe.as_ref().filter(|moe| moe.has_aux_loss()).map(|_| m.model.aux_loss(&mut cpu, &plan));
     let mut dumps = Dumps::default();
     if want_logits {
         let mut logits = vec![0f32; rows * seq * v];
@@ -254,7 +254,8 @@ pub fn write_dumps(
         write(path, &[("logits".into(), l.as_slice(), shape)], FloatType::F32)?;
     }
     if let (Some(path), Some(g)) = (grads, &dumps.grads) {
-        let tensors = &m.model.layout.tensors;
+        // Parameters only: the buffers have no gradient in transformers.
+        let tensors: Vec<_> = m.model.layout.tensors.iter().filter(|t| !t.is_buffer()).collect();
         let stored: Vec<_> =
             tensors.iter().map(|t| crate::hf::hf_tensor(t, &g[t.offset..t.offset + t.len()])).collect();
         let list: Vec<(String, &[f32], Vec<usize>)> =

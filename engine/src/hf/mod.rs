@@ -348,7 +348,7 @@ pub fn export(ck: &Checkpoint, out: &Path, dtype: Option<FloatType>, max_shard_b
         .map(|(_, b)| serde_json::from_slice(b))
         .transpose()
         .context("the checkpoint's hf/config.json is not valid JSON")?;
-    let config_json = config::write(&ck.config.model, base.as_ref(), dtype.torch_name());
+    let config_json = config::write(&ck.config.model, base.as_ref(), dtype.torch_name())?;
 
     let parent = out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
     fs::create_dir_all(parent).with_context(|| format!("cannot create {}", parent.display()))?;

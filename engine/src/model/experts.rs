@@ -26,8 +26,9 @@
 //! The load-balancing loss sums the routing statistics over the batch group
 //! ([`Exchange::batch_sum`]), so it does not depend on the layout.
 
+use super::mlp::expert_weights;
 use super::plan::MlpActs;
-use super::{Exchange, Model, Plan, Window, expert_weights};
+use super::{Exchange, Model, Plan, Window};
 use crate::backend::{Backend, IdxView, MatMul, MoeDispatch};
 
 impl Model {
@@ -86,14 +87,14 @@ impl Model {
         let (dgate_up, ddown) = expert_weights(g, experts.0, experts.1, d, f);
         let senders = senders(*dispatch, *local_offsets, member.1);
         for s in &senders {
-            be.moe_expert_matmul(p.dh, p.yr, down, *s, MatMul::linear_dx(0, f, d));
+            be.moe_expert_matmul(p.dh.at(0, h.len), p.yr, down, *s, MatMul::linear_dx(0, f, d));
             be.moe_expert_matmul_dw(ddown, p.yr, *h, *s, f, d);
         }
         be.swiglu_backward(p.dgu.at(0, received * 2 * f), p.dh.at(0, received * f), gu.at(0, received * 2 * f), f);
         // `yr` is free again: it takes the received rows' input gradients.
         for s in &senders {
-            be.moe_expert_matmul(p.yr, p.dgu, gate_up, *s, MatMul::linear_dx(0, d, 2 * f));
-            be.moe_expert_matmul_dw(dgate_up, p.dgu, *xr, *s, d, 2 * f);
+            be.moe_expert_matmul(p.yr, p.dgu.at(0, gu.len), gate_up, *s, MatMul::linear_dx(0, d, 2 * f));
+            be.moe_expert_matmul_dw(dgate_up, p.dgu.at(0, gu.len), *xr, *s, d, 2 * f);
         }
         ex.expert_return(be, dispatch.offsets, p.yr.at(0, received * d), d, p.dxe);
     }

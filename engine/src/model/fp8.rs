@@ -349,7 +349,7 @@ mod tests {
         let (a, o) = (&plan.layers[0], &model.layout.layers[0]);
         let (n, d, width) = (16, 32, 64);
         let ln1 = get(&mut cpu, a.ln1);
-        let w = get(&mut cpu, plan.params.at(o.qkv, width * d));
+        let w = get(&mut cpu, plan.params.at(o.attn.gqa().qkv, width * d));
         // q before RoPE is what the product wrote: compare the v columns, which RoPE leaves.
         let qkv = get(&mut cpu, a.qkv);
         let ((xq, sx), (wq, sw)) = (cast(&ln1, Fp8Format::E4M3), cast(&w, Fp8Format::E4M3));

@@ -15,7 +15,8 @@ const CHUNK: usize = 1 << 16;
 /// (a tensor-parallel device takes its slice of it: `parallel::tensor::TensorSlice`).
 pub fn tensor(t: &Tensor, stream: usize, seed: u64, std: f32, out: &mut [f32]) {
     if t.shape.len() == 1 {
-        out.fill(if t.name.ends_with(".bias") { 0.0 } else { 1.0 });
+        // Biases (and DeepSeek-V3's selection bias, `e_score_correction_bias`) start at zero.
+        out.fill(if t.name.ends_with("bias") { 0.0 } else { 1.0 });
         return;
     }
     out.par_chunks_mut(CHUNK).enumerate().for_each(|(chunk, c)| {

@@ -39,6 +39,13 @@ impl Tensor {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+
+    /// Whether transformers holds it as a buffer, not a parameter: DeepSeek-V3's selection
+    /// bias (`mlp.gate.e_score_correction_bias`), moved by the balancing update, never by a
+    /// gradient (its gradient stays zero, so AdamW leaves it in place).
+    pub fn is_buffer(&self) -> bool {
+        self.name.ends_with(".e_score_correction_bias")
+    }
 }
 
 /// Offsets of one layer's tensors.
@@ -46,13 +53,8 @@ impl Tensor {
 pub struct LayerOffsets {
     /// `input_layernorm.weight` `[D]`.
     pub ln1: usize,
-    /// `q_proj`, `k_proj`, `v_proj` back to back: `[(H + 2 KV) · Dh, D]`.
-    pub qkv: usize,
-    /// `o_proj` `[D, H · Dh]`.
-    pub o: usize,
-    /// QK-norm's `self_attn.q_norm.weight` and `self_attn.k_norm.weight` back to back `[2 · Dh]`
-    /// (Qwen3); `None` without QK-norm.
-    pub qk_norm: Option<usize>,
+    /// The attention's tensors, by kind.
+    pub attn: AttnOffsets,
     /// `post_attention_layernorm.weight` `[D]`.
     pub ln2: usize,
     /// The MLP's tensors: gate and up (adjacent) and down, or the router and the experts'.
@@ -73,6 +75,74 @@ impl LayerOffsets {
             MlpOffsets::Dense { .. } => None,
         }
     }
+}
+
+/// Offsets of an attention's tensors: its kind, chosen once when the model is laid out
+/// (`attention/`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AttnOffsets {
+    /// Grouped-query attention (`attention/gqa.rs`).
+    Gqa(GqaOffsets),
+    /// Multi-head latent attention (`attention/mla.rs`).
+    Mla(MlaOffsets),
+}
+
+impl AttnOffsets {
+    /// The grouped-query attention's offsets; panics for another kind (tests and tools that
+    /// only lay out grouped-query models).
+    pub fn gqa(&self) -> &GqaOffsets {
+        match self {
+            AttnOffsets::Gqa(o) => o,
+            AttnOffsets::Mla(_) => {
+                panic!("internal error: latent attention where grouped-query attention was expected")
+            }
+        }
+    }
+}
+
+/// Offsets of a latent attention's tensors (DeepSeek-V3), `H` heads, ranks `Rq` and `Rkv`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MlaOffsets {
+    /// The queries' projections.
+    pub q: QueryOffsets,
+    /// `self_attn.kv_a_proj_with_mqa.weight` `[Rkv + rope, D]`: the latent's rows, then the
+    /// shared RoPE key's.
+    pub kv_a: usize,
+    /// `self_attn.kv_a_layernorm.weight` `[Rkv]`.
+    pub kv_norm: usize,
+    /// `self_attn.kv_b_proj.weight` `[H · (nope + v), Rkv]`: each head's key then value rows.
+    pub kv_b: usize,
+    /// `self_attn.o_proj.weight` `[D, H · v]`.
+    pub o: usize,
+}
+
+/// How a latent attention projects its queries.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum QueryOffsets {
+    /// Through a latent: `q_a_proj` `[Rq, D]`, `q_a_layernorm` `[Rq]`, `q_b_proj`
+    /// `[H · (nope + rope), Rq]`.
+    Latent {
+        /// `self_attn.q_a_proj.weight`.
+        down: usize,
+        /// `self_attn.q_a_layernorm.weight`.
+        norm: usize,
+        /// `self_attn.q_b_proj.weight`.
+        up: usize,
+    },
+    /// `self_attn.q_proj.weight` `[H · (nope + rope), D]` (`q_lora_rank` 0).
+    Direct(usize),
+}
+
+/// Offsets of a grouped-query attention's tensors.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GqaOffsets {
+    /// `q_proj`, `k_proj`, `v_proj` back to back: `[(H + 2 KV) · Dh, D]`.
+    pub qkv: usize,
+    /// `o_proj` `[D, H · Dh]`.
+    pub o: usize,
+    /// QK-norm's `self_attn.q_norm.weight` and `self_attn.k_norm.weight` back to back `[2 · Dh]`
+    /// (Qwen3); `None` without QK-norm.
+    pub qk_norm: Option<usize>,
 }
 
 /// Offsets of one GPT layer's projection biases.
@@ -106,6 +176,11 @@ pub enum MlpOffsets {
     Moe {
         /// `block_sparse_moe.gate.weight`.
         router: usize,
+        /// `mlp.gate.e_score_correction_bias` `[E]` (DeepSeek-V3's selection bias), if any.
+        bias: Option<usize>,
+        /// `mlp.shared_experts`' gate and up (adjacent, `[2S, D]`) and down (`[D, S]`)
+        /// projections, `S = shared_experts · F`, if any.
+        shared: Option<(usize, usize)>,
         /// The first expert's block (expert 0's, but on an expert axis).
         experts: usize,
         /// Elements per expert block (`3 · F · D`).
@@ -131,7 +206,9 @@ impl ExpertNames {
     /// The names of `family`'s checkpoints.
     pub fn of(family: Family) -> ExpertNames {
         match family {
-            Family::Qwen3Moe => ExpertNames { block: "mlp", gate: "gate_proj", up: "up_proj", down: "down_proj" },
+            Family::Qwen3Moe | Family::DeepseekV3 => {
+                ExpertNames { block: "mlp", gate: "gate_proj", up: "up_proj", down: "down_proj" }
+            }
             _ => ExpertNames { block: "block_sparse_moe", gate: "w1", up: "w3", down: "w2" },
         }
     }
@@ -193,37 +270,38 @@ impl Layout {
             let p = format!("model.layers.{i}");
             let start = b.len;
             let ln1 = b.push(&format!("{p}.input_layernorm.weight"), &[d], false);
-            let qkv = b.push(&format!("{p}.self_attn.q_proj.weight"), &[m.q_dim(), d], true);
-            b.push(&format!("{p}.self_attn.k_proj.weight"), &[m.kv_dim(), d], true);
-            b.push(&format!("{p}.self_attn.v_proj.weight"), &[m.kv_dim(), d], true);
-            let o = b.push(&format!("{p}.self_attn.o_proj.weight"), &[d, m.q_dim()], true);
-            let qk_norm = m.qk_norm().then(|| {
-                let q = b.push(&format!("{p}.self_attn.q_norm.weight"), &[m.head_dim], false);
-                b.push(&format!("{p}.self_attn.k_norm.weight"), &[m.head_dim], false);
-                q
-            });
+            let attn = match &m.mla {
+                None => AttnOffsets::Gqa(b.gqa(m, &p)),
+                Some(_) => AttnOffsets::Mla(b.mla(m, &p)),
+            };
             let ln2 = b.push(&format!("{p}.post_attention_layernorm.weight"), &[d], false);
             let mlp = match &m.moe {
-                None => {
-                    let gate_up = b.push(&format!("{p}.mlp.gate_proj.weight"), &[f, d], true);
-                    b.push(&format!("{p}.mlp.up_proj.weight"), &[f, d], true);
-                    let down = b.push(&format!("{p}.mlp.down_proj.weight"), &[d, f], true);
-                    MlpOffsets::Dense { gate_up, down }
-                }
-                Some(moe) => {
+                Some(moe) if !moe.is_dense(i) => {
                     let names = ExpertNames::of(m.family);
-                    let router = b.push(&format!("{p}.{}.gate.weight", names.block), &[moe.num_experts, d], true);
+                    let block = format!("{p}.{}", names.block);
+                    let router = b.push(&format!("{block}.gate.weight"), &[moe.num_experts, d], true);
+                    // A buffer in transformers, trained by the balancing update, not by AdamW:
+                    // its gradient stays zero, so the optimizer never moves it.
+                    let bias = moe
+                        .selection_bias
+                        .then(|| b.push(&format!("{block}.gate.e_score_correction_bias"), &[moe.num_experts], false));
+                    let shared = (moe.shared_experts > 0)
+                        .then(|| b.swiglu(&format!("{block}.shared_experts"), moe.shared_experts * f, d));
                     let first = b.len;
                     for e in experts.clone() {
-                        let q = format!("{p}.{}.experts.{e}", names.block);
+                        let q = format!("{block}.experts.{e}");
                         b.push(&format!("{q}.{}.weight", names.gate), &[f, d], true);
                         b.push(&format!("{q}.{}.weight", names.up), &[f, d], true);
                         b.push(&format!("{q}.{}.weight", names.down), &[d, f], true);
                     }
-                    MlpOffsets::Moe { router, experts: first, stride: 3 * f * d }
+                    MlpOffsets::Moe { router, bias, shared, experts: first, stride: 3 * f * d }
+                }
+                _ => {
+                    let (gate_up, down) = b.swiglu(&format!("{p}.mlp"), m.dense_mlp_dim(), d);
+                    MlpOffsets::Dense { gate_up, down }
                 }
             };
-            layers.push(LayerOffsets { ln1, qkv, o, qk_norm, ln2, mlp, bias: None, range: start..b.len });
+            layers.push(LayerOffsets { ln1, attn, ln2, mlp, bias: None, range: start..b.len });
         }
         let (mut norm, mut head) = (0, 0);
         if stage.last {
@@ -272,9 +350,7 @@ impl Layout {
             let down_b = b.push(&format!("{p}.mlp.c_proj.bias"), &[d], false);
             layers.push(LayerOffsets {
                 ln1,
-                qkv: qkv_w,
-                o,
-                qk_norm: None,
+                attn: AttnOffsets::Gqa(GqaOffsets { qkv: qkv_w, o, qk_norm: None }),
                 ln2,
                 mlp: MlpOffsets::Dense { gate_up: up, down },
                 bias: Some(LayerBiases { qkv: qkv_b, o: o_b, up: up_b, down: down_b }),
@@ -331,6 +407,49 @@ struct Builder {
 }
 
 impl Builder {
+    /// A SwiGLU's `{block}.{gate,up,down}_proj.weight` of width `f`: the offsets of gate (up
+    /// right after) and down.
+    fn swiglu(&mut self, block: &str, f: usize, d: usize) -> (usize, usize) {
+        let gate_up = self.push(&format!("{block}.gate_proj.weight"), &[f, d], true);
+        self.push(&format!("{block}.up_proj.weight"), &[f, d], true);
+        (gate_up, self.push(&format!("{block}.down_proj.weight"), &[d, f], true))
+    }
+
+    /// Grouped-query attention's tensors of layer `p` (`model.layers.i`).
+    fn gqa(&mut self, m: &ModelConfig, p: &str) -> GqaOffsets {
+        let d = m.d_model;
+        let qkv = self.push(&format!("{p}.self_attn.q_proj.weight"), &[m.q_dim(), d], true);
+        self.push(&format!("{p}.self_attn.k_proj.weight"), &[m.kv_dim(), d], true);
+        self.push(&format!("{p}.self_attn.v_proj.weight"), &[m.kv_dim(), d], true);
+        let o = self.push(&format!("{p}.self_attn.o_proj.weight"), &[d, m.q_dim()], true);
+        let qk_norm = m.qk_norm().then(|| {
+            let q = self.push(&format!("{p}.self_attn.q_norm.weight"), &[m.head_dim], false);
+            self.push(&format!("{p}.self_attn.k_norm.weight"), &[m.head_dim], false);
+            q
+        });
+        GqaOffsets { qkv, o, qk_norm }
+    }
+
+    /// Latent attention's tensors of layer `p`, in transformers' names.
+    fn mla(&mut self, m: &ModelConfig, p: &str) -> MlaOffsets {
+        let (d, h, a) = (m.d_model, m.n_heads, m.mla.as_ref().expect("latent attention"));
+        let q = if a.q_lora_rank > 0 {
+            let down = self.push(&format!("{p}.self_attn.q_a_proj.weight"), &[a.q_lora_rank, d], true);
+            let norm = self.push(&format!("{p}.self_attn.q_a_layernorm.weight"), &[a.q_lora_rank], false);
+            let up = self.push(&format!("{p}.self_attn.q_b_proj.weight"), &[h * m.head_dim, a.q_lora_rank], true);
+            QueryOffsets::Latent { down, norm, up }
+        } else {
+            QueryOffsets::Direct(self.push(&format!("{p}.self_attn.q_proj.weight"), &[h * m.head_dim, d], true))
+        };
+        let kv_a =
+            self.push(&format!("{p}.self_attn.kv_a_proj_with_mqa.weight"), &[a.kv_lora_rank + a.rope_dim, d], true);
+        let kv_norm = self.push(&format!("{p}.self_attn.kv_a_layernorm.weight"), &[a.kv_lora_rank], false);
+        let kv_b =
+            self.push(&format!("{p}.self_attn.kv_b_proj.weight"), &[h * (a.nope_dim + a.v_dim), a.kv_lora_rank], true);
+        let o = self.push(&format!("{p}.self_attn.o_proj.weight"), &[d, h * a.v_dim], true);
+        MlaOffsets { q, kv_a, kv_norm, kv_b, o }
+    }
+
     fn push(&mut self, name: &str, shape: &[usize], decay: bool) -> usize {
         let offset = self.len;
         let t = Tensor { name: name.to_owned(), shape: shape.to_vec(), offset, decay };

@@ -13,23 +13,26 @@
 //! gradient, `db[O] += dyᵀ · 1` (the sum over rows), so both run through [`Backend::matmul`]
 //! (deterministic on the CPU, an extra GEMM on a GPU).
 
+mod attention;
 mod exchange;
 mod experts;
 mod fp8;
 pub mod init;
 pub mod layout;
 pub mod memory;
+mod mlp;
+mod norm;
 mod plan;
 pub mod rope;
 #[cfg(test)]
 mod tests;
 
-use crate::backend::{AttnShape, Backend, ExpertWeights, MatMul, MoeDispatch, SeqSplit, View};
-use crate::config::{Gelu, ModelConfig, Remat};
+use crate::backend::{AttnShape, Backend, MatMul, SeqSplit, View};
+use crate::config::{ModelConfig, Remat};
 pub use exchange::{Alone, Exchange, Pass, Unit, Window};
 use fp8::Linear;
 pub use fp8::{Fp8Buffers, Fp8Policy};
-pub use layout::{ExpertNames, LayerBiases, LayerOffsets, Layout, MlpOffsets, Tensor};
+pub use layout::{AttnOffsets, ExpertNames, GqaOffsets, LayerBiases, LayerOffsets, Layout, MlpOffsets, Tensor};
 use plan::MlpActs;
 pub use plan::{ActivationSizes, GRAD_NORM_SQ, LOSS_ACCUM, LOSS_SUM, Plan};
 
@@ -324,9 +327,9 @@ impl Model {
     }
 
     /// Layer `i`'s forward pass from its input `p.layers[i].x`, with the layer's parameters in
-    /// `w`. With `out`, the layer's output (the next residual stream) is written there; without,
-    /// only the activations the backward pass reads are refilled (recomputation under
-    /// `remat = full`).
+    /// `w`: `xmid = x + attn(norm(x))`, then `out = xmid + mlp(norm(xmid))`. With `out`, the
+    /// layer's output (the next residual stream) is written there; without, only the
+    /// activations the backward pass reads are refilled (recomputation under `remat = full`).
     fn layer_forward<B: Backend>(
         &self,
         be: &mut B,
@@ -336,79 +339,11 @@ impl Model {
         out: Option<View>,
         ex: &mut dyn Exchange<B>,
     ) {
-        let (m, a, o) = (&self.config, &p.layers[i], &self.layout.layers[i]);
-        let (n, d, f) = (p.batch * p.seq, m.d_model, m.mlp_dim);
-        let (q, qkv) = (m.q_dim(), m.q_dim() + 2 * m.kv_dim());
-        let shape = self.attn_shape(p.batch, p.seq);
-        let bias = |be: &mut B, out: View, at: Option<usize>, width: usize| {
-            if let Some(at) = at {
-                be.matmul(out, p.ones, w.at(at, width), MatMul::linear(n, 1, width).accumulating());
-            }
-        };
-        let b = o.bias.as_ref();
+        let (a, o) = (&p.layers[i], &self.layout.layers[i]);
         self.norm_forward(be, a.ln1, a.rstd1, a.x, w, o.ln1);
-        let wqkv = w.at(o.qkv, qkv * d);
-        // Under QK-norm the projections land in `raw`, and the norm writes `a.qkv`.
-        let raw = a.qk.map_or(a.qkv, |(raw, _)| raw);
-        self.linear_forward(be, p, (i, Linear::Qkv), raw, (a.ln1, wqkv), None, MatMul::linear(n, d, qkv));
-        bias(be, raw, b.map(|b| b.qkv), qkv);
-        if let (Some((raw, rstd)), Some(at)) = (a.qk, o.qk_norm) {
-            be.qk_norm_forward(a.qkv, rstd, raw, w.at(at, 2 * m.head_dim), shape, m.norm_eps as f32);
-        }
-        if !m.is_gpt() {
-            be.rope(a.qkv, p.rope, shape, false);
-        }
-        if self.seq.ranks > 1 {
-            ex.seq_gather(be, a.qkv, p.qkv_all);
-            let bounds = self.documents.map(|_| p.bounds);
-            be.attention_forward_split(a.attn, a.lse, p.qkv_all, shape, self.seq, bounds);
-        } else if self.documents.is_some() {
-            be.attention_forward_docs(a.attn, a.lse, a.qkv, shape, p.bounds);
-        } else {
-            be.attention_forward(a.attn, a.lse, a.qkv, shape);
-        }
-        let wo = w.at(o.o, d * q);
-        self.row_parallel(be, p, ex, (i, Linear::O), a.xmid, (a.attn, wo), a.x, MatMul::linear(n, q, d));
-        bias(be, a.xmid, b.map(|b| b.o), d);
+        self.attention_forward(be, p, i, w, ex);
         self.norm_forward(be, a.ln2, a.rstd2, a.xmid, w, o.ln2);
-        match (&a.mlp, &o.mlp) {
-            (MlpActs::Dense { gu, h }, MlpOffsets::Dense { gate_up, down }) => {
-                let up = gu.len / n;
-                let (wup, wdown) = (w.at(*gate_up, up * d), w.at(*down, d * f));
-                self.linear_forward(be, p, (i, Linear::Up), *gu, (a.ln2, wup), None, MatMul::linear(n, d, up));
-                bias(be, *gu, b.map(|b| b.up), f);
-                self.activation_forward(be, *h, *gu);
-                if let Some(out) = out {
-                    let shape = MatMul::linear(n, f, d);
-                    self.row_parallel(be, p, ex, (i, Linear::Down), out, (*h, wdown), a.xmid, shape);
-                    bias(be, out, b.map(|b| b.down), d);
-                }
-            }
-            (
-                MlpActs::Moe { logits, probs, dispatch, xe, gu, h, ye, .. },
-                MlpOffsets::Moe { router, experts, stride },
-            ) => {
-                be.matmul(*logits, a.ln2, w.at(*router, dispatch.experts * d), MatMul::linear(n, d, dispatch.experts));
-                be.moe_route(*probs, *logits, *dispatch);
-                ex.batch_sum(be, dispatch.stats);
-                if self.expert_ranks > 1 {
-                    self.experts_forward(be, p, i, w, (*experts, *stride), ex);
-                } else {
-                    let (gate_up, down) = expert_weights(w, *experts, *stride, d, f);
-                    be.moe_gather(*xe, a.ln2, *dispatch, d);
-                    be.moe_expert_matmul(*gu, *xe, gate_up, *dispatch, MatMul::linear(0, d, 2 * f));
-                    be.swiglu_forward(*h, *gu, f);
-                    be.moe_expert_matmul(*ye, *h, down, *dispatch, MatMul::linear(0, f, d));
-                }
-                if let Some(out) = out {
-                    be.moe_combine(p.moe_out, *ye, *dispatch, d);
-                    ex.tensor_sum(be, p.moe_out);
-                    be.copy(out, a.xmid);
-                    be.add(out, p.moe_out);
-                }
-            }
-            _ => unreachable!("activations planned for another MLP kind"),
-        }
+        self.mlp_forward(be, p, i, w, out, ex);
     }
 
     /// Refills the activations layer `i`'s backward pass reads that the recomputation policy
@@ -424,92 +359,17 @@ impl Model {
                 self.norm_forward(be, a.ln1, a.rstd1, a.x, w, o.ln1);
                 self.norm_forward(be, a.ln2, a.rstd2, a.xmid, w, o.ln2);
                 let (MlpActs::Dense { gu, h } | MlpActs::Moe { gu, h, .. }) = &a.mlp;
-                self.activation_forward(be, *h, *gu);
+                let f = match a.mlp {
+                    MlpActs::Dense { .. } => h.len / (p.batch * p.seq),
+                    MlpActs::Moe { .. } => self.config.mlp_dim,
+                };
+                self.activation_forward(be, *h, *gu, f);
+                if let MlpActs::Moe { shared: Some((sgu, sh)), .. } = &a.mlp {
+                    be.swiglu_forward(*sh, *sgu, sh.len / (p.batch * p.seq));
+                }
             }
             Remat::Full => self.layer_forward(be, p, i, w, None, ex),
         }
-    }
-
-    /// `out = norm(x)` with the norm whose weight is at `at` in `w` (and, for LayerNorm, its bias
-    /// right after); `stats` is RMSNorm's `[N]` rstd or LayerNorm's `[2N]` mean then rstd.
-    fn norm_forward<B: Backend>(&self, be: &mut B, out: View, stats: View, x: View, w: Window, at: usize) {
-        let (d, eps) = (self.config.d_model, self.config.norm_eps as f32);
-        if self.config.is_gpt() {
-            let n = stats.len / 2;
-            be.layernorm_forward(out, stats.at(0, n), stats.at(n, n), x, w.at(at, d), w.at(at + d, d), d, eps);
-        } else {
-            be.rmsnorm_forward(out, stats, x, w.at(at, d), d, eps);
-        }
-    }
-
-    /// The backward pass of [`Model::norm_forward`]: the input gradient added to `dx`, the weight
-    /// (and bias) gradients to `g` at `at`.
-    #[allow(clippy::too_many_arguments)]
-    fn norm_backward<B: Backend>(
-        &self,
-        be: &mut B,
-        dx: View,
-        g: Window,
-        dout: View,
-        x: View,
-        w: Window,
-        at: usize,
-        stats: View,
-    ) {
-        let d = self.config.d_model;
-        if self.config.is_gpt() {
-            let n = stats.len / 2;
-            let (mean, rstd) = (stats.at(0, n), stats.at(n, n));
-            be.layernorm_backward(dx, g.at(at, d), g.at(at + d, d), dout, x, w.at(at, d), mean, rstd, d);
-        } else {
-            be.rmsnorm_backward(dx, g.at(at, d), dout, x, w.at(at, d), stats, d);
-        }
-    }
-
-    /// The MLP's activation: SwiGLU of `[gate | up]` rows, or (GPT) GELU of `c_fc`'s output.
-    fn activation_forward<B: Backend>(&self, be: &mut B, h: View, gu: View) {
-        if self.config.is_gpt() {
-            be.gelu_forward(h, gu, self.config.gelu == Gelu::Tanh);
-        } else {
-            be.swiglu_forward(h, gu, self.config.mlp_dim);
-        }
-    }
-
-    /// The load-balancing loss of the last forward pass (0 without experts), as Hugging Face
-    /// computes it for Mixtral over all layers' router outputs together:
-    /// `E · Σ_e (tokens routed to e / T) · (Σ router probability of e / T)`, `T = layers · N`;
-    /// and the share of the `T · k` (token, expert) assignments dropped by the experts'
-    /// capacity (0 when dropless).
-    pub fn router_stats<B: Backend>(&self, be: &mut B, p: &Plan) -> RouterStats {
-        let Some(moe) = &self.config.moe else {
-            return RouterStats::default();
-        };
-        let e = moe.num_experts;
-        // The statistics summed over the layers of this stage and every stage before it: on
-        // the last stage, the whole model's.
-        let mut stats = vec![0f32; MoeDispatch::stats_len(e)];
-        be.download(p.stats, &mut stats);
-        let (counts, rest) = stats.split_at(e);
-        let (prob_sums, dropped) = rest.split_at(e);
-        let total = (self.config.n_layers * p.batch * p.seq * self.batch_shards) as f64;
-        let aux_loss =
-            e as f64 * counts.iter().zip(prob_sums).map(|(&c, &s)| c as f64 * s as f64).sum::<f64>() / (total * total);
-        RouterStats { aux_loss, dropped: dropped[0] as f64 / (total * moe.top_k as f64) }
-    }
-
-    /// The load-balancing loss of the last forward pass ([`Model::router_stats`]).
-    pub fn aux_loss<B: Backend>(&self, be: &mut B, p: &Plan) -> f64 {
-        self.router_stats(be, p).aux_loss
-    }
-
-    /// Multiplier that turns the load-balancing loss's gradient into the [`Backend`]'s
-    /// `aux_scale`: `coef · E / T²` times the objective's weight of this micro-batch.
-    pub fn aux_scale(&self, p: &Plan, weight: f32) -> f32 {
-        let Some(moe) = &self.config.moe else {
-            return 0.0;
-        };
-        let total = (self.config.n_layers * p.batch * p.seq * self.batch_shards) as f64;
-        (moe.aux_loss_coef * moe.num_experts as f64 / (total * total)) as f32 * weight
     }
 
     /// The backward pass, after a forward pass with `grad_scale`: accumulates the gradient of
@@ -517,9 +377,7 @@ impl Model {
     /// [`Model::aux_scale`].
     pub fn backward<B: Backend>(&self, be: &mut B, p: &Plan, aux_scale: f32, ex: &mut dyn Exchange<B>) {
         let (m, l) = (&self.config, &self.layout);
-        let (n, d, f, v) = (p.batch * p.seq, m.d_model, m.mlp_dim, m.vocab_size);
-        let (q, qkv) = (m.q_dim(), m.q_dim() + 2 * m.kv_dim());
-        let shape = self.attn_shape(p.batch, p.seq);
+        let (n, d, v) = (p.batch * p.seq, m.d_model, m.vocab_size);
         let bwd = Pass::Backward;
 
         // Output head and final norm; `dres` then carries the residual stream's gradient down.
@@ -550,90 +408,9 @@ impl Model {
             let w = p.params_of(ex, be, Unit::Layer(i), bwd);
             let g = p.grads_of(ex, be, Unit::Layer(i));
             self.recompute(be, p, i, w, ex);
-            // db[O] += dyᵀ · 1: a bias's gradient is the sum of its output's gradient over rows.
-            let b = o.bias.as_ref();
-            let bias_grad = |be: &mut B, dy: View, at: Option<usize>, width: usize| {
-                if let Some(at) = at {
-                    be.matmul(g.at(at, width), dy, p.ones, MatMul::linear_dw(n, 1, width));
-                }
-            };
-            match (&a.mlp, &o.mlp) {
-                (MlpActs::Dense { gu, h }, MlpOffsets::Dense { gate_up, down }) => {
-                    let up = gu.len / n;
-                    let (dgu, dh) = (p.dgu.at(0, n * up), p.dh.at(0, n * f));
-                    bias_grad(be, p.dres, b.map(|b| b.down), d);
-                    let (ddown, wdown) = (g.at(*down, d * f), w.at(*down, d * f));
-                    let shapes = (MatMul::linear_dx(n, f, d), MatMul::linear_dw(n, f, d));
-                    self.linear_backward(be, p, (i, Linear::Down), (dh, ddown), p.dres, (*h, wdown), shapes);
-                    if m.is_gpt() {
-                        be.gelu_backward(dgu, dh, *gu, m.gelu == Gelu::Tanh);
-                    } else {
-                        be.swiglu_backward(dgu, dh, *gu, f);
-                    }
-                    bias_grad(be, dgu, b.map(|b| b.up), f);
-                    let (dup, wup) = (g.at(*gate_up, up * d), w.at(*gate_up, up * d));
-                    let shapes = (MatMul::linear_dx(n, d, up), MatMul::linear_dw(n, d, up));
-                    self.linear_backward(be, p, (i, Linear::Up), (p.dln, dup), dgu, (a.ln2, wup), shapes);
-                    ex.tensor_sum(be, p.dln);
-                }
-                (MlpActs::Moe { probs, dispatch, xe, gu, h, ye, .. }, MlpOffsets::Moe { router, experts, stride }) => {
-                    let e = dispatch.experts;
-                    be.moe_combine_backward(p.dye, p.dweight, p.dres, *ye, *dispatch, d);
-                    ex.tensor_sum(be, p.dweight);
-                    if self.expert_ranks > 1 {
-                        self.experts_backward(be, p, i, (w, g), (*experts, *stride), ex);
-                    } else {
-                        let (gate_up, down) = expert_weights(w, *experts, *stride, d, f);
-                        let (dgate_up, ddown) = expert_weights(g, *experts, *stride, d, f);
-                        be.moe_expert_matmul(p.dh, p.dye, down, *dispatch, MatMul::linear_dx(0, f, d));
-                        be.moe_expert_matmul_dw(ddown, p.dye, *h, *dispatch, f, d);
-                        be.swiglu_backward(p.dgu, p.dh, *gu, f);
-                        let shape = MatMul::linear_dx(0, d, 2 * f);
-                        be.moe_expert_matmul(p.dxe, p.dgu, gate_up, *dispatch, shape);
-                        be.moe_expert_matmul_dw(dgate_up, p.dgu, *xe, *dispatch, d, 2 * f);
-                    }
-                    be.moe_gather_backward(p.dln, p.dxe, *dispatch, d);
-                    ex.tensor_sum(be, p.dln);
-                    be.moe_route_backward(p.drouter, p.dweight, *probs, *dispatch, counts, aux_scale);
-                    be.matmul(p.dln, p.drouter, w.at(*router, e * d), MatMul::linear_dx(n, d, e).accumulating());
-                    be.matmul(g.at(*router, e * d), p.drouter, a.ln2, MatMul::linear_dw(n, d, e));
-                }
-                _ => unreachable!("activations planned for another MLP kind"),
-            }
+            self.mlp_backward(be, p, i, (w, g), (counts, aux_scale), ex);
             self.norm_backward(be, p.dres, g, p.dln, a.xmid, w, o.ln2, a.rstd2);
-            bias_grad(be, p.dres, b.map(|b| b.o), d);
-            let shapes = (MatMul::linear_dx(n, q, d), MatMul::linear_dw(n, q, d));
-            let (dw, wo) = (g.at(o.o, d * q), w.at(o.o, d * q));
-            self.linear_backward(be, p, (i, Linear::O), (p.dattn, dw), p.dres, (a.attn, wo), shapes);
-            if self.seq.ranks > 1 {
-                // The keys and values of every rank again (the forward pass's are another
-                // layer's by now), and the gradients of every rank's summed back to their owners.
-                ex.seq_gather(be, a.qkv, p.qkv_all);
-                let bounds = self.documents.map(|_| p.bounds);
-                be.attention_backward_split(p.dqkv_all, p.dattn, p.qkv_all, a.attn, a.lse, shape, self.seq, bounds);
-                ex.seq_scatter_sum(be, p.dqkv_all, p.dqkv);
-            } else if self.documents.is_some() {
-                be.attention_backward_docs(p.dqkv, p.dattn, a.qkv, a.attn, a.lse, shape, p.bounds);
-            } else {
-                be.attention_backward(p.dqkv, p.dattn, a.qkv, a.attn, a.lse, shape);
-            }
-            if !m.is_gpt() {
-                be.rope(p.dqkv, p.rope, shape, true);
-            }
-            if let (Some((raw, rstd)), Some(at)) = (a.qk, o.qk_norm) {
-                // Each device of a tensor group holds some of the heads: its weight gradients
-                // are partial sums, added up over the group before they accumulate.
-                let dw = p.dqk_norm;
-                be.fill(dw, 0.0);
-                be.qk_norm_backward(p.dqkv, dw, raw, w.at(at, dw.len), rstd, shape);
-                ex.tensor_sum(be, dw);
-                be.add(g.at(at, dw.len), dw);
-            }
-            bias_grad(be, p.dqkv, b.map(|b| b.qkv), qkv);
-            let shapes = (MatMul::linear_dx(n, d, qkv), MatMul::linear_dw(n, d, qkv));
-            let (dw, wqkv) = (g.at(o.qkv, qkv * d), w.at(o.qkv, qkv * d));
-            self.linear_backward(be, p, (i, Linear::Qkv), (p.dln, dw), p.dqkv, (a.ln1, wqkv), shapes);
-            ex.tensor_sum(be, p.dln);
+            self.attention_backward(be, p, i, (w, g), ex);
             self.norm_backward(be, p.dres, g, p.dln, a.x, w, o.ln1, a.rstd1);
             ex.params_done(be, Unit::Layer(i), bwd);
             ex.grads_ready(be, Unit::Layer(i));
@@ -661,7 +438,7 @@ impl Model {
     /// group: each device's product is a partial sum, the group adds them up, and one device
     /// adds the residual so that it counts once.
     #[allow(clippy::too_many_arguments)]
-    fn row_parallel<B: Backend>(
+    pub(super) fn row_parallel<B: Backend>(
         &self,
         be: &mut B,
         p: &Plan,
@@ -676,12 +453,37 @@ impl Model {
         self.linear_forward(be, p, linear, out, (a, b), residual, shape);
         ex.tensor_sum(be, out);
     }
-}
 
-/// The experts' `[w1; w3]` (gate and up) and `w2` (down) weights of a layer.
-fn expert_weights(w: Window, experts: usize, stride: usize, d: usize, f: usize) -> (ExpertWeights, ExpertWeights) {
-    (
-        ExpertWeights { first: w.at(experts, 2 * f * d), stride },
-        ExpertWeights { first: w.at(experts + 2 * f * d, d * f), stride },
-    )
+    /// `out[N, O] += 1[N, 1] · b[O, 1]ᵀ`: adds the bias at `at` in `w` (width `width`) to every
+    /// row, when the layer has one (the GPT family).
+    pub(super) fn add_bias<B: Backend>(
+        &self,
+        be: &mut B,
+        p: &Plan,
+        w: Window,
+        out: View,
+        at: Option<usize>,
+        width: usize,
+    ) {
+        if let Some(at) = at {
+            let n = p.batch * p.seq;
+            be.matmul(out, p.ones, w.at(at, width), MatMul::linear(n, 1, width).accumulating());
+        }
+    }
+
+    /// `db[O] += dyᵀ · 1`: the gradient of [`Model::add_bias`]'s bias, the sum of its output's
+    /// gradient over rows, added into `g` at `at`.
+    pub(super) fn bias_backward<B: Backend>(
+        &self,
+        be: &mut B,
+        p: &Plan,
+        g: Window,
+        dy: View,
+        at: Option<usize>,
+        width: usize,
+    ) {
+        if let Some(at) = at {
+            be.matmul(g.at(at, width), dy, p.ones, MatMul::linear_dw(p.batch * p.seq, 1, width));
+        }
+    }
 }

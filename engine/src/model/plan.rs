@@ -29,6 +29,26 @@ pub(super) struct LayerActs {
     pub(super) ln2: View,
     pub(super) rstd2: View,
     pub(super) mlp: MlpActs,
+    /// Latent attention's own activations; none under grouped-query attention.
+    pub(super) mla: Option<MlaActs>,
+}
+
+/// A latent attention layer's activations (`attention/mla.rs`), `R` the ranks: the queries'
+/// latent before and after its norm `[N, Rq]` and the norm's rstd `[N]` (without a query
+/// latent, empty), the queries `[N, H · qk]`, the key-value latent before and after its norm
+/// `[N, Rkv]` and rstd `[N]`, the shared RoPE key `[N, rope]`, each head's keys and values
+/// `[N, H · (nope + v)]`, and the attention output narrowed to the values `[N, H · v]`.
+pub(super) struct MlaActs {
+    pub(super) q_lat: View,
+    pub(super) q_lat_n: View,
+    pub(super) q_rstd: View,
+    pub(super) q: View,
+    pub(super) kv_lat: View,
+    pub(super) kv_lat_n: View,
+    pub(super) kv_rstd: View,
+    pub(super) kpe: View,
+    pub(super) kv: View,
+    pub(super) attn_v: View,
 }
 
 #[allow(clippy::large_enum_variant)] // one per layer, built once
@@ -58,6 +78,9 @@ pub(super) enum MlpActs {
         /// (`experts.rs`); empty without.
         xr: View,
         local_offsets: IdxView,
+        /// The shared experts' `[N, 2S]` gate and up projections and `[N, S]` SwiGLU output;
+        /// none without shared experts.
+        shared: Option<(View, View)>,
     },
 }
 
@@ -133,6 +156,10 @@ pub struct Plan {
     /// `[2 · Dh]` under QK-norm: a layer's q and k norm weight gradients of this micro-batch
     /// alone, summed over the tensor group (each device holds some heads) before they add up.
     pub(super) dqk_norm: View,
+    /// Latent attention's backward scratch (`attention/mla.rs`): the gradients of the
+    /// queries, the keys and values, the RoPE key, the two latents and the narrowed attention
+    /// output; empty without.
+    pub(super) dmla: [View; 6],
     /// Whether the backward pass refills the last layer's shared activations too: when
     /// several micro-batches in flight share them ([`Model::plan_slot`]), another's forward
     /// pass may have overwritten them.
@@ -229,7 +256,7 @@ impl Model {
         if self.config.is_gpt() {
             be.upload(plan.ones, &vec![1.0; n]);
         } else {
-            plan.rope = be.alloc(BufKind::Scalars, seq * self.config.head_dim);
+            plan.rope = be.alloc(BufKind::Scalars, seq * self.config.rope_dim());
         }
         self.set_positions(be, &plan, &self.seq.positions(seq));
         plan
@@ -326,6 +353,9 @@ impl Model {
         let (n, d, f, v) = (batch * seq, m.d_model, m.mlp_dim, m.vocab_size);
         let (q, qkv) = (m.q_dim(), m.q_dim() + 2 * m.kv_dim());
         let (experts, k) = m.moe.as_ref().map_or((0, 1), |moe| (moe.num_experts, moe.top_k));
+        // Widths of the dense layers' MLP and of the shared experts'.
+        let dense_f = m.dense_mlp_dim();
+        let shared_f = m.moe.as_ref().map_or(0, |moe| moe.shared_experts * f);
         let mut next_idx = 2 * n;
         let mut take_idx = |len: usize| {
             let v = idx.at(next_idx, len);
@@ -338,7 +368,7 @@ impl Model {
         let (bounds_len, whole_len) = self.document_idx_len(n);
         let bounds = take_idx(bounds_len);
         let whole_tokens = take_idx(whole_len);
-        let (stats, up) = if gpt { (2, f) } else { (1, 2 * f) };
+        let (stats, up) = if gpt { (2, dense_f) } else { (1, 2 * dense_f) };
         // Which activations one buffer serves for all layers: the cheap ones under `minimal`,
         // all but the layer input (and the routing tables) under `full`.
         let (full, minimal) = (self.remat == Remat::Full, self.remat != Remat::None);
@@ -355,8 +385,10 @@ impl Model {
         let received = m.moe.as_ref().map_or(rows, |moe| moe.most_received(n, self.expert_ranks));
         let ep_only = |len: usize| if ep { len } else { 0 };
         let local_offsets_len = self.local_offsets_len(experts);
-        let layers = (0..self.layout.layers.len())
-            .map(|_| {
+        let stage_layers: Vec<usize> = self.layout.stage.layer_indices().collect();
+        let layers = stage_layers
+            .iter()
+            .map(|&layer| {
                 let x = act("x", A, n * d, false);
                 let ln1 = act("ln1", A, n * d, minimal);
                 let rstd1 = act("rstd1", S, stats * n, full);
@@ -369,14 +401,32 @@ impl Model {
                 let xmid = act("xmid", A, n * d, full);
                 let ln2 = act("ln2", A, n * d, minimal);
                 let rstd2 = act("rstd2", S, stats * n, full);
+                let mla = m.mla.as_ref().map(|a| {
+                    let q_rank = a.q_lora_rank;
+                    MlaActs {
+                        q_lat: act("mla_q_lat", A, n * q_rank, full),
+                        q_lat_n: act("mla_q_lat_n", A, n * q_rank, full),
+                        q_rstd: act("mla_q_rstd", S, if q_rank > 0 { n } else { 0 }, full),
+                        q: act("mla_q", A, n * q, full),
+                        kv_lat: act("mla_kv_lat", A, n * a.kv_lora_rank, full),
+                        kv_lat_n: act("mla_kv_lat_n", A, n * a.kv_lora_rank, full),
+                        kv_rstd: act("mla_kv_rstd", S, n, full),
+                        kpe: act("mla_kpe", A, n * a.rope_dim, full),
+                        kv: act("mla_kv", A, n * m.n_heads * (a.nope_dim + a.v_dim), full),
+                        attn_v: act("mla_attn_v", A, n * m.n_heads * a.v_dim, full),
+                    }
+                });
                 let mlp = match &m.moe {
+                    Some(moe) if moe.is_dense(layer) => {
+                        MlpActs::Dense { gu: act("gu", A, n * up, full), h: act("h", A, n * dense_f, minimal) }
+                    }
                     None => MlpActs::Dense { gu: act("gu", A, n * up, full), h: act("h", A, n * f, minimal) },
                     Some(moe) => {
                         let dispatch = MoeDispatch {
                             tokens: n,
                             experts,
                             top_k: k,
-                            renormalize: moe.renormalize,
+                            routing: routing(moe),
                             capacity,
                             expert: take_idx(rows),
                             weight: act("weight", S, rows, false),
@@ -391,15 +441,18 @@ impl Model {
                             dispatch,
                             // On an expert axis the backward pass reads the received rows instead.
                             xe: act("xe", A, rows * d, full || ep),
-                            gu: act("gu", A, received * 2 * f, full),
-                            h: act("h", A, received * f, minimal),
+                            gu: act("moe_gu", A, received * 2 * f, full),
+                            h: act("moe_h", A, received * f, minimal),
                             ye: act("ye", A, rows * d, full),
                             xr: act("xr", A, ep_only(received * d), full),
                             local_offsets: take_idx(local_offsets_len),
+                            shared: (shared_f > 0).then(|| {
+                                (act("shared_gu", A, n * 2 * shared_f, full), act("shared_h", A, n * shared_f, minimal))
+                            }),
                         }
                     }
                 };
-                LayerActs { x, ln1, rstd1, qkv: qkv_v, qk, attn, lse, xmid, ln2, rstd2, mlp }
+                LayerActs { x, ln1, rstd1, qkv: qkv_v, qk, attn, lse, xmid, ln2, rstd2, mlp, mla }
             })
             .collect();
         let moe = m.moe.is_some();
@@ -415,14 +468,27 @@ impl Model {
         let dln = scratch(A, n * d, |r| r.dln);
         let dqkv = scratch(A, n * qkv, |r| r.dqkv);
         let dattn = scratch(A, n * q, |r| r.dattn);
-        let dgu = scratch(A, received * 2 * f, |r| r.dgu);
-        let dh = scratch(A, received * f, |r| r.dh);
+        // The widest of the routed experts' rows, the dense layers' and the shared experts'.
+        let routed = if moe { received } else { 0 };
+        let mlp_width = (routed * f).max(n * dense_f).max(n * shared_f);
+        let dgu = scratch(A, 2 * mlp_width, |r| r.dgu);
+        let dh = scratch(A, mlp_width, |r| r.dh);
         let dye = scratch(A, moe_only(rows * d), |r| r.dye);
         let dxe = scratch(A, moe_only(rows * d), |r| r.dxe);
         let yr = scratch(A, moe_only(ep_only(received * d)), |r| r.yr);
         let dweight = scratch(S, moe_only(rows), |r| r.dweight);
         let drouter = scratch(A, moe_only(n * experts), |r| r.drouter);
         let dqk_norm = scratch(S, if m.qk_norm() { 2 * m.head_dim } else { 0 }, |r| r.dqk_norm);
+        let mla_len = |of: fn(&crate::config::MlaConfig) -> usize| m.mla.as_ref().map_or(0, |a| n * of(a));
+        let heads = m.n_heads;
+        let dmla = [
+            scratch(A, if m.mla.is_some() { n * q } else { 0 }, |r| r.dmla[0]),
+            scratch(A, m.mla.as_ref().map_or(0, |a| n * heads * (a.nope_dim + a.v_dim)), |r| r.dmla[1]),
+            scratch(A, mla_len(|a| a.rope_dim), |r| r.dmla[2]),
+            scratch(A, mla_len(|a| a.q_lora_rank), |r| r.dmla[3]),
+            scratch(A, mla_len(|a| a.kv_lora_rank), |r| r.dmla[4]),
+            scratch(A, m.mla.as_ref().map_or(0, |a| n * heads * a.v_dim), |r| r.dmla[5]),
+        ];
         let gathered = if self.seq.ranks > 1 { self.seq.ranks * n * qkv } else { 0 };
         let qkv_all = scratch(A, gathered, |r| r.qkv_all);
         let dqkv_all = scratch(A, gathered, |r| r.dqkv_all);
@@ -463,6 +529,7 @@ impl Model {
             dweight,
             drouter,
             dqk_norm,
+            dmla,
             refill_last: reuse.is_some(),
             fp8: self.plan_fp8(n, take, reuse),
             shared,
@@ -514,5 +581,21 @@ impl Plan {
     /// Where `unit`'s gradient accumulates.
     pub(super) fn grads_of<B: Backend>(&self, ex: &mut dyn Exchange<B>, be: &mut B, unit: Unit) -> Window {
         ex.grads_needed(be, unit).unwrap_or(Window::whole(self.grads))
+    }
+}
+
+/// The routing rule of `moe`'s routers, without the selection bias (a parameter the forward
+/// pass reads from the layer's weights).
+fn routing(moe: &crate::config::MoeConfig) -> crate::backend::Routing {
+    crate::backend::Routing {
+        scoring: match moe.scoring {
+            crate::config::Scoring::Softmax => crate::backend::Scoring::Softmax,
+            crate::config::Scoring::Sigmoid => crate::backend::Scoring::Sigmoid,
+        },
+        renormalize: moe.renormalize,
+        groups: moe.groups,
+        top_groups: moe.top_groups,
+        scale: moe.routed_scale as f32,
+        bias: None,
     }
 }

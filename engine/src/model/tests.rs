@@ -90,7 +90,12 @@ fn check_model(name: &str, config: ModelConfig, batch: usize, seq: usize) {
     check_setup(name, setup(config, batch, seq));
 }
 
-fn check_setup(name: &str, mut s: Setup) {
+fn check_setup(name: &str, s: Setup) {
+    check_setup_with(name, s, 3e-3);
+}
+
+/// [`check_setup`] with central differences of step `h`.
+fn check_setup_with(name: &str, mut s: Setup, h: f64) {
     let grad = s.gradient();
     let base = s.params.clone();
     let tensors = s.model.layout.tensors.clone();
@@ -105,8 +110,7 @@ fn check_setup(name: &str, mut s: Setup) {
         let along = if g_norm > 0.0 { 1.0 / g_norm } else { 0.0 };
         let u: Vec<f64> = g.iter().zip(&noise).map(|(&g, &r)| g as f64 * along + r / noise_norm).collect();
         let analytic: f64 = g.iter().zip(&u).map(|(&g, &u)| g as f64 * u).sum();
-        // Small enough that curvature stays below the tolerance, large enough for f32 noise.
-        let h = 3e-3;
+        // `h`: small enough that curvature stays below the tolerance, large enough for f32 noise.
         let mut eval = |sign: f64| {
             let mut p = base.clone();
             for (x, d) in p[range.clone()].iter_mut().zip(&u) {
@@ -116,6 +120,12 @@ fn check_setup(name: &str, mut s: Setup) {
             s.objective()
         };
         let numeric = (eval(1.0) - eval(-1.0)) / (2.0 * h);
+        if t.is_buffer() {
+            // DeepSeek-V3's selection bias is not trained by gradients: it has none, and
+            // moving it moves the objective only where it changes a choice of experts.
+            assert_eq!(g_norm, 0.0, "{name}: {}", t.name);
+            continue;
+        }
         if g_norm == 0.0 {
             assert!(
                 t.name.contains("experts") && numeric.abs() < 1e-4,
@@ -155,7 +165,14 @@ fn mistral_with_a_window_shorter_than_the_sequence() {
 
 #[test]
 fn mixtral_top2_of_4_with_the_auxiliary_loss() {
-    let moe = MoeConfig { num_experts: 4, top_k: 2, aux_loss_coef: 0.5, capacity_factor: None, renormalize: true };
+    let moe = MoeConfig {
+        num_experts: 4,
+        top_k: 2,
+        aux_loss_coef: 0.5,
+        capacity_factor: None,
+        renormalize: true,
+        ..MoeConfig::default()
+    };
     check_model("mixtral", ModelConfig { moe: Some(moe), ..small(Family::Mixtral) }, 2, 12);
 }
 
@@ -168,8 +185,76 @@ fn qwen3_with_qk_norm() {
 /// Qwen3-MoE with `norm_topk_prob = false`: the weights are the softmax's probabilities.
 #[test]
 fn qwen3_moe_top2_of_4_without_renormalisation() {
-    let moe = MoeConfig { num_experts: 4, top_k: 2, aux_loss_coef: 0.5, capacity_factor: None, renormalize: false };
+    let moe = MoeConfig {
+        num_experts: 4,
+        top_k: 2,
+        aux_loss_coef: 0.5,
+        capacity_factor: None,
+        renormalize: false,
+        ..MoeConfig::default()
+    };
     check_model("qwen3_moe", ModelConfig { moe: Some(moe), ..small(Family::Qwen3Moe) }, 2, 12);
+}
+
+/// DeepSeek-V3 in small: latent attention (with a query latent or without, interleaved RoPE or
+/// not, YaRN with `mscale_all_dim`), a dense first layer, then sigmoid routing over 8 experts in
+/// 4 groups (2 kept) with a nonzero selection bias, scaled weights and a shared expert.
+fn deepseek(q_lora_rank: usize, interleave: bool, yarn: bool) -> ModelConfig {
+    use crate::config::{MlaConfig, Scoring, Yarn};
+    let moe = MoeConfig {
+        num_experts: 8,
+        top_k: 3,
+        aux_loss_coef: 0.0,
+        scoring: Scoring::Sigmoid,
+        groups: 4,
+        top_groups: 2,
+        routed_scale: 2.5,
+        selection_bias: true,
+        shared_experts: 1,
+        dense_layers: vec![0],
+        dense_mlp_dim: 20,
+        ..MoeConfig::default()
+    };
+    let mla = MlaConfig {
+        q_lora_rank,
+        kv_lora_rank: 8,
+        nope_dim: 4,
+        rope_dim: 2,
+        v_dim: 4,
+        interleave,
+        ..MlaConfig::default()
+    };
+    ModelConfig {
+        n_kv_heads: 4,
+        mlp_dim: 8,
+        moe: Some(moe),
+        mla: Some(mla),
+        yarn: yarn.then(|| Yarn { factor: 4.0, original_max_seq_len: 4, mscale_all_dim: 0.8, ..Yarn::default() }),
+        ..small(Family::DeepseekV3)
+    }
+}
+
+#[test]
+fn deepseek_v3_latent_attention_and_grouped_sigmoid_routing() {
+    for (q_lora, interleave, yarn) in [(12, true, true), (0, false, false)] {
+        let name = format!("deepseek q_lora {q_lora}, interleave {interleave}, yarn {yarn}");
+        let mut s = setup(deepseek(q_lora, interleave, yarn), 2, 7);
+        // A selection bias that decides every choice, with margins wider than the sigmoid's
+        // range: groups 0 and 2 are kept (their experts 0, 1 and 4 win the top 3), whatever
+        // the scores. Finite differences need choices that do not flip; the weights still
+        // come from the scores alone, which the check sees.
+        let bias = [3.0, 3.0, -3.0, -3.0, 2.0, 0.0, -3.0, -3.0];
+        for t in &s.model.layout.tensors {
+            if t.name.ends_with("e_score_correction_bias") {
+                s.params[t.offset..t.offset + t.len()].copy_from_slice(&bias);
+            }
+        }
+        let params = s.params.clone();
+        s.set_params(&params);
+        // The query latent's RMSNorm over 12 small values curves the objective: 3e-3 steps
+        // leave up to 1e-2 of curvature in the central difference, 5e-4 steps none.
+        check_setup_with(&name, s, 5e-4);
+    }
 }
 
 #[test]
@@ -231,7 +316,14 @@ fn gradients_are_bitwise_identical_whatever_the_thread_count() {
 /// change by a bit; and each policy keeps less than the one before.
 #[test]
 fn recomputation_changes_memory_but_not_a_bit_of_the_gradients() {
-    let moe = MoeConfig { num_experts: 4, top_k: 2, aux_loss_coef: 0.5, capacity_factor: None, renormalize: true };
+    let moe = MoeConfig {
+        num_experts: 4,
+        top_k: 2,
+        aux_loss_coef: 0.5,
+        capacity_factor: None,
+        renormalize: true,
+        ..MoeConfig::default()
+    };
     for config in [
         small(Family::Llama),
         ModelConfig { sliding_window: 3, ..small(Family::Mistral) },

@@ -32,8 +32,8 @@ use crate::backend::cuda::Cuda;
 use crate::backend::{AttnShape, SeqSplit};
 use models::{expert_axis, fsdp_bf16_gathers, graphs, memory_estimate, nccl_alone, parity, remat, training};
 use ops::{
-    adamw, attention, attention_split, cross_entropy, elementwise, embedding, fp8, gelu, layernorm, matmul, moe,
-    qk_norm, rmsnorm, rope, swiglu,
+    adamw, attention, attention_split, bias_update, cross_entropy, elementwise, embedding, fp8, gelu, layernorm,
+    matmul, moe, qk_norm, rmsnorm, rope, sigmoid_routing, swiglu,
 };
 
 /// One check's result.
@@ -196,6 +196,23 @@ fn checks(scale: Scale) -> Vec<(String, Check)> {
         add(&format!("gelu n={n} tanh={tanh} forward and backward"), Box::new(move |g, _| gelu(g, n, tanh)));
     }
     add("rope forward and inverse", Box::new(|g, _| rope(g)));
+    // MLA (rows, seq, heads, nope, rope, v, interleave, q scale): interleaved rotary pairs with
+    // a query scale, and plain ones with v narrower than nope; rows of two sequences.
+    type MlaCase = (usize, usize, usize, usize, usize, usize, bool, f32);
+    let mla_shapes: &[MlaCase] = if scale.emulated {
+        &[(10, 5, 3, 8, 4, 6, true, 1.3), (7, 7, 2, 16, 8, 12, false, 1.0)]
+    } else {
+        &[(2 * 257, 257, 16, 128, 64, 128, true, 1.7), (2 * 100, 100, 4, 32, 16, 24, false, 1.0)]
+    };
+    for &(rows, seq, heads, nope, rope, v, interleave, q_scale) in mla_shapes {
+        let shape = crate::backend::MlaShape { rows, seq, heads, nope, rope, v, interleave };
+        let pairs = if interleave { "interleaved" } else { "halves" };
+        add(
+            &format!("mla qkv assembly N={rows} S={seq} H={heads} nope={nope} rope={rope} v={v} {pairs}"),
+            Box::new(move |g, _| ops::mla_qkv(g, shape, q_scale)),
+        );
+    }
+    add("mla heads narrow and widen", Box::new(|g, _| ops::heads_narrow_widen(g, 9, 3, 12, 7)));
     let attention_shapes = attention_shapes(scale.emulated);
     for &(b, s, h, kv, dh, w, unmasked) in attention_shapes {
         let shape = AttnShape { batch: b, seq: s, n_heads: h, n_kv_heads: kv, head_dim: dh, window: w };
@@ -236,6 +253,14 @@ fn checks(scale: Scale) -> Vec<(String, Check)> {
     add("mixture of experts with a capacity: dropped slots", Box::new(|g, _| moe(g, Some(12), true)));
     // Qwen3-MoE's norm_topk_prob = false: the weights are the softmax's probabilities.
     add("mixture of experts without renormalisation", Box::new(|g, _| moe(g, None, false)));
+    // DeepSeek-V3's router: sigmoid scores, 8 groups of 32 experts (4 kept), top-8, a bias.
+    for renormalize in [true, false] {
+        add(
+            &format!("sigmoid grouped routing with a selection bias, renormalize={renormalize}"),
+            Box::new(move |g, _| sigmoid_routing(g, renormalize)),
+        );
+    }
+    add("expert bias update (auxiliary-loss-free balancing)", Box::new(|g, _| bias_update(g)));
     add("adamw with clipping and decay segments", Box::new(|g, _| adamw(g)));
     if !scale.emulated {
         add(

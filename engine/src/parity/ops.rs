@@ -5,8 +5,8 @@ use super::{BF16, F32, Tol, compare, failure};
 use crate::backend::cpu::Cpu;
 use crate::backend::cuda::Cuda;
 use crate::backend::{
-    AdamWStep, AttnNeeds, AttnShape, Backend, BufKind, ExpertWeights, IdxView, MatMul, MoeDispatch, Segment, SeqSplit,
-    View,
+    AdamWStep, AttnNeeds, AttnShape, Backend, BufKind, ExpertWeights, IdxView, MatMul, MoeDispatch, Routing, Scoring,
+    Segment, SeqSplit, View,
 };
 use crate::config::AttentionImpl;
 use crate::rng;
@@ -512,7 +512,7 @@ pub(super) fn moe(gpu: Cuda, capacity: Option<usize>, renormalize: bool) -> Resu
         tokens: n,
         experts: e,
         top_k: k,
-        renormalize,
+        routing: Routing::softmax(renormalize),
         capacity: capacity.unwrap_or(rows),
         expert,
         weight: t.alloc(F32S, rows),
@@ -585,6 +585,84 @@ pub(super) fn moe(gpu: Cuda, capacity: Option<usize>, renormalize: bool) -> Resu
     t.done()
 }
 
+/// DeepSeek-V3 routing at its full width: 256 experts (8 a lane of the routing warp) in 8 groups
+/// of which 4 are kept, top-8, sigmoid scores, a random selection bias, a scale of 2.5,
+/// renormalised or not; the route and its backward with the load-balancing term.
+pub(super) fn sigmoid_routing(gpu: Cuda, renormalize: bool) -> Result<String, String> {
+    let mut t = Twin::new(gpu);
+    let (n, e, k) = (70, 256, 8);
+    let rows = n * k;
+    let router_logits = t.random(F32S, n * e, 1.5);
+    let bias = t.random(F32S, e, 0.05);
+    let probs = t.alloc(F32S, n * e);
+    let mut idx = |len: usize| t.idx(&vec![0; len]);
+    let (expert, slot_row, row_slot, offsets) = (idx(rows), idx(rows), idx(rows), idx(e + 1));
+    let routing =
+        Routing { scoring: Scoring::Sigmoid, renormalize, groups: 8, top_groups: 4, scale: 2.5, bias: Some(bias) };
+    let dispatch = MoeDispatch {
+        tokens: n,
+        experts: e,
+        top_k: k,
+        routing,
+        capacity: rows,
+        expert,
+        weight: t.alloc(F32S, rows),
+        slot_row,
+        row_slot,
+        offsets,
+        stats: t.alloc(F32S, MoeDispatch::stats_len(e)),
+    };
+    let (dweight, counts, drouter) = (t.random(F32S, rows, 1.0), t.random(F32S, e, 10.0), t.alloc(ACT, n * e));
+    t.both(|be| {
+        be.moe_route(probs, router_logits, dispatch);
+        be.moe_route_backward(drouter, dweight, probs, dispatch, counts, 0.01);
+    });
+    t.check("sigmoid scores", probs, F32)?;
+    t.check_idx("experts", dispatch.expert)?;
+    t.check("weights", dispatch.weight, F32)?;
+    for (name, v) in [("slot rows", dispatch.slot_row), ("row slots", dispatch.row_slot), ("offsets", dispatch.offsets)]
+    {
+        t.check_idx(name, v)?;
+    }
+    t.check("stats", dispatch.stats, F32)?;
+    t.check("drouter", drouter, BF16)?;
+    // The group limit must have bitten: some token's top-8 by score alone leaves its kept groups.
+    let (mut z, mut b, mut chosen) = (vec![0f32; n * e], vec![0f32; e], vec![0u32; rows]);
+    t.cpu.download(router_logits, &mut z);
+    t.cpu.download(bias, &mut b);
+    t.cpu.download_idx(dispatch.expert, &mut chosen);
+    let limited = (0..n).any(|i| {
+        let best = z[i * e..(i + 1) * e].iter().zip(&b).map(|(&z, &b)| 1.0 / (1.0 + (-z).exp()) + b);
+        let mut order: Vec<(usize, f32)> = best.enumerate().collect();
+        order.sort_by(|x, y| y.1.total_cmp(&x.1).then(x.0.cmp(&y.0)));
+        order[..k].iter().any(|&(x, _)| !chosen[i * k..(i + 1) * k].contains(&(x as u32)))
+    });
+    if !limited {
+        return Err("the group limit excluded no token's top-8 expert".into());
+    }
+    t.done()
+}
+
+/// The auxiliary-loss-free bias update over 256 experts: loads above, below and at their mean.
+pub(super) fn bias_update(gpu: Cuda) -> Result<String, String> {
+    let mut t = Twin::new(gpu);
+    let e = 256;
+    let bias = t.random(F32S, e, 0.1);
+    // Loads in pairs 10 ± (x / 2 mod 11) around a mean of exactly 10, 24 of them at it (sign 0).
+    let loads: Vec<f32> = (0..e).map(|x| 10.0 + ((x / 2) % 11) as f32 * if x % 2 == 0 { 1.0 } else { -1.0 }).collect();
+    let mean = loads.iter().map(|&l| l as f64).sum::<f64>() / e as f64;
+    let loads = t.set(F32S, &loads);
+    t.both(|be| be.moe_bias_update(bias, loads, 1e-3));
+    let (mut c, mut g) = (vec![0f32; e], vec![0f32; e]);
+    t.cpu.download(bias, &mut c);
+    t.gpu.download(bias, &mut g);
+    if let Some(x) = (0..e).find(|&x| c[x].to_bits() != g[x].to_bits()) {
+        return Err(format!("bias[{x}] is {} on the GPU, {} on the CPU (mean load {mean})", g[x], c[x]));
+    }
+    t.notes.push(format!("biases exact (mean load {mean})"));
+    t.done()
+}
+
 /// AdamW with gradient clipping and segments that decay and that do not.
 pub(super) fn adamw(gpu: Cuda) -> Result<String, String> {
     let mut t = Twin::new(gpu);
@@ -606,6 +684,63 @@ pub(super) fn adamw(gpu: Cuda) -> Result<String, String> {
     t.check("m", m, F32)?;
     t.check("v", v, F32)?;
     t.check("gradients zeroed", g, F32)?;
+    t.done()
+}
+
+/// MLA's packed qkv rows assembled from q, kv and the shared rotary key (on a YaRN table),
+/// and the adjoint: dq, dkv and dkpe (the heads' sum) from a random dqkv; the v padding exactly
+/// zero.
+pub(super) fn mla_qkv(gpu: Cuda, s: crate::backend::MlaShape, q_scale: f32) -> Result<String, String> {
+    use crate::model::rope::{Yarn, table_for, yarn_attention_factor, yarn_inv_freq};
+    let mut t = Twin::new(gpu);
+    let yarn = Yarn { factor: 8.0, original_max_seq_len: 4, mscale: 1.0, mscale_all_dim: 0.5, ..Yarn::default() };
+    let inv = yarn_inv_freq(s.rope, 1000.0, &yarn);
+    let table = table_for(&inv, yarn_attention_factor(&yarn) as f32, &(0..s.seq).collect::<Vec<_>>());
+    let tab = t.set(F32S, &table);
+    let (q, kv, kpe) = (
+        t.random(ACT, s.rows * s.q_width(), 1.0),
+        t.random(ACT, s.rows * s.kv_width(), 1.0),
+        t.random(ACT, s.rows * s.rope, 1.0),
+    );
+    let (qkv, dqkv) = (t.alloc(ACT, s.rows * s.qkv_width()), t.random(ACT, s.rows * s.qkv_width(), 1.0));
+    let (dq, dkv, dkpe) =
+        (t.alloc(ACT, s.rows * s.q_width()), t.alloc(ACT, s.rows * s.kv_width()), t.alloc(ACT, s.rows * s.rope));
+    t.both(|be| {
+        be.mla_qkv_forward(qkv, q, kv, kpe, tab, s, q_scale);
+        be.mla_qkv_backward(dq, dkv, dkpe, dqkv, tab, s, q_scale);
+    });
+    t.check("qkv", qkv, BF16)?;
+    t.check("dq", dq, BF16)?;
+    t.check("dkv (copied)", dkv, Tol { rel_l2: 0.0, max: 0.0 })?;
+    t.check("dkpe (summed over heads)", dkpe, BF16)?;
+    let (mut g, width, qk) = (vec![0f32; qkv.len], s.qkv_width(), s.qk());
+    t.gpu.download(qkv, &mut g);
+    let v0 = 2 * s.heads * qk;
+    if let Some(i) = (0..qkv.len).find(|&i| i % width >= v0 && (i % width - v0) % qk >= s.v && g[i].to_bits() != 0) {
+        return Err(format!("the v padding: element {i} is {} on the GPU", g[i]));
+    }
+    t.notes.push("v padding exactly zero".into());
+    t.done()
+}
+
+/// Heads narrowed (the attention's output to o_proj's width) and widened back with zeros: exact
+/// copies.
+pub(super) fn heads_narrow_widen(
+    gpu: Cuda,
+    rows: usize,
+    heads: usize,
+    wide: usize,
+    narrow: usize,
+) -> Result<String, String> {
+    let mut t = Twin::new(gpu);
+    let (x, back) = (t.random(ACT, rows * heads * wide, 1.0), t.random(ACT, rows * heads * narrow, 1.0));
+    let (out, widened) = (t.alloc(ACT, rows * heads * narrow), t.alloc(ACT, rows * heads * wide));
+    t.both(|be| {
+        be.heads_narrow(out, x, rows, heads, wide, narrow);
+        be.heads_widen(widened, back, rows, heads, narrow, wide);
+    });
+    t.check("narrowed", out, Tol { rel_l2: 0.0, max: 0.0 })?;
+    t.check("widened", widened, Tol { rel_l2: 0.0, max: 0.0 })?;
     t.done()
 }
 

@@ -407,7 +407,9 @@ impl<B: Backend> Trainer<B> {
             step: self.step + diverged as u64,
             applied: !diverged,
             loss: loss_sum / (tokens as f64 * (accum * microbatches * shards) as f64),
-            aux_loss: self.config.model.moe.as_ref().map(|_| aux_sum / (accum * microbatches) as f64),
+            aux_loss: (self.config.model.moe.as_ref())
+                .filter(|moe| moe.has_aux_loss())
+                .map(|_| aux_sum / (accum * microbatches) as f64),
             dropped_fraction: (self.config.model.moe.as_ref())
                 .and_then(|moe| moe.capacity_factor)
                 .map(|_| dropped_sum / (accum * microbatches) as f64),

@@ -5,7 +5,7 @@
 //! `(L(x + h) - L(x - h)) / 2h`, element by element, as a relative error in norm per input.
 
 use super::Cpu;
-use crate::backend::{AttnShape, Backend, BufKind, ExpertWeights, MatMul, MoeDispatch, View};
+use crate::backend::{AttnShape, Backend, BufKind, ExpertWeights, MatMul, MoeDispatch, Routing, Scoring, View};
 use crate::rng;
 
 const H: f32 = 1e-2;
@@ -417,6 +417,74 @@ fn rope_and_its_inverse() {
     );
 }
 
+/// MLA's assembly of packed qkv rows from q, kv and the shared rotary key, against its adjoint:
+/// two sequences of 3, value heads narrower than qk, a query scale, de-interleaved or not, on a
+/// YaRN table (cos and sin scaled by an attention factor other than 1).
+#[test]
+fn mla_qkv_assembly() {
+    use crate::backend::MlaShape;
+    use crate::model::rope::{Yarn, table_for, yarn_inv_freq};
+    for interleave in [false, true] {
+        let s = MlaShape { rows: 6, seq: 3, heads: 2, nope: 3, rope: 4, v: 2, interleave };
+        let yarn = Yarn { factor: 4.0, original_max_seq_len: 2, ..Yarn::default() };
+        let table = table_for(&yarn_inv_freq(s.rope, 10.0, &yarn), 1.1, &[0, 1, 2]);
+        let q_scale = 0.7;
+        check(
+            &format!("mla_qkv interleave={interleave}"),
+            &[
+                random(s.rows * s.q_width(), 1, 1.0),
+                random(s.rows * s.kv_width(), 2, 1.0),
+                random(s.rows * s.rope, 3, 1.0),
+            ],
+            &|cpu, x| {
+                let (t, qkv) = (upload(cpu, &table), cpu.alloc(BufKind::Activations, s.rows * s.qkv_width()));
+                cpu.mla_qkv_forward(qkv, x[0], x[1], x[2], t, s, q_scale);
+                qkv
+            },
+            &|cpu, x, dqkv| {
+                let t = upload(cpu, &table);
+                let grads: Vec<View> = x.iter().map(|v| cpu.alloc(BufKind::Activations, v.len)).collect();
+                cpu.mla_qkv_backward(grads[0], grads[1], grads[2], dqkv, t, s, q_scale);
+                grads
+            },
+        );
+    }
+}
+
+/// Heads cut to fewer columns, and widened back with zeros: each the other's adjoint.
+#[test]
+fn heads_narrow_and_widen() {
+    let (rows, heads, wide, narrow) = (3, 2, 5, 3);
+    check(
+        "heads_narrow",
+        &[random(rows * heads * wide, 1, 1.0)],
+        &|cpu, x| {
+            let out = cpu.alloc(BufKind::Activations, rows * heads * narrow);
+            cpu.heads_narrow(out, x[0], rows, heads, wide, narrow);
+            out
+        },
+        &|cpu, _, dout| {
+            let dx = cpu.alloc(BufKind::Activations, rows * heads * wide);
+            cpu.heads_widen(dx, dout, rows, heads, narrow, wide);
+            vec![dx]
+        },
+    );
+    check(
+        "heads_widen",
+        &[random(rows * heads * narrow, 1, 1.0)],
+        &|cpu, x| {
+            let out = cpu.alloc(BufKind::Activations, rows * heads * wide);
+            cpu.heads_widen(out, x[0], rows, heads, narrow, wide);
+            out
+        },
+        &|cpu, _, dout| {
+            let dx = cpu.alloc(BufKind::Activations, rows * heads * narrow);
+            cpu.heads_narrow(dx, dout, rows, heads, wide, narrow);
+            vec![dx]
+        },
+    );
+}
+
 /// Routing tables for `n` tokens over `e` experts, `k` each, each expert keeping `capacity`.
 fn dispatch(cpu: &mut Cpu, n: usize, e: usize, k: usize, capacity: usize) -> MoeDispatch {
     let idx = cpu.alloc_idx(3 * n * k + e + 1);
@@ -424,7 +492,7 @@ fn dispatch(cpu: &mut Cpu, n: usize, e: usize, k: usize, capacity: usize) -> Moe
         tokens: n,
         experts: e,
         top_k: k,
-        renormalize: true,
+        routing: Routing::softmax(true),
         capacity,
         expert: idx.at(0, n * k),
         weight: cpu.alloc(BufKind::Activations, n * k),
@@ -458,7 +526,8 @@ fn mixture_of_experts_block_with_capacity() {
 fn moe_block(name: &str, capacity: usize, renormalize: bool) {
     let (n, d, f, e, k) = (6, 4, 3, 4, 2);
     let stride = 3 * f * d;
-    let plan = |cpu: &mut Cpu| MoeDispatch { renormalize, ..dispatch(cpu, n, e, k, capacity) };
+    let plan =
+        |cpu: &mut Cpu| MoeDispatch { routing: Routing::softmax(renormalize), ..dispatch(cpu, n, e, k, capacity) };
     let alloc = |cpu: &mut Cpu, len| cpu.alloc(BufKind::Activations, len);
     type Acts = (MoeDispatch, View, View, View, View, View, View);
     let forward = |cpu: &mut Cpu, x: &[View]| -> Acts {
@@ -523,11 +592,22 @@ fn moe_block(name: &str, capacity: usize, renormalize: bool) {
 /// fixed, as a function of the router logits.
 #[test]
 fn load_balancing_gradient() {
+    load_balancing("load balancing", Routing::softmax(true));
+}
+
+/// The same through sigmoid scores (DeepSeek-V3's; the selection's groups and bias do not enter
+/// the loss).
+#[test]
+fn load_balancing_gradient_through_sigmoid_scores() {
+    load_balancing("load balancing, sigmoid", Routing { groups: 2, scale: 2.5, ..sigmoid_routing(None, true) });
+}
+
+fn load_balancing(name: &str, routing: Routing) {
     let (n, e, k) = (5, 4, 2);
     let counts = [3f32, 1.0, 4.0, 2.0];
-    let plan = |cpu: &mut Cpu| dispatch(cpu, n, e, k, n * k);
+    let plan = |cpu: &mut Cpu| MoeDispatch { routing, ..dispatch(cpu, n, e, k, n * k) };
     check(
-        "load balancing",
+        name,
         &[random(n * e, 1, 2.0)],
         &|cpu, x| {
             let (dispatch, probs) = (plan(cpu), cpu.alloc(BufKind::Activations, n * e));
@@ -551,4 +631,111 @@ fn load_balancing_gradient() {
             vec![drouter]
         },
     );
+}
+
+/// DeepSeek-V3 routing for the checks below: sigmoid scores, 2 groups of 4 experts with 1 kept,
+/// a scale of 2.5 and the selection bias `bias`.
+fn sigmoid_routing(bias: Option<View>, renormalize: bool) -> Routing {
+    Routing { scoring: Scoring::Sigmoid, renormalize, groups: 2, top_groups: 1, scale: 2.5, bias }
+}
+
+/// Router logits of 5 tokens over 8 experts, a shuffled grid 0.6 apart, and a selection bias
+/// that moves the choice of tokens 0, 3 and 4: every selection margin (between groups, a chosen
+/// and an unchosen expert, a group's second and third) is above 0.016 in `sigmoid + bias`, far
+/// above the 2.5e-3 a finite-difference step moves a score.
+const GRID_LOGITS: [[f32; 8]; 5] = [
+    [-2.1, 0.9, 2.1, -0.9, -1.5, 1.5, 0.3, -0.3],
+    [2.1, 0.9, 1.5, -0.9, -0.3, -2.1, 0.3, -1.5],
+    [-0.9, -2.1, -1.5, 1.5, 0.3, 2.1, 0.9, -0.3],
+    [1.5, -2.1, -0.9, 2.1, 0.3, -1.5, 0.9, -0.3],
+    [-0.3, 1.5, 0.9, -0.9, -2.1, 0.3, 2.1, -1.5],
+];
+const GRID_BIAS: [f32; 8] = [0.3, -0.2, 0.1, 0.0, -0.3, 0.2, -0.1, 0.4];
+
+/// The gradient of the weights of sigmoid routing with a group limit, a selection bias and a
+/// scale, renormalised and not: only the chosen experts' scores carry it.
+#[test]
+fn moe_sigmoid_grouped_routing_gradient() {
+    let (n, e, k) = (5, 8, 2);
+    for renormalize in [true, false] {
+        let plan = |cpu: &mut Cpu| {
+            let bias = upload(cpu, &GRID_BIAS);
+            MoeDispatch { routing: sigmoid_routing(Some(bias), renormalize), ..dispatch(cpu, n, e, k, n * k) }
+        };
+        check(
+            &format!("sigmoid grouped routing, renormalize={renormalize}"),
+            &[GRID_LOGITS.concat()],
+            &|cpu, x| {
+                let (d, probs) = (plan(cpu), cpu.alloc(BufKind::Activations, n * e));
+                cpu.moe_route(probs, x[0], d);
+                d.weight
+            },
+            &|cpu, x, dout| {
+                let (d, probs) = (plan(cpu), cpu.alloc(BufKind::Activations, n * e));
+                cpu.moe_route(probs, x[0], d);
+                let (drouter, counts) = (cpu.alloc(BufKind::Activations, n * e), cpu.alloc(BufKind::Activations, e));
+                cpu.moe_route_backward(drouter, dout, probs, d, counts, 0.0);
+                vec![drouter]
+            },
+        );
+    }
+}
+
+/// Routes one token's logits over 8 experts, top-2: its experts and weights.
+fn route_one(logits: &[f32], routing: impl Fn(&mut Cpu) -> Routing) -> (Vec<u32>, Vec<f32>, Vec<f32>) {
+    let (e, k) = (8, 2);
+    let mut cpu = Cpu::new();
+    let z = upload(&mut cpu, logits);
+    let d = MoeDispatch { routing: routing(&mut cpu), ..dispatch(&mut cpu, 1, e, k, k) };
+    let probs = cpu.alloc(BufKind::Activations, e);
+    cpu.moe_route(probs, z, d);
+    let mut expert = vec![0u32; k];
+    cpu.download_idx(d.expert, &mut expert);
+    (expert, download(&mut cpu, d.weight), download(&mut cpu, probs))
+}
+
+/// The group limit keeps only the experts of the best groups, and the selection bias changes
+/// which experts are chosen but not their weights (the unbiased sigmoid scores).
+#[test]
+fn moe_group_limit_and_bias_select_but_do_not_weigh() {
+    let sigmoid = |z: f32| 1.0 / (1.0 + (-z).exp());
+    // Group 0 holds the best expert (0), group 1 the best pair (4 and 5: a larger top-2 sum).
+    let z = [3.0, -3.0, -3.0, -3.0, 1.0, 0.9, -3.0, -3.0];
+    let plain = |groups| move |_: &mut Cpu| Routing { groups, bias: None, ..sigmoid_routing(None, false) };
+    let (free, w_free, probs) = route_one(&z, plain(1));
+    assert_eq!(free, [0, 4], "without a group limit");
+    assert_eq!(w_free, [2.5 * sigmoid(3.0), 2.5 * sigmoid(1.0)]);
+    assert_eq!(probs, z.map(sigmoid), "probs hold the sigmoid scores");
+    let (limited, w_limited, _) = route_one(&z, plain(2));
+    assert_eq!(limited, [4, 5], "group 0 dropped: expert 0 excluded");
+    assert_eq!(w_limited, [2.5 * sigmoid(1.0), 2.5 * sigmoid(0.9)]);
+    // A bias of 0.5 on expert 5 puts it first; its weight stays its unbiased score.
+    let mut bias = [0f32; 8];
+    bias[5] = 0.5;
+    let biased = |cpu: &mut Cpu| Routing { groups: 1, ..sigmoid_routing(Some(upload(cpu, &bias)), true) };
+    let (chosen, w, _) = route_one(&z, biased);
+    assert_eq!(chosen, [5, 0], "the bias changes the selection");
+    let (s5, s0) = (sigmoid(0.9), sigmoid(3.0));
+    let total = s5 + s0 + 1e-20;
+    assert_eq!(w, [s5 / total * 2.5, s0 / total * 2.5], "weights from the unbiased scores, renormalised, scaled");
+    // Softmax routing is unchanged by the new fields' defaults.
+    let (chosen, w, probs) = route_one(&z, |_: &mut Cpu| Routing::softmax(true));
+    assert_eq!(chosen, [0, 4]);
+    let total = probs[0] + probs[4];
+    assert_eq!(w, [probs[0] / total, probs[4] / total]);
+}
+
+/// `bias[e] += rate · sign(mean(loads) - loads[e])`: under-loaded experts up, over-loaded
+/// down, an expert at the mean (sign 0) unchanged.
+#[test]
+fn moe_bias_update_follows_the_sign_of_the_load_gap() {
+    let mut cpu = Cpu::new();
+    let bias = upload(&mut cpu, &[0.5, 0.5, -0.25, 0.0]);
+    let loads = upload(&mut cpu, &[4.0, 2.0, 3.0, 3.0]); // mean 3
+    cpu.moe_bias_update(bias, loads, 0.125);
+    assert_eq!(download(&mut cpu, bias), [0.375, 0.625, -0.25, 0.0]);
+    // Equal loads: nothing moves.
+    let loads = upload(&mut cpu, &[7.0; 4]);
+    cpu.moe_bias_update(bias, loads, 0.125);
+    assert_eq!(download(&mut cpu, bias), [0.375, 0.625, -0.25, 0.0]);
 }

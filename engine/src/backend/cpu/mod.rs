@@ -22,19 +22,21 @@ mod layernorm;
 mod loss;
 mod matmul;
 pub(crate) use matmul::{Parallelism, sgemm};
+mod mla;
 mod moe;
 mod norm;
 mod qknorm;
 mod reduce;
 mod rope;
+mod router;
 mod swiglu;
 
 #[cfg(test)]
 mod gradcheck;
 
 use super::{
-    AdamWStep, AttnShape, Backend, BufId, BufKind, ExpertWeights, IdxView, MatMul, MoeDispatch, Segment, SeqSplit,
-    View, fp8,
+    AdamWStep, AttnShape, Backend, BufId, BufKind, ExpertWeights, IdxView, MatMul, MlaShape, MoeDispatch, Segment,
+    SeqSplit, View, fp8,
 };
 
 /// Rows handled by one task in row-parallel kernels with cross-row reductions; fixed so that
@@ -317,6 +319,37 @@ impl Backend for Cpu {
         rope::apply(qkv, rope, shape, inverse);
     }
 
+    fn mla_qkv_forward(&mut self, qkv: View, q: View, kv: View, kpe: View, table: View, shape: MlaShape, q_scale: f32) {
+        let (qkv, [q, kv, kpe, table]) = self.mem.io(qkv, [q, kv, kpe, table]);
+        mla::qkv_forward(qkv, q, kv, kpe, table, shape, q_scale);
+    }
+
+    fn mla_qkv_backward(
+        &mut self,
+        dq: View,
+        dkv: View,
+        dkpe: View,
+        dqkv: View,
+        table: View,
+        shape: MlaShape,
+        q_scale: f32,
+    ) {
+        let ([dq, dkv, dkpe], [dqkv, table]) = self.mem.io_many([dq, dkv, dkpe], [dqkv, table]);
+        mla::qkv_backward(dq, dkv, dkpe, dqkv, table, shape, q_scale);
+    }
+
+    fn heads_narrow(&mut self, out: View, x: View, rows: usize, heads: usize, from: usize, to: usize) {
+        assert!(to <= from, "internal error: heads_narrow from {from} to {to} columns");
+        let (out, [x]) = self.mem.io(out, [x]);
+        mla::heads_resize(out, x, rows, heads, from, to);
+    }
+
+    fn heads_widen(&mut self, out: View, x: View, rows: usize, heads: usize, from: usize, to: usize) {
+        assert!(to >= from, "internal error: heads_widen from {from} to {to} columns");
+        let (out, [x]) = self.mem.io(out, [x]);
+        mla::heads_resize(out, x, rows, heads, from, to);
+    }
+
     fn attention_forward(&mut self, out: View, lse: View, qkv: View, shape: AttnShape) {
         let ([out, lse], [qkv]) = self.mem.io_many([out, lse], [qkv]);
         attention::forward(out, lse, qkv, shape);
@@ -475,12 +508,13 @@ impl Backend for Cpu {
     }
 
     fn moe_route(&mut self, probs: View, router_logits: View, dispatch: MoeDispatch) {
+        let bias = dispatch.routing.bias.map(|b| self.mem.get(b).to_vec());
         let ([probs, weight, stats], [logits]) =
             self.mem.io_many([probs, dispatch.weight, dispatch.stats], [router_logits]);
         let ([expert, slot_row, row_slot, offsets], []) =
             self.idx.io_many([dispatch.expert, dispatch.slot_row, dispatch.row_slot, dispatch.offsets], []);
         let tables = moe::Tables { expert, slot_row, row_slot, offsets };
-        moe::route(probs, weight, stats, tables, logits, dispatch);
+        router::route(probs, weight, stats, tables, logits, bias.as_deref(), dispatch);
     }
 
     fn moe_gather(&mut self, xe: View, x: View, dispatch: MoeDispatch, d: usize) {
@@ -556,7 +590,7 @@ impl Backend for Cpu {
     ) {
         let (drouter, [dweight, probs, weight, counts]) =
             self.mem.io(drouter, [dweight, probs, dispatch.weight, counts]);
-        moe::route_backward(
+        router::route_backward(
             drouter,
             dweight,
             probs,
@@ -566,6 +600,11 @@ impl Backend for Cpu {
             dispatch,
             aux_scale,
         );
+    }
+
+    fn moe_bias_update(&mut self, bias: View, loads: View, rate: f32) {
+        let (bias, [loads]) = self.mem.io(bias, [loads]);
+        router::bias_update(bias, loads, rate);
     }
 
     fn adamw(

@@ -1,7 +1,9 @@
-//! Mixtral mixture-of-experts routing, dispatch and combine.
+//! Mixture-of-experts dispatch and combine (the routers, softmax and DeepSeek-V3's sigmoid, are
+//! in `router.rs`).
 //!
 //! route:    p = softmax(router_logits);  the top-k experts e_1..e_k of each token (ties to the
-//!           lower index);  w_j = p_{e_j} / Σ_m p_{e_m}  (renormalised; else w_j = p_{e_j})
+//!           lower index);  w_j = p_{e_j} / Σ_m p_{e_m}  (renormalised; else w_j = p_{e_j});
+//!           DeepSeek-V3's sigmoid scores, selection bias, group limit and scale: `router.rs`
 //! capacity: expert e keeps its first C slots in slot order (token t's slot j is t·k + j, so
 //!           token order within the batch, as MaxText's cumsum of the expert mask and Megatron's
 //!           `moe_token_drop_policy = "position"` keep them); kept_j ∈ {0, 1}
@@ -34,35 +36,10 @@ pub struct Tables<'a> {
     pub offsets: &'a mut [u32],
 }
 
-/// Softmax, top-k, renormalised weights, dispatch tables and statistics (`[counts | Σ p]`).
-pub fn route(probs: &mut [f32], weight: &mut [f32], stats: &mut [f32], t: Tables, logits: &[f32], d: MoeDispatch) {
-    let (e, k) = (d.experts, d.top_k);
-    probs
-        .par_chunks_mut(e)
-        .zip(logits.par_chunks(e))
-        .zip(t.expert.par_chunks_mut(k))
-        .zip(weight.par_chunks_mut(k))
-        .for_each(|(((p, z), chosen), w)| {
-            let max = z.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
-            p.iter_mut().zip(z).for_each(|(p, &z)| *p = (z - max).exp());
-            let sum: f32 = p.iter().sum();
-            p.iter_mut().for_each(|p| *p /= sum);
-            for j in 0..k {
-                let mut best = usize::MAX;
-                for (x, &px) in p.iter().enumerate() {
-                    if !chosen[..j].contains(&(x as u32)) && (best == usize::MAX || px > p[best]) {
-                        best = x;
-                    }
-                }
-                chosen[j] = best as u32;
-                w[j] = p[best];
-            }
-            if d.renormalize {
-                let total: f32 = w.iter().sum();
-                w.iter_mut().for_each(|w| *w /= total);
-            }
-        });
-
+/// The dispatch tables of the slots' experts (`t.expert`, filled by the router) and the
+/// statistics `[counts | Σ p | dropped]` of the scores `probs`.
+pub fn dispatch(stats: &mut [f32], t: Tables, probs: &[f32], d: MoeDispatch) {
+    let e = d.experts;
     // Stable counting sort of the slots by expert, each expert's first `capacity` slots kept.
     let cap = d.capacity;
     let mut routed = vec![0u32; e];
@@ -160,41 +137,4 @@ pub fn combine_backward(
             dout[t * d..(t + 1) * d].iter().zip(&ye[r as usize * d..][..d]).map(|(a, b)| a * b).sum()
         };
     });
-}
-
-/// Gradient of the router logits (overwritten), from the gradient of the renormalised weights
-/// and `aux_scale · counts[e]` on every probability of expert e (the load-balancing loss).
-pub fn route_backward(
-    drouter: &mut [f32],
-    dweight: &[f32],
-    probs: &[f32],
-    weight: &[f32],
-    counts: &[f32],
-    expert: &[u32],
-    d: MoeDispatch,
-    aux_scale: f32,
-) {
-    let (e, k) = (d.experts, d.top_k);
-    drouter
-        .par_chunks_mut(e)
-        .zip(probs.par_chunks(e))
-        .zip(expert.par_chunks(k))
-        .zip(dweight.par_chunks(k).zip(weight.par_chunks(k)))
-        .for_each(|(((dr, p), chosen), (dw, w))| {
-            // dr first holds dL/dp, then becomes dL/dlogits in place.
-            dr.iter_mut().zip(counts).for_each(|(g, &c)| *g = aux_scale * c);
-            if d.renormalize {
-                let chosen_sum: f32 = chosen.iter().map(|&x| p[x as usize]).sum();
-                let c: f32 = dw.iter().zip(w).map(|(a, b)| a * b).sum();
-                for (&x, &g) in chosen.iter().zip(dw) {
-                    dr[x as usize] += (g - c) / chosen_sum;
-                }
-            } else {
-                for (&x, &g) in chosen.iter().zip(dw) {
-                    dr[x as usize] += g;
-                }
-            }
-            let dot: f32 = dr.iter().zip(p).map(|(g, p)| g * p).sum();
-            dr.iter_mut().zip(p).for_each(|(g, &p)| *g = p * (*g - dot));
-        });
 }

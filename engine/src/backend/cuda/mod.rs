@@ -33,8 +33,8 @@ use anyhow::{Result, anyhow, bail};
 use cudarc::driver::sys::{self, CUdeviceptr};
 
 use super::{
-    AdamWStep, AttnNeeds, AttnShape, Backend, BufKind, ExpertWeights, IdxView, MatMul, MoeDispatch, Segment, SeqSplit,
-    View, fp8, gib,
+    AdamWStep, AttnNeeds, AttnShape, Backend, BufKind, ExpertWeights, IdxView, MatMul, MlaShape, MoeDispatch, Segment,
+    SeqSplit, View, fp8, gib,
 };
 use crate::config::{AttentionImpl, ModelConfig};
 use blas::Gemm;
@@ -694,6 +694,33 @@ impl Backend for Cuda {
         ops::rope::apply(self, qkv, rope, s, inverse)
     }
 
+    fn mla_qkv_forward(&mut self, qkv: View, q: View, kv: View, kpe: View, table: View, s: MlaShape, q_scale: f32) {
+        ops::mla::qkv_forward(self, qkv, q, kv, kpe, table, s, q_scale)
+    }
+
+    fn mla_qkv_backward(
+        &mut self,
+        dq: View,
+        dkv: View,
+        dkpe: View,
+        dqkv: View,
+        table: View,
+        s: MlaShape,
+        q_scale: f32,
+    ) {
+        ops::mla::qkv_backward(self, dq, dkv, dkpe, dqkv, table, s, q_scale)
+    }
+
+    fn heads_narrow(&mut self, out: View, x: View, rows: usize, heads: usize, from: usize, to: usize) {
+        assert!(to <= from, "internal error: heads_narrow from {from} to {to} columns");
+        ops::mla::heads_resize(self, out, x, rows, heads, from, to)
+    }
+
+    fn heads_widen(&mut self, out: View, x: View, rows: usize, heads: usize, from: usize, to: usize) {
+        assert!(to >= from, "internal error: heads_widen from {from} to {to} columns");
+        ops::mla::heads_resize(self, out, x, rows, heads, from, to)
+    }
+
     fn attention_forward(&mut self, out: View, lse: View, qkv: View, s: AttnShape) {
         match self.attention {
             Attention::Native => ops::attention::forward(self, out, lse, qkv, s, SeqSplit::WHOLE, None),
@@ -900,6 +927,10 @@ impl Backend for Cuda {
         aux_scale: f32,
     ) {
         ops::moe::route_backward(self, drouter, dweight, probs, d, counts, aux_scale)
+    }
+
+    fn moe_bias_update(&mut self, bias: View, loads: View, rate: f32) {
+        ops::moe::bias_update(self, bias, loads, rate)
     }
 
     fn adamw(

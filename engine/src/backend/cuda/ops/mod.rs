@@ -19,6 +19,7 @@ pub(crate) mod gelu;
 pub(crate) mod gemm;
 pub(crate) mod layernorm;
 pub(crate) mod matmul;
+pub(crate) mod mla;
 pub(crate) mod moe;
 pub(crate) mod qknorm;
 pub(crate) mod rmsnorm;
@@ -55,6 +56,7 @@ pub const MODULES: &[Module] = &[
     rmsnorm::MODULE,
     qknorm::MODULE,
     rope::MODULE,
+    mla::MODULE,
     swiglu::MODULE,
     layernorm::MODULE,
     gelu::MODULE,

@@ -3,8 +3,9 @@
 // per-expert row counts from them.
 //
 // route:    p = softmax(router_logits); top-k experts (ties to the lower index);
-//           w_j = p_{e_j} / Σ_m p_{e_m}, or w_j = p_{e_j} without renormalisation
-//                                                                             (one warp per token)
+//           w_j = p_{e_j} / Σ_m p_{e_m}, or w_j = p_{e_j} without renormalisation; or
+//           DeepSeek-V3's sigmoid scores with a selection bias, a group limit and a scale
+//           (see moe_route)                                                   (one warp per token)
 // dispatch: a stable counting sort of the N·k slots by expert, each expert keeping its first
 //           `capacity` slots in slot order (token order, as MaxText); rows of expert e are
 //           offsets[e] .. offsets[e + 1]; a dropped slot's row is DROPPED, as is the slot of
@@ -13,69 +14,148 @@
 //           loss and the dropped share
 // combine:  y_t = Σ_j w_tj · ye[slot_row[t·k + j]] over the kept slots
 // backward: dw_j = dy_t · ye_j (0 if dropped);  dye = w · dy;  router gradient through the
-//           renormalisation (if any) and the softmax, plus aux_scale · counts[e] on every probability
-//           of expert e.
+//           scale, the renormalisation (if any) and the softmax or sigmoid, plus
+//           aux_scale · counts[e] on every probability of expert e.
+// balance:  DeepSeek-V3's bias update, bias[e] += rate · sign(mean(loads) - loads[e]).
 //
 // Experts per layer are at most MAX_EXPERTS (8 per lane of a warp).
 
 #define DROPPED 0xffffffffu
 #define MAX_PER_LANE 8
 
-extern "C" __global__ void moe_route(float* probs, float* weight, u32* expert, const float* logits, u64 n, int e,
-                                     int k, int renormalize) {
+__device__ __forceinline__ float moe_sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
+
+#define NO_EXPERT 0x7fffffff
+
+// The warp's arg-max of v over the slots whose bit is set in `open` (slot q of a lane holds entry
+// lane + 32·q): the largest value, the lower index on ties (q ascending within a lane, then the
+// butterfly); NO_EXPERT if no slot is open. Every lane gets the result.
+__device__ __forceinline__ int warp_argmax(const float* v, u32 open, int lane, float* value) {
+    float best = NEG_INF;
+    int best_x = NO_EXPERT;
+#pragma unroll
+    for (int q = 0; q < MAX_PER_LANE; q++)
+        if (((open >> q) & 1u) && (best_x == NO_EXPERT || v[q] > best)) best = v[q], best_x = lane + 32 * q;
+    for (int o = 16; o > 0; o >>= 1) {
+        float ob = __shfl_xor_sync(0xffffffffu, best, o);
+        int ox = __shfl_xor_sync(0xffffffffu, best_x, o);
+        if (ox != NO_EXPERT && (best_x == NO_EXPERT || ob > best || (ob == best && ox < best_x))) best = ob, best_x = ox;
+    }
+    *value = best;
+    return best_x;
+}
+
+// Routing of one token per warp (DeepSeek-V3's DeepseekV3TopkRouter; softmax top-k its special
+// case), all in f32:
+//   s   = softmax(z) | sigmoid(z)                                      (saved as probs)
+//   sel = s + bias                                                     (bias may be null: 0)
+//   groups > 1: group g (experts g·E/G ..) scores top1 + top2 of its sel (a butterfly of top-2
+//               pairs); the top_groups best groups are kept, ties to the lower index
+//   e_j = top-k of sel over the kept experts, ties to the lower index
+//   w_j = s[e_j] / (Σ_m s[e_m] (+ 1e-20 if sigmoid)) · scale, or s[e_j] · scale
+extern "C" __global__ void moe_route(float* probs, float* weight, u32* expert, const float* logits, const float* bias,
+                                     u64 n, int e, int k, int sigmoid, int renormalize, int groups, int top_groups,
+                                     float scale) {
     u64 token = global_thread() / 32;
     int lane = threadIdx.x & 31;
     if (token >= n) return;  // whole warps
-    float z[MAX_PER_LANE];
-    float mx = NEG_INF;
+    float z[MAX_PER_LANE], sel[MAX_PER_LANE];
+    u32 open = 0;
 #pragma unroll
-    for (int q = 0; q < MAX_PER_LANE; q++) {
-        int x = lane + 32 * q;
-        z[q] = x < e ? logits[token * e + x] : NEG_INF;
-        mx = fmaxf(mx, z[q]);
-    }
-    mx = warp_max(mx);
-    float s = 0.f;
-#pragma unroll
-    for (int q = 0; q < MAX_PER_LANE; q++) {
-        int x = lane + 32 * q;
-        z[q] = x < e ? __expf(z[q] - mx) : 0.f;
-        s += z[q];
-    }
-    s = warp_sum(s);
-#pragma unroll
-    for (int q = 0; q < MAX_PER_LANE; q++) {
-        int x = lane + 32 * q;
-        z[q] /= s;
-        if (x < e) probs[token * e + x] = z[q];
-    }
-    // Top-k by repeated arg-max; a chosen expert's probability is set to -1 (probabilities are
-    // >= 0, so it is never chosen again).
-    float total = 0.f;
-    for (int j = 0; j < k; j++) {
-        float best = -2.f;
-        int best_x = 0x7fffffff;
+    for (int q = 0; q < MAX_PER_LANE; q++)
+        if (lane + 32 * q < e) open |= 1u << q;
+    if (sigmoid) {
 #pragma unroll
         for (int q = 0; q < MAX_PER_LANE; q++) {
             int x = lane + 32 * q;
-            if (x < e && z[q] > best) best = z[q], best_x = x;  // q ascending: ties keep the lower
+            z[q] = x < e ? moe_sigmoid(logits[token * e + x]) : 0.f;
         }
-        for (int o = 16; o > 0; o >>= 1) {
-            float ob = __shfl_xor_sync(0xffffffffu, best, o);
-            int ox = __shfl_xor_sync(0xffffffffu, best_x, o);
-            if (ob > best || (ob == best && ox < best_x)) best = ob, best_x = ox;
+    } else {
+        float mx = NEG_INF;
+#pragma unroll
+        for (int q = 0; q < MAX_PER_LANE; q++) {
+            int x = lane + 32 * q;
+            z[q] = x < e ? logits[token * e + x] : NEG_INF;
+            mx = fmaxf(mx, z[q]);
         }
+        mx = warp_max(mx);
+        float s = 0.f;
+#pragma unroll
+        for (int q = 0; q < MAX_PER_LANE; q++) {
+            int x = lane + 32 * q;
+            z[q] = x < e ? __expf(z[q] - mx) : 0.f;
+            s += z[q];
+        }
+        s = warp_sum(s);
+#pragma unroll
+        for (int q = 0; q < MAX_PER_LANE; q++) z[q] /= s;
+    }
+#pragma unroll
+    for (int q = 0; q < MAX_PER_LANE; q++) {
+        int x = lane + 32 * q;
+        if (x < e) probs[token * e + x] = z[q];
+        sel[q] = x < e ? z[q] + (bias ? bias[x] : 0.f) : NEG_INF;
+    }
+    if (groups > 1) {
+        int size = e / groups;
+        float group_score[MAX_PER_LANE];  // group g's in lane g % 32, slot g / 32
+        for (int g = 0; g < groups; g++) {
+            float a = NEG_INF, b = NEG_INF;  // this lane's top two of group g, a >= b
+#pragma unroll
+            for (int q = 0; q < MAX_PER_LANE; q++) {
+                int x = lane + 32 * q;
+                if (x < e && x / size == g) {
+                    if (sel[q] > a) b = a, a = sel[q];
+                    else if (sel[q] > b) b = sel[q];
+                }
+            }
+            for (int o = 16; o > 0; o >>= 1) {  // the top two of both pairs
+                float oa = __shfl_xor_sync(0xffffffffu, a, o), ob = __shfl_xor_sync(0xffffffffu, b, o);
+                if (a >= oa) b = fmaxf(b, oa);
+                else b = fmaxf(a, ob), a = oa;
+            }
+#pragma unroll
+            for (int q = 0; q < MAX_PER_LANE; q++)
+                if (lane + 32 * q == g) group_score[q] = a + b;
+        }
+        u32 group_open = 0, allowed = 0;
 #pragma unroll
         for (int q = 0; q < MAX_PER_LANE; q++)
-            if (lane + 32 * q == best_x) z[q] = -1.f;
-        if (lane == 0) {
-            expert[token * k + j] = best_x;
-            weight[token * k + j] = best;
+            if (lane + 32 * q < groups) group_open |= 1u << q;
+        for (int j = 0; j < top_groups; j++) {
+            float unused;
+            int g = warp_argmax(group_score, group_open, lane, &unused);
+            if ((g & 31) == lane) group_open &= ~(1u << (g >> 5));
+#pragma unroll
+            for (int q = 0; q < MAX_PER_LANE; q++) {
+                int x = lane + 32 * q;
+                if (x < e && x / size == g) allowed |= 1u << q;
+            }
         }
-        total += best;
+        open = allowed;
     }
-    if (lane == 0 && renormalize)
-        for (int j = 0; j < k; j++) weight[token * k + j] /= total;
+    // Top-k by repeated arg-max over the open experts; a chosen one is closed.
+    float total = 0.f;
+    for (int j = 0; j < k; j++) {
+        float unused;
+        int x = warp_argmax(sel, open, lane, &unused);
+        float mine = NEG_INF;
+#pragma unroll
+        for (int q = 0; q < MAX_PER_LANE; q++)
+            if (lane + 32 * q == x) mine = z[q], open &= ~(1u << q);
+        float w = warp_max(mine);  // the unbiased score, from the lane that holds it
+        if (lane == 0) {
+            expert[token * k + j] = x;
+            weight[token * k + j] = w;
+        }
+        total += w;
+    }
+    if (renormalize && sigmoid) total += 1e-20f;
+    if (lane == 0)
+        for (int j = 0; j < k; j++) {
+            float w = weight[token * k + j];
+            weight[token * k + j] = (renormalize ? w / total : w) * scale;
+        }
 }
 
 // One block of 1024 threads. Dynamic shared memory: (2 + 32) · e u32. Writes the routed counts
@@ -220,12 +300,17 @@ extern "C" __global__ void moe_combine_backward_weights(float* dweight, const bf
     if (lane == 0) dweight[s] = acc;
 }
 
-// Router logits' gradient (one warp per token):
-//   g_e = aux_scale · counts[e] + Σ_j [e = e_j] (dw_j - Σ_i dw_i w_i) / Σ_i p_{e_i}
-//   drouter_e = p_e · (g_e - Σ_x g_x p_x)
+// Router logits' gradient (one warp per token), forward beside backward (g = dL/ds):
+//   s = softmax(z)                          dz = s ⊙ (g - Σ_x g_x s_x)
+//   s = sigmoid(z)                          dz = g ⊙ s ⊙ (1 - s)
+//   D = Σ_i s_{e_i} (+ 1e-20 if sigmoid)    g_e = aux_scale · counts[e]  (load balancing)
+//   w_j = scale · s_{e_j} / D               g_{e_j} += (scale · dw_j - Σ_i dw_i w_i) / D
+//   w_j = scale · s_{e_j}                   g_{e_j} += scale · dw_j
+// The selection (bias, groups) gets no gradient.
 extern "C" __global__ void moe_route_backward(bf16* drouter, const float* dweight, const float* probs,
                                               const float* weight, const float* counts, const u32* expert, u64 n,
-                                              int e, int k, float aux_scale, int renormalize) {
+                                              int e, int k, float aux_scale, int sigmoid, int renormalize,
+                                              float scale) {
     u64 token = global_thread() / 32;
     int lane = threadIdx.x & 31;
     if (token >= n) return;
@@ -241,12 +326,22 @@ extern "C" __global__ void moe_route_backward(bf16* drouter, const float* dweigh
         chosen_sum += probs[token * e + expert[token * k + j]];
         c += dweight[token * k + j] * weight[token * k + j];
     }
+    if (sigmoid) chosen_sum += 1e-20f;
     for (int j = 0; j < k; j++) {
         u32 x = expert[token * k + j];
-        float add = renormalize ? (dweight[token * k + j] - c) / chosen_sum : dweight[token * k + j];
+        float dw = scale * dweight[token * k + j];
+        float add = renormalize ? (dw - c) / chosen_sum : dw;
 #pragma unroll
         for (int q = 0; q < MAX_PER_LANE; q++)
             if (lane + 32 * q == (int)x) g[q] += add;
+    }
+    if (sigmoid) {
+#pragma unroll
+        for (int q = 0; q < MAX_PER_LANE; q++) {
+            int x = lane + 32 * q;
+            if (x < e) drouter[token * e + x] = f2bf(g[q] * (p[q] * (1.f - p[q])));
+        }
+        return;
     }
     float dot = 0.f;
 #pragma unroll
@@ -256,5 +351,22 @@ extern "C" __global__ void moe_route_backward(bf16* drouter, const float* dweigh
     for (int q = 0; q < MAX_PER_LANE; q++) {
         int x = lane + 32 * q;
         if (x < e) drouter[token * e + x] = f2bf(p[q] * (g[q] - dot));
+    }
+}
+
+// DeepSeek-V3's auxiliary-loss-free balancing (one block): bias[x] += rate · sign(mean - loads[x]),
+// sign(0) = 0, the mean of the e loads summed in f64, in order, by one thread (as the CPU does).
+extern "C" __global__ void moe_bias_update(float* bias, const float* loads, int e, float rate) {
+    __shared__ double mean[1];
+    if (threadIdx.x == 0) {
+        double s = 0.0;
+        for (int x = 0; x < e; x++) s += (double)loads[x];
+        mean[0] = s / e;
+    }
+    __syncthreads();
+    for (int x = threadIdx.x; x < e; x += blockDim.x) {
+        double diff = mean[0] - (double)loads[x];
+        float sign = diff > 0.0 ? 1.f : (diff < 0.0 ? -1.f : 0.f);
+        bias[x] += rate * sign;
     }
 }

@@ -3,7 +3,7 @@
 
 use super::{Module, c_int, row_threads};
 use crate::backend::cuda::{Arg, Cuda, DType};
-use crate::backend::{MoeDispatch, View};
+use crate::backend::{MoeDispatch, Scoring, View};
 
 /// The kernels of `moe.cu`.
 pub(crate) const MODULE: Module = Module {
@@ -19,26 +19,45 @@ pub(crate) const MODULE: Module = Module {
         "moe_combine_backward_rows",
         "moe_combine_backward_weights",
         "moe_route_backward",
+        "moe_bias_update",
     ],
 };
 
 /// Largest number of experts the routing kernels handle (8 per lane of a warp).
 pub(crate) const MAX_EXPERTS: usize = 256;
 
-/// `Backend::moe_route`: softmax and top-k (a warp per token), the dispatch tables with the
-/// experts' capacity, the routed counts and the dropped slots (one block), and the probability
-/// sums (a block per expert).
+/// `Backend::moe_route`: scores, selection (bias, group limit) and top-k weights (a warp per
+/// token), the dispatch tables with the experts' capacity, the routed counts and the dropped
+/// slots (one block), and the probability sums (a block per expert).
 pub(crate) fn route(gpu: &mut Cuda, probs: View, router_logits: View, d: MoeDispatch) {
     for (v, name) in [(probs, "probs"), (router_logits, "router_logits"), (d.weight, "weight"), (d.stats, "stats")] {
         gpu.expect(v, DType::F32, "moe_route", name);
     }
     assert!(d.experts <= MAX_EXPERTS, "internal error: {} experts", d.experts);
-    let (n, e, k) = (d.tokens, d.experts, d.top_k);
+    let (n, e, k, r) = (d.tokens, d.experts, d.top_k, d.routing);
+    r.validate(e, k);
+    let bias = r.bias.map_or(0, |b| {
+        gpu.expect(b, DType::F32, "moe_route", "bias");
+        gpu.ptr(b)
+    });
     let (p, z, w, ex) =
         (gpu.out(probs, "moe_route"), gpu.ptr(router_logits), gpu.out(d.weight, "moe_route"), gpu.iptr(d.expert));
     let (ei, ki) = (e as i32, k as i32);
-    let renormalize = Arg::I(d.renormalize as i32);
-    let args = [Arg::P(p), Arg::P(w), Arg::P(ex), Arg::P(z), Arg::U(n as u64), Arg::I(ei), Arg::I(ki), renormalize];
+    let args = [
+        Arg::P(p),
+        Arg::P(w),
+        Arg::P(ex),
+        Arg::P(z),
+        Arg::P(bias),
+        Arg::U(n as u64),
+        Arg::I(ei),
+        Arg::I(ki),
+        Arg::I((r.scoring == Scoring::Sigmoid) as i32),
+        Arg::I(r.renormalize as i32),
+        Arg::I(r.groups as i32),
+        Arg::I(r.top_groups as i32),
+        Arg::F(r.scale),
+    ];
     gpu.launch("moe_route", ((n as u64 * 32).div_ceil(256) as u32, 1, 1), 256, 0, &args);
     assert_eq!(d.stats.len, MoeDispatch::stats_len(e), "internal error: moe_route: stats length");
     let (sr, rs, off) = (gpu.iptr(d.slot_row), gpu.iptr(d.row_slot), gpu.iptr(d.offsets));
@@ -111,8 +130,9 @@ pub(crate) fn combine_backward(
     gpu.launch("moe_combine_backward_weights", ((slots as u64 * 32).div_ceil(256) as u32, 1, 1), 256, 0, &args);
 }
 
-/// `Backend::moe_route_backward`: the router logits' gradient from the weights' gradient and the
-/// load-balancing loss, a warp per token.
+/// `Backend::moe_route_backward`: the router logits' gradient from the weights' gradient (through
+/// the scale, the renormalisation and the softmax or sigmoid) and the load-balancing loss, a
+/// warp per token.
 pub(crate) fn route_backward(
     gpu: &mut Cuda,
     drouter: View,
@@ -145,7 +165,19 @@ pub(crate) fn route_backward(
         Arg::I(d.experts as i32),
         Arg::I(d.top_k as i32),
         Arg::F(aux_scale),
-        Arg::I(d.renormalize as i32),
+        Arg::I((d.routing.scoring == Scoring::Sigmoid) as i32),
+        Arg::I(d.routing.renormalize as i32),
+        Arg::F(d.routing.scale),
     ];
     gpu.launch("moe_route_backward", ((d.tokens as u64 * 32).div_ceil(256) as u32, 1, 1), 256, 0, &args);
+}
+
+/// `Backend::moe_bias_update`: one block (the mean summed in order by one thread).
+pub(crate) fn bias_update(gpu: &mut Cuda, bias: View, loads: View, rate: f32) {
+    gpu.expect(bias, DType::F32, "moe_bias_update", "bias");
+    gpu.expect(loads, DType::F32, "moe_bias_update", "loads");
+    assert_eq!(bias.len, loads.len, "internal error: moe_bias_update: bias and loads lengths");
+    let (b, l) = (gpu.out(bias, "moe_bias_update"), gpu.ptr(loads));
+    let args = [Arg::P(b), Arg::P(l), Arg::I(c_int(bias.len, "experts")), Arg::F(rate)];
+    gpu.launch("moe_bias_update", (1, 1, 1), 256, 0, &args);
 }

@@ -1,0 +1,337 @@
+//! The `[model]` section (`ModelConfig`), its `[model.rope_scaling]` table (`RopeScaling`) and the
+//! model family (`Family`, `Gelu`); `[model.moe]` is in `moe.rs`.
+
+use anyhow::{Result, bail};
+use serde::{Deserialize, Serialize};
+
+use super::{Key, MlaConfig, MoeConfig, Yarn, at_least, check_at_most, check_positive, positive_number};
+
+/// Which Hugging Face architecture the model corresponds to (names of tensors and config keys on
+/// import and export). Llama, Mistral and Mixtral compute the same family of blocks (RMSNorm,
+/// RoPE, SwiGLU); GPT is a second family (LayerNorm, learned positions, GELU, biases).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Family {
+    /// `LlamaForCausalLM`: Llama 2, Llama 3, 3.1, 3.2 and the AXLearn fuji models.
+    #[default]
+    Llama,
+    /// `MistralForCausalLM`: Llama with an optional sliding attention window.
+    Mistral,
+    /// `MixtralForCausalLM`: Mistral with a mixture-of-experts MLP.
+    Mixtral,
+    /// `GPT2LMHeadModel`, and Pax's GPT: LayerNorm with weight and bias, learned absolute position
+    /// embeddings (`max_seq_len` rows) added to the token embedding, no RoPE, biases on every
+    /// projection, a plain `4·d` GELU MLP (no gate), usually tied embeddings.
+    Gpt,
+    /// `Qwen3ForCausalLM`: Llama's block with QK-norm (an RMSNorm over each query and key head,
+    /// before RoPE: `self_attn.q_norm`, `self_attn.k_norm`).
+    Qwen3,
+    /// `Qwen3MoeForCausalLM`: Qwen3's attention with a mixture-of-experts MLP (`mlp.gate`,
+    /// `mlp.experts.E.{gate,up,down}_proj`).
+    #[serde(rename = "qwen3_moe")]
+    Qwen3Moe,
+    /// `DeepseekV3ForCausalLM`: multi-head latent attention (`[model.mla]`, YaRN positions) and
+    /// DeepSeek's mixture of experts: sigmoid routing with a selection bias, expert groups,
+    /// shared experts, dense first layers.
+    #[serde(rename = "deepseek_v3")]
+    DeepseekV3,
+}
+
+impl Family {
+    /// The name recipes write (`model.family`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Family::Llama => "llama",
+            Family::Mistral => "mistral",
+            Family::Mixtral => "mixtral",
+            Family::Gpt => "gpt",
+            Family::Qwen3 => "qwen3",
+            Family::Qwen3Moe => "qwen3_moe",
+            Family::DeepseekV3 => "deepseek_v3",
+        }
+    }
+
+    /// Whether its MLP is a mixture of experts (`[model.moe]`).
+    pub fn is_moe(self) -> bool {
+        matches!(self, Family::Mixtral | Family::Qwen3Moe | Family::DeepseekV3)
+    }
+}
+
+/// The GELU of the GPT family's MLP (`model.gelu`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Gelu {
+    /// `0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))`: Pax's `approximate=True`, Hugging Face's
+    /// `gelu_new`, GPT-2's.
+    #[default]
+    Tanh,
+    /// `0.5·x·(1 + erf(x/√2))`, the exact GELU (Hugging Face's `gelu`).
+    Erf,
+}
+
+impl Gelu {
+    /// Whether this is the default (tanh), which configurations leave unwritten.
+    pub fn is_tanh(&self) -> bool {
+        *self == Gelu::Tanh
+    }
+}
+
+section! {
+    /// The transformer: a decoder-only stack of pre-norm attention and (SwiGLU or MoE) MLP blocks.
+    #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+    #[serde(deny_unknown_fields, default)]
+    pub struct ModelConfig {
+        /// Hugging Face architecture the tensors and config map to.
+        pub family: Family = Family::Llama,
+        /// Number of token ids.
+        pub vocab_size: usize = 0,
+        /// Width of the residual stream.
+        pub d_model: usize = 0,
+        /// Number of transformer blocks.
+        pub n_layers: usize = 0,
+        /// Number of query heads.
+        pub n_heads: usize = 0,
+        /// Number of key/value heads; must divide `n_heads` (equal: MHA, 1: MQA).
+        pub n_kv_heads: usize = 0,
+        /// Width of one attention head; independent of `d_model`.
+        pub head_dim: usize = 0,
+        /// Hidden width of the SwiGLU MLP (of each expert for MoE).
+        pub mlp_dim: usize = 0,
+        /// RMSNorm epsilon (LayerNorm's for the GPT family).
+        pub norm_eps: f64 = 1e-5,
+        /// RoPE base.
+        pub rope_theta: f64 = 10_000.0,
+        /// Llama 3.1 frequency scaling of RoPE; absent means none.
+        pub rope_scaling: Option<RopeScaling> = None,
+        /// YaRN frequency scaling of RoPE (`rope_type = "yarn"`); absent means none.
+        pub yarn: Option<Yarn> = None,
+        /// Multi-head latent attention (DeepSeek-V3); absent means grouped-query attention.
+        pub mla: Option<MlaConfig> = None,
+        /// Longest sequence the model supports (`max_position_embeddings`).
+        pub max_seq_len: usize = 0,
+        /// Sliding attention window W (query i sees keys j with i - W < j <= i); 0 means none.
+        pub sliding_window: usize = 0,
+        /// Whether the output projection shares the input embedding matrix.
+        pub tie_embeddings: bool = false,
+        /// Standard deviation of the normal initialisation of weight matrices.
+        pub init_std: f64 = 0.02,
+        /// Mixture-of-experts MLP; absent means a dense SwiGLU MLP.
+        pub moe: Option<MoeConfig> = None,
+        /// The GELU of the GPT family's MLP (ignored by the other families); unwritten when tanh.
+        #[serde(skip_serializing_if = "Gelu::is_tanh")]
+        pub gelu: Gelu = Gelu::Tanh,
+    }
+}
+
+impl ModelConfig {
+    /// The model's own consistency: sizes, the family's features, the experts.
+    pub(super) fn validate(&self) -> Result<()> {
+        let positive = [
+            ("model.vocab_size", self.vocab_size),
+            ("model.d_model", self.d_model),
+            ("model.n_layers", self.n_layers),
+            ("model.n_heads", self.n_heads),
+            ("model.n_kv_heads", self.n_kv_heads),
+            ("model.head_dim", self.head_dim),
+            ("model.mlp_dim", self.mlp_dim),
+            ("model.max_seq_len", self.max_seq_len),
+        ];
+        check_positive(&positive)?;
+        // Bounds well past every published configuration, tight enough that no size computed from
+        // them (parameters, bytes, activations, tokens per step) can overflow.
+        let at_most = [
+            ("model.vocab_size", self.vocab_size, 1 << 24),
+            ("model.d_model", self.d_model, 1 << 17),
+            ("model.n_layers", self.n_layers, 1 << 12),
+            ("model.n_heads", self.n_heads, 1 << 12),
+            ("model.head_dim", self.head_dim, 1 << 10),
+            ("model.mlp_dim", self.mlp_dim, 1 << 20),
+            ("model.max_seq_len", self.max_seq_len, 1 << 24),
+            ("model.moe.num_experts", self.moe.as_ref().map_or(1, |e| e.num_experts), 1 << 10),
+        ];
+        check_at_most(&at_most)?;
+        if !self.n_heads.is_multiple_of(self.n_kv_heads) {
+            bail!(
+                "model.n_heads = {} is not divisible by model.n_kv_heads = {} (grouped-query attention \
+                 shares each key/value head among n_heads / n_kv_heads query heads)",
+                self.n_heads,
+                self.n_kv_heads
+            );
+        }
+        if !self.head_dim.is_multiple_of(2) {
+            bail!("model.head_dim = {} must be even (RoPE rotates pairs of dimensions)", self.head_dim);
+        }
+        let finite_positive = [
+            ("model.norm_eps", self.norm_eps),
+            ("model.rope_theta", self.rope_theta),
+            ("model.init_std", self.init_std),
+        ];
+        for (key, value) in finite_positive {
+            if !positive_number(value) {
+                bail!("{key} = {value} must be a positive number");
+            }
+        }
+        if let Some(s) = &self.rope_scaling {
+            s.validate()?;
+        }
+        if let Some(y) = &self.yarn {
+            if self.rope_scaling.is_some() {
+                bail!("model.yarn and model.rope_scaling are both set; RoPE is scaled one way");
+            }
+            y.validate()?;
+        }
+        match (self.family == Family::DeepseekV3, &self.mla) {
+            (true, None) => bail!("model.family = \"deepseek_v3\" needs a [model.mla] table (latent attention)"),
+            (false, Some(_)) => bail!(
+                "model.mla is set but model.family = \"{}\"; latent attention is DeepSeek-V3's (model.family = \"deepseek_v3\")",
+                self.family.name()
+            ),
+            (true, Some(mla)) => mla.validate(self)?,
+            (false, None) => {}
+        }
+        if let Some(moe) = &self.moe
+            && self.family != Family::DeepseekV3
+        {
+            let deepseek_only = [
+                ("scoring = \"sigmoid\"", moe.scoring != super::Scoring::Softmax),
+                ("groups", moe.groups != 1),
+                ("routed_scale", moe.routed_scale != 1.0),
+                ("selection_bias", moe.selection_bias),
+                ("shared_experts", moe.shared_experts != 0),
+            ];
+            if let Some((key, _)) = deepseek_only.iter().find(|(_, set)| *set) {
+                bail!(
+                    "model.moe.{key} is DeepSeek-V3's routing, which model.family = \"{}\" does not have (its checkpoints could not hold it)",
+                    self.family.name()
+                );
+            }
+            if self.family == Family::Mixtral && !moe.dense_layers.is_empty() {
+                bail!("model.moe.dense_layers is set but Mixtral has experts in every layer");
+            }
+        }
+        match (self.family.is_moe(), &self.moe) {
+            (true, None) => {
+                bail!("model.family = \"{}\" needs a [model.moe] table (num_experts, top_k)", self.family.name());
+            }
+            (false, Some(_)) => {
+                bail!(
+                    "model.moe is set but model.family = \"{}\"; mixture-of-experts models use model.family = \"mixtral\", \"qwen3_moe\" or \"deepseek_v3\"",
+                    self.family.name()
+                );
+            }
+            _ => {}
+        }
+        if matches!(self.family, Family::Llama | Family::Qwen3 | Family::Qwen3Moe | Family::DeepseekV3)
+            && self.sliding_window != 0
+        {
+            bail!(
+                "model.sliding_window is set but model.family = \"{}\" has no sliding window; use model.family = \"mistral\"",
+                self.family.name()
+            );
+        }
+        if self.is_gpt() {
+            if self.sliding_window != 0 {
+                bail!("model.sliding_window is set but model.family = \"gpt\" has no sliding window");
+            }
+            if self.rope_scaling.is_some() {
+                bail!("model.rope_scaling is set but model.family = \"gpt\" has learned positions, no RoPE");
+            }
+            if self.n_kv_heads != self.n_heads {
+                bail!(
+                    "model.family = \"gpt\" has multi-head attention: model.n_kv_heads = {} must equal model.n_heads = {}",
+                    self.n_kv_heads,
+                    self.n_heads
+                );
+            }
+        }
+        if let Some(moe) = &self.moe {
+            moe.validate(self.n_layers)?;
+        }
+        let params = self.param_count().total;
+        if params > 1 << 44 {
+            bail!("the model has {params} parameters, more than this engine trains (at most {} = 2^44)", 1u64 << 44);
+        }
+        Ok(())
+    }
+}
+
+section! {
+    /// Llama 3.1 RoPE frequency scaling (`rope_type = "llama3"` in Hugging Face configs).
+    #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+    #[serde(deny_unknown_fields, default)]
+    pub struct RopeScaling {
+        /// Divisor of the low frequencies.
+        pub factor: f64 = 8.0,
+        /// Wavelengths above `original_max_seq_len / low_freq_factor` are divided by `factor`.
+        pub low_freq_factor: f64 = 1.0,
+        /// Wavelengths below `original_max_seq_len / high_freq_factor` are kept.
+        pub high_freq_factor: f64 = 4.0,
+        /// Context length the model was pre-trained with before scaling.
+        pub original_max_seq_len: usize = 8192,
+    }
+}
+
+impl RopeScaling {
+    fn validate(&self) -> Result<()> {
+        if !at_least(self.factor, 1.0) {
+            bail!("model.rope_scaling.factor = {} must be at least 1", self.factor);
+        }
+        if !(positive_number(self.low_freq_factor) && self.high_freq_factor > self.low_freq_factor) {
+            bail!(
+                "model.rope_scaling.high_freq_factor = {} must be greater than model.rope_scaling.low_freq_factor = {} (and both positive)",
+                self.high_freq_factor,
+                self.low_freq_factor
+            );
+        }
+        if self.original_max_seq_len == 0 {
+            bail!("model.rope_scaling.original_max_seq_len must be greater than 0");
+        }
+        Ok(())
+    }
+}
+
+impl ModelConfig {
+    /// Width of all query heads together.
+    pub fn q_dim(&self) -> usize {
+        self.n_heads * self.head_dim
+    }
+
+    /// Width of all key (or value) heads together.
+    pub fn kv_dim(&self) -> usize {
+        self.n_kv_heads * self.head_dim
+    }
+
+    /// Whether this is the GPT family (LayerNorm, learned positions, GELU, biases).
+    pub fn is_gpt(&self) -> bool {
+        self.family == Family::Gpt
+    }
+
+    /// Whether attention normalises each query and key head before RoPE (QK-norm: Qwen3).
+    pub fn qk_norm(&self) -> bool {
+        matches!(self.family, Family::Qwen3 | Family::Qwen3Moe)
+    }
+
+    /// Whether layer `i`'s MLP is a mixture of experts (not one of `model.moe.dense_layers`).
+    pub fn is_moe_layer(&self, i: usize) -> bool {
+        self.moe.as_ref().is_some_and(|moe| !moe.is_dense(i))
+    }
+
+    /// Hidden width of layer `i`'s dense MLP (`mlp_dim`, or in a mixture of experts
+    /// `moe.dense_mlp_dim`).
+    pub fn dense_mlp_dim(&self) -> usize {
+        self.moe.as_ref().filter(|moe| !moe.dense_layers.is_empty()).map_or(self.mlp_dim, |moe| moe.dense_mlp_dim)
+    }
+
+    /// Width of the RoPE rotation: the heads' (`head_dim`), or latent attention's rope part.
+    pub fn rope_dim(&self) -> usize {
+        self.mla.as_ref().map_or(self.head_dim, |mla| mla.rope_dim)
+    }
+
+    /// Number of keys query `i` (0-based) attends to in a sequence.
+    pub fn keys_attended(&self, i: usize) -> usize {
+        match self.sliding_window {
+            0 => i + 1,
+            w => (i + 1).min(w),
+        }
+    }
+}

@@ -1,0 +1,160 @@
+//! Multi-head latent attention (DeepSeek-V2/V3), as transformers' `DeepseekV3Attention`
+//! computes it. Queries go through a low-rank latent (or one projection), keys and values
+//! through one shared latent; each head's key is its own `nope` part beside a RoPE key shared by
+//! all heads; values are `v` wide. The pieces are assembled into the packed rows of the
+//! attention core ([`Backend::mla_qkv_forward`]: `H` query, key and value heads of width
+//! `qk = nope + rope`, values zero-padded), so the same core (its sequence and document
+//! handling, the CUDA flash kernel and cuDNN) serves both kinds; its output is narrowed back to
+//! the values' width before `o_proj`.
+//!
+//! ```text
+//! forward:  q     = rmsnorm(ln1 · Wq_aᵀ) · Wq_bᵀ        [N, H·qk]   (or ln1 · Wqᵀ)
+//!           c     = rmsnorm(ln1 · Wkv_a[:Rkv]ᵀ)         [N, Rkv]    the latent
+//!           kpe   = ln1 · Wkv_a[Rkv:]ᵀ                  [N, rope]   one RoPE key for all heads
+//!           kv    = c · Wkv_bᵀ                          [N, H·(nope + v)]
+//!           qkv   = assemble(q, kv, kpe)                RoPE on q's and kpe's rope parts
+//!           attn  = attention(qkv)                      softmax(q kᵀ / sqrt(qk) · s) v
+//!           xmid  = x + narrow(attn) · Woᵀ
+//! backward: each step's adjoint, in reverse; the latents' RMSNorms by the backend's
+//!           backward; ln1's gradient gathers the three products that read it.
+//! ```
+//!
+//! `s`, the softmax scale's extra factor, is YaRN's `m(factor, mscale_all_dim)²` when the
+//! model's RoPE is YaRN with `mscale_all_dim` set (1 otherwise); it multiplies the queries.
+//!
+//! Not yet: tensor parallelism (the heads would split `q_b`, `kv_b` and `o`, the latents'
+//! projections would be replicated) and FP8 products for these projections; the engine
+//! refuses both for this kind when it plans a run.
+
+use super::super::layout::{MlaOffsets, QueryOffsets};
+use super::super::{Exchange, Model, Plan, Window};
+use crate::backend::{AttnShape, Backend, MatMul, MlaShape};
+use crate::config::MlaConfig;
+
+impl Model {
+    fn mla_config(&self) -> &MlaConfig {
+        self.config.mla.as_ref().expect("internal error: latent attention without [model.mla]")
+    }
+
+    /// The assembly's shape for a batch.
+    fn mla_shape(&self, p: &Plan) -> MlaShape {
+        let a = self.mla_config();
+        MlaShape {
+            rows: p.batch * p.seq,
+            seq: p.seq,
+            heads: self.config.n_heads,
+            nope: a.nope_dim,
+            rope: a.rope_dim,
+            v: a.v_dim,
+            interleave: a.interleave,
+        }
+    }
+
+    /// The factor the queries are multiplied by: YaRN's `m(factor, mscale_all_dim)²` when set
+    /// (transformers applies it to the softmax scale of any RoPE type but the default).
+    fn mla_q_scale(&self) -> f32 {
+        match &self.config.yarn {
+            Some(y) if y.mscale_all_dim != 0.0 => {
+                let m = super::super::rope::yarn_mscale(y.factor, y.mscale_all_dim);
+                (m * m) as f32
+            }
+            _ => 1.0,
+        }
+    }
+
+    pub(super) fn mla_forward<B: Backend>(
+        &self,
+        be: &mut B,
+        p: &Plan,
+        i: usize,
+        w: Window,
+        o: &MlaOffsets,
+        ex: &mut dyn Exchange<B>,
+    ) {
+        let (m, la, a) = (&self.config, &p.layers[i], self.mla_config());
+        let acts = la.mla.as_ref().expect("internal error: latent attention without its activations");
+        let (n, d, h) = (p.batch * p.seq, m.d_model, m.n_heads);
+        let (qk, eps) = (m.head_dim, a.latent_norm_eps as f32);
+        let (rkv, rope) = (a.kv_lora_rank, a.rope_dim);
+        match o.q {
+            QueryOffsets::Latent { down, norm, up } => {
+                let rq = a.q_lora_rank;
+                be.matmul(acts.q_lat, la.ln1, w.at(down, rq * d), MatMul::linear(n, d, rq));
+                be.rmsnorm_forward(acts.q_lat_n, acts.q_rstd, acts.q_lat, w.at(norm, rq), rq, eps);
+                be.matmul(acts.q, acts.q_lat_n, w.at(up, h * qk * rq), MatMul::linear(n, rq, h * qk));
+            }
+            QueryOffsets::Direct(q) => be.matmul(acts.q, la.ln1, w.at(q, h * qk * d), MatMul::linear(n, d, h * qk)),
+        }
+        be.matmul(acts.kv_lat, la.ln1, w.at(o.kv_a, rkv * d), MatMul::linear(n, d, rkv));
+        be.matmul(acts.kpe, la.ln1, w.at(o.kv_a + rkv * d, rope * d), MatMul::linear(n, d, rope));
+        be.rmsnorm_forward(acts.kv_lat_n, acts.kv_rstd, acts.kv_lat, w.at(o.kv_norm, rkv), rkv, eps);
+        let kv_width = h * (a.nope_dim + a.v_dim);
+        be.matmul(acts.kv, acts.kv_lat_n, w.at(o.kv_b, kv_width * rkv), MatMul::linear(n, rkv, kv_width));
+        let shape = self.mla_shape(p);
+        be.mla_qkv_forward(la.qkv, acts.q, acts.kv, acts.kpe, p.rope, shape, self.mla_q_scale());
+        self.attend(be, p, (la.attn, la.lse), la.qkv, self.attn_shape(p.batch, p.seq), ex);
+        be.heads_narrow(acts.attn_v, la.attn, n, h, qk, a.v_dim);
+        let (vw, wo) = (h * a.v_dim, w.at(o.o, d * h * a.v_dim));
+        let linear = (i, super::super::fp8::Linear::O);
+        self.row_parallel(be, p, ex, linear, la.xmid, (acts.attn_v, wo), la.x, MatMul::linear(n, vw, d));
+    }
+
+    pub(super) fn mla_backward<B: Backend>(
+        &self,
+        be: &mut B,
+        p: &Plan,
+        i: usize,
+        (w, g): (Window, Window),
+        o: &MlaOffsets,
+        ex: &mut dyn Exchange<B>,
+    ) {
+        let (m, la, a) = (&self.config, &p.layers[i], self.mla_config());
+        let acts = la.mla.as_ref().expect("internal error: latent attention without its activations");
+        let (n, d, h) = (p.batch * p.seq, m.d_model, m.n_heads);
+        let (qk, rkv, rope, vw) = (m.head_dim, a.kv_lora_rank, a.rope_dim, h * a.v_dim);
+        let kv_width = h * (a.nope_dim + a.v_dim);
+        let [dq, dkv, dkpe, dq_lat, dkv_lat, dattn_v] = p.dmla;
+        // xmid = x + attn_v · Woᵀ
+        let (dwo, wo) = (g.at(o.o, d * vw), w.at(o.o, d * vw));
+        be.matmul(dattn_v, p.dres, wo, MatMul::linear_dx(n, vw, d));
+        be.matmul(dwo, p.dres, acts.attn_v, MatMul::linear_dw(n, vw, d));
+        be.heads_widen(p.dattn, dattn_v, n, h, a.v_dim, qk);
+        let shape: AttnShape = self.attn_shape(p.batch, p.seq);
+        self.attend_backward(be, p, p.dqkv, p.dattn, (la.qkv, la.attn, la.lse), shape, ex);
+        be.mla_qkv_backward(dq, dkv, dkpe, p.dqkv, p.rope, self.mla_shape(p), self.mla_q_scale());
+        // kv = c · Wkv_bᵀ, c = rmsnorm(kv_lat)
+        let (dwkv_b, wkv_b) = (g.at(o.kv_b, kv_width * rkv), w.at(o.kv_b, kv_width * rkv));
+        be.matmul(p.dln.at(0, n * rkv), dkv, wkv_b, MatMul::linear_dx(n, rkv, kv_width));
+        be.matmul(dwkv_b, dkv, acts.kv_lat_n, MatMul::linear_dw(n, rkv, kv_width));
+        be.fill(dkv_lat, 0.0);
+        let norm = (g.at(o.kv_norm, rkv), w.at(o.kv_norm, rkv));
+        be.rmsnorm_backward(dkv_lat, norm.0, p.dln.at(0, n * rkv), acts.kv_lat, norm.1, acts.kv_rstd, rkv);
+        // kv_lat and kpe = ln1 · Wkv_aᵀ (its two row blocks); their gradients start dln.
+        let (wkv_a, dwkv_a) = (w.at(o.kv_a, rkv * d), g.at(o.kv_a, rkv * d));
+        let (wpe, dwpe) = (w.at(o.kv_a + rkv * d, rope * d), g.at(o.kv_a + rkv * d, rope * d));
+        be.matmul(p.dln, dkv_lat, wkv_a, MatMul::linear_dx(n, d, rkv));
+        be.matmul(dwkv_a, dkv_lat, la.ln1, MatMul::linear_dw(n, d, rkv));
+        be.matmul(p.dln, dkpe, wpe, MatMul::linear_dx(n, d, rope).accumulating());
+        be.matmul(dwpe, dkpe, la.ln1, MatMul::linear_dw(n, d, rope));
+        match o.q {
+            QueryOffsets::Latent { down, norm, up } => {
+                let rq = a.q_lora_rank;
+                // q = rmsnorm(q_lat) · Wq_bᵀ; the normed latent's gradient goes through
+                // `dqkv` (read already) before the norm's backward adds it into `dq_lat`.
+                let dq_lat_n = p.dqkv.at(0, n * rq);
+                be.matmul(dq_lat_n, dq, w.at(up, h * qk * rq), MatMul::linear_dx(n, rq, h * qk));
+                be.matmul(g.at(up, h * qk * rq), dq, acts.q_lat_n, MatMul::linear_dw(n, rq, h * qk));
+                be.fill(dq_lat, 0.0);
+                let (gn, wn) = (g.at(norm, rq), w.at(norm, rq));
+                be.rmsnorm_backward(dq_lat, gn, dq_lat_n, acts.q_lat, wn, acts.q_rstd, rq);
+                be.matmul(p.dln, dq_lat, w.at(down, rq * d), MatMul::linear_dx(n, d, rq).accumulating());
+                be.matmul(g.at(down, rq * d), dq_lat, la.ln1, MatMul::linear_dw(n, d, rq));
+            }
+            QueryOffsets::Direct(q) => {
+                be.matmul(p.dln, dq, w.at(q, h * qk * d), MatMul::linear_dx(n, d, h * qk).accumulating());
+                be.matmul(g.at(q, h * qk * d), dq, la.ln1, MatMul::linear_dw(n, d, h * qk));
+            }
+        }
+        ex.tensor_sum(be, p.dln);
+    }
+}

@@ -1,0 +1,99 @@
+//! A layer's attention, from `ln1` (the normed residual stream) to `xmid` (the residual stream
+//! after attention). Its kind is chosen once, when the model is laid out
+//! ([`AttnOffsets`](super::layout::AttnOffsets)), and each kind is a file:
+//!
+//! - `gqa.rs`: grouped-query attention (Llama, Mistral, Mixtral, GPT, Qwen3 with QK-norm);
+//! - `mla.rs`: multi-head latent attention (DeepSeek-V3).
+//!
+//! All kinds end in the same scaled-dot-product core ([`Model::attend`]), which handles what
+//! does not depend on the kind: sequence parallelism (every rank's keys and values) and
+//! document masking.
+
+mod gqa;
+mod mla;
+
+use super::layout::AttnOffsets;
+use super::{Exchange, Model, Plan, Window};
+use crate::backend::{AttnShape, Backend, View};
+
+impl Model {
+    /// Layer `i`'s attention, forward: `xmid = x + attn(ln1)`.
+    pub(super) fn attention_forward<B: Backend>(
+        &self,
+        be: &mut B,
+        p: &Plan,
+        i: usize,
+        w: Window,
+        ex: &mut dyn Exchange<B>,
+    ) {
+        match &self.layout.layers[i].attn {
+            AttnOffsets::Gqa(o) => self.gqa_forward(be, p, i, w, o, ex),
+            AttnOffsets::Mla(o) => self.mla_forward(be, p, i, w, o, ex),
+        }
+    }
+
+    /// Layer `i`'s attention, backward: from `p.dres` (the gradient of `xmid`) to `p.dln` (that
+    /// of `ln1`, summed over the tensor group), the weight gradients added into `g`.
+    pub(super) fn attention_backward<B: Backend>(
+        &self,
+        be: &mut B,
+        p: &Plan,
+        i: usize,
+        (w, g): (Window, Window),
+        ex: &mut dyn Exchange<B>,
+    ) {
+        match &self.layout.layers[i].attn {
+            AttnOffsets::Gqa(o) => self.gqa_backward(be, p, i, (w, g), o, ex),
+            AttnOffsets::Mla(o) => self.mla_backward(be, p, i, (w, g), o, ex),
+        }
+    }
+
+    /// Causal attention over the packed rows `qkv` of layer `i` into `attn` (and `lse`): on a
+    /// sequence axis over every rank's keys and values, under document masking within each
+    /// document.
+    pub(super) fn attend<B: Backend>(
+        &self,
+        be: &mut B,
+        p: &Plan,
+        (attn, lse): (View, View),
+        qkv: View,
+        shape: AttnShape,
+        ex: &mut dyn Exchange<B>,
+    ) {
+        if self.seq.ranks > 1 {
+            ex.seq_gather(be, qkv, p.qkv_all);
+            let bounds = self.documents.map(|_| p.bounds);
+            be.attention_forward_split(attn, lse, p.qkv_all, shape, self.seq, bounds);
+        } else if self.documents.is_some() {
+            be.attention_forward_docs(attn, lse, qkv, shape, p.bounds);
+        } else {
+            be.attention_forward(attn, lse, qkv, shape);
+        }
+    }
+
+    /// The backward pass of [`Model::attend`]: `dqkv` (`=`) from `dattn`.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn attend_backward<B: Backend>(
+        &self,
+        be: &mut B,
+        p: &Plan,
+        dqkv: View,
+        dattn: View,
+        (qkv, attn, lse): (View, View, View),
+        shape: AttnShape,
+        ex: &mut dyn Exchange<B>,
+    ) {
+        if self.seq.ranks > 1 {
+            // The keys and values of every rank again (the forward pass's are another layer's
+            // by now), and the gradients of every rank's summed back to their owners.
+            ex.seq_gather(be, qkv, p.qkv_all);
+            let bounds = self.documents.map(|_| p.bounds);
+            be.attention_backward_split(p.dqkv_all, dattn, p.qkv_all, attn, lse, shape, self.seq, bounds);
+            ex.seq_scatter_sum(be, p.dqkv_all, dqkv);
+        } else if self.documents.is_some() {
+            be.attention_backward_docs(dqkv, dattn, qkv, attn, lse, shape, p.bounds);
+        } else {
+            be.attention_backward(dqkv, dattn, qkv, attn, lse, shape);
+        }
+    }
+}

@@ -1,0 +1,85 @@
+//! The dense MLP: SwiGLU, `down(silu(gate(x)) ⊙ up(x))` with gate and up packed in one
+//! product; GPT's `c_proj(gelu(c_fc(x)))` with biases. Under tensor parallelism the hidden
+//! columns are split: `gate_up` is column-parallel, `down` row-parallel (summed over the group).
+//!
+//! ```text
+//! forward:  gu = ln2 · Wupᵀ (+ b)        [N, 2F] (GPT: [N, F])
+//!           h  = act(gu)                  SwiGLU or GELU
+//!           out = xmid + h · Wdownᵀ (+ b)
+//! backward: dh = dout · Wdown, dWdown += doutᵀ · h; dgu = act'(gu) · dh;
+//!           dln2 = dgu · Wup, dWup += dguᵀ · ln2
+//! ```
+
+use super::super::fp8::Linear;
+use super::super::{Exchange, Model, Plan, Window};
+use crate::backend::{Backend, MatMul, View};
+use crate::config::Gelu;
+
+impl Model {
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn dense_forward<B: Backend>(
+        &self,
+        be: &mut B,
+        p: &Plan,
+        i: usize,
+        w: Window,
+        (gu, h): (View, View),
+        (gate_up, down): (usize, usize),
+        out: Option<View>,
+        ex: &mut dyn Exchange<B>,
+    ) {
+        let (a, b) = (&p.layers[i], self.layout.layers[i].bias.as_ref());
+        let (n, d) = (p.batch * p.seq, self.config.d_model);
+        let (up, f) = (gu.len / n, h.len / n);
+        let (wup, wdown) = (w.at(gate_up, up * d), w.at(down, d * f));
+        self.linear_forward(be, p, (i, Linear::Up), gu, (a.ln2, wup), None, MatMul::linear(n, d, up));
+        self.add_bias(be, p, w, gu, b.map(|b| b.up), f);
+        self.activation_forward(be, h, gu, f);
+        if let Some(out) = out {
+            let shape = MatMul::linear(n, f, d);
+            self.row_parallel(be, p, ex, (i, Linear::Down), out, (h, wdown), a.xmid, shape);
+            self.add_bias(be, p, w, out, b.map(|b| b.down), d);
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn dense_backward<B: Backend>(
+        &self,
+        be: &mut B,
+        p: &Plan,
+        i: usize,
+        (w, g): (Window, Window),
+        (gu, h): (View, View),
+        (gate_up, down): (usize, usize),
+        ex: &mut dyn Exchange<B>,
+    ) {
+        let (m, a, b) = (&self.config, &p.layers[i], self.layout.layers[i].bias.as_ref());
+        let (n, d) = (p.batch * p.seq, m.d_model);
+        let (up, f) = (gu.len / n, h.len / n);
+        let (dgu, dh) = (p.dgu.at(0, n * up), p.dh.at(0, n * f));
+        self.bias_backward(be, p, g, p.dres, b.map(|b| b.down), d);
+        let (ddown, wdown) = (g.at(down, d * f), w.at(down, d * f));
+        let shapes = (MatMul::linear_dx(n, f, d), MatMul::linear_dw(n, f, d));
+        self.linear_backward(be, p, (i, Linear::Down), (dh, ddown), p.dres, (h, wdown), shapes);
+        if m.is_gpt() {
+            be.gelu_backward(dgu, dh, gu, m.gelu == Gelu::Tanh);
+        } else {
+            be.swiglu_backward(dgu, dh, gu, f);
+        }
+        self.bias_backward(be, p, g, dgu, b.map(|b| b.up), f);
+        let (dup, wup) = (g.at(gate_up, up * d), w.at(gate_up, up * d));
+        let shapes = (MatMul::linear_dx(n, d, up), MatMul::linear_dw(n, d, up));
+        self.linear_backward(be, p, (i, Linear::Up), (p.dln, dup), dgu, (a.ln2, wup), shapes);
+        ex.tensor_sum(be, p.dln);
+    }
+
+    /// The MLP's activation: SwiGLU of `[gate | up]` rows into `h`'s rows of width `f`, or
+    /// (GPT) GELU of `c_fc`'s output.
+    pub(in super::super) fn activation_forward<B: Backend>(&self, be: &mut B, h: View, gu: View, f: usize) {
+        if self.config.is_gpt() {
+            be.gelu_forward(h, gu, self.config.gelu == Gelu::Tanh);
+        } else {
+            be.swiglu_forward(h, gu, f);
+        }
+    }
+}

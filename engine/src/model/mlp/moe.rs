@@ -1,0 +1,186 @@
+//! A mixture of routed experts (Mixtral, Qwen3-MoE, DeepSeek-V3): a router picks each token's
+//! top-k experts ([`Backend::moe_route`]: softmax or sigmoid scores, a selection bias, expert
+//! groups), the token's row goes to each (gather), every expert runs its SwiGLU on its rows
+//! (grouped products), and the outputs come back weighted (combine). Shared experts
+//! (DeepSeek-V3) are one more SwiGLU every token goes through, unweighted. On an expert axis
+//! the routed experts' products run on the devices that hold them (`../experts.rs`); the
+//! shared ones are replicated.
+//!
+//! ```text
+//! forward:  logits = ln2 · Wrouterᵀ;  (experts, weights) = route(logits, bias)
+//!           xe = gather(ln2);  ye_e = w2_e · swiglu(w13_e · xe_e)
+//!           out = xmid + Σ_j weight_j · ye[slot j]  (+ Ws2 · swiglu(Ws13 · ln2))
+//! backward: dye, dweight = combine'; the experts' products backward; dln2 = gather'(dxe)
+//!           dlogits = route'(dweight, load-balancing loss); dln2 += dlogits · Wrouter
+//! ```
+//!
+//! The routing statistics of every layer add up in `Plan::stats`, summed over the devices that
+//! share the batch, for the load-balancing loss ([`Model::router_stats`]).
+
+use super::super::layout::MlpOffsets;
+use super::super::plan::MlpActs;
+use super::super::{Exchange, Model, Plan, RouterStats, Window};
+use crate::backend::{Backend, ExpertWeights, MatMul, MoeDispatch, Routing, View};
+
+impl Model {
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn moe_forward<B: Backend>(
+        &self,
+        be: &mut B,
+        p: &Plan,
+        i: usize,
+        w: Window,
+        acts: &MlpActs,
+        o: &MlpOffsets,
+        out: Option<View>,
+        ex: &mut dyn Exchange<B>,
+    ) {
+        let MlpActs::Moe { logits, probs, dispatch, xe, gu, h, ye, shared, .. } = acts else {
+            unreachable!("internal error: dense activations for a mixture of experts")
+        };
+        let &MlpOffsets::Moe { router, bias, shared: shared_w, experts, stride } = o else {
+            unreachable!("internal error: a dense layout for a mixture of experts")
+        };
+        let (a, (n, d, f)) = (&p.layers[i], (p.batch * p.seq, self.config.d_model, self.config.mlp_dim));
+        be.matmul(*logits, a.ln2, w.at(router, dispatch.experts * d), MatMul::linear(n, d, dispatch.experts));
+        be.moe_route(*probs, *logits, with_bias(*dispatch, w, bias));
+        ex.batch_sum(be, dispatch.stats);
+        if self.expert_ranks > 1 {
+            self.experts_forward(be, p, i, w, (experts, stride), ex);
+        } else {
+            let (gate_up, down) = expert_weights(w, experts, stride, d, f);
+            be.moe_gather(*xe, a.ln2, *dispatch, d);
+            be.moe_expert_matmul(*gu, *xe, gate_up, *dispatch, MatMul::linear(0, d, 2 * f));
+            be.swiglu_forward(*h, *gu, f);
+            be.moe_expert_matmul(*ye, *h, down, *dispatch, MatMul::linear(0, f, d));
+        }
+        if let (Some((sgu, sh)), Some((gate_up, _))) = (shared, shared_w) {
+            let s = sh.len / n;
+            be.matmul(*sgu, a.ln2, w.at(gate_up, 2 * s * d), MatMul::linear(n, d, 2 * s));
+            be.swiglu_forward(*sh, *sgu, s);
+        }
+        if let Some(out) = out {
+            be.moe_combine(p.moe_out, *ye, *dispatch, d);
+            if let (Some((_, sh)), Some((_, down))) = (shared, shared_w) {
+                let s = sh.len / n;
+                be.matmul(p.moe_out, *sh, w.at(down, d * s), MatMul::linear(n, s, d).accumulating());
+            }
+            ex.tensor_sum(be, p.moe_out);
+            be.copy(out, a.xmid);
+            be.add(out, p.moe_out);
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn moe_backward<B: Backend>(
+        &self,
+        be: &mut B,
+        p: &Plan,
+        i: usize,
+        (w, g): (Window, Window),
+        acts: &MlpActs,
+        o: &MlpOffsets,
+        (counts, aux_scale): (View, f32),
+        ex: &mut dyn Exchange<B>,
+    ) {
+        let MlpActs::Moe { probs, dispatch, xe, gu, h, ye, shared, .. } = acts else {
+            unreachable!("internal error: dense activations for a mixture of experts")
+        };
+        let &MlpOffsets::Moe { router, bias, shared: shared_w, experts, stride } = o else {
+            unreachable!("internal error: a dense layout for a mixture of experts")
+        };
+        let (a, (n, d, f)) = (&p.layers[i], (p.batch * p.seq, self.config.d_model, self.config.mlp_dim));
+        let e = dispatch.experts;
+        be.moe_combine_backward(p.dye, p.dweight, p.dres, *ye, *dispatch, d);
+        ex.tensor_sum(be, p.dweight);
+        if self.expert_ranks > 1 {
+            self.experts_backward(be, p, i, (w, g), (experts, stride), ex);
+        } else {
+            let (gate_up, down) = expert_weights(w, experts, stride, d, f);
+            let (dgate_up, ddown) = expert_weights(g, experts, stride, d, f);
+            // The scratch serves the widest MLP of the model: this one's rows are its first.
+            let (dgu, dh) = (p.dgu.at(0, gu.len), p.dh.at(0, h.len));
+            be.moe_expert_matmul(dh, p.dye, down, *dispatch, MatMul::linear_dx(0, f, d));
+            be.moe_expert_matmul_dw(ddown, p.dye, *h, *dispatch, f, d);
+            be.swiglu_backward(dgu, dh, *gu, f);
+            let shape = MatMul::linear_dx(0, d, 2 * f);
+            be.moe_expert_matmul(p.dxe, dgu, gate_up, *dispatch, shape);
+            be.moe_expert_matmul_dw(dgate_up, dgu, *xe, *dispatch, d, 2 * f);
+        }
+        be.moe_gather_backward(p.dln, p.dxe, *dispatch, d);
+        if let (Some((sgu, sh)), Some((gate_up, down))) = (shared, shared_w) {
+            // The shared experts: a dense SwiGLU on every token, split like one over the
+            // tensor group (its input gradient joins the routed experts' partial sum).
+            let s = sh.len / n;
+            let (dsgu, dsh) = (p.dgu.at(0, n * 2 * s), p.dh.at(0, n * s));
+            be.matmul(dsh, p.dres, w.at(down, d * s), MatMul::linear_dx(n, s, d));
+            be.matmul(g.at(down, d * s), p.dres, *sh, MatMul::linear_dw(n, s, d));
+            be.swiglu_backward(dsgu, dsh, *sgu, s);
+            be.matmul(p.dln, dsgu, w.at(gate_up, 2 * s * d), MatMul::linear_dx(n, d, 2 * s).accumulating());
+            be.matmul(g.at(gate_up, 2 * s * d), dsgu, a.ln2, MatMul::linear_dw(n, d, 2 * s));
+        }
+        ex.tensor_sum(be, p.dln);
+        be.moe_route_backward(p.drouter, p.dweight, *probs, with_bias(*dispatch, w, bias), counts, aux_scale);
+        be.matmul(p.dln, p.drouter, w.at(router, e * d), MatMul::linear_dx(n, d, e).accumulating());
+        be.matmul(g.at(router, e * d), p.drouter, a.ln2, MatMul::linear_dw(n, d, e));
+    }
+
+    /// The load-balancing loss of the last forward pass (0 without experts), as Hugging Face
+    /// computes it for Mixtral over all layers' router outputs together:
+    /// `E · Σ_e (tokens routed to e / T) · (Σ router probability of e / T)`, `T = layers · N`
+    /// over the layers with experts (transformers collects the routers' outputs only);
+    /// and the share of the `T · k` (token, expert) assignments dropped by the experts'
+    /// capacity (0 when dropless).
+    pub fn router_stats<B: Backend>(&self, be: &mut B, p: &Plan) -> RouterStats {
+        let Some(moe) = &self.config.moe else {
+            return RouterStats::default();
+        };
+        let e = moe.num_experts;
+        // The statistics summed over the layers of this stage and every stage before it: on
+        // the last stage, the whole model's.
+        let mut stats = vec![0f32; MoeDispatch::stats_len(e)];
+        be.download(p.stats, &mut stats);
+        let (counts, rest) = stats.split_at(e);
+        let (prob_sums, dropped) = rest.split_at(e);
+        let total = (moe.moe_layers(self.config.n_layers) * p.batch * p.seq * self.batch_shards) as f64;
+        let aux_loss =
+            e as f64 * counts.iter().zip(prob_sums).map(|(&c, &s)| c as f64 * s as f64).sum::<f64>() / (total * total);
+        RouterStats { aux_loss, dropped: dropped[0] as f64 / (total * moe.top_k as f64) }
+    }
+
+    /// The load-balancing loss of the last forward pass ([`Model::router_stats`]).
+    pub fn aux_loss<B: Backend>(&self, be: &mut B, p: &Plan) -> f64 {
+        self.router_stats(be, p).aux_loss
+    }
+
+    /// Multiplier that turns the load-balancing loss's gradient into the [`Backend`]'s
+    /// `aux_scale`: `coef · E / T²` times the objective's weight of this micro-batch.
+    pub fn aux_scale(&self, p: &Plan, weight: f32) -> f32 {
+        let Some(moe) = &self.config.moe else {
+            return 0.0;
+        };
+        let total = (moe.moe_layers(self.config.n_layers) * p.batch * p.seq * self.batch_shards) as f64;
+        (moe.aux_loss_coef * moe.num_experts as f64 / (total * total)) as f32 * weight
+    }
+}
+
+/// The experts' `[w1; w3]` (gate and up) and `w2` (down) weights of a layer.
+pub(in super::super) fn expert_weights(
+    w: Window,
+    experts: usize,
+    stride: usize,
+    d: usize,
+    f: usize,
+) -> (ExpertWeights, ExpertWeights) {
+    (
+        ExpertWeights { first: w.at(experts, 2 * f * d), stride },
+        ExpertWeights { first: w.at(experts + 2 * f * d, d * f), stride },
+    )
+}
+
+/// `dispatch` with the layer's selection bias (a parameter, read from the layer's weights `w`
+/// at `bias`), if it has one.
+fn with_bias(dispatch: MoeDispatch, w: Window, bias: Option<usize>) -> MoeDispatch {
+    let routing = Routing { bias: bias.map(|at| w.at(at, dispatch.experts)), ..dispatch.routing };
+    MoeDispatch { routing, ..dispatch }
+}
