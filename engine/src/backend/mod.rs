@@ -330,7 +330,7 @@ pub struct Routing {
     /// Multiplies the final weights (`routed_scaling_factor`); 1 for Mixtral.
     pub scale: f32,
     /// `[E]` f32 selection bias (`e_score_correction_bias`, updated by
-    /// [`Backend::moe_bias_update`]); it changes which experts are chosen, never their weights.
+    /// [`Backend::moe_load_excess`] and [`Backend::moe_bias_step`]); it changes which experts are chosen, never their weights.
     /// None: zero.
     pub bias: Option<View>,
 }
@@ -879,10 +879,14 @@ pub trait Backend {
         counts: View,
         aux_scale: f32,
     );
-    /// DeepSeek-V3's auxiliary-loss-free balancing: `bias[e] += rate · sign(mean(loads) -
-    /// loads[e])` over the `[E]` f32 `bias` and `loads` (tokens routed to each expert), the
-    /// mean over the E entries (summed in f64, in order), sign(0) = 0.
-    fn moe_bias_update(&mut self, bias: View, loads: View, rate: f32);
+    /// Adds a layer's load excess to `dst` (`[E]`): `dst[e] += counts[e] − mean(counts)`, the mean
+    /// over the E entries of `counts` (summed in f64 in index order on the CPU). Summed over
+    /// micro-batches (and over replicas, which all see the same counts), its sign is that of the
+    /// step's load excess: the model accumulates it into the selection bias's gradient slot.
+    fn moe_load_excess(&mut self, dst: View, counts: View);
+    /// The balancing step of (a part of) a selection bias: `bias[i] −= rate · sign(excess[i])`
+    /// (sign(0) = 0), then `excess[i] = 0`, elementwise over the two equal-length views.
+    fn moe_bias_step(&mut self, bias: View, excess: View, rate: f32);
 
     /// AdamW over the flat buffers: gradients clipped first by [`AdamWStep::clip_scale`] of the
     /// squared global norm held in `norm_squared[0]` (read on the device: no host round trip),

@@ -394,8 +394,11 @@ impl<B: Backend> Backend for Traced<B> {
     ) {
         self.time("moe_route_backward", |b| b.moe_route_backward(drouter, dweight, probs, dispatch, counts, aux_scale))
     }
-    fn moe_bias_update(&mut self, bias: View, loads: View, rate: f32) {
-        self.time("moe_bias_update", |b| b.moe_bias_update(bias, loads, rate))
+    fn moe_load_excess(&mut self, dst: View, counts: View) {
+        self.time("moe_load_excess", |b| b.moe_load_excess(dst, counts))
+    }
+    fn moe_bias_step(&mut self, bias: View, excess: View, rate: f32) {
+        self.time("moe_bias_step", |b| b.moe_bias_step(bias, excess, rate))
     }
     fn adamw(
         &mut self,

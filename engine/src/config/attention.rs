@@ -129,17 +129,6 @@ impl MlaConfig {
                 m.n_heads
             );
         }
-        // The backward pass keeps the latents' gradients in buffers of the residual stream's
-        // and the queries' widths (`attention/mla.rs`).
-        if self.kv_lora_rank > m.d_model || self.q_lora_rank > m.n_heads * m.head_dim {
-            bail!(
-                "model.mla.kv_lora_rank = {} must be at most model.d_model = {}, and model.mla.q_lora_rank = {} at most the queries' width {} (low-rank latents)",
-                self.kv_lora_rank,
-                m.d_model,
-                self.q_lora_rank,
-                m.n_heads * m.head_dim
-            );
-        }
         if !positive_number(self.latent_norm_eps) {
             bail!("model.mla.latent_norm_eps = {} must be a positive number", self.latent_norm_eps);
         }

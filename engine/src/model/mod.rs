@@ -43,6 +43,9 @@ pub struct RouterStats {
     pub aux_loss: f64,
     /// Share of the (token, expert) assignments dropped by the experts' capacity.
     pub dropped: f64,
+    /// The most loaded expert's routed tokens over the mean, of the counts summed over the
+    /// layers (1: even).
+    pub max_load: f64,
 }
 
 /// A model: its configuration and parameter layout.

@@ -157,9 +157,9 @@ pub struct Plan {
     /// alone, summed over the tensor group (each device holds some heads) before they add up.
     pub(super) dqk_norm: View,
     /// Latent attention's backward scratch (`attention/mla.rs`): the gradients of the
-    /// queries, the keys and values, the RoPE key, the two latents and the narrowed attention
-    /// output; empty without.
-    pub(super) dmla: [View; 6],
+    /// queries, the keys and values, the RoPE key, the two latents, the narrowed attention
+    /// output, and the two normed latents; empty without.
+    pub(super) dmla: [View; 8],
     /// Whether the backward pass refills the last layer's shared activations too: when
     /// several micro-batches in flight share them ([`Model::plan_slot`]), another's forward
     /// pass may have overwritten them.
@@ -488,6 +488,8 @@ impl Model {
             scratch(A, mla_len(|a| a.q_lora_rank), |r| r.dmla[3]),
             scratch(A, mla_len(|a| a.kv_lora_rank), |r| r.dmla[4]),
             scratch(A, m.mla.as_ref().map_or(0, |a| n * heads * a.v_dim), |r| r.dmla[5]),
+            scratch(A, mla_len(|a| a.kv_lora_rank), |r| r.dmla[6]),
+            scratch(A, mla_len(|a| a.q_lora_rank), |r| r.dmla[7]),
         ];
         let gathered = if self.seq.ranks > 1 { self.seq.ranks * n * qkv } else { 0 };
         let qkv_all = scratch(A, gathered, |r| r.qkv_all);

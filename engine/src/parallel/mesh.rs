@@ -287,6 +287,13 @@ impl Mesh {
             "each device takes a slice of the MLP's columns"
         };
         must_divide.push(("model.mlp_dim", m.mlp_dim, what));
+        if let Some(moe) = m.moe.as_ref().filter(|moe| !moe.dense_layers.is_empty()) {
+            must_divide.push((
+                "model.moe.dense_mlp_dim",
+                moe.dense_mlp_dim,
+                "each device takes a slice of the dense layers' columns",
+            ));
+        }
         must_divide.push((
             "model.vocab_size",
             m.vocab_size,

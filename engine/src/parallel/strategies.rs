@@ -100,6 +100,11 @@ pub struct Parallel<B: Backend> {
     scratch: View,
     /// The expert axis ([`Parallel::join_experts`]); none without one.
     experts: Option<Experts>,
+    /// The pieces of the optimizer's buffers that hold selection biases (DeepSeek-V3's
+    /// buffers, moved by the balancing step, never by AdamW), each with where its load excess
+    /// waits in `excess` between the gradients' norm and the step.
+    balance: Vec<(Segment, usize)>,
+    excess: View,
 }
 
 /// A device's part on the expert axis: its token exchange, and what each layer's last
@@ -160,6 +165,20 @@ impl<B: Backend> Parallel<B> {
         let fsdp = (fsdp_group.len() > 1).then(|| Fsdp::new(be, layout, fsdp_group.len(), me, fsdp_options));
         let segments =
             layout.tensors.iter().map(|t| Segment { offset: t.offset, len: t.len(), decay: t.decay }).collect();
+        let mut balance = Vec::new();
+        let mut excess_len = 0;
+        for t in layout.tensors.iter().filter(|t| t.is_buffer()) {
+            let range = t.offset..t.offset + t.len();
+            let parts: Vec<(usize, usize)> = match &fsdp {
+                Some(f) => f.parts_of(range).map(|(at, part)| (at, part.len())).collect(),
+                None => vec![(range.start, range.len())],
+            };
+            for (offset, len) in parts {
+                balance.push((Segment { offset, len, decay: false }, excess_len));
+                excess_len += len;
+            }
+        }
+        let excess = be.alloc(BufKind::Scalars, excess_len);
         // Two scalars for the tensor axis's sums, and the limbs of `gather_from_world`.
         let scratch = be.alloc(BufKind::Scalars, 2.max(6 * mesh.devices()));
         Parallel {
@@ -185,6 +204,36 @@ impl<B: Backend> Parallel<B> {
             sync: true,
             scratch,
             experts: None,
+            balance,
+            excess,
+        }
+    }
+
+    /// Takes the selection biases' load excess out of the gradients (after their sums, before
+    /// their norm, which it must not count), into a buffer of its own until
+    /// [`Parallel::balance_selection_biases`].
+    pub fn take_load_excess(&mut self, be: &mut B) {
+        self.comm.wait(be);
+        let (_, grads, _) = self.optimizer_buffers();
+        for &(seg, at) in &self.balance {
+            let piece = grads.at(seg.offset, seg.len);
+            be.copy(self.excess.at(at, seg.len), piece);
+            be.fill(piece, 0.0);
+        }
+    }
+
+    /// DeepSeek-V3's auxiliary-loss-free balancing step: each selection bias moves by
+    /// `rate · sign(mean load − load)`, elementwise over this device's pieces (every replica
+    /// summed the same loads, so every copy moves alike); `None` (a step not applied) drops
+    /// the excess.
+    pub fn balance_selection_biases(&mut self, be: &mut B, rate: Option<f32>) {
+        let (params, _, _) = self.optimizer_buffers();
+        for &(seg, at) in &self.balance {
+            let excess = self.excess.at(at, seg.len);
+            match rate {
+                Some(rate) => be.moe_bias_step(params.at(seg.offset, seg.len), excess, rate),
+                None => be.fill(excess, 0.0),
+            }
         }
     }
 

@@ -13,6 +13,11 @@
 //! embedding's lookups and the loss are summed (and maximised) over the group
 //! ([`crate::model::Model::forward`]). Everything else (positions, norms, router) is replicated.
 //!
+//! Latent attention (DeepSeek-V3) splits its heads the same way (`q_b_proj` or `q_proj` and
+//! `kv_b_proj` by rows, `o_proj` by columns) and replicates the latents' projections and norms
+//! (`model/attention/mla.rs`); dense layers among experts split their own width
+//! (`moe.dense_mlp_dim / T`), shared experts theirs with the experts' columns.
+//!
 //! GPT's `c_attn` holds q, k and v one after the other in one tensor: a device's rows are its
 //! heads' part of each, three runs.
 //!
@@ -35,8 +40,10 @@ pub enum Split {
 
 /// How the tensor with this Hugging Face name is split.
 pub fn split_of(name: &str) -> Split {
-    const ROWS: [&str; 12] = [
+    const ROWS: [&str; 14] = [
         "q_proj",
+        "q_b_proj",
+        "kv_b_proj",
         "k_proj",
         "v_proj",
         "gate_proj",
@@ -74,11 +81,14 @@ fn row_blocks(name: &str) -> usize {
 /// The configuration one device of a tensor group of `size` runs (see the module comment).
 /// The caller has checked divisibility ([`crate::parallel::mesh::Mesh::check_model`]).
 pub fn local_config(m: &ModelConfig, size: usize) -> ModelConfig {
+    let moe =
+        m.moe.as_ref().map(|moe| crate::config::MoeConfig { dense_mlp_dim: moe.dense_mlp_dim / size, ..moe.clone() });
     ModelConfig {
         n_heads: m.n_heads / size,
         n_kv_heads: m.n_kv_heads / size,
         mlp_dim: m.mlp_dim / size,
         vocab_size: m.vocab_size / size,
+        moe,
         ..m.clone()
     }
 }

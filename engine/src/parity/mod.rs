@@ -32,8 +32,8 @@ use crate::backend::cuda::Cuda;
 use crate::backend::{AttnShape, SeqSplit};
 use models::{expert_axis, fsdp_bf16_gathers, graphs, memory_estimate, nccl_alone, parity, remat, training};
 use ops::{
-    adamw, attention, attention_split, bias_update, cross_entropy, elementwise, embedding, fp8, gelu, layernorm,
-    matmul, moe, qk_norm, rmsnorm, rope, sigmoid_routing, swiglu,
+    adamw, attention, attention_split, cross_entropy, elementwise, embedding, fp8, gelu, layernorm,
+    load_excess_and_bias_step, matmul, moe, qk_norm, rmsnorm, rope, sigmoid_routing, swiglu,
 };
 
 /// One check's result.
@@ -260,7 +260,10 @@ fn checks(scale: Scale) -> Vec<(String, Check)> {
             Box::new(move |g, _| sigmoid_routing(g, renormalize)),
         );
     }
-    add("expert bias update (auxiliary-loss-free balancing)", Box::new(|g, _| bias_update(g)));
+    add(
+        "expert load excess and bias step (auxiliary-loss-free balancing)",
+        Box::new(|g, _| load_excess_and_bias_step(g)),
+    );
     add("adamw with clipping and decay segments", Box::new(|g, _| adamw(g)));
     if !scale.emulated {
         add(
@@ -268,7 +271,7 @@ fn checks(scale: Scale) -> Vec<(String, Check)> {
             Box::new(|g, _| nccl_alone(g)),
         );
     }
-    for name in ["tiny-llama2", "tiny-mistral", "tiny-mixtral", "tiny-gpt", "tiny-qwen3-moe"] {
+    for name in ["tiny-llama2", "tiny-mistral", "tiny-mixtral", "tiny-gpt", "tiny-qwen3-moe", "tiny-deepseek-v3"] {
         add(
             &format!("{name}: loss and gradients against the f32 CPU model"),
             Box::new(move |g, _| parity(g, name, &[], scale)),
@@ -334,7 +337,7 @@ fn checks(scale: Scale) -> Vec<(String, Check)> {
     let trained: &[&str] = if scale.emulated {
         &["tiny-llama2", "tiny-mistral", "tiny-mixtral"]
     } else {
-        &["tiny-llama2", "tiny-mistral", "tiny-mixtral", "tiny-gpt", "tiny-qwen3", "tiny-qwen3-moe"]
+        &["tiny-llama2", "tiny-mistral", "tiny-mixtral", "tiny-gpt", "tiny-qwen3", "tiny-qwen3-moe", "tiny-deepseek-v3"]
     };
     for &name in trained {
         add(

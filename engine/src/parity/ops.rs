@@ -643,23 +643,66 @@ pub(super) fn sigmoid_routing(gpu: Cuda, renormalize: bool) -> Result<String, St
     t.done()
 }
 
-/// The auxiliary-loss-free bias update over 256 experts: loads above, below and at their mean.
-pub(super) fn bias_update(gpu: Cuda) -> Result<String, String> {
+/// The auxiliary-loss-free balancing over 256 experts: two micro-batches' load excess added to
+/// the excess slots (counts above, below and at their mean), then the bias step, on a parameter
+/// bias in two shards (its master stepped, its bf16 copy refreshed) and on an f32 bias whole.
+pub(super) fn load_excess_and_bias_step(gpu: Cuda) -> Result<String, String> {
     let mut t = Twin::new(gpu);
     let e = 256;
-    let bias = t.random(F32S, e, 0.1);
-    // Loads in pairs 10 ± (x / 2 mod 11) around a mean of exactly 10, 24 of them at it (sign 0).
-    let loads: Vec<f32> = (0..e).map(|x| 10.0 + ((x / 2) % 11) as f32 * if x % 2 == 0 { 1.0 } else { -1.0 }).collect();
-    let mean = loads.iter().map(|&l| l as f64).sum::<f64>() / e as f64;
-    let loads = t.set(F32S, &loads);
-    t.both(|be| be.moe_bias_update(bias, loads, 1e-3));
-    let (mut c, mut g) = (vec![0f32; e], vec![0f32; e]);
-    t.cpu.download(bias, &mut c);
-    t.gpu.download(bias, &mut g);
-    if let Some(x) = (0..e).find(|&x| c[x].to_bits() != g[x].to_bits()) {
-        return Err(format!("bias[{x}] is {} on the GPU, {} on the CPU (mean load {mean})", g[x], c[x]));
+    let (bias, flat) = (t.random(PARAM, e, 0.1), t.random(F32S, e, 0.1));
+    // Excess already held: random on odd experts, 0 on even ones.
+    let held: Vec<f32> =
+        (0..e).map(|x| if x % 2 == 1 { 3.0 * rng::normal_pair(7, 0, x as u64).0 } else { 0.0 }).collect();
+    let (excess, excess_flat) = (t.set(GRAD, &held), t.set(F32S, &held));
+    // Counts in pairs 10 ± (x / 2 mod 11) and 10 ± (x / 2 mod 5), around a mean of exactly 10:
+    // experts 0, 110 and 220 stay at an excess of 0 (sign 0).
+    let pairs = |m: usize| -> Vec<f32> {
+        (0..e).map(|x| 10.0 + ((x / 2) % m) as f32 * if x % 2 == 0 { 1.0 } else { -1.0 }).collect()
+    };
+    let (c1, c2) = (t.set(F32S, &pairs(11)), t.set(F32S, &pairs(5)));
+    let embedded = t.alloc(ACT, e);
+    let first = t.idx(&[0]);
+    t.both(|be| {
+        for dst in [excess, excess_flat] {
+            be.moe_load_excess(dst, c1);
+            be.moe_load_excess(dst, c2);
+        }
+    });
+    let exact = |t: &mut Twin, what: &str, v: View| -> Result<Vec<f32>, String> {
+        let (mut c, mut g) = (vec![0f32; v.len], vec![0f32; v.len]);
+        t.cpu.download(v, &mut c);
+        t.gpu.download(v, &mut g);
+        match (0..v.len).find(|&x| c[x].to_bits() != g[x].to_bits()) {
+            Some(x) => Err(format!("{what}[{x}] is {} on the GPU, {} on the CPU", g[x], c[x])),
+            None => Ok(c),
+        }
+    };
+    let summed = exact(&mut t, "excess", excess)?;
+    exact(&mut t, "f32 bias's excess", excess_flat)?;
+    let at_zero = summed.iter().filter(|&&x| x == 0.0).count();
+    if at_zero != 3 {
+        return Err(format!("{at_zero} experts at an excess of 0, not 3"));
     }
-    t.notes.push(format!("biases exact (mean load {mean})"));
+    t.both(|be| {
+        be.moe_bias_step(bias.at(0, 100), excess.at(0, 100), 1e-3);
+        be.moe_bias_step(bias.at(100, e - 100), excess.at(100, e - 100), 1e-3);
+        be.moe_bias_step(flat, excess_flat, 1e-3);
+        be.embedding_forward(embedded, bias, first, e);
+    });
+    let stepped = exact(&mut t, "bias", bias)?;
+    exact(&mut t, "f32 bias", flat)?;
+    for (what, v) in [("excess after the step", excess), ("f32 bias's excess after the step", excess_flat)] {
+        if exact(&mut t, what, v)?.iter().any(|&x| x != 0.0) {
+            return Err(format!("{what} is not zero"));
+        }
+    }
+    // The bias's bf16 copy, as the ops read it, is its stepped master rounded.
+    let mut copy = vec![0f32; e];
+    t.gpu.download(embedded, &mut copy);
+    if let Some(x) = (0..e).find(|&x| copy[x].to_bits() != half::bf16::from_f32(stepped[x]).to_f32().to_bits()) {
+        return Err(format!("bias[{x}]'s bf16 copy is {}, its master {}", copy[x], stepped[x]));
+    }
+    t.notes.push(format!("excess and biases exact ({at_zero} experts at an excess of 0), bf16 copy refreshed"));
     t.done()
 }
 

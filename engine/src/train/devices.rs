@@ -1310,4 +1310,73 @@ mod tests {
             }
         }
     }
+
+    /// DeepSeek-V3 (latent attention with YaRN, a dense first layer, sigmoid routing over
+    /// groups with a selection bias, a shared expert) on the axes, against one device training
+    /// the same global batch.
+    mod deepseek_v3 {
+        use super::*;
+
+        /// Small layers: 4 heads of 24 (16 without position, 8 rotated), values 16 wide,
+        /// latents of 32, a few steps.
+        fn deepseek_config(extra: &[&str]) -> Config {
+            let small = [
+                "model.d_model=64",
+                "model.head_dim=24",
+                "model.mla.nope_dim=16",
+                "model.mla.rope_dim=8",
+                "model.mla.v_dim=16",
+                "model.mla.q_lora_rank=32",
+                "model.mla.kv_lora_rank=32",
+                "model.mlp_dim=32",
+                "model.moe.dense_mlp_dim=64",
+                "train.steps=5",
+            ];
+            config("tiny-deepseek-v3", &[&small[..], extra].concat())
+        }
+
+        fn on(c: &Config, devices: usize) -> Vec<f64> {
+            let runs =
+                run(c, devices, |_, t| Ok((0..c.train.steps).map(|_| t.train_step(0.0).loss).collect())).unwrap();
+            assert!(runs.iter().all(|r: &Vec<f64>| r == &runs[0]), "devices disagree on the loss");
+            runs[0].clone()
+        }
+
+        #[test]
+        fn deepseek_v3_on_fsdp_tensor_seq_and_pipeline_follows_one_device() {
+            let pipeline = ["mesh.ici_data=1", "mesh.ici_pipeline=2", "train.pipeline_microbatches=2"];
+            let interleaved = [
+                "model.n_layers=4",
+                "train.pipeline_schedule=\"interleaved\"",
+                "train.pipeline_virtual_stages=2",
+                "train.pipeline_microbatches=4",
+            ];
+            for (name, sets) in [
+                ("FSDP=2", vec!["mesh.ici_data=1", "mesh.ici_fsdp=2"]),
+                ("TP=2", vec!["mesh.ici_data=1", "mesh.ici_tensor=2"]),
+                ("seq=2", vec!["mesh.ici_data=1", "mesh.ici_seq=2"]),
+                ("pipeline=2 (1F1B)", [&pipeline[..], &["train.batch_size=2"]].concat()),
+                ("pipeline=2 (interleaved)", [&pipeline[..], &interleaved[..], &["train.batch_size=2"]].concat()),
+            ] {
+                let c = deepseek_config(&sets);
+                assert_same_curve(&format!("deepseek_v3 {name}"), &single(&c, 2), &on(&c, 2));
+            }
+        }
+
+        #[test]
+        fn deepseek_v3_on_the_expert_axis_follows_one_device() {
+            for (name, sets, devices) in [
+                ("EP=2 x FSDP=2", vec!["mesh.ici_data=2", "mesh.ici_fsdp=2", "mesh.ici_expert=2"], 4),
+                ("EP=4", vec!["mesh.ici_data=4", "mesh.ici_expert=4"], 4),
+                (
+                    "EP=2 x TP=2 x PP=2",
+                    vec!["mesh.ici_data=2", "mesh.ici_expert=2", "mesh.ici_tensor=2", "mesh.ici_pipeline=2"],
+                    8,
+                ),
+            ] {
+                let c = deepseek_config(&sets);
+                assert_same_curve(&format!("deepseek_v3 {name}"), &single(&c, devices), &on(&c, devices));
+            }
+        }
+    }
 }

@@ -127,6 +127,7 @@ fn scalars(m: &StepMetrics) -> Vec<(Cow<'static, str>, f64)> {
     .collect();
     v.extend(m.aux_loss.map(|a| ("aux_loss".into(), a)));
     v.extend(m.dropped_fraction.map(|f| ("dropped_fraction".into(), f)));
+    v.extend(m.expert_load.map(|l| ("expert_load".into(), l)));
     v.extend(m.eval_loss.map(|e| ("eval_loss".into(), e)));
     v.extend(m.slowest_rank.map(|r| ("slowest_rank".into(), r as f64)));
     v.extend(m.slowest_step_time_s.map(|s| ("slowest_step_time_s".into(), s)));
@@ -167,6 +168,7 @@ mod tests {
             loss: 2.0,
             aux_loss: None,
             dropped_fraction: None,
+            expert_load: None,
             lr: 1e-3,
             grad_norm: 1.0,
             step_time_s: 0.1,

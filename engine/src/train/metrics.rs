@@ -30,6 +30,11 @@ pub struct StepMetrics {
     /// only).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub dropped_fraction: Option<f64>,
+    /// The experts' balance: the most loaded expert's tokens over the mean, of the tokens
+    /// routed to each expert summed over the layers, averaged over micro-batches (1: even;
+    /// mixture-of-experts models only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub expert_load: Option<f64>,
     /// Learning rate used.
     pub lr: f64,
     /// Global gradient norm before clipping.
@@ -85,13 +90,14 @@ impl StepMetrics {
         let width = total_steps.to_string().len();
         let aux = self.aux_loss.map(|a| format!(" | aux {a:.4}")).unwrap_or_default();
         let dropped = self.dropped_fraction.map(|f| format!(" | dropped {:.2}%", 100.0 * f)).unwrap_or_default();
+        let load = self.expert_load.map(|l| format!(" | load max/mean {l:.2}")).unwrap_or_default();
         let eval = self.eval_loss.map(|e| format!(" | eval loss {e:.4}")).unwrap_or_default();
         let slowest = match (self.slowest_rank, self.slowest_step_time_s) {
             (Some(rank), Some(s)) => format!(" | slowest rank {rank} {s:.3} s"),
             _ => String::new(),
         };
         format!(
-            "step {:>width$}/{total_steps} | loss {:.4}{aux}{dropped}{eval} | lr {:.2e} | grad norm {:.3} | {:.3} s{slowest} | {:.0} tok/s | {:.3} TFLOP/s | MFU {:.1}%",
+            "step {:>width$}/{total_steps} | loss {:.4}{aux}{dropped}{load}{eval} | lr {:.2e} | grad norm {:.3} | {:.3} s{slowest} | {:.0} tok/s | {:.3} TFLOP/s | MFU {:.1}%",
             self.step,
             self.loss,
             self.lr,

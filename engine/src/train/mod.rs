@@ -254,7 +254,7 @@ impl<B: Backend> Trainer<B> {
         let weight = 1.0 / (accum * microbatches) as f32;
         let aux_scale = self.model.aux_scale(&self.plan, weight);
         // The load-balancing loss and the dropped share, summed over the micro-batches.
-        let (mut aux_sum, mut dropped_sum) = (0f64, 0f64);
+        let (mut aux_sum, mut dropped_sum, mut load_sum) = (0f64, 0f64, 0f64);
         self.backend.fill(self.plan.scalars.at(LOSS_ACCUM, 1), 0.0);
         // Collectives inside a recorded section would need the communicator captured too.
         let graphs = c.train.cuda_graphs && self.parallel.mesh.devices() == 1;
@@ -321,6 +321,7 @@ impl<B: Backend> Trainer<B> {
                             busy += passes.elapsed();
                             let router = self.model.router_stats(be, p);
                             (aux_sum, dropped_sum) = (aux_sum + router.aux_loss, dropped_sum + router.dropped);
+                            load_sum += router.max_load;
                             i += 2;
                             continue;
                         }
@@ -331,6 +332,7 @@ impl<B: Backend> Trainer<B> {
                             be.add(self.plan.scalars.at(LOSS_ACCUM, 1), p.scalars.at(LOSS_SUM, 1));
                             let router = self.model.router_stats(be, p);
                             (aux_sum, dropped_sum) = (aux_sum + router.aux_loss, dropped_sum + router.dropped);
+                            load_sum += router.max_load;
                         }
                     }
                     Action::Backward(_) => {
@@ -367,6 +369,10 @@ impl<B: Backend> Trainer<B> {
             max_grad_norm: o.grad_clip as f32,
         };
         let (m, v) = self.moments;
+        let balancing = c.model.moe.as_ref().map(|moe| moe.bias_update_rate as f32).filter(|&r| r > 0.0);
+        if balancing.is_some() {
+            par.take_load_excess(be);
+        }
         par.grad_norm_squared(be, norm_sq);
         self.pass_times = (busy, start.elapsed());
         par.sum_over_batch(be, p.scalars.at(LOSS_ACCUM, 1));
@@ -374,7 +380,7 @@ impl<B: Backend> Trainer<B> {
         par.sum_over_pipeline(be, p.scalars.at(LOSS_ACCUM, 1));
         if c.model.moe.is_some() && par.stages() > 1 {
             let spare = p.scalars.at(3, 1);
-            for sum in [&mut aux_sum, &mut dropped_sum] {
+            for sum in [&mut aux_sum, &mut dropped_sum, &mut load_sum] {
                 be.upload(spare, &[*sum as f32]);
                 par.sum_over_pipeline(be, spare);
                 *sum = read_scalar(be, spare);
@@ -389,8 +395,10 @@ impl<B: Backend> Trainer<B> {
         if diverged {
             // Never applied: the parameters and moments stay those of the last finite step.
             be.fill(grads, 0.0);
+            par.balance_selection_biases(be, None);
         } else {
             be.adamw(params, grads, m, v, norm_sq, segments, adamw);
+            par.balance_selection_biases(be, balancing);
             if let Some(f) = p.fp8 {
                 // Every replica records the same amaxes, then scales alike (Transformer
                 // Engine's amax reduction).
@@ -413,6 +421,7 @@ impl<B: Backend> Trainer<B> {
             dropped_fraction: (self.config.model.moe.as_ref())
                 .and_then(|moe| moe.capacity_factor)
                 .map(|_| dropped_sum / (accum * microbatches) as f64),
+            expert_load: self.config.model.moe.as_ref().map(|_| load_sum / (accum * microbatches) as f64),
             lr,
             grad_norm,
             step_time_s,

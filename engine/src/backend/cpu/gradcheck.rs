@@ -725,17 +725,34 @@ fn moe_group_limit_and_bias_select_but_do_not_weigh() {
     assert_eq!(w, [probs[0] / total, probs[4] / total]);
 }
 
-/// `bias[e] += rate · sign(mean(loads) - loads[e])`: under-loaded experts up, over-loaded
-/// down, an expert at the mean (sign 0) unchanged.
+/// `dst[e] += counts[e] - mean(counts)`: added to what `dst` holds, not written over it.
 #[test]
-fn moe_bias_update_follows_the_sign_of_the_load_gap() {
+fn moe_load_excess_adds_the_gap_to_the_mean() {
+    let mut cpu = Cpu::new();
+    let dst = upload(&mut cpu, &[0.5, -1.0, 0.0, 2.0]);
+    let counts = upload(&mut cpu, &[4.0, 2.0, 3.0, 3.0]); // mean 3
+    cpu.moe_load_excess(dst, counts);
+    assert_eq!(download(&mut cpu, dst), [1.5, -2.0, 0.0, 2.0]);
+    // A second micro-batch accumulates.
+    let counts = upload(&mut cpu, &[1.0, 5.0, 3.0, 7.0]); // mean 4
+    cpu.moe_load_excess(dst, counts);
+    assert_eq!(download(&mut cpu, dst), [-1.5, -1.0, -1.0, 5.0]);
+}
+
+/// `bias[i] -= rate · sign(excess[i])`, then `excess[i] = 0`: over-loaded experts down,
+/// under-loaded up, an excess of 0 (sign 0) leaves the bias and stays 0; only the views given.
+#[test]
+fn moe_bias_step_follows_the_sign_of_the_excess_and_zeroes_it() {
     let mut cpu = Cpu::new();
     let bias = upload(&mut cpu, &[0.5, 0.5, -0.25, 0.0]);
-    let loads = upload(&mut cpu, &[4.0, 2.0, 3.0, 3.0]); // mean 3
-    cpu.moe_bias_update(bias, loads, 0.125);
+    let excess = upload(&mut cpu, &[1.0, -1.0, 0.0, 0.0]);
+    cpu.moe_bias_step(bias, excess, 0.125);
     assert_eq!(download(&mut cpu, bias), [0.375, 0.625, -0.25, 0.0]);
-    // Equal loads: nothing moves.
-    let loads = upload(&mut cpu, &[7.0; 4]);
-    cpu.moe_bias_update(bias, loads, 0.125);
-    assert_eq!(download(&mut cpu, bias), [0.375, 0.625, -0.25, 0.0]);
+    assert_eq!(download(&mut cpu, excess), [0.0; 4]);
+    // A sub-view (a shard) steps only its part.
+    let bias = upload(&mut cpu, &[1.0, 1.0, 1.0, 1.0, 1.0]);
+    let excess = upload(&mut cpu, &[3.0, -2.0, 5.0, -0.5, 7.0]);
+    cpu.moe_bias_step(bias.at(1, 3), excess.at(1, 3), 0.5);
+    assert_eq!(download(&mut cpu, bias), [1.0, 1.5, 0.5, 1.5, 1.0]);
+    assert_eq!(download(&mut cpu, excess), [3.0, 0.0, 0.0, 0.0, 7.0]);
 }

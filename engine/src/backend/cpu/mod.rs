@@ -602,9 +602,14 @@ impl Backend for Cpu {
         );
     }
 
-    fn moe_bias_update(&mut self, bias: View, loads: View, rate: f32) {
-        let (bias, [loads]) = self.mem.io(bias, [loads]);
-        router::bias_update(bias, loads, rate);
+    fn moe_load_excess(&mut self, dst: View, counts: View) {
+        let (dst, [counts]) = self.mem.io(dst, [counts]);
+        router::load_excess(dst, counts);
+    }
+
+    fn moe_bias_step(&mut self, bias: View, excess: View, rate: f32) {
+        let ([bias, excess], []) = self.mem.io_many([bias, excess], []);
+        router::bias_step(bias, excess, rate);
     }
 
     fn adamw(

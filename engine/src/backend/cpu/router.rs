@@ -1,6 +1,6 @@
 //! Mixture-of-experts routers: Mixtral / Qwen3-MoE softmax top-k and DeepSeek-V3 sigmoid
 //! scoring with a selection bias and a group limit (Hugging Face's `DeepseekV3TopkRouter`), their
-//! gradient, and the auxiliary-loss-free update of the bias. All in f32, per token:
+//! gradient, and the auxiliary-loss-free balancing of the bias. All in f32, per token:
 //!
 //! forward                                          backward (g = dL/ds, then dL/dz)
 //! s   = softmax(z)  |  sigmoid(z)                  dz = s ⊙ (g - s·g)  |  g ⊙ s ⊙ (1 - s)
@@ -15,7 +15,12 @@
 //! w_j = scale · u_j       (else)                   g[e_i] += scale · dw_i
 //!
 //! The renormalised line uses w_j / scale = u_j / D, so the saved weights serve the backward pass.
-//! Bias update: bias[e] += rate · sign(mean(loads) - loads[e]), sign(0) = 0.
+//!
+//! Auxiliary-loss-free balancing, in two parts so that a sharded optimizer can take the step:
+//! load excess (per layer and micro-batch, over all E):  excess[e] += counts[e] - mean(counts)
+//!     (the mean summed in f64 in index order; the difference rounded once to f32)
+//! bias step (elementwise, over any part):               bias[i] -= rate · sign(excess[i]),
+//!     sign(0) = 0, then excess[i] = 0
 
 use super::moe::{self, Tables};
 use crate::backend::{MoeDispatch, Routing, Scoring};
@@ -175,19 +180,28 @@ pub fn route_backward(
         });
 }
 
-/// `bias[e] += rate · sign(mean(loads) - loads[e])`, sign(0) = 0; the mean summed in f64.
-pub fn bias_update(bias: &mut [f32], loads: &[f32], rate: f32) {
-    assert_eq!(bias.len(), loads.len(), "moe_bias_update: bias and loads lengths");
-    let mean = loads.iter().map(|&l| l as f64).sum::<f64>() / loads.len() as f64;
-    for (b, &l) in bias.iter_mut().zip(loads) {
-        let diff = mean - l as f64;
-        let sign = if diff > 0.0 {
+/// `dst[e] += counts[e] - mean(counts)`, the mean summed in f64 in index order and the
+/// difference rounded once to f32.
+pub fn load_excess(dst: &mut [f32], counts: &[f32]) {
+    assert_eq!(dst.len(), counts.len(), "moe_load_excess: dst and counts lengths");
+    let mean = counts.iter().map(|&c| c as f64).sum::<f64>() / counts.len() as f64;
+    for (d, &c) in dst.iter_mut().zip(counts) {
+        *d += (c as f64 - mean) as f32;
+    }
+}
+
+/// `bias[i] -= rate · sign(excess[i])`, sign(0) = 0, then `excess[i] = 0`.
+pub fn bias_step(bias: &mut [f32], excess: &mut [f32], rate: f32) {
+    assert_eq!(bias.len(), excess.len(), "moe_bias_step: bias and excess lengths");
+    for (b, x) in bias.iter_mut().zip(excess.iter_mut()) {
+        let sign = if *x > 0.0 {
             1.0
-        } else if diff < 0.0 {
+        } else if *x < 0.0 {
             -1.0
         } else {
             0.0
         };
-        *b += rate * sign;
+        *b -= rate * sign;
+        *x = 0.0;
     }
 }

@@ -929,8 +929,12 @@ impl Backend for Cuda {
         ops::moe::route_backward(self, drouter, dweight, probs, d, counts, aux_scale)
     }
 
-    fn moe_bias_update(&mut self, bias: View, loads: View, rate: f32) {
-        ops::moe::bias_update(self, bias, loads, rate)
+    fn moe_load_excess(&mut self, dst: View, counts: View) {
+        ops::moe::load_excess(self, dst, counts)
+    }
+
+    fn moe_bias_step(&mut self, bias: View, excess: View, rate: f32) {
+        ops::moe::bias_step(self, bias, excess, rate)
     }
 
     fn adamw(

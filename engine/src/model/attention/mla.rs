@@ -22,9 +22,13 @@
 //! `s`, the softmax scale's extra factor, is YaRN's `m(factor, mscale_all_dim)²` when the
 //! model's RoPE is YaRN with `mscale_all_dim` set (1 otherwise); it multiplies the queries.
 //!
-//! Not yet: tensor parallelism (the heads would split `q_b`, `kv_b` and `o`, the latents'
-//! projections would be replicated) and FP8 products for these projections; the engine
-//! refuses both for this kind when it plans a run.
+//! Under tensor parallelism the heads are split: `q_b_proj` (or `q_proj`) and `kv_b_proj` by
+//! rows, `o_proj` by columns; the latents' projections and norms (`q_a_proj`,
+//! `q_a_layernorm`, `kv_a_proj_with_mqa`, `kv_a_layernorm`) are replicated, since every head
+//! reads the whole latent: the latents' gradients are summed over the group, and the
+//! replicated projections' backward then runs on the sums alike on every device.
+//!
+//! Not yet: FP8 products for the latent projections (they run in the backend's precision).
 
 use super::super::layout::{MlaOffsets, QueryOffsets};
 use super::super::{Exchange, Model, Plan, Window};
@@ -113,7 +117,7 @@ impl Model {
         let (n, d, h) = (p.batch * p.seq, m.d_model, m.n_heads);
         let (qk, rkv, rope, vw) = (m.head_dim, a.kv_lora_rank, a.rope_dim, h * a.v_dim);
         let kv_width = h * (a.nope_dim + a.v_dim);
-        let [dq, dkv, dkpe, dq_lat, dkv_lat, dattn_v] = p.dmla;
+        let [dq, dkv, dkpe, dq_lat, dkv_lat, dattn_v, dc, dq_lat_n] = p.dmla;
         // xmid = x + attn_v · Woᵀ
         let (dwo, wo) = (g.at(o.o, d * vw), w.at(o.o, d * vw));
         be.matmul(dattn_v, p.dres, wo, MatMul::linear_dx(n, vw, d));
@@ -122,39 +126,45 @@ impl Model {
         let shape: AttnShape = self.attn_shape(p.batch, p.seq);
         self.attend_backward(be, p, p.dqkv, p.dattn, (la.qkv, la.attn, la.lse), shape, ex);
         be.mla_qkv_backward(dq, dkv, dkpe, p.dqkv, p.rope, self.mla_shape(p), self.mla_q_scale());
+        // Under tensor parallelism each device holds some heads: the gradients of what all
+        // heads read (the latents, the RoPE key) are partial sums, added up over the group
+        // before the replicated projections' backward, which then gives every device the
+        // whole input gradient (no sum of `dln` after).
+        ex.tensor_sum(be, dkpe);
         // kv = c · Wkv_bᵀ, c = rmsnorm(kv_lat)
         let (dwkv_b, wkv_b) = (g.at(o.kv_b, kv_width * rkv), w.at(o.kv_b, kv_width * rkv));
-        be.matmul(p.dln.at(0, n * rkv), dkv, wkv_b, MatMul::linear_dx(n, rkv, kv_width));
+        be.matmul(dc, dkv, wkv_b, MatMul::linear_dx(n, rkv, kv_width));
         be.matmul(dwkv_b, dkv, acts.kv_lat_n, MatMul::linear_dw(n, rkv, kv_width));
+        ex.tensor_sum(be, dc);
         be.fill(dkv_lat, 0.0);
         let norm = (g.at(o.kv_norm, rkv), w.at(o.kv_norm, rkv));
-        be.rmsnorm_backward(dkv_lat, norm.0, p.dln.at(0, n * rkv), acts.kv_lat, norm.1, acts.kv_rstd, rkv);
-        // kv_lat and kpe = ln1 · Wkv_aᵀ (its two row blocks); their gradients start dln.
-        let (wkv_a, dwkv_a) = (w.at(o.kv_a, rkv * d), g.at(o.kv_a, rkv * d));
-        let (wpe, dwpe) = (w.at(o.kv_a + rkv * d, rope * d), g.at(o.kv_a + rkv * d, rope * d));
-        be.matmul(p.dln, dkv_lat, wkv_a, MatMul::linear_dx(n, d, rkv));
-        be.matmul(dwkv_a, dkv_lat, la.ln1, MatMul::linear_dw(n, d, rkv));
-        be.matmul(p.dln, dkpe, wpe, MatMul::linear_dx(n, d, rope).accumulating());
-        be.matmul(dwpe, dkpe, la.ln1, MatMul::linear_dw(n, d, rope));
+        be.rmsnorm_backward(dkv_lat, norm.0, dc, acts.kv_lat, norm.1, acts.kv_rstd, rkv);
+        // The queries' part of `dln` first: a partial sum over the heads without a latent.
         match o.q {
             QueryOffsets::Latent { down, norm, up } => {
                 let rq = a.q_lora_rank;
-                // q = rmsnorm(q_lat) · Wq_bᵀ; the normed latent's gradient goes through
-                // `dqkv` (read already) before the norm's backward adds it into `dq_lat`.
-                let dq_lat_n = p.dqkv.at(0, n * rq);
+                // q = rmsnorm(q_lat) · Wq_bᵀ
                 be.matmul(dq_lat_n, dq, w.at(up, h * qk * rq), MatMul::linear_dx(n, rq, h * qk));
                 be.matmul(g.at(up, h * qk * rq), dq, acts.q_lat_n, MatMul::linear_dw(n, rq, h * qk));
+                ex.tensor_sum(be, dq_lat_n);
                 be.fill(dq_lat, 0.0);
                 let (gn, wn) = (g.at(norm, rq), w.at(norm, rq));
                 be.rmsnorm_backward(dq_lat, gn, dq_lat_n, acts.q_lat, wn, acts.q_rstd, rq);
-                be.matmul(p.dln, dq_lat, w.at(down, rq * d), MatMul::linear_dx(n, d, rq).accumulating());
+                be.matmul(p.dln, dq_lat, w.at(down, rq * d), MatMul::linear_dx(n, d, rq));
                 be.matmul(g.at(down, rq * d), dq_lat, la.ln1, MatMul::linear_dw(n, d, rq));
             }
             QueryOffsets::Direct(q) => {
-                be.matmul(p.dln, dq, w.at(q, h * qk * d), MatMul::linear_dx(n, d, h * qk).accumulating());
+                be.matmul(p.dln, dq, w.at(q, h * qk * d), MatMul::linear_dx(n, d, h * qk));
                 be.matmul(g.at(q, h * qk * d), dq, la.ln1, MatMul::linear_dw(n, d, h * qk));
+                ex.tensor_sum(be, p.dln);
             }
         }
-        ex.tensor_sum(be, p.dln);
+        // kv_lat and kpe = ln1 · Wkv_aᵀ (its two row blocks), replicated.
+        let (wkv_a, dwkv_a) = (w.at(o.kv_a, rkv * d), g.at(o.kv_a, rkv * d));
+        let (wpe, dwpe) = (w.at(o.kv_a + rkv * d, rope * d), g.at(o.kv_a + rkv * d, rope * d));
+        be.matmul(p.dln, dkv_lat, wkv_a, MatMul::linear_dx(n, d, rkv).accumulating());
+        be.matmul(dwkv_a, dkv_lat, la.ln1, MatMul::linear_dw(n, d, rkv));
+        be.matmul(p.dln, dkpe, wpe, MatMul::linear_dx(n, d, rope).accumulating());
+        be.matmul(dwpe, dkpe, la.ln1, MatMul::linear_dw(n, d, rope));
     }
 }

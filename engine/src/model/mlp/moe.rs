@@ -121,6 +121,12 @@ impl Model {
         }
         ex.tensor_sum(be, p.dln);
         be.moe_route_backward(p.drouter, p.dweight, *probs, with_bias(*dispatch, w, bias), counts, aux_scale);
+        if let Some(at) = bias.filter(|_| self.config.moe.as_ref().is_some_and(|m| m.bias_update_rate > 0.0)) {
+            // Auxiliary-loss-free balancing: the selection bias's gradient slot gathers the
+            // layer's load excess over the step's micro-batches (and replicas), whose sign the
+            // balancing step reads ([`crate::parallel::Parallel::balance_selection_biases`]).
+            be.moe_load_excess(g.at(at, e), dispatch.stats.at(0, e));
+        }
         be.matmul(p.dln, p.drouter, w.at(router, e * d), MatMul::linear_dx(n, d, e).accumulating());
         be.matmul(g.at(router, e * d), p.drouter, a.ln2, MatMul::linear_dw(n, d, e));
     }
@@ -145,7 +151,11 @@ impl Model {
         let total = (moe.moe_layers(self.config.n_layers) * p.batch * p.seq * self.batch_shards) as f64;
         let aux_loss =
             e as f64 * counts.iter().zip(prob_sums).map(|(&c, &s)| c as f64 * s as f64).sum::<f64>() / (total * total);
-        RouterStats { aux_loss, dropped: dropped[0] as f64 / (total * moe.top_k as f64) }
+        let mean = counts.iter().map(|&c| c as f64).sum::<f64>() / e as f64;
+        let max_load = counts.iter().fold(0f64, |m, &c| m.max(c as f64)) / mean.max(f64::MIN_POSITIVE);
+        // DeepSeek-V3's sigmoid routing has no load-balancing loss.
+        let aux_loss = if moe.has_aux_loss() { aux_loss } else { 0.0 };
+        RouterStats { aux_loss, dropped: dropped[0] as f64 / (total * moe.top_k as f64), max_load }
     }
 
     /// The load-balancing loss of the last forward pass ([`Model::router_stats`]).

@@ -16,7 +16,11 @@
 // backward: dw_j = dy_t · ye_j (0 if dropped);  dye = w · dy;  router gradient through the
 //           scale, the renormalisation (if any) and the softmax or sigmoid, plus
 //           aux_scale · counts[e] on every probability of expert e.
-// balance:  DeepSeek-V3's bias update, bias[e] += rate · sign(mean(loads) - loads[e]).
+// balance:  DeepSeek-V3's auxiliary-loss-free balancing in two parts, so that a sharded
+//           optimizer can take the step on its part of the bias:
+//           load excess  excess[e] += counts[e] - mean(counts)                    (one block)
+//           bias step    bias[i] -= rate · sign(excess[i]), sign(0) = 0; excess[i] = 0
+//                                                                              (elementwise)
 //
 // Experts per layer are at most MAX_EXPERTS (8 per lane of a warp).
 
@@ -354,19 +358,28 @@ extern "C" __global__ void moe_route_backward(bf16* drouter, const float* dweigh
     }
 }
 
-// DeepSeek-V3's auxiliary-loss-free balancing (one block): bias[x] += rate · sign(mean - loads[x]),
-// sign(0) = 0, the mean of the e loads summed in f64, in order, by one thread (as the CPU does).
-extern "C" __global__ void moe_bias_update(float* bias, const float* loads, int e, float rate) {
+// A layer's load excess (one block): dst[x] += counts[x] - mean, the mean of the e counts summed in
+// f64, in order, by one thread, and the difference rounded once to f32 (as the CPU does).
+extern "C" __global__ void moe_load_excess(float* dst, const float* counts, int e) {
     __shared__ double mean[1];
     if (threadIdx.x == 0) {
         double s = 0.0;
-        for (int x = 0; x < e; x++) s += (double)loads[x];
+        for (int x = 0; x < e; x++) s += (double)counts[x];
         mean[0] = s / e;
     }
     __syncthreads();
-    for (int x = threadIdx.x; x < e; x += blockDim.x) {
-        double diff = mean[0] - (double)loads[x];
-        float sign = diff > 0.0 ? 1.f : (diff < 0.0 ? -1.f : 0.f);
-        bias[x] += rate * sign;
+    for (int x = threadIdx.x; x < e; x += blockDim.x) dst[x] += (float)((double)counts[x] - mean[0]);
+}
+
+// The balancing step, elementwise: bias[i] -= rate · sign(excess[i]) (sign(0) = 0), then
+// excess[i] = 0. bias16, when not null, is the bias's bf16 compute copy (a parameter's), refreshed.
+extern "C" __global__ void moe_bias_step(float* bias, bf16* bias16, float* excess, u64 n, float rate) {
+    for (u64 i = global_thread(); i < n; i += global_stride()) {
+        float x = excess[i];
+        float sign = x > 0.f ? 1.f : (x < 0.f ? -1.f : 0.f);
+        float b = bias[i] - rate * sign;
+        bias[i] = b;
+        if (bias16) bias16[i] = f2bf(b);
+        excess[i] = 0.f;
     }
 }

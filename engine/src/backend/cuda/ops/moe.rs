@@ -3,7 +3,7 @@
 
 use super::{Module, c_int, row_threads};
 use crate::backend::cuda::{Arg, Cuda, DType};
-use crate::backend::{MoeDispatch, Scoring, View};
+use crate::backend::{BufKind, MoeDispatch, Scoring, View};
 
 /// The kernels of `moe.cu`.
 pub(crate) const MODULE: Module = Module {
@@ -19,7 +19,8 @@ pub(crate) const MODULE: Module = Module {
         "moe_combine_backward_rows",
         "moe_combine_backward_weights",
         "moe_route_backward",
-        "moe_bias_update",
+        "moe_load_excess",
+        "moe_bias_step",
     ],
 };
 
@@ -36,9 +37,16 @@ pub(crate) fn route(gpu: &mut Cuda, probs: View, router_logits: View, d: MoeDisp
     assert!(d.experts <= MAX_EXPERTS, "internal error: {} experts", d.experts);
     let (n, e, k, r) = (d.tokens, d.experts, d.top_k, d.routing);
     r.validate(e, k);
+    // The selection bias is read exact, in f32 as transformers keeps it: a parameter's f32
+    // master (its bf16 copy would round the balancing step's small moves away).
     let bias = r.bias.map_or(0, |b| {
-        gpu.expect(b, DType::F32, "moe_route", "bias");
-        gpu.ptr(b)
+        let (at, dtype) = gpu.exact(b);
+        assert!(
+            dtype == DType::F32,
+            "internal error: cuda moe_route: the selection bias must be read in f32, got {dtype:?} ({:?}): FSDP's bf16 gathers do not carry it",
+            gpu.buffer(b).kind
+        );
+        at
     });
     let (p, z, w, ex) =
         (gpu.out(probs, "moe_route"), gpu.ptr(router_logits), gpu.out(d.weight, "moe_route"), gpu.iptr(d.expert));
@@ -172,12 +180,28 @@ pub(crate) fn route_backward(
     gpu.launch("moe_route_backward", ((d.tokens as u64 * 32).div_ceil(256) as u32, 1, 1), 256, 0, &args);
 }
 
-/// `Backend::moe_bias_update`: one block (the mean summed in order by one thread).
-pub(crate) fn bias_update(gpu: &mut Cuda, bias: View, loads: View, rate: f32) {
-    gpu.expect(bias, DType::F32, "moe_bias_update", "bias");
-    gpu.expect(loads, DType::F32, "moe_bias_update", "loads");
-    assert_eq!(bias.len, loads.len, "internal error: moe_bias_update: bias and loads lengths");
-    let (b, l) = (gpu.out(bias, "moe_bias_update"), gpu.ptr(loads));
-    let args = [Arg::P(b), Arg::P(l), Arg::I(c_int(bias.len, "experts")), Arg::F(rate)];
-    gpu.launch("moe_bias_update", (1, 1, 1), 256, 0, &args);
+/// `Backend::moe_load_excess`: one block (the mean summed in order by one thread).
+pub(crate) fn load_excess(gpu: &mut Cuda, dst: View, counts: View) {
+    gpu.expect(dst, DType::F32, "moe_load_excess", "dst");
+    gpu.expect(counts, DType::F32, "moe_load_excess", "counts");
+    assert_eq!(dst.len, counts.len, "internal error: moe_load_excess: dst and counts lengths");
+    let (d, c) = (gpu.out(dst, "moe_load_excess"), gpu.ptr(counts));
+    let args = [Arg::P(d), Arg::P(c), Arg::I(c_int(dst.len, "experts"))];
+    gpu.launch("moe_load_excess", (1, 1, 1), 256, 0, &args);
+}
+
+/// `Backend::moe_bias_step`: elementwise. A bias in parameters steps its f32 master and refreshes
+/// its bf16 copy, as AdamW does; any other bias is f32.
+pub(crate) fn bias_step(gpu: &mut Cuda, bias: View, excess: View, rate: f32) {
+    gpu.expect(excess, DType::F32, "moe_bias_step", "excess");
+    assert_eq!(bias.len, excess.len, "internal error: moe_bias_step: bias and excess lengths");
+    let (b, b16) = if gpu.buffer(bias).kind == BufKind::Params {
+        (gpu.exact(bias).0, gpu.ptr(bias))
+    } else {
+        gpu.expect(bias, DType::F32, "moe_bias_step", "bias");
+        (gpu.out(bias, "moe_bias_step"), 0)
+    };
+    let x = gpu.out(excess, "moe_bias_step");
+    let args = [Arg::P(b), Arg::P(b16), Arg::P(x), Arg::U(bias.len as u64), Arg::F(rate)];
+    gpu.launch_1d("moe_bias_step", bias.len as u64, &args);
 }
