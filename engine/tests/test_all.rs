@@ -299,7 +299,9 @@ fn baselines_create_records_a_file_test_all_reads() {
 /// steps at a learning rate ten times the recipes', so that one lost optimizer step moves the
 /// next loss well past the bf16 tolerance.
 const SHRUNK: &str = "model.d_model=64 model.n_heads=2 model.n_kv_heads=2 model.head_dim=32 model.mlp_dim=128 \
-                      model.vocab_size=256 train.seq_len=16 train.steps=4 optim.warmup_steps=2 optim.lr=1e-2";
+                      model.vocab_size=256 train.seq_len=16 train.steps=4 optim.warmup_steps=2 optim.lr=1e-2 \
+                      tiny-deepseek-v3:model.mla.nope_dim=24 tiny-deepseek-v3:model.mla.rope_dim=8 \
+                      tiny-deepseek-v3:model.mla.v_dim=16 tiny-deepseek-v3:model.moe.dense_mlp_dim=128";
 
 fn emulator_available() -> bool {
     if engine::backend::cuda::emulator::compiler_available() {

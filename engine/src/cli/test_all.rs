@@ -150,7 +150,7 @@ pub fn run(args: TestAllArgs, device: DeviceArg) -> Result<()> {
             .unwrap_or_default()
     );
     println!("{}", report::header());
-    let hook = baselines::hook_overrides();
+    let hook = baselines::hook_entries();
     if !hook.is_empty() {
         say!("{}: the curves are trained with {} as well (a test hook)", baselines::CURVE_HOOK, hook.join(" "));
     }

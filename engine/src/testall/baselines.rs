@@ -204,14 +204,27 @@ pub fn reference(dir: &Path, target: Target, mode: Mode) -> Result<Reference> {
 
 /// Test hook: `ENGINE_TEST_CURVE_OVERRIDES="KEY=VALUE KEY=VALUE ..."` appends overrides to
 /// every curve's (whitespace-separated, last), so that the integration tests train shrunk curves
-/// on the emulator in seconds instead of minutes. The baseline files record their overrides, so
+/// on the emulator in seconds instead of minutes; an entry `RECIPE:KEY=VALUE` applies to that
+/// recipe's curve only (keys another family lacks, such as latent attention's). The baseline files record their overrides, so
 /// curves trained with it compare only with baselines recorded with it: against any other file
 /// `test-all` stops with exit code 2. Do not set it otherwise.
 pub const CURVE_HOOK: &str = "ENGINE_TEST_CURVE_OVERRIDES";
 
-/// The overrides [`CURVE_HOOK`] adds (none when it is unset).
-pub fn hook_overrides() -> Vec<String> {
+/// Every entry of [`CURVE_HOOK`] as written (none when it is unset).
+pub fn hook_entries() -> Vec<String> {
     std::env::var(CURVE_HOOK).map(|v| v.split_whitespace().map(str::to_owned).collect()).unwrap_or_default()
+}
+
+/// The overrides [`CURVE_HOOK`] adds to `recipe`'s curve: its entries for every recipe, and
+/// those for `recipe` (`RECIPE:KEY=VALUE`) without their prefix.
+pub fn hook_overrides(recipe: &str) -> Vec<String> {
+    hook_entries()
+        .into_iter()
+        .filter_map(|e| match e.split_once(':') {
+            Some((r, rest)) if !r.contains('=') => (r == recipe).then(|| rest.to_owned()),
+            _ => Some(e),
+        })
+        .collect()
 }
 
 fn mode_overrides(mode: Mode) -> Vec<String> {
@@ -223,10 +236,10 @@ fn mode_overrides(mode: Mode) -> Vec<String> {
 
 /// The overrides a curve is trained with in `mode`, on top of the built-in recipe (no
 /// `ENGINE_DEFAULT_FLAGS`, `ENGINE_FLAGS` or `--set`: a baseline is one exact experiment), and
-/// those of the test hook [`CURVE_HOOK`]. Baseline files record them.
-pub fn overrides(mode: Mode) -> Vec<String> {
+/// those of the test hook [`CURVE_HOOK`] for `recipe`. Baseline files record them.
+pub fn overrides(mode: Mode, recipe: &str) -> Vec<String> {
     let mut list = mode_overrides(mode);
-    list.extend(hook_overrides());
+    list.extend(hook_overrides(recipe));
     list
 }
 
@@ -247,7 +260,8 @@ pub fn emulator_shrink(recipe: &str) -> &'static [&'static str] {
 
 /// Resolves `recipe` with the overrides of `mode`, then `extra`, then the test hook's.
 pub fn curve_config(recipe: &str, mode: Mode, extra: &[&str]) -> Result<Config> {
-    let texts = mode_overrides(mode).into_iter().chain(extra.iter().map(|s| s.to_string())).chain(hook_overrides());
+    let texts =
+        mode_overrides(mode).into_iter().chain(extra.iter().map(|s| s.to_string())).chain(hook_overrides(recipe));
     let list: Vec<Override> = texts.map(|text| Override { text, origin: "test-all".into() }).collect();
     Ok(config::resolve(recipe, &list)?.config)
 }
@@ -424,9 +438,9 @@ pub fn load(dir: &Path, class: DeviceClass, mode: Mode) -> Result<BaselineFile> 
     }
     let runs = r.get(&v, "runs")?.as_u64().filter(|&n| n > 0).ok_or_else(|| r.bad("runs", "a whole number ≥ 1"))?;
     let table = r.get(&v, "recipes")?.as_object().ok_or_else(|| r.bad("recipes", "an object"))?;
-    let want = overrides(mode);
     let mut recipes = BTreeMap::new();
     for name in CURVE_RECIPES {
+        let want = overrides(mode, name);
         let key = format!("recipes.{name}");
         // CUDA baselines recorded before a curve recipe existed lack it: its curve is compared
         // with the CPU baseline within the bf16 tolerance (`Reference::cpu_for_missing`).
@@ -597,7 +611,7 @@ pub fn create(dir: &Path, target: Target, mode: Mode, runs: usize, progress: &mu
         let tokens_per_s = median(&mut rates);
         recipes.insert(
             name.to_owned(),
-            RecipeBaseline { overrides: overrides(mode), loss, tokens_per_s, run_spread: spread },
+            RecipeBaseline { overrides: overrides(mode, name), loss, tokens_per_s, run_spread: spread },
         );
     }
     let device = target.class();

@@ -1363,6 +1363,33 @@ mod tests {
             }
         }
 
+        /// A checkpoint written under EP 2 x FSDP 2 (the selection biases moved by the balancing
+        /// step, in FSDP pieces) continues the same curve on one device and on tensor 2 x
+        /// pipeline 2.
+        #[test]
+        fn deepseek_v3_checkpoints_reshard_between_meshes() {
+            use crate::checkpoint::{self, Checkpoint};
+            let tmp = std::env::temp_dir().join(format!("engine-deepseek-resume-{}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&tmp);
+            let saved = deepseek_config(&["mesh.ici_data=2", "mesh.ici_fsdp=2", "mesh.ici_expert=2"]);
+            let (steps, half) = (saved.train.steps as u64, 2u64);
+            let curve = train_and_save(&saved, 4, half, &tmp).unwrap();
+            let ck = Checkpoint::open(&tmp.join(checkpoint::dir_name(half))).unwrap();
+            let rest = |t: &mut Trainer<Traced<Cpu>>| -> Result<Vec<f64>> {
+                t.resume_from(&ck)?;
+                Ok((half..steps).map(|_| t.train_step(0.0).loss).collect())
+            };
+            let mut one = deepseek_config(&["mesh.ici_data=1"]);
+            one.train.batch_size *= 4;
+            let mut single = Trainer::new(Traced::new(Cpu::new()), &one).unwrap();
+            assert_same_curve("EP 2 x FSDP 2 -> one device", &curve[half as usize..], &rest(&mut single).unwrap());
+            let mut tp_pp = deepseek_config(&["mesh.ici_data=1", "mesh.ici_tensor=2", "mesh.ici_pipeline=2"]);
+            tp_pp.train.pipeline_microbatches = 2;
+            let resumed = run(&tp_pp, 4, |_, t| rest(t)).unwrap().remove(0);
+            assert_same_curve("EP 2 x FSDP 2 -> tensor 2 x pipeline 2", &curve[half as usize..], &resumed);
+            std::fs::remove_dir_all(&tmp).unwrap();
+        }
+
         #[test]
         fn deepseek_v3_on_the_expert_axis_follows_one_device() {
             for (name, sets, devices) in [
