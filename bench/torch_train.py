@@ -8,8 +8,8 @@ given thread count. CUDA: bf16 weights and activations, SDPA attention, fused Ad
 torch.compile: `--compile blocks` as torchtitan does (each decoder layer compiled on its own,
 `fullgraph=True`) or `--compile whole` (the forward
 pass and the loss compiled together, as first measured). The loss is the mean next-token
-cross-entropy (plus the load-balancing term for Mixtral), as the engine computes it. Each step
-ends with `loss.item()`, which waits for the GPU, as the engine's logged loss does.
+cross-entropy (plus the load-balancing term for Mixtral and Qwen3-MoE), as the engine computes
+it. Each step ends with `loss.item()`, which waits for the GPU, as the engine's logged loss does.
 
     python3 bench/torch_train.py --recipe tiny-llama2 --threads 2
     python3 bench/torch_train.py --recipe gpt-126m --set train.seq_len=256 --threads 2   # GPT2LMHeadModel
@@ -112,16 +112,63 @@ def hf_config(model):
     window = model["sliding_window"] or None
     if family == "mistral":
         return transformers.MistralConfig(rope_parameters=rope, sliding_window=window, **common)
-    moe = model["moe"]
-    return transformers.MixtralConfig(
+    if family in ("qwen3", "qwen3_moe") and window:
+        sys.exit(f"bench/torch_train.py: model.sliding_window = {window} on {family} is not written here")
+    if family == "qwen3":
+        # Qwen3ForCausalLM: Llama's layer with an RMSNorm over each query and key head (QK-norm)
+        # before RoPE, and a head_dim of its own (not d_model / heads).
+        return transformers.Qwen3Config(rope_parameters=rope, use_sliding_window=False, **common)
+    moe = model.get("moe")
+    if family not in ("mixtral", "qwen3_moe") or not moe:
+        sys.exit(f"bench/torch_train.py: model.family = {family!r} is not written here")
+    if family == "mixtral":
+        return transformers.MixtralConfig(
+            rope_parameters=rope,
+            sliding_window=window,
+            num_local_experts=moe["num_experts"],
+            num_experts_per_tok=moe["top_k"],
+            router_aux_loss_coef=moe["aux_loss_coef"],
+            output_router_logits=True,
+            **common,
+        )
+    check_softmax_routing(moe)
+    # Qwen3MoeForCausalLM: Qwen3's attention, a softmax router over every expert, the top k
+    # renormalised or not (norm_topk_prob), experts of moe_intermediate_size; the layers in
+    # mlp_only_layers keep a dense MLP of intermediate_size. Qwen3MoeConfig has no head_dim
+    # argument of its own (the attention reads `config.head_dim`, else d_model / heads); the
+    # keyword is kept on the config as the hub's configs have it.
+    dense = list(moe.get("dense_layers") or [])
+    common = dict(common, intermediate_size=moe["dense_mlp_dim"] if dense else model["mlp_dim"])
+    return transformers.Qwen3MoeConfig(
         rope_parameters=rope,
-        sliding_window=window,
-        num_local_experts=moe["num_experts"],
+        use_sliding_window=False,
+        num_experts=moe["num_experts"],
         num_experts_per_tok=moe["top_k"],
+        moe_intermediate_size=model["mlp_dim"],
+        norm_topk_prob=moe["renormalize"],
+        decoder_sparse_step=1,
+        mlp_only_layers=dense,
         router_aux_loss_coef=moe["aux_loss_coef"],
         output_router_logits=True,
         **common,
     )
+
+
+def check_softmax_routing(moe):
+    """The MoE peers route as Mixtral and Qwen3-MoE do: a softmax over every expert, top k of
+    one group, no shared expert, no selection bias, unscaled. DeepSeek-V3's routing is not
+    written here."""
+    odd = {
+        "scoring": (moe.get("scoring", "softmax"), "softmax"),
+        "groups": (moe.get("groups", 1), 1),
+        "top_groups": (moe.get("top_groups", 1), 1),
+        "shared_experts": (moe.get("shared_experts", 0), 0),
+        "selection_bias": (moe.get("selection_bias", False), False),
+        "routed_scale": (moe.get("routed_scale", 1.0), 1.0),
+    }
+    odd = {k: v for k, (v, want) in odd.items() if v != want}
+    if odd:
+        sys.exit(f"bench/torch_train.py: model.moe {odd}: only softmax top-k routing is written here")
 
 
 def main():
@@ -135,7 +182,7 @@ def main():
     ap.add_argument("--compile", choices=["blocks", "whole"],
                     help="torch.compile each decoder layer (torchtitan's way) or the forward pass and loss together")
     ap.add_argument("--moe-layer", default="hf", choices=["hf", "grouped-mm"],
-                    help="Mixtral: transformers' model, or bench/torch_moe.py's torchtitan-style one (CUDA)")
+                    help="Mixtral, Qwen3-MoE: transformers' model, or bench/torch_moe.py's torchtitan-style one")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3, help="steps before measuring (torch.compile compiles in the first)")
     args = ap.parse_args()
@@ -150,21 +197,29 @@ def main():
     moe = recipe["model"].get("moe")
     grouped = args.moe_layer == "grouped-mm"
     if grouped and not moe:
-        sys.exit("bench/torch_train.py: --moe-layer grouped-mm needs a Mixtral recipe")
+        sys.exit("bench/torch_train.py: --moe-layer grouped-mm needs a mixture-of-experts recipe (Mixtral, Qwen3-MoE)")
     if moe and moe.get("capacity_factor"):
-        sys.exit("bench/torch_train.py: the Mixtral peers are dropless; leave model.moe.capacity_factor out")
+        sys.exit("bench/torch_train.py: the MoE peers are dropless; leave model.moe.capacity_factor out")
     torch.manual_seed(train["seed"])
-    if grouped:
-        sys.path.insert(0, here)
-        from torch_moe import Mixtral
+    # Built on the device it trains on (in f32, then cast): an 8B model's initialisation on the
+    # host would take a while of every run.
+    with torch.device(args.device):
+        if grouped:
+            sys.path.insert(0, here)
+            from torch_moe import MoeTransformer
 
-        model = Mixtral(recipe["model"], train["seq_len"])
-    else:
-        config = hf_config(recipe["model"])
-        if cuda:
-            config._attn_implementation = "sdpa"
-        model = transformers.AutoModelForCausalLM.from_config(config)
+            model = MoeTransformer(recipe["model"], train["seq_len"])
+        else:
+            config = hf_config(recipe["model"])
+            if cuda:
+                config._attn_implementation = "sdpa"
+            model = transformers.AutoModelForCausalLM.from_config(config)
     model = model.to(device=args.device, dtype=torch.bfloat16 if cuda else torch.float32)
+    if not grouped and recipe["model"]["family"] != "gpt":
+        # The recipe's head_dim, not d_model / heads (Qwen3MoeConfig takes it as a bare attribute).
+        attn = model.model.layers[0].self_attn
+        want = recipe["model"]["n_heads"] * recipe["model"]["head_dim"]
+        assert attn.q_proj.out_features == want, f"q_proj has {attn.q_proj.out_features} outputs, not {want}"
     model.train()
     opt = torch.optim.AdamW(
         model.parameters(),
@@ -177,7 +232,7 @@ def main():
     vocab = recipe["model"]["vocab_size"]
 
     def loss_fn(inputs, targets):
-        """Mean next-token cross-entropy in f32 (plus the load-balancing loss for Mixtral)."""
+        """Mean next-token cross-entropy in f32 (plus the load-balancing loss with experts)."""
         if grouped:
             return model(inputs, targets)
         kwargs = {"output_router_logits": True} if moe else {}
@@ -241,6 +296,10 @@ def main():
             "recipe": args.recipe,
             "device": torch.cuda.get_device_name() if cuda else args.device,
             "threads": args.threads,
+            # How transformers ran the experts ("grouped_mm", "eager", ...); None without them.
+            "experts_implementation": getattr(model.config, "_experts_implementation", None)
+            if moe and not grouped
+            else ("torch_moe grouped_mm" if grouped else None),
         },
         batch * seq * accum,
         times,

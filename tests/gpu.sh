@@ -11,7 +11,8 @@
 # target/release/engine). Needs the NVIDIA driver (580+) and CUDA 13's NVRTC and cuBLASLt on the
 # library path or in ENGINE_CUDA_LIB_PATH; the bench-* phases need PYTHON (default python3) with
 # torch and transformers, and JAX for its peer (ROUNDS, default 3, interleaved rounds of
-# bench/compare.py; PEERS, its --peers; MOE_PEERS and MOE_ROUNDS for the Mixtral phase), the
+# bench/compare.py; PEERS, its --peers; MOE_PEERS and MOE_ROUNDS for the Mixtral phase;
+# QWEN3_PEERS, QWEN3_MOE_PEERS and QWEN3_ROUNDS for the Qwen3 phase), the
 # profile phase torch and JAX too, long-check
 # only python3. The long run keeps its run directory (with a checkpoint of about 15 GB) in
 # LONG_DIR (default OUTDIR/long-run), which must survive from one piece to the next.
@@ -30,6 +31,13 @@ PEERS=${PEERS:-engine,eager,compile-blocks,jax}
 # torch._grouped_mm compiled per block, JAX with ragged_dot (bench/compare.py).
 MOE_PEERS=${MOE_PEERS:-engine,eager,grouped-mm,jax}
 MOE_ROUNDS=${MOE_ROUNDS:-2}
+# The Qwen3 phase: qwen3-8b against transformers' Qwen3ForCausalLM compiled per block, and
+# qwen3-30b-a3b against transformers' Qwen3MoeForCausalLM in eager PyTorch and the torchtitan-style
+# grouped-mm model; one round each by default, to stay within the slot (every torch run pays its
+# model's initialisation and, compiled, torch.compile's).
+QWEN3_PEERS=${QWEN3_PEERS:-engine,compile-blocks}
+QWEN3_MOE_PEERS=${QWEN3_MOE_PEERS:-engine,eager,grouped-mm}
+QWEN3_ROUNDS=${QWEN3_ROUNDS:-1}
 # The long run: llama3.2-1b at 8 x 1024 tokens a step, LONG_STEPS steps in 4 pieces, each
 # resuming from the previous piece's checkpoint. The cosine is fixed at LONG_STEPS
 # (optim.decay_steps), so the pieces make exactly the run one process would have made.
@@ -55,6 +63,7 @@ PHASES=(
     "bench-llama3.2-1b|7|bench/compare.py: the engine, PyTorch eager, torch.compile per block and JAX + cuDNN, llama3.2-1b at 4 x 4096"
     "bench-fuji-3B-v3|9|bench/compare.py: the same for fuji-3B-v3 at 2 x 4096"
     "bench-mixtral-8x7b|6|mixtral-8x7b cut to 2 layers at 2 x 4096: engine bench --profile (where the MoE step goes), then bench/compare.py against the MoE peers (MOE_PEERS), MOE_ROUNDS interleaved rounds"
+    "bench-qwen3|7|bench/compare.py at 2 x 4096: qwen3-8b cut to 10 layers against torch.compile per block (QWEN3_PEERS), qwen3-30b-a3b cut to 4 layers against eager transformers and grouped-mm (QWEN3_MOE_PEERS), QWEN3_ROUNDS rounds each"
     "long-cpu|4|the long run's first 3 steps on the CPU (the reference for long-check)"
     "long-1|3|the long run on the GPU: steps 1 to 250, checkpoint"
     "long-2|2|the long run: resume, steps 251 to 500, checkpoint"
@@ -230,6 +239,22 @@ phase() {
             --json "$out/bench-mixtral-8x7b.json"
         "$PYTHON" bench/compare.py --engine "$ENGINE" --python "$PYTHON" --recipe mixtral-8x7b --peers "$MOE_PEERS" \
             "${mixtral[@]}" --rounds "$MOE_ROUNDS" --json "$out/compare.json"
+        ;;
+    bench-qwen3)
+        # Qwen3 dense and MoE on one GPU, the shapes cut to fit 80 GiB at 2 x 4096 by the
+        # engine's estimate (`engine recipes show RECIPE --set model.n_layers=N ...`, CUDA column):
+        # qwen3-8b at 10 layers needs 67.3 GiB (11: 71.6, 12: 75.9), qwen3-30b-a3b at 4 layers
+        # 60.3 GiB (5: 71.9, 6: 83.5). An H100 gives about 78 GiB: one more layer of either would
+        # leave under 8 % for the estimate's error, the CUDA context and cuDNN's workspace.
+        # One log and one JSON per model; both models run even when the first fails.
+        local shape recipe layers peers rc=0
+        for shape in "qwen3-8b 10 $QWEN3_PEERS" "qwen3-30b-a3b 4 $QWEN3_MOE_PEERS"; do
+            read -r recipe layers peers <<<"$shape"
+            "$PYTHON" bench/compare.py --engine "$ENGINE" --python "$PYTHON" --recipe "$recipe" --peers "$peers" \
+                --set "model.n_layers=$layers" --set train.seq_len=4096 --set train.batch_size=2 \
+                --rounds "$QWEN3_ROUNDS" --json "$out/$recipe.json" 2>&1 | tee "$out/$recipe.log" || rc=1
+        done
+        return "$rc"
         ;;
     long-cpu)
         # The same seed gives the same initial weights and data order on both devices; the CPU

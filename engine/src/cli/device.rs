@@ -74,7 +74,7 @@ pub fn open(arg: DeviceArg, config: Option<&Config>) -> Result<Opened> {
         DeviceArg::Cuda => "--device cuda:",
     };
     if let Some(c) = config {
-        cuda::check_model(&c.model).map_err(|e| anyhow::anyhow!("{gpu} {e}"))?;
+        cuda::check_run(c).map_err(|e| anyhow::anyhow!("{gpu} {e}"))?;
     }
     let backend = Cuda::new(0).map_err(|e| {
         let hint = if arg == DeviceArg::Auto { " (--device cpu runs on the CPU)" } else { "" };

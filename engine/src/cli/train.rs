@@ -262,7 +262,7 @@ impl Start {
             let comm = self.recorded(comm?, config, job)?;
             return self.run_rank(engine::backend::cpu::Cpu::new(), comm, config, plan, job);
         }
-        engine::backend::cuda::check_model(&config.model).map_err(|e| anyhow!("--device cuda: {e}"))?;
+        engine::backend::cuda::check_run(config).map_err(|e| anyhow!("--device cuda: {e}"))?;
         let (gpu, gpu_s) = timed(|| engine::backend::cuda::Cuda::new(job.local_rank));
         let gpu = gpu.map_err(|e| anyhow!("rank {} (local rank {}): {e}", job.rank, job.local_rank))?;
         let opened = Opened::Cuda(Box::new(gpu));

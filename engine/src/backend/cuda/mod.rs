@@ -158,6 +158,23 @@ pub fn check_model(m: &ModelConfig) -> Result<()> {
     Ok(())
 }
 
+/// What the CUDA backend cannot run of a whole run's configuration: its model
+/// ([`check_model`]), and DeepSeek-V3's selection biases under FSDP, whose bf16 gathers would
+/// round the balancing step's moves away (routing reads the bias in f32, from the parameters'
+/// master, which FSDP keeps sharded).
+pub fn check_run(c: &crate::config::Config) -> Result<()> {
+    check_model(&c.model)?;
+    let fsdp = c.mesh.ici_fsdp != 1 || c.mesh.dcn_fsdp != 1;
+    if fsdp && c.model.moe.as_ref().is_some_and(|moe| moe.selection_bias) {
+        bail!(
+            "model.moe.selection_bias with an fsdp axis (mesh.ici_fsdp = {}, mesh.dcn_fsdp = {}): the CUDA backend gathers FSDP's parameters in bf16, which does not carry the f32 selection bias yet; use the data, tensor or expert axes, or --device cpu",
+            c.mesh.ici_fsdp,
+            c.mesh.dcn_fsdp
+        );
+    }
+    Ok(())
+}
+
 /// Device memory the backend allocates for itself, beyond the views it hands out, for a model
 /// at a batch shape: the cuBLASLt workspace, the reduction partials, the RMSNorm weight-gradient
 /// partials (LayerNorm's weight and bias gradients: twice as many; QK-norm's `[dwq | dwk]`, which
@@ -962,5 +979,15 @@ mod tests {
         let m = ModelConfig { head_dim: 256, ..ModelConfig::default() };
         assert!(check_model(&m).is_err());
         assert!(check_model(&ModelConfig { head_dim: 128, ..ModelConfig::default() }).is_ok());
+    }
+
+    #[test]
+    fn a_selection_bias_under_fsdp_is_refused_by_name() {
+        let overrides = crate::config::Override::from_list("mesh.ici_data=1 mesh.ici_fsdp=2", "test");
+        let c = crate::config::resolve("tiny-deepseek-v3", &overrides).unwrap().config;
+        let e = check_run(&c).unwrap_err().to_string();
+        assert!(e.contains("model.moe.selection_bias") && e.contains("mesh.ici_fsdp = 2"), "{e}");
+        let c = crate::config::resolve("tiny-deepseek-v3", &[]).unwrap().config;
+        assert!(check_run(&c).is_ok());
     }
 }
