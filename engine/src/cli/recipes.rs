@@ -208,6 +208,12 @@ pub fn run(cmd: RecipesCommand) -> Result<()> {
                         })
                     })
                     .collect();
+                if plans.pruned > 0 {
+                    eprintln!(
+                        "# {} of {} meshes skipped unestimated: their parameters, gradients, moments and FSDP buffers alone exceed {memory} GiB less {reserve} GiB",
+                        plans.pruned, plans.meshes
+                    );
+                }
                 println!("{}", serde_json::to_string_pretty(&rows)?);
             } else {
                 println!(
@@ -222,6 +228,12 @@ pub fn run(cmd: RecipesCommand) -> Result<()> {
                     "{:>4} {:>10} {:>11} {:>8}  mesh (data x fsdp x tensor x pipeline x seq), --set",
                     "rank", "step (s)", "memory", "bubble"
                 );
+                if plans.pruned > 0 {
+                    println!(
+                        "# {} of {} meshes skipped unestimated: their parameters, gradients, moments and FSDP buffers alone exceed {memory} GiB less {reserve} GiB",
+                        plans.pruned, plans.meshes
+                    );
+                }
                 for (i, row) in plans.fits.iter().take(top).enumerate() {
                     println!(
                         "{:>4} {:>10.3} {:>7.1} GiB {:>7.1}%  {}: --set {}",

@@ -53,27 +53,34 @@ pub fn device_estimate(
     fsdp: usize,
     target: Target,
 ) -> Estimate {
-    // A device of a seq axis keeps two chunks of each sequence.
-    let seq_len = config.train.seq_len / model.seq.ranks;
-    let mut e = memory::estimate(model, batch, seq_len, target);
+    let (mut e, slot) = device_estimate_slots(config, model, batch, fsdp, target);
     // Each further micro-batch in flight keeps its own activations and inputs.
-    let rope = seq_len * config.model.head_dim;
-    let slot = |model: &Model| {
-        let more = model.slot_activation_elements(batch, seq_len);
-        more.activations * element_bytes(BufKind::Activations, target)
-            + (more.scalars + rope) * element_bytes(BufKind::Scalars, target)
-            + more.indices * 4
-    };
     if let [one] = in_flight {
-        e.activations += (one - 1) * slot(model);
+        e.activations += (one - 1) * slot;
     } else {
+        let seq_len = config.train.seq_len / model.seq.ranks;
         let chunks = super::pipeline::chunk_models(model);
         assert_eq!(chunks.len(), in_flight.len(), "internal error: virtual stages and their slots");
         e.activations = memory::estimate(&chunks[0], batch, seq_len, target).activations;
         for (c, (chunk, &n)) in chunks.iter().zip(in_flight).enumerate() {
-            e.activations += (n - usize::from(c == 0)) * slot(chunk);
+            e.activations += (n - usize::from(c == 0)) * slot_bytes(config, chunk, batch, target);
         }
     }
+    e
+}
+
+/// [`device_estimate`] without virtual stages, in two parts: the bytes with one micro-batch in
+/// flight, and those each further one adds (its slot); `n` in flight take `e + (n − 1) · slot`.
+pub fn device_estimate_slots(
+    config: &Config,
+    model: &Model,
+    batch: usize,
+    fsdp: usize,
+    target: Target,
+) -> (Estimate, usize) {
+    // A device of a seq axis keeps two chunks of each sequence.
+    let seq_len = config.train.seq_len / model.seq.ranks;
+    let mut e = memory::estimate(model, batch, seq_len, target);
     if fsdp > 1 {
         let f = fsdp_sizes(&model.layout, fsdp, FsdpOptions::of(&config.mesh));
         let bytes = |kind| element_bytes(kind, target);
@@ -81,5 +88,16 @@ pub fn device_estimate(
         e.gradients = (f.shard + f.accumulating) * bytes(BufKind::Grads);
         e.optimizer = 2 * f.shard * bytes(BufKind::OptState);
     }
-    e
+    (e, slot_bytes(config, model, batch, target))
+}
+
+/// Bytes of one more micro-batch in flight on a device holding `model`: its activations, its
+/// statistics and RoPE table, its indices.
+fn slot_bytes(config: &Config, model: &Model, batch: usize, target: Target) -> usize {
+    let seq_len = config.train.seq_len / model.seq.ranks;
+    let rope = seq_len * config.model.head_dim;
+    let more = model.slot_activation_elements(batch, seq_len);
+    more.activations * element_bytes(BufKind::Activations, target)
+        + (more.scalars + rope) * element_bytes(BufKind::Scalars, target)
+        + more.indices * 4
 }
