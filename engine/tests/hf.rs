@@ -450,6 +450,17 @@ fn unreadable_models_are_named() {
         assert!(!ck.exists(), "a failed import left {}", ck.display());
         fails(&["eval", "--hf", s(model), "--tokens", s(&fixture("hf/llama/tokens.json"))], expected);
     }
+    // DeepSeek-V3's multi-token prediction module lies past the last layer in hub checkpoints
+    // (`model.layers.61.*`): here the fixture's last layer, under a config.json one layer shorter.
+    let mtp = dir.join("mtp");
+    std::fs::create_dir_all(&mtp).unwrap();
+    std::fs::copy(fixture("hf/deepseek-v3/model.safetensors"), mtp.join("model.safetensors")).unwrap();
+    let mut c: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(fixture("hf/deepseek-v3/config.json")).unwrap()).unwrap();
+    c["num_hidden_layers"] = 2.into();
+    std::fs::write(mtp.join("config.json"), serde_json::to_vec(&c).unwrap()).unwrap();
+    fails(&["import-hf", s(&mtp), "--out", s(&ck)], "is a multi-token prediction layer (num_nextn_predict_layers)");
+    assert!(!ck.exists(), "a failed import left {}", ck.display());
     let bad_tokens = dir.join("tokens.json");
     std::fs::write(&bad_tokens, "[[1, 2, 3], [4, 5]]").unwrap();
     fails(

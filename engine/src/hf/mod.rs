@@ -199,6 +199,18 @@ impl HfModel {
                 !(n.ends_with("rotary_emb.inv_freq") || m.tie_embeddings && *n == "lm_head.weight" || buffer(n))
             })
             .collect();
+        // DeepSeek-V3's hub checkpoints hold their multi-token prediction module as the layers
+        // past the last (`model.layers.61.*`), which transformers drops on load.
+        let mtp = format!("model.layers.{}.", m.n_layers);
+        if m.family == crate::config::Family::DeepseekV3
+            && let Some(first) = unexpected.iter().find(|n| n.starts_with(&mtp))
+        {
+            bail!(
+                "{}: {first} is a multi-token prediction layer (num_nextn_predict_layers), which the engine does not train; remove the model.layers.{}.* tensors to import the rest",
+                self.dir.display(),
+                m.n_layers
+            );
+        }
         if !unexpected.is_empty() {
             let shown: Vec<&str> = unexpected.iter().take(5).map(|s| s.as_str()).collect();
             bail!(
