@@ -191,6 +191,20 @@ fn an_expert_axis_across_processes_follows_virtual_devices_and_one_device() {
     assert_eq!((procs.len(), &procs), (3, &virt), "ep 2 x fsdp 2 on processes and on virtual devices");
 }
 
+/// The new families across processes, bit for bit their virtual devices: DeepSeek-V3 (latent
+/// attention split over a tensor group, grouped sigmoid routing, the balancing step) on EP 2 x
+/// tensor 2, and Qwen3-MoE (QK-norm, fine-grained experts) on EP 2.
+#[test]
+fn deepseek_v3_and_qwen3_moe_across_processes_follow_virtual_devices() {
+    let latent = ["model.mla.nope_dim=24", "model.mla.rope_dim=8", "model.mla.v_dim=16"];
+    let mesh = [&latent[..], &["mesh.ici_data=2", "mesh.ici_expert=2", "mesh.ici_tensor=2"]].concat();
+    let (_dir, procs, virt) = recipe_processes_and_virtual("tiny-deepseek-v3", "mp-deepseek", 4, "3", &mesh);
+    assert_eq!((procs.len(), &procs), (3, &virt), "tiny-deepseek-v3, ep 2 x tensor 2");
+    let mesh = ["mesh.ici_data=2", "mesh.ici_expert=2"];
+    let (_dir, procs, virt) = recipe_processes_and_virtual("tiny-qwen3-moe", "mp-qwen3-moe", 2, "3", &mesh);
+    assert_eq!((procs.len(), &procs), (3, &virt), "tiny-qwen3-moe, ep 2");
+}
+
 /// Two nodes of two processes each, under the MaxText/Vertex convention (one launcher per
 /// node): FSDP within a node, data parallelism across them (HSDP), against one device with
 /// the same global batch.
