@@ -191,18 +191,51 @@ fn an_expert_axis_across_processes_follows_virtual_devices_and_one_device() {
     assert_eq!((procs.len(), &procs), (3, &virt), "ep 2 x fsdp 2 on processes and on virtual devices");
 }
 
-/// The new families across processes, bit for bit their virtual devices: DeepSeek-V3 (latent
-/// attention split over a tensor group, grouped sigmoid routing, the balancing step) on EP 2 x
-/// tensor 2, and Qwen3-MoE (QK-norm, fine-grained experts) on EP 2.
+/// The new families across processes, bit for bit their virtual devices, on every axis:
+/// Qwen3 (QK-norm), Qwen3-MoE (fine-grained experts) and DeepSeek-V3 (latent attention, grouped
+/// sigmoid routing with the balancing step, a dense first layer, a shared expert) under FSDP 2,
+/// tensor 2, seq 2 and pipeline 2 (1F1B and interleaved); the two mixtures of experts under
+/// EP 2 x FSDP 2, EP 4 and EP 2 x tensor 2 x pipeline 2.
 #[test]
-fn deepseek_v3_and_qwen3_moe_across_processes_follow_virtual_devices() {
+fn the_new_families_across_processes_follow_virtual_devices() {
+    let pipeline = ["mesh.ici_data=1", "mesh.ici_pipeline=2", "train.pipeline_microbatches=2", "train.batch_size=2"];
+    let interleaved = [
+        "model.n_layers=4",
+        "train.pipeline_schedule=interleaved",
+        "train.pipeline_virtual_stages=2",
+        "train.pipeline_microbatches=4",
+    ];
+    let every: Vec<(&str, Vec<&str>, usize)> = vec![
+        ("fsdp 2", vec!["mesh.ici_data=1", "mesh.ici_fsdp=2"], 2),
+        ("tensor 2", vec!["mesh.ici_data=1", "mesh.ici_tensor=2"], 2),
+        ("seq 2", vec!["mesh.ici_data=1", "mesh.ici_seq=2"], 2),
+        ("pipeline 2", pipeline.to_vec(), 2),
+        ("interleaved pipeline 2", [&pipeline[..], &interleaved[..]].concat(), 2),
+    ];
+    let experts: Vec<(&str, Vec<&str>, usize)> = vec![
+        ("ep 2 x fsdp 2", vec!["mesh.ici_data=2", "mesh.ici_fsdp=2", "mesh.ici_expert=2"], 4),
+        ("ep 4", vec!["mesh.ici_data=4", "mesh.ici_expert=4"], 4),
+        (
+            "ep 2 x tensor 2 x pipeline 2",
+            vec!["mesh.ici_data=2", "mesh.ici_expert=2", "mesh.ici_tensor=2", "mesh.ici_pipeline=2"],
+            8,
+        ),
+    ];
+    // SHRINK's heads are 32 wide: latent attention's two parts must add up to them.
     let latent = ["model.mla.nope_dim=24", "model.mla.rope_dim=8", "model.mla.v_dim=16"];
-    let mesh = [&latent[..], &["mesh.ici_data=2", "mesh.ici_expert=2", "mesh.ici_tensor=2"]].concat();
-    let (_dir, procs, virt) = recipe_processes_and_virtual("tiny-deepseek-v3", "mp-deepseek", 4, "3", &mesh);
-    assert_eq!((procs.len(), &procs), (3, &virt), "tiny-deepseek-v3, ep 2 x tensor 2");
-    let mesh = ["mesh.ici_data=2", "mesh.ici_expert=2"];
-    let (_dir, procs, virt) = recipe_processes_and_virtual("tiny-qwen3-moe", "mp-qwen3-moe", 2, "3", &mesh);
-    assert_eq!((procs.len(), &procs), (3, &virt), "tiny-qwen3-moe, ep 2");
+    for (recipe, own, moe) in [
+        ("tiny-qwen3", &["model.tie_embeddings=false"][..], false),
+        ("tiny-qwen3-moe", &[][..], true),
+        ("tiny-deepseek-v3", &latent[..], true),
+    ] {
+        let meshes = every.iter().chain(if moe { &experts[..] } else { &[][..] });
+        for (what, sets, n) in meshes {
+            let sets = [own, &sets[..]].concat();
+            let name = format!("mp-{recipe}-{}", what.replace(' ', "-"));
+            let (_dir, procs, virt) = recipe_processes_and_virtual(recipe, &name, *n, "3", &sets);
+            assert_eq!((procs.len(), &procs), (3, &virt), "{recipe}, {what}");
+        }
+    }
 }
 
 /// Two nodes of two processes each, under the MaxText/Vertex convention (one launcher per

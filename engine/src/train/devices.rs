@@ -1295,7 +1295,18 @@ mod tests {
 
         #[test]
         fn qwen3_moe_on_the_expert_axis_follows_one_device() {
+            let pipeline = ["mesh.ici_data=1", "mesh.ici_pipeline=2", "train.pipeline_microbatches=2"];
+            let interleaved = [
+                "model.n_layers=4",
+                "train.pipeline_schedule=\"interleaved\"",
+                "train.pipeline_virtual_stages=2",
+                "train.pipeline_microbatches=4",
+            ];
             for (name, sets, devices) in [
+                ("FSDP=2", vec!["mesh.ici_data=1", "mesh.ici_fsdp=2"], 2),
+                ("seq=2", vec!["mesh.ici_data=1", "mesh.ici_seq=2"], 2),
+                ("pipeline=2 (1F1B)", [&pipeline[..], &["train.batch_size=2"]].concat(), 2),
+                ("pipeline=2 (interleaved)", [&pipeline[..], &interleaved[..], &["train.batch_size=2"]].concat(), 2),
                 ("EP=2 x FSDP=2", vec!["mesh.ici_data=2", "mesh.ici_fsdp=2", "mesh.ici_expert=2"], 4),
                 ("EP=4", vec!["mesh.ici_data=4", "mesh.ici_expert=4"], 4),
                 (
