@@ -178,13 +178,15 @@ pub fn check_run(c: &crate::config::Config) -> Result<()> {
 /// Device memory the backend allocates for itself, beyond the views it hands out, for a model
 /// at a batch shape: the cuBLASLt workspace, the reduction partials, the RMSNorm weight-gradient
 /// partials (LayerNorm's weight and bias gradients: twice as many; QK-norm's `[dwq | dwk]`, which
-/// share that scratch: `2·head_dim` a block) and the attention backward pass's f32 dQ
+/// share that scratch: `2·head_dim` a block; latent attention's norms, their ranks' width) and the attention backward pass's f32 dQ
 /// accumulator and D.
 pub fn scratch_bytes(m: &ModelConfig, batch: usize, seq: usize, sm_count: usize) -> usize {
     let rows = batch * seq;
     let (norm_blocks, _) = ops::rmsnorm::backward_blocks(rows, sm_count);
     let qk_norm_row = if m.qk_norm() { 2 * m.head_dim } else { 0 };
-    let norm_row = (m.d_model * if m.is_gpt() { 2 } else { 1 }).max(qk_norm_row);
+    // Latent attention's two RMSNorms are as wide as their ranks, which may exceed d_model.
+    let latent_row = m.mla.as_ref().map_or(0, |a| a.q_lora_rank.max(a.kv_lora_rank));
+    let norm_row = (m.d_model * if m.is_gpt() { 2 } else { 1 }).max(qk_norm_row).max(latent_row);
     blas::WORKSPACE_BYTES
         + ops::elementwise::sum_blocks(sm_count) * 8
         + norm_blocks * norm_row * 4
