@@ -292,14 +292,9 @@ impl SeqSplit {
     }
 }
 
-/// How a mixture-of-experts router scores its experts ([`Routing::scoring`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Scoring {
-    /// `softmax` over all experts (Mixtral, Qwen3-MoE).
-    Softmax,
-    /// An independent `sigmoid` per expert (DeepSeek-V3).
-    Sigmoid,
-}
+/// How a mixture-of-experts router scores its experts ([`Routing::scoring`]): the
+/// configuration's own (`model.moe.scoring`).
+pub use crate::config::Scoring;
 
 /// The routing rule of a mixture-of-experts layer, Hugging Face's `DeepseekV3TopkRouter` in
 /// general and Mixtral's softmax top-k as its special case ([`Routing::softmax`]), all in f32:

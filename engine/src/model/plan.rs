@@ -590,10 +590,7 @@ impl Plan {
 /// pass reads from the layer's weights).
 fn routing(moe: &crate::config::MoeConfig) -> crate::backend::Routing {
     crate::backend::Routing {
-        scoring: match moe.scoring {
-            crate::config::Scoring::Softmax => crate::backend::Scoring::Softmax,
-            crate::config::Scoring::Sigmoid => crate::backend::Scoring::Sigmoid,
-        },
+        scoring: moe.scoring,
         renormalize: moe.renormalize,
         groups: moe.groups,
         top_groups: moe.top_groups,

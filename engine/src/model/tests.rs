@@ -165,14 +165,7 @@ fn mistral_with_a_window_shorter_than_the_sequence() {
 
 #[test]
 fn mixtral_top2_of_4_with_the_auxiliary_loss() {
-    let moe = MoeConfig {
-        num_experts: 4,
-        top_k: 2,
-        aux_loss_coef: 0.5,
-        capacity_factor: None,
-        renormalize: true,
-        ..MoeConfig::default()
-    };
+    let moe = MoeConfig { num_experts: 4, aux_loss_coef: 0.5, ..MoeConfig::default() };
     check_model("mixtral", ModelConfig { moe: Some(moe), ..small(Family::Mixtral) }, 2, 12);
 }
 
@@ -185,14 +178,7 @@ fn qwen3_with_qk_norm() {
 /// Qwen3-MoE with `norm_topk_prob = false`: the weights are the softmax's probabilities.
 #[test]
 fn qwen3_moe_top2_of_4_without_renormalisation() {
-    let moe = MoeConfig {
-        num_experts: 4,
-        top_k: 2,
-        aux_loss_coef: 0.5,
-        capacity_factor: None,
-        renormalize: false,
-        ..MoeConfig::default()
-    };
+    let moe = MoeConfig { num_experts: 4, aux_loss_coef: 0.5, renormalize: false, ..MoeConfig::default() };
     check_model("qwen3_moe", ModelConfig { moe: Some(moe), ..small(Family::Qwen3Moe) }, 2, 12);
 }
 
@@ -316,14 +302,7 @@ fn gradients_are_bitwise_identical_whatever_the_thread_count() {
 /// change by a bit; and each policy keeps less than the one before.
 #[test]
 fn recomputation_changes_memory_but_not_a_bit_of_the_gradients() {
-    let moe = MoeConfig {
-        num_experts: 4,
-        top_k: 2,
-        aux_loss_coef: 0.5,
-        capacity_factor: None,
-        renormalize: true,
-        ..MoeConfig::default()
-    };
+    let moe = MoeConfig { num_experts: 4, aux_loss_coef: 0.5, ..MoeConfig::default() };
     for config in [
         small(Family::Llama),
         ModelConfig { sliding_window: 3, ..small(Family::Mistral) },

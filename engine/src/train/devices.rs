@@ -1260,20 +1260,25 @@ mod tests {
             config(recipe, &[&small[..], extra].concat())
         }
 
-        fn on(c: &Config, devices: usize) -> Vec<f64> {
+        pub(super) fn on(c: &Config, devices: usize) -> Vec<f64> {
             let runs =
                 run(c, devices, |_, t| Ok((0..c.train.steps).map(|_| t.train_step(0.0).loss).collect())).unwrap();
             assert!(runs.iter().all(|r: &Vec<f64>| r == &runs[0]), "devices disagree on the loss");
             runs[0].clone()
         }
 
-        #[test]
-        fn qwen3_on_fsdp_tensor_seq_and_pipeline_follows_one_device() {
+        /// A mesh of the checks: its name, its settings and its devices.
+        pub(super) type Axis = (&'static str, Vec<&'static str>, usize);
+
+        /// FSDP 2, tensor 2, seq 2 and pipeline 2 (1F1B, and interleaved over 4 layers), each
+        /// on 2 devices; the pipelines untie the embeddings (one tensor cannot be on two stages).
+        pub(super) fn every_axis() -> Vec<Axis> {
             let pipeline = [
                 "mesh.ici_data=1",
                 "mesh.ici_pipeline=2",
                 "train.pipeline_microbatches=2",
                 "model.tie_embeddings=false",
+                "train.batch_size=2",
             ];
             let interleaved = [
                 "model.n_layers=4",
@@ -1281,32 +1286,18 @@ mod tests {
                 "train.pipeline_virtual_stages=2",
                 "train.pipeline_microbatches=4",
             ];
-            for (name, sets) in [
-                ("FSDP=2", vec!["mesh.ici_data=1", "mesh.ici_fsdp=2"]),
-                ("TP=2", vec!["mesh.ici_data=1", "mesh.ici_tensor=2"]),
-                ("seq=2", vec!["mesh.ici_data=1", "mesh.ici_seq=2"]),
-                ("pipeline=2 (1F1B)", [&pipeline[..], &["train.batch_size=2"]].concat()),
-                ("pipeline=2 (interleaved)", [&pipeline[..], &interleaved[..], &["train.batch_size=2"]].concat()),
-            ] {
-                let c = qwen_config("tiny-qwen3", &sets);
-                assert_same_curve(&format!("qwen3 {name}"), &single(&c, 2), &on(&c, 2));
-            }
+            vec![
+                ("FSDP=2", vec!["mesh.ici_data=1", "mesh.ici_fsdp=2"], 2),
+                ("TP=2", vec!["mesh.ici_data=1", "mesh.ici_tensor=2"], 2),
+                ("seq=2", vec!["mesh.ici_data=1", "mesh.ici_seq=2"], 2),
+                ("pipeline=2 (1F1B)", pipeline.to_vec(), 2),
+                ("pipeline=2 (interleaved)", [&pipeline[..], &interleaved[..]].concat(), 2),
+            ]
         }
 
-        #[test]
-        fn qwen3_moe_on_the_expert_axis_follows_one_device() {
-            let pipeline = ["mesh.ici_data=1", "mesh.ici_pipeline=2", "train.pipeline_microbatches=2"];
-            let interleaved = [
-                "model.n_layers=4",
-                "train.pipeline_schedule=\"interleaved\"",
-                "train.pipeline_virtual_stages=2",
-                "train.pipeline_microbatches=4",
-            ];
-            for (name, sets, devices) in [
-                ("FSDP=2", vec!["mesh.ici_data=1", "mesh.ici_fsdp=2"], 2),
-                ("seq=2", vec!["mesh.ici_data=1", "mesh.ici_seq=2"], 2),
-                ("pipeline=2 (1F1B)", [&pipeline[..], &["train.batch_size=2"]].concat(), 2),
-                ("pipeline=2 (interleaved)", [&pipeline[..], &interleaved[..], &["train.batch_size=2"]].concat(), 2),
+        /// EP 2 x FSDP 2, EP 4 and EP 2 x tensor 2 x pipeline 2.
+        pub(super) fn expert_axes() -> Vec<Axis> {
+            vec![
                 ("EP=2 x FSDP=2", vec!["mesh.ici_data=2", "mesh.ici_fsdp=2", "mesh.ici_expert=2"], 4),
                 ("EP=4", vec!["mesh.ici_data=4", "mesh.ici_expert=4"], 4),
                 (
@@ -1314,8 +1305,20 @@ mod tests {
                     vec!["mesh.ici_data=2", "mesh.ici_expert=2", "mesh.ici_tensor=2", "mesh.ici_pipeline=2"],
                     8,
                 ),
-                ("TP=2", vec!["mesh.ici_data=1", "mesh.ici_tensor=2"], 2),
-            ] {
+            ]
+        }
+
+        #[test]
+        fn qwen3_on_fsdp_tensor_seq_and_pipeline_follows_one_device() {
+            for (name, sets, devices) in every_axis() {
+                let c = qwen_config("tiny-qwen3", &sets);
+                assert_same_curve(&format!("qwen3 {name}"), &single(&c, devices), &on(&c, devices));
+            }
+        }
+
+        #[test]
+        fn qwen3_moe_on_the_expert_axis_follows_one_device() {
+            for (name, sets, devices) in every_axis().into_iter().chain(expert_axes()) {
                 let c = qwen_config("tiny-qwen3-moe", &sets);
                 assert_same_curve(&format!("qwen3_moe {name}"), &single(&c, devices), &on(&c, devices));
             }
@@ -1326,6 +1329,7 @@ mod tests {
     /// groups with a selection bias, a shared expert) on the axes, against one device training
     /// the same global batch.
     mod deepseek_v3 {
+        use super::qwen3::{every_axis, expert_axes, on};
         use super::*;
 
         /// Small layers: 4 heads of 24 (16 without position, 8 rotated), values 16 wide,
@@ -1346,31 +1350,11 @@ mod tests {
             config("tiny-deepseek-v3", &[&small[..], extra].concat())
         }
 
-        fn on(c: &Config, devices: usize) -> Vec<f64> {
-            let runs =
-                run(c, devices, |_, t| Ok((0..c.train.steps).map(|_| t.train_step(0.0).loss).collect())).unwrap();
-            assert!(runs.iter().all(|r: &Vec<f64>| r == &runs[0]), "devices disagree on the loss");
-            runs[0].clone()
-        }
-
         #[test]
         fn deepseek_v3_on_fsdp_tensor_seq_and_pipeline_follows_one_device() {
-            let pipeline = ["mesh.ici_data=1", "mesh.ici_pipeline=2", "train.pipeline_microbatches=2"];
-            let interleaved = [
-                "model.n_layers=4",
-                "train.pipeline_schedule=\"interleaved\"",
-                "train.pipeline_virtual_stages=2",
-                "train.pipeline_microbatches=4",
-            ];
-            for (name, sets) in [
-                ("FSDP=2", vec!["mesh.ici_data=1", "mesh.ici_fsdp=2"]),
-                ("TP=2", vec!["mesh.ici_data=1", "mesh.ici_tensor=2"]),
-                ("seq=2", vec!["mesh.ici_data=1", "mesh.ici_seq=2"]),
-                ("pipeline=2 (1F1B)", [&pipeline[..], &["train.batch_size=2"]].concat()),
-                ("pipeline=2 (interleaved)", [&pipeline[..], &interleaved[..], &["train.batch_size=2"]].concat()),
-            ] {
+            for (name, sets, devices) in every_axis() {
                 let c = deepseek_config(&sets);
-                assert_same_curve(&format!("deepseek_v3 {name}"), &single(&c, 2), &on(&c, 2));
+                assert_same_curve(&format!("deepseek_v3 {name}"), &single(&c, devices), &on(&c, devices));
             }
         }
 
@@ -1403,15 +1387,7 @@ mod tests {
 
         #[test]
         fn deepseek_v3_on_the_expert_axis_follows_one_device() {
-            for (name, sets, devices) in [
-                ("EP=2 x FSDP=2", vec!["mesh.ici_data=2", "mesh.ici_fsdp=2", "mesh.ici_expert=2"], 4),
-                ("EP=4", vec!["mesh.ici_data=4", "mesh.ici_expert=4"], 4),
-                (
-                    "EP=2 x TP=2 x PP=2",
-                    vec!["mesh.ici_data=2", "mesh.ici_expert=2", "mesh.ici_tensor=2", "mesh.ici_pipeline=2"],
-                    8,
-                ),
-            ] {
+            for (name, sets, devices) in expert_axes() {
                 let c = deepseek_config(&sets);
                 assert_same_curve(&format!("deepseek_v3 {name}"), &single(&c, devices), &on(&c, devices));
             }
