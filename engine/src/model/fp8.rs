@@ -18,6 +18,12 @@
 //! amax; delayed: the step's fixed scale), so the reference need not keep the FP8 copies between
 //! the passes.
 //!
+//! Latent attention (DeepSeek-V3) has five such layers instead of q/k/v: the queries' down and
+//! up projections (or their one projection), the keys' and values' latent projection and its up
+//! projection, and `o_proj`. The shared RoPE key's projection (64 wide in DeepSeek-V3, the
+//! last rows of `kv_a_proj_with_mqa`) stays in the model's precision: no FP8 product pays at
+//! that width.
+//!
 //! The embedding, the output head, the router, attention's core, the norms and the biases stay
 //! in the model's precision, as do products too small for FP8 to pay (`train.fp8.min_dim`) and
 //! the experts' products.
@@ -38,19 +44,50 @@ pub enum Linear {
     Up,
     /// The down projection (GPT: `c_proj`).
     Down,
+    /// Latent attention's query down-projection (`q_a_proj`).
+    QDown,
+    /// Latent attention's query up-projection (`q_b_proj`), or its one query projection
+    /// (`q_proj`) when the queries have no latent.
+    QUp,
+    /// Latent attention's key-value latent projection: the latent's rows of
+    /// `kv_a_proj_with_mqa`.
+    KvDown,
+    /// Latent attention's key-value up-projection (`kv_b_proj`).
+    KvUp,
 }
 
 impl Linear {
-    const ALL: [Linear; 4] = [Linear::Qkv, Linear::O, Linear::Up, Linear::Down];
+    const ALL: [Linear; 8] = [
+        Linear::Qkv,
+        Linear::O,
+        Linear::Up,
+        Linear::Down,
+        Linear::QDown,
+        Linear::QUp,
+        Linear::KvDown,
+        Linear::KvUp,
+    ];
 
-    /// Its (input, output) widths in a layer of `m` (a device's slice under tensor parallelism).
+    /// How the start-up line names them.
+    const NAMES: [&str; 8] = ["q/k/v", "o", "gate/up", "down", "q_a", "q_b", "kv_a", "kv_b"];
+
+    /// Its (input, output) widths in a layer of `m` (a device's slice under tensor
+    /// parallelism); `(0, 0)` for the layers of the other attention kind.
     fn widths(self, m: &ModelConfig) -> (usize, usize) {
         let up = if m.is_gpt() { m.mlp_dim } else { 2 * m.mlp_dim };
-        match self {
-            Linear::Qkv => (m.d_model, m.q_dim() + 2 * m.kv_dim()),
-            Linear::O => (m.q_dim(), m.d_model),
-            Linear::Up => (m.d_model, up),
-            Linear::Down => (m.mlp_dim, m.d_model),
+        let (d, h) = (m.d_model, m.n_heads);
+        match (self, &m.mla) {
+            (Linear::Qkv, None) => (d, m.q_dim() + 2 * m.kv_dim()),
+            (Linear::O, None) => (m.q_dim(), d),
+            (Linear::O, Some(a)) => (h * a.v_dim, d),
+            (Linear::Up, _) => (d, up),
+            (Linear::Down, _) => (m.mlp_dim, d),
+            (Linear::QDown, Some(a)) if a.q_lora_rank > 0 => (d, a.q_lora_rank),
+            (Linear::QUp, Some(a)) if a.q_lora_rank > 0 => (a.q_lora_rank, m.q_dim()),
+            (Linear::QUp, Some(_)) => (d, m.q_dim()),
+            (Linear::KvDown, Some(a)) => (d, a.kv_lora_rank),
+            (Linear::KvUp, Some(a)) => (a.kv_lora_rank, h * (a.nope_dim + a.v_dim)),
+            _ => (0, 0),
         }
     }
 }
@@ -107,12 +144,12 @@ impl Fp8Policy {
 /// virtual stage and micro-batch slot shares one), and the casts' scratch.
 #[derive(Debug, Clone, Copy)]
 pub struct Fp8Buffers {
-    /// `[layers × 4 products × 3 operands, stride]` states ([`State`]).
+    /// `[layers × 8 linear layers × 3 operands, stride]` states ([`State`]).
     pub states: View,
     /// Elements of one state.
     stride: usize,
     /// Which of [`Linear::ALL`] run in FP8 (the same in every layer).
-    covered: [bool; 4],
+    covered: [bool; 8],
     /// The cast input, weight and output gradient of the product running.
     x: View,
     w: View,
@@ -146,7 +183,7 @@ impl Fp8Buffers {
     }
 
     fn state(&self, layer: usize, linear: Linear, operand: Operand) -> State {
-        let index = (layer * 4 + linear as usize) * 3 + operand as usize;
+        let index = (layer * Linear::ALL.len() + linear as usize) * 3 + operand as usize;
         State { view: self.states.at(index * self.stride, self.stride), format: operand.format() }
     }
 }
@@ -176,7 +213,7 @@ impl Model {
         }
         let stride = policy.stride();
         Some(Fp8Buffers {
-            states: take(BufKind::Scalars, m.n_layers * 4 * 3 * stride),
+            states: take(BufKind::Scalars, m.n_layers * Linear::ALL.len() * 3 * stride),
             stride,
             covered,
             x: take(BufKind::Fp8, x),
@@ -197,8 +234,7 @@ impl Model {
         let c = &policy.config;
         Some(match p.fp8 {
             Some(f) => {
-                let names = ["q/k/v", "o", "gate/up", "down"];
-                let on: Vec<&str> = names.iter().zip(f.covered).filter(|(_, c)| *c).map(|(n, _)| *n).collect();
+                let on: Vec<&str> = Linear::NAMES.iter().zip(f.covered).filter(|(_, c)| *c).map(|(n, _)| *n).collect();
                 let recipe = match c.recipe {
                     Fp8Recipe::Tensorwise => "tensorwise".to_string(),
                     Fp8Recipe::Delayed => format!("delayed, history {}, margin {}", c.amax_history, c.margin),
@@ -312,10 +348,18 @@ mod tests {
         Fp8Policy { config: Fp8Config { recipe, min_dim, amax_history: 4, ..Fp8Config::default() } }
     }
 
-    /// A model (FP8 by `fp8`) on the CPU with its parameters and 16 tokens; returns the
+    /// Latent attention whose every projection but the RoPE key's (16 wide) qualifies at
+    /// `min_dim = 16`, with or without a query latent.
+    fn latent(q_lora_rank: usize) -> ModelConfig {
+        use crate::config::{Family, MlaConfig};
+        let mla = MlaConfig { q_lora_rank, kv_lora_rank: 16, nope_dim: 16, rope_dim: 16, v_dim: 16, ..MlaConfig::default() };
+        ModelConfig { family: Family::DeepseekV3, n_kv_heads: 2, head_dim: 32, mla: Some(mla), ..config() }
+    }
+
+    /// A model of `m` (FP8 by `fp8`) on the CPU with its parameters and 16 tokens; returns the
     /// gradient of the mean loss after one forward and backward pass.
-    fn run(fp8: Option<Fp8Policy>) -> (Model, Cpu, Plan, Vec<f32>) {
-        let mut model = Model::new(&config());
+    fn run_model(m: &ModelConfig, fp8: Option<Fp8Policy>) -> (Model, Cpu, Plan, Vec<f32>) {
+        let mut model = Model::new(m);
         model.fp8 = fp8;
         let mut cpu = Cpu::new();
         let plan = model.plan(&mut cpu, 1, 16);
@@ -328,6 +372,33 @@ mod tests {
         let mut grads = vec![0f32; plan.grads.len];
         cpu.download(plan.grads, &mut grads);
         (model, cpu, plan, grads)
+    }
+
+    fn run(fp8: Option<Fp8Policy>) -> (Model, Cpu, Plan, Vec<f32>) {
+        run_model(&config(), fp8)
+    }
+
+    /// Every tensor's FP8 gradient (both recipes) against its f32 gradient, for model `m`.
+    fn assert_gradients_follow(m: &ModelConfig) {
+        let (_, _, _, exact) = run_model(m, None);
+        for recipe in [Fp8Recipe::Tensorwise, Fp8Recipe::Delayed] {
+            let (model, _, _, fp8) = run_model(m, Some(policy(recipe, 16)));
+            assert_ne!(exact, fp8, "{recipe:?}: the FP8 products were not used");
+            for t in &model.layout.tensors {
+                let r = t.offset..t.offset + t.len();
+                let (e, f) = (&exact[r.clone()], &fp8[r]);
+                let dot: f64 = e.iter().zip(f).map(|(&a, &b)| a as f64 * b as f64).sum();
+                let norm = |v: &[f32]| v.iter().map(|&a| (a as f64).powi(2)).sum::<f64>().sqrt();
+                let (cosine, ratio) = (dot / (norm(e) * norm(f)), norm(f) / norm(e));
+                // E5M2 gradients keep 2 mantissa bits: each element moves by up to 1/8, and the
+                // noise adds up through the layers; a wrong scale would show in the ratio.
+                assert!(
+                    cosine > 0.9 && (0.8..1.25).contains(&ratio),
+                    "{recipe:?}: {}: cosine {cosine:.4}, norm ratio {ratio:.3} against the f32 gradient",
+                    t.name
+                );
+            }
+        }
     }
 
     fn get(cpu: &mut Cpu, v: View) -> Vec<f32> {
@@ -368,24 +439,19 @@ mod tests {
 
     #[test]
     fn fp8_gradients_point_where_the_f32_gradients_do() {
-        let (_, _, _, exact) = run(None);
-        for recipe in [Fp8Recipe::Tensorwise, Fp8Recipe::Delayed] {
-            let (model, _, _, fp8) = run(Some(policy(recipe, 16)));
-            assert_ne!(exact, fp8, "{recipe:?}: the FP8 products were not used");
-            for t in &model.layout.tensors {
-                let r = t.offset..t.offset + t.len();
-                let (e, f) = (&exact[r.clone()], &fp8[r]);
-                let dot: f64 = e.iter().zip(f).map(|(&a, &b)| a as f64 * b as f64).sum();
-                let norm = |v: &[f32]| v.iter().map(|&a| (a as f64).powi(2)).sum::<f64>().sqrt();
-                let (cosine, ratio) = (dot / (norm(e) * norm(f)), norm(f) / norm(e));
-                // E5M2 gradients keep 2 mantissa bits: each element moves by up to 1/8, and the
-                // noise adds up through the layers; a wrong scale would show in the ratio.
-                assert!(
-                    cosine > 0.9 && (0.8..1.25).contains(&ratio),
-                    "{recipe:?}: {}: cosine {cosine:.4}, norm ratio {ratio:.3} against the f32 gradient",
-                    t.name
-                );
-            }
+        assert_gradients_follow(&config());
+    }
+
+    /// Latent attention's projections run in FP8 (the RoPE key's aside), with a query latent
+    /// or without, and their gradients follow the f32 ones.
+    #[test]
+    fn latent_attention_projections_run_in_fp8() {
+        for (q_lora, want) in [(16, "o, gate/up, down, q_a, q_b, kv_a, kv_b"), (0, "o, gate/up, down, q_b, kv_a, kv_b")] {
+            let m = latent(q_lora);
+            let (model, _, plan, _) = run_model(&m, Some(policy(Fp8Recipe::Tensorwise, 16)));
+            let line = model.describe_fp8(&plan).unwrap();
+            assert_eq!(line, format!("FP8 (tensorwise): {want}"), "q_lora_rank {q_lora}");
+            assert_gradients_follow(&m);
         }
     }
 
