@@ -60,12 +60,18 @@ pub fn element_bytes(kind: BufKind, target: Target) -> usize {
     }
 }
 
+/// Elements of a plan's RoPE table for `seq` positions: the rotated width's (latent attention's
+/// rope part), none for the GPT family's learned positions.
+pub(crate) fn rope_elements(m: &crate::config::ModelConfig, seq: usize) -> usize {
+    if m.is_gpt() { 0 } else { seq * m.rope_dim() }
+}
+
 /// The memory `model` (with its recomputation policy) takes to train micro-batches of `batch`
 /// sequences of `seq` tokens on `target`.
 pub fn estimate(model: &Model, batch: usize, seq: usize, target: Target) -> Estimate {
     let p = model.layout.len;
     let a = model.activation_elements(batch, seq);
-    let rope = seq * model.config.head_dim;
+    let rope = rope_elements(&model.config, seq);
     let bytes = |kind| element_bytes(kind, target);
     let scratch = match target {
         // The reduction partials; the other scratch is a few rows.

@@ -95,7 +95,7 @@ pub fn device_estimate_slots(
 /// statistics and RoPE table, its indices.
 fn slot_bytes(config: &Config, model: &Model, batch: usize, target: Target) -> usize {
     let seq_len = config.train.seq_len / model.seq.ranks;
-    let rope = seq_len * config.model.head_dim;
+    let rope = crate::model::memory::rope_elements(&config.model, seq_len);
     let more = model.slot_activation_elements(batch, seq_len);
     more.activations * element_bytes(BufKind::Activations, target)
         + (more.scalars + rope) * element_bytes(BufKind::Scalars, target)

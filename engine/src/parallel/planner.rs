@@ -678,24 +678,6 @@ mod tests {
         assert_eq!(plan.estimate(&again, Target::Cuda { sm_count: 132 }).total(), two.memory_per_device_bytes);
     }
 
-    /// A fine-grained mixture of experts plans on the cluster it is trained on: a plan fits, the
-    /// fastest fits the memory and spreads the experts over an expert axis. (qwen3-235b-a22b on
-    /// 8 x 8 only: deepseek-v3-671b on 32 x 8 takes 40 s more of the suite's time; its plan is
-    /// recorded in docs/PERF.md with the command.)
-    #[test]
-    fn fine_grained_experts_plan_with_an_expert_axis() {
-        let (recipe, nodes) = ("qwen3-235b-a22b", 8);
-        let c = resolve(recipe, &[]).unwrap().config;
-        let hw = h100(nodes, 80);
-        let plans = search(&c, &hw, nodes * 8).unwrap();
-        assert!(!plans.fits.is_empty(), "{recipe}: nothing fits; closest {:?}", plans.closest);
-        let best = &plans.fits[0];
-        assert!(best.memory_per_device_bytes + hw.reserve <= hw.memory, "{recipe}: {best:?}");
-        let expert = best.sets.iter().find_map(|s| s.strip_prefix("mesh.ici_expert=")).unwrap();
-        assert!(expert.parse::<usize>().unwrap() > 1, "{recipe}: no expert axis: {best:?}");
-        assert!(plans.pruned > 0 && plans.pruned < plans.meshes, "{recipe}: {} of {}", plans.pruned, plans.meshes);
-    }
-
     /// The planner's memory split is the engine's ([`ParallelPlan::memory_split`]), dense
     /// layers among experts' included, and the state bound never exceeds a candidate's estimate.
     #[test]
