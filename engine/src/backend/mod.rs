@@ -419,6 +419,24 @@ impl ExpertWeights {
     }
 }
 
+/// The kind of a gated linear unit ([`Backend::glu_forward`]) over rows `[gate (f) | up (f)]`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Glu {
+    /// `silu(gate) · up` (Llama): [`Backend::swiglu_forward`].
+    Swiglu,
+    /// GPT-OSS: `g = min(gate, limit)`, `u = clamp(up, −limit, limit)`, `h = (u + 1) · g ·
+    /// sigmoid(alpha · g)`; a clipped input gets no gradient (torch's `clamp`: the gradient passes
+    /// where `min ≤ x ≤ max`, equality included).
+    ClampedSwiglu {
+        /// The clamp's bound (`swiglu_limit`, 7 in GPT-OSS).
+        limit: f32,
+        /// The sigmoid's slope (1.702 in GPT-OSS).
+        alpha: f32,
+    },
+    /// Gemma: `gelu_tanh(gate) · up`, GELU's tanh approximation (torch's `gelu(approximate="tanh")`).
+    GeluTanh,
+}
+
 /// One AdamW update: hyper-parameters of this step.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AdamWStep {
@@ -466,6 +484,9 @@ pub struct AttnNeeds {
     pub documents: bool,
     /// A sequence axis's chunks ([`Backend::attention_forward_split`]).
     pub seq_split: bool,
+    /// Learned sinks ([`Backend::attention_sinks_forward`]), which read the attention's
+    /// log-sum-exp in the native kernels' layout.
+    pub sinks: bool,
 }
 
 /// A compute device and the ops of a training step.
@@ -789,10 +810,51 @@ pub trait Backend {
         bounds: IdxView,
     );
 
+    /// Learned attention sinks (GPT-OSS) as an epilogue of any of the attention forward passes,
+    /// in place on its `out` `[rows, heads · head_dim]` and `lse` `[rows, heads]` (rows =
+    /// `out.len / (heads · head_dim)`); `sinks` `[heads]` (a parameter). Each head's sink logit
+    /// `s_h` joins every query row's scaled, masked scores as one more column of the softmax,
+    /// whose probability is dropped (it has no value), so that per row r and head h, from
+    /// attention's `L = log Σ_j exp(s_j)` (natural log):
+    ///
+    /// ```text
+    /// L'  = logaddexp(L, s_h)
+    /// out ← out · exp(L − L')        (= out · sigmoid(L − s_h))
+    /// lse ← L'
+    /// ```
+    ///
+    /// The attention backward pass given the new `out` and `lse` is then exactly the gradient of
+    /// the sinked attention for q, k and v (`P' = exp(S − L')`, `D' = rowsum(dO ∘ O')`,
+    /// `dS = P' (dP − D')`); [`Backend::attention_sinks_backward`] adds the sinks' own.
+    fn attention_sinks_forward(&mut self, out: View, lse: View, sinks: View, heads: usize, head_dim: usize);
+    /// The sinks' gradient for [`Backend::attention_sinks_forward`], from the output's gradient
+    /// `dout` and the `out` and `lse` it left (`O'`, `L'`); `dsinks` `[heads]` accumulates (`+=`):
+    ///
+    /// ```text
+    /// dsinks[h] += − Σ_r exp(s_h − L'_r) · Σ_c dout[r, h, c] · out[r, h, c]
+    /// ```
+    #[allow(clippy::too_many_arguments)]
+    fn attention_sinks_backward(
+        &mut self,
+        dsinks: View,
+        dout: View,
+        out: View,
+        lse: View,
+        sinks: View,
+        heads: usize,
+        head_dim: usize,
+    );
+
     /// `h = silu(gate) ⊙ up` where rows of `gu` are `[gate (f) | up (f)]`.
     fn swiglu_forward(&mut self, h: View, gu: View, f: usize);
     /// Gradient of [`Backend::swiglu_forward`] with respect to `gu` (`=`).
     fn swiglu_backward(&mut self, dgu: View, dh: View, gu: View, f: usize);
+    /// `h = act(gate) ⊙ up` of the gated linear unit `kind` ([`Glu`]), rows of `gu` being
+    /// `[gate (f) | up (f)]`; [`Glu::Swiglu`] is [`Backend::swiglu_forward`].
+    fn glu_forward(&mut self, h: View, gu: View, f: usize, kind: Glu);
+    /// Gradient of [`Backend::glu_forward`] with respect to `gu` (`=`); [`Glu::Swiglu`] is
+    /// [`Backend::swiglu_backward`].
+    fn glu_backward(&mut self, dgu: View, dh: View, gu: View, f: usize, kind: Glu);
 
     /// `h = gelu(u)` element-wise (the GPT family's MLP): the tanh approximation when `tanh`,
     /// else the exact `u · Φ(u)`.
@@ -853,6 +915,14 @@ pub trait Backend {
         inp: usize,
         out: usize,
     );
+    /// `out[r] += bias_e` over the `width` columns of every dispatched row r of each expert e
+    /// (`offsets[e] .. offsets[e + 1]`, as [`Backend::moe_expert_matmul`] finds them): an expert
+    /// projection's biases (GPT-OSS's), expert e's `[width]` bias being `bias.expert(e)`.
+    fn moe_expert_bias(&mut self, out: View, bias: ExpertWeights, dispatch: MoeDispatch, width: usize);
+    /// `dbias_e += Σ_{rows r of e} dout[r]` over the same rows (an expert without rows gets
+    /// nothing): the bias gradient of [`Backend::moe_expert_bias`], summed in a fixed order (no
+    /// atomics).
+    fn moe_expert_bias_backward(&mut self, dbias: ExpertWeights, dout: View, dispatch: MoeDispatch, width: usize);
     /// `out[t] = Σ_j weight[t·k + j] · ye[slot_row[t·k + j]]` over the kept slots (`=`): a
     /// dropped slot adds nothing (the residual carries the token).
     fn moe_combine(&mut self, out: View, ye: View, dispatch: MoeDispatch, d: usize);

@@ -8,8 +8,8 @@
 use std::time::Instant;
 
 use super::{
-    AdamWStep, AttnNeeds, AttnShape, Backend, BufKind, ExpertWeights, IdxView, MatMul, MlaShape, MoeDispatch, Segment,
-    SeqSplit, View, fp8,
+    AdamWStep, AttnNeeds, AttnShape, Backend, BufKind, ExpertWeights, Glu, IdxView, MatMul, MlaShape, MoeDispatch,
+    Segment, SeqSplit, View, fp8,
 };
 
 /// One timed op.
@@ -287,6 +287,23 @@ impl<B: Backend> Backend for Traced<B> {
     ) {
         self.time("attention_backward", |b| b.attention_backward_docs(dqkv, dout, qkv, out, lse, shape, bounds))
     }
+    fn attention_sinks_forward(&mut self, out: View, lse: View, sinks: View, heads: usize, head_dim: usize) {
+        self.time("attention_sinks_forward", |b| b.attention_sinks_forward(out, lse, sinks, heads, head_dim))
+    }
+    fn attention_sinks_backward(
+        &mut self,
+        dsinks: View,
+        dout: View,
+        out: View,
+        lse: View,
+        sinks: View,
+        heads: usize,
+        head_dim: usize,
+    ) {
+        self.time("attention_sinks_backward", |b| {
+            b.attention_sinks_backward(dsinks, dout, out, lse, sinks, heads, head_dim)
+        })
+    }
     fn layernorm_forward(&mut self, out: View, mean: View, rstd: View, x: View, w: View, b: View, d: usize, eps: f32) {
         self.time("layernorm_forward", |be| be.layernorm_forward(out, mean, rstd, x, w, b, d, eps))
     }
@@ -315,6 +332,12 @@ impl<B: Backend> Backend for Traced<B> {
     }
     fn swiglu_backward(&mut self, dgu: View, dh: View, gu: View, f: usize) {
         self.time("swiglu_backward", |b| b.swiglu_backward(dgu, dh, gu, f))
+    }
+    fn glu_forward(&mut self, h: View, gu: View, f: usize, kind: Glu) {
+        self.time("glu_forward", |b| b.glu_forward(h, gu, f, kind))
+    }
+    fn glu_backward(&mut self, dgu: View, dh: View, gu: View, f: usize, kind: Glu) {
+        self.time("glu_backward", |b| b.glu_backward(dgu, dh, gu, f, kind))
     }
     fn cross_entropy(&mut self, losses: View, logits: View, targets: IdxView, v: usize, grad_scale: Option<f32>) {
         self.time("cross_entropy", |b| b.cross_entropy(losses, logits, targets, v, grad_scale))
@@ -368,6 +391,12 @@ impl<B: Backend> Backend for Traced<B> {
         out: usize,
     ) {
         self.time("moe_expert_matmul_dw", |b| b.moe_expert_matmul_dw(dweights, dy, x, dispatch, inp, out))
+    }
+    fn moe_expert_bias(&mut self, out: View, bias: ExpertWeights, dispatch: MoeDispatch, width: usize) {
+        self.time("moe_expert_bias", |b| b.moe_expert_bias(out, bias, dispatch, width))
+    }
+    fn moe_expert_bias_backward(&mut self, dbias: ExpertWeights, dout: View, dispatch: MoeDispatch, width: usize) {
+        self.time("moe_expert_bias_backward", |b| b.moe_expert_bias_backward(dbias, dout, dispatch, width))
     }
     fn moe_combine(&mut self, out: View, ye: View, dispatch: MoeDispatch, d: usize) {
         self.time("moe_combine", |b| b.moe_combine(out, ye, dispatch, d))

@@ -103,7 +103,11 @@ fn panic_text(p: &Box<dyn std::any::Any + Send>) -> String {
 /// unmasked tiles). The last shapes of each list give both passes whole tiles that skip the
 /// mask, at head widths 64 and 128 (the backward pass's 128-key blocks, and its 32-query tiles
 /// at 128), and grids of several blocks along every axis (query or key tiles, heads, batch), so
-/// that the order the blocks are dealt out in touches every index of the grid.
+/// that the order the blocks are dealt out in touches every index of the grid. The wide heads
+/// (192: DeepSeek-V3's packed latent heads; 256: Gemma 3's), whose forward pass takes 32-key
+/// tiles and whose backward pass makes two passes, are checked at their padded widths and below
+/// them (136 and 200: zero-filled columns), on at least two key blocks of the backward pass, with
+/// whole tiles in both passes.
 type AttnCase = (usize, usize, usize, usize, usize, usize, bool);
 fn attention_shapes(emulated: bool) -> &'static [AttnCase] {
     if emulated {
@@ -117,6 +121,10 @@ fn attention_shapes(emulated: bool) -> &'static [AttnCase] {
             (2, 192, 4, 2, 64, 0, true),
             (2, 160, 2, 1, 128, 0, true),
             (1, 320, 2, 1, 64, 200, true),
+            (1, 160, 2, 1, 192, 0, true),
+            (1, 100, 2, 2, 136, 40, false),
+            (1, 96, 2, 1, 256, 0, true),
+            (1, 80, 2, 1, 200, 30, false),
         ]
     } else {
         &[
@@ -128,22 +136,35 @@ fn attention_shapes(emulated: bool) -> &'static [AttnCase] {
             (2, 512, 8, 8, 128, 200, true),
             (3, 1024, 8, 2, 64, 0, true),
             (2, 1000, 4, 2, 128, 300, true),
+            (2, 333, 8, 2, 192, 0, true),
+            (1, 700, 4, 1, 256, 250, true),
+            (2, 260, 4, 4, 136, 0, true),
+            (1, 515, 4, 2, 200, 0, true),
         ]
     }
 }
 
 /// The sequence axis's attention checks: (batch, rows of a sequence on a rank, heads, kv
-/// heads, head width, window, rank, ranks, an EOS every so many positions).
+/// heads, head width, window, rank, ranks, an EOS every so many positions). On the emulator the
+/// wide heads' split kernels are checked in a window (their cost grows with the keys each query
+/// sees).
 type SplitCase = (usize, usize, usize, usize, usize, usize, usize, usize, Option<usize>);
 fn split_attention_shapes(emulated: bool) -> &'static [SplitCase] {
     if emulated {
-        &[(1, 256, 2, 1, 64, 0, 1, 2, Some(150)), (1, 256, 2, 2, 16, 0, 0, 2, None)]
+        &[
+            (1, 256, 2, 1, 64, 0, 1, 2, Some(150)),
+            (1, 256, 2, 2, 16, 0, 0, 2, None),
+            (1, 256, 1, 1, 192, 40, 1, 2, Some(100)),
+            (1, 256, 2, 1, 256, 30, 0, 2, None),
+        ]
     } else {
         &[
             (2, 512, 8, 2, 64, 0, 0, 2, None),
             (1, 256, 4, 1, 128, 0, 2, 4, Some(300)),
             (2, 256, 4, 2, 32, 200, 1, 2, None),
             (1, 1024, 4, 2, 64, 0, 3, 4, Some(700)),
+            (1, 256, 4, 2, 192, 0, 1, 2, Some(300)),
+            (2, 512, 4, 1, 256, 100, 2, 4, None),
         ]
     }
 }
@@ -242,9 +263,19 @@ fn checks(scale: Scale) -> Vec<(String, Check)> {
             Box::new(move |g, _| attention_split(g, shape, split, docs)),
         );
     }
+    // Attention sinks (GPT-OSS): heads of 16 on the 8-wide kernels, 12 on the scalar ones; odd
+    // row counts, so that the sink gradient's blocks of rows are unequal (on the emulator's 2
+    // SMs, 66 rows are blocks of 17 and one of 15).
+    for (b, s, h, dh) in [(2, 33, 4, 16), (1, 21, 3, 12)] {
+        add(
+            &format!("attention sinks B={b} S={s} H={h} dh={dh}: forward epilogue and sink gradients against the CPU"),
+            Box::new(move |g, _| ops::attention_sinks(g, b, s, h, dh)),
+        );
+    }
     for f in [128, 100] {
         add(&format!("swiglu f={f} forward and backward"), Box::new(move |g, _| swiglu(g, f)));
     }
+    add("glu kinds: clamped swiglu and gelu-tanh, forward and backward, against the CPU", Box::new(|g, _| ops::glu(g)));
     for v in [1000, 37] {
         add(&format!("cross-entropy V={v}"), Box::new(move |g, _| cross_entropy(g, v)));
     }
@@ -264,6 +295,7 @@ fn checks(scale: Scale) -> Vec<(String, Check)> {
         "expert load excess and bias step (auxiliary-loss-free balancing)",
         Box::new(|g, _| load_excess_and_bias_step(g)),
     );
+    add("expert biases: forward and backward against the CPU", Box::new(|g, _| ops::expert_bias(g)));
     add("adamw with clipping and decay segments", Box::new(|g, _| adamw(g)));
     if !scale.emulated {
         add(
@@ -271,7 +303,15 @@ fn checks(scale: Scale) -> Vec<(String, Check)> {
             Box::new(|g, _| nccl_alone(g)),
         );
     }
-    for name in ["tiny-llama2", "tiny-mistral", "tiny-mixtral", "tiny-gpt", "tiny-qwen3-moe", "tiny-deepseek-v3"] {
+    for name in [
+        "tiny-llama2",
+        "tiny-mistral",
+        "tiny-mixtral",
+        "tiny-gpt",
+        "tiny-qwen3-moe",
+        "tiny-deepseek-v3",
+        "tiny-gpt-oss",
+    ] {
         add(
             &format!("{name}: loss and gradients against the f32 CPU model"),
             Box::new(move |g, _| parity(g, name, &[], scale)),
@@ -288,6 +328,11 @@ fn checks(scale: Scale) -> Vec<(String, Check)> {
             }),
         );
     }
+    // Latent attention's projections in FP8: q_a, q_b, the latent's kv_a rows, kv_b and o.
+    add(
+        "tiny-deepseek-v3 in FP8 (tensorwise): loss and gradients against the FP8 CPU model",
+        Box::new(move |g, _| parity(g, "tiny-deepseek-v3", &["train.precision=fp8", "train.fp8.min_dim=16"], scale)),
+    );
     // Odd sizes: scalar fallbacks of the vector kernels, planned views padded for alignment.
     let odd = &["model.d_model=100", "model.mlp_dim=60", "train.seq_len=61", "train.batch_size=2"];
     add(

@@ -338,23 +338,23 @@ pub(super) fn rope(gpu: Cuda) -> Result<String, String> {
 /// (Key tile, query tile) pairs of one head that the attention kernels compute without the
 /// causal/window mask, and all pairs they compute: `[forward unmasked, forward all, backward
 /// unmasked, backward all]`. The conditions are the kernels' `full` tests (`attention.cu`): the
-/// forward pass tiles 64 queries × 64 keys; the backward pass BC keys × BR queries, BC 128 for
-/// heads wider than 32 and 64 otherwise, BR 32 for heads wider than 64 and 64 otherwise. A check that names this path fails when its shape
+/// forward pass tiles 64 queries × FBC keys (64; 32 for heads wider than 128); the backward pass
+/// BC keys × BR queries (`attention::tiles`: BC 128 for heads of 40 to 192 and 64 otherwise, BR
+/// 64 up to 64, 32 up to 192 and 16 past it). A check that names this path fails when its shape
 /// never takes it, so the shapes cannot drift into testing only the masked code.
 pub(super) fn attention_tiles(s: AttnShape) -> [usize; 4] {
     let (seq, w) = (s.seq, s.window);
+    let (fbc, br, bc) = crate::backend::cuda::ops::attention::tiles(s.head_dim);
     let mut n = [0; 4];
     for q0 in (0..seq).step_by(64) {
         let kv_first = if w > 0 { q0.saturating_sub(w - 1) } else { 0 };
         let kv_end = seq.min(q0 + 64);
-        for j0 in (kv_first / 64 * 64..kv_end).step_by(64) {
-            let full = j0 + 63 <= q0 && j0 + 64 <= seq && (w == 0 || j0 + w > q0 + 63);
+        for j0 in (kv_first / fbc * fbc..kv_end).step_by(fbc) {
+            let full = j0 + fbc - 1 <= q0 && j0 + fbc <= seq && (w == 0 || j0 + w > q0 + 63);
             n[0] += full as usize;
             n[1] += 1;
         }
     }
-    let br = if s.head_dim > 64 { 32 } else { 64 };
-    let bc = if s.head_dim > 32 { 128 } else { 64 };
     for k0 in (0..seq).step_by(bc) {
         let q_end = if w > 0 { seq.min(k0 + bc - 1 + w) } else { seq };
         for q0 in (k0 / br * br..q_end).step_by(br) {
@@ -369,11 +369,18 @@ pub(super) fn attention_tiles(s: AttnShape) -> [usize; 4] {
 /// Flash attention forward and backward against the CPU reference at shape `s`; with
 /// `unmasked`, the shape must also give both passes tiles they compute without the mask. With
 /// `native` false, on cuDNN's fused attention instead of the engine's kernels: its statistics
-/// (natural log, laid out `[batch, heads, seq]`) are its own and left out of the comparison.
+/// (natural log, laid out `[batch, heads, seq]`) are its own and left out of the comparison;
+/// a head width cuDNN does not train on the device (`cudnn::head_dim_refusal`) is not run.
 pub(super) fn attention(mut gpu: Cuda, s: AttnShape, unmasked: bool, native: bool) -> Result<String, String> {
     let tiles = attention_tiles(s);
     if unmasked && (tiles[0] == 0 || tiles[2] == 0) {
         return Err(format!("the shape gives no unmasked tile to both passes: {tiles:?}"));
+    }
+    if !native
+        && let Ok(version) = crate::backend::cuda::cudnn::version()
+        && let Some(why) = crate::backend::cuda::cudnn::head_dim_refusal(s.head_dim, gpu.info().capability, version)
+    {
+        return Ok(format!("not run: {why}"));
     }
     if !native {
         gpu.select_attention(AttentionImpl::Cudnn, s, AttnNeeds::default()).map_err(failure)?;
@@ -467,6 +474,40 @@ pub(super) fn swiglu(gpu: Cuda, f: usize) -> Result<String, String> {
     });
     t.check("h", h, BF16)?;
     t.check("dgu", dgu, BF16)?;
+    t.done()
+}
+
+/// The gated linear units other than SwiGLU, forward and backward, at a width of the 8-wide
+/// kernels (64) and of the scalar ones (36): GPT-OSS's clamped SwiGLU (a limit of 2 on values of
+/// scale 2: gates above it, ups above and below its bounds) and Gemma's GELU-tanh unit.
+pub(super) fn glu(gpu: Cuda) -> Result<String, String> {
+    use crate::backend::Glu;
+    let mut t = Twin::new(gpu);
+    let (n, limit) = (37, 2.0);
+    let clamped = Glu::ClampedSwiglu { limit, alpha: 1.702 };
+    for f in [64, 36] {
+        let (gu, dh) = (t.random(ACT, n * 2 * f, 2.0), t.random(ACT, n * f, 1.0));
+        let mut host = vec![0f32; gu.len];
+        t.cpu.download(gu, &mut host);
+        let gates = host.chunks(f).step_by(2).flatten().filter(|&&g| g > limit).count();
+        let ups = |above: bool| {
+            host.chunks(f).skip(1).step_by(2).flatten().filter(|&&u| if above { u > limit } else { u < -limit }).count()
+        };
+        let (above, below) = (ups(true), ups(false));
+        if gates == 0 || above == 0 || below == 0 {
+            return Err(format!("f={f}: {gates} gates above the limit, {above} ups above, {below} below: no clipping"));
+        }
+        for (name, kind) in [("clamped swiglu", clamped), ("gelu-tanh", Glu::GeluTanh)] {
+            let (h, dgu) = (t.alloc(ACT, n * f), t.alloc(ACT, n * 2 * f));
+            t.both(|be| {
+                be.glu_forward(h, gu, f, kind);
+                be.glu_backward(dgu, dh, gu, f, kind);
+            });
+            t.check(&format!("{name} f={f}: h"), h, BF16)?;
+            t.check(&format!("{name} f={f}: dgu"), dgu, BF16)?;
+        }
+        t.notes.push(format!("f={f}: {gates} gates above the limit, ups {above} above and {below} below"));
+    }
     t.done()
 }
 
@@ -706,6 +747,58 @@ pub(super) fn load_excess_and_bias_step(gpu: Cuda) -> Result<String, String> {
     t.done()
 }
 
+/// GPT-OSS's expert biases over uneven experts with empty ones, forward into bf16 rows and
+/// backward into f32 gradients (added to what they hold), through two dispatches: the single
+/// device's (offsets from row 0) and a second sender's on an expert axis (from row 60); the rows
+/// of neither stay as they were. The biases lie in blocks of a wider stride: at width 64 and
+/// stride 72 the forward pass takes 8 columns a thread, at width 36 and stride 37 (from element
+/// 1) one.
+pub(super) fn expert_bias(gpu: Cuda) -> Result<String, String> {
+    let mut t = Twin::new(gpu);
+    let (tokens, experts) = (96, 5);
+    // Rows per expert 7, 0, 13, 1, 39, then 0, 9, 3, 0, 18; rows 90 .. 96 in neither.
+    let tables: [[u32; 6]; 2] = [[0, 7, 7, 20, 21, 60], [60, 60, 69, 72, 72, 90]];
+    let dispatches: Vec<MoeDispatch> = tables
+        .iter()
+        .map(|offsets| MoeDispatch {
+            tokens,
+            experts,
+            top_k: 1,
+            routing: Routing::softmax(true),
+            capacity: tokens,
+            expert: t.idx(&[0; 96]),
+            weight: t.alloc(F32S, tokens),
+            slot_row: t.idx(&[0; 96]),
+            row_slot: t.idx(&[0; 96]),
+            offsets: t.idx(offsets),
+            stats: t.alloc(F32S, MoeDispatch::stats_len(experts)),
+        })
+        .collect();
+    for (width, stride, at) in [(64, 72, 0), (36, 37, 1)] {
+        let (blocks, dblocks) = (t.random(PARAM, experts * stride, 1.0), t.random(GRAD, experts * stride, 0.1));
+        let bias = ExpertWeights { first: blocks.at(at, width), stride };
+        let dbias = ExpertWeights { first: dblocks.at(at, width), stride };
+        let (out, dout) = (t.random(ACT, tokens * width, 1.0), t.random(ACT, tokens * width, 1.0));
+        let mut before = vec![0f32; out.len];
+        t.cpu.download(out, &mut before);
+        t.both(|be| {
+            for &d in &dispatches {
+                be.moe_expert_bias(out, bias, d, width);
+                be.moe_expert_bias_backward(dbias, dout, d, width);
+            }
+        });
+        t.check(&format!("width {width}: rows plus biases"), out, BF16)?;
+        t.check(&format!("width {width}: bias gradients"), dblocks, F32)?;
+        let mut after = vec![0f32; out.len];
+        t.gpu.download(out, &mut after);
+        if let Some(i) = (90 * width..out.len).find(|&i| after[i].to_bits() != before[i].to_bits()) {
+            return Err(format!("width {width}: element {i}, in a row of no expert, changed"));
+        }
+    }
+    t.notes.push("rows of no expert untouched".into());
+    t.done()
+}
+
 /// AdamW with gradient clipping and segments that decay and that do not.
 pub(super) fn adamw(gpu: Cuda) -> Result<String, String> {
     let mut t = Twin::new(gpu);
@@ -787,6 +880,64 @@ pub(super) fn heads_narrow_widen(
     t.done()
 }
 
+/// Attention sinks' epilogue on `batch` sequences of `seq` rows of `heads` heads `dh` wide:
+/// attention-like out and log-sum-exp (around 2, as tens of keys give, one of them −∞: a row
+/// that saw no key) turned in place into the sinked ones, and the sinks' gradient added to a
+/// nonzero `dsinks` from them. The sink gradient's tolerance is bf16's: the GPU's sum reads the
+/// out it rounded to bf16, the CPU's its f32 one. Then, on the GPU alone, the same from cuDNN's
+/// `[batch, heads, seq]` statistics layout must give the same bits.
+pub(super) fn attention_sinks(gpu: Cuda, batch: usize, seq: usize, heads: usize, dh: usize) -> Result<String, String> {
+    use crate::backend::cuda::ops::sinks::{self, LseLayout};
+    let mut t = Twin::new(gpu);
+    let (rows, width) = (batch * seq, heads * dh);
+    let normal = |stream: u64, i: usize| rng::normal_pair(5, stream, i as u64).0;
+    let lse_host: Vec<f32> =
+        (0..rows * heads).map(|i| if i == 5 { f32::NEG_INFINITY } else { 2.0 + normal(1, i) }).collect();
+    let sinks_host: Vec<f32> = (0..heads).map(|h| 2.0 + 1.5 * normal(2, h)).collect();
+    let out = t.random(ACT, rows * width, 1.0);
+    let lse = t.set(F32S, &lse_host);
+    let sink = t.set(PARAM, &sinks_host);
+    let (dout, dsinks) = (t.random(ACT, rows * width, 1.0), t.random(GRAD, heads, 1.0));
+    // cuDNN's layout: copies of out and dsinks, lse permuted (row b·seq + s, head h at
+    // (b·heads + h)·seq + s).
+    let (out2, lse2, dsinks2) = (t.alloc(ACT, rows * width), t.alloc(F32S, rows * heads), t.alloc(GRAD, heads));
+    let cudnn_at = |i: usize| {
+        let (r, h) = (i / heads, i % heads);
+        ((r / seq) * heads + h) * seq + r % seq
+    };
+    let mut permuted = vec![0f32; rows * heads];
+    for (i, &l) in lse_host.iter().enumerate() {
+        permuted[cudnn_at(i)] = l;
+    }
+    t.gpu.copy(out2, out);
+    t.gpu.copy(dsinks2, dsinks);
+    t.gpu.upload(lse2, &permuted);
+    t.both(|be| {
+        be.attention_sinks_forward(out, lse, sink, heads, dh);
+        be.attention_sinks_backward(dsinks, dout, out, lse, sink, heads, dh);
+    });
+    t.check("out", out, BF16)?;
+    t.check("lse", lse, F32)?;
+    t.check("dsinks (accumulated)", dsinks, BF16)?;
+    let layout = LseLayout::BatchHeadsSeq(seq);
+    sinks::forward(&mut t.gpu, out2, lse2, sink, heads, dh, layout);
+    sinks::backward(&mut t.gpu, dsinks2, dout, out2, lse2, sink, heads, dh, layout);
+    let mut get = |v: View| {
+        let mut x = vec![0f32; v.len];
+        t.gpu.download(v, &mut x);
+        x
+    };
+    let (l, l2) = (get(lse), get(lse2));
+    let l2: Vec<f32> = (0..l.len()).map(|i| l2[cudnn_at(i)]).collect();
+    for (what, a, b) in [("out", get(out), get(out2)), ("lse", l, l2), ("dsinks", get(dsinks), get(dsinks2))] {
+        if let Some(i) = (0..a.len()).find(|&i| a[i].to_bits() != b[i].to_bits()) {
+            return Err(format!("cuDNN's lse layout: {what}[{i}] is {}, {} in the native layout", b[i], a[i]));
+        }
+    }
+    t.notes.push("cuDNN's lse layout: the same bits".into());
+    t.done()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -805,6 +956,12 @@ mod tests {
         assert_eq!(attention_tiles(shape(256, 64, 0)), [6, 10, 2, 6]);
         // Head width 128: 32-query backward tiles, four of them whole under keys 0..128.
         assert_eq!(attention_tiles(shape(256, 128, 0)), [6, 10, 4, 12]);
+        // Head width 192 (and 136, padded to it): 32-key forward tiles, two of them whole for
+        // queries 64..128 and four for 128..160; backward, keys 0..128 for queries 128..160.
+        assert_eq!(attention_tiles(shape(160, 192, 0)), [6, 11, 1, 6]);
+        assert_eq!(attention_tiles(shape(160, 136, 0)), attention_tiles(shape(160, 192, 0)));
+        // Head width 256: 64-key blocks of 16-query tiles backward, whole from queries 64 on.
+        assert_eq!(attention_tiles(shape(96, 256, 0)), [2, 5, 2, 8]);
         // A window of 64 cuts every tile diagonally: nothing is whole.
         assert_eq!(attention_tiles(shape(256, 64, 64)), [0, 7, 0, 5]);
         // A window of 160 leaves the tile just below the diagonal whole (keys j0..j0+64 for

@@ -28,7 +28,7 @@ pub fn erf(x: f64) -> f64 {
     if x >= 0.0 { 1.0 - erfc } else { erfc - 1.0 }
 }
 
-fn value(u: f64, tanh: bool) -> f64 {
+pub(super) fn value(u: f64, tanh: bool) -> f64 {
     if tanh {
         0.5 * u * (1.0 + (C * (u + A * u * u * u)).tanh())
     } else {
@@ -36,7 +36,7 @@ fn value(u: f64, tanh: bool) -> f64 {
     }
 }
 
-fn derivative(u: f64, tanh: bool) -> f64 {
+pub(super) fn derivative(u: f64, tanh: bool) -> f64 {
     if tanh {
         let t = (C * (u + A * u * u * u)).tanh();
         0.5 * (1.0 + t) + 0.5 * u * (1.0 - t * t) * C * (1.0 + 3.0 * A * u * u)

@@ -5,7 +5,7 @@
 //! `(L(x + h) - L(x - h)) / 2h`, element by element, as a relative error in norm per input.
 
 use super::Cpu;
-use crate::backend::{AttnShape, Backend, BufKind, ExpertWeights, MatMul, MoeDispatch, Routing, Scoring, View};
+use crate::backend::{AttnShape, Backend, BufKind, ExpertWeights, Glu, MatMul, MoeDispatch, Routing, Scoring, View};
 use crate::rng;
 
 const H: f32 = 1e-2;
@@ -353,6 +353,55 @@ fn attention_mha_gqa_mqa_and_windows() {
                 let dqkv = cpu.alloc(BufKind::Activations, n * shape.qkv_width());
                 cpu.attention_backward(dqkv, dout, x[0], out, lse, shape);
                 vec![dqkv]
+            },
+        );
+    }
+}
+
+/// Document bounds of sequences of `shape` with an EOS (token 0) at position 2 of each.
+fn eos_bounds(cpu: &mut Cpu, shape: AttnShape) -> crate::backend::IdxView {
+    let n = shape.rows();
+    let tokens = cpu.alloc_idx(n);
+    cpu.upload_idx(tokens, &(0..n).map(|i| u32::from(i % shape.seq != 2)).collect::<Vec<_>>());
+    let bounds = cpu.alloc_idx(2 * n);
+    cpu.document_bounds(bounds, None, tokens, shape.seq, 0);
+    bounds
+}
+
+/// Attention with learned sinks (GPT-OSS) as one function of (qkv, sinks): the attention
+/// forward pass and the sinks' epilogue; backward, the epilogue's sink gradients and the
+/// attention backward pass given the out and lse the epilogue left. Windows, grouped and
+/// shared key/value heads, and document masking.
+#[test]
+fn attention_with_sinks_mha_gqa_windows_and_documents() {
+    let docs = [(attention_shapes()[1], true), (attention_shapes()[3], true)];
+    for (shape, masked) in attention_shapes().into_iter().map(|s| (s, false)).chain(docs) {
+        let (n, heads, dh) = (shape.rows(), shape.n_heads, shape.head_dim);
+        let forward = |cpu: &mut Cpu, x: &[View]| {
+            let (out, lse) =
+                (cpu.alloc(BufKind::Activations, n * shape.q_width()), cpu.alloc(BufKind::Scalars, n * heads));
+            let bounds = masked.then(|| eos_bounds(cpu, shape));
+            match bounds {
+                Some(bounds) => cpu.attention_forward_docs(out, lse, x[0], shape, bounds),
+                None => cpu.attention_forward(out, lse, x[0], shape),
+            }
+            cpu.attention_sinks_forward(out, lse, x[1], heads, dh);
+            (out, lse, bounds)
+        };
+        check(
+            &format!("attention with sinks {shape:?}, documents {masked}"),
+            &[random(n * shape.qkv_width(), 1, 1.5), random(heads, 2, 2.0)],
+            &|cpu, x| forward(cpu, x).0,
+            &|cpu, x, dout| {
+                let (out, lse, bounds) = forward(cpu, x);
+                let (dqkv, dsinks) =
+                    (cpu.alloc(BufKind::Activations, n * shape.qkv_width()), cpu.alloc(BufKind::Grads, heads));
+                cpu.attention_sinks_backward(dsinks, dout, out, lse, x[1], heads, dh);
+                match bounds {
+                    Some(bounds) => cpu.attention_backward_docs(dqkv, dout, x[0], out, lse, shape, bounds),
+                    None => cpu.attention_backward(dqkv, dout, x[0], out, lse, shape),
+                }
+                vec![dqkv, dsinks]
             },
         );
     }
@@ -755,4 +804,155 @@ fn moe_bias_step_follows_the_sign_of_the_excess_and_zeroes_it() {
     cpu.moe_bias_step(bias.at(1, 3), excess.at(1, 3), 0.5);
     assert_eq!(download(&mut cpu, bias), [1.0, 1.5, 0.5, 1.5, 1.0]);
     assert_eq!(download(&mut cpu, excess), [3.0, 0.0, 0.0, 0.0, 7.0]);
+}
+
+/// Rows `[gate | up]` of `f` random values in ±3 whose clamped inputs keep 0.1 off the kinks at
+/// ±`limit` (finite differences of ±H do not cross them), with gates above the limit and ups
+/// beyond both bounds.
+fn glu_inputs(rows: usize, f: usize, limit: f32) -> Vec<f32> {
+    let mut gu = random(rows * 2 * f, 1, 3.0);
+    for x in gu.iter_mut() {
+        if (x.abs() - limit).abs() < 0.1 {
+            *x *= 1.2;
+        }
+    }
+    // Row 0: a gate above the limit, an up above it and one below its negative.
+    (gu[0], gu[f], gu[f + 1]) = (limit + 0.7, limit + 0.4, -limit - 0.9);
+    gu
+}
+
+fn glu_check(name: &str, gu: Vec<f32>, rows: usize, f: usize, kind: Glu) {
+    check(
+        name,
+        &[gu],
+        &|cpu, x| {
+            let h = cpu.alloc(BufKind::Activations, rows * f);
+            cpu.glu_forward(h, x[0], f, kind);
+            h
+        },
+        &|cpu, x, dh| {
+            let dgu = cpu.alloc(BufKind::Activations, rows * 2 * f);
+            cpu.glu_backward(dgu, dh, x[0], f, kind);
+            vec![dgu]
+        },
+    );
+}
+
+/// GPT-OSS's clamped SwiGLU (limit 1.5 here, so that a third of the inputs are clipped).
+#[test]
+fn glu_clamped_swiglu() {
+    let (rows, f, limit) = (4, 6, 1.5);
+    let gu = glu_inputs(rows, f, limit);
+    let gates = gu.chunks(f).step_by(2).flatten();
+    let ups = gu.chunks(f).skip(1).step_by(2).flatten();
+    let clipped = (gates.filter(|&&g| g > limit).count(), ups.filter(|&&u| u.abs() > limit).count());
+    assert!(clipped.0 >= 2 && clipped.1 >= 4, "clipped gates and ups: {clipped:?}");
+    glu_check("glu clamped swiglu", gu, rows, f, Glu::ClampedSwiglu { limit, alpha: 1.702 });
+}
+
+/// Gemma's GELU-tanh unit.
+#[test]
+fn glu_gelu_tanh() {
+    let (rows, f) = (3, 5);
+    glu_check("glu gelu-tanh", random(rows * 2 * f, 1, 3.0), rows, f, Glu::GeluTanh);
+}
+
+/// [`Glu::Swiglu`] is `swiglu_forward` and `swiglu_backward`, bit for bit.
+#[test]
+fn glu_swiglu_is_swiglu() {
+    let (rows, f) = (3, 5);
+    let mut cpu = Cpu::new();
+    let (gu, dh) = (upload(&mut cpu, &random(rows * 2 * f, 1, 3.0)), upload(&mut cpu, &random(rows * f, 2, 1.0)));
+    let alloc = |cpu: &mut Cpu, len| cpu.alloc(BufKind::Activations, len);
+    let (h1, h2, d1, d2) = (
+        alloc(&mut cpu, rows * f),
+        alloc(&mut cpu, rows * f),
+        alloc(&mut cpu, 2 * rows * f),
+        alloc(&mut cpu, 2 * rows * f),
+    );
+    cpu.swiglu_forward(h1, gu, f);
+    cpu.glu_forward(h2, gu, f, Glu::Swiglu);
+    cpu.swiglu_backward(d1, dh, gu, f);
+    cpu.glu_backward(d2, dh, gu, f, Glu::Swiglu);
+    assert_eq!(download(&mut cpu, h1), download(&mut cpu, h2));
+    assert_eq!(download(&mut cpu, d1), download(&mut cpu, d2));
+}
+
+/// Routing tables whose offsets are `offsets` (an expert's rows `offsets[e] .. offsets[e + 1]`
+/// of `tokens` rows, top-1): the other tables are unused by the expert biases.
+fn bias_dispatch(cpu: &mut Cpu, tokens: usize, offsets: &[u32]) -> MoeDispatch {
+    let d = dispatch(cpu, tokens, offsets.len() - 1, 1, tokens);
+    let table = cpu.alloc_idx(offsets.len());
+    cpu.upload_idx(table, offsets);
+    MoeDispatch { offsets: table, ..d }
+}
+
+/// Expert biases over uneven experts, one without rows, as the single device's dispatch and as a
+/// second sender's on an expert axis (offsets from row 9 on); the biases lie in blocks of a
+/// stride wider than them. Rows outside both dispatches are left alone, and so is the rest of
+/// each block.
+#[test]
+fn moe_expert_bias_adds_and_sums_per_expert() {
+    let (tokens, width, stride, experts) = (14, 3, 5, 3);
+    // Rows per expert: 4, 0, 5, then 1, 2, 0; rows 12 and 13 belong to no expert.
+    let (first, second): (&[u32], &[u32]) = (&[0, 4, 4, 9], &[9, 10, 12, 12]);
+    let (x, b, g) =
+        (random(tokens * width, 1, 1.0), random(experts * stride, 2, 1.0), random(experts * stride, 3, 1.0));
+    let dy = random(tokens * width, 4, 1.0);
+    let mut cpu = Cpu::new();
+    let (out, blocks, dblocks, dout) =
+        (upload(&mut cpu, &x), upload(&mut cpu, &b), upload(&mut cpu, &g), upload(&mut cpu, &dy));
+    let bias = ExpertWeights { first: blocks.at(1, width), stride };
+    let dbias = ExpertWeights { first: dblocks.at(1, width), stride };
+    for offsets in [first, second] {
+        let d = bias_dispatch(&mut cpu, tokens, offsets);
+        cpu.moe_expert_bias(out, bias, d, width);
+        cpu.moe_expert_bias_backward(dbias, dout, d, width);
+    }
+    let expert =
+        |r: usize| [first, second].iter().find_map(|o| (0..experts).find(|&e| (o[e]..o[e + 1]).contains(&(r as u32))));
+    let (got, db) = (download(&mut cpu, out), download(&mut cpu, dblocks));
+    for r in 0..tokens {
+        for j in 0..width {
+            let want = x[r * width + j] + expert(r).map_or(0.0, |e| b[e * stride + 1 + j]);
+            assert_eq!(got[r * width + j], want, "out[{r}, {j}]");
+        }
+    }
+    for e in 0..experts {
+        for j in 0..width {
+            let sum: f64 = (0..tokens).filter(|&r| expert(r) == Some(e)).map(|r| dy[r * width + j] as f64).sum();
+            let (at, want) = (e * stride + 1 + j, g[e * stride + 1 + j] + sum as f32);
+            assert!((db[at] - want).abs() <= 1e-6, "dbias[{e}][{j}] = {}, want {want}", db[at]);
+        }
+        assert_eq!(db[e * stride], g[e * stride], "the rest of block {e}");
+        assert_eq!(db[e * stride + 1 + width..(e + 1) * stride], g[e * stride + 1 + width..(e + 1) * stride]);
+    }
+    assert_eq!((expert(4), expert(9), expert(11), expert(12)), (Some(2), Some(0), Some(1), None));
+}
+
+/// The expert biases' gradients by finite differences, through the rows (`out = x + b_e`) and
+/// the biases.
+#[test]
+fn moe_expert_bias_gradient() {
+    let (tokens, width, stride) = (9, 4, 6);
+    let offsets: &[u32] = &[0, 2, 2, 7, 8];
+    check(
+        "moe expert bias",
+        &[random(tokens * width, 1, 1.0), random(4 * stride, 2, 1.0)],
+        &|cpu, x| {
+            let d = bias_dispatch(cpu, tokens, offsets);
+            let out = cpu.alloc(BufKind::Activations, tokens * width);
+            cpu.copy(out, x[0]);
+            cpu.moe_expert_bias(out, ExpertWeights { first: x[1].at(2, width), stride }, d, width);
+            out
+        },
+        &|cpu, _, dout| {
+            let d = bias_dispatch(cpu, tokens, offsets);
+            let (dx, db) =
+                (cpu.alloc(BufKind::Activations, tokens * width), cpu.alloc(BufKind::Activations, 4 * stride));
+            cpu.copy(dx, dout);
+            cpu.moe_expert_bias_backward(ExpertWeights { first: db.at(2, width), stride }, dout, d, width);
+            vec![dx, db]
+        },
+    );
 }

@@ -18,6 +18,7 @@ mod adamw;
 mod attention;
 mod embedding;
 mod gelu;
+mod glu;
 mod layernorm;
 mod loss;
 mod matmul;
@@ -29,13 +30,14 @@ mod qknorm;
 mod reduce;
 mod rope;
 mod router;
+mod sinks;
 mod swiglu;
 
 #[cfg(test)]
 mod gradcheck;
 
 use super::{
-    AdamWStep, AttnShape, Backend, BufId, BufKind, ExpertWeights, IdxView, MatMul, MlaShape, MoeDispatch, Segment,
+    AdamWStep, AttnShape, Backend, BufId, BufKind, ExpertWeights, Glu, IdxView, MatMul, MlaShape, MoeDispatch, Segment,
     SeqSplit, View, fp8,
 };
 
@@ -449,6 +451,25 @@ impl Backend for Cpu {
         attention::backward_masked(dqkv, dout, qkv, out, lse, shape, SeqSplit::WHOLE, Some(starts));
     }
 
+    fn attention_sinks_forward(&mut self, out: View, lse: View, sinks: View, heads: usize, head_dim: usize) {
+        let ([out, lse], [sinks]) = self.mem.io_many([out, lse], [sinks]);
+        sinks::forward(out, lse, sinks, heads, head_dim);
+    }
+
+    fn attention_sinks_backward(
+        &mut self,
+        dsinks: View,
+        dout: View,
+        out: View,
+        lse: View,
+        sinks: View,
+        heads: usize,
+        head_dim: usize,
+    ) {
+        let (dsinks, [dout, out, lse, sinks]) = self.mem.io(dsinks, [dout, out, lse, sinks]);
+        sinks::backward(dsinks, dout, out, lse, sinks, heads, head_dim);
+    }
+
     fn swiglu_forward(&mut self, h: View, gu: View, f: usize) {
         let (h, [gu]) = self.mem.io(h, [gu]);
         swiglu::forward(h, gu, f);
@@ -457,6 +478,16 @@ impl Backend for Cpu {
     fn swiglu_backward(&mut self, dgu: View, dh: View, gu: View, f: usize) {
         let (dgu, [dh, gu]) = self.mem.io(dgu, [dh, gu]);
         swiglu::backward(dgu, dh, gu, f);
+    }
+
+    fn glu_forward(&mut self, h: View, gu: View, f: usize, kind: Glu) {
+        let (h, [gu]) = self.mem.io(h, [gu]);
+        glu::forward(h, gu, f, kind);
+    }
+
+    fn glu_backward(&mut self, dgu: View, dh: View, gu: View, f: usize, kind: Glu) {
+        let (dgu, [dh, gu]) = self.mem.io(dgu, [dh, gu]);
+        glu::backward(dgu, dh, gu, f, kind);
     }
 
     fn gelu_forward(&mut self, h: View, u: View, tanh: bool) {
@@ -556,6 +587,38 @@ impl Backend for Cpu {
                 let (dw, [dy, x]) =
                     self.mem.io(dweights.expert(e), [dy.rows(first, rows, out), x.rows(first, rows, inp)]);
                 matmul::matmul(dw, dy, x, MatMul::linear_dw(rows, inp, out), &mut self.gemm);
+            }
+        }
+    }
+
+    fn moe_expert_bias(&mut self, out: View, bias: ExpertWeights, dispatch: MoeDispatch, width: usize) {
+        assert_eq!(
+            bias.first.len, width,
+            "internal error: moe_expert_bias: an expert's bias holds {} ≠ {width}",
+            bias.first.len
+        );
+        let offsets = self.idx.get(dispatch.offsets).to_vec();
+        for e in 0..dispatch.experts {
+            let (first, rows) = (offsets[e] as usize, (offsets[e + 1] - offsets[e]) as usize);
+            if rows > 0 {
+                let (out, [b]) = self.mem.io(out.rows(first, rows, width), [bias.expert(e)]);
+                moe::expert_bias(out, b);
+            }
+        }
+    }
+
+    fn moe_expert_bias_backward(&mut self, dbias: ExpertWeights, dout: View, dispatch: MoeDispatch, width: usize) {
+        assert_eq!(
+            dbias.first.len, width,
+            "internal error: moe_expert_bias_backward: an expert's bias holds {} ≠ {width}",
+            dbias.first.len
+        );
+        let offsets = self.idx.get(dispatch.offsets).to_vec();
+        for e in 0..dispatch.experts {
+            let (first, rows) = (offsets[e] as usize, (offsets[e + 1] - offsets[e]) as usize);
+            if rows > 0 {
+                let (db, [dout]) = self.mem.io(dbias.expert(e), [dout.rows(first, rows, width)]);
+                moe::expert_bias_backward(db, dout);
             }
         }
     }

@@ -12,6 +12,8 @@
 //!           for the chosen experts dp_{e_i} = (dw_i - Σ_j dw_j w_j) / Σ_m p_{e_m} (renormalised;
 //!           else dp_{e_i} = dw_i);  plus the
 //!           load-balancing term;  dlogits = p ⊙ (dp - p · dp)
+//! biases:   y_r += b_e over the dispatched rows r of expert e (GPT-OSS's experts);
+//!           db_e += Σ_{rows r of e} dy_r
 //!
 //! A dropped slot (kept_j = 0) adds nothing to its token's output (the residual carries the
 //! token) and its expert gets no gradient from it; its weight still shares the renormalisation,
@@ -136,5 +138,27 @@ pub fn combine_backward(
         } else {
             dout[t * d..(t + 1) * d].iter().zip(&ye[r as usize * d..][..d]).map(|(a, b)| a * b).sum()
         };
+    });
+}
+
+/// Columns of an expert's bias gradient summed by one task.
+const BIAS_COLUMNS: usize = 64;
+
+/// `out[r] += bias` for every row of one expert's block of rows (`bias.len()` wide): an expert
+/// projection's bias (GPT-OSS's experts).
+pub fn expert_bias(out: &mut [f32], bias: &[f32]) {
+    out.par_chunks_mut(bias.len()).for_each(|row| row.iter_mut().zip(bias).for_each(|(o, b)| *o += b));
+}
+
+/// `dbias += Σ_r dout[r]` over one expert's block of rows: each column summed in f64 in row
+/// order, then added once.
+pub fn expert_bias_backward(dbias: &mut [f32], dout: &[f32]) {
+    let width = dbias.len();
+    dbias.par_chunks_mut(BIAS_COLUMNS).enumerate().for_each(|(c, db)| {
+        let mut acc = [0f64; BIAS_COLUMNS];
+        for row in dout.chunks_exact(width) {
+            acc.iter_mut().zip(&row[c * BIAS_COLUMNS..][..db.len()]).for_each(|(a, x)| *a += *x as f64);
+        }
+        db.iter_mut().zip(acc).for_each(|(d, a)| *d += a as f32);
     });
 }

@@ -33,8 +33,8 @@ use anyhow::{Result, anyhow, bail};
 use cudarc::driver::sys::{self, CUdeviceptr};
 
 use super::{
-    AdamWStep, AttnNeeds, AttnShape, Backend, BufKind, ExpertWeights, IdxView, MatMul, MlaShape, MoeDispatch, Segment,
-    SeqSplit, View, fp8, gib,
+    AdamWStep, AttnNeeds, AttnShape, Backend, BufKind, ExpertWeights, Glu, IdxView, MatMul, MlaShape, MoeDispatch,
+    Segment, SeqSplit, View, fp8, gib,
 };
 use crate::config::{AttentionImpl, ModelConfig};
 use blas::Gemm;
@@ -141,7 +141,7 @@ pub fn bytes_per_element(kind: BufKind) -> usize {
 pub fn check_model(m: &ModelConfig) -> Result<()> {
     if !m.head_dim.is_multiple_of(8) || m.head_dim > ops::attention::MAX_HEAD_DIM {
         bail!(
-            "model.head_dim = {}: the CUDA attention kernels take a multiple of 8 up to {}; use --device cpu",
+            "model.head_dim = {}: the CUDA attention kernels take a multiple of 8 up to {} (heads padded to 16, 32, 64, 128, 192 or 256); use --device cpu",
             m.head_dim,
             ops::attention::MAX_HEAD_DIM
         );
@@ -187,6 +187,9 @@ pub fn scratch_bytes(m: &ModelConfig, batch: usize, seq: usize, sm_count: usize)
     // Latent attention's two RMSNorms are as wide as their ranks, which may exceed d_model.
     let latent_row = m.mla.as_ref().map_or(0, |a| a.q_lora_rank.max(a.kv_lora_rank));
     let norm_row = (m.d_model * if m.is_gpt() { 2 } else { 1 }).max(qk_norm_row).max(latent_row);
+    // Attention sinks' gradient partials share it too: a head's per block, over no more blocks
+    // (`ops::sinks::backward_grid`).
+    let norm_row = norm_row.max(m.n_heads);
     blas::WORKSPACE_BYTES
         + ops::elementwise::sum_blocks(sm_count) * 8
         + norm_blocks * norm_row * 4
@@ -499,6 +502,14 @@ impl Backend for Cuda {
             if needs.seq_split {
                 bail!(cudnn::NO_SEQ_SPLIT);
             }
+            if needs.sinks {
+                bail!(cudnn::NO_SINKS);
+            }
+            // Head widths cuDNN's fused attention does not train on this device.
+            let version = gpu.dev.cudnn()?.version();
+            if let Some(why) = cudnn::head_dim_refusal(shape.head_dim, gpu.dev.info().capability, version) {
+                bail!(why);
+            }
             let checked = cudnn::self_check(gpu, shape)?;
             let c = gpu.dev.cudnn()?;
             c.prepare(shape)?;
@@ -778,6 +789,30 @@ impl Backend for Cuda {
         ops::attention::backward(self, dqkv, dout, qkv, out, lse, s, SeqSplit::WHOLE, Some(bounds))
     }
 
+    // The epilogue reads and writes the native kernels' log-sum-exp, `[rows, heads]`. cuDNN's
+    // statistics are the same natural-log values laid out `[batch, heads, seq]`, which the
+    // kernels take (`LseLayout::BatchHeadsSeq`) given the sequence length, which these calls do
+    // not carry yet: sinks need the native kernels until they do.
+    fn attention_sinks_forward(&mut self, out: View, lse: View, sinks: View, heads: usize, head_dim: usize) {
+        assert!(self.attention == Attention::Native, "internal error: attention sinks on cuDNN's attention");
+        ops::sinks::forward(self, out, lse, sinks, heads, head_dim, ops::sinks::LseLayout::RowsHeads)
+    }
+
+    fn attention_sinks_backward(
+        &mut self,
+        dsinks: View,
+        dout: View,
+        out: View,
+        lse: View,
+        sinks: View,
+        heads: usize,
+        head_dim: usize,
+    ) {
+        assert!(self.attention == Attention::Native, "internal error: attention sinks on cuDNN's attention");
+        let layout = ops::sinks::LseLayout::RowsHeads;
+        ops::sinks::backward(self, dsinks, dout, out, lse, sinks, heads, head_dim, layout)
+    }
+
     fn seq_chunk_multiple(&self) -> Option<usize> {
         Some(ops::attention::CHUNK_MULTIPLE)
     }
@@ -866,6 +901,14 @@ impl Backend for Cuda {
         ops::swiglu::backward(self, dgu, dh, gu, f)
     }
 
+    fn glu_forward(&mut self, h: View, gu: View, f: usize, kind: Glu) {
+        ops::swiglu::glu_forward(self, h, gu, f, kind)
+    }
+
+    fn glu_backward(&mut self, dgu: View, dh: View, gu: View, f: usize, kind: Glu) {
+        ops::swiglu::glu_backward(self, dgu, dh, gu, f, kind)
+    }
+
     fn cross_entropy(&mut self, losses: View, logits: View, targets: IdxView, v: usize, grad_scale: Option<f32>) {
         ops::cross_entropy::cross_entropy(self, losses, logits, targets, v, grad_scale)
     }
@@ -928,6 +971,14 @@ impl Backend for Cuda {
         ops::gemm::expert_matmul_dw(self, dweights, dy, x, d, inp, out)
     }
 
+    fn moe_expert_bias(&mut self, out: View, bias: ExpertWeights, d: MoeDispatch, width: usize) {
+        ops::moe::expert_bias(self, out, bias, d, width)
+    }
+
+    fn moe_expert_bias_backward(&mut self, dbias: ExpertWeights, dout: View, d: MoeDispatch, width: usize) {
+        ops::moe::expert_bias_backward(self, dbias, dout, d, width)
+    }
+
     fn moe_combine(&mut self, out: View, ye: View, d: MoeDispatch, width: usize) {
         ops::moe::combine(self, out, ye, d, width)
     }
@@ -978,9 +1029,13 @@ mod tests {
     fn model_checks_name_the_key() {
         let m = ModelConfig { head_dim: 6, ..ModelConfig::default() };
         assert!(check_model(&m).unwrap_err().to_string().contains("model.head_dim = 6"));
-        let m = ModelConfig { head_dim: 256, ..ModelConfig::default() };
-        assert!(check_model(&m).is_err());
-        assert!(check_model(&ModelConfig { head_dim: 128, ..ModelConfig::default() }).is_ok());
+        // Heads up to 256: DeepSeek-V3's latent attention packs 192, Gemma 3's are 256.
+        for head_dim in [8, 128, 136, 192, 200, 256] {
+            assert!(check_model(&ModelConfig { head_dim, ..ModelConfig::default() }).is_ok(), "{head_dim}");
+        }
+        let e = check_model(&ModelConfig { head_dim: 264, ..ModelConfig::default() }).unwrap_err().to_string();
+        assert!(e.contains("model.head_dim = 264") && e.contains("up to 256"), "{e}");
+        assert!(check_model(&ModelConfig { head_dim: 196, ..ModelConfig::default() }).is_err());
     }
 
     #[test]

@@ -489,6 +489,39 @@ pub(crate) const NO_DOCUMENT_MASK: &str =
 /// their true positions against every rank's keys, which the native kernels take.
 pub(crate) const NO_SEQ_SPLIT: &str = "a sequence axis (mesh.ici_seq x mesh.dcn_seq > 1) needs the native kernels (this cuDNN graph takes no chunk offsets)";
 
+pub(crate) const NO_SINKS: &str =
+    "attention sinks (GPT-OSS) need the native kernels (they read the log-sum-exp in the native layout)";
+
+/// cuDNN version from which Hopper's fused attention trains heads wider than 128 (its backward
+/// pass up to 256; the forward pass took them from 9.1).
+pub(crate) const WIDE_HEADS_VERSION: usize = 90500;
+
+/// Why cuDNN's fused attention cannot train heads `head_dim` wide (both passes, equal q/k and
+/// v widths) on a device of compute capability `cc` with cuDNN `version`, if it cannot; the
+/// native kernels then run. cuDNN 9's SDPA support matrix: heads up to 128 on every
+/// architecture from sm_80; up to 256 on Hopper (sm_90) only, whose backward pass takes them
+/// from 9.5. Ampere and Ada run forward passes up to 256 but backward passes only up to 128, and
+/// Blackwell's backward pass past 128 is the (192, 128) split of latent attention or, from
+/// 9.23, 256 alone: a training step needs both passes, so past 128 only sm_90 qualifies here.
+pub(crate) fn head_dim_refusal(head_dim: usize, cc: (i32, i32), version: usize) -> Option<String> {
+    let hopper = cc.0 == 9;
+    if head_dim <= 128 || hopper && head_dim <= 256 && version >= WIDE_HEADS_VERSION {
+        return None;
+    }
+    Some(if hopper && head_dim <= 256 {
+        format!(
+            "model.head_dim = {head_dim} needs the native kernels with cuDNN {} (its fused attention trains heads wider than 128 from {} on)",
+            dotted(version),
+            dotted(WIDE_HEADS_VERSION)
+        )
+    } else {
+        format!(
+            "model.head_dim = {head_dim} needs the native kernels on sm_{}{} (cuDNN's fused attention trains heads up to 128 wide there, up to 256 on sm_90)",
+            cc.0, cc.1
+        )
+    })
+}
+
 /// `Backend::attention_forward` on cuDNN: out and the statistics (`lse` holds them
 /// `[batch, heads, seq]`, natural log, which only the backward pass below reads).
 pub(crate) fn forward(gpu: &mut Cuda, out: View, lse: View, qkv: View, s: AttnShape) {
@@ -594,4 +627,26 @@ fn check_close(name: &str, got: &[f32], want: &[f32], tol: f64) -> Result<String
         bail!("{name} is {rel:.2e} off the CPU reference (relative L2; at most {tol:.0e} expected)");
     }
     Ok(format!("{name} {rel:.1e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn heads_past_128_take_cudnn_on_hopper_only() {
+        let (a100, h100, b200) = ((8, 0), (9, 0), (10, 0));
+        for cc in [a100, h100, b200] {
+            assert_eq!(head_dim_refusal(128, cc, MIN_VERSION), None);
+        }
+        assert_eq!(head_dim_refusal(192, h100, WIDE_HEADS_VERSION), None);
+        assert_eq!(head_dim_refusal(256, h100, 91400), None);
+        let old = head_dim_refusal(256, h100, 90400).unwrap();
+        assert!(old.contains("model.head_dim = 256") && old.contains("9.5.0"), "{old}");
+        for cc in [a100, b200] {
+            let why = head_dim_refusal(192, cc, 91400).unwrap();
+            assert!(why.contains("model.head_dim = 192") && why.contains("native kernels"), "{why}");
+        }
+        assert!(head_dim_refusal(192, a100, 91400).unwrap().contains("sm_80"));
+    }
 }

@@ -6,22 +6,50 @@
 // backward: D = do·o,  dp_j = do·v_j,  ds_j = p_j (dp_j - D),
 //           dq = Σ_j ds_j k_j / sqrt(dh),  dk_j = Σ_i ds_ij q_i / sqrt(dh),  dv_j = Σ_i p_ij do_i
 //
-// HD is the head width padded to a multiple of 16 (16, 32, 64 or 128); the real width dh is a
-// multiple of 8 and the padding is zero-filled by cp.async, so it adds nothing to any product.
-// A warp owns 16 rows of the tile (queries forward, keys backward): forward blocks are 4 warps,
-// backward blocks 8 (128 keys) from HD 64 on and 4 (64 keys) below.
+// HD is the head width padded to a multiple of 16 (16, 32, 64, 128, 192 or 256); the real
+// width dh is a multiple of 8 and the padding is zero-filled by cp.async, so it adds nothing to
+// any product. A warp owns 16 rows of the tile (queries forward, keys backward): forward blocks
+// are 4 warps, backward blocks 8 (128 keys) at HD 64 to 192 and 4 (64 keys) otherwise.
 // Shared rows are HD + 8 elements long, which keeps ldmatrix free of bank conflicts.
 //
-// Forward (FlashAttention-2): one block per 64 queries of one head; key/value tiles of 64 are
-// double-buffered with cp.async; an online softmax in base 2 keeps a running maximum and sum
-// per row; the probabilities go from the score accumulators straight into the A operand of
-// P·V. Only the log-sum-exp is saved.
+// Forward (FlashAttention-2): one block per 64 queries of one head; key/value tiles of BC keys
+// (64, 32 past HD 128) are double-buffered with cp.async; an online softmax in base 2 keeps a
+// running maximum and sum per row; the probabilities go from the score accumulators straight
+// into the A operand of P·V. Only the log-sum-exp is saved.
 //
-// Backward: `attention_backward_dot` computes D; then one block per 128 keys (64 for HD 16
-// and 32) of one key/value head walks every query tile of every query head of its group that sees those keys,
-// recomputes P from the saved log-sum-exp, and accumulates dK and dV in registers (written once,
-// no atomics); dQ is accumulated in f32 with atomics and converted by
-// `attention_backward_dq`.
+// Backward: `attention_backward_dot` computes D; then one block per BC keys (128, or 64 for HD
+// 16, 32 and 256) of one key/value head walks every query tile of every query head of its group
+// that sees those keys, recomputes P from the saved log-sum-exp, and accumulates dK and dV in
+// registers (written once, no atomics); dQ is accumulated in f32 with atomics and converted by
+// `attention_backward_dq`. Past HD 128 the block walks its query tiles twice, dV the first time
+// and dK and dQ the second (`attention_backward_impl` says why).
+//
+// Wide heads (HD 192 and 256: DeepSeek-V3's latent attention packs heads of 128 + 64, Gemma 3's
+// are 256 wide). Per thread, a warp's 16 rows × HD of f32 accumulator are HD / 2 registers
+// (each of the 32 lanes holds 4 of every 16 × 8 tile), so at HD 256 the forward pass's O alone is
+// 128 of the 255 a thread may have, and the backward pass's dK and dV together 256:
+//   forward  HD ≤ 128: Q's fragments (HD / 4 registers) stay in registers across key tiles,
+//                      64-key tiles: 64 + 2·2·64 rows of HD + 8 in shared memory.
+//            HD > 128: Q's fragments are read from shared memory again for every key tile (one
+//                      ldmatrix per 16 columns, against two per 16 keys × 16 columns for K: the
+//                      S = QKᵀ product reads 1.5 times the shared memory it did), and key tiles
+//                      are 32 (S: 16 registers, not 32): 64 + 2·2·32 rows of HD + 8, 76,800 bytes
+//                      at HD 192 (two blocks an SM on sm_80, two on sm_90) and 101,376 at 256
+//                      (one on sm_80, two on sm_90). 64-key double-buffered tiles would take
+//                      168,960 bytes at 256, past sm_80's 166,912 per block.
+//   backward HD > 128: dK and dV do not fit together (192 or 256 registers of accumulators), so
+//                      the block makes two passes over its query tiles: the first recomputes
+//                      S and P and accumulates dV (P·dO) only, writes it and clears the
+//                      accumulators; the second recomputes S, P, dP and dS and accumulates dK
+//                      and dQ. One accumulator of HD / 2 registers, as dK and dV together were
+//                      at HD 128; the price is S = KQᵀ computed twice and Q, dO and the
+//                      log-sum-exp loaded twice: 6 tile products of 16 × BR × HD per key tile
+//                      where one pass does 5 (+20 %), plus the second pass's loads (from L2).
+//                      Tiles: HD 192, 128 keys (8 warps) × 32 queries, 164,608 bytes of shared
+//                      memory (fits sm_80's 166,912); HD 256, 64 keys (4 warps) × 16 queries,
+//                      104,832 bytes (128 keys need 175,488 even with 16 queries). 16 queries
+//                      keep the dQ product's accumulators (HD/8 · BR/16 / warps tiles of 8
+//                      columns, 4 registers each) at 32 registers.
 //
 // Document masking (packed sequences): with `starts` (else null), query i also needs
 // j >= starts[i], the first position of its document, and key j is seen by queries before
@@ -108,18 +136,21 @@ struct Smem {
 // Copies rows [r0, r0 + ROWS) × [0, HD) of a head (columns col .. col + dh of rows of width
 // `width`) into shared memory, zero-filling rows at or past `limit` and columns at or past dh.
 // A tile is ROWS · HD/8 chunks of 16 bytes, chunk ch at row ch / (HD/8), column (ch % (HD/8))·8.
-// Thread t copies chunks t, t + T, t + 2T, ... (T: the block's threads); T is a multiple of HD/8, so
-// its column cc is the same in every trip and its row advances by T / (HD/8): the row, column
-// and address are computed once, and a trip adds a constant to a 32-bit offset (11-15 SASS
-// instructions per 16-byte copy, against 31-35 when the loop was bounded by blockDim.x and
-// divided each chunk index). The loop is left rolled: unrolled, its hoisted addresses cost the
-// forward pass 10-30 registers and hd64 a block per SM.
+// Thread t copies chunks t, t + U, t + 2U, ... where U, the threads that copy, is the block's T
+// threads rounded down to a multiple of HD/8 (T itself for the powers of two; at HD 192, 24
+// chunks a row, 120 of 128 threads or 240 of 256, the rest idle): its column cc is the same in
+// every trip and its row advances by U / (HD/8): the row, column and address are computed once,
+// and a trip adds a constant to a 32-bit offset (11-15 SASS instructions per 16-byte copy,
+// against 31-35 when the loop was bounded by blockDim.x and divided each chunk index). The loop
+// is left rolled: unrolled, its hoisted addresses cost the forward pass 10-30 registers and hd64
+// a block per SM.
 template <int ROWS, int HD, int T = ATTN_THREADS>
 __device__ __forceinline__ void load_tile_async(bf16* tile, const bf16* base, u64 row0, int r0, int limit, u64 width,
                                                 int col, int dh) {
     constexpr int PER_ROW = HD / 8, CHUNKS = ROWS * PER_ROW, LD = HD + 8;
-    constexpr int TRIPS = (CHUNKS + T - 1) / T, ROW_STEP = T / PER_ROW;
-    static_assert(T % PER_ROW == 0, "a thread keeps its column");
+    constexpr int U = T / PER_ROW * PER_ROW, TRIPS = (CHUNKS + U - 1) / U, ROW_STEP = U / PER_ROW;
+    static_assert(ROW_STEP > 0, "a row's chunks fit the block's threads");
+    if (U < T && (int)threadIdx.x >= U) return;  // (no barrier below: an idle thread may leave)
     int r = threadIdx.x / PER_ROW, cc = (threadIdx.x % PER_ROW) * 8;
     int rows_left = dh > cc ? limit - r0 - r : 0;  // this thread's rows before `limit`; none past dh
     // Offsets from row0 fit 32 bits (the launcher checks: row0 is the sequence's first row
@@ -129,7 +160,7 @@ __device__ __forceinline__ void load_tile_async(bf16* tile, const bf16* base, u6
     bf16* dst = tile + r * LD + cc;
 #pragma unroll 1
     for (int i = 0; i < TRIPS; i++) {
-        if (CHUNKS % T == 0 || r + i * ROW_STEP < ROWS) {  // the last trip of a small tile
+        if (CHUNKS % U == 0 || r + i * ROW_STEP < ROWS) {  // the last trip of a small tile
             bool ok = i * ROW_STEP < rows_left;
             cp_async16(smem_addr(dst + i * ROW_STEP * LD), ok ? seq_base + off : base, ok ? 16 : 0);
         }
@@ -137,10 +168,13 @@ __device__ __forceinline__ void load_tile_async(bf16* tile, const bf16* base, u6
     }
 }
 
+// BC: keys per tile (64; 32 past HD 128). QREG: Q's fragments kept in registers across the key
+// tiles (up to HD 128), else read from shared memory for each (see "Wide heads" above).
 template <int HD, class Rows>
 __device__ void attention_forward_impl(bf16* out, float* lse, const bf16* qkv, const u32* starts, Rows R, int heads,
                                        int kv_heads, int dh, int window, float scale) {
-    constexpr int LD = HD + 8, BR = 64, BC = 64;
+    constexpr int LD = HD + 8, BR = 64, BC = HD <= 128 ? 64 : 32;
+    constexpr bool QREG = HD <= 128;
     DYNAMIC_SMEM(uint4, smem_raw);  // uint4: 16-byte aligned, as cp.async and ldmatrix need
     bf16* Qs = (bf16*)smem_raw;
     bf16* Ks = Qs + BR * LD;       // [2][BC][LD]
@@ -171,7 +205,7 @@ __device__ void attention_forward_impl(bf16* out, float* lse, const bf16* qkv, c
     cp_async_commit();
 
     float scale2 = scale * LOG2E;
-    u32 qf[HD / 16][4];
+    u32 qf[QREG ? HD / 16 : 1][4];
     float o[HD / 8][4];
 #pragma unroll
     for (int i = 0; i < HD / 8; i++) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
@@ -190,27 +224,30 @@ __device__ void attention_forward_impl(bf16* out, float* lse, const bf16* qkv, c
             cp_async_wait<0>();
         }
         __syncthreads();
-        if (it == 0) {
+        if (QREG && it == 0) {
 #pragma unroll
-            for (int kt = 0; kt < HD / 16; kt++)
+            for (int kt = 0; kt < (QREG ? HD / 16 : 0); kt++)
                 ldmatrix_x4(qf[kt], smem_addr(Qs + (warp * 16 + (lane % 16)) * LD + kt * 16 + (lane / 16) * 8));
         }
         const bf16* K = Ks + buf * BC * LD;
         const bf16* V = Vs + buf * BC * LD;
 
-        // S = Q Kᵀ for this warp's 16 rows × 64 keys.
+        // S = Q Kᵀ for this warp's 16 rows × BC keys.
         float s[BC / 8][4];
 #pragma unroll
         for (int i = 0; i < BC / 8; i++) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
 #pragma unroll
-        for (int kt = 0; kt < HD / 16; kt++)
+        for (int kt = 0; kt < HD / 16; kt++) {
+            u32* qa = qf[QREG ? kt : 0];
+            if (!QREG) ldmatrix_x4(qa, smem_addr(Qs + (warp * 16 + (lane % 16)) * LD + kt * 16 + (lane / 16) * 8));
 #pragma unroll
             for (int np = 0; np < BC / 16; np++) {
                 u32 r[4];
                 ldmatrix_x4(r, smem_addr(K + (np * 16 + (lane % 8) + (lane / 16) * 8) * LD + kt * 16 + ((lane / 8) % 2) * 8));
-                mma_bf16(s[2 * np], qf[kt], r[0], r[1]);
-                mma_bf16(s[2 * np + 1], qf[kt], r[2], r[3]);
+                mma_bf16(s[2 * np], qa, r[0], r[1]);
+                mma_bf16(s[2 * np + 1], qa, r[2], r[3]);
             }
+        }
 
         // Scale to base 2, mask where the tile is not entirely visible to the whole block.
         bool full = j0 + BC - 1 <= q0 && j0 + BC <= seq && (window == 0 || j0 > q0 + BR - 1 - window) &&
@@ -302,8 +339,10 @@ __device__ void attention_forward_impl(bf16* out, float* lse, const bf16* qkv, c
 }
 
 // Forward blocks per SM that registers must allow: 4 up to hd64 (its 46 KB of shared memory
-// allow 4 as well; without the bound ptxas takes 134 registers at hd64 and 3 fit), 1 at hd128
-// (87 KB of shared memory: 2 fit whatever the registers).
+// allow 4 as well; without the bound ptxas takes 134 registers at hd64 and 3 fit), 1 from hd128
+// on (87 KB of shared memory at hd128: 2 fit whatever the registers; 77 KB at hd192 and 101 KB at
+// hd256: shared memory, not registers, holds them to 1 or 2, and their O accumulators need the
+// registers).
 // The split variants' position arithmetic costs hd64 a few registers more, which the bound of 4
 // blocks would spill (20 bytes on sm_90): they take 3.
 #define FORWARD_MIN_BLOCKS(HD, SPLIT) ((HD) <= 64 ? ((SPLIT) && (HD) == 64 ? 3 : 4) : 1)
@@ -318,10 +357,14 @@ ATTENTION_FORWARD(attention_forward_hd16, 16, false)
 ATTENTION_FORWARD(attention_forward_hd32, 32, false)
 ATTENTION_FORWARD(attention_forward_hd64, 64, false)
 ATTENTION_FORWARD(attention_forward_hd128, 128, false)
+ATTENTION_FORWARD(attention_forward_hd192, 192, false)
+ATTENTION_FORWARD(attention_forward_hd256, 256, false)
 ATTENTION_FORWARD(attention_forward_split_hd16, 16, true)
 ATTENTION_FORWARD(attention_forward_split_hd32, 32, true)
 ATTENTION_FORWARD(attention_forward_split_hd64, 64, true)
 ATTENTION_FORWARD(attention_forward_split_hd128, 128, true)
+ATTENTION_FORWARD(attention_forward_split_hd192, 192, true)
+ATTENTION_FORWARD(attention_forward_split_hd256, 256, true)
 
 // D[row, h] = Σ_d dout[row, h, d] · out[row, h, d]   (one warp per (row, head))
 extern "C" __global__ void attention_backward_dot(float* big_d, const bf16* dout, const bf16* out, u64 rows, int heads,
@@ -336,17 +379,44 @@ extern "C" __global__ void attention_backward_dot(float* big_d, const bf16* dout
     if (lane == 0) big_d[w] = acc;
 }
 
-// BR: queries per inner tile (64, or 32 for HD = 128 to stay within registers). BC: keys per
-// block, 16 per warp: 128 (8 warps) for HD 64 and 128, 64 (4 warps) for the narrow heads. A
+// Writes a warp's 16 key rows of an accumulator (dK or dV: `col` the head's first column in
+// qkv's rows), times `mul`; columns past dh are padding and are not written.
+template <int HD, class Rows>
+__device__ __forceinline__ void store_key_rows(bf16* dqkv, const float (&a)[HD / 8][4], Rows R, int b, int key_a,
+                                               u64 width, int col, int dh, float mul) {
+    int tig = threadIdx.x & 3;
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        int key = key_a + r * 8;
+        if (key >= R.seq) continue;
+        bf16* row = dqkv + R.qkv_row(b, key) * width + col;
+#pragma unroll
+        for (int dt = 0; dt < HD / 8; dt++) {
+            int c = dt * 8 + tig * 2;
+            if (c < dh) *(u32*)(row + c) = pack_bf16(a[dt][2 * r] * mul, a[dt][2 * r + 1] * mul);
+        }
+    }
+}
+
+// BR: queries per inner tile (64; 32 for HD 128 and 192 and 16 for HD 256, to stay within
+// registers). BC: keys per block, 16 per warp: 128 (8 warps) for HD 64 to 192, 64 (4 warps) for
+// the narrow heads and for HD 256 (whose 128-key tiles would not fit sm_80's shared memory). A
 // block's query tiles (Q, dO, their log-sum-exp and D) are loaded once for all its warps and
 // its dQ contribution is one set of atomics per query tile, so 128 keys a block halve both
 // per key against 64; registers hold one 256-thread block per SM either way (8 warps, as two
 // 128-thread blocks did).
+// PASSES: 1 up to HD 128 (dK and dV accumulate together), 2 past it: dV over every query tile,
+// then dK and dQ over every query tile again (see "Wide heads" above). A pass is
+//   for each (query head, query tile) step:  Sᵀ = K Qᵀ, Pᵀ = exp2(Sᵀ·scale·log2 e - lse)
+//     pass accumulating dV:                  dV += Pᵀ dO
+//     pass accumulating dK:                  dPᵀ = V dOᵀ, dSᵀ = Pᵀ ⊙ (dPᵀ - D), dK += dSᵀ Q,
+//                                            dQ += dS K (through shared memory, f32 atomics)
 template <int HD, int BR, int BC, class Rows>
 __device__ void attention_backward_impl(bf16* dqkv, float* dq_acc, const bf16* dout, const bf16* qkv, const float* lse,
                                         const float* big_d, const u32* starts, const u32* ends, Rows R, int heads,
                                         int kv_heads, int dh, int window, float scale) {
     constexpr int LD = HD + 8, LDS = BR + 8, WARPS = BC / 16, T = WARPS * 32;
+    constexpr int PASSES = HD <= 128 ? 1 : 2, DV = 0, DK = 2 - PASSES;  // acc[DV] and acc[DK]
     DYNAMIC_SMEM(uint4, smem_raw);
     bf16* Ks = (bf16*)smem_raw;     // [BC][LD]
     bf16* Vs = Ks + BC * LD;         // [BC][LD]
@@ -371,11 +441,14 @@ __device__ void attention_backward_impl(bf16* dqkv, float* dq_acc, const bf16* d
     load_tile_async<BC, HD, T>(Vs, qkv, kt.row0, kt.r0, kt.limit, width, vcol, dh);
     cp_async_commit();
 
-    float dk[HD / 8][4], dv[HD / 8][4];
+    // dV and dK: two accumulators with one pass, one (dV, then dK) with two.
+    float acc_kv[3 - PASSES][HD / 8][4];
 #pragma unroll
-    for (int i = 0; i < HD / 8; i++)
+    for (int a = 0; a < 3 - PASSES; a++)
 #pragma unroll
-        for (int e = 0; e < 4; e++) dk[i][e] = dv[i][e] = 0.f;
+        for (int i = 0; i < HD / 8; i++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) acc_kv[a][i][e] = 0.f;
     int key_a = k0 + warp * 16 + group;  // this thread's keys: key_a and key_a + 8
 
     int q_end = window ? min(seq, k0 + BC - 1 + window) : seq;  // queries that see some key here
@@ -402,24 +475,35 @@ __device__ void attention_backward_impl(bf16* dqkv, float* dq_acc, const bf16* d
             start_buf[buf * BR + i] = ok && starts ? (int)starts[row0 + q0 + i] : 0;
         }
     };
-    int h = g * per_group, qt = 0;  // the pair of this step
-    fetch(h, R.position(qt_first * BR), 0);  // (a valid tile even when there are no steps)
-    for (int step = 0; step < steps; step++) {
-        int buf = step & 1, q0 = R.position((qt_first + qt) * BR);
-        bool wrap = qt + 1 == q_tiles;
-        int next_h = wrap ? h + 1 : h, next_qt = wrap ? 0 : qt + 1;
-        // The other buffer was last read before the barrier that ended the previous step.
-        if (step + 1 < steps) {
-            fetch(next_h, R.position((qt_first + next_qt) * BR), buf ^ 1);
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
+#pragma unroll
+    for (int pass = 0; pass < PASSES; pass++) {
+        // What this pass accumulates (both with one pass).
+        const bool do_dv = PASSES == 1 || pass == 0, do_dk = PASSES == 1 || pass == 1;
+        if (pass > 0) {
+            // dV is complete: written now, its registers then accumulate dK.
+            store_key_rows<HD>(dqkv, acc_kv[DV], R, b, key_a, width, vcol, dh, 1.f);
+#pragma unroll
+            for (int i = 0; i < HD / 8; i++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) acc_kv[DK][i][e] = 0.f;
+            if (steps == 0) break;
         }
-        __syncthreads();
-        const bf16 *Qs = Qs_buf + buf * BR * LD, *dOs = dOs_buf + buf * BR * LD;
-        const float *lse_s = lse_buf + buf * BR, *d_s = d_buf + buf * BR;
-        {
-
+        int h = g * per_group, qt = 0;  // the pair of this step
+        fetch(h, R.position(qt_first * BR), 0);  // (a valid tile even when there are no steps)
+        for (int step = 0; step < steps; step++) {
+            int buf = step & 1, q0 = R.position((qt_first + qt) * BR);
+            bool wrap = qt + 1 == q_tiles;
+            int next_h = wrap ? h + 1 : h, next_qt = wrap ? 0 : qt + 1;
+            // The other buffer was last read before the barrier that ended the previous step.
+            if (step + 1 < steps) {
+                fetch(next_h, R.position((qt_first + next_qt) * BR), buf ^ 1);
+                cp_async_wait<1>();
+            } else {
+                cp_async_wait<0>();
+            }
+            __syncthreads();
+            const bf16 *Qs = Qs_buf + buf * BR * LD, *dOs = dOs_buf + buf * BR * LD;
+            const float *lse_s = lse_buf + buf * BR, *d_s = d_buf + buf * BR;
             // Sᵀ = K Qᵀ: this warp's 16 keys × BR queries.
             float st[BR / 8][4];
 #pragma unroll
@@ -457,7 +541,7 @@ __device__ void attention_backward_impl(bf16* dqkv, float* dq_acc, const bf16* d
                 }
             // dV += Pᵀ dO   (dO stored [query][d]: ldmatrix.trans gives its (k = query, n = d) fragments)
 #pragma unroll
-            for (int kk = 0; kk < BR / 16; kk++) {
+            for (int kk = 0; kk < (do_dv ? BR / 16 : 0); kk++) {
                 u32 pa[4] = {pack_bf16(st[2 * kk][0], st[2 * kk][1]), pack_bf16(st[2 * kk][2], st[2 * kk][3]),
                              pack_bf16(st[2 * kk + 1][0], st[2 * kk + 1][1]),
                              pack_bf16(st[2 * kk + 1][2], st[2 * kk + 1][3])};
@@ -465,90 +549,96 @@ __device__ void attention_backward_impl(bf16* dqkv, float* dq_acc, const bf16* d
                 for (int dp = 0; dp < HD / 16; dp++) {
                     u32 r[4];
                     ldmatrix_x4_trans(r, smem_addr(dOs + (kk * 16 + (lane % 16)) * LD + dp * 16 + (lane / 16) * 8));
-                    mma_bf16(dv[2 * dp], pa, r[0], r[1]);
-                    mma_bf16(dv[2 * dp + 1], pa, r[2], r[3]);
+                    mma_bf16(acc_kv[DV][2 * dp], pa, r[0], r[1]);
+                    mma_bf16(acc_kv[DV][2 * dp + 1], pa, r[2], r[3]);
                 }
             }
-            // dPᵀ = V dOᵀ, then dSᵀ = Pᵀ ⊙ (dPᵀ - D) in place.
-            float dpt[BR / 8][4];
+            if (do_dk) {
+                // dPᵀ = V dOᵀ, then dSᵀ = Pᵀ ⊙ (dPᵀ - D) in place.
+                float dpt[BR / 8][4];
 #pragma unroll
-            for (int i = 0; i < BR / 8; i++) dpt[i][0] = dpt[i][1] = dpt[i][2] = dpt[i][3] = 0.f;
+                for (int i = 0; i < BR / 8; i++) dpt[i][0] = dpt[i][1] = dpt[i][2] = dpt[i][3] = 0.f;
 #pragma unroll
-            for (int kt = 0; kt < HD / 16; kt++) {
-                u32 va[4];
-                ldmatrix_x4(va, smem_addr(Vs + (warp * 16 + (lane % 16)) * LD + kt * 16 + (lane / 16) * 8));
+                for (int kt = 0; kt < HD / 16; kt++) {
+                    u32 va[4];
+                    ldmatrix_x4(va, smem_addr(Vs + (warp * 16 + (lane % 16)) * LD + kt * 16 + (lane / 16) * 8));
 #pragma unroll
-                for (int np = 0; np < BR / 16; np++) {
-                    u32 r[4];
-                    ldmatrix_x4(r, smem_addr(dOs + (np * 16 + (lane % 8) + (lane / 16) * 8) * LD + kt * 16 + ((lane / 8) % 2) * 8));
-                    mma_bf16(dpt[2 * np], va, r[0], r[1]);
-                    mma_bf16(dpt[2 * np + 1], va, r[2], r[3]);
+                    for (int np = 0; np < BR / 16; np++) {
+                        u32 r[4];
+                        ldmatrix_x4(r, smem_addr(dOs + (np * 16 + (lane % 8) + (lane / 16) * 8) * LD + kt * 16 + ((lane / 8) % 2) * 8));
+                        mma_bf16(dpt[2 * np], va, r[0], r[1]);
+                        mma_bf16(dpt[2 * np + 1], va, r[2], r[3]);
+                    }
                 }
-            }
 #pragma unroll
-            for (int nt = 0; nt < BR / 8; nt++)
+                for (int nt = 0; nt < BR / 8; nt++)
 #pragma unroll
-                for (int e = 0; e < 4; e++) dpt[nt][e] = st[nt][e] * (dpt[nt][e] - d_s[nt * 8 + tig * 2 + (e & 1)]);
-            // dK += dSᵀ Q   (Q stored [query][d]: ldmatrix.trans)
+                    for (int e = 0; e < 4; e++) dpt[nt][e] = st[nt][e] * (dpt[nt][e] - d_s[nt * 8 + tig * 2 + (e & 1)]);
+                // dK += dSᵀ Q   (Q stored [query][d]: ldmatrix.trans)
 #pragma unroll
-            for (int kk = 0; kk < BR / 16; kk++) {
-                u32 da[4] = {pack_bf16(dpt[2 * kk][0], dpt[2 * kk][1]), pack_bf16(dpt[2 * kk][2], dpt[2 * kk][3]),
-                             pack_bf16(dpt[2 * kk + 1][0], dpt[2 * kk + 1][1]),
-                             pack_bf16(dpt[2 * kk + 1][2], dpt[2 * kk + 1][3])};
+                for (int kk = 0; kk < BR / 16; kk++) {
+                    u32 da[4] = {pack_bf16(dpt[2 * kk][0], dpt[2 * kk][1]), pack_bf16(dpt[2 * kk][2], dpt[2 * kk][3]),
+                                 pack_bf16(dpt[2 * kk + 1][0], dpt[2 * kk + 1][1]),
+                                 pack_bf16(dpt[2 * kk + 1][2], dpt[2 * kk + 1][3])};
 #pragma unroll
-                for (int dp = 0; dp < HD / 16; dp++) {
-                    u32 r[4];
-                    ldmatrix_x4_trans(r, smem_addr(Qs + (kk * 16 + (lane % 16)) * LD + dp * 16 + (lane / 16) * 8));
-                    mma_bf16(dk[2 * dp], da, r[0], r[1]);
-                    mma_bf16(dk[2 * dp + 1], da, r[2], r[3]);
+                    for (int dp = 0; dp < HD / 16; dp++) {
+                        u32 r[4];
+                        ldmatrix_x4_trans(r, smem_addr(Qs + (kk * 16 + (lane % 16)) * LD + dp * 16 + (lane / 16) * 8));
+                        mma_bf16(acc_kv[DK][2 * dp], da, r[0], r[1]);
+                        mma_bf16(acc_kv[DK][2 * dp + 1], da, r[2], r[3]);
+                    }
                 }
-            }
-            // dSᵀ to shared memory for dQ, which needs it with queries as rows.
+                // dSᵀ to shared memory for dQ, which needs it with queries as rows.
 #pragma unroll
-            for (int nt = 0; nt < BR / 8; nt++)
+                for (int nt = 0; nt < BR / 8; nt++)
 #pragma unroll
-                for (int r = 0; r < 2; r++)
-                    *(u32*)(dSs + (warp * 16 + group + r * 8) * LDS + nt * 8 + tig * 2) =
-                        pack_bf16(dpt[nt][2 * r], dpt[nt][2 * r + 1]);
-            __syncthreads();
+                    for (int r = 0; r < 2; r++)
+                        *(u32*)(dSs + (warp * 16 + group + r * 8) * LDS + nt * 8 + tig * 2) =
+                            pack_bf16(dpt[nt][2 * r], dpt[nt][2 * r + 1]);
+                __syncthreads();
 
-            // dQ (BR × HD) += dS K: the output tiles are split over the warps; dS comes from its
-            // transpose in shared memory (ldmatrix.trans), K (stored [key][d]) likewise.
-            constexpr int MT = BR / 16, NT_PER_WARP = (HD / 8) * MT / WARPS;
-            static_assert(NT_PER_WARP % 2 == 0 && NT_PER_WARP * WARPS == (HD / 8) * MT, "dQ tiles split evenly");
-            int mi = warp % MT, nt0 = (warp / MT) * NT_PER_WARP;
-            float acc[NT_PER_WARP][4];
+                // dQ (BR × HD) += dS K: the output tiles are split over the warps; dS comes from its
+                // transpose in shared memory (ldmatrix.trans), K (stored [key][d]) likewise.
+                constexpr int MT = BR / 16, NT_PER_WARP = (HD / 8) * MT / WARPS;
+                static_assert(NT_PER_WARP % 2 == 0 && NT_PER_WARP * WARPS == (HD / 8) * MT, "dQ tiles split evenly");
+                int mi = warp % MT, nt0 = (warp / MT) * NT_PER_WARP;
+                float acc[NT_PER_WARP][4];
 #pragma unroll
-            for (int i = 0; i < NT_PER_WARP; i++) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+                for (int i = 0; i < NT_PER_WARP; i++) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
 #pragma unroll
-            for (int kk = 0; kk < BC / 16; kk++) {
-                u32 a[4];
-                ldmatrix_x4_trans(a, smem_addr(dSs + (kk * 16 + (lane % 8) + (lane / 16) * 8) * LDS + mi * 16 + ((lane / 8) % 2) * 8));
+                for (int kk = 0; kk < BC / 16; kk++) {
+                    u32 a[4];
+                    ldmatrix_x4_trans(a, smem_addr(dSs + (kk * 16 + (lane % 8) + (lane / 16) * 8) * LDS + mi * 16 + ((lane / 8) % 2) * 8));
 #pragma unroll
-                for (int np = 0; np < NT_PER_WARP / 2; np++) {
-                    u32 r[4];
-                    ldmatrix_x4_trans(r, smem_addr(Ks + (kk * 16 + (lane % 16)) * LD + (nt0 + 2 * np) * 8 + (lane / 16) * 8));
-                    mma_bf16(acc[2 * np], a, r[0], r[1]);
-                    mma_bf16(acc[2 * np + 1], a, r[2], r[3]);
+                    for (int np = 0; np < NT_PER_WARP / 2; np++) {
+                        u32 r[4];
+                        ldmatrix_x4_trans(r, smem_addr(Ks + (kk * 16 + (lane % 16)) * LD + (nt0 + 2 * np) * 8 + (lane / 16) * 8));
+                        mma_bf16(acc[2 * np], a, r[0], r[1]);
+                        mma_bf16(acc[2 * np + 1], a, r[2], r[3]);
+                    }
                 }
-            }
 #pragma unroll
-            for (int r = 0; r < 2; r++) {
-                int q = q0 + mi * 16 + group + r * 8;
-                if (q >= seq) continue;
-                float* dst = dq_acc + R.local_row(b, q) * out_width + (u64)h * dh;
+                for (int r = 0; r < 2; r++) {
+                    int q = q0 + mi * 16 + group + r * 8;
+                    if (q >= seq) continue;
+                    float* dst = dq_acc + R.local_row(b, q) * out_width + (u64)h * dh;
 #pragma unroll
-                for (int i = 0; i < NT_PER_WARP; i++) {
-                    int col = (nt0 + i) * 8 + tig * 2;
-                    if (col < dh) red_add2(dst + col, acc[i][2 * r], acc[i][2 * r + 1]);
+                    for (int i = 0; i < NT_PER_WARP; i++) {
+                        int col = (nt0 + i) * 8 + tig * 2;
+                        if (col < dh) red_add2(dst + col, acc[i][2 * r], acc[i][2 * r + 1]);
+                    }
                 }
-            }
+            }  // do_dk
             __syncthreads();  // dSs and this step's buffers are refilled next
+            h = next_h, qt = next_qt;
         }
-        h = next_h, qt = next_qt;
-    }
+    }  // pass
 
-    // dK (scaled) and dV for this block's keys, written once.
+    // dK (scaled) and, with one pass, dV for this block's keys, written once.
+    if (PASSES == 2) {
+        store_key_rows<HD>(dqkv, acc_kv[DK], R, b, key_a, width, kcol, dh, scale);
+        return;
+    }
 #pragma unroll
     for (int r = 0; r < 2; r++) {
         int key = key_a + r * 8;
@@ -558,8 +648,8 @@ __device__ void attention_backward_impl(bf16* dqkv, float* dq_acc, const bf16* d
         for (int dt = 0; dt < HD / 8; dt++) {
             int col = dt * 8 + tig * 2;
             if (col >= dh) continue;
-            *(u32*)(row + kcol + col) = pack_bf16(dk[dt][2 * r] * scale, dk[dt][2 * r + 1] * scale);
-            *(u32*)(row + vcol + col) = pack_bf16(dv[dt][2 * r], dv[dt][2 * r + 1]);
+            *(u32*)(row + kcol + col) = pack_bf16(acc_kv[DK][dt][2 * r] * scale, acc_kv[DK][dt][2 * r + 1] * scale);
+            *(u32*)(row + vcol + col) = pack_bf16(acc_kv[DV][dt][2 * r], acc_kv[DV][dt][2 * r + 1]);
         }
     }
 }
@@ -580,10 +670,14 @@ ATTENTION_BACKWARD(attention_backward_hd16, 16, 64, 64, false, __launch_bounds__
 ATTENTION_BACKWARD(attention_backward_hd32, 32, 64, 64, false, __launch_bounds__(128))
 ATTENTION_BACKWARD(attention_backward_hd64, 64, 64, 128, false, __launch_bounds__(256))
 ATTENTION_BACKWARD(attention_backward_hd128, 128, 32, 128, false, __launch_bounds__(256))
+ATTENTION_BACKWARD(attention_backward_hd192, 192, 32, 128, false, __launch_bounds__(256))
+ATTENTION_BACKWARD(attention_backward_hd256, 256, 16, 64, false, __launch_bounds__(128))
 ATTENTION_BACKWARD(attention_backward_split_hd16, 16, 64, 64, true, __launch_bounds__(128, 1))
 ATTENTION_BACKWARD(attention_backward_split_hd32, 32, 64, 64, true, __launch_bounds__(128, 1))
 ATTENTION_BACKWARD(attention_backward_split_hd64, 64, 64, 128, true, __launch_bounds__(256, 1))
 ATTENTION_BACKWARD(attention_backward_split_hd128, 128, 32, 128, true, __launch_bounds__(256, 1))
+ATTENTION_BACKWARD(attention_backward_split_hd192, 192, 32, 128, true, __launch_bounds__(256, 1))
+ATTENTION_BACKWARD(attention_backward_split_hd256, 256, 16, 64, true, __launch_bounds__(128, 1))
 
 // dqkv[row, q columns] = scale · dq_acc[row]. A block per row (striding over the rows), its
 // threads over the row's columns 8 at a time: no divide, two 16-byte loads and one 16-byte

@@ -16,19 +16,27 @@ pub(crate) const MODULE: Module = Module {
         "attention_forward_hd32",
         "attention_forward_hd64",
         "attention_forward_hd128",
+        "attention_forward_hd192",
+        "attention_forward_hd256",
         "attention_forward_split_hd16",
         "attention_forward_split_hd32",
         "attention_forward_split_hd64",
         "attention_forward_split_hd128",
+        "attention_forward_split_hd192",
+        "attention_forward_split_hd256",
         "attention_backward_dot",
         "attention_backward_hd16",
         "attention_backward_hd32",
         "attention_backward_hd64",
         "attention_backward_hd128",
+        "attention_backward_hd192",
+        "attention_backward_hd256",
         "attention_backward_split_hd16",
         "attention_backward_split_hd32",
         "attention_backward_split_hd64",
         "attention_backward_split_hd128",
+        "attention_backward_split_hd192",
+        "attention_backward_split_hd256",
         "attention_backward_dq",
         "attention_document_bounds",
         "attention_document_positions",
@@ -39,30 +47,57 @@ pub(crate) const MODULE: Module = Module {
 /// tile copies are written.
 const THREADS: u32 = 128;
 
-/// Widest attention head the flash-attention kernels handle.
-pub(crate) const MAX_HEAD_DIM: usize = 128;
+/// Widest attention head the flash-attention kernels handle (Gemma 3's; DeepSeek-V3's latent
+/// attention packs heads of 192).
+pub(crate) const MAX_HEAD_DIM: usize = 256;
+
+/// The padded head widths (`HD`) there are kernels for.
+const PADDED: [usize; 6] = [16, 32, 64, 128, 192, 256];
 
 /// The padded head width (`HD`) of the attention kernel for a head of `dh`, a multiple of 8 up
-/// to [`MAX_HEAD_DIM`].
+/// to [`MAX_HEAD_DIM`]: 136 to 192 take the 192 kernels, 200 to 256 the 256 ones.
 fn padded_hd(dh: usize) -> usize {
     assert!(dh.is_multiple_of(8) && dh <= MAX_HEAD_DIM, "head_dim {dh} has no attention kernel");
-    [16, 32, 64, 128].into_iter().find(|&hd| dh <= hd).expect("dh <= 128")
+    PADDED.into_iter().find(|&hd| dh <= hd).expect("dh <= MAX_HEAD_DIM")
+}
+
+/// Keys per tile of the attention forward kernel (`BC` in `attention_forward_impl`): 64, 32 past
+/// 128 (see "Wide heads" in attention.cu). Its query tiles are 64 rows at every width.
+fn forward_bc(hd: usize) -> usize {
+    if hd > 128 { 32 } else { 64 }
 }
 
 /// Dynamic shared memory of the attention forward kernel for padded width `hd`: the query
-/// tile and two buffers each of keys and values, 64 rows of `hd + 8`.
+/// tile (64 rows of `hd + 8`) and two buffers each of keys and values (`forward_bc` rows).
 fn forward_smem(hd: usize) -> usize {
-    5 * 64 * (hd + 8) * 2
+    (64 + 4 * forward_bc(hd)) * (hd + 8) * 2
 }
 
-/// Query rows per inner tile of the attention backward kernel.
+/// Query rows per inner tile of the attention backward kernel (`BR`): 64, 32 at 128 and 192,
+/// 16 at 256, which keep the accumulators within registers.
 fn backward_br(hd: usize) -> usize {
-    if hd >= 128 { 32 } else { 64 }
+    if hd <= 64 {
+        64
+    } else if hd <= 192 {
+        32
+    } else {
+        16
+    }
 }
 
-/// Keys per block of the attention backward kernel (`BC`), 16 per warp of 32 threads.
+/// Keys per block of the attention backward kernel (`BC`), 16 per warp of 32 threads: 128 at
+/// 64 to 192, 64 for the narrow heads and at 256 (whose 128-key blocks would need 175,488 bytes
+/// of shared memory, past sm_80's 166,912).
 fn backward_bc(hd: usize) -> usize {
-    if hd >= 64 { 128 } else { 64 }
+    if (64..=192).contains(&hd) { 128 } else { 64 }
+}
+
+/// The tiles the kernels use for a head of `dh` (padded as [`padded_hd`] does): the forward
+/// pass's keys per tile, and the backward pass's queries per tile and keys per block. The
+/// checks in `parity` count which tiles take the unmasked path from them.
+pub(crate) fn tiles(dh: usize) -> (usize, usize, usize) {
+    let hd = padded_hd(dh);
+    (forward_bc(hd), backward_br(hd), backward_bc(hd))
 }
 
 /// Threads per block of the attention backward kernel: a warp per 16 keys.
@@ -207,11 +242,15 @@ pub(crate) fn forward(
         (16, false) => "attention_forward_hd16",
         (32, false) => "attention_forward_hd32",
         (64, false) => "attention_forward_hd64",
-        (_, false) => "attention_forward_hd128",
+        (128, false) => "attention_forward_hd128",
+        (192, false) => "attention_forward_hd192",
+        (_, false) => "attention_forward_hd256",
         (16, true) => "attention_forward_split_hd16",
         (32, true) => "attention_forward_split_hd32",
         (64, true) => "attention_forward_split_hd64",
-        (_, true) => "attention_forward_split_hd128",
+        (128, true) => "attention_forward_split_hd128",
+        (192, true) => "attention_forward_split_hd192",
+        (_, true) => "attention_forward_split_hd256",
     };
     let (o, l, q) = (gpu.out(out, "attention"), gpu.out(lse, "attention"), gpu.ptr(qkv));
     assert!(aligned16(&[o, q]), "internal error: attention rows must start 16-byte aligned");
@@ -248,9 +287,10 @@ fn doc_ptrs(gpu: &Cuda, bounds: Option<IdxView>, s: AttnShape, split: SeqSplit) 
 
 /// `Backend::attention_backward` (`attention_backward_docs` with `bounds`,
 /// `attention_backward_split` with `split`): D = rowsum(dout · out) first, then a block per 128
-/// keys (64 for heads up to 32 wide) of a key/value head accumulating dQ in the f32 scratch,
-/// and last dQ converted into `dqkv`. On a sequence axis the keys are every rank's, and `dqkv`
-/// (every rank's rows) is zeroed first: the other ranks' rows get only key and value gradients.
+/// keys (64 for heads up to 32 wide and past 192) of a key/value head accumulating dQ in the
+/// f32 scratch, and last dQ converted into `dqkv`. On a sequence axis the keys are every
+/// rank's, and `dqkv` (every rank's rows) is zeroed first: the other ranks' rows get only key
+/// and value gradients.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn backward(
     gpu: &mut Cuda,
@@ -285,11 +325,15 @@ pub(crate) fn backward(
         (16, false) => "attention_backward_hd16",
         (32, false) => "attention_backward_hd32",
         (64, false) => "attention_backward_hd64",
-        (_, false) => "attention_backward_hd128",
+        (128, false) => "attention_backward_hd128",
+        (192, false) => "attention_backward_hd192",
+        (_, false) => "attention_backward_hd256",
         (16, true) => "attention_backward_split_hd16",
         (32, true) => "attention_backward_split_hd32",
         (64, true) => "attention_backward_split_hd64",
-        (_, true) => "attention_backward_split_hd128",
+        (128, true) => "attention_backward_split_hd128",
+        (192, true) => "attention_backward_split_hd192",
+        (_, true) => "attention_backward_split_hd256",
     };
     let scale = 1.0 / (dh as f32).sqrt();
     let [seq, local, rank, ranks] = seq_args(s, split);
@@ -340,14 +384,39 @@ mod tests {
 
     #[test]
     fn attention_tiles_fit_the_shared_memory_of_sm80_and_sm90() {
-        // Per-block opt-in limits: 163 KB on sm_80, 227 KB on sm_90.
-        for hd in [16, 32, 64, 128] {
-            assert!(forward_smem(hd) <= 163 * 1024, "forward hd{hd}");
+        // Per-block opt-in limits: 163 KB on sm_80, 227 KB on sm_90; the forward kernel's
+        // 256 bytes of static shared memory (its rows' document starts) count as well.
+        for hd in PADDED {
+            assert!(forward_smem(hd) + 256 <= 163 * 1024, "forward hd{hd}");
             assert!(backward_smem(hd) <= 163 * 1024, "backward hd{hd}");
+            // A backward block is a warp per 16 keys; the dQ product splits its (BR / 16) ×
+            // (hd / 8) tiles evenly over the warps, two at a time (`NT_PER_WARP` in attention.cu).
+            let (br, bc) = (backward_br(hd), backward_bc(hd));
+            let per_warp = (hd / 8) * (br / 16) / (bc / 16);
+            assert!(per_warp.is_multiple_of(2) && per_warp * (bc / 16) == (hd / 8) * (br / 16), "dQ tiles hd{hd}");
+            // Tiles never straddle two chunks of a sequence axis.
+            for tile in [64, forward_bc(hd), br, bc] {
+                assert!(CHUNK_MULTIPLE.is_multiple_of(tile), "hd{hd}: tile {tile}");
+            }
         }
         assert_eq!(padded_hd(8), 16);
         assert_eq!(padded_hd(64), 64);
         assert_eq!(padded_hd(72), 128);
+        assert_eq!(padded_hd(136), 192);
+        assert_eq!(padded_hd(192), 192);
+        assert_eq!(padded_hd(200), 256);
+        assert_eq!(padded_hd(256), 256);
         assert_eq!(forward_smem(128), 87_040);
+        // The wide heads' tiles (attention.cu, "Wide heads"): the forward pass's 32-key tiles,
+        // the backward pass's 128 × 32 at 192 (just within sm_80) and 64 × 16 at 256.
+        assert_eq!([forward_smem(192), forward_smem(256)], [76_800, 101_376]);
+        assert_eq!([backward_smem(128), backward_smem(192), backward_smem(256)], [115_456, 164_608, 104_832]);
+        assert_eq!(tiles(256), (32, 16, 64));
+    }
+
+    #[test]
+    #[should_panic(expected = "head_dim 264 has no attention kernel")]
+    fn heads_past_256_have_no_kernel() {
+        padded_hd(264);
     }
 }

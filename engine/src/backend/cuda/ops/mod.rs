@@ -24,6 +24,7 @@ pub(crate) mod moe;
 pub(crate) mod qknorm;
 pub(crate) mod rmsnorm;
 pub(crate) mod rope;
+pub(crate) mod sinks;
 pub(crate) mod swiglu;
 
 use cudarc::driver::sys::CUdeviceptr;
@@ -65,6 +66,7 @@ pub const MODULES: &[Module] = &[
     moe::MODULE,
     gemm::MODULE,
     attention::MODULE,
+    sinks::MODULE,
     fp8::MODULE,
 ];
 

@@ -383,3 +383,72 @@ extern "C" __global__ void moe_bias_step(float* bias, bf16* bias16, float* exces
         excess[i] = 0.f;
     }
 }
+
+// Expert biases (GPT-OSS's experts), over the rows the grouped products use: expert e's rows are
+// offsets[e] .. offsets[e + 1] (from offsets[0], which on an expert axis is a sender's first
+// received row), expert e's bias lies at bias + e · stride.
+//   forward:  out[r] += b_e                          (a block per row, e by a binary search)
+//   backward: db_e += Σ_{r of e} dout[r]             (a block per 64 columns of an expert: warp w
+//             sums rows offsets[e] + w, + 8, … in f32, the 8 warps' sums added in order; no atomics)
+
+// The expert whose rows hold row r, offsets[0] <= r < offsets[experts]: the last e with
+// offsets[e] <= r (an expert without rows is passed over, its successor starting where it does).
+__device__ __forceinline__ int expert_of_row(const u32* offsets, int experts, u64 r) {
+    int lo = 0, hi = experts - 1;
+    while (lo < hi) {
+        int mid = (lo + hi + 1) / 2;
+        if ((u64)offsets[mid] <= r) lo = mid;
+        else hi = mid - 1;
+    }
+    return lo;
+}
+
+extern "C" __global__ void moe_expert_bias(bf16* out, const bf16* bias, u64 stride, const u32* offsets, int experts,
+                                           int width, int vec) {
+    u64 r = (u64)offsets[0] + blockIdx.x;
+    if (r >= offsets[experts]) return;
+    const bf16* b = bias + (u64)expert_of_row(offsets, experts, r) * stride;
+    bf16* o = out + r * width;
+    if (vec) {
+        for (int j = threadIdx.x * 8; j < width; j += blockDim.x * 8) {
+            float x[8], y[8];
+            loadv<8>(o + j, x);
+            loadv<8>(b + j, y);
+#pragma unroll
+            for (int k = 0; k < 8; k++) x[k] += y[k];
+            storev<8>(o + j, x);
+        }
+    } else {
+        for (int j = threadIdx.x; j < width; j += blockDim.x) o[j] = f2bf(bf2f(o[j]) + bf2f(b[j]));
+    }
+}
+
+#define BIAS_COLS 64
+#define BIAS_WARPS 8
+
+// 256 threads; grid (ceil(width / 64), experts).
+extern "C" __global__ void moe_expert_bias_backward(float* dbias, const bf16* dout, u64 stride, const u32* offsets,
+                                                    int width) {
+    __shared__ float part[BIAS_WARPS][BIAS_COLS];
+    int e = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    u64 first = offsets[e], end = offsets[e + 1];
+    if (first == end) return;  // no rows: db_e += 0 (the whole block leaves)
+    int c0 = blockIdx.x * BIAS_COLS;
+    float acc[2] = {0.f, 0.f};
+    for (u64 r = first + warp; r < end; r += BIAS_WARPS) {
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            int c = c0 + lane + 32 * h;
+            if (c < width) acc[h] += bf2f(dout[r * width + c]);
+        }
+    }
+    part[warp][lane] = acc[0];
+    part[warp][lane + 32] = acc[1];
+    __syncthreads();
+    int c = c0 + threadIdx.x;
+    if (threadIdx.x < BIAS_COLS && c < width) {
+        float s = 0.f;
+        for (int w = 0; w < BIAS_WARPS; w++) s += part[w][threadIdx.x];
+        dbias[(u64)e * stride + c] += s;
+    }
+}

@@ -1,9 +1,9 @@
-//! Mixture-of-experts routing, dispatch tables, gather and combine, and their gradients
-//! (`moe.cu`), all on the device. The experts' own products are in [`super::gemm`].
+//! Mixture-of-experts routing, dispatch tables, gather and combine, the experts' biases, and
+//! their gradients (`moe.cu`), all on the device. The experts' own products are in [`super::gemm`].
 
-use super::{Module, c_int, row_threads};
+use super::{Module, aligned16, c_int, row_threads};
 use crate::backend::cuda::{Arg, Cuda, DType};
-use crate::backend::{BufKind, MoeDispatch, Scoring, View};
+use crate::backend::{BufKind, ExpertWeights, MoeDispatch, Scoring, View};
 
 /// The kernels of `moe.cu`.
 pub(crate) const MODULE: Module = Module {
@@ -21,6 +21,8 @@ pub(crate) const MODULE: Module = Module {
         "moe_route_backward",
         "moe_load_excess",
         "moe_bias_step",
+        "moe_expert_bias",
+        "moe_expert_bias_backward",
     ],
 };
 
@@ -204,4 +206,56 @@ pub(crate) fn bias_step(gpu: &mut Cuda, bias: View, excess: View, rate: f32) {
     let x = gpu.out(excess, "moe_bias_step");
     let args = [Arg::P(b), Arg::P(b16), Arg::P(x), Arg::U(bias.len as u64), Arg::F(rate)];
     gpu.launch_1d("moe_bias_step", bias.len as u64, &args);
+}
+
+/// `Backend::moe_expert_bias`: a block per dispatched row (the kept rows, at most
+/// [`MoeDispatch::rows_bound`] from `offsets[0]`, as the grouped products find them), its
+/// expert by a binary search of the offsets; 8 columns a thread when the widths and addresses
+/// allow. The bias is read as the products read their weights: a parameter's bf16 copy.
+pub(crate) fn expert_bias(gpu: &mut Cuda, out: View, bias: ExpertWeights, d: MoeDispatch, width: usize) {
+    gpu.expect(out, DType::Bf16, "moe_expert_bias", "out");
+    gpu.expect(bias.first, DType::Bf16, "moe_expert_bias", "bias");
+    assert_eq!(
+        bias.first.len, width,
+        "internal error: moe_expert_bias: an expert's bias holds {} ≠ {width}",
+        bias.first.len
+    );
+    let rows = d.rows_bound();
+    assert!(out.len >= rows * width, "internal error: moe_expert_bias: out holds {} < {rows}·{width}", out.len);
+    gpu.ptr(bias.expert(d.experts - 1)); // the last expert's bias lies in the buffer
+    let (o, b, off) = (gpu.out(out, "moe_expert_bias"), gpu.ptr(bias.first), gpu.iptr(d.offsets));
+    let vec = width.is_multiple_of(8) && bias.stride.is_multiple_of(8) && aligned16(&[o, b]);
+    let args = [
+        Arg::P(o),
+        Arg::P(b),
+        Arg::U(bias.stride as u64),
+        Arg::P(off),
+        Arg::I(c_int(d.experts, "experts")),
+        Arg::I(c_int(width, "width")),
+        Arg::I(vec as i32),
+    ];
+    let threads = row_threads(if vec { width / 8 } else { width });
+    gpu.launch("moe_expert_bias", (rows as u32, 1, 1), threads, 0, &args);
+}
+
+/// `Backend::moe_expert_bias_backward`: a block per 64 columns of an expert sums its rows in a
+/// fixed order into the f32 gradients (as `moe_expert_matmul_dw` writes the weights').
+pub(crate) fn expert_bias_backward(gpu: &mut Cuda, dbias: ExpertWeights, dout: View, d: MoeDispatch, width: usize) {
+    gpu.expect(dbias.first, DType::F32, "moe_expert_bias_backward", "dbias");
+    gpu.expect(dout, DType::Bf16, "moe_expert_bias_backward", "dout");
+    assert_eq!(
+        dbias.first.len, width,
+        "internal error: moe_expert_bias_backward: an expert's bias holds {} ≠ {width}",
+        dbias.first.len
+    );
+    let rows = d.rows_bound();
+    assert!(
+        dout.len >= rows * width,
+        "internal error: moe_expert_bias_backward: dout holds {} < {rows}·{width}",
+        dout.len
+    );
+    gpu.ptr(dbias.expert(d.experts - 1));
+    let (db, g, off) = (gpu.out(dbias.first, "moe_expert_bias_backward"), gpu.ptr(dout), gpu.iptr(d.offsets));
+    let args = [Arg::P(db), Arg::P(g), Arg::U(dbias.stride as u64), Arg::P(off), Arg::I(c_int(width, "width"))];
+    gpu.launch("moe_expert_bias_backward", (width.div_ceil(64) as u32, d.experts as u32, 1), 256, 0, &args);
 }
