@@ -13,7 +13,7 @@ use common::*;
 use engine::tensors::Mapped;
 
 /// The fixtures an import/export round trip gives back byte for byte.
-const MODELS: [&str; 11] = [
+const MODELS: [&str; 12] = [
     "llama",
     "mistral",
     "mixtral",
@@ -25,10 +25,11 @@ const MODELS: [&str; 11] = [
     "qwen3-moe-dense",
     "deepseek-v3",
     "deepseek-v3-plain",
+    "gpt-oss",
 ];
 /// Every fixture model: the above and GPT-2 in the hub checkpoint's spelling, which export
 /// writes in transformers' (`transformer.` prefix, no mask buffers).
-const ALL_MODELS: [&str; 13] = [
+const ALL_MODELS: [&str; 15] = [
     "llama",
     "mistral",
     "mixtral",
@@ -42,6 +43,8 @@ const ALL_MODELS: [&str; 13] = [
     "qwen3-moe-dense",
     "deepseek-v3",
     "deepseek-v3-plain",
+    "gpt-oss",
+    "gpt-oss-mxfp4",
 ];
 
 /// Every tensor of a safetensors file (or of a model directory's weight files `model*.safetensors`):
@@ -217,6 +220,43 @@ fn import_then_export_is_byte_exact() {
     );
     fails(&["export-hf", s(&dir.join("llama-ckpt")), "--out", s(&llama)], "already exists and is not empty");
     fails(&["export-hf", s(&dir.join("llama-ckpt")), "--out", s(&dir.join("x")), "--dtype", "f8"], "--dtype f8");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// GPT-OSS's experts in MXFP4 (blocks and scales, as the published checkpoints store them)
+/// import as the tensors transformers' dequantizer gives, bit for bit: the export writes them
+/// so (in f32, without `quantization_config`). Missing scales are named.
+#[test]
+fn mxfp4_experts_import_as_transformers_dequantizes_them() {
+    let dir = scratch("hf-mxfp4");
+    let hf = fixture("hf/gpt-oss-mxfp4");
+    let ck = dir.join("ckpt");
+    ok(&["import-hf", s(&hf), "--out", s(&ck)]);
+    let out = dir.join("export");
+    ok(&["export-hf", s(&ck), "--out", s(&out), "--dtype", "f32"]);
+    let (ours, theirs) = (tensors(&out), tensors(&hf.join("dequantized.safetensors")));
+    for (name, (_, shape, bytes)) in &theirs {
+        assert_eq!(&ours[name].1, shape, "{name}");
+        assert!(ours[name].2 == *bytes, "{name}: the import differs from transformers' dequantized tensor");
+    }
+    let config = std::fs::read_to_string(out.join("config.json")).unwrap();
+    assert!(!config.contains("quantization_config"), "the export is not MXFP4");
+    // A shard without one layer's scales: renamed in its header (the same length).
+    let broken = dir.join("broken");
+    std::fs::create_dir_all(&broken).unwrap();
+    let (from, to) = (&b"layers.1.mlp.experts.down_proj_scales"[..], &b"layers.9.mlp.experts.down_proj_scales"[..]);
+    for f in std::fs::read_dir(&hf).unwrap() {
+        let f = f.unwrap().path();
+        let mut bytes = std::fs::read(&f).unwrap();
+        if let Some(at) = bytes.windows(from.len()).position(|w| w == from) {
+            bytes[at..at + to.len()].copy_from_slice(to);
+        }
+        std::fs::write(broken.join(f.file_name().unwrap()), bytes).unwrap();
+    }
+    fails(
+        &["import-hf", s(&broken), "--out", s(&dir.join("x"))],
+        "tensor model.layers.1.mlp.experts.down_proj_scales is missing",
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

@@ -357,6 +357,9 @@ fn show(name: &str, c: &Config, plan: &ParallelPlan) -> String {
     out += &format!("parameters         {:>20}  ({:.2} B)\n", group(count.total), count.total as f64 / 1e9);
     if m.moe.is_some() {
         out += &format!("active per token   {:>20}  ({:.2} B)\n", group(count.active), count.active as f64 / 1e9);
+        // What OpenAI's GPT-OSS card counts as active.
+        let lookups = count.active - count.embedding;
+        out += &format!("  embedding aside  {:>20}  ({:.2} B)\n", group(lookups), lookups as f64 / 1e9);
     }
     out += &format!("embedding          {:>20}\n", group(count.embedding));
     out += &format!(

@@ -68,11 +68,26 @@ impl ModelConfig {
             Some(moe) if moe.is_dense(i) => (3 * d * moe.dense_mlp_dim as u64, 3 * d * moe.dense_mlp_dim as u64),
             Some(moe) => {
                 let e = moe.num_experts as u64;
-                let router = d * e + if moe.selection_bias { e } else { 0 };
+                let router = d * e + self.router_vector_params();
                 let shared = moe.shared_experts as u64 * self.mlp_params();
-                let each = self.mlp_params();
+                let each = self.mlp_params() + self.expert_bias_params();
                 (router + shared + e * each, router + shared + moe.top_k as u64 * each)
             }
+        }
+    }
+
+    /// The router's vectors of an expert layer: DeepSeek-V3's selection bias, GPT-OSS's bias.
+    fn router_vector_params(&self) -> u64 {
+        let e = self.moe.as_ref().map_or(0, |m| m.num_experts as u64);
+        let selection = self.moe.as_ref().is_some_and(|m| m.selection_bias);
+        if selection || self.family == super::Family::GptOss { e } else { 0 }
+    }
+
+    /// An expert's biases (GPT-OSS: gate's and up's `F` each, down's `D`).
+    fn expert_bias_params(&self) -> u64 {
+        match self.family {
+            super::Family::GptOss => 2 * self.mlp_dim as u64 + self.d_model as u64,
+            _ => 0,
         }
     }
 
@@ -83,14 +98,16 @@ impl ModelConfig {
         matrices * self.d_model as u64 * self.mlp_dim as u64
     }
 
-    /// The GPT family's vectors per layer beyond the matrices: the four projections' biases and
-    /// the two LayerNorms' biases (their weights are counted as norms).
+    /// The vectors per layer beyond the matrices and norm weights: the GPT family's four
+    /// projections' biases and the two LayerNorms' biases; GPT-OSS's attention biases and
+    /// sinks.
     fn layer_bias_params(&self) -> u64 {
-        if !self.is_gpt() {
-            return 0;
-        }
         let (d, qkv) = (self.d_model as u64, (self.q_dim() + 2 * self.kv_dim()) as u64);
-        qkv + d + self.mlp_dim as u64 + d + 2 * d
+        match self.family {
+            super::Family::Gpt => qkv + d + self.mlp_dim as u64 + d + 2 * d,
+            super::Family::GptOss => qkv + d + self.n_heads as u64,
+            _ => 0,
+        }
     }
 
     /// Matrix parameters of a layer that a token multiplies with: attention, the router and the
@@ -98,19 +115,21 @@ impl ModelConfig {
     /// some are dense among experts' layers.
     pub(crate) fn layer_matmul_params_active(&self) -> u64 {
         let mlp: u64 = (0..self.n_layers).map(|i| self.layer_mlp_params(i).1).sum();
-        // The selection bias is no product's.
-        let bias = self.moe.as_ref().filter(|m| m.selection_bias).map_or(0, |m| m.num_experts as u64);
+        // The router's and the experts' vectors are no product's.
+        let top_k = self.moe.as_ref().map_or(0, |m| m.top_k as u64);
+        let vectors = self.router_vector_params() + top_k * self.expert_bias_params();
         let layers = self.n_layers.max(1) as u64;
         let moe_layers = self.moe.as_ref().map_or(0, |m| m.moe_layers(self.n_layers)) as u64;
-        self.attention_params() + (mlp - moe_layers * bias) / layers
+        self.attention_params() + (mlp - moe_layers * vectors) / layers
     }
 
     /// Parameters of every layer's routed experts (0 for a dense model): what an expert axis
     /// divides.
     pub fn expert_params(&self) -> u64 {
-        self.moe
-            .as_ref()
-            .map_or(0, |moe| moe.moe_layers(self.n_layers) as u64 * moe.num_experts as u64 * self.mlp_params())
+        self.moe.as_ref().map_or(0, |moe| {
+            let each = self.mlp_params() + self.expert_bias_params();
+            moe.moe_layers(self.n_layers) as u64 * moe.num_experts as u64 * each
+        })
     }
 
     /// Counts the model's parameters.
@@ -131,13 +150,15 @@ impl ModelConfig {
         ParamCount { total, active, embedding }
     }
 
-    /// Mean number of keys a query attends to in a sequence of `seq_len` tokens (`K̄`).
+    /// Mean number of keys a query attends to in a sequence of `seq_len` tokens (`K̄`), over
+    /// the layers (sliding and full ones).
     pub fn mean_keys_attended(&self, seq_len: usize) -> f64 {
-        if seq_len == 0 {
+        if seq_len == 0 || self.n_layers == 0 {
             return 0.0;
         }
-        let sum: u64 = (0..seq_len).map(|i| self.keys_attended(i) as u64).sum();
-        sum as f64 / seq_len as f64
+        let sum: u64 =
+            (0..self.n_layers).map(|l| (0..seq_len).map(|i| self.keys_attended(l, i) as u64).sum::<u64>()).sum();
+        sum as f64 / (seq_len * self.n_layers) as f64
     }
 
     /// Training FLOPs per token at sequence length `seq_len`, by the convention in this module.
@@ -210,6 +231,19 @@ mod tests {
         assert_eq!(count.active, 12_879_925_248);
         let tied = ModelConfig { tie_embeddings: true, ..llama(128256, 2048, 16, 32, 8, 8192) };
         assert_eq!(tied.param_count().total, 1_235_814_400, "llama3.2-1b");
+    }
+
+    /// The GPT-OSS recipes against OpenAI's model card: 20.9 B total and 3.6 B active, 116.8 B
+    /// and 5.1 B; the card's active parameters leave the input embedding aside (a lookup).
+    #[test]
+    fn gpt_oss_recipes_match_the_model_card() {
+        for (name, total, active) in [("gpt-oss-20b", 20.91, 3.61), ("gpt-oss-120b", 116.83, 5.13)] {
+            let count = crate::config::recipe::resolve(name, &[]).unwrap().config.model.param_count();
+            let billions = |x: u64| x as f64 / 1e9;
+            assert!((billions(count.total) - total).abs() < 0.01, "{name}: {} total", count.total);
+            let without = count.active - count.embedding;
+            assert!((billions(without) - active).abs() < 0.01, "{name}: {without} active without the embedding");
+        }
     }
 
     /// The Qwen3 recipes against their model cards' figures (total, and active where they

@@ -35,6 +35,12 @@ pub enum Family {
     /// shared experts, dense first layers.
     #[serde(rename = "deepseek_v3")]
     DeepseekV3,
+    /// `GptOssForCausalLM`: grouped-query attention with biases on q, k, v and o and a learned
+    /// sink per head, sliding-window layers among full ones (`window_pattern`, `layer_types`),
+    /// YaRN positions; a mixture of experts whose router and experts have biases, with a
+    /// clamped SwiGLU (`glu_limit`, `glu_alpha`).
+    #[serde(rename = "gpt_oss")]
+    GptOss,
 }
 
 impl Family {
@@ -48,12 +54,18 @@ impl Family {
             Family::Qwen3 => "qwen3",
             Family::Qwen3Moe => "qwen3_moe",
             Family::DeepseekV3 => "deepseek_v3",
+            Family::GptOss => "gpt_oss",
         }
     }
 
     /// Whether its MLP is a mixture of experts (`[model.moe]`).
     pub fn is_moe(self) -> bool {
-        matches!(self, Family::Mixtral | Family::Qwen3Moe | Family::DeepseekV3)
+        matches!(self, Family::Mixtral | Family::Qwen3Moe | Family::DeepseekV3 | Family::GptOss)
+    }
+
+    /// Whether some layers may attend through a sliding window (`model.sliding_window`).
+    pub fn has_windows(self) -> bool {
+        matches!(self, Family::Mistral | Family::Mixtral | Family::GptOss)
     }
 }
 
@@ -110,7 +122,15 @@ section! {
         /// Longest sequence the model supports (`max_position_embeddings`).
         pub max_seq_len: usize = 0,
         /// Sliding attention window W (query i sees keys j with i - W < j <= i); 0 means none.
+        /// Every layer uses it unless `window_pattern` or `layer_types` names full layers.
         pub sliding_window: usize = 0,
+        /// Every N-th layer (the N-th, 2N-th, ...) attends to the whole context, the others
+        /// through `sliding_window` (Gemma's `sliding_window_pattern`; GPT-OSS: 2); 0: none.
+        pub window_pattern: usize = 0,
+        /// Each layer's attention, `"sliding"` or `"full"` (transformers' `layer_types`), for
+        /// orders no `window_pattern` gives; empty: as `window_pattern` says.
+        #[serde(skip_serializing_if = "Vec::is_empty")]
+        pub layer_types: Vec<LayerType> = Vec::new(),
         /// Whether the output projection shares the input embedding matrix.
         pub tie_embeddings: bool = false,
         /// Standard deviation of the normal initialisation of weight matrices.
@@ -120,7 +140,22 @@ section! {
         /// The GELU of the GPT family's MLP (ignored by the other families); unwritten when tanh.
         #[serde(skip_serializing_if = "Gelu::is_tanh")]
         pub gelu: Gelu = Gelu::Tanh,
+        /// GPT-OSS's clamped SwiGLU: the gate is clamped from above and the up projection to
+        /// ±`glu_limit` (transformers' `swiglu_limit`).
+        pub glu_limit: f64 = 7.0,
+        /// GPT-OSS's clamped SwiGLU: `gate · sigmoid(glu_alpha · gate)` (`swiglu_alpha`).
+        pub glu_alpha: f64 = 1.702,
     }
+}
+
+/// A layer's attention span (`model.layer_types`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LayerType {
+    /// Through `model.sliding_window`.
+    Sliding,
+    /// The whole context.
+    Full,
 }
 
 impl ModelConfig {
@@ -221,13 +256,19 @@ impl ModelConfig {
             }
             _ => {}
         }
-        if matches!(self.family, Family::Llama | Family::Qwen3 | Family::Qwen3Moe | Family::DeepseekV3)
-            && self.sliding_window != 0
-        {
+        if !self.family.has_windows() && !self.is_gpt() && self.sliding_window != 0 {
             bail!(
                 "model.sliding_window is set but model.family = \"{}\" has no sliding window; use model.family = \"mistral\"",
                 self.family.name()
             );
+        }
+        self.validate_windows()?;
+        if self.family == Family::GptOss {
+            for (key, value) in [("model.glu_limit", self.glu_limit), ("model.glu_alpha", self.glu_alpha)] {
+                if !positive_number(value) {
+                    bail!("{key} = {value} must be a positive number");
+                }
+            }
         }
         if self.is_gpt() {
             if self.sliding_window != 0 {
@@ -327,11 +368,51 @@ impl ModelConfig {
         self.mla.as_ref().map_or(self.head_dim, |mla| mla.rope_dim)
     }
 
-    /// Number of keys query `i` (0-based) attends to in a sequence.
-    pub fn keys_attended(&self, i: usize) -> usize {
-        match self.sliding_window {
+    /// Number of keys query `i` (0-based) attends to in a sequence, in layer `layer`.
+    pub fn keys_attended(&self, layer: usize, i: usize) -> usize {
+        match self.window(layer) {
             0 => i + 1,
             w => (i + 1).min(w),
         }
+    }
+
+    /// Layer `i`'s attention window: `sliding_window`, or 0 (none) for a full layer.
+    pub fn window(&self, i: usize) -> usize {
+        if self.is_full_layer(i) { 0 } else { self.sliding_window }
+    }
+
+    /// Whether `layer_types` or `window_pattern` makes layer `i` attend to the whole context.
+    fn is_full_layer(&self, i: usize) -> bool {
+        match (self.layer_types.get(i), self.window_pattern) {
+            (Some(t), _) => *t == LayerType::Full,
+            (None, 0) => false,
+            (None, n) => (i + 1).is_multiple_of(n),
+        }
+    }
+
+    /// `window_pattern` and `layer_types`: one or the other, of the right length, with a window.
+    fn validate_windows(&self) -> Result<()> {
+        let named = !self.layer_types.is_empty() || self.window_pattern != 0;
+        if !named {
+            return Ok(());
+        }
+        if !self.family.has_windows() {
+            bail!(
+                "model.window_pattern / model.layer_types are set but model.family = \"{}\" has no sliding window",
+                self.family.name()
+            );
+        }
+        if !self.layer_types.is_empty() && self.window_pattern != 0 {
+            bail!("model.window_pattern and model.layer_types are both set; name the full layers one way");
+        }
+        if !self.layer_types.is_empty() && self.layer_types.len() != self.n_layers {
+            bail!("model.layer_types lists {} layers but model.n_layers = {}", self.layer_types.len(), self.n_layers);
+        }
+        if self.sliding_window == 0 && (0..self.n_layers).any(|i| !self.is_full_layer(i)) {
+            bail!(
+                "model.window_pattern / model.layer_types name sliding layers but model.sliding_window = 0; set the window"
+            );
+        }
+        Ok(())
     }
 }

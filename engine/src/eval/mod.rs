@@ -256,10 +256,9 @@ pub fn write_dumps(
     if let (Some(path), Some(g)) = (grads, &dumps.grads) {
         // Parameters only: the buffers have no gradient in transformers.
         let tensors: Vec<_> = m.model.layout.tensors.iter().filter(|t| !t.is_buffer()).collect();
-        let stored: Vec<_> =
-            tensors.iter().map(|t| crate::hf::hf_tensor(t, &g[t.offset..t.offset + t.len()])).collect();
+        let stored = crate::hf::hf_tensors(m.config(), &m.model.layout, &tensors, g);
         let list: Vec<(String, &[f32], Vec<usize>)> =
-            tensors.iter().zip(&stored).map(|(t, (v, shape))| (t.name.clone(), &v[..], shape.clone())).collect();
+            stored.iter().map(|(name, v, shape)| (name.clone(), &v[..], shape.clone())).collect();
         write(path, &list, FloatType::F32)?;
     }
     Ok(())

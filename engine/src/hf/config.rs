@@ -27,10 +27,10 @@
 use anyhow::{Result, anyhow, bail};
 use serde_json::{Map, Value, json};
 
-use crate::config::{Family, Gelu, MlaConfig, ModelConfig, MoeConfig, RopeScaling, Scoring, Yarn};
+use crate::config::{Family, Gelu, LayerType, MlaConfig, ModelConfig, MoeConfig, RopeScaling, Scoring, Yarn};
 
 /// The architectures (`architectures[0]`) this engine reads and writes.
-pub const ARCHITECTURES: [(&str, Family); 7] = [
+pub const ARCHITECTURES: [(&str, Family); 8] = [
     ("LlamaForCausalLM", Family::Llama),
     ("MistralForCausalLM", Family::Mistral),
     ("MixtralForCausalLM", Family::Mixtral),
@@ -38,6 +38,7 @@ pub const ARCHITECTURES: [(&str, Family); 7] = [
     ("Qwen3ForCausalLM", Family::Qwen3),
     ("Qwen3MoeForCausalLM", Family::Qwen3Moe),
     ("DeepseekV3ForCausalLM", Family::DeepseekV3),
+    ("GptOssForCausalLM", Family::GptOss),
 ];
 
 fn architecture(f: Family) -> &'static str {
@@ -53,6 +54,7 @@ fn model_type(f: Family) -> &'static str {
         Family::Qwen3 => "qwen3",
         Family::Qwen3Moe => "qwen3_moe",
         Family::DeepseekV3 => "deepseek_v3",
+        Family::GptOss => "gpt_oss",
     }
 }
 
@@ -103,10 +105,25 @@ pub fn parse(v: &Value, file: &str) -> Result<ModelConfig> {
             Some(v) => v.as_bool().ok_or_else(|| anyhow!("{file}: {key} = {v} is not true or false")),
         }
     };
+    if let Some(q) = get("quantization_config") {
+        let method = q.get("quant_method").and_then(Value::as_str).unwrap_or("absent");
+        if !(family == Family::GptOss && method == "mxfp4") {
+            bail!(
+                "{file}: quantization_config with quant_method {method} is not supported (GPT-OSS's \"mxfp4\" experts are; import a bf16 or f32 checkpoint)"
+            );
+        }
+    }
     if let Some(act) = get("hidden_act").and_then(Value::as_str).filter(|a| *a != "silu") {
         bail!("{file}: hidden_act = \"{act}\" is not supported (the engine's MLP is SwiGLU with silu)");
     }
     for key in ["attention_bias", "mlp_bias"] {
+        // GPT-OSS's attention has biases (its default); it has no `mlp_bias`.
+        if family == Family::GptOss && key == "attention_bias" {
+            if !flag(key, true)? {
+                bail!("{file}: attention_bias = false is not supported (GPT-OSS's projections have biases)");
+            }
+            continue;
+        }
         if flag(key, false)? {
             bail!("{file}: {key} = true is not supported (the engine's projections have no bias)");
         }
@@ -123,6 +140,7 @@ pub fn parse(v: &Value, file: &str) -> Result<ModelConfig> {
         Family::Mixtral | Family::Gpt => (1_000_000.0, 1e-5, 4096 * 32),
         Family::Qwen3 | Family::Qwen3Moe => (10_000.0, 1e-6, 32768),
         Family::DeepseekV3 => (10_000.0, 1e-6, 4096),
+        Family::GptOss => (150_000.0, 1e-5, 131_072),
     };
     match family {
         Family::Qwen3 | Family::Qwen3Moe => qwen3_refusals(obj, file)?,
@@ -136,13 +154,19 @@ pub fn parse(v: &Value, file: &str) -> Result<ModelConfig> {
         Family::Llama | Family::Qwen3 | Family::Qwen3Moe | Family::DeepseekV3 => 0,
         // MistralConfig's default when the key is absent; null means none.
         Family::Mistral if !obj.contains_key("sliding_window") => 4096,
+        Family::GptOss => uint("sliding_window", Some(128))?,
         _ => uint("sliding_window", Some(0))?,
+    };
+    let layer_types = match family {
+        Family::GptOss => gpt_oss_layer_types(obj, file, n_layers)?,
+        _ => Vec::new(),
     };
     // Absent: the class default (Llama: the heads, DeepSeek-V3 128, the others 8); null: the heads.
     let n_kv_heads = match (family, obj.get("num_key_value_heads")) {
         (_, Some(Value::Null)) => n_heads,
         (Family::Llama, _) => uint("num_key_value_heads", Some(n_heads))?,
         (Family::DeepseekV3, _) => uint("num_key_value_heads", Some(128))?,
+        (Family::GptOss, _) => uint("num_key_value_heads", Some(8))?,
         _ => uint("num_key_value_heads", Some(8))?,
     };
     if family == Family::DeepseekV3 && n_kv_heads != n_heads {
@@ -162,6 +186,18 @@ pub fn parse(v: &Value, file: &str) -> Result<ModelConfig> {
             top_k: uint("num_experts_per_tok", Some(2))?,
             aux_loss_coef: float("router_aux_loss_coef", 0.001)?,
             // transformers' Mixtral is dropless.
+            capacity_factor: None,
+            renormalize: true,
+            ..MoeConfig::default()
+        }),
+        // The router's softmax over its top-k logits is the renormalised softmax's top-k.
+        Family::GptOss => Some(MoeConfig {
+            num_experts: match get("num_local_experts") {
+                Some(_) => uint("num_local_experts", None)?,
+                None => uint("num_experts", Some(128))?,
+            },
+            top_k: uint("num_experts_per_tok", Some(4))?,
+            aux_loss_coef: float("router_aux_loss_coef", 0.001)?,
             capacity_factor: None,
             renormalize: true,
             ..MoeConfig::default()
@@ -239,6 +275,10 @@ pub fn parse(v: &Value, file: &str) -> Result<ModelConfig> {
         Family::DeepseekV3 => uint("moe_intermediate_size", Some(2048))?,
         _ => uint("intermediate_size", None)?,
     };
+    let (window_pattern, layer_types) = match pattern_of(&layer_types) {
+        Some(n) => (n, Vec::new()),
+        None => (0, layer_types),
+    };
     Ok(ModelConfig {
         family,
         vocab_size: uint("vocab_size", None)?,
@@ -257,6 +297,10 @@ pub fn parse(v: &Value, file: &str) -> Result<ModelConfig> {
         rope_scaling,
         max_seq_len,
         sliding_window,
+        window_pattern,
+        layer_types,
+        glu_limit: float("swiglu_limit", 7.0)?,
+        glu_alpha: float("swiglu_alpha", 1.702)?,
         tie_embeddings: flag("tie_word_embeddings", false)?,
         init_std: float("initializer_range", 0.02)?,
         moe,
@@ -264,6 +308,38 @@ pub fn parse(v: &Value, file: &str) -> Result<ModelConfig> {
         yarn,
         mla,
     })
+}
+
+/// GPT-OSS's `layer_types` (absent: sliding and full in turn, layer 0 sliding), checked.
+fn gpt_oss_layer_types(obj: &Map<String, Value>, file: &str, n_layers: usize) -> Result<Vec<LayerType>> {
+    let Some(types) = obj.get("layer_types").filter(|v| !v.is_null()) else {
+        return Ok((0..n_layers)
+            .map(|i| if (i + 1) % 2 == 0 { LayerType::Full } else { LayerType::Sliding })
+            .collect());
+    };
+    let list = types.as_array().ok_or_else(|| anyhow!("{file}: layer_types = {types} is not a list"))?;
+    if list.len() != n_layers {
+        bail!("{file}: layer_types lists {} layers but num_hidden_layers = {n_layers}", list.len());
+    }
+    list.iter()
+        .enumerate()
+        .map(|(i, t)| match t.as_str() {
+            Some("sliding_attention") => Ok(LayerType::Sliding),
+            Some("full_attention") => Ok(LayerType::Full),
+            _ => bail!("{file}: layer_types[{i}] = {t} is not supported (\"sliding_attention\" or \"full_attention\")"),
+        })
+        .collect()
+}
+
+/// The `window_pattern` that gives `types` (every N-th layer full, the others sliding; 0 when
+/// none is full), if one does.
+fn pattern_of(types: &[LayerType]) -> Option<usize> {
+    let Some(first_full) = types.iter().position(|t| *t == LayerType::Full) else {
+        return Some(0);
+    };
+    let n = first_full + 1;
+    let by_pattern = |i: usize| if (i + 1).is_multiple_of(n) { LayerType::Full } else { LayerType::Sliding };
+    types.iter().enumerate().all(|(i, t)| *t == by_pattern(i)).then_some(n)
 }
 
 /// The keys of `Qwen3Config` and `Qwen3MoeConfig` whose values change the math in ways the
@@ -619,6 +695,8 @@ pub fn write(m: &ModelConfig, base: Option<&Value>, dtype: &str) -> Result<Value
         _ => Some(m.mlp_dim),
     };
     let has_local_experts = o.contains_key("num_local_experts");
+    // The weights are written in bf16 or f32, not in an imported checkpoint's MXFP4.
+    o.remove("quantization_config");
     let mut set = |k: &str, v: Value| {
         o.insert(k.to_owned(), v);
     };
@@ -649,6 +727,16 @@ pub fn write(m: &ModelConfig, base: Option<&Value>, dtype: &str) -> Result<Value
             set("use_sliding_window", json!(false));
         }
         Family::DeepseekV3 => set("attention_bias", json!(false)),
+        Family::GptOss => {
+            set("attention_bias", json!(true));
+            set("sliding_window", json!(m.sliding_window));
+            let types: Vec<&str> = (0..m.n_layers)
+                .map(|i| if m.window(i) == 0 { "full_attention" } else { "sliding_attention" })
+                .collect();
+            set("layer_types", json!(types));
+            set("swiglu_limit", json!(m.glu_limit));
+            set("swiglu_alpha", json!(m.glu_alpha));
+        }
         _ => set("sliding_window", if m.sliding_window == 0 { Value::Null } else { json!(m.sliding_window) }),
     }
     if let Some((mla, moe)) = deepseek {
@@ -945,6 +1033,10 @@ mod tests {
             }),
             max_seq_len: 32,
             sliding_window: 0,
+            window_pattern: 0,
+            layer_types: Vec::new(),
+            glu_limit: 7.0,
+            glu_alpha: 1.702,
             tie_embeddings: false,
             init_std: 0.02,
             moe: Some(MoeConfig {
@@ -1233,5 +1325,58 @@ mod tests {
             assert_eq!(written["original_max_position_embeddings"], json!(16));
             assert_eq!(parse(&written, "out").unwrap(), moved, "{arch}");
         }
+    }
+
+    /// GPT-OSS's config.json: the window's layers, the clamped SwiGLU, the router; what the
+    /// engine cannot compute is refused by name.
+    #[test]
+    fn gpt_oss_maps_its_layers_and_refuses_what_it_cannot_compute() {
+        let v = json!({
+            "architectures": ["GptOssForCausalLM"], "vocab_size": 96, "hidden_size": 32, "intermediate_size": 24,
+            "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 12,
+            "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 5, "swiglu_limit": 1.0,
+            "swiglu_alpha": 1.6, "router_aux_loss_coef": 0.05, "max_position_embeddings": 256,
+            "rope_theta": 1000.0,
+            "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 8.0, "beta_slow": 1.0,
+                             "original_max_position_embeddings": 64, "truncate": false}
+        });
+        let m = parse(&v, "c").unwrap();
+        assert_eq!(
+            (m.family, m.sliding_window, m.window_pattern),
+            (Family::GptOss, 5, 2),
+            "absent layer_types: in turn"
+        );
+        assert_eq!((0..4).map(|i| m.window(i)).collect::<Vec<_>>(), [5, 0, 5, 0]);
+        assert_eq!((m.glu_limit, m.glu_alpha), (1.0, 1.6));
+        let moe = m.moe.as_ref().unwrap();
+        assert!(moe.renormalize && moe.num_experts == 4 && moe.top_k == 2 && moe.aux_loss_coef == 0.05);
+        assert!(!m.yarn.as_ref().unwrap().truncate);
+        // An order no pattern gives is kept as a list, and written back as it was.
+        let mut odd = v.clone();
+        odd["layer_types"] = json!(["full_attention", "sliding_attention", "sliding_attention", "full_attention"]);
+        let m = parse(&odd, "c").unwrap();
+        assert_eq!((m.window_pattern, (0..4).map(|i| m.window(i)).collect::<Vec<_>>()), (0, vec![0, 5, 5, 0]));
+        assert_eq!(write(&m, Some(&odd), "float32").unwrap()["layer_types"], odd["layer_types"]);
+        assert_eq!(parse(&write(&m, None, "float32").unwrap(), "out").unwrap(), m);
+        let err = |edit: &dyn Fn(&mut Value)| {
+            let mut x = v.clone();
+            edit(&mut x);
+            parse(&x, "c").unwrap_err().to_string()
+        };
+        assert!(
+            err(&|x| x["layer_types"] = json!(["full_attention"]))
+                .contains("layer_types lists 1 layers but num_hidden_layers = 4")
+        );
+        assert!(err(&|x| x["layer_types"] = json!(["a", "b", "c", "d"])).contains("layer_types[0] = \"a\""));
+        assert!(err(&|x| x["attention_bias"] = json!(false)).contains("attention_bias = false"));
+        assert!(
+            err(&|x| x["quantization_config"] = json!({"quant_method": "bitsandbytes"}))
+                .contains("quant_method bitsandbytes")
+        );
+        let mut zero = v.clone();
+        zero["sliding_window"] = json!(0);
+        let m = parse(&zero, "c").unwrap();
+        let e = crate::hf::engine_config(&m, "test").validate().unwrap_err().to_string();
+        assert!(e.contains("model.sliding_window = 0"), "{e}");
     }
 }

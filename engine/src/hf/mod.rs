@@ -16,6 +16,7 @@
 //! model was imported in (so an import/export round trip is byte-exact) or the one asked for.
 
 pub mod config;
+pub mod gpt_oss;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
@@ -25,7 +26,7 @@ use anyhow::{Context, Result, anyhow, bail};
 use serde_json::{Value, json};
 
 use crate::checkpoint::{self, Checkpoint, Extras, Snapshot};
-use crate::config::{Config, ModelConfig, TrainConfig};
+use crate::config::{Config, Family, ModelConfig, TrainConfig};
 use crate::fsutil;
 use crate::model::{ExpertNames, Layout, MlpOffsets, Tensor};
 use crate::tensors::{self, FloatType, Mapped};
@@ -99,7 +100,13 @@ impl HfModel {
             inside(&dir.join(&name), &root)?;
             let mapped = Mapped::open(&dir.join(&name))?;
             for (tensor, view) in mapped.tensors().iter() {
-                tensors::float_type(tensor, &view).with_context(|| format!("{}", dir.join(&name).display()))?;
+                // GPT-OSS's MXFP4 experts are bytes, read as such ([`HfModel::read_u8`]).
+                let mxfp4 = model.family == Family::GptOss
+                    && (tensor.ends_with("_blocks") || tensor.ends_with("_scales"))
+                    && view.dtype() == safetensors::Dtype::U8;
+                if !mxfp4 {
+                    tensors::float_type(tensor, &view).with_context(|| format!("{}", dir.join(&name).display()))?;
+                }
                 index.insert(tensor.to_owned(), files.len());
             }
             files.push(mapped);
@@ -134,6 +141,70 @@ impl HfModel {
         tensors::read_f32(name, &view, out)
     }
 
+    /// Reads tensor `name` of unsigned bytes (MXFP4 blocks and scales), whose shape must be
+    /// `shape`.
+    fn read_u8(&self, name: &str, shape: &[usize]) -> Result<Vec<u8>> {
+        let &f = self.index.get(name).ok_or_else(|| anyhow!("{}: tensor {name} is missing", self.dir.display()))?;
+        let st = self.files[f].tensors();
+        let view = st.tensor(name)?;
+        if view.dtype() != safetensors::Dtype::U8 || view.shape() != shape {
+            bail!(
+                "{}: tensor {name} is {:?} {:?}; MXFP4 {} are U8 {shape:?}",
+                self.files[f].path.display(),
+                view.dtype(),
+                view.shape(),
+                if name.ends_with("_scales") { "scales" } else { "blocks" }
+            );
+        }
+        Ok(view.data().to_vec())
+    }
+
+    /// A GPT-OSS layer's stacked experts under `prefix` (`model.layers.i.mlp.experts`): their
+    /// weights in bf16 or f32, or in MXFP4 blocks and scales (decoded as transformers does).
+    fn gpt_oss_experts(
+        &self,
+        prefix: &str,
+        e: usize,
+        (f, d): (usize, usize),
+        used: &mut BTreeSet<String>,
+    ) -> Result<gpt_oss::Stacked> {
+        let [(gate_up, gu_shape), (gate_up_bias, gub_shape), (down, down_shape), (down_bias, db_shape)] =
+            gpt_oss::names(prefix, e, f, d);
+        // (name, [E, out, in] of the quantized form, values)
+        let mut read = |name: &str, shape: &[usize], rows: usize, cols: usize| -> Result<Vec<f32>> {
+            let blocks = format!("{name}_blocks");
+            if self.index.contains_key(name) || !self.index.contains_key(&blocks) {
+                let mut v = vec![0f32; shape.iter().product()];
+                self.read(name, shape, &mut v)?;
+                used.insert(name.to_owned());
+                return Ok(v);
+            }
+            if !cols.is_multiple_of(32) {
+                bail!(
+                    "{}: {blocks}: MXFP4 blocks of 32 need an input width divisible by 32, not {cols}",
+                    self.dir.display()
+                );
+            }
+            let scales = format!("{name}_scales");
+            let g = cols / 32;
+            let b = self.read_u8(&blocks, &[e, rows, g, 16])?;
+            let s = self.read_u8(&scales, &[e, rows, g])?;
+            used.extend([blocks.clone(), scales]);
+            gpt_oss::mxfp4_decode(&blocks, &b, &s, e, rows, g)
+        };
+        let gate_up = read(&gate_up, &gu_shape, 2 * f, d)?;
+        let down = read(&down, &down_shape, d, f)?;
+        let mut bias = |name: &str, shape: &[usize]| -> Result<Vec<f32>> {
+            let mut v = vec![0f32; shape.iter().product()];
+            self.read(name, shape, &mut v)?;
+            used.insert(name.to_owned());
+            Ok(v)
+        };
+        let gate_up_bias = bias(&gate_up_bias, &gub_shape)?;
+        let down_bias = bias(&down_bias, &db_shape)?;
+        Ok(gpt_oss::Stacked { gate_up, gate_up_bias, down, down_bias })
+    }
+
     /// The parameters in the layout of `layout` (made from this model's config). Every tensor
     /// must be present with its shape, every tensor of the files must be used, and every value
     /// must be finite (a NaN or infinite weight is an error naming its tensor).
@@ -145,6 +216,14 @@ impl HfModel {
         let mut fused_layers = BTreeSet::new();
         for (i, l) in layout.layers.iter().enumerate() {
             let MlpOffsets::Moe { experts, stride, .. } = l.mlp else { continue };
+            if m.family == Family::GptOss {
+                let (e, f, d) = (m.moe.as_ref().expect("MoE layout").num_experts, m.mlp_dim, m.d_model);
+                let prefix = format!("model.layers.{i}.mlp.experts");
+                let stacked = self.gpt_oss_experts(&prefix, e, (f, d), &mut used)?;
+                gpt_oss::unstack(&stacked, e, (f, d), &mut out, experts, stride);
+                fused_layers.insert(format!("{prefix}."));
+                continue;
+            }
             let gate_up = format!("model.layers.{i}.mlp.experts.gate_up_proj");
             if !self.index.contains_key(&gate_up) {
                 continue;
@@ -300,6 +379,38 @@ pub fn hf_tensor<'a>(t: &Tensor, values: &'a [f32]) -> (std::borrow::Cow<'a, [f3
     }
 }
 
+/// Tensors as a Hugging Face checkpoint stores them, in `tensors`' order: each by
+/// [`hf_tensor`], but GPT-OSS's experts, which its checkpoints stack per layer
+/// ([`gpt_oss::stack`]: four tensors in place of the layer's per-expert ones).
+pub fn hf_tensors<'a>(
+    m: &ModelConfig,
+    layout: &Layout,
+    tensors: &[&'a Tensor],
+    values: &'a [f32],
+) -> Vec<(String, std::borrow::Cow<'a, [f32]>, Vec<usize>)> {
+    let mut out = Vec::with_capacity(tensors.len());
+    for t in tensors {
+        let stacked = (m.family == Family::GptOss)
+            .then(|| layout.layers.iter().enumerate().find(|(_, l)| l.experts().is_some_and(|r| r.contains(&t.offset))))
+            .flatten();
+        if let Some((i, l)) = stacked {
+            let MlpOffsets::Moe { experts, stride, .. } = l.mlp else { unreachable!("a layer with experts") };
+            if t.offset == experts {
+                let (e, f, d) = (layout.experts.len(), m.mlp_dim, m.d_model);
+                let layer = layout.stage.layer_indices().nth(i).expect("a layer of the stage");
+                let s = gpt_oss::stack(values, e, (f, d), experts, stride);
+                let names = gpt_oss::names(&format!("model.layers.{layer}.mlp.experts"), e, f, d);
+                let tensors = [s.gate_up, s.gate_up_bias, s.down, s.down_bias];
+                out.extend(names.into_iter().zip(tensors).map(|((n, shape), v)| (n, v.into(), shape)));
+            }
+            continue;
+        }
+        let (v, shape) = hf_tensor(t, &values[t.offset..t.offset + t.len()]);
+        out.push((t.name.clone(), v, shape));
+    }
+    out
+}
+
 /// A configuration holding `model`, with the training defaults and a sequence length the model
 /// supports (what an imported checkpoint records).
 pub fn engine_config(model: &ModelConfig, description: &str) -> Config {
@@ -372,15 +483,17 @@ pub fn export(ck: &Checkpoint, out: &Path, dtype: Option<FloatType>, max_shard_b
     fs::create_dir(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
     let result = (|| -> Result<Vec<String>> {
         let width = if dtype == FloatType::F32 { 4 } else { 2 };
-        let mut shards: Vec<Vec<&crate::model::Tensor>> = vec![Vec::new()];
+        let all: Vec<&Tensor> = layout.tensors.iter().collect();
+        let stored = hf_tensors(&ck.config.model, &layout, &all, &params);
+        let mut shards: Vec<Vec<usize>> = vec![Vec::new()];
         let mut size = 0u64;
-        for t in &layout.tensors {
-            let bytes = (t.len() * width) as u64;
+        for (k, (_, v, _)) in stored.iter().enumerate() {
+            let bytes = (v.len() * width) as u64;
             if size > 0 && size + bytes > max_shard_bytes {
                 shards.push(Vec::new());
                 size = 0;
             }
-            shards.last_mut().expect("one shard").push(t);
+            shards.last_mut().expect("one shard").push(k);
             size += bytes;
         }
         let n = shards.len();
@@ -392,12 +505,11 @@ pub fn export(ck: &Checkpoint, out: &Path, dtype: Option<FloatType>, max_shard_b
             } else {
                 format!("model-{:05}-of-{n:05}.safetensors", i + 1)
             };
-            let stored: Vec<_> = shard.iter().map(|t| hf_tensor(t, &params[t.offset..t.offset + t.len()])).collect();
             let list: Vec<(String, &[f32], Vec<usize>)> =
-                shard.iter().zip(&stored).map(|(t, (v, shape))| (t.name.clone(), &v[..], shape.clone())).collect();
+                shard.iter().map(|&k| (stored[k].0.clone(), &stored[k].1[..], stored[k].2.clone())).collect();
             tensors::write(&tmp.join(&file), &list, dtype)?;
-            for t in shard {
-                weight_map.insert(t.name.clone(), json!(file));
+            for &k in shard {
+                weight_map.insert(stored[k].0.clone(), json!(file));
             }
             names.push(file);
         }

@@ -54,13 +54,21 @@ impl Model {
         let from = ex.expert_dispatch(be, dispatch.offsets, *xe, &counts, d, *xr);
         let received = upload_local_offsets(be, *local_offsets, &from);
         let (gate_up, down) = expert_weights(w, experts.0, experts.1, d, f);
+        let biases = self.expert_biases(w, experts.0, experts.1);
         let senders = senders(*dispatch, *local_offsets, member.1);
         for s in &senders {
             be.moe_expert_matmul(*gu, *xr, gate_up, *s, MatMul::linear(0, d, 2 * f));
+            if let Some((gate_up, _)) = biases {
+                be.moe_expert_bias(*gu, gate_up, *s, 2 * f);
+            }
         }
-        be.swiglu_forward(h.at(0, received * f), gu.at(0, received * 2 * f), f);
+        be.glu_forward(h.at(0, received * f), gu.at(0, received * 2 * f), f, self.expert_glu());
         for s in &senders {
             be.moe_expert_matmul(p.yr, *h, down, *s, MatMul::linear(0, f, d));
+            // Under tensor parallelism the rows hold partial sums: one device adds the bias.
+            if let Some((_, down)) = biases.filter(|_| ex.adds_residual()) {
+                be.moe_expert_bias(p.yr, down, *s, d);
+            }
         }
         ex.expert_return(be, dispatch.offsets, p.yr.at(0, received * d), d, *ye);
     }
@@ -85,14 +93,22 @@ impl Model {
         let received = ex.expert_dispatch_again(be, dispatch.offsets, p.dye, d, p.yr);
         let (gate_up, down) = expert_weights(w, experts.0, experts.1, d, f);
         let (dgate_up, ddown) = expert_weights(g, experts.0, experts.1, d, f);
+        let dbiases = self.expert_biases(g, experts.0, experts.1);
         let senders = senders(*dispatch, *local_offsets, member.1);
         for s in &senders {
+            if let Some((_, ddown)) = dbiases {
+                be.moe_expert_bias_backward(ddown, p.yr, *s, d);
+            }
             be.moe_expert_matmul(p.dh.at(0, h.len), p.yr, down, *s, MatMul::linear_dx(0, f, d));
             be.moe_expert_matmul_dw(ddown, p.yr, *h, *s, f, d);
         }
-        be.swiglu_backward(p.dgu.at(0, received * 2 * f), p.dh.at(0, received * f), gu.at(0, received * 2 * f), f);
+        let (dgu, dh) = (p.dgu.at(0, received * 2 * f), p.dh.at(0, received * f));
+        be.glu_backward(dgu, dh, gu.at(0, received * 2 * f), f, self.expert_glu());
         // `yr` is free again: it takes the received rows' input gradients.
         for s in &senders {
+            if let Some((dgate_up, _)) = dbiases {
+                be.moe_expert_bias_backward(dgate_up, p.dgu.at(0, gu.len), *s, 2 * f);
+            }
             be.moe_expert_matmul(p.yr, p.dgu.at(0, gu.len), gate_up, *s, MatMul::linear_dx(0, d, 2 * f));
             be.moe_expert_matmul_dw(dgate_up, p.dgu.at(0, gu.len), *xr, *s, d, 2 * f);
         }

@@ -57,16 +57,8 @@ pub enum Linear {
 }
 
 impl Linear {
-    const ALL: [Linear; 8] = [
-        Linear::Qkv,
-        Linear::O,
-        Linear::Up,
-        Linear::Down,
-        Linear::QDown,
-        Linear::QUp,
-        Linear::KvDown,
-        Linear::KvUp,
-    ];
+    const ALL: [Linear; 8] =
+        [Linear::Qkv, Linear::O, Linear::Up, Linear::Down, Linear::QDown, Linear::QUp, Linear::KvDown, Linear::KvUp];
 
     /// How the start-up line names them.
     const NAMES: [&str; 8] = ["q/k/v", "o", "gate/up", "down", "q_a", "q_b", "kv_a", "kv_b"];
@@ -352,7 +344,8 @@ mod tests {
     /// `min_dim = 16`, with or without a query latent.
     fn latent(q_lora_rank: usize) -> ModelConfig {
         use crate::config::{Family, MlaConfig};
-        let mla = MlaConfig { q_lora_rank, kv_lora_rank: 16, nope_dim: 16, rope_dim: 16, v_dim: 16, ..MlaConfig::default() };
+        let mla =
+            MlaConfig { q_lora_rank, kv_lora_rank: 16, nope_dim: 16, rope_dim: 16, v_dim: 16, ..MlaConfig::default() };
         ModelConfig { family: Family::DeepseekV3, n_kv_heads: 2, head_dim: 32, mla: Some(mla), ..config() }
     }
 
@@ -446,7 +439,8 @@ mod tests {
     /// or without, and their gradients follow the f32 ones.
     #[test]
     fn latent_attention_projections_run_in_fp8() {
-        for (q_lora, want) in [(16, "o, gate/up, down, q_a, q_b, kv_a, kv_b"), (0, "o, gate/up, down, q_b, kv_a, kv_b")] {
+        for (q_lora, want) in [(16, "o, gate/up, down, q_a, q_b, kv_a, kv_b"), (0, "o, gate/up, down, q_b, kv_a, kv_b")]
+        {
             let m = latent(q_lora);
             let (model, _, plan, _) = run_model(&m, Some(policy(Fp8Recipe::Tensorwise, 16)));
             let line = model.describe_fp8(&plan).unwrap();

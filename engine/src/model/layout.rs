@@ -143,6 +143,12 @@ pub struct GqaOffsets {
     /// QK-norm's `self_attn.q_norm.weight` and `self_attn.k_norm.weight` back to back `[2 · Dh]`
     /// (Qwen3); `None` without QK-norm.
     pub qk_norm: Option<usize>,
+    /// The projections' biases (GPT-OSS): `q_proj`, `k_proj` and `v_proj`'s back to back
+    /// `[(H + 2 KV) · Dh]`, then `o_proj`'s `[D]`; `None` without (GPT's are in
+    /// [`LayerBiases`]).
+    pub bias: Option<(usize, usize)>,
+    /// `self_attn.sinks` `[H]`: each head's learned sink logit (GPT-OSS).
+    pub sinks: Option<usize>,
 }
 
 /// Offsets of one GPT layer's projection biases.
@@ -174,7 +180,8 @@ pub enum MlpOffsets {
     /// (up) back to back `[2F, D]` and `w2` (down) `[D, F]`, for the experts laid out
     /// ([`Layout::experts`]).
     Moe {
-        /// `block_sparse_moe.gate.weight`.
+        /// `block_sparse_moe.gate.weight` (GPT-OSS: `mlp.router.weight`, its bias `[E]` right
+        /// after).
         router: usize,
         /// `mlp.gate.e_score_correction_bias` `[E]` (DeepSeek-V3's selection bias), if any.
         bias: Option<usize>,
@@ -183,17 +190,22 @@ pub enum MlpOffsets {
         shared: Option<(usize, usize)>,
         /// The first expert's block (expert 0's, but on an expert axis).
         experts: usize,
-        /// Elements per expert block (`3 · F · D`).
+        /// Elements per expert block (`3 · F · D`; with biases, GPT-OSS, `+ 2F + D`: gate's
+        /// and up's `[F]` each, then down's `[D]`).
         stride: usize,
     },
 }
 
 /// How a family names a mixture-of-experts layer's tensors in checkpoints:
-/// `{block}.gate.weight` (the router) and `{block}.experts.E.{gate,up,down}.weight`.
+/// `{block}.{router}.weight` and `{block}.experts.E.{gate,up,down}.weight`. (GPT-OSS's
+/// checkpoints stack the experts, `mlp.experts.gate_up_proj`: the engine names them per expert
+/// as Qwen3-MoE does, and `hf/` stacks them.)
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ExpertNames {
     /// The layer's MLP module: Mixtral's `block_sparse_moe`, Qwen3-MoE's `mlp`.
     pub block: &'static str,
+    /// The router: `gate`, GPT-OSS's `router`.
+    pub router: &'static str,
     /// An expert's gate projection: Mixtral's `w1`, Qwen3-MoE's `gate_proj`.
     pub gate: &'static str,
     /// Its up projection: `w3`, `up_proj`.
@@ -207,9 +219,12 @@ impl ExpertNames {
     pub fn of(family: Family) -> ExpertNames {
         match family {
             Family::Qwen3Moe | Family::DeepseekV3 => {
-                ExpertNames { block: "mlp", gate: "gate_proj", up: "up_proj", down: "down_proj" }
+                ExpertNames { block: "mlp", router: "gate", gate: "gate_proj", up: "up_proj", down: "down_proj" }
             }
-            _ => ExpertNames { block: "block_sparse_moe", gate: "w1", up: "w3", down: "w2" },
+            Family::GptOss => {
+                ExpertNames { block: "mlp", router: "router", gate: "gate_proj", up: "up_proj", down: "down_proj" }
+            }
+            _ => ExpertNames { block: "block_sparse_moe", router: "gate", gate: "w1", up: "w3", down: "w2" },
         }
     }
 }
@@ -279,7 +294,11 @@ impl Layout {
                 Some(moe) if !moe.is_dense(i) => {
                     let names = ExpertNames::of(m.family);
                     let block = format!("{p}.{}", names.block);
-                    let router = b.push(&format!("{block}.gate.weight"), &[moe.num_experts, d], true);
+                    let router = b.push(&format!("{block}.{}.weight", names.router), &[moe.num_experts, d], true);
+                    let biased = m.family == Family::GptOss;
+                    if biased {
+                        b.push(&format!("{block}.{}.bias", names.router), &[moe.num_experts], false);
+                    }
                     // A buffer in transformers, trained by the balancing update, not by AdamW:
                     // its gradient stays zero, so the optimizer never moves it.
                     let bias = moe
@@ -293,8 +312,14 @@ impl Layout {
                         b.push(&format!("{q}.{}.weight", names.gate), &[f, d], true);
                         b.push(&format!("{q}.{}.weight", names.up), &[f, d], true);
                         b.push(&format!("{q}.{}.weight", names.down), &[d, f], true);
+                        if biased {
+                            b.push(&format!("{q}.{}.bias", names.gate), &[f], false);
+                            b.push(&format!("{q}.{}.bias", names.up), &[f], false);
+                            b.push(&format!("{q}.{}.bias", names.down), &[d], false);
+                        }
                     }
-                    MlpOffsets::Moe { router, bias, shared, experts: first, stride: 3 * f * d }
+                    let stride = 3 * f * d + if biased { 2 * f + d } else { 0 };
+                    MlpOffsets::Moe { router, bias, shared, experts: first, stride }
                 }
                 _ => {
                     let (gate_up, down) = b.swiglu(&format!("{p}.mlp"), m.dense_mlp_dim(), d);
@@ -350,7 +375,7 @@ impl Layout {
             let down_b = b.push(&format!("{p}.mlp.c_proj.bias"), &[d], false);
             layers.push(LayerOffsets {
                 ln1,
-                attn: AttnOffsets::Gqa(GqaOffsets { qkv: qkv_w, o, qk_norm: None }),
+                attn: AttnOffsets::Gqa(GqaOffsets { qkv: qkv_w, o, qk_norm: None, bias: None, sinks: None }),
                 ln2,
                 mlp: MlpOffsets::Dense { gate_up: up, down },
                 bias: Some(LayerBiases { qkv: qkv_b, o: o_b, up: up_b, down: down_b }),
@@ -427,7 +452,15 @@ impl Builder {
             self.push(&format!("{p}.self_attn.k_norm.weight"), &[m.head_dim], false);
             q
         });
-        GqaOffsets { qkv, o, qk_norm }
+        let gpt_oss = m.family == Family::GptOss;
+        let bias = gpt_oss.then(|| {
+            let qkv = self.push(&format!("{p}.self_attn.q_proj.bias"), &[m.q_dim()], false);
+            self.push(&format!("{p}.self_attn.k_proj.bias"), &[m.kv_dim()], false);
+            self.push(&format!("{p}.self_attn.v_proj.bias"), &[m.kv_dim()], false);
+            (qkv, self.push(&format!("{p}.self_attn.o_proj.bias"), &[d], false))
+        });
+        let sinks = gpt_oss.then(|| self.push(&format!("{p}.self_attn.sinks"), &[m.n_heads], false));
+        GqaOffsets { qkv, o, qk_norm, bias, sinks }
     }
 
     /// Latent attention's tensors of layer `p`, in transformers' names.

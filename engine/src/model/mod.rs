@@ -212,15 +212,17 @@ impl Model {
         &self.layout.stage
     }
 
-    pub(crate) fn attn_shape(&self, batch: usize, seq: usize) -> AttnShape {
+    /// The attention shape of the stage's layer `i` (its window: sliding or full).
+    pub(crate) fn attn_shape(&self, i: usize, batch: usize, seq: usize) -> AttnShape {
         let m = &self.config;
+        let layer = self.layout.stage.layer_indices().nth(i).unwrap_or(0);
         AttnShape {
             batch,
             seq,
             n_heads: m.n_heads,
             n_kv_heads: m.n_kv_heads,
             head_dim: m.head_dim,
-            window: m.sliding_window,
+            window: m.window(layer),
         }
     }
 

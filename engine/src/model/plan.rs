@@ -116,7 +116,7 @@ pub struct Plan {
     pub(super) qkv_all: View,
     /// The gradient of `qkv_all`, before it is summed over the sequence axis.
     pub(super) dqkv_all: View,
-    /// `[N]` ones: the column a bias is added with (the GPT family).
+    /// `[N]` ones: the column a bias is added with (the GPT family, GPT-OSS).
     pub(super) ones: View,
     /// `[N]` per-token cross-entropy.
     pub losses: View,
@@ -253,9 +253,10 @@ impl Model {
         if let (Some(f), None) = (plan.fp8, reuse) {
             be.upload(f.states, &f.initial_states());
         }
-        if self.config.is_gpt() {
+        if plan.ones.len > 0 {
             be.upload(plan.ones, &vec![1.0; n]);
-        } else {
+        }
+        if !self.config.is_gpt() {
             plan.rope = be.alloc(BufKind::Scalars, seq * self.config.rope_dim());
         }
         self.set_positions(be, &plan, &self.seq.positions(seq));
@@ -506,7 +507,7 @@ impl Model {
             whole_tokens,
             qkv_all,
             dqkv_all,
-            ones: take(A, if gpt { n } else { 0 }),
+            ones: take(A, if gpt || m.family == crate::config::Family::GptOss { n } else { 0 }),
             x_out: take(A, n * d),
             lnf: take(A, last_only(n * d)),
             rstdf: take(S, last_only(stats * n)),

@@ -40,7 +40,8 @@ pub enum Split {
 
 /// How the tensor with this Hugging Face name is split.
 pub fn split_of(name: &str) -> Split {
-    const ROWS: [&str; 14] = [
+    const ROWS: [&str; 15] = [
+        "self_attn.sinks",
         "q_proj",
         "q_b_proj",
         "kv_b_proj",

@@ -147,8 +147,12 @@ impl<B: Backend> Trainer<B> {
         // pipeline's micro-batches.
         let batch = parallel_plan.microbatch;
         // The attention kernels, chosen (and checked) before any buffer is planned.
-        let needs = AttnNeeds { documents: model.documents.is_some(), seq_split: model.seq.ranks > 1 };
-        backend.select_attention(t.attention, model.attn_shape(batch, seq_len), needs)?;
+        let needs = AttnNeeds {
+            documents: model.documents.is_some(),
+            seq_split: model.seq.ranks > 1,
+            sinks: model.config.family == crate::config::Family::GptOss,
+        };
+        backend.select_attention(t.attention, model.attn_shape(0, batch, seq_len), needs)?;
         if model.fp8.is_some() && !backend.supports_fp8() {
             bail!(
                 "train.precision = \"fp8\": {} has no FP8 products (GPUs need compute capability 8.9 or newer: Ada, Hopper, Blackwell); set train.precision = \"bf16\"",

@@ -456,7 +456,11 @@ fn tidy_checkpoints(checkpoints: &Path, first: u64, log: &MetricsLogger) -> Resu
 /// The device, and the mesh in a parallel run; what runs in FP8 if that was asked.
 fn describe<B: Backend>(trainer: &Trainer<Traced<B>>) -> String {
     let mesh = &trainer.parallel.mesh;
-    let fp8 = trainer.model.describe_fp8(&trainer.plan).map_or(String::new(), |f| format!("; {f}"));
+    let mut fp8 = trainer.model.describe_fp8(&trainer.plan).map_or(String::new(), |f| format!("; {f}"));
+    let seq = trainer.plan.seq * trainer.model.seq.ranks;
+    if let Some(w) = trainer.model.describe_windows(seq) {
+        fp8 += &format!("; {w}");
+    }
     if mesh.devices() == 1 {
         return format!("{}{fp8}", trainer.backend.describe());
     }

@@ -1,22 +1,35 @@
 //! Grouped-query attention: one packed projection to `H` query heads and `KV` key and value
 //! heads of width `Dh` (query head h reads kv head `h / (H / KV)`), optionally QK-norm (Qwen3:
 //! an RMSNorm over each q and k head, before RoPE), RoPE (not GPT, whose positions are learned),
-//! the attention core, then `o_proj`; GPT adds biases.
+//! the attention core, then `o_proj`; GPT and GPT-OSS add biases, GPT-OSS a learned sink per
+//! head.
 //!
 //! ```text
 //! forward:  qkv = ln1 · Wqkvᵀ (+ b)      raw projections, or under QK-norm normed per head
 //!           qkv = rope(qkv)               q and k rotated by position
-//!           attn = attention(qkv)         causal softmax(q kᵀ / sqrt(Dh)) v
+//!           attn = attention(qkv)         causal softmax(q kᵀ / sqrt(Dh)) v, within the layer's
+//!                                         window; with sinks, the softmax's denominator also
+//!                                         holds exp(sink_h) ([`Backend::attention_sinks_forward`])
 //!           xmid = x + attn · Woᵀ (+ b)   row-parallel under tensor parallelism
 //! backward: the same steps reversed; RoPE's adjoint is the rotation by -θ.
 //! ```
 
 use super::super::fp8::Linear;
-use super::super::layout::GqaOffsets;
+use super::super::layout::{GqaOffsets, LayerBiases};
 use super::super::{Exchange, Model, Plan, Window};
 use crate::backend::{Backend, MatMul};
 
 impl Model {
+    /// The offsets of the q/k/v and o biases, if any: GPT's (in the layer's [`LayerBiases`]),
+    /// GPT-OSS's (in `o`).
+    fn attention_biases(gpt: Option<&LayerBiases>, o: &GqaOffsets) -> (Option<usize>, Option<usize>) {
+        match (gpt, o.bias) {
+            (Some(b), _) => (Some(b.qkv), Some(b.o)),
+            (None, Some((qkv, o))) => (Some(qkv), Some(o)),
+            (None, None) => (None, None),
+        }
+    }
+
     pub(super) fn gqa_forward<B: Backend>(
         &self,
         be: &mut B,
@@ -29,12 +42,13 @@ impl Model {
         let (m, a, b) = (&self.config, &p.layers[i], self.layout.layers[i].bias.as_ref());
         let (n, d) = (p.batch * p.seq, m.d_model);
         let (q, qkv) = (m.q_dim(), m.q_dim() + 2 * m.kv_dim());
-        let shape = self.attn_shape(p.batch, p.seq);
+        let shape = self.attn_shape(i, p.batch, p.seq);
         let wqkv = w.at(o.qkv, qkv * d);
+        let (qkv_bias, o_bias) = Self::attention_biases(b, o);
         // Under QK-norm the projections land in `raw`, and the norm writes `a.qkv`.
         let raw = a.qk.map_or(a.qkv, |(raw, _)| raw);
         self.linear_forward(be, p, (i, Linear::Qkv), raw, (a.ln1, wqkv), None, MatMul::linear(n, d, qkv));
-        self.add_bias(be, p, w, raw, b.map(|b| b.qkv), qkv);
+        self.add_bias(be, p, w, raw, qkv_bias, qkv);
         if let (Some((raw, rstd)), Some(at)) = (a.qk, o.qk_norm) {
             be.qk_norm_forward(a.qkv, rstd, raw, w.at(at, 2 * m.head_dim), shape, m.norm_eps as f32);
         }
@@ -42,9 +56,13 @@ impl Model {
             be.rope(a.qkv, p.rope, shape, false);
         }
         self.attend(be, p, (a.attn, a.lse), a.qkv, shape, ex);
+        if let Some(at) = o.sinks {
+            be.attention_sinks_forward(a.attn, a.lse, w.at(at, m.n_heads), m.n_heads, m.head_dim);
+        }
         let wo = w.at(o.o, d * q);
         self.row_parallel(be, p, ex, (i, Linear::O), a.xmid, (a.attn, wo), a.x, MatMul::linear(n, q, d));
-        self.add_bias(be, p, w, a.xmid, b.map(|b| b.o), d);
+        // After the group's sum: every device adds the bias to the whole sum.
+        self.add_bias(be, p, w, a.xmid, o_bias, d);
     }
 
     pub(super) fn gqa_backward<B: Backend>(
@@ -59,11 +77,16 @@ impl Model {
         let (m, a, b) = (&self.config, &p.layers[i], self.layout.layers[i].bias.as_ref());
         let (n, d) = (p.batch * p.seq, m.d_model);
         let (q, qkv) = (m.q_dim(), m.q_dim() + 2 * m.kv_dim());
-        let shape = self.attn_shape(p.batch, p.seq);
-        self.bias_backward(be, p, g, p.dres, b.map(|b| b.o), d);
+        let shape = self.attn_shape(i, p.batch, p.seq);
+        let (qkv_bias, o_bias) = Self::attention_biases(b, o);
+        self.bias_backward(be, p, g, p.dres, o_bias, d);
         let shapes = (MatMul::linear_dx(n, q, d), MatMul::linear_dw(n, q, d));
         let (dw, wo) = (g.at(o.o, d * q), w.at(o.o, d * q));
         self.linear_backward(be, p, (i, Linear::O), (p.dattn, dw), p.dres, (a.attn, wo), shapes);
+        if let Some(at) = o.sinks {
+            let (dsinks, sinks) = (g.at(at, m.n_heads), w.at(at, m.n_heads));
+            be.attention_sinks_backward(dsinks, p.dattn, a.attn, a.lse, sinks, m.n_heads, m.head_dim);
+        }
         self.attend_backward(be, p, p.dqkv, p.dattn, (a.qkv, a.attn, a.lse), shape, ex);
         if !m.is_gpt() {
             be.rope(p.dqkv, p.rope, shape, true);
@@ -77,7 +100,7 @@ impl Model {
             ex.tensor_sum(be, dw);
             be.add(g.at(at, dw.len), dw);
         }
-        self.bias_backward(be, p, g, p.dqkv, b.map(|b| b.qkv), qkv);
+        self.bias_backward(be, p, g, p.dqkv, qkv_bias, qkv);
         let shapes = (MatMul::linear_dx(n, d, qkv), MatMul::linear_dw(n, d, qkv));
         let (dw, wqkv) = (g.at(o.qkv, qkv * d), w.at(o.qkv, qkv * d));
         self.linear_backward(be, p, (i, Linear::Qkv), (p.dln, dw), p.dqkv, (a.ln1, wqkv), shapes);

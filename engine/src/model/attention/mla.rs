@@ -31,9 +31,9 @@
 //! Under `train.precision = "fp8"` the projections run as FP8 products where their widths
 //! qualify ([`super::super::fp8`]), the RoPE key's excepted.
 
+use super::super::fp8::Linear;
 use super::super::layout::{MlaOffsets, QueryOffsets};
 use super::super::{Exchange, Model, Plan, Window};
-use super::super::fp8::Linear;
 use crate::backend::{AttnShape, Backend, MatMul, MlaShape, View};
 use crate::config::MlaConfig;
 
@@ -104,7 +104,7 @@ impl Model {
         fwd(be, Linear::KvUp, acts.kv, (acts.kv_lat_n, wkv_b), MatMul::linear(n, rkv, kv_width));
         let shape = self.mla_shape(p);
         be.mla_qkv_forward(la.qkv, acts.q, acts.kv, acts.kpe, p.rope, shape, self.mla_q_scale());
-        self.attend(be, p, (la.attn, la.lse), la.qkv, self.attn_shape(p.batch, p.seq), ex);
+        self.attend(be, p, (la.attn, la.lse), la.qkv, self.attn_shape(i, p.batch, p.seq), ex);
         be.heads_narrow(acts.attn_v, la.attn, n, h, qk, a.v_dim);
         let (vw, wo) = (h * a.v_dim, w.at(o.o, d * h * a.v_dim));
         self.row_parallel(be, p, ex, (i, Linear::O), la.xmid, (acts.attn_v, wo), la.x, MatMul::linear(n, vw, d));
@@ -133,7 +133,7 @@ impl Model {
         let (dwo, wo) = (g.at(o.o, d * vw), w.at(o.o, d * vw));
         bwd(be, Linear::O, (dattn_v, dwo), p.dres, (acts.attn_v, wo), (vw, d), false);
         be.heads_widen(p.dattn, dattn_v, n, h, a.v_dim, qk);
-        let shape: AttnShape = self.attn_shape(p.batch, p.seq);
+        let shape: AttnShape = self.attn_shape(i, p.batch, p.seq);
         self.attend_backward(be, p, p.dqkv, p.dattn, (la.qkv, la.attn, la.lse), shape, ex);
         be.mla_qkv_backward(dq, dkv, dkpe, p.dqkv, p.rope, self.mla_shape(p), self.mla_q_scale());
         // Under tensor parallelism each device holds some heads: the gradients of what all

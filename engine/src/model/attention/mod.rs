@@ -17,6 +17,31 @@ use super::{Exchange, Model, Plan, Window};
 use crate::backend::{AttnShape, Backend, View};
 
 impl Model {
+    /// The sliding windows of sequences of `seq` tokens, for the start-up line: which layers
+    /// attend through one, or that the window spans the whole sequence (full attention); none
+    /// without windows.
+    pub fn describe_windows(&self, seq: usize) -> Option<String> {
+        let m = &self.config;
+        let sliding: Vec<usize> = (0..m.n_layers).filter(|&i| m.window(i) > 0).collect();
+        if sliding.is_empty() {
+            return None;
+        }
+        let w = m.sliding_window;
+        if w >= seq {
+            return Some(format!(
+                "model.sliding_window = {w} is at least the {seq} tokens of a sequence: every layer attends to its whole sequence"
+            ));
+        }
+        let layers = if sliding.len() == m.n_layers {
+            "every layer".to_string()
+        } else if m.window_pattern > 0 {
+            format!("{} of {} layers (one in {} full)", sliding.len(), m.n_layers, m.window_pattern)
+        } else {
+            format!("{} of {} layers (model.layer_types)", sliding.len(), m.n_layers)
+        };
+        Some(format!("sliding window {w} on {layers}"))
+    }
+
     /// Layer `i`'s attention, forward: `xmid = x + attn(ln1)`.
     pub(super) fn attention_forward<B: Backend>(
         &self,

@@ -1,4 +1,4 @@
-//! A mixture of routed experts (Mixtral, Qwen3-MoE, DeepSeek-V3): a router picks each token's
+//! A mixture of routed experts (Mixtral, Qwen3-MoE, DeepSeek-V3, GPT-OSS): a router picks each token's
 //! top-k experts ([`Backend::moe_route`]: softmax or sigmoid scores, a selection bias, expert
 //! groups), the token's row goes to each (gather), every expert runs its SwiGLU on its rows
 //! (grouped products), and the outputs come back weighted (combine). Shared experts
@@ -7,12 +7,15 @@
 //! shared ones are replicated.
 //!
 //! ```text
-//! forward:  logits = ln2 · Wrouterᵀ;  (experts, weights) = route(logits, bias)
-//!           xe = gather(ln2);  ye_e = w2_e · swiglu(w13_e · xe_e)
+//! forward:  logits = ln2 · Wrouterᵀ (+ b);  (experts, weights) = route(logits, bias)
+//!           xe = gather(ln2);  ye_e = w2_e · glu(w13_e · xe_e (+ b13_e)) (+ b2_e)
 //!           out = xmid + Σ_j weight_j · ye[slot j]  (+ Ws2 · swiglu(Ws13 · ln2))
 //! backward: dye, dweight = combine'; the experts' products backward; dln2 = gather'(dxe)
 //!           dlogits = route'(dweight, load-balancing loss); dln2 += dlogits · Wrouter
 //! ```
+//!
+//! GPT-OSS's router and experts have biases and its GLU is a clamped SwiGLU
+//! ([`Glu::ClampedSwiglu`]).
 //!
 //! The routing statistics of every layer add up in `Plan::stats`, summed over the devices that
 //! share the batch, for the load-balancing loss ([`Model::router_stats`]).
@@ -20,7 +23,8 @@
 use super::super::layout::MlpOffsets;
 use super::super::plan::MlpActs;
 use super::super::{Exchange, Model, Plan, RouterStats, Window};
-use crate::backend::{Backend, ExpertWeights, MatMul, MoeDispatch, Routing, View};
+use crate::backend::{Backend, ExpertWeights, Glu, MatMul, MoeDispatch, Routing, View};
+use crate::config::Family;
 
 impl Model {
     #[allow(clippy::too_many_arguments)]
@@ -43,16 +47,25 @@ impl Model {
         };
         let (a, (n, d, f)) = (&p.layers[i], (p.batch * p.seq, self.config.d_model, self.config.mlp_dim));
         be.matmul(*logits, a.ln2, w.at(router, dispatch.experts * d), MatMul::linear(n, d, dispatch.experts));
+        self.add_bias(be, p, w, *logits, self.router_bias(router, dispatch.experts), dispatch.experts);
         be.moe_route(*probs, *logits, with_bias(*dispatch, w, bias));
         ex.batch_sum(be, dispatch.stats);
         if self.expert_ranks > 1 {
             self.experts_forward(be, p, i, w, (experts, stride), ex);
         } else {
             let (gate_up, down) = expert_weights(w, experts, stride, d, f);
+            let biases = self.expert_biases(w, experts, stride);
             be.moe_gather(*xe, a.ln2, *dispatch, d);
             be.moe_expert_matmul(*gu, *xe, gate_up, *dispatch, MatMul::linear(0, d, 2 * f));
-            be.swiglu_forward(*h, *gu, f);
+            if let Some((gate_up, _)) = biases {
+                be.moe_expert_bias(*gu, gate_up, *dispatch, 2 * f);
+            }
+            be.glu_forward(*h, *gu, f, self.expert_glu());
             be.moe_expert_matmul(*ye, *h, down, *dispatch, MatMul::linear(0, f, d));
+            // Under tensor parallelism `ye` holds partial sums: one device adds the bias.
+            if let Some((_, down)) = biases.filter(|_| ex.adds_residual()) {
+                be.moe_expert_bias(*ye, down, *dispatch, d);
+            }
         }
         if let (Some((sgu, sh)), Some((gate_up, _))) = (shared, shared_w) {
             let s = sh.len / n;
@@ -98,11 +111,18 @@ impl Model {
         } else {
             let (gate_up, down) = expert_weights(w, experts, stride, d, f);
             let (dgate_up, ddown) = expert_weights(g, experts, stride, d, f);
+            let dbiases = self.expert_biases(g, experts, stride);
             // The scratch serves the widest MLP of the model: this one's rows are its first.
             let (dgu, dh) = (p.dgu.at(0, gu.len), p.dh.at(0, h.len));
+            if let Some((_, ddown)) = dbiases {
+                be.moe_expert_bias_backward(ddown, p.dye, *dispatch, d);
+            }
             be.moe_expert_matmul(dh, p.dye, down, *dispatch, MatMul::linear_dx(0, f, d));
             be.moe_expert_matmul_dw(ddown, p.dye, *h, *dispatch, f, d);
-            be.swiglu_backward(dgu, dh, *gu, f);
+            be.glu_backward(dgu, dh, *gu, f, self.expert_glu());
+            if let Some((dgate_up, _)) = dbiases {
+                be.moe_expert_bias_backward(dgate_up, dgu, *dispatch, 2 * f);
+            }
             let shape = MatMul::linear_dx(0, d, 2 * f);
             be.moe_expert_matmul(p.dxe, dgu, gate_up, *dispatch, shape);
             be.moe_expert_matmul_dw(dgate_up, dgu, *xe, *dispatch, d, 2 * f);
@@ -127,8 +147,38 @@ impl Model {
             // balancing step reads ([`crate::parallel::Parallel::balance_selection_biases`]).
             be.moe_load_excess(g.at(at, e), dispatch.stats.at(0, e));
         }
+        self.bias_backward(be, p, g, p.drouter, self.router_bias(router, e), e);
         be.matmul(p.dln, p.drouter, w.at(router, e * d), MatMul::linear_dx(n, d, e).accumulating());
         be.matmul(g.at(router, e * d), p.drouter, a.ln2, MatMul::linear_dw(n, d, e));
+    }
+
+    /// The router's bias `[E]` (GPT-OSS: right after its weight at `router`), if any.
+    fn router_bias(&self, router: usize, experts: usize) -> Option<usize> {
+        (self.config.family == Family::GptOss).then(|| router + experts * self.config.d_model)
+    }
+
+    /// The experts' gated linear unit: GPT-OSS's clamped SwiGLU, or SwiGLU.
+    pub(in super::super) fn expert_glu(&self) -> Glu {
+        let m = &self.config;
+        match m.family {
+            Family::GptOss => Glu::ClampedSwiglu { limit: m.glu_limit as f32, alpha: m.glu_alpha as f32 },
+            _ => Glu::Swiglu,
+        }
+    }
+
+    /// The experts' gate-and-up biases `[2F]` and down biases `[D]` in each expert's block of
+    /// `w` (GPT-OSS's, after the three matrices), if they have them.
+    pub(in super::super) fn expert_biases(
+        &self,
+        w: Window,
+        experts: usize,
+        stride: usize,
+    ) -> Option<(ExpertWeights, ExpertWeights)> {
+        let (d, f) = (self.config.d_model, self.config.mlp_dim);
+        (self.config.family == Family::GptOss).then(|| {
+            let at = experts + 3 * f * d;
+            (ExpertWeights { first: w.at(at, 2 * f), stride }, ExpertWeights { first: w.at(at + 2 * f, d), stride })
+        })
     }
 
     /// The load-balancing loss of the last forward pass (0 without experts), as Hugging Face
