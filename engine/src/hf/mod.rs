@@ -1,5 +1,6 @@
 //! Hugging Face models: `LlamaForCausalLM`, `MistralForCausalLM`, `MixtralForCausalLM`,
-//! `Qwen3ForCausalLM`, `Qwen3MoeForCausalLM` and `GPT2LMHeadModel` directories (`config.json` and `model.safetensors` or a sharded
+//! `Qwen3ForCausalLM`, `Qwen3MoeForCausalLM`, `DeepseekV3ForCausalLM`, `GptOssForCausalLM`
+//! (its stacked experts and MXFP4 blocks: `gpt_oss.rs`) and `GPT2LMHeadModel` directories (`config.json` and `model.safetensors` or a sharded
 //! `model.safetensors.index.json`) read into the engine's layout, and written back.
 //!
 //! The engine's tensor names are Hugging Face's, so import and export copy ranges of the flat
