@@ -25,6 +25,51 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     result.with_context(|| format!("cannot write {}", path.display()))
 }
 
+/// Reads `path` as text, refusing (naming it) a file longer than `max` bytes, so that a file
+/// of any size (or a link to `/dev/zero`) is never held whole; `what` says what it should be.
+pub fn read_bounded(path: &Path, max: u64, what: &str) -> Result<String> {
+    use std::io::Read;
+    let file = File::open(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let mut bytes = Vec::new();
+    file.take(max + 1).read_to_end(&mut bytes).with_context(|| format!("cannot read {}", path.display()))?;
+    if bytes.len() as u64 > max {
+        bail!("{}: longer than {} bytes, more than {what} holds", path.display(), max);
+    }
+    String::from_utf8(bytes)
+        .map_err(|e| anyhow!("{}: not UTF-8 text (byte {})", path.display(), e.utf8_error().valid_up_to()))
+}
+
+/// Calls `each(n, line)` for every line of `path` (`n` from 1, without its line ending),
+/// reading at most `max` bytes of a line at a time: a longer line (or a file without line
+/// breaks, such as `/dev/zero`) is refused, naming the file and the line, and memory stays
+/// bounded whatever the file's size. Bytes that are not UTF-8 are replaced.
+pub fn for_each_line(path: &Path, max: usize, mut each: impl FnMut(usize, &str) -> Result<()>) -> Result<()> {
+    use std::io::{BufRead, Read};
+    let file = File::open(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let mut reader = std::io::BufReader::new(file);
+    let mut buf = Vec::new();
+    for n in 1.. {
+        buf.clear();
+        let read = (&mut reader)
+            .take(max as u64 + 1)
+            .read_until(b'\n', &mut buf)
+            .with_context(|| format!("cannot read {}", path.display()))?;
+        if read == 0 {
+            break;
+        }
+        if buf.last() == Some(&b'\n') {
+            buf.pop();
+        } else if buf.len() > max {
+            bail!("{}:{n}: a line longer than {max} bytes (no line of this file is that long)", path.display());
+        }
+        if buf.last() == Some(&b'\r') {
+            buf.pop();
+        }
+        each(n, &String::from_utf8_lossy(&buf))?;
+    }
+    Ok(())
+}
+
 /// Flushes a directory's entries (a rename is durable only once its directory is).
 pub fn sync_dir(dir: &Path) -> std::io::Result<()> {
     File::open(dir)?.sync_all()

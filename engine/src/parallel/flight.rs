@@ -280,10 +280,10 @@ impl Entry {
     /// `#57 all-reduce over the data axis (ranks [0, 1]), 1234 elements, step 3`.
     fn describe(&self) -> String {
         let over = match &self.axis {
-            Some(axis) => format!("the {axis} axis (ranks {:?})", self.group),
+            Some(axis) => format!("the {} axis (ranks {:?})", printable(axis), self.group),
             None => format!("ranks {:?}", self.group),
         };
-        format!("#{} {} over {over}, {} elements, step {}", self.seq, self.op, self.elements, self.step)
+        format!("#{} {} over {over}, {} elements, step {}", self.seq, printable(&self.op), self.elements, self.step)
     }
 
     /// What another rank must agree on for the same sequence number: the operation, the axis
@@ -293,26 +293,70 @@ impl Entry {
     }
 }
 
+/// The largest job a record may describe (a record's `world`): beyond any machine trained on
+/// (the largest are some 10^5 devices), and small enough that listing its ranks is bounded.
+pub const MAX_WORLD: usize = 1 << 20;
+
+/// The longest record read: a ring of `train.diagnostics.flight_recorder` (at most 2^16)
+/// entries is a few MiB.
+pub const MAX_RECORD_BYTES: u64 = 64 << 20;
+
+/// The most bytes of records read from one folder together.
+pub const MAX_RECORDS_BYTES: u64 = 1 << 30;
+
 /// Every `rank-R.json` of `dir` written at or after `since` (an earlier attempt's are stale),
-/// by rank. A file that does not parse is an error naming it.
+/// by rank. A file that does not parse, is longer than [`MAX_RECORD_BYTES`], or disagrees with
+/// its name (its rank) or the others (the world, at most [`MAX_WORLD`]) is an error naming it.
 fn read_records(dir: &Path, since: u64) -> Result<Vec<Record>> {
-    let mut records = Vec::new();
+    let mut records: Vec<(Record, PathBuf)> = Vec::new();
+    let mut total = 0u64;
     let listing = std::fs::read_dir(dir).with_context(|| format!("cannot read {}", dir.display()))?;
     for entry in listing {
         let path = entry?.path();
         let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-        if !(name.starts_with("rank-") && name.ends_with(".json")) {
-            continue;
+        let Some(named) = name.strip_prefix("rank-").and_then(|n| n.strip_suffix(".json")) else { continue };
+        let text = crate::fsutil::read_bounded(&path, MAX_RECORD_BYTES, "a flight record")?;
+        total += text.len() as u64;
+        if total > MAX_RECORDS_BYTES {
+            bail!(
+                "{}: the flight records hold more than {} MiB together; not records of this engine",
+                dir.display(),
+                MAX_RECORDS_BYTES >> 20
+            );
         }
-        let text = std::fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?;
         let record: Record = serde_json::from_str(&text)
             .with_context(|| format!("{}: not a flight record of this engine", path.display()))?;
+        let p = path.display();
+        if named.parse::<usize>().ok() != Some(record.rank) {
+            bail!("{p}: the record says rank {}, its name another; not a flight record of this engine", record.rank);
+        }
+        if record.world == 0 || record.world > MAX_WORLD {
+            bail!("{p}: world = {}: a job has 1 to {MAX_WORLD} ranks", record.world);
+        }
+        if record.rank >= record.world {
+            bail!("{p}: rank {} is beyond the job's world of {} ranks", record.rank, record.world);
+        }
+        if let Some((other, at)) = records.iter().find(|(r, _)| r.world != record.world) {
+            bail!(
+                "{p}: world = {}, but {} says {}: records of different jobs",
+                record.world,
+                at.display(),
+                other.world
+            );
+        }
         if record.written_unix_us >= since {
-            records.push(record);
+            records.push((record, path));
         }
     }
+    let mut records: Vec<Record> = records.into_iter().map(|(r, _)| r).collect();
     records.sort_by_key(|r| r.rank);
     Ok(records)
+}
+
+/// `text` with its control characters escaped (`\u{1b}`), so that a record's strings cannot
+/// drive the terminal it is printed on.
+fn printable(text: &str) -> String {
+    text.chars().map(|c| if c.is_control() { c.escape_default().to_string() } else { c.to_string() }).collect()
 }
 
 /// Ranks that ran the same operation at one sequence number, and the operation.
@@ -434,7 +478,7 @@ impl std::fmt::Display for Diagnosis {
             self.dir.display()
         )?;
         if let Some((rank, why)) = &self.first {
-            writeln!(f, "  rank {rank} gave up first: {why}")?;
+            writeln!(f, "  rank {rank} gave up first: {}", printable(why))?;
         }
         for (rank, last) in &self.last {
             match last {
@@ -443,8 +487,19 @@ impl std::fmt::Display for Diagnosis {
                 None => writeln!(f, "  rank {rank}: no collective recorded")?,
             }
         }
-        for rank in &self.missing {
-            writeln!(f, "  rank {rank}: no record (killed, or stopped before it could write one)")?;
+        // In runs of consecutive ranks: a job of many ranks, few of which wrote, is a few lines.
+        let mut i = 0;
+        while i < self.missing.len() {
+            let mut j = i;
+            while j + 1 < self.missing.len() && self.missing[j + 1] == self.missing[j] + 1 {
+                j += 1;
+            }
+            let ranks = match j - i {
+                0 => format!("rank {}", self.missing[i]),
+                _ => format!("ranks {}-{}", self.missing[i], self.missing[j]),
+            };
+            writeln!(f, "  {ranks}: no record (killed, or stopped before it could write one)")?;
+            i = j + 1;
         }
         if let Some((seq, kinds)) = &self.mismatch {
             let runs: Vec<String> =
@@ -753,6 +808,43 @@ mod tests {
         assert!(diagnose_since(dir.path(), 5000).unwrap_err().to_string().contains("no flight records"));
         std::fs::write(dir.path().join("rank-2.json"), "{").unwrap();
         assert!(diagnose(dir.path()).unwrap_err().to_string().contains("rank-2.json: not a flight record"));
+    }
+
+    /// A record is checked against its name and the others, its world is bounded, a file past
+    /// the bound is refused unread, missing ranks are listed in runs, and control characters are
+    /// escaped.
+    #[test]
+    fn records_are_checked_bounded_and_escaped() {
+        let dir = tempfile::tempdir().unwrap();
+        let at = |rank: usize| dir.path().join(format!("rank-{rank}.json"));
+        let fails = |needle: &str| {
+            let e = format!("{:#}", diagnose(dir.path()).unwrap_err());
+            assert!(e.contains(needle), "{needle}: {e}");
+        };
+        write(dir.path(), 0, 100, &[], vec![entry(1, "all-reduce\u{1b}[2J", 10, None)]);
+        let text = diagnose(dir.path()).unwrap().to_string();
+        assert!(text.contains("#1 all-reduce\\u{1b}[2J over") && !text.contains('\u{1b}'), "{text}");
+        assert!(text.contains("ranks 1-2: no record"), "{text}");
+        let record = std::fs::read_to_string(at(0)).unwrap();
+        for (world, needle) in [
+            ("18446744073709551615", "world = 18446744073709551615: a job has 1 to 1048576 ranks"),
+            ("0", "world = 0: a job has 1 to"),
+        ] {
+            std::fs::write(at(0), record.replace("\"world\":3", &format!("\"world\":{world}"))).unwrap();
+            fails(needle);
+        }
+        std::fs::write(at(0), &record).unwrap();
+        std::fs::write(at(5), record.replace("\"rank\":0", "\"rank\":5")).unwrap();
+        fails("rank-5.json: rank 5 is beyond the job's world of 3 ranks");
+        std::fs::write(at(5), &record).unwrap();
+        fails("rank-5.json: the record says rank 0, its name another");
+        std::fs::remove_file(at(5)).unwrap();
+        std::fs::write(at(1), record.replace("\"rank\":0", "\"rank\":1").replace("\"world\":3", "\"world\":4"))
+            .unwrap();
+        fails("records of different jobs");
+        std::fs::remove_file(at(1)).unwrap();
+        std::fs::File::create(at(2)).unwrap().set_len(MAX_RECORD_BYTES + 1).unwrap();
+        fails("rank-2.json: longer than 67108864 bytes");
     }
 
     /// A rank that skipped a collective runs another at the same sequence number: named by the

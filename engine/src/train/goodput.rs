@@ -222,13 +222,63 @@ impl Drop for Timeline {
 
 /// The records of a timeline; none when the file does not exist. A line that does not read
 /// (a tail cut by a crash of the machine) is left out.
+///
+/// Bounded whatever the file: a line longer than [`MAX_LINE`] is refused, naming the file and
+/// the line, and so is a record whose times are not plausible ([`Record::check`]): negative,
+/// not finite, or past [`MAX_SECONDS`].
 pub fn read(path: &Path) -> Result<Vec<Record>> {
-    let text = match std::fs::read_to_string(path) {
-        Ok(text) => text,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
-        Err(e) => bail!("cannot read {}: {e}", path.display()),
-    };
-    Ok(text.lines().filter_map(|l| serde_json::from_str(l).ok()).collect())
+    if !path.exists() {
+        return Ok(Vec::new());
+    }
+    let mut records = Vec::new();
+    crate::fsutil::for_each_line(path, MAX_LINE, |n, line| {
+        if let Ok(record) = serde_json::from_str::<Record>(line) {
+            record.check().map_err(|e| anyhow::anyhow!("{}:{n}: {e}", path.display()))?;
+            records.push(record);
+        }
+        Ok(())
+    })?;
+    Ok(records)
+}
+
+/// The longest line of a timeline: its records are a few hundred bytes.
+pub const MAX_LINE: usize = 64 << 10;
+
+/// The latest time and the longest duration a record may hold, in seconds (the year 5138).
+pub const MAX_SECONDS: f64 = 1e11;
+
+impl Record {
+    /// Refuses times that no run writes: negative, not finite, or past [`MAX_SECONDS`].
+    fn check(&self) -> Result<()> {
+        let times: Vec<(&str, f64)> = match self {
+            Record::Start { t, ready_t, startup, .. } => vec![
+                ("t", *t),
+                ("ready_t", *ready_t),
+                ("rendezvous_s", startup.rendezvous_s),
+                ("checkpoint_load_s", startup.checkpoint_load_s),
+                ("device_setup_s", startup.device_setup_s),
+            ],
+            Record::Step { t, step_s, data_s, sync_s, eval_s, checkpoint_s, logging_s, .. } => vec![
+                ("t", *t),
+                ("step_s", *step_s),
+                ("data_s", *data_s),
+                ("sync_s", *sync_s),
+                ("eval_s", *eval_s),
+                ("checkpoint_s", *checkpoint_s),
+                ("logging_s", *logging_s),
+            ],
+            Record::End { t, checkpoint_s, .. } => vec![("t", *t), ("checkpoint_s", *checkpoint_s)],
+        };
+        for (name, value) in times {
+            if !(0.0..=MAX_SECONDS).contains(&value) {
+                let value = if value.abs() < 1e15 { value.to_string() } else { format!("{value:e}") };
+                bail!(
+                    "{name} = {value}: a time in seconds is between 0 and {MAX_SECONDS:e}; not a timeline this engine wrote"
+                );
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Wall time by cause, in seconds.
@@ -614,6 +664,26 @@ mod tests {
         let outcomes: Vec<&str> = r.attempts.iter().map(|a| a.outcome.as_str()).collect();
         assert_eq!(outcomes, ["killed", "completed", "failed"]);
         assert!(r.run.wall_s >= r.last_attempt.wall_s);
+    }
+
+    /// A line past the bound (here a file without line breaks) and implausible times are
+    /// refused, naming the file and the line; a line that does not parse is left out.
+    #[test]
+    fn long_lines_and_implausible_times_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(GOODPUT);
+        let start = r#"{"kind":"start","attempt":1,"t":100.0,"ready_t":101.0,"resumed_after_step":0,"rendezvous_s":0.0,"checkpoint_load_s":0.0,"device_setup_s":0.0}"#;
+        std::fs::write(&path, format!("{start}\n{{\"kind\":\"st\n{}", "x".repeat(MAX_LINE + 1))).unwrap();
+        let e = read(&path).unwrap_err().to_string();
+        assert!(e.contains("goodput.jsonl:3: a line longer than 65536 bytes"), "{e}");
+        for (bad, shown) in [("-33.0", "t = -33:"), ("1e308", "t = 1e308:")] {
+            std::fs::write(&path, format!("{start}\n{}\n", start.replace("\"t\":100.0", &format!("\"t\":{bad}"))))
+                .unwrap();
+            let e = read(&path).unwrap_err().to_string();
+            assert!(e.contains("goodput.jsonl:2: ") && e.contains(shown), "{bad}: {e}");
+        }
+        std::fs::write(&path, format!("{start}\n{{\"kind\":\"st\n")).unwrap();
+        assert_eq!(read(&path).unwrap().len(), 1);
     }
 
     #[test]
