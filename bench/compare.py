@@ -12,6 +12,10 @@ over several rounds so that drifting clocks or a noisy neighbour touch every pee
 - `grouped-mm` (Mixtral only): a torchtitan-style MoE model (bench/torch_moe.py), the experts'
   products in `torch._grouped_mm`, each block compiled with fullgraph=True as torchtitan does.
 
+On a GPT-OSS recipe `eager` and `compile-blocks` run `GptOssForCausalLM` with eager attention
+(transformers has no SDPA path for its sinks) and its experts as grouped products; `grouped-mm`
+is not written for it (bench/torch_train.py).
+
 On a Mixtral recipe `eager` is Hugging Face's `MixtralForCausalLM` in eager PyTorch, what most
 users start from:
 

@@ -8,8 +8,9 @@ given thread count. CUDA: bf16 weights and activations, SDPA attention, fused Ad
 torch.compile: `--compile blocks` as torchtitan does (each decoder layer compiled on its own,
 `fullgraph=True`) or `--compile whole` (the forward
 pass and the loss compiled together, as first measured). The loss is the mean next-token
-cross-entropy (plus the load-balancing term for Mixtral and Qwen3-MoE), as the engine computes
-it. Each step ends with `loss.item()`, which waits for the GPU, as the engine's logged loss does.
+cross-entropy (plus the load-balancing term for Mixtral, Qwen3-MoE and GPT-OSS), as the engine
+computes it. Each step ends with `loss.item()`, which waits for the GPU, as the engine's logged
+loss does.
 
     python3 bench/torch_train.py --recipe tiny-llama2 --threads 2
     python3 bench/torch_train.py --recipe gpt-126m --set train.seq_len=256 --threads 2   # GPT2LMHeadModel
@@ -19,6 +20,16 @@ it. Each step ends with `loss.item()`, which waits for the GPU, as the engine's 
 A Mixtral recipe trains transformers' `MixtralForCausalLM` (its experts one by one, as users
 start from), or with `--moe-layer grouped-mm` bench/torch_moe.py's torchtitan-style model (the
 experts' products in `torch._grouped_mm`).
+
+A GPT-OSS recipe trains transformers' `GptOssForCausalLM` with eager attention on every device:
+transformers has no SDPA path for it (the learned sinks are a logit column SDPA cannot take), and
+its flex-attention path for sinks runs on CUDA only. Its experts run as transformers' default
+runs them (`grouped_mm` in transformers 5: the (token, expert) rows sorted by expert through two
+`torch._grouped_mm` products with the per-expert biases), recorded as `experts_implementation`;
+`--moe-layer grouped-mm` is refused for it (bench/torch_moe.py has SDPA attention: no sinks, no
+sliding window, no YaRN).
+
+    python3 bench/torch_train.py --recipe tiny-gpt-oss --threads 2 --compile blocks
 
 bench/compare.py runs this and `engine bench` side by side.
 """
@@ -112,6 +123,8 @@ def hf_config(model):
     window = model["sliding_window"] or None
     if family == "mistral":
         return transformers.MistralConfig(rope_parameters=rope, sliding_window=window, **common)
+    if family == "gpt_oss":
+        return gpt_oss_config(model, common)
     if family in ("qwen3", "qwen3_moe") and window:
         sys.exit(f"bench/torch_train.py: model.sliding_window = {window} on {family} is not written here")
     if family == "qwen3":
@@ -150,6 +163,72 @@ def hf_config(model):
         mlp_only_layers=dense,
         router_aux_loss_coef=moe["aux_loss_coef"],
         output_router_logits=True,
+        **common,
+    )
+
+
+def gpt_oss_config(model, common):
+    """GptOssConfig for the engine's `gpt_oss` model: biases on q, k, v and o, a learned sink per
+    query head, sliding-window layers among full ones (`layer_types`, from the recipe's
+    `window_pattern` or `layer_types` as the engine's export-hf writes them), YaRN, a biased
+    router whose top k logits are softmaxed (the engine's `renormalize = true`), experts of
+    `mlp_dim` with biases and the clamped SwiGLU (`swiglu_limit`, `swiglu_alpha`)."""
+    import transformers
+
+    moe = model.get("moe")
+    if not moe:
+        sys.exit("bench/torch_train.py: model.family = 'gpt_oss' needs model.moe")
+    check_softmax_routing(moe)
+    if not moe["renormalize"] or moe.get("dense_layers"):
+        sys.exit("bench/torch_train.py: GptOssForCausalLM softmaxes the top k of every layer "
+                 "(renormalize = true, no dense_layers)")
+    window = model["sliding_window"]
+    kinds = model.get("layer_types") or []
+    pattern = model.get("window_pattern", 0)
+
+    def full(i):
+        # The engine's ModelConfig::window: a full layer by layer_types, else every pattern-th.
+        if kinds:
+            return kinds[i] == "full"
+        return window == 0 or (pattern > 0 and (i + 1) % pattern == 0)
+
+    layer_types = ["full_attention" if full(i) else "sliding_attention" for i in range(model["n_layers"])]
+    rope = {"rope_type": "default", "rope_theta": model["rope_theta"]}
+    yarn = model.get("yarn")
+    if model.get("rope_scaling"):
+        sys.exit("bench/torch_train.py: Llama 3's RoPE scaling on gpt_oss is not written here")
+    if yarn:
+        rope = {
+            "rope_type": "yarn",
+            "rope_theta": model["rope_theta"],
+            "factor": yarn["factor"],
+            "original_max_position_embeddings": yarn["original_max_seq_len"],
+            "beta_fast": yarn["beta_fast"],
+            "beta_slow": yarn["beta_slow"],
+            "mscale": yarn.get("mscale", 1.0),
+            "mscale_all_dim": yarn.get("mscale_all_dim", 0.0),
+            "truncate": yarn["truncate"],
+        }
+        if yarn.get("attention_factor") is not None:
+            rope["attention_factor"] = yarn["attention_factor"]
+    extra = {}
+    # swiglu_alpha is a config field of transformers 5.25 (1.702 hard-coded in the experts before).
+    if hasattr(transformers.GptOssConfig, "swiglu_alpha"):
+        extra["swiglu_alpha"] = model["glu_alpha"]
+    elif model["glu_alpha"] != 1.702:
+        sys.exit(f"bench/torch_train.py: transformers {transformers.__version__} hard-codes swiglu_alpha 1.702, "
+                 f"not {model['glu_alpha']}")
+    return transformers.GptOssConfig(
+        rope_parameters=rope,
+        sliding_window=window or None,
+        layer_types=layer_types,
+        attention_bias=True,
+        num_local_experts=moe["num_experts"],
+        num_experts_per_tok=moe["top_k"],
+        swiglu_limit=model["glu_limit"],
+        router_aux_loss_coef=moe["aux_loss_coef"],
+        output_router_logits=True,
+        **extra,
         **common,
     )
 
@@ -198,6 +277,11 @@ def main():
     grouped = args.moe_layer == "grouped-mm"
     if grouped and not moe:
         sys.exit("bench/torch_train.py: --moe-layer grouped-mm needs a mixture-of-experts recipe (Mixtral, Qwen3-MoE)")
+    gpt_oss = recipe["model"]["family"] == "gpt_oss"
+    if grouped and gpt_oss:
+        sys.exit("bench/torch_train.py: --moe-layer grouped-mm is not written for GPT-OSS (bench/torch_moe.py's "
+                 "SDPA attention has no sinks); transformers' GptOssForCausalLM runs its experts as grouped "
+                 "products already")
     if moe and moe.get("capacity_factor"):
         sys.exit("bench/torch_train.py: the MoE peers are dropless; leave model.moe.capacity_factor out")
     torch.manual_seed(train["seed"])
@@ -211,7 +295,9 @@ def main():
             model = MoeTransformer(recipe["model"], train["seq_len"])
         else:
             config = hf_config(recipe["model"])
-            if cuda:
+            if gpt_oss:
+                config._attn_implementation = "eager"  # no SDPA path: the sinks
+            elif cuda:
                 config._attn_implementation = "sdpa"
             model = transformers.AutoModelForCausalLM.from_config(config)
     model = model.to(device=args.device, dtype=torch.bfloat16 if cuda else torch.float32)
@@ -300,6 +386,8 @@ def main():
             "experts_implementation": getattr(model.config, "_experts_implementation", None)
             if moe and not grouped
             else ("torch_moe grouped_mm" if grouped else None),
+            # transformers' attention ("sdpa", "eager": GPT-OSS); None for bench/torch_moe.py's SDPA.
+            "attention_implementation": None if grouped else getattr(model.config, "_attn_implementation", None),
         },
         batch * seq * accum,
         times,

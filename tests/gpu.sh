@@ -12,7 +12,8 @@
 # library path or in ENGINE_CUDA_LIB_PATH; the bench-* phases need PYTHON (default python3) with
 # torch and transformers, and JAX for its peer (ROUNDS, default 3, interleaved rounds of
 # bench/compare.py; PEERS, its --peers; MOE_PEERS and MOE_ROUNDS for the Mixtral phase;
-# QWEN3_PEERS, QWEN3_MOE_PEERS and QWEN3_ROUNDS for the Qwen3 phase), the
+# QWEN3_PEERS, QWEN3_MOE_PEERS and QWEN3_ROUNDS for the Qwen3 phase; GPT_OSS_PEERS and
+# GPT_OSS_ROUNDS for the GPT-OSS phase), the
 # profile phase torch and JAX too, long-check
 # only python3. The long run keeps its run directory (with a checkpoint of about 15 GB) in
 # LONG_DIR (default OUTDIR/long-run), which must survive from one piece to the next.
@@ -38,6 +39,13 @@ MOE_ROUNDS=${MOE_ROUNDS:-2}
 QWEN3_PEERS=${QWEN3_PEERS:-engine,compile-blocks}
 QWEN3_MOE_PEERS=${QWEN3_MOE_PEERS:-engine,eager,grouped-mm}
 QWEN3_ROUNDS=${QWEN3_ROUNDS:-1}
+# The GPT-OSS phase: gpt-oss-20b against transformers' GptOssForCausalLM in eager PyTorch and
+# compiled per block, with eager attention both ways (transformers has no SDPA path for its
+# sinks) and its experts as transformers 5 runs them by default, grouped products
+# (torch._grouped_mm); no torchtitan-style peer (bench/torch_moe.py's SDPA attention takes no
+# sinks). One round, as the Qwen3 phase.
+GPT_OSS_PEERS=${GPT_OSS_PEERS:-engine,eager,compile-blocks}
+GPT_OSS_ROUNDS=${GPT_OSS_ROUNDS:-1}
 # The long run: llama3.2-1b at 8 x 1024 tokens a step, LONG_STEPS steps in 4 pieces, each
 # resuming from the previous piece's checkpoint. The cosine is fixed at LONG_STEPS
 # (optim.decay_steps), so the pieces make exactly the run one process would have made.
@@ -64,6 +72,7 @@ PHASES=(
     "bench-fuji-3B-v3|9|bench/compare.py: the same for fuji-3B-v3 at 2 x 4096"
     "bench-mixtral-8x7b|6|mixtral-8x7b cut to 2 layers at 2 x 4096: engine bench --profile (where the MoE step goes), then bench/compare.py against the MoE peers (MOE_PEERS), MOE_ROUNDS interleaved rounds"
     "bench-qwen3|7|bench/compare.py at 2 x 4096: qwen3-8b cut to 10 layers against torch.compile per block (QWEN3_PEERS), qwen3-30b-a3b cut to 4 layers against eager transformers and grouped-mm (QWEN3_MOE_PEERS), QWEN3_ROUNDS rounds each"
+    "bench-gpt-oss|6|bench/compare.py at 2 x 4096: gpt-oss-20b cut to 3 layers against transformers' GptOssForCausalLM (eager attention) in eager PyTorch and compiled per block (GPT_OSS_PEERS), GPT_OSS_ROUNDS rounds"
     "long-cpu|4|the long run's first 3 steps on the CPU (the reference for long-check)"
     "long-1|3|the long run on the GPU: steps 1 to 250, checkpoint"
     "long-2|2|the long run: resume, steps 251 to 500, checkpoint"
@@ -255,6 +264,28 @@ phase() {
                 --rounds "$QWEN3_ROUNDS" --json "$out/$recipe.json" 2>&1 | tee "$out/$recipe.log" || rc=1
         done
         return "$rc"
+        ;;
+    bench-gpt-oss)
+        # gpt-oss-20b (bf16) on one GPU, cut to fit 80 GiB at 2 x 4096 by the engine's estimate
+        # (`engine recipes show gpt-oss-20b --set model.n_layers=N --set train.seq_len=4096
+        # --set train.batch_size=2`, CUDA column). A layer holds 823 M parameters (32 experts of
+        # 2880 -> 2 x 2880 -> 2880 with biases: 796 M; attention with sinks: 27 M), the embedding
+        # and the untied head 1.16 B. At 18 bytes a parameter (bf16 weights and their f32 master:
+        # 6; f32 gradients: 4; AdamW's two f32 moments: 8) a layer's state is 13.8 GiB, and its
+        # activations 1.2 GiB: 3 layers (3.63 B parameters) need 68.9 GiB (state 60.8, activations
+        # 7.9, scratch 0.2), 4 layers 83.9 (80.4 with remat = full; 79.3 at batch 1). An H100 gives
+        # about 78 GiB: 3 layers leave 12 % for the estimate's error, the CUDA context and cuDNN's
+        # workspace. PyTorch holds bf16 weights, gradients and both AdamW moments, 8 bytes a
+        # parameter (27.0 GiB), and eager attention's probabilities, [2, 64, 4096, 4097] in bf16,
+        # 4 GiB a copy, two kept per layer for the backward pass (the softmax's output and the
+        # sink-less slice the value product reads), and the logits in f32 (6 GiB a copy): its
+        # eager step, counted on the meta device (every tensor while alive, no fragmentation),
+        # peaks at 59 GiB with the moments (at 4 layers the engine would not fit anyway;
+        # `peak_memory_gib` in the JSON records the real peak of each PyTorch run).
+        # One log and one JSON.
+        "$PYTHON" bench/compare.py --engine "$ENGINE" --python "$PYTHON" --recipe gpt-oss-20b --peers "$GPT_OSS_PEERS" \
+            --set model.n_layers=3 --set train.seq_len=4096 --set train.batch_size=2 \
+            --rounds "$GPT_OSS_ROUNDS" --json "$out/gpt-oss-20b.json" 2>&1 | tee "$out/gpt-oss-20b.log"
         ;;
     long-cpu)
         # The same seed gives the same initial weights and data order on both devices; the CPU

@@ -1,5 +1,5 @@
 //! `tests/gpu.sh`, the GPU phases, without a GPU: the script parses, its phase list keeps every
-//! phase within 10 minutes and the whole within 70 (by its own estimates), bad usage is one line
+//! phase within 10 minutes and the whole within 80 (by its own estimates), bad usage is one line
 //! with exit code 2, and the long run's pieces — each resuming from the previous one's
 //! checkpoint — make exactly the run one process makes (on the CPU, with a tiny model in place of
 //! llama3.2-1b, through the script's DEVICE / LONG_* variables). The Python peers its bench
@@ -58,6 +58,7 @@ fn the_script_parses_and_lists_phases_within_the_time_budget() {
         "bench-fuji-3B-v3",
         "bench-mixtral-8x7b",
         "bench-qwen3",
+        "bench-gpt-oss",
         "long-1",
         "long-4",
         "long-check",
@@ -72,9 +73,10 @@ fn the_script_parses_and_lists_phases_within_the_time_budget() {
     }
     let sum: u32 = rows.iter().map(|(_, m)| m).sum();
     assert_eq!(total, Some(sum), "{stdout}");
-    // Seven slots of 10 minutes: what a lent GPU's time should cover when every phase runs (the
-    // Mixtral phase of issue 35 took the 5 minutes left spare of six; the Qwen3 phase a seventh).
-    assert!(sum <= 70, "the phases take {sum} minutes, more than 70: {stdout}");
+    // Eight slots of 10 minutes: what a lent GPU's time should cover when every phase runs (the
+    // Mixtral phase of issue 35 took the 5 minutes left spare of six; the Qwen3 phase a seventh,
+    // the GPT-OSS phase an eighth).
+    assert!(sum <= 80, "the phases take {sum} minutes, more than 80: {stdout}");
     assert!(stdout.contains("which were measured on a GPU"), "{stdout}");
 }
 

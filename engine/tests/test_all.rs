@@ -76,6 +76,7 @@ fn the_quick_suite_passes_against_the_committed_baselines() {
         "tiny-qwen3",
         "tiny-qwen3-moe",
         "tiny-deepseek-v3",
+        "tiny-gpt-oss",
         "checkpoint-resume",
         "hf-roundtrip",
         "data-prepare",
@@ -88,14 +89,14 @@ fn the_quick_suite_passes_against_the_committed_baselines() {
     );
 
     let cases = junit_cases(&report.join("junit.xml"));
-    assert_eq!(cases.len(), 11, "{cases:?}");
+    assert_eq!(cases.len(), 12, "{cases:?}");
     assert!(cases.contains(&"gpu-parity skip".to_string()) && cases.contains(&"tiny-llama2 pass".to_string()));
     let sum = summary(&report);
-    assert_eq!((sum["passed"].as_u64(), sum["failed"].as_u64(), sum["skipped"].as_u64()), (Some(10), Some(0), Some(1)));
+    assert_eq!((sum["passed"].as_u64(), sum["failed"].as_u64(), sum["skipped"].as_u64()), (Some(11), Some(0), Some(1)));
     assert_eq!(sum["mode"], "quick");
     assert_eq!(sum["device_class"], "cpu");
     assert_eq!(sum["reference"], "cpu baseline");
-    assert_eq!(sum["checks"].as_array().unwrap().len(), 11);
+    assert_eq!(sum["checks"].as_array().unwrap().len(), 12);
     // Written atomically: nothing else in the report directory.
     let mut names: Vec<String> =
         fs::read_dir(&report).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
@@ -103,12 +104,19 @@ fn the_quick_suite_passes_against_the_committed_baselines() {
     assert_eq!(names, ["junit.xml", "report.html", "summary.json"]);
     let html = fs::read_to_string(report.join("report.html")).unwrap();
     assert!(
-        html.contains("10 passed, 0 failed, 1 skipped") && html.contains(sum["device"].as_str().unwrap()),
+        html.contains("11 passed, 0 failed, 1 skipped") && html.contains(sum["device"].as_str().unwrap()),
         "{html}"
     );
-    for check in
-        ["tiny-llama2", "tiny-mistral", "tiny-mixtral", "tiny-gpt", "tiny-qwen3", "tiny-qwen3-moe", "tiny-deepseek-v3"]
-    {
+    for check in [
+        "tiny-llama2",
+        "tiny-mistral",
+        "tiny-mixtral",
+        "tiny-gpt",
+        "tiny-qwen3",
+        "tiny-qwen3-moe",
+        "tiny-deepseek-v3",
+        "tiny-gpt-oss",
+    ] {
         let curve = &sum["checks"].as_array().unwrap().iter().find(|c| c["name"] == check).unwrap()["curve"];
         assert_eq!(curve["failing_steps"], serde_json::json!([]), "{check}");
         assert_curve_drawn(&html, check, curve, &[]);

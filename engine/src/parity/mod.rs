@@ -382,7 +382,16 @@ fn checks(scale: Scale) -> Vec<(String, Check)> {
     let trained: &[&str] = if scale.emulated {
         &["tiny-llama2", "tiny-mistral", "tiny-mixtral"]
     } else {
-        &["tiny-llama2", "tiny-mistral", "tiny-mixtral", "tiny-gpt", "tiny-qwen3", "tiny-qwen3-moe", "tiny-deepseek-v3"]
+        &[
+            "tiny-llama2",
+            "tiny-mistral",
+            "tiny-mixtral",
+            "tiny-gpt",
+            "tiny-qwen3",
+            "tiny-qwen3-moe",
+            "tiny-deepseek-v3",
+            "tiny-gpt-oss",
+        ]
     };
     for &name in trained {
         add(

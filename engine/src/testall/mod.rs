@@ -236,6 +236,7 @@ pub fn checks() -> Vec<Check> {
         Check { name: "tiny-qwen3", needs_baselines: true, run: |c| checks::loss_curve(c, "tiny-qwen3") },
         Check { name: "tiny-qwen3-moe", needs_baselines: true, run: |c| checks::loss_curve(c, "tiny-qwen3-moe") },
         Check { name: "tiny-deepseek-v3", needs_baselines: true, run: |c| checks::loss_curve(c, "tiny-deepseek-v3") },
+        Check { name: "tiny-gpt-oss", needs_baselines: true, run: |c| checks::loss_curve(c, "tiny-gpt-oss") },
         Check { name: "checkpoint-resume", needs_baselines: false, run: checks::checkpoint_resume },
         Check { name: "virtual-devices", needs_baselines: false, run: checks::virtual_devices },
         Check { name: "hf-roundtrip", needs_baselines: false, run: checks::hf_roundtrip },
@@ -246,8 +247,16 @@ pub fn checks() -> Vec<Check> {
 }
 
 /// The recipes whose loss curves are recorded as baselines.
-pub const CURVE_RECIPES: [&str; 7] =
-    ["tiny-llama2", "tiny-mistral", "tiny-mixtral", "tiny-gpt", "tiny-qwen3", "tiny-qwen3-moe", "tiny-deepseek-v3"];
+pub const CURVE_RECIPES: [&str; 8] = [
+    "tiny-llama2",
+    "tiny-mistral",
+    "tiny-mixtral",
+    "tiny-gpt",
+    "tiny-qwen3",
+    "tiny-qwen3-moe",
+    "tiny-deepseek-v3",
+    "tiny-gpt-oss",
+];
 
 /// Why `recipe`'s curve cannot be trained on `class` (`None`: it can): a recipe whose model the
 /// CUDA backend refuses ([`cuda_unsuitable`]) has no CUDA curve, and its checks on a GPU or the
