@@ -499,6 +499,45 @@ fn recipes_show_plans_memory_for_the_mesh() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("does not divide the 3 devices per node"));
 }
 
+/// Device and node counts are bounded before anything is counted from them: 4 x 2^62 devices
+/// wrapped to "0 devices", 2^64 - 1 to a wrapped tokens-per-step, and `recipes plan` took
+/// minutes over 2^32 nodes. Each is one line, exit code 2, even with RUST_BACKTRACE=1.
+#[test]
+fn device_and_node_counts_are_bounded() {
+    let huge = "more than this engine plans for (at most 1048576)";
+    let plan = ["recipes", "plan", "tiny-llama2", "--memory", "80", "--devices-per-node"];
+    let cases: [(&[&str], &str); 5] = [
+        (&["recipes", "show", "tiny-llama2", "--devices", "4", "--nodes", "4611686018427387904"], huge),
+        (&["recipes", "show", "tiny-llama2", "--devices", "18446744073709551615"], "18446744073709551615 devices"),
+        (
+            &[
+                "recipes",
+                "show",
+                "tiny-llama2",
+                "--set",
+                "mesh.dcn_data=4611686018427387904",
+                "--set",
+                "mesh.ici_fsdp=4",
+            ],
+            huge,
+        ),
+        (&[&plan[..], &["8", "--nodes", "4294967296"]].concat(), "34359738368 devices, more than"),
+        (&[&plan[..], &["18446744073709551615", "--nodes", "2"]].concat(), huge),
+    ];
+    for (args, expected) in cases {
+        let out = Command::new(env!("CARGO_BIN_EXE_engine"))
+            .args(args)
+            .env_remove("ENGINE_FLAGS")
+            .env("RUST_BACKTRACE", "1")
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains(expected), "{args:?}: expected `{expected}` in: {stderr}");
+        assert_eq!(stderr.trim_end().lines().count(), 1, "{args:?}: more than one line: {stderr}");
+    }
+}
+
 /// `engine recipes plan`: a JSON list, best first, whose first row `recipes show` confirms with
 /// its `sets`; every plan that fits llama3.1-8b at 131,072 tokens on one node has a seq or a
 /// tensor axis, the first a seq axis;

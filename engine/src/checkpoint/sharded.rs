@@ -235,6 +235,16 @@ impl Checkpoint {
         let mut values = vec![0f32; view.shape().iter().product()];
         tensors::read_f32(FP8_SCALING, &view, &mut values)
             .with_context(|| format!("checkpoint {}: {name}", self.dir.display()))?;
+        // The parameters' check ([`Checkpoint::ensure_finite`]): a NaN scale would pass for a
+        // divergence of the next step.
+        let mut bad = values.iter().enumerate().filter(|(_, x)| !x.is_finite()).map(|(i, _)| i);
+        if let Some(first) = bad.next() {
+            bail!(
+                "checkpoint {} holds {} non-finite FP8 scaling values (NaN or infinite; the first at {first} of {FP8_SCALING} in {name}): the run had diverged or the file was altered; use an earlier checkpoint",
+                self.dir.display(),
+                1 + bad.count()
+            );
+        }
         Ok(Some(values))
     }
 
@@ -295,5 +305,38 @@ impl Checkpoint {
         }
         saved.sort_by_key(|s| s.chunk.global);
         Ok((files, saved))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::recipe::resolve;
+
+    /// FP8 scaling states are loaded under the check the parameters get: a NaN in them (a file
+    /// edited or damaged, then re-sealed) would otherwise pass for a divergence of the next step.
+    #[test]
+    fn non_finite_fp8_scaling_states_are_refused_naming_the_tensor() {
+        let config = resolve("tiny-llama2", &[]).unwrap().config;
+        let root = tempfile::tempdir().unwrap();
+        let progress = Progress { step: 1, position: Default::default(), data_tokens: 0 };
+        let state = |fp8: Vec<f32>| DeviceState {
+            bufs: [vec![1.0; 4], vec![0.0; 4], vec![0.0; 4]],
+            chunks: vec![Chunk { global: 0, local: 0, len: 4 }],
+            fp8,
+        };
+        let save = |name: &str, fp8: Vec<f32>| {
+            let (tmp, dir) = (root.path().join(format!("{name}.tmp")), root.path().join(name));
+            fs::create_dir(&tmp).unwrap();
+            let known = write_part(&tmp, 0, 1, &state(fp8)).unwrap();
+            commit(&tmp, &dir, &config, progress.clone(), 1, &Extras::default(), &known).unwrap();
+            Checkpoint::open(&dir).unwrap()
+        };
+        let good = save("good", vec![1.0, 0.5, 2.0]);
+        assert_eq!(good.fp8_scaling(0).unwrap(), Some(vec![1.0, 0.5, 2.0]));
+        let bad = save("bad", vec![1.0, f32::NAN, 2.0, f32::INFINITY]);
+        let e = format!("{:#}", bad.fp8_scaling(0).unwrap_err());
+        let want = "holds 2 non-finite FP8 scaling values (NaN or infinite; the first at 1 of fp8_scaling in shard-00000-of-00001.safetensors)";
+        assert!(e.contains(want), "{e}");
     }
 }

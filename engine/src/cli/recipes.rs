@@ -103,6 +103,16 @@ pub fn run(cmd: RecipesCommand) -> Result<()> {
             }
             let r = RecipeArgs { recipe, set }.resolve(&[])?;
             let plan = plan_of(&r.config, devices, nodes)?;
+            let c = &r.config.train;
+            let tokens = plan.global_sequences() as u128 * c.seq_len as u128 * c.grad_accum as u128;
+            if tokens > u64::MAX as u128 {
+                anyhow::bail!(
+                    "{} sequences x train.seq_len = {} x train.grad_accum = {} is {tokens} tokens per step, more than this engine counts (at most 2^64 - 1)",
+                    plan.global_sequences(),
+                    c.seq_len,
+                    c.grad_accum
+                );
+            }
             if json {
                 println!("{}", serde_json::to_string_pretty(&show_json(&r.name, &r.config, &plan))?);
             } else {
@@ -148,9 +158,9 @@ pub fn run(cmd: RecipesCommand) -> Result<()> {
             if !(reserve.is_finite() && reserve >= 0.0) {
                 anyhow::bail!("--reserve {reserve}: a plan needs a number of GiB, 0 or more");
             }
+            let devices = max_devices(devices_per_node as u128, nodes as u128)?;
             let r = RecipeArgs { recipe, set }.resolve(&[])?;
             let c = &r.config;
-            let devices = nodes * devices_per_node;
             let global = match global_batch {
                 Some(0) => anyhow::bail!("--global-batch 0: a step needs at least one sequence"),
                 Some(g) => g,
@@ -255,10 +265,29 @@ pub fn run(cmd: RecipesCommand) -> Result<()> {
 /// `nodes` (by default, what the explicit sizes multiply to).
 fn plan_of(c: &Config, devices: Option<usize>, nodes: Option<usize>) -> Result<ParallelPlan> {
     let m = &c.mesh;
-    let product = |sizes: [i64; 5]| sizes.iter().map(|&s| s.max(1) as usize).product::<usize>();
-    let devices = devices.unwrap_or_else(|| product([m.ici_data, m.ici_fsdp, m.ici_tensor, m.ici_pipeline, m.ici_seq]));
-    let nodes = nodes.unwrap_or_else(|| product([m.dcn_data, m.dcn_fsdp, m.dcn_tensor, m.dcn_pipeline, m.dcn_seq]));
-    ParallelPlan::resolve(c, devices, nodes)
+    // In u128, saturating: absurd sizes must not wrap (to 0 devices) before they are refused.
+    let product = |sizes: [i64; 5]| sizes.iter().fold(1u128, |a, &s| a.saturating_mul(s.max(1) as u128));
+    let devices = devices
+        .map_or_else(|| product([m.ici_data, m.ici_fsdp, m.ici_tensor, m.ici_pipeline, m.ici_seq]), |d| d as u128);
+    let nodes =
+        nodes.map_or_else(|| product([m.dcn_data, m.dcn_fsdp, m.dcn_tensor, m.dcn_pipeline, m.dcn_seq]), |n| n as u128);
+    max_devices(devices, nodes)?;
+    ParallelPlan::resolve(c, devices as usize, nodes as usize)
+}
+
+/// The most devices a plan is for, all nodes together: 2^20, beyond any cluster built, and few
+/// enough that nothing counted from them overflows or takes long to search.
+const MAX_DEVICES: u128 = 1 << 20;
+
+/// `devices_per_node × nodes`, refused beyond [`MAX_DEVICES`] with the arithmetic.
+fn max_devices(devices_per_node: u128, nodes: u128) -> Result<usize> {
+    let total = devices_per_node.saturating_mul(nodes);
+    if total > MAX_DEVICES {
+        anyhow::bail!(
+            "{devices_per_node} devices per node x {nodes} nodes = {total} devices, more than this engine plans for (at most {MAX_DEVICES})"
+        );
+    }
+    Ok(total as usize)
 }
 
 /// One device's memory plan under `plan`, for CUDA (the H100's 132 multiprocessors size a

@@ -326,6 +326,22 @@ mod tests {
         assert!(err("tiny-llama2", &[set("train.fp8.margin=100")]).contains("train.fp8.margin"));
     }
 
+    /// The straggler detector's window is allocated up front: 2^63 - 1 steps overflowed a
+    /// capacity (a panic), 10^9 asked for 24 GB. It is bounded as the flight recorder is.
+    #[test]
+    fn diagnostics_windows_are_bounded() {
+        let err = |o: &str| format!("{:#}", resolve("tiny-llama2", &[set(o)]).unwrap_err());
+        for n in ["9223372036854775807", "1000000000", "65537"] {
+            let e = err(&format!("train.diagnostics.straggler_window={n}"));
+            let want =
+                format!("train.diagnostics.straggler_window = {n} is more than this engine trains (at most 65536)");
+            assert!(e.contains(&want), "{e}");
+        }
+        let e = err("train.diagnostics.flight_recorder=65537");
+        assert!(e.contains("train.diagnostics.flight_recorder = 65537 is more than"), "{e}");
+        resolve("tiny-llama2", &[set("train.diagnostics.straggler_window=65536")]).unwrap();
+    }
+
     #[test]
     fn file_errors_give_line_and_column() {
         let dir = std::env::temp_dir().join(format!("engine-recipe-test-{}", std::process::id()));

@@ -320,8 +320,8 @@ section! {
         /// on a watchdog timeout, a peer's departure or SIGUSR2; 0 records nothing.
         @resumable
         pub flight_recorder: usize = 2048,
-        /// Steps over which the straggler detector looks for a rank slowest most of the time;
-        /// 0 turns it off.
+        /// Steps over which the straggler detector looks for a rank slowest most of the time
+        /// (at most 65536); 0 turns it off.
         @resumable
         pub straggler_window: usize = 20,
         /// The share of the window's steps in which one rank must be the slowest.
@@ -336,7 +336,11 @@ section! {
 
 impl DiagnosticsConfig {
     fn validate(&self) -> Result<()> {
-        check_at_most(&[("train.diagnostics.flight_recorder", self.flight_recorder, 1 << 16)])?;
+        // Both are allocated up front (a ring, a window of steps): bounded, not left to overflow.
+        check_at_most(&[
+            ("train.diagnostics.flight_recorder", self.flight_recorder, 1 << 16),
+            ("train.diagnostics.straggler_window", self.straggler_window, 1 << 16),
+        ])?;
         if !(self.straggler_fraction > 0.0 && self.straggler_fraction <= 1.0) {
             bail!(
                 "train.diagnostics.straggler_fraction = {} must be in (0, 1]: the share of the window's steps in which a rank is the slowest",

@@ -36,6 +36,10 @@ pub const MARK_RADIUS: i32 = 4;
 /// A figure's default size in pixels.
 pub const SIZE: (u32, u32) = (900, 540);
 
+/// The largest magnitude an axis spans: values beyond it (a diverged loss near `f64::MAX`) are
+/// drawn at it, so that the axis' width and its ticks stay finite.
+pub const AXIS_LIMIT: f64 = 1e300;
+
 /// One curve: its legend entry and its points `(x, y)`, in drawing order.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Line {
@@ -80,7 +84,7 @@ impl Figure {
         let mut text = String::new();
         {
             let root = SVGBackend::with_string(&mut text, size).into_drawing_area();
-            self.draw(&root)?;
+            self.clamped().draw(&root)?;
             root.present().map_err(|e| anyhow!("cannot draw the figure: {e}"))?;
         }
         Ok(text)
@@ -92,7 +96,7 @@ impl Figure {
         let mut pixels = vec![0u8; size.0 as usize * size.1 as usize * 3];
         {
             let root = BitMapBackend::with_buffer(&mut pixels, size).into_drawing_area();
-            self.draw(&root)?;
+            self.clamped().draw(&root)?;
             root.present().map_err(|e| anyhow!("cannot draw the figure: {e}"))?;
         }
         let mut out = Vec::new();
@@ -106,7 +110,8 @@ impl Figure {
     }
 
     /// The ranges the axes span: every point's, a twentieth wider on each side so that no
-    /// point sits on the frame; a range of one value is widened to show it.
+    /// point sits on the frame; a range of one value is widened to show it. Neither goes beyond
+    /// ±[`AXIS_LIMIT`].
     pub fn ranges(&self) -> Option<((f64, f64), (f64, f64))> {
         let mut xs = Vec::new();
         let mut ys = Vec::new();
@@ -128,6 +133,7 @@ impl Figure {
             if !lo.is_finite() {
                 return None;
             }
+            let (lo, hi) = (lo.clamp(-AXIS_LIMIT, AXIS_LIMIT), hi.clamp(-AXIS_LIMIT, AXIS_LIMIT));
             if hi - lo <= f64::EPSILON * hi.abs().max(1.0) {
                 let d = (lo.abs() * 0.1).max(1e-6);
                 return Some((lo - d, hi + d));
@@ -167,6 +173,23 @@ impl Figure {
         .min_by_key(|c| c.1)
         .map(|c| c.0)
         .unwrap_or(SeriesLabelPosition::UpperRight)
+    }
+
+    /// The figure with every finite value beyond ±[`AXIS_LIMIT`] brought to it, as drawn: the
+    /// axes stop there, and a point beyond them would have no pixel.
+    fn clamped(&self) -> Figure {
+        let c = |v: f64| if v.is_finite() { v.clamp(-AXIS_LIMIT, AXIS_LIMIT) } else { v };
+        let mut f = self.clone();
+        for l in &mut f.lines {
+            l.points.iter_mut().for_each(|p| *p = (c(p.0), c(p.1)));
+        }
+        if let Some(b) = &mut f.band {
+            b.points.iter_mut().for_each(|p| *p = (c(p.0), c(p.1), c(p.2)));
+        }
+        if let Some((_, marks)) = &mut f.marks {
+            marks.iter_mut().for_each(|p| *p = (c(p.0), c(p.1)));
+        }
+        f
     }
 
     fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> Result<()>
@@ -302,6 +325,21 @@ mod tests {
         let ((x0, x1), (y0, y1)) = flat.ranges().unwrap();
         assert!(x0 < 3.0 && x1 > 3.0 && y0 < 2.0 && y1 > 2.0);
         assert_eq!(Figure::default().ranges(), None);
+    }
+
+    /// Values near the largest float (a diverged loss of 1.7e308) would make the axis wider
+    /// than an f64 holds, and the tick search never ends: the axis stops at ±1e300 and the
+    /// points beyond it are drawn on its edge.
+    #[test]
+    fn axes_of_values_near_the_largest_float_are_clamped() {
+        for ys in [[1.7e308, -1.7e308], [1.7e308, 1.0], [-f64::MAX, f64::MAX], [1.7e308, 1.7e308]] {
+            let points = vec![(1.0, ys[0]), (2.0, ys[1])];
+            let f = Figure { lines: vec![Line { label: "a".into(), points }], ..Figure::default() };
+            let (_, (y0, y1)) = f.ranges().unwrap();
+            assert!(y0 >= -1.1 * AXIS_LIMIT && y1 <= 1.1 * AXIS_LIMIT && y0 < y1, "{ys:?}: {y0} {y1}");
+            assert!(f.svg(SIZE).unwrap().contains("<polyline"), "{ys:?}");
+            f.png((300, 200)).unwrap();
+        }
     }
 
     #[test]
