@@ -55,6 +55,11 @@ static ALLOCATOR: OneLineOnOom = OneLineOnOom;
 /// advice, a smaller batch or recomputation, means nothing there).
 pub static PREPARING_DATA: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
+/// Set by the commands that build a model and its step (train, eval, bench, test-all,
+/// baselines, gpu-test, launch): only their out-of-memory line advises on the batch; the others
+/// (plot, goodput, flight, recipes, import and export) read files and say so.
+pub static TRAINS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
 /// Writes one line and exits with code 2, allocating nothing (the heap is what failed):
 /// `core::fmt` formats into a buffer on the stack.
 fn out_of_memory(bytes: usize) -> ! {
@@ -73,8 +78,10 @@ fn out_of_memory(bytes: usize) -> ! {
     let mut line = Line { bytes: [0; 192], len: 0 };
     let advice = if PREPARING_DATA.load(std::sync::atomic::Ordering::Relaxed) {
         "tokenize on fewer threads (--threads), split very large documents (--separator), or free memory"
-    } else {
+    } else if TRAINS.load(std::sync::atomic::Ordering::Relaxed) {
         "lower train.batch_size, set train.remat, or free memory"
+    } else {
+        "the files this command reads need more memory than the process may take: check their sizes, or free memory"
     };
     let _ = std::fmt::Write::write_fmt(
         &mut line,

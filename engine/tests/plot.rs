@@ -82,5 +82,9 @@ fn two_runs_are_drawn_as_their_metrics_say() {
     fails(&["plot", s(&a), "--metric", "eval-loss", "--out", s(&dir.join("x.svg"))], "no record has validation loss");
     std::fs::write(a.join("metrics.jsonl"), "{\"step\":1,\"loss\":2.0}\n{\"step\":2,\"loss\":\n").unwrap();
     fails(&["plot", s(&a), "--out", s(&dir.join("x.svg"))], "metrics.jsonl line 2: not a JSON object");
+    // A metrics file without end (linked to /dev/zero) is read a bounded line at a time.
+    std::fs::remove_file(a.join("metrics.jsonl")).unwrap();
+    std::os::unix::fs::symlink("/dev/zero", a.join("metrics.jsonl")).unwrap();
+    fails(&["plot", s(&a), "--out", s(&dir.join("x.svg"))], "metrics.jsonl:1: a line longer than 1048576 bytes");
     assert!(!dir.join("x.svg").exists() && !dir.join("x.jpg").exists());
 }

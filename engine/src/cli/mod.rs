@@ -211,6 +211,17 @@ pub fn run(cli: Cli) -> Result<()> {
         Some(d) => d,
         None => device::DeviceArg::from_env()?.unwrap_or_default(),
     };
+    let trains = matches!(
+        cli.command,
+        Command::Train(_)
+            | Command::Eval(_)
+            | Command::Bench(_)
+            | Command::Launch(_)
+            | Command::GpuTest(_)
+            | Command::TestAll(_)
+            | Command::Baselines(_)
+    );
+    crate::TRAINS.store(trains, std::sync::atomic::Ordering::Relaxed);
     match cli.command {
         Command::Train(args) => train::run(args, device),
         Command::Data(cmd) => data::run(cmd),

@@ -113,19 +113,16 @@ impl Run {
             bail!("{}: not a directory (give run directories, the --run-dir of `engine train`)", dir.display());
         }
         let path = dir.join(METRICS);
-        let text = match std::fs::read_to_string(&path) {
-            Ok(t) => t,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                bail!("{}: no {METRICS} here; is it a run directory?", dir.display())
-            }
-            Err(e) => return Err(e).with_context(|| format!("cannot read {}", path.display())),
-        };
+        if !path.exists() {
+            bail!("{}: no {METRICS} here; is it a run directory?", dir.display());
+        }
         let mut records = BTreeMap::new();
-        for (i, line) in text.lines().enumerate() {
+        // A step's record is a few hundred bytes: a longer line is not the engine's.
+        crate::fsutil::for_each_line(&path, 1 << 20, |n, line| {
             if line.trim().is_empty() {
-                continue;
+                return Ok(());
             }
-            let at = || format!("{} line {}", path.display(), i + 1);
+            let at = || format!("{} line {n}", path.display());
             let value: serde_json::Value =
                 serde_json::from_str(line).with_context(|| format!("{}: not a JSON object", at()))?;
             let serde_json::Value::Object(fields) = value else { bail!("{}: not a JSON object", at()) };
@@ -133,7 +130,8 @@ impl Run {
                 bail!("{}: no `step` (a whole number)", at())
             };
             records.insert(step, Record { step, fields });
-        }
+            Ok(())
+        })?;
         let config = match std::fs::read_to_string(dir.join(CONFIG)) {
             Ok(t) => Some(
                 toml::from_str::<Config>(&t)
