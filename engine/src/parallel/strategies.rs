@@ -313,8 +313,12 @@ impl<B: Backend> Parallel<B> {
         } else {
             // Replicated tensors count once; the slices of split ones add up over the tensor
             // group, the experts of an expert axis over the expert group (and, split over the
-            // tensor axis too, over the tensor group after that).
-            let (split, part, expert) = (self.scratch.at(0, 1), self.scratch.at(1, 1), self.scratch.at(2, 1));
+            // tensor axis too, over the tensor group after that; those the tensor group
+            // replicates, GPT-OSS's down biases, over the expert group alone).
+            let (split, part) = (self.scratch.at(0, 1), self.scratch.at(1, 1));
+            // The experts' split tensors' squares and their replicated ones', reduced together.
+            let expert = self.scratch.at(2, 2);
+            let (expert_split, expert_replicated) = (expert.at(0, 1), expert.at(1, 1));
             be.fill(out, 0.0);
             be.fill(split, 0.0);
             be.fill(expert, 0.0);
@@ -322,7 +326,8 @@ impl<B: Backend> Parallel<B> {
                 be.sum_squares(part, grads.at(s.offset, s.len));
                 let i = self.segment_tensor(s);
                 let into = match (self.slice.is_divided_expert(i), self.slice.is_split(i)) {
-                    (true, _) => expert,
+                    (true, true) => expert_split,
+                    (true, false) => expert_replicated,
                     (false, true) => split,
                     (false, false) => out,
                 };
@@ -330,7 +335,8 @@ impl<B: Backend> Parallel<B> {
             }
             if experts {
                 self.comm.all_reduce_sum(be, expert, &self.expert_group);
-                be.add(if self.tensor.len() > 1 { split } else { out }, expert);
+                be.add(if self.tensor.len() > 1 { split } else { out }, expert_split);
+                be.add(out, expert_replicated);
             }
             if self.tensor.len() > 1 {
                 self.comm.all_reduce_sum(be, split, &self.tensor);

@@ -651,12 +651,12 @@ mod tests {
             config(recipe, &[&small()[..], &["train.steps=5", "mesh.ici_data=1"], extra].concat())
         }
 
-        fn same(want: &[f64], got: &[f64]) -> bool {
+        pub(super) fn same(want: &[f64], got: &[f64]) -> bool {
             want.iter().zip(got).all(|(w, g)| (w - g).abs() <= 1e-5 * w.abs())
         }
 
         /// Losses on `devices` devices, with `fault` injected on every device.
-        fn losses(c: &Config, devices: usize, fault: Option<Fault>) -> Vec<f64> {
+        pub(super) fn losses(c: &Config, devices: usize, fault: Option<Fault>) -> Vec<f64> {
             let runs = run(c, devices, |_, t| {
                 t.fault = fault;
                 if fault == Some(Fault::ChunkOffset) {
@@ -694,6 +694,21 @@ mod tests {
             }
         }
 
+        /// Writes a shard of documents of 3 to 19 tokens and their EOS (1) under `dir`: several
+        /// per sequence of 32, across the chunks of 8. Returns the settings that train on it
+        /// with document masking.
+        pub(super) fn documents(dir: &std::path::Path) -> String {
+            std::fs::create_dir_all(dir).unwrap();
+            let shard = dir.join("shard-00000.tok");
+            let mut w = crate::data::shard::ShardWriter::create(&shard, 512, 1).unwrap();
+            for d in 0..200u32 {
+                let doc: Vec<u32> = (0..3 + d % 17).map(|i| (d * 31 + i * 7) % 500 + 2).chain([1]).collect();
+                w.push_document(&doc).unwrap();
+            }
+            w.finish().unwrap();
+            format!("data.source=shards data.path={} data.document_mask=true", shard.display())
+        }
+
         /// Document masking on a seq axis: seq 2 and seq 2 x fsdp 2, and GPT with positions
         /// restarted at each document, follow one device training the same global batch, and
         /// so does evaluation; a device that bounds documents by the EOS of its own chunks
@@ -701,17 +716,7 @@ mod tests {
         #[test]
         fn document_masking_on_seq_two_and_seq_two_by_fsdp_two_follows_one_device() {
             let dir = std::env::temp_dir().join(format!("engine-seq-documents-{}", std::process::id()));
-            std::fs::create_dir_all(&dir).unwrap();
-            let shard = dir.join("shard-00000.tok");
-            // Documents of 3 to 19 tokens and their EOS (1): several per sequence of 32, across
-            // the chunks of 8.
-            let mut w = crate::data::shard::ShardWriter::create(&shard, 512, 1).unwrap();
-            for d in 0..200u32 {
-                let doc: Vec<u32> = (0..3 + d % 17).map(|i| (d * 31 + i * 7) % 500 + 2).chain([1]).collect();
-                w.push_document(&doc).unwrap();
-            }
-            w.finish().unwrap();
-            let data = format!("data.source=shards data.path={} data.document_mask=true", shard.display());
+            let data = documents(&dir);
             let c = seq_config("tiny-llama2", &["mesh.ici_seq=2", "train.batch_size=1", &data]);
             let want = single(&c, 2);
             assert_same_curve("documents, seq=2", &want, &losses(&c, 2, None));
@@ -1488,6 +1493,138 @@ mod tests {
                 let c = deepseek_config(&sets);
                 assert_same_curve(&format!("deepseek_v3 {name}"), &single(&c, devices), &on(&c, devices));
             }
+        }
+    }
+
+    /// GPT-OSS (grouped-query attention with biases on q, k, v and o and a learned sink per
+    /// head, sliding-window layers in turn with full ones, YaRN, experts with biases behind a
+    /// biased router, a clamped SwiGLU) on the axes, against one device training the same
+    /// global batch.
+    mod gpt_oss {
+        use super::qwen3::{Axis, every_axis};
+        use super::*;
+
+        /// Small layers: 4 query and 2 key/value heads of 24, 4 experts of 32 (top 2). The even
+        /// layers' windows of 6 tokens are shorter than a seq 2 device's chunks of 8: some
+        /// queries' windows reach into the chunk before (another device's), others' stay in
+        /// their own. The clamp of 0.1 cuts some of the experts' gates and ups from the start.
+        fn gpt_oss_config(extra: &[&str]) -> Config {
+            let small = [
+                "model.d_model=64",
+                "model.head_dim=24",
+                "model.mlp_dim=32",
+                "model.sliding_window=6",
+                "model.glu_limit=0.1",
+                "model.moe.num_experts=4",
+                "train.steps=5",
+            ];
+            config("tiny-gpt-oss", &[&small[..], extra].concat())
+        }
+
+        /// Losses and gradient norms (before clipping) of a run's steps.
+        type Curves = (Vec<f64>, Vec<f64>);
+
+        /// `c`'s steps on `devices` devices, which must agree.
+        fn on(c: &Config, devices: usize) -> Curves {
+            let runs = run(c, devices, |_, t| {
+                Ok((0..c.train.steps).map(|_| t.train_step(0.0)).map(|m| (m.loss, m.grad_norm)).collect::<Vec<_>>())
+            })
+            .unwrap();
+            assert!(runs.iter().all(|r| r == &runs[0]), "devices disagree on the loss or the gradient norm");
+            runs[0].iter().copied().unzip()
+        }
+
+        /// `c`'s steps on one device with the global batch of `devices` devices.
+        fn one_device(c: &Config, devices: usize) -> Curves {
+            let mut c = c.clone();
+            c.train.batch_size *= devices;
+            let mut t = Trainer::new(Traced::new(Cpu::new()), &c).unwrap();
+            (0..c.train.steps).map(|_| t.train_step(0.0)).map(|m| (m.loss, m.grad_norm)).unzip()
+        }
+
+        /// The loss and the gradient norm on `devices` devices follow one device's within
+        /// 1e-5: the norm shows at once a tensor counted twice or missed, which AdamW's
+        /// clipped, normalised steps hide for a few steps.
+        fn assert_follows(name: &str, c: &Config, devices: usize) {
+            let ((want, want_norm), (got, got_norm)) = (one_device(c, devices), on(c, devices));
+            assert_same_curve(&format!("gpt_oss {name}"), &want, &got);
+            assert_same_curve(&format!("gpt_oss {name}, gradient norm"), &want_norm, &got_norm);
+        }
+
+        /// FSDP 2, tensor 2 (the sinks split with their heads, the o bias added after the
+        /// group's sum and the experts' down biases by one device before it), seq 2 (windows
+        /// and sinks across the chunks) and pipeline 2 (1F1B and interleaved).
+        #[test]
+        fn gpt_oss_on_fsdp_tensor_seq_and_pipeline_follows_one_device() {
+            // The windows and the clamp are at work: with a window as long as the sequences, or
+            // the recipe's clamp (which these activations do not reach), the curve moves.
+            let one = single(&gpt_oss_config(&[]), 1);
+            for off in ["model.sliding_window=32", "model.glu_limit=7.0"] {
+                assert!(!super::seq::same(&one, &single(&gpt_oss_config(&[off]), 1)), "{off}: the same curve");
+            }
+            for (name, sets, devices) in every_axis() {
+                assert_follows(name, &gpt_oss_config(&sets), devices);
+            }
+        }
+
+        /// EP 2, and EP 2 x tensor 2 (where one device of each tensor group adds the experts'
+        /// down biases to their partial sums, and the gradient norm counts those biases, which
+        /// the group replicates, once).
+        #[test]
+        fn gpt_oss_on_the_expert_axis_follows_one_device() {
+            let axes: [Axis; 2] = [
+                ("EP=2", vec!["mesh.ici_data=2", "mesh.ici_expert=2"], 2),
+                ("EP=2 x TP=2", vec!["mesh.ici_data=2", "mesh.ici_expert=2", "mesh.ici_tensor=2"], 4),
+            ];
+            for (name, sets, devices) in axes {
+                assert_follows(name, &gpt_oss_config(&sets), devices);
+            }
+        }
+
+        /// A checkpoint written under EP 2 x tensor 2 (each device's heads' sinks and q, k and v
+        /// biases, its columns of its experts' gate and up biases, its experts' down biases)
+        /// continues the same curve on one device.
+        #[test]
+        fn gpt_oss_checkpoints_reshard_from_the_expert_and_tensor_axes() {
+            use crate::checkpoint::{self, Checkpoint};
+            let tmp = std::env::temp_dir().join(format!("engine-gpt-oss-resume-{}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&tmp);
+            let saved = gpt_oss_config(&["mesh.ici_data=2", "mesh.ici_expert=2", "mesh.ici_tensor=2"]);
+            let (steps, half) = (saved.train.steps as u64, 2u64);
+            let curve = train_and_save(&saved, 4, half, &tmp).unwrap();
+            let ck = Checkpoint::open(&tmp.join(checkpoint::dir_name(half))).unwrap();
+            let mut one = gpt_oss_config(&["mesh.ici_data=1"]);
+            one.train.batch_size *= 4;
+            let mut t = Trainer::new(Traced::new(Cpu::new()), &one).unwrap();
+            t.resume_from(&ck).unwrap();
+            let rest: Vec<f64> = (half..steps).map(|_| t.train_step(0.0).loss).collect();
+            assert_same_curve("gpt_oss EP 2 x tensor 2 -> one device", &curve[half as usize..], &rest);
+            std::fs::remove_dir_all(&tmp).unwrap();
+        }
+
+        /// Document masking (documents shorter and longer than the window, several per
+        /// sequence): seq 2, and seq 2 x tensor 2, follow one device training the same global
+        /// batch, the windows stopping at each EOS across the chunks; a device that bounds
+        /// documents by the EOS of its own chunks alone does not.
+        #[test]
+        fn gpt_oss_document_masking_on_seq_two_follows_one_device() {
+            use super::seq::{documents, losses, same};
+            let dir = std::env::temp_dir().join(format!("engine-gpt-oss-documents-{}", std::process::id()));
+            let data = documents(&dir);
+            let c = gpt_oss_config(&["mesh.ici_data=1", "mesh.ici_seq=2", "train.batch_size=1", &data]);
+            assert_follows("documents, seq=2", &c, 2);
+            let local = Some(crate::train::Fault::LocalDocuments);
+            let want = one_device(&c, 2).0;
+            assert!(!same(&want, &losses(&c, 2, local)), "documents bounded by each device's chunks went unnoticed");
+            let st = gpt_oss_config(&[
+                "mesh.ici_data=1",
+                "mesh.ici_seq=2",
+                "mesh.ici_tensor=2",
+                "train.batch_size=1",
+                &data,
+            ]);
+            assert_follows("documents, seq=2 x TP=2", &st, 4);
+            std::fs::remove_dir_all(&dir).ok();
         }
     }
 }
