@@ -152,6 +152,15 @@ fn scratch(scratch: &mut Vec<f64>, n: usize) -> &mut [f64] {
 }
 
 impl Cpu {
+    /// `(expert, first row, rows)` of each expert the dispatch sent rows to, from its offsets.
+    fn expert_rows(&self, dispatch: MoeDispatch) -> Vec<(usize, usize, usize)> {
+        let offsets = self.idx.get(dispatch.offsets);
+        (0..dispatch.experts)
+            .map(|e| (e, offsets[e] as usize, (offsets[e + 1] - offsets[e]) as usize))
+            .filter(|&(_, _, rows)| rows > 0)
+            .collect()
+    }
+
     /// A CPU backend on the global rayon pool.
     pub fn new() -> Cpu {
         Cpu::default()
@@ -559,15 +568,11 @@ impl Backend for Cpu {
     }
 
     fn moe_expert_matmul(&mut self, out: View, a: View, weights: ExpertWeights, dispatch: MoeDispatch, shape: MatMul) {
-        let offsets = self.idx.get(dispatch.offsets).to_vec();
-        for e in 0..dispatch.experts {
-            let (first, rows) = (offsets[e] as usize, (offsets[e + 1] - offsets[e]) as usize);
-            if rows > 0 {
-                let shape = MatMul { m: rows, ..shape };
-                let (out, [a, w]) =
-                    self.mem.io(out.rows(first, rows, shape.n), [a.rows(first, rows, shape.k), weights.expert(e)]);
-                matmul::matmul(out, a, w, shape, &mut self.gemm);
-            }
+        for (e, first, rows) in self.expert_rows(dispatch) {
+            let shape = MatMul { m: rows, ..shape };
+            let (out, [a, w]) =
+                self.mem.io(out.rows(first, rows, shape.n), [a.rows(first, rows, shape.k), weights.expert(e)]);
+            matmul::matmul(out, a, w, shape, &mut self.gemm);
         }
     }
 
@@ -580,14 +585,9 @@ impl Backend for Cpu {
         inp: usize,
         out: usize,
     ) {
-        let offsets = self.idx.get(dispatch.offsets).to_vec();
-        for e in 0..dispatch.experts {
-            let (first, rows) = (offsets[e] as usize, (offsets[e + 1] - offsets[e]) as usize);
-            if rows > 0 {
-                let (dw, [dy, x]) =
-                    self.mem.io(dweights.expert(e), [dy.rows(first, rows, out), x.rows(first, rows, inp)]);
-                matmul::matmul(dw, dy, x, MatMul::linear_dw(rows, inp, out), &mut self.gemm);
-            }
+        for (e, first, rows) in self.expert_rows(dispatch) {
+            let (dw, [dy, x]) = self.mem.io(dweights.expert(e), [dy.rows(first, rows, out), x.rows(first, rows, inp)]);
+            matmul::matmul(dw, dy, x, MatMul::linear_dw(rows, inp, out), &mut self.gemm);
         }
     }
 
@@ -597,13 +597,9 @@ impl Backend for Cpu {
             "internal error: moe_expert_bias: an expert's bias holds {} ≠ {width}",
             bias.first.len
         );
-        let offsets = self.idx.get(dispatch.offsets).to_vec();
-        for e in 0..dispatch.experts {
-            let (first, rows) = (offsets[e] as usize, (offsets[e + 1] - offsets[e]) as usize);
-            if rows > 0 {
-                let (out, [b]) = self.mem.io(out.rows(first, rows, width), [bias.expert(e)]);
-                moe::expert_bias(out, b);
-            }
+        for (e, first, rows) in self.expert_rows(dispatch) {
+            let (out, [b]) = self.mem.io(out.rows(first, rows, width), [bias.expert(e)]);
+            moe::expert_bias(out, b);
         }
     }
 
@@ -613,13 +609,9 @@ impl Backend for Cpu {
             "internal error: moe_expert_bias_backward: an expert's bias holds {} ≠ {width}",
             dbias.first.len
         );
-        let offsets = self.idx.get(dispatch.offsets).to_vec();
-        for e in 0..dispatch.experts {
-            let (first, rows) = (offsets[e] as usize, (offsets[e + 1] - offsets[e]) as usize);
-            if rows > 0 {
-                let (db, [dout]) = self.mem.io(dbias.expert(e), [dout.rows(first, rows, width)]);
-                moe::expert_bias_backward(db, dout);
-            }
+        for (e, first, rows) in self.expert_rows(dispatch) {
+            let (db, [dout]) = self.mem.io(dbias.expert(e), [dout.rows(first, rows, width)]);
+            moe::expert_bias_backward(db, dout);
         }
     }
 
