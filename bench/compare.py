@@ -14,7 +14,12 @@ over several rounds so that drifting clocks or a noisy neighbour touch every pee
 
 On a GPT-OSS recipe `eager` and `compile-blocks` run `GptOssForCausalLM` with eager attention
 (transformers has no SDPA path for its sinks) and its experts as grouped products; `grouped-mm`
-is not written for it (bench/torch_train.py).
+is not written for it (bench/torch_train.py). On a Gemma 3 recipe they run transformers'
+`Gemma3ForCausalLM` (the text model; SDPA attention on CUDA), its parameter count checked against
+the engine's:
+
+    python3 bench/compare.py --recipe gemma3-1b --set train.seq_len=4096 --set train.batch_size=2 \
+        --peers engine,eager,compile-blocks --rounds 1
 
 On a Mixtral recipe `eager` is Hugging Face's `MixtralForCausalLM` in eager PyTorch, what most
 users start from:

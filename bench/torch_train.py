@@ -31,6 +31,13 @@ sliding window, no YaRN).
 
     python3 bench/torch_train.py --recipe tiny-gpt-oss --threads 2 --compile blocks
 
+A Gemma 3 recipe (`model.family = "gemma3"`) trains transformers' `Gemma3ForCausalLM`, the text
+model (`Gemma3TextConfig`: sliding-window and global layers from `window_pattern`, RoPE per layer
+type, `query_pre_attn_scalar`, `final_logit_softcapping`), SDPA attention on CUDA as the dense
+families; its parameter count is checked against the engine's (`parameters` in the JSON).
+
+    python3 bench/torch_train.py --recipe tiny-gemma3 --threads 2 --compile blocks
+
 bench/compare.py runs this and `engine bench` side by side.
 """
 
@@ -51,6 +58,19 @@ def resolved_recipe(engine, recipe, sets):
         cmd += ["--set", s]
     text = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return tomllib.loads(text.split("\n# size")[0])
+
+
+def engine_parameters(engine, recipe, sets):
+    """The engine's parameter count of the resolved recipe (`parameters` under `# size` in
+    `engine recipes show`)."""
+    import re
+
+    cmd = [engine, "recipes", "show", recipe]
+    for s in sets:
+        cmd += ["--set", s]
+    text = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    m = re.search(r"^parameters\s+([0-9,]+)", text.split("\n# size")[1], re.M)
+    return int(m.group(1).replace(",", ""))
 
 
 def report(about, tokens, times, losses, peak_memory_gib):
@@ -125,6 +145,8 @@ def hf_config(model):
         return transformers.MistralConfig(rope_parameters=rope, sliding_window=window, **common)
     if family == "gpt_oss":
         return gpt_oss_config(model, common)
+    if family == "gemma3":
+        return gemma3_config(model, common)
     if family in ("qwen3", "qwen3_moe") and window:
         sys.exit(f"bench/torch_train.py: model.sliding_window = {window} on {family} is not written here")
     if family == "qwen3":
@@ -183,16 +205,7 @@ def gpt_oss_config(model, common):
         sys.exit("bench/torch_train.py: GptOssForCausalLM softmaxes the top k of every layer "
                  "(renormalize = true, no dense_layers)")
     window = model["sliding_window"]
-    kinds = model.get("layer_types") or []
-    pattern = model.get("window_pattern", 0)
-
-    def full(i):
-        # The engine's ModelConfig::window: a full layer by layer_types, else every pattern-th.
-        if kinds:
-            return kinds[i] == "full"
-        return window == 0 or (pattern > 0 and (i + 1) % pattern == 0)
-
-    layer_types = ["full_attention" if full(i) else "sliding_attention" for i in range(model["n_layers"])]
+    layer_types = hf_layer_types(model)
     rope = {"rope_type": "default", "rope_theta": model["rope_theta"]}
     yarn = model.get("yarn")
     if model.get("rope_scaling"):
@@ -229,6 +242,65 @@ def gpt_oss_config(model, common):
         router_aux_loss_coef=moe["aux_loss_coef"],
         output_router_logits=True,
         **extra,
+        **common,
+    )
+
+
+def hf_layer_types(model):
+    """transformers' `layer_types` for the engine's model: a layer is full by the recipe's
+    `layer_types` when it has them, else every `window_pattern`-th one (the engine's
+    ModelConfig::window); every layer is full without a `sliding_window`."""
+    window = model["sliding_window"]
+    kinds = model.get("layer_types") or []
+    pattern = model.get("window_pattern", 0)
+
+    def full(i):
+        if kinds:
+            return kinds[i] == "full"
+        return window == 0 or (pattern > 0 and (i + 1) % pattern == 0)
+
+    return ["full_attention" if full(i) else "sliding_attention" for i in range(model["n_layers"])]
+
+
+def gemma3_config(model, common):
+    """Gemma3TextConfig (`Gemma3ForCausalLM`, the text model) for the engine's `gemma3` model:
+    sandwich norms, (1 + w) RMSNorm, QK-norm, the GeGLU MLP with gelu_pytorch_tanh, the embedding
+    times sqrt(d_model), tied embeddings as the recipe says; sliding-window layers among global
+    ones (`layer_types` from `window_pattern` or `layer_types`), RoPE per layer type
+    (`rope_parameters` keyed by `sliding_attention` and `full_attention`, as transformers 5's
+    Gemma3TextConfig takes them: the local layers on `rope_local_theta`, never scaled, the global
+    ones on `rope_theta` scaled linearly by `rope_linear_factor`), the attention logits scaled by
+    `query_pre_attn_scalar^-1/2` (the engine's 0: head_dim's), `final_logit_softcapping` from
+    `final_logit_softcap` (0: none). No padding token: transformers' default pad_token_id 0 would
+    make row 0 of the embedding an `nn.Embedding` padding row (zeroed at init, no input-side
+    gradient), which the engine has not. No KV cache in training (`use_cache=False`)."""
+    import transformers
+
+    if model.get("rope_scaling") or model.get("yarn") or model.get("moe") or model.get("mla"):
+        sys.exit("bench/torch_train.py: Gemma3ForCausalLM has a dense GeGLU MLP, grouped-query attention and "
+                 "linear RoPE scaling only (no model.rope_scaling, model.yarn, model.moe or model.mla)")
+    q = model.get("query_pre_attn_scalar", 0.0) or model["head_dim"]
+    if q != int(q):
+        sys.exit(f"bench/torch_train.py: model.query_pre_attn_scalar = {q} is not a whole number "
+                 "(transformers' Gemma3TextConfig takes an int)")
+    factor = model.get("rope_linear_factor", 1.0)
+    full = {"rope_type": "default", "rope_theta": model["rope_theta"]}
+    if factor != 1.0:
+        full = {"rope_type": "linear", "factor": factor, "rope_theta": model["rope_theta"]}
+    local = {"rope_type": "default", "rope_theta": model.get("rope_local_theta", 0.0) or model["rope_theta"]}
+    softcap = model.get("final_logit_softcap", 0.0)
+    return transformers.Gemma3TextConfig(
+        rope_parameters={"full_attention": full, "sliding_attention": local},
+        sliding_window=model["sliding_window"] or None,
+        layer_types=hf_layer_types(model),
+        query_pre_attn_scalar=int(q),
+        final_logit_softcapping=softcap or None,
+        attn_logit_softcapping=None,
+        hidden_activation="gelu_pytorch_tanh",
+        attention_bias=False,
+        use_bidirectional_attention=False,
+        pad_token_id=None,
+        use_cache=False,
         **common,
     )
 
@@ -301,6 +373,12 @@ def main():
                 config._attn_implementation = "sdpa"
             model = transformers.AutoModelForCausalLM.from_config(config)
     model = model.to(device=args.device, dtype=torch.bfloat16 if cuda else torch.float32)
+    parameters = sum(p.numel() for p in model.parameters())  # a tied head counted once
+    if recipe["model"]["family"] == "gemma3":
+        # The same model as the engine's, to the parameter: every key mapped (a wrong tie, MLP
+        # width, head count or norm would show here).
+        want = engine_parameters(args.engine, args.recipe, args.set)
+        assert parameters == want, f"Gemma3ForCausalLM has {parameters:,} parameters, the engine {want:,}"
     if not grouped and recipe["model"]["family"] != "gpt":
         # The recipe's head_dim, not d_model / heads (Qwen3MoeConfig takes it as a bare attribute).
         attn = model.model.layers[0].self_attn
@@ -388,6 +466,7 @@ def main():
             else ("torch_moe grouped_mm" if grouped else None),
             # transformers' attention ("sdpa", "eager": GPT-OSS); None for bench/torch_moe.py's SDPA.
             "attention_implementation": None if grouped else getattr(model.config, "_attn_implementation", None),
+            "parameters": parameters,
         },
         batch * seq * accum,
         times,

@@ -13,7 +13,7 @@
 # torch and transformers, and JAX for its peer (ROUNDS, default 3, interleaved rounds of
 # bench/compare.py; PEERS, its --peers; MOE_PEERS and MOE_ROUNDS for the Mixtral phase;
 # QWEN3_PEERS, QWEN3_MOE_PEERS and QWEN3_ROUNDS for the Qwen3 phase; GPT_OSS_PEERS and
-# GPT_OSS_ROUNDS for the GPT-OSS phase), the
+# GPT_OSS_ROUNDS for the GPT-OSS phase; GEMMA3_PEERS and GEMMA3_ROUNDS for the Gemma 3 phase), the
 # profile phase torch and JAX too, long-check
 # only python3. The long run keeps its run directory (with a checkpoint of about 15 GB) in
 # LONG_DIR (default OUTDIR/long-run), which must survive from one piece to the next.
@@ -46,6 +46,10 @@ QWEN3_ROUNDS=${QWEN3_ROUNDS:-1}
 # sinks). One round, as the Qwen3 phase.
 GPT_OSS_PEERS=${GPT_OSS_PEERS:-engine,eager,compile-blocks}
 GPT_OSS_ROUNDS=${GPT_OSS_ROUNDS:-1}
+# The Gemma 3 phase: gemma3-1b whole against transformers' Gemma3ForCausalLM (SDPA attention) in
+# eager PyTorch and compiled per block. One round: the compiled run compiles 26 blocks.
+GEMMA3_PEERS=${GEMMA3_PEERS:-engine,eager,compile-blocks}
+GEMMA3_ROUNDS=${GEMMA3_ROUNDS:-1}
 # The long run: llama3.2-1b at 8 x 1024 tokens a step, LONG_STEPS steps in 4 pieces, each
 # resuming from the previous piece's checkpoint. The cosine is fixed at LONG_STEPS
 # (optim.decay_steps), so the pieces make exactly the run one process would have made.
@@ -73,6 +77,7 @@ PHASES=(
     "bench-mixtral-8x7b|6|mixtral-8x7b cut to 2 layers at 2 x 4096: engine bench --profile (where the MoE step goes), then bench/compare.py against the MoE peers (MOE_PEERS), MOE_ROUNDS interleaved rounds"
     "bench-qwen3|7|bench/compare.py at 2 x 4096: qwen3-8b cut to 10 layers against torch.compile per block (QWEN3_PEERS), qwen3-30b-a3b cut to 4 layers against eager transformers and grouped-mm (QWEN3_MOE_PEERS), QWEN3_ROUNDS rounds each"
     "bench-gpt-oss|6|bench/compare.py at 2 x 4096: gpt-oss-20b cut to 3 layers against transformers' GptOssForCausalLM (eager attention) in eager PyTorch and compiled per block (GPT_OSS_PEERS), GPT_OSS_ROUNDS rounds"
+    "bench-gemma3|5|bench/compare.py at 2 x 4096: gemma3-1b (26 layers, 262k vocabulary) against transformers' Gemma3ForCausalLM (SDPA attention) in eager PyTorch and compiled per block (GEMMA3_PEERS), GEMMA3_ROUNDS rounds"
     "long-cpu|4|the long run's first 3 steps on the CPU (the reference for long-check)"
     "long-1|3|the long run on the GPU: steps 1 to 250, checkpoint"
     "long-2|2|the long run: resume, steps 251 to 500, checkpoint"
@@ -286,6 +291,27 @@ phase() {
         "$PYTHON" bench/compare.py --engine "$ENGINE" --python "$PYTHON" --recipe gpt-oss-20b --peers "$GPT_OSS_PEERS" \
             --set model.n_layers=3 --set train.seq_len=4096 --set train.batch_size=2 \
             --rounds "$GPT_OSS_ROUNDS" --json "$out/gpt-oss-20b.json" 2>&1 | tee "$out/gpt-oss-20b.log"
+        ;;
+    bench-gemma3)
+        # gemma3-1b (bf16) whole on one GPU at 2 x 4096 (1.00 B parameters, 302 M of them the tied
+        # 262144 x 1152 embedding; 26 layers, five sliding-window layers of 512 for each global
+        # one). The engine's estimate (`engine recipes show gemma3-1b --set train.seq_len=4096
+        # --set train.batch_size=B`, CUDA column): state 16.8 GiB (weights and their f32 master
+        # 5.59, f32 gradients 3.72, AdamW's f32 moments 7.45) and 8.5 GiB of activations a
+        # sequence: 33.9 GiB at batch 2, 51.0 at 4, 85.1 at 8. The engine would fit batch 4 (or
+        # 6, about 68), PyTorch would not: its bf16 state is 7.45 GiB (weights, gradients, both
+        # moments at 8 bytes a parameter), but the logits, [B x 4096, 262144], cost 4 GiB a
+        # sequence in f32 and the loss keeps up to three such copies at once (log_softmax's output,
+        # the gradient coming back and the one going on; 24 GiB at batch 2): its eager step,
+        # counted on the meta device (every tensor while alive, no fragmentation; attention as a
+        # fused kernel, which keeps only its output and log-sum-exp), peaks at 53.4 GiB at batch 2
+        # (66.8 if SDPA took its math kernel for every layer) and 101 GiB at batch 4. So 2 x 4096,
+        # within an H100's 78 GiB for every peer (`peak_memory_gib` in the JSON records the real
+        # peak of each PyTorch run). One round: the engine and the eager run take well under a
+        # minute each, torch.compile of 26 blocks about three. One log and one JSON.
+        "$PYTHON" bench/compare.py --engine "$ENGINE" --python "$PYTHON" --recipe gemma3-1b --peers "$GEMMA3_PEERS" \
+            --set train.seq_len=4096 --set train.batch_size=2 \
+            --rounds "$GEMMA3_ROUNDS" --json "$out/gemma3-1b.json" 2>&1 | tee "$out/gemma3-1b.log"
         ;;
     long-cpu)
         # The same seed gives the same initial weights and data order on both devices; the CPU

@@ -104,7 +104,7 @@ fn document_bounds_match_the_cpu() {
 /// pass stops before the last query tiles, and tiles are masked element by element; unmasked,
 /// the outputs differ.
 fn masked_attention_matches_the_cpu() {
-    let s = AttnShape { batch: 2, seq: 200, n_heads: 2, n_kv_heads: 1, head_dim: 16, window: 0 };
+    let s = AttnShape { batch: 2, seq: 200, n_heads: 2, n_kv_heads: 1, head_dim: 16, window: 0, scale: None };
     let eos = 1u32;
     let mut tokens = vec![0u32; s.rows()];
     for p in [40, 70, 150, s.seq + 130] {
@@ -195,7 +195,7 @@ fn a_packed_document_has_its_logits_alone() {
 /// cuDNN's attention takes no document mask: "auto" keeps the native kernels and says why,
 /// "cudnn" is refused in one line.
 fn cudnn_is_not_chosen_under_document_masking() {
-    let s = AttnShape { batch: 1, seq: 64, n_heads: 2, n_kv_heads: 1, head_dim: 16, window: 0 };
+    let s = AttnShape { batch: 1, seq: 64, n_heads: 2, n_kv_heads: 1, head_dim: 16, window: 0, scale: None };
     let mut gpu = Cuda::emulated().unwrap();
     let documents = AttnNeeds { documents: true, seq_split: false, sinks: false };
     let err = gpu.select_attention(AttentionImpl::Cudnn, s, documents).unwrap_err().to_string();

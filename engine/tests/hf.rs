@@ -1,7 +1,8 @@
 //! Hugging Face interoperability against transformers' own numbers (tests/fixtures/hf, made by
 //! its generate.py): loss, load-balancing loss, logits and gradients of tiny Llama, Mistral,
-//! Mixtral, Qwen3, Qwen3-MoE and GPT-2 models (GPT-2 in both spellings: transformers' `transformer.h.0...` and the
-//! original hub checkpoint's `h.0...` with its mask buffers); byte-exact import/export round trips; fine-tuning from a Hugging Face model;
+//! Mixtral, Qwen3, Qwen3-MoE, DeepSeek-V3, GPT-OSS, Gemma 3 and GPT-2 models (GPT-2 in both spellings: transformers' `transformer.h.0...` and the
+//! original hub checkpoint's `h.0...` with its mask buffers; Gemma 3 also as the text model of a
+//! `Gemma3ForConditionalGeneration`); byte-exact import/export round trips; fine-tuning from a Hugging Face model;
 //! clear errors for models the engine cannot read; LAMBADA accuracy.
 
 mod common;
@@ -13,7 +14,7 @@ use common::*;
 use engine::tensors::Mapped;
 
 /// The fixtures an import/export round trip gives back byte for byte.
-const MODELS: [&str; 12] = [
+const MODELS: [&str; 14] = [
     "llama",
     "mistral",
     "mixtral",
@@ -26,10 +27,12 @@ const MODELS: [&str; 12] = [
     "deepseek-v3",
     "deepseek-v3-plain",
     "gpt-oss",
+    "gemma3",
+    "gemma3-softcap",
 ];
 /// Every fixture model: the above and GPT-2 in the hub checkpoint's spelling, which export
 /// writes in transformers' (`transformer.` prefix, no mask buffers).
-const ALL_MODELS: [&str; 15] = [
+const ALL_MODELS: [&str; 17] = [
     "llama",
     "mistral",
     "mixtral",
@@ -45,6 +48,8 @@ const ALL_MODELS: [&str; 15] = [
     "deepseek-v3-plain",
     "gpt-oss",
     "gpt-oss-mxfp4",
+    "gemma3",
+    "gemma3-softcap",
 ];
 
 /// Every tensor of a safetensors file (or of a model directory's weight files `model*.safetensors`):
@@ -282,16 +287,84 @@ fn the_gpt2_hub_spelling_exports_in_transformers_spelling() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// Writes the safetensors file `from` to `to` with each tensor renamed by `rename` (the same
+/// bytes: offsets count from the end of the header).
+fn rename_tensors(from: &Path, to: &Path, rename: impl Fn(&str) -> String) {
+    let bytes = std::fs::read(from).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let renamed: serde_json::Map<String, serde_json::Value> =
+        header.into_iter().map(|(k, v)| if k == "__metadata__" { (k, v) } else { (rename(&k), v) }).collect();
+    let mut text = serde_json::to_vec(&renamed).unwrap();
+    text.resize(text.len().next_multiple_of(8), b' ');
+    let mut out = (text.len() as u64).to_le_bytes().to_vec();
+    out.extend(text);
+    out.extend_from_slice(&bytes[8 + n..]);
+    std::fs::write(to, out).unwrap();
+}
+
+/// A `Gemma3ForConditionalGeneration` (the published 4b-27b) is read as its text model: the
+/// `text_config` (sparse: the rest Gemma3TextConfig's defaults) and the `language_model.model.`
+/// tensors (or, as transformers' modules name them, `model.language_model.`), the vision tower
+/// and projector left aside. It computes what the gemma3 fixture computes (the same text model)
+/// and exports as that `Gemma3ForCausalLM`, byte for byte.
+#[test]
+fn gemma3_multimodal_is_read_as_its_text_model() {
+    let dir = scratch("hf-gemma3-multimodal");
+    let hf = fixture("hf/gemma3-multimodal");
+    assert!(tensors(&hf).keys().any(|n| n.starts_with("vision_tower.")), "the fixture has a vision tower");
+    check_against_transformers("gemma3", &["--hf", s(&hf)], &dir);
+    let ck = dir.join("ckpt");
+    ok(&["import-hf", s(&hf), "--out", s(&ck)]);
+    check_against_transformers("gemma3", &["--checkpoint", s(&ck)], &dir);
+    let out = dir.join("export");
+    ok(&["export-hf", s(&ck), "--out", s(&out)]);
+    assert_same(&tensors(&out), &tensors(&fixture("hf/gemma3")), "the text model");
+    let config: serde_json::Value = serde_json::from_slice(&std::fs::read(out.join("config.json")).unwrap()).unwrap();
+    assert_eq!(config["architectures"], serde_json::json!(["Gemma3ForCausalLM"]));
+    assert!(config.get("text_config").is_none() && config.get("vision_config").is_none(), "{config}");
+    check_against_transformers("gemma3", &["--hf", s(&out)], &dir);
+
+    // The modules' own names.
+    let modules = dir.join("modules");
+    std::fs::create_dir_all(&modules).unwrap();
+    std::fs::copy(hf.join("config.json"), modules.join("config.json")).unwrap();
+    rename_tensors(&hf.join("model.safetensors"), &modules.join("model.safetensors"), |n| {
+        match n.strip_prefix("language_model.model.") {
+            Some(rest) => format!("model.language_model.{rest}"),
+            None => format!("model.{n}"),
+        }
+    });
+    assert!(tensors(&modules).contains_key("model.language_model.layers.5.mlp.down_proj.weight"));
+    check_against_transformers("gemma3", &["--hf", s(&modules)], &dir);
+
+    // A tensor that is neither the text model's nor the vision tower's is named.
+    let stray = dir.join("stray");
+    std::fs::create_dir_all(&stray).unwrap();
+    std::fs::copy(hf.join("config.json"), stray.join("config.json")).unwrap();
+    rename_tensors(&hf.join("model.safetensors"), &stray.join("model.safetensors"), |n| {
+        n.replace("multi_modal_projector.mm_soft_emb_norm", "audio_tower.norm")
+    });
+    fails(
+        &["import-hf", s(&stray), "--out", s(&dir.join("x"))],
+        "1 tensor(s) that a Gemma3ForCausalLM with this config.json does not have: audio_tower.norm.weight",
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// transformers loads what the engine exports and computes the same logits (needs Python with
 /// torch and transformers: ENGINE_TEST_TORCH_PYTHON; skipped without).
 #[test]
 fn transformers_loads_the_export() {
     let Some(python) = python_with("ENGINE_TEST_TORCH_PYTHON", "transformers", false) else { return };
     let dir = scratch("hf-transformers");
-    for model in ALL_MODELS {
-        let ck = dir.join(format!("{model}-ckpt"));
-        let out = dir.join(model);
-        ok(&["import-hf", s(&fixture(&format!("hf/{model}"))), "--out", s(&ck)]);
+    // (the model, the fixture whose tokens and logits it computes): a multimodal Gemma 3 exports
+    // its text model, gemma3's.
+    let models = ALL_MODELS.iter().map(|m| (*m, *m)).chain([("gemma3-multimodal", "gemma3")]);
+    for (source, model) in models {
+        let ck = dir.join(format!("{source}-ckpt"));
+        let out = dir.join(source);
+        ok(&["import-hf", s(&fixture(&format!("hf/{source}"))), "--out", s(&ck)]);
         ok(&["export-hf", s(&ck), "--out", s(&out), "--dtype", "f32"]);
         let script = r#"
 import json, sys, torch
@@ -310,11 +383,11 @@ print(type(m).__name__, (logits - ref).abs().max().item())
             .output()
             .unwrap();
         let text = String::from_utf8_lossy(&run.stdout);
-        assert!(run.status.success(), "{model}: {}", String::from_utf8_lossy(&run.stderr));
+        assert!(run.status.success(), "{source}: {}", String::from_utf8_lossy(&run.stderr));
         let (class, diff) = text.trim().rsplit_once(' ').unwrap();
         let family = model.split('-').next().unwrap();
-        assert!(class.to_lowercase().starts_with(family), "{model}: loaded as {class}");
-        assert!(diff.parse::<f64>().unwrap() < 1e-4, "{model}: transformers' logits of the export differ by {diff}");
+        assert!(class.to_lowercase().starts_with(family), "{source}: loaded as {class}");
+        assert!(diff.parse::<f64>().unwrap() < 1e-4, "{source}: transformers' logits of the export differ by {diff}");
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
@@ -344,6 +417,44 @@ fn fine_tuning_starts_from_a_gpt2() {
     let exported = dir.join("exported");
     ok(&["export-hf", s(&run.join("checkpoints/step-000002")), "--out", s(&exported)]);
     assert_same(&tensors(&exported), &tensors(&hf), "zero learning rate: the weights are the imported ones");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// `train --init-from-hf` with Gemma 3 (f32, and bf16 with a final softcap): the model is the
+/// directory's, a zero learning rate gives back its weights byte for byte, and with a learning
+/// rate the loss goes down.
+#[test]
+fn fine_tuning_starts_from_a_gemma3() {
+    let dir = scratch("hf-finetune-gemma3");
+    for model in ["gemma3", "gemma3-softcap"] {
+        let hf = fixture(&format!("hf/{model}"));
+        let run = dir.join(format!("{model}-run"));
+        #[rustfmt::skip]
+        ok(&[
+            "train", "--recipe", "tiny-gemma3", "--init-from-hf", s(&hf), "--run-dir", s(&run), "--steps", "2",
+            "--set", "train.seq_len=16", "--set", "optim.lr=0", "--set", "train.checkpoint_every=1",
+            "--set", "data.source=synthetic",
+        ]);
+        let config = std::fs::read_to_string(run.join("config.toml")).unwrap();
+        assert!(
+            config.contains("family = \"gemma3\"")
+                && config.contains("vocab_size = 96")
+                && config.contains("tie_embeddings = true"),
+            "{model}: the model is the directory's: {config}"
+        );
+        let exported = dir.join(format!("{model}-exported"));
+        ok(&["export-hf", s(&run.join("checkpoints/step-000002")), "--out", s(&exported)]);
+        assert_same(&tensors(&exported), &tensors(&hf), &format!("{model}: zero learning rate"));
+    }
+    let run = dir.join("learning");
+    #[rustfmt::skip]
+    ok(&[
+        "train", "--recipe", "tiny-gemma3", "--init-from-hf", s(&fixture("hf/gemma3")), "--run-dir", s(&run),
+        "--steps", "6", "--set", "train.seq_len=16", "--set", "optim.lr=1e-2", "--set", "train.checkpoint_every=6",
+        "--set", "data.source=synthetic",
+    ]);
+    let m = metrics(&run);
+    assert!(m[5]["loss"].as_f64().unwrap() < m[0]["loss"].as_f64().unwrap(), "fine-tuning did not lower the loss");
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -426,18 +537,23 @@ fn fine_tuning_starts_from_the_hugging_face_weights() {
 #[test]
 fn unreadable_models_are_named() {
     let dir = scratch("hf-errors");
-    let copy = |name: &str, edit: &dyn Fn(&mut serde_json::Value)| {
+    // A copy of fixture `model` named `name`, its config.json edited.
+    let copy_of = |model: &str, name: &str, edit: &dyn Fn(&mut serde_json::Value)| {
         let d = dir.join(name);
         std::fs::create_dir_all(&d).unwrap();
         for f in ["model.safetensors", "tokenizer.json"] {
-            std::fs::copy(fixture("hf/llama").join(f), d.join(f)).unwrap();
+            if fixture(&format!("hf/{model}")).join(f).exists() {
+                std::fs::copy(fixture(&format!("hf/{model}")).join(f), d.join(f)).unwrap();
+            }
         }
         let mut c: serde_json::Value =
-            serde_json::from_slice(&std::fs::read(fixture("hf/llama/config.json")).unwrap()).unwrap();
+            serde_json::from_slice(&std::fs::read(fixture(&format!("hf/{model}/config.json"))).unwrap()).unwrap();
         edit(&mut c);
         std::fs::write(d.join("config.json"), serde_json::to_vec(&c).unwrap()).unwrap();
         d
     };
+    let copy = |name: &str, edit: &dyn Fn(&mut serde_json::Value)| copy_of("llama", name, edit);
+    let gemma3 = |name: &str, edit: &dyn Fn(&mut serde_json::Value)| copy_of("gemma3", name, edit);
     let cases: Vec<(std::path::PathBuf, &str)> = vec![
         (
             copy("neox", &|c| c["architectures"] = serde_json::json!(["GPTNeoXForCausalLM"])),
@@ -470,6 +586,37 @@ fn unreadable_models_are_named() {
         (
             copy("longrope", &|c| c["rope_scaling"] = serde_json::json!({"rope_type": "longrope", "factor": 4.0})),
             "rope_scaling.rope_type = \"longrope\" is not supported",
+        ),
+        (gemma3("gemma3-window0", &|c| c["sliding_window"] = 0.into()), "sliding_window = 0 is not supported"),
+        (gemma3("gemma3-window-1", &|c| c["sliding_window"] = (-1).into()), "sliding_window = -1 is not supported"),
+        (
+            gemma3("gemma3-types", &|c| c["layer_types"] = serde_json::json!(vec!["full_attention"; 5])),
+            "layer_types lists 5 layers but num_hidden_layers = 6",
+        ),
+        (
+            gemma3("gemma3-bidirectional", &|c| c["use_bidirectional_attention"] = true.into()),
+            "use_bidirectional_attention = true is not supported",
+        ),
+        (
+            gemma3("gemma3-gelu", &|c| c["hidden_activation"] = "gelu".into()),
+            "hidden_activation = \"gelu\" is not supported",
+        ),
+        (
+            gemma3("gemma3-yarn", &|c| c["rope_parameters"]["full_attention"]["rope_type"] = "yarn".into()),
+            "rope_parameters.full_attention.rope_type = \"yarn\" is not supported",
+        ),
+        (
+            copy_of("gemma3-multimodal", "gemma3-multimodal-window0", &|c| {
+                c["text_config"]["sliding_window"] = 0.into()
+            }),
+            "text_config.sliding_window = 0 is not supported",
+        ),
+        (
+            // The text model's weights under a multimodal config.json that is deeper.
+            copy_of("gemma3-multimodal", "gemma3-multimodal-deeper", &|c| {
+                c["text_config"]["num_hidden_layers"] = 7.into()
+            }),
+            "tensor language_model.model.layers.6.input_layernorm.weight is missing",
         ),
         (dir.join("nothing"), "cannot read"),
         (

@@ -77,6 +77,7 @@ fn the_quick_suite_passes_against_the_committed_baselines() {
         "tiny-qwen3-moe",
         "tiny-deepseek-v3",
         "tiny-gpt-oss",
+        "tiny-gemma3",
         "checkpoint-resume",
         "hf-roundtrip",
         "data-prepare",
@@ -89,14 +90,14 @@ fn the_quick_suite_passes_against_the_committed_baselines() {
     );
 
     let cases = junit_cases(&report.join("junit.xml"));
-    assert_eq!(cases.len(), 12, "{cases:?}");
+    assert_eq!(cases.len(), 13, "{cases:?}");
     assert!(cases.contains(&"gpu-parity skip".to_string()) && cases.contains(&"tiny-llama2 pass".to_string()));
     let sum = summary(&report);
-    assert_eq!((sum["passed"].as_u64(), sum["failed"].as_u64(), sum["skipped"].as_u64()), (Some(11), Some(0), Some(1)));
+    assert_eq!((sum["passed"].as_u64(), sum["failed"].as_u64(), sum["skipped"].as_u64()), (Some(12), Some(0), Some(1)));
     assert_eq!(sum["mode"], "quick");
     assert_eq!(sum["device_class"], "cpu");
     assert_eq!(sum["reference"], "cpu baseline");
-    assert_eq!(sum["checks"].as_array().unwrap().len(), 12);
+    assert_eq!(sum["checks"].as_array().unwrap().len(), 13);
     // Written atomically: nothing else in the report directory.
     let mut names: Vec<String> =
         fs::read_dir(&report).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
@@ -104,7 +105,7 @@ fn the_quick_suite_passes_against_the_committed_baselines() {
     assert_eq!(names, ["junit.xml", "report.html", "summary.json"]);
     let html = fs::read_to_string(report.join("report.html")).unwrap();
     assert!(
-        html.contains("11 passed, 0 failed, 1 skipped") && html.contains(sum["device"].as_str().unwrap()),
+        html.contains("12 passed, 0 failed, 1 skipped") && html.contains(sum["device"].as_str().unwrap()),
         "{html}"
     );
     for check in [
@@ -116,6 +117,7 @@ fn the_quick_suite_passes_against_the_committed_baselines() {
         "tiny-qwen3-moe",
         "tiny-deepseek-v3",
         "tiny-gpt-oss",
+        "tiny-gemma3",
     ] {
         let curve = &sum["checks"].as_array().unwrap().iter().find(|c| c["name"] == check).unwrap()["curve"];
         assert_eq!(curve["failing_steps"], serde_json::json!([]), "{check}");

@@ -147,7 +147,7 @@ impl MatMul {
 
 /// Shape of causal attention over a packed `qkv` buffer whose rows are
 /// `[q: n_heads · head_dim | k: n_kv_heads · head_dim | v: n_kv_heads · head_dim]`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AttnShape {
     /// Sequences.
     pub batch: usize,
@@ -161,9 +161,17 @@ pub struct AttnShape {
     pub head_dim: usize,
     /// Sliding window W (query i sees keys j with i - W < j <= i); 0 for none.
     pub window: usize,
+    /// The softmax's scale of `q · kᵀ`; `None`: `1 / sqrt(head_dim)`. Gemma 3's
+    /// `query_pre_attn_scalar` s makes it `1 / sqrt(s)`.
+    pub scale: Option<f32>,
 }
 
 impl AttnShape {
+    /// The scale of the attention logits, `q · kᵀ · scale`.
+    pub fn softmax_scale(&self) -> f32 {
+        self.scale.unwrap_or_else(|| 1.0 / (self.head_dim as f32).sqrt())
+    }
+
     /// Width of a packed qkv row.
     pub fn qkv_width(&self) -> usize {
         (self.n_heads + 2 * self.n_kv_heads) * self.head_dim
@@ -241,6 +249,8 @@ impl MlaShape {
             n_kv_heads: self.heads,
             head_dim: self.qk(),
             window: 0,
+            // The queries come pre-scaled (`mla_qkv_forward`'s `q_scale`).
+            scale: None,
         }
     }
 }
@@ -548,6 +558,8 @@ pub trait Backend {
     fn copy(&mut self, dst: View, src: View);
     /// `dst += src`.
     fn add(&mut self, dst: View, src: View);
+    /// `dst *= s` element-wise.
+    fn scale(&mut self, dst: View, s: f32);
     /// `out[0] = Σ x`.
     fn sum(&mut self, out: View, x: View);
     /// `out[0] = Σ x²`.
@@ -628,12 +640,14 @@ pub trait Backend {
     /// [`Backend::embedding_backward`] into a slice of the table: only the slice's tokens add.
     fn embedding_backward_slice(&mut self, dtable: View, dout: View, tokens: IdxView, d: usize, first: usize);
 
-    /// `out = x · rstd · w` with `rstd = 1 / sqrt(mean(x²) + eps)` per row of width `d`;
-    /// saves `rstd` for the backward pass.
-    fn rmsnorm_forward(&mut self, out: View, rstd: View, x: View, w: View, d: usize, eps: f32);
+    /// `out = x · rstd · (offset + w)` with `rstd = 1 / sqrt(mean(x²) + eps)` per row of width
+    /// `d`, `offset + w` taken in f32 (Gemma stores its norms' weights as offsets from one:
+    /// `offset` 1; 0 for the others); saves `rstd` for the backward pass.
+    fn rmsnorm_forward(&mut self, out: View, rstd: View, x: View, w: View, offset: f32, d: usize, eps: f32);
     /// Adds the input gradient to `dx` (`+=`: the residual stream's gradient) and the weight
-    /// gradient to `dw`.
-    fn rmsnorm_backward(&mut self, dx: View, dw: View, dout: View, x: View, w: View, rstd: View, d: usize);
+    /// gradient to `dw` (the same for any `offset`).
+    #[allow(clippy::too_many_arguments)]
+    fn rmsnorm_backward(&mut self, dx: View, dw: View, dout: View, x: View, w: View, offset: f32, rstd: View, d: usize);
 
     /// LayerNorm with weight and bias (the GPT family): per row of width `d`,
     /// `out = (x - μ) · rstd · w + b` with `rstd = 1 / sqrt(mean((x - μ)²) + eps)`, statistics in
@@ -654,14 +668,17 @@ pub trait Backend {
         d: usize,
     );
 
-    /// QK-norm (Qwen3): RMSNorm of width `head_dim` over each query head (weight `w[..Dh]`) and
-    /// each key head (`w[Dh..]`) of packed qkv rows, before RoPE: `out`'s q and k parts are
-    /// normalised, its v part copied from `qkv`; saves `rstd[N, H + KV]`.
-    fn qk_norm_forward(&mut self, out: View, rstd: View, qkv: View, w: View, shape: AttnShape, eps: f32);
+    /// QK-norm (Qwen3, Gemma 3): RMSNorm of width `head_dim` over each query head (weight
+    /// `w[..Dh]`) and each key head (`w[Dh..]`) of packed qkv rows, before RoPE, multiplying by
+    /// `offset + w` as [`Backend::rmsnorm_forward`]: `out`'s q and k parts are normalised, its v
+    /// part copied from `qkv`; saves `rstd[N, H + KV]`.
+    #[allow(clippy::too_many_arguments)]
+    fn qk_norm_forward(&mut self, out: View, rstd: View, qkv: View, w: View, offset: f32, shape: AttnShape, eps: f32);
     /// The backward pass of [`Backend::qk_norm_forward`], in place: `dqkv`'s q and k parts (the
     /// gradient of `out`) become the gradient of its input `qkv` (v's passes through unchanged);
     /// the weight gradients add to `dw` (`[dwq | dwk]`).
-    fn qk_norm_backward(&mut self, dqkv: View, dw: View, qkv: View, w: View, rstd: View, shape: AttnShape);
+    #[allow(clippy::too_many_arguments)]
+    fn qk_norm_backward(&mut self, dqkv: View, dw: View, qkv: View, w: View, offset: f32, rstd: View, shape: AttnShape);
 
     /// Rotates the q and k parts of packed qkv rows by RoPE, in place; `inverse` rotates back
     /// (the backward pass). `rope` is `[seq, head_dim / 2]` pairs `(cos, sin)` interleaved.
@@ -855,6 +872,12 @@ pub trait Backend {
     /// Gradient of [`Backend::glu_forward`] with respect to `gu` (`=`); [`Glu::Swiglu`] is
     /// [`Backend::swiglu_backward`].
     fn glu_backward(&mut self, dgu: View, dh: View, gu: View, f: usize, kind: Glu);
+
+    /// `x = cap · tanh(x / cap)` element-wise, in place (Gemma's final-logit soft-capping).
+    fn softcap_forward(&mut self, x: View, cap: f32);
+    /// Gradient of [`Backend::softcap_forward`], in place: `dx = dx · (1 − tanh²(x / cap))`,
+    /// `x` the values before capping.
+    fn softcap_backward(&mut self, dx: View, x: View, cap: f32);
 
     /// `h = gelu(u)` element-wise (the GPT family's MLP): the tanh approximation when `tanh`,
     /// else the exact `u · Φ(u)`.

@@ -143,6 +143,9 @@ impl<B: Backend> Backend for Traced<B> {
     fn add(&mut self, dst: View, src: View) {
         self.time("add", |b| b.add(dst, src))
     }
+    fn scale(&mut self, dst: View, s: f32) {
+        self.time("scale", |b| b.scale(dst, s))
+    }
     fn sum(&mut self, out: View, x: View) {
         self.time("sum", |b| b.sum(out, x))
     }
@@ -187,17 +190,17 @@ impl<B: Backend> Backend for Traced<B> {
     fn embedding_backward_slice(&mut self, dtable: View, dout: View, tokens: IdxView, d: usize, first: usize) {
         self.time("embedding_backward", |b| b.embedding_backward_slice(dtable, dout, tokens, d, first))
     }
-    fn rmsnorm_forward(&mut self, out: View, rstd: View, x: View, w: View, d: usize, eps: f32) {
-        self.time("rmsnorm_forward", |b| b.rmsnorm_forward(out, rstd, x, w, d, eps))
+    fn rmsnorm_forward(&mut self, out: View, rstd: View, x: View, w: View, offset: f32, d: usize, eps: f32) {
+        self.time("rmsnorm_forward", |b| b.rmsnorm_forward(out, rstd, x, w, offset, d, eps))
     }
-    fn rmsnorm_backward(&mut self, dx: View, dw: View, dout: View, x: View, w: View, rstd: View, d: usize) {
-        self.time("rmsnorm_backward", |b| b.rmsnorm_backward(dx, dw, dout, x, w, rstd, d))
+    fn rmsnorm_backward(&mut self, dx: View, dw: View, dout: View, x: View, w: View, offset: f32, rstd: View, d: usize) {
+        self.time("rmsnorm_backward", |b| b.rmsnorm_backward(dx, dw, dout, x, w, offset, rstd, d))
     }
-    fn qk_norm_forward(&mut self, out: View, rstd: View, qkv: View, w: View, shape: AttnShape, eps: f32) {
-        self.time("qk_norm_forward", |b| b.qk_norm_forward(out, rstd, qkv, w, shape, eps))
+    fn qk_norm_forward(&mut self, out: View, rstd: View, qkv: View, w: View, offset: f32, shape: AttnShape, eps: f32) {
+        self.time("qk_norm_forward", |b| b.qk_norm_forward(out, rstd, qkv, w, offset, shape, eps))
     }
-    fn qk_norm_backward(&mut self, dqkv: View, dw: View, qkv: View, w: View, rstd: View, shape: AttnShape) {
-        self.time("qk_norm_backward", |b| b.qk_norm_backward(dqkv, dw, qkv, w, rstd, shape))
+    fn qk_norm_backward(&mut self, dqkv: View, dw: View, qkv: View, w: View, offset: f32, rstd: View, shape: AttnShape) {
+        self.time("qk_norm_backward", |b| b.qk_norm_backward(dqkv, dw, qkv, w, offset, rstd, shape))
     }
     fn rope(&mut self, qkv: View, rope: View, shape: AttnShape, inverse: bool) {
         self.time(if inverse { "rope_backward" } else { "rope_forward" }, |b| b.rope(qkv, rope, shape, inverse))
@@ -320,6 +323,12 @@ impl<B: Backend> Backend for Traced<B> {
         d: usize,
     ) {
         self.time("layernorm_backward", |be| be.layernorm_backward(dx, dw, db, dout, x, w, mean, rstd, d))
+    }
+    fn softcap_forward(&mut self, x: View, cap: f32) {
+        self.time("softcap_forward", |b| b.softcap_forward(x, cap))
+    }
+    fn softcap_backward(&mut self, dx: View, x: View, cap: f32) {
+        self.time("softcap_backward", |b| b.softcap_backward(dx, x, cap))
     }
     fn gelu_forward(&mut self, h: View, u: View, tanh: bool) {
         self.time("gelu_forward", |b| b.gelu_forward(h, u, tanh))

@@ -139,7 +139,9 @@ impl ModelConfig {
         let positions = if self.is_gpt() { self.max_seq_len as u64 * d } else { 0 };
         let embedding = tokens + positions;
         let head = if self.tie_embeddings { 0 } else { tokens };
-        let norms_per_layer = 2 * d + self.attention_norm_params() + self.layer_bias_params();
+        // Two norms a layer (four with Gemma 3's sandwich norms).
+        let norms = if self.sandwich_norms() { 4 } else { 2 };
+        let norms_per_layer = norms * d + self.attention_norm_params() + self.layer_bias_params();
         // The final norm: RMSNorm's weight, or LayerNorm's weight and bias.
         let final_norm = if self.is_gpt() { 2 * d } else { d };
         let (mlp_total, mlp_active) =

@@ -41,6 +41,13 @@ pub enum Family {
     /// clamped SwiGLU (`glu_limit`, `glu_alpha`).
     #[serde(rename = "gpt_oss")]
     GptOss,
+    /// `Gemma3ForCausalLM` (the text model of every Gemma 3 size): QK-norm, sandwich norms
+    /// (each of attention and the MLP normed before and after, the output's norm before the
+    /// residual add), RMSNorm weights stored as offsets from one (`1 + w`), a GELU-tanh gated
+    /// MLP, the embedding scaled by √d, local layers (`sliding_window`, `window_pattern`,
+    /// `rope_local_theta`) among global ones (`rope_theta`, `rope_linear_factor`),
+    /// `query_pre_attn_scalar`, optional final-logit soft-capping.
+    Gemma3,
 }
 
 impl Family {
@@ -55,6 +62,7 @@ impl Family {
             Family::Qwen3Moe => "qwen3_moe",
             Family::DeepseekV3 => "deepseek_v3",
             Family::GptOss => "gpt_oss",
+            Family::Gemma3 => "gemma3",
         }
     }
 
@@ -65,7 +73,7 @@ impl Family {
 
     /// Whether some layers may attend through a sliding window (`model.sliding_window`).
     pub fn has_windows(self) -> bool {
-        matches!(self, Family::Mistral | Family::Mixtral | Family::GptOss)
+        matches!(self, Family::Mistral | Family::Mixtral | Family::GptOss | Family::Gemma3)
     }
 }
 
@@ -111,8 +119,14 @@ section! {
         pub mlp_dim: usize = 0,
         /// RMSNorm epsilon (LayerNorm's for the GPT family).
         pub norm_eps: f64 = 1e-5,
-        /// RoPE base.
+        /// RoPE base (of the global layers when `rope_local_theta` is set).
         pub rope_theta: f64 = 10_000.0,
+        /// RoPE base of the sliding-window layers, which no scaling applies to (Gemma 3's
+        /// `rope_local_base_freq`); 0: every layer uses `rope_theta`.
+        pub rope_local_theta: f64 = 0.0,
+        /// Linear RoPE scaling (`rope_type = "linear"`): every frequency of the layers on
+        /// `rope_theta` divided by it (Gemma 3 4b-27b: 8); 1: none.
+        pub rope_linear_factor: f64 = 1.0,
         /// Llama 3.1 frequency scaling of RoPE; absent means none.
         pub rope_scaling: Option<RopeScaling> = None,
         /// YaRN frequency scaling of RoPE (`rope_type = "yarn"`); absent means none.
@@ -145,6 +159,12 @@ section! {
         pub glu_limit: f64 = 7.0,
         /// GPT-OSS's clamped SwiGLU: `gate · sigmoid(glu_alpha · gate)` (`swiglu_alpha`).
         pub glu_alpha: f64 = 1.702,
+        /// Gemma 3: the attention logits are scaled by `query_pre_attn_scalar^-1/2`; 0: by
+        /// `head_dim^-1/2`.
+        pub query_pre_attn_scalar: f64 = 0.0,
+        /// Gemma's final-logit soft-capping: `logits = c · tanh(logits / c)` before the loss
+        /// (`final_logit_softcapping`); 0: none.
+        pub final_logit_softcap: f64 = 0.0,
     }
 }
 
@@ -270,6 +290,7 @@ impl ModelConfig {
                 }
             }
         }
+        self.validate_gemma3()?;
         if self.is_gpt() {
             if self.sliding_window != 0 {
                 bail!("model.sliding_window is set but model.family = \"gpt\" has no sliding window");
@@ -347,9 +368,40 @@ impl ModelConfig {
         self.family == Family::Gpt
     }
 
-    /// Whether attention normalises each query and key head before RoPE (QK-norm: Qwen3).
+    /// Whether attention normalises each query and key head before RoPE (QK-norm: Qwen3,
+    /// Gemma 3).
     pub fn qk_norm(&self) -> bool {
-        matches!(self.family, Family::Qwen3 | Family::Qwen3Moe)
+        matches!(self.family, Family::Qwen3 | Family::Qwen3Moe | Family::Gemma3)
+    }
+
+    /// What the RMSNorms add to their stored weights before multiplying: 1 for Gemma 3, whose
+    /// checkpoints store `w` of `x · rstd · (1 + w)`; 0 for the others.
+    pub fn norm_offset(&self) -> f32 {
+        if self.family == Family::Gemma3 { 1.0 } else { 0.0 }
+    }
+
+    /// Whether the attention's and the MLP's outputs are normed before the residual add
+    /// (Gemma 3's `post_attention_layernorm` and `post_feedforward_layernorm`).
+    pub fn sandwich_norms(&self) -> bool {
+        self.family == Family::Gemma3
+    }
+
+    /// What the token embedding is multiplied by: Gemma's √d (computed in f64 and rounded to
+    /// f32, as transformers' f32 `embed_scale`); none for the others.
+    pub fn embed_scale(&self) -> Option<f32> {
+        (self.family == Family::Gemma3).then(|| (self.d_model as f64).sqrt() as f32)
+    }
+
+    /// The attention's softmax scale when not `head_dim^-1/2`: `query_pre_attn_scalar^-1/2`
+    /// (in f64, rounded to f32 as transformers' `self.scaling`).
+    pub fn attn_scale(&self) -> Option<f32> {
+        (self.query_pre_attn_scalar > 0.0).then(|| self.query_pre_attn_scalar.powf(-0.5) as f32)
+    }
+
+    /// Whether layer `i` rotates by `rope_local_theta`, unscaled (a sliding layer of a model
+    /// with a local base); else by `rope_theta` with the model's scaling.
+    pub fn local_rope(&self, i: usize) -> bool {
+        self.rope_local_theta > 0.0 && self.window(i) != 0
     }
 
     /// Whether layer `i`'s MLP is a mixture of experts (not one of `model.moe.dense_layers`).
@@ -388,6 +440,42 @@ impl ModelConfig {
             (None, 0) => false,
             (None, n) => (i + 1).is_multiple_of(n),
         }
+    }
+
+    /// Gemma 3's keys: only its family's (no other checkpoint could hold them), in range.
+    fn validate_gemma3(&self) -> Result<()> {
+        let gemma = self.family == Family::Gemma3;
+        let only = [
+            ("rope_local_theta", self.rope_local_theta != 0.0),
+            ("query_pre_attn_scalar", self.query_pre_attn_scalar != 0.0),
+            ("final_logit_softcap", self.final_logit_softcap != 0.0),
+            ("rope_linear_factor", self.rope_linear_factor != 1.0),
+        ];
+        if let Some((key, _)) = only.iter().find(|(_, set)| *set && !gemma) {
+            bail!(
+                "model.{key} is Gemma 3's, which model.family = \"{}\" does not have; use model.family = \"gemma3\"",
+                self.family.name()
+            );
+        }
+        for (key, value) in [
+            ("model.rope_local_theta", self.rope_local_theta),
+            ("model.query_pre_attn_scalar", self.query_pre_attn_scalar),
+            ("model.final_logit_softcap", self.final_logit_softcap),
+        ] {
+            if !(value == 0.0 || positive_number(value)) {
+                bail!("{key} = {value} must be a positive number (or 0: none)");
+            }
+        }
+        if !at_least(self.rope_linear_factor, 1.0) {
+            bail!("model.rope_linear_factor = {} must be at least 1 (1: no scaling)", self.rope_linear_factor);
+        }
+        if self.rope_linear_factor != 1.0 && (self.rope_scaling.is_some() || self.yarn.is_some()) {
+            bail!("model.rope_linear_factor is set with model.rope_scaling or model.yarn; RoPE is scaled one way");
+        }
+        if gemma && self.rope_local_theta == 0.0 {
+            bail!("model.family = \"gemma3\" needs model.rope_local_theta (its local layers' RoPE base, 10000 in every release)");
+        }
+        Ok(())
     }
 
     /// `window_pattern` and `layer_types`: one or the other, of the right length, with a window.

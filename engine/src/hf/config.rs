@@ -1,7 +1,9 @@
 //! `config.json` of `LlamaForCausalLM`, `MistralForCausalLM`, `MixtralForCausalLM`,
-//! `GPT2LMHeadModel`, `Qwen3ForCausalLM`, `Qwen3MoeForCausalLM` and `DeepseekV3ForCausalLM`: read
-//! into a [`ModelConfig`] with transformers' (5.25) defaults for absent keys, and written back.
-//! Keys whose values change the math in ways the engine does not compute are refused by name.
+//! `GPT2LMHeadModel`, `Qwen3ForCausalLM`, `Qwen3MoeForCausalLM`, `DeepseekV3ForCausalLM`,
+//! `GptOssForCausalLM` and Gemma 3 (`Gemma3ForCausalLM` and the text model of
+//! `Gemma3ForConditionalGeneration`: `gemma3.rs`): read into a [`ModelConfig`] with transformers'
+//! (5.25) defaults for absent keys, and written back. Keys whose values change the math in ways
+//! the engine does not compute are refused by name.
 //!
 //! RoPE comes in two spellings: `rope_theta` with an optional `rope_scaling` table (transformers
 //! 4), or one `rope_parameters` table holding `rope_theta` and `rope_type` (transformers 5).
@@ -27,10 +29,11 @@
 use anyhow::{Result, anyhow, bail};
 use serde_json::{Map, Value, json};
 
+use super::gemma3;
 use crate::config::{Family, Gelu, LayerType, MlaConfig, ModelConfig, MoeConfig, RopeScaling, Scoring, Yarn};
 
 /// The architectures (`architectures[0]`) this engine reads and writes.
-pub const ARCHITECTURES: [(&str, Family); 8] = [
+pub const ARCHITECTURES: [(&str, Family); 10] = [
     ("LlamaForCausalLM", Family::Llama),
     ("MistralForCausalLM", Family::Mistral),
     ("MixtralForCausalLM", Family::Mixtral),
@@ -39,6 +42,9 @@ pub const ARCHITECTURES: [(&str, Family); 8] = [
     ("Qwen3MoeForCausalLM", Family::Qwen3Moe),
     ("DeepseekV3ForCausalLM", Family::DeepseekV3),
     ("GptOssForCausalLM", Family::GptOss),
+    ("Gemma3ForCausalLM", Family::Gemma3),
+    // Its text model ([`gemma3::parse_multimodal`]); exported as the line above.
+    (gemma3::MULTIMODAL, Family::Gemma3),
 ];
 
 fn architecture(f: Family) -> &'static str {
@@ -55,12 +61,16 @@ fn model_type(f: Family) -> &'static str {
         Family::Qwen3Moe => "qwen3_moe",
         Family::DeepseekV3 => "deepseek_v3",
         Family::GptOss => "gpt_oss",
+        Family::Gemma3 => "gemma3_text",
     }
 }
 
 /// Reads a model configuration from a `config.json` value; `file` names it in errors.
 pub fn parse(v: &Value, file: &str) -> Result<ModelConfig> {
     let obj = v.as_object().ok_or_else(|| anyhow!("{file} is not a JSON object"))?;
+    if gemma3::is_multimodal(obj) {
+        return gemma3::parse_multimodal(obj, file);
+    }
     let family = match obj.get("architectures").and_then(|a| a.get(0)).and_then(Value::as_str) {
         Some(arch) => match ARCHITECTURES.iter().find(|(name, _)| *name == arch) {
             Some((_, f)) => *f,
@@ -78,8 +88,10 @@ pub fn parse(v: &Value, file: &str) -> Result<ModelConfig> {
             ),
         },
     };
-    if family == Family::Gpt {
-        return parse_gpt2(obj, file);
+    match family {
+        Family::Gpt => return parse_gpt2(obj, file),
+        Family::Gemma3 => return gemma3::parse(obj, file, ""),
+        _ => {}
     }
     // A key that is absent or null takes transformers' default.
     let get = |key: &str| obj.get(key).filter(|v| !v.is_null());
@@ -141,6 +153,7 @@ pub fn parse(v: &Value, file: &str) -> Result<ModelConfig> {
         Family::Qwen3 | Family::Qwen3Moe => (10_000.0, 1e-6, 32768),
         Family::DeepseekV3 => (10_000.0, 1e-6, 4096),
         Family::GptOss => (150_000.0, 1e-5, 131_072),
+        Family::Gemma3 => (1_000_000.0, 1e-6, 131_072),
     };
     match family {
         Family::Qwen3 | Family::Qwen3Moe => qwen3_refusals(obj, file)?,
@@ -307,33 +320,51 @@ pub fn parse(v: &Value, file: &str) -> Result<ModelConfig> {
         gelu: Gelu::Tanh,
         yarn,
         mla,
+        rope_local_theta: 0.0,
+        rope_linear_factor: 1.0,
+        query_pre_attn_scalar: 0.0,
+        final_logit_softcap: 0.0,
     })
 }
 
 /// GPT-OSS's `layer_types` (absent: sliding and full in turn, layer 0 sliding), checked.
 fn gpt_oss_layer_types(obj: &Map<String, Value>, file: &str, n_layers: usize) -> Result<Vec<LayerType>> {
-    let Some(types) = obj.get("layer_types").filter(|v| !v.is_null()) else {
+    if obj.get("layer_types").is_none_or(Value::is_null) {
         return Ok((0..n_layers)
             .map(|i| if (i + 1) % 2 == 0 { LayerType::Full } else { LayerType::Sliding })
             .collect());
-    };
-    let list = types.as_array().ok_or_else(|| anyhow!("{file}: layer_types = {types} is not a list"))?;
+    }
+    read_layer_types(obj, file, "", n_layers)
+}
+
+/// The `layer_types` list of `obj` (present, named `{at}layer_types` in errors): one
+/// `"sliding_attention"` or `"full_attention"` per layer.
+pub(super) fn read_layer_types(
+    obj: &Map<String, Value>,
+    file: &str,
+    at: &str,
+    n_layers: usize,
+) -> Result<Vec<LayerType>> {
+    let types = &obj["layer_types"];
+    let list = types.as_array().ok_or_else(|| anyhow!("{file}: {at}layer_types = {types} is not a list"))?;
     if list.len() != n_layers {
-        bail!("{file}: layer_types lists {} layers but num_hidden_layers = {n_layers}", list.len());
+        bail!("{file}: {at}layer_types lists {} layers but {at}num_hidden_layers = {n_layers}", list.len());
     }
     list.iter()
         .enumerate()
         .map(|(i, t)| match t.as_str() {
             Some("sliding_attention") => Ok(LayerType::Sliding),
             Some("full_attention") => Ok(LayerType::Full),
-            _ => bail!("{file}: layer_types[{i}] = {t} is not supported (\"sliding_attention\" or \"full_attention\")"),
+            _ => bail!(
+                "{file}: {at}layer_types[{i}] = {t} is not supported (\"sliding_attention\" or \"full_attention\")"
+            ),
         })
         .collect()
 }
 
 /// The `window_pattern` that gives `types` (every N-th layer full, the others sliding; 0 when
 /// none is full), if one does.
-fn pattern_of(types: &[LayerType]) -> Option<usize> {
+pub(super) fn pattern_of(types: &[LayerType]) -> Option<usize> {
     let Some(first_full) = types.iter().position(|t| *t == LayerType::Full) else {
         return Some(0);
     };
@@ -679,8 +710,10 @@ fn deepseek_export(m: &ModelConfig) -> Result<(&MlaConfig, &MoeConfig)> {
 pub fn write(m: &ModelConfig, base: Option<&Value>, dtype: &str) -> Result<Value> {
     let mut o = base.and_then(Value::as_object).cloned().unwrap_or_default();
     let family = m.family;
-    if family == Family::Gpt {
-        return Ok(write_gpt2(m, o, dtype));
+    match family {
+        Family::Gpt => return Ok(write_gpt2(m, o, dtype)),
+        Family::Gemma3 => return gemma3::write(m, o, dtype),
+        _ => {}
     }
     if m.rope_scaling.is_some() && m.yarn.is_some() {
         bail!("model.yarn and model.rope_scaling are both set; RoPE is scaled one way");
@@ -1056,6 +1089,7 @@ mod tests {
                 dense_mlp_dim: 40,
             }),
             gelu: Gelu::Tanh,
+            ..ModelConfig::default()
         }
     }
 
@@ -1378,5 +1412,290 @@ mod tests {
         let m = parse(&zero, "c").unwrap();
         let e = crate::hf::engine_config(&m, "test").validate().unwrap_err().to_string();
         assert!(e.contains("model.sliding_window = 0"), "{e}");
+    }
+
+    const GEMMA3: &str = include_str!("../../../tests/fixtures/hf/gemma3/config.json");
+    const GEMMA3_SOFTCAP: &str = include_str!("../../../tests/fixtures/hf/gemma3-softcap/config.json");
+    const GEMMA3_MULTIMODAL: &str = include_str!("../../../tests/fixtures/hf/gemma3-multimodal/config.json");
+
+    /// The tiny Gemma 3 of tests/fixtures/hf/gemma3: every mapped key.
+    fn gemma3() -> ModelConfig {
+        ModelConfig {
+            family: Family::Gemma3,
+            vocab_size: 96,
+            d_model: 32,
+            n_layers: 6,
+            n_heads: 4,
+            n_kv_heads: 2,
+            head_dim: 12,
+            mlp_dim: 48,
+            norm_eps: 1e-6,
+            rope_theta: 10000.0,
+            rope_local_theta: 100.0,
+            rope_linear_factor: 4.0,
+            max_seq_len: 256,
+            sliding_window: 5,
+            window_pattern: 6,
+            tie_embeddings: true,
+            init_std: 0.02,
+            query_pre_attn_scalar: 20.0,
+            final_logit_softcap: 0.0,
+            ..ModelConfig::default()
+        }
+    }
+
+    /// Both Gemma 3 fixtures: transformers 5's spelling (layer_types, rope_parameters per layer
+    /// type) and the published one (sliding_window_pattern, rope_theta, rope_local_base_freq,
+    /// rope_scaling on the global layers), each written back in its own spelling.
+    #[test]
+    fn gemma3_fixtures_map_every_key() {
+        let file = fixture(GEMMA3);
+        let m = parse(&file, "config.json").unwrap();
+        assert_eq!(m, gemma3());
+        assert_eq!((0..6).map(|i| m.window(i)).collect::<Vec<_>>(), [5, 5, 5, 5, 5, 0]);
+        assert!((0..5).all(|i| m.local_rope(i)) && !m.local_rope(5));
+        round_trip(&file, &m);
+        let bare = write(&m, None, "float32").unwrap();
+        assert_eq!(
+            bare["rope_parameters"],
+            json!({"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0},
+                   "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}})
+        );
+        assert!(bare["query_pre_attn_scalar"].is_u64() && bare["final_logit_softcapping"].is_null());
+        assert_eq!(
+            (bare["architectures"].clone(), bare["model_type"].clone()),
+            (json!(["Gemma3ForCausalLM"]), json!("gemma3_text"))
+        );
+        assert!(bare.get("rope_theta").is_none() && bare.get("sliding_window_pattern").is_none());
+
+        let file = fixture(GEMMA3_SOFTCAP);
+        let m = parse(&file, "config.json").unwrap();
+        let want = ModelConfig {
+            d_model: 48,
+            n_layers: 4,
+            n_kv_heads: 1,
+            head_dim: 16,
+            rope_local_theta: 10.0,
+            rope_linear_factor: 2.0,
+            sliding_window: 6,
+            window_pattern: 3,
+            query_pre_attn_scalar: 24.0,
+            final_logit_softcap: 3.0,
+            ..gemma3()
+        };
+        assert_eq!(m, want);
+        assert_eq!((0..4).map(|i| m.window(i)).collect::<Vec<_>>(), [6, 6, 0, 6]);
+        round_trip(&file, &m);
+        let back = write(&m, Some(&file), "bfloat16").unwrap();
+        assert!(back.get("rope_parameters").is_none() && back["rope_local_base_freq"] == json!(10.0));
+        assert_eq!(back["sliding_window_pattern"], json!(3));
+        // Layers no pattern gives: written as a list, the pattern dropped.
+        let mut odd = m.clone();
+        (odd.window_pattern, odd.layer_types) =
+            (0, vec![LayerType::Full, LayerType::Sliding, LayerType::Full, LayerType::Sliding]);
+        let back = write(&odd, Some(&file), "bfloat16").unwrap();
+        assert!(back.get("sliding_window_pattern").is_none());
+        assert_eq!(parse(&back, "out").unwrap(), odd);
+        // No window: every layer full, the window null.
+        let mut none = m.clone();
+        none.sliding_window = 0;
+        let back = write(&none, None, "float32").unwrap();
+        assert!(back["sliding_window"].is_null());
+        let again = parse(&back, "out").unwrap();
+        assert_eq!((again.sliding_window, (0..4).map(|i| again.window(i)).max()), (0, Some(0)));
+    }
+
+    /// Gemma3ForConditionalGeneration: its sparse text_config with Gemma3TextConfig's defaults,
+    /// tied by the top-level flag, exported as the text model.
+    #[test]
+    fn gemma3_multimodal_reads_its_text_config() {
+        let file = fixture(GEMMA3_MULTIMODAL);
+        let m = parse(&file, "config.json").unwrap();
+        assert_eq!(m, gemma3());
+        let back = write(&m, Some(&file), "float32").unwrap();
+        assert_eq!(
+            (back["architectures"].clone(), back["model_type"].clone()),
+            (json!(["Gemma3ForCausalLM"]), json!("gemma3_text"))
+        );
+        assert!(
+            ["text_config", "vision_config", "mm_tokens_per_image"].iter().all(|k| back.get(k).is_none()),
+            "{back}"
+        );
+        assert!(
+            back.get("rope_parameters").is_none()
+                && back["rope_scaling"] == json!({"rope_type": "linear", "factor": 4.0})
+        );
+        assert_eq!(parse(&back, "out").unwrap(), m);
+        // gemma-3-4b's text_config, as published: the rest are defaults.
+        let published = json!({
+            "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+            "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                            "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                            "sliding_window": 1024},
+            "vision_config": {"hidden_size": 1152, "model_type": "siglip_vision_model"}
+        });
+        let m = parse(&published, "c").unwrap();
+        let want = ModelConfig {
+            vocab_size: 262_208,
+            d_model: 2560,
+            n_layers: 34,
+            n_heads: 8,
+            n_kv_heads: 4,
+            head_dim: 256,
+            mlp_dim: 10240,
+            rope_theta: 1e6,
+            rope_local_theta: 1e4,
+            rope_linear_factor: 8.0,
+            max_seq_len: 131_072,
+            sliding_window: 1024,
+            query_pre_attn_scalar: 256.0,
+            ..gemma3()
+        };
+        assert_eq!(m, want);
+        // No text_config at all: Gemma3TextConfig's defaults; the head tied by the top-level flag.
+        let m = parse(&json!({"model_type": "gemma3", "tie_word_embeddings": false}), "c").unwrap();
+        assert_eq!(
+            (m.d_model, m.n_layers, m.mlp_dim, m.tie_embeddings, m.sliding_window),
+            (2304, 26, 9216, false, 4096)
+        );
+        let mut untied_text = published.clone();
+        untied_text["text_config"]["tie_word_embeddings"] = json!(false);
+        assert!(parse(&untied_text, "c").unwrap().tie_embeddings, "transformers ties by the top-level flag");
+        let mut bad = published.clone();
+        bad["text_config"]["sliding_window"] = json!(0);
+        let e = parse(&bad, "config.json").unwrap_err().to_string();
+        assert!(e.starts_with("config.json: text_config.sliding_window = 0 is not supported"), "{e}");
+        bad["text_config"] = json!([1]);
+        assert!(parse(&bad, "c").unwrap_err().to_string().contains("text_config = [1] is not a table"));
+    }
+
+    /// Gemma3TextConfig's defaults and its two RoPE spellings merged as
+    /// `convert_rope_params_to_dict` merges them; what transformers computes otherwise than the
+    /// engine (or fails on) is refused by key, what it ignores is accepted.
+    #[test]
+    fn gemma3_defaults_and_refusals_name_the_key() {
+        let file = fixture(GEMMA3);
+        let with = |patch: Value, remove: &[&str]| {
+            let mut v = file.clone();
+            for k in remove {
+                v.as_object_mut().unwrap().remove(*k);
+            }
+            for (k, x) in patch.as_object().unwrap() {
+                v[k] = x.clone();
+            }
+            parse(&v, "config.json")
+        };
+        // No RoPE keys: 1e6 global, 1e4 local, unscaled. No layer_types: every 6th layer full.
+        let m = with(json!({"num_hidden_layers": 12}), &["rope_parameters", "layer_types"]).unwrap();
+        assert_eq!((m.rope_theta, m.rope_local_theta, m.rope_linear_factor, m.window_pattern), (1e6, 1e4, 1.0, 6));
+        // rope_scaling updates the global table of rope_parameters; top-level thetas fill what
+        // the tables leave out.
+        let m = with(
+            json!({"rope_parameters": {"full_attention": {"rope_type": "default"}},
+                   "rope_scaling": {"rope_type": "linear", "factor": 3.0}, "rope_theta": 500.0,
+                   "rope_local_base_freq": 50.0}),
+            &[],
+        )
+        .unwrap();
+        assert_eq!((m.rope_theta, m.rope_local_theta, m.rope_linear_factor), (500.0, 50.0, 3.0));
+        // Ignored by transformers' Gemma 3: attn_logit_softcapping, hidden_act; a local linear factor of 1.
+        let ignored = json!({"attn_logit_softcapping": 50.0, "hidden_act": "relu",
+                             "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0},
+                                                 "sliding_attention": {"rope_type": "linear", "factor": 1.0, "rope_theta": 100.0}}});
+        assert_eq!(with(ignored, &[]).unwrap(), gemma3());
+        // `_sliding_window_pattern` alone is not read by transformers: agreeing with the default it is harmless.
+        let m = with(json!({"_sliding_window_pattern": 6}), &["layer_types"]).unwrap();
+        assert_eq!(m.window_pattern, 6);
+        let m = with(json!({"sliding_window_pattern": 2, "_sliding_window_pattern": 2}), &["layer_types"]).unwrap();
+        assert_eq!(m.window_pattern, 2);
+        for (patch, remove, says) in [
+            (json!({"sliding_window": 0}), &[][..], "sliding_window = 0 is not supported"),
+            (json!({"sliding_window": -2}), &[][..], "sliding_window = -2 is not supported"),
+            (json!({"sliding_window": null}), &[][..], "sliding_window = null is not supported with sliding layers"),
+            (
+                json!({"layer_types": ["full_attention"]}),
+                &[][..],
+                "layer_types lists 1 layers but num_hidden_layers = 6",
+            ),
+            (
+                json!({"layer_types": ["a", "b", "c", "d", "e", "f"]}),
+                &[][..],
+                "layer_types[0] = \"a\" is not supported",
+            ),
+            (json!({"sliding_window_pattern": 0}), &["layer_types"][..], "sliding_window_pattern = 0 is not supported"),
+            (
+                json!({"_sliding_window_pattern": 3}),
+                &["layer_types"][..],
+                "_sliding_window_pattern = 3 is not read by transformers, which takes sliding_window_pattern = 6 (its default)",
+            ),
+            (
+                json!({"use_bidirectional_attention": true}),
+                &[][..],
+                "use_bidirectional_attention = true is not supported",
+            ),
+            (json!({"hidden_activation": "gelu"}), &[][..], "hidden_activation = \"gelu\" is not supported"),
+            (json!({"hidden_activation": null}), &[][..], "hidden_activation = null is not supported"),
+            (json!({"attention_bias": true}), &[][..], "attention_bias = true is not supported"),
+            (json!({"query_pre_attn_scalar": 20.5}), &[][..], "query_pre_attn_scalar = 20.5 is not supported"),
+            (json!({"final_logit_softcapping": 0.0}), &[][..], "final_logit_softcapping = 0.0 is not supported"),
+            (json!({"quantization_config": {"quant_method": "fp8"}}), &[][..], "quant_method fp8 is not supported"),
+            (
+                json!({"rope_parameters": {"rope_type": "default", "rope_theta": 10.0}}),
+                &[][..],
+                "rope_parameters.rope_theta is not supported (Gemma 3's RoPE is given per layer type",
+            ),
+            (
+                json!({"rope_parameters": {"full_attention": {"rope_type": "yarn", "factor": 4.0}}}),
+                &[][..],
+                "rope_parameters.full_attention.rope_type = \"yarn\" is not supported (Gemma 3's global layers: \"default\" or \"linear\")",
+            ),
+            (
+                json!({"rope_parameters": {"sliding_attention": {"rope_type": "linear", "factor": 2.0}}}),
+                &[][..],
+                "rope_parameters.sliding_attention.rope_type = \"linear\" is not supported",
+            ),
+            (
+                json!({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}),
+                &["rope_parameters"][..],
+                "rope_scaling.rope_type = \"dynamic\" is not supported",
+            ),
+            (
+                json!({"rope_scaling": {"type": "linear", "factor": 2.0}}),
+                &["rope_parameters"][..],
+                "rope_scaling.type = \"linear\" without rope_type is not supported",
+            ),
+            (
+                json!({"rope_scaling": {"rope_type": "linear"}}),
+                &["rope_parameters"][..],
+                "rope_scaling.factor is missing",
+            ),
+            (
+                json!({"rope_parameters": {"full_attention": {"partial_rotary_factor": 0.5}}}),
+                &[][..],
+                "rope_parameters.full_attention.partial_rotary_factor = 0.5 is not supported",
+            ),
+        ] {
+            let e = with(patch.clone(), remove).unwrap_err().to_string();
+            assert!(e.starts_with("config.json: ") && e.contains(says) && !e.contains('\n'), "{patch}: {e}");
+        }
+        // What a Gemma3ForCausalLM cannot hold is refused on export.
+        let mut m = gemma3();
+        m.query_pre_attn_scalar = 20.5;
+        assert!(
+            write(&m, None, "float32")
+                .unwrap_err()
+                .to_string()
+                .contains("query_pre_attn_scalar = 20.5 is not a whole number")
+        );
+        m.query_pre_attn_scalar = 0.0;
+        assert_eq!(write(&m, None, "float32").unwrap()["query_pre_attn_scalar"], json!(12), "head_dim^-1/2");
+        let mut m = gemma3();
+        m.d_model = 30;
+        assert!(
+            write(&m, None, "float32")
+                .unwrap_err()
+                .to_string()
+                .contains("d_model = 30 is not a multiple of model.n_heads = 4")
+        );
     }
 }

@@ -1,6 +1,9 @@
 //! Hugging Face models: `LlamaForCausalLM`, `MistralForCausalLM`, `MixtralForCausalLM`,
 //! `Qwen3ForCausalLM`, `Qwen3MoeForCausalLM`, `DeepseekV3ForCausalLM`, `GptOssForCausalLM`
-//! (its stacked experts and MXFP4 blocks: `gpt_oss.rs`) and `GPT2LMHeadModel` directories (`config.json` and `model.safetensors` or a sharded
+//! (its stacked experts and MXFP4 blocks: `gpt_oss.rs`), `Gemma3ForCausalLM` (and the text model
+//! of `Gemma3ForConditionalGeneration`, its tensors under `language_model.model.`, its vision
+//! tower ignored, exported as a `Gemma3ForCausalLM`: `gemma3.rs`) and `GPT2LMHeadModel`
+//! directories (`config.json` and `model.safetensors` or a sharded
 //! `model.safetensors.index.json`) read into the engine's layout, and written back.
 //!
 //! The engine's tensor names are Hugging Face's, so import and export copy ranges of the flat
@@ -17,6 +20,7 @@
 //! model was imported in (so an import/export round trip is byte-exact) or the one asked for.
 
 pub mod config;
+pub mod gemma3;
 pub mod gpt_oss;
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -57,6 +61,9 @@ pub struct HfModel {
     files: Vec<Mapped>,
     /// Tensor name → index into `files`.
     index: BTreeMap<String, usize>,
+    /// Where a multimodal Gemma 3 keeps the text model's `model.` tensors
+    /// ([`gemma3::TEXT_PREFIXES`]); `None`: under `model.`.
+    text_prefix: Option<&'static str>,
 }
 
 impl HfModel {
@@ -112,19 +119,29 @@ impl HfModel {
             }
             files.push(mapped);
         }
-        let embed = if model.is_gpt() {
-            ["transformer.wte.weight", "wte.weight"].into_iter().find(|n| index.contains_key(*n))
-        } else {
-            Some("model.embed_tokens.weight").filter(|n| index.contains_key(*n))
+        let text_prefix = match model.family {
+            Family::Gemma3 => gemma3::text_prefix(|n| index.contains_key(n)),
+            _ => None,
         };
-        let dtype = match embed.map(|n| (n, index[n])) {
-            Some((name, f)) => {
+        let embed = if model.is_gpt() {
+            ["transformer.wte.weight", "wte.weight"].into_iter().find(|n| index.contains_key(*n)).map(str::to_owned)
+        } else {
+            Some(stored_name(text_prefix, "model.embed_tokens.weight", |n| index.contains_key(n)))
+                .filter(|n| index.contains_key(n))
+        };
+        let dtype = match embed.map(|n| (index[&n], n)) {
+            Some((f, name)) => {
                 let st = files[f].tensors();
-                tensors::float_type(name, &st.tensor(name)?)?
+                tensors::float_type(&name, &st.tensor(&name)?)?
             }
             None => bail!("{d}: tensor {} is missing", Layout::new(&model).tensors[0].name),
         };
-        Ok(HfModel { dir: dir.to_path_buf(), raw_config, model, dtype, root, files, index })
+        Ok(HfModel { dir: dir.to_path_buf(), raw_config, model, dtype, root, files, index, text_prefix })
+    }
+
+    /// The name the files give layout tensor `name` ([`stored_name`]).
+    fn stored(&self, name: &str) -> String {
+        stored_name(self.text_prefix, name, |n| self.index.contains_key(n))
     }
 
     /// Reads tensor `name` (whose shape must be `shape`) as f32 into `out`.
@@ -250,13 +267,14 @@ impl HfModel {
             if fused_layers.iter().any(|p| t.name.starts_with(p.as_str())) {
                 continue;
             }
+            let stored = self.stored(&t.name);
             // The router is `block_sparse_moe.gate` in checkpoints, `mlp.gate` in transformers 5.
-            let name = if self.index.contains_key(&t.name) {
-                t.name.clone()
+            let name = if self.index.contains_key(&stored) {
+                stored.clone()
             } else {
-                t.name.replace(".block_sparse_moe.gate.", ".mlp.gate.")
+                stored.replace(".block_sparse_moe.gate.", ".mlp.gate.")
             };
-            let name = if self.index.contains_key(&name) { name } else { t.name.clone() };
+            let name = if self.index.contains_key(&name) { name } else { stored };
             // GPT-2: the original hub checkpoint names the body without `transformer.`.
             let name = match name.strip_prefix("transformer.") {
                 Some(bare) if !self.index.contains_key(&name) && self.index.contains_key(bare) => bare.to_owned(),
@@ -273,11 +291,13 @@ impl HfModel {
             used.insert(name);
         }
         let buffer = |n: &str| m.is_gpt() && (n.ends_with(".attn.bias") || n.ends_with(".attn.masked_bias"));
+        // A multimodal Gemma 3's vision tower and projector.
+        let vision = |n: &str| self.text_prefix.is_some() && gemma3::is_vision(n);
+        let head =
+            |n: &str| n == "lm_head.weight" || self.text_prefix.is_some() && n == "language_model.lm_head.weight";
         let unexpected: Vec<&String> = (self.index.keys())
             .filter(|n| !used.contains(*n))
-            .filter(|n| {
-                !(n.ends_with("rotary_emb.inv_freq") || m.tie_embeddings && *n == "lm_head.weight" || buffer(n))
-            })
+            .filter(|n| !(n.ends_with("rotary_emb.inv_freq") || m.tie_embeddings && head(n) || buffer(n) || vision(n)))
             .collect();
         // DeepSeek-V3's hub checkpoints hold their multi-token prediction module as the layers
         // past the last (`model.layers.61.*`), which transformers drops on load.
@@ -323,6 +343,20 @@ impl HfModel {
             }
         }
         Ok(Extras { files, hf_dtype: Some(self.dtype.torch_name().into()) })
+    }
+}
+
+/// The name a model's files give layout tensor `name`: itself, but in a multimodal Gemma 3
+/// (`text_prefix`, [`gemma3::TEXT_PREFIXES`]) the text model's `model.X` is `{text_prefix}X`, and
+/// an untied head `language_model.lm_head.weight` where the files (`has`) hold that.
+fn stored_name(text_prefix: Option<&str>, name: &str, has: impl Fn(&str) -> bool) -> String {
+    let Some(prefix) = text_prefix else { return name.to_owned() };
+    match name.strip_prefix("model.") {
+        Some(rest) => format!("{prefix}{rest}"),
+        None if name == "lm_head.weight" && has("language_model.lm_head.weight") => {
+            "language_model.lm_head.weight".into()
+        }
+        None => name.to_owned(),
     }
 }
 

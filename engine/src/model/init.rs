@@ -1,5 +1,6 @@
 //! Seeded initialisation, as Hugging Face initialises Llama and GPT-2: weight matrices (and
-//! GPT's position table) from `N(0, init_std²)`, norm weights at one, biases at zero. Tensor `i` of the layout draws from its own
+//! GPT's position table) from `N(0, init_std²)`, norm weights at one (Gemma's, stored as
+//! offsets from one, at zero), biases at zero. Tensor `i` of the layout draws from its own
 //! counter-based stream, so the values depend neither on threads nor on other tensors.
 
 use rayon::prelude::*;
@@ -16,7 +17,7 @@ const CHUNK: usize = 1 << 16;
 pub fn tensor(t: &Tensor, stream: usize, seed: u64, std: f32, out: &mut [f32]) {
     if t.shape.len() == 1 {
         // Biases (and DeepSeek-V3's selection bias, `e_score_correction_bias`) start at zero.
-        out.fill(if t.name.ends_with("bias") { 0.0 } else { 1.0 });
+        out.fill(if t.name.ends_with("bias") || t.offset_from_one { 0.0 } else { 1.0 });
         return;
     }
     out.par_chunks_mut(CHUNK).enumerate().for_each(|(chunk, c)| {

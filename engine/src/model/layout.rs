@@ -27,6 +27,9 @@ pub struct Tensor {
     pub offset: usize,
     /// Whether weight decay applies.
     pub decay: bool,
+    /// A norm's weight stored as its offset from one (Gemma: the norm multiplies by `1 + w`),
+    /// initialised at zero where other norms' weights start at one.
+    pub offset_from_one: bool,
 }
 
 impl Tensor {
@@ -55,8 +58,11 @@ pub struct LayerOffsets {
     pub ln1: usize,
     /// The attention's tensors, by kind.
     pub attn: AttnOffsets,
-    /// `post_attention_layernorm.weight` `[D]`.
+    /// `post_attention_layernorm.weight` `[D]` (Gemma 3: `pre_feedforward_layernorm.weight`).
     pub ln2: usize,
+    /// The norms of the attention's and the MLP's outputs, before their residual adds
+    /// (Gemma 3's sandwich norms); `None` for the other families.
+    pub post: Option<PostNorms>,
     /// The MLP's tensors: gate and up (adjacent) and down, or the router and the experts'.
     pub mlp: MlpOffsets,
     /// The projections' biases (the GPT family); `None` for the others. LayerNorm biases are
@@ -75,6 +81,15 @@ impl LayerOffsets {
             MlpOffsets::Dense { .. } => None,
         }
     }
+}
+
+/// Offsets of a layer's sandwich norms (Gemma 3), each `[D]`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PostNorms {
+    /// `post_attention_layernorm.weight`: the attention's output, before `xmid = x + ·`.
+    pub attn: usize,
+    /// `post_feedforward_layernorm.weight`: the MLP's output, before `out = xmid + ·`.
+    pub mlp: usize,
 }
 
 /// Offsets of an attention's tensors: its kind, chosen once when the model is laid out
@@ -284,12 +299,17 @@ impl Layout {
         for i in stage.layer_indices() {
             let p = format!("model.layers.{i}");
             let start = b.len;
-            let ln1 = b.push(&format!("{p}.input_layernorm.weight"), &[d], false);
+            let ln1 = b.norm(m, &format!("{p}.input_layernorm.weight"));
             let attn = match &m.mla {
                 None => AttnOffsets::Gqa(b.gqa(m, &p)),
                 Some(_) => AttnOffsets::Mla(b.mla(m, &p)),
             };
-            let ln2 = b.push(&format!("{p}.post_attention_layernorm.weight"), &[d], false);
+            let (ln2, post) = if m.sandwich_norms() {
+                let attn = b.norm(m, &format!("{p}.post_attention_layernorm.weight"));
+                (b.norm(m, &format!("{p}.pre_feedforward_layernorm.weight")), Some(attn))
+            } else {
+                (b.norm(m, &format!("{p}.post_attention_layernorm.weight")), None)
+            };
             let mlp = match &m.moe {
                 Some(moe) if !moe.is_dense(i) => {
                     let names = ExpertNames::of(m.family);
@@ -326,11 +346,12 @@ impl Layout {
                     MlpOffsets::Dense { gate_up, down }
                 }
             };
-            layers.push(LayerOffsets { ln1, attn, ln2, mlp, bias: None, range: start..b.len });
+            let post = post.map(|attn| PostNorms { attn, mlp: b.norm(m, &format!("{p}.post_feedforward_layernorm.weight")) });
+            layers.push(LayerOffsets { ln1, attn, ln2, post, mlp, bias: None, range: start..b.len });
         }
         let (mut norm, mut head) = (0, 0);
         if stage.last {
-            norm = b.push("model.norm.weight", &[d], false);
+            norm = b.norm(m, "model.norm.weight");
             head = if m.tie_embeddings { embed } else { b.push("lm_head.weight", &[v, d], true) };
         }
         Layout {
@@ -377,6 +398,7 @@ impl Layout {
                 ln1,
                 attn: AttnOffsets::Gqa(GqaOffsets { qkv: qkv_w, o, qk_norm: None, bias: None, sinks: None }),
                 ln2,
+                post: None,
                 mlp: MlpOffsets::Dense { gate_up: up, down },
                 bias: Some(LayerBiases { qkv: qkv_b, o: o_b, up: up_b, down: down_b }),
                 range: start..b.len,
@@ -448,8 +470,8 @@ impl Builder {
         self.push(&format!("{p}.self_attn.v_proj.weight"), &[m.kv_dim(), d], true);
         let o = self.push(&format!("{p}.self_attn.o_proj.weight"), &[d, m.q_dim()], true);
         let qk_norm = m.qk_norm().then(|| {
-            let q = self.push(&format!("{p}.self_attn.q_norm.weight"), &[m.head_dim], false);
-            self.push(&format!("{p}.self_attn.k_norm.weight"), &[m.head_dim], false);
+            let q = self.push_norm(&format!("{p}.self_attn.q_norm.weight"), m.head_dim, m.norm_offset() != 0.0);
+            self.push_norm(&format!("{p}.self_attn.k_norm.weight"), m.head_dim, m.norm_offset() != 0.0);
             q
         });
         let gpt_oss = m.family == Family::GptOss;
@@ -483,9 +505,20 @@ impl Builder {
         MlaOffsets { q, kv_a, kv_norm, kv_b, o }
     }
 
+    /// A `[D]` RMSNorm weight, stored as its offset from one in Gemma 3.
+    fn norm(&mut self, m: &ModelConfig, name: &str) -> usize {
+        self.push_norm(name, m.d_model, m.norm_offset() != 0.0)
+    }
+
+    fn push_norm(&mut self, name: &str, len: usize, offset_from_one: bool) -> usize {
+        let offset = self.push(name, &[len], false);
+        self.tensors.last_mut().expect("just pushed").offset_from_one = offset_from_one;
+        offset
+    }
+
     fn push(&mut self, name: &str, shape: &[usize], decay: bool) -> usize {
         let offset = self.len;
-        let t = Tensor { name: name.to_owned(), shape: shape.to_vec(), offset, decay };
+        let t = Tensor { name: name.to_owned(), shape: shape.to_vec(), offset, decay, offset_from_one: false };
         self.len += t.len();
         self.tensors.push(t);
         offset

@@ -63,7 +63,9 @@ pub fn element_bytes(kind: BufKind, target: Target) -> usize {
 /// Elements of a plan's RoPE table for `seq` positions: the rotated width's (latent attention's
 /// rope part), none for the GPT family's learned positions.
 pub(crate) fn rope_elements(m: &crate::config::ModelConfig, seq: usize) -> usize {
-    if m.is_gpt() { 0 } else { seq * m.rope_dim() }
+    // A second table for the local layers' base (Gemma 3).
+    let tables = if m.rope_local_theta > 0.0 { 2 } else { 1 };
+    if m.is_gpt() { 0 } else { tables * seq * m.rope_dim() }
 }
 
 /// The memory `model` (with its recomputation policy) takes to train micro-batches of `batch`

@@ -32,7 +32,7 @@ use crate::config::{ModelConfig, Remat};
 pub use exchange::{Alone, Exchange, Pass, Unit, Window};
 use fp8::Linear;
 pub use fp8::{Fp8Buffers, Fp8Policy};
-pub use layout::{AttnOffsets, ExpertNames, GqaOffsets, LayerBiases, LayerOffsets, Layout, MlpOffsets, Tensor};
+pub use layout::{AttnOffsets, ExpertNames, GqaOffsets, LayerBiases, LayerOffsets, Layout, MlpOffsets, PostNorms, Tensor};
 use plan::MlpActs;
 pub use plan::{ActivationSizes, GRAD_NORM_SQ, LOSS_ACCUM, LOSS_SUM, Plan};
 
@@ -215,7 +215,7 @@ impl Model {
     /// The attention shape of the stage's layer `i` (its window: sliding or full).
     pub(crate) fn attn_shape(&self, i: usize, batch: usize, seq: usize) -> AttnShape {
         let m = &self.config;
-        let layer = self.layout.stage.layer_indices().nth(i).unwrap_or(0);
+        let layer = self.layer_index(i);
         AttnShape {
             batch,
             seq,
@@ -223,6 +223,7 @@ impl Model {
             n_kv_heads: m.n_kv_heads,
             head_dim: m.head_dim,
             window: m.window(layer),
+            scale: m.attn_scale(),
         }
     }
 
@@ -265,6 +266,9 @@ impl Model {
                 be.embedding_forward(p.dln, w.at(pos, m.max_seq_len * d), p.positions, d);
                 be.add(x0, p.dln);
             }
+            if let Some(s) = m.embed_scale() {
+                be.scale(x0, s);
+            }
             ex.params_done(be, Unit::Embed, fwd);
             if m.moe.is_some() {
                 be.fill(p.stats, 0.0);
@@ -287,6 +291,10 @@ impl Model {
             let (w, head) = self.head_params(be, p, ex, fwd);
             self.norm_forward(be, p.lnf, p.rstdf, p.x_out, w, l.norm);
             be.matmul(p.logits, p.lnf, head, MatMul::linear(n, d, v));
+            if m.final_logit_softcap > 0.0 {
+                be.copy(p.precap, p.logits);
+                be.softcap_forward(p.logits, m.final_logit_softcap as f32);
+            }
             self.cross_entropy_vocab(be, p, grad_scale, ex);
             be.sum(p.scalars.at(LOSS_SUM, 1), p.losses);
         }
@@ -347,8 +355,50 @@ impl Model {
         let (a, o) = (&p.layers[i], &self.layout.layers[i]);
         self.norm_forward(be, a.ln1, a.rstd1, a.x, w, o.ln1);
         self.attention_forward(be, p, i, w, ex);
+        if let (Some(s), Some(post)) = (&a.post, &o.post) {
+            // Sandwich norms: xmid = x + norm(attn_y).
+            self.norm_forward(be, a.xmid, s.attn_rstd, s.attn_y, w, post.attn);
+            be.add(a.xmid, a.x);
+        }
         self.norm_forward(be, a.ln2, a.rstd2, a.xmid, w, o.ln2);
         self.mlp_forward(be, p, i, w, out, ex);
+        if let (Some(out), Some(s), Some(post)) = (out, &a.post, &o.post) {
+            // out = xmid + norm(mlp_y).
+            self.norm_forward(be, out, s.mlp_rstd, s.mlp_y, w, post.mlp);
+            be.add(out, a.xmid);
+        }
+    }
+
+    /// Where a branch of layer `i` (its attention or its MLP) writes its output, and the
+    /// residual it adds: the residual stream after it (`to`) with the stream before it added;
+    /// under sandwich norms (`own`: the branch's output before its norm) that output alone,
+    /// which [`Model::layer_forward`] norms and adds to the stream.
+    pub(super) fn branch_output(own: Option<View>, to: View, from: View) -> (View, Option<View>) {
+        match own {
+            Some(own) => (own, None),
+            None => (to, Some(from)),
+        }
+    }
+
+    /// The gradient a branch of layer `i` starts its backward pass from: the residual stream's
+    /// (`p.dres`), or under sandwich norms that of its output before the norm (`x`, normed with
+    /// the weight at `at` and `rstd`), into `p.dpost`.
+    fn branch_gradient<B: Backend>(
+        &self,
+        be: &mut B,
+        p: &Plan,
+        (w, g): (Window, Window),
+        post: Option<(View, usize, View)>,
+    ) -> View {
+        let Some((x, at, rstd)) = post else { return p.dres };
+        be.fill(p.dpost, 0.0);
+        self.norm_backward(be, p.dpost, g, p.dres, x, w, at, rstd);
+        p.dpost
+    }
+
+    /// The index in the whole model of the stage's layer `i`.
+    pub(super) fn layer_index(&self, i: usize) -> usize {
+        self.layout.stage.layer_indices().nth(i).unwrap_or(0)
     }
 
     /// Refills the activations layer `i`'s backward pass reads that the recomputation policy
@@ -395,6 +445,9 @@ impl Model {
             let (w, head) = self.head_params(be, p, ex, bwd);
             let g = p.grads_of(ex, be, Unit::Head);
             let dhead = if self.tied() { p.grads_of(ex, be, Unit::Embed) } else { g }.at(l.head, v * d);
+            if m.final_logit_softcap > 0.0 {
+                be.softcap_backward(p.logits, p.precap, m.final_logit_softcap as f32);
+            }
             be.matmul(p.dln, p.logits, head, MatMul::linear_dx(n, d, v));
             // Under vocabulary parallelism, each device's columns give a partial sum.
             ex.tensor_sum(be, p.dln);
@@ -413,9 +466,12 @@ impl Model {
             let w = p.params_of(ex, be, Unit::Layer(i), bwd);
             let g = p.grads_of(ex, be, Unit::Layer(i));
             self.recompute(be, p, i, w, ex);
-            self.mlp_backward(be, p, i, (w, g), (counts, aux_scale), ex);
+            let post = a.post.as_ref().zip(o.post.as_ref());
+            let dout = self.branch_gradient(be, p, (w, g), post.map(|(s, o)| (s.mlp_y, o.mlp, s.mlp_rstd)));
+            self.mlp_backward(be, p, i, (w, g), dout, (counts, aux_scale), ex);
             self.norm_backward(be, p.dres, g, p.dln, a.xmid, w, o.ln2, a.rstd2);
-            self.attention_backward(be, p, i, (w, g), ex);
+            let dout = self.branch_gradient(be, p, (w, g), post.map(|(s, o)| (s.attn_y, o.attn, s.attn_rstd)));
+            self.attention_backward(be, p, i, (w, g), dout, ex);
             self.norm_backward(be, p.dres, g, p.dln, a.x, w, o.ln1, a.rstd1);
             ex.params_done(be, Unit::Layer(i), bwd);
             ex.grads_ready(be, Unit::Layer(i));
@@ -423,6 +479,9 @@ impl Model {
         // A later stage's input gradient stays in `dres`, for the stage before.
         if stage.first {
             let g = p.grads_of(ex, be, Unit::Embed);
+            if let Some(s) = m.embed_scale() {
+                be.scale(p.dres, s);
+            }
             match ex.tensor_rank_for_vocab() {
                 (_, 1) => be.embedding_backward(g.at(l.embed, v * d), p.dres, p.tokens, d),
                 // Each device's slice takes its own tokens' rows (`dres` is the whole group's).
@@ -439,7 +498,7 @@ impl Model {
 }
 
 impl Model {
-    /// `out = a · bᵀ + residual` for a product whose inner dimension is split over the tensor
+    /// `out = a · bᵀ (+ residual)` for a product whose inner dimension is split over the tensor
     /// group: each device's product is a partial sum, the group adds them up, and one device
     /// adds the residual so that it counts once.
     #[allow(clippy::too_many_arguments)]
@@ -451,10 +510,10 @@ impl Model {
         linear: (usize, Linear),
         out: View,
         (a, b): (View, View),
-        residual: View,
+        residual: Option<View>,
         shape: MatMul,
     ) {
-        let residual = ex.adds_residual().then_some(residual);
+        let residual = residual.filter(|_| ex.adds_residual());
         self.linear_forward(be, p, linear, out, (a, b), residual, shape);
         ex.tensor_sum(be, out);
     }

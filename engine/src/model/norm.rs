@@ -1,5 +1,7 @@
 //! The layers' normalisations, chosen by the family once: RMSNorm (every family but GPT), or
-//! LayerNorm with weight and bias (GPT, whose bias follows its weight in the layout).
+//! LayerNorm with weight and bias (GPT, whose bias follows its weight in the layout). Gemma 3
+//! stores its RMSNorm weights as offsets from one: the norm multiplies by `1 + w`
+//! ([`ModelConfig::norm_offset`](crate::config::ModelConfig::norm_offset)).
 //!
 //! ```text
 //! RMSNorm:   y = w ⊙ x · rstd,              rstd = 1 / sqrt(mean(x²) + eps)
@@ -20,7 +22,7 @@ impl Model {
             let n = stats.len / 2;
             be.layernorm_forward(out, stats.at(0, n), stats.at(n, n), x, w.at(at, d), w.at(at + d, d), d, eps);
         } else {
-            be.rmsnorm_forward(out, stats, x, w.at(at, d), d, eps);
+            be.rmsnorm_forward(out, stats, x, w.at(at, d), self.config.norm_offset(), d, eps);
         }
     }
 
@@ -44,7 +46,7 @@ impl Model {
             let (mean, rstd) = (stats.at(0, n), stats.at(n, n));
             be.layernorm_backward(dx, g.at(at, d), g.at(at + d, d), dout, x, w.at(at, d), mean, rstd, d);
         } else {
-            be.rmsnorm_backward(dx, g.at(at, d), dout, x, w.at(at, d), stats, d);
+            be.rmsnorm_backward(dx, g.at(at, d), dout, x, w.at(at, d), self.config.norm_offset(), stats, d);
         }
     }
 }

@@ -31,6 +31,20 @@ pub(super) struct LayerActs {
     pub(super) mlp: MlpActs,
     /// Latent attention's own activations; none under grouped-query attention.
     pub(super) mla: Option<MlaActs>,
+    /// Under sandwich norms (Gemma 3), the attention's and the MLP's outputs before their
+    /// norms; none without.
+    pub(super) post: Option<PostActs>,
+}
+
+/// A layer's sandwich-norm activations (Gemma 3): the attention's output `[N, D]` (after
+/// `o_proj`) and its norm's rstd `[N]`, then the MLP's and its norm's. The MLP's are kept
+/// under every recomputation policy (the recomputed forward pass stops before the MLP's last
+/// product).
+pub(super) struct PostActs {
+    pub(super) attn_y: View,
+    pub(super) attn_rstd: View,
+    pub(super) mlp_y: View,
+    pub(super) mlp_rstd: View,
 }
 
 /// A latent attention layer's activations (`attention/mla.rs`), `R` the ranks: the queries'
@@ -125,10 +139,16 @@ pub struct Plan {
     pub(super) vocab_stats: View,
     /// `[N, V]` logits; after a training forward pass, their gradient.
     pub logits: View,
+    /// `[N, V]` the logits before soft-capping (`model.final_logit_softcap`), which the
+    /// backward pass differentiates at; empty without.
+    pub(super) precap: View,
     /// `[4]`: sum of the losses ([`LOSS_SUM`]); the squared gradient norm ([`GRAD_NORM_SQ`]);
     /// the step's accumulated loss sum ([`LOSS_ACCUM`]); spare.
     pub scalars: View,
     pub(super) rope: View,
+    /// The sliding layers' RoPE table when they have their own base (Gemma 3's local layers);
+    /// empty otherwise.
+    pub(super) rope_local: View,
     pub(super) layers: Vec<LayerActs>,
     pub(super) x_out: View,
     pub(super) lnf: View,
@@ -142,6 +162,9 @@ pub struct Plan {
     // Backward scratch, shared by the layers.
     pub(super) dres: View,
     pub(super) dln: View,
+    /// `[N, D]` under sandwich norms: the gradient of the attention's or the MLP's output
+    /// before its norm; empty without.
+    pub(super) dpost: View,
     pub(super) dqkv: View,
     pub(super) dattn: View,
     pub(super) dgu: View,
@@ -258,6 +281,9 @@ impl Model {
         }
         if !self.config.is_gpt() {
             plan.rope = be.alloc(BufKind::Scalars, seq * self.config.rope_dim());
+            if self.config.rope_local_theta > 0.0 {
+                plan.rope_local = be.alloc(BufKind::Scalars, seq * self.config.rope_dim());
+            }
         }
         self.set_positions(be, &plan, &self.seq.positions(seq));
         plan
@@ -273,6 +299,9 @@ impl Model {
             be.upload_idx(plan.positions, &all);
         } else {
             be.upload(plan.rope, &rope::table_at(&self.config, positions));
+            if let Some(local) = rope::local_table_at(&self.config, positions) {
+                be.upload(plan.rope_local, &local);
+            }
         }
     }
 
@@ -453,7 +482,13 @@ impl Model {
                         }
                     }
                 };
-                LayerActs { x, ln1, rstd1, qkv: qkv_v, qk, attn, lse, xmid, ln2, rstd2, mlp, mla }
+                let post = m.sandwich_norms().then(|| PostActs {
+                    attn_y: act("attn_y", A, n * d, full),
+                    attn_rstd: act("attn_post_rstd", S, n, full),
+                    mlp_y: act("mlp_y", A, n * d, false),
+                    mlp_rstd: act("mlp_post_rstd", S, n, false),
+                });
+                LayerActs { x, ln1, rstd1, qkv: qkv_v, qk, attn, lse, xmid, ln2, rstd2, mlp, mla, post }
             })
             .collect();
         let moe = m.moe.is_some();
@@ -467,6 +502,7 @@ impl Model {
         };
         let moe_out = scratch(A, moe_only(n * d), |r| r.moe_out);
         let dln = scratch(A, n * d, |r| r.dln);
+        let dpost = scratch(A, if m.sandwich_norms() { n * d } else { 0 }, |r| r.dpost);
         let dqkv = scratch(A, n * qkv, |r| r.dqkv);
         let dattn = scratch(A, n * q, |r| r.dattn);
         // The widest of the routed experts' rows, the dense layers' and the shared experts'.
@@ -512,16 +548,19 @@ impl Model {
             lnf: take(A, last_only(n * d)),
             rstdf: take(S, last_only(stats * n)),
             logits: take(A, last_only(n * v)),
+            precap: take(A, if m.final_logit_softcap > 0.0 { last_only(n * v) } else { 0 }),
             losses: take(S, last_only(n)),
             vocab_stats: take(S, last_only(3 * n)),
             scalars: take(S, 4),
             rope: take(S, 0),
+            rope_local: take(S, 0),
             layers,
             stats: take(S, moe_only(MoeDispatch::stats_len(experts))),
             moe_out,
             // Each slot's own: it carries the gradient between stages.
             dres: take(A, n * d),
             dln,
+            dpost,
             dqkv,
             dattn,
             dgu,

@@ -1,5 +1,6 @@
-//! RoPE frequencies, with Llama 3.1 scaling, computed as Hugging Face computes them (in f32), so
-//! imported models see the same rotations.
+//! RoPE frequencies, with Llama 3.1, YaRN or linear scaling, computed as Hugging Face computes
+//! them (in f32), so imported models see the same rotations. A model with a local base (Gemma
+//! 3's `rope_local_theta`) has a second, unscaled table for its sliding layers.
 
 use crate::config::ModelConfig;
 pub use crate::config::Yarn;
@@ -12,8 +13,12 @@ pub fn inv_freq(m: &ModelConfig) -> Vec<f32> {
     if let Some(y) = &m.yarn {
         return yarn_inv_freq(dim, m.rope_theta, y);
     }
-    let base = m.rope_theta as f32;
-    let freqs = (0..dim / 2).map(|i| 1.0 / base.powf((2 * i) as f32 / dim as f32));
+    let freqs = plain_inv_freq(dim, m.rope_theta).into_iter();
+    if m.rope_linear_factor != 1.0 {
+        // transformers' `linear`: `inv_freq /= factor`, in f32.
+        let factor = m.rope_linear_factor as f32;
+        return freqs.map(|f| f / factor).collect();
+    }
     let Some(s) = &m.rope_scaling else {
         return freqs.collect();
     };
@@ -35,6 +40,12 @@ pub fn inv_freq(m: &ModelConfig) -> Vec<f32> {
         .collect()
 }
 
+/// `base^(-2i / dim)` for `i < dim / 2`, in f32 (`1 / base ** (arange(0, dim, 2) / dim)`).
+fn plain_inv_freq(dim: usize, base: f64) -> Vec<f32> {
+    let base = base as f32;
+    (0..dim / 2).map(|i| 1.0 / base.powf((2 * i) as f32 / dim as f32)).collect()
+}
+
 /// `(cos, sin)` of `t · inv_freq[i]` for positions `t < seq`, laid out `[seq, Dh / 2, 2]`.
 pub fn table(m: &ModelConfig, seq: usize) -> Vec<f32> {
     table_at(m, &(0..seq).collect::<Vec<_>>())
@@ -44,6 +55,12 @@ pub fn table(m: &ModelConfig, seq: usize) -> Vec<f32> {
 pub fn table_at(m: &ModelConfig, positions: &[usize]) -> Vec<f32> {
     let factor = m.yarn.as_ref().map_or(1.0, |y| yarn_attention_factor(y) as f32);
     table_for(&inv_freq(m), factor, positions)
+}
+
+/// The sliding layers' table of a model with a local base (`rope_local_theta`), unscaled, for
+/// the given positions; none without one.
+pub fn local_table_at(m: &ModelConfig, positions: &[usize]) -> Option<Vec<f32>> {
+    (m.rope_local_theta > 0.0).then(|| table_for(&plain_inv_freq(m.rope_dim(), m.rope_local_theta), 1.0, positions))
 }
 
 /// `(cos, sin)` of `t · inv_freq[i]` for the given positions, both multiplied by

@@ -175,6 +175,30 @@ fn qwen3_with_qk_norm() {
     check_model("qwen3", ModelConfig { head_dim: 12, ..small(Family::Qwen3) }, 2, 7);
 }
 
+/// Gemma 3 in small: sandwich norms with `1 + w` weights, QK-norm, GeGLU, the embedding scaled
+/// by √d, `query_pre_attn_scalar`, sliding layers on a local RoPE base among global ones on a
+/// linearly scaled base, the final logits soft-capped, tied embeddings.
+fn gemma3() -> ModelConfig {
+    ModelConfig {
+        head_dim: 12,
+        n_layers: 3,
+        sliding_window: 3,
+        window_pattern: 3,
+        rope_theta: 100.0,
+        rope_local_theta: 10.0,
+        rope_linear_factor: 2.0,
+        query_pre_attn_scalar: 20.0,
+        final_logit_softcap: 1.5,
+        tie_embeddings: true,
+        ..small(Family::Gemma3)
+    }
+}
+
+#[test]
+fn gemma3_sandwich_norms_local_and_global_layers_and_a_softcap() {
+    check_model("gemma3", gemma3(), 2, 7);
+}
+
 /// Qwen3-MoE with `norm_topk_prob = false`: the weights are the softmax's probabilities.
 #[test]
 fn qwen3_moe_top2_of_4_without_renormalisation() {
@@ -309,6 +333,7 @@ fn recomputation_changes_memory_but_not_a_bit_of_the_gradients() {
         ModelConfig { moe: Some(moe), ..small(Family::Mixtral) },
         gpt(),
         small(Family::Qwen3),
+        gemma3(),
     ] {
         let mut grads = Vec::new();
         let mut sizes = Vec::new();

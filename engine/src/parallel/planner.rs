@@ -716,6 +716,18 @@ mod tests {
         assert!(memory + (1 << 30) <= 80 << 30, "{:.1} GiB", gib(memory));
     }
 
+    /// Gemma 3 27B (the text model: 27.0 B parameters, 18 bytes each of training state, 453
+    /// GiB) trains on one node of 8 H100s of 80 GiB in its first plan, at seq 4096.
+    #[test]
+    fn gemma3_27b_fits_one_node() {
+        let c = resolve("gemma3-27b", &[]).unwrap().config;
+        let node = search(&c, &h100(1, 80), 8).unwrap();
+        let first = node.fits.first().unwrap_or_else(|| panic!("gemma3-27b: closest {:?}", node.closest));
+        assert!(first.memory_per_device_bytes + (1 << 30) <= 80 << 30, "{first:?}");
+        let (memory, sets) = (gib(first.memory_per_device_bytes), first.sets.join(" "));
+        crate::say!("gemma3-27b on 1 x 8 H100s: first plan {sets} ({memory:.1} GiB)");
+    }
+
     /// The planner's memory split is the engine's ([`ParallelPlan::memory_split`]), dense
     /// layers among experts' included, and the state bound never exceeds a candidate's estimate.
     #[test]

@@ -20,6 +20,11 @@ fn tiny(name: &str, scale: Scale, extra: &[&str]) -> Config {
             "tiny-llama2" => &["model.d_model=256", "model.mlp_dim=512", "model.n_heads=2", "model.n_kv_heads=2"][..],
             "tiny-mistral" => &["model.d_model=256", "model.mlp_dim=128", "model.sliding_window=24"][..],
             "tiny-gpt" => &[][..], // seed-sized already: d_model 128, vocabulary 512, seq 64
+            // Heads of 64 and the window of 16 kept; two layers, a sliding one then a global one
+            // (each with its RoPE table), which attend differently within the 64 positions.
+            "tiny-gemma3" => {
+                &["model.d_model=128", "model.mlp_dim=96", "model.n_layers=2", "model.window_pattern=2"][..]
+            }
             // Every token to all 8 experts: bf16 router logits choose differently from f32 ones
             // near ties, and one flipped choice moves the gradients past the tolerance (4.7e-2
             // on the embedding with top-2 of 4 groups). The grouped, biased selection has a check
@@ -77,6 +82,9 @@ pub(super) fn parity(gpu: Cuda, name: &str, extra: &[&str], scale: Scale) -> Res
     let n = (batch * seq) as f32;
     let (cl, gl) = (cpu_loss / n, gpu_loss / n);
     let mut notes = vec![format!("loss {cl:.4} (CPU) {gl:.4} (GPU)")];
+    if config.model.final_logit_softcap > 0.0 {
+        notes.push(softcap_reached(&mut cpu, &model, &cpu_plan, config.model.final_logit_softcap as f32)?);
+    }
     let close = (gl - cl).abs() <= 0.005 * cl.abs();
     if !close {
         return Err(format!("loss {gl} on the GPU, {cl} on the CPU (tolerance 0.5 %)"));
@@ -85,9 +93,21 @@ pub(super) fn parity(gpu: Cuda, name: &str, extra: &[&str], scale: Scale) -> Res
     // to neighbouring FP8 values (a quantum is 1/8 of an E4M3 value, 1/4 of an E5M2 one), and the
     // backward pass carries those differences through the layers: wider tolerances, still far
     // below what a wrong scale or transpose gives (a relative error of 1 or more).
-    let (tensor_tol, all_tol) = match model.fp8 {
-        None => (Tol { rel_l2: 0.03, max: 1.0 }, Tol { rel_l2: 0.02, max: 1.0 }),
-        Some(_) => (Tol { rel_l2: 0.25, max: 1.0 }, Tol { rel_l2: 0.15, max: 1.0 }),
+    //
+    // Gemma 3 is worse conditioned: QK-norm makes its attention logits of order one at
+    // initialisation (the others' are near zero, their softmax near uniform), and its sandwich
+    // norms scale the branches' small outputs (RMS 1e-2 and below) up to the residual stream's
+    // size, so the same bf16 roundings weigh more. Rounding only its parameters to bf16 moves the
+    // f32 CPU model's gradients by 1.0 to 1.3 % (0.3 to 0.5 % for the others); the emulator
+    // measures 2.1 to 2.5 % on all of them and up to 3.3 % on the worst tensor, at its sizes and
+    // at the recipe's full one. Twice that stays far below what a wrong constant gives: a norm
+    // eps of 1e-5 for 1e-6, a softmax scale of 1/8 for 1/√48 or a window of 17 for 16 move the
+    // gradients by 20 to 50 %.
+    let gemma = config.model.family == crate::config::Family::Gemma3;
+    let (tensor_tol, all_tol) = match (model.fp8, gemma) {
+        (None, false) => (Tol { rel_l2: 0.03, max: 1.0 }, Tol { rel_l2: 0.02, max: 1.0 }),
+        (None, true) => (Tol { rel_l2: 0.06, max: 1.0 }, Tol { rel_l2: 0.05, max: 1.0 }),
+        (Some(_), _) => (Tol { rel_l2: 0.25, max: 1.0 }, Tol { rel_l2: 0.15, max: 1.0 }),
     };
     let mut worst = (0f64, String::new());
     for tensor in &model.layout.tensors {
@@ -105,6 +125,19 @@ pub(super) fn parity(gpu: Cuda, name: &str, extra: &[&str], scale: Scale) -> Res
     notes.push(format!("worst gradient: {}", worst.1));
     notes.push(compare("all gradients", &cpu_grads, &gpu_grads, all_tol)?);
     Ok(notes.join(", "))
+}
+
+/// Soft-capping must matter: some logit of the CPU model (its parameters and tokens as
+/// [`model_step`] left them) passes half the cap, so that its capped value `cap · tanh(x / cap)`
+/// passes `cap · tanh(1/2)`.
+fn softcap_reached(cpu: &mut Cpu, model: &Model, plan: &Plan, cap: f32) -> Result<String, String> {
+    model.forward(cpu, plan, None, &mut crate::model::Alone);
+    let mut logits = vec![0f32; plan.logits.len];
+    cpu.download(plan.logits, &mut logits);
+    let top = logits.iter().fold(0f32, |m, x| m.max(x.abs()));
+    let uncapped = cap * (top / cap).atanh();
+    let text = format!("largest |logit| {uncapped:.2} before the cap of {cap}, {top:.2} after");
+    if top > cap * 0.5f32.tanh() { Ok(text) } else { Err(format!("{text}: under half the cap, which barely acts")) }
 }
 
 /// Losses of `steps` training steps of a tiny configuration, and the sections recorded.

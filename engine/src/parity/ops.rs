@@ -123,6 +123,61 @@ pub(super) fn elementwise(gpu: Cuda) -> Result<String, String> {
     t.done()
 }
 
+/// `Backend::scale` (`x *= s`) on bf16 activations (the embedding's √d and its gradient), on f32
+/// scalars and on an f32 gradient from its second element (not 16-byte aligned), `n` elements.
+/// An f32 product is one rounding on both backends: exact.
+pub(super) fn scale(gpu: Cuda, n: usize) -> Result<String, String> {
+    let mut t = Twin::new(gpu);
+    let (a, f, g) = (t.random(ACT, n, 1.0), t.random(F32S, n, 1.0), t.random(GRAD, n, 1.0));
+    t.both(|be| {
+        be.scale(a, 128f32.sqrt());
+        be.scale(f, -0.37);
+        be.scale(g.at(1, n - 2), 11.3);
+    });
+    t.check("bf16", a, BF16)?;
+    t.check("f32", f, Tol { rel_l2: 0.0, max: 0.0 })?;
+    t.check("f32 from element 1 (its ends unscaled)", g, Tol { rel_l2: 0.0, max: 0.0 })?;
+    t.done()
+}
+
+/// Final-logit soft-capping (`y = cap · tanh(x / cap)`) and its gradient (`dx *= 1 − tanh²(x /
+/// cap)` at the uncapped x), as the model runs them: the logits copied aside, capped in place,
+/// the gradient taken in place at the copy. On the logits' kind (bf16 activations, as the plan
+/// holds them) and on f32, over `n` values of scale 4·cap — a third of them past 4·cap (tanh
+/// 0.9993), some past 10·cap (tanh 1 in f32) — and a few fixed ones: 0, ±cap, ±10⁴·cap.
+pub(super) fn softcap(gpu: Cuda, n: usize, cap: f32) -> Result<String, String> {
+    let mut t = Twin::new(gpu);
+    let mut x: Vec<f32> = (0..n).map(|i| 4.0 * cap * rng::normal_pair(11, 0, i as u64).0).collect();
+    x.extend([0.0, cap, -cap, 1e4 * cap, -1e4 * cap]);
+    let n = x.len();
+    let past = |k: f32| x.iter().filter(|v| v.abs() > k * cap).count();
+    let (past4, past10) = (past(4.0), past(10.0));
+    if past4 < n / 4 || past10 < 5 {
+        return Err(format!("{past4} of {n} values past 4·cap, {past10} past 10·cap: too few saturate"));
+    }
+    for (name, kind, tol) in [("bf16", ACT, BF16), ("f32", F32S, F32)] {
+        let (logits, dlogits) = (t.set(kind, &x), t.random(kind, n, 1.0));
+        let precap = t.alloc(kind, n);
+        t.both(|be| {
+            be.copy(precap, logits);
+            be.softcap_forward(logits, cap);
+            be.softcap_backward(dlogits, precap, cap);
+        });
+        t.check(&format!("{name}: capped"), logits, tol)?;
+        t.check(&format!("{name}: gradient"), dlogits, tol)?;
+        // Capped values stay within the cap: tanh never passes 1 (bf16's rounding of cap · 1
+        // is cap's, the largest value's).
+        let mut g = vec![0f32; n];
+        t.gpu.download(logits, &mut g);
+        let top = g.iter().fold(0f32, |m, v| m.max(v.abs()));
+        if top > cap * (1.0 + 4e-3) {
+            return Err(format!("{name}: a capped value is {top}, past the cap {cap}"));
+        }
+    }
+    t.notes.push(format!("{past4} of {n} values past 4·cap, {past10} past 10·cap"));
+    t.done()
+}
+
 /// Products as the linear layers use them: forward, with a residual added, dx, dW, into f32.
 pub(super) fn matmul(gpu: Cuda, m: usize, n: usize, k: usize) -> Result<String, String> {
     let mut t = Twin::new(gpu);
@@ -233,16 +288,17 @@ pub(super) fn embedding(gpu: Cuda) -> Result<String, String> {
     t.done()
 }
 
-/// RMSNorm forward and backward (the residual add into dx, the weight gradient) at width `d`.
-pub(super) fn rmsnorm(gpu: Cuda, d: usize) -> Result<String, String> {
+/// RMSNorm forward and backward (the residual add into dx, the weight gradient) at width `d`,
+/// multiplying by `offset + w` (Gemma's 1).
+pub(super) fn rmsnorm(gpu: Cuda, d: usize, offset: f32) -> Result<String, String> {
     let mut t = Twin::new(gpu);
     let rows = 75;
     let (x, w) = (t.random(ACT, rows * d, 1.0), t.random(PARAM, d, 1.0));
     let (out, rstd) = (t.alloc(ACT, rows * d), t.alloc(F32S, rows));
     let (dout, dx, dw) = (t.random(ACT, rows * d, 1.0), t.random(ACT, rows * d, 1.0), t.random(GRAD, d, 1.0));
     t.both(|be| {
-        be.rmsnorm_forward(out, rstd, x, w, d, 1e-5);
-        be.rmsnorm_backward(dx, dw, dout, x, w, rstd, d);
+        be.rmsnorm_forward(out, rstd, x, w, offset, d, 1e-5);
+        be.rmsnorm_backward(dx, dw, dout, x, w, offset, rstd, d);
     });
     t.check("y", out, BF16)?;
     t.check("rstd", rstd, F32)?;
@@ -253,16 +309,16 @@ pub(super) fn rmsnorm(gpu: Cuda, d: usize) -> Result<String, String> {
 
 /// QK-norm forward and backward on packed qkv rows of shape `s`: q and k normalised (v copied),
 /// rstd, the input's gradient in place of the output's (v's unchanged) and the weight gradients
-/// added to `dw`.
-pub(super) fn qk_norm(gpu: Cuda, s: AttnShape) -> Result<String, String> {
+/// added to `dw`; the weights are `offset + w` (Gemma 3's 1).
+pub(super) fn qk_norm(gpu: Cuda, s: AttnShape, offset: f32) -> Result<String, String> {
     let mut t = Twin::new(gpu);
     let (n, dh, heads) = (s.rows() * s.qkv_width(), s.head_dim, s.n_heads + s.n_kv_heads);
     let (qkv, w) = (t.random(ACT, n, 1.0), t.random(PARAM, 2 * dh, 1.0));
     let (out, rstd) = (t.alloc(ACT, n), t.alloc(F32S, s.rows() * heads));
     let (dqkv, dw) = (t.random(ACT, n, 1.0), t.random(GRAD, 2 * dh, 1.0));
     t.both(|be| {
-        be.qk_norm_forward(out, rstd, qkv, w, s, 1e-6);
-        be.qk_norm_backward(dqkv, dw, qkv, w, rstd, s);
+        be.qk_norm_forward(out, rstd, qkv, w, offset, s, 1e-6);
+        be.qk_norm_backward(dqkv, dw, qkv, w, offset, rstd, s);
     });
     t.check("y", out, BF16)?;
     t.check("rstd", rstd, F32)?;
@@ -320,7 +376,7 @@ pub(super) fn gelu(gpu: Cuda, n: usize, tanh: bool) -> Result<String, String> {
 /// RoPE and its inverse on packed qkv rows.
 pub(super) fn rope(gpu: Cuda) -> Result<String, String> {
     let mut t = Twin::new(gpu);
-    let s = AttnShape { batch: 2, seq: 33, n_heads: 4, n_kv_heads: 2, head_dim: 16, window: 0 };
+    let s = AttnShape { batch: 2, seq: 33, n_heads: 4, n_kv_heads: 2, head_dim: 16, window: 0, scale: None };
     let config = crate::config::ModelConfig { head_dim: 16, rope_theta: 500.0, ..Default::default() };
     let table = crate::model::rope::table(&config, s.seq);
     let tab = t.set(F32S, &table);
@@ -401,7 +457,36 @@ pub(super) fn attention(mut gpu: Cuda, s: AttnShape, unmasked: bool, native: boo
         t.check("lse", lse, F32)?;
     }
     compare_qkv_gradients(&mut t, dqkv, s)?;
+    scale_matters(&mut t, qkv, out, s, SeqSplit::WHOLE, None)?;
     t.done()
+}
+
+/// With a softmax scale of its own, the CPU's out at the default scale (`1 / sqrt(head_dim)`)
+/// must differ from `out` by far more than the tolerance, so that a kernel that dropped the scale
+/// fails the comparison. Allocates on the CPU alone: the twin's last allocation.
+fn scale_matters(
+    t: &mut Twin,
+    qkv: View,
+    out: View,
+    s: AttnShape,
+    split: SeqSplit,
+    bounds: Option<IdxView>,
+) -> Result<(), String> {
+    let Some(scale) = s.scale else { return Ok(()) };
+    let default = AttnShape { scale: None, ..s };
+    let (other, lse) = (t.cpu.alloc(ACT, out.len), t.cpu.alloc(F32S, s.rows() * s.n_heads));
+    t.cpu.attention_forward_split(other, lse, qkv, default, split, bounds);
+    let (mut a, mut b) = (vec![0f32; out.len], vec![0f32; out.len]);
+    t.cpu.download(out, &mut a);
+    t.cpu.download(other, &mut b);
+    match compare("out at the default scale", &a, &b, Tol { rel_l2: 0.1, max: 1.0 }) {
+        Ok(text) => Err(format!("scale {scale}: {text}: the scale changes too little to be checked")),
+        Err(text) => {
+            let text = text.split(" (tolerance").next().unwrap_or_default();
+            t.notes.push(format!("scale {scale}: {text} (default {:.3})", default.softmax_scale()));
+            Ok(())
+        }
+    }
 }
 
 /// Attention for `split.rank`'s chunks of sequences split over a sequence axis of
@@ -444,6 +529,7 @@ pub(super) fn attention_split(
     if stray > 0 {
         return Err(format!("{stray} query-gradient elements of other ranks' rows are not zero"));
     }
+    scale_matters(&mut t, qkv, out, s, split, bounds)?;
     t.done()
 }
 
@@ -944,7 +1030,15 @@ mod tests {
 
     #[test]
     fn attention_tiles_counts_the_tiles_the_kernels_leave_unmasked() {
-        let shape = |seq, head_dim, window| AttnShape { batch: 1, seq, n_heads: 1, n_kv_heads: 1, head_dim, window };
+        let shape = |seq, head_dim, window| AttnShape {
+            batch: 1,
+            seq,
+            n_heads: 1,
+            n_kv_heads: 1,
+            head_dim,
+            window,
+            scale: None,
+        };
         // Head width 32 (64-key backward blocks), causal, two tiles: only (keys 0..64, queries
         // 64..128) is seen whole, in both passes.
         assert_eq!(attention_tiles(shape(128, 32, 0)), [1, 3, 1, 3]);

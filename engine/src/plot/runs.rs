@@ -273,7 +273,7 @@ mod tests {
     #[test]
     fn points_follow_steps_and_tokens_and_the_last_record_of_a_step_wins() {
         let r = run(
-            "a",
+            "points",
             0.1,
             "{\"step\":1,\"loss\":5.0,\"tokens_per_s\":100.0,\"step_time_s\":0.64}\n\
              {\"step\":2,\"loss\":4.0,\"tokens_per_s\":128.0,\"step_time_s\":0.5,\"eval_loss\":4.5}\n\

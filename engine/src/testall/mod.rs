@@ -237,6 +237,7 @@ pub fn checks() -> Vec<Check> {
         Check { name: "tiny-qwen3-moe", needs_baselines: true, run: |c| checks::loss_curve(c, "tiny-qwen3-moe") },
         Check { name: "tiny-deepseek-v3", needs_baselines: true, run: |c| checks::loss_curve(c, "tiny-deepseek-v3") },
         Check { name: "tiny-gpt-oss", needs_baselines: true, run: |c| checks::loss_curve(c, "tiny-gpt-oss") },
+        Check { name: "tiny-gemma3", needs_baselines: true, run: |c| checks::loss_curve(c, "tiny-gemma3") },
         Check { name: "checkpoint-resume", needs_baselines: false, run: checks::checkpoint_resume },
         Check { name: "virtual-devices", needs_baselines: false, run: checks::virtual_devices },
         Check { name: "hf-roundtrip", needs_baselines: false, run: checks::hf_roundtrip },
@@ -247,7 +248,7 @@ pub fn checks() -> Vec<Check> {
 }
 
 /// The recipes whose loss curves are recorded as baselines.
-pub const CURVE_RECIPES: [&str; 8] = [
+pub const CURVE_RECIPES: [&str; 9] = [
     "tiny-llama2",
     "tiny-mistral",
     "tiny-mixtral",
@@ -256,6 +257,7 @@ pub const CURVE_RECIPES: [&str; 8] = [
     "tiny-qwen3-moe",
     "tiny-deepseek-v3",
     "tiny-gpt-oss",
+    "tiny-gemma3",
 ];
 
 /// Why `recipe`'s curve cannot be trained on `class` (`None`: it can): a recipe whose model the

@@ -1535,7 +1535,7 @@ mod tests {
         }
 
         /// `c`'s steps on one device with the global batch of `devices` devices.
-        fn one_device(c: &Config, devices: usize) -> Curves {
+        pub(super) fn one_device(c: &Config, devices: usize) -> Curves {
             let mut c = c.clone();
             c.train.batch_size *= devices;
             let mut t = Trainer::new(Traced::new(Cpu::new()), &c).unwrap();
@@ -1545,10 +1545,11 @@ mod tests {
         /// The loss and the gradient norm on `devices` devices follow one device's within
         /// 1e-5: the norm shows at once a tensor counted twice or missed, which AdamW's
         /// clipped, normalised steps hide for a few steps.
-        fn assert_follows(name: &str, c: &Config, devices: usize) {
+        pub(super) fn assert_follows(name: &str, c: &Config, devices: usize) {
             let ((want, want_norm), (got, got_norm)) = (one_device(c, devices), on(c, devices));
-            assert_same_curve(&format!("gpt_oss {name}"), &want, &got);
-            assert_same_curve(&format!("gpt_oss {name}, gradient norm"), &want_norm, &got_norm);
+            let family = c.model.family.name();
+            assert_same_curve(&format!("{family} {name}"), &want, &got);
+            assert_same_curve(&format!("{family} {name}, gradient norm"), &want_norm, &got_norm);
         }
 
         /// FSDP 2, tensor 2 (the sinks split with their heads, the o bias added after the
@@ -1617,6 +1618,68 @@ mod tests {
             let want = one_device(&c, 2).0;
             assert!(!same(&want, &losses(&c, 2, local)), "documents bounded by each device's chunks went unnoticed");
             let st = gpt_oss_config(&[
+                "mesh.ici_data=1",
+                "mesh.ici_seq=2",
+                "mesh.ici_tensor=2",
+                "train.batch_size=1",
+                &data,
+            ]);
+            assert_follows("documents, seq=2 x TP=2", &st, 4);
+            std::fs::remove_dir_all(&dir).ok();
+        }
+    }
+
+    /// Gemma 3 (sandwich norms with `1 + w` weights, QK-norm, GeGLU, the embedding scaled by
+    /// √d, `query_pre_attn_scalar`, local layers on their own RoPE base among global ones on a
+    /// linearly scaled one, soft-capped logits) on the axes, against one device training the
+    /// same global batch.
+    mod gemma3 {
+        use super::gpt_oss::{assert_follows, one_device};
+        use super::qwen3::every_axis;
+        use super::*;
+
+        /// Small layers: 4 query and 2 key/value heads of 24; the sliding layers' windows of 6
+        /// tokens are shorter than a seq 2 device's chunks of 8, so some queries' windows reach
+        /// into another device's chunk; a cap of 0.5 bends the logits from the start.
+        fn gemma3_config(extra: &[&str]) -> Config {
+            let small = [
+                "model.d_model=64",
+                "model.head_dim=24",
+                "model.mlp_dim=64",
+                "model.sliding_window=6",
+                "model.final_logit_softcap=0.5",
+                "train.steps=5",
+            ];
+            config("tiny-gemma3", &[&small[..], extra].concat())
+        }
+
+        /// FSDP 2, tensor 2 (the sandwich norms replicated after the group's sums, the
+        /// soft-capped logits split by vocabulary), seq 2 (windows across the chunks, two RoPE
+        /// tables at the chunks' positions) and pipeline 2 (1F1B and interleaved).
+        #[test]
+        fn gemma3_on_fsdp_tensor_seq_and_pipeline_follows_one_device() {
+            // The windows, the local base and the cap are at work: without each, the curve moves.
+            let one = single(&gemma3_config(&[]), 1);
+            for off in ["model.sliding_window=32", "model.rope_local_theta=1000000", "model.final_logit_softcap=0"] {
+                assert!(!super::seq::same(&one, &single(&gemma3_config(&[off]), 1)), "{off}: the same curve");
+            }
+            for (name, sets, devices) in every_axis() {
+                assert_follows(name, &gemma3_config(&sets), devices);
+            }
+        }
+
+        /// Document masking on seq 2 and seq 2 x tensor 2, the windows stopping at each EOS
+        /// across the chunks.
+        #[test]
+        fn gemma3_document_masking_on_seq_two_follows_one_device() {
+            use super::seq::{documents, losses, same};
+            let dir = std::env::temp_dir().join(format!("engine-gemma3-documents-{}", std::process::id()));
+            let data = documents(&dir);
+            let c = gemma3_config(&["mesh.ici_data=1", "mesh.ici_seq=2", "train.batch_size=1", &data]);
+            assert_follows("documents, seq=2", &c, 2);
+            let local = Some(crate::train::Fault::LocalDocuments);
+            assert!(!same(&one_device(&c, 2).0, &losses(&c, 2, local)), "local document bounds went unnoticed");
+            let st = gemma3_config(&[
                 "mesh.ici_data=1",
                 "mesh.ici_seq=2",
                 "mesh.ici_tensor=2",

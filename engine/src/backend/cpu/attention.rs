@@ -3,7 +3,7 @@
 //! For a query row i of head h (key/value head g = h / (H / KV)), over keys j that i may see
 //! (`first_key(i) <= j <= i`):
 //!
-//! forward:  s_j = (q · k_j) / sqrt(Dh),  p_j = exp(s_j - lse),  lse = log Σ_j exp(s_j),
+//! forward:  s_j = (q · k_j) · c (c = 1 / sqrt(Dh) unless the shape says),   p_j = exp(s_j - lse),  lse = log Σ_j exp(s_j),
 //!           o = Σ_j p_j v_j
 //! backward: D = do · o,  dp_j = do · v_j,  ds_j = p_j (dp_j - D),
 //!           dq = Σ_j ds_j k_j / sqrt(Dh),  dk_j += ds_j q / sqrt(Dh),  dv_j += p_j do
@@ -177,7 +177,7 @@ pub fn forward_masked(
     starts: Option<&[u32]>,
 ) {
     let (w, dh) = (s.qkv_width(), s.head_dim);
-    let scale = 1.0 / (dh as f32).sqrt();
+    let scale = s.softmax_scale();
     let at = Rows { s, split };
     assert_eq!(qkv_all.len(), split.ranks * s.rows() * w);
     assert_eq!(lse.len(), s.rows() * s.n_heads);
@@ -231,7 +231,7 @@ pub fn backward_masked(
     starts: Option<&[u32]>,
 ) {
     let (w, dh, qw) = (s.qkv_width(), s.head_dim, s.q_width());
-    let scale = 1.0 / (dh as f32).sqrt();
+    let scale = s.softmax_scale();
     let at = Rows { s, split };
     let first = at.first_key(starts);
     assert_eq!(qkv_all.len(), split.ranks * s.rows() * w);
@@ -337,7 +337,7 @@ mod tests {
         let (first, second) = (5, 7);
         let val = |k: usize| ((k * 7919 % 1000) as f32 / 500.0) - 1.0;
         for window in [0, 3] {
-            let packed = AttnShape { batch: 1, seq: first + second, n_heads: 2, n_kv_heads: 1, head_dim: 4, window };
+            let packed = AttnShape { batch: 1, seq: first + second, n_heads: 2, n_kv_heads: 1, head_dim: 4, window, scale: None };
             let (w, qw, h) = (packed.qkv_width(), packed.q_width(), packed.n_heads);
             let qkv: Vec<f32> = (0..packed.rows() * w).map(val).collect();
             let dout: Vec<f32> = (0..packed.rows() * qw).map(|k| val(k + 17)).collect();
@@ -391,7 +391,7 @@ mod tests {
         // Sequences of 8 in chunks of 2: rank 0 holds positions 0-1 and 6-7, rank 1 2-5.
         let tokens = [1, 2, 3, E, 4, 5, 6, 7, /* next sequence */ 1, E, 2, 3, 4, E, 5, 6];
         for (window, masked) in [(0, false), (3, false), (0, true), (3, true)] {
-            let s = AttnShape { batch: 2, seq: 8, n_heads: 2, n_kv_heads: 1, head_dim: 4, window };
+            let s = AttnShape { batch: 2, seq: 8, n_heads: 2, n_kv_heads: 1, head_dim: 4, window, scale: None };
             let w = s.qkv_width();
             let val = |k: usize| ((k * 7919 % 1000) as f32 / 500.0) - 1.0;
             let qkv: Vec<f32> = (0..s.rows() * w).map(val).collect();

@@ -123,23 +123,46 @@ fn linear_layer_helpers() {
     );
 }
 
+/// RMSNorm, with its weight as stored (offset 0) and as Gemma's offset from one.
 #[test]
 fn rmsnorm() {
     let (rows, d) = (5, 7);
+    for offset in [0.0, 1.0] {
+        check(
+            &format!("rmsnorm offset {offset}"),
+            &[random(rows * d, 1, 2.0), random(d, 2, 1.5)],
+            &|cpu, x| {
+                let (out, rstd) = (cpu.alloc(BufKind::Activations, rows * d), cpu.alloc(BufKind::Activations, rows));
+                cpu.rmsnorm_forward(out, rstd, x[0], x[1], offset, d, 1e-5);
+                out
+            },
+            &|cpu, x, dout| {
+                let (out, rstd) = (cpu.alloc(BufKind::Activations, rows * d), cpu.alloc(BufKind::Activations, rows));
+                cpu.rmsnorm_forward(out, rstd, x[0], x[1], offset, d, 1e-5);
+                let (dx, dw) = (cpu.alloc(BufKind::Activations, rows * d), cpu.alloc(BufKind::Activations, d));
+                cpu.rmsnorm_backward(dx, dw, dout, x[0], x[1], offset, rstd, d);
+                vec![dx, dw]
+            },
+        );
+    }
+}
+
+/// Logit soft-capping in place, differentiated at the uncapped values.
+#[test]
+fn softcap() {
+    let n = 11;
     check(
-        "rmsnorm",
-        &[random(rows * d, 1, 2.0), random(d, 2, 1.5)],
+        "softcap",
+        &[random(n, 1, 4.0)],
         &|cpu, x| {
-            let (out, rstd) = (cpu.alloc(BufKind::Activations, rows * d), cpu.alloc(BufKind::Activations, rows));
-            cpu.rmsnorm_forward(out, rstd, x[0], x[1], d, 1e-5);
-            out
+            let y = cpu.alloc(BufKind::Activations, n);
+            cpu.copy(y, x[0]);
+            cpu.softcap_forward(y, 2.5);
+            y
         },
         &|cpu, x, dout| {
-            let (out, rstd) = (cpu.alloc(BufKind::Activations, rows * d), cpu.alloc(BufKind::Activations, rows));
-            cpu.rmsnorm_forward(out, rstd, x[0], x[1], d, 1e-5);
-            let (dx, dw) = (cpu.alloc(BufKind::Activations, rows * d), cpu.alloc(BufKind::Activations, d));
-            cpu.rmsnorm_backward(dx, dw, dout, x[0], x[1], rstd, d);
-            vec![dx, dw]
+            cpu.softcap_backward(dout, x[0], 2.5);
+            vec![dout]
         },
     );
 }
@@ -148,24 +171,26 @@ fn rmsnorm() {
 /// values passing through; the backward pass works in place of the output's gradient.
 #[test]
 fn qk_norm() {
-    let shape = AttnShape { batch: 1, seq: 3, n_heads: 2, n_kv_heads: 1, head_dim: 4, window: 0 };
+    let shape = AttnShape { batch: 1, seq: 3, n_heads: 2, n_kv_heads: 1, head_dim: 4, window: 0, scale: None };
     let (rows, width, dh) = (3, shape.qkv_width(), shape.head_dim);
-    let forward = |cpu: &mut Cpu, x: &[View]| {
-        let (out, rstd) = (cpu.alloc(BufKind::Activations, rows * width), cpu.alloc(BufKind::Activations, rows * 3));
-        cpu.qk_norm_forward(out, rstd, x[0], x[1], shape, 1e-6);
-        (out, rstd)
-    };
-    check(
-        "qk_norm",
-        &[random(rows * width, 1, 2.0), random(2 * dh, 2, 1.5)],
-        &|cpu, x| forward(cpu, x).0,
-        &|cpu, x, dout| {
-            let (_, rstd) = forward(cpu, x);
-            let dw = cpu.alloc(BufKind::Activations, 2 * dh);
-            cpu.qk_norm_backward(dout, dw, x[0], x[1], rstd, shape);
-            vec![dout, dw]
-        },
-    );
+    for offset in [0.0, 1.0] {
+        let forward = |cpu: &mut Cpu, x: &[View]| {
+            let (out, rstd) = (cpu.alloc(BufKind::Activations, rows * width), cpu.alloc(BufKind::Activations, rows * 3));
+            cpu.qk_norm_forward(out, rstd, x[0], x[1], offset, shape, 1e-6);
+            (out, rstd)
+        };
+        check(
+            &format!("qk_norm offset {offset}"),
+            &[random(rows * width, 1, 2.0), random(2 * dh, 2, 1.5)],
+            &|cpu, x| forward(cpu, x).0,
+            &|cpu, x, dout| {
+                let (_, rstd) = forward(cpu, x);
+                let dw = cpu.alloc(BufKind::Activations, 2 * dh);
+                cpu.qk_norm_backward(dout, dw, x[0], x[1], offset, rstd, shape);
+                vec![dout, dw]
+            },
+        );
+    }
 }
 
 #[test]
@@ -328,7 +353,7 @@ fn cross_entropy() {
 }
 
 fn attention_shapes() -> Vec<AttnShape> {
-    let s = |batch, n_heads, n_kv_heads, window| AttnShape { batch, seq: 6, n_heads, n_kv_heads, head_dim: 4, window };
+    let s = |batch, n_heads, n_kv_heads, window| AttnShape { batch, seq: 6, n_heads, n_kv_heads, head_dim: 4, window, scale: None };
     vec![s(2, 2, 2, 0), s(1, 4, 2, 0), s(1, 3, 1, 0), s(2, 2, 1, 3), s(1, 2, 2, 1)]
 }
 
@@ -409,7 +434,7 @@ fn attention_with_sinks_mha_gqa_windows_and_documents() {
 
 #[test]
 fn attention_matches_a_dense_softmax() {
-    let shape = AttnShape { batch: 1, seq: 5, n_heads: 2, n_kv_heads: 1, head_dim: 4, window: 2 };
+    let shape = AttnShape { batch: 1, seq: 5, n_heads: 2, n_kv_heads: 1, head_dim: 4, window: 2, scale: None };
     let qkv = random(shape.rows() * shape.qkv_width(), 3, 1.0);
     let mut cpu = Cpu::new();
     let x = upload(&mut cpu, &qkv);
@@ -436,7 +461,7 @@ fn attention_matches_a_dense_softmax() {
 
 #[test]
 fn rope_and_its_inverse() {
-    let shape = AttnShape { batch: 2, seq: 3, n_heads: 2, n_kv_heads: 1, head_dim: 4, window: 0 };
+    let shape = AttnShape { batch: 2, seq: 3, n_heads: 2, n_kv_heads: 1, head_dim: 4, window: 0, scale: None };
     let table = random(shape.seq * 2 * 2, 5, 1.0);
     // A real table holds (cos θ, sin θ); any (a, b) still gives a linear map whose transpose
     // the inverse must be, so normalise to keep it a rotation.

@@ -31,6 +31,7 @@ mod reduce;
 mod rope;
 mod router;
 mod sinks;
+mod softcap;
 mod swiglu;
 
 #[cfg(test)]
@@ -151,6 +152,12 @@ fn scratch(scratch: &mut Vec<f64>, n: usize) -> &mut [f64] {
     &mut scratch[..n]
 }
 
+/// A norm's weight as it multiplies: `offset + w`, rounded to f32 as transformers' Gemma
+/// computes `1.0 + weight.float()`; `w` itself when the offset is 0.
+fn offset_weight(w: &[f32], offset: f32) -> std::borrow::Cow<'_, [f32]> {
+    if offset == 0.0 { w.into() } else { w.iter().map(|w| offset + w).collect::<Vec<_>>().into() }
+}
+
 impl Cpu {
     /// `(expert, first row, rows)` of each expert the dispatch sent rows to, from its offsets.
     fn expert_rows(&self, dispatch: MoeDispatch) -> Vec<(usize, usize, usize)> {
@@ -219,6 +226,10 @@ impl Backend for Cpu {
         reduce::add(out, src);
     }
 
+    fn scale(&mut self, dst: View, s: f32) {
+        reduce::scale(self.mem.io(dst, []).0, s);
+    }
+
     fn sum(&mut self, out: View, x: View) {
         let partials = scratch(&mut self.scratch, reduce::partial_count(x.len));
         let total = reduce::sum(self.mem.get(x), partials, |v| v as f64);
@@ -280,15 +291,15 @@ impl Backend for Cpu {
         embedding::backward_slice(dtable, dout, self.idx.get(tokens), d, first);
     }
 
-    fn rmsnorm_forward(&mut self, out: View, rstd: View, x: View, w: View, d: usize, eps: f32) {
+    fn rmsnorm_forward(&mut self, out: View, rstd: View, x: View, w: View, offset: f32, d: usize, eps: f32) {
         let ([out, rstd], [x, w]) = self.mem.io_many([out, rstd], [x, w]);
-        norm::forward(out, rstd, x, w, d, eps);
+        norm::forward(out, rstd, x, w, offset, d, eps);
     }
 
-    fn rmsnorm_backward(&mut self, dx: View, dw: View, dout: View, x: View, w: View, rstd: View, d: usize) {
+    fn rmsnorm_backward(&mut self, dx: View, dw: View, dout: View, x: View, w: View, offset: f32, rstd: View, d: usize) {
         let partials = scratch(&mut self.scratch, (x.len / d).div_ceil(ROW_CHUNK) * d);
         let ([dx, dw], [dout, x, w, rstd]) = self.mem.io_many([dx, dw], [dout, x, w, rstd]);
-        norm::backward(dx, dw, dout, x, w, rstd, d, partials);
+        norm::backward(dx, dw, dout, x, (w, offset), rstd, d, partials);
     }
 
     fn layernorm_forward(&mut self, out: View, mean: View, rstd: View, x: View, w: View, b: View, d: usize, eps: f32) {
@@ -313,16 +324,16 @@ impl Backend for Cpu {
         layernorm::backward(dx, dw, db, dout, x, w, mean, rstd, d, partials);
     }
 
-    fn qk_norm_forward(&mut self, out: View, rstd: View, qkv: View, w: View, shape: AttnShape, eps: f32) {
+    fn qk_norm_forward(&mut self, out: View, rstd: View, qkv: View, w: View, offset: f32, shape: AttnShape, eps: f32) {
         let ([out, rstd], [qkv, w]) = self.mem.io_many([out, rstd], [qkv, w]);
-        qknorm::forward(out, rstd, qkv, w, shape, eps);
+        qknorm::forward(out, rstd, qkv, (w, offset), shape, eps);
     }
 
-    fn qk_norm_backward(&mut self, dqkv: View, dw: View, qkv: View, w: View, rstd: View, shape: AttnShape) {
+    fn qk_norm_backward(&mut self, dqkv: View, dw: View, qkv: View, w: View, offset: f32, rstd: View, shape: AttnShape) {
         let rows = qkv.len / shape.qkv_width();
         let partials = scratch(&mut self.scratch, rows.div_ceil(ROW_CHUNK) * 2 * shape.head_dim);
         let ([dqkv, dw], [qkv, w, rstd]) = self.mem.io_many([dqkv, dw], [qkv, w, rstd]);
-        qknorm::backward(dqkv, dw, qkv, w, rstd, shape, partials);
+        qknorm::backward(dqkv, dw, qkv, (w, offset), rstd, shape, partials);
     }
 
     fn rope(&mut self, qkv: View, rope: View, shape: AttnShape, inverse: bool) {
@@ -497,6 +508,15 @@ impl Backend for Cpu {
     fn glu_backward(&mut self, dgu: View, dh: View, gu: View, f: usize, kind: Glu) {
         let (dgu, [dh, gu]) = self.mem.io(dgu, [dh, gu]);
         glu::backward(dgu, dh, gu, f, kind);
+    }
+
+    fn softcap_forward(&mut self, x: View, cap: f32) {
+        softcap::forward(self.mem.io(x, []).0, cap);
+    }
+
+    fn softcap_backward(&mut self, dx: View, x: View, cap: f32) {
+        let (dx, [x]) = self.mem.io(dx, [x]);
+        softcap::backward(dx, x, cap);
     }
 
     fn gelu_forward(&mut self, h: View, u: View, tanh: bool) {

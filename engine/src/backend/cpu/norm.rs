@@ -3,13 +3,17 @@
 //! forward:  r = 1 / sqrt(mean_j(x_j²) + eps),  y_j = w_j · x_j · r
 //! backward: dx_i += r · (dy_i w_i - x_i · r² · mean_j(dy_j w_j x_j))
 //!           dw_j += Σ_rows dy_j · x_j · r
+//!
+//! `w` here is `offset + stored` in f32 (Gemma stores its norms as offsets from one); the
+//! weight gradient is the stored tensor's as well.
 
 use super::ROW_CHUNK;
 use rayon::prelude::*;
 
 /// Normalises each row of width `d`; saves `rstd[row] = r`.
-pub fn forward(out: &mut [f32], rstd: &mut [f32], x: &[f32], w: &[f32], d: usize, eps: f32) {
+pub fn forward(out: &mut [f32], rstd: &mut [f32], x: &[f32], w: &[f32], offset: f32, d: usize, eps: f32) {
     assert_eq!(w.len(), d);
+    let w: &[f32] = &super::offset_weight(w, offset);
     out.par_chunks_mut(d).zip(rstd.par_iter_mut()).zip(x.par_chunks(d)).for_each(|((y, r), x)| {
         let ms = x.iter().map(|&v| v as f64 * v as f64).sum::<f64>() / d as f64;
         *r = (1.0 / (ms + eps as f64).sqrt()) as f32;
@@ -26,11 +30,12 @@ pub fn backward(
     dw: &mut [f32],
     dy: &[f32],
     x: &[f32],
-    w: &[f32],
+    (w, offset): (&[f32], f32),
     rstd: &[f32],
     d: usize,
     partials: &mut [f64],
 ) {
+    let w: &[f32] = &super::offset_weight(w, offset);
     let rows = rstd.len();
     assert_eq!(partials.len(), rows.div_ceil(ROW_CHUNK) * d);
     dx.par_chunks_mut(ROW_CHUNK * d).zip(partials.par_chunks_mut(d)).enumerate().for_each(|(chunk, (dx, dw_part))| {

@@ -3,6 +3,8 @@
 //! `wq`, key heads `wk` (`w = [wq | wk]`, 2·Dh); values pass through. Statistics in f64, values
 //! in f32, as `norm.rs`.
 //!
+//! `w` is `offset + stored` in f32 (Gemma 3's `1 + w`), as `norm.rs`.
+//!
 //! forward:  per head vector x (width Dh), r = 1 / sqrt(mean_j(x_j²) + eps),  y_j = w_j · x_j · r
 //! backward: dx_i = r · (dy_i w_i - x_i · r² · mean_j(dy_j w_j x_j))   (in place of dy)
 //!           dw_j += Σ_heads dy_j · x_j · r   (q heads into dwq, k heads into dwk)
@@ -13,7 +15,8 @@ use rayon::prelude::*;
 
 /// Normalises the q and k heads of every row of `x` into `out` (v copied); saves
 /// `rstd[row · (H + KV) + head]`.
-pub fn forward(out: &mut [f32], rstd: &mut [f32], x: &[f32], w: &[f32], shape: AttnShape, eps: f32) {
+pub fn forward(out: &mut [f32], rstd: &mut [f32], x: &[f32], (w, offset): (&[f32], f32), shape: AttnShape, eps: f32) {
+    let w: &[f32] = &super::offset_weight(w, offset);
     let (width, dh, heads) = (shape.qkv_width(), shape.head_dim, shape.n_heads + shape.n_kv_heads);
     assert_eq!(w.len(), 2 * dh, "internal error: qk_norm weights are [wq | wk]");
     out.par_chunks_mut(width).zip(rstd.par_chunks_mut(heads)).zip(x.par_chunks(width)).for_each(|((y, r), x)| {
@@ -38,11 +41,12 @@ pub fn backward(
     dqkv: &mut [f32],
     dw: &mut [f32],
     x: &[f32],
-    w: &[f32],
+    (w, offset): (&[f32], f32),
     rstd: &[f32],
     shape: AttnShape,
     partials: &mut [f64],
 ) {
+    let w: &[f32] = &super::offset_weight(w, offset);
     let (width, dh, heads) = (shape.qkv_width(), shape.head_dim, shape.n_heads + shape.n_kv_heads);
     let rows = rstd.len() / heads;
     assert_eq!(partials.len(), rows.div_ceil(ROW_CHUNK) * 2 * dh);

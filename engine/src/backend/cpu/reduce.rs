@@ -21,6 +21,11 @@ pub fn copy(dst: &mut [f32], src: &[f32]) {
     dst.par_chunks_mut(CHUNK).zip(src.par_chunks(CHUNK)).for_each(|(d, s)| d.copy_from_slice(s));
 }
 
+/// `x *= s`.
+pub fn scale(x: &mut [f32], s: f32) {
+    x.par_chunks_mut(CHUNK).for_each(|c| c.iter_mut().for_each(|x| *x *= s));
+}
+
 /// `dst += src`.
 pub fn add(dst: &mut [f32], src: &[f32]) {
     assert_eq!(dst.len(), src.len());

@@ -651,6 +651,10 @@ impl Backend for Cuda {
         ops::elementwise::add(self, dst, src)
     }
 
+    fn scale(&mut self, dst: View, s: f32) {
+        ops::elementwise::scale(self, dst, s)
+    }
+
     fn sum(&mut self, out: View, x: View) {
         ops::elementwise::sum(self, out, x, false)
     }
@@ -704,20 +708,20 @@ impl Backend for Cuda {
         ops::embedding::backward_slice(self, dtable, dout, tokens, d, first)
     }
 
-    fn rmsnorm_forward(&mut self, out: View, rstd: View, x: View, w: View, d: usize, eps: f32) {
-        ops::rmsnorm::forward(self, out, rstd, x, w, d, eps)
+    fn rmsnorm_forward(&mut self, out: View, rstd: View, x: View, w: View, offset: f32, d: usize, eps: f32) {
+        ops::rmsnorm::forward(self, out, rstd, x, w, offset, d, eps)
     }
 
-    fn rmsnorm_backward(&mut self, dx: View, dw: View, dout: View, x: View, w: View, rstd: View, d: usize) {
-        ops::rmsnorm::backward(self, dx, dw, dout, x, w, rstd, d)
+    fn rmsnorm_backward(&mut self, dx: View, dw: View, dout: View, x: View, w: View, offset: f32, rstd: View, d: usize) {
+        ops::rmsnorm::backward(self, dx, dw, dout, x, w, offset, rstd, d)
     }
 
-    fn qk_norm_forward(&mut self, out: View, rstd: View, qkv: View, w: View, s: AttnShape, eps: f32) {
-        ops::qknorm::forward(self, out, rstd, qkv, w, s, eps)
+    fn qk_norm_forward(&mut self, out: View, rstd: View, qkv: View, w: View, offset: f32, s: AttnShape, eps: f32) {
+        ops::qknorm::forward(self, out, rstd, qkv, w, offset, s, eps)
     }
 
-    fn qk_norm_backward(&mut self, dqkv: View, dw: View, qkv: View, w: View, rstd: View, s: AttnShape) {
-        ops::qknorm::backward(self, dqkv, dw, qkv, w, rstd, s)
+    fn qk_norm_backward(&mut self, dqkv: View, dw: View, qkv: View, w: View, offset: f32, rstd: View, s: AttnShape) {
+        ops::qknorm::backward(self, dqkv, dw, qkv, w, offset, rstd, s)
     }
 
     fn rope(&mut self, qkv: View, rope: View, s: AttnShape, inverse: bool) {
@@ -883,6 +887,14 @@ impl Backend for Cuda {
         d: usize,
     ) {
         ops::layernorm::backward(self, dx, dw, db, dout, x, w, mean, rstd, d)
+    }
+
+    fn softcap_forward(&mut self, x: View, cap: f32) {
+        ops::elementwise::softcap_forward(self, x, cap)
+    }
+
+    fn softcap_backward(&mut self, dx: View, x: View, cap: f32) {
+        ops::elementwise::softcap_backward(self, dx, x, cap)
     }
 
     fn gelu_forward(&mut self, h: View, u: View, tanh: bool) {

@@ -89,7 +89,7 @@ impl Model {
             QueryOffsets::Latent { down, norm, up } => {
                 let rq = a.q_lora_rank;
                 fwd(be, Linear::QDown, acts.q_lat, (la.ln1, w.at(down, rq * d)), MatMul::linear(n, d, rq));
-                be.rmsnorm_forward(acts.q_lat_n, acts.q_rstd, acts.q_lat, w.at(norm, rq), rq, eps);
+                be.rmsnorm_forward(acts.q_lat_n, acts.q_rstd, acts.q_lat, w.at(norm, rq), 0.0, rq, eps);
                 fwd(be, Linear::QUp, acts.q, (acts.q_lat_n, w.at(up, h * qk * rq)), MatMul::linear(n, rq, h * qk));
             }
             QueryOffsets::Direct(q) => {
@@ -98,7 +98,7 @@ impl Model {
         }
         fwd(be, Linear::KvDown, acts.kv_lat, (la.ln1, w.at(o.kv_a, rkv * d)), MatMul::linear(n, d, rkv));
         be.matmul(acts.kpe, la.ln1, w.at(o.kv_a + rkv * d, rope * d), MatMul::linear(n, d, rope));
-        be.rmsnorm_forward(acts.kv_lat_n, acts.kv_rstd, acts.kv_lat, w.at(o.kv_norm, rkv), rkv, eps);
+        be.rmsnorm_forward(acts.kv_lat_n, acts.kv_rstd, acts.kv_lat, w.at(o.kv_norm, rkv), 0.0, rkv, eps);
         let kv_width = h * (a.nope_dim + a.v_dim);
         let wkv_b = w.at(o.kv_b, kv_width * rkv);
         fwd(be, Linear::KvUp, acts.kv, (acts.kv_lat_n, wkv_b), MatMul::linear(n, rkv, kv_width));
@@ -107,7 +107,8 @@ impl Model {
         self.attend(be, p, (la.attn, la.lse), la.qkv, self.attn_shape(i, p.batch, p.seq), ex);
         be.heads_narrow(acts.attn_v, la.attn, n, h, qk, a.v_dim);
         let (vw, wo) = (h * a.v_dim, w.at(o.o, d * h * a.v_dim));
-        self.row_parallel(be, p, ex, (i, Linear::O), la.xmid, (acts.attn_v, wo), la.x, MatMul::linear(n, vw, d));
+        let (out, residual) = Self::branch_output(la.post.as_ref().map(|s| s.attn_y), la.xmid, la.x);
+        self.row_parallel(be, p, ex, (i, Linear::O), out, (acts.attn_v, wo), residual, MatMul::linear(n, vw, d));
     }
 
     pub(super) fn mla_backward<B: Backend>(
@@ -116,6 +117,7 @@ impl Model {
         p: &Plan,
         i: usize,
         (w, g): (Window, Window),
+        dout: View,
         o: &MlaOffsets,
         ex: &mut dyn Exchange<B>,
     ) {
@@ -131,7 +133,7 @@ impl Model {
             self.linear_backward(be, p, (i, linear), (dx, dw), dy, (x, w), (dx_shape, MatMul::linear_dw(n, inp, out)))
         };
         let (dwo, wo) = (g.at(o.o, d * vw), w.at(o.o, d * vw));
-        bwd(be, Linear::O, (dattn_v, dwo), p.dres, (acts.attn_v, wo), (vw, d), false);
+        bwd(be, Linear::O, (dattn_v, dwo), dout, (acts.attn_v, wo), (vw, d), false);
         be.heads_widen(p.dattn, dattn_v, n, h, a.v_dim, qk);
         let shape: AttnShape = self.attn_shape(i, p.batch, p.seq);
         self.attend_backward(be, p, p.dqkv, p.dattn, (la.qkv, la.attn, la.lse), shape, ex);
@@ -147,7 +149,7 @@ impl Model {
         ex.tensor_sum(be, dc);
         be.fill(dkv_lat, 0.0);
         let norm = (g.at(o.kv_norm, rkv), w.at(o.kv_norm, rkv));
-        be.rmsnorm_backward(dkv_lat, norm.0, dc, acts.kv_lat, norm.1, acts.kv_rstd, rkv);
+        be.rmsnorm_backward(dkv_lat, norm.0, dc, acts.kv_lat, norm.1, 0.0, acts.kv_rstd, rkv);
         // The queries' part of `dln` first: a partial sum over the heads without a latent.
         match o.q {
             QueryOffsets::Latent { down, norm, up } => {
@@ -158,7 +160,7 @@ impl Model {
                 ex.tensor_sum(be, dq_lat_n);
                 be.fill(dq_lat, 0.0);
                 let (gn, wn) = (g.at(norm, rq), w.at(norm, rq));
-                be.rmsnorm_backward(dq_lat, gn, dq_lat_n, acts.q_lat, wn, acts.q_rstd, rq);
+                be.rmsnorm_backward(dq_lat, gn, dq_lat_n, acts.q_lat, wn, 0.0, acts.q_rstd, rq);
                 let (wd, gd) = (w.at(down, rq * d), g.at(down, rq * d));
                 bwd(be, Linear::QDown, (p.dln, gd), dq_lat, (la.ln1, wd), (d, rq), false);
             }

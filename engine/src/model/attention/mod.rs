@@ -39,10 +39,17 @@ impl Model {
         } else {
             format!("{} of {} layers (model.layer_types)", sliding.len(), m.n_layers)
         };
-        Some(format!("sliding window {w} on {layers}"))
+        let bases = if m.rope_local_theta > 0.0 {
+            let scaled = if m.rope_linear_factor != 1.0 { format!(" / {}", m.rope_linear_factor) } else { String::new() };
+            format!(" (RoPE base {} on them, {}{scaled} on the full ones)", m.rope_local_theta, m.rope_theta)
+        } else {
+            String::new()
+        };
+        Some(format!("sliding window {w} on {layers}{bases}"))
     }
 
-    /// Layer `i`'s attention, forward: `xmid = x + attn(ln1)`.
+    /// Layer `i`'s attention, forward: `xmid = x + attn(ln1)` (under sandwich norms, the
+    /// output `attn(ln1)` alone, which the layer norms and adds).
     pub(super) fn attention_forward<B: Backend>(
         &self,
         be: &mut B,
@@ -57,19 +64,22 @@ impl Model {
         }
     }
 
-    /// Layer `i`'s attention, backward: from `p.dres` (the gradient of `xmid`) to `p.dln` (that
-    /// of `ln1`, summed over the tensor group), the weight gradients added into `g`.
+    /// Layer `i`'s attention, backward: from `dout` (the gradient of its output: of `xmid`, or
+    /// under sandwich norms of the output before its norm) to `p.dln` (that of `ln1`, summed
+    /// over the tensor group), the weight gradients added into `g`.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn attention_backward<B: Backend>(
         &self,
         be: &mut B,
         p: &Plan,
         i: usize,
         (w, g): (Window, Window),
+        dout: View,
         ex: &mut dyn Exchange<B>,
     ) {
         match &self.layout.layers[i].attn {
-            AttnOffsets::Gqa(o) => self.gqa_backward(be, p, i, (w, g), o, ex),
-            AttnOffsets::Mla(o) => self.mla_backward(be, p, i, (w, g), o, ex),
+            AttnOffsets::Gqa(o) => self.gqa_backward(be, p, i, (w, g), dout, o, ex),
+            AttnOffsets::Mla(o) => self.mla_backward(be, p, i, (w, g), dout, o, ex),
         }
     }
 

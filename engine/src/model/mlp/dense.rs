@@ -1,5 +1,5 @@
 //! The dense MLP: SwiGLU, `down(silu(gate(x)) ⊙ up(x))` with gate and up packed in one
-//! product; GPT's `c_proj(gelu(c_fc(x)))` with biases. Under tensor parallelism the hidden
+//! product (Gemma 3's GeGLU: `gelu_tanh` for `silu`); GPT's `c_proj(gelu(c_fc(x)))` with biases. Under tensor parallelism the hidden
 //! columns are split: `gate_up` is column-parallel, `down` row-parallel (summed over the group).
 //!
 //! ```text
@@ -12,8 +12,8 @@
 
 use super::super::fp8::Linear;
 use super::super::{Exchange, Model, Plan, Window};
-use crate::backend::{Backend, MatMul, View};
-use crate::config::Gelu;
+use crate::backend::{Backend, Glu, MatMul, View};
+use crate::config::{Family, Gelu};
 
 impl Model {
     #[allow(clippy::too_many_arguments)]
@@ -37,7 +37,8 @@ impl Model {
         self.activation_forward(be, h, gu, f);
         if let Some(out) = out {
             let shape = MatMul::linear(n, f, d);
-            self.row_parallel(be, p, ex, (i, Linear::Down), out, (h, wdown), a.xmid, shape);
+            let (out, residual) = Self::branch_output(a.post.as_ref().map(|s| s.mlp_y), out, a.xmid);
+            self.row_parallel(be, p, ex, (i, Linear::Down), out, (h, wdown), residual, shape);
             self.add_bias(be, p, w, out, b.map(|b| b.down), d);
         }
     }
@@ -49,6 +50,7 @@ impl Model {
         p: &Plan,
         i: usize,
         (w, g): (Window, Window),
+        dout: View,
         (gu, h): (View, View),
         (gate_up, down): (usize, usize),
         ex: &mut dyn Exchange<B>,
@@ -57,14 +59,14 @@ impl Model {
         let (n, d) = (p.batch * p.seq, m.d_model);
         let (up, f) = (gu.len / n, h.len / n);
         let (dgu, dh) = (p.dgu.at(0, n * up), p.dh.at(0, n * f));
-        self.bias_backward(be, p, g, p.dres, b.map(|b| b.down), d);
+        self.bias_backward(be, p, g, dout, b.map(|b| b.down), d);
         let (ddown, wdown) = (g.at(down, d * f), w.at(down, d * f));
         let shapes = (MatMul::linear_dx(n, f, d), MatMul::linear_dw(n, f, d));
-        self.linear_backward(be, p, (i, Linear::Down), (dh, ddown), p.dres, (h, wdown), shapes);
+        self.linear_backward(be, p, (i, Linear::Down), (dh, ddown), dout, (h, wdown), shapes);
         if m.is_gpt() {
             be.gelu_backward(dgu, dh, gu, m.gelu == Gelu::Tanh);
         } else {
-            be.swiglu_backward(dgu, dh, gu, f);
+            be.glu_backward(dgu, dh, gu, f, self.dense_glu());
         }
         self.bias_backward(be, p, g, dgu, b.map(|b| b.up), f);
         let (dup, wup) = (g.at(gate_up, up * d), w.at(gate_up, up * d));
@@ -73,13 +75,18 @@ impl Model {
         ex.tensor_sum(be, p.dln);
     }
 
-    /// The MLP's activation: SwiGLU of `[gate | up]` rows into `h`'s rows of width `f`, or
-    /// (GPT) GELU of `c_fc`'s output.
+    /// The MLP's activation: the gated unit of `[gate | up]` rows ([`Model::dense_glu`]) into
+    /// `h`'s rows of width `f`, or (GPT) GELU of `c_fc`'s output.
     pub(in super::super) fn activation_forward<B: Backend>(&self, be: &mut B, h: View, gu: View, f: usize) {
         if self.config.is_gpt() {
             be.gelu_forward(h, gu, self.config.gelu == Gelu::Tanh);
         } else {
-            be.swiglu_forward(h, gu, f);
+            be.glu_forward(h, gu, f, self.dense_glu());
         }
+    }
+
+    /// The gated unit of a dense MLP: Gemma's GELU-tanh (GeGLU), else SwiGLU.
+    fn dense_glu(&self) -> Glu {
+        if self.config.family == Family::Gemma3 { Glu::GeluTanh } else { Glu::Swiglu }
     }
 }

@@ -16,7 +16,8 @@ use crate::backend::{Backend, View};
 pub(super) use moe::expert_weights;
 
 impl Model {
-    /// Layer `i`'s MLP, forward: with `out`, the layer's output `out = xmid + mlp(ln2)`;
+    /// Layer `i`'s MLP, forward: with `out`, the layer's output `out = xmid + mlp(ln2)` (under
+    /// sandwich norms, `mlp(ln2)` alone, into its own buffer, which the layer norms and adds);
     /// without, only the activations the backward pass reads (recomputation).
     pub(super) fn mlp_forward<B: Backend>(
         &self,
@@ -36,9 +37,10 @@ impl Model {
         }
     }
 
-    /// Layer `i`'s MLP, backward: from `p.dres` (the gradient of the layer's output) to `p.dln`
-    /// (that of `ln2`, summed over the tensor group), the weight gradients added into `g`.
-    /// `counts` holds the whole model's routing counts (the load-balancing loss's).
+    /// Layer `i`'s MLP, backward: from `dout` (the gradient of its output: of the layer's, or
+    /// under sandwich norms of the output before its norm) to `p.dln` (that of `ln2`, summed
+    /// over the tensor group), the weight gradients added into `g`. `counts` holds the whole
+    /// model's routing counts (the load-balancing loss's).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn mlp_backward<B: Backend>(
         &self,
@@ -46,15 +48,16 @@ impl Model {
         p: &Plan,
         i: usize,
         (w, g): (Window, Window),
+        dout: View,
         (counts, aux_scale): (View, f32),
         ex: &mut dyn Exchange<B>,
     ) {
         match (&p.layers[i].mlp, &self.layout.layers[i].mlp) {
             (MlpActs::Dense { gu, h }, MlpOffsets::Dense { gate_up, down }) => {
-                self.dense_backward(be, p, i, (w, g), (*gu, *h), (*gate_up, *down), ex)
+                self.dense_backward(be, p, i, (w, g), dout, (*gu, *h), (*gate_up, *down), ex)
             }
             (acts @ MlpActs::Moe { .. }, o @ MlpOffsets::Moe { .. }) => {
-                self.moe_backward(be, p, i, (w, g), acts, o, (counts, aux_scale), ex)
+                self.moe_backward(be, p, i, (w, g), dout, acts, o, (counts, aux_scale), ex)
             }
             _ => unreachable!("internal error: activations planned for another MLP kind"),
         }

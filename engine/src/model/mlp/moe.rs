@@ -79,8 +79,14 @@ impl Model {
                 be.matmul(p.moe_out, *sh, w.at(down, d * s), MatMul::linear(n, s, d).accumulating());
             }
             ex.tensor_sum(be, p.moe_out);
-            be.copy(out, a.xmid);
-            be.add(out, p.moe_out);
+            let (out, residual) = Self::branch_output(a.post.as_ref().map(|s| s.mlp_y), out, a.xmid);
+            match residual {
+                Some(residual) => {
+                    be.copy(out, residual);
+                    be.add(out, p.moe_out);
+                }
+                None => be.copy(out, p.moe_out),
+            }
         }
     }
 
@@ -91,6 +97,7 @@ impl Model {
         p: &Plan,
         i: usize,
         (w, g): (Window, Window),
+        dout: View,
         acts: &MlpActs,
         o: &MlpOffsets,
         (counts, aux_scale): (View, f32),
@@ -104,7 +111,7 @@ impl Model {
         };
         let (a, (n, d, f)) = (&p.layers[i], (p.batch * p.seq, self.config.d_model, self.config.mlp_dim));
         let e = dispatch.experts;
-        be.moe_combine_backward(p.dye, p.dweight, p.dres, *ye, *dispatch, d);
+        be.moe_combine_backward(p.dye, p.dweight, dout, *ye, *dispatch, d);
         ex.tensor_sum(be, p.dweight);
         if self.expert_ranks > 1 {
             self.experts_backward(be, p, i, (w, g), (experts, stride), ex);
@@ -133,8 +140,8 @@ impl Model {
             // tensor group (its input gradient joins the routed experts' partial sum).
             let s = sh.len / n;
             let (dsgu, dsh) = (p.dgu.at(0, n * 2 * s), p.dh.at(0, n * s));
-            be.matmul(dsh, p.dres, w.at(down, d * s), MatMul::linear_dx(n, s, d));
-            be.matmul(g.at(down, d * s), p.dres, *sh, MatMul::linear_dw(n, s, d));
+            be.matmul(dsh, dout, w.at(down, d * s), MatMul::linear_dx(n, s, d));
+            be.matmul(g.at(down, d * s), dout, *sh, MatMul::linear_dw(n, s, d));
             be.swiglu_backward(dsgu, dsh, *sgu, s);
             be.matmul(p.dln, dsgu, w.at(gate_up, 2 * s * d), MatMul::linear_dx(n, d, 2 * s).accumulating());
             be.matmul(g.at(gate_up, 2 * s * d), dsgu, a.ln2, MatMul::linear_dw(n, d, 2 * s));

@@ -228,11 +228,6 @@ fn packed(dims: [i64; 4]) -> [i64; 4] {
     [dims[1] * dims[2] * dims[3], dims[2] * dims[3], dims[3], 1]
 }
 
-/// The softmax scale of a head of `d`.
-fn softmax_scale(d: usize) -> f32 {
-    1.0 / (d as f32).sqrt()
-}
-
 /// Dimensions and strides of the engine's buffers as cuDNN sees them.
 struct Views {
     b: i64,
@@ -302,7 +297,7 @@ fn forward(shape: AttnShape) -> Graph {
 
     let s = g.virt(DType::F32, v.scores());
     g.matmul(q, kt, s);
-    let scale = g.scalar(softmax_scale(shape.head_dim));
+    let scale = g.scalar(shape.softmax_scale());
     let s = g.pw(Pw::Mul, DType::F32, DType::F32, s, Some(scale), None);
     let mut s = g.causal(s);
     if shape.window > 0 {
@@ -352,7 +347,7 @@ fn backward(shape: AttnShape) -> Graph {
     let dq_accum = g.bound(Role::DQAccum, DType::F32, qd, packed(qd));
     g.g.tensors[dq_accum].reorder_f16x16 = true;
     let one = g.scalar(1.0);
-    let scale = g.scalar(softmax_scale(shape.head_dim));
+    let scale = g.scalar(shape.softmax_scale());
 
     // rowsum(dO ∘ O), the softmax's own term of dS.
     let prod = g.pw(Pw::Mul, DType::F32, DType::F32, d_o, Some(o), None);
@@ -430,7 +425,7 @@ mod tests {
     use super::*;
 
     fn shape(heads: usize, kv: usize, window: usize) -> AttnShape {
-        AttnShape { batch: 2, seq: 48, n_heads: heads, n_kv_heads: kv, head_dim: 16, window }
+        AttnShape { batch: 2, seq: 48, n_heads: heads, n_kv_heads: kv, head_dim: 16, window, scale: None }
     }
 
     fn shapes() -> Vec<AttnShape> {

@@ -81,11 +81,12 @@ pub fn dotted(v: usize) -> String {
     format!("{}.{}.{}", v / 10000, v / 100 % 100, v % 100)
 }
 
-/// A shape, as the plans are keyed: batch, seq, heads, kv heads, head width, window.
-type Key = [usize; 6];
+/// A shape, as the plans are keyed: batch, seq, heads, kv heads, head width, window, the
+/// softmax scale's bits.
+type Key = [usize; 7];
 
 fn key(s: AttnShape) -> Key {
-    [s.batch, s.seq, s.n_heads, s.n_kv_heads, s.head_dim, s.window]
+    [s.batch, s.seq, s.n_heads, s.n_kv_heads, s.head_dim, s.window, s.softmax_scale().to_bits() as usize]
 }
 
 /// A cuDNN handle on the backend's stream, its execution plans by shape, and one workspace.

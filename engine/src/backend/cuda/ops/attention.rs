@@ -268,7 +268,7 @@ pub(crate) fn forward(
         Arg::I(s.n_kv_heads as i32),
         Arg::I(s.head_dim as i32),
         Arg::I(c_int(s.window, "window")),
-        Arg::F(1.0 / (s.head_dim as f32).sqrt()),
+        Arg::F(s.softmax_scale()),
     ];
     // (head, batch, query tile): the longest tiles of every head and sequence first.
     let grid = (s.n_heads as u32, s.batch as u32, s.seq.div_ceil(64) as u32);
@@ -335,7 +335,7 @@ pub(crate) fn backward(
         (192, true) => "attention_backward_split_hd192",
         (_, true) => "attention_backward_split_hd256",
     };
-    let scale = 1.0 / (dh as f32).sqrt();
+    let scale = s.softmax_scale();
     let [seq, local, rank, ranks] = seq_args(s, split);
     let (starts, ends) = doc_ptrs(gpu, bounds, s, split);
     let args = [

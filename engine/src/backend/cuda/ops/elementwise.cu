@@ -3,6 +3,9 @@
 // fill:   x[i] = v
 // copy:   d[i] = s[i]            (through f32 when the types differ; same-type copies are memcpys)
 // add:    d[i] = d[i] + s[i]     (in f32, rounded once to d's type)
+// scale:  x[i] = x[i] · c        (in f32)
+// softcap: x[i] = c · tanh(x[i] / c); backward dx[i] = dx[i] · (1 − tanh²(x[i] / c)), x the
+//         values before capping (Gemma's final-logit soft-capping), in f32
 // sum:    out[0] = Σ f(x[i]), f(v) = v or v², in f64: fixed-size block partials, then one block
 //         adds them in a fixed order, so the result does not depend on scheduling.
 
@@ -28,6 +31,34 @@ extern "C" __global__ void add_f32_f32(float* d, const float* s, u64 n) { add_im
 extern "C" __global__ void add_f32_bf16(float* d, const bf16* s, u64 n) { add_impl(d, s, n); }
 extern "C" __global__ void add_bf16_f32(bf16* d, const float* s, u64 n) { add_impl(d, s, n); }
 extern "C" __global__ void add_bf16_bf16(bf16* d, const bf16* s, u64 n) { add_impl(d, s, n); }
+
+template <typename T>
+__device__ void scale_impl(T* x, u64 n, float c) {
+    for (u64 i = global_thread(); i < n; i += global_stride()) st(&x[i], ld(&x[i]) * c);
+}
+extern "C" __global__ void scale_f32(float* x, u64 n, float c) { scale_impl(x, n, c); }
+extern "C" __global__ void scale_bf16(bf16* x, u64 n, float c) { scale_impl(x, n, c); }
+
+template <typename T>
+__device__ void softcap_forward_impl(T* x, u64 n, float c) {
+    for (u64 i = global_thread(); i < n; i += global_stride()) st(&x[i], tanhf(ld(&x[i]) / c) * c);
+}
+extern "C" __global__ void softcap_forward_f32(float* x, u64 n, float c) { softcap_forward_impl(x, n, c); }
+extern "C" __global__ void softcap_forward_bf16(bf16* x, u64 n, float c) { softcap_forward_impl(x, n, c); }
+
+template <typename T>
+__device__ void softcap_backward_impl(T* dx, const T* x, u64 n, float c) {
+    for (u64 i = global_thread(); i < n; i += global_stride()) {
+        float t = tanhf(ld(&x[i]) / c);
+        st(&dx[i], ld(&dx[i]) * (1.f - t * t));
+    }
+}
+extern "C" __global__ void softcap_backward_f32(float* dx, const float* x, u64 n, float c) {
+    softcap_backward_impl(dx, x, n, c);
+}
+extern "C" __global__ void softcap_backward_bf16(bf16* dx, const bf16* x, u64 n, float c) {
+    softcap_backward_impl(dx, x, n, c);
+}
 
 // One partial per block; the grid size is chosen by the host from n alone.
 template <typename T, bool SQUARES>

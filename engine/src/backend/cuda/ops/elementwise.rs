@@ -18,6 +18,12 @@ pub(crate) const MODULE: Module = Module {
         "add_f32_bf16",
         "add_bf16_f32",
         "add_bf16_bf16",
+        "scale_f32",
+        "scale_bf16",
+        "softcap_forward_f32",
+        "softcap_forward_bf16",
+        "softcap_backward_f32",
+        "softcap_backward_bf16",
         "sum_partials_f32",
         "sum_partials_bf16",
         "sumsq_partials_f32",
@@ -83,6 +89,30 @@ pub(crate) fn add(gpu: &mut Cuda, dst: View, src: View) {
     };
     gpu.launch_1d(name, dst.len as u64, &[Arg::P(dp), Arg::P(sp), Arg::U(dst.len as u64)]);
     refresh_compute_copy(gpu, dst);
+}
+
+/// `Backend::scale`: `x *= s` in f32, rounded to the view's type.
+pub(crate) fn scale(gpu: &mut Cuda, x: View, s: f32) {
+    let (ptr, t) = gpu.exact(x);
+    let name = if t == DType::F32 { "scale_f32" } else { "scale_bf16" };
+    gpu.launch_1d(name, x.len as u64, &[Arg::P(ptr), Arg::U(x.len as u64), Arg::F(s)]);
+    refresh_compute_copy(gpu, x);
+}
+
+/// `Backend::softcap_forward`: `x = cap · tanh(x / cap)` in place, in f32.
+pub(crate) fn softcap_forward(gpu: &mut Cuda, x: View, cap: f32) {
+    let (ptr, t) = gpu.exact(x);
+    let name = if t == DType::F32 { "softcap_forward_f32" } else { "softcap_forward_bf16" };
+    gpu.launch_1d(name, x.len as u64, &[Arg::P(ptr), Arg::U(x.len as u64), Arg::F(cap)]);
+}
+
+/// `Backend::softcap_backward`: `dx *= 1 − tanh²(x / cap)` in place; `x` of `dx`'s type.
+pub(crate) fn softcap_backward(gpu: &mut Cuda, dx: View, x: View, cap: f32) {
+    assert_eq!(dx.len, x.len, "internal error: softcap_backward length");
+    let ((dp, dt), (xp, xt)) = (gpu.exact(dx), gpu.exact(x));
+    assert_eq!(dt, xt, "internal error: softcap_backward: the gradient and the logits differ in type");
+    let name = if dt == DType::F32 { "softcap_backward_f32" } else { "softcap_backward_bf16" };
+    gpu.launch_1d(name, dx.len as u64, &[Arg::P(dp), Arg::P(xp), Arg::U(dx.len as u64), Arg::F(cap)]);
 }
 
 /// `out[0] = Σ x` or `Σ x²` (`squares`), in f64 over fixed blocks, then one block adding the

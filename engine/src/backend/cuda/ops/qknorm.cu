@@ -2,6 +2,8 @@
 // rows [q: H·dh | k: KV·dh | v: KV·dh] (width = (H + 2·KV)·dh), before RoPE. Query heads share
 // the weight wq = w[0, dh), key heads wk = w[dh, 2·dh); values pass through. Statistics in f32.
 //
+// w_j is offset + stored w_j in f32 (Gemma 3 stores its norms as offsets from one; 0 else).
+//
 // forward:  per head vector x (width dh), r = 1 / sqrt(mean_j(x_j²) + eps),  y_j = w_j · (x_j · r)
 // backward: dx_i = r · (dy_i w_i - x_i · c),  c = r² · mean_j(dy_j w_j x_j)     (in place of dy)
 //           dw_j += Σ_heads dy_j · x_j · r   (q heads into dwq, k heads into dwk)
@@ -29,7 +31,7 @@ __device__ __forceinline__ void copyv(bf16* dst, const bf16* src) {
 // One block per row; warp w normalises heads w, w + warps, ...; then the block copies v.
 template <int V>
 __device__ void qk_norm_forward_impl(bf16* out, float* rstd, const bf16* x, const bf16* w, int heads, int n_heads,
-                                     int dh, int width, float eps) {
+                                     int dh, int width, float eps, float offset) {
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     u64 row = blockIdx.x;
     const bf16* xr = x + row * width;
@@ -53,19 +55,19 @@ __device__ void qk_norm_forward_impl(bf16* out, float* rstd, const bf16* x, cons
             loadv<V>(xh + j, f);
             loadv<V>(wh + j, g);
 #pragma unroll
-            for (int k = 0; k < V; k++) f[k] = g[k] * (f[k] * r);
+            for (int k = 0; k < V; k++) f[k] = (g[k] + offset) * (f[k] * r);
             storev<V>(yh + j, f);
         }
     }
     for (int j = heads * dh + threadIdx.x * V; j < width; j += blockDim.x * V) copyv<V>(yr + j, xr + j);
 }
 extern "C" __global__ void qk_norm_forward(bf16* out, float* rstd, const bf16* x, const bf16* w, int heads,
-                                           int n_heads, int dh, int width, float eps) {
-    qk_norm_forward_impl<1>(out, rstd, x, w, heads, n_heads, dh, width, eps);
+                                           int n_heads, int dh, int width, float eps, float offset) {
+    qk_norm_forward_impl<1>(out, rstd, x, w, heads, n_heads, dh, width, eps, offset);
 }
 extern "C" __global__ void qk_norm_forward_v8(bf16* out, float* rstd, const bf16* x, const bf16* w, int heads,
-                                              int n_heads, int dh, int width, float eps) {
-    qk_norm_forward_impl<8>(out, rstd, x, w, heads, n_heads, dh, width, eps);
+                                              int n_heads, int dh, int width, float eps, float offset) {
+    qk_norm_forward_impl<8>(out, rstd, x, w, heads, n_heads, dh, width, eps, offset);
 }
 
 // Dynamic shared memory: warps · 2·dh floats (each warp's [dwq | dwk] row).
@@ -74,7 +76,7 @@ extern "C" __global__ void qk_norm_forward_v8(bf16* out, float* rstd, const bf16
 // again and overwrites them with dx; no other warp touches the vector.
 template <int V>
 __device__ void qk_norm_backward_impl(bf16* dqkv, float* dw_partial, const bf16* x, const bf16* w, const float* rstd,
-                                      u64 rows, int heads, int n_heads, int dh, int width, int rows_per_block) {
+                                      u64 rows, int heads, int n_heads, int dh, int width, int rows_per_block, float offset) {
     DYNAMIC_SMEM(float, dw_s);
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     float* mine = dw_s + (u64)warp * 2 * dh;
@@ -101,7 +103,7 @@ __device__ void qk_norm_backward_impl(bf16* dqkv, float* dw_partial, const bf16*
             loadv<V>(wh + j, b);
             loadv<V>(xh + j, c);
 #pragma unroll
-            for (int k = 0; k < V; k++) dot += a[k] * b[k] * c[k];
+            for (int k = 0; k < V; k++) dot += a[k] * (b[k] + offset) * c[k];
         }
         dot = warp_sum(dot);
         float c = dot / (float)dh * r * r;
@@ -113,7 +115,7 @@ __device__ void qk_norm_backward_impl(bf16* dqkv, float* dw_partial, const bf16*
 #pragma unroll
             for (int k = 0; k < V; k++) {
                 mine[part + j + k] += gv[k] * xv[k] * r;
-                o[k] = r * (gv[k] * wv[k] - xv[k] * c);
+                o[k] = r * (gv[k] * (wv[k] + offset) - xv[k] * c);
             }
             storev<V>(g + j, o);
         }
@@ -127,13 +129,13 @@ __device__ void qk_norm_backward_impl(bf16* dqkv, float* dw_partial, const bf16*
 }
 extern "C" __global__ void qk_norm_backward(bf16* dqkv, float* dw_partial, const bf16* x, const bf16* w,
                                             const float* rstd, u64 rows, int heads, int n_heads, int dh, int width,
-                                            int rows_per_block) {
-    qk_norm_backward_impl<1>(dqkv, dw_partial, x, w, rstd, rows, heads, n_heads, dh, width, rows_per_block);
+                                            int rows_per_block, float offset) {
+    qk_norm_backward_impl<1>(dqkv, dw_partial, x, w, rstd, rows, heads, n_heads, dh, width, rows_per_block, offset);
 }
 extern "C" __global__ void qk_norm_backward_v8(bf16* dqkv, float* dw_partial, const bf16* x, const bf16* w,
                                                const float* rstd, u64 rows, int heads, int n_heads, int dh,
-                                               int width, int rows_per_block) {
-    qk_norm_backward_impl<8>(dqkv, dw_partial, x, w, rstd, rows, heads, n_heads, dh, width, rows_per_block);
+                                               int width, int rows_per_block, float offset) {
+    qk_norm_backward_impl<8>(dqkv, dw_partial, x, w, rstd, rows, heads, n_heads, dh, width, rows_per_block, offset);
 }
 
 // dw[j] += Σ_b partial[b, j], b in block order (d = 2·dh).

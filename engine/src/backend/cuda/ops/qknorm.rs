@@ -52,7 +52,8 @@ fn rows_of(qkv: View, other: View, rstd: View, w: View, s: AttnShape, op: &str) 
 
 /// `Backend::qk_norm_forward`: a block per token row, a warp per head vector (the 8-wide kernel
 /// when the head width and the addresses allow), the block copying the v part.
-pub(crate) fn forward(gpu: &mut Cuda, out: View, rstd: View, qkv: View, w: View, s: AttnShape, eps: f32) {
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn forward(gpu: &mut Cuda, out: View, rstd: View, qkv: View, w: View, offset: f32, s: AttnShape, eps: f32) {
     for (v, name) in [(out, "out"), (qkv, "qkv"), (w, "w")] {
         gpu.expect(v, DType::Bf16, "qk_norm_forward", name);
     }
@@ -71,6 +72,7 @@ pub(crate) fn forward(gpu: &mut Cuda, out: View, rstd: View, qkv: View, w: View,
         Arg::I(c_int(dh, "head_dim")),
         Arg::I(c_int(width, "qkv width")),
         Arg::F(eps),
+        Arg::F(offset),
     ];
     gpu.launch(name, (c_int(rows, "rows") as u32, 1, 1), threads(heads), 0, &args);
 }
@@ -78,7 +80,8 @@ pub(crate) fn forward(gpu: &mut Cuda, out: View, rstd: View, qkv: View, w: View,
 /// `Backend::qk_norm_backward`: fixed blocks of rows (RMSNorm's, [`backward_blocks`]) turn
 /// `dqkv`'s q and k parts into the input's gradient in place, a warp per head vector, and leave
 /// per-block weight gradients in scratch, which a second kernel sums in order into `dw`.
-pub(crate) fn backward(gpu: &mut Cuda, dqkv: View, dw: View, qkv: View, w: View, rstd: View, s: AttnShape) {
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn backward(gpu: &mut Cuda, dqkv: View, dw: View, qkv: View, w: View, offset: f32, rstd: View, s: AttnShape) {
     for (v, name) in [(dqkv, "dqkv"), (qkv, "qkv"), (w, "w")] {
         gpu.expect(v, DType::Bf16, "qk_norm_backward", name);
     }
@@ -107,6 +110,7 @@ pub(crate) fn backward(gpu: &mut Cuda, dqkv: View, dw: View, qkv: View, w: View,
         Arg::I(c_int(dh, "head_dim")),
         Arg::I(c_int(width, "qkv width")),
         Arg::I(per_block as i32),
+        Arg::F(offset),
     ];
     let smem = (threads as usize / 32) * 2 * dh * 4;
     gpu.launch(name, (blocks as u32, 1, 1), threads, smem, &args);

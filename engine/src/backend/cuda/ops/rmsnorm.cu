@@ -1,6 +1,7 @@
 // RMSNorm over rows of width d, statistics in f32.
 //
 // forward:  r = 1 / sqrt(mean_j(x_j²) + eps),  y_j = w_j · (x_j · r)         (one block per row)
+// with w_j = offset + stored w_j in f32 (Gemma stores its norms as offsets from one; 0 else)
 // backward: dx_i += r · (dy_i w_i - x_i · c),  c = r² · mean_j(dy_j w_j x_j)
 //           dw_j += Σ_rows dy_j · x_j · r
 //
@@ -11,7 +12,7 @@
 // one partial row; `rmsnorm_dw_finish` adds the partials in block order.
 
 template <int V>
-__device__ void rmsnorm_forward_impl(bf16* out, float* rstd, const bf16* x, const bf16* w, int d, float eps) {
+__device__ void rmsnorm_forward_impl(bf16* out, float* rstd, const bf16* x, const bf16* w, int d, float eps, float offset) {
     __shared__ float scratch[32];
     u64 row = blockIdx.x;
     const bf16* xr = x + row * d;
@@ -31,15 +32,15 @@ __device__ void rmsnorm_forward_impl(bf16* out, float* rstd, const bf16* x, cons
         loadv<V>(xr + j, f);
         loadv<V>(w + j, g);
 #pragma unroll
-        for (int k = 0; k < V; k++) f[k] = g[k] * (f[k] * r);
+        for (int k = 0; k < V; k++) f[k] = (g[k] + offset) * (f[k] * r);
         storev<V>(yr + j, f);
     }
 }
-extern "C" __global__ void rmsnorm_forward(bf16* out, float* rstd, const bf16* x, const bf16* w, int d, float eps) {
-    rmsnorm_forward_impl<1>(out, rstd, x, w, d, eps);
+extern "C" __global__ void rmsnorm_forward(bf16* out, float* rstd, const bf16* x, const bf16* w, int d, float eps, float offset) {
+    rmsnorm_forward_impl<1>(out, rstd, x, w, d, eps, offset);
 }
-extern "C" __global__ void rmsnorm_forward_v8(bf16* out, float* rstd, const bf16* x, const bf16* w, int d, float eps) {
-    rmsnorm_forward_impl<8>(out, rstd, x, w, d, eps);
+extern "C" __global__ void rmsnorm_forward_v8(bf16* out, float* rstd, const bf16* x, const bf16* w, int d, float eps, float offset) {
+    rmsnorm_forward_impl<8>(out, rstd, x, w, d, eps, offset);
 }
 
 // Dynamic shared memory: d floats (the block's weight-gradient row).
@@ -56,7 +57,7 @@ extern "C" __global__ void rmsnorm_forward_v8(bf16* out, float* rstd, const bf16
 // before (deterministic).
 template <int V>
 __device__ void rmsnorm_backward_impl(bf16* dx, float* dw_partial, const bf16* dy, const bf16* x, const bf16* w,
-                                      const float* rstd, u64 rows, int d, int rows_per_block) {
+                                      const float* rstd, u64 rows, int d, int rows_per_block, float offset) {
     DYNAMIC_SMEM(float, dw_s);
     __shared__ float r_s[2][32], c_s[2][32];
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
@@ -77,7 +78,7 @@ __device__ void rmsnorm_backward_impl(bf16* dx, float* dw_partial, const bf16* d
                 loadv<V>(w + j, b);
                 loadv<V>(xr + j, c);
 #pragma unroll
-                for (int k = 0; k < V; k++) dot += a[k] * b[k] * c[k];
+                for (int k = 0; k < V; k++) dot += a[k] * (b[k] + offset) * c[k];
             }
             dot = warp_sum(dot);
             if (lane == 0) {
@@ -101,7 +102,7 @@ __device__ void rmsnorm_backward_impl(bf16* dx, float* dw_partial, const bf16* d
                 loadv<V>(dxr + j, o);
 #pragma unroll
                 for (int k = 0; k < V; k++) {
-                    o[k] += r * (g[k] * wv[k] - xv[k] * c);
+                    o[k] += r * (g[k] * (wv[k] + offset) - xv[k] * c);
                     dw_s[j + k] += g[k] * xv[k] * r;
                 }
                 storev<V>(dxr + j, o);
@@ -113,12 +114,12 @@ __device__ void rmsnorm_backward_impl(bf16* dx, float* dw_partial, const bf16* d
         for (int k = 0; k < V; k++) dw_partial[(u64)blockIdx.x * d + j + k] = dw_s[j + k];
 }
 extern "C" __global__ void rmsnorm_backward(bf16* dx, float* dw_partial, const bf16* dy, const bf16* x, const bf16* w,
-                                            const float* rstd, u64 rows, int d, int rows_per_block) {
-    rmsnorm_backward_impl<1>(dx, dw_partial, dy, x, w, rstd, rows, d, rows_per_block);
+                                            const float* rstd, u64 rows, int d, int rows_per_block, float offset) {
+    rmsnorm_backward_impl<1>(dx, dw_partial, dy, x, w, rstd, rows, d, rows_per_block, offset);
 }
 extern "C" __global__ void rmsnorm_backward_v8(bf16* dx, float* dw_partial, const bf16* dy, const bf16* x,
-                                               const bf16* w, const float* rstd, u64 rows, int d, int rows_per_block) {
-    rmsnorm_backward_impl<8>(dx, dw_partial, dy, x, w, rstd, rows, d, rows_per_block);
+                                               const bf16* w, const float* rstd, u64 rows, int d, int rows_per_block, float offset) {
+    rmsnorm_backward_impl<8>(dx, dw_partial, dy, x, w, rstd, rows, d, rows_per_block, offset);
 }
 
 // dw[j] += Σ_b partial[b, j], b in block order.

@@ -24,7 +24,8 @@ pub(crate) fn backward_blocks(rows: usize, sm_count: usize) -> (usize, usize) {
 }
 
 /// `Backend::rmsnorm_forward`: a block per row, the 8-wide kernel when `d` and the rows allow.
-pub(crate) fn forward(gpu: &mut Cuda, out: View, rstd: View, x: View, w: View, d: usize, eps: f32) {
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn forward(gpu: &mut Cuda, out: View, rstd: View, x: View, w: View, offset: f32, d: usize, eps: f32) {
     for (v, name) in [(out, "out"), (x, "x"), (w, "w")] {
         gpu.expect(v, DType::Bf16, "rmsnorm_forward", name);
     }
@@ -35,13 +36,14 @@ pub(crate) fn forward(gpu: &mut Cuda, out: View, rstd: View, x: View, w: View, d
     let v8 = d.is_multiple_of(8) && aligned16(&[o, xp, wp]);
     let name = if v8 { "rmsnorm_forward_v8" } else { "rmsnorm_forward" };
     let threads = row_threads(if v8 { d / 8 } else { d });
-    let args = [Arg::P(o), Arg::P(r), Arg::P(xp), Arg::P(wp), Arg::I(c_int(d, "d")), Arg::F(eps)];
+    let args = [Arg::P(o), Arg::P(r), Arg::P(xp), Arg::P(wp), Arg::I(c_int(d, "d")), Arg::F(eps), Arg::F(offset)];
     gpu.launch(name, (rows as u32, 1, 1), threads, 0, &args);
 }
 
 /// `Backend::rmsnorm_backward`: fixed blocks of rows add into `dx` and leave per-block weight
 /// gradients in scratch, which a second kernel sums in order into `dw`.
-pub(crate) fn backward(gpu: &mut Cuda, dx: View, dw: View, dout: View, x: View, w: View, rstd: View, d: usize) {
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn backward(gpu: &mut Cuda, dx: View, dw: View, dout: View, x: View, w: View, offset: f32, rstd: View, d: usize) {
     for (v, name) in [(dx, "dx"), (dout, "dout"), (x, "x"), (w, "w")] {
         gpu.expect(v, DType::Bf16, "rmsnorm_backward", name);
     }
@@ -66,6 +68,7 @@ pub(crate) fn backward(gpu: &mut Cuda, dx: View, dw: View, dout: View, x: View, 
         Arg::U(rows as u64),
         Arg::I(di),
         Arg::I(per_block as i32),
+        Arg::F(offset),
     ];
     gpu.launch(name, (blocks as u32, 1, 1), threads, d * 4, &args);
     let args = [Arg::P(dwp), Arg::P(partial), Arg::I(blocks as i32), Arg::I(di)];
