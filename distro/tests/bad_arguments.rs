@@ -19,7 +19,11 @@ fn impossible_arguments_are_refused_before_any_work() {
     let file_arg = file.to_str().unwrap();
     let site = dir.path().join("site");
     let site_arg = site.to_str().unwrap();
-    let cases: [(&[&str], &str); 16] = [
+    // A test summary of 400 MB (sparse): attach-test refuses it before reading or sending it.
+    let huge = dir.path().join("summary.json");
+    std::fs::File::create(&huge).unwrap().set_len(400_000_000).unwrap();
+    let huge_arg = huge.to_str().unwrap();
+    let cases: [(&[&str], &str); 17] = [
         (&["build", "--platform", "linux/amd64", "--push", "127.0.0.1:9/r"], "the index would lack linux/arm64"),
         (&["push", "--chunk-size", "0", "layout", "127.0.0.1:9/r"], "is not a chunk size"),
         (&["build", "--image", "../../x"], "`../../x` is not an image name"),
@@ -40,6 +44,10 @@ fn impossible_arguments_are_refused_before_any_work() {
         (
             &["attach-test", "127.0.0.1:9/r:t", file_arg, "--platform", "linux/amd64"],
             "a-file: not a test-all summary.json",
+        ),
+        (
+            &["attach-test", "127.0.0.1:9/r:t", huge_arg, "--platform", "linux/amd64"],
+            "summary.json: larger than 4194304 bytes (4 MiB), the most a test summary may have",
         ),
         (
             &["attach-test", "127.0.0.1:9/r:t", file_arg, "--platform", "linux/s390x"],

@@ -40,6 +40,12 @@ pub fn report_cmd(a: ReportArgs) -> Result<ExitCode> {
     };
     let client = Client::new(Credentials::from_environment(Some(repo.api_host()))?, a.insecure)?;
     let (nights, before) = collect(&client, &repo, &a.image, since)?;
+    // What was left out (a test summary too large or unreadable) is noted, not fatal.
+    for n in &nights {
+        for note in &n.notes {
+            eprintln!("note: {}: {note}", n.tag);
+        }
+    }
     for f in write_site(&a.out, &repo, &nights, before.as_ref())? {
         println!("{}", a.out.join(f).display());
     }

@@ -7,6 +7,7 @@
 use crate::error::bad_input;
 use crate::image::build::{GROUP_BASE, LAYER_GROUP_ANNOTATION};
 use crate::oci::digest::Digest;
+use crate::oci::layer_files::{self, MAX_OPT_DISTRO_INFLATED};
 use crate::oci::layout::Layout;
 use crate::oci::manifest::{Descriptor, ImageParts, is_index};
 use crate::oci::store::BlobStore;
@@ -53,6 +54,14 @@ impl<'a> Source<'a> {
         let r = Reference::parse(arg)
             .map_err(|e| bad_input(format!("{arg}: neither an OCI layout directory nor an image reference ({e:#})")))?;
         Ok(Source::Registry(client, r, BlobStore::new(scratch)))
+    }
+
+    /// The image, in words: `DIR@DIGEST` or the registry reference.
+    fn name(&self) -> String {
+        match self {
+            Source::Layout(l, d) => format!("{}@{}", l.dir.display(), d.digest),
+            Source::Registry(_, r, _) => r.to_string(),
+        }
     }
 
     fn root(&self) -> Result<(Vec<u8>, Digest)> {
@@ -183,7 +192,8 @@ pub fn read(source: &Source) -> Result<Facts> {
         // The /opt/distro layer is the last one this tool adds.
         let mut packages = BTreeMap::new();
         if let Some(last) = parts.layers.last() {
-            let files = opt_distro(&source.blob_path(last)?)?;
+            let what = format!("{}: {platform}'s /opt/distro layer {}", source.name(), last.digest);
+            let files = opt_distro(&source.blob_path(last)?, &what)?;
             if facts.lock.is_none()
                 && let Some(text) = files.get("manifest.lock")
             {
@@ -211,40 +221,49 @@ fn read_config(source: &Source, d: &Descriptor) -> Result<Vec<u8>> {
     Ok(bytes)
 }
 
-/// The text files under `opt/distro/` of a gzip layer (a layer without them gives none).
-fn opt_distro(layer: &Path) -> Result<BTreeMap<String, String>> {
-    let mut out = BTreeMap::new();
-    let file = std::fs::File::open(layer)?;
-    let mut archive = tar::Archive::new(flate2::read::GzDecoder::new(file));
-    let Ok(entries) = archive.entries() else { return Ok(out) };
-    for entry in entries {
-        let Ok(mut entry) = entry else { return Ok(out) };
-        let path = entry.path()?.to_string_lossy().trim_start_matches("./").to_owned();
-        if let Some(name) =
-            path.strip_prefix("opt/distro/").filter(|n| matches!(*n, "manifest.lock" | "sbom.spdx.json"))
-        {
-            let mut text = String::new();
-            entry.read_to_string(&mut text)?;
-            out.insert(name.to_owned(), text);
-        }
-    }
-    Ok(out)
+/// The text files under `opt/distro/` of a gzip layer (a layer without them gives none), read
+/// within [`MAX_OPT_DISTRO_INFLATED`]; `what` names the layer in the error.
+fn opt_distro(layer: &Path, what: &str) -> Result<BTreeMap<String, String>> {
+    let wanted = ["opt/distro/manifest.lock", "opt/distro/sbom.spdx.json"];
+    let files = layer_files::files(layer, &wanted, MAX_OPT_DISTRO_INFLATED, what)?;
+    files
+        .into_iter()
+        .map(|(path, bytes)| {
+            let name = path.trim_start_matches("opt/distro/").to_owned();
+            let text = String::from_utf8(bytes).map_err(|_| bad_input(format!("{what}: its {path} is not UTF-8")))?;
+            Ok((name, text))
+        })
+        .collect()
 }
 
+/// The Debian packages an SBOM lists (those with a `pkg:deb/` purl), by name. Only the fields
+/// used are kept: the rest of the document is skipped as it is parsed, not built into a tree.
 fn deb_packages(sbom: &str) -> BTreeMap<String, String> {
-    let v: Value = serde_json::from_str(sbom).unwrap_or_default();
-    v["packages"]
-        .as_array()
+    #[derive(serde::Deserialize)]
+    struct Sbom {
+        #[serde(default)]
+        packages: Vec<Package>,
+    }
+    #[derive(serde::Deserialize)]
+    #[serde(rename_all = "camelCase")]
+    struct Package {
+        name: Option<String>,
+        version_info: Option<String>,
+        #[serde(default)]
+        external_refs: Vec<ExternalRef>,
+    }
+    #[derive(serde::Deserialize)]
+    #[serde(rename_all = "camelCase")]
+    struct ExternalRef {
+        reference_locator: Option<String>,
+    }
+    let Ok(sbom) = serde_json::from_str::<Sbom>(sbom) else { return BTreeMap::new() };
+    sbom.packages
         .into_iter()
-        .flatten()
         .filter(|p| {
-            p["externalRefs"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .any(|r| r["referenceLocator"].as_str().is_some_and(|l| l.starts_with("pkg:deb/")))
+            p.external_refs.iter().any(|r| r.reference_locator.as_deref().is_some_and(|l| l.starts_with("pkg:deb/")))
         })
-        .filter_map(|p| Some((p["name"].as_str()?.to_owned(), p["versionInfo"].as_str()?.to_owned())))
+        .filter_map(|p| Some((p.name?, p.version_info?)))
         .collect()
 }
 
@@ -471,5 +490,56 @@ mod tests {
         let source = Source::Layout(Layout::open(&f.layout.dir).unwrap(), index_of(&huge(&f.manifest)));
         let e = format!("{:#}", read(&source).err().unwrap());
         assert!(e.contains(&format!("blob {}: its descriptor declares 4000000000 bytes", f.manifest.digest)), "{e}");
+    }
+
+    #[test]
+    fn the_sboms_debian_packages_are_read_and_the_rest_skipped() {
+        let sbom = r#"{"spdxVersion":"SPDX-2.3","extra":{"deep":[1,2,{"x":null}]},"packages":[
+            {"name":"libc6","versionInfo":"2.36-9","externalRefs":[{"referenceLocator":"pkg:deb/debian/libc6@2.36-9"}]},
+            {"name":"serde","versionInfo":"1.0.0","externalRefs":[{"referenceLocator":"pkg:cargo/serde@1.0.0"}]},
+            {"name":"noversion","externalRefs":[{"referenceLocator":"pkg:deb/debian/noversion"}]},
+            {"SPDXID":"SPDXRef-x"}]}"#;
+        assert_eq!(deb_packages(sbom), BTreeMap::from([("libc6".to_string(), "2.36-9".to_string())]));
+        assert!(deb_packages("not json").is_empty());
+    }
+
+    /// A 2.9 MB image whose /opt/distro layer held a 3 GB SBOM made `distro diff` and `distro
+    /// report` hold all of it; a layer whose SBOM declares more than the cap is refused unread.
+    #[test]
+    fn an_opt_distro_layer_over_the_cap_is_refused_unread() {
+        use crate::oci::fixture::arm64_layout;
+        use crate::oci::manifest::{OCI_INDEX, OCI_LAYER_GZIP, OCI_MANIFEST, image_index, image_manifest};
+        use crate::oci::platform::Platform;
+        use std::io::Write;
+        let dir = tempfile::tempdir().unwrap();
+        let f = arm64_layout(dir.path());
+        let store = &f.layout.store;
+        // A tar header declaring a 3 GB SBOM and no data: a few hundred bytes of gzip.
+        let mut h = tar::Header::new_gnu();
+        h.set_path("opt/distro/sbom.spdx.json").unwrap();
+        h.set_size(3_000_000_000);
+        h.set_mode(0o644);
+        h.set_cksum();
+        let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+        gz.write_all(h.as_bytes()).unwrap();
+        let bomb = gz.finish().unwrap();
+        store.put(&bomb).unwrap();
+        let layer = Descriptor::of(OCI_LAYER_GZIP, &bomb);
+        let manifest = store.read_document(&f.manifest.digest, f.manifest.size).unwrap();
+        let parts = ImageParts::parse(&manifest).unwrap();
+        let m = image_manifest(&parts.config, std::slice::from_ref(&layer), &BTreeMap::new()).unwrap();
+        store.put(&m).unwrap();
+        let arm = Platform::parse("linux/arm64").unwrap();
+        let index = image_index(&[(arm, Descriptor::of(OCI_MANIFEST, &m))], &BTreeMap::new()).unwrap();
+        store.put(&index).unwrap();
+        let source = Source::Layout(Layout::open(&f.layout.dir).unwrap(), Descriptor::of(OCI_INDEX, &index));
+        let e = read(&source).err().unwrap();
+        assert!(crate::error::is_bad_input(&e), "{e:#}");
+        let line = crate::error::one_line(&e);
+        assert!(line.contains(&format!("linux/arm64/v8's /opt/distro layer {}", layer.digest)), "{line}");
+        assert!(
+            line.contains("its opt/distro/sbom.spdx.json declares 3000000000 bytes, more than the 67108864 bytes"),
+            "{line}"
+        );
     }
 }

@@ -7,6 +7,7 @@ pub mod digest;
 #[cfg(test)]
 pub(crate) mod fixture;
 pub mod json;
+pub mod layer_files;
 pub mod layout;
 pub mod manifest;
 pub mod platform;

@@ -20,7 +20,6 @@ use crate::oci::manifest::{Descriptor, ImageParts, OCI_MANIFEST};
 use anyhow::{Context, Result};
 use serde_json::{Value, json};
 use std::collections::BTreeMap;
-use std::io::Read;
 use std::path::PathBuf;
 
 pub mod referrers;
@@ -75,7 +74,7 @@ impl Subject {
             let Some(p) = d.platform.as_ref().and_then(platform_name) else { continue };
             let parts = ImageParts::parse(&manifest(&d)?).with_context(|| format!("{p}: manifest {}", d.digest))?;
             let sbom = match parts.layers.last() {
-                Some(last) => sbom_in_layer(&layer(last)?)?,
+                Some(last) => sbom_in_layer(&layer(last)?, &format!("{p}'s /opt/distro layer {}", last.digest))?,
                 None => None,
             };
             s.platforms.insert(p, (d.digest, sbom));
@@ -97,20 +96,12 @@ pub fn platform_name(p: &Value) -> Option<String> {
     })
 }
 
-/// `opt/distro/sbom.spdx.json` in a gzip layer, if it holds one.
-fn sbom_in_layer(path: &std::path::Path) -> Result<Option<Vec<u8>>> {
-    let file = std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
-    let mut archive = tar::Archive::new(flate2::read::GzDecoder::new(file));
-    let Ok(entries) = archive.entries() else { return Ok(None) };
-    for entry in entries {
-        let Ok(mut entry) = entry else { return Ok(None) };
-        if entry.path()?.to_string_lossy().trim_start_matches("./") == "opt/distro/sbom.spdx.json" {
-            let mut bytes = Vec::new();
-            entry.read_to_end(&mut bytes)?;
-            return Ok(Some(bytes));
-        }
-    }
-    Ok(None)
+/// `opt/distro/sbom.spdx.json` in a gzip layer, if it holds one, read within
+/// [`crate::oci::layer_files::MAX_OPT_DISTRO_INFLATED`]; `what` names the layer in the error.
+fn sbom_in_layer(path: &std::path::Path, what: &str) -> Result<Option<Vec<u8>>> {
+    const SBOM: &str = "opt/distro/sbom.spdx.json";
+    let cap = crate::oci::layer_files::MAX_OPT_DISTRO_INFLATED;
+    Ok(crate::oci::layer_files::files(path, &[SBOM], cap, what)?.remove(SBOM))
 }
 
 /// The dependencies the statement must list, by name, from the image's own annotations: the

@@ -97,7 +97,7 @@ pub fn page(repo: &Reference, nights: &[Night], diffs: &BTreeMap<String, (String
             );
         }
         h.push_str("</td>\n<td>");
-        if n.tests.is_empty() {
+        if n.tests.is_empty() && n.notes.is_empty() {
             h.push_str("<span class=\"none\">no results attached</span>");
         }
         for t in &n.tests {
@@ -114,6 +114,9 @@ pub fn page(repo: &Reference, nights: &[Night], diffs: &BTreeMap<String, (String
                 escape(&s.mode),
                 escape(&s.device)
             );
+        }
+        for note in &n.notes {
+            let _ = writeln!(h, "<div class=\"note\">note: {}</div>", escape(note));
         }
         h.push_str("</td>\n<td>");
         match diffs.get(&n.date) {
@@ -182,6 +185,7 @@ mod tests {
             tag: format!("engine-{date}"),
             facts,
             tests: vec![TestRun { platform: "linux/amd64".into(), summary }],
+            notes: vec![],
         }
     }
 

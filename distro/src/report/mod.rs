@@ -42,6 +42,9 @@ pub struct Night {
     pub facts: Facts,
     /// The test summaries attached to it: the newest of each platform and device class.
     pub tests: Vec<TestRun>,
+    /// What was left out of it, one line each (an attached summary that is too large or does
+    /// not parse): `distro report` prints them and the page shows them in the row.
+    pub notes: Vec<String>,
 }
 
 /// One attached `test-all` summary.
@@ -97,16 +100,18 @@ fn night(client: &Client, repo: &Reference, d: &DatedTag, scratch: &Path) -> Res
     let source = Source::Registry(client, r.clone(), BlobStore::new(scratch));
     let facts = diff::read(&source).with_context(|| format!("reading {r}"))?;
     let digest = Digest::parse(&facts.digest)?;
-    let tests =
+    let (tests, notes) =
         tests(client, repo, &digest, &BlobStore::new(scratch)).with_context(|| format!("{r}: its test results"))?;
-    Ok(Night { date: d.date.clone(), tag: d.tag.clone(), facts, tests })
+    Ok(Night { date: d.date.clone(), tag: d.tag.clone(), facts, tests, notes })
 }
 
 /// The test summaries attached to `index`, the newest (by `started`) of each platform and
-/// device class. One that does not parse is left out with a warning: the page shows what it can.
-fn tests(client: &Client, repo: &Reference, index: &Digest, store: &BlobStore) -> Result<Vec<TestRun>> {
+/// device class, and a note for each one left out: one too large to read, or that does not
+/// parse. A bad summary costs its own cell, not the site.
+fn tests(client: &Client, repo: &Reference, index: &Digest, store: &BlobStore) -> Result<(Vec<TestRun>, Vec<String>)> {
     let (entries, _) = referrers::list(client, repo, index)?;
     let mut newest: BTreeMap<(String, String), TestRun> = BTreeMap::new();
+    let mut notes = Vec::new();
     for e in entries.iter().filter(|e| e["artifactType"] == TEST_SUMMARY_TYPE) {
         let Some(d) = e["digest"].as_str().and_then(|d| Digest::parse(d).ok()) else { continue };
         let m: Value = serde_json::from_slice(&client.fetch_manifest(&repo.with_digest(&d))?.bytes)?;
@@ -116,25 +121,42 @@ fn tests(client: &Client, repo: &Reference, index: &Digest, store: &BlobStore) -
         }
         for l in m["layers"].as_array().into_iter().flatten() {
             let Ok(ld) = serde_json::from_value::<Descriptor>(l.clone()) else { continue };
-            crate::oci::store::check_document_size(&ld.digest, ld.size)?;
-            if !store.has(&ld.digest) {
-                client.fetch_blob(repo, &ld.digest, Some(ld.size), store)?;
-            }
-            let summary = match TestSummary::parse(&store.read(&ld.digest)?, &format!("test summary {}", ld.digest)) {
-                Ok(s) => s,
-                Err(e) => {
-                    tracing::warn!("{}: {e:#}; left out", repo.name());
-                    continue;
-                }
-            };
             let platform = l["annotations"][PLATFORM_ANNOTATION].as_str().unwrap_or("unknown").to_owned();
-            let key = (platform.clone(), summary.device_class.clone());
-            if newest.get(&key).is_none_or(|t| t.summary.started < summary.started) {
-                newest.insert(key, TestRun { platform, summary });
+            match summary_of(client, repo, &ld, store) {
+                Ok(summary) => {
+                    let key = (platform.clone(), summary.device_class.clone());
+                    if newest.get(&key).is_none_or(|t| t.summary.started < summary.started) {
+                        newest.insert(key, TestRun { platform, summary });
+                    }
+                }
+                Err(e) if crate::error::is_bad_input(&e) => {
+                    notes.push(format!(
+                        "{platform} test summary (referrer {d}) left out: {}",
+                        crate::error::one_line(&e)
+                    ));
+                }
+                Err(e) => return Err(e),
             }
         }
     }
-    Ok(newest.into_values().collect())
+    Ok((newest.into_values().collect(), notes))
+}
+
+/// One attached summary: refused unread when its descriptor declares more than
+/// [`crate::oci::store::MAX_DOCUMENT_BYTES`] (the most `attach-test` sends; older versions sent
+/// more), else fetched and parsed; either refusal is bad input.
+fn summary_of(client: &Client, repo: &Reference, ld: &Descriptor, store: &BlobStore) -> Result<TestSummary> {
+    let max = crate::oci::store::MAX_DOCUMENT_BYTES;
+    if ld.size > max {
+        return Err(bad_input(format!(
+            "test summary {}: its descriptor declares {} bytes, more than the {max} bytes (4 MiB) a test summary may have; refusing it unread",
+            ld.digest, ld.size
+        )));
+    }
+    if !store.has(&ld.digest) {
+        client.fetch_blob(repo, &ld.digest, Some(ld.size), store)?;
+    }
+    TestSummary::parse(&store.read(&ld.digest)?, &format!("test summary {}", ld.digest))
 }
 
 /// The diff page's file name of a date.

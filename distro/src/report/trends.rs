@@ -191,7 +191,7 @@ mod tests {
                 vec![TestRun { platform: "linux/amd64".into(), summary }]
             })
             .unwrap_or_default();
-        Night { date: date.into(), tag: format!("engine-{date}"), facts, tests }
+        Night { date: date.into(), tag: format!("engine-{date}"), facts, tests, notes: vec![] }
     }
 
     #[test]
