@@ -2,19 +2,21 @@
 
 use std::fs::{self, File};
 use std::io::Write;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, anyhow, bail};
 
-/// Writes `bytes` to `path` atomically: a temporary file in the same directory, flushed to
-/// disk, then renamed over `path`. Readers see the old file or the new one, never a part.
+/// Writes `bytes` to `path` atomically: a temporary file in the same directory
+/// ([`create_temp`]: a name no one can guess, created new, never through a link), flushed to
+/// disk, then renamed over `path`. Readers see the old file or the new one, never a part. A
+/// directory that another user owns is refused ([`check_dir_owner`]).
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    let name = path.file_name().context("no file name")?.to_string_lossy();
-    let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
+    check_dir_owner(dir)?;
+    let (tmp, mut f) = create_temp(path).with_context(|| format!("cannot write {}", path.display()))?;
     let result = (|| {
-        let mut f = File::create(&tmp)?;
         f.write_all(bytes)?;
+        set_default_mode(&f)?;
         f.sync_all()?;
         fs::rename(&tmp, path)?;
         sync_dir(dir)
@@ -23,6 +25,93 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
         let _ = fs::remove_file(&tmp);
     }
     result.with_context(|| format!("cannot write {}", path.display()))
+}
+
+/// Creates the temporary file a writer fills before renaming it to `path`: `.NAME.tmp-PID-RANDOM`
+/// beside it, created new (`O_EXCL`) without following a link (`O_NOFOLLOW`), readable and
+/// writable by this user alone (0600) until [`set_default_mode`]. In a directory others can
+/// write, a link planted at a predictable name would have sent the write to any file this
+/// process can write; a random name created new cannot be planted. The PID keeps it a temporary
+/// [`remove_stale_temporaries`] recognises.
+pub fn create_temp(path: &Path) -> std::io::Result<(PathBuf, File)> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let name = path.file_name().ok_or_else(|| std::io::Error::other("no file name"))?.to_string_lossy();
+    let mut tries = 0;
+    loop {
+        let tmp = path.with_file_name(format!(".{name}.tmp-{}-{:016x}", std::process::id(), random_u64()));
+        let opened = fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .open(&tmp);
+        match opened {
+            Ok(file) => return Ok((tmp, file)),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && tries < 8 => tries += 1,
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// Gives a file written through [`create_temp`] the mode a file created the ordinary way gets
+/// (0666 less the process's umask), before it is renamed into place.
+pub fn set_default_mode(file: &File) -> std::io::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    file.set_permissions(fs::Permissions::from_mode(0o666 & !umask()))
+}
+
+/// The process's umask (from `/proc/self/status`, read once; 022 where it does not say).
+pub fn umask() -> u32 {
+    static UMASK: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+    *UMASK.get_or_init(|| {
+        let status = fs::read_to_string("/proc/self/status").unwrap_or_default();
+        let value = status.lines().find_map(|l| l.strip_prefix("Umask:")).map(str::trim);
+        value.and_then(|v| u32::from_str_radix(v, 8).ok()).unwrap_or(0o022)
+    })
+}
+
+/// 64 random bits from the kernel (`getrandom`), for names no one can guess; the clock and a
+/// counter where it fails.
+pub fn random_u64() -> u64 {
+    let mut bytes = [0u8; 8];
+    // SAFETY: the kernel writes at most `bytes.len()` bytes into the buffer we own.
+    let n = unsafe { libc::getrandom(bytes.as_mut_ptr().cast(), bytes.len(), 0) };
+    if n == bytes.len() as isize {
+        return u64::from_le_bytes(bytes);
+    }
+    static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    let seed =
+        format!("{:?} {} {}", now, std::process::id(), COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
+    let digest = crate::digest::sha256_hex(seed.as_bytes());
+    u64::from_str_radix(&digest[..16], 16).unwrap_or_default()
+}
+
+/// Refuses, in one line naming it, a directory to write into that another user owns: its owner
+/// can read or replace what is written there, and plant links at the names this process writes.
+/// Directories root owns (`/tmp`, `/dev/shm`, shared and sticky) pass, and every directory when
+/// this process runs as root (a container writing into the bind mount of the host's user): the
+/// temporary files are created so that no link is followed ([`create_temp`]). A directory that
+/// does not exist passes (the write fails there, naming it).
+pub fn check_dir_owner(dir: &Path) -> Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(meta) = fs::metadata(dir) else { return Ok(()) };
+    // SAFETY: geteuid cannot fail and touches no memory.
+    let me = unsafe { libc::geteuid() };
+    if foreign_owner(meta.uid(), me) {
+        bail!(
+            "{} belongs to another user (uid {}; this process runs as uid {me}): that user could read or replace what is written there, or plant links at its names; write into a directory of your own",
+            dir.display(),
+            meta.uid()
+        );
+    }
+    Ok(())
+}
+
+/// Whether a directory owned by `owner` is another user's for a process running as `me`
+/// ([`check_dir_owner`]): neither this user's nor root's, and this process is not root.
+fn foreign_owner(owner: u32, me: u32) -> bool {
+    owner != me && owner != 0 && me != 0
 }
 
 /// Reads `path` as text, refusing (naming it) a file longer than `max` bytes, so that a file
@@ -75,9 +164,10 @@ pub fn sync_dir(dir: &Path) -> std::io::Result<()> {
     File::open(dir)?.sync_all()
 }
 
-/// Removes the entries of `dir` whose names start with `prefix` and end in `.tmp-<pid>`
-/// (temporary files and directories of [`write_atomic`] and of exports) of a process that no
-/// longer runs: what a killed process left. A temporary of a process still running is left alone.
+/// Removes the entries of `dir` whose names start with `prefix` and end in `.tmp-<pid>` or
+/// `.tmp-<pid>-<random>` (temporary files and directories of [`write_atomic`] and of exports)
+/// of a process that no longer runs: what a killed process left. A temporary of a process
+/// still running is left alone.
 pub fn remove_stale_temporaries(dir: &Path, prefix: &str) -> Result<()> {
     let Ok(entries) = fs::read_dir(dir) else { return Ok(()) };
     for entry in entries.filter_map(|e| e.ok()) {
@@ -85,7 +175,9 @@ pub fn remove_stale_temporaries(dir: &Path, prefix: &str) -> Result<()> {
         if !name.starts_with(prefix) {
             continue;
         }
-        let Some(pid) = name.rsplit_once(".tmp-").and_then(|(_, p)| p.parse::<i32>().ok()) else { continue };
+        // `.tmp-PID`, or `.tmp-PID-RANDOM` ([`create_temp`]).
+        let pid = name.rsplit_once(".tmp-").and_then(|(_, p)| p.split('-').next()?.parse::<i32>().ok());
+        let Some(pid) = pid else { continue };
         if !process_alive(pid) {
             let path = entry.path();
             let removed = if path.is_dir() { fs::remove_dir_all(&path) } else { fs::remove_file(&path) };
@@ -231,6 +323,65 @@ mod tests {
         assert_eq!(fs::read_dir(&dir).unwrap().count(), 1);
         assert!(write_atomic(&dir.join("missing/x"), b"").is_err());
         fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// Links another user planted in a shared output directory, at the temporary name this
+    /// process once used (`.NAME.tmp-PID`) and at the name itself, are never written through:
+    /// the file they point to keeps its bytes, the temporary is random, created new and 0600,
+    /// and the file written gets the ordinary mode.
+    #[test]
+    fn links_planted_at_the_temporary_name_are_never_written_through() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let victim = dir.path().join("victim");
+        fs::write(&victim, b"precious").unwrap();
+        let out = dir.path().join("out");
+        fs::create_dir(&out).unwrap();
+        fs::set_permissions(&out, fs::Permissions::from_mode(0o777)).unwrap();
+        let path = out.join("report.json");
+        let planted = out.join(format!(".report.json.tmp-{}", std::process::id()));
+        std::os::unix::fs::symlink(&victim, &planted).unwrap();
+        write_atomic(&path, b"new").unwrap();
+        assert_eq!(fs::read(&victim).unwrap(), b"precious", "written through the planted link");
+        assert!(fs::symlink_metadata(&path).unwrap().is_file(), "the file written is a file, not the link");
+        assert_eq!(fs::read(&path).unwrap(), b"new");
+        let mode = fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o666 & !umask());
+        // A link at the name itself is replaced, not followed.
+        fs::remove_file(&path).unwrap();
+        std::os::unix::fs::symlink(&victim, &path).unwrap();
+        write_atomic(&path, b"again").unwrap();
+        assert_eq!(fs::read(&victim).unwrap(), b"precious");
+        assert_eq!(fs::read(&path).unwrap(), b"again");
+        // The temporary: a new name each time, 0600, never through a link.
+        let (a, file) = create_temp(&path).unwrap();
+        let (b, _) = create_temp(&path).unwrap();
+        assert_ne!(a, b);
+        assert_eq!(file.metadata().unwrap().permissions().mode() & 0o777, 0o600);
+        let name = a.file_name().unwrap().to_string_lossy().into_owned();
+        assert!(name.starts_with(&format!(".report.json.tmp-{}-", std::process::id())), "{name}");
+        let leftovers: Vec<_> = fs::read_dir(&out).unwrap().map(|e| e.unwrap().file_name()).collect();
+        assert_eq!(leftovers.len(), 4, "{leftovers:?}");
+        // A temporary with a random part is one of this process: kept while it runs.
+        remove_stale_temporaries(&out, ".").unwrap();
+        assert!(a.exists() && b.exists());
+        let dead = out.join(".report.json.tmp-4194305-0123456789abcdef");
+        fs::write(&dead, b"x").unwrap();
+        remove_stale_temporaries(&out, ".").unwrap();
+        assert!(!dead.exists());
+    }
+
+    /// Another user's directory is refused, root's (`/tmp`) is not, and a process running as
+    /// root writes anywhere.
+    #[test]
+    fn directories_of_other_users_are_refused() {
+        assert!(foreign_owner(1000, 1001));
+        assert!(!foreign_owner(1000, 1000));
+        assert!(!foreign_owner(0, 1000), "root's directories (/tmp) are shared ones");
+        assert!(!foreign_owner(1000, 0), "root writes into its users' directories");
+        let dir = tempfile::tempdir().unwrap();
+        check_dir_owner(dir.path()).unwrap();
+        check_dir_owner(&dir.path().join("missing")).unwrap();
     }
 
     #[test]

@@ -109,10 +109,12 @@ pub fn write(path: &Path, tensors: &[(String, &[f32], Vec<usize>)], dtype: Float
     // The data starts 8-byte aligned, as the crate's own writer pads it.
     header.resize(header.len().next_multiple_of(8), b' ');
 
-    let name = path.file_name().context("no file name")?.to_string_lossy();
-    let tmp = path.with_file_name(format!(".{name}.tmp-{}", std::process::id()));
+    // A temporary no one can plant a link at ([`crate::fsutil::create_temp`]), in a directory
+    // of this user's own or root's.
+    let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    crate::fsutil::check_dir_owner(dir)?;
+    let (tmp, file) = crate::fsutil::create_temp(path).with_context(|| format!("cannot write {}", path.display()))?;
     let result = (|| -> Result<String> {
-        let file = File::create(&tmp)?;
         let mut out = BufWriter::with_capacity(1 << 22, Hashing { inner: file, hasher: Sha256::new() });
         out.write_all(&(header.len() as u64).to_le_bytes())?;
         out.write_all(&header)?;
@@ -136,9 +138,10 @@ pub fn write(path: &Path, tensors: &[(String, &[f32], Vec<usize>)], dtype: Float
             }
         }
         let hashing = out.into_inner().map_err(|e| e.into_error())?;
+        crate::fsutil::set_default_mode(&hashing.inner)?;
         hashing.inner.sync_all()?;
         std::fs::rename(&tmp, path)?;
-        crate::fsutil::sync_dir(path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new(".")))?;
+        crate::fsutil::sync_dir(dir)?;
         Ok(crate::digest::hex(&hashing.hasher.finalize()))
     })();
     if result.is_err() {
@@ -233,5 +236,20 @@ mod tests {
             assert_eq!(out, rounded.as_slice(), "{dtype:?}");
             assert_eq!(m.metadata()["format"], "pt");
         }
+    }
+
+    /// A link planted at the temporary name this process once used (`.NAME.tmp-PID`) is not
+    /// written through: the file it points to keeps its bytes.
+    #[test]
+    fn a_link_at_the_old_temporary_name_is_not_written_through() {
+        let dir = tempfile::tempdir().unwrap();
+        let victim = dir.path().join("victim");
+        std::fs::write(&victim, b"precious").unwrap();
+        let path = dir.path().join("t.safetensors");
+        std::os::unix::fs::symlink(&victim, dir.path().join(format!(".t.safetensors.tmp-{}", std::process::id())))
+            .unwrap();
+        write(&path, &[("w".into(), &[1.0], vec![1])], FloatType::F32).unwrap();
+        assert_eq!(std::fs::read(&victim).unwrap(), b"precious");
+        assert!(std::fs::symlink_metadata(&path).unwrap().is_file());
     }
 }

@@ -3,7 +3,9 @@
 //! process) after a local save and before the next persistent one resumes with
 //! `--resume=auto` from the local tier; from the peer's copy when a rank's own is deleted or
 //! corrupted (the corruption found by the seal, with a line saying so); from the persistent
-//! tier when both copies are gone. Every case ends on the uninterrupted curve, bit for bit.
+//! tier when both copies are gone, when the tier is another run's, or another mesh's. Every
+//! case ends on the uninterrupted curve, bit for bit, and removes the tier once complete. The
+//! tier's directory is this user's alone: one planted as a link or another user's is refused.
 
 mod common;
 
@@ -119,14 +121,22 @@ fn a_killed_job_resumes_from_the_local_tier_or_the_peers_copy_or_the_persistent_
     assert_eq!(steps(&killed.join("checkpoints")), ["step-000005"], "{seen}");
     let local_steps = steps(&killed_local.join("rank-00000"));
     assert!(local_steps.contains(&"step-000006".to_owned()), "{local_steps:?}");
+    assert_eq!(local_steps.len(), 2, "the tier keeps two steps: {local_steps:?}");
     for part in ["rank-00001", "copy-of-rank-00000", "copy-of-rank-00001"] {
         assert!(killed_local.join(part).join("step-000006/state.json").is_file(), "{part}: {local_steps:?}");
     }
+    let (saved, saved_local) = (dir.join("saved"), dir.join("saved-local"));
+    copy_dir(&killed, &saved);
+    copy_dir(&killed_local, &saved_local);
 
-    // Each case on a copy of the killed job: its run directory and its local tier.
+    // Each case on the killed job as it was, in its own directories: the tier records the run
+    // directory it belongs to. `another-run` resumes a copy of the run elsewhere with the same
+    // tier; `another-mesh` on data 2 instead of FSDP 2.
     type Damage = fn(&Path);
-    let cases: [(&str, Damage, &str); 4] = [
+    let cases: [(&str, Damage, &str); 6] = [
         ("intact", |_| {}, "from the local tier"),
+        ("another-run", |_| {}, "saved by another run"),
+        ("another-mesh", |_| {}, "saved on another mesh"),
         (
             "own-deleted",
             |local| std::fs::remove_dir_all(local.join("rank-00000")).unwrap(),
@@ -156,14 +166,25 @@ fn a_killed_job_resumes_from_the_local_tier_or_the_peers_copy_or_the_persistent_
         ),
     ];
     for (name, damage, expected) in cases {
-        let (run, local) = (dir.join(name), dir.join(format!("{name}-local")));
-        copy_dir(&killed, &run);
-        copy_dir(&killed_local, &local);
+        let local = killed_local.clone();
+        let run = if name == "another-run" { dir.join(name) } else { killed.clone() };
+        for d in [&killed, &killed_local] {
+            let _ = std::fs::remove_dir_all(d);
+        }
+        copy_dir(&saved, &run);
+        copy_dir(&saved_local, &local);
+        // As the engine made it: a directory group members can write (umask 002) is refused.
+        std::fs::set_permissions(&local, std::os::unix::fs::PermissionsExt::from_mode(0o700)).unwrap();
         damage(&local);
-        let out = completed(job(&run, Some(&local), &["--resume=auto"]));
+        let mesh: &[&str] = match name {
+            "another-mesh" => &["--set", "mesh.ici_fsdp=1", "--set", "mesh.ici_data=2"],
+            _ => &[],
+        };
+        let out = completed(job(&run, Some(&local), &[&["--resume=auto"], mesh].concat()));
         assert!(out.contains(expected), "{name}: expected `{expected}` in: {out}");
         let resumed = |what: &str| out.lines().any(|l| l.contains("resuming after step") && l.contains(what));
-        if name == "both-deleted" {
+        if ["both-deleted", "another-run", "another-mesh"].contains(&name) {
+            assert!(out.contains("resuming from the persistent tier (step 5)"), "{name}: {out}");
             assert!(resumed("after step 5 from ") && resumed("checkpoints/step-000005"), "{name}: {out}");
         } else {
             assert!(resumed("from the local tier") && !resumed("after step 5 "), "{name}: {out}");
@@ -174,9 +195,13 @@ fn a_killed_job_resumes_from_the_local_tier_or_the_peers_copy_or_the_persistent_
                 "{name}: {out}"
             );
         }
-        assert_eq!(losses(&run), uninterrupted, "{name}: the resumed job's curve, bit for bit");
-        // The resumed job keeps saving to the local tier and prunes it to two steps.
-        assert_eq!(steps(&local.join("rank-00000")), ["step-000010", "step-000012"], "{name}");
+        if name != "another-mesh" {
+            assert_eq!(losses(&run), uninterrupted, "{name}: the resumed job's curve, bit for bit");
+        }
+        // Complete, the job removes the tier (its own saves replaced another run's steps).
+        let removed = format!("; local tier {} removed", s(&local));
+        assert!(out.lines().any(|l| l.starts_with("done: ") && l.ends_with(&removed)), "{name}: {out}");
+        assert!(!local.exists(), "{name}: {out}");
     }
 }
 
@@ -219,41 +244,112 @@ fn a_local_save_in_the_background_lets_the_steps_go_on_and_resumes_on_the_same_c
     assert_eq!(losses(&run), uninterrupted, "the resumed job's curve, bit for bit: {out}");
 }
 
-/// A run whose last step's local save is still being written when the loop ends (the writer
-/// sleeps 1 s) completes it before exiting: every rank's own part and its peer's copy of the
-/// last step are in place, sealed, with nothing temporary left, and restore as they are,
-/// from the own copies and from the peer's.
+/// A run stopped (SIGTERM to the launcher) while a local save is being written (the writer
+/// sleeps 1 s, a step takes 0.3 s) completes it before exiting: every rank's own part and its
+/// peer's copy of the steps kept are in place, sealed, with nothing temporary left, and
+/// restore as they are, from the own copies and from the peer's. The resumed run, complete,
+/// removes the tier.
 #[test]
-fn a_run_ending_while_a_local_save_is_in_flight_leaves_a_valid_tier() {
+fn a_run_stopped_while_a_local_save_is_in_flight_leaves_a_valid_tier() {
     let dir = scratch("local-tier-end");
     let (run, local) = (dir.join("run"), dir.join("run-local"));
-    let mut cmd = job_of("4", &run, Some(&local), &[]);
-    cmd.env("ENGINE_TEST_LOCAL_SAVE_DELAY", "1");
-    let out = completed(cmd);
+    let mut cmd = job(&run, Some(&local), &[]);
+    cmd.env("ENGINE_TEST_LOCAL_SAVE_DELAY", "1").env("ENGINE_TEST_STEP_DELAY", "0:0.3");
+    let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    let mut stdout = BufReader::new(child.stdout.take().unwrap());
+    let mut seen = String::new();
+    while !seen
+        .lines()
+        .any(|l| l.starts_with("step") && l.split_whitespace().nth(1).is_some_and(|s| s.starts_with("3/")))
+    {
+        assert!(stdout.read_line(&mut seen).unwrap() > 0, "the job ended before step 3: {seen}");
+    }
+    // SAFETY: the launcher the test started; it passes the signal on to the ranks.
+    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGTERM) }, 0);
+    let out = child.wait_with_output().unwrap();
+    let out = format!("{seen}{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    let stopped = metrics(&run).last().unwrap()["step"].as_u64().unwrap();
+    assert!((4..12).contains(&stopped), "{out}");
+    // The newest local step is the last due one, 2 before it.
+    let newest = stopped - stopped % 2;
+    let kept = [newest - 2, newest].map(|s| format!("step-{s:06}"));
     for part in ["rank-00000", "rank-00001", "copy-of-rank-00000", "copy-of-rank-00001"] {
-        assert_eq!(steps(&local.join(part)), ["step-000002", "step-000004"], "{part}: {out}");
+        assert_eq!(steps(&local.join(part)), kept, "{part}: {out}");
         let names: Vec<String> = std::fs::read_dir(local.join(part))
             .unwrap()
             .map(|e| e.unwrap().file_name().into_string().unwrap())
             .collect();
         assert!(names.iter().all(|n| n.starts_with("step-")), "{part}: {names:?}");
     }
-    // Step 2's save was in flight too when step 4 started its own (which waited for it): the
-    // end found step 4's writer asleep.
-    let records = metrics(&run);
-    let stall = records[1]["local_checkpoint_s"].as_f64().unwrap();
-    assert!(stall < 1.0, "the loop waited {stall} s at step 2, not less than the writer's sleep");
 
-    // Each restore verifies what it loads: every file's hash against the seal.
-    let out = completed(job_of("4", &run, Some(&local), &["--resume=auto"]));
-    assert!(
-        out.contains("resuming after step 4 from the local tier") && out.contains("every rank from its own copy"),
-        "{out}"
-    );
+    // Each restore verifies what it loads: every file's hash against the seal. A stop at an odd
+    // step saved it to the persistent tier only, newer than the local one.
     std::fs::remove_dir_all(local.join("rank-00000")).unwrap();
-    let out = completed(job_of("4", &run, Some(&local), &["--resume=auto"]));
-    assert!(
-        out.contains("resuming after step 4 from the local tier") && out.contains("ranks [0] from their peers' copies"),
-        "{out}"
-    );
+    let out = completed(job(&run, Some(&local), &["--resume=auto"]));
+    let from = match stopped % 2 {
+        0 => format!("resuming after step {stopped} from the local tier"),
+        _ => format!("resuming from the persistent tier (step {stopped})"),
+    };
+    assert!(out.contains(&from), "{out}");
+    if stopped.is_multiple_of(2) {
+        assert!(out.contains("ranks [0] from their peers' copies"), "{out}");
+    }
+    assert!(!local.exists(), "{out}");
+}
+
+/// The default directory of the tier (`/dev/shm/engine-local-UID-HASH`): created for the run,
+/// this user's alone, removed when the run completes, which the closing line says. One that is
+/// a symbolic link, or that another user made first (0777), is refused in one line, exit code 2,
+/// and nothing is written through it.
+#[test]
+fn the_default_tier_is_this_users_alone_and_removed_when_the_run_completes() {
+    if !Path::new("/dev/shm").is_dir() {
+        return eprintln!("SKIPPED: no /dev/shm");
+    }
+    let dir = scratch("local-tier-default");
+    let run = dir.join("run");
+    let tier = engine::train::local_tier::root_of("", &run);
+    let train = |run: &Path, steps: &str| {
+        let mut args: Vec<String> =
+            ["train", "--device", "cpu", "--recipe", "tiny-llama2", "--steps", steps, "--run-dir"]
+                .map(String::from)
+                .into();
+        args.push(s(run).to_owned());
+        for set in SHRINK.iter().chain(&["train.profile_step=0", "train.local_checkpoint_every=1"]) {
+            args.extend(["--set".to_owned(), set.to_string()]);
+        }
+        engine_cmd(&args.iter().map(String::as_str).collect::<Vec<_>>())
+    };
+    let out = completed(train(&run, "2"));
+    let done = out.lines().find(|l| l.starts_with("done: ")).unwrap_or_else(|| panic!("{out}"));
+    assert!(done.ends_with(&format!("; local tier {} removed", tier.display())), "{done}");
+    assert!(!tier.exists(), "{out}");
+
+    // Planted before the run: a link to a directory another user could read, then (as root)
+    // a directory another user made, open to all.
+    let target = dir.join("theirs");
+    std::fs::create_dir(&target).unwrap();
+    let fresh = dir.join("fresh");
+    let refused = |cmd: &mut Command, expected: &str| {
+        let out = cmd.output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert_eq!(out.status.code(), Some(2), "{stderr}");
+        assert!(stderr.contains(expected) && !stderr.contains("panicked"), "expected `{expected}` in: {stderr}");
+        assert_eq!(stderr.trim_end().lines().count(), 1, "{stderr}");
+    };
+    let other = engine::train::local_tier::root_of("", &fresh);
+    std::os::unix::fs::symlink(&target, &other).unwrap();
+    refused(&mut train(&fresh, "1"), &format!("{} is a symbolic link (to {})", other.display(), target.display()));
+    std::fs::remove_file(&other).unwrap();
+    assert_eq!(std::fs::read_dir(&target).unwrap().count(), 0, "written through the link");
+
+    if unsafe { libc::geteuid() } != 0 {
+        return eprintln!("SKIPPED: another user's directory (needs root to make one)");
+    }
+    std::fs::create_dir(&other).unwrap();
+    std::os::unix::fs::chown(&other, Some(12345), Some(12345)).unwrap();
+    std::fs::set_permissions(&other, std::os::unix::fs::PermissionsExt::from_mode(0o777)).unwrap();
+    refused(&mut train(&fresh, "1"), "belongs to another user (uid 12345; this process runs as uid 0)");
+    assert_eq!(std::fs::read_dir(&other).unwrap().count(), 0, "written into another user's directory");
+    std::fs::remove_dir(&other).unwrap();
 }

@@ -79,6 +79,11 @@ pub struct State {
     /// its data is in `shard-*` files ([`super::sharded`]) instead of the two safetensors files.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub shards: Option<usize>,
+    /// For a part of the local tier ([`crate::train::local_tier`]): the run that saved it, so
+    /// that a run sharing the tier's directory never resumes another's part. Absent in the
+    /// persistent tier's checkpoints.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub run: Option<String>,
     /// SHA-256 of the rest of this file in canonical form (compact JSON, keys sorted): an edited
     /// `state.json` (a step, a data position changed by hand) is refused. Absent in checkpoints
     /// of earlier engines.
@@ -168,6 +173,9 @@ pub fn write_dir(
     let parent = dir.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
     let name = dir.file_name().context("checkpoint path has no name")?.to_string_lossy();
     let tmp = parent.join(format!(".tmp-{name}-{}", std::process::id()));
+    // Not into another user's directory (`import-hf --out`); the temporary is removed if it is
+    // there (a link planted there goes, never followed) and made new (`mkdir` follows no link).
+    fsutil::check_dir_owner(parent)?;
     remove_stale_temporaries_of(parent, &name)?;
     let _ = fs::remove_dir_all(&tmp);
     fs::create_dir(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
@@ -219,7 +227,8 @@ fn write_into(
         let sha = tensors::write(&dir.join(OPTIMIZER_FILE), &moments, FloatType::F32)?;
         add(OPTIMIZER_FILE, Some(sha))?;
     }
-    let progress = Progress { step: snap.step, position: snap.position.clone(), data_tokens: snap.data_tokens };
+    let progress =
+        Progress { step: snap.step, position: snap.position.clone(), data_tokens: snap.data_tokens, run: None };
     seal(dir, config, progress, None, files, extras)
 }
 
@@ -243,6 +252,8 @@ pub struct Progress {
     pub position: Position,
     /// Tokens in the training data (a resumed run must read the same data).
     pub data_tokens: u64,
+    /// The run saving it, for a part of the local tier ([`State::run`]); none elsewhere.
+    pub run: Option<String>,
 }
 
 /// Completes a checkpoint directory whose data files are written and listed in `files`: the
@@ -286,6 +297,7 @@ pub(super) fn seal(
         engine_version: env!("CARGO_PKG_VERSION").into(),
         hf_dtype: extras.hf_dtype.clone(),
         shards,
+        run: progress.run,
         seal: None,
     };
     write_atomic(&dir.join(STATE_FILE), state.sealed_text()?.as_bytes())?;

@@ -97,13 +97,19 @@ impl DeviceState {
     }
 }
 
+/// The text of a device's chunk list (`shard-*.json`): `[global, local, len]` triples. Two
+/// devices that hold the same elements in the same places write the same text.
+pub fn chunks_json(chunks: &[Chunk]) -> String {
+    let triples: Vec<[usize; 3]> = chunks.iter().map(|c| [c.global, c.local, c.len]).collect();
+    serde_json::to_string(&triples).expect("integers serialize")
+}
+
 /// Writes one device's files into the (temporary) checkpoint directory `dir`: the chunk list,
 /// then the buffers. Returns their sizes and hashes, computed on the way, so that sealing need
 /// not read them back.
 pub fn write_part(dir: &Path, rank: usize, shards: usize, state: &DeviceState) -> Result<BTreeMap<String, FileSum>> {
     let name = shard_name(rank, shards);
-    let triples: Vec<[usize; 3]> = state.chunks.iter().map(|c| [c.global, c.local, c.len]).collect();
-    let json = serde_json::to_string(&triples)?;
+    let json = chunks_json(&state.chunks);
     crate::fsutil::write_atomic(&dir.join(format!("{name}.json")), json.as_bytes())?;
     let parts = [Part::Params, Part::ExpAvg, Part::ExpAvgSq];
     let mut tensors: Vec<(String, &[f32], Vec<usize>)> =
@@ -319,7 +325,7 @@ mod tests {
     fn non_finite_fp8_scaling_states_are_refused_naming_the_tensor() {
         let config = resolve("tiny-llama2", &[]).unwrap().config;
         let root = tempfile::tempdir().unwrap();
-        let progress = Progress { step: 1, position: Default::default(), data_tokens: 0 };
+        let progress = Progress { step: 1, position: Default::default(), data_tokens: 0, run: None };
         let state = |fp8: Vec<f32>| DeviceState {
             bufs: [vec![1.0; 4], vec![0.0; 4], vec![0.0; 4]],
             chunks: vec![Chunk { global: 0, local: 0, len: 4 }],

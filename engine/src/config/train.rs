@@ -113,8 +113,11 @@ section! {
         /// restored by `--resume=auto` when newer than the persistent tier; 0 disables it.
         @resumable
         pub local_checkpoint_every: usize = 0,
-        /// Directory of the local tier on each node; empty: `/dev/shm/engine-local-HASH`, keyed
-        /// by the run directory's canonical path.
+        /// Directory of the local tier on each node; empty: `/dev/shm/engine-local-UID-HASH`, of
+        /// the user and keyed by the run directory's canonical path. Created 0700 when missing;
+        /// this user's alone (directories 0700, files 0600): one that is a symbolic link, that
+        /// another user owns or that others can write is refused. A completed run removes its
+        /// parts, and the directory once empty; parts of another run or mesh are skipped.
         @resumable
         pub local_checkpoint_dir: String = String::new(),
         /// Complete checkpoints kept in the run directory (the oldest are removed); 0 keeps all.

@@ -511,11 +511,15 @@ pub fn export(ck: &Checkpoint, out: &Path, dtype: Option<FloatType>, max_shard_b
     let parent = out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
     fs::create_dir_all(parent).with_context(|| format!("cannot create {}", parent.display()))?;
     let name = out.file_name().context("--out has no name")?.to_string_lossy();
-    let tmp = parent.join(format!(".{name}.tmp-{}", std::process::id()));
     // What killed exports into this --out left behind.
     fsutil::remove_stale_temporaries(parent, &format!(".{name}.tmp-"))?;
-    let _ = fs::remove_dir_all(&tmp);
-    fs::create_dir(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
+    // A temporary directory no one can plant a link at: a random name, created new (mkdir does
+    // not follow a link), this user's alone until complete, in a directory of its own or root's.
+    fsutil::check_dir_owner(parent)?;
+    let tmp = parent.join(format!(".{name}.tmp-{}-{:016x}", std::process::id(), fsutil::random_u64()));
+    std::os::unix::fs::DirBuilderExt::mode(&mut fs::DirBuilder::new(), 0o700)
+        .create(&tmp)
+        .with_context(|| format!("cannot create {}", tmp.display()))?;
     let result = (|| -> Result<Vec<String>> {
         let width = if dtype == FloatType::F32 { 4 } else { 2 };
         let all: Vec<&Tensor> = layout.tensors.iter().collect();
@@ -564,6 +568,8 @@ pub fn export(ck: &Checkpoint, out: &Path, dtype: Option<FloatType>, max_shard_b
             }
         }
         fsutil::sync_dir(&tmp)?;
+        let mode = 0o777 & !fsutil::umask();
+        fs::set_permissions(&tmp, std::os::unix::fs::PermissionsExt::from_mode(mode))?;
         if out.exists() {
             fs::remove_dir(out)?;
         }

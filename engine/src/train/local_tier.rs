@@ -4,10 +4,17 @@
 //! emergency checkpointing and PyTorch's in-cluster checkpoints do.
 //!
 //! ```text
-//! LOCAL_DIR/                      train.local_checkpoint_dir, or /dev/shm/engine-local-HASH
+//! LOCAL_DIR/                      train.local_checkpoint_dir, or /dev/shm/engine-local-UID-HASH
 //!   rank-00001/step-000120/       rank 1's own part: a sealed sharded checkpoint of one shard
 //!   copy-of-rank-00000/step-000120/  the copy of rank 0's part that rank 1 keeps as its peer
 //! ```
+//!
+//! The tier is this user's alone ([`claim`]): its directory is created 0700 (the default one
+//! with a name that holds the user's ID), its directories are 0700 and its files 0600, and a
+//! directory that is a symbolic link, that another user owns or that others can write is
+//! refused, so that no one else reads the weights or plants a part that `--resume=auto` would
+//! train on. Each part records the run that saved it ([`State::run`]), and a run completed
+//! removes its parts ([`LocalTier::remove`]): `/dev/shm` is memory.
 //!
 //! Rank r's peer is rank (r + local_world) mod world, on the next node when there is one (the
 //! next rank on a single node), so losing one node loses no part. A save
@@ -25,9 +32,13 @@
 //! persistent tier's newest. Only then is anything verified (the seal and every file's SHA-256),
 //! once, by the rank that serves it: a damaged copy is skipped, with a line saying so, and the
 //! ranks agree again. A rank without its own copy receives the peer's, writes it as its own and
-//! loads it like any checkpoint.
+//! loads it like any checkpoint. Parts that another run saved (sharing the directory), or that
+//! do not hold what this mesh's ranks need (another mesh of the same size: FSDP 2 then data 2)
+//! are left out before the ranks agree, with a line saying so.
 
 use std::collections::BTreeMap;
+use std::fs;
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -52,6 +63,11 @@ const PIECE: usize = 1 << 20;
 pub struct LocalTier {
     /// This run's directory of the tier on this node.
     root: PathBuf,
+    /// The run's identity, which each part records ([`State::run`]): the digest of its run
+    /// directory's canonical path as the lead sees it ([`run_id`]).
+    run: String,
+    /// The run directory, for messages.
+    run_dir: PathBuf,
     every: u64,
     rank: usize,
     world: usize,
@@ -69,13 +85,18 @@ pub struct LocalTier {
 impl LocalTier {
     /// The local tier of `trainer`'s run in `run_dir` (none when `train.local_checkpoint_every`
     /// is 0), on a node of `local_world` ranks. Refuses a directory whose file system has not
-    /// the room for [`KEEP`] steps of this node's parts and their copies.
+    /// the room for [`KEEP`] steps of this node's parts and their copies, and one that is not
+    /// this user's alone ([`claim`]). Every rank calls it at the same point.
     pub fn open<B: Backend>(trainer: &mut Trainer<B>, run_dir: &Path, local_world: usize) -> Result<Option<LocalTier>> {
-        let t = &trainer.config.train;
-        if t.local_checkpoint_every == 0 {
+        if trainer.config.train.local_checkpoint_every == 0 {
             return Ok(None);
         }
+        // The lead's identity of the run, on every rank (a node may mount the run directory
+        // elsewhere).
+        let id = trainer.parallel.gather_from_world(&mut trainer.backend, run_id(run_dir))[0];
+        let t = &trainer.config.train;
         let root = root_of(&t.local_checkpoint_dir, run_dir);
+        let created = claim(&root, t.local_checkpoint_dir.is_empty())?;
         let (rank, world) = (trainer.parallel.rank, trainer.devices());
         let local_world = local_world.clamp(1, world);
         let (peer, source) = peers(rank, world, local_world);
@@ -87,9 +108,16 @@ impl LocalTier {
         let buffers = if world > 1 { 3 } else { 1 };
         let room = Room { files: KEEP as u64 * copies * part, buffers: buffers * part, ranks: local_world };
         let memory = if t.memory_check { crate::host::memory_limit() } else { None };
-        room.check(&root, memory)?;
+        if let Err(e) = room.check(&root, memory) {
+            if created {
+                let _ = fs::remove_dir(&root);
+            }
+            return Err(e);
+        }
         let tier = LocalTier {
             root,
+            run: format!("{id:012x}"),
+            run_dir: run_dir.to_path_buf(),
             every: t.local_checkpoint_every as u64,
             rank,
             world,
@@ -103,9 +131,7 @@ impl LocalTier {
             extras: Arc::new(Extras::default()),
         };
         for dir in [tier.own_dir(), tier.copy_dir()] {
-            std::fs::create_dir_all(&dir).map_err(|e| {
-                anyhow!("train.local_checkpoint_dir: cannot create {}: {e}; set another directory", dir.display())
-            })?;
+            private_dir(&dir)?;
             checkpoint::remove_temporaries(&dir)?;
         }
         Ok(Some(tier))
@@ -132,6 +158,7 @@ impl LocalTier {
     /// writer thread ([`super::local_saver`]); touches no device and no collective.
     pub(super) fn write_part(&self, progress: Progress, state: &DeviceState) -> Result<Option<Words>> {
         let dir = self.own_dir().join(checkpoint::dir_name(progress.step));
+        let progress = Progress { run: Some(self.run.clone()), ..progress };
         self.write_own(&dir, |tmp| {
             let known = sharded::write_part(tmp, self.rank, self.world, state)?;
             sharded::commit(tmp, &dir, &self.config, progress, self.world, &self.extras, &known)
@@ -167,11 +194,13 @@ impl LocalTier {
                 std::fs::remove_dir_all(old).with_context(|| format!("cannot remove {}", old.display()))?;
             }
         }
-        std::fs::create_dir_all(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
+        private_builder().create(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
         write(&tmp).map_err(|e| {
             let _ = std::fs::remove_dir_all(&tmp);
             e.context(format!("cannot write the local checkpoint {}", dir.display()))
-        })
+        })?;
+        // The writers give their files the ordinary mode; in the tier they are this user's alone.
+        make_private(dir)
     }
 
     /// Sends `send`'s bytes to its rank (when given) and receives from rank `recv` (when
@@ -236,11 +265,35 @@ impl LocalTier {
         persistent: Option<u64>,
         lead: bool,
     ) -> Result<Option<Checkpoint>> {
-        let mut own = listed(&self.own_dir());
-        let mut copies = if self.world > 1 { listed(&self.copy_dir()) } else { Vec::new() };
+        let d = self.root.display();
+        // What every rank holds on this mesh: the digest of its chunk list, which its part's
+        // `shard-*.json` is when saved on a mesh that holds the same.
+        let chunks = sharded::chunks_json(&trainer.parallel.chunks());
+        let layouts = trainer.parallel.gather_many_from_world(&mut trainer.backend, digest48(&digest_of(&chunks)));
+        // Parts of another run or another mesh are left out before the ranks agree.
+        let mut skipped = [0u64; 2];
+        let mut own = self.usable(&self.own_dir(), self.rank, &layouts, &mut skipped);
+        let mut copies = match self.world {
+            1 => Vec::new(),
+            _ => self.usable(&self.copy_dir(), self.source, &layouts, &mut skipped),
+        };
+        let all_skipped = trainer.parallel.gather_many_from_world(&mut trainer.backend, skipped);
+        let [runs, meshes] = [0, 1].map(|i| all_skipped.iter().map(|s| s[i]).sum::<u64>());
+        if lead && runs + meshes > 0 {
+            let mut why = Vec::new();
+            if runs > 0 {
+                why.push(format!(
+                    "{runs} saved by another run (not this one, in {})",
+                    canonical(&self.run_dir).display()
+                ));
+            }
+            if meshes > 0 {
+                why.push(format!("{meshes} saved on another mesh (they do not hold what this mesh's ranks need)"));
+            }
+            crate::say!("local tier ({d}): parts skipped: {}", why.join("; "));
+        }
         // Own parts verified so far, by step: loaded as they are, not read again.
         let mut verified: BTreeMap<u64, Checkpoint> = BTreeMap::new();
-        let d = self.root.display();
         loop {
             let report = |steps: &[u64]| std::array::from_fn::<u64, KEEP, _>(|i| steps.get(i).copied().unwrap_or(0));
             let all_own = trainer.parallel.gather_many_from_world(&mut trainer.backend, report(&own));
@@ -335,6 +388,61 @@ impl LocalTier {
         }
     }
 
+    /// The steps `dir` holds (newest first) whose part rank `owner` can load on this mesh: saved
+    /// by this run, on a mesh where `owner` held what it holds now (`layouts`: every rank's
+    /// [`digest48`] of its chunk list). Counts the others in `skipped` (another run, another
+    /// mesh). Only `state.json` is read; a part that cannot be read is kept, for the full check
+    /// ([`LocalTier::verify`]) to say what is wrong with it.
+    fn usable(&self, dir: &Path, owner: usize, layouts: &[[u64; 2]], skipped: &mut [u64; 2]) -> Vec<u64> {
+        let shard = format!("{}.json", sharded::shard_name(owner, self.world));
+        let mut steps = listed(dir);
+        steps.retain(|&step| {
+            let Some(state) = state_of(&dir.join(checkpoint::dir_name(step))) else { return true };
+            if state.run.as_deref() != Some(self.run.as_str()) {
+                skipped[0] += 1;
+                return false;
+            }
+            let holds = |f: &checkpoint::FileSum| digest48(&f.sha256) == layouts[owner];
+            let same_mesh = state.shards == Some(self.world) && state.files.get(&shard).is_some_and(holds);
+            if !same_mesh {
+                skipped[1] += 1;
+            }
+            same_mesh
+        });
+        steps
+    }
+
+    /// At the end of a completed run, on every rank at the same point: removes this run's parts
+    /// from the rank's directories of the tier, then those directories and the tier's own once
+    /// empty (the persistent tier holds the run's end, and `/dev/shm` is memory). What is left
+    /// (another run's parts) stays. Returns the end of the lead's closing line.
+    pub fn remove<B: Backend>(&self, trainer: &mut Trainer<B>) -> String {
+        let mut failed = false;
+        for dir in [self.own_dir(), self.copy_dir()] {
+            for (_, path) in checkpoint::list(&dir).unwrap_or_default() {
+                if state_of(&path).is_some_and(|s| s.run.as_deref() == Some(self.run.as_str()))
+                    && let Err(e) = fs::remove_dir_all(&path)
+                {
+                    crate::say!("local tier: rank {}: cannot remove {}: {e}", self.rank, path.display());
+                    failed = true;
+                }
+            }
+            let _ = fs::remove_dir(&dir);
+        }
+        // Every rank's directories are gone before the tier's own is removed (by the first rank
+        // of each node to get here).
+        let failures = trainer.parallel.sum_over_world(&mut trainer.backend, failed as u8 as f32);
+        let _ = fs::remove_dir(&self.root);
+        let d = self.root.display();
+        if failures > 0.0 {
+            format!("; the local tier {d} is not removed: {} ranks could not remove their parts", failures as u64)
+        } else if fs::symlink_metadata(&self.root).is_ok() {
+            format!("; this run's parts removed from the local tier {d} (it holds others)")
+        } else {
+            format!("; local tier {d} removed")
+        }
+    }
+
     /// Removes this rank's local copies of steps after `step` (a run that continues from
     /// `step`, or starts at 0, replaces them).
     pub fn discard_after(&self, step: u64) -> Result<()> {
@@ -357,13 +465,138 @@ fn listed(dir: &Path) -> Vec<u64> {
 }
 
 /// The tier's directory of a run: `train.local_checkpoint_dir` as given, or
-/// `/dev/shm/engine-local-HASH` keyed by the run directory's canonical path.
+/// `/dev/shm/engine-local-UID-HASH`, of this user (its effective ID) and keyed by the run
+/// directory's canonical path.
 pub fn root_of(configured: &str, run_dir: &Path) -> PathBuf {
     if !configured.is_empty() {
         return PathBuf::from(configured);
     }
     let hash = crate::digest::sha256_hex(canonical(run_dir).as_os_str().as_encoded_bytes());
-    PathBuf::from(format!("/dev/shm/engine-local-{}", &hash[..16]))
+    // SAFETY: geteuid cannot fail and touches no memory.
+    let uid = unsafe { libc::geteuid() };
+    PathBuf::from(format!("/dev/shm/engine-local-{uid}-{}", &hash[..16]))
+}
+
+/// A run's identity in the tier: 48 bits of the digest of its run directory's canonical path.
+fn run_id(run_dir: &Path) -> u64 {
+    digest48(&crate::digest::sha256_hex(canonical(run_dir).as_os_str().as_encoded_bytes()))[0]
+}
+
+/// The SHA-256 of `text`, in hex.
+fn digest_of(text: &str) -> String {
+    crate::digest::sha256_hex(text.as_bytes())
+}
+
+/// The first 96 bits of a hex digest as two 48-bit numbers (what the collectives gather
+/// exactly); zeros where it is not hex.
+fn digest48(hex: &str) -> [u64; 2] {
+    let part = |r: std::ops::Range<usize>| hex.get(r).and_then(|h| u64::from_str_radix(h, 16).ok()).unwrap_or(0);
+    [part(0..12), part(12..24)]
+}
+
+/// The `state.json` of the part in `dir`, as written (the full check verifies its seal).
+fn state_of(dir: &Path) -> Option<State> {
+    let text = fsutil::read_bounded(&dir.join(STATE_FILE), 64 << 20, "a checkpoint's state").ok()?;
+    serde_json::from_str(&text).ok()
+}
+
+/// Makes `root` the tier's directory, this user's alone, or refuses it in one line: creates it
+/// 0700 when it does not exist (its parents too for `train.local_checkpoint_dir`); refuses a
+/// symbolic link (never followed: another user could point it at a directory of theirs), a
+/// directory another user owns (they could read the weights, or plant a part that
+/// `--resume=auto` trains on) and one others can write. The `default` directory in `/dev/shm`
+/// is made 0700 if it is not. Returns whether it created the directory.
+fn claim(root: &Path, default: bool) -> Result<bool> {
+    let r = root.display();
+    let what = if default { "the local tier's directory" } else { "train.local_checkpoint_dir" };
+    let fix = "remove it, or set train.local_checkpoint_dir to a directory of your own";
+    let mut created = false;
+    let meta = match fs::symlink_metadata(root) {
+        Ok(meta) => meta,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            let parent = root.parent().filter(|p| !p.as_os_str().is_empty());
+            if let Some(parent) = parent.filter(|_| !default) {
+                fs::create_dir_all(parent)
+                    .map_err(|e| anyhow!("{what}: cannot create {}: {e}; set another directory", parent.display()))?;
+            }
+            match fs::DirBuilder::new().mode(0o700).create(root) {
+                Ok(()) => created = true,
+                // Another rank of this node, or another process, got there first: checked below.
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+                Err(e) => bail!("{what}: cannot create {r}: {e}; set train.local_checkpoint_dir to another directory"),
+            }
+            fs::symlink_metadata(root).map_err(|e| anyhow!("{what}: cannot read {r}: {e}"))?
+        }
+        Err(e) => bail!("{what}: cannot read {r}: {e}"),
+    };
+    // SAFETY: geteuid cannot fail and touches no memory.
+    let me = unsafe { libc::geteuid() };
+    if meta.file_type().is_symlink() {
+        let to = fs::read_link(root).map(|t| t.display().to_string()).unwrap_or_default();
+        bail!("{what}: {r} is a symbolic link (to {to}), which the local tier never follows; {fix}");
+    }
+    if !meta.is_dir() {
+        bail!("{what}: {r} is not a directory; {fix}");
+    }
+    if meta.uid() != me {
+        bail!(
+            "{what}: {r} belongs to another user (uid {}; this process runs as uid {me}), who could read the checkpoints there or plant one that --resume=auto trains on; {fix}",
+            meta.uid()
+        );
+    }
+    let mode = meta.mode() & 0o7777;
+    if mode & 0o022 != 0 {
+        bail!(
+            "{what}: {r} can be written by other users (mode {mode:04o}), who could plant a checkpoint there that --resume=auto trains on; {fix}"
+        );
+    }
+    if default && mode != 0o700 {
+        fs::set_permissions(root, fs::Permissions::from_mode(0o700))
+            .map_err(|e| anyhow!("{what}: cannot make {r} 0700: {e}"))?;
+    }
+    Ok(created)
+}
+
+/// Creates directories 0700.
+fn private_builder() -> fs::DirBuilder {
+    let mut builder = fs::DirBuilder::new();
+    builder.recursive(true).mode(0o700);
+    builder
+}
+
+/// Creates `dir` (a rank's directory in the tier) 0700, or makes an existing one and what it
+/// holds this user's alone ([`make_private`]); refuses a symbolic link or another user's.
+fn private_dir(dir: &Path) -> Result<()> {
+    let d = dir.display();
+    private_builder().create(dir).map_err(|e| anyhow!("train.local_checkpoint_dir: cannot create {d}: {e}"))?;
+    let meta = fs::symlink_metadata(dir).map_err(|e| anyhow!("train.local_checkpoint_dir: cannot read {d}: {e}"))?;
+    // SAFETY: geteuid cannot fail and touches no memory.
+    if meta.file_type().is_symlink() || !meta.is_dir() || meta.uid() != unsafe { libc::geteuid() } {
+        bail!(
+            "train.local_checkpoint_dir: {d} is not a directory of this user's own (a symbolic link, a file, or another user's); remove it"
+        );
+    }
+    make_private(dir)
+}
+
+/// Makes `path` and everything under it this user's alone: directories 0700, files 0600.
+/// Symbolic links are neither followed nor changed.
+fn make_private(path: &Path) -> Result<()> {
+    let meta = fs::symlink_metadata(path).with_context(|| format!("cannot read {}", path.display()))?;
+    if meta.file_type().is_symlink() {
+        return Ok(());
+    }
+    let mode = if meta.is_dir() { 0o700 } else { 0o600 };
+    if meta.mode() & 0o7777 != mode {
+        fs::set_permissions(path, fs::Permissions::from_mode(mode))
+            .with_context(|| format!("cannot make {} this user's alone", path.display()))?;
+    }
+    if meta.is_dir() {
+        for entry in fs::read_dir(path).with_context(|| format!("cannot list {}", path.display()))? {
+            make_private(&entry?.path())?;
+        }
+    }
+    Ok(())
 }
 
 /// `path` with its longest existing ancestor resolved (links, `..`) and the rest appended, so
@@ -492,7 +725,7 @@ fn unpack(packed: &[u8], dir: &Path) -> Result<()> {
     let tmp = dir.with_file_name(format!(".tmp-{}", dir.file_name().context("a directory")?.to_string_lossy()));
     let _ = std::fs::remove_dir_all(&tmp);
     let _ = std::fs::remove_dir_all(dir);
-    std::fs::create_dir_all(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
+    private_builder().create(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
     let mut at = 0usize;
     let take = |at: &mut usize, n: usize| take_from(packed, at, n, dir);
     while at < packed.len() {
@@ -504,10 +737,17 @@ fn unpack(packed: &[u8], dir: &Path) -> Result<()> {
         let len = u64::from_le_bytes(take(&mut at, 8)?.try_into()?) as usize;
         let path = tmp.join(&name);
         if let Some(parent) = path.parent() {
-            std::fs::create_dir_all(parent)?;
+            private_builder().create(parent)?;
         }
         let write = |bytes: &[u8]| -> std::io::Result<()> {
-            let mut file = std::fs::File::create(&path)?;
+            use std::os::unix::fs::OpenOptionsExt;
+            let mut file = fs::OpenOptions::new()
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .mode(0o600)
+                .custom_flags(libc::O_NOFOLLOW)
+                .open(&path)?;
             std::io::Write::write_all(&mut file, bytes)?;
             file.sync_all()
         };
@@ -624,6 +864,214 @@ mod tests {
             assert!(!saved.chunks.is_empty() && saved == now, "rank {rank}: the restored state is the saved one");
         }
         assert!(local.join("rank-00000/step-000001/state.json").is_file(), "rank 0 keeps the copy as its own");
+    }
+
+    /// Saves step 1 of a fresh trainer on `config` (`devices` virtual devices) into the tier of
+    /// the run in `run`; returns what each rank saved.
+    fn save_step_1(config: &Config, devices: usize, run: &Path) -> Vec<DeviceState> {
+        crate::train::devices::run(config, devices, |_, t| {
+            let tier = LocalTier::open(t, run, devices)?.expect("the tier is on");
+            let mut saver = super::super::local_saver::LocalSaver::new(tier);
+            t.train_step(0.0);
+            saver.after_step(t, 1)?;
+            saver.finish(t)?;
+            Ok(t.part_state(DeviceState::default()))
+        })
+        .unwrap()
+    }
+
+    /// Whether the tier of the run in `run` on `config` gives every rank a step to restore
+    /// (none of the persistent tier), and then whether every rank loads it.
+    fn restores(config: &Config, devices: usize, run: &Path) -> Vec<Option<Result<(), String>>> {
+        crate::train::devices::run(config, devices, |rank, t| {
+            let mut tier = LocalTier::open(t, run, devices)?.expect("the tier is on");
+            let ck = tier.restore(t, None, rank == 0)?;
+            Ok(ck.map(|ck| t.resume_from(&ck).map_err(|e| format!("{e:#}"))))
+        })
+        .unwrap()
+    }
+
+    fn tier_config(dir: &Path, extra: &[&str]) -> Config {
+        let dir = format!("train.local_checkpoint_dir={}", dir.display());
+        crate::train::session::tests::config(&[&["train.local_checkpoint_every=1", &dir][..], extra].concat())
+    }
+
+    /// Every directory of the tier is 0700 and every file 0600 (its own parts, the copies it
+    /// receives, the tier's directory itself): no other user reads the weights.
+    #[test]
+    fn the_tiers_files_are_this_users_alone() {
+        use std::os::unix::fs::PermissionsExt;
+        let tmp = tempfile::tempdir().unwrap();
+        let local = tmp.path().join("tier");
+        let c = tier_config(&local, &["mesh.ici_data=1", "mesh.ici_fsdp=2"]);
+        save_step_1(&c, 2, &tmp.path().join("run"));
+        fn walk(path: &Path, seen: &mut Vec<(PathBuf, u32, bool)>) {
+            let meta = fs::symlink_metadata(path).unwrap();
+            seen.push((path.to_path_buf(), meta.permissions().mode() & 0o7777, meta.is_dir()));
+            if meta.is_dir() {
+                for e in fs::read_dir(path).unwrap() {
+                    walk(&e.unwrap().path(), seen);
+                }
+            }
+        }
+        let mut seen = Vec::new();
+        walk(&local, &mut seen);
+        assert!(seen.iter().any(|(p, _, _)| p.ends_with("copy-of-rank-00001/step-000001/state.json")), "{seen:?}");
+        assert!(seen.iter().any(|(p, _, _)| p.ends_with("rank-00000/step-000001/config.toml")), "{seen:?}");
+        for (path, mode, dir) in &seen {
+            assert_eq!(*mode, if *dir { 0o700 } else { 0o600 }, "{}: {mode:o}", path.display());
+        }
+    }
+
+    /// A part saved on another mesh of the same size does not hold what this mesh's ranks
+    /// need: FSDP 2 then data 2, FSDP 2 then tensor 2, EP 2 then data 2. The tier is skipped
+    /// (the run resumes from the persistent tier), where loading it failed the run.
+    #[test]
+    fn parts_of_another_mesh_of_the_same_size_are_skipped() {
+        let mixtral = |dir: &Path, extra: &[&str]| {
+            let dir = format!("train.local_checkpoint_dir={}", dir.display());
+            let base = [
+                "model.vocab_size=512",
+                "train.seq_len=32",
+                "model.d_model=64",
+                "model.mlp_dim=128",
+                "model.n_heads=4",
+                "model.n_kv_heads=4",
+                "model.head_dim=16",
+                "train.profile_step=0",
+                "train.local_checkpoint_every=1",
+                &dir,
+            ];
+            let sets = crate::config::recipe::Override::from_list(&[&base[..], extra].concat().join(" "), "test");
+            crate::config::recipe::resolve("tiny-mixtral", &sets).unwrap().config
+        };
+        type Make = fn(&Path, &[&str]) -> Config;
+        let llama: Make = tier_config;
+        let cases: [(&str, Make, [&str; 3], [&str; 3]); 3] = [
+            ("FSDP 2 -> data 2", llama, ["mesh.ici_data=1", "mesh.ici_fsdp=2", ""], ["mesh.ici_data=2", "", ""]),
+            (
+                "FSDP 2 -> tensor 2",
+                llama,
+                ["mesh.ici_data=1", "mesh.ici_fsdp=2", ""],
+                ["mesh.ici_data=1", "mesh.ici_fsdp=1", "mesh.ici_tensor=2"],
+            ),
+            ("EP 2 -> data 2", mixtral, ["mesh.ici_data=2", "mesh.ici_expert=2", ""], ["mesh.ici_data=2", "", ""]),
+        ];
+        for (name, make, from, to) in cases {
+            let tmp = tempfile::tempdir().unwrap();
+            let (local, run) = (tmp.path().join("tier"), tmp.path().join("run"));
+            let sets = |s: [&'static str; 3]| s.into_iter().filter(|s| !s.is_empty()).collect::<Vec<_>>();
+            save_step_1(&make(&local, &sets(from)), 2, &run);
+            // On the same mesh, the tier restores.
+            let same = restores(&make(&local, &sets(from)), 2, &run);
+            assert!(same.iter().all(|r| r == &Some(Ok(()))), "{name}: on the same mesh: {same:?}");
+            let other = restores(&make(&local, &sets(to)), 2, &run);
+            assert!(other.iter().all(Option::is_none), "{name}: {other:?}");
+        }
+    }
+
+    /// Two runs sharing `train.local_checkpoint_dir`: the second one does not restore the
+    /// first's parts; the first still does. A completed run removes its parts and the tier.
+    #[test]
+    fn parts_of_another_run_are_skipped_and_a_completed_run_removes_its_own() {
+        let tmp = tempfile::tempdir().unwrap();
+        let local = tmp.path().join("tier");
+        let c = tier_config(&local, &["mesh.ici_data=1", "mesh.ici_fsdp=2"]);
+        let (first, second) = (tmp.path().join("first"), tmp.path().join("second"));
+        save_step_1(&c, 2, &first);
+        let other = restores(&c, 2, &second);
+        assert!(other.iter().all(Option::is_none), "{other:?}");
+        let own = restores(&c, 2, &first);
+        assert!(own.iter().all(|r| r == &Some(Ok(()))), "{own:?}");
+        let state = state_of(&local.join("rank-00001/step-000001")).unwrap();
+        let expected = format!("{:012x}", run_id(&first));
+        assert_eq!(state.run.as_deref(), Some(expected.as_str()));
+        // Another run's parts stay when a run completes; then its own go, and the tier with them.
+        fs::create_dir_all(local.join("rank-00007/step-000003")).unwrap();
+        let lines = crate::train::devices::run(&c, 2, |_, t| {
+            let tier = LocalTier::open(t, &first, 2)?.expect("the tier is on");
+            Ok(tier.remove(t))
+        })
+        .unwrap();
+        assert!(
+            lines[0].contains("this run's parts removed from the local tier") && lines[0].contains("(it holds others)")
+        );
+        assert!(!local.join("rank-00000").exists() && !local.join("copy-of-rank-00001").exists());
+        fs::remove_dir_all(local.join("rank-00007")).unwrap();
+        let lines = crate::train::devices::run(&c, 2, |_, t| {
+            let tier = LocalTier::open(t, &first, 2)?.expect("the tier is on");
+            Ok(tier.remove(t))
+        })
+        .unwrap();
+        assert_eq!(lines[0], format!("; local tier {} removed", local.display()));
+        assert!(!local.exists());
+    }
+
+    /// The default directory is in `/dev/shm`, named for the user and the run; it is created
+    /// 0700. One that is a symbolic link (to a directory another user reads), another user's,
+    /// or one others can write is refused in one line, and nothing is written through it.
+    #[test]
+    fn the_tiers_directory_is_this_users_alone_or_refused() {
+        use std::os::unix::fs::PermissionsExt;
+        let tmp = tempfile::tempdir().unwrap();
+        let me = unsafe { libc::geteuid() };
+        let run = tmp.path().join("run");
+        let default = root_of("", &run);
+        assert!(default.to_string_lossy().starts_with(&format!("/dev/shm/engine-local-{me}-")), "{default:?}");
+        let mode = |p: &Path| fs::symlink_metadata(p).unwrap().permissions().mode() & 0o7777;
+
+        // Through the tier as a run opens it: the default directory planted as a link (to a
+        // directory another user reads) is refused and nothing is created where it points.
+        let target = tmp.path().join("elsewhere");
+        fs::create_dir(&target).unwrap();
+        if Path::new("/dev/shm").is_dir() {
+            let _ = fs::remove_file(&default);
+            std::os::unix::fs::symlink(&target, &default).unwrap();
+            let c = crate::train::session::tests::config(&["train.local_checkpoint_every=1"]);
+            let e = crate::train::devices::run(&c, 1, |_, t| LocalTier::open(t, &run, 1).map(|_| ()));
+            let _ = fs::remove_file(&default);
+            let e = format!("{:#}", e.unwrap_err());
+            assert!(e.contains("is a symbolic link"), "{e}");
+            assert_eq!(fs::read_dir(&target).unwrap().count(), 0, "written through the link");
+        }
+
+        let fresh = tmp.path().join("fresh");
+        assert!(claim(&fresh, true).unwrap());
+        assert_eq!(mode(&fresh), 0o700);
+        assert!(!claim(&fresh, true).unwrap(), "this user's own, again");
+        fs::set_permissions(&fresh, fs::Permissions::from_mode(0o755)).unwrap();
+        claim(&fresh, true).unwrap();
+        assert_eq!(mode(&fresh), 0o700, "the default directory is made 0700");
+        let nested = tmp.path().join("a/b/tier");
+        assert!(claim(&nested, false).unwrap());
+        assert_eq!(mode(&nested), 0o700);
+
+        let link = tmp.path().join("link");
+        std::os::unix::fs::symlink(&target, &link).unwrap();
+        let e = claim(&link, true).unwrap_err().to_string();
+        assert!(e.contains(&format!("{} is a symbolic link (to {})", link.display(), target.display())), "{e}");
+        assert!(e.contains("never follows") && !e.contains('\n'), "{e}");
+
+        let open = tmp.path().join("open");
+        fs::create_dir(&open).unwrap();
+        fs::set_permissions(&open, fs::Permissions::from_mode(0o777)).unwrap();
+        let e = claim(&open, false).unwrap_err().to_string();
+        assert!(e.contains("can be written by other users (mode 0777)"), "{e}");
+        let file = tmp.path().join("file");
+        fs::write(&file, b"").unwrap();
+        assert!(claim(&file, false).unwrap_err().to_string().contains("is not a directory"));
+
+        if me != 0 {
+            return eprintln!("SKIPPED: another user's directory (needs root to make one)");
+        }
+        let theirs = tmp.path().join("theirs");
+        fs::create_dir(&theirs).unwrap();
+        for m in [0o700, 0o777] {
+            fs::set_permissions(&theirs, fs::Permissions::from_mode(m)).unwrap();
+            std::os::unix::fs::chown(&theirs, Some(12345), Some(12345)).unwrap();
+            let e = claim(&theirs, true).unwrap_err().to_string();
+            assert!(e.contains("belongs to another user (uid 12345; this process runs as uid 0)"), "{e}");
+        }
     }
 
     #[test]

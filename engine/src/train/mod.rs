@@ -697,7 +697,8 @@ impl<B: Backend> Trainer<B> {
     /// What a checkpoint of the current step records besides the device state: the step, where
     /// the loader continues, and the training data's length.
     pub fn progress(&self) -> Progress {
-        Progress { step: self.step, position: self.loader.position(), data_tokens: self.loader.source_len() as u64 }
+        let data_tokens = self.loader.source_len() as u64;
+        Progress { step: self.step, position: self.loader.position(), data_tokens, run: None }
     }
 
     /// Mean next-token cross-entropy over the first `batches · batch_size` validation samples

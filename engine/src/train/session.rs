@@ -273,6 +273,8 @@ pub fn run<B: Backend>(trainer: &mut Trainer<Traced<B>>, s: &Session) -> Result<
     log.finish();
     let (saved, waited_s) = goodput::timed(|| finish_saves(&mut saver, &mut local, trainer));
     saved?.iter().for_each(|done| log.saved(done));
+    // The run is complete: its local tier goes (every rank, at the same point).
+    let local_removed = s.local_tier.as_ref().map(|tier| tier.remove(trainer)).unwrap_or_default();
     let peak = trainer.backend.peak_memory_bytes() as u64;
     let peak_memory = trainer.parallel.gather_from_world(&mut trainer.backend, peak);
     let Some(mut timeline) = timeline else { return Ok(None) };
@@ -302,7 +304,7 @@ pub fn run<B: Backend>(trainer: &mut Trainer<Traced<B>>, s: &Session) -> Result<
         log.say(&format!("tokens by source: {}", each.join(", ")));
     }
     log.say(&format!(
-        "done: loss {:.4} -> {:.4} in {} steps{}; step time median {:.3} s, p90 {:.3} s (leaving out {} warm-up/profiled steps); {:.0} tokens/s, {:.3} TFLOP/s, MFU {:.1}%; peak memory {:.3} GiB per device",
+        "done: loss {:.4} -> {:.4} in {} steps{}; step time median {:.3} s, p90 {:.3} s (leaving out {} warm-up/profiled steps); {:.0} tokens/s, {:.3} TFLOP/s, MFU {:.1}%; peak memory {:.3} GiB per device{local_removed}",
         summary.first_loss,
         summary.final_loss,
         summary.steps,
