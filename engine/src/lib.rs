@@ -25,6 +25,29 @@ pub mod tensors;
 pub mod testall;
 pub mod train;
 
+/// Writes one line to standard output in one system call, going on when its reader is gone
+/// ([`print_line`]).
+#[macro_export]
+macro_rules! out {
+    ($($arg:tt)*) => {{
+        $crate::print_line(&format!("{}\n", format_args!($($arg)*)));
+    }};
+}
+
+/// Writes `line` to standard output in one system call. A reader gone away (`train … | head`,
+/// where SIGPIPE is ignored) is said once on standard error and the run goes on, its lines in
+/// its run directory's files; `println!` would panic there.
+pub fn print_line(line: &str) {
+    static CLOSED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    if CLOSED.load(std::sync::atomic::Ordering::Relaxed) {
+        return;
+    }
+    if let Err(e) = std::io::Write::write_all(&mut std::io::stdout(), line.as_bytes()) {
+        CLOSED.store(true, std::sync::atomic::Ordering::Relaxed);
+        crate::say!("note: standard output closed ({e}); going on, the run's lines are in its run directory's files only");
+    }
+}
+
 /// Writes one line to standard error in one system call. `eprintln!` makes two (the text, then
 /// the newline), and where stdout and stderr travel apart (docker's attach, a launcher's pipes)
 /// another line can land between them and start mid-line.

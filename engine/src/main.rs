@@ -95,18 +95,21 @@ fn out_of_memory(bytes: usize) -> ! {
 }
 
 fn main() -> ExitCode {
-    // Die quietly when the reader of our output goes away (`engine recipes list | head`), as
-    // Unix tools do, instead of failing on the write.
-    #[cfg(unix)]
-    // SAFETY: restoring the default disposition of a signal at start-up, before any thread.
-    unsafe {
-        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
-    }
     keep_freed_memory();
     // The goodput timeline's start of the attempt, where /proc does not say.
     engine::train::goodput::process_start();
     cli::install_panic_hook();
     let args = cli::parse();
+    // Die quietly when the reader of our output goes away (`engine recipes list | head`), as
+    // Unix tools do, instead of failing on the write; a training run goes on (SIGPIPE stays
+    // ignored, as Rust leaves it, and its lines go to its files: `engine::print_line`).
+    #[cfg(unix)]
+    if !args.outlives_its_reader() {
+        // SAFETY: restoring the default disposition of a signal, before any thread is started.
+        unsafe {
+            libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+        }
+    }
     match cli::run(args) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

@@ -89,7 +89,7 @@ pub fn check(cmd: DistCommand) -> Result<()> {
         engine::rng::mix(seed ^ std::process::id() as u64).to_le_bytes().to_vec()
     })?;
     let hex: String = token.iter().map(|b| format!("{b:02x}")).collect();
-    println!(
+    engine::out!(
         "rank {} of {} (local {} of {}), {} node(s), via {}: rendezvous at {} ok, token {hex}",
         job.rank,
         job.world,
@@ -450,15 +450,26 @@ enum End {
 /// - a process exiting with [`EXIT_STOPPED_ON_SIGNAL`] (someone signalled it, so the job
 ///   stops at the step all agree on) is waited for with the others, and not restarted;
 /// - the launcher's first SIGTERM, SIGINT or SIGUSR1 is passed on to every process, which then
-///   write a checkpoint and exit; its second kills them.
+///   write a checkpoint and exit; its second kills them;
+/// - SIGUSR2 is passed on every time (the ranks write their flight records and train on).
 fn supervise(procs: &mut [Proc], grace: Duration) -> End {
     let mut failure: Option<usize> = None;
     let mut kill_at: Option<Instant> = None;
     let mut stopping = false;
     let mut killed: Option<i32> = None;
-    let mut handled = 0;
+    let (mut handled, mut usr2_handled) = (0, 0);
     loop {
         let fresh = reap(procs);
+        let usr2 = signals::usr2_received();
+        if usr2 > usr2_handled {
+            usr2_handled = usr2;
+            let running = procs.iter().filter(|p| p.outcome.is_none()).count();
+            signal_running(procs, libc::SIGUSR2);
+            say!(
+                "engine launch: received SIGUSR2: passed it on to the {} running, which write their flight records and train on",
+                processes(running)
+            );
+        }
         if failure.is_none() && !stopping && killed.is_none() {
             let ended = |i: &usize| procs[*i].outcome.expect("reaped");
             if let Some(&i) = fresh.iter().find(|i| ended(i) == Outcome::Code(EXIT_STOPPED_ON_SIGNAL)) {
@@ -580,7 +591,8 @@ fn signal_running(procs: &[Proc], signal: i32) {
     }
 }
 
-/// The launcher's handling of SIGTERM, SIGINT and SIGUSR1: counted, acted on by [`supervise`].
+/// The launcher's handling of SIGTERM, SIGINT and SIGUSR1, and SIGUSR2: counted, acted on by
+/// [`supervise`].
 mod signals {
     use super::*;
 
@@ -595,8 +607,22 @@ mod signals {
         COUNT.fetch_add(1, Ordering::SeqCst);
     }
 
+    /// SIGUSR2s received: the flight recorder's "write your record now", passed on to the
+    /// ranks, which train on.
+    static USR2: AtomicUsize = AtomicUsize::new(0);
+
+    extern "C" fn on_usr2(_: libc::c_int) {
+        USR2.fetch_add(1, Ordering::SeqCst);
+    }
+
     pub fn install() -> Result<()> {
-        engine::train::signals::handle(&engine::train::signals::STOP_SIGNALS, on_signal)
+        engine::train::signals::handle(&engine::train::signals::STOP_SIGNALS, on_signal)?;
+        engine::train::signals::handle(&[libc::SIGUSR2], on_usr2)
+    }
+
+    /// SIGUSR2s received so far.
+    pub fn usr2_received() -> usize {
+        USR2.load(Ordering::SeqCst)
     }
 
     /// Signals received so far, and the last one.

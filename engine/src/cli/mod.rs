@@ -115,6 +115,15 @@ impl RecipeArgs {
 /// Parses the command line. Help and the version print as clap prints them; a parse error
 /// becomes one line on stderr (the message, clap's tips, where to read more; the usage block is
 /// left out) and exit code 2, as every other error.
+impl Cli {
+    /// Whether the command goes on when its standard output's reader goes away (`train … |
+    /// head`): a training run, whose lines are in its run directory too, stops only on a stop
+    /// signal, with a checkpoint; the other commands die quietly of SIGPIPE, as Unix tools do.
+    pub fn outlives_its_reader(&self) -> bool {
+        matches!(self.command, Command::Train(_) | Command::Launch(_))
+    }
+}
+
 pub fn parse() -> Cli {
     match Cli::try_parse() {
         Ok(cli) => cli,

@@ -57,6 +57,11 @@ pub struct TrainArgs {
 /// ([`signals`]).
 pub fn run(args: TrainArgs, device: DeviceArg) -> Result<()> {
     signals::install()?;
+    // SIGUSR2 asks a job's ranks for their flight records; a rank of a multi-process job
+    // installs the recorder's handler in place of this one. Here it must not end the run.
+    signals::on_sigusr2(|| {
+        engine::say!("engine: SIGUSR2: this process keeps no flight record (a job's ranks do); training on")
+    })?;
     match train(args, device) {
         Err(e) => match e.downcast_ref::<Stopped>() {
             Some(stopped) => {
@@ -323,7 +328,7 @@ impl Start {
         let steps = trainer.step - first;
         if let (0, Some(sent), 1..) = (job.rank, trainer.parallel.bytes_sent(), steps) {
             let mib = sent as f64 / (1 << 20) as f64;
-            println!("collectives: rank 0 sent {mib:.3} MiB to its peers, {:.3} MiB per step", mib / steps as f64);
+            engine::out!("collectives: rank 0 sent {mib:.3} MiB to its peers, {:.3} MiB per step", mib / steps as f64);
         }
         Ok(())
     }

@@ -433,9 +433,9 @@ impl Drop for ShardWriter {
 impl ShardWriter {
     /// Starts a shard at `path` for a tokenizer with this vocabulary and end-of-sequence token.
     pub fn create(path: &Path, vocab_size: usize, eos: u32) -> Result<ShardWriter> {
-        let name = path.file_name().context("shard path has no file name")?.to_string_lossy();
-        let tmp = path.with_file_name(format!(".{name}.tmp-{}", std::process::id()));
-        let file = File::create(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
+        path.file_name().context("shard path has no file name")?;
+        // A random name created new, never through a link planted at a predictable one.
+        let (tmp, file) = fsutil::create_temp(path).with_context(|| format!("cannot create a shard beside {}", path.display()))?;
         let header = Header {
             token_bytes: token_bytes_for(vocab_size),
             tokens: 0,
@@ -494,6 +494,7 @@ impl ShardWriter {
             out.seek(SeekFrom::Start(0))?;
             out.write_all(&self.header.to_bytes())?;
             let file = out.into_inner().map_err(|e| e.into_error())?;
+            fsutil::set_default_mode(&file)?;
             file.sync_all()?;
             std::fs::rename(&self.tmp, &self.path)?;
             fsutil::sync_dir(self.path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new(".")))?;

@@ -290,7 +290,7 @@ impl Drop for Checkpointer {
             }
         }
         match self.sealed(true) {
-            Ok(Some(report)) => println!("saved checkpoint {}", report.dir.display()),
+            Ok(Some(report)) => crate::out!("saved checkpoint {}", report.dir.display()),
             Ok(None) => {}
             Err(e) => crate::say!("warning: the last checkpoint was not saved: {e:#}"),
         }

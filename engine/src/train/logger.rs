@@ -66,8 +66,8 @@ impl MetricsLogger {
     pub fn say(&self, line: &str) {
         match &self.bar {
             _ if self.quiet => {}
-            Some(bar) => bar.suspend(|| println!("{line}")),
-            None => println!("{line}"),
+            Some(bar) => bar.suspend(|| crate::out!("{line}")),
+            None => crate::out!("{line}"),
         }
     }
 
