@@ -44,7 +44,9 @@ pub fn print_line(line: &str) {
     }
     if let Err(e) = std::io::Write::write_all(&mut std::io::stdout(), line.as_bytes()) {
         CLOSED.store(true, std::sync::atomic::Ordering::Relaxed);
-        crate::say!("note: standard output closed ({e}); going on, the run's lines are in its run directory's files only");
+        crate::say!(
+            "note: standard output closed ({e}); going on, the run's lines are in its run directory's files only"
+        );
     }
 }
 

@@ -57,11 +57,8 @@ fn send(child: &Child, signal: i32) {
 fn sigusr2_to_a_single_process_run_is_a_line_and_it_trains_on() {
     let dir = scratch("signals-usr2-train");
     let run = dir.join("run");
-    let mut child = engine_cmd(&train_args(s(&run), "400"))
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut child =
+        engine_cmd(&train_args(s(&run), "400")).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
     let rest = wait_for_line(&mut child, "step");
     send(&child, libc::SIGUSR2);
     let out = child.wait_with_output().unwrap();

@@ -193,13 +193,32 @@ impl<B: Backend> Backend for Traced<B> {
     fn rmsnorm_forward(&mut self, out: View, rstd: View, x: View, w: View, offset: f32, d: usize, eps: f32) {
         self.time("rmsnorm_forward", |b| b.rmsnorm_forward(out, rstd, x, w, offset, d, eps))
     }
-    fn rmsnorm_backward(&mut self, dx: View, dw: View, dout: View, x: View, w: View, offset: f32, rstd: View, d: usize) {
+    fn rmsnorm_backward(
+        &mut self,
+        dx: View,
+        dw: View,
+        dout: View,
+        x: View,
+        w: View,
+        offset: f32,
+        rstd: View,
+        d: usize,
+    ) {
         self.time("rmsnorm_backward", |b| b.rmsnorm_backward(dx, dw, dout, x, w, offset, rstd, d))
     }
     fn qk_norm_forward(&mut self, out: View, rstd: View, qkv: View, w: View, offset: f32, shape: AttnShape, eps: f32) {
         self.time("qk_norm_forward", |b| b.qk_norm_forward(out, rstd, qkv, w, offset, shape, eps))
     }
-    fn qk_norm_backward(&mut self, dqkv: View, dw: View, qkv: View, w: View, offset: f32, rstd: View, shape: AttnShape) {
+    fn qk_norm_backward(
+        &mut self,
+        dqkv: View,
+        dw: View,
+        qkv: View,
+        w: View,
+        offset: f32,
+        rstd: View,
+        shape: AttnShape,
+    ) {
         self.time("qk_norm_backward", |b| b.qk_norm_backward(dqkv, dw, qkv, w, offset, rstd, shape))
     }
     fn rope(&mut self, qkv: View, rope: View, shape: AttnShape, inverse: bool) {

@@ -473,7 +473,9 @@ impl ModelConfig {
             bail!("model.rope_linear_factor is set with model.rope_scaling or model.yarn; RoPE is scaled one way");
         }
         if gemma && self.rope_local_theta == 0.0 {
-            bail!("model.family = \"gemma3\" needs model.rope_local_theta (its local layers' RoPE base, 10000 in every release)");
+            bail!(
+                "model.family = \"gemma3\" needs model.rope_local_theta (its local layers' RoPE base, 10000 in every release)"
+            );
         }
         Ok(())
     }

@@ -435,7 +435,8 @@ impl ShardWriter {
     pub fn create(path: &Path, vocab_size: usize, eos: u32) -> Result<ShardWriter> {
         path.file_name().context("shard path has no file name")?;
         // A random name created new, never through a link planted at a predictable one.
-        let (tmp, file) = fsutil::create_temp(path).with_context(|| format!("cannot create a shard beside {}", path.display()))?;
+        let (tmp, file) =
+            fsutil::create_temp(path).with_context(|| format!("cannot create a shard beside {}", path.display()))?;
         let header = Header {
             token_bytes: token_bytes_for(vocab_size),
             tokens: 0,

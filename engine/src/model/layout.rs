@@ -346,7 +346,8 @@ impl Layout {
                     MlpOffsets::Dense { gate_up, down }
                 }
             };
-            let post = post.map(|attn| PostNorms { attn, mlp: b.norm(m, &format!("{p}.post_feedforward_layernorm.weight")) });
+            let post =
+                post.map(|attn| PostNorms { attn, mlp: b.norm(m, &format!("{p}.post_feedforward_layernorm.weight")) });
             layers.push(LayerOffsets { ln1, attn, ln2, post, mlp, bias: None, range: start..b.len });
         }
         let (mut norm, mut head) = (0, 0);

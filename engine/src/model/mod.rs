@@ -32,7 +32,9 @@ use crate::config::{ModelConfig, Remat};
 pub use exchange::{Alone, Exchange, Pass, Unit, Window};
 use fp8::Linear;
 pub use fp8::{Fp8Buffers, Fp8Policy};
-pub use layout::{AttnOffsets, ExpertNames, GqaOffsets, LayerBiases, LayerOffsets, Layout, MlpOffsets, PostNorms, Tensor};
+pub use layout::{
+    AttnOffsets, ExpertNames, GqaOffsets, LayerBiases, LayerOffsets, Layout, MlpOffsets, PostNorms, Tensor,
+};
 use plan::MlpActs;
 pub use plan::{ActivationSizes, GRAD_NORM_SQ, LOSS_ACCUM, LOSS_SUM, Plan};
 

@@ -1679,13 +1679,8 @@ mod tests {
             assert_follows("documents, seq=2", &c, 2);
             let local = Some(crate::train::Fault::LocalDocuments);
             assert!(!same(&one_device(&c, 2).0, &losses(&c, 2, local)), "local document bounds went unnoticed");
-            let st = gemma3_config(&[
-                "mesh.ici_data=1",
-                "mesh.ici_seq=2",
-                "mesh.ici_tensor=2",
-                "train.batch_size=1",
-                &data,
-            ]);
+            let st =
+                gemma3_config(&["mesh.ici_data=1", "mesh.ici_seq=2", "mesh.ici_tensor=2", "train.batch_size=1", &data]);
             assert_follows("documents, seq=2 x TP=2", &st, 4);
             std::fs::remove_dir_all(&dir).ok();
         }

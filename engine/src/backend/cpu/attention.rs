@@ -337,7 +337,15 @@ mod tests {
         let (first, second) = (5, 7);
         let val = |k: usize| ((k * 7919 % 1000) as f32 / 500.0) - 1.0;
         for window in [0, 3] {
-            let packed = AttnShape { batch: 1, seq: first + second, n_heads: 2, n_kv_heads: 1, head_dim: 4, window, scale: None };
+            let packed = AttnShape {
+                batch: 1,
+                seq: first + second,
+                n_heads: 2,
+                n_kv_heads: 1,
+                head_dim: 4,
+                window,
+                scale: None,
+            };
             let (w, qw, h) = (packed.qkv_width(), packed.q_width(), packed.n_heads);
             let qkv: Vec<f32> = (0..packed.rows() * w).map(val).collect();
             let dout: Vec<f32> = (0..packed.rows() * qw).map(|k| val(k + 17)).collect();

@@ -175,7 +175,8 @@ fn qk_norm() {
     let (rows, width, dh) = (3, shape.qkv_width(), shape.head_dim);
     for offset in [0.0, 1.0] {
         let forward = |cpu: &mut Cpu, x: &[View]| {
-            let (out, rstd) = (cpu.alloc(BufKind::Activations, rows * width), cpu.alloc(BufKind::Activations, rows * 3));
+            let (out, rstd) =
+                (cpu.alloc(BufKind::Activations, rows * width), cpu.alloc(BufKind::Activations, rows * 3));
             cpu.qk_norm_forward(out, rstd, x[0], x[1], offset, shape, 1e-6);
             (out, rstd)
         };
@@ -353,7 +354,15 @@ fn cross_entropy() {
 }
 
 fn attention_shapes() -> Vec<AttnShape> {
-    let s = |batch, n_heads, n_kv_heads, window| AttnShape { batch, seq: 6, n_heads, n_kv_heads, head_dim: 4, window, scale: None };
+    let s = |batch, n_heads, n_kv_heads, window| AttnShape {
+        batch,
+        seq: 6,
+        n_heads,
+        n_kv_heads,
+        head_dim: 4,
+        window,
+        scale: None,
+    };
     vec![s(2, 2, 2, 0), s(1, 4, 2, 0), s(1, 3, 1, 0), s(2, 2, 1, 3), s(1, 2, 2, 1)]
 }
 

@@ -296,7 +296,17 @@ impl Backend for Cpu {
         norm::forward(out, rstd, x, w, offset, d, eps);
     }
 
-    fn rmsnorm_backward(&mut self, dx: View, dw: View, dout: View, x: View, w: View, offset: f32, rstd: View, d: usize) {
+    fn rmsnorm_backward(
+        &mut self,
+        dx: View,
+        dw: View,
+        dout: View,
+        x: View,
+        w: View,
+        offset: f32,
+        rstd: View,
+        d: usize,
+    ) {
         let partials = scratch(&mut self.scratch, (x.len / d).div_ceil(ROW_CHUNK) * d);
         let ([dx, dw], [dout, x, w, rstd]) = self.mem.io_many([dx, dw], [dout, x, w, rstd]);
         norm::backward(dx, dw, dout, x, (w, offset), rstd, d, partials);
@@ -329,7 +339,16 @@ impl Backend for Cpu {
         qknorm::forward(out, rstd, qkv, (w, offset), shape, eps);
     }
 
-    fn qk_norm_backward(&mut self, dqkv: View, dw: View, qkv: View, w: View, offset: f32, rstd: View, shape: AttnShape) {
+    fn qk_norm_backward(
+        &mut self,
+        dqkv: View,
+        dw: View,
+        qkv: View,
+        w: View,
+        offset: f32,
+        rstd: View,
+        shape: AttnShape,
+    ) {
         let rows = qkv.len / shape.qkv_width();
         let partials = scratch(&mut self.scratch, rows.div_ceil(ROW_CHUNK) * 2 * shape.head_dim);
         let ([dqkv, dw], [qkv, w, rstd]) = self.mem.io_many([dqkv, dw], [qkv, w, rstd]);

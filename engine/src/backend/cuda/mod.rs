@@ -712,7 +712,17 @@ impl Backend for Cuda {
         ops::rmsnorm::forward(self, out, rstd, x, w, offset, d, eps)
     }
 
-    fn rmsnorm_backward(&mut self, dx: View, dw: View, dout: View, x: View, w: View, offset: f32, rstd: View, d: usize) {
+    fn rmsnorm_backward(
+        &mut self,
+        dx: View,
+        dw: View,
+        dout: View,
+        x: View,
+        w: View,
+        offset: f32,
+        rstd: View,
+        d: usize,
+    ) {
         ops::rmsnorm::backward(self, dx, dw, dout, x, w, offset, rstd, d)
     }
 

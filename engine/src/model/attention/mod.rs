@@ -40,7 +40,8 @@ impl Model {
             format!("{} of {} layers (model.layer_types)", sliding.len(), m.n_layers)
         };
         let bases = if m.rope_local_theta > 0.0 {
-            let scaled = if m.rope_linear_factor != 1.0 { format!(" / {}", m.rope_linear_factor) } else { String::new() };
+            let scaled =
+                if m.rope_linear_factor != 1.0 { format!(" / {}", m.rope_linear_factor) } else { String::new() };
             format!(" (RoPE base {} on them, {}{scaled} on the full ones)", m.rope_local_theta, m.rope_theta)
         } else {
             String::new()

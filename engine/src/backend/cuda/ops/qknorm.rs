@@ -81,7 +81,16 @@ pub(crate) fn forward(gpu: &mut Cuda, out: View, rstd: View, qkv: View, w: View,
 /// `dqkv`'s q and k parts into the input's gradient in place, a warp per head vector, and leave
 /// per-block weight gradients in scratch, which a second kernel sums in order into `dw`.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn backward(gpu: &mut Cuda, dqkv: View, dw: View, qkv: View, w: View, offset: f32, rstd: View, s: AttnShape) {
+pub(crate) fn backward(
+    gpu: &mut Cuda,
+    dqkv: View,
+    dw: View,
+    qkv: View,
+    w: View,
+    offset: f32,
+    rstd: View,
+    s: AttnShape,
+) {
     for (v, name) in [(dqkv, "dqkv"), (qkv, "qkv"), (w, "w")] {
         gpu.expect(v, DType::Bf16, "qk_norm_backward", name);
     }

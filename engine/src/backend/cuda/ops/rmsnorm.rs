@@ -43,7 +43,17 @@ pub(crate) fn forward(gpu: &mut Cuda, out: View, rstd: View, x: View, w: View, o
 /// `Backend::rmsnorm_backward`: fixed blocks of rows add into `dx` and leave per-block weight
 /// gradients in scratch, which a second kernel sums in order into `dw`.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn backward(gpu: &mut Cuda, dx: View, dw: View, dout: View, x: View, w: View, offset: f32, rstd: View, d: usize) {
+pub(crate) fn backward(
+    gpu: &mut Cuda,
+    dx: View,
+    dw: View,
+    dout: View,
+    x: View,
+    w: View,
+    offset: f32,
+    rstd: View,
+    d: usize,
+) {
     for (v, name) in [(dx, "dx"), (dout, "dout"), (x, "x"), (w, "w")] {
         gpu.expect(v, DType::Bf16, "rmsnorm_backward", name);
     }
