@@ -117,7 +117,7 @@ fn main() -> ExitCode {
             // than of its input (a rank that never arrived) is worth a restart: 75, not 2.
             cli::report_error(&format!("error: {e:#}"));
             match e.downcast_ref::<engine::parallel::Transient>() {
-                Some(_) => ExitCode::from(engine::parallel::tcp::COLLECTIVE_FAILED as u8),
+                Some(_) => ExitCode::from(engine::parallel::COLLECTIVE_FAILED as u8),
                 None => ExitCode::from(2),
             }
         }

@@ -174,7 +174,7 @@ impl Lock {
     /// Parses lock text, checking every id and digest.
     pub fn parse(text: &str) -> Result<Lock> {
         let raw: RawLock = toml::from_str(text).map_err(|e| {
-            let loc = super::manifest::Loc::at(text, e.span().map(|s| s.start).unwrap_or(0));
+            let loc = super::loc::Loc::at(text, e.span().map(|s| s.start).unwrap_or(0));
             anyhow::anyhow!("line {}, column {}: {}", loc.line, loc.column, e.message().trim())
         })?;
         if raw.version != LOCK_VERSION {

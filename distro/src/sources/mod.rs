@@ -29,6 +29,7 @@ pub mod bump;
 pub mod cache;
 pub mod cargo_pins;
 pub mod edit;
+pub mod loc;
 pub mod lock;
 pub mod manifest;
 pub mod out;

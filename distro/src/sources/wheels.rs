@@ -6,7 +6,7 @@
 //! naming what it serves instead), streams it into the cache as `wheels/SHA256.whl` while
 //! hashing, and keeps it only when the hash is the pinned one; a cached file is hashed again on
 //! every use, so nothing unverified reaches an image.
-use super::manifest::Loc;
+use super::loc::Loc;
 use crate::error::bad_input;
 use crate::oci::platform::Platform;
 use crate::progress::Progress;

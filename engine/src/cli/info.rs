@@ -8,7 +8,7 @@ use engine::backend::cuda::{cudnn, discovery, flags, nvrtc};
 const LOCK_IN_IMAGE: &str = "/opt/distro/manifest.lock";
 
 pub fn run() -> Result<()> {
-    println!("engine {}", engine::parallel::job::engine_version());
+    println!("engine {}", engine::parallel::engine_version());
     println!("target        {}-{}", std::env::consts::ARCH, std::env::consts::OS);
     println!("\ndevices");
     println!("  cpu         {} ({} threads)", cpu::model_name(), rayon::current_num_threads());

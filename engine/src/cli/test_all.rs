@@ -165,7 +165,7 @@ pub fn run(args: TestAllArgs, device: DeviceArg) -> Result<()> {
         println!("FAILED {}: {}", o.name, o.detail);
     }
     if let Some(dir) = &args.report {
-        report::write(dir, &summary)?;
+        engine::testall::write_report(dir, &summary)?;
         println!(
             "report: {}, {} and {}",
             dir.join(report::HTML).display(),

@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 
+use super::engine_version;
 use super::nccl::{self, Nccl};
 use super::rendezvous::{self, Job};
 use super::tcp::Tcp;
@@ -17,11 +18,6 @@ use crate::config::flat::flatten;
 /// keys are compared); `train.memory_check` is each rank's check of its own device's memory.
 /// docs/launch.md lists them.
 pub const PER_RANK_KEYS: [&str; 3] = ["description", "extends", "train.memory_check"];
-
-/// This engine's version and the revision it was built from, as `engine info` prints them.
-pub fn engine_version() -> String {
-    format!("{} ({})", env!("CARGO_PKG_VERSION"), option_env!("ENGINE_REVISION").unwrap_or("revision unknown"))
-}
 
 /// What every rank of a job must have alike, as `key = value` lines that the rendezvous compares
 /// ([`rendezvous::meet`]): the engine's version (`engine`) and, for a training job, its resolved

@@ -32,8 +32,8 @@ use anyhow::{Result, anyhow, bail};
 use cudarc::driver::{result as cu, sys as driver};
 use cudarc::nccl::{result, sys};
 
+use super::COLLECTIVE_FAILED;
 use super::comm::{Collectives, check_all_to_all, check_received, count_to_f32, f32_to_count, starts};
-use super::tcp::COLLECTIVE_FAILED;
 use crate::backend::cuda::Cuda;
 use crate::backend::traced::Traced;
 use crate::backend::{Backend, BufKind, View};

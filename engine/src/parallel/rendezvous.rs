@@ -11,7 +11,7 @@
 //! Then rank 0 listens on the coordinator's address (only there), every other rank connects and
 //! says who it is, its job's token, what it brings (the address of its TCP collectives'
 //! listener) and its terms: the engine's version and its resolved configuration as `key = value`
-//! lines ([`super::job::terms`]). Once all have arrived rank 0 compares every rank's terms with its
+//! lines (`job.rs`'s `terms`). Once all have arrived rank 0 compares every rank's terms with its
 //! own and, when they agree, hands each the same payload (NCCL's unique id) and what every rank
 //! brought. Ranks that disagree would train one job with two recipes (silently, or until a
 //! collective's sizes differ), so the job is refused on every rank, naming the keys and both
@@ -447,7 +447,7 @@ fn coordinate(
                 Err(Unfit::Protocol(theirs)) => {
                     let reason = format!(
                         "{from} speaks rendezvous protocol {theirs}, rank 0 protocol {VERSION}: every rank must run the same engine build ({})",
-                        super::job::engine_version()
+                        super::engine_version()
                     );
                     refuse(&mut stream, BAD_INPUT, &reason);
                     return Err(fail(&mut peers, BAD_INPUT, format!("rendezvous: {reason}")));
@@ -507,7 +507,7 @@ fn coordinate(
 
 /// The exit codes rank 0 tells the others to end with: bad input, or a transient fault.
 const BAD_INPUT: i32 = 2;
-const TRANSIENT: i32 = super::tcp::COLLECTIVE_FAILED;
+const TRANSIENT: i32 = super::COLLECTIVE_FAILED;
 
 fn join(job: &Job, timeout: Duration, terms: &str, bring: impl FnOnce(IpAddr) -> Result<String>) -> Result<Meeting> {
     let deadline = Instant::now() + timeout;

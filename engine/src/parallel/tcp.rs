@@ -50,17 +50,13 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 
-use super::Transient;
 use super::comm::{Collectives, check_all_to_all, check_received, count_to_f32, f32_to_count, starts};
 use super::rendezvous::{self, Job};
+use super::{COLLECTIVE_FAILED, Transient};
 use crate::backend::{Backend, View};
 
 /// The test hook's variable (see the [module documentation](self)).
 pub const PANIC_HOOK: &str = "ENGINE_TEST_PANIC_READER";
-
-/// The exit code of a rank whose collective failed (a peer left, or did not answer in time):
-/// 75, `EX_TEMPFAIL`: the job can be restarted and resume from its last checkpoint.
-pub const COLLECTIVE_FAILED: i32 = 75;
 
 /// Which stream of messages between two ranks a message belongs to.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]

@@ -13,6 +13,13 @@ mod checks;
 pub mod html;
 pub mod report;
 
+/// Writes the report of `--report DIR`: `junit.xml`, `summary.json` and `report.html`, the page
+/// drawn by `html.rs` from the same summary (`report.rs` writes, `html.rs` draws: neither
+/// imports the other's caller).
+pub fn write_report(dir: &std::path::Path, s: &report::Summary) -> anyhow::Result<()> {
+    report::write(dir, s, &html::page(s)?)
+}
+
 use std::collections::BTreeMap;
 use std::time::Instant;
 

@@ -1,7 +1,8 @@
 //! What `test-all` reports: the table on stdout, and with `--report DIR` a JUnit XML file
 //! (`junit.xml`, the schema CI systems read: one `testsuite`, one `testcase` per check with a
 //! `failure` or `skipped` element), a JSON summary (`summary.json`) and a page to look at
-//! (`report.html`, [`super::html`]), each written atomically; the first two name the page.
+//! (`report.html`, drawn by `html.rs`), each written atomically by [`super::write_report`]; the
+//! first two name the page.
 
 use std::fmt::Write as _;
 use std::path::Path;
@@ -178,10 +179,10 @@ pub fn escape(s: &str) -> String {
     out
 }
 
-/// Writes `junit.xml`, `summary.json` and `report.html` into `dir` (created), each atomically.
-pub fn write(dir: &Path, s: &Summary) -> Result<()> {
+/// Writes `junit.xml`, `summary.json` and the page `report.html` (`page`, drawn from the same
+/// summary) into `dir` (created), each atomically.
+pub fn write(dir: &Path, s: &Summary, page: &str) -> Result<()> {
     std::fs::create_dir_all(dir).with_context(|| format!("cannot create --report {}", dir.display()))?;
-    let page = super::html::page(s)?;
     write_atomic(&dir.join("junit.xml"), junit(s).as_bytes())?;
     write_atomic(&dir.join("summary.json"), format!("{}\n", serde_json::to_string_pretty(s)?).as_bytes())?;
     write_atomic(&dir.join(HTML), page.as_bytes())?;
