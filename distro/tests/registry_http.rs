@@ -8,78 +8,12 @@ use distro::registry::client::Client;
 use distro::registry::reference::Reference;
 use distro::retry::Policy;
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::TcpListener;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-#[derive(Clone, Debug)]
-struct Req {
-    method: String,
-    path: String,
-    headers: BTreeMap<String, String>,
-    body: Vec<u8>,
-}
+mod http;
 
-struct Resp {
-    status: u16,
-    headers: Vec<(String, String)>,
-    body: Vec<u8>,
-}
-
-fn resp(status: u16, headers: &[(&str, &str)], body: &[u8]) -> Resp {
-    Resp { status, headers: headers.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(), body: body.to_vec() }
-}
-
-type Log = Arc<Mutex<Vec<Req>>>;
-
-/// A one-request-per-connection HTTP/1.1 server; returns its port and the requests it saw.
-fn serve(handler: impl Fn(&Req) -> Resp + Send + Sync + 'static) -> (u16, Log) {
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let port = listener.local_addr().unwrap().port();
-    let log: Log = Arc::default();
-    let seen = log.clone();
-    std::thread::spawn(move || {
-        for stream in listener.incoming() {
-            let Ok(mut stream) = stream else { continue };
-            let mut reader = BufReader::new(stream.try_clone().unwrap());
-            let mut line = String::new();
-            if reader.read_line(&mut line).unwrap_or(0) == 0 {
-                continue;
-            }
-            let mut parts = line.split_whitespace();
-            let method = parts.next().unwrap_or("").to_string();
-            let path = parts.next().unwrap_or("").to_string();
-            let mut headers = BTreeMap::new();
-            loop {
-                let mut h = String::new();
-                reader.read_line(&mut h).unwrap();
-                let h = h.trim_end();
-                if h.is_empty() {
-                    break;
-                }
-                if let Some((k, v)) = h.split_once(':') {
-                    headers.insert(k.trim().to_ascii_lowercase(), v.trim().to_string());
-                }
-            }
-            let len: usize = headers.get("content-length").and_then(|l| l.parse().ok()).unwrap_or(0);
-            let mut body = vec![0; len];
-            reader.read_exact(&mut body).unwrap();
-            let req = Req { method, path, headers, body };
-            seen.lock().unwrap().push(req.clone());
-            let r = handler(&req);
-            let mut out =
-                format!("HTTP/1.1 {} X\r\nContent-Length: {}\r\nConnection: close\r\n", r.status, r.body.len());
-            for (k, v) in &r.headers {
-                out += &format!("{k}: {v}\r\n");
-            }
-            out += "\r\n";
-            let _ = stream.write_all(out.as_bytes());
-            let _ = stream.write_all(&r.body);
-        }
-    });
-    (port, log)
-}
+use http::{Log, resp, serve};
 
 fn client(host: &str, cred: Option<Credential>) -> Client {
     let mut c = Client::new(Credentials::new(cred.map(|c| (host.to_string(), c)), None), vec![]).unwrap();

@@ -8,55 +8,23 @@ use distro::registry::reference::Reference;
 use distro::report::{collect, write_site};
 use serde_json::{Value, json};
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::TcpListener;
 
 const OCI_INDEX: &str = "application/vnd.oci.image.index.v1+json";
 const OCI_MANIFEST: &str = "application/vnd.oci.image.manifest.v1+json";
 const SUMMARY: &str = "application/vnd.llm-distro.test-summary.v1+json";
 
-/// Serves `routes` (path -> content type, body) for GET, 404 for anything else.
+mod http;
+
+/// Serves `routes` (path -> content type, body), 404 for anything else.
 fn serve(routes: BTreeMap<String, (String, Vec<u8>)>) -> u16 {
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let port = listener.local_addr().unwrap().port();
-    std::thread::spawn(move || {
-        for stream in listener.incoming() {
-            let Ok(mut stream) = stream else { continue };
-            let mut reader = BufReader::new(stream.try_clone().unwrap());
-            let mut line = String::new();
-            if reader.read_line(&mut line).unwrap_or(0) == 0 {
-                continue;
-            }
-            let path = line.split_whitespace().nth(1).unwrap_or("").to_string();
-            let mut len = 0usize;
-            loop {
-                let mut h = String::new();
-                reader.read_line(&mut h).unwrap();
-                if h.trim_end().is_empty() {
-                    break;
-                }
-                if let Some((k, v)) = h.split_once(':')
-                    && k.eq_ignore_ascii_case("content-length")
-                {
-                    len = v.trim().parse().unwrap_or(0);
-                }
-            }
-            let mut body = vec![0; len];
-            reader.read_exact(&mut body).unwrap();
-            let path = path.split('?').next().unwrap_or("").to_string();
-            let (status, ctype, body) = match routes.get(&path) {
-                Some((t, b)) => (200, t.clone(), b.clone()),
-                None => (404, "text/plain".into(), b"not found".to_vec()),
-            };
-            let head = format!(
-                "HTTP/1.1 {status} X\r\nContent-Length: {}\r\nContent-Type: {ctype}\r\nConnection: close\r\n\r\n",
-                body.len()
-            );
-            let _ = stream.write_all(head.as_bytes());
-            let _ = stream.write_all(&body);
+    http::serve(move |r| {
+        let path = r.path.split('?').next().unwrap_or("");
+        match routes.get(path) {
+            Some((t, b)) => http::resp(200, &[("Content-Type", t)], b),
+            None => http::resp(404, &[("Content-Type", "text/plain")], b"not found"),
         }
-    });
-    port
+    })
+    .0
 }
 
 fn desc(media_type: &str, bytes: &[u8]) -> Value {

@@ -930,18 +930,7 @@ mod tests {
     fn parts_of_another_mesh_of_the_same_size_are_skipped() {
         let mixtral = |dir: &Path, extra: &[&str]| {
             let dir = format!("train.local_checkpoint_dir={}", dir.display());
-            let base = [
-                "model.vocab_size=512",
-                "train.seq_len=32",
-                "model.d_model=64",
-                "model.mlp_dim=128",
-                "model.n_heads=4",
-                "model.n_kv_heads=4",
-                "model.head_dim=16",
-                "train.profile_step=0",
-                "train.local_checkpoint_every=1",
-                &dir,
-            ];
+            let base = [&crate::train::session::tests::SMALL[..], &["train.local_checkpoint_every=1", &dir]].concat();
             let sets = crate::config::recipe::Override::from_list(&[&base[..], extra].concat().join(" "), "test");
             crate::config::recipe::resolve("tiny-mixtral", &sets).unwrap().config
         };

@@ -524,19 +524,21 @@ pub(crate) mod tests {
     use crate::train::devices;
     use crate::train::signals::StopRequest;
 
-    /// tiny-llama2 made small enough for a step to take milliseconds.
+    /// A tiny recipe made small enough for a step to take milliseconds, unprofiled.
+    pub(crate) const SMALL: [&str; 8] = [
+        "model.vocab_size=512",
+        "train.seq_len=32",
+        "model.d_model=64",
+        "model.mlp_dim=128",
+        "model.n_heads=4",
+        "model.n_kv_heads=4",
+        "model.head_dim=16",
+        "train.profile_step=0",
+    ];
+
+    /// tiny-llama2 made small ([`SMALL`]), 6 steps.
     pub(crate) fn config(extra: &[&str]) -> Config {
-        let base = [
-            "model.vocab_size=512",
-            "train.seq_len=32",
-            "model.d_model=64",
-            "model.mlp_dim=128",
-            "model.n_heads=4",
-            "model.n_kv_heads=4",
-            "model.head_dim=16",
-            "train.steps=6",
-            "train.profile_step=0",
-        ];
+        let base = [&SMALL[..], &["train.steps=6"]].concat();
         resolve("tiny-llama2", &Override::from_list(&[&base[..], extra].concat().join(" "), "test")).unwrap().config
     }
 
