@@ -27,12 +27,14 @@
 # Installs slurm-wlm and munge when missing, adds `n1 n2` to /etc/hosts (once), starts munged when
 # none answers, and stops every daemon it started on exit. Rerunning it stops what an earlier run
 # left behind. Environment: ENGINE_E2E_SLURM_WORK (work dir, default target/e2e-slurm),
-# ENGINE_E2E_SLURM_PORT (slurmctld's port, default 17000; the slurmds take the next two).
+# ENGINE_E2E_SLURM_PORT (slurmctld's port; the slurmds take the next two). Without it the test
+# takes the first three free consecutive TCP ports from 17000 (to 17999); with it, a port of the
+# three that another process holds fails the test at once, naming the port and its holder.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 WORK=${ENGINE_E2E_SLURM_WORK:-$ROOT/target/e2e-slurm}
-PORT=${ENGINE_E2E_SLURM_PORT:-17000}
+PORT=${ENGINE_E2E_SLURM_PORT:-}
 ENGINE=$ROOT/target/release/engine
 TEMPLATE=$ROOT/recipes/launch/slurm.sbatch
 export SLURM_CONF=$WORK/slurm.conf
@@ -43,6 +45,81 @@ log() { printf '== [%ss] %s\n' "$(($(date +%s) - T0))" "$*" >&2; }
 die() { printf 'FAIL: %s\n' "$*" >&2; exit 1; }
 [ "$(id -u)" = 0 ] || die "tests/e2e/slurm.sh needs root: it installs Debian packages, edits /etc/hosts and starts munged and Slurm"
 mkdir -p "$WORK"
+
+# --- ports -------------------------------------------------------------------------------------
+# The daemons bind their ports on every address with SO_REUSEADDR; so does the probe, which tries
+# each port (an earlier test's TIME-WAIT connections do not count, a listener on any address does).
+PROBE='
+import socket, sys
+def free(p):
+    s = socket.socket()
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("0.0.0.0", p))
+        s.listen(1)
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
+lo, hi, n = map(int, sys.argv[1:4])
+for p in range(lo, hi + 1):
+    if all(free(q) for q in range(p, p + n)):
+        print(p)
+        sys.exit(0)
+sys.exit(3)
+'
+
+# probe FROM TO N: prints the first port P from FROM to TO with P .. P+N-1 free; fails when none
+# is. Without python3, the ports that ss sees listening are the taken ones.
+probe() {
+    local rc=0
+    if command -v python3 >/dev/null 2>&1; then
+        python3 -c "$PROBE" "$@" 2>/dev/null || rc=$?
+        if ((rc == 0 || rc == 3)); then return "$rc"; fi
+    fi
+    ss -Hltn | awk -v lo="$1" -v hi="$2" -v n="$3" '{ sub(/.*:/, "", $4); taken[$4] = 1 }
+        END { for (p = lo; p <= hi; p++) { for (i = 0; i < n && !((p + i) in taken); i++); if (i == n) { print p; exit 0 } }
+              exit 3 }'
+}
+
+# port_taken P: another process holds port P; sets HOLDER to who (from ss -ltnp: pid, command
+# line, address). A daemon of this work dir's configuration (an earlier run's, stopped before
+# the cluster starts) does not count.
+port_taken() {
+    local p=$1 line pid cmd who=
+    probe "$p" "$p" 1 >/dev/null && return 1
+    line=$(ss -Hltnp "sport = :$p" | head -1)
+    [ -n "$line" ] || line=$(ss -Htanp "sport = :$p" | grep -v '^TIME-WAIT' | head -1 || true)
+    for pid in $(grep -o 'pid=[0-9]*' <<<"$line" | cut -d= -f2 | sort -un); do
+        cmd=$(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null) || true
+        [[ $cmd == *"$SLURM_CONF"* ]] && return 1
+        cmd=${cmd% }
+        ((${#cmd} <= 120)) || cmd="${cmd:0:117}..."
+        who+="${who:+, }pid $pid ($cmd)"
+    done
+    if [ -n "$line" ]; then
+        HOLDER="${who:-a process ss does not name}, $(awk '{print $1 " on " $4}' <<<"$line")"
+    else
+        HOLDER="a socket ss does not show (binding the port fails)"
+    fi
+}
+
+# ROLE[i]: what port PORT+i is for.
+ROLE=("slurmctld's port" "slurmd n1's port" "slurmd n2's port")
+# check_ports: ENGINE_E2E_SLURM_PORT's three ports are free, or the test fails in one line.
+check_ports() {
+    local i
+    for i in 0 1 2; do
+        port_taken $((PORT + i)) || continue
+        die "ENGINE_E2E_SLURM_PORT=$PORT: port $((PORT + i)) (${ROLE[$i]}) is taken by $HOLDER; free it, or unset ENGINE_E2E_SLURM_PORT to take free ports"
+    done
+}
+if [ -n "$PORT" ]; then
+    [[ $PORT =~ ^[0-9]+$ ]] && ((PORT >= 1 && PORT <= 65533)) \
+        || die "ENGINE_E2E_SLURM_PORT=$PORT is not a port from 1 to 65533 (the slurmds take the next two)"
+    check_ports # at once, before the packages and the build
+fi
 
 # The daemons this run started: stopped on exit, whatever happens.
 STARTED_MUNGED=
@@ -174,12 +251,94 @@ for n in "${NODES[@]}"; do
     fi
 done
 
-log "a two-node Slurm cluster: slurmctld on port $PORT, slurmd n1 and n2 on $((PORT + 1)) and $((PORT + 2))"
+# log_tail FILE: the end of a daemon's log, for a failure message.
+log_tail() {
+    if [ -s "$1" ]; then
+        printf -- '--- the end of %s:\n' "$1"
+        tail -n 15 "$1"
+    else
+        printf -- '--- %s: empty or missing\n' "$1"
+    fi
+}
+
+# daemon_up NAME PORT LOG PIDFILE CMD...: starts a daemon (CMD, which daemonizes) and waits, 20 s
+# at most, until it listens on PORT. Otherwise sets FAILED (why, with the end of its log) and
+# FAILED_PORT, and fails.
+daemon_up() {
+    local name=$1 port=$2 logf=$3 pidfile=$4 pid= rc=0 why i cmdline
+    shift 4
+    cmdline=$(sed 's/[][\.*^$+?(){}|]/\\&/g' <<<"$*") # for pgrep, which takes a regex
+    "$@" {LOCK}>&- || rc=$?
+    if ((rc == 0)); then
+        why="not listening on port $port after 20 s"
+        for i in $(seq 1 100); do
+            pid=$(cat "$pidfile" 2>/dev/null || true)
+            # Gone: its pid file names no running process, or after a second there is no pid file
+            # and no process with its command line (it failed before writing one).
+            if { [ -n "$pid" ] && ! running "$pid"; } ||
+                { [ -z "$pid" ] && ((i > 5)) && ! pgrep -x -f -- "$cmdline" >/dev/null; }; then
+                why="it exited"
+                break
+            fi
+            [ -n "$pid" ] && ss -Hltnp "sport = :$port" | grep -q "pid=$pid," && return 0
+            sleep 0.2
+        done
+    else
+        why="\`$*\` exited $rc"
+    fi
+    FAILED_PORT=$port
+    if port_taken "$port"; then why+="; port $port is taken by $HOLDER"; fi
+    FAILED="$name did not come up on port $port ($why)
+$(log_tail "$logf")"
+    return 1
+}
+
+# start_cluster: slurmctld, then the slurmds, each listening on its port.
+start_cluster() {
+    daemon_up slurmctld "$PORT" "$WORK/slurmctld.log" "$WORK/slurmctld.pid" slurmctld -f "$SLURM_CONF" || return 1
+    local i=1 n
+    for n in "${NODES[@]}"; do
+        mkdir -p "$WORK/slurmd-$n"
+        daemon_up "slurmd -N $n" $((PORT + i)) "$WORK/slurmd-$n.log" "$WORK/slurmd-$n.pid" \
+            slurmd -f "$SLURM_CONF" -N "$n" || return 1
+        i=$((i + 1))
+    done
+}
+
+# cluster_logs: which daemons are not running, and the end of each one's log.
+cluster_logs() {
+    local d pid
+    for d in slurmctld slurmd-n1 slurmd-n2; do
+        pid=$(cat "$WORK/$d.pid" 2>/dev/null || true)
+        if [ -z "$pid" ] || ! running "$pid"; then echo "--- $d is not running"; fi
+        log_tail "$WORK/$d.log"
+    done
+}
+
+# The ports. A lock makes concurrent runs of this test (with other work dirs) pick and bind their
+# ports one after the other; the daemons do not inherit it. A port that another process takes
+# between the probe and the daemon's bind (when the test picked the ports) makes the test pick
+# again, twice at most.
+exec {LOCK}>/tmp/engine-e2e-slurm-ports.lock
+if command -v flock >/dev/null 2>&1; then
+    flock -w 300 "$LOCK" || die "another run of tests/e2e/slurm.sh held /tmp/engine-e2e-slurm-ports.lock for 300 s"
+fi
 stop_cluster # what an earlier run left behind
-rm -rf "$WORK/state" "$WORK"/slurmd-n* "$WORK"/runs "$WORK"/*.log
-mkdir -p "$WORK/state" "$WORK/runs"
-: >"$WORK/plugstack.conf" # no SPANK plugins (pyxis may be installed here)
-cat >"$SLURM_CONF" <<EOF
+FROM=17000
+for try in 1 2 3; do
+    if [ -n "${ENGINE_E2E_SLURM_PORT:-}" ]; then
+        check_ports
+        how="ENGINE_E2E_SLURM_PORT"
+    else
+        PORT=$(probe "$FROM" 17999 3) \
+            || die "no three free consecutive TCP ports from $FROM to 17999 (ss -ltnp shows who holds them); set ENGINE_E2E_SLURM_PORT"
+        how="the first three free consecutive ports from $FROM"
+    fi
+    log "a two-node Slurm cluster: slurmctld on port $PORT, slurmd n1 and n2 on $((PORT + 1)) and $((PORT + 2)) ($how)"
+    rm -rf "$WORK/state" "$WORK"/slurmd-n* "$WORK"/runs "$WORK"/*.log
+    mkdir -p "$WORK/state" "$WORK/runs"
+    : >"$WORK/plugstack.conf" # no SPANK plugins (pyxis may be installed here)
+    cat >"$SLURM_CONF" <<EOF
 ClusterName=engine-e2e
 SlurmctldHost=$(hostname -s)(127.0.0.1)
 SlurmctldPort=$PORT
@@ -212,19 +371,28 @@ NodeName=n1 NodeAddr=127.0.0.1 Port=$((PORT + 1)) CPUs=2 State=UNKNOWN
 NodeName=n2 NodeAddr=127.0.0.1 Port=$((PORT + 2)) CPUs=2 State=UNKNOWN
 PartitionName=e2e Nodes=n1,n2 Default=YES MaxTime=INFINITE State=UP
 EOF
-slurmctld -f "$SLURM_CONF" || die "slurmctld did not start (see $WORK/slurmctld.log)"
-for n in "${NODES[@]}"; do
-    mkdir -p "$WORK/slurmd-$n"
-    slurmd -f "$SLURM_CONF" -N "$n" || die "slurmd -N $n did not start (see $WORK/slurmd-$n.log)"
+    start_cluster && break
+    # A port taken since the probe, by a process not of this run: the cluster on other ports.
+    if [ -z "${ENGINE_E2E_SLURM_PORT:-}" ] && ((try < 3)) && port_taken "$FAILED_PORT"; then
+        log "port $FAILED_PORT was taken meanwhile by $HOLDER: the cluster again, on other ports"
+        stop_cluster
+        FROM=$((FAILED_PORT + 1))
+        continue
+    fi
+    die "$FAILED"
 done
+exec {LOCK}>&-
 for _ in $(seq 1 100); do
     [ "$(sinfo -h -N -o '%N %T' 2>/dev/null | grep -c ' idle$')" = 2 ] && break
     sleep 0.2
 done
-[ "$(sinfo -h -N -o '%N %T' | grep -c ' idle$')" = 2 ] || die "the nodes are not idle: $(sinfo -N 2>&1)"
+[ "$(sinfo -h -N -o '%N %T' 2>/dev/null | grep -c ' idle$')" = 2 ] || die "the nodes are not idle after 20 s:
+$(sinfo -N 2>&1)
+$(cluster_logs)"
 # shellcheck disable=SC2016 # expanded by the tasks
-ids=$(srun -N 2 -n 4 bash -c 'echo "$SLURM_NODEID $SLURMD_NODENAME"' | sort -u | tr '\n' ' ')
-[ "$ids" = "0 n1 1 n2 " ] || die "srun -N 2 -n 4: nodes '$ids', expected 0 n1 and 1 n2"
+ids=$(srun -N 2 -n 4 bash -c 'echo "$SLURM_NODEID $SLURMD_NODENAME"' 2>"$WORK/srun-nodes.err" | sort -u | tr '\n' ' ') || true
+[ "$ids" = "0 n1 1 n2 " ] || die "srun -N 2 -n 4: nodes '$ids', expected 0 n1 and 1 n2; srun said: $(cat "$WORK/srun-nodes.err")
+$(cluster_logs)"
 srun -N 2 -n 4 "$ENGINE" dist check >"$WORK/dist-check.txt" 2>&1 || die "engine dist check under srun: $(cat "$WORK/dist-check.txt")"
 [ "$(grep -c ' ok, token ' "$WORK/dist-check.txt")" = 4 ] && [ "$(grep -o 'token [0-9a-f]*' "$WORK/dist-check.txt" | sort -u | wc -l)" = 1 ] \
     || die "engine dist check: $(cat "$WORK/dist-check.txt")"
