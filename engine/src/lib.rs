@@ -17,6 +17,7 @@ pub mod fsutil;
 pub mod hf;
 pub mod host;
 pub mod model;
+pub mod optim;
 pub mod parallel;
 pub mod parity;
 pub mod plot;

@@ -468,11 +468,34 @@ pub struct AdamWStep {
 
 impl AdamWStep {
     /// The factor gradients are multiplied by before the update, given their squared global
-    /// norm: `min(1, max_grad_norm / norm)`.
+    /// norm: [`clip_scale`].
     pub fn clip_scale(&self, norm_squared: f32) -> f32 {
-        let norm = norm_squared.sqrt();
-        if self.max_grad_norm > 0.0 && norm > self.max_grad_norm { self.max_grad_norm / norm } else { 1.0 }
+        clip_scale(norm_squared, self.max_grad_norm)
     }
+}
+
+/// The factor gradients are multiplied by before an optimizer's update, given their squared
+/// global norm: `min(1, max_grad_norm / norm)` (1 when `max_grad_norm` is 0: no clipping).
+pub fn clip_scale(norm_squared: f32, max_grad_norm: f32) -> f32 {
+    let norm = norm_squared.sqrt();
+    if max_grad_norm > 0.0 && norm > max_grad_norm { max_grad_norm / norm } else { 1.0 }
+}
+
+/// One Muon momentum update ([`Backend::muon_momentum`]): hyper-parameters of this step.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct MuonMomentum {
+    /// `μ`: the buffer keeps `μ` of itself.
+    pub momentum: f32,
+    /// Nesterov momentum: the update is `lerp(g, B, μ)` rather than `B`.
+    pub nesterov: bool,
+    /// Clip the global gradient norm to this; 0 disables clipping.
+    pub max_grad_norm: f32,
+}
+
+/// `torch.lerp(a, b, w)` in f32 as PyTorch computes it, which keeps the end exact:
+/// `a + w (b − a)` for `|w| < 0.5`, else `b − (b − a)(1 − w)`.
+pub fn lerp(a: f32, b: f32, w: f32) -> f32 {
+    if w.abs() < 0.5 { a + w * (b - a) } else { b - (b - a) * (1.0 - w) }
 }
 
 /// A range of the flat parameter buffer and whether it decays.
@@ -975,6 +998,17 @@ pub trait Backend {
     /// The balancing step of (a part of) a selection bias: `bias[i] −= rate · sign(excess[i])`
     /// (sign(0) = 0), then `excess[i] = 0`, elementwise over the two equal-length views.
     fn moe_bias_step(&mut self, bias: View, excess: View, rate: f32);
+
+    /// Muon's momentum over the gradients of its matrices and their buffer `buf` (equal
+    /// lengths), elementwise: `g ← clip · g` with [`clip_scale`] of the squared global norm in
+    /// `norm_squared[0]` (read on the device), `buf ← lerp(buf, g, 1 − μ)`, then
+    /// `grads ← lerp(g, buf, μ)` (Nesterov) or `buf`: the matrices to orthogonalise, in place
+    /// of the gradients (`torch.optim.Muon`'s first two lines).
+    fn muon_momentum(&mut self, grads: View, buf: View, norm_squared: View, step: MuonMomentum);
+
+    /// `x ← x / max(√sum_squares[0], eps)`, the norm read on the device: Newton–Schulz's
+    /// normalisation of a matrix by its Frobenius norm (`sum_squares` from [`Backend::sum_squares`]).
+    fn divide_by_norm(&mut self, x: View, sum_squares: View, eps: f32);
 
     /// AdamW over the flat buffers: gradients clipped first by [`AdamWStep::clip_scale`] of the
     /// squared global norm held in `norm_squared[0]` (read on the device: no host round trip),

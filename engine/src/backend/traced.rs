@@ -8,7 +8,7 @@
 use std::time::Instant;
 
 use super::{
-    AdamWStep, AttnNeeds, AttnShape, Backend, BufKind, ExpertWeights, Glu, IdxView, MatMul, MlaShape, MoeDispatch,
+    AdamWStep, AttnNeeds, AttnShape, Backend, BufKind, ExpertWeights, Glu, IdxView, MatMul, MlaShape, MoeDispatch, MuonMomentum,
     Segment, SeqSplit, View, fp8,
 };
 
@@ -456,6 +456,12 @@ impl<B: Backend> Backend for Traced<B> {
     }
     fn moe_bias_step(&mut self, bias: View, excess: View, rate: f32) {
         self.time("moe_bias_step", |b| b.moe_bias_step(bias, excess, rate))
+    }
+    fn muon_momentum(&mut self, grads: View, buf: View, norm_squared: View, step: MuonMomentum) {
+        self.time("muon_momentum", |b| b.muon_momentum(grads, buf, norm_squared, step))
+    }
+    fn divide_by_norm(&mut self, x: View, sum_squares: View, eps: f32) {
+        self.time("divide_by_norm", |b| b.divide_by_norm(x, sum_squares, eps))
     }
     fn adamw(
         &mut self,

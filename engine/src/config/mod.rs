@@ -18,7 +18,8 @@
 //! - `train.rs`: `[train]`, `[train.fp8]` and `[train.diagnostics]` ([`TrainConfig`],
 //!   [`BatchSize`], [`Precision`], [`Fp8Recipe`], [`Fp8Config`], [`DiagnosticsConfig`],
 //!   [`PipelineSplit`], [`PipelineSchedule`], [`AttentionImpl`], [`Remat`]);
-//! - `optim.rs`: `[optim]` ([`OptimConfig`], [`Schedule`]);
+//! - `optim.rs`: `[optim]` and `[optim.muon]` ([`OptimConfig`], [`Schedule`], [`OptimName`],
+//!   [`MuonConfig`], [`AdjustLr`], [`MuonDistribution`]);
 //! - `data.rs`: `[data]` and `[[data.mixture]]` ([`DataConfig`], [`DataSource`], [`MixtureSource`]);
 //! - `mesh.rs`: `[mesh]` ([`MeshConfig`]);
 //! - `count.rs`, `flat.rs` and `recipe.rs`: parameter counts, flattened keys and recipe resolution.
@@ -102,7 +103,7 @@ pub use optim::*;
 pub use train::*;
 
 /// Every section's keys by the section's dotted name (`""`: the top level).
-pub const SECTIONS: [(&str, &[Key]); 12] = [
+pub const SECTIONS: [(&str, &[Key]); 13] = [
     ("", Config::KEYS),
     ("model", ModelConfig::KEYS),
     ("model.rope_scaling", RopeScaling::KEYS),
@@ -113,6 +114,7 @@ pub const SECTIONS: [(&str, &[Key]); 12] = [
     ("train.fp8", Fp8Config::KEYS),
     ("train.diagnostics", DiagnosticsConfig::KEYS),
     ("optim", OptimConfig::KEYS),
+    ("optim.muon", MuonConfig::KEYS),
     ("data", DataConfig::KEYS),
     ("mesh", MeshConfig::KEYS),
 ];

@@ -1,4 +1,5 @@
-//! The `[optim]` section (`OptimConfig`) and its learning-rate `Schedule`.
+//! The `[optim]` section (`OptimConfig`), its learning-rate `Schedule`, the optimizer's name
+//! (`OptimName`) and `[optim.muon]` (`MuonConfig`, `AdjustLr`).
 
 use anyhow::{Result, bail};
 use serde::{Deserialize, Serialize};
@@ -16,11 +17,109 @@ pub enum Schedule {
     Constant,
 }
 
+/// Which optimizer updates the hidden matrices.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OptimName {
+    /// AdamW on every tensor.
+    #[default]
+    Adamw,
+    /// Muon on the hidden matrices (`[optim.muon]`), AdamW with this section's keys on the
+    /// rest: embeddings, the output head, norms, biases, routers.
+    Muon,
+}
+
+/// How Muon scales its learning rate by a matrix's shape `[A, B]` (`[out, in]`), as
+/// `torch.optim.Muon`'s `adjust_lr_fn` does.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AdjustLr {
+    /// `lr · √max(1, A / B)` (Keller Jordan's original Muon).
+    #[default]
+    Original,
+    /// `lr · 0.2 · √max(A, B)`: the update's RMS matches AdamW's, so AdamW's learning rate and
+    /// weight decay carry over (Moonlight's "Muon is Scalable for LLM Training").
+    MatchRmsAdamw,
+}
+
+/// How the devices that hold pieces of a matrix (FSDP, tensor parallelism) orthogonalise it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum MuonDistribution {
+    /// Each matrix is assembled on one owner, round-robin over the group (a reduce-scatter),
+    /// orthogonalised there, and its update gathered back: the iterations' work is divided
+    /// over the group (Moonlight's distributed Muon).
+    #[default]
+    Owner,
+    /// Every device assembles every matrix (an all-reduce) and orthogonalises all of them.
+    Everywhere,
+}
+
 section! {
-    /// AdamW with decoupled weight decay and global-norm gradient clipping.
+    /// Muon: momentum orthogonalised by Newton–Schulz iterations, on the hidden matrices
+    /// (`optim.name = "muon"`); `torch.optim.Muon`'s defaults and meanings.
+    #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+    #[serde(deny_unknown_fields, default)]
+    pub struct MuonConfig {
+        /// Peak learning rate of the matrices Muon updates, following `optim.schedule`; 0 means
+        /// `optim.lr`.
+        pub lr: f64 = 0.0,
+        /// Momentum of the buffer: `B ← μ B + (1 − μ) g`.
+        pub momentum: f64 = 0.95,
+        /// Nesterov momentum: orthogonalise `(1 − μ) g + μ B` instead of `B`.
+        pub nesterov: bool = true,
+        /// The quintic Newton–Schulz iteration's coefficients `(a, b, c)`:
+        /// `X ← a X + (b X Xᵀ + c (X Xᵀ)²) X`.
+        pub ns_coefficients: [f64; 3] = [3.4445, -4.7750, 2.0315],
+        /// Newton–Schulz iterations.
+        pub ns_steps: usize = 5,
+        /// The matrix is divided by `max(‖X‖_F, eps)` before the iterations.
+        pub eps: f64 = 1e-7,
+        /// Decoupled weight decay of the matrices Muon updates: `p ← p · (1 − lr · wd)`.
+        pub weight_decay: f64 = 0.1,
+        /// The learning rate's adjustment by the matrix's shape.
+        pub adjust_lr_fn: AdjustLr = AdjustLr::Original,
+        /// How devices holding pieces of a matrix orthogonalise it (FSDP, tensor parallelism).
+        @resumable
+        pub distribution: MuonDistribution = MuonDistribution::Owner,
+    }
+}
+
+impl MuonConfig {
+    fn validate(&self) -> Result<()> {
+        if !at_least(self.lr, 0.0) {
+            bail!("optim.muon.lr = {} must be a non-negative number (0: optim.lr)", self.lr);
+        }
+        if !(0.0..1.0).contains(&self.momentum) {
+            bail!("optim.muon.momentum = {} must lie in [0, 1)", self.momentum);
+        }
+        if self.ns_steps == 0 || self.ns_steps >= 100 {
+            bail!(
+                "optim.muon.ns_steps = {}: at least 1 Newton–Schulz iteration and fewer than 100 (5 is the default)",
+                self.ns_steps
+            );
+        }
+        if self.ns_coefficients.iter().any(|c| !c.is_finite()) {
+            bail!("optim.muon.ns_coefficients = {:?} must be finite numbers", self.ns_coefficients);
+        }
+        if !positive_number(self.eps) {
+            bail!("optim.muon.eps = {} must be positive", self.eps);
+        }
+        if !at_least(self.weight_decay, 0.0) {
+            bail!("optim.muon.weight_decay = {} must be non-negative", self.weight_decay);
+        }
+        Ok(())
+    }
+}
+
+section! {
+    /// The optimizer (AdamW, or Muon with AdamW on what it does not take), global-norm
+    /// gradient clipping and the learning-rate schedule.
     #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
     #[serde(deny_unknown_fields, default)]
     pub struct OptimConfig {
+        /// The optimizer: `adamw`, or `muon` on the hidden matrices with AdamW on the rest.
+        pub name: OptimName = OptimName::Adamw,
         /// Peak learning rate.
         pub lr: f64 = 3e-4,
         /// Learning-rate schedule after warmup.
@@ -41,6 +140,8 @@ section! {
         pub weight_decay: f64 = 0.1,
         /// Clip the global gradient norm to this value; 0 disables clipping.
         pub grad_clip: f64 = 1.0,
+        /// Muon's keys (`name = "muon"`).
+        pub muon: MuonConfig = MuonConfig::default(),
     }
 }
 
@@ -61,6 +162,11 @@ impl OptimConfig {
         if !(0.0..=1.0).contains(&self.min_lr_ratio) {
             bail!("optim.min_lr_ratio = {} must lie in [0, 1]", self.min_lr_ratio);
         }
-        Ok(())
+        self.muon.validate()
+    }
+
+    /// The peak learning rate of the matrices Muon updates.
+    pub fn muon_lr(&self) -> f64 {
+        if self.muon.lr > 0.0 { self.muon.lr } else { self.lr }
     }
 }

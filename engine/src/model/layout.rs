@@ -43,6 +43,26 @@ impl Tensor {
         self.len() == 0
     }
 
+    /// Whether it is a hidden matrix, which Muon updates (`optim.name = "muon"`): a 2-D weight
+    /// of the attention or an MLP (experts' and shared experts' included); not the embeddings,
+    /// the output head, a router, a norm or a bias, which AdamW keeps (docs/recipes.md).
+    pub fn is_hidden_matrix(&self) -> bool {
+        const KEPT: [&str; 6] = ["embed_tokens.", "transformer.wte.", "transformer.wpe.", "lm_head.", ".gate.weight", ".router.weight"];
+        self.shape.len() == 2 && self.decay && !self.is_buffer() && !KEPT.iter().any(|k| self.name.contains(k))
+    }
+
+    /// The logical matrices it stores, as `(first row, rows)`: the GPT family's packed
+    /// `c_attn` holds q, k and v (multi-head attention: three equal blocks of rows), Muon
+    /// orthogonalising each on its own; every other tensor is one matrix.
+    pub fn matrices(&self) -> Vec<(usize, usize)> {
+        let rows = self.shape[0];
+        if self.name.contains("attn.c_attn.") {
+            (0..3).map(|k| (k * rows / 3, rows / 3)).collect()
+        } else {
+            vec![(0, rows)]
+        }
+    }
+
     /// Whether transformers holds it as a buffer, not a parameter: DeepSeek-V3's selection
     /// bias (`mlp.gate.e_score_correction_bias`), moved by the balancing update, never by a
     /// gradient (its gradient stays zero, so AdamW leaves it in place).

@@ -42,8 +42,10 @@
 //! means, each weighted `1 / (data · fsdp · seq)` by the trainer.
 
 mod fsdp;
+mod matrices;
 
 pub use fsdp::{FsdpOptions, FsdpSizes, UnitPiece, fsdp_pieces, fsdp_sizes};
+pub use matrices::{Assembly, HeldMatrix};
 
 use super::comm::Collectives;
 use super::experts::{ExpertExchange, Received};

@@ -338,6 +338,13 @@ fn checks(scale: Scale) -> Vec<(String, Check)> {
     );
     add("expert biases: forward and backward against the CPU", Box::new(|g, _| ops::expert_bias(g)));
     add("adamw with clipping and decay segments", Box::new(|g, _| adamw(g)));
+    for nesterov in [true, false] {
+        add(
+            &format!("muon momentum nesterov={nesterov}, clipped and unclipped"),
+            Box::new(move |g, _| ops::muon_momentum(g, nesterov)),
+        );
+    }
+    add("muon divide_by_norm: f32, bf16, parameters, under eps, zeros", Box::new(|g, _| ops::divide_by_norm(g, 3001)));
     if !scale.emulated {
         add(
             "nccl, world size 1: all-reduce, reduce-scatter, all-gather (f32, bf16, parameters into bf16)",

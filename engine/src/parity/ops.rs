@@ -5,8 +5,8 @@ use super::{BF16, F32, Tol, compare, failure};
 use crate::backend::cpu::Cpu;
 use crate::backend::cuda::Cuda;
 use crate::backend::{
-    AdamWStep, AttnNeeds, AttnShape, Backend, BufKind, ExpertWeights, IdxView, MatMul, MoeDispatch, Routing, Scoring,
-    Segment, SeqSplit, View,
+    AdamWStep, AttnNeeds, AttnShape, Backend, BufKind, ExpertWeights, IdxView, MatMul, MoeDispatch, MuonMomentum,
+    Routing, Scoring, Segment, SeqSplit, View, clip_scale,
 };
 use crate::config::AttentionImpl;
 use crate::rng;
@@ -906,6 +906,62 @@ pub(super) fn adamw(gpu: Cuda) -> Result<String, String> {
     t.check("m", m, F32)?;
     t.check("v", v, F32)?;
     t.check("gradients zeroed", g, F32)?;
+    t.done()
+}
+
+/// Muon's momentum, `μ` = 0.95 (so both branches of `lerp`: `1 − μ` below ½, `μ` above): once
+/// with gradients whose global norm (about 64) is clipped to 1, on a buffer of the clipped
+/// gradients' scale, so that both terms count; once unclipped (`max_grad_norm` 0) on gradients
+/// of norm 64 too. The buffer and the gradients' replacement (the matrix to orthogonalise).
+pub(super) fn muon_momentum(gpu: Cuda, nesterov: bool) -> Result<String, String> {
+    let mut t = Twin::new(gpu);
+    let n = 4099;
+    for (name, max_grad_norm, buf_scale) in [("clipped", 1.0, 1e-3), ("unclipped", 0.0, 0.05)] {
+        let (g, buf, norm) = (t.random(GRAD, n, 1.0), t.random(OPT, n, buf_scale), t.alloc(F32S, 1));
+        let step = MuonMomentum { momentum: 0.95, nesterov, max_grad_norm };
+        t.both(|be| {
+            be.sum_squares(norm, g);
+            be.muon_momentum(g, buf, norm, step);
+        });
+        let mut norm_squared = [0f32];
+        t.gpu.download(norm, &mut norm_squared);
+        let clip = clip_scale(norm_squared[0], max_grad_norm);
+        if (max_grad_norm > 0.0) != (clip < 0.1) {
+            return Err(format!("{name}: clip scale {clip} at a norm of {}", norm_squared[0].sqrt()));
+        }
+        t.check(&format!("{name} (clip {clip:.1e}): buffer"), buf, F32)?;
+        t.check(&format!("{name}: update"), g, F32)?;
+    }
+    t.done()
+}
+
+/// Newton–Schulz's normalisation `x ← x / max(‖x‖_F, eps)`, the squared norm from
+/// `sum_squares`, over `n` values: on f32 values, on bf16 activations (the GPU's Newton–Schulz
+/// matrices), on parameters (their f32 master), and on values so small that their norm is
+/// under `eps` (the floor divides), f32 and bf16; an all-zero matrix stays zero (no NaN).
+pub(super) fn divide_by_norm(gpu: Cuda, n: usize) -> Result<String, String> {
+    let mut t = Twin::new(gpu);
+    let cases = [
+        ("f32", F32S, 1.0, 1e-7, F32),
+        ("bf16", ACT, 1.0, 1e-7, BF16),
+        ("parameters", PARAM, 1.0, 1e-7, F32),
+        ("f32 under eps", GRAD, 1e-6, 1e-3, F32),
+        ("bf16 under eps", ACT, 1e-6, 1e-3, BF16),
+        ("zeros", ACT, 0.0, 1e-7, BF16),
+    ];
+    for (name, kind, scale, eps, tol) in cases {
+        let (x, sum_squares) = (t.random(kind, n, scale), t.alloc(F32S, 1));
+        t.both(|be| {
+            be.sum_squares(sum_squares, x);
+            be.divide_by_norm(x, sum_squares, eps);
+        });
+        let mut s = [0f32];
+        t.gpu.download(sum_squares, &mut s);
+        if (s[0].sqrt() < eps) != (scale < 1.0) {
+            return Err(format!("{name}: norm {} against eps {eps}", s[0].sqrt()));
+        }
+        t.check(&format!("{name} (norm {:.1e})", s[0].sqrt()), x, tol)?;
+    }
     t.done()
 }
 

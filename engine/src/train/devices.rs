@@ -1685,4 +1685,61 @@ mod tests {
             std::fs::remove_dir_all(&dir).ok();
         }
     }
+
+    /// Muon (`optim.name = "muon"`) on the axes, against one device training the same global
+    /// batch: its matrices assembled whole from FSDP's pieces and tensor parallelism's slices
+    /// (round-robin owners, and everywhere), each expert's on its own device, a stage's on its
+    /// own; the gradient norm's curve shows a matrix updated twice or not at all at once.
+    mod muon {
+        use super::gpt_oss::{assert_follows, one_device};
+        use super::qwen3::{every_axis, expert_axes};
+        use super::*;
+
+        fn muon_config(recipe: &str, extra: &[&str]) -> Config {
+            let small = [
+                "model.d_model=64",
+                "model.head_dim=16",
+                "model.mlp_dim=96",
+                "model.n_layers=2",
+                "train.steps=5",
+                "optim.name=muon",
+                "optim.muon.lr=0.02",
+            ];
+            config(recipe, &[&small[..], extra].concat())
+        }
+
+        /// FSDP 2, tensor 2, seq 2, pipeline 2 (1F1B and interleaved) and FSDP 2 x tensor 2,
+        /// on tiny-llama2, with both ways of assembling the matrices.
+        #[test]
+        fn muon_on_every_axis_follows_one_device() {
+            let muon = one_device(&muon_config("tiny-llama2", &[]), 1);
+            let adamw = one_device(&muon_config("tiny-llama2", &["optim.name=adamw"]), 1);
+            assert!(!super::seq::same(&adamw.0, &muon.0), "Muon and AdamW: the same curve");
+            let mut axes = every_axis();
+            axes.push(("FSDP=2 x TP=2", vec!["mesh.ici_data=1", "mesh.ici_fsdp=2", "mesh.ici_tensor=2"], 4));
+            for (name, sets, devices) in axes {
+                assert_follows(name, &muon_config("tiny-llama2", &sets), devices);
+            }
+            for sets in [
+                vec!["mesh.ici_data=1", "mesh.ici_fsdp=2", "optim.muon.distribution=\"everywhere\""],
+                vec!["mesh.ici_data=1", "mesh.ici_fsdp=2", "mesh.ici_tensor=2", "optim.muon.distribution=\"everywhere\""],
+            ] {
+                let devices = if sets.len() == 4 { 4 } else { 2 };
+                assert_follows("everywhere", &muon_config("tiny-llama2", &sets), devices);
+            }
+        }
+
+        /// tiny-mixtral: each expert's matrices on their own, on EP 2 x FSDP 2, FSDP 2, tensor 2
+        /// and pipeline 2.
+        #[test]
+        fn muon_on_experts_follows_one_device() {
+            let moe = ["model.moe.num_experts=4"];
+            let mut axes = expert_axes();
+            axes.truncate(1);
+            axes.extend(every_axis().into_iter().filter(|(name, _, _)| !name.contains("interleaved")));
+            for (name, sets, devices) in axes {
+                assert_follows(name, &muon_config("tiny-mixtral", &[&moe[..], &sets].concat()), devices);
+            }
+        }
+    }
 }

@@ -1,4 +1,4 @@
-//! The training loop: batches from the loader, forward, loss, backward, AdamW, metrics.
+//! The training loop: batches from the loader, forward, loss, backward, the optimizer, metrics.
 //!
 //! One optimizer step accumulates `train.grad_accum` micro-batches of `train.batch_size`
 //! sequences, each cut into `train.pipeline_microbatches` pipeline micro-batches that the
@@ -15,7 +15,6 @@ pub mod local_tier;
 pub mod logger;
 pub mod metrics;
 pub mod run_dir;
-pub mod schedule;
 pub mod session;
 pub mod signals;
 pub mod step_times;
@@ -26,13 +25,14 @@ use std::time::Instant;
 
 use anyhow::{Result, bail};
 
-use crate::backend::{AdamWStep, AttnNeeds, Backend, BufKind, IdxView, View};
+use crate::backend::{AttnNeeds, Backend, BufKind, IdxView, View};
 use crate::checkpoint::Checkpoint;
 use crate::checkpoint::Progress;
 use crate::checkpoint::sharded::{DeviceState, Part};
 use crate::config::Config;
 use crate::data::{self, Loader};
 use crate::model::{GRAD_NORM_SQ, LOSS_ACCUM, LOSS_SUM, Model, Plan, init};
+use crate::optim::{self, Optimizer};
 use crate::parallel::comm::{Collectives, Solo};
 use crate::parallel::mesh::Axis;
 use crate::parallel::pipeline::{self, Action, ChunkExchange};
@@ -81,9 +81,12 @@ pub struct Trainer<B: Backend> {
     pub loader: Loader,
     /// Optimizer steps completed.
     pub step: u64,
-    /// First and second AdamW moments, laid out like the optimizer's parameters
-    /// ([`Parallel::optimizer_buffers`]).
+    /// The optimizer's two state buffers, laid out like its parameters
+    /// ([`Parallel::optimizer_buffers`]): AdamW's first and second moments; under Muon, its
+    /// matrices' momentum in the first ([`crate::optim`]).
     pub moments: (View, View),
+    /// Which update each part of the optimizer's buffers takes.
+    optimizer: Optimizer,
     /// This device's place in the run: its mesh coordinates, collectives and shards.
     pub parallel: Parallel<B>,
     /// The loader's sequences, whole; on a seq axis each device uploads its chunks of them.
@@ -180,6 +183,7 @@ impl<B: Backend> Trainer<B> {
         let loader = Loader::open(data, t.seq_len, t.seed, rank, ranks)?;
         let moment_len = parallel.moment_len();
         let moments = (backend.alloc(BufKind::OptState, moment_len), backend.alloc(BufKind::OptState, moment_len));
+        let optimizer = Optimizer::new(&mut backend, &parallel, &config.optim)?;
         let n = plan.batch * t.seq_len;
         let chunk_positions = if model.seq.ranks > 1 { model.seq.positions(seq_len) } else { Vec::new() };
         Ok(Trainer {
@@ -199,6 +203,7 @@ impl<B: Backend> Trainer<B> {
             loader,
             step: 0,
             moments,
+            optimizer,
             parallel,
             tokens: vec![0; n],
             targets: vec![0; n],
@@ -360,19 +365,8 @@ impl<B: Backend> Trainer<B> {
         let (p, be, par) = (&self.plan, &mut self.backend, &mut self.parallel);
         let c = &self.config;
         let total_steps = c.train.steps;
-        let lr = schedule::learning_rate(&c.optim, total_steps, self.step as usize);
+        let rates = optim::rates(&c.optim, total_steps, self.step as usize);
         let norm_sq = p.scalars.at(GRAD_NORM_SQ, 1);
-        let o = &c.optim;
-        let adamw = AdamWStep {
-            lr: lr as f32,
-            beta1: o.beta1 as f32,
-            beta2: o.beta2 as f32,
-            eps: o.eps as f32,
-            weight_decay: o.weight_decay as f32,
-            t: self.step + 1,
-            max_grad_norm: o.grad_clip as f32,
-        };
-        let (m, v) = self.moments;
         let balancing = c.model.moe.as_ref().map(|moe| moe.bias_update_rate as f32).filter(|&r| r > 0.0);
         if balancing.is_some() {
             par.take_load_excess(be);
@@ -394,14 +388,13 @@ impl<B: Backend> Trainer<B> {
         let mut scalars = [0f32; 4];
         be.download(p.scalars, &mut scalars);
         let (loss_sum, grad_norm) = (scalars[LOSS_ACCUM] as f64, (scalars[GRAD_NORM_SQ] as f64).sqrt());
-        let (params, grads, segments) = par.optimizer_buffers();
         let diverged = !loss_sum.is_finite() || !grad_norm.is_finite();
         if diverged {
             // Never applied: the parameters and moments stay those of the last finite step.
-            be.fill(grads, 0.0);
+            be.fill(par.optimizer_buffers().1, 0.0);
             par.balance_selection_biases(be, None);
         } else {
-            be.adamw(params, grads, m, v, norm_sq, segments, adamw);
+            self.optimizer.step(be, par, self.moments, norm_sq, &c.optim, rates, self.step + 1);
             par.balance_selection_biases(be, balancing);
             if let Some(f) = p.fp8 {
                 // Every replica records the same amaxes, then scales alike (Transformer
@@ -426,7 +419,7 @@ impl<B: Backend> Trainer<B> {
                 .and_then(|moe| moe.capacity_factor)
                 .map(|_| dropped_sum / (accum * microbatches) as f64),
             expert_load: self.config.model.moe.as_ref().map(|_| load_sum / (accum * microbatches) as f64),
-            lr,
+            lr: rates.adamw,
             grad_norm,
             step_time_s,
             data_s: data_wait.as_secs_f64(),

@@ -25,6 +25,7 @@ mod matmul;
 pub(crate) use matmul::{Parallelism, sgemm};
 mod mla;
 mod moe;
+mod muon;
 mod norm;
 mod qknorm;
 mod reduce;
@@ -38,7 +39,8 @@ mod swiglu;
 mod gradcheck;
 
 use super::{
-    AdamWStep, AttnShape, Backend, BufId, BufKind, ExpertWeights, Glu, IdxView, MatMul, MlaShape, MoeDispatch, Segment,
+    AdamWStep, AttnShape, Backend, BufId, BufKind, ExpertWeights, Glu, IdxView, MatMul, MlaShape, MoeDispatch, MuonMomentum,
+    Segment,
     SeqSplit, View, fp8,
 };
 
@@ -704,6 +706,17 @@ impl Backend for Cpu {
     fn moe_bias_step(&mut self, bias: View, excess: View, rate: f32) {
         let ([bias, excess], []) = self.mem.io_many([bias, excess], []);
         router::bias_step(bias, excess, rate);
+    }
+
+    fn muon_momentum(&mut self, grads: View, buf: View, norm_squared: View, step: MuonMomentum) {
+        let clip = super::clip_scale(self.mem.get(norm_squared)[0], step.max_grad_norm);
+        let ([grads, buf], []) = self.mem.io_many([grads, buf], []);
+        muon::momentum(grads, buf, step, clip);
+    }
+
+    fn divide_by_norm(&mut self, x: View, sum_squares: View, eps: f32) {
+        let s = self.mem.get(sum_squares)[0];
+        muon::divide_by_norm(self.mem.io(x, []).0, s, eps);
     }
 
     fn adamw(

@@ -34,7 +34,7 @@ use cudarc::driver::sys::{self, CUdeviceptr};
 
 use super::{
     AdamWStep, AttnNeeds, AttnShape, Backend, BufKind, ExpertWeights, Glu, IdxView, MatMul, MlaShape, MoeDispatch,
-    Segment, SeqSplit, View, fp8, gib,
+    MuonMomentum, Segment, SeqSplit, View, fp8, gib,
 };
 use crate::config::{AttentionImpl, ModelConfig};
 use blas::Gemm;
@@ -1040,6 +1040,14 @@ impl Backend for Cuda {
         step: AdamWStep,
     ) {
         ops::adamw::step(self, params, grads, m, v, norm_squared, segments, step)
+    }
+
+    fn muon_momentum(&mut self, grads: View, buf: View, norm_squared: View, step: MuonMomentum) {
+        ops::muon::momentum(self, grads, buf, norm_squared, step)
+    }
+
+    fn divide_by_norm(&mut self, x: View, sum_squares: View, eps: f32) {
+        ops::muon::divide_by_norm(self, x, sum_squares, eps)
     }
 }
 

@@ -21,6 +21,7 @@ pub(crate) mod layernorm;
 pub(crate) mod matmul;
 pub(crate) mod mla;
 pub(crate) mod moe;
+pub(crate) mod muon;
 pub(crate) mod qknorm;
 pub(crate) mod rmsnorm;
 pub(crate) mod rope;
@@ -63,6 +64,7 @@ pub const MODULES: &[Module] = &[
     gelu::MODULE,
     cross_entropy::MODULE,
     adamw::MODULE,
+    muon::MODULE,
     moe::MODULE,
     gemm::MODULE,
     attention::MODULE,
