@@ -38,7 +38,7 @@ pub use format::{
     Snapshot, State, VERSION, write, write_dir,
 };
 pub use housekeeping::{dir_name, latest, list, prune, remove_temporaries, set_aside_after};
-pub use resume::{incompatible_keys, resume_point};
+pub use resume::{incompatible_keys, resume_point, resume_point_with};
 
 /// What the tests of each part build on: a small configuration and a snapshot of its model.
 #[cfg(test)]

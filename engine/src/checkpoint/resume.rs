@@ -32,6 +32,19 @@ pub fn incompatible_keys(saved: &Config, now: &Config) -> Vec<String> {
 /// batch is refused, whether `batch_size` or the device count changed, with the `batch_size`
 /// that keeps it.
 pub fn resume_point(parent: &Path, explicit: Option<&Path>, config: &Config, devices: usize) -> Result<Checkpoint> {
+    resume_point_with(parent, explicit, config, devices, false)
+}
+
+/// [`resume_point`], where `reset_optimizer` (`engine train --reset-optimizer`: the optimizer's
+/// state starts afresh) lets the `[optim]` keys differ from the checkpoint's: switching
+/// between AdamW and Muon, or changing their settings.
+pub fn resume_point_with(
+    parent: &Path,
+    explicit: Option<&Path>,
+    config: &Config,
+    devices: usize,
+    reset_optimizer: bool,
+) -> Result<Checkpoint> {
     let ck = match explicit {
         Some(dir) => Checkpoint::open(dir)?,
         None => latest(parent)?
@@ -48,7 +61,7 @@ pub fn resume_point(parent: &Path, explicit: Option<&Path>, config: &Config, dev
     let saved_on = ck.state.shards.unwrap_or(1);
     let (saved, now) = (ck.config.train.batch_size * saved_on, config.train.batch_size * devices);
     let mut differ = incompatible_keys(&ck.config, config);
-    differ.retain(|k| !k.starts_with("train.batch_size "));
+    differ.retain(|k| !k.starts_with("train.batch_size ") && !(reset_optimizer && k.starts_with("optim.")));
     if (saved.0 - now.0).abs() > 1e-9 * saved.0.max(now.0) {
         // A batch size that would keep the global batch on this many devices.
         let keep = crate::config::BatchSize(saved.0 / devices as f64);
@@ -62,8 +75,13 @@ pub fn resume_point(parent: &Path, explicit: Option<&Path>, config: &Config, dev
         ));
     }
     if !differ.is_empty() {
+        let optim = if differ.iter().any(|k| k.starts_with("optim.")) {
+            " (or, to change the optimizer's settings, add --reset-optimizer: its state then starts afresh)"
+        } else {
+            ""
+        };
         bail!(
-            "cannot resume from {}: the configuration differs in {}; resume with the checkpoint's settings (its config.toml) or start a new run",
+            "cannot resume from {}: the configuration differs in {}; resume with the checkpoint's settings (its config.toml){optim} or start a new run",
             ck.dir.display(),
             differ.join(", ")
         );

@@ -42,6 +42,12 @@ pub struct TrainArgs {
     #[arg(long, value_name = "CKPT|auto", num_args = 0..=1)]
     #[allow(clippy::option_option)] // absent; present without a value (newest); with one
     resume: Option<Option<PathBuf>>,
+    /// With --resume: start the optimizer's state afresh (AdamW's moments, Muon's momentum, all
+    /// zero) instead of the checkpoint's, which lets the [optim] keys differ from the
+    /// checkpoint's (switching between AdamW and Muon). The parameters, step, schedule and data
+    /// position continue; AdamW's bias correction continues from the run's step count.
+    #[arg(long, requires = "resume")]
+    reset_optimizer: bool,
     /// Start from a Hugging Face model (full fine-tuning): DIR/config.json replaces the recipe's
     /// [model] and the weights replace the initialisation.
     #[arg(long, value_name = "DIR")]
@@ -119,7 +125,7 @@ fn train(args: TrainArgs, device: DeviceArg) -> Result<()> {
         (None, Resume::No) if job.world > 1 => (default, None),
         (None, Resume::No) => (default.clone(), Some(default)),
     };
-    let mut run_dir = RunDir::at(path);
+    let mut run_dir = RunDir::at(path).resetting_optimizer(args.reset_optimizer);
     // The lead process owns the run directory from here on (or from its creation, for a new one).
     if job.rank == 0 && claim.is_none() && run_dir.path().is_dir() {
         run_dir.lock()?;
@@ -157,6 +163,7 @@ fn train(args: TrainArgs, device: DeviceArg) -> Result<()> {
         checkpoint,
         peak: (0.0, String::new()),
         startup: Startup { checkpoint_load_s, ..Startup::default() },
+        reset_optimizer: args.reset_optimizer,
     };
     if job.world > 1 {
         if args.devices > 1 {
@@ -212,6 +219,8 @@ struct Start {
     peak: (f64, String),
     /// The parts of the start-up measured so far (the goodput timeline's start record).
     startup: Startup,
+    /// `--reset-optimizer`: the optimizer's state starts afresh after the resume.
+    reset_optimizer: bool,
 }
 
 impl Start {
@@ -366,6 +375,9 @@ impl Start {
         if let Some(ck) = checkpoint {
             let (resumed, read_s) = timed(|| trainer.resume_from(ck));
             resumed?;
+            if self.reset_optimizer {
+                trainer.reset_optimizer();
+            }
             startup.checkpoint_load_s += read_s;
             if extras.files.is_empty() {
                 extras = Extras { files: ck.hf_files()?, hf_dtype: ck.state.hf_dtype.clone() };

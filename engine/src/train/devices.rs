@@ -1729,6 +1729,47 @@ mod tests {
             }
         }
 
+        /// A Muon checkpoint (its momentum in the first buffer) resumes bit for bit on its mesh,
+        /// continues the curve on another (FSDP 2 x tensor 2 to one device); switching to AdamW
+        /// is refused, naming the key and `--reset-optimizer`, which then starts from zero state.
+        #[test]
+        fn muon_checkpoints_resume_reshard_and_refuse_another_optimizer() {
+            use crate::checkpoint::{self, Checkpoint};
+            let tmp = std::env::temp_dir().join(format!("engine-muon-ck-{}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&tmp);
+            let c = muon_config("tiny-llama2", &["mesh.ici_data=1", "mesh.ici_fsdp=2", "mesh.ici_tensor=2", "train.steps=6"]);
+            let (steps, half) = (c.train.steps as u64, 3u64);
+            let curve = train_and_save(&c, 4, half, &tmp).unwrap();
+            let ck = Checkpoint::open(&tmp.join(checkpoint::dir_name(half))).unwrap();
+            let rest = |t: &mut Trainer<Traced<Cpu>>| -> Vec<f64> { (half..steps).map(|_| t.train_step(0.0).loss).collect() };
+            let same_mesh = run(&c, 4, |_, t| {
+                t.resume_from(&ck)?;
+                Ok(rest(t))
+            })
+            .unwrap()
+            .remove(0);
+            assert_eq!(same_mesh, curve[half as usize..], "resumed on its mesh: not bit for bit");
+            let mut one = muon_config("tiny-llama2", &["train.steps=6"]);
+            one.train.batch_size *= 4;
+            let mut single = Trainer::new(Traced::new(Cpu::new()), &one).unwrap();
+            single.resume_from(&ck).unwrap();
+            assert_same_curve("Muon FSDPxTP -> one device", &curve[half as usize..], &rest(&mut single));
+
+            let mut adamw = one.clone();
+            adamw.optim.name = crate::config::OptimName::Adamw;
+            let e = checkpoint::resume_point(&tmp, None, &adamw, 1).unwrap_err().to_string();
+            assert!(e.contains("optim.name (checkpoint \"muon\", now \"adamw\")") && e.contains("--reset-optimizer"), "{e}");
+            let ck = checkpoint::resume_point_with(&tmp, None, &adamw, 1, true).unwrap();
+            let mut t = Trainer::new(Traced::new(Cpu::new()), &adamw).unwrap();
+            t.resume_from(&ck).unwrap();
+            t.reset_optimizer();
+            let mut m = vec![0f32; t.moments.0.len];
+            crate::backend::Backend::download(&mut t.backend, t.moments.0, &mut m);
+            assert!(m.iter().all(|&x| x == 0.0));
+            assert!(rest(&mut t).iter().all(|l| l.is_finite()));
+            std::fs::remove_dir_all(&tmp).ok();
+        }
+
         /// tiny-mixtral: each expert's matrices on their own, on EP 2 x FSDP 2, FSDP 2, tensor 2
         /// and pipeline 2.
         #[test]

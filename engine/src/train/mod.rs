@@ -616,6 +616,24 @@ impl<B: Backend> Trainer<B> {
         self.resume_fp8_scaling(ck)
     }
 
+    /// Starts the optimizer's state afresh (`--reset-optimizer`): both buffers zero, as a new
+    /// optimizer's; says so on the first device.
+    pub fn reset_optimizer(&mut self) {
+        for m in [self.moments.0, self.moments.1] {
+            self.backend.fill(m, 0.0);
+        }
+        if self.parallel.rank == 0 {
+            crate::say!(
+                "--reset-optimizer: the optimizer ({}) starts from zero state at step {}",
+                match self.config.optim.name {
+                    crate::config::OptimName::Adamw => "adamw",
+                    crate::config::OptimName::Muon => "muon",
+                },
+                self.step
+            );
+        }
+    }
+
     /// Restores the delayed FP8 recipe's scales and amax histories from `ck`, where it saved
     /// them for this device: on the same mesh, from this device's shard or that of a replica
     /// holding the same layers and tensor slice. Elsewhere (another mesh, a bf16 or tensorwise

@@ -75,12 +75,21 @@ pub enum Decision {
 pub struct RunDir {
     path: PathBuf,
     lock: Option<DirLock>,
+    /// `--reset-optimizer`: a resumed run may change `[optim]` ([`checkpoint::resume_point_with`]).
+    reset_optimizer: bool,
 }
 
 impl RunDir {
     /// The run directory at `path`, not locked (it may not exist yet).
     pub fn at(path: impl Into<PathBuf>) -> RunDir {
-        RunDir { path: path.into(), lock: None }
+        RunDir { path: path.into(), lock: None, reset_optimizer: false }
+    }
+
+    /// This run directory, resumed with `--reset-optimizer` if `reset`: the `[optim]` keys may
+    /// then differ from the checkpoint's.
+    pub fn resetting_optimizer(mut self, reset: bool) -> RunDir {
+        self.reset_optimizer = reset;
+        self
     }
 
     /// The default run directory of a recipe: `runs/RECIPE`.
@@ -104,7 +113,7 @@ impl RunDir {
             if path.join(METRICS).exists() {
                 continue;
             }
-            return Ok(RunDir { path, lock: Some(lock) });
+            return Ok(RunDir { path, lock: Some(lock), reset_optimizer: false });
         }
         unreachable!("some name is free")
     }
@@ -166,7 +175,7 @@ impl RunDir {
 
     /// The same directory without the lock (for the devices that do not lead).
     pub fn unlocked(&self) -> RunDir {
-        RunDir::at(&self.path)
+        RunDir::at(&self.path).resetting_optimizer(self.reset_optimizer)
     }
 
     /// Gives up the lock, handing it over (to the lead's [`RunDir`]).
@@ -204,7 +213,7 @@ impl RunDir {
     pub fn decide(&self, resume: &Resume, config: &Config, devices: usize) -> Result<Decision> {
         let checkpoints = self.checkpoints();
         let from = |explicit: Option<&Path>| -> Result<Decision> {
-            let ck = checkpoint::resume_point(&checkpoints, explicit, config, devices)?;
+            let ck = checkpoint::resume_point_with(&checkpoints, explicit, config, devices, self.reset_optimizer)?;
             Ok(Decision::Resume(Box::new(ck)))
         };
         match resume {
