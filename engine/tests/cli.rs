@@ -181,8 +181,21 @@ fn bad_input_gets_one_clear_line() {
     let bad_toml = dir.join("bad.toml");
     std::fs::write(&bad_toml, "[model]\nd_model = 64\nn_layers = \"two\"\n").unwrap();
     let bad_str = bad_toml.to_str().unwrap();
-    let cases: [(&[&str], &str); 23] = [
+    let cases: [(&[&str], &str); 27] = [
         (&["--recipe", "tiny-gpt", "--set", "model.n_kv_heads=2"], "model.n_kv_heads = 2 must equal model.n_heads = 4"),
+        (
+            &["--recipe", "tiny-llama2", "--set", "optim.name=muon", "--set", "optim.muon.ns_steps=0"],
+            "optim.muon.ns_steps = 0: at least 1 Newton–Schulz iteration",
+        ),
+        (
+            &["--recipe", "tiny-llama2", "--set", "optim.name=muon", "--set", "optim.muon.momentum=-0.5"],
+            "optim.muon.momentum = -0.5 must lie in [0, 1)",
+        ),
+        (
+            &["--recipe", "tiny-llama2", "--set", "optim.muon.adjust_lr_fn=spectral"],
+            "unknown variant `spectral`, expected `original` or `match_rms_adamw`",
+        ),
+        (&["--recipe", "tiny-llama2", "--reset-optimizer"], "--reset-optimizer resets a resumed run's optimizer state: add --resume"),
         (
             &[
                 "--recipe",

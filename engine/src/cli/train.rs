@@ -46,7 +46,7 @@ pub struct TrainArgs {
     /// zero) instead of the checkpoint's, which lets the [optim] keys differ from the
     /// checkpoint's (switching between AdamW and Muon). The parameters, step, schedule and data
     /// position continue; AdamW's bias correction continues from the run's step count.
-    #[arg(long, requires = "resume")]
+    #[arg(long)]
     reset_optimizer: bool,
     /// Start from a Hugging Face model (full fine-tuning): DIR/config.json replaces the recipe's
     /// [model] and the weights replace the initialisation.
@@ -112,6 +112,9 @@ fn train(args: TrainArgs, device: DeviceArg) -> Result<()> {
     // Everything that can fail on bad input fails before the run directory is created (a
     // default one is claimed just before the run starts).
     let resume = Resume::of(args.resume.as_ref().map(Option::as_deref));
+    if args.reset_optimizer && resume == Resume::No {
+        bail!("--reset-optimizer resets a resumed run's optimizer state: add --resume (or --resume=auto)");
+    }
     let job = parallel::rendezvous::discover(|k| std::env::var(k).ok())?;
     let default = RunDir::default_path(&resolved.name);
     let (path, claim) = match (&args.run_dir, &resume) {

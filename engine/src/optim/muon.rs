@@ -20,7 +20,7 @@ use anyhow::{Result, bail};
 
 use crate::backend::{Backend, BufKind, MatMul, MuonMomentum, Segment, View};
 use crate::config::{AdjustLr, MuonDistribution, OptimConfig};
-use crate::parallel::strategies::{HeldMatrix, Parallel};
+use crate::parallel::strategies::{HeldMatrix, MatrixScratch, Parallel};
 
 /// A device's Muon: its matrices, how they travel, and the scratch of the iterations.
 pub struct Muon {
@@ -62,7 +62,8 @@ impl Muon {
                 batches.push((batch.to_vec(), group.clone()));
             }
         }
-        let sizes = Sizes::of(&matrices, batches.iter().map(|(_, g)| g.len()).max().unwrap_or(1));
+        let shapes = matrices.iter().map(|m| [m.rows, m.cols]);
+        let sizes = MatrixScratch::of(shapes, batches.iter().map(|(_, g)| g.len()).max().unwrap_or(1));
         Ok(Muon {
             buf: be.alloc(BufKind::Activations, sizes.assembly),
             slot: sizes.slot,
@@ -119,33 +120,6 @@ impl Muon {
             be.add(p, g);
             be.fill(g, 0.0);
         }
-    }
-}
-
-/// Elements of Muon's scratch on a device holding `matrices`, assembled in groups of at most
-/// `group` devices: what [`Muon::new`] allocates and the memory plan counts.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Sizes {
-    /// The largest matrix: a slot of the assembly buffer, and the product's scratch.
-    pub slot: usize,
-    /// The assembly buffer: `group` slots, and the owner's one more.
-    pub assembly: usize,
-    /// `A` (and `b A + c A²`): the square of the largest shorter side.
-    pub gram: usize,
-}
-
-impl Sizes {
-    /// The sizes for `matrices` over groups of at most `group` devices.
-    pub fn of(matrices: &[HeldMatrix], group: usize) -> Sizes {
-        let slot = matrices.iter().map(HeldMatrix::len).max().unwrap_or(0);
-        let side = matrices.iter().map(|m| m.rows.min(m.cols)).max().unwrap_or(0);
-        let extra = usize::from(group > 1);
-        Sizes { slot, assembly: (group + extra) * slot, gram: side * side }
-    }
-
-    /// All of it, in elements.
-    pub fn total(&self) -> usize {
-        self.assembly + 2 * self.gram + self.slot
     }
 }
 

@@ -88,6 +88,11 @@ pub fn device_estimate_slots(
         e.gradients = (f.shard + f.accumulating) * bytes(BufKind::Grads);
         e.optimizer = 2 * f.shard * bytes(BufKind::OptState);
     }
+    if config.optim.name == crate::config::OptimName::Muon {
+        // Muon's assembly buffer and Newton–Schulz scratch, in the activations' type.
+        let muon = super::strategies::MatrixScratch::of_model(config, model, fsdp);
+        e.optimizer += muon.total() * element_bytes(BufKind::Activations, target) + element_bytes(BufKind::Scalars, target);
+    }
     (e, slot_bytes(config, model, batch, target))
 }
 

@@ -45,7 +45,7 @@ mod fsdp;
 mod matrices;
 
 pub use fsdp::{FsdpOptions, FsdpSizes, UnitPiece, fsdp_pieces, fsdp_sizes};
-pub use matrices::{Assembly, HeldMatrix};
+pub use matrices::{Assembly, HeldMatrix, MatrixScratch};
 
 use super::comm::Collectives;
 use super::experts::{ExpertExchange, Received};

@@ -1770,6 +1770,31 @@ mod tests {
             std::fs::remove_dir_all(&tmp).ok();
         }
 
+        /// Muon's memory plan (both state buffers, the assembly buffer and the iterations'
+        /// scratch) is within 10 % of the CPU backend's measured peak under FSDP 2, and counts
+        /// more than AdamW's by the scratch.
+        #[test]
+        fn muon_memory_plan_agrees_with_the_measured_peak() {
+            use crate::backend::Backend;
+            let c = muon_config("tiny-llama2", &["mesh.ici_data=1", "mesh.ici_fsdp=2", "train.batch_size=2"]);
+            let plan = ParallelPlan::resolve(&c, 2, 1).unwrap();
+            let estimate = plan.estimate(&c, crate::model::memory::Target::Cpu);
+            let mut adamw = c.clone();
+            adamw.optim.name = crate::config::OptimName::Adamw;
+            let without = ParallelPlan::resolve(&adamw, 2, 1).unwrap().estimate(&adamw, crate::model::memory::Target::Cpu);
+            assert!(estimate.optimizer > without.optimizer, "Muon's scratch is not counted");
+            let peaks = run(&c, 2, |_, t| {
+                t.train_step(0.0);
+                Ok(t.backend.peak_memory_bytes())
+            })
+            .unwrap();
+            for peak in peaks {
+                let ratio = peak as f64 / estimate.total() as f64;
+                eprintln!("Muon FSDP=2: measured {peak} bytes, planned {} ({ratio:.3})", estimate.total());
+                assert!((0.9..=1.1).contains(&ratio), "measured {peak} bytes, planned {}", estimate.total());
+            }
+        }
+
         /// tiny-mixtral: each expert's matrices on their own, on EP 2 x FSDP 2, FSDP 2, tensor 2
         /// and pipeline 2.
         #[test]

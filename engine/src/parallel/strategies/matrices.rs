@@ -182,3 +182,51 @@ impl<B: Backend> Parallel<B> {
         (muon, adamw)
     }
 }
+
+/// Elements of Muon's scratch on a device holding `matrices`, assembled in groups of at most
+/// `group` devices: what Muon ([`crate::optim::muon`]) allocates and the memory plan counts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MatrixScratch {
+    /// The largest matrix: a slot of the assembly buffer, and the product's scratch.
+    pub slot: usize,
+    /// The assembly buffer: `group` slots, and the owner's one more.
+    pub assembly: usize,
+    /// `A` (and `b A + c A²`): the square of the largest shorter side.
+    pub gram: usize,
+}
+
+impl MatrixScratch {
+    /// The sizes for matrices of `shapes` (`[rows, cols]`, whole) over groups of at most
+    /// `group` devices.
+    pub fn of(shapes: impl Iterator<Item = [usize; 2]> + Clone, group: usize) -> MatrixScratch {
+        let slot = shapes.clone().map(|[r, c]| r * c).max().unwrap_or(0);
+        let side = shapes.map(|[r, c]| r.min(c)).max().unwrap_or(0);
+        let extra = usize::from(group > 1);
+        MatrixScratch { slot, assembly: (group + extra) * slot, gram: side * side }
+    }
+
+    /// The sizes on a device holding `model` (its tensor-parallel slice of a pipeline stage,
+    /// with its experts) of `config`'s run, whose matrices are sharded over `fsdp` devices
+    /// (fsdp × seq): the whole matrices it holds pieces of, assembled over fsdp devices, or
+    /// fsdp × tensor for those the tensor axis splits. What the memory plan counts.
+    pub fn of_model(config: &crate::config::Config, model: &crate::model::Model, fsdp: usize) -> MatrixScratch {
+        let whole = crate::model::Layout::new(&config.model);
+        let held: std::collections::HashSet<&str> = model.layout.tensors.iter().map(|t| t.name.as_str()).collect();
+        // The tensor group's size: its devices' local configurations hold 1/T of the heads.
+        let tensor = config.model.n_heads / model.config.n_heads.max(1);
+        let mut group = fsdp;
+        let mut shapes = Vec::new();
+        for t in whole.tensors.iter().filter(|t| t.is_hidden_matrix() && held.contains(t.name.as_str())) {
+            if tensor > 1 && super::super::tensor::split_of(&t.name) != super::super::tensor::Split::Replicated {
+                group = group.max(fsdp * tensor);
+            }
+            shapes.extend(t.matrices().into_iter().map(|(_, rows)| [rows, t.shape[1]]));
+        }
+        MatrixScratch::of(shapes.into_iter(), group)
+    }
+
+    /// All of it, in elements.
+    pub fn total(&self) -> usize {
+        self.assembly + 2 * self.gram + self.slot
+    }
+}
