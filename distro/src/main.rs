@@ -40,8 +40,10 @@ enum Command {
     Sbom(cli::sbom::SbomArgs),
     /// Show what changed between two images: sources, patches, base and its packages, env, sizes.
     Diff(cli::diff::DiffArgs),
-    /// Check the SBOM and provenance attached to a pushed index against the image.
+    /// Check the SBOM, provenance (and with --key, the signature) attached to a pushed index.
     Verify(cli::verify::VerifyArgs),
+    /// Sign a pushed index with an ECDSA P-256 key, as cosign does (`cosign verify --key` checks it).
+    Sign(cli::sign::SignArgs),
     /// Attach test-all's summary.json to a pushed index as an OCI referrer, for `distro report`.
     AttachTest(cli::attach_test::AttachTestArgs),
     /// Write the static dashboard of the dated images (index.html, diff-DATE.html), from the registry.
@@ -85,6 +87,7 @@ fn main() -> ExitCode {
         Command::Sbom(a) => cli::sbom::sbom_cmd(a),
         Command::Diff(a) => cli::diff::diff_cmd(a),
         Command::Verify(a) => cli::verify::verify_cmd(a),
+        Command::Sign(a) => cli::sign::sign_cmd(a),
         Command::AttachTest(a) => cli::attach_test::attach_test_cmd(a),
         Command::Report(a) => cli::report::report_cmd(a),
         Command::Triage(a) => cli::triage::triage_cmd(a),

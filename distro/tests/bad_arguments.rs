@@ -23,7 +23,7 @@ fn impossible_arguments_are_refused_before_any_work() {
     let huge = dir.path().join("summary.json");
     std::fs::File::create(&huge).unwrap().set_len(400_000_000).unwrap();
     let huge_arg = huge.to_str().unwrap();
-    let cases: [(&[&str], &str); 17] = [
+    let cases: [(&[&str], &str); 21] = [
         (&["build", "--platform", "linux/amd64", "--push", "127.0.0.1:9/r"], "the index would lack linux/arm64"),
         (&["push", "--chunk-size", "0", "layout", "127.0.0.1:9/r"], "is not a chunk size"),
         (&["build", "--image", "../../x"], "`../../x` is not an image name"),
@@ -53,6 +53,11 @@ fn impossible_arguments_are_refused_before_any_work() {
             &["attach-test", "127.0.0.1:9/r:t", file_arg, "--platform", "linux/s390x"],
             "\"linux/s390x\" is not supported",
         ),
+        // Keys are read before the registry (nobody answers at 127.0.0.1:9) is asked anything.
+        (&["sign", "127.0.0.1:9/r:t", "--key", file_arg], "a-file: not a PEM file"),
+        (&["sign", "127.0.0.1:9/r:t", "--key", "/nonexistent/key.pem"], "--key /nonexistent/key.pem"),
+        (&["sign", "127.0.0.1:9/r", "--key", file_arg], "name the index by tag or digest"),
+        (&["verify", "127.0.0.1:9/r:t", "--key", file_arg], "a-file: not a PEM file"),
     ];
     for (args, expected) in cases {
         let (code, stderr) = distro(args);

@@ -284,3 +284,48 @@ fn artifacts_attach_through_the_referrers_api_or_the_fallback_tag() {
         assert_eq!(referrers::list(&c, &repo, &index).unwrap().0.len(), 2);
     }
 }
+
+/// A signature (`distro sign`'s manifest) is found back through cosign's tag `sha256-HEX.sig`,
+/// and through the referrers (API or fallback tag) when the tag no longer holds it; found once,
+/// not twice, when both do.
+#[test]
+fn a_signature_is_found_through_the_cosign_tag_or_the_referrers() {
+    use distro::oci::bundle::ManifestDoc;
+    use distro::oci::manifest::{Descriptor, OCI_INDEX, OCI_MANIFEST};
+    use distro::progress::Progress;
+    use distro::provenance::{referrers, signature};
+    use distro::registry::push::{PushOptions, PushPlan, push};
+    let index_bytes = b"{\"mediaType\": \"application/vnd.oci.image.index.v1+json\"}".to_vec();
+    let index = Descriptor::of(OCI_INDEX, &index_bytes);
+    let payload = signature::payload("127.0.0.1/r", &index.digest);
+    let art = signature::signature_artifact(&index, &[signature::signature_layer(&payload, "c2ln")], &payload);
+    let doc = ManifestDoc::new(OCI_MANIFEST, art.manifest.clone());
+    let tmp = tempfile::tempdir().unwrap();
+    let store = BlobStore::new(tmp.path());
+    for api in [true, false] {
+        let (port, _) = memory_registry(api);
+        let host = format!("127.0.0.1:{port}");
+        let repo = Reference::parse(&format!("{host}/r")).unwrap();
+        let c = client(&host, None);
+        let none = signature::fetch(&c, &repo, &index.digest, &[], &store).unwrap();
+        assert!(none.is_empty());
+        referrers::attach(&c, &repo, &index.digest, std::slice::from_ref(&art), &store, &Progress::plain()).unwrap();
+        let tag = signature::cosign_tag(&index.digest);
+        let plan = PushPlan { tags: [(tag.clone(), doc.clone())].into(), ..PushPlan::default() };
+        push(&c, &repo, &plan, &PushOptions::default(), &Progress::plain()).unwrap();
+        let (entries, _) = referrers::list(&c, &repo, &index.digest).unwrap();
+        let found = signature::fetch(&c, &repo, &index.digest, &entries, &store).unwrap();
+        assert_eq!(found.len(), 1, "api {api}: the tag and the referrer are one manifest");
+        assert_eq!(found[0].source, format!("tag {tag}"));
+        assert_eq!((found[0].payload.clone(), found[0].signature.as_str()), (payload.clone(), "c2ln"));
+        assert_eq!(signature::signed_digest(&found[0].payload).as_deref(), Some(index.digest.as_str()));
+        // The tag moved onto a manifest without signatures: the referrer still has it.
+        let other = ManifestDoc::new(OCI_INDEX, index_bytes.clone());
+        let plan =
+            PushPlan { manifests: vec![other.clone()], tags: [(tag.clone(), other)].into(), ..PushPlan::default() };
+        push(&c, &repo, &plan, &PushOptions::default(), &Progress::plain()).unwrap();
+        let found = signature::fetch(&c, &repo, &index.digest, &entries, &store).unwrap();
+        assert_eq!(found.len(), 1);
+        assert_eq!(found[0].source, format!("referrer {}", doc.digest));
+    }
+}

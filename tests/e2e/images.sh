@@ -4,7 +4,8 @@
 # umoci as independent validators, qemu-user-static for arm64, and a small multi-arch Debian
 # base (debootstrap) served from the local registry in place of the CUDA base. Then the
 # dashboard: a second date pushed, test-all's summaries attached, `distro report`'s site checked
-# against the registry and loaded in headless Chromium.
+# against the registry and loaded in headless Chromium. Then signing: `distro sign`, `distro
+# verify --key`, the signature read back with curl and verified by openssl.
 #
 # Idempotent: installs what is missing, starts dockerd only if none runs, starts its own
 # registries on loopback, and stops what it started. Caches debootstrap output under $WORK.
@@ -12,19 +13,37 @@
 #   tests/e2e/images.sh            # needs root (apt, dockerd, binfmt_misc)
 #
 # Environment: DISTRO_E2E_WORK (work dir, default target/e2e-images), DISTRO_E2E_PORT (first of
-# two registry ports, default 5701), DEBIAN_MIRROR.
+# two registry ports, which must be free; default the first free pair from 5701), DEBIAN_MIRROR.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 WORK=${DISTRO_E2E_WORK:-$ROOT/target/e2e-images}
-PORT=${DISTRO_E2E_PORT:-5701}
-PLAIN=127.0.0.1:$PORT
-AUTH=127.0.0.1:$((PORT + 1))
 DATE=2026-01-02
 DATE2=2026-01-03 # the dashboard's second date
 mkdir -p "$WORK"
 # shellcheck source=tests/e2e/lib/images-common.sh
 source "$ROOT/tests/e2e/lib/images-common.sh"
+# The two registries' ports: DISTRO_E2E_PORT and the next, which must be free; unset, the first
+# free pair from 5701 (another registry, or a run still going, may hold 5701).
+port_holder() { # the listener on TCP port $1 (any address), empty when none
+    command -v ss >/dev/null || return 0
+    ss -Hltnp "sport = :$1" 2>/dev/null | head -1 | awk '{print $4, $6}'
+}
+if [ -n "${DISTRO_E2E_PORT:-}" ]; then
+    PORT=$DISTRO_E2E_PORT
+    for p in "$PORT" $((PORT + 1)); do
+        holder=$(port_holder "$p")
+        [ -z "$holder" ] || die "DISTRO_E2E_PORT=$PORT: port $p is taken ($holder); free it or set DISTRO_E2E_PORT to another pair"
+    done
+else
+    PORT=5701
+    while [ -n "$(port_holder "$PORT")$(port_holder $((PORT + 1)))" ]; do
+        PORT=$((PORT + 2))
+        [ "$PORT" -lt 5800 ] || die "no two free consecutive ports in 5701-5800 for the registries (ss -ltnp shows who holds them); set DISTRO_E2E_PORT"
+    done
+fi
+PLAIN=127.0.0.1:$PORT
+AUTH=127.0.0.1:$((PORT + 1))
 [ "$(id -u)" = 0 ] || die "tests/e2e/images.sh needs root: it installs Debian packages, starts dockerd and registers qemu with binfmt_misc"
 
 T0=$(date +%s)
@@ -229,6 +248,9 @@ phase "dashboard: a second date, the test summaries attached, distro report, che
     || die "build --date $DATE2 --push failed: $(tail -5 "$WORK/push-date2.log")"
 e2e_dashboard "$DISTRO" "$PLAIN/distro" engine "$WORK/site" "linux/amd64=$WORK/test-all-amd64/summary.json" \
     "linux/arm64/v8=$WORK/test-all-arm64/summary.json" -- "$DATE" "$DATE2"
+
+phase "signing: distro sign, distro verify --key, cosign's layout read back and checked with openssl"
+e2e_signing "$DISTRO" "$PLAIN" distro "engine-$DATE" "engine-$DATE2"
 
 phase "distro load (bollard) + distro run; load tar for docker load"
 docker rmi -f "$PLAIN/distro:engine-$DATE" >/dev/null  # the pulled image has served; keep Docker's disk small

@@ -23,6 +23,7 @@ pub mod report;
 pub mod retention;
 pub mod run;
 pub mod sbom;
+pub mod sign;
 pub mod sources;
 pub mod triage;
 pub mod verify;

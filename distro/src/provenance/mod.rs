@@ -23,6 +23,7 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 pub mod referrers;
+pub mod signature;
 pub mod test_summary;
 
 /// The SBOM artifact's type (and its layers' media type).

@@ -198,3 +198,80 @@ e2e_dashboard() {
     python3 "$lib/browser_check.py" "$out/screenshots" "$out/index.html" "$out/diff-${*: -1}.html" \
         || die "the dashboard's pages do not load cleanly in Chromium"
 }
+
+# e2e_signing DISTRO HOST REPO TAG_A TAG_B: `distro sign` and `distro verify --key` on two
+# different indexes HOST/REPO:TAG_A and :TAG_B (neither signed yet), checked independently of
+# distro: cosign's layout read back with curl (tag sha256-HEX.sig, one simple-signing layer, the
+# signature annotation), the payload byte for byte, the signature verified by openssl; then a
+# wrong key, a malformed key, a signature over another digest (A's copied onto B's tag), the
+# referrer path alone, and a missing signature must each be refused on one line, exit 2.
+e2e_signing() {
+    local distro=$1 host=$2 repo=$3 a=$4 b=$5 dir="$WORK/signing" k da db sig_a layer out
+    local index=application/vnd.oci.image.index.v1+json manifest=application/vnd.oci.image.manifest.v1+json
+    rm -rf "$dir" && mkdir -p "$dir"
+    for k in key other; do
+        openssl genpkey -algorithm EC -pkeyopt ec_paramgen_curve:P-256 -out "$dir/$k.pem" 2>/dev/null
+        openssl pkey -in "$dir/$k.pem" -pubout -out "$dir/$k.pub.pem"
+    done
+    da="sha256:$(curl -fsS -H "Accept: $index" "http://$host/v2/$repo/manifests/$a" | sha256sum | cut -d' ' -f1)"
+    db="sha256:$(curl -fsS -H "Accept: $index" "http://$host/v2/$repo/manifests/$b" | sha256sum | cut -d' ' -f1)"
+    [ "$da" != "$db" ] || die "e2e_signing needs two different indexes: $a and $b are both $da"
+    sig_a="sha256-${da#sha256:}.sig"
+
+    # Unsigned: verify as before without options; refused when a signature is asked for.
+    "$distro" verify "$host/$repo:$a" >"$dir/verify0.out" 2>"$dir/verify0.log" || die "distro verify (unsigned, no options) failed: $(tail -3 "$dir/verify0.log")"
+    expect_fail 2 "is not signed: no tag $sig_a" "$distro" verify "$host/$repo:$a" --require-signature
+    expect_fail 2 "is not signed" "$distro" verify "$host/$repo:$a" --key "$dir/key.pub.pem"
+    expect_fail 2 "not a PEM file" "$distro" sign "$host/$repo:$a" --key /etc/hostname
+    expect_fail 2 "a public key" "$distro" sign "$host/$repo:$a" --key "$dir/key.pub.pem"
+
+    "$distro" sign "$host/$repo:$a" --key "$dir/key.pem" >"$dir/sign.out" 2>"$dir/sign.log" || die "distro sign failed: $(tail -3 "$dir/sign.log")"
+    grep -q "^signed $host/$repo:$a ($da) with .*tagged $sig_a" "$dir/sign.out" || die "distro sign said: $(cat "$dir/sign.out")"
+
+    # cosign's layout, read with curl; the payload byte for byte; the signature checked by openssl.
+    curl -fsS -H "Accept: $manifest" "http://$host/v2/$repo/manifests/$sig_a" >"$dir/sig-manifest.json" || die "no tag $sig_a after distro sign"
+    jq -e --arg m "$manifest" '.schemaVersion == 2 and .mediaType == $m and (.layers | length) == 1
+        and .layers[0].mediaType == "application/vnd.dev.cosign.simplesigning.v1+json"
+        and (.layers[0].annotations["dev.cosignproject.cosign/signature"] | length) > 0
+        and .config.mediaType == "application/vnd.oci.image.config.v1+json"' "$dir/sig-manifest.json" >/dev/null \
+        || die "the signature manifest is not cosign's layout: $(cat "$dir/sig-manifest.json")"
+    layer=$(jq -r '.layers[0].digest' "$dir/sig-manifest.json")
+    curl -fsS "http://$host/v2/$repo/blobs/$layer" >"$dir/payload.json"
+    [ "sha256:$(sha256sum <"$dir/payload.json" | cut -d' ' -f1)" = "$layer" ] || die "the payload blob does not match its digest"
+    printf '{"critical":{"identity":{"docker-reference":"%s"},"image":{"docker-manifest-digest":"%s"},"type":"cosign container image signature"},"optional":null}' \
+        "$host/$repo" "$da" | cmp -s - "$dir/payload.json" || die "the payload is not cosign's simple signing JSON: $(cat "$dir/payload.json")"
+    jq -r '.layers[0].annotations["dev.cosignproject.cosign/signature"]' "$dir/sig-manifest.json" | base64 -d >"$dir/sig.der"
+    openssl dgst -sha256 -verify "$dir/key.pub.pem" -signature "$dir/sig.der" "$dir/payload.json" >"$dir/openssl.out" 2>&1 \
+        || die "openssl does not verify the signature: $(cat "$dir/openssl.out")"
+    if openssl dgst -sha256 -verify "$dir/other.pub.pem" -signature "$dir/sig.der" "$dir/payload.json" >/dev/null 2>&1; then
+        die "openssl verified the signature with another key"
+    fi
+    curl -fsS -H "Accept: $index" "http://$host/v2/$repo/manifests/sha256-${da#sha256:}" \
+        | jq -e '.manifests[] | select(.artifactType == "application/vnd.dev.cosign.artifact.sig.v1+json")' >/dev/null \
+        || die "the signature is not listed among the referrers of $da"
+
+    "$distro" verify "$host/$repo:$a" --key "$dir/key.pub.pem" >"$dir/verify1.out" 2>"$dir/verify1.log" \
+        || die "distro verify --key failed: $(tail -3 "$dir/verify1.log")"
+    grep -q "^verified .*; signed with $dir/key.pub.pem (tag $sig_a)" "$dir/verify1.out" || die "distro verify --key said: $(cat "$dir/verify1.out")"
+    "$distro" verify "$host/$repo@$da" --require-signature >"$dir/verify2.out" 2>&1 || die "distro verify --require-signature failed: $(cat "$dir/verify2.out")"
+    out=$("$distro" sign "$host/$repo@$da" --key "$dir/key.pem" 2>&1) || die "distro sign (again) failed: $out"
+    [[ $out == *"is already signed"* ]] || die "signing again was not a no-op: $out"
+
+    expect_fail 2 "verifies with $dir/other.pub.pem" "$distro" verify "$host/$repo:$a" --key "$dir/other.pub.pem"
+    expect_fail 2 "must be P-256" "$distro" verify "$host/$repo:$a" --key <(printf -- '-----BEGIN PUBLIC KEY-----\nAAAA\n-----END PUBLIC KEY-----\n')
+    expect_fail 2 "not a PEM file" "$distro" verify "$host/$repo:$a" --key /etc/hostname
+
+    # A's signature under B's tag: the key's, but over another digest.
+    curl -fsS -X PUT -H "Content-Type: $manifest" --data-binary @"$dir/sig-manifest.json" \
+        "http://$host/v2/$repo/manifests/sha256-${db#sha256:}.sig" >/dev/null || die "cannot copy the signature onto $b's tag"
+    expect_fail 2 "over another digest: its payload names $da" "$distro" verify "$host/$repo:$b" --key "$dir/key.pub.pem"
+
+    # The referrer alone: A's cosign tag moved onto a manifest without signatures (the index).
+    curl -fsS -H "Accept: $index" "http://$host/v2/$repo/manifests/$a" >"$dir/index.json"
+    curl -fsS -X PUT -H "Content-Type: $index" --data-binary @"$dir/index.json" "http://$host/v2/$repo/manifests/$sig_a" >/dev/null
+    "$distro" verify "$host/$repo:$a" --key "$dir/key.pub.pem" >"$dir/verify3.out" 2>"$dir/verify3.log" \
+        || die "distro verify --key through the referrer failed: $(tail -3 "$dir/verify3.log")"
+    grep -q "; signed with $dir/key.pub.pem (referrer sha256:" "$dir/verify3.out" || die "distro verify did not find the referrer: $(cat "$dir/verify3.out")"
+    curl -fsS -X PUT -H "Content-Type: $manifest" --data-binary @"$dir/sig-manifest.json" "http://$host/v2/$repo/manifests/$sig_a" >/dev/null
+    log "signing: $(cat "$dir/sign.out"); openssl: $(cat "$dir/openssl.out")"
+}
