@@ -61,7 +61,8 @@ pub fn resume_point_with(
     let saved_on = ck.state.shards.unwrap_or(1);
     let (saved, now) = (ck.config.train.batch_size * saved_on, config.train.batch_size * devices);
     let mut differ = incompatible_keys(&ck.config, config);
-    differ.retain(|k| !k.starts_with("train.batch_size ") && !(reset_optimizer && k.starts_with("optim.")));
+    // The global batch is checked below; the optimizer's keys may change with a fresh state.
+    differ.retain(|k| !k.starts_with("train.batch_size ") && (!reset_optimizer || !k.starts_with("optim.")));
     if (saved.0 - now.0).abs() > 1e-9 * saved.0.max(now.0) {
         // A batch size that would keep the global batch on this many devices.
         let keep = crate::config::BatchSize(saved.0 / devices as f64);

@@ -472,6 +472,37 @@ impl Loader {
         }
     }
 
+    /// How many validation samples [`Loader::validation_batch`] reads before it reads one of them
+    /// again (samples `0..n` are all distinct), and what they are, for messages. A mixture draws
+    /// each sample's source by the weights, so one source's tail can run out before the others':
+    /// its draws count up to the first that would read a sample of a spent tail again.
+    pub fn distinct_validation_samples(&self) -> (usize, String) {
+        if let Some((_, windows)) = &self.validation {
+            return (*windows, "the validation set (data.validation_path)".into());
+        }
+        let percent = VALIDATION_FRACTION * 100.0;
+        let Some(mix) = &self.mix else {
+            return (self.streams[0].val_windows, format!("the held-out tail (the last {percent} %) of the data"));
+        };
+        let total: usize = self.streams.iter().map(|s| s.val_windows).sum();
+        let mut counts = vec![0; self.streams.len()];
+        for n in 0..total {
+            let i = mix.val.source(n as u64);
+            if counts[i] == self.streams[i].val_windows {
+                let spent = &self.streams[i];
+                return (
+                    n,
+                    format!(
+                        "the held-out tails (the last {percent} %) of the mixture's sources, drawn by the weights until the {} of source {} are spent",
+                        spent.val_windows, spent.name
+                    ),
+                );
+            }
+            counts[i] += 1;
+        }
+        (total, format!("the held-out tails (the last {percent} %) of the mixture's sources"))
+    }
+
     /// Tokens in the training sources.
     pub fn source_len(&self) -> usize {
         self.streams.iter().map(|s| s.source.len()).sum()
@@ -775,6 +806,31 @@ mod tests {
         l.next_batch(&mut t, &mut y);
         assert_eq!(l.tokens_by_source(), Some([("a/".to_owned(), 40 * SEQ as u64)].into()));
         assert_eq!(l.position().sources.len(), 1);
+    }
+
+    /// The distinct validation samples: the validation set's, one source's tail, or a mixture's
+    /// draws up to the first that would read a spent tail's sample again (source a's 5 samples,
+    /// at 75 % of the draws, run out before b's 3): exactly where `validation_batch` first reads
+    /// a sample it read before.
+    #[test]
+    fn distinct_validation_samples_end_where_a_sample_comes_round_again() {
+        let first_repeat = |l: &mut Loader, n: usize| {
+            let (mut t, mut y) = (vec![0; n * SEQ], vec![0; n * SEQ]);
+            l.validation_batch(0, &mut t, &mut y);
+            let firsts: Vec<u32> = t.chunks(SEQ).map(|s| s[0]).collect();
+            (0..n).find(|&i| firsts[..i].contains(&firsts[i])).unwrap()
+        };
+        let mut mixed = Loader::open(mixture(false), SEQ, 5, 0, 1).unwrap();
+        let (n, what) = mixed.distinct_validation_samples();
+        assert!(n < 5 + 3 && what.contains("until the 5 of source a/ are spent"), "{n}: {what}");
+        assert_eq!(first_repeat(&mut mixed, 20), n);
+        let mut own = Loader::open(mixture(true), SEQ, 5, 0, 1).unwrap();
+        assert_eq!(own.distinct_validation_samples(), (10, "the validation set (data.validation_path)".into()));
+        assert_eq!(first_repeat(&mut own, 20), 10);
+        let mut one = Loader::new(Box::new(Counting(0, 801)), SEQ, 5, 0, 1).unwrap();
+        let (n, what) = one.distinct_validation_samples();
+        assert_eq!((n, what.as_str()), (5, "the held-out tail (the last 5 %) of the data"));
+        assert_eq!(first_repeat(&mut one, 20), 5);
     }
 
     /// A validation set that is the training data, or holds a copy of one of its shards, made

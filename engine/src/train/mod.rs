@@ -715,6 +715,20 @@ impl<B: Backend> Trainer<B> {
     /// Mean next-token cross-entropy over the first `batches · batch_size` validation samples
     /// (the same samples at every evaluation), and the tokens it covers.
     pub fn eval_loss(&mut self, batches: usize) -> (f64, usize) {
+        match self.eval_loss_unless_stopped(batches, None) {
+            Ok(done) => done,
+            Err(_) => unreachable!("an evaluation without a stop request runs to its end"),
+        }
+    }
+
+    /// [`Trainer::eval_loss`], abandoned between two batches when `stop` asks the run to stop:
+    /// every device of the run stops before the same batch ([`EvalStops`]), within about a
+    /// second of the request, and none sums the partial loss. Returns the batches evaluated.
+    fn eval_loss_unless_stopped(
+        &mut self,
+        batches: usize,
+        stop: Option<&signals::StopRequest>,
+    ) -> std::result::Result<(f64, usize), usize> {
         let (be, par) = (&mut self.backend, &mut self.parallel);
         let microbatches = self.config.train.pipeline_microbatches;
         let moe = self.config.model.moe.is_some();
@@ -723,7 +737,11 @@ impl<B: Backend> Trainer<B> {
         let (rank, shards) = par.batch_rank();
         let loss = self.plan.scalars.at(LOSS_ACCUM, 1);
         be.fill(loss, 0.0);
+        let mut stops = stop.map(EvalStops::new);
         for i in 0..batches {
+            if stops.as_mut().is_some_and(|s| s.stop_before(i, be, par)) {
+                return Err(i);
+            }
             for j in 0..microbatches {
                 let first = ((i * shards + rank) * microbatches + j) * self.plan.batch;
                 self.loader.validation_batch(first, &mut self.tokens, &mut self.targets);
@@ -755,7 +773,90 @@ impl<B: Backend> Trainer<B> {
         par.sum_over_pipeline(be, loss);
         let sum = read_scalar(be, loss);
         let tokens = batches * microbatches * self.tokens.len() * shards;
-        (sum / tokens as f64, tokens)
+        Ok((sum / tokens as f64, tokens))
+    }
+
+    /// Refuses a `train.eval_steps` whose evaluation reads more validation samples than the
+    /// validation split holds: past them the loader comes round to the same samples again, and
+    /// a stray value (billions) evaluated for hours. One line with the arithmetic, before the
+    /// first step.
+    fn check_eval_steps(&self) -> Result<()> {
+        let t = &self.config.train;
+        let p = &self.parallel_plan;
+        let (steps, shards, micro, batch) = (t.eval_steps, p.batch_shards, p.microbatches, p.microbatch);
+        let per_step = (shards * micro * batch) as u128;
+        let reads = steps as u128 * per_step;
+        let (distinct, what) = self.loader.distinct_validation_samples();
+        if reads <= distinct as u128 {
+            return Ok(());
+        }
+        let fits = match distinct as u128 / per_step {
+            0 => format!(
+                "the split holds fewer than one evaluation batch of {per_step}: lower train.batch_size or set data.validation_path to a larger validation set"
+            ),
+            n => format!("set train.eval_steps to at most {n}"),
+        };
+        bail!(
+            "train.eval_steps = {steps} reads {steps} x {shards} batch shard(s) x {micro} pipeline micro-batch(es) x {batch} sequence(s) = {reads} validation samples per evaluation, more than the {distinct} distinct samples of {what} (of train.seq_len + 1 = {} tokens each): past them it would read the same samples again; {fits}",
+            t.seq_len + 1
+        )
+    }
+}
+
+/// Seconds of evaluation between two exchanges of the devices' stop flags, about
+/// ([`EvalStops`]).
+const EVAL_STOP_EVERY_S: f64 = 0.25;
+
+/// How an evaluation learns of a stop request between its batches. On one device it looks
+/// before every batch (an atomic load). On several, every device must stop before the same
+/// batch, else the others wait for it in their next collective: before the first batch and then
+/// every few batches they exchange their "asked to stop" flags, with the time the batches
+/// before the last exchange took on each, from which every device computes the same spacing of
+/// the exchanges: about [`EVAL_STOP_EVERY_S`] of the slowest device's batches, starting at one
+/// batch and at most doubling each time. The exchange's collective waits for the device's
+/// work, so the times are the batches' own, not their launches'.
+struct EvalStops<'a> {
+    stop: &'a signals::StopRequest,
+    /// The batch before which the devices next exchange their flags.
+    next: usize,
+    /// Batches from the last exchange to `next`.
+    span: usize,
+    /// Batches between the two exchanges before the last, and the microseconds they took on
+    /// this device: what it sends at the next exchange.
+    measured: (usize, u64),
+    /// When the last exchange ended (the evaluation's start before the first).
+    since: Instant,
+}
+
+impl<'a> EvalStops<'a> {
+    fn new(stop: &'a signals::StopRequest) -> EvalStops<'a> {
+        EvalStops { stop, next: 0, span: 0, measured: (0, 0), since: Instant::now() }
+    }
+
+    /// Whether the devices stop before batch `i` (every device calls it before each batch).
+    fn stop_before<B: Backend>(&mut self, i: usize, be: &mut B, par: &mut Parallel<B>) -> bool {
+        let asked = self.stop.requested().is_some();
+        if par.mesh.devices() == 1 {
+            return asked;
+        }
+        if i != self.next {
+            return false;
+        }
+        let (span, micros) = self.measured;
+        let all = par.gather_from_world(be, (micros.min((1 << 46) - 1) << 1) | asked as u64);
+        let now = Instant::now();
+        self.measured = (self.span, (now - self.since).as_micros() as u64);
+        self.since = now;
+        if all.iter().any(|v| v & 1 == 1) {
+            return true;
+        }
+        let slowest = all.iter().map(|v| v >> 1).max().unwrap_or(0);
+        let next = match (span, slowest) {
+            (0, _) | (_, 0) => 1,
+            _ => ((span as f64 * EVAL_STOP_EVERY_S * 1e6 / slowest as f64) as usize).clamp(1, 2 * self.span.max(1)),
+        };
+        (self.next, self.span) = (i + next, next);
+        false
     }
 }
 

@@ -114,11 +114,19 @@ pub struct Summary {
 /// asked this one to stop, whether rank 0's clock says a checkpoint is due
 /// (`train.checkpoint_every_minutes`), and its step time. So every rank stops after the same
 /// step, saves the same steps, and the lead learns the slowest rank. A run stopped on request
-/// saves a checkpoint of the step it stopped after, waits for it, and ends with [`Stopped`].
+/// saves a checkpoint of the step it stopped after, waits for it, and ends with [`Stopped`]. An
+/// evaluation (`train.eval_steps` batches, which may take long) looks for a stop request between
+/// its batches, every rank before the same batch: a request abandons it (no `eval_loss` for that
+/// step, a line says so) and stops the run after that step. A `train.eval_steps` that reads more
+/// validation samples than there are is refused before the first step.
 pub fn run<B: Backend>(trainer: &mut Trainer<Traced<B>>, s: &Session) -> Result<Option<Summary>> {
     let config = trainer.config.clone();
     let (steps, first) = (config.train.steps, trainer.step);
     let devices = trainer.devices();
+    if config.train.eval_every > 0 {
+        // Every rank refuses alike, before its first collective.
+        trainer.check_eval_steps()?;
+    }
     if devices > 1 {
         // Every process read the run directory on its own: make sure they found the same start.
         let firsts = trainer.parallel.gather_from_world(&mut trainer.backend, first);
@@ -225,13 +233,25 @@ pub fn run<B: Backend>(trainer: &mut Trainer<Traced<B>>, s: &Session) -> Result<
             m.straggler = Some(found);
         }
         let every = |n: usize| n > 0 && (step.is_multiple_of(n) || step == steps);
-        let mut eval_s = 0.0;
+        let (mut eval_s, mut abandoned) = (0.0, false);
         if every(config.train.eval_every) {
-            let (loss, took) = goodput::timed(|| trainer.eval_loss(config.train.eval_steps).0);
-            (m.eval_loss, eval_s) = (Some(loss), took);
+            // A stop request ends the evaluation between two batches, on every rank alike.
+            let batches = config.train.eval_steps;
+            let (done, took) = goodput::timed(|| trainer.eval_loss_unless_stopped(batches, Some(&s.stop)));
+            eval_s = took;
+            match done {
+                Ok((loss, _)) => m.eval_loss = Some(loss),
+                Err(after) => {
+                    abandoned = true;
+                    log.say(&format!(
+                        "step {step}: evaluation abandoned after {after} of {batches} batches ({took:.1} s): the run was asked to stop; no eval_loss for this step"
+                    ));
+                }
+            }
         }
-        // The last step ends the run anyway: a request to stop there changes nothing.
-        let stop = agreed.stop && step < steps;
+        // The last step ends the run anyway: a request to stop there changes nothing (but the
+        // evaluation it abandoned).
+        let stop = (agreed.stop || abandoned) && step < steps;
         let due = saver.due(step as u64, steps as u64) || agreed.timed || stop;
         if due {
             clock.restart();
@@ -588,6 +608,70 @@ pub(crate) mod tests {
         assert_eq!(records.len(), 1);
         assert!(records[0]["slowest_rank"].as_u64().is_some_and(|r| r < 2), "{text}");
         assert!(!tmp.path().join(run_dir::SUMMARY).exists(), "a stopped run is not complete");
+    }
+
+    /// A stop request during a long evaluation (13,000 batches on the synthetic data, tens of
+    /// seconds) ends it within about a second, on one device and on two FSDP devices where only
+    /// rank 1 is asked (the evaluation's collectives would wait for the other otherwise): the
+    /// step has no eval_loss, the run stops after it with its checkpoint.
+    #[test]
+    fn a_stop_request_ends_a_long_evaluation_within_a_second() {
+        for devices in [1, 2] {
+            let tmp = tempfile::tempdir().unwrap();
+            let fsdp = format!("mesh.ici_fsdp={devices}");
+            // A model 4 times the test's usual per token: the whole evaluation takes tens of seconds.
+            let wider = ["model.d_model=128", "model.head_dim=32", "model.mlp_dim=512"];
+            let eval = ["data.source=\"synthetic\"", "train.eval_every=1", "train.eval_steps=13000"];
+            let c = config(&[&["mesh.ici_data=1", &fsdp][..], &wider, &eval].concat());
+            let stopped = devices::run(&c, devices, |rank, t| {
+                let stop = StopRequest::own();
+                let asked = stop.clone();
+                let requester = std::thread::spawn(move || {
+                    std::thread::sleep(Duration::from_millis(500));
+                    if rank + 1 == devices {
+                        asked.request(libc::SIGTERM);
+                    }
+                    Instant::now()
+                });
+                let e = run(t, &session(tmp.path(), rank == 0, stop)).unwrap_err();
+                let after = requester.join().unwrap().elapsed();
+                Ok((e.downcast::<Stopped>().unwrap(), after))
+            })
+            .unwrap();
+            for (rank, (s, after)) in stopped.iter().enumerate() {
+                eprintln!("{devices} device(s), rank {rank}: stopped {after:?} after the request");
+                assert_eq!(s.step, 1, "{devices} device(s), rank {rank}");
+                assert!(
+                    *after < Duration::from_millis(1500),
+                    "{devices} device(s), rank {rank}: {after:?} after the request"
+                );
+            }
+            let text = std::fs::read_to_string(tmp.path().join(run_dir::METRICS)).unwrap();
+            let records: Vec<serde_json::Value> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+            assert_eq!(records.len(), 1, "{text}");
+            assert!(records[0].get("eval_loss").is_none(), "an abandoned evaluation recorded a loss: {text}");
+            let ck = checkpoint::Checkpoint::open(&stopped[0].0.checkpoint).unwrap();
+            assert_eq!(ck.state.step, 1);
+        }
+    }
+
+    /// A `train.eval_steps` that reads past the validation split (the embedded corpus holds out
+    /// 200 samples of 33 tokens) is refused before the first step, on every rank alike.
+    #[test]
+    fn eval_steps_past_the_validation_split_are_refused() {
+        let tmp = tempfile::tempdir().unwrap();
+        let c = config(&["mesh.ici_data=1", "mesh.ici_fsdp=2", "train.eval_every=2", "train.eval_steps=101"]);
+        let refused = devices::run(&c, 2, |rank, t| {
+            Ok(run(t, &session(tmp.path(), rank == 0, StopRequest::own())).unwrap_err().to_string())
+        })
+        .unwrap();
+        let want = "train.eval_steps = 101 reads 101 x 2 batch shard(s) x 1 pipeline micro-batch(es) x 1 sequence(s) = 202 validation samples per evaluation, more than the 200 distinct samples of the held-out tail (the last 5 %) of the data (of train.seq_len + 1 = 33 tokens each): past them it would read the same samples again; set train.eval_steps to at most 100";
+        assert_eq!(refused, [want, want]);
+        assert!(!tmp.path().join(run_dir::METRICS).exists());
+        let c = config(&["mesh.ici_data=1", "mesh.ici_fsdp=2", "train.eval_every=6", "train.eval_steps=100"]);
+        let tmp = tempfile::tempdir().unwrap();
+        let ran = devices::run(&c, 2, |rank, t| run(t, &session(tmp.path(), rank == 0, StopRequest::own())));
+        assert!(ran.unwrap()[0].as_ref().is_some_and(|s| s.final_eval_loss.is_some()));
     }
 
     /// The exchange: any rank's stop counts, only rank 0's clock does, and the slowest rank is
