@@ -78,6 +78,7 @@ PHASES=(
     "bench-qwen3|7|bench/compare.py at 2 x 4096: qwen3-8b cut to 10 layers against torch.compile per block (QWEN3_PEERS), qwen3-30b-a3b cut to 4 layers against eager transformers and grouped-mm (QWEN3_MOE_PEERS), QWEN3_ROUNDS rounds each"
     "bench-gpt-oss|6|bench/compare.py at 2 x 4096: gpt-oss-20b cut to 3 layers against transformers' GptOssForCausalLM (eager attention) in eager PyTorch and compiled per block (GPT_OSS_PEERS), GPT_OSS_ROUNDS rounds"
     "bench-gemma3|5|bench/compare.py at 2 x 4096: gemma3-1b (26 layers, 262k vocabulary) against transformers' Gemma3ForCausalLM (SDPA attention) in eager PyTorch and compiled per block (GEMMA3_PEERS), GEMMA3_ROUNDS rounds"
+    "bench-muon|3|Muon against AdamW: engine gpu-test's Muon checks, then llama3.2-1b at 4 x 4096, a step of each optimizer, two interleaved rounds"
     "long-cpu|4|the long run's first 3 steps on the CPU (the reference for long-check)"
     "long-1|3|the long run on the GPU: steps 1 to 250, checkpoint"
     "long-2|2|the long run: resume, steps 251 to 500, checkpoint"
@@ -312,6 +313,23 @@ phase() {
         "$PYTHON" bench/compare.py --engine "$ENGINE" --python "$PYTHON" --recipe gemma3-1b --peers "$GEMMA3_PEERS" \
             --set train.seq_len=4096 --set train.batch_size=2 \
             --rounds "$GEMMA3_ROUNDS" --json "$out/gemma3-1b.json" 2>&1 | tee "$out/gemma3-1b.log"
+        ;;
+    bench-muon)
+        # optim.name = "muon" against "adamw" on the same GPU (docs/PERF.md#muon): the momentum
+        # and norm kernels against the CPU first, then llama3.2-1b's whole step with each
+        # optimizer, two interleaved rounds. Muon's extra time is its Newton-Schulz products
+        # (5 iterations of X Xᵀ, A² and B X in bf16 per matrix, 2r²c + r³ multiply-adds each for
+        # an r x c matrix, r ≤ c: 46 TFLOP a step for the 16 layers' 7 matrices, against the
+        # step's own 6 x 1.24 B x 16384 = 122 TFLOP at 4 x 4096; a larger batch dilutes it).
+        # Five files.
+        "$ENGINE" gpu-test --only muon --json "$out/gpu-test-muon.json"
+        local round optimizer
+        for round in 1 2; do
+            for optimizer in adamw muon; do
+                "$ENGINE" --device "$DEVICE" bench --recipe llama3.2-1b --set train.seq_len=4096 --set train.batch_size=4 \
+                    --set "optim.name=$optimizer" --steps 6 --warmup 3 --json "$out/bench-$optimizer-$round.json"
+            done
+        done
         ;;
     long-cpu)
         # The same seed gives the same initial weights and data order on both devices; the CPU

@@ -432,6 +432,10 @@ fn checks(scale: Scale) -> Vec<(String, Check)> {
             Box::new(move |g, _| expert_axis(g, scale)),
         );
     }
+    add(
+        "tiny-llama2 with Muon: bf16 Newton-Schulz follows the CPU, memory as planned",
+        Box::new(move |g, _| models::muon(g, scale)),
+    );
     // tiny-gpt trains on a GPU only: its 20 steps took 397 s on the emulator (its loss and
     // gradients are checked above there too).
     let trained: &[&str] = if scale.emulated {

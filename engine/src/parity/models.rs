@@ -212,6 +212,39 @@ pub(super) fn fsdp_bf16_gathers(gpu: Cuda, scale: Scale) -> Result<String, Strin
     two_devices(gpu, scale, "tiny-llama2", &["mesh.ici_data=1", "mesh.ici_fsdp=2"], "FSDP 2")
 }
 
+/// Muon (`optim.name = "muon"`): steps on the GPU (its Newton–Schulz iterations in bf16) follow
+/// the CPU's f32 ones, and the GPU allocates what the memory plan says, Muon's assembly buffer
+/// and scratch at 2 bytes an element. (Its FSDP assembly is checked on the CPU's virtual
+/// devices, `train::devices`; two emulated devices took 180 s more here.)
+pub(super) fn muon(gpu: Cuda, scale: Scale) -> Result<String, String> {
+    use crate::parallel::plan::ParallelPlan;
+    let sets = ["model.d_model=128", "model.mlp_dim=128", "optim.name=muon", "optim.muon.lr=0.02"];
+    let config = tiny("tiny-llama2", scale, &sets);
+    let steps = 2;
+    let target = Target::Cuda { sm_count: gpu.info().sm_count as usize };
+    let estimate = ParallelPlan::resolve(&config, 1, 1).map_err(failure)?.estimate(&config, target).total();
+    let mut trainer = Trainer::new(gpu, &config).map_err(failure)?;
+    let on_gpu: Vec<f64> = (0..steps).map(|_| trainer.train_step(0.0).loss).collect();
+    let allocated = trainer.backend.memory_in_use().0;
+    let mut cpu = Trainer::new(Cpu::new(), &config).map_err(failure)?;
+    let on_cpu: Vec<f64> = (0..steps).map(|_| cpu.train_step(0.0).loss).collect();
+    for (i, (a, b)) in on_gpu.iter().zip(&on_cpu).enumerate() {
+        if (a - b).abs() > 2e-3 * b.abs() {
+            return Err(format!("step {}: loss {a} on the GPU, {b} on the CPU", i + 1));
+        }
+    }
+    if on_cpu[1] >= on_cpu[0] {
+        return Err(format!("the CPU's losses {on_cpu:.4?} do not fall"));
+    }
+    let detail = format!(
+        "losses {on_gpu:.4?} on the GPU, {on_cpu:.4?} on the CPU; allocated {:.4} GiB, planned {:.4} GiB",
+        gib(allocated),
+        gib(estimate)
+    );
+    let off = (allocated as f64 - estimate as f64).abs() / estimate as f64;
+    if off > 0.01 { Err(format!("{detail}: {:.2} % off", 100.0 * off)) } else { Ok(detail) }
+}
+
 /// The expert axis over two devices: each runs its experts' grouped products on the rows the
 /// other routes to them (per-sender offsets into the received rows), and the two follow one
 /// device training the same global batch, allocating what the memory plan says.
