@@ -319,3 +319,20 @@ fn a_rank_slowed_on_purpose_is_named_a_straggler_and_no_other_run_warns() {
         eprintln!("{}", warnings[0]);
     }
 }
+
+/// Muon across processes, bit for bit its virtual devices: its matrices assembled over TCP from
+/// FSDP's pieces and tensor slices (round-robin owners: a reduce-scatter and an all-gather) on
+/// tiny-llama2 under FSDP 2 x tensor 2, and each expert's matrices on their own device on
+/// tiny-mixtral under EP 2 x FSDP 2.
+#[test]
+fn muon_across_processes_follows_virtual_devices() {
+    let muon = ["optim.name=muon", "optim.muon.lr=0.02"];
+    for (recipe, mesh) in [
+        ("tiny-llama2", &["mesh.ici_data=1", "mesh.ici_fsdp=2", "mesh.ici_tensor=2"][..]),
+        ("tiny-mixtral", &["mesh.ici_data=2", "mesh.ici_fsdp=2", "mesh.ici_expert=2"][..]),
+    ] {
+        let sets = [&muon[..], mesh].concat();
+        let (_dir, procs, virt) = recipe_processes_and_virtual(recipe, &format!("mp-muon-{recipe}"), 4, "3", &sets);
+        assert_eq!((procs.len(), &procs), (3, &virt), "Muon, {recipe}");
+    }
+}

@@ -151,23 +151,29 @@ pub fn newton_schulz<B: Backend>(
     be.sum_squares(norm, x);
     be.divide_by_norm(x, norm, eps);
     let plain = |m, n, k| MatMul { m, n, k, a_t: false, b_t: false, accumulate: false };
+    // Each sum is accumulated in the product (one rounding, as torch's addmm), its addend
+    // scaled first.
+    let scaled = |be: &mut B, dst: View, src: View, s: f32| {
+        be.copy(dst, src);
+        be.scale(dst, s);
+    };
+    let c_gram = product.at(0, r * r);
     for _ in 0..steps {
         // A = X Xᵀ (wide), Xᵀ X (tall): r × r.
         let square = if tall { MatMul { a_t: true, ..plain(r, r, long) } } else { MatMul { b_t: true, ..plain(r, r, long) } };
         be.matmul(gram, x, x, square);
-        // B = b A + c A².
-        be.matmul(update, gram, gram, plain(r, r, r));
-        be.scale(update, c);
-        be.scale(gram, b);
-        be.add(update, gram);
+        // B = b A + (c A) A.
+        scaled(be, update, gram, b);
+        scaled(be, c_gram, gram, c);
+        be.matmul(update, c_gram, gram, MatMul { accumulate: true, ..plain(r, r, r) });
         // X ← a X + B X (wide), a X + X Bᵀ (tall).
+        scaled(be, product, x, a);
         if tall {
-            be.matmul(product, x, update, MatMul { b_t: true, ..plain(long, r, r) });
+            be.matmul(product, x, update, MatMul { b_t: true, accumulate: true, ..plain(long, r, r) });
         } else {
-            be.matmul(product, update, x, plain(r, long, r));
+            be.matmul(product, update, x, MatMul { accumulate: true, ..plain(r, long, r) });
         }
-        be.scale(x, a);
-        be.add(x, product);
+        be.copy(x, product);
     }
 }
 
