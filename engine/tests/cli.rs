@@ -195,7 +195,10 @@ fn bad_input_gets_one_clear_line() {
             &["--recipe", "tiny-llama2", "--set", "optim.muon.adjust_lr_fn=spectral"],
             "unknown variant `spectral`, expected `original` or `match_rms_adamw`",
         ),
-        (&["--recipe", "tiny-llama2", "--reset-optimizer"], "--reset-optimizer resets a resumed run's optimizer state: add --resume"),
+        (
+            &["--recipe", "tiny-llama2", "--reset-optimizer"],
+            "--reset-optimizer resets a resumed run's optimizer state: add --resume",
+        ),
         (
             &[
                 "--recipe",

@@ -8,8 +8,8 @@
 use std::time::Instant;
 
 use super::{
-    AdamWStep, AttnNeeds, AttnShape, Backend, BufKind, ExpertWeights, Glu, IdxView, MatMul, MlaShape, MoeDispatch, MuonMomentum,
-    Segment, SeqSplit, View, fp8,
+    AdamWStep, AttnNeeds, AttnShape, Backend, BufKind, ExpertWeights, Glu, IdxView, MatMul, MlaShape, MoeDispatch,
+    MuonMomentum, Segment, SeqSplit, View, fp8,
 };
 
 /// One timed op.

@@ -47,7 +47,8 @@ impl Tensor {
     /// of the attention or an MLP (experts' and shared experts' included); not the embeddings,
     /// the output head, a router, a norm or a bias, which AdamW keeps (docs/recipes.md).
     pub fn is_hidden_matrix(&self) -> bool {
-        const KEPT: [&str; 6] = ["embed_tokens.", "transformer.wte.", "transformer.wpe.", "lm_head.", ".gate.weight", ".router.weight"];
+        const KEPT: [&str; 6] =
+            ["embed_tokens.", "transformer.wte.", "transformer.wpe.", "lm_head.", ".gate.weight", ".router.weight"];
         self.shape.len() == 2 && self.decay && !self.is_buffer() && !KEPT.iter().any(|k| self.name.contains(k))
     }
 

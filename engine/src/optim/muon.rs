@@ -160,7 +160,8 @@ pub fn newton_schulz<B: Backend>(
     let c_gram = product.at(0, r * r);
     for _ in 0..steps {
         // A = X Xᵀ (wide), Xᵀ X (tall): r × r.
-        let square = if tall { MatMul { a_t: true, ..plain(r, r, long) } } else { MatMul { b_t: true, ..plain(r, r, long) } };
+        let square =
+            if tall { MatMul { a_t: true, ..plain(r, r, long) } } else { MatMul { b_t: true, ..plain(r, r, long) } };
         be.matmul(gram, x, x, square);
         // B = b A + (c A) A.
         scaled(be, update, gram, b);

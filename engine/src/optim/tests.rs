@@ -32,7 +32,11 @@ const MODELS: [(&str, &str, &str); 2] = [
         "tiny-mixtral",
         "model.vocab_size=32 model.d_model=16 model.n_layers=1 model.n_heads=2 model.n_kv_heads=1 model.head_dim=8 model.mlp_dim=24 model.moe.num_experts=2",
     ),
-    ("gpt", "tiny-gpt", "model.vocab_size=32 model.d_model=16 model.n_layers=1 model.n_heads=2 model.n_kv_heads=2 model.head_dim=8 model.mlp_dim=32 model.max_seq_len=8 train.seq_len=8"),
+    (
+        "gpt",
+        "tiny-gpt",
+        "model.vocab_size=32 model.d_model=16 model.n_layers=1 model.n_heads=2 model.n_kv_heads=2 model.head_dim=8 model.mlp_dim=32 model.max_seq_len=8 train.seq_len=8",
+    ),
 ];
 
 fn fixture_dir() -> PathBuf {
@@ -95,8 +99,14 @@ fn compare(reference: &Path) -> [f64; 3] {
             let layout = slice.local.clone();
             let n = layout.len;
             let (params, grads) = (be.alloc(BufKind::Params, n), be.alloc(BufKind::Grads, n));
-            let mut par =
-                Parallel::new(&mut be, Box::new(Solo), Mesh::single(), slice, (params, grads), FsdpOptions::of(&c.mesh));
+            let mut par = Parallel::new(
+                &mut be,
+                Box::new(Solo),
+                Mesh::single(),
+                slice,
+                (params, grads),
+                FsdpOptions::of(&c.mesh),
+            );
             let moments = (be.alloc(BufKind::OptState, n), be.alloc(BufKind::OptState, n));
             let norm = be.alloc(BufKind::Scalars, 1);
             let mut opt = Optimizer::new(&mut be, &par, &c.optim).unwrap();
@@ -170,7 +180,10 @@ fn check([param, engine, torch]: [f64; 3], what: &str) {
     eprintln!(
         "largest relative errors{what}: parameters against torch {param:.2e}; steps against f64: the engine's {engine:.2e}, torch's f32 {torch:.2e}"
     );
-    assert!(engine <= (2.0 * torch).max(1e-6), "the engine's steps: {engine:.2e} from the f64 run's, torch's f32 {torch:.2e}");
+    assert!(
+        engine <= (2.0 * torch).max(1e-6),
+        "the engine's steps: {engine:.2e} from the f64 run's, torch's f32 {torch:.2e}"
+    );
 }
 
 /// The reference made again from PyTorch (ENGINE_TEST_TORCH_PYTHON; skipped without).
@@ -184,11 +197,8 @@ fn muon_and_adamw_equal_pytorchs_made_now() {
     let spec = dir.path().join("spec.json");
     std::fs::write(&spec, self::spec()).unwrap();
     let out = dir.path().join("reference.safetensors");
-    let status = std::process::Command::new(python)
-        .arg(fixture_dir().join("make.py"))
-        .args([&spec, &out])
-        .status()
-        .unwrap();
+    let status =
+        std::process::Command::new(python).arg(fixture_dir().join("make.py")).args([&spec, &out]).status().unwrap();
     assert!(status.success(), "make.py failed");
     check(compare(&out), " (made now)");
 }

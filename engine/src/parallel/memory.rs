@@ -91,7 +91,8 @@ pub fn device_estimate_slots(
     if config.optim.name == crate::config::OptimName::Muon {
         // Muon's assembly buffer and Newton–Schulz scratch, in the activations' type.
         let muon = super::strategies::MatrixScratch::of_model(config, model, fsdp);
-        e.optimizer += muon.total() * element_bytes(BufKind::Activations, target) + element_bytes(BufKind::Scalars, target);
+        e.optimizer +=
+            muon.total() * element_bytes(BufKind::Activations, target) + element_bytes(BufKind::Scalars, target);
     }
     (e, slot_bytes(config, model, batch, target))
 }

@@ -1722,7 +1722,12 @@ mod tests {
             }
             for sets in [
                 vec!["mesh.ici_data=1", "mesh.ici_fsdp=2", "optim.muon.distribution=\"everywhere\""],
-                vec!["mesh.ici_data=1", "mesh.ici_fsdp=2", "mesh.ici_tensor=2", "optim.muon.distribution=\"everywhere\""],
+                vec![
+                    "mesh.ici_data=1",
+                    "mesh.ici_fsdp=2",
+                    "mesh.ici_tensor=2",
+                    "optim.muon.distribution=\"everywhere\"",
+                ],
             ] {
                 let devices = if sets.len() == 4 { 4 } else { 2 };
                 assert_follows("everywhere", &muon_config("tiny-llama2", &sets), devices);
@@ -1737,11 +1742,15 @@ mod tests {
             use crate::checkpoint::{self, Checkpoint};
             let tmp = std::env::temp_dir().join(format!("engine-muon-ck-{}", std::process::id()));
             let _ = std::fs::remove_dir_all(&tmp);
-            let c = muon_config("tiny-llama2", &["mesh.ici_data=1", "mesh.ici_fsdp=2", "mesh.ici_tensor=2", "train.steps=6"]);
+            let c = muon_config(
+                "tiny-llama2",
+                &["mesh.ici_data=1", "mesh.ici_fsdp=2", "mesh.ici_tensor=2", "train.steps=6"],
+            );
             let (steps, half) = (c.train.steps as u64, 3u64);
             let curve = train_and_save(&c, 4, half, &tmp).unwrap();
             let ck = Checkpoint::open(&tmp.join(checkpoint::dir_name(half))).unwrap();
-            let rest = |t: &mut Trainer<Traced<Cpu>>| -> Vec<f64> { (half..steps).map(|_| t.train_step(0.0).loss).collect() };
+            let rest =
+                |t: &mut Trainer<Traced<Cpu>>| -> Vec<f64> { (half..steps).map(|_| t.train_step(0.0).loss).collect() };
             let same_mesh = run(&c, 4, |_, t| {
                 t.resume_from(&ck)?;
                 Ok(rest(t))
@@ -1758,7 +1767,10 @@ mod tests {
             let mut adamw = one.clone();
             adamw.optim.name = crate::config::OptimName::Adamw;
             let e = checkpoint::resume_point(&tmp, None, &adamw, 1).unwrap_err().to_string();
-            assert!(e.contains("optim.name (checkpoint \"muon\", now \"adamw\")") && e.contains("--reset-optimizer"), "{e}");
+            assert!(
+                e.contains("optim.name (checkpoint \"muon\", now \"adamw\")") && e.contains("--reset-optimizer"),
+                "{e}"
+            );
             let ck = checkpoint::resume_point_with(&tmp, None, &adamw, 1, true).unwrap();
             let mut t = Trainer::new(Traced::new(Cpu::new()), &adamw).unwrap();
             t.resume_from(&ck).unwrap();
@@ -1781,7 +1793,8 @@ mod tests {
             let estimate = plan.estimate(&c, crate::model::memory::Target::Cpu);
             let mut adamw = c.clone();
             adamw.optim.name = crate::config::OptimName::Adamw;
-            let without = ParallelPlan::resolve(&adamw, 2, 1).unwrap().estimate(&adamw, crate::model::memory::Target::Cpu);
+            let without =
+                ParallelPlan::resolve(&adamw, 2, 1).unwrap().estimate(&adamw, crate::model::memory::Target::Cpu);
             assert!(estimate.optimizer > without.optimizer, "Muon's scratch is not counted");
             let peaks = run(&c, 2, |_, t| {
                 t.train_step(0.0);

@@ -39,9 +39,8 @@ mod swiglu;
 mod gradcheck;
 
 use super::{
-    AdamWStep, AttnShape, Backend, BufId, BufKind, ExpertWeights, Glu, IdxView, MatMul, MlaShape, MoeDispatch, MuonMomentum,
-    Segment,
-    SeqSplit, View, fp8,
+    AdamWStep, AttnShape, Backend, BufId, BufKind, ExpertWeights, Glu, IdxView, MatMul, MlaShape, MoeDispatch,
+    MuonMomentum, Segment, SeqSplit, View, fp8,
 };
 
 /// Rows handled by one task in row-parallel kernels with cross-row reductions; fixed so that

@@ -71,7 +71,8 @@ impl<B: Backend> Parallel<B> {
             for (block, (row, rows)) in g.matrices().into_iter().enumerate() {
                 let start = g.offset + row * cols;
                 let end = start + rows * cols;
-                let pieces = overlapping(&chunks, start..end).map(|(local, global, len)| (local, global - start, len)).collect();
+                let pieces =
+                    overlapping(&chunks, start..end).map(|(local, global, len)| (local, global - start, len)).collect();
                 let split = self.slice.is_split(i);
                 out.push(HeldMatrix { name: format!("{}#{block}", g.name), rows, cols, pieces, split });
             }
