@@ -60,6 +60,7 @@ fn the_script_parses_and_lists_phases_within_the_time_budget() {
         "bench-qwen3",
         "bench-gpt-oss",
         "bench-gemma3",
+        "bench-muon",
         "long-1",
         "long-4",
         "long-check",
@@ -76,7 +77,8 @@ fn the_script_parses_and_lists_phases_within_the_time_budget() {
     assert_eq!(total, Some(sum), "{stdout}");
     // Eight slots of 10 minutes: what a lent GPU's time should cover when every phase runs (the
     // Mixtral phase of issue 35 took the 5 minutes left spare of six; the Qwen3 phase a seventh,
-    // the GPT-OSS phase an eighth; the Gemma 3 phase 5 of the 8 minutes then still spare).
+    // the GPT-OSS phase an eighth; the Gemma 3 phase 5 of the 8 minutes then still spare, the Muon phase
+    // the last 3).
     assert!(sum <= 80, "the phases take {sum} minutes, more than 80: {stdout}");
     assert!(stdout.contains("which were measured on a GPU"), "{stdout}");
 }

@@ -72,11 +72,6 @@ impl Optimizer {
         };
         be.adamw(params, grads, m, v, norm_sq, &self.adamw, step);
     }
-
-    /// Elements of the scratch Muon allocated on this device (0 without Muon).
-    pub fn scratch_len(&self) -> usize {
-        self.muon.as_ref().map_or(0, muon::Muon::scratch_len)
-    }
 }
 
 /// The learning rates of step `step` (0-based) of a run of `total_steps`: the schedule of

@@ -78,11 +78,6 @@ impl Muon {
         })
     }
 
-    /// Elements of the scratch this device allocated (the activations' type).
-    pub fn scratch_len(&self) -> usize {
-        self.buf.len + 2 * self.gram.len + self.product.len
-    }
-
     /// One step over `par`'s optimizer buffers, its momentum buffer `momentum` laid out like
     /// them, at learning rate `lr` (before each matrix's adjustment). Zeroes the gradients of
     /// Muon's segments.
