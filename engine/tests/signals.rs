@@ -56,17 +56,22 @@ fn send(child: &Child, signal: i32) {
     assert_eq!(unsafe { libc::kill(child.id() as i32, signal) }, 0);
 }
 
+/// Runs `engine ARGS`, sends `signal` once its first step is logged, and waits for it: its exit
+/// code, stderr and stdout.
+fn signalled_after_a_step(args: &[&str], signal: i32) -> (Option<i32>, String, String) {
+    let mut child = engine_cmd(args).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    let rest = wait_for_line(&mut child, "step");
+    send(&child, signal);
+    let out = child.wait_with_output().unwrap();
+    (out.status.code(), String::from_utf8_lossy(&out.stderr).into_owned(), rest.join().unwrap())
+}
+
 #[test]
 fn sigusr2_to_a_single_process_run_is_a_line_and_it_trains_on() {
     let dir = scratch("signals-usr2-train");
     let run = dir.join("run");
-    let mut child =
-        engine_cmd(&train_args(s(&run), "400")).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
-    let rest = wait_for_line(&mut child, "step");
-    send(&child, libc::SIGUSR2);
-    let out = child.wait_with_output().unwrap();
-    let (stderr, stdout) = (String::from_utf8_lossy(&out.stderr), rest.join().unwrap());
-    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    let (code, stderr, stdout) = signalled_after_a_step(&train_args(s(&run), "400"), libc::SIGUSR2);
+    assert_eq!(code, Some(0), "{stderr}");
     assert!(stderr.contains("SIGUSR2: this process keeps no flight record"), "{stderr}");
     assert!(stdout.contains("done: "), "{stdout}");
 }
@@ -79,12 +84,8 @@ fn sigusr2_to_the_launcher_reaches_the_ranks_which_train_on() {
     let train = train_args(s(&run), "300");
     args.extend(train);
     args.extend(["--set", "mesh.ici_data=2"]);
-    let mut child = engine_cmd(&args).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
-    let rest = wait_for_line(&mut child, "step");
-    send(&child, libc::SIGUSR2);
-    let out = child.wait_with_output().unwrap();
-    let (stderr, stdout) = (String::from_utf8_lossy(&out.stderr), rest.join().unwrap());
-    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    let (code, stderr, stdout) = signalled_after_a_step(&args, libc::SIGUSR2);
+    assert_eq!(code, Some(0), "{stderr}");
     assert!(stderr.contains("received SIGUSR2: passed it on to the 2 processes running"), "{stderr}");
     assert!(stdout.contains("done: "), "{stdout}");
     for rank in 0..2 {

@@ -2,7 +2,7 @@
 //! on platform P to a pushed index as an OCI referrer ([`crate::provenance::test_summary`]), for
 //! `distro report` to read back. Prints one line saying what was attached, and how; exit 75
 //! when the registry cannot be reached.
-use super::parse_ref;
+use super::parse_index_ref;
 use crate::error::bad_input;
 use crate::oci::manifest::{Descriptor, is_index};
 use crate::oci::platform::Platform;
@@ -38,10 +38,7 @@ pub struct AttachTestArgs {
 
 /// Runs `distro attach-test`.
 pub fn attach_test_cmd(a: AttachTestArgs) -> Result<ExitCode> {
-    let r = parse_ref(&a.image, "IMAGE")?;
-    if r.tag.is_none() && r.digest.is_none() {
-        return Err(bad_input(format!("IMAGE {}: name the index by tag or digest (REPO:TAG or REPO@DIGEST)", a.image)));
-    }
+    let r = parse_index_ref(&a.image)?;
     let what = a.summary.display().to_string();
     let bytes = read_summary(&a.summary, &what)?;
     let summary = TestSummary::parse(&bytes, &what)?;

@@ -101,6 +101,16 @@ fn parse_ref(s: &str, what: &str) -> Result<Reference> {
     Reference::parse(s).map_err(|e| bad_input(format!("{what}: {e:#}")))
 }
 
+/// Parses `IMAGE`, a pushed index named by tag or digest (`REPO:TAG` or `REPO@DIGEST`); a bad
+/// one, or one naming neither, is bad input (exit 2).
+fn parse_index_ref(s: &str) -> Result<Reference> {
+    let r = parse_ref(s, "IMAGE")?;
+    if r.tag.is_none() && r.digest.is_none() {
+        return Err(bad_input(format!("IMAGE {s}: name the index by tag or digest (REPO:TAG or REPO@DIGEST)")));
+    }
+    Ok(r)
+}
+
 /// Parses `--repo`: a repository without a tag or digest (the dated tags are found in it); a bad
 /// one is bad input (exit 2).
 fn parse_repo(s: &str) -> Result<Reference> {

@@ -2,7 +2,7 @@
 //! does ([`crate::provenance::signature`]): cosign's tag `sha256-HEX.sig`, which `cosign verify
 //! --key` reads, and the same manifest as a referrer, beside the SBOM. Prints one line saying
 //! what was signed and where the signature went; exit 75 when the registry cannot be reached.
-use super::parse_ref;
+use super::parse_index_ref;
 use crate::error::bad_input;
 use crate::oci::bundle::ManifestDoc;
 use crate::oci::digest::Digest;
@@ -42,10 +42,7 @@ pub struct SignArgs {
 
 /// Runs `distro sign`.
 pub fn sign_cmd(a: SignArgs) -> Result<ExitCode> {
-    let r = parse_ref(&a.image, "IMAGE")?;
-    if r.tag.is_none() && r.digest.is_none() {
-        return Err(bad_input(format!("IMAGE {}: name the index by tag or digest (REPO:TAG or REPO@DIGEST)", a.image)));
-    }
+    let r = parse_index_ref(&a.image)?;
     // The key first: a bad one is refused before anything is fetched or sent.
     let key = SigningKey::load(&a.key)?;
     let key_name = a.key.display().to_string();

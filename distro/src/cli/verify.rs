@@ -3,7 +3,7 @@
 //! verified. With `--key PUB.pem` the index must also carry that key's signature over its digest
 //! ([`crate::provenance::signature`]); a missing, foreign or misdirected signature is bad input
 //! (exit 2, one line), checked before the SBOM and provenance.
-use super::parse_ref;
+use super::parse_index_ref;
 use crate::error::bad_input;
 use crate::oci::manifest::is_index;
 use crate::oci::store::BlobStore;
@@ -38,10 +38,7 @@ pub struct VerifyArgs {
 
 /// Runs `distro verify`.
 pub fn verify_cmd(a: VerifyArgs) -> Result<ExitCode> {
-    let r = parse_ref(&a.image, "IMAGE")?;
-    if r.tag.is_none() && r.digest.is_none() {
-        return Err(bad_input(format!("IMAGE {}: name the index by tag or digest (REPO:TAG or REPO@DIGEST)", a.image)));
-    }
+    let r = parse_index_ref(&a.image)?;
     // The key first: a malformed one is refused before anything is fetched.
     let key = a.key.as_deref().map(PublicKey::load).transpose()?;
     let client = Client::new(Credentials::from_environment(Some(r.api_host()))?, a.insecure)?;

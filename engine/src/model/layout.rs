@@ -52,9 +52,10 @@ impl Tensor {
         self.shape.len() == 2 && self.decay && !self.is_buffer() && !KEPT.iter().any(|k| self.name.contains(k))
     }
 
-    /// The logical matrices it stores, as `(first row, rows)`: the GPT family's packed
-    /// `c_attn` holds q, k and v (multi-head attention: three equal blocks of rows), Muon
-    /// orthogonalising each on its own; every other tensor is one matrix.
+    /// The logical blocks of rows it stacks, as `(first row, rows)`: the GPT family's packed
+    /// `c_attn` (weight and bias) holds q, k and v (multi-head attention: three equal blocks),
+    /// which tensor parallelism splits and Muon orthogonalises each on its own; every other
+    /// tensor is one block.
     pub fn matrices(&self) -> Vec<(usize, usize)> {
         let rows = self.shape[0];
         if self.name.contains("attn.c_attn.") {

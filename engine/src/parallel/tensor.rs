@@ -73,12 +73,6 @@ pub fn split_of(name: &str) -> Split {
     }
 }
 
-/// How many blocks a split-by-rows tensor stacks, each split on its own: GPT's `c_attn` (q, k
-/// and v; multi-head attention, so three equal blocks); one for the others.
-fn row_blocks(name: &str) -> usize {
-    if name.contains("attn.c_attn.") { 3 } else { 1 }
-}
-
 /// The configuration one device of a tensor group of `size` runs (see the module comment).
 /// The caller has checked divisibility ([`crate::parallel::mesh::Mesh::check_model`]).
 pub fn local_config(m: &ModelConfig, size: usize) -> ModelConfig {
@@ -174,8 +168,9 @@ impl TensorSlice {
                 _ if size == 1 => Run { local: t.offset, global: g.offset, len: t.len(), count: 1, stride: 0 },
                 Split::Replicated => Run { local: t.offset, global: g.offset, len: t.len(), count: 1, stride: 0 },
                 Split::Rows => {
-                    // Each block's rows `r · rows / T ..` (one block but for GPT's `c_attn`).
-                    let blocks = row_blocks(&t.name);
+                    // Each block's rows `r · rows / T ..`: the logical matrices a tensor stacks
+                    // (one but for GPT's `c_attn`, q, k and v), each split on its own.
+                    let blocks = t.matrices().len();
                     let (len, stride) = (t.len() / blocks, g.len() / blocks);
                     Run { local: t.offset, global: g.offset + rank * len, len, count: blocks, stride }
                 }
