@@ -181,7 +181,12 @@ fn bad_input_gets_one_clear_line() {
     let bad_toml = dir.join("bad.toml");
     std::fs::write(&bad_toml, "[model]\nd_model = 64\nn_layers = \"two\"\n").unwrap();
     let bad_str = bad_toml.to_str().unwrap();
-    let cases: [(&[&str], &str); 27] = [
+    let cases: [(&[&str], &str); 29] = [
+        (&["--recipe", "tiny-llama2", "--set", "optim.qk_clip=-1"], "optim.qk_clip = -1 must be a non-negative number"),
+        (
+            &["--recipe", "tiny-qwen3", "--set", "optim.name=muon", "--set", "optim.qk_clip=100"],
+            "optim.qk_clip = 100: this model normalises every q and k head after its projection",
+        ),
         (&["--recipe", "tiny-gpt", "--set", "model.n_kv_heads=2"], "model.n_kv_heads = 2 must equal model.n_heads = 4"),
         (
             &["--recipe", "tiny-llama2", "--set", "optim.name=muon", "--set", "optim.muon.ns_steps=0"],

@@ -197,7 +197,7 @@ fn a_packed_document_has_its_logits_alone() {
 fn cudnn_is_not_chosen_under_document_masking() {
     let s = AttnShape { batch: 1, seq: 64, n_heads: 2, n_kv_heads: 1, head_dim: 16, window: 0, scale: None };
     let mut gpu = Cuda::emulated().unwrap();
-    let documents = AttnNeeds { documents: true, seq_split: false, sinks: false };
+    let documents = AttnNeeds { documents: true, ..AttnNeeds::default() };
     let err = gpu.select_attention(AttentionImpl::Cudnn, s, documents).unwrap_err().to_string();
     assert!(
         err.starts_with("train.attention = \"cudnn\": data.document_mask = true needs the native kernels"),

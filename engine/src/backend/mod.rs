@@ -520,6 +520,8 @@ pub struct AttnNeeds {
     /// Learned sinks ([`Backend::attention_sinks_forward`]), which read the attention's
     /// log-sum-exp in the native kernels' layout.
     pub sinks: bool,
+    /// Each head's largest logit (QK-clip: [`Backend::attention_logit_max`]).
+    pub logit_max: bool,
 }
 
 /// A compute device and the ops of a training step.
@@ -749,6 +751,13 @@ pub trait Backend {
     fn attention_forward(&mut self, out: View, lse: View, qkv: View, shape: AttnShape);
     /// Gradient of [`Backend::attention_forward`] with respect to the packed qkv rows (`=`).
     fn attention_backward(&mut self, dqkv: View, dout: View, qkv: View, out: View, lse: View, shape: AttnShape);
+    /// QK-clip's measurement (`optim.qk_clip`): until called again with `None`, every attention
+    /// forward pass (plain, documents, split) also max-accumulates each query head's largest
+    /// scaled, masked logit, `max over its queries i and the keys j they see of q_i · k_j · c`,
+    /// into `into[h]` (`[heads]`, f32: a [`BufKind::Scalars`] view), as the online softmax's
+    /// final running maximum gives it. The caller fills `into` with −∞ to start. A backend whose
+    /// attention cannot say refuses [`AttnNeeds::logit_max`] in [`Backend::select_attention`].
+    fn attention_logit_max(&mut self, into: Option<View>);
 
     /// What a chunk of a sequence split over the sequence axis (half of a rank's rows) must be
     /// a multiple of for [`Backend::attention_forward_split`], or `None` when this backend takes

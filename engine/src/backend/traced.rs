@@ -251,6 +251,9 @@ impl<B: Backend> Backend for Traced<B> {
     fn attention_backward(&mut self, dqkv: View, dout: View, qkv: View, out: View, lse: View, shape: AttnShape) {
         self.time("attention_backward", |b| b.attention_backward(dqkv, dout, qkv, out, lse, shape))
     }
+    fn attention_logit_max(&mut self, into: Option<View>) {
+        self.inner.attention_logit_max(into)
+    }
     fn seq_chunk_multiple(&self) -> Option<usize> {
         self.inner.seq_chunk_multiple()
     }

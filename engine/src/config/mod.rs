@@ -28,7 +28,7 @@ pub mod count;
 pub mod flat;
 pub mod recipe;
 
-use anyhow::{Result, anyhow};
+use anyhow::{Result, anyhow, bail};
 use serde::{Deserialize, Serialize};
 
 pub use recipe::{Origin, Override, Resolved, resolve};
@@ -152,6 +152,12 @@ impl Config {
         self.model.validate()?;
         self.train.validate(&self.model)?;
         self.optim.validate()?;
+        if self.optim.qk_clip > 0.0 && self.model.qk_norm() {
+            bail!(
+                "optim.qk_clip = {}: this model normalises every q and k head after its projection (model.qk_norm: Qwen3, Gemma 3), so rescaling the projections cannot lower its logits; set optim.qk_clip = 0",
+                self.optim.qk_clip
+            );
+        }
         // The mesh's sizes are checked against the devices and the model when a run starts
         // (`parallel/mesh.rs`): the tensor axis splits every family, GPT's biases included.
         self.data.validate(&self.model)

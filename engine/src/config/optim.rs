@@ -140,6 +140,15 @@ section! {
         pub weight_decay: f64 = 0.1,
         /// Clip the global gradient norm to this value; 0 disables clipping.
         pub grad_clip: f64 = 1.0,
+        /// QK-clip (Kimi K2's MuonClip with `name = "muon"`; any optimizer takes it): after each
+        /// step, the q and k projections of every head whose largest attention logit `S` went
+        /// past this threshold are rescaled so that it comes back to it (`η = τ / S`); 0
+        /// disables it. Kimi K2 trained with 100. Not with `model.qk_norm`, whose norms undo it.
+        @resumable
+        pub qk_clip: f64 = 0.0,
+        /// How QK-clip shares `η` between a head's queries (`η^α`) and keys (`η^(1−α)`).
+        @resumable
+        pub qk_clip_alpha: f64 = 0.5,
         /// Muon's keys (`name = "muon"`).
         pub muon: MuonConfig = MuonConfig::default(),
     }
@@ -161,6 +170,15 @@ impl OptimConfig {
         }
         if !(0.0..=1.0).contains(&self.min_lr_ratio) {
             bail!("optim.min_lr_ratio = {} must lie in [0, 1]", self.min_lr_ratio);
+        }
+        if !at_least(self.qk_clip, 0.0) {
+            bail!(
+                "optim.qk_clip = {} must be a non-negative number (a logit threshold such as 100; 0 disables it)",
+                self.qk_clip
+            );
+        }
+        if !(0.0..=1.0).contains(&self.qk_clip_alpha) {
+            bail!("optim.qk_clip_alpha = {} must lie in [0, 1] (0.5 shares the rescaling equally)", self.qk_clip_alpha);
         }
         self.muon.validate()
     }

@@ -63,6 +63,9 @@ pub struct Model {
     /// Which linear layers run in FP8, and how they are scaled (`train.precision = "fp8"`);
     /// none: all in the backend's precision. Set before planning.
     pub fp8: Option<Fp8Policy>,
+    /// Whether the attention forward passes record each head's largest logit for QK-clip
+    /// (`optim.qk_clip`: [`Plan::logit_max`]). Set before planning.
+    pub logit_max: bool,
     /// Devices that share the global batch's tokens (data × fsdp × seq), over which the
     /// load-balancing loss averages: its routing statistics are summed over them
     /// ([`Exchange::batch_sum`]).
@@ -192,6 +195,7 @@ impl Model {
             layout: Layout::stage(config, stage),
             remat: Remat::None,
             fp8: None,
+            logit_max: false,
             batch_shards: 1,
             seq: SeqSplit::WHOLE,
             documents: None,

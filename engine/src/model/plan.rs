@@ -190,6 +190,11 @@ pub struct Plan {
     /// The FP8 products' scaling states and cast scratch (`train.precision = "fp8"`), shared by
     /// every slot; none without FP8 products.
     pub fp8: Option<super::Fp8Buffers>,
+    /// QK-clip's measurement (`optim.qk_clip`, [`Model::logit_max`]): each head's largest
+    /// attention logit this step, `[layers of the whole model × this device's heads]`, by the
+    /// layer's place in the whole model (so that every virtual stage and slot shares it); the
+    /// trainer fills it with −∞ before each step. None without QK-clip.
+    pub logit_max: Option<View>,
     /// The buffers shared by all layers, by name.
     shared: std::collections::HashMap<&'static str, View>,
 }
@@ -574,6 +579,10 @@ impl Model {
             dmla,
             refill_last: reuse.is_some(),
             fp8: self.plan_fp8(n, take, reuse),
+            logit_max: self.logit_max.then(|| match reuse {
+                Some(first) => first.logit_max.expect("internal error: a slot without the first's logit maxima"),
+                None => take(BufKind::Scalars, self.config.n_layers * self.config.n_heads),
+            }),
             shared,
         }
     }

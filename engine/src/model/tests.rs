@@ -41,6 +41,12 @@ fn setup_with(config: ModelConfig, batch: usize, seq: usize, remat: Remat, docum
     let mut model = Model::new(&config);
     model.remat = remat;
     model.documents = documents;
+    setup_model(model, batch, seq)
+}
+
+/// [`setup_with`] for a model with its options set.
+fn setup_model(model: Model, batch: usize, seq: usize) -> Setup {
+    let (config, documents) = (model.config.clone(), model.documents);
     let mut cpu = Cpu::new();
     let plan = model.plan(&mut cpu, batch, seq);
     let params = init::params(&model, 5);
@@ -347,5 +353,67 @@ fn recomputation_changes_memory_but_not_a_bit_of_the_gradients() {
         assert!(sizes[1].activations < sizes[0].activations, "{:?}: {sizes:?}", config.family);
         assert!(sizes[2].activations < sizes[1].activations, "{:?}: {sizes:?}", config.family);
         assert!(sizes[2].scalars < sizes[0].scalars, "{:?}: {sizes:?}", config.family);
+    }
+}
+
+/// QK-clip's rescaling (`optim/qk_clip.rs`) does what it promises, for every kind of attention:
+/// after it, the same batch gives each clipped head of the first layer exactly the threshold as
+/// its largest logit and every other head its old one. Grouped-query (Llama), multi-head with
+/// the packed projection's bias (GPT), grouped-query with biases and sinks (GPT-OSS), latent
+/// with and without a query latent and YaRN's scale (DeepSeek-V3); the maxima recorded are
+/// those of the forward pass (the first layer's input does not depend on the rescaling).
+#[test]
+fn qk_clip_brings_each_clipped_head_to_the_threshold() {
+    use crate::optim::qk_clip::layer_scales;
+    let oss = ModelConfig {
+        family: Family::GptOss,
+        n_kv_heads: 2,
+        sliding_window: 4,
+        window_pattern: 2,
+        moe: Some(MoeConfig { num_experts: 4, top_k: 2, ..MoeConfig::default() }),
+        ..small(Family::GptOss)
+    };
+    let kinds = [
+        ("llama", small(Family::Llama)),
+        ("gpt", gpt()),
+        ("gpt-oss", oss),
+        ("deepseek", deepseek(12, true, true)),
+        ("deepseek without a query latent", deepseek(0, false, false)),
+    ];
+    for (name, config) in kinds {
+        let mut model = Model::new(&config);
+        model.logit_max = true;
+        let mut s = setup_model(model, 2, 7);
+        let maxima = |s: &mut Setup| {
+            let m = s.plan.logit_max.expect("planned");
+            s.cpu.fill(m, f32::NEG_INFINITY);
+            s.model.forward(&mut s.cpu, &s.plan, None, &mut crate::model::Alone);
+            let mut out = vec![0f32; m.len];
+            s.cpu.download(m, &mut out);
+            out
+        };
+        let h = config.n_heads;
+        let before = maxima(&mut s)[..h].to_vec();
+        let mut sorted = before.clone();
+        sorted.sort_by(f32::total_cmp);
+        let tau = (sorted[h / 2 - 1] + sorted[h / 2]) as f64 / 2.0;
+        assert!(tau > 0.0 && sorted[0] < sorted[h - 1], "{name}: maxima {before:?}");
+        let mut params = s.params.clone();
+        for r in layer_scales(&config, 0, &before, tau, 0.3) {
+            let t = s.model.layout.tensors.iter().find(|t| t.name == r.tensor).expect("tensor");
+            let cols = t.shape.get(1).copied().unwrap_or(1);
+            params[t.offset + r.rows.start * cols..t.offset + r.rows.end * cols]
+                .iter_mut()
+                .for_each(|p| *p *= r.factor);
+        }
+        s.set_params(&params);
+        let after = maxima(&mut s);
+        for (head, (&b, &a)) in before.iter().zip(&after).enumerate() {
+            let want = (b as f64).min(tau);
+            assert!(
+                (a as f64 - want).abs() <= 1e-5 * want.abs().max(1.0),
+                "{name}, head {head}: {a} after, want {want} (before {b}, threshold {tau})"
+            );
+        }
     }
 }

@@ -9,6 +9,7 @@
 //! (`--reset-optimizer` starts both buffers afresh instead).
 
 pub mod muon;
+pub mod qk_clip;
 pub mod schedule;
 
 use crate::backend::{AdamWStep, Backend, Segment, View};

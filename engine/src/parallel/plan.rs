@@ -199,6 +199,7 @@ impl ParallelPlan {
         let mut model = Model::for_stage(&local_config(&config.model, self.mesh.size(Axis::Tensor)), stage);
         model.remat = config.train.remat;
         model.fp8 = crate::model::Fp8Policy::of(&config.train);
+        model.logit_max = config.optim.qk_clip > 0.0;
         // The estimate needs only whether the document bounds are kept (8 bytes a token; on a
         // seq axis the whole sequences' bounds and tokens); the EOS id itself is read from the
         // shards when training starts.

@@ -490,6 +490,22 @@ impl<B: Backend> Parallel<B> {
         out[0]
     }
 
+    /// `max x` over every device of the mesh. Every device calls it at the same point.
+    pub fn max_over_world(&mut self, be: &mut B, x: f32) -> f32 {
+        let v = self.scratch.at(0, 1);
+        be.upload(v, &[x]);
+        let world: Vec<usize> = (0..self.mesh.devices()).collect();
+        self.comm.all_reduce_max(be, v, &world);
+        let mut out = [0f32];
+        be.download(v, &mut out);
+        out[0]
+    }
+
+    /// Devices whose gradients and losses add up (data × fsdp × seq).
+    pub fn batch_devices(&self) -> usize {
+        self.batch.len()
+    }
+
     /// `value` of every device of the mesh, in rank order, exactly (integers below 2^48: each
     /// travels as three 16-bit limbs in its own place of a buffer summed over the mesh, sums
     /// that f32 holds exactly). Every device calls it at the same point.

@@ -433,7 +433,7 @@ fn checks(scale: Scale) -> Vec<(String, Check)> {
         );
     }
     add(
-        "tiny-llama2 with Muon: bf16 Newton-Schulz follows the CPU, memory as planned",
+        "tiny-llama2 with MuonClip: bf16 Newton-Schulz and QK-clip follow the CPU, memory as planned",
         Box::new(move |g, _| models::muon(g, scale)),
     );
     // tiny-gpt trains on a GPU only: its 20 steps took 397 s on the emulator (its loss and

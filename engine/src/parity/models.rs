@@ -212,32 +212,49 @@ pub(super) fn fsdp_bf16_gathers(gpu: Cuda, scale: Scale) -> Result<String, Strin
     two_devices(gpu, scale, "tiny-llama2", &["mesh.ici_data=1", "mesh.ici_fsdp=2"], "FSDP 2")
 }
 
-/// Muon (`optim.name = "muon"`): steps on the GPU (its Newton–Schulz iterations in bf16) follow
-/// the CPU's f32 ones, and the GPU allocates what the memory plan says, Muon's assembly buffer
-/// and scratch at 2 bytes an element. (Its FSDP assembly is checked on the CPU's virtual
-/// devices, `train::devices`; two emulated devices took 180 s more here.)
+/// MuonClip (`optim.name = "muon"` with `optim.qk_clip`): steps on the GPU (Newton–Schulz in
+/// bf16; each head's largest logit recorded by the attention kernels, every head's projections
+/// rescaled on the f32 masters and their bf16 copies) follow the CPU's f32 ones, the maxima
+/// agree, and the GPU allocates what the memory plan says, Muon's assembly buffer and scratch at
+/// 2 bytes an element. The threshold is below every logit these weights give, so every head
+/// clips at every step, and the second step's loss reads the first's rescaling. (Its FSDP
+/// assembly is checked on the CPU's virtual devices, `train::devices`; two emulated devices took
+/// 180 s more here.)
 pub(super) fn muon(gpu: Cuda, scale: Scale) -> Result<String, String> {
     use crate::parallel::plan::ParallelPlan;
-    let sets = ["model.d_model=128", "model.mlp_dim=128", "optim.name=muon", "optim.muon.lr=0.02"];
+    let sets =
+        ["model.d_model=128", "model.mlp_dim=128", "optim.name=muon", "optim.muon.lr=0.02", "optim.qk_clip=0.01"];
     let config = tiny("tiny-llama2", scale, &sets);
     let steps = 2;
     let target = Target::Cuda { sm_count: gpu.info().sm_count as usize };
     let estimate = ParallelPlan::resolve(&config, 1, 1).map_err(failure)?.estimate(&config, target).total();
     let mut trainer = Trainer::new(gpu, &config).map_err(failure)?;
-    let on_gpu: Vec<f64> = (0..steps).map(|_| trainer.train_step(0.0).loss).collect();
+    let on_gpu: Vec<_> = (0..steps).map(|_| trainer.train_step(0.0)).collect();
     let allocated = trainer.backend.memory_in_use().0;
     let mut cpu = Trainer::new(Cpu::new(), &config).map_err(failure)?;
-    let on_cpu: Vec<f64> = (0..steps).map(|_| cpu.train_step(0.0).loss).collect();
+    let on_cpu: Vec<_> = (0..steps).map(|_| cpu.train_step(0.0)).collect();
+    let heads = config.model.n_layers * config.model.n_heads;
     for (i, (a, b)) in on_gpu.iter().zip(&on_cpu).enumerate() {
-        if (a - b).abs() > 2e-3 * b.abs() {
-            return Err(format!("step {}: loss {a} on the GPU, {b} on the CPU", i + 1));
+        if (a.loss - b.loss).abs() > 2e-3 * b.loss.abs() {
+            return Err(format!("step {}: loss {} on the GPU, {} on the CPU", i + 1, a.loss, b.loss));
+        }
+        let (x, y) = (a.max_logit.unwrap_or(f64::NAN), b.max_logit.unwrap_or(f64::NAN));
+        if (x - y).abs() > 2e-2 * y.abs() || a.clipped_heads != Some(heads) || b.clipped_heads != Some(heads) {
+            return Err(format!(
+                "step {}: largest logit {x} on the GPU, {y} on the CPU; heads clipped {:?} and {:?} of {heads}",
+                i + 1,
+                a.clipped_heads,
+                b.clipped_heads
+            ));
         }
     }
+    let losses = |steps: &[crate::train::metrics::StepMetrics]| steps.iter().map(|m| m.loss).collect::<Vec<_>>();
+    let (on_gpu, on_cpu) = (losses(&on_gpu), losses(&on_cpu));
     if on_cpu[1] >= on_cpu[0] {
         return Err(format!("the CPU's losses {on_cpu:.4?} do not fall"));
     }
     let detail = format!(
-        "losses {on_gpu:.4?} on the GPU, {on_cpu:.4?} on the CPU; allocated {:.4} GiB, planned {:.4} GiB",
+        "losses {on_gpu:.4?} on the GPU, {on_cpu:.4?} on the CPU, all {heads} heads clipped at each step; allocated {:.4} GiB, planned {:.4} GiB",
         gib(allocated),
         gib(estimate)
     );

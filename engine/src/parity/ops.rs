@@ -448,13 +448,21 @@ pub(super) fn attention(mut gpu: Cuda, s: AttnShape, unmasked: bool, native: boo
     let qkv = t.random(ACT, s.rows() * s.qkv_width(), 1.0);
     let (out, lse) = (t.alloc(ACT, s.rows() * s.q_width()), t.alloc(F32S, s.rows() * s.n_heads));
     let (dout, dqkv) = (t.random(ACT, s.rows() * s.q_width(), 1.0), t.alloc(ACT, s.rows() * s.qkv_width()));
+    // QK-clip's maxima, recorded by the native kernels (cuDNN's have none).
+    let maxima = native.then(|| t.alloc(F32S, s.n_heads));
     t.both(|be| {
+        if let Some(m) = maxima {
+            be.fill(m, f32::NEG_INFINITY);
+            be.attention_logit_max(Some(m));
+        }
         be.attention_forward(out, lse, qkv, s);
+        be.attention_logit_max(None);
         be.attention_backward(dqkv, dout, qkv, out, lse, s);
     });
     t.check("out", out, BF16)?;
-    if native {
+    if let Some(m) = maxima {
         t.check("lse", lse, F32)?;
+        t.check("logit maxima", m, F32)?;
     }
     compare_qkv_gradients(&mut t, dqkv, s)?;
     scale_matters(&mut t, qkv, out, s, SeqSplit::WHOLE, None)?;
@@ -512,12 +520,17 @@ pub(super) fn attention_split(
         t.both(|be| be.document_bounds(bounds, None, tokens, s.seq * split.ranks, 1));
         bounds
     });
+    let maxima = t.alloc(F32S, s.n_heads);
     t.both(|be| {
+        be.fill(maxima, f32::NEG_INFINITY);
+        be.attention_logit_max(Some(maxima));
         be.attention_forward_split(out, lse, qkv, s, split, bounds);
+        be.attention_logit_max(None);
         be.attention_backward_split(dqkv, dout, qkv, out, lse, s, split, bounds);
     });
     t.check("out", out, BF16)?;
     t.check("lse", lse, F32)?;
+    t.check("logit maxima", maxima, F32)?;
     let g = compare_qkv_gradients(&mut t, dqkv, s)?;
     let (q, w) = (s.q_width(), s.qkv_width());
     // The other ranks' rows have no query gradient: exactly zero, not small.

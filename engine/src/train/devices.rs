@@ -1692,7 +1692,7 @@ mod tests {
     /// own; the gradient norm's curve shows a matrix updated twice or not at all at once.
     mod muon {
         use super::gpt_oss::{assert_follows, one_device};
-        use super::qwen3::{every_axis, expert_axes};
+        use super::qwen3::{Axis, every_axis, expert_axes};
         use super::*;
 
         fn muon_config(recipe: &str, extra: &[&str]) -> Config {
@@ -1818,6 +1818,71 @@ mod tests {
             axes.extend(every_axis().into_iter().filter(|(name, _, _)| !name.contains("interleaved")));
             for (name, sets, devices) in axes {
                 assert_follows(name, &muon_config("tiny-mixtral", &[&moe[..], &sets].concat()), devices);
+            }
+        }
+
+        /// MuonClip (Muon with `optim.qk_clip`), its threshold set below the steps' largest
+        /// logits so that it rescales heads every step: the step line's maxima and counts are
+        /// there, the curve moves, and every axis follows one device (the maxima taken over
+        /// the batch axes, each device rescaling its pieces and heads of the projections): on
+        /// tiny-llama2 (grouped-query) FSDP 2, tensor 2, seq 2, pipeline 2 (1F1B, interleaved)
+        /// and FSDP 2 x tensor 2; on tiny-gpt (the packed projection and its bias) FSDP 2 x
+        /// tensor 2; on tiny-deepseek-v3 (latent) tensor 2.
+        #[test]
+        fn muon_clip_on_every_axis_follows_one_device() {
+            let measure = |recipe: &str, extra: &[&str]| -> Vec<f64> {
+                let mut c = muon_config(recipe, extra);
+                c.optim.qk_clip = 1e9;
+                c.train.batch_size *= 2;
+                let mut t = Trainer::new(Traced::new(Cpu::new()), &c).unwrap();
+                (0..c.train.steps).map(|_| t.train_step(0.0).max_logit.expect("measured")).collect()
+            };
+            let cases: [(&str, &[&str], Vec<Axis>); 3] = [
+                ("tiny-llama2", &["model.init_std=0.1"], {
+                    let mut axes = every_axis();
+                    axes.push(("FSDP=2 x TP=2", vec!["mesh.ici_data=1", "mesh.ici_fsdp=2", "mesh.ici_tensor=2"], 4));
+                    axes
+                }),
+                (
+                    "tiny-gpt",
+                    &["model.max_seq_len=32", "model.init_std=0.1"],
+                    vec![("FSDP=2 x TP=2", vec!["mesh.ici_data=1", "mesh.ici_fsdp=2", "mesh.ici_tensor=2"], 4)],
+                ),
+                (
+                    "tiny-deepseek-v3",
+                    &[
+                        "model.init_std=0.1",
+                        "model.mla.nope_dim=8",
+                        "model.mla.rope_dim=8",
+                        "model.mla.v_dim=8",
+                        "model.moe.num_experts=4",
+                        "model.moe.top_k=2",
+                        "model.moe.groups=1",
+                        "model.moe.top_groups=1",
+                    ],
+                    vec![("TP=2", vec!["mesh.ici_data=1", "mesh.ici_tensor=2"], 2)],
+                ),
+            ];
+            for (recipe, extra, axes) in cases {
+                let mut seen = measure(recipe, extra);
+                seen.sort_by(f64::total_cmp);
+                // Half of the smallest step maximum: every step clips (weights drawn at 0.1,
+                // not 0.02, so that the logits, and what clipping them changes, are not tiny).
+                let threshold = format!("optim.qk_clip={}", seen[0] * 0.5);
+                let clip = [extra, &[threshold.as_str()]].concat();
+                let mut c = muon_config(recipe, &clip);
+                c.train.batch_size *= 2;
+                let mut t = Trainer::new(Traced::new(Cpu::new()), &c).unwrap();
+                let steps: Vec<_> = (0..c.train.steps).map(|_| t.train_step(0.0)).collect();
+                let clipped: usize = steps.iter().map(|m| m.clipped_heads.expect("counted")).sum();
+                assert!(clipped > 0, "{recipe}: no head clipped at {threshold}");
+                assert!(steps[1].line(5).contains("max logit"), "{}", steps[1].line(5));
+                let (plain, _) = one_device(&muon_config(recipe, extra), 2);
+                let losses: Vec<f64> = steps.iter().map(|m| m.loss).collect();
+                assert!(!super::seq::same(&plain, &losses), "{recipe}: QK-clip left the curve as it was");
+                for (name, sets, devices) in axes {
+                    assert_follows(name, &muon_config(recipe, &[&clip[..], &sets].concat()), devices);
+                }
             }
         }
     }

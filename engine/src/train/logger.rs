@@ -129,6 +129,8 @@ fn scalars(m: &StepMetrics) -> Vec<(Cow<'static, str>, f64)> {
     v.extend(m.dropped_fraction.map(|f| ("dropped_fraction".into(), f)));
     v.extend(m.expert_load.map(|l| ("expert_load".into(), l)));
     v.extend(m.eval_loss.map(|e| ("eval_loss".into(), e)));
+    v.extend(m.max_logit.map(|l| ("max_logit".into(), l)));
+    v.extend(m.clipped_heads.map(|h| ("clipped_heads".into(), h as f64)));
     v.extend(m.slowest_rank.map(|r| ("slowest_rank".into(), r as f64)));
     v.extend(m.slowest_step_time_s.map(|s| ("slowest_step_time_s".into(), s)));
     for (source, tokens) in m.tokens_by_source.iter().flatten() {
@@ -169,6 +171,8 @@ mod tests {
             aux_loss: None,
             dropped_fraction: None,
             expert_load: None,
+            max_logit: None,
+            clipped_heads: None,
             lr: 1e-3,
             grad_norm: 1.0,
             step_time_s: 0.1,

@@ -35,6 +35,13 @@ pub struct StepMetrics {
     /// mixture-of-experts models only).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub expert_load: Option<f64>,
+    /// The step's largest attention logit, over every layer and head (`optim.qk_clip` only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_logit: Option<f64>,
+    /// The heads whose q and k projections QK-clip rescaled after the step (`optim.qk_clip`
+    /// only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub clipped_heads: Option<usize>,
     /// Learning rate used.
     pub lr: f64,
     /// Global gradient norm before clipping.
@@ -92,12 +99,18 @@ impl StepMetrics {
         let dropped = self.dropped_fraction.map(|f| format!(" | dropped {:.2}%", 100.0 * f)).unwrap_or_default();
         let load = self.expert_load.map(|l| format!(" | load max/mean {l:.2}")).unwrap_or_default();
         let eval = self.eval_loss.map(|e| format!(" | eval loss {e:.4}")).unwrap_or_default();
+        let logits = match (self.max_logit, self.clipped_heads) {
+            (Some(m), Some(0)) => format!(" | max logit {m:.2}"),
+            (Some(m), Some(1)) => format!(" | max logit {m:.2} (1 head clipped)"),
+            (Some(m), Some(h)) => format!(" | max logit {m:.2} ({h} heads clipped)"),
+            _ => String::new(),
+        };
         let slowest = match (self.slowest_rank, self.slowest_step_time_s) {
             (Some(rank), Some(s)) => format!(" | slowest rank {rank} {s:.3} s"),
             _ => String::new(),
         };
         format!(
-            "step {:>width$}/{total_steps} | loss {:.4}{aux}{dropped}{load}{eval} | lr {:.2e} | grad norm {:.3} | {:.3} s{slowest} | {:.0} tok/s | {:.3} TFLOP/s | MFU {:.1}%",
+            "step {:>width$}/{total_steps} | loss {:.4}{aux}{dropped}{load}{eval}{logits} | lr {:.2e} | grad norm {:.3} | {:.3} s{slowest} | {:.0} tok/s | {:.3} TFLOP/s | MFU {:.1}%",
             self.step,
             self.loss,
             self.lr,

@@ -154,6 +154,7 @@ impl<B: Backend> Trainer<B> {
             documents: model.documents.is_some(),
             seq_split: model.seq.ranks > 1,
             sinks: model.config.family == crate::config::Family::GptOss,
+            logit_max: model.logit_max,
         };
         backend.select_attention(t.attention, model.attn_shape(0, batch, seq_len), needs)?;
         if model.fp8.is_some() && !backend.supports_fp8() {
@@ -265,6 +266,9 @@ impl<B: Backend> Trainer<B> {
         // The load-balancing loss and the dropped share, summed over the micro-batches.
         let (mut aux_sum, mut dropped_sum, mut load_sum) = (0f64, 0f64, 0f64);
         self.backend.fill(self.plan.scalars.at(LOSS_ACCUM, 1), 0.0);
+        if let Some(maxima) = self.plan.logit_max {
+            self.backend.fill(maxima, f32::NEG_INFINITY);
+        }
         // Collectives inside a recorded section would need the communicator captured too.
         let graphs = c.train.cuda_graphs && self.parallel.mesh.devices() == 1;
         let seq_len = c.train.seq_len;
@@ -389,12 +393,14 @@ impl<B: Backend> Trainer<B> {
         be.download(p.scalars, &mut scalars);
         let (loss_sum, grad_norm) = (scalars[LOSS_ACCUM] as f64, (scalars[GRAD_NORM_SQ] as f64).sqrt());
         let diverged = !loss_sum.is_finite() || !grad_norm.is_finite();
+        let mut clipped = None;
         if diverged {
             // Never applied: the parameters and moments stay those of the last finite step.
             be.fill(par.optimizer_buffers().1, 0.0);
             par.balance_selection_biases(be, None);
         } else {
             self.optimizer.step(be, par, self.moments, norm_sq, &c.optim, rates, self.step + 1);
+            clipped = p.logit_max.map(|maxima| optim::qk_clip::apply(be, par, maxima, &c.model, &c.optim));
             par.balance_selection_biases(be, balancing);
             if let Some(f) = p.fp8 {
                 // Every replica records the same amaxes, then scales alike (Transformer
@@ -419,6 +425,8 @@ impl<B: Backend> Trainer<B> {
                 .and_then(|moe| moe.capacity_factor)
                 .map(|_| dropped_sum / (accum * microbatches) as f64),
             expert_load: self.config.model.moe.as_ref().map(|_| load_sum / (accum * microbatches) as f64),
+            max_logit: clipped.map(|c| c.max_logit),
+            clipped_heads: clipped.map(|c| c.heads),
             lr: rates.adamw,
             grad_norm,
             step_time_s,

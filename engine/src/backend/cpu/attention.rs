@@ -160,14 +160,12 @@ pub fn document_bounds_split(
     }
 }
 
-/// `out[N, H · Dh]` and `lse[N, H]`, with an online softmax per query.
-pub fn forward(out: &mut [f32], lse: &mut [f32], qkv: &[f32], s: AttnShape) {
-    forward_masked(out, lse, qkv, s, SeqSplit::WHOLE, None)
-}
-
-/// [`forward`] for `split.rank`'s rows of sequences split over the sequence axis, against the
-/// gathered rows of every rank (`qkv_all`, rank-major), and under document masking with
-/// `starts` (`[batch · positions]`, by true position) as [`document_bounds`] gives them.
+/// `out[N, H · Dh]` and `lse[N, H]`, with an online softmax per query, for `split.rank`'s
+/// rows of sequences split over the sequence axis ([`SeqSplit::WHOLE`]: one device), against
+/// the gathered rows of every rank (`qkv_all`, rank-major), and under document masking with
+/// `starts` (`[batch · positions]`, by true position) as [`document_bounds`] gives them. With
+/// `logit_max` (`[H]`), each head's largest scaled logit over these queries and the keys they
+/// see is max-accumulated into it (QK-clip's measurement: the online softmax's final maximum).
 pub fn forward_masked(
     out: &mut [f32],
     lse: &mut [f32],
@@ -175,6 +173,7 @@ pub fn forward_masked(
     s: AttnShape,
     split: SeqSplit,
     starts: Option<&[u32]>,
+    logit_max: Option<&mut [f32]>,
 ) {
     let (w, dh) = (s.qkv_width(), s.head_dim);
     let scale = s.softmax_scale();
@@ -182,7 +181,11 @@ pub fn forward_masked(
     assert_eq!(qkv_all.len(), split.ranks * s.rows() * w);
     assert_eq!(lse.len(), s.rows() * s.n_heads);
     let first = at.first_key(starts);
-    out.par_chunks_mut(s.q_width()).zip(lse.par_chunks_mut(s.n_heads)).enumerate().for_each(|(local, (o, l))| {
+    // Each row's maxima (a few bytes per row beside its `dh`-wide output), folded after.
+    let mut row_max = vec![f32::NEG_INFINITY; lse.len()];
+    let rows =
+        out.par_chunks_mut(s.q_width()).zip(lse.par_chunks_mut(s.n_heads)).zip(row_max.par_chunks_mut(s.n_heads));
+    rows.enumerate().for_each(|(local, ((o, l), m))| {
         let (b, i) = (local / s.seq, local % s.seq);
         let (row, pos) = (at.row(split.rank, b, i), split.position(split.rank, i, s.seq));
         for h in 0..s.n_heads {
@@ -206,8 +209,15 @@ pub fn forward_masked(
             }
             acc.iter_mut().for_each(|a| *a /= sum);
             l[h] = max + sum.ln();
+            m[h] = max;
         }
     });
+    if let Some(into) = logit_max {
+        assert_eq!(into.len(), s.n_heads, "internal error: attention: logit maxima length");
+        for row in row_max.chunks(s.n_heads) {
+            into.iter_mut().zip(row).for_each(|(m, r)| *m = m.max(*r));
+        }
+    }
 }
 
 /// Gradient with respect to the packed qkv rows (overwritten).
@@ -356,7 +366,7 @@ mod tests {
             let starts = &bounds[..packed.rows()];
             let run = |s: AttnShape, qkv: &[f32], dout: &[f32], starts: Option<&[u32]>| {
                 let (mut out, mut lse) = (vec![0.0; s.rows() * qw], vec![0.0; s.rows() * h]);
-                forward_masked(&mut out, &mut lse, qkv, s, SeqSplit::WHOLE, starts);
+                forward_masked(&mut out, &mut lse, qkv, s, SeqSplit::WHOLE, starts, None);
                 let mut dqkv = vec![0.0; qkv.len()];
                 backward_masked(&mut dqkv, dout, qkv, &out, &lse, s, SeqSplit::WHOLE, starts);
                 (out, lse, dqkv)
@@ -389,8 +399,9 @@ mod tests {
         }
     }
 
-    /// Two ranks' split attention, gathered, gives the single device's outputs, statistics and
-    /// gradients (the dk/dv halves summed over the ranks), with and without a window, and under
+    /// Two ranks' split attention, gathered, gives the single device's outputs, statistics,
+    /// gradients (the dk/dv halves summed over the ranks) and QK-clip's maxima (each head's
+    /// largest logit, against every pair it attends), with and without a window, and under
     /// document masking with bounds from the whole sequences' tokens (documents that cross the
     /// chunks, an EOS in another rank's chunk bounding this rank's queries and positions).
     #[test]
@@ -408,7 +419,22 @@ mod tests {
             document_bounds(&mut bounds, Some(&mut positions), &tokens, s.seq, E);
             let starts = masked.then_some(&bounds[..s.rows()]);
             let (mut out, mut lse) = (vec![0.0; s.rows() * s.q_width()], vec![0.0; s.rows() * s.n_heads]);
-            forward_masked(&mut out, &mut lse, &qkv, s, SeqSplit::WHOLE, starts);
+            let mut maxima = vec![f32::NEG_INFINITY; s.n_heads];
+            forward_masked(&mut out, &mut lse, &qkv, s, SeqSplit::WHOLE, starts, Some(&mut maxima));
+            // QK-clip's maxima: every head's largest scaled logit over the pairs it attends.
+            for (h, &got) in maxima.iter().enumerate() {
+                let (qc, kc, _) = columns(&s, h);
+                let mut want = f32::NEG_INFINITY;
+                for (b, i) in (0..s.batch).flat_map(|b| (0..s.seq).map(move |i| (b, i))) {
+                    let start = starts.map_or(0, |st| st[b * s.seq + i] as usize);
+                    for j in (0..=i).filter(|&j| j >= start && (window == 0 || j + window > i)) {
+                        let (q, k) = ((b * s.seq + i) * w + qc, (b * s.seq + j) * w + kc);
+                        want = want.max(dot(&qkv[q..q + 4], &qkv[k..k + 4]) * s.softmax_scale());
+                    }
+                }
+                assert!((got - want).abs() <= 1e-6, "window {window}, masked {masked}, head {h}: {got} vs {want}");
+            }
+            let mut split_maxima = vec![f32::NEG_INFINITY; s.n_heads];
             let mut dqkv = vec![0.0; qkv.len()];
             backward_masked(&mut dqkv, &dout, &qkv, &out, &lse, s, SeqSplit::WHOLE, starts);
             // Rank r's rows of each sequence, at their true positions.
@@ -432,7 +458,7 @@ mod tests {
                 assert_eq!(p, rows.iter().map(|&i| positions[i]).collect::<Vec<_>>(), "rank {r}: positions");
                 let starts = masked.then_some(&b[..s.rows()]);
                 let (mut o, mut l) = (vec![0.0; local.rows() * s.q_width()], vec![0.0; local.rows() * s.n_heads]);
-                forward_masked(&mut o, &mut l, &all, local, split, starts);
+                forward_masked(&mut o, &mut l, &all, local, split, starts, Some(&mut split_maxima));
                 let what = format!("window {window}, masked {masked}, rank {r}");
                 assert_eq!(o, pick(&out, s.q_width(), &rows), "{what}: outputs");
                 assert_eq!(l, pick(&lse, s.n_heads, &rows), "{what}: statistics");
@@ -440,6 +466,7 @@ mod tests {
                 backward_masked(&mut d, &pick(&dout, s.q_width(), &rows), &all, &o, &l, local, split, starts);
                 dsum.iter_mut().zip(&d).for_each(|(a, b)| *a += b);
             }
+            assert_eq!(split_maxima, maxima, "window {window}, masked {masked}: the ranks' maxima");
             let want: Vec<f32> = (0..ranks).flat_map(|r| pick(&dqkv, w, &rows_of(r))).collect();
             for (k, (a, b)) in dsum.iter().zip(&want).enumerate() {
                 assert!(

@@ -56,6 +56,9 @@ pub struct Cpu {
     scratch: Vec<f64>,
     /// Reusable space for the transposes of some matrix products (grows once, on first use).
     gemm: matmul::Scratch,
+    /// Where the attention forward passes record each head's largest logit, if asked
+    /// ([`Backend::attention_logit_max`]).
+    logit_max: Option<View>,
 }
 
 /// Where a view lies: (buffer, offset, length).
@@ -393,8 +396,11 @@ impl Backend for Cpu {
     }
 
     fn attention_forward(&mut self, out: View, lse: View, qkv: View, shape: AttnShape) {
-        let ([out, lse], [qkv]) = self.mem.io_many([out, lse], [qkv]);
-        attention::forward(out, lse, qkv, shape);
+        self.attention_forward_split(out, lse, qkv, shape, SeqSplit::WHOLE, None)
+    }
+
+    fn attention_logit_max(&mut self, into: Option<View>) {
+        self.logit_max = into;
     }
 
     fn attention_backward(&mut self, dqkv: View, dout: View, qkv: View, out: View, lse: View, shape: AttnShape) {
@@ -415,9 +421,17 @@ impl Backend for Cpu {
         split: SeqSplit,
         bounds: Option<IdxView>,
     ) {
-        let ([out, lse], [qkv]) = self.mem.io_many([out, lse], [qkv_all]);
         let starts = bounds.map(|b| &self.idx.get(b)[..shape.rows() * split.ranks]);
-        attention::forward_masked(out, lse, qkv, shape, split, starts);
+        match self.logit_max {
+            Some(m) => {
+                let ([out, lse, m], [qkv]) = self.mem.io_many([out, lse, m], [qkv_all]);
+                attention::forward_masked(out, lse, qkv, shape, split, starts, Some(m));
+            }
+            None => {
+                let ([out, lse], [qkv]) = self.mem.io_many([out, lse], [qkv_all]);
+                attention::forward_masked(out, lse, qkv, shape, split, starts, None);
+            }
+        }
     }
 
     fn attention_backward_split(
@@ -471,9 +485,7 @@ impl Backend for Cpu {
     }
 
     fn attention_forward_docs(&mut self, out: View, lse: View, qkv: View, shape: AttnShape, bounds: IdxView) {
-        let ([out, lse], [qkv]) = self.mem.io_many([out, lse], [qkv]);
-        let starts = &self.idx.get(bounds)[..shape.rows()];
-        attention::forward_masked(out, lse, qkv, shape, SeqSplit::WHOLE, Some(starts));
+        self.attention_forward_split(out, lse, qkv, shape, SeqSplit::WHOLE, Some(bounds))
     }
 
     fn attention_backward_docs(

@@ -244,6 +244,9 @@ pub struct Cuda {
     attention: Attention,
     /// What [`Backend::select_attention`] chose and why, for [`Backend::describe`].
     attention_note: String,
+    /// Where the native forward kernels record each head's largest logit, if asked
+    /// ([`Backend::attention_logit_max`]).
+    logit_max: Option<View>,
     allocated: usize,
     /// The most `allocated` has been.
     peak: usize,
@@ -272,6 +275,7 @@ impl Cuda {
             capturing: false,
             attention: Attention::Native,
             attention_note: String::new(),
+            logit_max: None,
             allocated: blas::WORKSPACE_BYTES,
             peak: blas::WORKSPACE_BYTES,
             dev,
@@ -504,6 +508,9 @@ impl Backend for Cuda {
             }
             if needs.sinks {
                 bail!(cudnn::NO_SINKS);
+            }
+            if needs.logit_max {
+                bail!(cudnn::NO_LOGIT_MAX);
             }
             // Head widths cuDNN's fused attention does not train on this device.
             let version = gpu.dev.cudnn()?.version();
@@ -770,6 +777,14 @@ impl Backend for Cuda {
             Attention::Native => ops::attention::forward(self, out, lse, qkv, s, SeqSplit::WHOLE, None),
             Attention::Cudnn => cudnn::forward(self, out, lse, qkv, s),
         }
+    }
+
+    fn attention_logit_max(&mut self, into: Option<View>) {
+        assert!(
+            into.is_none() || self.attention == Attention::Native,
+            "internal error: logit maxima from cuDNN's attention"
+        );
+        self.logit_max = into;
     }
 
     fn attention_backward(&mut self, dqkv: View, dout: View, qkv: View, out: View, lse: View, s: AttnShape) {

@@ -62,7 +62,7 @@ impl Model {
         if !m.is_gpt() {
             be.rope(a.qkv, self.rope_table(p, i), shape, false);
         }
-        self.attend(be, p, (a.attn, a.lse), a.qkv, shape, ex);
+        self.attend(be, p, i, (a.attn, a.lse), a.qkv, shape, ex);
         if let Some(at) = o.sinks {
             be.attention_sinks_forward(a.attn, a.lse, w.at(at, m.n_heads), m.n_heads, m.head_dim);
         }

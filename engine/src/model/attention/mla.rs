@@ -104,7 +104,7 @@ impl Model {
         fwd(be, Linear::KvUp, acts.kv, (acts.kv_lat_n, wkv_b), MatMul::linear(n, rkv, kv_width));
         let shape = self.mla_shape(p);
         be.mla_qkv_forward(la.qkv, acts.q, acts.kv, acts.kpe, p.rope, shape, self.mla_q_scale());
-        self.attend(be, p, (la.attn, la.lse), la.qkv, self.attn_shape(i, p.batch, p.seq), ex);
+        self.attend(be, p, i, (la.attn, la.lse), la.qkv, self.attn_shape(i, p.batch, p.seq), ex);
         be.heads_narrow(acts.attn_v, la.attn, n, h, qk, a.v_dim);
         let (vw, wo) = (h * a.v_dim, w.at(o.o, d * h * a.v_dim));
         let (out, residual) = Self::branch_output(la.post.as_ref().map(|s| s.attn_y), la.xmid, la.x);

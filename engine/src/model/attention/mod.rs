@@ -86,8 +86,30 @@ impl Model {
 
     /// Causal attention over the packed rows `qkv` of layer `i` into `attn` (and `lse`): on a
     /// sequence axis over every rank's keys and values, under document masking within each
-    /// document.
+    /// document. Under QK-clip it also records each head's largest logit ([`Plan::logit_max`]).
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn attend<B: Backend>(
+        &self,
+        be: &mut B,
+        p: &Plan,
+        i: usize,
+        (attn, lse): (View, View),
+        qkv: View,
+        shape: AttnShape,
+        ex: &mut dyn Exchange<B>,
+    ) {
+        let heads = shape.n_heads;
+        let record = p.logit_max.map(|m| m.at(self.layer_index(i) * heads, heads));
+        if record.is_some() {
+            be.attention_logit_max(record);
+        }
+        self.attend_only(be, p, (attn, lse), qkv, shape, ex);
+        if record.is_some() {
+            be.attention_logit_max(None);
+        }
+    }
+
+    fn attend_only<B: Backend>(
         &self,
         be: &mut B,
         p: &Plan,

@@ -153,6 +153,27 @@ impl<B: Backend> Parallel<B> {
     }
 }
 
+impl<B: Backend> Parallel<B> {
+    /// Multiplies, for each `(name, rows, factor)` of `scales`, rows `rows` of the tensor named
+    /// `name` (in the single-device layout) by `factor` wherever this device holds them in its
+    /// optimizer buffers' parameters (its FSDP pieces, its tensor-parallel slice), the compute
+    /// copy with them: QK-clip's rescaling ([`crate::optim::qk_clip`]). A tensor this device's
+    /// stage does not hold is skipped.
+    pub fn scale_rows<'a>(&self, be: &mut B, scales: impl IntoIterator<Item = (&'a str, std::ops::Range<usize>, f32)>) {
+        let mut chunks = self.chunks();
+        chunks.sort_by_key(|c| c.global);
+        let params = self.optimizer_buffers().0;
+        for (name, rows, factor) in scales {
+            let Some(t) = self.slice.global.tensors.iter().find(|t| t.name == name) else { continue };
+            let cols = t.shape.get(1).copied().unwrap_or(1);
+            assert!(rows.end <= t.shape[0], "internal error: rows {rows:?} of {name} {:?}", t.shape);
+            for (local, _, len) in overlapping(&chunks, t.offset + rows.start * cols..t.offset + rows.end * cols) {
+                be.scale(params.at(local, len), factor);
+            }
+        }
+    }
+}
+
 /// The `(local, global, len)` parts of `chunks` (sorted by `global`) inside global elements
 /// `range`.
 fn overlapping(chunks: &[Chunk], range: std::ops::Range<usize>) -> impl Iterator<Item = (usize, usize, usize)> + '_ {

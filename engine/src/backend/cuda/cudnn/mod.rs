@@ -492,6 +492,8 @@ pub(crate) const NO_SEQ_SPLIT: &str = "a sequence axis (mesh.ici_seq x mesh.dcn_
 
 pub(crate) const NO_SINKS: &str =
     "attention sinks (GPT-OSS) need the native kernels (they read the log-sum-exp in the native layout)";
+pub(crate) const NO_LOGIT_MAX: &str =
+    "QK-clip (optim.qk_clip) needs the native kernels (they record each head's largest logit; cuDNN's do not)";
 
 /// cuDNN version from which Hopper's fused attention trains heads wider than 128 (its backward
 /// pass up to 256; the forward pass took them from 9.1).

@@ -78,3 +78,15 @@ T __shfl_xor_sync(unsigned mask, T v, int lane_mask) {
 
 inline float atomicAdd(float* p, float v) { return std::atomic_ref<float>(*p).fetch_add(v); }
 inline unsigned atomicAdd(unsigned* p, unsigned v) { return std::atomic_ref<unsigned>(*p).fetch_add(v); }
+template <class T, class Better>
+T emu_atomic_keep(T* p, T v, Better better) {
+    std::atomic_ref<T> a(*p);
+    T old = a.load();
+    while (better(v, old) && !a.compare_exchange_weak(old, v)) {
+    }
+    return old;
+}
+inline int atomicMax(int* p, int v) { return emu_atomic_keep(p, v, [](int x, int y) { return x > y; }); }
+inline unsigned atomicMin(unsigned* p, unsigned v) {
+    return emu_atomic_keep(p, v, [](unsigned x, unsigned y) { return x < y; });
+}

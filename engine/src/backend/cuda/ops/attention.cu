@@ -15,7 +15,8 @@
 // Forward (FlashAttention-2): one block per 64 queries of one head; key/value tiles of BC keys
 // (64, 32 past HD 128) are double-buffered with cp.async; an online softmax in base 2 keeps a
 // running maximum and sum per row; the probabilities go from the score accumulators straight
-// into the A operand of P·V. Only the log-sum-exp is saved.
+// into the A operand of P·V. Only the log-sum-exp is saved, and, for QK-clip, each head's
+// largest logit (the rows' final maxima, one atomic per warp).
 //
 // Backward: `attention_backward_dot` computes D; then one block per BC keys (128, or 64 for HD
 // 16, 32 and 256) of one key/value head walks every query tile of every query head of its group
@@ -171,8 +172,8 @@ __device__ __forceinline__ void load_tile_async(bf16* tile, const bf16* base, u6
 // BC: keys per tile (64; 32 past HD 128). QREG: Q's fragments kept in registers across the key
 // tiles (up to HD 128), else read from shared memory for each (see "Wide heads" above).
 template <int HD, class Rows>
-__device__ void attention_forward_impl(bf16* out, float* lse, const bf16* qkv, const u32* starts, Rows R, int heads,
-                                       int kv_heads, int dh, int window, float scale) {
+__device__ void attention_forward_impl(bf16* out, float* lse, float* logit_max, const bf16* qkv, const u32* starts,
+                                       Rows R, int heads, int kv_heads, int dh, int window, float scale) {
     constexpr int LD = HD + 8, BR = 64, BC = HD <= 128 ? 64 : 32;
     constexpr bool QREG = HD <= 128;
     DYNAMIC_SMEM(uint4, smem_raw);  // uint4: 16-byte aligned, as cp.async and ldmatrix need
@@ -336,6 +337,16 @@ __device__ void attention_forward_impl(bf16* out, float* lse, const bf16* qkv, c
         }
         if (tig == 0) lse[out_row * heads + h] = (m[r] + __log2f(l[r])) * LN2;
     }
+    // QK-clip (`logit_max`, else null): the head's largest scaled logit, the rows' final running
+    // maxima (base 2) over the warp, then one atomic per warp.
+    if (logit_max) {
+        float top = NEG_INF;
+#pragma unroll
+        for (int r = 0; r < 2; r++)
+            if (row_a + r * 8 < seq) top = fmaxf(top, m[r]);
+        top = warp_max(top);
+        if (lane == 0 && top != NEG_INF) atomic_max_f32(logit_max + h, top * LN2);
+    }
 }
 
 // Forward blocks per SM that registers must allow: 4 up to hd64 (its 46 KB of shared memory
@@ -348,10 +359,10 @@ __device__ void attention_forward_impl(bf16* out, float* lse, const bf16* qkv, c
 #define FORWARD_MIN_BLOCKS(HD, SPLIT) ((HD) <= 64 ? ((SPLIT) && (HD) == 64 ? 3 : 4) : 1)
 #define ATTENTION_FORWARD(NAME, HD, SPLIT)                                                                           \
     extern "C" __global__ void __launch_bounds__(ATTN_THREADS, FORWARD_MIN_BLOCKS(HD, SPLIT)) NAME(                   \
-        bf16* out, float* lse, const bf16* qkv, const u32* starts, int seq, int local, int rank, int ranks, int heads, \
-        int kv_heads, int dh, int window, float scale) {                                                             \
+        bf16* out, float* lse, float* logit_max, const bf16* qkv, const u32* starts, int seq, int local, int rank,      \
+        int ranks, int heads, int kv_heads, int dh, int window, float scale) {                                       \
         SeqRows<SPLIT> R{seq, local, rank, ranks, (int)gridDim.y};                                                   \
-        attention_forward_impl<HD>(out, lse, qkv, starts, R, heads, kv_heads, dh, window, scale);                    \
+        attention_forward_impl<HD>(out, lse, logit_max, qkv, starts, R, heads, kv_heads, dh, window, scale);         \
     }
 ATTENTION_FORWARD(attention_forward_hd16, 16, false)
 ATTENTION_FORWARD(attention_forward_hd32, 32, false)

@@ -254,10 +254,16 @@ pub(crate) fn forward(
     };
     let (o, l, q) = (gpu.out(out, "attention"), gpu.out(lse, "attention"), gpu.ptr(qkv));
     assert!(aligned16(&[o, q]), "internal error: attention rows must start 16-byte aligned");
+    let logit_max = gpu.logit_max.map_or(0, |m| {
+        gpu.expect(m, DType::F32, "attention_forward", "logit_max");
+        assert_eq!(m.len, s.n_heads, "internal error: attention_forward: logit_max length");
+        gpu.out(m, "attention")
+    });
     let [seq, local, rank, ranks] = seq_args(s, split);
     let args = [
         Arg::P(o),
         Arg::P(l),
+        Arg::P(logit_max),
         Arg::P(q),
         Arg::P(doc_ptrs(gpu, bounds, s, split).0),
         seq,

@@ -101,6 +101,15 @@ __device__ __forceinline__ float warp_max(float v) {
     for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;
 }
+// *p = max(*p, v) for any floats but NaN, atomically: non-negative floats order as their bits
+// read as signed integers, negative ones inversely as unsigned, and a non-negative value's bits
+// are below every negative one's as unsigned (so a negative v never replaces a non-negative *p).
+__device__ __forceinline__ void atomic_max_f32(float* p, float v) {
+    if (v >= 0.f)
+        atomicMax((int*)p, __float_as_int(v));
+    else
+        atomicMin((unsigned*)p, __float_as_uint(v));
+}
 
 // Sum over the block (blockDim.x a multiple of 32, at most 1024); every thread gets the total.
 // `scratch` holds 32 floats of shared memory; the call ends with a barrier, so it may be reused.
