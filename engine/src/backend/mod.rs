@@ -612,6 +612,14 @@ pub trait Backend {
     ) {
         unreachable!("internal error: {} has no FP8 ops (Backend::supports_fp8)", self.describe())
     }
+    /// [`Backend::fp8_quantize`] into both layouts: `q` as `x` (`[len / cols, cols]`) and `qt`
+    /// transposed, with one scale (the first cast's, as `scaling` says; the second cast is
+    /// [`fp8::Scaling::Again`]). What the backward pass casts dy into (its two products read
+    /// one layout each); a GPU reads `x` once for both.
+    fn fp8_quantize_both(&mut self, q: View, qt: View, x: View, state: fp8::State, scaling: fp8::Scaling, cols: usize) {
+        self.fp8_quantize(q, x, state, scaling, None);
+        self.fp8_quantize(qt, x, state, fp8::Scaling::Again, Some(cols));
+    }
     /// An FP8 product in cuBLASLt's one FP8 layout, `out[m, n] (+)= a[m, k] · b[n, k]ᵀ` (`shape`
     /// has `b_t` and not `a_t`), of operands cast by [`Backend::fp8_quantize`], multiplied by
     /// both states' inverse scales and accumulated in f32; `fast_accum` lets a GPU accumulate

@@ -166,6 +166,9 @@ impl<B: Backend> Backend for Traced<B> {
     fn fp8_quantize(&mut self, q: View, x: View, state: fp8::State, scaling: fp8::Scaling, transpose: Option<usize>) {
         self.time("fp8_quantize", |be| be.fp8_quantize(q, x, state, scaling, transpose))
     }
+    fn fp8_quantize_both(&mut self, q: View, qt: View, x: View, state: fp8::State, scaling: fp8::Scaling, cols: usize) {
+        self.time("fp8_quantize", |be| be.fp8_quantize_both(q, qt, x, state, scaling, cols))
+    }
     fn matmul_fp8(&mut self, out: View, a: View, b: View, shape: MatMul, scales: [fp8::State; 2], fast: bool) {
         self.time("matmul_fp8", |be| be.matmul_fp8(out, a, b, shape, scales, fast))
     }

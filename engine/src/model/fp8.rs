@@ -12,8 +12,9 @@
 //!
 //! Each of x, W and dy has a scaling state ([`crate::backend::fp8::State`]) per layer and
 //! product; a cast sets or uses it by the recipe (`train.fp8.recipe`). The backward pass casts
-//! W and dy a second time, transposed (cuBLASLt's FP8 products take one layout), with the scale
-//! their first cast left (no second amax pass), and x again from the activation the forward
+//! dy into both layouts at once (cuBLASLt's FP8 products take one layout, and dy's two products
+//! read one each) and W a second time, transposed, with the scale its first cast left (no second
+//! amax pass), and x again from the activation the forward
 //! pass read: within a step a cast of x gives the same values every time (tensorwise: the same
 //! amax; delayed: the step's fixed scale), so the reference need not keep the FP8 copies between
 //! the passes.
@@ -142,10 +143,12 @@ pub struct Fp8Buffers {
     stride: usize,
     /// Which of [`Linear::ALL`] run in FP8 (the same in every layer).
     covered: [bool; 8],
-    /// The cast input, weight and output gradient of the product running.
+    /// The cast input, weight and output gradient of the product running, and the output
+    /// gradient transposed.
     x: View,
     w: View,
     dy: View,
+    dyt: View,
     /// How a first cast of a tensor scales: the recipe's.
     scaling: Scaling,
     /// The delayed recipe's `2^margin` headroom.
@@ -211,6 +214,7 @@ impl Model {
             x: take(BufKind::Fp8, x),
             w: take(BufKind::Fp8, w),
             dy: take(BufKind::Fp8, dy),
+            dyt: take(BufKind::Fp8, dy),
             scaling: match policy.config.recipe {
                 Fp8Recipe::Tensorwise => Scaling::Current,
                 Fp8Recipe::Delayed => Scaling::Delayed,
@@ -296,7 +300,7 @@ impl Model {
             return;
         };
         let [sx, sw, sdy] = Operand::ALL.map(|o| f.state(layer, linear, o));
-        let (xq, wq, dyq) = (f.x.at(0, x.len), f.w.at(0, w.len), f.dy.at(0, dy.len));
+        let (xq, wq, dyq, dyqt) = (f.x.at(0, x.len), f.w.at(0, w.len), f.dy.at(0, dy.len), f.dyt.at(0, dy.len));
         // FP8 products take one layout, `a · bᵀ`: dx = dy · (Wᵀ)ᵀ and dW = dyᵀ · (xᵀ)ᵀ, with
         // Wᵀ, dyᵀ and xᵀ cast transposed (`[O, I]`, `[N, O]` and `[N, I]` read by columns).
         let linear_form = |s: MatMul| MatMul { a_t: false, b_t: true, ..s };
@@ -304,12 +308,11 @@ impl Model {
         // dy's second cast and W's in the backward pass take the scale their first set (W's in
         // this layer's forward pass: the weight has not changed since). x's does not: another
         // micro-batch's forward pass may have cast its own x with the same state since.
-        be.fp8_quantize(dyq, dy, sdy, f.scaling, None);
+        be.fp8_quantize_both(dyq, dyqt, dy, sdy, f.scaling, out);
         be.fp8_quantize(wq, w, sw, Scaling::Again, Some(inp));
         be.matmul_fp8(dx, dyq, wq, linear_form(shape_dx), [sdy, sw], false);
-        be.fp8_quantize(dyq, dy, sdy, Scaling::Again, Some(out));
         be.fp8_quantize(xq, x, sx, f.scaling, Some(inp));
-        be.matmul_fp8(dw, dyq, xq, linear_form(shape_dw), [sdy, sx], false);
+        be.matmul_fp8(dw, dyqt, xq, linear_form(shape_dw), [sdy, sx], false);
     }
 }
 

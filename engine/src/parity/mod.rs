@@ -383,6 +383,14 @@ fn checks(scale: Scale) -> Vec<(String, Check)> {
             }),
         );
     }
+    for recipe in ["tensorwise", "delayed"] {
+        add(
+            &format!(
+                "FP8 overhead of a llama3.1-8b layer at 8192 tokens ({recipe}; launch trace, dry run): fused against unfused"
+            ),
+            Box::new(move |g, _| models::fp8_overhead(g, recipe)),
+        );
+    }
     // Latent attention's projections in FP8: q_a, q_b, the latent's kv_a rows, kv_b and o.
     add(
         "tiny-deepseek-v3 in FP8 (tensorwise): loss and gradients against the FP8 CPU model",

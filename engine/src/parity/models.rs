@@ -361,3 +361,69 @@ pub(super) fn nccl_alone(mut gpu: Cuda) -> Result<String, String> {
         Err(failures.join("; "))
     }
 }
+
+/// The FP8 overhead of a decoder layer at llama3.1-8b's shapes (one sequence of 8192 tokens):
+/// every launch of an FP8 cast and amax kernel (all but the products, cuBLASLt's) in one layer's
+/// forward and backward pass, as the launch trace records them in a dry run (nothing runs, so
+/// the shapes are the real ones), and the bytes they move (a cast reads 2 bytes an element and
+/// writes 1 a layout; an amax pass reads 2), fused against unfused, under `recipe`. Under the
+/// delayed recipe the fused path must take at most half the launches. (A check a recipe: the
+/// emulator's buffers of a first plan stay until its backend goes.)
+pub(super) fn fp8_overhead(mut gpu: Cuda, recipe: &str) -> Result<String, String> {
+    let sets = ["model.n_layers=1", "model.vocab_size=256", "train.precision=fp8", "train.batch_size=1"];
+    let mut notes = Vec::new();
+    {
+        let recipe_set = format!("train.fp8.recipe={recipe}");
+        let overrides = recipe::Override::from_list(&[&sets[..], &[recipe_set.as_str()]].concat().join(" "), "check");
+        let config = recipe::resolve("llama3.1-8b", &overrides).map_err(failure)?.config;
+        let mut model = Model::new(&config.model);
+        model.fp8 = crate::model::Fp8Policy::of(&config.train);
+        gpu.trace_launches(Some(true));
+        let plan = model.plan(&mut gpu, 1, 8192);
+        let (launches, bytes) = {
+            let mut per = |unfused: bool| -> (usize, f64) {
+                gpu.set_fp8_unfused(unfused);
+                gpu.trace_launches(Some(true));
+                model.forward(&mut gpu, &plan, Some(1.0), &mut crate::model::Alone);
+                model.backward(&mut gpu, &plan, 0.0, &mut crate::model::Alone);
+                let trace = gpu.take_launches();
+                gpu.trace_launches(None);
+                let overhead: Vec<_> = trace.iter().filter(|l| fp8_bytes(l).is_some()).collect();
+                (overhead.len(), overhead.iter().filter_map(|l| fp8_bytes(l)).sum::<u64>() as f64)
+            };
+            let (before, after) = (per(true), per(false));
+            gpu.set_fp8_unfused(false);
+            ((before.0, after.0), (before.1, after.1))
+        };
+        let gb = |b: f64| b / 1e9;
+        notes.push(format!(
+            "{recipe}: {} launches before, {} after ({:.0} % fewer); {:.2} GB moved before, {:.2} GB after ({:.0} % less)",
+            launches.0,
+            launches.1,
+            100.0 * (1.0 - launches.1 as f64 / launches.0 as f64),
+            gb(bytes.0),
+            gb(bytes.1),
+            100.0 * (1.0 - bytes.1 / bytes.0)
+        ));
+        // Tensorwise scaling needs a tensor's amax before its cast: only dy's second layout goes.
+        if recipe == "delayed" && 2 * launches.1 > launches.0 {
+            return Err(format!("{}: the fused casts keep more than half the launches", notes.join("; ")));
+        }
+    }
+    Ok(format!("per decoder layer (q/k/v, o, gate/up, down), {}", notes.join("; ")))
+}
+
+/// The bytes an FP8 cast or amax launch moves, from its arguments (`fp8.cu`'s signatures); none
+/// for any other kernel.
+fn fp8_bytes(l: &crate::backend::cuda::Launch) -> Option<u64> {
+    match l.name {
+        "fp8_amax_partials" => Some(2 * l.args[1]),
+        "fp8_amax_finish" => Some(4 * l.args[1] + 16),
+        "fp8_cast" => Some(3 * l.args[2]),
+        "fp8_cast_transposed" => {
+            let n = l.args[3] * l.args[4];
+            Some(n * if l.args[1] != 0 { 4 } else { 3 })
+        }
+        _ => None,
+    }
+}

@@ -203,8 +203,9 @@ pub(super) fn matmul(gpu: Cuda, m: usize, n: usize, k: usize) -> Result<String, 
     t.done()
 }
 
-/// FP8 casts (tensorwise and delayed, E4M3 and E5M2, plain and transposed), the delayed
-/// recipe's update and the FP8 products in their one layout, into bf16 and accumulated into f32.
+/// FP8 casts (tensorwise and delayed, E4M3 and E5M2, plain, transposed and both layouts in one
+/// pass, the delayed recipe's amax taken as it casts), the delayed recipe's update and the FP8
+/// products in their one layout, into bf16 and accumulated into f32.
 /// The casts read bf16 inputs on both backends, so their bytes must be equal: the GPU's rounding
 /// is the CPU reference's (the float8 crate's, CUDA's saturating round-to-nearest-even).
 pub(super) fn fp8(gpu: Cuda, m: usize, n: usize, k: usize) -> Result<String, String> {
@@ -239,6 +240,23 @@ pub(super) fn fp8(gpu: Cuda, m: usize, n: usize, k: usize) -> Result<String, Str
         be.fp8_quantize(xq, x, delayed, Scaling::Delayed, None);
         be.fp8_delayed_update(delayed.view, delayed.view.len, 1);
     });
+    // The fused casts (the GPU's one pass for dy's two layouts, the delayed recipe's amax taken
+    // as it casts), whose bytes must be the CPU's, which casts as the unfused path does: dy into
+    // both layouts, tensorwise and delayed (E5M2), and x transposed, delayed (E4M3), each delayed
+    // one cast twice, an update between, so that the second runs at the scale its amax set.
+    let (sdy2, dyd, xtd) =
+        (state(&mut t, Fp8Format::E5M2), state(&mut t, Fp8Format::E5M2), state(&mut t, Fp8Format::E4M3));
+    let [both, both_t, both_d, both_dt] = [0; 4].map(|_| t.alloc(FP8, m * n));
+    let xt_d = t.alloc(FP8, m * k);
+    t.both(|be| {
+        be.fp8_quantize_both(both, both_t, dy, sdy2, Scaling::Current, n);
+        for _ in 0..2 {
+            be.fp8_quantize_both(both_d, both_dt, dy, dyd, Scaling::Delayed, n);
+            be.fp8_quantize(xt_d, x, xtd, Scaling::Delayed, Some(k));
+            be.fp8_delayed_update(dyd.view, dyd.view.len, 0);
+            be.fp8_delayed_update(xtd.view, xtd.view.len, 0);
+        }
+    });
     let mut notes = Vec::new();
     for (what, v, format) in [
         ("W (E4M3)", wq, Fp8Format::E4M3),
@@ -246,6 +264,11 @@ pub(super) fn fp8(gpu: Cuda, m: usize, n: usize, k: usize) -> Result<String, Str
         ("dy transposed (E5M2)", dyq_t, Fp8Format::E5M2),
         ("x transposed (E4M3)", xd, Fp8Format::E4M3),
         ("x at scale 1, delayed (E4M3)", xq, Fp8Format::E4M3),
+        ("dy in both layouts in one pass, tensorwise: plain", both, Fp8Format::E5M2),
+        ("and transposed", both_t, Fp8Format::E5M2),
+        ("dy in both layouts, delayed, amax as it casts: plain", both_d, Fp8Format::E5M2),
+        ("and transposed", both_dt, Fp8Format::E5M2),
+        ("x transposed, delayed, amax as it casts (E4M3)", xt_d, Fp8Format::E4M3),
     ] {
         let mut c = vec![0f32; v.len];
         t.cpu.download(v, &mut c);
@@ -255,7 +278,15 @@ pub(super) fn fp8(gpu: Cuda, m: usize, n: usize, k: usize) -> Result<String, Str
         }
         notes.push(format!("{what} exact"));
     }
-    for (what, s) in [("x", sx), ("W", sw), ("dy", sdy), ("delayed x after the update", delayed)] {
+    for (what, s) in [
+        ("x", sx),
+        ("W", sw),
+        ("dy", sdy),
+        ("delayed x after the update", delayed),
+        ("dy cast into both layouts", sdy2),
+        ("delayed dy cast into both layouts, after two updates", dyd),
+        ("delayed x cast transposed, after two updates", xtd),
+    ] {
         t.check(&format!("{what}'s scaling state"), s.view, Tol { rel_l2: 0.0, max: 0.0 })?;
     }
     t.check("x·Wᵀ in FP8 (fast accumulation, bf16 out)", y, BF16)?;

@@ -233,6 +233,17 @@ enum Scratch {
 }
 const SCRATCH_KINDS: usize = 5;
 
+/// A kernel launch as [`Cuda::trace_launches`] records it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Launch {
+    /// The kernel.
+    pub name: &'static str,
+    /// Its grid.
+    pub grid: (u32, u32, u32),
+    /// Its arguments as the launch passes them: pointers, and integers and floats as their bits.
+    pub args: Vec<u64>,
+}
+
 /// The CUDA backend on one device. See the [module documentation](self).
 pub struct Cuda {
     bufs: Vec<Buffer>,
@@ -247,6 +258,12 @@ pub struct Cuda {
     /// Where the native forward kernels record each head's largest logit, if asked
     /// ([`Backend::attention_logit_max`]).
     logit_max: Option<View>,
+    /// The FP8 casts as they were before their fusion ([`ops::fp8::quantize`]): the
+    /// measurements' "before" and the fused casts' byte-for-byte reference.
+    fp8_unfused: bool,
+    /// The launches made since [`Cuda::trace_launches`] started a trace, and whether they are
+    /// only recorded, not run.
+    trace: Option<(Vec<Launch>, bool)>,
     allocated: usize,
     /// The most `allocated` has been.
     peak: usize,
@@ -258,6 +275,25 @@ impl Cuda {
     /// loads from the cache) every kernel module for the device's architecture.
     pub fn new(ordinal: usize) -> Result<Cuda> {
         Ok(Cuda::on(Box::new(driver::Gpu::open(ordinal)?)))
+    }
+
+    /// Casts FP8 operands as before their fusion (`unfused`): an amax pass of its own under
+    /// both recipes, each layout in its own launch ([`ops::fp8::quantize`]). For measurements
+    /// and the fused casts' checks; the bytes are the same.
+    pub fn set_fp8_unfused(&mut self, unfused: bool) {
+        self.fp8_unfused = unfused;
+    }
+
+    /// Starts recording every kernel launch (its name, grid and arguments), or stops (`None`);
+    /// with `Some(true)` the launches are recorded and not run (a dry run that counts what a
+    /// sequence of ops would launch, at any shape). [`Cuda::take_launches`] returns them.
+    pub fn trace_launches(&mut self, how: Option<bool>) {
+        self.trace = how.map(|dry| (Vec::new(), dry));
+    }
+
+    /// The launches recorded since the trace started (or last taken).
+    pub fn take_launches(&mut self) -> Vec<Launch> {
+        self.trace.as_mut().map(|(t, _)| std::mem::take(t)).unwrap_or_default()
     }
 
     /// The backend on the CPU emulator: the same kernels and host code, no GPU (slow; tests).
@@ -276,6 +312,8 @@ impl Cuda {
             attention: Attention::Native,
             attention_note: String::new(),
             logit_max: None,
+            fp8_unfused: false,
+            trace: None,
             allocated: blas::WORKSPACE_BYTES,
             peak: blas::WORKSPACE_BYTES,
             dev,
@@ -454,8 +492,40 @@ impl Cuda {
                 Arg::F(f) => f.to_bits() as u64,
             })
             .collect();
+        if let Some((trace, dry)) = &mut self.trace {
+            trace.push(Launch { name, grid, args: slots.clone() });
+            if *dry {
+                return;
+            }
+        }
         if grid.0 > 0 && grid.1 > 0 && grid.2 > 0 {
             self.dev.launch(name, grid, block, smem, &mut slots);
+        }
+    }
+
+    /// Whether work is only traced, not run ([`Cuda::trace_launches`]).
+    fn dry(&self) -> bool {
+        matches!(self.trace, Some((_, true)))
+    }
+
+    /// A cuBLASLt product (not run in a dry run).
+    fn gemm(&mut self, g: &Gemm) {
+        if !self.dry() {
+            self.dev.gemm(g);
+        }
+    }
+
+    /// A device-to-device copy of `bytes` (not run in a dry run).
+    fn copy_bytes(&mut self, dst: CUdeviceptr, src: CUdeviceptr, bytes: usize) {
+        if !self.dry() {
+            self.dev.copy(dst, src, bytes);
+        }
+    }
+
+    /// Zeroes `count` 32-bit words (not run in a dry run).
+    fn zero_u32(&mut self, dst: CUdeviceptr, count: usize) {
+        if !self.dry() {
+            self.dev.zero_u32(dst, count);
         }
     }
 
@@ -680,7 +750,11 @@ impl Backend for Cuda {
     }
 
     fn fp8_quantize(&mut self, q: View, x: View, state: fp8::State, scaling: fp8::Scaling, transpose: Option<usize>) {
-        ops::fp8::quantize(self, q, x, state, scaling, transpose)
+        ops::fp8::quantize(self, (q, None), x, state, scaling, transpose)
+    }
+
+    fn fp8_quantize_both(&mut self, q: View, qt: View, x: View, state: fp8::State, scaling: fp8::Scaling, cols: usize) {
+        ops::fp8::quantize(self, (qt, Some(q)), x, state, scaling, Some(cols))
     }
 
     fn matmul_fp8(&mut self, out: View, a: View, b: View, s: MatMul, scales: [fp8::State; 2], fast: bool) {

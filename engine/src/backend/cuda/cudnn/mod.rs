@@ -541,7 +541,7 @@ pub(crate) fn forward(gpu: &mut Cuda, out: View, lse: View, qkv: View, s: AttnSh
 pub(crate) fn backward(gpu: &mut Cuda, dqkv: View, dout: View, qkv: View, out: View, lse: View, s: AttnShape) {
     let n = s.rows() * s.q_width();
     let dq_accum = gpu.scratch(Scratch::AttnDq, n * 4);
-    gpu.dev.zero_u32(dq_accum, n);
+    gpu.zero_u32(dq_accum, n);
     let (grads, base) = (gpu.out(dqkv, "attention"), gpu.ptr(qkv));
     let (q, k, v) = qkv_parts(base, s);
     let (dq, dk, dv) = qkv_parts(grads, s);

@@ -87,6 +87,9 @@ T emu_atomic_keep(T* p, T v, Better better) {
     return old;
 }
 inline int atomicMax(int* p, int v) { return emu_atomic_keep(p, v, [](int x, int y) { return x > y; }); }
+inline unsigned atomicMax(unsigned* p, unsigned v) {
+    return emu_atomic_keep(p, v, [](unsigned x, unsigned y) { return x > y; });
+}
 inline unsigned atomicMin(unsigned* p, unsigned v) {
     return emu_atomic_keep(p, v, [](unsigned x, unsigned y) { return x < y; });
 }

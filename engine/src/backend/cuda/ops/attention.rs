@@ -321,10 +321,10 @@ pub(crate) fn backward(
     assert!(aligned16(&[dqkv_p, g, q, o]), "internal error: attention rows must start 16-byte aligned");
     let args = [Arg::P(big_d), Arg::P(g), Arg::P(o), Arg::U(rows as u64), Arg::I(heads as i32), Arg::I(dh as i32)];
     gpu.launch("attention_backward_dot", (((rows * heads) as u64 * 32).div_ceil(256) as u32, 1, 1), 256, 0, &args);
-    gpu.dev.zero_u32(dq, rows * heads * dh);
+    gpu.zero_u32(dq, rows * heads * dh);
     check_shape(s, split);
     if split.ranks > 1 {
-        gpu.dev.zero_u32(dqkv_p, dqkv.len / 2); // bf16 pairs: the widths are multiples of 8
+        gpu.zero_u32(dqkv_p, dqkv.len / 2); // bf16 pairs: the widths are multiples of 8
     }
     let hd = padded_hd(dh);
     let name = match (hd, split.ranks > 1) {

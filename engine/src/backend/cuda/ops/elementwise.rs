@@ -64,7 +64,7 @@ pub(crate) fn copy(gpu: &mut Cuda, dst: View, src: View) {
     assert!(!dst.overlaps(src), "internal error: copy onto itself");
     let ((dp, dt), (sp, st)) = (gpu.exact(dst), gpu.exact(src));
     match (dt, st) {
-        _ if dt == st => gpu.dev.copy(dp, sp, dst.len * dt.size()),
+        _ if dt == st => gpu.copy_bytes(dp, sp, dst.len * dt.size()),
         (DType::Bf16, _) => {
             gpu.launch_1d("copy_bf16_f32", dst.len as u64, &[Arg::P(dp), Arg::P(sp), Arg::U(dst.len as u64)])
         }

@@ -106,30 +106,61 @@ extern "C" __global__ void fp8_amax_finish(const u32* partials, int count, float
     }
 }
 
-// q[i] = fp8(x[i] · scale).
-extern "C" __global__ void fp8_cast(unsigned char* q, const bf16* x, u64 n, const float* state, int e5m2) {
+// Under the delayed recipe the scale is known before the cast (the last update set it), so the
+// cast takes the tensor's amax in the same pass (`record`): each block's maximum, then one atomic
+// into the state's amax (the bits of non-negative floats order as unsigned integers, and a
+// NaN's lie above +inf, so it sticks as fp8_amax_finish's record does). Every thread of the
+// block calls it (it holds barriers).
+__device__ __forceinline__ void record_amax(u32 m, float* state, u32* scratch) {
+    m = block_max_u32(m, scratch);
+    if (threadIdx.x == 0) atomicMax((u32*)(state + FP8_AMAX), m);
+}
+
+// q[i] = fp8(x[i] · scale), and with `record` the amax into the state.
+extern "C" __global__ void fp8_cast(unsigned char* q, const bf16* x, u64 n, float* state, int e5m2, int record) {
+    __shared__ u32 scratch[32];
     float scale = state[FP8_SCALE];
-    for (u64 i = global_thread(); i < n; i += global_stride()) q[i] = to_fp8(bf2f(x[i]) * scale, e5m2);
+    u32 m = 0;
+    for (u64 i = global_thread(); i < n; i += global_stride()) {
+        float v = bf2f(x[i]);
+        u32 b = abs_bits(v);
+        m = b > m ? b : m;
+        q[i] = to_fp8(v * scale, e5m2);
+    }
+    if (record) record_amax(m, state, scratch);
 }
 
 // The transposed cast: x is [rows, cols], q [cols, rows]; a 32 × 32 tile goes through shared
 // memory so that both the reads and the writes are along rows. Blocks of 256 threads (8 warps,
-// each warp a row of the tile at a time), a grid of (cols / 32, rows / 32) tiles.
-extern "C" __global__ void fp8_cast_transposed(unsigned char* q, const bf16* x, int rows, int cols, const float* state,
-                                               int e5m2) {
+// each warp a row of the tile at a time), a grid of (cols / 32, rows / 32) tiles. With `plain`
+// (else null) the same pass also writes the untransposed cast, `plain` [rows, cols]: one read of
+// x for both layouts (the backward pass's dy). With `record`, the amax into the state.
+extern "C" __global__ void fp8_cast_transposed(unsigned char* q, unsigned char* plain, const bf16* x, int rows, int cols,
+                                               float* state, int e5m2, int record) {
     __shared__ unsigned char tile[32][33];
+    __shared__ u32 scratch[32];
     float scale = state[FP8_SCALE];
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     int c0 = blockIdx.x * 32, r0 = blockIdx.y * 32;
+    u32 m = 0;
     for (int dy = warp; dy < 32; dy += warps) {
         int r = r0 + dy, c = c0 + lane;
-        if (r < rows && c < cols) tile[dy][lane] = to_fp8(bf2f(x[(u64)r * cols + c]) * scale, e5m2);
+        if (r < rows && c < cols) {
+            u64 at = (u64)r * cols + c;
+            float v = bf2f(x[at]);
+            u32 b = abs_bits(v);
+            m = b > m ? b : m;
+            unsigned char byte = to_fp8(v * scale, e5m2);
+            tile[dy][lane] = byte;
+            if (plain) plain[at] = byte;
+        }
     }
     __syncthreads();
     for (int dy = warp; dy < 32; dy += warps) {
         int c = c0 + dy, r = r0 + lane;
         if (r < rows && c < cols) q[(u64)c * rows + r] = tile[lane][dy];
     }
+    if (record) record_amax(m, state, scratch);
 }
 
 // The delayed recipe's step, one thread an operand: the recorded amax enters the history

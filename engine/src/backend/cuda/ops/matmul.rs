@@ -22,7 +22,7 @@ pub(crate) fn matmul(gpu: &mut Cuda, out: View, a: View, b: View, s: MatMul) {
         return;
     }
     let (ap, bp) = (gpu.ptr(a), gpu.ptr(b));
-    gpu.dev.gemm(&Gemm::row_major(s, o, ap, bp, inputs, ot));
+    gpu.gemm(&Gemm::row_major(s, o, ap, bp, inputs, ot));
 }
 
 /// `Backend::matmul_add`: one cuBLASLt product with `c` as the epilogue's addend.
@@ -38,7 +38,7 @@ pub(crate) fn matmul_add(gpu: &mut Cuda, out: View, a: View, b: View, c: View, s
     let (ap, bp) = (gpu.ptr(a), gpu.ptr(b));
     let mut g = Gemm::row_major(s.accumulating(), o, ap, bp, inputs, gpu.dtype(out));
     g.c = cp;
-    gpu.dev.gemm(&g);
+    gpu.gemm(&g);
 }
 
 /// `Backend::matmul_fp8` (and, with `c`, `matmul_fp8_add`): one cuBLASLt FP8 product, `a · bᵀ`
@@ -75,5 +75,5 @@ pub(crate) fn matmul_fp8(
     }
     // cuBLASLt's A is our b, its B our a.
     g.fp8 = Some(Fp8Gemm { a: scales[1].format, b: scales[0].format, a_scale: sb, b_scale: sa, fast_accum: fast });
-    gpu.dev.gemm(&g);
+    gpu.gemm(&g);
 }
