@@ -11,6 +11,12 @@ over several rounds so that drifting clocks or a noisy neighbour touch every pee
   through `jax.lax.ragged_dot`, MaxText's path;
 - `grouped-mm` (Mixtral only): a torchtitan-style MoE model (bench/torch_moe.py), the experts'
   products in `torch._grouped_mm`, each block compiled with fullgraph=True as torchtitan does.
+- `float8-tensorwise`, `float8-rowwise`: `compile-blocks` with torchao's float8 training of the
+  decoder's linear layers (`--float8` of bench/torch_train.py; torchtitan's FP8), the peers of
+  the engine's `train.precision = "fp8"` (give `--set train.precision=fp8` to compare them with
+  the engine's FP8). torchao comes as a carried wheel on machines that reach no registry
+  (tests/gpu.sh's WHEELS). JAX's native FP8 dot is not a peer here: bench/jax_train.py has no
+  FP8 path yet.
 
 On a GPT-OSS recipe `eager` and `compile-blocks` run `GptOssForCausalLM` with eager attention
 (transformers has no SDPA path for its sinks) and its experts as grouped products; `grouped-mm`
@@ -75,10 +81,12 @@ def engine_round(args, sets):
     return {"peer": "engine", "tokens_per_s": r["tokens_per_s"], "device": r["device"], "peak_tflops": r["peak_tflops"]}
 
 
-def torch_round(args, sets, compiled, moe_layer="hf"):
+def torch_round(args, sets, compiled, moe_layer="hf", float8=None):
     cmd = [args.python, os.path.join(HERE, "torch_train.py"), "--engine", args.engine, "--recipe", args.recipe,
            "--device", args.device, "--steps", str(args.steps), "--warmup", str(args.warmup + (3 if compiled else 0)),
            "--moe-layer", moe_layer]
+    if float8:
+        cmd += ["--float8", float8]
     cmd += [a for s in sets for a in ("--set", s)]
     if compiled:
         cmd += ["--compile", compiled]
@@ -101,6 +109,8 @@ PEERS = {
     "compile-whole": "pytorch + torch.compile (whole)",
     "jax": "jax + cudnn attention",
     "grouped-mm": "pytorch + torch._grouped_mm (blocks)",
+    "float8-tensorwise": "pytorch + torch.compile (blocks) + torchao float8 tensorwise",
+    "float8-rowwise": "pytorch + torch.compile (blocks) + torchao float8 rowwise",
 }
 
 
@@ -113,6 +123,8 @@ def peer_round(args, peer):
             return jax_round(args, args.set)
         if peer == "grouped-mm":
             return torch_round(args, args.set, "blocks", moe_layer="grouped-mm")
+        if peer.startswith("float8-"):
+            return torch_round(args, args.set, "blocks", float8=peer.split("-")[1])
         return torch_round(args, args.set, None if peer == "eager" else peer.split("-")[1])
     except subprocess.CalledProcessError as e:
         tail = (e.stderr or "").strip().splitlines()[-3:]

@@ -334,6 +334,10 @@ def main():
                     help="torch.compile each decoder layer (torchtitan's way) or the forward pass and loss together")
     ap.add_argument("--moe-layer", default="hf", choices=["hf", "grouped-mm"],
                     help="Mixtral, Qwen3-MoE: transformers' model, or bench/torch_moe.py's torchtitan-style one")
+    ap.add_argument("--float8", choices=["tensorwise", "rowwise"],
+                    help="torchao's float8 training of the decoder's linear layers (torchtitan's way: not the "
+                         "output head, widths multiples of 16), before torch.compile; needs torchao and a GPU "
+                         "with FP8 (sm_89+)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3, help="steps before measuring (torch.compile compiles in the first)")
     args = ap.parse_args()
@@ -384,6 +388,19 @@ def main():
         attn = model.model.layers[0].self_attn
         want = recipe["model"]["n_heads"] * recipe["model"]["head_dim"]
         assert attn.q_proj.out_features == want, f"q_proj has {attn.q_proj.out_features} outputs, not {want}"
+    float8 = None
+    if args.float8:
+        import torchao
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        def eligible(module, fqn):
+            return (isinstance(module, torch.nn.Linear) and "lm_head" not in fqn
+                    and module.in_features % 16 == 0 and module.out_features % 16 == 0)
+
+        convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(args.float8),
+                                   module_filter_fn=eligible)
+        float8 = {"recipe": args.float8, "torchao": torchao.__version__,
+                  "linears": sum(type(m).__name__ == "Float8Linear" for m in model.modules())}
     model.train()
     opt = torch.optim.AdamW(
         model.parameters(),
@@ -454,7 +471,7 @@ def main():
     report(
         {
             "peer": "pytorch" + (f" + torch.compile ({args.compile})" if args.compile else " eager")
-            + (" + grouped_mm experts" if grouped else ""),
+            + (" + grouped_mm experts" if grouped else "") + (f" + torchao float8 {args.float8}" if args.float8 else ""),
             "torch": torch.__version__,
             "transformers": transformers.__version__,
             "recipe": args.recipe,
@@ -467,6 +484,7 @@ def main():
             # transformers' attention ("sdpa", "eager": GPT-OSS); None for bench/torch_moe.py's SDPA.
             "attention_implementation": None if grouped else getattr(model.config, "_attn_implementation", None),
             "parameters": parameters,
+            "float8": float8,
         },
         batch * seq * accum,
         times,

@@ -6,6 +6,7 @@
 #   tests/gpu.sh list                 # the phases in order, with their expected durations
 #   tests/gpu.sh PHASE OUTDIR         # one phase; its files go to OUTDIR/PHASE/, its log to OUTDIR/PHASE.log
 #   tests/gpu.sh all OUTDIR           # every phase in order
+#   tests/gpu.sh quick OUTDIR         # one call for a short loan, instead of the others (9 minutes)
 #
 # No cargo is needed: ENGINE names a binary built elsewhere and carried here (default
 # target/release/engine). Needs the NVIDIA driver (580+) and CUDA 13's NVRTC and cuBLASLt on the
@@ -60,6 +61,21 @@ LONG_SETS=${LONG_SETS:-train.seq_len=1024 train.batch_size=8 optim.warmup_steps=
 LONG_STEPS=${LONG_STEPS:-1000}
 DEVICE=${DEVICE:-cuda}
 PIECES=4
+# The quick phase (issue 45): one 9-minute call that measures what a short loan should. Its
+# gpu-test filters (QUICK_CHECKS, comma-separated), its shapes (QUICK_SHAPES: `recipe sets...`
+# entries separated by `;`), the engine's interleaved rounds of bf16 and fp8 at each shape
+# (QUICK_ROUNDS, QUICK_STEPS measured steps after QUICK_WARMUP), and one round of the fastest
+# peer of each precision (QUICK_PEERS: `recipe precision peer` entries separated by `;`, the
+# recipe one of the shapes'; empty: none). The defaults are sized in docs/cuda.md. Carried Python
+# wheels (torchao for the FP8 peer; the GPU machine reaches no registry) are installed from
+# WHEELS (default target/wheels) into the phase's folder.
+QUICK_CHECKS=${QUICK_CHECKS:-FP8,mixtral}
+QUICK_SHAPES=${QUICK_SHAPES:-llama3.2-1b train.seq_len=4096 train.batch_size=4;llama3.1-8b model.n_layers=8 train.seq_len=8192 train.batch_size=1;mixtral-8x7b model.n_layers=2 train.seq_len=4096 train.batch_size=2}
+QUICK_ROUNDS=${QUICK_ROUNDS:-2}
+QUICK_STEPS=${QUICK_STEPS:-5}
+QUICK_WARMUP=${QUICK_WARMUP:-2}
+QUICK_PEERS=${QUICK_PEERS-llama3.1-8b bf16 compile-blocks;llama3.1-8b fp8 float8-tensorwise;mixtral-8x7b bf16 grouped-mm}
+WHEELS=$(absolute "${WHEELS:-$PWD/target/wheels}")
 
 # name|expected minutes (measured on an H100 on 2026-11-24 where docs/cuda.md says so, else an
 # estimate)|what it does
@@ -88,7 +104,7 @@ PHASES=(
 )
 
 usage() {
-    echo "usage: tests/gpu.sh list | tests/gpu.sh PHASE OUTDIR | tests/gpu.sh all OUTDIR ($1)" >&2
+    echo "usage: tests/gpu.sh list | tests/gpu.sh PHASE OUTDIR | tests/gpu.sh all OUTDIR | tests/gpu.sh quick OUTDIR ($1)" >&2
     exit 2
 }
 
@@ -101,6 +117,7 @@ list() {
         total=$((total + minutes))
     done
     printf '%-20s %8s  %s\n' total "$total" "expected minutes (docs/cuda.md says which were measured on a GPU; OUTDIR/durations.tsv records them)"
+    printf '%-20s %8s  %s\n' quick 9 "instead of the others, for a short loan (not in all): gpu-test's FP8 and MoE checks, bf16 and fp8 at llama3.2-1b 4 x 4096, llama3.1-8b (8 layers) 1 x 8192 and mixtral-8x7b (2 layers) 2 x 4096, interleaved, the fastest peer of each precision, one summary.json (estimate)"
 }
 
 known() {
@@ -202,6 +219,9 @@ phase() {
             "$PYTHON" bench/attention_peers.py --engine "$ENGINE" --recipe "$recipe" --set train.seq_len=4096 \
                 --set "train.batch_size=$batch" --json "$out/attention-peers.jsonl"
         done
+        ;;
+    quick)
+        quick_phase
         ;;
     fp8)
         # train.precision = "fp8" against bf16 on the same GPU (docs/PERF.md#fp8): the FP8
@@ -457,6 +477,57 @@ PY
     return "$rc"
 }
 
+# The quick phase: every result under $out/runs, then summary.json beside one tarball of them
+# (the files a GPU call brings back are few).
+quick_phase() {
+    local runs="$out/runs" emulate=() filter round shape recipe rest sets precision
+    local name entry peer_recipe peer_precision peer found
+    mkdir -p "$runs"
+    # DEVICE=emulate (the CPU emulator of a GPU, with QUICK_* shrunk): gpu-test's own flag.
+    [ "$DEVICE" = emulate ] && emulate=(--emulate)
+    if compgen -G "$WHEELS/*.whl" >/dev/null; then
+        "$PYTHON" -m pip install --quiet --no-deps --no-index --target "$out/python" "$WHEELS"/*.whl
+        export PYTHONPATH="$out/python${PYTHONPATH:+:$PYTHONPATH}"
+    fi
+    IFS=',' read -r -a filters <<<"$QUICK_CHECKS"
+    for filter in "${filters[@]}"; do
+        "$ENGINE" gpu-test "${emulate[@]}" --only "$filter" --json "$runs/gpu-test-${filter// /_}.json"
+    done
+    IFS=';' read -r -a shapes <<<"$QUICK_SHAPES"
+    for round in $(seq 1 "$QUICK_ROUNDS"); do
+        for shape in "${shapes[@]}"; do
+            read -r recipe rest <<<"$shape"
+            read -r -a sets <<<"$rest"
+            sets=("${sets[@]/#/--set=}")
+            for precision in bf16 fp8; do
+                "$ENGINE" --device "$DEVICE" bench --recipe "$recipe" "${sets[@]}" --set "train.precision=$precision" \
+                    --steps "$QUICK_STEPS" --warmup "$QUICK_WARMUP" --json "$runs/engine-$recipe-$precision-$round.json"
+            done
+        done
+    done
+    IFS=';' read -r -a peers <<<"$QUICK_PEERS"
+    for entry in "${peers[@]}"; do
+        read -r peer_recipe peer_precision peer <<<"$entry"
+        [ -n "$peer_recipe" ] || continue
+        found=
+        for shape in "${shapes[@]}"; do
+            read -r recipe rest <<<"$shape"
+            [ "$recipe" = "$peer_recipe" ] && found=$rest
+        done
+        [ -n "$found" ] || { echo "QUICK_PEERS: $peer_recipe is none of QUICK_SHAPES' recipes" >&2; return 2; }
+        read -r -a sets <<<"$found train.precision=$peer_precision"
+        sets=("${sets[@]/#/--set=}")
+        name="$peer_recipe-$peer_precision-$peer"
+        # A failing peer is reported in the summary, not a failed phase.
+        "$PYTHON" bench/compare.py --engine "$ENGINE" --python "$PYTHON" --recipe "$peer_recipe" --peers "engine,$peer" \
+            "${sets[@]}" --rounds 1 --steps "$QUICK_STEPS" --warmup "$QUICK_WARMUP" --json "$runs/compare-$name.json" ||
+            echo "peer $name failed" | tee "$runs/compare-$name.failed"
+    done
+    "$PYTHON" bench/quick_summary.py "$runs" --json "$out/summary.json"
+    tar -C "$out" -cf "$out/runs.tar" runs
+    rm -rf "$runs" "$out/python"
+}
+
 # train.batch_size of the long run (the CPU reference accumulates that many micro-batches of one).
 batch() {
     local s
@@ -494,7 +565,7 @@ if [ "$what" = list ]; then
     list
     exit 0
 fi
-[ "$what" = all ] || known "$what" || usage "unknown phase $what; tests/gpu.sh list shows them"
+[ "$what" = all ] || [ "$what" = quick ] || known "$what" || usage "unknown phase $what; tests/gpu.sh list shows them"
 [ $# -eq 2 ] || usage "$what needs one OUTDIR"
 need_engine
 outdir=$(absolute "$2")

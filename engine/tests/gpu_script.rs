@@ -39,16 +39,18 @@ fn the_script_parses_and_lists_phases_within_the_time_budget() {
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
     let stdout = text(&out.stdout);
     let mut rows: Vec<(String, u32)> = Vec::new();
-    let mut total = None;
+    let (mut total, mut quick) = (None, None);
     for line in stdout.lines().skip(1) {
         let mut f = line.split_whitespace();
         let (name, minutes) = (f.next().unwrap().to_owned(), f.next().unwrap().parse::<u32>().unwrap());
-        if name == "total" {
-            total = Some(minutes);
-        } else {
-            rows.push((name, minutes));
+        match name.as_str() {
+            "total" => total = Some(minutes),
+            // The short loan's one call, instead of the others: not in the total.
+            "quick" => quick = Some(minutes),
+            _ => rows.push((name, minutes)),
         }
     }
+    assert!(quick.is_some_and(|m| m <= 9), "the quick phase must fit 9 minutes: {stdout}");
     let names: Vec<&str> = rows.iter().map(|(n, _)| n.as_str()).collect();
     for phase in [
         "gpu-test",
@@ -172,5 +174,61 @@ fn the_long_run_in_pieces_is_the_run_one_process_makes() {
     let durations = std::fs::read_to_string(out.join("durations.tsv")).unwrap();
     assert!(durations.lines().any(|l| l.starts_with("long-check\t")), "{durations}");
     assert!(out.join("long-4.log").is_file() && out.join("long-4/metrics.jsonl").is_file());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// `tests/gpu.sh quick`, the short loan's one call, end to end on the CPU emulator of a GPU with
+/// its shapes shrunk (DEVICE=emulate and the QUICK_* variables): gpu-test's checks, bf16 and fp8
+/// at two shapes in two interleaved rounds, a peer that fails (reported in the summary, not a
+/// failed phase), one summary.json with each shape's ratio, and few files brought back.
+#[test]
+fn the_quick_phase_runs_end_to_end_on_the_emulator() {
+    if !engine::backend::cuda::emulator::compiler_available() {
+        assert!(std::env::var("ENGINE_REQUIRE_EMULATOR").is_err(), "no C++ compiler for the emulator");
+        eprintln!("SKIPPED: the quick phase on the emulator: no C++ compiler");
+        return;
+    }
+    let dir = scratch("gpu-sh-quick");
+    let (out, no_wheels) = (dir.join("out"), dir.join("no-wheels"));
+    let small = "model.d_model=64 model.n_layers=1 model.head_dim=16 model.vocab_size=256 train.seq_len=64 \
+                 train.batch_size=1 train.fp8.min_dim=16";
+    let shapes =
+        format!("tiny-llama2 {small} model.mlp_dim=128;tiny-mixtral {small} model.mlp_dim=64 model.moe.num_experts=4");
+    let env = [
+        ("DEVICE", "emulate"),
+        ("QUICK_CHECKS", "fp8 48x32"),
+        ("QUICK_SHAPES", shapes.as_str()),
+        ("QUICK_STEPS", "1"),
+        ("QUICK_WARMUP", "1"),
+        // compare.py's engine run asks for --device cuda, which this machine lacks: the peer fails.
+        ("QUICK_PEERS", "tiny-llama2 bf16 eager"),
+        ("WHEELS", s(&no_wheels)),
+    ];
+    let o = gpu_sh(&["quick", s(&out)], &env);
+    let (stdout, stderr) = (text(&o.stdout), text(&o.stderr));
+    assert_eq!(o.status.code(), Some(0), "{stdout}\n{stderr}");
+    assert!(stdout.contains("== quick: done after"), "{stdout}");
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("quick/summary.json")).unwrap()).unwrap();
+    for recipe in ["tiny-llama2", "tiny-mixtral"] {
+        let shape = &summary["shapes"][recipe];
+        for precision in ["bf16", "fp8"] {
+            assert_eq!(shape[precision]["rounds"], 2, "{recipe} {precision}: {shape}");
+            assert!(shape[precision]["device"].as_str().unwrap().contains("emulator"), "{shape}");
+        }
+        assert!(shape["fp8_over_bf16"].as_f64().unwrap() > 0.0, "{shape}");
+    }
+    assert_eq!(summary["shapes"]["tiny-llama2"]["peers"]["bf16"][0]["failed"], true, "{summary}");
+    assert_eq!(summary["checks"][0]["failed"].as_array().unwrap().len(), 0, "{summary}");
+    // What a GPU call brings back: the log, the durations, the summary and one tarball.
+    let mut files = Vec::new();
+    let mut stack = vec![out.clone()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() { stack.push(p) } else { files.push(p) }
+        }
+    }
+    assert!(files.len() <= 8, "{} files: {files:?}", files.len());
     std::fs::remove_dir_all(&dir).unwrap();
 }

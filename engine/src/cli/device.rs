@@ -1,4 +1,5 @@
-//! `--device auto|cpu|cuda`: the backend a command runs on, and the device's peak for MFU.
+//! `--device auto|cpu|cuda|emulate`: the backend a command runs on, and the device's peak for
+//! MFU.
 
 use anyhow::{Result, bail};
 use engine::backend::cpu::{self, Cpu};
@@ -18,6 +19,9 @@ pub enum DeviceArg {
     Cpu,
     /// The first CUDA GPU (an error when there is none).
     Cuda,
+    /// The CUDA backend on the CPU emulator of a GPU: its kernels and host code, very slowly
+    /// (tiny shapes; to run a GPU path, such as `tests/gpu.sh quick`, where there is no GPU).
+    Emulate,
 }
 
 impl DeviceArg {
@@ -29,7 +33,8 @@ impl DeviceArg {
                 "auto" => Ok(Some(DeviceArg::Auto)),
                 "cpu" => Ok(Some(DeviceArg::Cpu)),
                 "cuda" => Ok(Some(DeviceArg::Cuda)),
-                other => bail!("ENGINE_DEVICE = `{other}` is not one of auto, cpu, cuda"),
+                "emulate" => Ok(Some(DeviceArg::Emulate)),
+                other => bail!("ENGINE_DEVICE = `{other}` is not one of auto, cpu, cuda, emulate"),
             },
         }
     }
@@ -69,6 +74,14 @@ pub fn open(arg: DeviceArg, config: Option<&Config>) -> Result<Opened> {
     };
     let gpu = match arg {
         DeviceArg::Cpu => return cpu(),
+        DeviceArg::Emulate => {
+            if let Some(c) = config {
+                cuda::check_run(c).map_err(|e| anyhow::anyhow!("--device emulate: {e}"))?;
+                check_cpu_memory(c, 1)?;
+            }
+            let backend = Cuda::emulated().map_err(|e| anyhow::anyhow!("--device emulate: {e}"))?;
+            return Ok(Opened::Cuda(Box::new(backend)));
+        }
         DeviceArg::Auto if discovery::probe().is_err() => return cpu(),
         DeviceArg::Auto => "a CUDA GPU was found but",
         DeviceArg::Cuda => "--device cuda:",

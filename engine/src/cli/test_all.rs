@@ -83,6 +83,7 @@ fn target(arg: DeviceArg) -> Result<Target> {
             Ok(_) => Target::Gpu,
             Err(_) => Target::Cpu,
         },
+        DeviceArg::Emulate => bail!("test-all --device emulate: use --emulate (the emulator's own shrunk suite)"),
     })
 }
 
@@ -90,7 +91,11 @@ fn target(arg: DeviceArg) -> Result<Target> {
 /// a contradiction) and needs a C++ compiler.
 fn emulated_target(arg: DeviceArg) -> Result<Target> {
     if arg != DeviceArg::Auto {
-        let name = if arg == DeviceArg::Cpu { "cpu" } else { "cuda" };
+        let name = match arg {
+            DeviceArg::Cpu => "cpu",
+            DeviceArg::Emulate => "emulate",
+            _ => "cuda",
+        };
         bail!(
             "--emulate runs the checks on the CPU emulator of a GPU, not on --device {name} (given by --device or ENGINE_DEVICE): leave the device at auto"
         );

@@ -180,7 +180,7 @@ fn train(args: TrainArgs, device: DeviceArg) -> Result<()> {
         return start.run_job(config, &job, device);
     }
     if args.devices > 1 {
-        if device == DeviceArg::Cuda {
+        if matches!(device, DeviceArg::Cuda | DeviceArg::Emulate) {
             bail!(
                 "--devices runs virtual CPU devices; on GPUs, start one process per GPU with `engine launch --nproc N -- train ...`"
             );
@@ -265,6 +265,9 @@ impl Start {
     /// the CPU joined by the TCP collectives.
     fn run_job(mut self, config: &Config, job: &Job, device: DeviceArg) -> Result<()> {
         let plan = parallel::plan::ParallelPlan::resolve(config, job.local_world, job.nodes())?;
+        if device == DeviceArg::Emulate {
+            bail!("--device emulate runs one process; a launched job runs on GPUs (cuda) or the CPU (cpu)");
+        }
         let gpu = device == DeviceArg::Cuda
             || (device == DeviceArg::Auto && engine::backend::cuda::discovery::probe().is_ok());
         if !gpu {
