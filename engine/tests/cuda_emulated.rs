@@ -6,7 +6,7 @@
 //!
 //! Needs a C++20 compiler (`$CXX`, else `c++`). Without one the test prints a SKIPPED line and
 //! passes, unless `ENGINE_REQUIRE_EMULATOR=1` (CI sets it) makes that a failure.
-//! `ENGINE_CHECK_FILTER=text` runs only the checks whose names contain the text.
+//! `ENGINE_CHECK_FILTER=text` runs only the checks whose names contain the text (ignoring case).
 
 use engine::backend::cpu::Cpu;
 use engine::backend::cuda::{Cuda, emulator};

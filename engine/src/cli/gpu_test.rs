@@ -22,7 +22,7 @@ pub struct GpuTestArgs {
     /// Training steps of each tiny configuration [default: 200 on a GPU, 20 emulated].
     #[arg(long, value_name = "N")]
     steps: Option<usize>,
-    /// Run only the checks whose name contains this text.
+    /// Run only the checks whose name contains this text (ignoring case).
     #[arg(long, value_name = "TEXT", default_value = "")]
     only: String,
     /// Also write the results as JSON to this file.

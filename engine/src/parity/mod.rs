@@ -62,12 +62,14 @@ pub struct Scale {
 /// Opens a fresh backend for a check.
 pub type Open<'a> = dyn FnMut() -> anyhow::Result<Cuda> + 'a;
 
-/// Runs every check whose name contains `filter`, reporting each as it ends.
+/// Runs every check whose name contains `filter` (ignoring case: `FP8` takes the casts' `fp8`
+/// checks, `muon` the MuonClip step's), reporting each as it ends.
 pub fn run(scale: Scale, open: &mut Open, filter: &str, report: &mut dyn FnMut(&Outcome)) -> Vec<Outcome> {
     let checks = checks(scale);
+    let filter = filter.to_lowercase();
     let mut out = Vec::new();
     for (name, check) in checks {
-        if !name.contains(filter) {
+        if !name.to_lowercase().contains(&filter) {
             continue;
         }
         let start = Instant::now();
