@@ -149,6 +149,11 @@ pub struct Fp8Buffers {
     w: View,
     dy: View,
     dyt: View,
+    /// The weights' transposed casts, which the forward pass writes beside its own (one pass)
+    /// and the backward pass reads, where a device holds its whole model's weights
+    /// ([`Model::fp8_weight_cache`]): each covered linear layer of each layer at its offset in a
+    /// layer's `wt_stride` elements; none otherwise (the backward pass casts W again).
+    wt: Option<(View, [usize; 8], usize)>,
     /// How a first cast of a tensor scales: the recipe's.
     scaling: Scaling,
     /// The delayed recipe's `2^margin` headroom.
@@ -175,6 +180,12 @@ impl Fp8Buffers {
         if self.scaling == Scaling::Delayed {
             be.fp8_delayed_update(self.states, self.stride, self.margin);
         }
+    }
+
+    /// The weight's transposed cast of `linear` in whole-model layer `layer` (`len` elements), if
+    /// the forward pass keeps it for the backward pass.
+    fn cached_wt(&self, layer: usize, linear: Linear, len: usize) -> Option<View> {
+        self.wt.map(|(v, at, stride)| v.at(layer * stride + at[linear as usize], len))
     }
 
     fn state(&self, layer: usize, linear: Linear, operand: Operand) -> State {
@@ -207,6 +218,16 @@ impl Model {
             (x, w, dy) = (x.max(n * inp), w.max(inp * out), dy.max(n * out));
         }
         let stride = policy.stride();
+        let wt = self.fp8_weight_cache.then(|| {
+            let mut at = [0; 8];
+            let mut stride = 0;
+            for (k, l) in Linear::ALL.iter().enumerate().filter(|&(k, _)| covered[k]) {
+                let (inp, out) = l.widths(m);
+                at[k] = stride;
+                stride += (inp * out).next_multiple_of(16);
+            }
+            (take(BufKind::Fp8, m.n_layers * stride), at, stride)
+        });
         Some(Fp8Buffers {
             states: take(BufKind::Scalars, m.n_layers * Linear::ALL.len() * 3 * stride),
             stride,
@@ -215,6 +236,7 @@ impl Model {
             w: take(BufKind::Fp8, w),
             dy: take(BufKind::Fp8, dy),
             dyt: take(BufKind::Fp8, dy),
+            wt,
             scaling: match policy.config.recipe {
                 Fp8Recipe::Tensorwise => Scaling::Current,
                 Fp8Recipe::Delayed => Scaling::Delayed,
@@ -274,7 +296,11 @@ impl Model {
         let (sx, sw) = (f.state(layer, linear, Operand::X), f.state(layer, linear, Operand::W));
         let (xq, wq) = (f.x.at(0, x.len), f.w.at(0, w.len));
         be.fp8_quantize(xq, x, sx, f.scaling, None);
-        be.fp8_quantize(wq, w, sw, f.scaling, None);
+        match f.cached_wt(layer, linear, w.len) {
+            // W `[O, I]` and Wᵀ `[I, O]` in one pass: the backward pass's dx product reads Wᵀ.
+            Some(wt) => be.fp8_quantize_both(wq, wt, w, sw, f.scaling, shape.k),
+            None => be.fp8_quantize(wq, w, sw, f.scaling, None),
+        }
         match residual {
             Some(c) => be.matmul_fp8_add(out, xq, wq, c, shape, [sx, sw], true),
             None => be.matmul_fp8(out, xq, wq, shape, [sx, sw], true),
@@ -309,8 +335,13 @@ impl Model {
         // this layer's forward pass: the weight has not changed since). x's does not: another
         // micro-batch's forward pass may have cast its own x with the same state since.
         be.fp8_quantize_both(dyq, dyqt, dy, sdy, f.scaling, out);
-        be.fp8_quantize(wq, w, sw, Scaling::Again, Some(inp));
-        be.matmul_fp8(dx, dyq, wq, linear_form(shape_dx), [sdy, sw], false);
+        // Wᵀ as this layer's forward pass cast it, or cast again (the weight has not changed
+        // since: the same bytes).
+        let wt = f.cached_wt(layer, linear, w.len).unwrap_or_else(|| {
+            be.fp8_quantize(wq, w, sw, Scaling::Again, Some(inp));
+            wq
+        });
+        be.matmul_fp8(dx, dyq, wt, linear_form(shape_dx), [sdy, sw], false);
         be.fp8_quantize(xq, x, sx, f.scaling, Some(inp));
         be.matmul_fp8(dw, dyqt, xq, linear_form(shape_dw), [sdy, sx], false);
     }
@@ -355,8 +386,14 @@ mod tests {
     /// A model of `m` (FP8 by `fp8`) on the CPU with its parameters and 16 tokens; returns the
     /// gradient of the mean loss after one forward and backward pass.
     fn run_model(m: &ModelConfig, fp8: Option<Fp8Policy>) -> (Model, Cpu, Plan, Vec<f32>) {
+        run_cached(m, fp8, false)
+    }
+
+    /// [`run_model`], the weights' transposed casts kept from the forward pass (`cache`).
+    fn run_cached(m: &ModelConfig, fp8: Option<Fp8Policy>, cache: bool) -> (Model, Cpu, Plan, Vec<f32>) {
         let mut model = Model::new(m);
         model.fp8 = fp8;
+        model.fp8_weight_cache = cache;
         let mut cpu = Cpu::new();
         let plan = model.plan(&mut cpu, 1, 16);
         cpu.upload(plan.params, &init::params(&model, 5));
@@ -431,6 +468,28 @@ mod tests {
         }
         assert!(worst < 1e-5, "the product differs from the rounded operands' by {worst}");
         assert!(moved > 1e-3, "FP8 rounding should move the product (by {moved} at most)");
+    }
+
+    /// The weights' transposed casts kept from the forward pass give the backward pass the
+    /// bytes it would cast itself: the same gradients, bit for bit, both recipes, for grouped-query
+    /// and latent attention; the cache is one byte a covered weight in the FP8 buffers.
+    #[test]
+    fn the_kept_weight_casts_change_no_gradient() {
+        for m in [config(), latent(16)] {
+            for recipe in [Fp8Recipe::Tensorwise, Fp8Recipe::Delayed] {
+                let (_, _, plain, cast_again) = run_cached(&m, Some(policy(recipe, 16)), false);
+                let (model, _, cached, kept) = run_cached(&m, Some(policy(recipe, 16)), true);
+                assert_eq!(kept, cast_again, "{recipe:?}: the kept casts changed a gradient");
+                let (Some(a), Some(b)) = (plain.fp8, cached.fp8) else { panic!("FP8 buffers") };
+                let weights: usize = Linear::ALL
+                    .iter()
+                    .filter(|l| b.covered[**l as usize])
+                    .map(|l| l.widths(&model.config))
+                    .map(|(i, o)| (i * o).next_multiple_of(16))
+                    .sum();
+                assert!(a.wt.is_none() && b.wt.is_some_and(|(v, _, _)| v.len == m.n_layers * weights));
+            }
+        }
     }
 
     #[test]

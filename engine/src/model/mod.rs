@@ -63,6 +63,11 @@ pub struct Model {
     /// Which linear layers run in FP8, and how they are scaled (`train.precision = "fp8"`);
     /// none: all in the backend's precision. Set before planning.
     pub fp8: Option<Fp8Policy>,
+    /// Whether the FP8 forward passes keep each weight's transposed cast for the backward pass
+    /// (written in the same pass as the forward's own), instead of the backward pass casting the
+    /// weight again: where the device holds its whole model's weights (no FSDP, one pipeline
+    /// stage), at one byte an FP8 weight. Set before planning.
+    pub fp8_weight_cache: bool,
     /// Whether the attention forward passes record each head's largest logit for QK-clip
     /// (`optim.qk_clip`: [`Plan::logit_max`]). Set before planning.
     pub logit_max: bool,
@@ -195,6 +200,7 @@ impl Model {
             layout: Layout::stage(config, stage),
             remat: Remat::None,
             fp8: None,
+            fp8_weight_cache: false,
             logit_max: false,
             batch_shards: 1,
             seq: SeqSplit::WHOLE,

@@ -200,6 +200,10 @@ impl ParallelPlan {
         model.remat = config.train.remat;
         model.fp8 = crate::model::Fp8Policy::of(&config.train);
         model.logit_max = config.optim.qk_clip > 0.0;
+        // FSDP gathers each unit's weights for a pass and gives them back after: a cast kept
+        // from the forward pass would hold every unit's whole.
+        model.fp8_weight_cache =
+            stage.first && stage.last && self.mesh.size(Axis::Fsdp) * self.mesh.size(Axis::Seq) == 1;
         // The estimate needs only whether the document bounds are kept (8 bytes a token; on a
         // seq axis the whole sequences' bounds and tokens); the EOS id itself is read from the
         // shards when training starts.

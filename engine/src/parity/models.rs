@@ -69,6 +69,9 @@ pub(super) fn parity(gpu: Cuda, name: &str, extra: &[&str], scale: Scale) -> Res
     let config = tiny(name, scale, extra);
     let mut model = Model::new(&config.model);
     model.fp8 = crate::model::Fp8Policy::of(&config.train);
+    // One device holding its whole model, as a run on one GPU: the FP8 forward passes keep the
+    // weights' transposed casts for the backward pass.
+    model.fp8_weight_cache = true;
     let (batch, seq) = (config.train.batch_size.per_group(1), config.train.seq_len);
     let params = init::params(&model, 7);
     let tokens: Vec<u32> =
@@ -378,6 +381,9 @@ pub(super) fn fp8_overhead(mut gpu: Cuda, recipe: &str) -> Result<String, String
         let config = recipe::resolve("llama3.1-8b", &overrides).map_err(failure)?.config;
         let mut model = Model::new(&config.model);
         model.fp8 = crate::model::Fp8Policy::of(&config.train);
+        // One GPU holding the whole model: the forward pass keeps Wᵀ's cast (also "before",
+        // where it costs what the backward pass's second cast did).
+        model.fp8_weight_cache = true;
         gpu.trace_launches(Some(true));
         let plan = model.plan(&mut gpu, 1, 8192);
         let (launches, bytes) = {
