@@ -25,13 +25,18 @@ import statistics
 import sys
 
 
+def named(folder, prefix, pattern):
+    """(path, match) of the files `prefix*` in `folder` whose names match `pattern`, in order."""
+    for path in sorted(glob.glob(os.path.join(folder, prefix + "*"))):
+        m = re.fullmatch(pattern, os.path.basename(path))
+        if m:
+            yield path, m
+
+
 def engine_runs(folder):
     """{recipe: {precision: [run, ...]}} from the engine's bench JSONs."""
     out = {}
-    for path in sorted(glob.glob(os.path.join(folder, "engine-*.json"))):
-        m = re.fullmatch(r"engine-(.+)-(bf16|fp8)-(\d+)\.json", os.path.basename(path))
-        if not m:
-            continue
+    for path, m in named(folder, "engine-", r"engine-(.+)-(bf16|fp8)-(\d+)\.json"):
         r = json.load(open(path))["recipes"][0]
         out.setdefault(m.group(1), {}).setdefault(m.group(2), []).append(r)
     return out
@@ -46,10 +51,7 @@ def medians(runs):
 def peers(folder):
     """{recipe: {precision: [{peer, tokens_per_s, engine_over_peer} or {peer, failed}]}}."""
     out = {}
-    for path in sorted(glob.glob(os.path.join(folder, "compare-*"))):
-        m = re.fullmatch(r"compare-(.+)-(bf16|fp8)-(.+)\.(json|failed)", os.path.basename(path))
-        if not m:
-            continue
+    for path, m in named(folder, "compare-", r"compare-(.+)-(bf16|fp8)-(.+)\.(json|failed)"):
         recipe, precision, peer, kind = m.groups()
         entries = out.setdefault(recipe, {}).setdefault(precision, [])
         if kind == "failed":

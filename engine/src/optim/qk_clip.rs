@@ -135,7 +135,10 @@ pub fn apply<B: Backend>(
         all[first..first + local].copy_from_slice(mine);
         scales.extend(layer_scales(global, layer, &all, o.qk_clip, o.qk_clip_alpha));
     }
-    par.scale_rows(be, scales.iter().map(|r| (r.tensor.as_str(), r.rows.clone(), r.factor)));
+    // Most steps clip nothing: no need to map the device's pieces then.
+    if !scales.is_empty() {
+        par.scale_rows(be, scales.iter().map(|r| (r.tensor.as_str(), r.rows.clone(), r.factor)));
+    }
     let max_logit = par.max_over_world(be, top) as f64;
     // Every device of a batch group counted the same heads.
     let heads = par.sum_over_world(be, clipped as f32).round() as usize / par.batch_devices();

@@ -481,21 +481,24 @@ impl<B: Backend> Parallel<B> {
     /// `Σ x` over every device of the mesh, for agreements between devices (whether a save is
     /// complete everywhere). Every device calls it at the same point.
     pub fn sum_over_world(&mut self, be: &mut B, x: f32) -> f32 {
-        let flag = self.scratch.at(0, 1);
-        be.upload(flag, &[x]);
-        let world: Vec<usize> = (0..self.mesh.devices()).collect();
-        self.comm.all_reduce_sum(be, flag, &world);
-        let mut out = [0f32];
-        be.download(flag, &mut out);
-        out[0]
+        self.over_world(be, x, false)
     }
 
     /// `max x` over every device of the mesh. Every device calls it at the same point.
     pub fn max_over_world(&mut self, be: &mut B, x: f32) -> f32 {
+        self.over_world(be, x, true)
+    }
+
+    /// `x` summed (or its maximum taken) over every device of the mesh, through the scratch.
+    fn over_world(&mut self, be: &mut B, x: f32, max: bool) -> f32 {
         let v = self.scratch.at(0, 1);
         be.upload(v, &[x]);
         let world: Vec<usize> = (0..self.mesh.devices()).collect();
-        self.comm.all_reduce_max(be, v, &world);
+        if max {
+            self.comm.all_reduce_max(be, v, &world);
+        } else {
+            self.comm.all_reduce_sum(be, v, &world);
+        }
         let mut out = [0f32];
         be.download(v, &mut out);
         out[0]

@@ -374,49 +374,42 @@ pub(super) fn nccl_alone(mut gpu: Cuda) -> Result<String, String> {
 /// emulator's buffers of a first plan stay until its backend goes.)
 pub(super) fn fp8_overhead(mut gpu: Cuda, recipe: &str) -> Result<String, String> {
     let sets = ["model.n_layers=1", "model.vocab_size=256", "train.precision=fp8", "train.batch_size=1"];
-    let mut notes = Vec::new();
-    {
-        let recipe_set = format!("train.fp8.recipe={recipe}");
-        let overrides = recipe::Override::from_list(&[&sets[..], &[recipe_set.as_str()]].concat().join(" "), "check");
-        let config = recipe::resolve("llama3.1-8b", &overrides).map_err(failure)?.config;
-        let mut model = Model::new(&config.model);
-        model.fp8 = crate::model::Fp8Policy::of(&config.train);
-        // One GPU holding the whole model: the forward pass keeps Wᵀ's cast (also "before",
-        // where it costs what the backward pass's second cast did).
-        model.fp8_weight_cache = true;
-        gpu.trace_launches(Some(true));
-        let plan = model.plan(&mut gpu, 1, 8192);
-        let (launches, bytes) = {
-            let mut per = |unfused: bool| -> (usize, f64) {
-                gpu.set_fp8_unfused(unfused);
-                gpu.trace_launches(Some(true));
-                model.forward(&mut gpu, &plan, Some(1.0), &mut crate::model::Alone);
-                model.backward(&mut gpu, &plan, 0.0, &mut crate::model::Alone);
-                let trace = gpu.take_launches();
-                gpu.trace_launches(None);
-                let overhead: Vec<_> = trace.iter().filter(|l| fp8_bytes(l).is_some()).collect();
-                (overhead.len(), overhead.iter().filter_map(|l| fp8_bytes(l)).sum::<u64>() as f64)
-            };
-            let (before, after) = (per(true), per(false));
-            gpu.set_fp8_unfused(false);
-            ((before.0, after.0), (before.1, after.1))
-        };
-        let gb = |b: f64| b / 1e9;
-        notes.push(format!(
-            "{recipe}: {} launches before, {} after ({:.0} % fewer); {:.2} GB moved before, {:.2} GB after ({:.0} % less)",
-            launches.0,
-            launches.1,
-            100.0 * (1.0 - launches.1 as f64 / launches.0 as f64),
-            gb(bytes.0),
-            gb(bytes.1),
-            100.0 * (1.0 - bytes.1 / bytes.0)
-        ));
-        // Tensorwise scaling needs a tensor's amax before its cast: only dy's second layout goes.
-        if recipe == "delayed" && 2 * launches.1 > launches.0 {
-            return Err(format!("{}: the fused casts keep more than half the launches", notes.join("; ")));
-        }
+    let recipe_set = format!("train.fp8.recipe={recipe}");
+    let overrides = recipe::Override::from_list(&[&sets[..], &[recipe_set.as_str()]].concat().join(" "), "check");
+    let config = recipe::resolve("llama3.1-8b", &overrides).map_err(failure)?.config;
+    let mut model = Model::new(&config.model);
+    model.fp8 = crate::model::Fp8Policy::of(&config.train);
+    // One GPU holding the whole model: the forward pass keeps Wᵀ's cast (also "before", where it
+    // costs what the backward pass's second cast did).
+    model.fp8_weight_cache = true;
+    gpu.trace_launches(Some(true));
+    let plan = model.plan(&mut gpu, 1, 8192);
+    // (launches, bytes) of the casts and amax passes of one forward and backward pass.
+    let mut per = |unfused: bool| -> (usize, f64) {
+        gpu.set_fp8_unfused(unfused);
+        gpu.take_launches();
+        model.forward(&mut gpu, &plan, Some(1.0), &mut crate::model::Alone);
+        model.backward(&mut gpu, &plan, 0.0, &mut crate::model::Alone);
+        let bytes: Vec<u64> = gpu.take_launches().iter().filter_map(fp8_bytes).collect();
+        (bytes.len(), bytes.iter().sum::<u64>() as f64)
+    };
+    let (before, after) = (per(true), per(false));
+    gpu.set_fp8_unfused(false);
+    gpu.trace_launches(None);
+    let note = format!(
+        "per decoder layer (q/k/v, o, gate/up, down), {recipe}: {} launches before, {} after ({:.0} % fewer); {:.2} GB moved before, {:.2} GB after ({:.0} % less)",
+        before.0,
+        after.0,
+        100.0 * (1.0 - after.0 as f64 / before.0 as f64),
+        before.1 / 1e9,
+        after.1 / 1e9,
+        100.0 * (1.0 - after.1 / before.1)
+    );
+    // Tensorwise scaling needs a tensor's amax before its cast: only dy's second layout goes.
+    if recipe == "delayed" && 2 * after.0 > before.0 {
+        return Err(format!("{note}: the fused casts keep more than half the launches"));
     }
-    Ok(format!("per decoder layer (q/k/v, o, gate/up, down), {}", notes.join("; ")))
+    Ok(note)
 }
 
 /// The bytes an FP8 cast or amax launch moves, from its arguments (`fp8.cu`'s signatures); none
