@@ -120,6 +120,39 @@ pub enum Scaling {
     Again,
 }
 
+/// A weight `W [rows, cols]` whose FP8 casts an optimizer step writes
+/// ([`crate::backend::Backend::adamw_fp8`]) for the passes to read instead of casting it: `q`
+/// (`[rows, cols]`) and `qt` (`[cols, rows]`), with the delayed recipe's scale of `state`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WeightCast {
+    /// Where the weight starts in the parameters.
+    pub offset: usize,
+    /// Its rows (the layer's output width) and columns (its input width).
+    pub rows: usize,
+    /// See `rows`.
+    pub cols: usize,
+    /// The cast `[rows, cols]`, [`crate::backend::BufKind::Fp8`].
+    pub q: View,
+    /// The cast transposed, `[cols, rows]`.
+    pub qt: View,
+    /// The weight's scaling state: the scale the casts take, the amax they record.
+    pub state: State,
+}
+
+impl WeightCast {
+    /// The weight in `params`.
+    pub fn weight(&self, params: View) -> View {
+        params.at(self.offset, self.rows * self.cols)
+    }
+
+    /// Casts the weight as it is in `params` into both layouts, as the passes would (the state's
+    /// scale, the amax recorded): the reference's way, and the refresh of a weight changed
+    /// outside the fused update.
+    pub fn cast<B: crate::backend::Backend + ?Sized>(&self, be: &mut B, params: View) {
+        be.fp8_quantize_both(self.q, self.qt, self.weight(params), self.state, Scaling::Delayed, self.cols);
+    }
+}
+
 /// The larger of `m` and |v|, NaN sticking (a diverged tensor is not scaled as a finite one).
 fn nan_max(m: f32, v: f32) -> f32 {
     if v.is_nan() || m.is_nan() { f32::NAN } else { m.max(v.abs()) }

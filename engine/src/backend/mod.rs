@@ -1041,4 +1041,25 @@ pub trait Backend {
         segments: &[Segment],
         step: AdamWStep,
     );
+
+    /// [`Backend::adamw`], which also writes each of `casts` (weights inside `segments`) from
+    /// its updated weight, as [`fp8::WeightCast::cast`] would after the step. The reference
+    /// does just that; a GPU writes the casts in the update's own pass, reading the weight once
+    /// (no cast launch, no second read of the weight).
+    #[allow(clippy::too_many_arguments)]
+    fn adamw_fp8(
+        &mut self,
+        params: View,
+        grads: View,
+        (m, v): (View, View),
+        norm_squared: View,
+        segments: &[Segment],
+        step: AdamWStep,
+        casts: &[fp8::WeightCast],
+    ) {
+        self.adamw(params, grads, m, v, norm_squared, segments, step);
+        for c in casts {
+            c.cast(self, params);
+        }
+    }
 }

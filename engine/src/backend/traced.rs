@@ -481,4 +481,17 @@ impl<B: Backend> Backend for Traced<B> {
     ) {
         self.time("adamw", |b| b.adamw(params, grads, m, v, norm_squared, segments, step))
     }
+
+    fn adamw_fp8(
+        &mut self,
+        params: View,
+        grads: View,
+        moments: (View, View),
+        norm_squared: View,
+        segments: &[Segment],
+        step: AdamWStep,
+        casts: &[crate::backend::fp8::WeightCast],
+    ) {
+        self.time("adamw", |b| b.adamw_fp8(params, grads, moments, norm_squared, segments, step, casts))
+    }
 }

@@ -29,8 +29,9 @@
 //! in the model's precision, as do products too small for FP8 to pay (`train.fp8.min_dim`) and
 //! the experts' products.
 
+use super::layout::{AttnOffsets, LayerOffsets, MlpOffsets, QueryOffsets};
 use super::{Model, Plan};
-use crate::backend::fp8::{Fp8Format, Scaling, State};
+use crate::backend::fp8::{Fp8Format, Scaling, State, WeightCast};
 use crate::backend::{Backend, BufKind, MatMul, View};
 use crate::config::{Fp8Config, Fp8Recipe, ModelConfig, Precision, TrainConfig};
 
@@ -132,6 +133,20 @@ impl Fp8Policy {
     }
 }
 
+/// The weights' kept casts ([`Fp8Buffers::cache`]): each covered linear layer of each layer at
+/// its offset `at` in a layer's `stride` elements.
+#[derive(Debug, Clone, Copy)]
+struct WeightCache {
+    /// The transposed casts, which the forward pass writes beside its own (one pass) and the
+    /// backward pass reads.
+    wt: View,
+    /// The casts in the forward pass's layout, where the optimizer writes both
+    /// ([`Model::fp8_weight_copies`]): then neither pass casts a weight.
+    w: Option<View>,
+    at: [usize; 8],
+    stride: usize,
+}
+
 /// A device's FP8 buffers ([`Plan::fp8`]): the scaling state of every operand of every FP8
 /// product of the whole model (indexed by the layer's place in the whole model, so that every
 /// virtual stage and micro-batch slot shares one), and the casts' scratch.
@@ -149,11 +164,9 @@ pub struct Fp8Buffers {
     w: View,
     dy: View,
     dyt: View,
-    /// The weights' transposed casts, which the forward pass writes beside its own (one pass)
-    /// and the backward pass reads, where a device holds its whole model's weights
-    /// ([`Model::fp8_weight_cache`]): each covered linear layer of each layer at its offset in a
-    /// layer's `wt_stride` elements; none otherwise (the backward pass casts W again).
-    wt: Option<(View, [usize; 8], usize)>,
+    /// The weights' casts kept between the passes, where a device holds its whole model's
+    /// weights ([`Model::fp8_weight_cache`]); none otherwise (each pass casts W).
+    cache: Option<WeightCache>,
     /// How a first cast of a tensor scales: the recipe's.
     scaling: Scaling,
     /// The delayed recipe's `2^margin` headroom.
@@ -182,10 +195,18 @@ impl Fp8Buffers {
         }
     }
 
-    /// The weight's transposed cast of `linear` in whole-model layer `layer` (`len` elements), if
-    /// the forward pass keeps it for the backward pass.
-    fn cached_wt(&self, layer: usize, linear: Linear, len: usize) -> Option<View> {
-        self.wt.map(|(v, at, stride)| v.at(layer * stride + at[linear as usize], len))
+    /// The weight's kept casts of `linear` in whole-model layer `layer` (`len` elements): the
+    /// forward pass's layout (where the optimizer writes it) and the transposed one.
+    fn cached(&self, layer: usize, linear: Linear, len: usize) -> Option<(Option<View>, View)> {
+        self.cache.map(|c| {
+            let at = layer * c.stride + c.at[linear as usize];
+            (c.w.map(|w| w.at(at, len)), c.wt.at(at, len))
+        })
+    }
+
+    /// Whether the optimizer writes the weights' casts ([`Model::fp8_weight_copies`]).
+    pub fn optimizer_casts(&self) -> bool {
+        self.cache.is_some_and(|c| c.w.is_some())
     }
 
     fn state(&self, layer: usize, linear: Linear, operand: Operand) -> State {
@@ -218,7 +239,7 @@ impl Model {
             (x, w, dy) = (x.max(n * inp), w.max(inp * out), dy.max(n * out));
         }
         let stride = policy.stride();
-        let wt = self.fp8_weight_cache.then(|| {
+        let cache = self.fp8_weight_cache.then(|| {
             let mut at = [0; 8];
             let mut stride = 0;
             for (k, l) in Linear::ALL.iter().enumerate().filter(|&(k, _)| covered[k]) {
@@ -226,7 +247,9 @@ impl Model {
                 at[k] = stride;
                 stride += (inp * out).next_multiple_of(16);
             }
-            (take(BufKind::Fp8, m.n_layers * stride), at, stride)
+            let wt = take(BufKind::Fp8, m.n_layers * stride);
+            let w = self.fp8_weight_copies.then(|| take(BufKind::Fp8, m.n_layers * stride));
+            WeightCache { wt, w, at, stride }
         });
         Some(Fp8Buffers {
             states: take(BufKind::Scalars, m.n_layers * Linear::ALL.len() * 3 * stride),
@@ -236,7 +259,7 @@ impl Model {
             w: take(BufKind::Fp8, w),
             dy: take(BufKind::Fp8, dy),
             dyt: take(BufKind::Fp8, dy),
-            wt,
+            cache,
             scaling: match policy.config.recipe {
                 Fp8Recipe::Tensorwise => Scaling::Current,
                 Fp8Recipe::Delayed => Scaling::Delayed,
@@ -267,6 +290,33 @@ impl Model {
         })
     }
 
+    /// The weights whose casts the optimizer writes ([`Model::fp8_weight_copies`]): every
+    /// covered linear layer's weight of every layer, with its casts in `p` and its state; none
+    /// otherwise.
+    pub fn fp8_weight_casts(&self, p: &Plan) -> Vec<WeightCast> {
+        let Some(f) = p.fp8.filter(Fp8Buffers::optimizer_casts) else { return Vec::new() };
+        let mut casts = Vec::new();
+        for (i, layer) in self.layout.stage.layer_indices().enumerate() {
+            for &linear in Linear::ALL.iter().filter(|l| f.covered[**l as usize]) {
+                let (inp, out) = linear.widths(&self.config);
+                let Some((Some(q), qt)) = f.cached(layer, linear, inp * out) else { unreachable!() };
+                let offset = weight_offset(&self.layout.layers[i], linear);
+                let state = f.state(layer, linear, Operand::W);
+                casts.push(WeightCast { offset, rows: out, cols: inp, q, qt, state });
+            }
+        }
+        casts
+    }
+
+    /// Casts every weight of [`Model::fp8_weight_casts`] from the parameters as they are: before
+    /// the first pass, and after anything but the fused AdamW step changed them (a checkpoint
+    /// loaded, Muon, QK-clip). A pass would have cast the same bytes and recorded the same amax.
+    pub fn refresh_fp8_weight_casts<B: Backend>(&self, be: &mut B, p: &Plan) {
+        for c in self.fp8_weight_casts(p) {
+            c.cast(be, p.params);
+        }
+    }
+
     /// The FP8 buffers of `p` if `linear` runs in FP8, with layer `i`'s place in the whole model.
     fn fp8_of(&self, p: &Plan, i: usize, linear: Linear) -> Option<(Fp8Buffers, usize)> {
         let f = p.fp8.filter(|f| f.covered[linear as usize])?;
@@ -294,11 +344,13 @@ impl Model {
             };
         };
         let (sx, sw) = (f.state(layer, linear, Operand::X), f.state(layer, linear, Operand::W));
-        let (xq, wq) = (f.x.at(0, x.len), f.w.at(0, w.len));
+        let (xq, mut wq) = (f.x.at(0, x.len), f.w.at(0, w.len));
         be.fp8_quantize(xq, x, sx, f.scaling, None);
-        match f.cached_wt(layer, linear, w.len) {
+        match f.cached(layer, linear, w.len) {
+            // Both layouts as the last optimizer step wrote them: nothing to cast.
+            Some((Some(kept), _)) => wq = kept,
             // W `[O, I]` and Wᵀ `[I, O]` in one pass: the backward pass's dx product reads Wᵀ.
-            Some(wt) => be.fp8_quantize_both(wq, wt, w, sw, f.scaling, shape.k),
+            Some((None, wt)) => be.fp8_quantize_both(wq, wt, w, sw, f.scaling, shape.k),
             None => be.fp8_quantize(wq, w, sw, f.scaling, None),
         }
         match residual {
@@ -337,13 +389,36 @@ impl Model {
         be.fp8_quantize_both(dyq, dyqt, dy, sdy, f.scaling, out);
         // Wᵀ as this layer's forward pass cast it, or cast again (the weight has not changed
         // since: the same bytes).
-        let wt = f.cached_wt(layer, linear, w.len).unwrap_or_else(|| {
+        let wt = f.cached(layer, linear, w.len).map(|(_, wt)| wt).unwrap_or_else(|| {
             be.fp8_quantize(wq, w, sw, Scaling::Again, Some(inp));
             wq
         });
         be.matmul_fp8(dx, dyq, wt, linear_form(shape_dx), [sdy, sw], false);
         be.fp8_quantize(xq, x, sx, f.scaling, Some(inp));
         be.matmul_fp8(dw, dyqt, xq, linear_form(shape_dw), [sdy, sx], false);
+    }
+}
+
+/// Where `linear`'s weight starts in the parameters, in a layer laid out at `o`: the offsets the
+/// attention and MLP kinds read it at (latent attention's kv_a: the latent's rows, the first).
+fn weight_offset(o: &LayerOffsets, linear: Linear) -> usize {
+    match (&o.attn, &o.mlp, linear) {
+        (AttnOffsets::Gqa(a), _, Linear::Qkv) => a.qkv,
+        (AttnOffsets::Gqa(a), _, Linear::O) => a.o,
+        (AttnOffsets::Mla(a), _, Linear::O) => a.o,
+        (AttnOffsets::Mla(a), _, Linear::QDown) => match a.q {
+            QueryOffsets::Latent { down, .. } => down,
+            QueryOffsets::Direct(_) => unreachable!("internal error: a query down-projection without a latent"),
+        },
+        (AttnOffsets::Mla(a), _, Linear::QUp) => match a.q {
+            QueryOffsets::Latent { up, .. } => up,
+            QueryOffsets::Direct(q) => q,
+        },
+        (AttnOffsets::Mla(a), _, Linear::KvDown) => a.kv_a,
+        (AttnOffsets::Mla(a), _, Linear::KvUp) => a.kv_b,
+        (_, MlpOffsets::Dense { gate_up, .. }, Linear::Up) => *gate_up,
+        (_, MlpOffsets::Dense { down, .. }, Linear::Down) => *down,
+        _ => unreachable!("internal error: {linear:?} has no weight in this layer"),
     }
 }
 
@@ -487,7 +562,9 @@ mod tests {
                     .map(|l| l.widths(&model.config))
                     .map(|(i, o)| (i * o).next_multiple_of(16))
                     .sum();
-                assert!(a.wt.is_none() && b.wt.is_some_and(|(v, _, _)| v.len == m.n_layers * weights));
+                assert!(
+                    a.cache.is_none() && b.cache.is_some_and(|c| c.wt.len == m.n_layers * weights && c.w.is_none())
+                );
             }
         }
     }

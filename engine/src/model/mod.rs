@@ -68,6 +68,12 @@ pub struct Model {
     /// weight again: where the device holds its whole model's weights (no FSDP, one pipeline
     /// stage), at one byte an FP8 weight. Set before planning.
     pub fp8_weight_cache: bool,
+    /// Whether, besides, the optimizer writes each FP8 weight's casts in both layouts, with the
+    /// amax, in its update's pass ([`crate::backend::Backend::adamw_fp8`]), so that neither pass
+    /// casts a weight: under the delayed recipe, whose scale is known before the cast, at one
+    /// byte more an FP8 weight. Its owner casts them before the first pass and after anything
+    /// else changes the weights ([`Model::refresh_fp8_weight_casts`]). Set before planning.
+    pub fp8_weight_copies: bool,
     /// Whether the attention forward passes record each head's largest logit for QK-clip
     /// (`optim.qk_clip`: [`Plan::logit_max`]). Set before planning.
     pub logit_max: bool,
@@ -201,6 +207,7 @@ impl Model {
             remat: Remat::None,
             fp8: None,
             fp8_weight_cache: false,
+            fp8_weight_copies: false,
             logit_max: false,
             batch_shards: 1,
             seq: SeqSplit::WHOLE,

@@ -12,6 +12,7 @@ pub mod muon;
 pub mod qk_clip;
 pub mod schedule;
 
+use crate::backend::fp8::WeightCast;
 use crate::backend::{AdamWStep, Backend, Segment, View};
 use crate::config::{OptimConfig, OptimName};
 use crate::parallel::strategies::Parallel;
@@ -47,7 +48,10 @@ impl Optimizer {
 
     /// Applies one step to `par`'s optimizer buffers with the gradients they hold (zeroing
     /// them), the squared global gradient norm in `norm_sq[0]` for clipping. `t` is the
-    /// 1-based step.
+    /// 1-based step. Where AdamW updates the weights of `casts`, it writes their FP8 casts in
+    /// the same pass ([`Backend::adamw_fp8`]); returns whether it did (Muon's matrices are not
+    /// AdamW's: their casts are left as they were).
+    #[allow(clippy::too_many_arguments)]
     pub fn step<B: Backend>(
         &mut self,
         be: &mut B,
@@ -57,7 +61,8 @@ impl Optimizer {
         o: &OptimConfig,
         rates: Rates,
         t: u64,
-    ) {
+        casts: &[WeightCast],
+    ) -> bool {
         if let Some(muon) = &mut self.muon {
             muon.step(be, par, m, norm_sq, o, rates.muon);
         }
@@ -71,7 +76,12 @@ impl Optimizer {
             t,
             max_grad_norm: o.grad_clip as f32,
         };
-        be.adamw(params, grads, m, v, norm_sq, &self.adamw, step);
+        if self.muon.is_some() || casts.is_empty() {
+            be.adamw(params, grads, m, v, norm_sq, &self.adamw, step);
+            return false;
+        }
+        be.adamw_fp8(params, grads, (m, v), norm_sq, &self.adamw, step, casts);
+        true
     }
 }
 

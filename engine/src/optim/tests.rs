@@ -124,7 +124,7 @@ fn compare(reference: &Path) -> [f64; 3] {
                 be.upload(grads, &flat(&format!("{model}.g{step}")));
                 par.grad_norm_squared(&mut be, norm);
                 let rates = super::rates(&c.optim, 10, step as usize - 1);
-                opt.step(&mut be, &mut par, moments, norm, &c.optim, rates, step);
+                opt.step(&mut be, &mut par, moments, norm, &c.optim, rates, step, &[]);
                 let mut got = vec![0f32; n];
                 be.download(params, &mut got);
                 let want = flat(&format!("{key}.{model}.step{step}"));

@@ -204,6 +204,13 @@ impl ParallelPlan {
         // from the forward pass would hold every unit's whole.
         model.fp8_weight_cache =
             stage.first && stage.last && self.mesh.size(Axis::Fsdp) * self.mesh.size(Axis::Seq) == 1;
+        // The delayed recipe's scale is known before the cast: the optimizer writes the casts.
+        model.fp8_weight_copies =
+            model.fp8_weight_cache && config.train.fp8.recipe == crate::config::Fp8Recipe::Delayed;
+        #[cfg(test)]
+        if NO_WEIGHT_COPIES.get() {
+            model.fp8_weight_copies = false;
+        }
         // The estimate needs only whether the document bounds are kept (8 bytes a token; on a
         // seq axis the whole sequences' bounds and tokens); the EOS id itself is read from the
         // shards when training starts.
@@ -393,6 +400,13 @@ fn check_virtual_stages(config: &Config, stages: usize) -> Result<()> {
         );
     }
     Ok(())
+}
+
+// Tests turn the optimizer's FP8 weight casts off on their thread, to compare with the passes
+// casting the weights.
+#[cfg(test)]
+thread_local! {
+    pub(crate) static NO_WEIGHT_COPIES: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
 #[cfg(test)]

@@ -33,7 +33,7 @@ use crate::backend::cuda::Cuda;
 use crate::backend::{AttnShape, SeqSplit};
 use models::{expert_axis, fsdp_bf16_gathers, graphs, memory_estimate, nccl_alone, parity, remat, training};
 use ops::{
-    adamw, attention, attention_split, cross_entropy, elementwise, embedding, fp8, gelu, layernorm,
+    adamw, adamw_fp8, attention, attention_split, cross_entropy, elementwise, embedding, fp8, gelu, layernorm,
     load_excess_and_bias_step, matmul, moe, qk_norm, rmsnorm, rope, sigmoid_routing, swiglu,
 };
 
@@ -340,6 +340,7 @@ fn checks(scale: Scale) -> Vec<(String, Check)> {
     );
     add("expert biases: forward and backward against the CPU", Box::new(|g, _| ops::expert_bias(g)));
     add("adamw with clipping and decay segments", Box::new(|g, _| adamw(g)));
+    add("fp8 weight casts written by the adamw update: fused against unfused", Box::new(|g, _| adamw_fp8(g)));
     for nesterov in [true, false] {
         add(
             &format!("muon momentum nesterov={nesterov}, clipped and unclipped"),
@@ -385,6 +386,10 @@ fn checks(scale: Scale) -> Vec<(String, Check)> {
             }),
         );
     }
+    add(
+        "tiny-llama2 in FP8 (delayed), 3 trainer steps: weights' casts written by the update, against the CPU",
+        Box::new(move |g, _| models::fp8_training(g, scale)),
+    );
     for recipe in ["tensorwise", "delayed"] {
         add(
             &format!(

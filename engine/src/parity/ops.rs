@@ -953,6 +953,87 @@ pub(super) fn adamw(gpu: Cuda) -> Result<String, String> {
     t.done()
 }
 
+/// AdamW writing weights' FP8 casts in its own pass (the delayed recipe's optimizer-written
+/// weights, `adamw_fp8`): three weights (32-tile edges, decaying or not, one filling its
+/// segment) inside a flat update. On the GPU, fused against the unfused path (the flat update,
+/// then each weight's cast from its updated bf16 copy, Cuda::set_fp8_unfused): parameters,
+/// moments, zeroed gradients, both layouts' bytes and the amax recorded, all exact. The update
+/// against the CPU reference's as `adamw`'s check (the CPU casts its f32 weights, the GPU its
+/// bf16 copies: their bytes are not compared).
+pub(super) fn adamw_fp8(gpu: Cuda) -> Result<String, String> {
+    use crate::backend::fp8::{Fp8Format, State, WeightCast};
+    let mut t = Twin::new(gpu);
+    let n = 4099;
+    let data = |draw: u64, scale: f32| -> Vec<f32> {
+        (0..n).map(|i| scale * rng::normal_pair(98, draw, i as u64).0).collect::<Vec<f32>>()
+    };
+    let (p0, g0, m0) = (data(1, 0.05), data(2, 1.0), data(3, 0.1));
+    let segments = [
+        Segment { offset: 0, len: 1500, decay: true },
+        Segment { offset: 1500, len: 20, decay: false },
+        Segment { offset: 1520, len: 2112, decay: false },
+        Segment { offset: 3640, len: 459, decay: true },
+    ];
+    let weights = [(37, 40, 32), (1520, 33, 64), (3650, 12, 36)];
+    let step = AdamWStep { lr: 0.01, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1, t: 3, max_grad_norm: 1.0 };
+    // Two sets of the same buffers: the fused path's and the unfused one's.
+    let mut sets = Vec::new();
+    for _ in 0..2 {
+        let (p, g, m, v) = (t.set(PARAM, &p0), t.set(GRAD, &g0), t.set(OPT, &m0), t.set(OPT, &vec![0.3; n]));
+        let norm = t.alloc(F32S, 1);
+        let casts: Vec<WeightCast> = weights
+            .iter()
+            .map(|&(offset, rows, cols)| {
+                // A scale the last update set (max / 0.15), and an amax recorded before.
+                let state = t.set(F32S, &[448.0 / 0.15, 0.15 / 448.0, 0.02, 448.0, 0.15, 0.1, 0.0]);
+                let (q, qt) = (t.alloc(FP8, rows * cols), t.alloc(FP8, rows * cols));
+                WeightCast { offset, rows, cols, q, qt, state: State { view: state, format: Fp8Format::E4M3 } }
+            })
+            .collect();
+        sets.push((p, g, (m, v), norm, casts));
+    }
+    for (k, (p, g, moments, norm, casts)) in sets.iter().enumerate() {
+        t.gpu.set_fp8_unfused(k == 1);
+        t.both(|be| {
+            be.sum_squares(*norm, *g);
+            be.adamw_fp8(*p, *g, *moments, *norm, &segments, step, casts);
+        });
+    }
+    t.gpu.set_fp8_unfused(false);
+    let ((p, g, (m, v), _, fused), (p_u, g_u, (m_u, v_u), _, unfused)) = (&sets[0], &sets[1]);
+    let exact = |gpu: &mut Cuda, what: &str, a: View, b: View, fp8: bool| -> Result<(), String> {
+        let read = |gpu: &mut Cuda, v: View| {
+            if fp8 {
+                return gpu.download_fp8(v, Fp8Format::E4M3);
+            }
+            let mut x = vec![0f32; v.len];
+            gpu.download(v, &mut x);
+            x
+        };
+        let (x, y) = (read(gpu, a), read(gpu, b));
+        match x.iter().zip(&y).position(|(a, b)| a.to_bits() != b.to_bits()) {
+            Some(i) => Err(format!("{what}: element {i} is {} fused, {} unfused", x[i], y[i])),
+            None => Ok(()),
+        }
+    };
+    for (what, a, b) in [("parameters", *p, *p_u), ("gradients", *g, *g_u), ("m", *m, *m_u), ("v", *v, *v_u)] {
+        exact(&mut t.gpu, what, a, b, false)?;
+    }
+    for (i, (a, b)) in fused.iter().zip(unfused).enumerate() {
+        exact(&mut t.gpu, &format!("weight {i}'s scaling state"), a.state.view, b.state.view, false)?;
+        exact(&mut t.gpu, &format!("weight {i}'s cast"), a.q, b.q, true)?;
+        exact(&mut t.gpu, &format!("weight {i}'s transposed cast"), a.qt, b.qt, true)?;
+    }
+    t.notes.push(format!(
+        "fused against unfused: parameters, moments, gradients, {} weights' casts in both layouts and amaxes exact",
+        weights.len()
+    ));
+    t.check("parameters against the CPU (f32 master)", *p, F32)?;
+    t.check("m against the CPU", *m, F32)?;
+    t.check("v against the CPU", *v, F32)?;
+    t.done()
+}
+
 /// Muon's momentum, `μ` = 0.95 (so both branches of `lerp`: `1 − μ` below ½, `μ` above): once
 /// with gradients whose global norm (about 64) is clipped to 1, on a buffer of the clipped
 /// gradients' scale, so that both terms count; once unclipped (`max_grad_norm` 0) on gradients

@@ -1301,6 +1301,39 @@ mod tests {
             assert!(gap < 0.02, "tensor 2 x interleaved pipeline 2 moves the FP8 curve by {gap:.4}");
         }
 
+        /// The delayed recipe's weight casts written by the AdamW update (and, after Muon or
+        /// QK-clip changed the weights, cast again before the next step) change no bit against
+        /// the passes casting the weights: losses, norms, an evaluation between steps and the
+        /// final parameters, with two micro-batches a step.
+        #[test]
+        fn the_optimizers_weight_casts_change_no_bit() {
+            use crate::parallel::plan::NO_WEIGHT_COPIES;
+            let qk_clip = ["optim.qk_clip=0.5", "model.init_std=0.1"];
+            for extra in [&[][..], &["optim.name=muon"][..], &qk_clip[..]] {
+                let c = fp8_config("delayed", &[&["train.grad_accum=2", "train.steps=3"][..], extra].concat());
+                let go = |copies: bool| {
+                    NO_WEIGHT_COPIES.set(!copies);
+                    let mut t = Trainer::new(Cpu::new(), &c).unwrap();
+                    NO_WEIGHT_COPIES.set(false);
+                    assert_eq!(t.weight_casts.len(), if copies { 4 * c.model.n_layers } else { 0 }, "{extra:?}");
+                    let mut seen = Vec::new();
+                    for _ in 0..c.train.steps {
+                        let m = t.train_step(0.0);
+                        seen.extend([m.loss, m.grad_norm, m.clipped_heads.unwrap_or(0) as f64, t.eval_loss(1).0]);
+                    }
+                    let mut params = vec![0f32; t.plan.params.len];
+                    t.backend.download(t.plan.params, &mut params);
+                    (seen, params)
+                };
+                let (cast_by_passes, written) = (go(false), go(true));
+                assert_eq!(cast_by_passes.0, written.0, "{extra:?}: the optimizer's casts moved the curve");
+                assert!(cast_by_passes.1 == written.1, "{extra:?}: the optimizer's casts moved the parameters");
+                if extra == qk_clip {
+                    assert!(written.0.chunks(4).any(|s| s[2] > 0.0), "QK-clip clipped no head: {:?}", written.0);
+                }
+            }
+        }
+
         #[test]
         fn the_memory_plan_counts_the_fp8_casts() {
             use crate::model::memory;

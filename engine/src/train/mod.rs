@@ -25,6 +25,7 @@ use std::time::Instant;
 
 use anyhow::{Result, bail};
 
+use crate::backend::fp8::WeightCast;
 use crate::backend::{AttnNeeds, Backend, BufKind, IdxView, View};
 use crate::checkpoint::Checkpoint;
 use crate::checkpoint::Progress;
@@ -98,6 +99,11 @@ pub struct Trainer<B: Backend> {
     /// device keeps on a seq axis (empty without one: every row).
     chunk_positions: Vec<usize>,
     flops_per_token: f64,
+    /// The FP8 weights whose casts the optimizer writes ([`Model::fp8_weight_copies`]), and
+    /// whether the weights changed since they were last written (the passes must not read them
+    /// before [`Trainer::refresh_weight_casts`]).
+    weight_casts: Vec<WeightCast>,
+    casts_stale: bool,
 }
 
 impl<B: Backend> Trainer<B> {
@@ -185,6 +191,11 @@ impl<B: Backend> Trainer<B> {
         let moment_len = parallel.moment_len();
         let moments = (backend.alloc(BufKind::OptState, moment_len), backend.alloc(BufKind::OptState, moment_len));
         let optimizer = Optimizer::new(&mut backend, &parallel, &config.optim)?;
+        let weight_casts = model.fp8_weight_casts(&plan);
+        assert!(
+            weight_casts.is_empty() || parallel.optimizer_buffers().0 == plan.params,
+            "internal error: FP8 weight casts written by an optimizer that does not update the passes' parameters"
+        );
         let n = plan.batch * t.seq_len;
         let chunk_positions = if model.seq.ranks > 1 { model.seq.positions(seq_len) } else { Vec::new() };
         Ok(Trainer {
@@ -210,6 +221,8 @@ impl<B: Backend> Trainer<B> {
             targets: vec![0; n],
             local: Vec::new(),
             chunk_positions,
+            weight_casts,
+            casts_stale: true,
         })
     }
 
@@ -254,6 +267,7 @@ impl<B: Backend> Trainer<B> {
     /// on the same buffers every time, which the CUDA backend records once as a graph.
     pub fn train_step(&mut self, peak_tflops: f64) -> StepMetrics {
         let start = Instant::now();
+        self.refresh_weight_casts();
         self.parallel.set_step(self.step + 1);
         if let Some(delay) = stragglers::test_delay(self.parallel.rank) {
             std::thread::sleep(delay);
@@ -399,15 +413,19 @@ impl<B: Backend> Trainer<B> {
             be.fill(par.optimizer_buffers().1, 0.0);
             par.balance_selection_biases(be, None);
         } else {
-            self.optimizer.step(be, par, self.moments, norm_sq, &c.optim, rates, self.step + 1);
-            clipped = p.logit_max.map(|maxima| optim::qk_clip::apply(be, par, maxima, &c.model, &c.optim));
-            par.balance_selection_biases(be, balancing);
             if let Some(f) = p.fp8 {
                 // Every replica records the same amaxes, then scales alike (Transformer
-                // Engine's amax reduction).
+                // Engine's amax reduction). Before the update: the weights' casts it writes take
+                // the next step's scales.
                 par.max_over_batch(be, f.states);
                 f.step_done(be);
             }
+            // QK-clip rescales q/k rows after the update: their casts are taken afterwards.
+            let casts = if c.optim.qk_clip > 0.0 { &[][..] } else { &self.weight_casts[..] };
+            let wrote = self.optimizer.step(be, par, self.moments, norm_sq, &c.optim, rates, self.step + 1, casts);
+            self.casts_stale = !self.weight_casts.is_empty() && !wrote;
+            clipped = p.logit_max.map(|maxima| optim::qk_clip::apply(be, par, maxima, &c.model, &c.optim));
+            par.balance_selection_biases(be, balancing);
             self.step += 1;
         }
         par.after_step(be);
@@ -583,9 +601,22 @@ fn upload_chunks<B: Backend>(
 }
 
 impl<B: Backend> Trainer<B> {
+    /// Casts the FP8 weights the passes read ([`Trainer::weight_casts`]) from the parameters
+    /// as they are, if they changed since the optimizer last wrote the casts: before the first
+    /// pass, after a checkpoint or parameters loaded, after a step the fused AdamW update did
+    /// not make (Muon, QK-clip).
+    fn refresh_weight_casts(&mut self) {
+        if std::mem::take(&mut self.casts_stale) {
+            for c in &self.weight_casts {
+                c.cast(&mut self.backend, self.plan.params);
+            }
+        }
+    }
+
     /// Replaces the parameters (e.g. by imported ones), given in single-device layout order:
     /// each device takes its slice.
     pub fn load_params(&mut self, params: &[f32]) -> Result<()> {
+        self.casts_stale = true;
         let (be, par) = (&mut self.backend, &mut self.parallel);
         let global = par.slice.global.clone();
         if params.len() != global.len {
@@ -611,6 +642,7 @@ impl<B: Backend> Trainer<B> {
         self.loader
             .seek(&ck.state.data_position)
             .map_err(|e| anyhow::anyhow!("checkpoint {}: {e}", ck.dir.display()))?;
+        self.casts_stale = true;
         let (be, par) = (&mut self.backend, &mut self.parallel);
         let chunks = par.chunks();
         let params = par.master_params();
@@ -737,6 +769,7 @@ impl<B: Backend> Trainer<B> {
         batches: usize,
         stop: Option<&signals::StopRequest>,
     ) -> std::result::Result<(f64, usize), usize> {
+        self.refresh_weight_casts();
         let (be, par) = (&mut self.backend, &mut self.parallel);
         let microbatches = self.config.train.pipeline_microbatches;
         let moe = self.config.model.moe.is_some();

@@ -1131,6 +1131,19 @@ impl Backend for Cuda {
         ops::adamw::step(self, params, grads, m, v, norm_squared, segments, step)
     }
 
+    fn adamw_fp8(
+        &mut self,
+        params: View,
+        grads: View,
+        moments: (View, View),
+        norm_squared: View,
+        segments: &[Segment],
+        step: AdamWStep,
+        casts: &[crate::backend::fp8::WeightCast],
+    ) {
+        ops::fp8::adamw(self, params, grads, moments, norm_squared, segments, step, casts)
+    }
+
     fn muon_momentum(&mut self, grads: View, buf: View, norm_squared: View, step: MuonMomentum) {
         ops::muon::momentum(self, grads, buf, norm_squared, step)
     }

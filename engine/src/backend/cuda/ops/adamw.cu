@@ -9,7 +9,8 @@
 //
 // `runs` lists the ranges to update, sorted and disjoint, as (start, end, decay) triples of u64
 // (adjacent tensors with the same decay merged). Each thread takes 4 consecutive elements with
-// 16-byte loads; its run is found by binary search once per 4 elements.
+// 16-byte loads; its run is found by binary search once per 4 elements. Weights whose FP8 casts
+// the step writes too are left out of the runs: fp8.cu's adamw_fp8 updates them.
 
 __device__ __forceinline__ int find_run(const u64* runs, int count, u64 i) {
     int lo = 0, hi = count;  // first run whose end is > i
@@ -51,11 +52,8 @@ extern "C" __global__ void adamw(float* p, bf16* p16, float* g, float* m, float*
             while (r < run_count && runs[3 * r + 1] <= i) r++;
             touched[e] = i < n && r < run_count && runs[3 * r] <= i;
             if (!touched[e]) continue;
-            float grad = gv[e] * scale;
-            mv[e] = beta1 * mv[e] + (1.f - beta1) * grad;
-            vv[e] = beta2 * vv[e] + (1.f - beta2) * grad * grad;
-            float denom = sqrtf(vv[e]) / bc2_sqrt + eps;
-            pv[e] = pv[e] * (runs[3 * r + 2] ? decay : 1.f) - step_size * mv[e] / denom;
+            adamw_element(pv[e], mv[e], vv[e], gv[e], scale, beta1, beta2, eps, runs[3 * r + 2] ? decay : 1.f, step_size,
+                          bc2_sqrt);
             gv[e] = 0.f;
         }
         if (full) {

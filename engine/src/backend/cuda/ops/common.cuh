@@ -232,3 +232,16 @@ __device__ __forceinline__ void storev(bf16* p, const float* f) {
         for (int k = 0; k < V; k++) p[k] = f2bf(f[k]);
     }
 }
+
+// One element of an AdamW step (PyTorch's formulation; adamw.cu documents it): `clip` scales
+// the gradient, `decay` is 1 - lr · wd (1 where the tensor takes no decay). Shared by the flat
+// update (adamw.cu) and the update that writes a weight's FP8 casts (fp8.cu), so both compute
+// the same bits.
+__device__ __forceinline__ void adamw_element(float& p, float& m, float& v, float grad, float clip, float beta1,
+                                              float beta2, float eps, float decay, float step_size, float bc2_sqrt) {
+    grad *= clip;
+    m = beta1 * m + (1.f - beta1) * grad;
+    v = beta2 * v + (1.f - beta2) * grad * grad;
+    float denom = sqrtf(v) / bc2_sqrt + eps;
+    p = p * decay - step_size * m / denom;
+}

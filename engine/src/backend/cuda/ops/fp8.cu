@@ -163,6 +163,51 @@ extern "C" __global__ void fp8_cast_transposed(unsigned char* q, unsigned char* 
     if (record) record_amax(m, state, scratch);
 }
 
+// AdamW over one weight W [rows, cols] (adamw_element: the flat update's arithmetic), writing
+// besides the parameters, moments, zeroed gradients and bf16 copy the copy's FP8 casts in both
+// layouts, q [rows, cols] and qt [cols, rows], with the state's scale (the delayed recipe's,
+// set by the update before this step) and the amax recorded: what fp8_cast_transposed with
+// `plain` and `record` would write from the updated bf16 copy, without reading it again. The
+// forward and backward passes read the casts instead of casting the weight. 32 × 32 tiles as
+// fp8_cast_transposed's; the pointers are the weight's own (its offset in the flat buffers).
+extern "C" __global__ void adamw_fp8(float* p, bf16* p16, float* g, float* m, float* v, const float* norm_sq, int rows,
+                                     int cols, int decays, unsigned char* q, unsigned char* qt, float* state, int e5m2,
+                                     float lr, float beta1, float beta2, float eps, float wd, float step_size,
+                                     float bc2_sqrt, float max_norm) {
+    __shared__ unsigned char tile[32][33];
+    __shared__ u32 scratch[32];
+    float norm = sqrtf(norm_sq[0]);
+    float clip = (max_norm > 0.f && norm > max_norm) ? max_norm / norm : 1.f;
+    float decay = decays ? 1.f - lr * wd : 1.f;
+    float scale = state[FP8_SCALE];
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    int c0 = blockIdx.x * 32, r0 = blockIdx.y * 32;
+    u32 amax = 0;
+    for (int dy = warp; dy < 32; dy += warps) {
+        int r = r0 + dy, c = c0 + lane;
+        if (r < rows && c < cols) {
+            u64 at = (u64)r * cols + c;
+            float pv = p[at], mv = m[at], vv = v[at];
+            adamw_element(pv, mv, vv, g[at], clip, beta1, beta2, eps, decay, step_size, bc2_sqrt);
+            p[at] = pv, m[at] = mv, v[at] = vv, g[at] = 0.f;
+            bf16 b = f2bf(pv);
+            p16[at] = b;
+            float x = bf2f(b);
+            u32 bits = abs_bits(x);
+            amax = bits > amax ? bits : amax;
+            unsigned char byte = to_fp8(x * scale, e5m2);
+            tile[dy][lane] = byte;
+            q[at] = byte;
+        }
+    }
+    __syncthreads();
+    for (int dy = warp; dy < 32; dy += warps) {
+        int c = c0 + dy, r = r0 + lane;
+        if (r < rows && c < cols) qt[(u64)c * rows + r] = tile[lane][dy];
+    }
+    record_amax(amax, state, scratch);
+}
+
 // The delayed recipe's step, one thread an operand: the recorded amax enters the history
 // (newest first), and the scale becomes max / max(history) / 2^margin where that is usable.
 extern "C" __global__ void fp8_delayed_update(float* states, int operands, int stride, int margin) {

@@ -1,18 +1,26 @@
 //! FP8 casts and the delayed recipe's update (`fp8.cu`): the host side of
-//! [`crate::backend::Backend::fp8_quantize`], [`crate::backend::Backend::fp8_quantize_both`]
-//! and [`crate::backend::Backend::fp8_delayed_update`].
+//! [`crate::backend::Backend::fp8_quantize`], [`crate::backend::Backend::fp8_quantize_both`],
+//! [`crate::backend::Backend::fp8_delayed_update`] and the weights' casts an AdamW step writes,
+//! [`crate::backend::Backend::adamw_fp8`].
 //! The products themselves are cuBLASLt's (`matmul.rs`).
 
 use super::{Module, c_int};
-use crate::backend::View;
 use crate::backend::cuda::{Arg, Cuda, DType, Scratch};
-use crate::backend::fp8::{Fp8Format, Scaling, State};
+use crate::backend::fp8::{Fp8Format, Scaling, State, WeightCast};
+use crate::backend::{AdamWStep, BufKind, Segment, View};
 
 /// The kernels of `fp8.cu`.
 pub(crate) const MODULE: Module = Module {
     name: "fp8",
     source: include_str!("fp8.cu"),
-    kernels: &["fp8_amax_partials", "fp8_amax_finish", "fp8_cast", "fp8_cast_transposed", "fp8_delayed_update"],
+    kernels: &[
+        "fp8_amax_partials",
+        "fp8_amax_finish",
+        "fp8_cast",
+        "fp8_cast_transposed",
+        "fp8_delayed_update",
+        "adamw_fp8",
+    ],
 };
 
 /// `Backend::fp8_quantize` and `Backend::fp8_quantize_both` (`plain`: the untransposed cast
@@ -81,4 +89,131 @@ pub(crate) fn delayed_update(gpu: &mut Cuda, states: View, stride: usize, margin
     let args =
         [Arg::P(sp), Arg::I(c_int(operands, "operands")), Arg::I(c_int(stride, "stride")), Arg::I(margin as i32)];
     gpu.launch("fp8_delayed_update", ((operands as u32).div_ceil(256).max(1), 1, 1), 256, 0, &args);
+}
+
+/// `Backend::adamw_fp8`: the flat update (`adamw.cu`) over the segments less the weights in
+/// `casts`, then one `adamw_fp8` launch a weight, which updates it and writes its casts from
+/// the new bf16 copy in the same pass. [`Cuda::fp8_unfused`] (the measurements' "before"):
+/// the flat update over everything, then a cast of each weight as the passes made it.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn adamw(
+    gpu: &mut Cuda,
+    params: View,
+    grads: View,
+    (m, v): (View, View),
+    norm_squared: View,
+    segments: &[Segment],
+    step: AdamWStep,
+    casts: &[WeightCast],
+) {
+    if gpu.fp8_unfused {
+        super::adamw::step(gpu, params, grads, m, v, norm_squared, segments, step);
+        return casts.iter().for_each(|c| c.cast(gpu, params));
+    }
+    let (rest, decays) = segments_without(segments, casts);
+    super::adamw::step(gpu, params, grads, m, v, norm_squared, &rest, step);
+    let bc1 = 1.0 - (step.beta1 as f64).powi(step.t as i32);
+    let bc2 = 1.0 - (step.beta2 as f64).powi(step.t as i32);
+    for (c, decays) in casts.iter().zip(decays) {
+        let at = |x: View| x.at(c.offset, c.rows * c.cols);
+        assert!(
+            gpu.buffer(params).kind == BufKind::Params,
+            "internal error: adamw_fp8 on a view that is not parameters"
+        );
+        gpu.expect(c.q, DType::Fp8, "adamw_fp8", "q");
+        gpu.expect(c.qt, DType::Fp8, "adamw_fp8", "qt");
+        assert!(c.q.len == c.rows * c.cols && c.qt.len == c.q.len, "internal error: adamw_fp8: the casts' lengths");
+        let (p, p16) = (gpu.exact(at(params)).0, gpu.ptr(at(params)));
+        let (g, mp, vp) = (gpu.out(at(grads), "adamw_fp8"), gpu.out(at(m), "adamw_fp8"), gpu.out(at(v), "adamw_fp8"));
+        let (q, qt, state) =
+            (gpu.out(c.q, "adamw_fp8"), gpu.out(c.qt, "adamw_fp8"), gpu.out(c.state.view, "adamw_fp8"));
+        let args = [
+            Arg::P(p),
+            Arg::P(p16),
+            Arg::P(g),
+            Arg::P(mp),
+            Arg::P(vp),
+            Arg::P(gpu.ptr(norm_squared)),
+            Arg::I(c_int(c.rows, "rows")),
+            Arg::I(c_int(c.cols, "cols")),
+            Arg::I(decays as i32),
+            Arg::P(q),
+            Arg::P(qt),
+            Arg::P(state),
+            Arg::I((c.state.format == Fp8Format::E5M2) as i32),
+            Arg::F(step.lr),
+            Arg::F(step.beta1),
+            Arg::F(step.beta2),
+            Arg::F(step.eps),
+            Arg::F(step.weight_decay),
+            Arg::F((step.lr as f64 / bc1) as f32),
+            Arg::F(bc2.sqrt() as f32),
+            Arg::F(step.max_grad_norm),
+        ];
+        let grid = (c.cols.div_ceil(32) as u32, c.rows.div_ceil(32) as u32, 1);
+        assert!(grid.1 < 65536, "internal error: adamw_fp8: {} rows are more than a grid takes", c.rows);
+        gpu.launch("adamw_fp8", grid, 256, 0, &args);
+    }
+}
+
+/// `segments` with the weights of `casts` cut out (what the flat update still takes), and
+/// whether each weight decays: that of the segments covering it (a packed weight, q/k/v, spans
+/// its tensors'), which must cover it whole and alike.
+fn segments_without(segments: &[Segment], casts: &[WeightCast]) -> (Vec<Segment>, Vec<bool>) {
+    let mut holes: Vec<(usize, usize)> = casts.iter().map(|c| (c.offset, c.offset + c.rows * c.cols)).collect();
+    holes.sort_unstable();
+    let decays = casts
+        .iter()
+        .map(|c| {
+            let end = c.offset + c.rows * c.cols;
+            let over: Vec<&Segment> =
+                segments.iter().filter(|s| s.offset < end && s.offset + s.len > c.offset).collect();
+            let covered: usize = over.iter().map(|s| (s.offset + s.len).min(end) - s.offset.max(c.offset)).sum();
+            let decay = over.first().is_some_and(|s| s.decay);
+            assert!(
+                covered == end - c.offset && over.iter().all(|s| s.decay == decay),
+                "internal error: adamw_fp8: weight {}..{end} not covered whole and alike by the update's segments",
+                c.offset
+            );
+            decay
+        })
+        .collect();
+    let mut rest = Vec::new();
+    for s in segments {
+        let mut at = s.offset;
+        let end = s.offset + s.len;
+        for &(a, b) in holes.iter().filter(|(a, b)| *a < end && *b > s.offset) {
+            if a > at {
+                rest.push(Segment { offset: at, len: a - at, decay: s.decay });
+            }
+            at = at.max(b);
+        }
+        if at < end {
+            rest.push(Segment { offset: at, len: end - at, decay: s.decay });
+        }
+    }
+    (rest, decays)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_weights_are_cut_out_of_the_flat_updates_segments() {
+        let seg = |offset, len, decay| Segment { offset, len, decay };
+        let none = View { buf: crate::backend::BufId(0), offset: 0, len: 0 };
+        let state = State { view: none, format: Fp8Format::E4M3 };
+        let cast = |offset, rows, cols| WeightCast { offset, rows, cols, q: none, qt: none, state };
+        // A weight in the middle of a segment, one filling a segment, one at a segment's end.
+        let segments = [seg(0, 100, true), seg(100, 20, false), seg(120, 30, true)];
+        let casts = [cast(10, 4, 5), cast(100, 4, 5), cast(140, 2, 5)];
+        let (rest, decays) = segments_without(&segments, &casts);
+        assert_eq!(rest, vec![seg(0, 10, true), seg(30, 70, true), seg(120, 20, true)]);
+        assert_eq!(decays, vec![true, false, true]);
+        // A packed weight over three tensors' segments (q, k, v).
+        let packed = [seg(0, 8, true), seg(8, 4, true), seg(12, 4, true), seg(16, 4, false)];
+        assert_eq!(segments_without(&packed, &[cast(0, 4, 4)]), (vec![seg(16, 4, false)], vec![true]));
+        assert_eq!(segments_without(&segments, &[]).0, segments.to_vec());
+    }
 }
