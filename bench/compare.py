@@ -15,8 +15,10 @@ over several rounds so that drifting clocks or a noisy neighbour touch every pee
   decoder's linear layers (`--float8` of bench/torch_train.py; torchtitan's FP8), the peers of
   the engine's `train.precision = "fp8"` (give `--set train.precision=fp8` to compare them with
   the engine's FP8). torchao comes as a carried wheel on machines that reach no registry
-  (tests/gpu.sh's WHEELS). JAX's native FP8 dot is not a peer here: bench/jax_train.py has no
-  FP8 path yet.
+  (tests/gpu.sh's WHEELS).
+- `jax-fp8`: `jax` with the decoder's linear layers through JAX's native FP8 path (bench/jax_train.py
+  `--fp8 tensorwise`: each operand quantized and dequantized around the product, which XLA's GPU
+  compiler rewrites into cuBLASLt FP8 products, as flax's `fp8_ops` write it).
 
 On a GPT-OSS recipe `eager` and `compile-blocks` run `GptOssForCausalLM` with eager attention
 (transformers has no SDPA path for its sinks) and its experts as grouped products; `grouped-mm`
@@ -95,9 +97,11 @@ def torch_round(args, sets, compiled, moe_layer="hf", float8=None):
     return json.loads(run(cmd).strip().splitlines()[-1])
 
 
-def jax_round(args, sets):
+def jax_round(args, sets, fp8=None):
     cmd = [args.python, os.path.join(HERE, "jax_train.py"), "--engine", args.engine, "--recipe", args.recipe,
            "--attention", args.jax_attention, "--steps", str(args.steps), "--warmup", str(args.warmup + 1)]
+    if fp8:
+        cmd += ["--fp8", fp8]
     cmd += [a for s in sets for a in ("--set", s)]
     return json.loads(run(cmd).strip().splitlines()[-1])
 
@@ -111,6 +115,7 @@ PEERS = {
     "grouped-mm": "pytorch + torch._grouped_mm (blocks)",
     "float8-tensorwise": "pytorch + torch.compile (blocks) + torchao float8 tensorwise",
     "float8-rowwise": "pytorch + torch.compile (blocks) + torchao float8 rowwise",
+    "jax-fp8": "jax + cudnn attention + fp8 tensorwise",
 }
 
 
@@ -119,8 +124,8 @@ def peer_round(args, peer):
     try:
         if peer == "engine":
             return engine_round(args, args.set)
-        if peer == "jax":
-            return jax_round(args, args.set)
+        if peer in ("jax", "jax-fp8"):
+            return jax_round(args, args.set, "tensorwise" if peer == "jax-fp8" else None)
         if peer == "grouped-mm":
             return torch_round(args, args.set, "blocks", moe_layer="grouped-mm")
         if peer.startswith("float8-"):
@@ -156,6 +161,7 @@ def main():
         ap.error(f"--peers: {', '.join(unknown) or 'engine missing'}; choose from {', '.join(PEERS)} (engine among them)")
     if args.jax_attention != "cudnn":
         PEERS["jax"] = f"jax + {args.jax_attention} attention"
+        PEERS["jax-fp8"] = f"jax + {args.jax_attention} attention + fp8 tensorwise"
     peers = [PEERS[p] for p in chosen]
     rounds = {p: [] for p in peers}
     runs = []  # every run's own report (versions, peak memory, final loss)

@@ -17,6 +17,19 @@ loss as the engine's (Hugging Face's).
     python3 bench/jax_train.py --recipe llama3.2-1b --set train.seq_len=4096 --set train.batch_size=4
     python3 bench/jax_train.py --recipe tiny-llama2 --attention xla --steps 3   # on a CPU
 
+With `--fp8 tensorwise` the decoder's linear layers (q, k, v, o, gate, up, down; not the
+embedding, the head or the experts, as the engine's `train.precision = "fp8"`, and only where
+both widths reach `train.fp8.min_dim` and are multiples of 16) take JAX's native FP8 path: each
+operand cast to FP8 with its own amax and back (E4M3 for x and W, E5M2 for the output's
+gradient, in a `jax.custom_vjp`), the quantize-dequantize pattern that XLA's GPU compiler turns
+into cuBLASLt FP8 products with the scales in the epilogue, as flax's `fp8_ops` and MaxText's
+`quantization = "fp8"` write it (they keep delayed scaling's amax history in the model's state;
+here each cast takes its tensor's own amax, torchao's tensorwise recipe). On a CPU the same
+graph runs as bf16 products of the rounded operands.
+
+    python3 bench/jax_train.py --recipe tiny-llama2 --attention xla --steps 3 --fp8 tensorwise \
+        --set train.fp8.min_dim=16
+
 Each step ends by reading the loss back to the host, as the engine's logged loss does.
 bench/compare.py runs this beside `engine bench` and the PyTorch peers.
 """
@@ -78,7 +91,41 @@ def init_params(key, model):
     return params
 
 
-def make_loss(model, attention, seq_len):
+def fp8_linear():
+    """`x @ w` with both operands, and in the backward pass the output's gradient, cast to FP8
+    with their own amax (tensorwise scaling) and back to bf16: the quantize-dequantize pattern
+    that XLA's GPU compiler rewrites into cuBLASLt FP8 products (E4M3 operands forward, E5M2
+    gradients backward), as flax's `fp8_ops` do."""
+    import jax
+    import jax.numpy as jnp
+
+    bf16 = jnp.bfloat16
+
+    def qdq(x, dtype):
+        top = float(jnp.finfo(dtype).max)
+        amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
+        scale = jnp.where(amax > 0, top / amax, 1.0)
+        q = jnp.clip(x.astype(jnp.float32) * scale, -top, top).astype(dtype)
+        return q.astype(bf16) * (1.0 / scale).astype(bf16)
+
+    @jax.custom_vjp
+    def linear(x, w):
+        return qdq(x, jnp.float8_e4m3fn) @ qdq(w, jnp.float8_e4m3fn)
+
+    def forward(x, w):
+        xq, wq = qdq(x, jnp.float8_e4m3fn), qdq(w, jnp.float8_e4m3fn)
+        return xq @ wq, (xq, wq)
+
+    def backward(saved, g):
+        xq, wq = saved
+        gq = qdq(g, jnp.float8_e5m2)
+        return gq @ wq.T, jnp.einsum("...i,...o->io", xq, gq)
+
+    linear.defvjp(forward, backward)
+    return linear
+
+
+def make_loss(model, attention, seq_len, fp8=None, min_dim=0):
     import jax
     import jax.numpy as jnp
 
@@ -100,6 +147,14 @@ def make_loss(model, attention, seq_len):
         return jnp.concatenate([a * c - b * s, b * c + a * s], axis=-1).astype(bf16)
 
     moe = model.get("moe")
+    fp8_mm = fp8_linear() if fp8 else None
+
+    def dense(x, w):
+        """A decoder linear layer: in FP8 where `--fp8` asks and its widths qualify."""
+        i, o = w.shape
+        if fp8_mm is None or min(i, o) < min_dim or i % 16 or o % 16:
+            return x @ w
+        return fp8_mm(x, w)
 
     def experts(h, w):
         """Mixtral's sparse MLP, dropless: softmax over the experts, the top k renormalised, the
@@ -127,17 +182,17 @@ def make_loss(model, attention, seq_len):
         w = jax.tree.map(lambda p: p.astype(bf16), w)
         b, t, _ = x.shape
         h = rms_norm(x, w["attn_norm"])
-        q = rope((h @ w["wq"]).reshape(b, t, heads, hd))
-        k = rope((h @ w["wk"]).reshape(b, t, kv_heads, hd))
-        v = (h @ w["wv"]).reshape(b, t, kv_heads, hd)
+        q = rope(dense(h, w["wq"]).reshape(b, t, heads, hd))
+        k = rope(dense(h, w["wk"]).reshape(b, t, kv_heads, hd))
+        v = dense(h, w["wv"]).reshape(b, t, kv_heads, hd)
         window_arg = {"local_window_size": (window - 1, 0)} if window else {}
         o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=attention, **window_arg)
-        x = x + o.reshape(b, t, heads * hd) @ w["wo"]
+        x = x + dense(o.reshape(b, t, heads * hd), w["wo"])
         h = rms_norm(x, w["mlp_norm"])
         if moe:
             y, stats = experts(h, w)
             return x + y, stats
-        x = x + (jax.nn.silu(h @ w["w_gate"]) * (h @ w["w_up"])) @ w["w_down"]
+        x = x + dense(jax.nn.silu(dense(h, w["w_gate"])) * dense(h, w["w_up"]), w["w_down"])
         return x, None
 
     def loss_fn(params, tokens):
@@ -169,6 +224,8 @@ def main():
                     help="jax.nn.dot_product_attention's implementation (cudnn needs a GPU)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3, help="steps before measuring (XLA compiles in the first)")
+    ap.add_argument("--fp8", choices=["tensorwise"], default=None,
+                    help="the decoder's linear layers through JAX's FP8 quantize-dequantize path (train.fp8.min_dim applies)")
     args = ap.parse_args()
 
     import jax
@@ -190,7 +247,8 @@ def main():
                     weight_decay=optim["weight_decay"]),
     )
     opt_state = tx.init(params)
-    grad_fn = jax.value_and_grad(make_loss(model, args.attention, seq))
+    min_dim = (train.get("fp8") or {}).get("min_dim", 0)
+    grad_fn = jax.value_and_grad(make_loss(model, args.attention, seq, args.fp8, min_dim))
 
     def step(params, opt_state, tokens):  # tokens: [accum, B, T+1]
         def micro(carry, toks):
@@ -221,7 +279,8 @@ def main():
     stats = device.memory_stats() or {}
     report(
         {
-            "peer": f"jax + {args.attention} attention" + (" + ragged_dot experts" if model.get("moe") else ""),
+            "peer": f"jax + {args.attention} attention" + (" + ragged_dot experts" if model.get("moe") else "")
+            + (f" + fp8 {args.fp8}" if args.fp8 else ""),
             "jax": jax.__version__,
             "recipe": args.recipe,
             "device": getattr(device, "device_kind", str(device)),
