@@ -978,6 +978,33 @@ pub trait Backend {
         inp: usize,
         out: usize,
     );
+    /// [`Backend::moe_expert_matmul`] with FP8 operands ([`BufKind::Fp8`]: `a` in the format
+    /// of `scales[0]`, the weights E4M3 as `scales[1]` says), the products multiplied by both
+    /// inverse scales: the experts' products under `train.precision = "fp8"`.
+    fn moe_expert_matmul_fp8(
+        &mut self,
+        _out: View,
+        _a: View,
+        _weights: ExpertWeights,
+        _dispatch: MoeDispatch,
+        _shape: MatMul,
+        _scales: [fp8::State; 2],
+    ) {
+        unreachable!("internal error: {} has no FP8 ops (Backend::supports_fp8)", self.describe())
+    }
+    /// [`Backend::moe_expert_matmul_dw`] with FP8 operands: `dy` as `scales[0]` (E5M2), `x` as
+    /// `scales[1]` (E4M3); `dims` = (inp, out).
+    fn moe_expert_matmul_dw_fp8(
+        &mut self,
+        _dweights: ExpertWeights,
+        _dy: View,
+        _x: View,
+        _dispatch: MoeDispatch,
+        _dims: (usize, usize),
+        _scales: [fp8::State; 2],
+    ) {
+        unreachable!("internal error: {} has no FP8 ops (Backend::supports_fp8)", self.describe())
+    }
     /// `out[r] += bias_e` over the `width` columns of every dispatched row r of each expert e
     /// (`offsets[e] .. offsets[e + 1]`, as [`Backend::moe_expert_matmul`] finds them): an expert
     /// projection's biases (GPT-OSS's), expert e's `[width]` bias being `bias.expert(e)`.

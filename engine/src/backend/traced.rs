@@ -426,6 +426,28 @@ impl<B: Backend> Backend for Traced<B> {
     ) {
         self.time("moe_expert_matmul_dw", |b| b.moe_expert_matmul_dw(dweights, dy, x, dispatch, inp, out))
     }
+    fn moe_expert_matmul_fp8(
+        &mut self,
+        out: View,
+        a: View,
+        weights: ExpertWeights,
+        dispatch: MoeDispatch,
+        shape: MatMul,
+        scales: [fp8::State; 2],
+    ) {
+        self.time("moe_expert_matmul_fp8", |b| b.moe_expert_matmul_fp8(out, a, weights, dispatch, shape, scales))
+    }
+    fn moe_expert_matmul_dw_fp8(
+        &mut self,
+        dweights: ExpertWeights,
+        dy: View,
+        x: View,
+        dispatch: MoeDispatch,
+        dims: (usize, usize),
+        scales: [fp8::State; 2],
+    ) {
+        self.time("moe_expert_matmul_dw_fp8", |b| b.moe_expert_matmul_dw_fp8(dweights, dy, x, dispatch, dims, scales))
+    }
     fn moe_expert_bias(&mut self, out: View, bias: ExpertWeights, dispatch: MoeDispatch, width: usize) {
         self.time("moe_expert_bias", |b| b.moe_expert_bias(out, bias, dispatch, width))
     }

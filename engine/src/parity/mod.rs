@@ -34,7 +34,7 @@ use crate::backend::{AttnShape, SeqSplit};
 use models::{expert_axis, fsdp_bf16_gathers, graphs, memory_estimate, nccl_alone, parity, remat, training};
 use ops::{
     adamw, adamw_fp8, attention, attention_split, cross_entropy, elementwise, embedding, fp8, gelu, layernorm,
-    load_excess_and_bias_step, matmul, moe, qk_norm, rmsnorm, rope, sigmoid_routing, swiglu,
+    load_excess_and_bias_step, matmul, moe, moe_fp8, qk_norm, rmsnorm, rope, sigmoid_routing, swiglu,
 };
 
 /// One check's result.
@@ -327,6 +327,12 @@ fn checks(scale: Scale) -> Vec<(String, Check)> {
     add("mixture of experts with a capacity: dropped slots", Box::new(|g, _| moe(g, Some(12), true)));
     // Qwen3-MoE's norm_topk_prob = false: the weights are the softmax's probabilities.
     add("mixture of experts without renormalisation", Box::new(|g, _| moe(g, None, false)));
+    for (d, f, capacity) in [(64, 48, None), (40, 24, Some(12))] {
+        add(
+            &format!("fp8 experts d {d}, f {f}, capacity {capacity:?}: the grouped FP8 products"),
+            Box::new(move |g, _| moe_fp8(g, d, f, capacity)),
+        );
+    }
     // DeepSeek-V3's router: sigmoid scores, 8 groups of 32 experts (4 kept), top-8, a bias.
     for renormalize in [true, false] {
         add(

@@ -756,6 +756,85 @@ pub(super) fn moe(gpu: Cuda, capacity: Option<usize>, renormalize: bool) -> Resu
     t.done()
 }
 
+/// The experts' grouped products with FP8 operands (`moe_gemm_fp8_*`: E4M3 inputs and weights
+/// forward, E5M2 gradients backward) at widths `d` and `f` (multiples of 16 take the vector
+/// loads, others the scalar ones), the rows routed as a run routes them (a capacity of 12
+/// dropping some). The operands are cast from the same bf16 values on both backends (their
+/// bytes equal, as `fp8`'s check holds), so the products differ only in their sums' order and
+/// the outputs' bf16 rounding.
+pub(super) fn moe_fp8(gpu: Cuda, d: usize, f: usize, capacity: Option<usize>) -> Result<String, String> {
+    use crate::backend::fp8::{Fp8Format, Scaling, State};
+    let mut t = Twin::new(gpu);
+    let (n, e, k) = (90, 8, 2);
+    let rows = n * k;
+    let router_logits = t.random(F32S, n * e, 1.5);
+    let probs = t.alloc(F32S, n * e);
+    let mut idx = |len: usize| t.idx(&vec![0; len]);
+    let (expert, slot_row, row_slot, offsets) = (idx(rows), idx(rows), idx(rows), idx(e + 1));
+    let dispatch = MoeDispatch {
+        tokens: n,
+        experts: e,
+        top_k: k,
+        routing: Routing::softmax(true),
+        capacity: capacity.unwrap_or(rows),
+        expert,
+        weight: t.alloc(F32S, rows),
+        slot_row,
+        row_slot,
+        offsets,
+        stats: t.alloc(F32S, MoeDispatch::stats_len(e)),
+    };
+    let stride = 3 * f * d;
+    let weights = t.random(PARAM, e * stride, 0.1);
+    let (xe, h, dye, dgu) = (
+        t.random(ACT, rows * d, 1.0),
+        t.random(ACT, rows * f, 1.0),
+        t.random(ACT, rows * d, 1e-3),
+        t.random(ACT, rows * 2 * f, 1e-3),
+    );
+    let state = |t: &mut Twin, format: Fp8Format| State { view: t.set(F32S, &State::initial(format, 0)), format };
+    let [sw, sx, sh] = [0; 3].map(|_| state(&mut t, Fp8Format::E4M3));
+    let [sdy, sdgu] = [0; 2].map(|_| state(&mut t, Fp8Format::E5M2));
+    let (wq, xq, hq, dyq, dguq) = (
+        t.alloc(FP8, e * stride),
+        t.alloc(FP8, rows * d),
+        t.alloc(FP8, rows * f),
+        t.alloc(FP8, rows * d),
+        t.alloc(FP8, rows * 2 * f),
+    );
+    let gate_up = ExpertWeights { first: wq.at(0, 2 * f * d), stride };
+    let down = ExpertWeights { first: wq.at(2 * f * d, d * f), stride };
+    let dweights = t.random(GRAD, e * stride, 0.01);
+    let dgate_up = ExpertWeights { first: dweights.at(0, 2 * f * d), stride };
+    let ddown = ExpertWeights { first: dweights.at(2 * f * d, d * f), stride };
+    let (gu, ye, dh, dxe) =
+        (t.alloc(ACT, rows * 2 * f), t.alloc(ACT, rows * d), t.alloc(ACT, rows * f), t.alloc(ACT, rows * d));
+    t.both(|be| {
+        be.moe_route(probs, router_logits, dispatch);
+        for (q, x, s) in [(wq, weights, sw), (xq, xe, sx), (hq, h, sh), (dyq, dye, sdy), (dguq, dgu, sdgu)] {
+            be.fp8_quantize(q, x, s, Scaling::Current, None);
+        }
+        be.moe_expert_matmul_fp8(gu, xq, gate_up, dispatch, MatMul::linear(0, d, 2 * f), [sx, sw]);
+        be.moe_expert_matmul_fp8(ye, hq, down, dispatch, MatMul::linear(0, f, d), [sh, sw]);
+        be.moe_expert_matmul_fp8(dh, dyq, down, dispatch, MatMul::linear_dx(0, f, d), [sdy, sw]);
+        be.moe_expert_matmul_dw_fp8(ddown, dyq, hq, dispatch, (f, d), [sdy, sh]);
+        be.moe_expert_matmul_fp8(dxe, dguq, gate_up, dispatch, MatMul::linear_dx(0, d, 2 * f), [sdgu, sw]);
+        be.moe_expert_matmul_dw_fp8(dgate_up, dguq, xq, dispatch, (d, 2 * f), [sdgu, sx]);
+    });
+    t.check_idx("offsets", dispatch.offsets)?;
+    let mut offsets = vec![0u32; e + 1];
+    t.cpu.download_idx(dispatch.offsets, &mut offsets);
+    let kept = offsets[e] as usize;
+    t.notes.push(format!("{kept} of {rows} rows kept"));
+    // Rows past the kept ones are nobody's: compare the kept rows.
+    t.check("gate and up, E4M3 · E4M3", gu.at(0, kept * 2 * f), BF16)?;
+    t.check("down, E4M3 · E4M3", ye.at(0, kept * d), BF16)?;
+    t.check("down's dx, E5M2 · E4M3", dh.at(0, kept * f), BF16)?;
+    t.check("gate and up's dx, E5M2 · E4M3", dxe.at(0, kept * d), BF16)?;
+    t.check("dW of both, E5M2ᵀ · E4M3 (f32, added to the gradients)", dweights, F32)?;
+    t.done()
+}
+
 /// DeepSeek-V3 routing at its full width: 256 experts (8 a lane of the routing warp) in 8 groups
 /// of which 4 are kept, top-8, sigmoid scores, a random selection bias, a scale of 2.5,
 /// renormalised or not; the route and its backward with the load-balancing term.

@@ -643,6 +643,40 @@ impl Backend for Cpu {
         }
     }
 
+    fn moe_expert_matmul_fp8(
+        &mut self,
+        out: View,
+        a: View,
+        weights: ExpertWeights,
+        dispatch: MoeDispatch,
+        shape: MatMul,
+        scales: [fp8::State; 2],
+    ) {
+        let factor = self.mem.get(scales[0].inv_scale())[0] * self.mem.get(scales[1].inv_scale())[0];
+        for (e, first, rows) in self.expert_rows(dispatch) {
+            let shape = MatMul { m: rows, ..shape };
+            let (out, [a, w]) =
+                self.mem.io(out.rows(first, rows, shape.n), [a.rows(first, rows, shape.k), weights.expert(e)]);
+            matmul::matmul_scaled(out, a, w, shape, factor, &mut self.gemm);
+        }
+    }
+
+    fn moe_expert_matmul_dw_fp8(
+        &mut self,
+        dweights: ExpertWeights,
+        dy: View,
+        x: View,
+        dispatch: MoeDispatch,
+        (inp, out): (usize, usize),
+        scales: [fp8::State; 2],
+    ) {
+        let factor = self.mem.get(scales[0].inv_scale())[0] * self.mem.get(scales[1].inv_scale())[0];
+        for (e, first, rows) in self.expert_rows(dispatch) {
+            let (dw, [dy, x]) = self.mem.io(dweights.expert(e), [dy.rows(first, rows, out), x.rows(first, rows, inp)]);
+            matmul::matmul_scaled(dw, dy, x, MatMul::linear_dw(rows, inp, out), factor, &mut self.gemm);
+        }
+    }
+
     fn moe_expert_bias(&mut self, out: View, bias: ExpertWeights, dispatch: MoeDispatch, width: usize) {
         assert_eq!(
             bias.first.len, width,

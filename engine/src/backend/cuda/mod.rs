@@ -1067,7 +1067,31 @@ impl Backend for Cuda {
     }
 
     fn moe_expert_matmul(&mut self, out: View, a: View, weights: ExpertWeights, d: MoeDispatch, s: MatMul) {
-        ops::gemm::expert_matmul(self, out, a, weights, d, s)
+        ops::gemm::expert_matmul(self, out, a, weights, d, s, None)
+    }
+
+    fn moe_expert_matmul_fp8(
+        &mut self,
+        out: View,
+        a: View,
+        weights: ExpertWeights,
+        d: MoeDispatch,
+        s: MatMul,
+        scales: [fp8::State; 2],
+    ) {
+        ops::gemm::expert_matmul(self, out, a, weights, d, s, Some(scales))
+    }
+
+    fn moe_expert_matmul_dw_fp8(
+        &mut self,
+        dweights: ExpertWeights,
+        dy: View,
+        x: View,
+        d: MoeDispatch,
+        (inp, out): (usize, usize),
+        scales: [fp8::State; 2],
+    ) {
+        ops::gemm::expert_matmul_dw(self, dweights, dy, x, d, inp, out, Some(scales))
     }
 
     fn moe_expert_matmul_dw(
@@ -1079,7 +1103,7 @@ impl Backend for Cuda {
         inp: usize,
         out: usize,
     ) {
-        ops::gemm::expert_matmul_dw(self, dweights, dy, x, d, inp, out)
+        ops::gemm::expert_matmul_dw(self, dweights, dy, x, d, inp, out, None)
     }
 
     fn moe_expert_bias(&mut self, out: View, bias: ExpertWeights, d: MoeDispatch, width: usize) {

@@ -45,6 +45,43 @@ inline void mma_bf16(float* c, const u32* a, u32 b0, u32 b1) {
     }
 }
 
+// An FP8 byte's value: E4M3 (bias 7, no infinities, NaN 0x7f/0xff) or E5M2 (bias 15).
+inline float emu_fp8(unsigned byte, bool e5m2) {
+    int mbits = e5m2 ? 2 : 3, bias = e5m2 ? 15 : 7, ebits = e5m2 ? 5 : 4;
+    int e = (byte >> mbits) & ((1 << ebits) - 1), m = byte & ((1 << mbits) - 1);
+    float sign = byte & 0x80 ? -1.f : 1.f;
+    if (e5m2 && e == 31) return m ? NAN : sign * INFINITY;
+    if (!e5m2 && e == 15 && m == 7) return NAN;
+    if (e == 0) return sign * std::ldexp((float)m, 1 - bias - mbits);
+    return sign * std::ldexp(1.f + (float)m / (1 << mbits), e - bias);
+}
+
+// mma.sync.aligned.m16n8k32.row.col.f32.{e4m3,e5m2}.e4m3.f32 (fragment layouts in common.cuh:
+// m16n8k16's, a byte a value).
+template <int A_E5M2>
+inline void mma_fp8(float* c, const u32* a, u32 b0, u32 b1) {
+    uint64_t* mine = emu_warp_publish(6);
+    for (int i = 0; i < 4; i++) mine[i] = a[i];
+    mine[4] = b0, mine[5] = b1;
+    emu_warp_sync();
+    auto byte = [](uint64_t word, int k) { return (unsigned)(word >> (8 * (k % 4))) & 0xffu; };
+    auto A = [&](int r, int k) {  // row r < 16, column k < 32
+        int lane = (r % 8) * 4 + (k % 16) / 4, reg = r / 8 + 2 * (k / 16);
+        return emu_fp8(byte(emu_warp_slots(lane)[reg], k), A_E5M2);
+    };
+    auto B = [&](int k, int n) {  // k < 32, n < 8
+        int lane = n * 4 + (k % 16) / 4, reg = 4 + k / 16;
+        return emu_fp8(byte(emu_warp_slots(lane)[reg], k), false);
+    };
+    int lane = emu_lane(), group = lane >> 2, tig = lane & 3;
+    for (int e = 0; e < 4; e++) {
+        int r = group + (e >> 1) * 8, n = tig * 2 + (e & 1);
+        float acc = c[e];
+        for (int k = 0; k < 32; k++) acc += A(r, k) * B(k, n);
+        c[e] = acc;
+    }
+}
+
 // ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16
 inline void emu_ldmatrix(u32* r, smem_t addr, bool trans) {
     if ((uintptr_t)addr % 16 != 0) emu_fail("ldmatrix row address not 16-byte aligned");

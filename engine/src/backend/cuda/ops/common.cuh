@@ -46,6 +46,8 @@ __device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
 inline bf16 f2bf(float f);
 inline u32 pack_bf16(float lo, float hi);
 inline void mma_bf16(float* c, const u32* a, u32 b0, u32 b1);
+template <int A_E5M2>
+inline void mma_fp8(float* c, const u32* a, u32 b0, u32 b1);
 inline smem_t smem_addr(const void* p);
 inline void ldmatrix_x4(u32* r, smem_t addr);
 inline void ldmatrix_x4_trans(u32* r, smem_t addr);
@@ -152,6 +154,31 @@ __device__ __forceinline__ void mma_bf16(float* c, const u32* a, u32 b0, u32 b1)
         "{%0,%1,%2,%3};"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// FP8 (mma.sync m16n8k32, sm_89 and newer): A E4M3 or E5M2 (`A_E5M2`, the gradients), B E4M3,
+// f32 accumulate. Each register holds 4 FP8 values where m16n8k16's holds 2 bf16, in the same
+// places byte for byte (a0 = row group, bytes 4tig..+3 of k 0..15; a2 the same of k 16..31; b
+// likewise along k), so the same ldmatrix of the same shared tiles feeds both. Earlier devices
+// never run it (the FP8 products are refused there).
+template <int A_E5M2>
+__device__ __forceinline__ void mma_fp8(float* c, const u32* a, u32 b0, u32 b1) {
+#if __CUDA_ARCH__ >= 890
+    if (A_E5M2)
+        asm volatile(
+            "mma.sync.aligned.m16n8k32.row.col.f32.e5m2.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+            "{%0,%1,%2,%3};"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    else
+        asm volatile(
+            "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+            "{%0,%1,%2,%3};"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+    __trap();
+#endif
 }
 
 __device__ __forceinline__ smem_t smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
