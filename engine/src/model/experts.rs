@@ -26,6 +26,7 @@
 //! The load-balancing loss sums the routing statistics over the batch group
 //! ([`Exchange::batch_sum`]), so it does not depend on the layout.
 
+use super::fp8::Expert;
 use super::mlp::expert_weights;
 use super::plan::MlpActs;
 use super::{Exchange, Model, Plan, Window};
@@ -56,15 +57,18 @@ impl Model {
         let (gate_up, down) = expert_weights(w, experts.0, experts.1, d, f);
         let biases = self.expert_biases(w, experts.0, experts.1);
         let senders = senders(*dispatch, *local_offsets, member.1);
+        let mm = self.expert_matmuls(be, p, i, self.experts_block(w, i), false);
+        let x = mm.input(be, Expert::Up, *xr, received * d);
         for s in &senders {
-            be.moe_expert_matmul(*gu, *xr, gate_up, *s, MatMul::linear(0, d, 2 * f));
+            mm.matmul(be, Expert::Up, *gu, x, gate_up, *s, MatMul::linear(0, d, 2 * f));
             if let Some((gate_up, _)) = biases {
                 be.moe_expert_bias(*gu, gate_up, *s, 2 * f);
             }
         }
         be.glu_forward(h.at(0, received * f), gu.at(0, received * 2 * f), f, self.expert_glu());
+        let hq = mm.input(be, Expert::Down, *h, received * f);
         for s in &senders {
-            be.moe_expert_matmul(p.yr, *h, down, *s, MatMul::linear(0, f, d));
+            mm.matmul(be, Expert::Down, p.yr, hq, down, *s, MatMul::linear(0, f, d));
             // Under tensor parallelism the rows hold partial sums: one device adds the bias.
             if let Some((_, down)) = biases.filter(|_| ex.adds_residual()) {
                 be.moe_expert_bias(p.yr, down, *s, d);
@@ -95,22 +99,26 @@ impl Model {
         let (dgate_up, ddown) = expert_weights(g, experts.0, experts.1, d, f);
         let dbiases = self.expert_biases(g, experts.0, experts.1);
         let senders = senders(*dispatch, *local_offsets, member.1);
+        let mm = self.expert_matmuls(be, p, i, self.experts_block(w, i), true);
+        let (dyr, hq) = (mm.grad(be, Expert::Down, p.yr, received * d), mm.input(be, Expert::Down, *h, received * f));
         for s in &senders {
             if let Some((_, ddown)) = dbiases {
                 be.moe_expert_bias_backward(ddown, p.yr, *s, d);
             }
-            be.moe_expert_matmul(p.dh.at(0, h.len), p.yr, down, *s, MatMul::linear_dx(0, f, d));
-            be.moe_expert_matmul_dw(ddown, p.yr, *h, *s, f, d);
+            mm.matmul(be, Expert::Down, p.dh.at(0, h.len), dyr, down, *s, MatMul::linear_dx(0, f, d));
+            mm.matmul_dw(be, Expert::Down, ddown, dyr, hq, *s, (f, d));
         }
         let (dgu, dh) = (p.dgu.at(0, received * 2 * f), p.dh.at(0, received * f));
         be.glu_backward(dgu, dh, gu.at(0, received * 2 * f), f, self.expert_glu());
+        let dgu = p.dgu.at(0, gu.len);
+        let (dguq, x) = (mm.grad(be, Expert::Up, dgu, received * 2 * f), mm.input(be, Expert::Up, *xr, received * d));
         // `yr` is free again: it takes the received rows' input gradients.
         for s in &senders {
             if let Some((dgate_up, _)) = dbiases {
-                be.moe_expert_bias_backward(dgate_up, p.dgu.at(0, gu.len), *s, 2 * f);
+                be.moe_expert_bias_backward(dgate_up, dgu, *s, 2 * f);
             }
-            be.moe_expert_matmul(p.yr, p.dgu.at(0, gu.len), gate_up, *s, MatMul::linear_dx(0, d, 2 * f));
-            be.moe_expert_matmul_dw(dgate_up, p.dgu.at(0, gu.len), *xr, *s, d, 2 * f);
+            mm.matmul(be, Expert::Up, p.yr, dguq, gate_up, *s, MatMul::linear_dx(0, d, 2 * f));
+            mm.matmul_dw(be, Expert::Up, dgate_up, dguq, x, *s, (d, 2 * f));
         }
         ex.expert_return(be, dispatch.offsets, p.yr.at(0, received * d), d, p.dxe);
     }

@@ -837,6 +837,31 @@ mod tests {
             runs[0].clone()
         }
 
+        /// The experts' grouped products in FP8 (`train.precision = "fp8"`, every product at
+        /// least 16 wide), both recipes: one device's curve follows the f32 one, and EP 2
+        /// follows one device closely (each device casts the rows it receives and its own
+        /// experts' weights with scales of its own: not bit for bit).
+        #[test]
+        fn fp8_experts_follow_one_device_closely_on_the_expert_axis() {
+            let apart =
+                |a: &[f64], b: &[f64]| a.iter().zip(b).map(|(x, y)| (x - y).abs() / x.abs()).fold(0.0, f64::max);
+            for recipe in ["tensorwise", "delayed"] {
+                let recipe = format!("train.fp8.recipe={recipe}");
+                let sets =
+                    ["mesh.ici_data=2", "mesh.ici_expert=2", "train.precision=fp8", "train.fp8.min_dim=16", &recipe];
+                let c = ep_config(&sets);
+                let t = Trainer::new(Cpu::new(), &c).unwrap();
+                assert!(t.model.describe_fp8(&t.plan).unwrap().ends_with("experts"), "{recipe}: the experts in FP8");
+                let one = single(&c, 2);
+                let mut plain = c.clone();
+                plain.train.precision = crate::config::Precision::Bf16;
+                let gap = apart(&single(&plain, 2), &one);
+                assert!(gap > 1e-6 && gap < 0.02, "{recipe}: FP8 experts move the f32 curve by {gap:.2e}: {one:?}");
+                let gap = apart(&one, &losses(&c, 2, false));
+                assert!(gap < 0.01, "{recipe}: EP 2 moves the FP8 curve by {gap:.2e}");
+            }
+        }
+
         /// EP 2, EP 4 and EP 8 (with gradient accumulation and both recomputation policies on EP 2)
         /// follow one device; a token routed to the wrong device does not.
         #[test]

@@ -20,6 +20,7 @@
 //! The routing statistics of every layer add up in `Plan::stats`, summed over the devices that
 //! share the batch, for the load-balancing loss ([`Model::router_stats`]).
 
+use super::super::fp8::Expert;
 use super::super::layout::MlpOffsets;
 use super::super::plan::MlpActs;
 use super::super::{Exchange, Model, Plan, RouterStats, Window};
@@ -55,13 +56,18 @@ impl Model {
         } else {
             let (gate_up, down) = expert_weights(w, experts, stride, d, f);
             let biases = self.expert_biases(w, experts, stride);
+            let mm = self.expert_matmuls(be, p, i, self.experts_block(w, i), false);
             be.moe_gather(*xe, a.ln2, *dispatch, d);
-            be.moe_expert_matmul(*gu, *xe, gate_up, *dispatch, MatMul::linear(0, d, 2 * f));
+            // The rows the experts can keep (all the slots, dropless).
+            let kept = dispatch.rows_bound();
+            let x = mm.input(be, Expert::Up, *xe, kept * d);
+            mm.matmul(be, Expert::Up, *gu, x, gate_up, *dispatch, MatMul::linear(0, d, 2 * f));
             if let Some((gate_up, _)) = biases {
                 be.moe_expert_bias(*gu, gate_up, *dispatch, 2 * f);
             }
             be.glu_forward(*h, *gu, f, self.expert_glu());
-            be.moe_expert_matmul(*ye, *h, down, *dispatch, MatMul::linear(0, f, d));
+            let hq = mm.input(be, Expert::Down, *h, kept * f);
+            mm.matmul(be, Expert::Down, *ye, hq, down, *dispatch, MatMul::linear(0, f, d));
             // Under tensor parallelism `ye` holds partial sums: one device adds the bias.
             if let Some((_, down)) = biases.filter(|_| ex.adds_residual()) {
                 be.moe_expert_bias(*ye, down, *dispatch, d);
@@ -124,15 +130,19 @@ impl Model {
             if let Some((_, ddown)) = dbiases {
                 be.moe_expert_bias_backward(ddown, p.dye, *dispatch, d);
             }
-            be.moe_expert_matmul(dh, p.dye, down, *dispatch, MatMul::linear_dx(0, f, d));
-            be.moe_expert_matmul_dw(ddown, p.dye, *h, *dispatch, f, d);
+            let mm = self.expert_matmuls(be, p, i, self.experts_block(w, i), true);
+            let kept = dispatch.rows_bound();
+            let dye = mm.grad(be, Expert::Down, p.dye.at(0, ye.len), kept * d);
+            mm.matmul(be, Expert::Down, dh, dye, down, *dispatch, MatMul::linear_dx(0, f, d));
+            let hq = mm.input(be, Expert::Down, *h, kept * f);
+            mm.matmul_dw(be, Expert::Down, ddown, dye, hq, *dispatch, (f, d));
             be.glu_backward(dgu, dh, *gu, f, self.expert_glu());
             if let Some((dgate_up, _)) = dbiases {
                 be.moe_expert_bias_backward(dgate_up, dgu, *dispatch, 2 * f);
             }
-            let shape = MatMul::linear_dx(0, d, 2 * f);
-            be.moe_expert_matmul(p.dxe, dgu, gate_up, *dispatch, shape);
-            be.moe_expert_matmul_dw(dgate_up, dgu, *xe, *dispatch, d, 2 * f);
+            let (dguq, x) = (mm.grad(be, Expert::Up, dgu, kept * 2 * f), mm.input(be, Expert::Up, *xe, kept * d));
+            mm.matmul(be, Expert::Up, p.dxe, dguq, gate_up, *dispatch, MatMul::linear_dx(0, d, 2 * f));
+            mm.matmul_dw(be, Expert::Up, dgate_up, dguq, x, *dispatch, (d, 2 * f));
         }
         be.moe_gather_backward(p.dln, p.dxe, *dispatch, d);
         if let (Some((sgu, sh)), Some((gate_up, down))) = (shared, shared_w) {
@@ -157,6 +167,13 @@ impl Model {
         self.bias_backward(be, p, g, p.drouter, self.router_bias(router, e), e);
         be.matmul(p.dln, p.drouter, w.at(router, e * d), MatMul::linear_dx(n, d, e).accumulating());
         be.matmul(g.at(router, e * d), p.drouter, a.ln2, MatMul::linear_dw(n, d, e));
+    }
+
+    /// Layer `i`'s experts' weights in window `w`: every expert this device holds, each block
+    /// with all its projections (and biases).
+    pub(in super::super) fn experts_block(&self, w: Window, i: usize) -> View {
+        let r = self.layout.layers[i].experts().expect("internal error: the experts of a dense layer");
+        w.at(r.start, r.len())
     }
 
     /// The router's bias `[E]` (GPT-OSS: right after its weight at `router`), if any.
