@@ -463,6 +463,8 @@ pub(in super::super) enum Expert {
 /// precision, or in FP8 with the layer's experts' weights cast (`Fp8`). The passes call the
 /// same methods either way: `input` and `grad` cast a product's rows and their gradients (the
 /// views themselves in the model's precision), the products read what they returned.
+// One a layer's pass, on the stack: boxing the FP8 variant would allocate per layer for nothing.
+#[allow(clippy::large_enum_variant)]
 pub(in super::super) enum ExpertMatmuls {
     Plain,
     Fp8 {
