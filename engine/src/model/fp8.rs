@@ -234,12 +234,17 @@ impl Fp8Buffers {
     }
 
     /// Whether the optimizer writes the weights' casts ([`Model::fp8_weight_copies`]).
-    pub fn optimizer_casts(&self) -> bool {
+    fn optimizer_casts(&self) -> bool {
         self.cache.is_some_and(|c| c.w.is_some())
     }
 
     fn state(&self, layer: usize, linear: Linear, operand: Operand) -> State {
-        let index = (layer * Linear::ALL.len() + linear as usize) * 3 + operand as usize;
+        self.operand_state((layer * Linear::ALL.len() + linear as usize) * 3, operand)
+    }
+
+    /// `operand`'s state of the product whose three states start at state `first`.
+    fn operand_state(&self, first: usize, operand: Operand) -> State {
+        let index = first + operand as usize;
         State { view: self.states.at(index * self.stride, self.stride), format: operand.format() }
     }
 }
@@ -568,11 +573,8 @@ impl Model {
     ) -> ExpertMatmuls {
         let Some((f, buffers)) = p.fp8.and_then(|f| Some((f, f.experts?))) else { return ExpertMatmuls::Plain };
         let layer = self.layout.stage.layer_indices().nth(i).expect("a layer of the stage");
-        let state = |which: usize, operand: Operand| {
-            let index = buffers.first_state + (layer * 2 + which) * 3 + operand as usize;
-            State { view: f.states.at(index * f.stride, f.stride), format: operand.format() }
-        };
-        let states = [0, 1].map(|which| Operand::ALL.map(|o| state(which, o)));
+        let states =
+            [0, 1].map(|which| Operand::ALL.map(|o| f.operand_state(buffers.first_state + (layer * 2 + which) * 3, o)));
         let w = states[Expert::Up as usize][Operand::W as usize];
         be.fp8_quantize(buffers.w.at(0, block.len), block, w, if backward { Scaling::Again } else { f.scaling }, None);
         ExpertMatmuls::Fp8 { buffers, states, scaling: f.scaling, block }

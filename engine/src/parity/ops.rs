@@ -669,11 +669,15 @@ pub(super) fn cross_entropy(gpu: Cuda, v: usize) -> Result<String, String> {
     t.done()
 }
 
-/// The mixture-of-experts path: routing, dispatch tables, expert products, combine, backward;
-/// dropless, or with each expert keeping `capacity` rows (the rest dropped).
-pub(super) fn moe(gpu: Cuda, capacity: Option<usize>, renormalize: bool) -> Result<String, String> {
-    let mut t = Twin::new(gpu);
-    let (n, e, k, d, f) = (90, 8, 2, 64, 48);
+/// Random router logits for `n` tokens over `e` experts (top `k`), the buffer of their
+/// probabilities and the dispatch tables a routing fills (softmax scores, renormalised or not;
+/// `capacity` rows an expert, every slot without).
+fn routing(
+    t: &mut Twin,
+    (n, e, k): (usize, usize, usize),
+    capacity: Option<usize>,
+    renormalize: bool,
+) -> (View, View, MoeDispatch) {
     let rows = n * k;
     let router_logits = t.random(F32S, n * e, 1.5);
     let probs = t.alloc(F32S, n * e);
@@ -692,6 +696,16 @@ pub(super) fn moe(gpu: Cuda, capacity: Option<usize>, renormalize: bool) -> Resu
         offsets,
         stats: t.alloc(F32S, MoeDispatch::stats_len(e)),
     };
+    (router_logits, probs, dispatch)
+}
+
+/// The mixture-of-experts path: routing, dispatch tables, expert products, combine, backward;
+/// dropless, or with each expert keeping `capacity` rows (the rest dropped).
+pub(super) fn moe(gpu: Cuda, capacity: Option<usize>, renormalize: bool) -> Result<String, String> {
+    let mut t = Twin::new(gpu);
+    let (n, e, k, d, f) = (90, 8, 2, 64, 48);
+    let rows = n * k;
+    let (router_logits, probs, dispatch) = routing(&mut t, (n, e, k), capacity, renormalize);
     let x = t.random(ACT, n * d, 1.0);
     let weights = t.random(PARAM, e * 3 * f * d, 0.1);
     let gate_up = ExpertWeights { first: weights.at(0, 2 * f * d), stride: 3 * f * d };
@@ -767,23 +781,7 @@ pub(super) fn moe_fp8(gpu: Cuda, d: usize, f: usize, capacity: Option<usize>) ->
     let mut t = Twin::new(gpu);
     let (n, e, k) = (90, 8, 2);
     let rows = n * k;
-    let router_logits = t.random(F32S, n * e, 1.5);
-    let probs = t.alloc(F32S, n * e);
-    let mut idx = |len: usize| t.idx(&vec![0; len]);
-    let (expert, slot_row, row_slot, offsets) = (idx(rows), idx(rows), idx(rows), idx(e + 1));
-    let dispatch = MoeDispatch {
-        tokens: n,
-        experts: e,
-        top_k: k,
-        routing: Routing::softmax(true),
-        capacity: capacity.unwrap_or(rows),
-        expert,
-        weight: t.alloc(F32S, rows),
-        slot_row,
-        row_slot,
-        offsets,
-        stats: t.alloc(F32S, MoeDispatch::stats_len(e)),
-    };
+    let (router_logits, probs, dispatch) = routing(&mut t, (n, e, k), capacity, true);
     let stride = 3 * f * d;
     let weights = t.random(PARAM, e * stride, 0.1);
     let (xe, h, dye, dgu) = (

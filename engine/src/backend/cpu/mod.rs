@@ -172,6 +172,47 @@ impl Cpu {
             .collect()
     }
 
+    /// Every expert's `out = a · W_e(ᵀ) · factor` on its rows (the grouped products; `factor`
+    /// the FP8 operands' inverse scales, 1 otherwise).
+    fn expert_products(
+        &mut self,
+        out: View,
+        a: View,
+        weights: ExpertWeights,
+        dispatch: MoeDispatch,
+        shape: MatMul,
+        factor: f32,
+    ) {
+        for (e, first, rows) in self.expert_rows(dispatch) {
+            let shape = MatMul { m: rows, ..shape };
+            let (out, [a, w]) =
+                self.mem.io(out.rows(first, rows, shape.n), [a.rows(first, rows, shape.k), weights.expert(e)]);
+            matmul::matmul_scaled(out, a, w, shape, factor, &mut self.gemm);
+        }
+    }
+
+    /// Every expert's `dW_e += dyᵀ · x · factor` on its rows; `(inp, out)` its weight's widths.
+    fn expert_products_dw(
+        &mut self,
+        dweights: ExpertWeights,
+        dy: View,
+        x: View,
+        dispatch: MoeDispatch,
+        (inp, out): (usize, usize),
+        factor: f32,
+    ) {
+        for (e, first, rows) in self.expert_rows(dispatch) {
+            let (dw, [dy, x]) = self.mem.io(dweights.expert(e), [dy.rows(first, rows, out), x.rows(first, rows, inp)]);
+            matmul::matmul_scaled(dw, dy, x, MatMul::linear_dw(rows, inp, out), factor, &mut self.gemm);
+        }
+    }
+
+    /// The product of both FP8 operands' inverse scales (what an FP8 product's epilogue
+    /// multiplies by).
+    fn inverse_scales(&self, scales: [fp8::State; 2]) -> f32 {
+        self.mem.get(scales[0].inv_scale())[0] * self.mem.get(scales[1].inv_scale())[0]
+    }
+
     /// A CPU backend on the global rayon pool.
     pub fn new() -> Cpu {
         Cpu::default()
@@ -265,7 +306,7 @@ impl Backend for Cpu {
     /// scale pointers do.
     fn matmul_fp8(&mut self, out: View, a: View, b: View, shape: MatMul, scales: [fp8::State; 2], _fast: bool) {
         assert!(!shape.a_t && shape.b_t, "internal error: an FP8 product in another layout than a · bᵀ");
-        let factor = self.mem.get(scales[0].inv_scale())[0] * self.mem.get(scales[1].inv_scale())[0];
+        let factor = self.inverse_scales(scales);
         let (out, [a, b]) = self.mem.io(out, [a, b]);
         matmul::matmul_scaled(out, a, b, shape, factor, &mut self.gemm);
     }
@@ -620,12 +661,7 @@ impl Backend for Cpu {
     }
 
     fn moe_expert_matmul(&mut self, out: View, a: View, weights: ExpertWeights, dispatch: MoeDispatch, shape: MatMul) {
-        for (e, first, rows) in self.expert_rows(dispatch) {
-            let shape = MatMul { m: rows, ..shape };
-            let (out, [a, w]) =
-                self.mem.io(out.rows(first, rows, shape.n), [a.rows(first, rows, shape.k), weights.expert(e)]);
-            matmul::matmul(out, a, w, shape, &mut self.gemm);
-        }
+        self.expert_products(out, a, weights, dispatch, shape, 1.0);
     }
 
     fn moe_expert_matmul_dw(
@@ -637,10 +673,7 @@ impl Backend for Cpu {
         inp: usize,
         out: usize,
     ) {
-        for (e, first, rows) in self.expert_rows(dispatch) {
-            let (dw, [dy, x]) = self.mem.io(dweights.expert(e), [dy.rows(first, rows, out), x.rows(first, rows, inp)]);
-            matmul::matmul(dw, dy, x, MatMul::linear_dw(rows, inp, out), &mut self.gemm);
-        }
+        self.expert_products_dw(dweights, dy, x, dispatch, (inp, out), 1.0);
     }
 
     fn moe_expert_matmul_fp8(
@@ -652,13 +685,8 @@ impl Backend for Cpu {
         shape: MatMul,
         scales: [fp8::State; 2],
     ) {
-        let factor = self.mem.get(scales[0].inv_scale())[0] * self.mem.get(scales[1].inv_scale())[0];
-        for (e, first, rows) in self.expert_rows(dispatch) {
-            let shape = MatMul { m: rows, ..shape };
-            let (out, [a, w]) =
-                self.mem.io(out.rows(first, rows, shape.n), [a.rows(first, rows, shape.k), weights.expert(e)]);
-            matmul::matmul_scaled(out, a, w, shape, factor, &mut self.gemm);
-        }
+        let factor = self.inverse_scales(scales);
+        self.expert_products(out, a, weights, dispatch, shape, factor);
     }
 
     fn moe_expert_matmul_dw_fp8(
@@ -667,14 +695,11 @@ impl Backend for Cpu {
         dy: View,
         x: View,
         dispatch: MoeDispatch,
-        (inp, out): (usize, usize),
+        dims: (usize, usize),
         scales: [fp8::State; 2],
     ) {
-        let factor = self.mem.get(scales[0].inv_scale())[0] * self.mem.get(scales[1].inv_scale())[0];
-        for (e, first, rows) in self.expert_rows(dispatch) {
-            let (dw, [dy, x]) = self.mem.io(dweights.expert(e), [dy.rows(first, rows, out), x.rows(first, rows, inp)]);
-            matmul::matmul_scaled(dw, dy, x, MatMul::linear_dw(rows, inp, out), factor, &mut self.gemm);
-        }
+        let factor = self.inverse_scales(scales);
+        self.expert_products_dw(dweights, dy, x, dispatch, dims, factor);
     }
 
     fn moe_expert_bias(&mut self, out: View, bias: ExpertWeights, dispatch: MoeDispatch, width: usize) {

@@ -36,9 +36,7 @@ pub(crate) fn step(
         gpu.adam_runs = runs;
     }
     let table = gpu.scratch[Scratch::AdamRuns as usize].0;
-    let bc1 = 1.0 - (step.beta1 as f64).powi(step.t as i32);
-    let bc2 = 1.0 - (step.beta2 as f64).powi(step.t as i32);
-    let args = [
+    let mut args = vec![
         Arg::P(p),
         Arg::P(p16),
         Arg::P(g),
@@ -48,6 +46,18 @@ pub(crate) fn step(
         Arg::P(table),
         Arg::I((gpu.adam_runs.len() / 3) as i32),
         Arg::U(n as u64),
+    ];
+    args.extend(step_args(step));
+    gpu.launch_1d("adamw", (n as u64).div_ceil(4), &args);
+}
+
+/// The scalar arguments that end both AdamW kernels (`adamw.cu`'s and `fp8.cu`'s `adamw_fp8`):
+/// lr, β1, β2, eps, weight decay, the bias-corrected step size, √(bias correction 2), the
+/// clipping norm.
+pub(super) fn step_args(step: AdamWStep) -> [Arg; 8] {
+    let bc1 = 1.0 - (step.beta1 as f64).powi(step.t as i32);
+    let bc2 = 1.0 - (step.beta2 as f64).powi(step.t as i32);
+    [
         Arg::F(step.lr),
         Arg::F(step.beta1),
         Arg::F(step.beta2),
@@ -56,8 +66,7 @@ pub(crate) fn step(
         Arg::F((step.lr as f64 / bc1) as f32),
         Arg::F(bc2.sqrt() as f32),
         Arg::F(step.max_grad_norm),
-    ];
-    gpu.launch_1d("adamw", (n as u64).div_ceil(4), &args);
+    ]
 }
 
 /// The AdamW kernel's table: `segments` sorted and merged into runs of equal decay, as

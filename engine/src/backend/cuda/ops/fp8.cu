@@ -130,13 +130,14 @@ extern "C" __global__ void fp8_cast(unsigned char* q, const bf16* x, u64 n, floa
     if (record) record_amax(m, state, scratch);
 }
 
-// The transposed cast: x is [rows, cols], q [cols, rows]; a 32 × 32 tile goes through shared
-// memory so that both the reads and the writes are along rows. Blocks of 256 threads (8 warps,
-// each warp a row of the tile at a time), a grid of (cols / 32, rows / 32) tiles. With `plain`
-// (else null) the same pass also writes the untransposed cast, `plain` [rows, cols]: one read of
-// x for both layouts (the backward pass's dy). With `record`, the amax into the state.
-extern "C" __global__ void fp8_cast_transposed(unsigned char* q, unsigned char* plain, const bf16* x, int rows, int cols,
-                                               float* state, int e5m2, int record) {
+// The casts into both layouts, a 32 × 32 tile a block (256 threads: 8 warps, each warp a row of
+// the tile at a time; a grid of (cols / 32, rows / 32) tiles): `value(at)` gives the element at
+// `at` of the [rows, cols] tensor; its byte goes to `plain` [rows, cols] (unless null) and,
+// through shared memory so that both the reads and the writes are along rows, to `q`
+// [cols, rows]. With `record`, the block's amax into the state.
+template <typename Value>
+__device__ __forceinline__ void cast_tile(unsigned char* q, unsigned char* plain, int rows, int cols, float* state,
+                                          int e5m2, int record, Value value) {
     __shared__ unsigned char tile[32][33];
     __shared__ u32 scratch[32];
     float scale = state[FP8_SCALE];
@@ -147,7 +148,7 @@ extern "C" __global__ void fp8_cast_transposed(unsigned char* q, unsigned char* 
         int r = r0 + dy, c = c0 + lane;
         if (r < rows && c < cols) {
             u64 at = (u64)r * cols + c;
-            float v = bf2f(x[at]);
+            float v = value(at);
             u32 b = abs_bits(v);
             m = b > m ? b : m;
             unsigned char byte = to_fp8(v * scale, e5m2);
@@ -163,49 +164,36 @@ extern "C" __global__ void fp8_cast_transposed(unsigned char* q, unsigned char* 
     if (record) record_amax(m, state, scratch);
 }
 
+// The transposed cast: x is [rows, cols], q [cols, rows] (cast_tile). With `plain` (else null)
+// the same pass also writes the untransposed cast: one read of x for both layouts (the backward
+// pass's dy). With `record`, the amax into the state.
+extern "C" __global__ void fp8_cast_transposed(unsigned char* q, unsigned char* plain, const bf16* x, int rows, int cols,
+                                               float* state, int e5m2, int record) {
+    cast_tile(q, plain, rows, cols, state, e5m2, record, [&](u64 at) { return bf2f(x[at]); });
+}
+
 // AdamW over one weight W [rows, cols] (adamw_element: the flat update's arithmetic), writing
 // besides the parameters, moments, zeroed gradients and bf16 copy the copy's FP8 casts in both
 // layouts, q [rows, cols] and qt [cols, rows], with the state's scale (the delayed recipe's,
 // set by the update before this step) and the amax recorded: what fp8_cast_transposed with
 // `plain` and `record` would write from the updated bf16 copy, without reading it again. The
-// forward and backward passes read the casts instead of casting the weight. 32 × 32 tiles as
-// fp8_cast_transposed's; the pointers are the weight's own (its offset in the flat buffers).
+// forward and backward passes read the casts instead of casting the weight. Tiles as
+// cast_tile's; the pointers are the weight's own (its offset in the flat buffers).
 extern "C" __global__ void adamw_fp8(float* p, bf16* p16, float* g, float* m, float* v, const float* norm_sq, int rows,
                                      int cols, int decays, unsigned char* q, unsigned char* qt, float* state, int e5m2,
                                      float lr, float beta1, float beta2, float eps, float wd, float step_size,
                                      float bc2_sqrt, float max_norm) {
-    __shared__ unsigned char tile[32][33];
-    __shared__ u32 scratch[32];
     float norm = sqrtf(norm_sq[0]);
     float clip = (max_norm > 0.f && norm > max_norm) ? max_norm / norm : 1.f;
     float decay = decays ? 1.f - lr * wd : 1.f;
-    float scale = state[FP8_SCALE];
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-    int c0 = blockIdx.x * 32, r0 = blockIdx.y * 32;
-    u32 amax = 0;
-    for (int dy = warp; dy < 32; dy += warps) {
-        int r = r0 + dy, c = c0 + lane;
-        if (r < rows && c < cols) {
-            u64 at = (u64)r * cols + c;
-            float pv = p[at], mv = m[at], vv = v[at];
-            adamw_element(pv, mv, vv, g[at], clip, beta1, beta2, eps, decay, step_size, bc2_sqrt);
-            p[at] = pv, m[at] = mv, v[at] = vv, g[at] = 0.f;
-            bf16 b = f2bf(pv);
-            p16[at] = b;
-            float x = bf2f(b);
-            u32 bits = abs_bits(x);
-            amax = bits > amax ? bits : amax;
-            unsigned char byte = to_fp8(x * scale, e5m2);
-            tile[dy][lane] = byte;
-            q[at] = byte;
-        }
-    }
-    __syncthreads();
-    for (int dy = warp; dy < 32; dy += warps) {
-        int c = c0 + dy, r = r0 + lane;
-        if (r < rows && c < cols) qt[(u64)c * rows + r] = tile[lane][dy];
-    }
-    record_amax(amax, state, scratch);
+    cast_tile(qt, q, rows, cols, state, e5m2, 1, [&](u64 at) {
+        float pv = p[at], mv = m[at], vv = v[at];
+        adamw_element(pv, mv, vv, g[at], clip, beta1, beta2, eps, decay, step_size, bc2_sqrt);
+        p[at] = pv, m[at] = mv, v[at] = vv, g[at] = 0.f;
+        bf16 b = f2bf(pv);
+        p16[at] = b;
+        return bf2f(b);
+    });
 }
 
 // The delayed recipe's step, one thread an operand: the recorded amax enters the history

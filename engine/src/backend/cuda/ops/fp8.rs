@@ -112,8 +112,6 @@ pub(crate) fn adamw(
     }
     let (rest, decays) = segments_without(segments, casts);
     super::adamw::step(gpu, params, grads, m, v, norm_squared, &rest, step);
-    let bc1 = 1.0 - (step.beta1 as f64).powi(step.t as i32);
-    let bc2 = 1.0 - (step.beta2 as f64).powi(step.t as i32);
     for (c, decays) in casts.iter().zip(decays) {
         let at = |x: View| x.at(c.offset, c.rows * c.cols);
         assert!(
@@ -127,7 +125,7 @@ pub(crate) fn adamw(
         let (g, mp, vp) = (gpu.out(at(grads), "adamw_fp8"), gpu.out(at(m), "adamw_fp8"), gpu.out(at(v), "adamw_fp8"));
         let (q, qt, state) =
             (gpu.out(c.q, "adamw_fp8"), gpu.out(c.qt, "adamw_fp8"), gpu.out(c.state.view, "adamw_fp8"));
-        let args = [
+        let mut args = vec![
             Arg::P(p),
             Arg::P(p16),
             Arg::P(g),
@@ -141,15 +139,8 @@ pub(crate) fn adamw(
             Arg::P(qt),
             Arg::P(state),
             Arg::I((c.state.format == Fp8Format::E5M2) as i32),
-            Arg::F(step.lr),
-            Arg::F(step.beta1),
-            Arg::F(step.beta2),
-            Arg::F(step.eps),
-            Arg::F(step.weight_decay),
-            Arg::F((step.lr as f64 / bc1) as f32),
-            Arg::F(bc2.sqrt() as f32),
-            Arg::F(step.max_grad_norm),
         ];
+        args.extend(super::adamw::step_args(step));
         let grid = (c.cols.div_ceil(32) as u32, c.rows.div_ceil(32) as u32, 1);
         assert!(grid.1 < 65536, "internal error: adamw_fp8: {} rows are more than a grid takes", c.rows);
         gpu.launch("adamw_fp8", grid, 256, 0, &args);
