@@ -14,10 +14,12 @@
 //! product; a cast sets or uses it by the recipe (`train.fp8.recipe`). The backward pass casts
 //! dy into both layouts at once (cuBLASLt's FP8 products take one layout, and dy's two products
 //! read one each) and W a second time, transposed, with the scale its first cast left (no second
-//! amax pass), and x again from the activation the forward
-//! pass read: within a step a cast of x gives the same values every time (tensorwise: the same
-//! amax; delayed: the step's fixed scale), so the reference need not keep the FP8 copies between
-//! the passes.
+//! amax pass), unless the forward pass kept Wᵀ ([`Model::fp8_weight_cache`]) or the optimizer
+//! wrote both ([`Model::fp8_weight_copies`]). x it casts again from the activation the forward
+//! pass read, unless the forward pass kept xᵀ in place of that activation
+//! ([`Model::fp8_keep_inputs`], [`KeptInput`]): within a step a cast of x gives the same values
+//! every time (tensorwise: the same amax; delayed: the step's fixed scale), so either way the
+//! gradients are the same bits.
 //!
 //! Latent attention (DeepSeek-V3) has five such layers instead of q/k/v: the queries' down and
 //! up projections (or their one projection), the keys' and values' latent projection and its up
@@ -174,6 +176,17 @@ pub(in super::super) struct ExpertBuffers {
     w: View,
 }
 
+/// A linear layer's input kept cast for its weight gradient ([`Model::fp8_kept`]): `xᵀ`
+/// (`[I, N]`, E4M3), which the forward pass writes beside its own cast and the backward pass's
+/// `dW` product reads; under tensorwise scaling with the state whose scale cast it, this
+/// micro-batch's own (another micro-batch's forward pass sets the layer's shared one before
+/// this one's backward pass, in a pipeline's schedule). A layer's are in its activations.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct KeptInput {
+    pub(super) xt: View,
+    pub(super) state: Option<View>,
+}
+
 /// A device's FP8 buffers ([`Plan::fp8`]): the scaling state of every operand of every FP8
 /// product of the whole model (indexed by the layer's place in the whole model, so that every
 /// virtual stage and micro-batch slot shares one), and the casts' scratch.
@@ -320,6 +333,36 @@ impl Model {
         })
     }
 
+    /// Which linear layers' inputs the forward pass keeps cast for the backward pass, for
+    /// micro-batches of `n` tokens ([`Model::fp8_keep_inputs`]): the FP8 products whose input
+    /// nothing but their weight gradient reads, so that the layer keeps the cast instead of the
+    /// input. q/k/v's (the first norm's output; latent attention's is read by its RoPE key's
+    /// product too), gate/up's (the second norm's; a mixture of experts' router reads it, but
+    /// its MLP is not covered) and down's (the gated unit's output; its backward pass reads
+    /// gate/up's). Not `o`'s: attention's backward pass reads its output.
+    pub(super) fn fp8_kept(&self, n: usize) -> [bool; 8] {
+        let keep = self.fp8_keep_inputs && self.remat == crate::config::Remat::None;
+        let Some(policy) = self.fp8.as_ref().filter(|_| keep) else { return [false; 8] };
+        Linear::ALL.map(|l| matches!(l, Linear::Qkv | Linear::Up | Linear::Down) && policy.covers(&self.config, l, n))
+    }
+
+    /// Takes a layer's [`KeptInput`]s from `take` for micro-batches of `n` tokens (indexed by
+    /// [`Linear`]; none where [`Model::fp8_kept`] says no).
+    pub(super) fn plan_kept_inputs(
+        &self,
+        n: usize,
+        take: &mut dyn FnMut(BufKind, usize) -> View,
+    ) -> [Option<KeptInput>; 8] {
+        let tensorwise = self.fp8.as_ref().is_some_and(|f| f.config.recipe == Fp8Recipe::Tensorwise);
+        let kept = self.fp8_kept(n);
+        Linear::ALL.map(|l| {
+            kept[l as usize].then(|| KeptInput {
+                xt: take(BufKind::Fp8, n * l.widths(&self.config).0),
+                state: tensorwise.then(|| take(BufKind::Scalars, State::len(0))),
+            })
+        })
+    }
+
     /// What runs in FP8 under this model's policy with plan `p`, for the start-up line: the
     /// recipe and the linear layers, or that none qualified; none without the policy.
     pub fn describe_fp8(&self, p: &Plan) -> Option<String> {
@@ -399,9 +442,14 @@ impl Model {
                 None => be.matmul(out, x, w, shape),
             };
         };
-        let (sx, sw) = (f.state(layer, linear, Operand::X), f.state(layer, linear, Operand::W));
+        let kept = p.layers[i].fp8_inputs[linear as usize];
+        let (sx, sw) = (kept_state(f, layer, linear, kept), f.state(layer, linear, Operand::W));
         let (xq, mut wq) = (f.x.at(0, x.len), f.w.at(0, w.len));
-        be.fp8_quantize(xq, x, sx, f.scaling, None);
+        match kept {
+            // xᵀ for the backward pass's dW in the same pass: the layer keeps it, not x.
+            Some(k) => be.fp8_quantize_both(xq, k.xt, x, sx, f.scaling, shape.k),
+            None => be.fp8_quantize(xq, x, sx, f.scaling, None),
+        }
         match f.cached(layer, linear, w.len) {
             // Both layouts as the last optimizer step wrote them: nothing to cast.
             Some((Some(kept), _)) => wq = kept,
@@ -433,15 +481,18 @@ impl Model {
             be.matmul(dw, dy, x, shape_dw);
             return;
         };
-        let [sx, sw, sdy] = Operand::ALL.map(|o| f.state(layer, linear, o));
+        let [_, sw, sdy] = Operand::ALL.map(|o| f.state(layer, linear, o));
+        let kept = p.layers[i].fp8_inputs[linear as usize];
+        let sx = kept_state(f, layer, linear, kept);
         let (xq, wq, dyq, dyqt) = (f.x.at(0, x.len), f.w.at(0, w.len), f.dy.at(0, dy.len), f.dyt.at(0, dy.len));
         // FP8 products take one layout, `a · bᵀ`: dx = dy · (Wᵀ)ᵀ and dW = dyᵀ · (xᵀ)ᵀ, with
         // Wᵀ, dyᵀ and xᵀ cast transposed (`[O, I]`, `[N, O]` and `[N, I]` read by columns).
         let linear_form = |s: MatMul| MatMul { a_t: false, b_t: true, ..s };
         let (inp, out) = (shape_dx.n, shape_dx.k);
         // dy's second cast and W's in the backward pass take the scale their first set (W's in
-        // this layer's forward pass: the weight has not changed since). x's does not: another
-        // micro-batch's forward pass may have cast its own x with the same state since.
+        // this layer's forward pass: the weight has not changed since). x's, where the layer
+        // did not keep it, does not: another micro-batch's forward pass may have cast its own x
+        // with the same state since.
         be.fp8_quantize_both(dyq, dyqt, dy, sdy, f.scaling, out);
         // Wᵀ as this layer's forward pass cast it, or cast again (the weight has not changed
         // since: the same bytes).
@@ -450,8 +501,20 @@ impl Model {
             wq
         });
         be.matmul_fp8(dx, dyq, wt, linear_form(shape_dx), [sdy, sw], false);
-        be.fp8_quantize(xq, x, sx, f.scaling, Some(inp));
-        be.matmul_fp8(dw, dyqt, xq, linear_form(shape_dw), [sdy, sx], false);
+        let xt = kept.map(|k| k.xt).unwrap_or_else(|| {
+            be.fp8_quantize(xq, x, sx, f.scaling, Some(inp));
+            xq
+        });
+        be.matmul_fp8(dw, dyqt, xt, linear_form(shape_dw), [sdy, sx], false);
+    }
+}
+
+/// The state x of `linear` in whole-model layer `layer` is cast with: the kept input's own
+/// under tensorwise scaling, else the layer's.
+fn kept_state(f: Fp8Buffers, layer: usize, linear: Linear, kept: Option<KeptInput>) -> State {
+    match kept.and_then(|k| k.state) {
+        Some(view) => State { view, format: Operand::X.format() },
+        None => f.state(layer, linear, Operand::X),
     }
 }
 

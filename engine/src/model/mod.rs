@@ -74,6 +74,13 @@ pub struct Model {
     /// byte more an FP8 weight. Its owner casts them before the first pass and after anything
     /// else changes the weights ([`Model::refresh_fp8_weight_casts`]). Set before planning.
     pub fp8_weight_copies: bool,
+    /// Whether the FP8 forward passes keep, for the backward pass, the transposed casts of the
+    /// inputs that only a weight gradient reads (q/k/v's, gate/up's and down's: the norms' and
+    /// the gated unit's outputs), written in the same pass as the forward product's own, in
+    /// place of the inputs themselves: one byte an element instead of two, and no cast of x in
+    /// the backward pass (`fp8.rs`'s `Model::fp8_kept`). Without recomputation only (`remat = "none"`:
+    /// what a policy refills, it does not keep at all). Set before planning.
+    pub fp8_keep_inputs: bool,
     /// Whether the attention forward passes record each head's largest logit for QK-clip
     /// (`optim.qk_clip`: [`Plan::logit_max`]). Set before planning.
     pub logit_max: bool,
@@ -208,6 +215,7 @@ impl Model {
             fp8: None,
             fp8_weight_cache: false,
             fp8_weight_copies: false,
+            fp8_keep_inputs: false,
             logit_max: false,
             batch_shards: 1,
             seq: SeqSplit::WHOLE,

@@ -3,6 +3,7 @@
 //! memory estimate and the parallel planner. Kept apart from the passes, which only read it:
 //! the plan decides where things live, the passes what they compute.
 
+use super::fp8::{KeptInput, Linear};
 use super::{Exchange, Model, Pass, Unit, Window, rope};
 use crate::backend::{Backend, BufId, BufKind, IdxView, MoeDispatch, View};
 use crate::config::Remat;
@@ -34,6 +35,9 @@ pub(super) struct LayerActs {
     /// Under sandwich norms (Gemma 3), the attention's and the MLP's outputs before their
     /// norms; none without.
     pub(super) post: Option<PostActs>,
+    /// Under FP8, the inputs kept cast for the weight gradients, by [`Linear`]; where one is,
+    /// the input itself (`ln1`, `ln2` or the MLP's `h`) is shared by all layers.
+    pub(super) fp8_inputs: [Option<KeptInput>; 8],
 }
 
 /// A layer's sandwich-norm activations (Gemma 3): the attention's output `[N, D]` (after
@@ -281,6 +285,9 @@ impl Model {
         if let (Some(f), None) = (plan.fp8, reuse) {
             be.upload(f.states, &f.initial_states());
         }
+        for state in plan.layers.iter().flat_map(|a| a.fp8_inputs.iter().flatten().filter_map(|k| k.state)) {
+            be.upload(state, &crate::backend::fp8::State::initial(crate::backend::fp8::Fp8Format::E4M3, 0));
+        }
         if plan.ones.len > 0 {
             be.upload(plan.ones, &vec![1.0; n]);
         }
@@ -421,11 +428,14 @@ impl Model {
         let ep_only = |len: usize| if ep { len } else { 0 };
         let local_offsets_len = self.local_offsets_len(experts);
         let stage_layers: Vec<usize> = self.layout.stage.layer_indices().collect();
+        // Inputs kept in FP8 need no bf16 copy of their own.
+        let kept = self.fp8_kept(n);
+        let [kept_ln1, kept_ln2, kept_h] = [Linear::Qkv, Linear::Up, Linear::Down].map(|l| kept[l as usize]);
         let layers = stage_layers
             .iter()
             .map(|&layer| {
                 let x = act("x", A, n * d, false);
-                let ln1 = act("ln1", A, n * d, minimal);
+                let ln1 = act("ln1", A, n * d, minimal || kept_ln1);
                 let rstd1 = act("rstd1", S, stats * n, full);
                 let qkv_v = act("qkv", A, n * qkv, full);
                 let qk = m.qk_norm().then(|| {
@@ -434,7 +444,7 @@ impl Model {
                 let attn = act("attn", A, n * q, full);
                 let lse = act("lse", S, n * m.n_heads, full);
                 let xmid = act("xmid", A, n * d, full);
-                let ln2 = act("ln2", A, n * d, minimal);
+                let ln2 = act("ln2", A, n * d, minimal || kept_ln2);
                 let rstd2 = act("rstd2", S, stats * n, full);
                 let mla = m.mla.as_ref().map(|a| {
                     let q_rank = a.q_lora_rank;
@@ -455,7 +465,7 @@ impl Model {
                     Some(moe) if moe.is_dense(layer) => {
                         MlpActs::Dense { gu: act("gu", A, n * up, full), h: act("h", A, n * dense_f, minimal) }
                     }
-                    None => MlpActs::Dense { gu: act("gu", A, n * up, full), h: act("h", A, n * f, minimal) },
+                    None => MlpActs::Dense { gu: act("gu", A, n * up, full), h: act("h", A, n * f, minimal || kept_h) },
                     Some(moe) => {
                         let dispatch = MoeDispatch {
                             tokens: n,
@@ -493,7 +503,8 @@ impl Model {
                     mlp_y: act("mlp_y", A, n * d, false),
                     mlp_rstd: act("mlp_post_rstd", S, n, false),
                 });
-                LayerActs { x, ln1, rstd1, qkv: qkv_v, qk, attn, lse, xmid, ln2, rstd2, mlp, mla, post }
+                let fp8_inputs = self.plan_kept_inputs(n, &mut |kind, len| act("fp8_input", kind, len, false));
+                LayerActs { x, ln1, rstd1, qkv: qkv_v, qk, attn, lse, xmid, ln2, rstd2, mlp, mla, post, fp8_inputs }
             })
             .collect();
         let moe = m.moe.is_some();

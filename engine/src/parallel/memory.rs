@@ -98,12 +98,13 @@ pub fn device_estimate_slots(
 }
 
 /// Bytes of one more micro-batch in flight on a device holding `model`: its activations, its
-/// statistics and RoPE table, its indices.
+/// statistics and RoPE table, its FP8 inputs kept for the backward pass, its indices.
 fn slot_bytes(config: &Config, model: &Model, batch: usize, target: Target) -> usize {
     let seq_len = config.train.seq_len / model.seq.ranks;
     let rope = crate::model::memory::rope_elements(&config.model, seq_len);
     let more = model.slot_activation_elements(batch, seq_len);
     more.activations * element_bytes(BufKind::Activations, target)
         + (more.scalars + rope) * element_bytes(BufKind::Scalars, target)
+        + more.fp8 * element_bytes(BufKind::Fp8, target)
         + more.indices * 4
 }

@@ -412,6 +412,12 @@ fn checks(scale: Scale) -> Vec<(String, Check)> {
         "tiny-mixtral in FP8 (tensorwise), the experts too: loss and gradients against the FP8 CPU model",
         Box::new(move |g, _| parity(g, "tiny-mixtral", &["train.precision=fp8", "train.fp8.min_dim=16"], scale)),
     );
+    // The GPT family in FP8: LayerNorm's and GELU's outputs kept cast for the weight gradients,
+    // the biases added after the products.
+    add(
+        "tiny-gpt in FP8 (tensorwise): loss and gradients against the FP8 CPU model",
+        Box::new(move |g, _| parity(g, "tiny-gpt", &["train.precision=fp8", "train.fp8.min_dim=16"], scale)),
+    );
     // Latent attention's projections in FP8: q_a, q_b, the latent's kv_a rows, kv_b and o.
     add(
         "tiny-deepseek-v3 in FP8 (tensorwise): loss and gradients against the FP8 CPU model",

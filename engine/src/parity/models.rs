@@ -71,10 +71,12 @@ pub(super) fn parity(gpu: Cuda, name: &str, extra: &[&str], scale: Scale) -> Res
     let mut model = Model::new(&config.model);
     model.fp8 = crate::model::Fp8Policy::of(&config.train);
     // One device holding its whole model, as a run on one GPU: the FP8 forward passes keep the
-    // weights' transposed casts for the backward pass; under the delayed recipe they read both
-    // layouts as the optimizer (here, their first cast) wrote them.
+    // weights' transposed casts for the backward pass, and the inputs' in place of the inputs;
+    // under the delayed recipe they read both weight layouts as the optimizer (here, their
+    // first cast) wrote them.
     model.fp8_weight_cache = true;
     model.fp8_weight_copies = config.train.fp8.recipe == crate::config::Fp8Recipe::Delayed;
+    model.fp8_keep_inputs = true;
     let (batch, seq) = (config.train.batch_size.per_group(1), config.train.seq_len);
     let params = init::params(&model, 7);
     let tokens: Vec<u32> =
@@ -405,10 +407,11 @@ pub(super) fn nccl_alone(mut gpu: Cuda) -> Result<String, String> {
 /// every launch of an FP8 cast and amax kernel (all but the products, cuBLASLt's) in one layer's
 /// forward and backward pass, as the launch trace records them in a dry run (nothing runs, so
 /// the shapes are the real ones), and the bytes they move (a cast reads 2 bytes an element and
-/// writes 1 a layout; an amax pass reads 2), fused against unfused, under `recipe`. Under the
-/// delayed recipe "after" counts the optimizer's update of the layer's weights too, which writes
-/// their casts (a launch and 2 bytes a weight beyond the update itself), and no pass casts W;
-/// it must take at most half the launches and half the bytes. (A check a recipe: the emulator's
+/// writes 1 a layout; an amax pass reads 2), fused against unfused, under `recipe`. "After"
+/// keeps the inputs' transposed casts from the forward pass (no cast of x in the backward
+/// pass); under the delayed recipe it counts the optimizer's update of the layer's weights too,
+/// which writes their casts (a launch and 2 bytes a weight beyond the update itself), and no
+/// pass casts W; it must take at most half the launches and half the bytes. (A check a recipe: the emulator's
 /// buffers of a first plan stay until its backend goes.)
 pub(super) fn fp8_overhead(mut gpu: Cuda, recipe: &str) -> Result<String, String> {
     let sets = ["model.n_layers=1", "model.vocab_size=256", "train.precision=fp8", "train.batch_size=1"];
@@ -427,6 +430,7 @@ pub(super) fn fp8_overhead(mut gpu: Cuda, recipe: &str) -> Result<String, String
     let mut per = |unfused: bool| -> (usize, f64) {
         let mut model = model.clone();
         model.fp8_weight_copies = !unfused && recipe == "delayed";
+        model.fp8_keep_inputs = !unfused;
         let plan = model.plan(&mut gpu, 1, 8192);
         gpu.set_fp8_unfused(unfused);
         gpu.take_launches();

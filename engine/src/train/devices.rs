@@ -35,12 +35,17 @@ pub fn run_plan<T: Send>(
 ) -> Result<Vec<T>> {
     let devices = plan.mesh.devices();
     let f = &f;
+    // A test's FP8 knobs, set on its thread, hold on the devices' threads too.
+    #[cfg(test)]
+    let knobs = crate::parallel::plan::test_knobs();
     std::thread::scope(|scope| {
         let handles: Vec<_> = Virtual::devices(devices)
             .into_iter()
             .enumerate()
             .map(|(rank, comm)| {
                 scope.spawn(move || {
+                    #[cfg(test)]
+                    crate::parallel::plan::set_test_knobs(knobs);
                     // Recorded and timed as a job's ranks are (what `engine bench --devices`
                     // measures), with no run directory to write to: virtual devices have no
                     // watchdog.
@@ -1355,6 +1360,38 @@ mod tests {
                 assert!(cast_by_passes.1 == written.1, "{extra:?}: the optimizer's casts moved the parameters");
                 if extra == qk_clip {
                     assert!(written.0.chunks(4).any(|s| s[2] > 0.0), "QK-clip clipped no head: {:?}", written.0);
+                }
+            }
+        }
+
+        /// The inputs the forward passes keep cast for the weight gradients (in place of the
+        /// bf16 inputs) change no bit against the backward pass casting them again: both
+        /// recipes, two micro-batches a step, and a pipeline of four micro-batches in flight,
+        /// whose forward passes set a layer's shared x scale (tensorwise) between an earlier
+        /// one's forward and backward passes.
+        #[test]
+        fn the_kept_input_casts_change_no_bit() {
+            use crate::parallel::plan::NO_KEPT_INPUTS;
+            let pipeline =
+                ["mesh.ici_data=1", "mesh.ici_pipeline=2", "train.pipeline_microbatches=4", "train.batch_size=2"];
+            for recipe in ["tensorwise", "delayed"] {
+                let runs = [(&["train.grad_accum=2"][..], 1), (&pipeline[..], 2)];
+                for (sets, devices) in runs {
+                    let c = fp8_config(recipe, &[sets, &["train.steps=3", "model.n_layers=4"][..]].concat());
+                    let go = |keep: bool| {
+                        NO_KEPT_INPUTS.set(!keep);
+                        let model = ParallelPlan::resolve(&c, devices, 1).unwrap().stage_model(&c, 0);
+                        let sizes = model.activation_elements(1, c.train.seq_len);
+                        let curve = parallel(&c, devices);
+                        NO_KEPT_INPUTS.set(false);
+                        (curve, sizes)
+                    };
+                    let ((cast_again, plain), (kept, smaller)) = (go(false), go(true));
+                    assert_eq!(cast_again, kept, "{recipe} {sets:?}: the kept casts moved the curve");
+                    assert!(
+                        smaller.activations < plain.activations && smaller.fp8 > plain.fp8,
+                        "{recipe} {sets:?}: no input kept cast: {smaller:?} vs {plain:?}"
+                    );
                 }
             }
         }
