@@ -463,6 +463,10 @@ fn checks(scale: Scale) -> Vec<(String, Check)> {
             Box::new(move |g, _| fsdp_bf16_gathers(g, scale)),
         );
         add(
+            "tiny-llama2 in FP8 (delayed) under FSDP 2: follows one device, memory as planned",
+            Box::new(move |g, _| models::fsdp_fp8(g, scale)),
+        );
+        add(
             "tiny-mixtral under EP 2: the experts' products on received rows follow one device, memory as planned",
             Box::new(move |g, _| expert_axis(g, scale)),
         );

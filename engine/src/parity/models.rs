@@ -250,7 +250,18 @@ pub(super) fn memory_estimate(gpu: Cuda, scale: Scale) -> Result<String, String>
 /// collectives) follow one device training the same global batch, and each allocates what the
 /// mesh's memory plan says, the gathered units at 2 bytes an element.
 pub(super) fn fsdp_bf16_gathers(gpu: Cuda, scale: Scale) -> Result<String, String> {
-    two_devices(gpu, scale, "tiny-llama2", &["mesh.ici_data=1", "mesh.ici_fsdp=2"], "FSDP 2")
+    two_devices(gpu, scale, "tiny-llama2", &[], &["mesh.ici_data=1", "mesh.ici_fsdp=2"], "FSDP 2")
+}
+
+/// FSDP over two devices in FP8 (the delayed recipe, whose amaxes the devices reduce before each
+/// update, so both scale alike): the products' casts from the gathered bf16 weights, the
+/// inputs kept cast for the weight gradients; the two follow one device's FP8 training and
+/// allocate what the memory plan says. (Narrowed to d_model 128: the emulator's FP8 products
+/// are its slowest.)
+pub(super) fn fsdp_fp8(gpu: Cuda, scale: Scale) -> Result<String, String> {
+    let fp8 = ["train.precision=fp8", "train.fp8.min_dim=16", "train.fp8.recipe=delayed"];
+    let fp8 = [&fp8[..], &["model.d_model=128", "model.mlp_dim=128", "train.seq_len=32"]].concat();
+    two_devices(gpu, scale, "tiny-llama2", &fp8, &["mesh.ici_data=1", "mesh.ici_fsdp=2"], "FSDP 2")
 }
 
 /// MuonClip (`optim.name = "muon"` with `optim.qk_clip`): steps on the GPU (Newton–Schulz in
@@ -307,17 +318,25 @@ pub(super) fn muon(gpu: Cuda, scale: Scale) -> Result<String, String> {
 /// other routes to them (per-sender offsets into the received rows), and the two follow one
 /// device training the same global batch, allocating what the memory plan says.
 pub(super) fn expert_axis(gpu: Cuda, scale: Scale) -> Result<String, String> {
-    two_devices(gpu, scale, "tiny-mixtral", &["mesh.ici_data=2", "mesh.ici_expert=2"], "EP 2")
+    two_devices(gpu, scale, "tiny-mixtral", &[], &["mesh.ici_data=2", "mesh.ici_expert=2"], "EP 2")
 }
 
 /// Two emulated devices on `mesh` (threads meeting through the virtual collectives) follow one
 /// device training the same global batch, and each allocates what the mesh's memory plan says.
-fn two_devices(gpu: Cuda, scale: Scale, recipe: &str, mesh: &[&str], what: &str) -> Result<String, String> {
+fn two_devices(
+    gpu: Cuda,
+    scale: Scale,
+    recipe: &str,
+    common: &[&str],
+    mesh: &[&str],
+    what: &str,
+) -> Result<String, String> {
     use crate::parallel::comm::Virtual;
     use crate::parallel::plan::ParallelPlan;
     // The second step reads the parameters AdamW updated (under FSDP, their gathers).
     let steps = 2;
-    let config = |extra: &[&str]| tiny(recipe, scale, &[&["model.n_layers=2", "mesh.ici_data=1"], extra].concat());
+    let config =
+        |extra: &[&str]| tiny(recipe, scale, &[&["model.n_layers=2", "mesh.ici_data=1"], common, extra].concat());
     let (one, fsdp) = (config(&["train.batch_size=2"]), config(&[&["train.batch_size=1"], mesh].concat()));
     let (single, _) = train_losses(gpu, &one, steps)?;
     let plan = ParallelPlan::resolve(&fsdp, 2, 1).map_err(failure)?;
