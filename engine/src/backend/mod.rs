@@ -620,6 +620,25 @@ pub trait Backend {
         self.fp8_quantize(q, x, state, scaling, None);
         self.fp8_quantize(qt, x, state, fp8::Scaling::Again, Some(cols));
     }
+    /// [`Backend::rmsnorm_forward`] of `x` with its output cast to E4M3 in both layouts
+    /// ([`Backend::fp8_quantize_both`], `q` `[N, d]` and `qt` `[d, N]`) under the delayed
+    /// recipe (the state's scale, the amax recorded), for an FP8 product that reads it: the
+    /// output in the model's precision `out` is scratch, which this composition writes and a
+    /// GPU's fused kernel does not (it writes `q`, `qt` and `rstd` in one pass, the same bytes).
+    #[allow(clippy::too_many_arguments)]
+    fn rmsnorm_fp8(
+        &mut self,
+        (q, qt, state): (View, View, fp8::State),
+        out: View,
+        rstd: View,
+        (x, w): (View, View),
+        offset: f32,
+        d: usize,
+        eps: f32,
+    ) {
+        self.rmsnorm_forward(out, rstd, x, w, offset, d, eps);
+        self.fp8_quantize_both(q, qt, out, state, fp8::Scaling::Delayed, d);
+    }
     /// An FP8 product in cuBLASLt's one FP8 layout, `out[m, n] (+)= a[m, k] · b[n, k]ᵀ` (`shape`
     /// has `b_t` and not `a_t`), of operands cast by [`Backend::fp8_quantize`], multiplied by
     /// both states' inverse scales and accumulated in f32; `fast_accum` lets a GPU accumulate

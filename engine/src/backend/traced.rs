@@ -169,6 +169,19 @@ impl<B: Backend> Backend for Traced<B> {
     fn fp8_quantize_both(&mut self, q: View, qt: View, x: View, state: fp8::State, scaling: fp8::Scaling, cols: usize) {
         self.time("fp8_quantize", |be| be.fp8_quantize_both(q, qt, x, state, scaling, cols))
     }
+    #[allow(clippy::too_many_arguments)]
+    fn rmsnorm_fp8(
+        &mut self,
+        cast: (View, View, fp8::State),
+        out: View,
+        rstd: View,
+        xw: (View, View),
+        offset: f32,
+        d: usize,
+        eps: f32,
+    ) {
+        self.time("rmsnorm_fp8", |be| be.rmsnorm_fp8(cast, out, rstd, xw, offset, d, eps))
+    }
     fn matmul_fp8(&mut self, out: View, a: View, b: View, shape: MatMul, scales: [fp8::State; 2], fast: bool) {
         self.time("matmul_fp8", |be| be.matmul_fp8(out, a, b, shape, scales, fast))
     }

@@ -380,14 +380,14 @@ impl Model {
         ex: &mut dyn Exchange<B>,
     ) {
         let (a, o) = (&p.layers[i], &self.layout.layers[i]);
-        self.norm_forward(be, a.ln1, a.rstd1, a.x, w, o.ln1);
+        self.norm_before(be, (p, i, Linear::Qkv), a.ln1, a.rstd1, a.x, w, o.ln1);
         self.attention_forward(be, p, i, w, ex);
         if let (Some(s), Some(post)) = (&a.post, &o.post) {
             // Sandwich norms: xmid = x + norm(attn_y).
             self.norm_forward(be, a.xmid, s.attn_rstd, s.attn_y, w, post.attn);
             be.add(a.xmid, a.x);
         }
-        self.norm_forward(be, a.ln2, a.rstd2, a.xmid, w, o.ln2);
+        self.norm_before(be, (p, i, Linear::Up), a.ln2, a.rstd2, a.xmid, w, o.ln2);
         self.mlp_forward(be, p, i, w, out, ex);
         if let (Some(out), Some(s), Some(post)) = (out, &a.post, &o.post) {
             // out = xmid + norm(mlp_y).

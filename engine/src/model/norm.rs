@@ -10,7 +10,8 @@
 //! Their backward passes are the backend's ([`Backend::rmsnorm_backward`],
 //! [`Backend::layernorm_backward`]).
 
-use super::{Model, Window};
+use super::fp8::Linear;
+use super::{Model, Plan, Window};
 use crate::backend::{Backend, View};
 
 impl Model {
@@ -23,6 +24,29 @@ impl Model {
             be.layernorm_forward(out, stats.at(0, n), stats.at(n, n), x, w.at(at, d), w.at(at + d, d), d, eps);
         } else {
             be.rmsnorm_forward(out, stats, x, w.at(at, d), self.config.norm_offset(), d, eps);
+        }
+    }
+
+    /// [`Model::norm_forward`] of layer `i`'s norm before `linear` (its input): cast for the
+    /// FP8 product in the norm's own pass where [`Model::fp8_norm_output`] says (`out` is then
+    /// scratch), else as `norm_forward` writes it.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn norm_before<B: Backend>(
+        &self,
+        be: &mut B,
+        (p, i, linear): (&Plan, usize, Linear),
+        out: View,
+        stats: View,
+        x: View,
+        w: Window,
+        at: usize,
+    ) {
+        match self.fp8_norm_output(p, i, linear) {
+            Some(cast) => {
+                let (d, eps) = (self.config.d_model, self.config.norm_eps as f32);
+                be.rmsnorm_fp8(cast, out, stats, (x, w.at(at, d)), self.config.norm_offset(), d, eps);
+            }
+            None => self.norm_forward(be, out, stats, x, w, at),
         }
     }
 

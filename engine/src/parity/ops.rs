@@ -1078,21 +1078,7 @@ pub(super) fn adamw_fp8(gpu: Cuda) -> Result<String, String> {
     }
     t.gpu.set_fp8_unfused(false);
     let ((p, g, (m, v), _, fused), (p_u, g_u, (m_u, v_u), _, unfused)) = (&sets[0], &sets[1]);
-    let exact = |gpu: &mut Cuda, what: &str, a: View, b: View, fp8: bool| -> Result<(), String> {
-        let read = |gpu: &mut Cuda, v: View| {
-            if fp8 {
-                return gpu.download_fp8(v, Fp8Format::E4M3);
-            }
-            let mut x = vec![0f32; v.len];
-            gpu.download(v, &mut x);
-            x
-        };
-        let (x, y) = (read(gpu, a), read(gpu, b));
-        match x.iter().zip(&y).position(|(a, b)| a.to_bits() != b.to_bits()) {
-            Some(i) => Err(format!("{what}: element {i} is {} fused, {} unfused", x[i], y[i])),
-            None => Ok(()),
-        }
-    };
+    let exact = fused_as_unfused;
     for (what, a, b) in [("parameters", *p, *p_u), ("gradients", *g, *g_u), ("m", *m, *m_u), ("v", *v, *v_u)] {
         exact(&mut t.gpu, what, a, b, false)?;
     }
@@ -1108,6 +1094,59 @@ pub(super) fn adamw_fp8(gpu: Cuda) -> Result<String, String> {
     t.check("parameters against the CPU (f32 master)", *p, F32)?;
     t.check("m against the CPU", *m, F32)?;
     t.check("v against the CPU", *v, F32)?;
+    t.done()
+}
+
+/// Whether views `a` (the fused path's) and `b` (the unfused one's) hold the same bits on the
+/// GPU; `fp8`: E4M3 bytes, else f32 or bf16 values.
+fn fused_as_unfused(gpu: &mut Cuda, what: &str, a: View, b: View, fp8: bool) -> Result<(), String> {
+    let read = |gpu: &mut Cuda, v: View| {
+        if fp8 {
+            return gpu.download_fp8(v, crate::backend::fp8::Fp8Format::E4M3);
+        }
+        let mut x = vec![0f32; v.len];
+        gpu.download(v, &mut x);
+        x
+    };
+    let (x, y) = (read(gpu, a), read(gpu, b));
+    match x.iter().zip(&y).position(|(a, b)| a.to_bits() != b.to_bits()) {
+        Some(i) => Err(format!("{what}: element {i} is {} fused, {} unfused", x[i], y[i])),
+        None => Ok(()),
+    }
+}
+
+/// RMSNorm with its output cast to E4M3 in both layouts in the norm's pass
+/// (`Backend::rmsnorm_fp8`, the delayed recipe's q/k/v and gate/up inputs): fused against the
+/// unfused path (`rmsnorm_forward`, then the cast of its bf16 output into both layouts), the
+/// casts' bytes, rstd and the scaling state (the amax recorded) exact; rows and widths off the
+/// 32-tiles, the 8-wide and the scalar kernel, a weight offset (Gemma's) or none. rstd against
+/// the CPU.
+pub(super) fn rmsnorm_fp8(gpu: Cuda) -> Result<String, String> {
+    use crate::backend::fp8::{Fp8Format, State};
+    let mut t = Twin::new(gpu);
+    for (rows, d, offset) in [(48, 40, 0.0), (70, 24, 1.0), (33, 20, 0.0)] {
+        let (x, w) = (t.random(ACT, rows * d, 1.0), t.random(PARAM, d, 0.5));
+        let mut sets = Vec::new();
+        for unfused in [false, true] {
+            // A scale the last update set (max / 3), and an amax recorded before.
+            let state =
+                State { view: t.set(F32S, &[448.0 / 3.0, 3.0 / 448.0, 0.5, 448.0, 3.0]), format: Fp8Format::E4M3 };
+            let (q, qt, out, rstd) =
+                (t.alloc(FP8, rows * d), t.alloc(FP8, rows * d), t.alloc(ACT, rows * d), t.alloc(F32S, rows));
+            t.gpu.set_fp8_unfused(unfused);
+            t.both(|be| be.rmsnorm_fp8((q, qt, state), out, rstd, (x, w), offset, d, 1e-5));
+            sets.push((q, qt, rstd, state.view));
+        }
+        t.gpu.set_fp8_unfused(false);
+        let ((q, qt, rstd, state), (q_u, qt_u, rstd_u, state_u)) = (sets[0], sets[1]);
+        let at = format!("{rows} x {d}");
+        fused_as_unfused(&mut t.gpu, &format!("{at}: the cast"), q, q_u, true)?;
+        fused_as_unfused(&mut t.gpu, &format!("{at}: the transposed cast"), qt, qt_u, true)?;
+        fused_as_unfused(&mut t.gpu, &format!("{at}: rstd"), rstd, rstd_u, false)?;
+        fused_as_unfused(&mut t.gpu, &format!("{at}: the scaling state"), state, state_u, false)?;
+        t.check(&format!("{at}: rstd against the CPU"), rstd, F32)?;
+    }
+    t.notes.push("fused against unfused: both layouts' bytes, rstd and amax exact".into());
     t.done()
 }
 

@@ -757,6 +757,20 @@ impl Backend for Cuda {
         ops::fp8::quantize(self, (qt, Some(q)), x, state, scaling, Some(cols))
     }
 
+    #[allow(clippy::too_many_arguments)]
+    fn rmsnorm_fp8(
+        &mut self,
+        cast: (View, View, fp8::State),
+        out: View,
+        rstd: View,
+        xw: (View, View),
+        offset: f32,
+        d: usize,
+        eps: f32,
+    ) {
+        ops::fp8::rmsnorm(self, cast, out, rstd, xw, offset, d, eps)
+    }
+
     fn matmul_fp8(&mut self, out: View, a: View, b: View, s: MatMul, scales: [fp8::State; 2], fast: bool) {
         ops::matmul::matmul_fp8(self, out, a, b, None, s, scales, fast)
     }

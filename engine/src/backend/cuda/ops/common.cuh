@@ -272,3 +272,19 @@ __device__ __forceinline__ void adamw_element(float& p, float& m, float& v, floa
     float denom = sqrtf(v) / bc2_sqrt + eps;
     p = p * decay - step_size * m / denom;
 }
+
+// RMSNorm's rstd of the row `xr` (width d) with the whole block: 1 / sqrt(mean(x²) + eps), each
+// thread summing its V-wide chunks in order, then block_sum. rmsnorm.cu's forward kernel and
+// fp8.cu's fused RMSNorm cast share it, so that both give the same bits.
+template <int V>
+__device__ __forceinline__ float rms_rstd(const bf16* xr, int d, float eps, float* scratch) {
+    float ss = 0.f;
+    for (int j = threadIdx.x * V; j < d; j += blockDim.x * V) {
+        float f[V];
+        loadv<V>(xr + j, f);
+#pragma unroll
+        for (int k = 0; k < V; k++) ss += f[k] * f[k];
+    }
+    ss = block_sum(ss, scratch);
+    return 1.f / sqrtf(ss / (float)d + eps);
+}

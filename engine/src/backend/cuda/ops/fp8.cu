@@ -172,6 +172,61 @@ extern "C" __global__ void fp8_cast_transposed(unsigned char* q, unsigned char* 
     cast_tile(q, plain, rows, cols, state, e5m2, record, [&](u64 at) { return bf2f(x[at]); });
 }
 
+// RMSNorm cast to E4M3 in both layouts under the delayed recipe (the state's scale, the amax
+// recorded), in place of rmsnorm_forward's bf16 output and fp8_cast_transposed's pass over it:
+// q [rows, d], qt [d, rows] and rstd [rows]. A block takes 32 rows: their rstd one row at a time
+// with the whole block (rms_rstd: the unfused kernel's sums, with its V and its threads), then
+// the rows' 32-column tiles through shared memory as cast_tile's, each element rounded to bf16
+// first as the unfused output is. So the bytes, rstd and amax are the unfused path's; x is read
+// twice (the second time from L2) and a byte an element written a layout: 4 bytes an element
+// moved from DRAM against the unfused 8, one launch against two.
+template <int V>
+__device__ void rmsnorm_fp8_impl(unsigned char* q, unsigned char* qt, float* rstd, const bf16* x, const bf16* w, int rows,
+                                 int d, float eps, float offset, float* state) {
+    __shared__ float r_s[32], scratch[32];
+    __shared__ unsigned char tile[32][33];
+    __shared__ u32 amax_scratch[32];
+    int r0 = blockIdx.x * 32;
+    for (int dy = 0; dy < 32 && r0 + dy < rows; dy++) {
+        u64 row = (u64)r0 + dy;
+        float r = rms_rstd<V>(x + row * d, d, eps, scratch);
+        if (threadIdx.x == 0) r_s[dy] = r, rstd[row] = r;
+    }
+    __syncthreads();
+    float scale = state[FP8_SCALE];
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    u32 m = 0;
+    for (int c0 = 0; c0 < d; c0 += 32) {
+        for (int dy = warp; dy < 32; dy += warps) {
+            int r = r0 + dy, c = c0 + lane;
+            if (r < rows && c < d) {
+                u64 at = (u64)r * d + c;
+                float v = bf2f(f2bf((bf2f(w[c]) + offset) * (bf2f(x[at]) * r_s[dy])));
+                u32 b = abs_bits(v);
+                m = b > m ? b : m;
+                unsigned char byte = to_fp8(v * scale, 0);
+                tile[dy][lane] = byte;
+                q[at] = byte;
+            }
+        }
+        __syncthreads();
+        for (int dy = warp; dy < 32; dy += warps) {
+            int c = c0 + dy, r = r0 + lane;
+            if (r < rows && c < d) qt[(u64)c * rows + r] = tile[lane][dy];
+        }
+        __syncthreads();
+    }
+    record_amax(m, state, amax_scratch);
+}
+extern "C" __global__ void rmsnorm_fp8(unsigned char* q, unsigned char* qt, float* rstd, const bf16* x, const bf16* w,
+                                       int rows, int d, float eps, float offset, float* state) {
+    rmsnorm_fp8_impl<1>(q, qt, rstd, x, w, rows, d, eps, offset, state);
+}
+extern "C" __global__ void rmsnorm_fp8_v8(unsigned char* q, unsigned char* qt, float* rstd, const bf16* x, const bf16* w,
+                                          int rows, int d, float eps, float offset, float* state) {
+    rmsnorm_fp8_impl<8>(q, qt, rstd, x, w, rows, d, eps, offset, state);
+}
+
 // AdamW over one weight W [rows, cols] (adamw_element: the flat update's arithmetic), writing
 // besides the parameters, moments, zeroed gradients and bf16 copy the copy's FP8 casts in both
 // layouts, q [rows, cols] and qt [cols, rows], with the state's scale (the delayed recipe's,

@@ -20,6 +20,8 @@ pub(crate) const MODULE: Module = Module {
         "fp8_cast_transposed",
         "fp8_delayed_update",
         "adamw_fp8",
+        "rmsnorm_fp8",
+        "rmsnorm_fp8_v8",
     ],
 };
 
@@ -79,6 +81,54 @@ pub(crate) fn quantize(
             gpu.launch("fp8_cast_transposed", grid, 256, 0, &args);
         }
     }
+}
+
+/// `Backend::rmsnorm_fp8`: a block of `rmsnorm_forward`'s threads (and vector width) per 32
+/// rows; under [`Cuda::fp8_unfused`] the norm and then the cast, as the trait composes them.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn rmsnorm(
+    gpu: &mut Cuda,
+    (q, qt, state): (View, View, State),
+    out: View,
+    rstd: View,
+    (x, w): (View, View),
+    offset: f32,
+    d: usize,
+    eps: f32,
+) {
+    if gpu.fp8_unfused {
+        super::rmsnorm::forward(gpu, out, rstd, x, w, offset, d, eps);
+        return quantize(gpu, (qt, Some(q)), out, state, Scaling::Delayed, Some(d));
+    }
+    for (v, name) in [(x, "x"), (w, "w")] {
+        gpu.expect(v, DType::Bf16, "rmsnorm_fp8", name);
+    }
+    for (v, name) in [(q, "q"), (qt, "qt")] {
+        gpu.expect(v, DType::Fp8, "rmsnorm_fp8", name);
+        assert_eq!(v.len, x.len, "internal error: rmsnorm_fp8: {name}'s length");
+    }
+    assert_eq!(state.format, Fp8Format::E4M3, "internal error: rmsnorm_fp8 casts to E4M3");
+    let rows = x.len / d;
+    assert_eq!(rstd.len, rows, "internal error: rmsnorm_fp8: rstd length");
+    let (qp, qtp, rp) = (gpu.out(q, "rmsnorm_fp8"), gpu.out(qt, "rmsnorm_fp8"), gpu.out(rstd, "rmsnorm_fp8"));
+    let (xp, wp, sp) = (gpu.ptr(x), gpu.ptr(w), gpu.out(state.view, "rmsnorm_fp8"));
+    // The unfused kernel's choice of width and threads: its sums, bit for bit.
+    let v8 = d.is_multiple_of(8) && super::aligned16(&[gpu.ptr(out), xp, wp]);
+    let name = if v8 { "rmsnorm_fp8_v8" } else { "rmsnorm_fp8" };
+    let threads = super::row_threads(if v8 { d / 8 } else { d });
+    let args = [
+        Arg::P(qp),
+        Arg::P(qtp),
+        Arg::P(rp),
+        Arg::P(xp),
+        Arg::P(wp),
+        Arg::I(c_int(rows, "rows")),
+        Arg::I(c_int(d, "d")),
+        Arg::F(eps),
+        Arg::F(offset),
+        Arg::P(sp),
+    ];
+    gpu.launch(name, (rows.div_ceil(32) as u32, 1, 1), threads, 0, &args);
 }
 
 /// `Backend::fp8_delayed_update`: one thread an operand.

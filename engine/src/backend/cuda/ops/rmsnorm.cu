@@ -17,15 +17,7 @@ __device__ void rmsnorm_forward_impl(bf16* out, float* rstd, const bf16* x, cons
     u64 row = blockIdx.x;
     const bf16* xr = x + row * d;
     bf16* yr = out + row * d;
-    float ss = 0.f;
-    for (int j = threadIdx.x * V; j < d; j += blockDim.x * V) {
-        float f[V];
-        loadv<V>(xr + j, f);
-#pragma unroll
-        for (int k = 0; k < V; k++) ss += f[k] * f[k];
-    }
-    ss = block_sum(ss, scratch);
-    float r = 1.f / sqrtf(ss / (float)d + eps);
+    float r = rms_rstd<V>(xr, d, eps, scratch);
     if (threadIdx.x == 0) rstd[row] = r;
     for (int j = threadIdx.x * V; j < d; j += blockDim.x * V) {
         float f[V], g[V];
