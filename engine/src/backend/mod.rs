@@ -639,6 +639,13 @@ pub trait Backend {
         self.rmsnorm_forward(out, rstd, x, w, offset, d, eps);
         self.fp8_quantize_both(q, qt, out, state, fp8::Scaling::Delayed, d);
     }
+    /// [`Backend::swiglu_forward`] with its output cast to E4M3 in both layouts under the
+    /// delayed recipe, as [`Backend::rmsnorm_fp8`] for RMSNorm: `h` is scratch, which this
+    /// composition writes and a GPU's fused kernel does not.
+    fn swiglu_fp8(&mut self, (q, qt, state): (View, View, fp8::State), h: View, gu: View, f: usize) {
+        self.swiglu_forward(h, gu, f);
+        self.fp8_quantize_both(q, qt, h, state, fp8::Scaling::Delayed, f);
+    }
     /// An FP8 product in cuBLASLt's one FP8 layout, `out[m, n] (+)= a[m, k] · b[n, k]ᵀ` (`shape`
     /// has `b_t` and not `a_t`), of operands cast by [`Backend::fp8_quantize`], multiplied by
     /// both states' inverse scales and accumulated in f32; `fast_accum` lets a GPU accumulate

@@ -182,6 +182,9 @@ impl<B: Backend> Backend for Traced<B> {
     ) {
         self.time("rmsnorm_fp8", |be| be.rmsnorm_fp8(cast, out, rstd, xw, offset, d, eps))
     }
+    fn swiglu_fp8(&mut self, cast: (View, View, fp8::State), h: View, gu: View, f: usize) {
+        self.time("swiglu_fp8", |be| be.swiglu_fp8(cast, h, gu, f))
+    }
     fn matmul_fp8(&mut self, out: View, a: View, b: View, shape: MatMul, scales: [fp8::State; 2], fast: bool) {
         self.time("matmul_fp8", |be| be.matmul_fp8(out, a, b, shape, scales, fast))
     }

@@ -19,8 +19,9 @@
 //! pass read, unless the forward pass kept xᵀ in place of that activation
 //! ([`Model::fp8_keep_inputs`], [`KeptInput`]): within a step a cast of x gives the same values
 //! every time (tensorwise: the same amax; delayed: the step's fixed scale), so either way the
-//! gradients are the same bits. Under the delayed recipe the RMSNorm before q/k/v and gate/up
-//! writes their inputs' casts in its own pass ([`Model::fp8_norm_output`]), the same bytes.
+//! gradients are the same bits. Under the delayed recipe the RMSNorm before q/k/v and gate/up,
+//! and the SwiGLU before down, write their outputs' casts in their own pass
+//! ([`Model::fp8_produced`]), the same bytes.
 //!
 //! Per product and operand, where each cast comes from:
 //!
@@ -28,11 +29,11 @@
 //!             forward x                      backward xᵀ          W, Wᵀ                  dy, dyᵀ
 //! q/k/v, up   RMSNorm (delayed), else a      kept from forward    optimizer (delayed,    one cast, both
 //!             cast of both layouts           (remat none)         whole model), else a   layouts
-//! down        a cast of both layouts         kept from forward    cast of both layouts
+//! down        SwiGLU (delayed), else a cast  kept from forward    cast of both layouts
 //! o           a cast                         cast again           in the forward pass
 //! ```
 //!
-//! (Under recomputation nothing is kept: xᵀ is cast again, and the norms write bf16.)
+//! (Under recomputation nothing is kept: xᵀ is cast again, and the producers write bf16.)
 //!
 //! Latent attention (DeepSeek-V3) has five such layers instead of q/k/v: the queries' down and
 //! up projections (or their one projection), the keys' and values' latent projection and its up
@@ -459,8 +460,8 @@ impl Model {
         let (sx, sw) = (kept_state(f, layer, linear, kept), f.state(layer, linear, Operand::W));
         let (xq, mut wq) = (f.x.at(0, x.len), f.w.at(0, w.len));
         match kept {
-            // The norm before the product wrote both layouts ([`Model::fp8_norm_output`]).
-            Some(_) if self.fp8_norm_output(p, i, linear).is_some() => {}
+            // The kernel producing x wrote both layouts ([`Model::fp8_produced`]).
+            Some(_) if self.fp8_produced(p, i, linear).is_some() => {}
             // xᵀ for the backward pass's dW in the same pass: the layer keeps it, not x.
             Some(k) => be.fp8_quantize_both(xq, k.xt, x, sx, f.scaling, shape.k),
             None => be.fp8_quantize(xq, x, sx, f.scaling, None),
@@ -478,16 +479,22 @@ impl Model {
         }
     }
 
-    /// Where the RMSNorm before `linear` (q/k/v's or gate/up's) of layer `i` writes its output
-    /// cast, for [`Backend::rmsnorm_fp8`]: the product's x cast, the kept transposed one, and x's
-    /// state. Under the delayed recipe (whose scale is known before the norm runs), where the
-    /// layer keeps the input cast (then nothing reads the norm's bf16 output); none otherwise
-    /// (GPT's LayerNorm, tensorwise scaling: its scale needs the output's amax first).
-    pub(super) fn fp8_norm_output(&self, p: &Plan, i: usize, linear: Linear) -> Option<(View, View, State)> {
+    /// Where the kernel producing `linear`'s input in layer `i` writes it cast, in its own pass:
+    /// the RMSNorm before q/k/v and gate/up ([`Backend::rmsnorm_fp8`]), the SwiGLU before down
+    /// ([`Backend::swiglu_fp8`]). The product's x cast, the kept transposed one, and x's state;
+    /// under the delayed recipe (whose scale is known before the producer runs), where the layer
+    /// keeps the input cast (then nothing reads the producer's bf16 output). None otherwise:
+    /// tensorwise scaling (the scale needs the output's amax first), GPT's LayerNorm and GELU,
+    /// Gemma's GeGLU.
+    pub(super) fn fp8_produced(&self, p: &Plan, i: usize, linear: Linear) -> Option<(View, View, State)> {
         let kept = p.layers[i].fp8_inputs[linear as usize]?;
         let (f, layer) = self.fp8_of(p, i, linear)?;
-        let normed = matches!(linear, Linear::Qkv | Linear::Up);
-        let fused = normed && f.scaling == Scaling::Delayed && !self.config.is_gpt();
+        let producer = match linear {
+            Linear::Qkv | Linear::Up => !self.config.is_gpt(),
+            Linear::Down => !self.config.is_gpt() && self.dense_glu() == crate::backend::Glu::Swiglu,
+            _ => false,
+        };
+        let fused = producer && f.scaling == Scaling::Delayed;
         fused.then(|| (f.x.at(0, kept.xt.len), kept.xt, kept_state(f, layer, linear, Some(kept))))
     }
 

@@ -28,7 +28,7 @@ impl Model {
     }
 
     /// [`Model::norm_forward`] of layer `i`'s norm before `linear` (its input): cast for the
-    /// FP8 product in the norm's own pass where [`Model::fp8_norm_output`] says (`out` is then
+    /// FP8 product in the norm's own pass where [`Model::fp8_produced`] says (`out` is then
     /// scratch), else as `norm_forward` writes it.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn norm_before<B: Backend>(
@@ -41,7 +41,7 @@ impl Model {
         w: Window,
         at: usize,
     ) {
-        match self.fp8_norm_output(p, i, linear) {
+        match self.fp8_produced(p, i, linear) {
             Some(cast) => {
                 let (d, eps) = (self.config.d_model, self.config.norm_eps as f32);
                 be.rmsnorm_fp8(cast, out, stats, (x, w.at(at, d)), self.config.norm_offset(), d, eps);

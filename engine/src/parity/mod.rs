@@ -347,7 +347,10 @@ fn checks(scale: Scale) -> Vec<(String, Check)> {
     add("expert biases: forward and backward against the CPU", Box::new(|g, _| ops::expert_bias(g)));
     add("adamw with clipping and decay segments", Box::new(|g, _| adamw(g)));
     add("fp8 weight casts written by the adamw update: fused against unfused", Box::new(|g, _| adamw_fp8(g)));
-    add("fp8 rmsnorm writing both casts in its pass: fused against unfused", Box::new(|g, _| ops::rmsnorm_fp8(g)));
+    add(
+        "fp8 producers (rmsnorm, swiglu) writing both casts in their pass: fused against unfused",
+        Box::new(|g, _| ops::fp8_producers(g)),
+    );
     for nesterov in [true, false] {
         add(
             &format!("muon momentum nesterov={nesterov}, clipped and unclipped"),

@@ -1115,13 +1115,13 @@ fn fused_as_unfused(gpu: &mut Cuda, what: &str, a: View, b: View, fp8: bool) -> 
     }
 }
 
-/// RMSNorm with its output cast to E4M3 in both layouts in the norm's pass
-/// (`Backend::rmsnorm_fp8`, the delayed recipe's q/k/v and gate/up inputs): fused against the
-/// unfused path (`rmsnorm_forward`, then the cast of its bf16 output into both layouts), the
-/// casts' bytes, rstd and the scaling state (the amax recorded) exact; rows and widths off the
-/// 32-tiles, the 8-wide and the scalar kernel, a weight offset (Gemma's) or none. rstd against
-/// the CPU.
-pub(super) fn rmsnorm_fp8(gpu: Cuda) -> Result<String, String> {
+/// RMSNorm and SwiGLU with their outputs cast to E4M3 in both layouts in their own pass
+/// (`Backend::rmsnorm_fp8`, `Backend::swiglu_fp8`: the delayed recipe's q/k/v, gate/up and down
+/// inputs): fused against the unfused path (the producer, then the cast of its bf16 output into
+/// both layouts), the casts' bytes, rstd and the scaling state (the amax recorded) exact; rows
+/// and widths off the 32-tiles, RMSNorm's 8-wide and scalar kernels, a weight offset (Gemma's)
+/// or none. rstd against the CPU.
+pub(super) fn fp8_producers(gpu: Cuda) -> Result<String, String> {
     use crate::backend::fp8::{Fp8Format, State};
     let mut t = Twin::new(gpu);
     for (rows, d, offset) in [(48, 40, 0.0), (70, 24, 1.0), (33, 20, 0.0)] {
@@ -1145,8 +1145,24 @@ pub(super) fn rmsnorm_fp8(gpu: Cuda) -> Result<String, String> {
         fused_as_unfused(&mut t.gpu, &format!("{at}: rstd"), rstd, rstd_u, false)?;
         fused_as_unfused(&mut t.gpu, &format!("{at}: the scaling state"), state, state_u, false)?;
         t.check(&format!("{at}: rstd against the CPU"), rstd, F32)?;
+        // SwiGLU over [gate | up] rows of width 2d.
+        let gu = t.random(ACT, rows * 2 * d, 2.0);
+        let mut sets = Vec::new();
+        for unfused in [false, true] {
+            let state =
+                State { view: t.set(F32S, &[448.0 / 3.0, 3.0 / 448.0, 0.5, 448.0, 3.0]), format: Fp8Format::E4M3 };
+            let (q, qt, h) = (t.alloc(FP8, rows * d), t.alloc(FP8, rows * d), t.alloc(ACT, rows * d));
+            t.gpu.set_fp8_unfused(unfused);
+            t.both(|be| be.swiglu_fp8((q, qt, state), h, gu, d));
+            sets.push((q, qt, state.view));
+        }
+        t.gpu.set_fp8_unfused(false);
+        let ((q, qt, state), (q_u, qt_u, state_u)) = (sets[0], sets[1]);
+        fused_as_unfused(&mut t.gpu, &format!("{at}: SwiGLU's cast"), q, q_u, true)?;
+        fused_as_unfused(&mut t.gpu, &format!("{at}: SwiGLU's transposed cast"), qt, qt_u, true)?;
+        fused_as_unfused(&mut t.gpu, &format!("{at}: SwiGLU's scaling state"), state, state_u, false)?;
     }
-    t.notes.push("fused against unfused: both layouts' bytes, rstd and amax exact".into());
+    t.notes.push("fused against unfused: both layouts' bytes, rstd and amax exact, RMSNorm and SwiGLU".into());
     t.done()
 }
 

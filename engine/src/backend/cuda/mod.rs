@@ -771,6 +771,10 @@ impl Backend for Cuda {
         ops::fp8::rmsnorm(self, cast, out, rstd, xw, offset, d, eps)
     }
 
+    fn swiglu_fp8(&mut self, cast: (View, View, fp8::State), h: View, gu: View, f: usize) {
+        ops::fp8::swiglu(self, cast, h, gu, f)
+    }
+
     fn matmul_fp8(&mut self, out: View, a: View, b: View, s: MatMul, scales: [fp8::State; 2], fast: bool) {
         ops::matmul::matmul_fp8(self, out, a, b, None, s, scales, fast)
     }

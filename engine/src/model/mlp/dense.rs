@@ -34,7 +34,11 @@ impl Model {
         let (wup, wdown) = (w.at(gate_up, up * d), w.at(down, d * f));
         self.linear_forward(be, p, (i, Linear::Up), gu, (a.ln2, wup), None, MatMul::linear(n, d, up));
         self.add_bias(be, p, w, gu, b.map(|b| b.up), f);
-        self.activation_forward(be, h, gu, f);
+        match self.fp8_produced(p, i, Linear::Down) {
+            // Down's input cast in SwiGLU's pass: `h` is scratch.
+            Some(cast) => be.swiglu_fp8(cast, h, gu, f),
+            None => self.activation_forward(be, h, gu, f),
+        }
         if let Some(out) = out {
             let shape = MatMul::linear(n, f, d);
             let (out, residual) = Self::branch_output(a.post.as_ref().map(|s| s.mlp_y), out, a.xmid);
@@ -86,7 +90,7 @@ impl Model {
     }
 
     /// The gated unit of a dense MLP: Gemma's GELU-tanh (GeGLU), else SwiGLU.
-    fn dense_glu(&self) -> Glu {
+    pub(in super::super) fn dense_glu(&self) -> Glu {
         if self.config.family == Family::Gemma3 { Glu::GeluTanh } else { Glu::Swiglu }
     }
 }

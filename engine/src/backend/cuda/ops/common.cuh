@@ -288,3 +288,7 @@ __device__ __forceinline__ float rms_rstd(const bf16* xr, int d, float eps, floa
     ss = block_sum(ss, scratch);
     return 1.f / sqrtf(ss / (float)d + eps);
 }
+
+// SwiGLU's element, silu(g) · u = g · σ(g) · u: swiglu.cu's forward kernel and fp8.cu's fused
+// cast of its output share it, so that both give the same bits.
+__device__ __forceinline__ float swiglu_element(float g, float u) { return g * (1.f / (1.f + __expf(-g))) * u; }

@@ -227,6 +227,18 @@ extern "C" __global__ void rmsnorm_fp8_v8(unsigned char* q, unsigned char* qt, f
     rmsnorm_fp8_impl<8>(q, qt, rstd, x, w, rows, d, eps, offset, state);
 }
 
+// SwiGLU over rows [gate (f) | up (f)] cast to E4M3 in both layouts under the delayed recipe,
+// in place of swiglu_forward's bf16 output h and fp8_cast_transposed's pass over it: q [rows, f]
+// and qt [f, rows] (cast_tile's tiles), each element rounded to bf16 first as h is, the amax
+// recorded. The same bytes; gu read once, a byte an element written a layout.
+extern "C" __global__ void swiglu_fp8(unsigned char* q, unsigned char* qt, const bf16* gu, int rows, int f, float* state) {
+    cast_tile(qt, q, rows, f, state, 0, 1, [&](u64 at) {
+        u64 row = at / f, c = at - row * f;
+        const bf16* r = gu + row * 2 * f;
+        return bf2f(f2bf(swiglu_element(bf2f(r[c]), bf2f(r[f + c]))));
+    });
+}
+
 // AdamW over one weight W [rows, cols] (adamw_element: the flat update's arithmetic), writing
 // besides the parameters, moments, zeroed gradients and bf16 copy the copy's FP8 casts in both
 // layouts, q [rows, cols] and qt [cols, rows], with the state's scale (the delayed recipe's,

@@ -22,6 +22,7 @@ pub(crate) const MODULE: Module = Module {
         "adamw_fp8",
         "rmsnorm_fp8",
         "rmsnorm_fp8_v8",
+        "swiglu_fp8",
     ],
 };
 
@@ -129,6 +130,28 @@ pub(crate) fn rmsnorm(
         Arg::P(sp),
     ];
     gpu.launch(name, (rows.div_ceil(32) as u32, 1, 1), threads, 0, &args);
+}
+
+/// `Backend::swiglu_fp8`: `cast_tile`'s grid of 32 × 32 tiles over `[rows, f]`; under
+/// [`Cuda::fp8_unfused`] SwiGLU and then the cast, as the trait composes them.
+pub(crate) fn swiglu(gpu: &mut Cuda, (q, qt, state): (View, View, State), h: View, gu: View, f: usize) {
+    if gpu.fp8_unfused {
+        super::swiglu::forward(gpu, h, gu, f);
+        return quantize(gpu, (qt, Some(q)), h, state, Scaling::Delayed, Some(f));
+    }
+    gpu.expect(gu, DType::Bf16, "swiglu_fp8", "gu");
+    for (v, name) in [(q, "q"), (qt, "qt")] {
+        gpu.expect(v, DType::Fp8, "swiglu_fp8", name);
+        assert_eq!(2 * v.len, gu.len, "internal error: swiglu_fp8: {name}'s length");
+    }
+    assert_eq!(state.format, Fp8Format::E4M3, "internal error: swiglu_fp8 casts to E4M3");
+    let rows = q.len / f;
+    let (qp, qtp, gp, sp) =
+        (gpu.out(q, "swiglu_fp8"), gpu.out(qt, "swiglu_fp8"), gpu.ptr(gu), gpu.out(state.view, "swiglu_fp8"));
+    let grid = (f.div_ceil(32) as u32, rows.div_ceil(32) as u32, 1);
+    assert!(grid.1 < 65536, "internal error: swiglu_fp8: {rows} rows are more than a grid takes");
+    let (r, c) = (Arg::I(c_int(rows, "rows")), Arg::I(c_int(f, "f")));
+    gpu.launch("swiglu_fp8", grid, 256, 0, &[Arg::P(qp), Arg::P(qtp), Arg::P(gp), r, c, Arg::P(sp)]);
 }
 
 /// `Backend::fp8_delayed_update`: one thread an operand.

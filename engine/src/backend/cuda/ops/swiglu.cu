@@ -15,7 +15,7 @@ __device__ void swiglu_forward_impl(bf16* h, const bf16* gu, u64 n, int f) {
         loadv<V>(gu + row * 2 * f + j, g);
         loadv<V>(gu + row * 2 * f + f + j, u);
 #pragma unroll
-        for (int k = 0; k < V; k++) o[k] = g[k] * sigmoid(g[k]) * u[k];
+        for (int k = 0; k < V; k++) o[k] = swiglu_element(g[k], u[k]);
         storev<V>(h + row * f + j, o);
     }
 }
