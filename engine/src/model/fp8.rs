@@ -361,14 +361,14 @@ impl Model {
     }
 
     /// Takes a layer's [`KeptInput`]s from `take` for micro-batches of `n` tokens (indexed by
-    /// [`Linear`]; none where [`Model::fp8_kept`] says no).
+    /// [`Linear`]; none where `kept`, [`Model::fp8_kept`]'s answer, says no).
     pub(super) fn plan_kept_inputs(
         &self,
         n: usize,
+        kept: [bool; 8],
         take: &mut dyn FnMut(BufKind, usize) -> View,
     ) -> [Option<KeptInput>; 8] {
         let tensorwise = self.fp8.as_ref().is_some_and(|f| f.config.recipe == Fp8Recipe::Tensorwise);
-        let kept = self.fp8_kept(n);
         Linear::ALL.map(|l| {
             kept[l as usize].then(|| KeptInput {
                 xt: take(BufKind::Fp8, n * l.widths(&self.config).0),

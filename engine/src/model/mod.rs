@@ -78,8 +78,8 @@ pub struct Model {
     /// inputs that only a weight gradient reads (q/k/v's, gate/up's and down's: the norms' and
     /// the gated unit's outputs), written in the same pass as the forward product's own, in
     /// place of the inputs themselves: one byte an element instead of two, and no cast of x in
-    /// the backward pass (`fp8.rs`'s `Model::fp8_kept`). Without recomputation only (`remat = "none"`:
-    /// what a policy refills, it does not keep at all). Set before planning.
+    /// the backward pass (`fp8.rs`'s `Model::fp8_kept`). Without recomputation only
+    /// (`remat = "none"`: what a policy refills, it does not keep at all). Set before planning.
     pub fp8_keep_inputs: bool,
     /// Whether the attention forward passes record each head's largest logit for QK-clip
     /// (`optim.qk_clip`: [`Plan::logit_max`]). Set before planning.

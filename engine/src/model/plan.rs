@@ -503,7 +503,7 @@ impl Model {
                     mlp_y: act("mlp_y", A, n * d, false),
                     mlp_rstd: act("mlp_post_rstd", S, n, false),
                 });
-                let fp8_inputs = self.plan_kept_inputs(n, &mut |kind, len| act("fp8_input", kind, len, false));
+                let fp8_inputs = self.plan_kept_inputs(n, kept, &mut |kind, len| act("fp8_input", kind, len, false));
                 LayerActs { x, ln1, rstd1, qkv: qkv_v, qk, attn, lse, xmid, ln2, rstd2, mlp, mla, post, fp8_inputs }
             })
             .collect();

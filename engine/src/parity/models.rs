@@ -430,8 +430,8 @@ pub(super) fn nccl_alone(mut gpu: Cuda) -> Result<String, String> {
 /// keeps the inputs' transposed casts from the forward pass (no cast of x in the backward
 /// pass); under the delayed recipe it counts the optimizer's update of the layer's weights too,
 /// which writes their casts (a launch and 2 bytes a weight beyond the update itself), and no
-/// pass casts W; it must take at most half the launches and half the bytes. (A check a recipe: the emulator's
-/// buffers of a first plan stay until its backend goes.)
+/// pass casts W; it must take at most half the launches and half the bytes. (A check a recipe:
+/// the emulator's buffers of a first plan stay until its backend goes.)
 pub(super) fn fp8_overhead(mut gpu: Cuda, recipe: &str) -> Result<String, String> {
     let sets = ["model.n_layers=1", "model.vocab_size=256", "train.precision=fp8", "train.batch_size=1"];
     let recipe_set = format!("train.fp8.recipe={recipe}");

@@ -1124,13 +1124,16 @@ fn fused_as_unfused(gpu: &mut Cuda, what: &str, a: View, b: View, fp8: bool) -> 
 pub(super) fn fp8_producers(gpu: Cuda) -> Result<String, String> {
     use crate::backend::fp8::{Fp8Format, State};
     let mut t = Twin::new(gpu);
+    // A scale the last update set (max / 3), and an amax recorded before.
+    let fresh_state = |t: &mut Twin| State {
+        view: t.set(F32S, &[448.0 / 3.0, 3.0 / 448.0, 0.5, 448.0, 3.0]),
+        format: Fp8Format::E4M3,
+    };
     for (rows, d, offset) in [(48, 40, 0.0), (70, 24, 1.0), (33, 20, 0.0)] {
         let (x, w) = (t.random(ACT, rows * d, 1.0), t.random(PARAM, d, 0.5));
         let mut sets = Vec::new();
         for unfused in [false, true] {
-            // A scale the last update set (max / 3), and an amax recorded before.
-            let state =
-                State { view: t.set(F32S, &[448.0 / 3.0, 3.0 / 448.0, 0.5, 448.0, 3.0]), format: Fp8Format::E4M3 };
+            let state = fresh_state(&mut t);
             let (q, qt, out, rstd) =
                 (t.alloc(FP8, rows * d), t.alloc(FP8, rows * d), t.alloc(ACT, rows * d), t.alloc(F32S, rows));
             t.gpu.set_fp8_unfused(unfused);
@@ -1149,8 +1152,7 @@ pub(super) fn fp8_producers(gpu: Cuda) -> Result<String, String> {
         let gu = t.random(ACT, rows * 2 * d, 2.0);
         let mut sets = Vec::new();
         for unfused in [false, true] {
-            let state =
-                State { view: t.set(F32S, &[448.0 / 3.0, 3.0 / 448.0, 0.5, 448.0, 3.0]), format: Fp8Format::E4M3 };
+            let state = fresh_state(&mut t);
             let (q, qt, h) = (t.alloc(FP8, rows * d), t.alloc(FP8, rows * d), t.alloc(ACT, rows * d));
             t.gpu.set_fp8_unfused(unfused);
             t.both(|be| be.swiglu_fp8((q, qt, state), h, gu, d));
