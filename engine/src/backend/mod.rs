@@ -577,6 +577,17 @@ pub trait Backend {
     fn download(&mut self, src: View, dst: &mut [f32]);
     /// Copies an index view to the host.
     fn download_idx(&mut self, src: IdxView, dst: &mut [u32]);
+    /// A view's elements as the f32 messages of collectives that move data through the host
+    /// (the virtual devices', TCP's): as [`Backend::download`], but an FP8 element as its byte
+    /// where the backend stores bytes (0 to 255, exact), so that any buffer travels whole, a
+    /// cast without its format. [`Backend::upload_message`] writes it back.
+    fn download_message(&mut self, src: View, dst: &mut [f32]) {
+        self.download(src, dst)
+    }
+    /// Writes what [`Backend::download_message`] read (from this device or a peer) into `dst`.
+    fn upload_message(&mut self, dst: View, src: &[f32]) {
+        self.upload(dst, src)
+    }
     /// Sets every element of a view.
     fn fill(&mut self, dst: View, value: f32);
     /// `dst = src`.
@@ -610,6 +621,12 @@ pub trait Backend {
         _scaling: fp8::Scaling,
         _transpose: Option<usize>,
     ) {
+        unreachable!("internal error: {} has no FP8 ops (Backend::supports_fp8)", self.describe())
+    }
+    /// `q` = `x` transposed, both FP8 casts of one scale (`x` `[len / cols, cols]`, `q`
+    /// `[cols, len / cols]`): the other layout of a cast that arrived in one, FSDP's weights
+    /// gathered in FP8 (the backward pass's `dx` product reads Wᵀ).
+    fn fp8_transpose(&mut self, _q: View, _x: View, _cols: usize) {
         unreachable!("internal error: {} has no FP8 ops (Backend::supports_fp8)", self.describe())
     }
     /// [`Backend::fp8_quantize`] into both layouts: `q` as `x` (`[len / cols, cols]`) and `qt`

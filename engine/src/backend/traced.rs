@@ -131,6 +131,12 @@ impl<B: Backend> Backend for Traced<B> {
     fn download(&mut self, src: View, dst: &mut [f32]) {
         self.time("download", |b| b.download(src, dst))
     }
+    fn download_message(&mut self, src: View, dst: &mut [f32]) {
+        self.time("download", |b| b.download_message(src, dst))
+    }
+    fn upload_message(&mut self, dst: View, src: &[f32]) {
+        self.time("upload", |b| b.upload_message(dst, src))
+    }
     fn download_idx(&mut self, src: IdxView, dst: &mut [u32]) {
         self.time("download_idx", |b| b.download_idx(src, dst))
     }
@@ -168,6 +174,9 @@ impl<B: Backend> Backend for Traced<B> {
     }
     fn fp8_quantize_both(&mut self, q: View, qt: View, x: View, state: fp8::State, scaling: fp8::Scaling, cols: usize) {
         self.time("fp8_quantize", |be| be.fp8_quantize_both(q, qt, x, state, scaling, cols))
+    }
+    fn fp8_transpose(&mut self, q: View, x: View, cols: usize) {
+        self.time("fp8_transpose", |be| be.fp8_transpose(q, x, cols))
     }
     #[allow(clippy::too_many_arguments)]
     fn rmsnorm_fp8(

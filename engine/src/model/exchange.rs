@@ -129,34 +129,108 @@ pub enum Pass {
 }
 
 /// Where a unit's parameters or gradients are: a buffer that holds the unit (or the whole flat
-/// buffer), addressed with the layout's offsets.
+/// buffer), addressed with the layout's offsets; or, for a unit FSDP gathered as FP8 casts, the
+/// casts' image of the unit and a compact buffer of the rest ([`CastWindow`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Window {
     buf: View,
-    /// The layout offset of `buf`'s first element.
+    /// The layout offset of `buf`'s first element (of the unit, with `cast`).
     start: usize,
+    cast: Option<CastWindow>,
+}
+
+/// A unit gathered as FP8 casts (`parallel/strategies/fsdp.rs`): `image` holds the unit's FP8
+/// weights' E4M3 casts at their places in the unit (what lies between is not read), and the
+/// window's buffer the rest, one range after the other: `runs[..count]` are
+/// `(layout offset, length, place in the buffer)`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CastWindow {
+    /// The casts' image.
+    pub image: View,
+    /// The rest's ranges.
+    pub runs: [(usize, usize, usize); CastWindow::RUNS],
+    /// How many of `runs` there are.
+    pub count: usize,
+}
+
+impl CastWindow {
+    /// The most ranges of a unit's rest a window maps (a layer's norms and biases take at most
+    /// six in every family); a unit with more is gathered whole.
+    pub const RUNS: usize = 8;
+}
+
+/// A linear layer's weight as a window holds it ([`Window::weight`]): in the model's precision,
+/// or its E4M3 cast as FSDP gathered it (the products read it, the transposed one for `dx`
+/// through [`crate::backend::Backend::fp8_transpose`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Weight {
+    /// In the model's precision.
+    Plain(View),
+    /// Its E4M3 cast, `[O, I]` as the weight.
+    Cast(View),
+}
+
+impl Weight {
+    /// Its elements.
+    pub fn elements(self) -> usize {
+        match self {
+            Weight::Plain(w) | Weight::Cast(w) => w.len,
+        }
+    }
+
+    /// The weight in the model's precision, for a product that does not run in FP8.
+    pub fn plain(self) -> View {
+        match self {
+            Weight::Plain(w) => w,
+            Weight::Cast(_) => unreachable!("internal error: a weight gathered in FP8 for a product in bf16"),
+        }
+    }
 }
 
 impl Window {
     /// The whole flat buffer.
     pub fn whole(buf: View) -> Window {
-        Window { buf, start: 0 }
+        Window { buf, start: 0, cast: None }
     }
 
     /// A buffer holding the layout's elements from `start` on (a unit's).
     pub fn from(buf: View, start: usize) -> Window {
-        Window { buf, start }
+        Window { buf, start, cast: None }
+    }
+
+    /// A unit gathered as FP8 casts, from layout offset `start`: its rest in `buf`.
+    pub fn cast(buf: View, start: usize, cast: CastWindow) -> Window {
+        Window { buf, start, cast: Some(cast) }
     }
 
     /// The same buffer addressed with offsets `by` lower: those of a layout that is a part of
     /// this one starting at `by` (a virtual stage's, inside its device's).
     pub fn rebased(self, by: usize) -> Window {
-        Window { buf: self.buf, start: self.start - by }
+        let cast = self.cast.map(|mut c| {
+            c.runs[..c.count].iter_mut().for_each(|r| r.0 -= by);
+            c
+        });
+        Window { buf: self.buf, start: self.start - by, cast }
     }
 
-    /// The tensor at layout offset `offset`, `len` elements.
+    /// The tensor at layout offset `offset`, `len` elements, in the model's precision.
     pub fn at(self, offset: usize, len: usize) -> View {
-        self.buf.at(offset - self.start, len)
+        let Some(c) = self.cast else { return self.buf.at(offset - self.start, len) };
+        match c.runs[..c.count].iter().find(|r| r.0 <= offset && offset + len <= r.0 + r.1) {
+            Some(&(first, _, at)) => self.buf.at(at + offset - first, len),
+            None => panic!("internal error: layout elements {offset}..{} were gathered as FP8 casts", offset + len),
+        }
+    }
+
+    /// The weight at layout offset `offset`, `len` elements: its FP8 cast where the unit was
+    /// gathered as casts and it is one of them, else [`Window::at`]'s.
+    pub fn weight(self, offset: usize, len: usize) -> Weight {
+        match self.cast {
+            Some(c) if !c.runs[..c.count].iter().any(|r| r.0 <= offset && offset < r.0 + r.1) => {
+                Weight::Cast(c.image.at(offset - self.start, len))
+            }
+            _ => Weight::Plain(self.at(offset, len)),
+        }
     }
 }
 

@@ -55,7 +55,7 @@
 //! shared experts' and the dense layers' MLPs of a mixture-of-experts model.
 
 use super::layout::{AttnOffsets, LayerOffsets, MlpOffsets, QueryOffsets};
-use super::{Model, Plan};
+use super::{Model, Plan, Weight};
 use crate::backend::fp8::{Fp8Format, Scaling, State, WeightCast};
 use crate::backend::{Backend, BufKind, ExpertWeights, MatMul, MoeDispatch, View};
 use crate::config::{Fp8Config, Fp8Recipe, ModelConfig, Precision, TrainConfig};
@@ -188,6 +188,17 @@ pub(in super::super) struct ExpertBuffers {
     x: View,
     dy: View,
     w: View,
+}
+
+/// A weight FSDP gathers as its E4M3 cast ([`Model::fp8_cast_weights`]): its range of the
+/// flat buffers, and the state whose scale casts it and which records its amax (none where only
+/// the memory plan asks).
+#[derive(Debug, Clone)]
+pub struct CastWeight {
+    /// Its range of the flat buffers.
+    pub range: std::ops::Range<usize>,
+    /// Its scaling state.
+    pub state: Option<State>,
 }
 
 /// A linear layer's input kept cast for its weight gradient ([`Model::fp8_kept`]): `xᵀ`
@@ -403,6 +414,28 @@ impl Model {
         })
     }
 
+    /// The weights FSDP gathers as their E4M3 casts ([`Model::fp8_gathers`]), for micro-batches
+    /// of `n` tokens: every covered linear layer's weight of every layer, in layout order, with
+    /// its state in `p` where given (the memory plan asks without one); none otherwise.
+    pub fn fp8_cast_weights(&self, n: usize, p: Option<&Plan>) -> Vec<CastWeight> {
+        let Some(policy) = self.fp8.as_ref().filter(|_| self.fp8_gathers) else { return Vec::new() };
+        let covered = Linear::ALL.map(|l| policy.covers(&self.config, l, n));
+        let mut casts = Vec::new();
+        for (i, layer) in self.layout.stage.layer_indices().enumerate() {
+            let mut weights: Vec<CastWeight> = (Linear::ALL.iter().filter(|l| covered[**l as usize]))
+                .map(|&linear| {
+                    let (inp, out) = linear.widths(&self.config);
+                    let offset = weight_offset(&self.layout.layers[i], linear);
+                    let state = p.and_then(|p| p.fp8).map(|f| f.state(layer, linear, Operand::W));
+                    CastWeight { range: offset..offset + inp * out, state }
+                })
+                .collect();
+            weights.sort_by_key(|w| w.range.start);
+            casts.extend(weights);
+        }
+        casts
+    }
+
     /// The weights whose casts the optimizer writes ([`Model::fp8_weight_copies`]): every
     /// covered linear layer's weight of every layer, with its casts in `p` and its state; none
     /// otherwise.
@@ -446,11 +479,12 @@ impl Model {
         p: &Plan,
         (i, linear): (usize, Linear),
         out: View,
-        (x, w): (View, View),
+        (x, w): (View, Weight),
         residual: Option<View>,
         shape: MatMul,
     ) {
         let Some((f, layer)) = self.fp8_of(p, i, linear) else {
+            let w = w.plain();
             return match residual {
                 Some(c) => be.matmul_add(out, x, w, c, shape),
                 None => be.matmul(out, x, w, shape),
@@ -458,7 +492,7 @@ impl Model {
         };
         let kept = p.layers[i].fp8_inputs[linear as usize];
         let (sx, sw) = (kept_state(f, layer, linear, kept), f.state(layer, linear, Operand::W));
-        let (xq, mut wq) = (f.x.at(0, x.len), f.w.at(0, w.len));
+        let (xq, mut wq) = (f.x.at(0, x.len), f.w.at(0, w.elements()));
         match kept {
             // The kernel producing x wrote both layouts ([`Model::fp8_produced`]).
             Some(_) if self.fp8_produced(p, i, linear).is_some() => {}
@@ -466,12 +500,14 @@ impl Model {
             Some(k) => be.fp8_quantize_both(xq, k.xt, x, sx, f.scaling, shape.k),
             None => be.fp8_quantize(xq, x, sx, f.scaling, None),
         }
-        match f.cached(layer, linear, w.len) {
+        match (w, f.cached(layer, linear, w.elements())) {
+            // FSDP gathered the cast (its piece's amax recorded by each device).
+            (Weight::Cast(q), _) => wq = q,
             // Both layouts as the last optimizer step wrote them: nothing to cast.
-            Some((Some(kept), _)) => wq = kept,
+            (Weight::Plain(_), Some((Some(kept), _))) => wq = kept,
             // W `[O, I]` and Wᵀ `[I, O]` in one pass: the backward pass's dx product reads Wᵀ.
-            Some((None, wt)) => be.fp8_quantize_both(wq, wt, w, sw, f.scaling, shape.k),
-            None => be.fp8_quantize(wq, w, sw, f.scaling, None),
+            (Weight::Plain(w), Some((None, wt))) => be.fp8_quantize_both(wq, wt, w, sw, f.scaling, shape.k),
+            (Weight::Plain(w), None) => be.fp8_quantize(wq, w, sw, f.scaling, None),
         }
         match residual {
             Some(c) => be.matmul_fp8_add(out, xq, wq, c, shape, [sx, sw], true),
@@ -508,18 +544,18 @@ impl Model {
         (i, linear): (usize, Linear),
         (dx, dw): (View, View),
         dy: View,
-        (x, w): (View, View),
+        (x, w): (View, Weight),
         (shape_dx, shape_dw): (MatMul, MatMul),
     ) {
         let Some((f, layer)) = self.fp8_of(p, i, linear) else {
-            be.matmul(dx, dy, w, shape_dx);
+            be.matmul(dx, dy, w.plain(), shape_dx);
             be.matmul(dw, dy, x, shape_dw);
             return;
         };
         let [_, sw, sdy] = Operand::ALL.map(|o| f.state(layer, linear, o));
         let kept = p.layers[i].fp8_inputs[linear as usize];
         let sx = kept_state(f, layer, linear, kept);
-        let (xq, wq, dyq, dyqt) = (f.x.at(0, x.len), f.w.at(0, w.len), f.dy.at(0, dy.len), f.dyt.at(0, dy.len));
+        let (xq, wq, dyq, dyqt) = (f.x.at(0, x.len), f.w.at(0, w.elements()), f.dy.at(0, dy.len), f.dyt.at(0, dy.len));
         // FP8 products take one layout, `a · bᵀ`: dx = dy · (Wᵀ)ᵀ and dW = dyᵀ · (xᵀ)ᵀ, with
         // Wᵀ, dyᵀ and xᵀ cast transposed (`[O, I]`, `[N, O]` and `[N, I]` read by columns).
         let linear_form = |s: MatMul| MatMul { a_t: false, b_t: true, ..s };
@@ -530,11 +566,18 @@ impl Model {
         // with the same state since.
         be.fp8_quantize_both(dyq, dyqt, dy, sdy, f.scaling, out);
         // Wᵀ as this layer's forward pass cast it, or cast again (the weight has not changed
-        // since: the same bytes).
-        let wt = f.cached(layer, linear, w.len).map(|(_, wt)| wt).unwrap_or_else(|| {
-            be.fp8_quantize(wq, w, sw, Scaling::Again, Some(inp));
-            wq
-        });
+        // since: the same bytes), or FSDP's gathered cast transposed.
+        let wt = match (w, f.cached(layer, linear, w.elements())) {
+            (_, Some((_, wt))) => wt,
+            (Weight::Cast(q), None) => {
+                be.fp8_transpose(wq, q, inp);
+                wq
+            }
+            (Weight::Plain(w), None) => {
+                be.fp8_quantize(wq, w, sw, Scaling::Again, Some(inp));
+                wq
+            }
+        };
         be.matmul_fp8(dx, dyq, wt, linear_form(shape_dx), [sdy, sw], false);
         let xt = kept.map(|k| k.xt).unwrap_or_else(|| {
             be.fp8_quantize(xq, x, sx, f.scaling, Some(inp));

@@ -29,9 +29,9 @@ mod tests;
 
 use crate::backend::{AttnShape, Backend, MatMul, SeqSplit, View};
 use crate::config::{ModelConfig, Remat};
-pub use exchange::{Alone, Exchange, Pass, Unit, Window};
+pub use exchange::{Alone, CastWindow, Exchange, Pass, Unit, Weight, Window};
 use fp8::Linear;
-pub use fp8::{Fp8Buffers, Fp8Policy};
+pub use fp8::{CastWeight, Fp8Buffers, Fp8Policy};
 pub use layout::{
     AttnOffsets, ExpertNames, GqaOffsets, LayerBiases, LayerOffsets, Layout, MlpOffsets, PostNorms, Tensor,
 };
@@ -74,6 +74,11 @@ pub struct Model {
     /// byte more an FP8 weight. Its owner casts them before the first pass and after anything
     /// else changes the weights ([`Model::refresh_fp8_weight_casts`]). Set before planning.
     pub fp8_weight_copies: bool,
+    /// Whether FSDP gathers the FP8 products' weights as their E4M3 casts, one byte an element
+    /// (`parallel/strategies/fsdp.rs`; [`Model::fp8_cast_weights`]), which the passes then read
+    /// instead of casting: under the delayed recipe (the scale is known before the cast, and the
+    /// same on every device), on an fsdp × seq group. Set before planning.
+    pub fp8_gathers: bool,
     /// Whether the FP8 forward passes keep, for the backward pass, the transposed casts of the
     /// inputs that only a weight gradient reads (q/k/v's, gate/up's and down's: the norms' and
     /// the gated unit's outputs), written in the same pass as the forward product's own, in
@@ -215,6 +220,7 @@ impl Model {
             fp8: None,
             fp8_weight_cache: false,
             fp8_weight_copies: false,
+            fp8_gathers: false,
             fp8_keep_inputs: false,
             logit_max: false,
             batch_shards: 1,
@@ -536,7 +542,7 @@ impl Model {
         ex: &mut dyn Exchange<B>,
         linear: (usize, Linear),
         out: View,
-        (a, b): (View, View),
+        (a, b): (View, Weight),
         residual: Option<View>,
         shape: MatMul,
     ) {

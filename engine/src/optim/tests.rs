@@ -105,7 +105,7 @@ fn compare(reference: &Path) -> [f64; 3] {
                 Mesh::single(),
                 slice,
                 (params, grads),
-                FsdpOptions::of(&c.mesh),
+                (FsdpOptions::of(&c.mesh), &[]),
             );
             let moments = (be.alloc(BufKind::OptState, n), be.alloc(BufKind::OptState, n));
             let norm = be.alloc(BufKind::Scalars, 1);

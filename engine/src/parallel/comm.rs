@@ -243,7 +243,7 @@ impl Virtual {
     /// Hands `op` over `input` to the second lane, whose result goes to `output` at the wait.
     fn start<B: Backend>(&mut self, be: &mut B, op: Op, input: View, output: View, group: &[usize]) {
         let mut data = vec![0f32; input.len];
-        be.download(input, &mut data);
+        be.download_message(input, &mut data);
         let (rank, lane) = (self.rank, &mut self.lane);
         let (jobs, _) = lane.worker.get_or_insert_with(|| {
             let (jobs, inbox) = channel::<Started>();
@@ -348,7 +348,7 @@ impl<B: Backend> Collectives<B> for Virtual {
         let Some((_, results)) = &self.lane.worker else { return };
         for _ in 0..std::mem::take(&mut self.lane.pending) {
             let (view, sum) = results.recv().expect("the collectives worker is running");
-            be.upload(view, &sum);
+            be.upload_message(view, &sum);
         }
     }
 
@@ -429,10 +429,10 @@ impl<B: Backend> Collectives<B> for Virtual {
         assert_eq!(output.len, input.len * group.len(), "all-gather sizes");
         let mut data = std::mem::take(&mut self.staging);
         data.resize(input.len, 0.0);
-        be.download(input, &mut data);
+        be.download_message(input, &mut data);
         let mut all = Vec::with_capacity(output.len);
         self.exchange(&data, group, |parts| parts.iter().for_each(|p| all.extend_from_slice(p)));
-        be.upload(output, &all);
+        be.upload_message(output, &all);
         self.staging = data;
     }
 }

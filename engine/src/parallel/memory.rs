@@ -82,9 +82,12 @@ pub fn device_estimate_slots(
     let seq_len = config.train.seq_len / model.seq.ranks;
     let mut e = memory::estimate(model, batch, seq_len, target);
     if fsdp > 1 {
-        let f = fsdp_sizes(&model.layout, fsdp, FsdpOptions::of(&config.mesh));
+        let casts = model.fp8_cast_weights(batch * seq_len, None);
+        let f = fsdp_sizes(&model.layout, fsdp, FsdpOptions::of(&config.mesh), &casts);
         let bytes = |kind| element_bytes(kind, target);
-        e.parameters = f.shard * bytes(BufKind::Params) + f.gathered * bytes(BufKind::Gathered);
+        e.parameters = f.shard * bytes(BufKind::Params)
+            + f.gathered * bytes(BufKind::Gathered)
+            + f.gathered_fp8 * bytes(BufKind::Fp8);
         e.gradients = (f.shard + f.accumulating) * bytes(BufKind::Grads);
         e.optimizer = 2 * f.shard * bytes(BufKind::OptState);
     }

@@ -344,8 +344,13 @@ fn compute_target(be: &Cuda, v: View) -> (*mut c_void, sys::ncclDataType_t) {
     typed(be.compute_view(v))
 }
 
-fn typed((ptr, bf16): (driver::CUdeviceptr, bool)) -> (*mut c_void, sys::ncclDataType_t) {
-    let dtype = if bf16 { sys::ncclDataType_t::ncclBfloat16 } else { sys::ncclDataType_t::ncclFloat32 };
+fn typed((ptr, size): (driver::CUdeviceptr, usize)) -> (*mut c_void, sys::ncclDataType_t) {
+    let dtype = match size {
+        4 => sys::ncclDataType_t::ncclFloat32,
+        2 => sys::ncclDataType_t::ncclBfloat16,
+        // FP8 casts travel as bytes (a gather moves them; nothing adds them up).
+        _ => sys::ncclDataType_t::ncclUint8,
+    };
     (ptr as *mut c_void, dtype)
 }
 

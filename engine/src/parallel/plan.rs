@@ -208,6 +208,14 @@ impl ParallelPlan {
         model.fp8_weight_copies =
             model.fp8_weight_cache && config.train.fp8.recipe == crate::config::Fp8Recipe::Delayed;
         model.fp8_keep_inputs = true;
+        // FSDP gathers the casts where each device's scale is the same before it casts.
+        model.fp8_gathers = !model.fp8_weight_cache
+            && self.mesh.size(Axis::Fsdp) * self.mesh.size(Axis::Seq) > 1
+            && config.train.fp8.recipe == crate::config::Fp8Recipe::Delayed;
+        #[cfg(test)]
+        if NO_FP8_GATHERS.get() {
+            model.fp8_gathers = false;
+        }
         #[cfg(test)]
         if NO_WEIGHT_COPIES.get() {
             model.fp8_weight_copies = false;
@@ -407,25 +415,27 @@ fn check_virtual_stages(config: &Config, stages: usize) -> Result<()> {
     Ok(())
 }
 
-// Tests turn the optimizer's FP8 weight casts, or the forward passes' kept input casts, off on
-// their thread, to compare with the passes casting them.
+// Tests turn the optimizer's FP8 weight casts, the forward passes' kept input casts, or FSDP's
+// FP8 gathers off on their thread, to compare with the passes casting them.
 #[cfg(test)]
 thread_local! {
     pub(crate) static NO_WEIGHT_COPIES: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
     pub(crate) static NO_KEPT_INPUTS: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    pub(crate) static NO_FP8_GATHERS: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
 /// This thread's FP8 test knobs, to set on the threads it starts ([`set_test_knobs`]).
 #[cfg(test)]
-pub(crate) fn test_knobs() -> [bool; 2] {
-    [NO_WEIGHT_COPIES.get(), NO_KEPT_INPUTS.get()]
+pub(crate) fn test_knobs() -> [bool; 3] {
+    [NO_WEIGHT_COPIES.get(), NO_KEPT_INPUTS.get(), NO_FP8_GATHERS.get()]
 }
 
 /// Sets this thread's FP8 test knobs to another's ([`test_knobs`]).
 #[cfg(test)]
-pub(crate) fn set_test_knobs([copies, kept]: [bool; 2]) {
+pub(crate) fn set_test_knobs([copies, kept, gathers]: [bool; 3]) {
     NO_WEIGHT_COPIES.set(copies);
     NO_KEPT_INPUTS.set(kept);
+    NO_FP8_GATHERS.set(gathers);
 }
 
 #[cfg(test)]

@@ -53,7 +53,7 @@ use super::mesh::{Axis, Coords, Mesh};
 use super::tensor::{Run, TensorSlice};
 use crate::backend::{Backend, BufKind, IdxView, Segment, View};
 use crate::checkpoint::sharded::Chunk;
-use crate::model::{Exchange, Pass, Unit, Window};
+use crate::model::{CastWeight, Exchange, Pass, Unit, Window};
 use fsdp::Fsdp;
 
 /// A device of a mesh, with its collectives and its shards.
@@ -128,7 +128,7 @@ impl<B: Backend> Parallel<B> {
         mesh: Mesh,
         slice: TensorSlice,
         (params, grads): (View, View),
-        fsdp_options: FsdpOptions,
+        (fsdp_options, casts): (FsdpOptions, &[CastWeight]),
     ) -> Parallel<B> {
         let rank = comm.rank();
         let coords = mesh.coords(rank);
@@ -164,7 +164,7 @@ impl<B: Backend> Parallel<B> {
         );
         let layout = &slice.local;
         let me = fsdp_group.iter().position(|&r| r == rank).expect("member");
-        let fsdp = (fsdp_group.len() > 1).then(|| Fsdp::new(be, layout, fsdp_group.len(), me, fsdp_options));
+        let fsdp = (fsdp_group.len() > 1).then(|| Fsdp::new(be, layout, (fsdp_group.len(), me), fsdp_options, casts));
         let segments =
             layout.tensors.iter().map(|t| Segment { offset: t.offset, len: t.len(), decay: t.decay }).collect();
         let mut balance = Vec::new();
@@ -292,6 +292,11 @@ impl<B: Backend> Parallel<B> {
             Some(f) => (f.params, f.grads, &f.segments),
             None => (self.params, self.grads, &self.segments),
         }
+    }
+
+    /// Under FSDP, the units it gathers as FP8 casts and the units in all.
+    pub fn fp8_gathers(&self) -> Option<(usize, usize)> {
+        self.fsdp.as_ref().map(|f| f.cast_units())
     }
 
     /// The parameters the optimizer updates and checkpoints hold: this device's pieces under

@@ -677,7 +677,7 @@ impl Tcp {
     /// its own lane.
     fn start<B: Backend>(&mut self, be: &mut B, sum: bool, input: View, output: View, group: &[usize]) {
         let mut data = vec![0f32; input.len];
-        be.download(input, &mut data);
+        be.download_message(input, &mut data);
         let net = &self.net;
         let (jobs, _) = self.worker.get_or_insert_with(|| {
             let (jobs, inbox) = channel::<Started>();
@@ -755,9 +755,11 @@ impl<B: Backend> Collectives<B> for Tcp {
 
     fn all_gather(&mut self, be: &mut B, input: View, output: View, group: &[usize]) {
         assert_eq!(output.len, input.len * group.len(), "all-gather sizes");
-        let data = self.download(be, input);
+        let mut data = std::mem::take(&mut self.staging);
+        data.resize(input.len, 0.0);
+        be.download_message(input, &mut data);
         let all = self.net.all_gather(&Call { op: "all-gather", group }, Lane::Step, &data);
-        be.upload(output, &all);
+        be.upload_message(output, &all);
         self.staging = data;
     }
 
@@ -774,7 +776,7 @@ impl<B: Backend> Collectives<B> for Tcp {
         let Some((_, results)) = &self.worker else { return };
         for _ in 0..std::mem::take(&mut self.pending) {
             let (view, out) = results.recv().expect("the collectives worker is running");
-            be.upload(view, &out);
+            be.upload_message(view, &out);
         }
     }
 

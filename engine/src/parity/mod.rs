@@ -348,7 +348,7 @@ fn checks(scale: Scale) -> Vec<(String, Check)> {
     add("adamw with clipping and decay segments", Box::new(|g, _| adamw(g)));
     add("fp8 weight casts written by the adamw update: fused against unfused", Box::new(|g, _| adamw_fp8(g)));
     add(
-        "fp8 producers (rmsnorm, swiglu) writing both casts in their pass: fused against unfused",
+        "fp8 producers (rmsnorm, swiglu) writing both casts in their pass: fused against unfused; fp8_transpose",
         Box::new(|g, _| ops::fp8_producers(g)),
     );
     for nesterov in [true, false] {
@@ -467,7 +467,7 @@ fn checks(scale: Scale) -> Vec<(String, Check)> {
             Box::new(move |g, _| fsdp_bf16_gathers(g, scale)),
         );
         add(
-            "tiny-llama2 in FP8 (delayed) under FSDP 2: follows one device, memory as planned",
+            "tiny-llama2 in FP8 (delayed) under FSDP 2, gathering the casts: follows one device, memory as planned",
             Box::new(move |g, _| models::fsdp_fp8(g, scale)),
         );
         add(

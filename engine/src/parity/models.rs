@@ -254,9 +254,10 @@ pub(super) fn fsdp_bf16_gathers(gpu: Cuda, scale: Scale) -> Result<String, Strin
 }
 
 /// FSDP over two devices in FP8 (the delayed recipe, whose amaxes the devices reduce before each
-/// update, so both scale alike): the products' casts from the gathered bf16 weights, the
-/// inputs kept cast for the weight gradients; the two follow one device's FP8 training and
-/// allocate what the memory plan says. (Narrowed to d_model 128: the emulator's FP8 products
+/// update, so both scale alike): every layer gathered as its weights' E4M3 casts (each device
+/// casts its pieces; the bytes travel through the host as the virtual devices' messages), Wᵀ
+/// transposed from them, the inputs kept cast for the weight gradients; the two follow one
+/// device's FP8 training and allocate what the memory plan says. (Narrowed to d_model 128: the emulator's FP8 products
 /// are its slowest.)
 pub(super) fn fsdp_fp8(gpu: Cuda, scale: Scale) -> Result<String, String> {
     let fp8 = ["train.precision=fp8", "train.fp8.min_dim=16", "train.fp8.recipe=delayed"];
@@ -340,10 +341,18 @@ fn two_devices(
     let (one, fsdp) = (config(&["train.batch_size=2"]), config(&[&["train.batch_size=1"], mesh].concat()));
     let (single, _) = train_losses(gpu, &one, steps)?;
     let plan = ParallelPlan::resolve(&fsdp, 2, 1).map_err(failure)?;
+    // Under FP8's delayed recipe FSDP gathers every layer as its weights' casts.
+    let t = &fsdp.train;
+    let fp8_gathers = t.precision == crate::config::Precision::Fp8 && t.fp8.recipe == crate::config::Fp8Recipe::Delayed;
+    let want_casts = if fp8_gathers { fsdp.model.n_layers } else { 0 };
     let device = |comm: Virtual| -> Result<(Vec<f64>, usize, usize), String> {
         let gpu = Cuda::emulated().map_err(failure)?;
         let estimate = plan.estimate(&fsdp, Target::Cuda { sm_count: gpu.info().sm_count as usize }).total();
         let mut t = Trainer::new_parallel(gpu, &fsdp, Box::new(comm), plan.clone()).map_err(failure)?;
+        let casts = t.parallel.fp8_gathers().map_or(0, |g| g.0);
+        if casts != want_casts {
+            return Err(format!("{casts} units gathered as FP8 casts, {want_casts} expected"));
+        }
         let losses = (0..steps).map(|_| t.train_step(0.0).loss).collect();
         Ok((losses, t.backend.memory_in_use().0, estimate))
     };
@@ -366,7 +375,8 @@ fn two_devices(
         }
         detail.push(format!("{memory}, losses {losses:.4?}"));
     }
-    Ok(format!("{}; one device: {single:.4?}", detail.join("; ")))
+    let casts = if want_casts > 0 { format!("; {want_casts} layers gathered as FP8 casts") } else { String::new() };
+    Ok(format!("{}; one device: {single:.4?}{casts}", detail.join("; ")))
 }
 
 /// A few training steps of tiny configuration `name` lower the loss.

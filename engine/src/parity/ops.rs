@@ -1148,6 +1148,10 @@ pub(super) fn fp8_producers(gpu: Cuda) -> Result<String, String> {
         fused_as_unfused(&mut t.gpu, &format!("{at}: rstd"), rstd, rstd_u, false)?;
         fused_as_unfused(&mut t.gpu, &format!("{at}: the scaling state"), state, state_u, false)?;
         t.check(&format!("{at}: rstd against the CPU"), rstd, F32)?;
+        // The plain cast transposed byte for byte (FSDP's gathered casts): the transposed cast.
+        let back = t.alloc(FP8, rows * d);
+        t.both(|be| be.fp8_transpose(back, q, d));
+        fused_as_unfused(&mut t.gpu, &format!("{at}: the cast transposed"), back, qt, true)?;
         // SwiGLU over [gate | up] rows of width 2d.
         let gu = t.random(ACT, rows * 2 * d, 2.0);
         let mut sets = Vec::new();
@@ -1164,7 +1168,10 @@ pub(super) fn fp8_producers(gpu: Cuda) -> Result<String, String> {
         fused_as_unfused(&mut t.gpu, &format!("{at}: SwiGLU's transposed cast"), qt, qt_u, true)?;
         fused_as_unfused(&mut t.gpu, &format!("{at}: SwiGLU's scaling state"), state, state_u, false)?;
     }
-    t.notes.push("fused against unfused: both layouts' bytes, rstd and amax exact, RMSNorm and SwiGLU".into());
+    t.notes.push(
+        "fused against unfused: both layouts' bytes, rstd and amax exact, RMSNorm and SwiGLU; fp8_transpose of the cast is the transposed cast"
+            .into(),
+    );
     t.done()
 }
 

@@ -1396,6 +1396,44 @@ mod tests {
             }
         }
 
+        /// FSDP's FP8 gathers (each device casts its pieces, the casts travel and the passes
+        /// read them, Wᵀ transposed from them) change no bit against gathering bf16 and the
+        /// passes casting: losses, the final parameters, the scaling states; every layer
+        /// travels as casts, with and without prefetch, and the GPU plan is smaller.
+        #[test]
+        fn fsdp_fp8_gathers_change_no_bit() {
+            use crate::parallel::plan::NO_FP8_GATHERS;
+            for prefetch in ["true", "false"] {
+                let prefetch = format!("mesh.fsdp_prefetch={prefetch}");
+                let sets = ["mesh.ici_data=1", "mesh.ici_fsdp=2", "train.steps=3", "model.n_layers=3", &prefetch];
+                let c = fp8_config("delayed", &sets);
+                let go = |gathers: bool| {
+                    NO_FP8_GATHERS.set(!gathers);
+                    let runs = run(&c, 2, |_, t| {
+                        let units = t.parallel.fp8_gathers().expect("FSDP");
+                        let losses: Vec<f64> = (0..c.train.steps).map(|_| t.train_step(0.0).loss).collect();
+                        let (mut params, f) = (vec![0f32; t.parallel.master_params().len], t.plan.fp8.expect("FP8"));
+                        t.backend.download(t.parallel.master_params(), &mut params);
+                        let mut states = vec![0f32; f.states.len];
+                        t.backend.download(f.states, &mut states);
+                        Ok((units, losses, params, states))
+                    });
+                    let gpu = crate::model::memory::Target::Cuda { sm_count: 132 };
+                    let plan = ParallelPlan::resolve(&c, 2, 1).unwrap().estimate(&c, gpu).parameters;
+                    NO_FP8_GATHERS.set(false);
+                    (runs.unwrap(), plan)
+                };
+                let ((plain, bf16_plan), (cast, fp8_plan)) = (go(false), go(true));
+                for (rank, (p, g)) in plain.iter().zip(&cast).enumerate() {
+                    assert_eq!((p.0, g.0), ((0, 5), (3, 5)), "{prefetch}: units gathered as casts");
+                    assert_eq!(p.1, g.1, "{prefetch}: the FP8 gathers moved the curve");
+                    assert!(p.2 == g.2, "{prefetch}: rank {rank}'s pieces differ");
+                    assert!(p.3 == g.3, "{prefetch}: rank {rank}'s scaling states differ");
+                }
+                assert!(fp8_plan < bf16_plan, "{prefetch}: the FP8 gathers plan {fp8_plan} bytes, bf16 {bf16_plan}");
+            }
+        }
+
         #[test]
         fn the_memory_plan_counts_the_fp8_casts() {
             use crate::model::memory;

@@ -180,7 +180,8 @@ impl<B: Backend> Trainer<B> {
         let slice = TensorSlice::of_stage(&config.model, &stage, coords.tensor, tensor, held);
         let global = slice.global.clone();
         let fsdp = FsdpOptions::of(&config.mesh);
-        let mut parallel = Parallel::new(&mut backend, comm, mesh, slice, (plan.params, plan.grads), fsdp);
+        let casts = model.fp8_cast_weights(plan.batch * plan.seq, Some(&plan));
+        let mut parallel = Parallel::new(&mut backend, comm, mesh, slice, (plan.params, plan.grads), (fsdp, &casts));
         if let Some(moe) = &config.model.moe {
             parallel.join_experts(&mut backend, moe.num_experts);
         }

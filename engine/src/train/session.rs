@@ -480,6 +480,9 @@ fn describe<B: Backend>(trainer: &Trainer<Traced<B>>) -> String {
     let mesh = &trainer.parallel.mesh;
     let mut fp8 = trainer.model.describe_fp8(&trainer.plan).map_or(String::new(), |f| format!("; {f}"));
     let seq = trainer.plan.seq * trainer.model.seq.ranks;
+    if let Some((cast, units)) = trainer.parallel.fp8_gathers().filter(|g| g.0 > 0) {
+        fp8 += &format!(", FSDP gathering {cast} of {units} units as their casts");
+    }
     if let Some(w) = trainer.model.describe_windows(seq) {
         fp8 += &format!("; {w}");
     }

@@ -301,6 +301,12 @@ impl Backend for Cpu {
         fp8::quantize(q, x, s, state.format, scaling, transpose);
     }
 
+    fn fp8_transpose(&mut self, q: View, x: View, cols: usize) {
+        assert_eq!(q.len, x.len, "internal error: fp8_transpose: q and x differ in length");
+        let (q, [x]) = self.mem.io(q, [x]);
+        matmul::transpose(x, q, x.len() / cols, cols);
+    }
+
     /// The operands hold FP8 values in f32: every product of two is exact, and the sums are
     /// f32's, fast accumulation or not. The inverse scales multiply the product, as cuBLASLt's
     /// scale pointers do.

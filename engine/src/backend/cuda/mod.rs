@@ -373,18 +373,18 @@ impl Cuda {
     }
 
     /// For a communication library that works in place on this backend's buffers (ordered with
-    /// [`Cuda::compute_stream`]): the address of a view's exact values (f32, or bf16 for
-    /// activations) and whether they are bf16. After writing into a view, call
-    /// [`Cuda::written`].
-    pub fn raw_view(&self, v: View) -> (CUdeviceptr, bool) {
+    /// [`Cuda::compute_stream`]): the address of a view's exact values (f32, bf16 for
+    /// activations, bytes for FP8 casts) and their size in bytes (4, 2 or 1). After writing
+    /// into a view, call [`Cuda::written`].
+    pub fn raw_view(&self, v: View) -> (CUdeviceptr, usize) {
         let (ptr, dtype) = self.exact(v);
-        (ptr, dtype == DType::Bf16)
+        (ptr, dtype.size())
     }
 
-    /// Address of what the ops read from `v`, and whether it is bf16 (parameters: their bf16
-    /// copy): what a gather into bf16 sends ([`BufKind::Gathered`]).
-    pub fn compute_view(&self, v: View) -> (CUdeviceptr, bool) {
-        (self.ptr(v), self.dtype(v) == DType::Bf16)
+    /// Address of what the ops read from `v`, and its elements' size in bytes (parameters:
+    /// their bf16 copy): what a gather into bf16 sends ([`BufKind::Gathered`]).
+    pub fn compute_view(&self, v: View) -> (CUdeviceptr, usize) {
+        (self.ptr(v), self.dtype(v).size())
     }
 
     /// The FP8 values of a [`BufKind::Fp8`] view holding `format`, decoded (a check's
@@ -709,6 +709,27 @@ impl Backend for Cuda {
         }
     }
 
+    fn download_message(&mut self, src: View, dst: &mut [f32]) {
+        if self.exact(src).1 != DType::Fp8 {
+            return self.download(src, dst);
+        }
+        assert_eq!(src.len, dst.len(), "internal error: download length");
+        self.sync_check("download");
+        let mut bytes = vec![0u8; src.len];
+        self.dev.download(&mut bytes, self.exact(src).0);
+        dst.iter_mut().zip(bytes).for_each(|(d, b)| *d = f32::from(b));
+    }
+
+    fn upload_message(&mut self, dst: View, src: &[f32]) {
+        if self.exact(dst).1 != DType::Fp8 {
+            return self.upload(dst, src);
+        }
+        assert_eq!(dst.len, src.len(), "internal error: upload length");
+        self.sync_check("upload");
+        let bytes: Vec<u8> = src.iter().map(|&x| x as u8).collect();
+        self.dev.upload(self.exact(dst).0, &bytes);
+    }
+
     fn download_idx(&mut self, src: IdxView, dst: &mut [u32]) {
         assert_eq!(src.len, dst.len(), "internal error: download length");
         self.sync_check("download_idx");
@@ -755,6 +776,10 @@ impl Backend for Cuda {
 
     fn fp8_quantize_both(&mut self, q: View, qt: View, x: View, state: fp8::State, scaling: fp8::Scaling, cols: usize) {
         ops::fp8::quantize(self, (qt, Some(q)), x, state, scaling, Some(cols))
+    }
+
+    fn fp8_transpose(&mut self, q: View, x: View, cols: usize) {
+        ops::fp8::transpose(self, q, x, cols)
     }
 
     #[allow(clippy::too_many_arguments)]

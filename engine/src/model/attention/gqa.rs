@@ -49,7 +49,7 @@ impl Model {
         let (n, d) = (p.batch * p.seq, m.d_model);
         let (q, qkv) = (m.q_dim(), m.q_dim() + 2 * m.kv_dim());
         let shape = self.attn_shape(i, p.batch, p.seq);
-        let wqkv = w.at(o.qkv, qkv * d);
+        let wqkv = w.weight(o.qkv, qkv * d);
         let (qkv_bias, o_bias) = Self::attention_biases(b, o);
         // Under QK-norm the projections land in `raw`, and the norm writes `a.qkv`.
         let raw = a.qk.map_or(a.qkv, |(raw, _)| raw);
@@ -66,7 +66,7 @@ impl Model {
         if let Some(at) = o.sinks {
             be.attention_sinks_forward(a.attn, a.lse, w.at(at, m.n_heads), m.n_heads, m.head_dim);
         }
-        let wo = w.at(o.o, d * q);
+        let wo = w.weight(o.o, d * q);
         let (out, residual) = Self::branch_output(a.post.as_ref().map(|s| s.attn_y), a.xmid, a.x);
         self.row_parallel(be, p, ex, (i, Linear::O), out, (a.attn, wo), residual, MatMul::linear(n, q, d));
         // After the group's sum: every device adds the bias to the whole sum.
@@ -90,7 +90,7 @@ impl Model {
         let (qkv_bias, o_bias) = Self::attention_biases(b, o);
         self.bias_backward(be, p, g, dout, o_bias, d);
         let shapes = (MatMul::linear_dx(n, q, d), MatMul::linear_dw(n, q, d));
-        let (dw, wo) = (g.at(o.o, d * q), w.at(o.o, d * q));
+        let (dw, wo) = (g.at(o.o, d * q), w.weight(o.o, d * q));
         self.linear_backward(be, p, (i, Linear::O), (p.dattn, dw), dout, (a.attn, wo), shapes);
         if let Some(at) = o.sinks {
             let (dsinks, sinks) = (g.at(at, m.n_heads), w.at(at, m.n_heads));
@@ -111,7 +111,7 @@ impl Model {
         }
         self.bias_backward(be, p, g, p.dqkv, qkv_bias, qkv);
         let shapes = (MatMul::linear_dx(n, d, qkv), MatMul::linear_dw(n, d, qkv));
-        let (dw, wqkv) = (g.at(o.qkv, qkv * d), w.at(o.qkv, qkv * d));
+        let (dw, wqkv) = (g.at(o.qkv, qkv * d), w.weight(o.qkv, qkv * d));
         self.linear_backward(be, p, (i, Linear::Qkv), (p.dln, dw), p.dqkv, (a.ln1, wqkv), shapes);
         ex.tensor_sum(be, p.dln);
     }

@@ -33,7 +33,7 @@
 
 use super::super::fp8::Linear;
 use super::super::layout::{MlaOffsets, QueryOffsets};
-use super::super::{Exchange, Model, Plan, Window};
+use super::super::{Exchange, Model, Plan, Weight, Window};
 use crate::backend::{AttnShape, Backend, MatMul, MlaShape, View};
 use crate::config::MlaConfig;
 
@@ -82,31 +82,31 @@ impl Model {
         let (n, d, h) = (p.batch * p.seq, m.d_model, m.n_heads);
         let (qk, eps) = (m.head_dim, a.latent_norm_eps as f32);
         let (rkv, rope) = (a.kv_lora_rank, a.rope_dim);
-        let fwd = |be: &mut B, linear, out, (x, w): (View, View), shape| {
+        let fwd = |be: &mut B, linear, out, (x, w): (View, Weight), shape| {
             self.linear_forward(be, p, (i, linear), out, (x, w), None, shape)
         };
         match o.q {
             QueryOffsets::Latent { down, norm, up } => {
                 let rq = a.q_lora_rank;
-                fwd(be, Linear::QDown, acts.q_lat, (la.ln1, w.at(down, rq * d)), MatMul::linear(n, d, rq));
+                fwd(be, Linear::QDown, acts.q_lat, (la.ln1, w.weight(down, rq * d)), MatMul::linear(n, d, rq));
                 be.rmsnorm_forward(acts.q_lat_n, acts.q_rstd, acts.q_lat, w.at(norm, rq), 0.0, rq, eps);
-                fwd(be, Linear::QUp, acts.q, (acts.q_lat_n, w.at(up, h * qk * rq)), MatMul::linear(n, rq, h * qk));
+                fwd(be, Linear::QUp, acts.q, (acts.q_lat_n, w.weight(up, h * qk * rq)), MatMul::linear(n, rq, h * qk));
             }
             QueryOffsets::Direct(q) => {
-                fwd(be, Linear::QUp, acts.q, (la.ln1, w.at(q, h * qk * d)), MatMul::linear(n, d, h * qk))
+                fwd(be, Linear::QUp, acts.q, (la.ln1, w.weight(q, h * qk * d)), MatMul::linear(n, d, h * qk))
             }
         }
-        fwd(be, Linear::KvDown, acts.kv_lat, (la.ln1, w.at(o.kv_a, rkv * d)), MatMul::linear(n, d, rkv));
+        fwd(be, Linear::KvDown, acts.kv_lat, (la.ln1, w.weight(o.kv_a, rkv * d)), MatMul::linear(n, d, rkv));
         be.matmul(acts.kpe, la.ln1, w.at(o.kv_a + rkv * d, rope * d), MatMul::linear(n, d, rope));
         be.rmsnorm_forward(acts.kv_lat_n, acts.kv_rstd, acts.kv_lat, w.at(o.kv_norm, rkv), 0.0, rkv, eps);
         let kv_width = h * (a.nope_dim + a.v_dim);
-        let wkv_b = w.at(o.kv_b, kv_width * rkv);
+        let wkv_b = w.weight(o.kv_b, kv_width * rkv);
         fwd(be, Linear::KvUp, acts.kv, (acts.kv_lat_n, wkv_b), MatMul::linear(n, rkv, kv_width));
         let shape = self.mla_shape(p);
         be.mla_qkv_forward(la.qkv, acts.q, acts.kv, acts.kpe, p.rope, shape, self.mla_q_scale());
         self.attend(be, p, i, (la.attn, la.lse), la.qkv, self.attn_shape(i, p.batch, p.seq), ex);
         be.heads_narrow(acts.attn_v, la.attn, n, h, qk, a.v_dim);
-        let (vw, wo) = (h * a.v_dim, w.at(o.o, d * h * a.v_dim));
+        let (vw, wo) = (h * a.v_dim, w.weight(o.o, d * h * a.v_dim));
         let (out, residual) = Self::branch_output(la.post.as_ref().map(|s| s.attn_y), la.xmid, la.x);
         self.row_parallel(be, p, ex, (i, Linear::O), out, (acts.attn_v, wo), residual, MatMul::linear(n, vw, d));
     }
@@ -128,11 +128,11 @@ impl Model {
         let kv_width = h * (a.nope_dim + a.v_dim);
         let [dq, dkv, dkpe, dq_lat, dkv_lat, dattn_v, dc, dq_lat_n] = p.dmla;
         // xmid = x + attn_v · Woᵀ
-        let bwd = |be: &mut B, linear, (dx, dw): (View, View), dy, (x, w): (View, View), (inp, out), acc: bool| {
+        let bwd = |be: &mut B, linear, (dx, dw): (View, View), dy, (x, w): (View, Weight), (inp, out), acc: bool| {
             let dx_shape = MatMul { accumulate: acc, ..MatMul::linear_dx(n, inp, out) };
             self.linear_backward(be, p, (i, linear), (dx, dw), dy, (x, w), (dx_shape, MatMul::linear_dw(n, inp, out)))
         };
-        let (dwo, wo) = (g.at(o.o, d * vw), w.at(o.o, d * vw));
+        let (dwo, wo) = (g.at(o.o, d * vw), w.weight(o.o, d * vw));
         bwd(be, Linear::O, (dattn_v, dwo), dout, (acts.attn_v, wo), (vw, d), false);
         be.heads_widen(p.dattn, dattn_v, n, h, a.v_dim, qk);
         let shape: AttnShape = self.attn_shape(i, p.batch, p.seq);
@@ -144,7 +144,7 @@ impl Model {
         // whole input gradient (no sum of `dln` after).
         ex.tensor_sum(be, dkpe);
         // kv = c · Wkv_bᵀ, c = rmsnorm(kv_lat)
-        let (dwkv_b, wkv_b) = (g.at(o.kv_b, kv_width * rkv), w.at(o.kv_b, kv_width * rkv));
+        let (dwkv_b, wkv_b) = (g.at(o.kv_b, kv_width * rkv), w.weight(o.kv_b, kv_width * rkv));
         bwd(be, Linear::KvUp, (dc, dwkv_b), dkv, (acts.kv_lat_n, wkv_b), (rkv, kv_width), false);
         ex.tensor_sum(be, dc);
         be.fill(dkv_lat, 0.0);
@@ -155,23 +155,23 @@ impl Model {
             QueryOffsets::Latent { down, norm, up } => {
                 let rq = a.q_lora_rank;
                 // q = rmsnorm(q_lat) · Wq_bᵀ
-                let (wu, gu) = (w.at(up, h * qk * rq), g.at(up, h * qk * rq));
+                let (wu, gu) = (w.weight(up, h * qk * rq), g.at(up, h * qk * rq));
                 bwd(be, Linear::QUp, (dq_lat_n, gu), dq, (acts.q_lat_n, wu), (rq, h * qk), false);
                 ex.tensor_sum(be, dq_lat_n);
                 be.fill(dq_lat, 0.0);
                 let (gn, wn) = (g.at(norm, rq), w.at(norm, rq));
                 be.rmsnorm_backward(dq_lat, gn, dq_lat_n, acts.q_lat, wn, 0.0, acts.q_rstd, rq);
-                let (wd, gd) = (w.at(down, rq * d), g.at(down, rq * d));
+                let (wd, gd) = (w.weight(down, rq * d), g.at(down, rq * d));
                 bwd(be, Linear::QDown, (p.dln, gd), dq_lat, (la.ln1, wd), (d, rq), false);
             }
             QueryOffsets::Direct(q) => {
-                let (wq, gq) = (w.at(q, h * qk * d), g.at(q, h * qk * d));
+                let (wq, gq) = (w.weight(q, h * qk * d), g.at(q, h * qk * d));
                 bwd(be, Linear::QUp, (p.dln, gq), dq, (la.ln1, wq), (d, h * qk), false);
                 ex.tensor_sum(be, p.dln);
             }
         }
         // kv_lat and kpe = ln1 · Wkv_aᵀ (its two row blocks), replicated.
-        let (wkv_a, dwkv_a) = (w.at(o.kv_a, rkv * d), g.at(o.kv_a, rkv * d));
+        let (wkv_a, dwkv_a) = (w.weight(o.kv_a, rkv * d), g.at(o.kv_a, rkv * d));
         let (wpe, dwpe) = (w.at(o.kv_a + rkv * d, rope * d), g.at(o.kv_a + rkv * d, rope * d));
         bwd(be, Linear::KvDown, (p.dln, dwkv_a), dkv_lat, (la.ln1, wkv_a), (d, rkv), true);
         be.matmul(p.dln, dkpe, wpe, MatMul::linear_dx(n, d, rope).accumulating());

@@ -31,7 +31,7 @@ impl Model {
         let (a, b) = (&p.layers[i], self.layout.layers[i].bias.as_ref());
         let (n, d) = (p.batch * p.seq, self.config.d_model);
         let (up, f) = (gu.len / n, h.len / n);
-        let (wup, wdown) = (w.at(gate_up, up * d), w.at(down, d * f));
+        let (wup, wdown) = (w.weight(gate_up, up * d), w.weight(down, d * f));
         self.linear_forward(be, p, (i, Linear::Up), gu, (a.ln2, wup), None, MatMul::linear(n, d, up));
         self.add_bias(be, p, w, gu, b.map(|b| b.up), f);
         match self.fp8_produced(p, i, Linear::Down) {
@@ -64,7 +64,7 @@ impl Model {
         let (up, f) = (gu.len / n, h.len / n);
         let (dgu, dh) = (p.dgu.at(0, n * up), p.dh.at(0, n * f));
         self.bias_backward(be, p, g, dout, b.map(|b| b.down), d);
-        let (ddown, wdown) = (g.at(down, d * f), w.at(down, d * f));
+        let (ddown, wdown) = (g.at(down, d * f), w.weight(down, d * f));
         let shapes = (MatMul::linear_dx(n, f, d), MatMul::linear_dw(n, f, d));
         self.linear_backward(be, p, (i, Linear::Down), (dh, ddown), dout, (h, wdown), shapes);
         if m.is_gpt() {
@@ -73,7 +73,7 @@ impl Model {
             be.glu_backward(dgu, dh, gu, f, self.dense_glu());
         }
         self.bias_backward(be, p, g, dgu, b.map(|b| b.up), f);
-        let (dup, wup) = (g.at(gate_up, up * d), w.at(gate_up, up * d));
+        let (dup, wup) = (g.at(gate_up, up * d), w.weight(gate_up, up * d));
         let shapes = (MatMul::linear_dx(n, d, up), MatMul::linear_dw(n, d, up));
         self.linear_backward(be, p, (i, Linear::Up), (p.dln, dup), dgu, (a.ln2, wup), shapes);
         ex.tensor_sum(be, p.dln);

@@ -1,11 +1,23 @@
 //! FSDP / ZeRO-3 (see the parent module's documentation): a device's pieces of every unit, the
 //! buffers it lends the passes for the time of a use (its loans), gathering parameters and
 //! reduce-scattering gradients, and the sizes of all of it for the memory plan.
+//!
+//! **FP8 gathers** (`train.precision = "fp8"`, delayed recipe: torchao's float8 all-gather). A
+//! unit whose weights run in FP8 products travels as their E4M3 casts where that moves fewer
+//! bytes: each device casts its piece of each such weight with the weight's scale (the delayed
+//! recipe's, the same on every device: the amaxes are maxed over the batch group before each
+//! update, so the scale needs no message of its own) and records its piece's amax (the max over
+//! the group is the whole weight's); the unit's casts are gathered at one byte an element into
+//! an image of the unit, where the passes read each weight's cast in place of casting it
+//! ([`crate::model::Weight::Cast`]). The rest of the unit (norms, biases, whatever runs in the
+//! model's precision) is gathered in bf16 into a compact buffer: each device packs its pieces'
+//! rest, the gather pads each part to the longest, one copy a device unpacks it.
 
 use std::ops::Range;
 
+use crate::backend::fp8::Scaling;
 use crate::backend::{Backend, BufKind, Segment, View};
-use crate::model::{Layout, Pass, Window};
+use crate::model::{CastWeight, CastWindow, Layout, Pass, Window};
 use crate::parallel::comm::Collectives;
 
 /// A device's pieces under FSDP, and the buffers it lends the passes.
@@ -21,6 +33,11 @@ pub(super) struct Fsdp {
     accumulating: Loans,
     /// The unit whose gather was started ahead of its use and not yet waited for.
     prefetched: Option<usize>,
+    /// Per unit, how it travels in FP8, where it does.
+    casts: Vec<Option<CastUnit>>,
+    /// The rest parts of an FP8 unit's gather, each device's padded to the longest
+    /// ([`CastUnit::rest_piece`]) before they are unpacked into the loan.
+    rest_scratch: View,
     options: FsdpOptions,
     pub(super) segments: Vec<Segment>,
     /// This device's position in the fsdp group.
@@ -51,21 +68,97 @@ pub fn fsdp_pieces(layout: &Layout, size: usize) -> (Vec<UnitPiece>, usize) {
 pub struct FsdpSizes {
     /// This device's pieces: parameters, gradients, and each AdamW moment.
     pub shard: usize,
-    /// Buffers lent for gathered parameters.
+    /// Buffers lent for gathered parameters (with the FP8 gathers' rest, compact and padded).
     pub gathered: usize,
+    /// Buffers lent for the units gathered as FP8 casts ([`BufKind::Fp8`]).
+    pub gathered_fp8: usize,
     /// Buffers lent for the gradients being accumulated.
     pub accumulating: usize,
 }
 
-/// The sizes of the buffers [`Fsdp`] allocates for `layout` over `size` devices.
-pub fn fsdp_sizes(layout: &Layout, size: usize, options: FsdpOptions) -> FsdpSizes {
+/// The sizes of the buffers [`Fsdp`] allocates for `layout` over `size` devices, the weights of
+/// `casts` gathered in FP8 where that moves fewer bytes.
+pub fn fsdp_sizes(layout: &Layout, size: usize, options: FsdpOptions, casts: &[CastWeight]) -> FsdpSizes {
     let (units, shard) = fsdp_pieces(layout, size);
-    let lending = Lending::new(&units, size, layout.tied, options);
+    let cast_units = cast_units(&units, size, casts);
+    let lending = Lending::new(&units, &cast_units, size, layout.tied, options);
+    let (bf16, fp8) = lending.params.iter().fold((0, 0), |(a, b), s| (a + s.1.0, b + s.1.1));
     FsdpSizes {
         shard,
-        gathered: lending.params.iter().map(|s| s.1).sum(),
-        accumulating: lending.grads.iter().map(|s| s.1).sum(),
+        gathered: bf16 + rest_scratch_len(&cast_units, size),
+        gathered_fp8: fp8,
+        accumulating: lending.grads.iter().map(|s| s.1.0).sum(),
     }
+}
+
+/// A unit gathered as FP8 casts ([`Fsdp`]'s module documentation).
+#[derive(Debug, Clone)]
+struct CastUnit {
+    /// Its FP8 weights, in layout order.
+    weights: Vec<CastWeight>,
+    /// The rest of the unit: full-buffer ranges in layout order, each with where it starts in
+    /// the compact buffer (which holds them one after the other).
+    rest: Vec<(Range<usize>, usize)>,
+    /// Elements of the rest in each device's piece.
+    rest_in: Vec<usize>,
+}
+
+impl CastUnit {
+    /// Elements of the rest.
+    fn rest_len(&self) -> usize {
+        self.rest_in.iter().sum()
+    }
+
+    /// Elements each device sends of the rest: the largest part.
+    fn rest_piece(&self) -> usize {
+        self.rest_in.iter().copied().max().unwrap_or(0)
+    }
+}
+
+/// Per unit, how it travels as FP8 casts: where some of `casts` lie in it, its rest is in at
+/// most [`CastWindow::RUNS`] ranges, and the casts and the padded rest move fewer bytes than
+/// the unit in bf16 (not a mixture of experts' layer, whose experts stay in the model's
+/// precision); none otherwise.
+fn cast_units(units: &[UnitPiece], size: usize, casts: &[CastWeight]) -> Vec<Option<CastUnit>> {
+    units
+        .iter()
+        .map(|(unit, piece, _)| {
+            let weights: Vec<CastWeight> =
+                casts.iter().filter(|c| unit.start <= c.range.start && c.range.end <= unit.end).cloned().collect();
+            if weights.is_empty() {
+                return None;
+            }
+            let mut rest = Vec::new();
+            let (mut at, mut compact) = (unit.start, 0);
+            for w in weights.iter().map(|w| &w.range).chain(std::iter::once(&(unit.end..unit.end))) {
+                assert!(w.start >= at, "internal error: FP8 weights overlap or are out of order");
+                if w.start > at {
+                    rest.push((at..w.start, compact));
+                    compact += w.start - at;
+                }
+                at = w.end;
+            }
+            let rest_in: Vec<usize> = (0..size)
+                .map(|j| {
+                    let mine = piece_of(unit, *piece, j);
+                    rest.iter().map(|(r, _)| r.end.min(mine.end).saturating_sub(r.start.max(mine.start))).sum()
+                })
+                .collect();
+            let c = CastUnit { weights, rest, rest_in };
+            let fewer_bytes = piece * size + 2 * c.rest_piece() * size < 2 * piece * size;
+            (c.rest.len() <= CastWindow::RUNS && fewer_bytes).then_some(c)
+        })
+        .collect()
+}
+
+/// The full-buffer range of device `j`'s piece of a unit.
+fn piece_of(range: &Range<usize>, piece: usize, j: usize) -> Range<usize> {
+    (range.start + j * piece).min(range.end)..(range.start + (j + 1) * piece).min(range.end)
+}
+
+/// Elements of [`Fsdp::rest_scratch`]: the longest padded rest gather.
+fn rest_scratch_len(casts: &[Option<CastUnit>], size: usize) -> usize {
+    casts.iter().flatten().map(|c| c.rest_piece() * size).max().unwrap_or(0)
 }
 
 /// The lent buffers, by class: a unit borrows a free buffer of its class.
@@ -81,26 +174,36 @@ pub fn fsdp_sizes(layout: &Layout, size: usize, options: FsdpOptions) -> FsdpSiz
 /// Gradients: the backward pass finishes one unit before the next begins, except that a tied
 /// head writes into the embedding's gradient, which is finished last: one buffer, or one for
 /// the embedding and one for the rest.
+///
+/// A buffer is a pair: elements in the model's precision (the whole unit, or an FP8 unit's
+/// compact rest) and FP8 elements (an FP8 unit's image; 0 for the others).
 struct Lending {
-    /// Per buffer: its class and length.
-    params: Vec<(usize, usize)>,
-    grads: Vec<(usize, usize)>,
+    /// Per buffer: its class and lengths.
+    params: Vec<(usize, (usize, usize))>,
+    grads: Vec<(usize, (usize, usize))>,
     /// Per unit: its class for parameters and for gradients.
     param_class: Vec<usize>,
     grad_class: Vec<usize>,
 }
 
 impl Lending {
-    fn new(units: &[UnitPiece], size: usize, tied: bool, options: FsdpOptions) -> Lending {
+    fn new(units: &[UnitPiece], casts: &[Option<CastUnit>], size: usize, tied: bool, options: FsdpOptions) -> Lending {
         let n = units.len();
         let (embed, head) = (0, n - 1);
         let padded = |u: usize| units[u].1 * size;
-        let widest = |class: &[usize], c: usize| (0..n).filter(|&u| class[u] == c).map(padded).max().unwrap_or(0);
+        let need = |u: usize| match &casts[u] {
+            Some(c) => (c.rest_len(), padded(u)),
+            None => (padded(u), 0),
+        };
+        let widest = |class: &[usize], c: usize| {
+            (0..n).filter(|&u| class[u] == c).map(need).fold((0, 0), |(a, b), (x, y)| (a.max(x), b.max(y)))
+        };
         // Buffers of each class for an assignment of classes.
-        let buffers = |class: &[usize], counts: &[usize]| -> Vec<(usize, usize)> {
+        let buffers = |class: &[usize], counts: &[usize]| -> Vec<(usize, (usize, usize))> {
             counts.iter().enumerate().flat_map(|(c, &k)| std::iter::repeat_n((c, widest(class, c)), k)).collect()
         };
-        let total = |b: &[(usize, usize)]| b.iter().map(|x| x.1).sum::<usize>();
+        // In bytes on a GPU, where the arrangements differ.
+        let total = |b: &[(usize, (usize, usize))]| b.iter().map(|x| 2 * x.1.0 + x.1.1).sum::<usize>();
         let layers = n - 2;
         let at_once = if options.prefetch && layers >= 2 { 2 } else { 1 };
 
@@ -117,7 +220,8 @@ impl Lending {
             if total(&b) <= total(&a) { (b, shared) } else { (a, apart) }
         };
         let grad_class: Vec<usize> = (0..n).map(|u| usize::from(tied && u != embed)).collect();
-        let grads = buffers(&grad_class, &vec![1; 1 + usize::from(tied)]);
+        let whole = |class: &[usize], c: usize| (0..n).filter(|&u| class[u] == c).map(padded).max().unwrap_or(0);
+        let grads = (0..1 + usize::from(tied)).map(|c| (c, (whole(&grad_class, c), 0))).collect();
         Lending { params, grads, param_class, grad_class }
     }
 }
@@ -143,7 +247,8 @@ impl FsdpOptions {
 /// (A pipeline's "slots", [`crate::parallel::pipeline`], are another thing: the activations
 /// of a micro-batch in flight.)
 struct Loans {
-    bufs: Vec<View>,
+    /// Each buffer, with its FP8 image where its class has one.
+    bufs: Vec<(View, Option<View>)>,
     class: Vec<usize>,
     /// The unit each buffer is lent to.
     borrower: Vec<Option<usize>>,
@@ -152,9 +257,11 @@ struct Loans {
 }
 
 impl Loans {
-    fn new<B: Backend>(be: &mut B, kind: BufKind, sizes: &[(usize, usize)], unit_class: Vec<usize>) -> Loans {
+    fn new<B: Backend>(be: &mut B, kind: BufKind, sizes: &[(usize, (usize, usize))], unit_class: Vec<usize>) -> Loans {
         Loans {
-            bufs: sizes.iter().map(|&(_, len)| be.alloc(kind, len)).collect(),
+            bufs: (sizes.iter())
+                .map(|&(_, (len, fp8))| (be.alloc(kind, len), (fp8 > 0).then(|| be.alloc(BufKind::Fp8, fp8))))
+                .collect(),
             class: sizes.iter().map(|s| s.0).collect(),
             borrower: vec![None; sizes.len()],
             unit_class,
@@ -162,12 +269,12 @@ impl Loans {
     }
 
     /// The buffer lent to unit `u`, if any.
-    fn find(&self, u: usize) -> Option<View> {
+    fn find(&self, u: usize) -> Option<(View, Option<View>)> {
         self.borrower.iter().position(|&b| b == Some(u)).map(|i| self.bufs[i])
     }
 
     /// Lends unit `u` a free buffer of its class.
-    fn take(&mut self, u: usize) -> View {
+    fn take(&mut self, u: usize) -> (View, Option<View>) {
         let class = self.unit_class[u];
         let i = (0..self.bufs.len())
             .find(|&i| self.class[i] == class && self.borrower[i].is_none())
@@ -187,14 +294,37 @@ impl Loans {
 }
 
 impl Fsdp {
-    pub(super) fn new<B: Backend>(be: &mut B, layout: &Layout, size: usize, me: usize, options: FsdpOptions) -> Fsdp {
+    pub(super) fn new<B: Backend>(
+        be: &mut B,
+        layout: &Layout,
+        (size, me): (usize, usize),
+        options: FsdpOptions,
+        casts: &[CastWeight],
+    ) -> Fsdp {
         let (units, len) = fsdp_pieces(layout, size);
         let (params, grads) = (be.alloc(BufKind::Params, len), be.alloc(BufKind::Grads, len));
-        let lending = Lending::new(&units, size, layout.tied, options);
+        let casts = cast_units(&units, size, casts);
+        assert!(
+            casts.iter().flatten().flat_map(|c| &c.weights).all(|w| w.state.is_some()),
+            "internal error: an FP8 gather without its weight's state"
+        );
+        let lending = Lending::new(&units, &casts, size, layout.tied, options);
         let gathered = Loans::new(be, BufKind::Gathered, &lending.params, lending.param_class);
         let accumulating = Loans::new(be, BufKind::Grads, &lending.grads, lending.grad_class);
-        let mut f =
-            Fsdp { units, params, grads, gathered, accumulating, prefetched: None, options, segments: Vec::new(), me };
+        let rest_scratch = be.alloc(BufKind::Gathered, rest_scratch_len(&casts, size));
+        let mut f = Fsdp {
+            units,
+            params,
+            grads,
+            gathered,
+            accumulating,
+            prefetched: None,
+            casts,
+            rest_scratch,
+            options,
+            segments: Vec::new(),
+            me,
+        };
         // Each tensor's parts in this device's pieces, in shard order.
         f.segments = (layout.tensors.iter())
             .flat_map(|t| {
@@ -228,10 +358,11 @@ impl Fsdp {
 
     /// The full-buffer range of this device's piece of a unit.
     pub(super) fn mine(&self, range: &Range<usize>, piece: usize) -> Range<usize> {
-        (range.start + self.me * piece).min(range.end)..(range.start + (self.me + 1) * piece).min(range.end)
+        piece_of(range, piece, self.me)
     }
 
-    /// Gathers unit `u`'s parameters into a lent buffer (started only, with `ahead`).
+    /// Gathers unit `u`'s parameters into a lent buffer (started only, with `ahead`; an FP8
+    /// unit's rest is unpacked when it is waited for, [`Fsdp::settle`]).
     fn gather<B: Backend>(
         &mut self,
         comm: &mut dyn Collectives<B>,
@@ -239,16 +370,91 @@ impl Fsdp {
         u: usize,
         group: &[usize],
         ahead: bool,
-    ) -> View {
-        let (_, piece, offset) = self.units[u];
-        let (mine, buf) = (self.params.at(offset, piece), self.gathered.take(u));
-        let all = buf.at(0, piece * group.len());
-        if ahead {
-            comm.all_gather_start(be, mine, all, group);
-        } else {
-            comm.all_gather(be, mine, all, group);
+    ) -> (View, Option<View>) {
+        // One gather at a time uses the rest's scratch.
+        self.settle(comm, be);
+        let (unit, piece, offset) = self.units[u].clone();
+        let (buf, image) = self.gathered.take(u);
+        let mut gathers = Vec::new();
+        match (&self.casts[u], image) {
+            (Some(c), Some(image)) => {
+                let mine = self.mine(&unit, piece);
+                // This device's piece of each weight, cast into its place in the image.
+                for w in &c.weights {
+                    let part = w.range.start.max(mine.start)..w.range.end.min(mine.end);
+                    if !part.is_empty() {
+                        let (src, dst) = (part.start - mine.start + offset, part.start - unit.start);
+                        let state = w.state.expect("a state");
+                        be.fp8_quantize(
+                            image.at(dst, part.len()),
+                            self.params.at(src, part.len()),
+                            state,
+                            Scaling::Delayed,
+                            None,
+                        );
+                    }
+                }
+                // The rest of the piece, packed into this device's part of the scratch.
+                let rest = c.rest_piece();
+                let mut at = self.me * rest;
+                for (r, _) in &c.rest {
+                    let part = r.start.max(mine.start)..r.end.min(mine.end);
+                    if !part.is_empty() {
+                        let src = self.params.at(part.start - mine.start + offset, part.len());
+                        be.copy(self.rest_scratch.at(at, part.len()), src);
+                        at += part.len();
+                    }
+                }
+                gathers.push((image.at(self.me * piece, piece), image.at(0, piece * group.len())));
+                if rest > 0 {
+                    let scratch = self.rest_scratch;
+                    gathers.push((scratch.at(self.me * rest, rest), scratch.at(0, rest * group.len())));
+                }
+            }
+            (None, _) => gathers.push((self.params.at(offset, piece), buf.at(0, piece * group.len()))),
+            (Some(_), None) => {
+                unreachable!("internal error: an FSDP loan without the image its unit's FP8 gather needs")
+            }
         }
-        buf
+        for (mine, all) in gathers {
+            if ahead {
+                comm.all_gather_start(be, mine, all, group);
+            } else {
+                comm.all_gather(be, mine, all, group);
+            }
+        }
+        if ahead {
+            self.prefetched = Some(u);
+        } else {
+            self.unpack(be, u);
+        }
+        (buf, image)
+    }
+
+    /// Unpacks FP8 unit `u`'s gathered rest from the scratch into its loan: each device's part,
+    /// one after the other (nothing for a unit gathered whole).
+    fn unpack<B: Backend>(&mut self, be: &mut B, u: usize) {
+        let (Some(c), Some((buf, _))) = (&self.casts[u], self.gathered.find(u)) else { return };
+        let (rest, mut at) = (c.rest_piece(), 0);
+        for (j, &len) in c.rest_in.iter().enumerate().filter(|(_, len)| **len > 0) {
+            be.copy(buf.at(at, len), self.rest_scratch.at(j * rest, len));
+            at += len;
+        }
+    }
+
+    /// The window the passes read unit `u`'s parameters through, lent `(buf, image)`.
+    fn window(&self, u: usize, (buf, image): (View, Option<View>)) -> Window {
+        let start = self.units[u].0.start;
+        match (&self.casts[u], image) {
+            (Some(c), Some(image)) => {
+                let mut runs = [(0, 0, 0); CastWindow::RUNS];
+                for (k, (r, at)) in c.rest.iter().enumerate() {
+                    runs[k] = (r.start, r.len(), *at);
+                }
+                Window::cast(buf, start, CastWindow { image, runs, count: c.rest.len() })
+            }
+            _ => Window::from(buf, start),
+        }
     }
 
     /// Unit `u`'s parameters for `pass`, in a lent buffer: gathered over `group` unless this
@@ -264,17 +470,15 @@ impl Fsdp {
         if self.prefetched == Some(u) {
             self.settle(comm, be);
         }
-        let buf = match self.gathered.find(u) {
-            Some(buf) => buf,
+        let lent = match self.gathered.find(u) {
+            Some(lent) => lent,
             None => self.gather(comm, be, u, group, false),
         };
         let next = self.next_unit(u, pass).filter(|&n| self.options.prefetch && self.gathered.find(n).is_none());
         if let Some(next) = next {
-            self.settle(comm, be);
             self.gather(comm, be, next, group, true);
-            self.prefetched = Some(next);
         }
-        Window::from(buf, self.units[u].0.start)
+        self.window(u, lent)
     }
 
     /// `pass` is done with unit `u`'s parameters: the backward pass gives them back, and the
@@ -288,9 +492,9 @@ impl Fsdp {
     /// Unit `u`'s gradient, in a lent buffer zeroed when it is lent.
     pub(super) fn grads_needed<B: Backend>(&mut self, be: &mut B, u: usize) -> Window {
         let buf = match self.accumulating.find(u) {
-            Some(buf) => buf,
+            Some((buf, _)) => buf,
             None => {
-                let buf = self.accumulating.take(u);
+                let buf = self.accumulating.take(u).0;
                 be.fill(buf, 0.0);
                 buf
             }
@@ -309,7 +513,7 @@ impl Fsdp {
         group: &[usize],
     ) -> View {
         let (_, piece, offset) = self.units[u];
-        let buf = self.accumulating.find(u).expect("gradient buffer lent");
+        let buf = self.accumulating.find(u).expect("gradient buffer lent").0;
         let (all, sum) = (buf.at(0, piece * group.len()), buf.at(self.me * piece, piece));
         comm.reduce_scatter_sum(be, all, sum, group);
         let mine = self.grads.at(offset, piece);
@@ -324,11 +528,17 @@ impl Fsdp {
         self.gathered.release_all();
     }
 
-    /// Waits for the gather started ahead, if any.
+    /// Waits for the gather started ahead, if any, and unpacks its rest.
     fn settle<B: Backend>(&mut self, comm: &mut dyn Collectives<B>, be: &mut B) {
-        if self.prefetched.take().is_some() {
+        if let Some(u) = self.prefetched.take() {
             comm.wait(be);
+            self.unpack(be, u);
         }
+    }
+
+    /// Units gathered as FP8 casts, and units in all.
+    pub(super) fn cast_units(&self) -> (usize, usize) {
+        (self.casts.iter().flatten().count(), self.units.len())
     }
 
     /// The full-buffer element of shard element `x`.
@@ -343,6 +553,7 @@ impl Fsdp {
 mod tests {
     use super::*;
     use crate::backend::cpu::Cpu;
+    use crate::backend::fp8::{Fp8Format, State};
     use crate::config::recipe::resolve;
 
     /// tiny-gpt's layout (about 200,000 elements a layer) with `layers` layers.
@@ -362,7 +573,7 @@ mod tests {
         let mut be = Cpu::new();
         let mut owner = vec![usize::MAX; l.len];
         for me in 0..3 {
-            let f = Fsdp::new(&mut be, &l, 3, me, OPTIONS);
+            let f = Fsdp::new(&mut be, &l, (3, me), OPTIONS, &[]);
             for t in &l.tensors {
                 for (at, part) in f.parts_of(t.offset..t.offset + t.len()) {
                     for (k, x) in part.clone().enumerate() {
@@ -379,22 +590,72 @@ mod tests {
         assert!(owner.iter().all(|&o| o < 3), "an element in no piece");
     }
 
-    /// What the memory plan counts is what a device allocates, for every arrangement.
+    /// The layers' projection weights of `l` as FP8 gathers, each with a state from `be`.
+    fn cast_weights(l: &Layout, be: &mut Cpu) -> Vec<CastWeight> {
+        let projections = l.tensors.iter().filter(|t| t.name.starts_with("transformer.h.") && t.shape.len() == 2);
+        let state = State { view: be.alloc(BufKind::Scalars, State::len(0)), format: Fp8Format::E4M3 };
+        projections.map(|t| CastWeight { range: t.offset..t.offset + t.len(), state: Some(state) }).collect()
+    }
+
+    /// What the memory plan counts is what a device allocates, for every arrangement, with
+    /// and without FP8 gathers (which lend a layer a byte an element for its casts, and its
+    /// norms' and biases' elements in the model's precision).
     #[test]
     fn the_sizes_are_what_a_device_allocates() {
         for (layers, tied) in [(1, false), (3, false), (3, true)] {
             let l = layout(layers, tied);
             for (reshard_after_forward, prefetch) in [(true, true), (true, false), (false, true)] {
-                let options = FsdpOptions { reshard_after_forward, prefetch };
-                let f = Fsdp::new(&mut Cpu::new(), &l, 2, 0, options);
-                let lent = |loans: &Loans| loans.bufs.iter().map(|b| b.len).sum::<usize>();
-                let want = fsdp_sizes(&l, 2, options);
-                assert_eq!(
-                    (f.params.len, lent(&f.gathered), lent(&f.accumulating)),
-                    (want.shard, want.gathered, want.accumulating)
-                );
+                for fp8 in [false, true] {
+                    let options = FsdpOptions { reshard_after_forward, prefetch };
+                    let mut be = Cpu::new();
+                    let casts = if fp8 { cast_weights(&l, &mut be) } else { Vec::new() };
+                    let f = Fsdp::new(&mut be, &l, (3, 0), options, &casts);
+                    let lent = |loans: &Loans, fp8: bool| {
+                        loans.bufs.iter().map(|b| if fp8 { b.1.map_or(0, |v| v.len) } else { b.0.len }).sum::<usize>()
+                    };
+                    let want = fsdp_sizes(&l, 3, options, &casts);
+                    let got = (lent(&f.gathered, false) + f.rest_scratch.len, lent(&f.gathered, true));
+                    assert_eq!(
+                        (f.params.len, got, lent(&f.accumulating, false)),
+                        (want.shard, (want.gathered, want.gathered_fp8), want.accumulating)
+                    );
+                    assert_eq!(f.cast_units().0, if fp8 { layers } else { 0 });
+                    let plain = fsdp_sizes(&l, 3, options, &[]);
+                    if fp8 {
+                        assert!(2 * want.gathered + want.gathered_fp8 < 2 * plain.gathered, "{want:?} vs {plain:?}");
+                    }
+                }
             }
         }
+    }
+
+    /// An FP8 unit's window: the rest's tensors in the compact buffer, one after the other,
+    /// the weights as casts in the image at their places in the unit.
+    #[test]
+    fn a_cast_window_finds_each_tensor() {
+        let l = layout(1, false);
+        let mut be = Cpu::new();
+        let casts = cast_weights(&l, &mut be);
+        let f = Fsdp::new(&mut be, &l, (3, 0), OPTIONS, &casts);
+        let u = 1;
+        let (rest, image) = (f.casts[u].as_ref().unwrap().rest_len(), f.units[u].1 * 3);
+        let (buf, image) = (be.alloc(BufKind::Gathered, rest), be.alloc(BufKind::Fp8, image));
+        let w = f.window(u, (buf, Some(image)));
+        let unit = &f.units[u].0;
+        let mut compact = 0;
+        for t in l.tensors.iter().filter(|t| unit.contains(&t.offset)) {
+            match w.weight(t.offset, t.len()) {
+                crate::model::Weight::Cast(v) => {
+                    assert!(casts.iter().any(|c| c.range.start == t.offset), "{} gathered as a cast", t.name);
+                    assert_eq!((v.buf, v.offset), (image.buf, image.offset + t.offset - unit.start), "{}", t.name);
+                }
+                crate::model::Weight::Plain(v) => {
+                    assert_eq!((v.buf, v.offset, v.len), (buf.buf, compact, t.len()), "{}", t.name);
+                    compact += t.len();
+                }
+            }
+        }
+        assert_eq!(compact, rest);
     }
 
     /// A tied model gathers its embedding for the head while the layers come and go; a layer
@@ -402,7 +663,7 @@ mod tests {
     #[test]
     fn loans_follow_the_classes() {
         let l = layout(3, true);
-        let mut f = Fsdp::new(&mut Cpu::new(), &l, 2, 0, OPTIONS);
+        let mut f = Fsdp::new(&mut Cpu::new(), &l, (2, 0), OPTIONS, &[]);
         let head = f.units.len() - 1;
         let g = &mut f.gathered;
         let embed = g.take(0);

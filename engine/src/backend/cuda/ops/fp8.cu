@@ -172,6 +172,24 @@ extern "C" __global__ void fp8_cast_transposed(unsigned char* q, unsigned char* 
     cast_tile(q, plain, rows, cols, state, e5m2, record, [&](u64 at) { return bf2f(x[at]); });
 }
 
+// q [cols, rows] = x [rows, cols] transposed, byte for byte: a cast that arrived in one layout
+// (FSDP's FP8 gathers) in the other, its scale unchanged. cast_tile's tiles: a 32 × 32 tile a
+// block, through shared memory so that both the reads and the writes are along rows.
+extern "C" __global__ void fp8_transpose(unsigned char* q, const unsigned char* x, int rows, int cols) {
+    __shared__ unsigned char tile[32][33];
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    int c0 = blockIdx.x * 32, r0 = blockIdx.y * 32;
+    for (int dy = warp; dy < 32; dy += warps) {
+        int r = r0 + dy, c = c0 + lane;
+        if (r < rows && c < cols) tile[dy][lane] = x[(u64)r * cols + c];
+    }
+    __syncthreads();
+    for (int dy = warp; dy < 32; dy += warps) {
+        int c = c0 + dy, r = r0 + lane;
+        if (r < rows && c < cols) q[(u64)c * rows + r] = tile[lane][dy];
+    }
+}
+
 // RMSNorm cast to E4M3 in both layouts under the delayed recipe (the state's scale, the amax
 // recorded), in place of rmsnorm_forward's bf16 output and fp8_cast_transposed's pass over it:
 // q [rows, d], qt [d, rows] and rstd [rows]. A block takes 32 rows: their rstd one row at a time

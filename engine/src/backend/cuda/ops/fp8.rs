@@ -18,6 +18,7 @@ pub(crate) const MODULE: Module = Module {
         "fp8_amax_finish",
         "fp8_cast",
         "fp8_cast_transposed",
+        "fp8_transpose",
         "fp8_delayed_update",
         "adamw_fp8",
         "rmsnorm_fp8",
@@ -82,6 +83,21 @@ pub(crate) fn quantize(
             gpu.launch("fp8_cast_transposed", grid, 256, 0, &args);
         }
     }
+}
+
+/// `Backend::fp8_transpose`: `fp8.cu`'s tiles, one launch.
+pub(crate) fn transpose(gpu: &mut Cuda, q: View, x: View, cols: usize) {
+    assert_eq!(q.len, x.len, "internal error: fp8_transpose: q and x differ in length");
+    gpu.expect(x, DType::Fp8, "fp8_transpose", "x");
+    gpu.expect(q, DType::Fp8, "fp8_transpose", "q");
+    assert!(!q.overlaps(x), "internal error: fp8_transpose in place");
+    let rows = x.len / cols;
+    assert_eq!(rows * cols, x.len, "internal error: fp8_transpose: {} elements are not rows of {cols}", x.len);
+    let grid = (cols.div_ceil(32) as u32, rows.div_ceil(32) as u32, 1);
+    assert!(grid.1 < 65536, "internal error: fp8_transpose: {rows} rows are more than a grid takes");
+    let (qp, xp) = (gpu.out(q, "fp8_transpose"), gpu.ptr(x));
+    let args = [Arg::P(qp), Arg::P(xp), Arg::I(c_int(rows, "rows")), Arg::I(c_int(cols, "cols"))];
+    gpu.launch("fp8_transpose", grid, 256, 0, &args);
 }
 
 /// `Backend::rmsnorm_fp8`: a block of `rmsnorm_forward`'s threads (and vector width) per 32
