@@ -165,6 +165,11 @@ pub fn amax(x: &[f32]) -> f32 {
     x.par_chunks(1 << 14).map(|c| c.iter().fold(0f32, |m, &v| nan_max(m, v))).reduce(|| 0.0, nan_max)
 }
 
+/// Records `x`'s amax in `state` as a delayed cast does (the larger, NaN sticking).
+pub fn record_amax(state: &mut [f32], x: &[f32]) {
+    state[slot::AMAX] = nan_max(state[slot::AMAX], amax(x));
+}
+
 /// The scale that maps `amax` onto the format's largest value `max`, divided by `2^margin`;
 /// `None` when the amax gives none (zero, infinite or NaN): the scale then stays as it was.
 pub fn scale_for(amax: f32, max: f32, margin: u32) -> Option<f32> {
@@ -192,7 +197,7 @@ pub fn quantize(
             state[slot::SCALE] = scale;
             state[slot::INV_SCALE] = 1.0 / scale;
         }
-        Scaling::Delayed => state[slot::AMAX] = nan_max(state[slot::AMAX], amax(x)),
+        Scaling::Delayed => record_amax(state, x),
         Scaling::Again => {}
     }
     let scale = state[slot::SCALE];
@@ -216,7 +221,9 @@ pub fn quantize(
 
 /// The delayed recipe's step: each operand's recorded amax enters its history (newest first,
 /// the oldest leaves), and its scale becomes `max / max(history) / 2^margin` (unchanged when the
-/// history gives none). `states` holds operands of `stride` elements each.
+/// history gives none); a state without history takes `max / amax / 2^margin` from the amax
+/// recorded (FSDP's tensorwise weights, whose pieces' amaxes the group maxed). `states` holds
+/// operands of `stride` elements each.
 pub fn delayed_update(states: &mut [f32], stride: usize, margin: u32) {
     for s in states.chunks_exact_mut(stride) {
         let amax = s[slot::AMAX];
@@ -226,7 +233,11 @@ pub fn delayed_update(states: &mut [f32], stride: usize, margin: u32) {
             history[0] = amax;
         }
         s[slot::AMAX] = 0.0;
-        let newest = s[slot::HISTORY..].iter().fold(0f32, |m, &v| if v.is_nan() { m } else { m.max(v) });
+        // A state without history takes its scale from the amax recorded (tensorwise weights
+        // whose amax FSDP's pieces recorded: the whole weight's, once the group maxed it).
+        let largest = |m: f32, &v: &f32| if v.is_nan() { m } else { m.max(v) };
+        let newest =
+            if s.len() == slot::HISTORY { largest(0.0, &amax) } else { s[slot::HISTORY..].iter().fold(0f32, largest) };
         if let Some(scale) = scale_for(newest, s[slot::MAX], margin) {
             s[slot::SCALE] = scale;
             s[slot::INV_SCALE] = 1.0 / scale;

@@ -693,6 +693,12 @@ pub trait Backend {
         self.copy(out, c);
         self.matmul_fp8(out, a, b, shape.accumulating(), scales, fast);
     }
+    /// Records `x`'s amax in `state` (the larger of it and the amax there, NaN sticking), as a
+    /// delayed cast would, without casting: a weight's piece under FSDP, whose group then takes
+    /// the maximum.
+    fn fp8_amax(&mut self, _state: fp8::State, _x: View) {
+        unreachable!("internal error: {} has no FP8 ops (Backend::supports_fp8)", self.describe())
+    }
     /// Delayed scaling's step ([`fp8::delayed_update`]) over operand states of `stride` elements
     /// laid back to back in `states`.
     fn fp8_delayed_update(&mut self, _states: View, _stride: usize, _margin: u32) {

@@ -175,6 +175,9 @@ impl<B: Backend> Backend for Traced<B> {
     fn fp8_quantize_both(&mut self, q: View, qt: View, x: View, state: fp8::State, scaling: fp8::Scaling, cols: usize) {
         self.time("fp8_quantize", |be| be.fp8_quantize_both(q, qt, x, state, scaling, cols))
     }
+    fn fp8_amax(&mut self, state: fp8::State, x: View) {
+        self.time("fp8_amax", |be| be.fp8_amax(state, x))
+    }
     fn fp8_transpose(&mut self, q: View, x: View, cols: usize) {
         self.time("fp8_transpose", |be| be.fp8_transpose(q, x, cols))
     }

@@ -199,6 +199,10 @@ pub struct CastWeight {
     pub range: std::ops::Range<usize>,
     /// Its scaling state.
     pub state: Option<State>,
+    /// The recipe's: [`Scaling::Delayed`] (each piece cast with the state's scale, its amax
+    /// recorded) or [`Scaling::Current`] (the scale from the whole weight's amax, taken once
+    /// the weights changed, before the pieces are cast).
+    pub scaling: Scaling,
 }
 
 /// A linear layer's input kept cast for its weight gradient ([`Model::fp8_kept`]): `xᵀ`
@@ -420,6 +424,10 @@ impl Model {
     pub fn fp8_cast_weights(&self, n: usize, p: Option<&Plan>) -> Vec<CastWeight> {
         let Some(policy) = self.fp8.as_ref().filter(|_| self.fp8_gathers) else { return Vec::new() };
         let covered = Linear::ALL.map(|l| policy.covers(&self.config, l, n));
+        let scaling = match policy.config.recipe {
+            Fp8Recipe::Tensorwise => Scaling::Current,
+            Fp8Recipe::Delayed => Scaling::Delayed,
+        };
         let mut casts = Vec::new();
         for (i, layer) in self.layout.stage.layer_indices().enumerate() {
             let mut weights: Vec<CastWeight> = (Linear::ALL.iter().filter(|l| covered[**l as usize]))
@@ -427,7 +435,7 @@ impl Model {
                     let (inp, out) = linear.widths(&self.config);
                     let offset = weight_offset(&self.layout.layers[i], linear);
                     let state = p.and_then(|p| p.fp8).map(|f| f.state(layer, linear, Operand::W));
-                    CastWeight { range: offset..offset + inp * out, state }
+                    CastWeight { range: offset..offset + inp * out, state, scaling }
                 })
                 .collect();
             weights.sort_by_key(|w| w.range.start);

@@ -76,8 +76,7 @@ pub struct Model {
     pub fp8_weight_copies: bool,
     /// Whether FSDP gathers the FP8 products' weights as their E4M3 casts, one byte an element
     /// (`parallel/strategies/fsdp.rs`; [`Model::fp8_cast_weights`]), which the passes then read
-    /// instead of casting: under the delayed recipe (the scale is known before the cast, and the
-    /// same on every device), on an fsdp × seq group. Set before planning.
+    /// instead of casting: on an fsdp × seq group. Set before planning.
     pub fp8_gathers: bool,
     /// Whether the FP8 forward passes keep, for the backward pass, the transposed casts of the
     /// inputs that only a weight gradient reads (q/k/v's, gate/up's and down's: the norms' and

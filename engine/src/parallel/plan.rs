@@ -208,10 +208,8 @@ impl ParallelPlan {
         model.fp8_weight_copies =
             model.fp8_weight_cache && config.train.fp8.recipe == crate::config::Fp8Recipe::Delayed;
         model.fp8_keep_inputs = true;
-        // FSDP gathers the casts where each device's scale is the same before it casts.
-        model.fp8_gathers = !model.fp8_weight_cache
-            && self.mesh.size(Axis::Fsdp) * self.mesh.size(Axis::Seq) > 1
-            && config.train.fp8.recipe == crate::config::Fp8Recipe::Delayed;
+        // FSDP gathers the weights' casts.
+        model.fp8_gathers = !model.fp8_weight_cache && self.mesh.size(Axis::Fsdp) * self.mesh.size(Axis::Seq) > 1;
         #[cfg(test)]
         if NO_FP8_GATHERS.get() {
             model.fp8_gathers = false;

@@ -418,6 +418,7 @@ impl<B: Backend> Parallel<B> {
     pub fn after_step(&mut self, be: &mut B) {
         if let Some(f) = &mut self.fsdp {
             f.give_back(&mut *self.comm, be);
+            f.weights_changed();
         }
     }
 

@@ -341,10 +341,9 @@ fn two_devices(
     let (one, fsdp) = (config(&["train.batch_size=2"]), config(&[&["train.batch_size=1"], mesh].concat()));
     let (single, _) = train_losses(gpu, &one, steps)?;
     let plan = ParallelPlan::resolve(&fsdp, 2, 1).map_err(failure)?;
-    // Under FP8's delayed recipe FSDP gathers every layer as its weights' casts.
-    let t = &fsdp.train;
-    let fp8_gathers = t.precision == crate::config::Precision::Fp8 && t.fp8.recipe == crate::config::Fp8Recipe::Delayed;
-    let want_casts = if fp8_gathers { fsdp.model.n_layers } else { 0 };
+    // Under FP8 FSDP gathers every layer as its weights' casts.
+    let fp8 = fsdp.train.precision == crate::config::Precision::Fp8;
+    let want_casts = if fp8 { fsdp.model.n_layers } else { 0 };
     let device = |comm: Virtual| -> Result<(Vec<f64>, usize, usize), String> {
         let gpu = Cuda::emulated().map_err(failure)?;
         let estimate = plan.estimate(&fsdp, Target::Cuda { sm_count: gpu.info().sm_count as usize }).total();

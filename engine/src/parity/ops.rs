@@ -240,6 +240,16 @@ pub(super) fn fp8(gpu: Cuda, m: usize, n: usize, k: usize) -> Result<String, Str
         be.fp8_quantize(xq, x, delayed, Scaling::Delayed, None);
         be.fp8_delayed_update(delayed.view, delayed.view.len, 1);
     });
+    // FSDP's tensorwise weights: the amaxes of two pieces recorded without a cast, then a
+    // state without history takes its scale from them: W's whole cast's scale.
+    let pieces = t.set(F32S, &State::initial(Fp8Format::E4M3, 0));
+    let pieces = State { view: pieces, format: Fp8Format::E4M3 };
+    t.both(|be| {
+        let half = w.len / 2;
+        be.fp8_amax(pieces, w.at(0, half));
+        be.fp8_amax(pieces, w.at(half, w.len - half));
+        be.fp8_delayed_update(pieces.view, pieces.view.len, 0);
+    });
     // The fused casts (the GPU's one pass for dy's two layouts, the delayed recipe's amax taken
     // as it casts), whose bytes must be the CPU's, which casts as the unfused path does: dy into
     // both layouts, tensorwise and delayed (E5M2), and x transposed, delayed (E4M3), each delayed
@@ -286,8 +296,15 @@ pub(super) fn fp8(gpu: Cuda, m: usize, n: usize, k: usize) -> Result<String, Str
         ("dy cast into both layouts", sdy2),
         ("delayed dy cast into both layouts, after two updates", dyd),
         ("delayed x cast transposed, after two updates", xtd),
+        ("W's pieces' amaxes, scaled without history", pieces),
     ] {
         t.check(&format!("{what}'s scaling state"), s.view, Tol { rel_l2: 0.0, max: 0.0 })?;
+    }
+    let (mut whole, mut from_pieces) = (vec![0f32; sw.view.len], vec![0f32; pieces.view.len]);
+    t.cpu.download(sw.view, &mut whole);
+    t.cpu.download(pieces.view, &mut from_pieces);
+    if whole[..2] != from_pieces[..2] {
+        return Err(format!("W's scale from its pieces' amaxes {:?}, from its whole cast {:?}", from_pieces, whole));
     }
     t.check("x·Wᵀ in FP8 (fast accumulation, bf16 out)", y, BF16)?;
     t.check("residual + x·Wᵀ in FP8, the residual in the epilogue", sum, BF16)?;

@@ -1397,16 +1397,17 @@ mod tests {
         }
 
         /// FSDP's FP8 gathers (each device casts its pieces, the casts travel and the passes
-        /// read them, Wᵀ transposed from them) change no bit against gathering bf16 and the
-        /// passes casting: losses, the final parameters, the scaling states; every layer
-        /// travels as casts, with and without prefetch, and the GPU plan is smaller.
+        /// read them, Wᵀ transposed from them; tensorwise, the scales from the group's maximum
+        /// of the pieces' amaxes) change no bit against gathering bf16 and the passes casting:
+        /// losses, the final parameters, the scaling states; every layer travels as casts, both
+        /// recipes, with and without prefetch, and the GPU plan is smaller.
         #[test]
         fn fsdp_fp8_gathers_change_no_bit() {
             use crate::parallel::plan::NO_FP8_GATHERS;
-            for prefetch in ["true", "false"] {
-                let prefetch = format!("mesh.fsdp_prefetch={prefetch}");
-                let sets = ["mesh.ici_data=1", "mesh.ici_fsdp=2", "train.steps=3", "model.n_layers=3", &prefetch];
-                let c = fp8_config("delayed", &sets);
+            for (recipe, prefetch) in [("delayed", "true"), ("delayed", "false"), ("tensorwise", "true")] {
+                let prefetch = format!("{recipe}, mesh.fsdp_prefetch={prefetch}");
+                let sets = ["mesh.ici_data=1", "mesh.ici_fsdp=2", "train.steps=3", "model.n_layers=3"];
+                let c = fp8_config(recipe, &[&sets[..], &[&prefetch[recipe.len() + 2..]]].concat());
                 let go = |gathers: bool| {
                     NO_FP8_GATHERS.set(!gathers);
                     let runs = run(&c, 2, |_, t| {

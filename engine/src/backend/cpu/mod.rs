@@ -301,6 +301,11 @@ impl Backend for Cpu {
         fp8::quantize(q, x, s, state.format, scaling, transpose);
     }
 
+    fn fp8_amax(&mut self, state: fp8::State, x: View) {
+        let (s, [x]) = self.mem.io(state.view, [x]);
+        fp8::record_amax(s, x);
+    }
+
     fn fp8_transpose(&mut self, q: View, x: View, cols: usize) {
         assert_eq!(q.len, x.len, "internal error: fp8_transpose: q and x differ in length");
         let (q, [x]) = self.mem.io(q, [x]);

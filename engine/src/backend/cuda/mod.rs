@@ -778,6 +778,10 @@ impl Backend for Cuda {
         ops::fp8::quantize(self, (qt, Some(q)), x, state, scaling, Some(cols))
     }
 
+    fn fp8_amax(&mut self, state: fp8::State, x: View) {
+        ops::fp8::amax(self, state, x)
+    }
+
     fn fp8_transpose(&mut self, q: View, x: View, cols: usize) {
         ops::fp8::transpose(self, q, x, cols)
     }

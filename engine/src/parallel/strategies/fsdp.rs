@@ -2,12 +2,14 @@
 //! buffers it lends the passes for the time of a use (its loans), gathering parameters and
 //! reduce-scattering gradients, and the sizes of all of it for the memory plan.
 //!
-//! **FP8 gathers** (`train.precision = "fp8"`, delayed recipe: torchao's float8 all-gather). A
-//! unit whose weights run in FP8 products travels as their E4M3 casts where that moves fewer
-//! bytes: each device casts its piece of each such weight with the weight's scale (the delayed
-//! recipe's, the same on every device: the amaxes are maxed over the batch group before each
-//! update, so the scale needs no message of its own) and records its piece's amax (the max over
-//! the group is the whole weight's); the unit's casts are gathered at one byte an element into
+//! **FP8 gathers** (`train.precision = "fp8"`: torchao's float8 all-gather). A unit whose
+//! weights run in FP8 products travels as their E4M3 casts where that moves fewer bytes: each
+//! device casts its piece of each such weight with the weight's scale, the same on every device
+//! so that no scale travels. Under the delayed recipe it is the last update's (the amaxes are
+//! maxed over the batch group before each update), and each piece records its amax (the group's
+//! maximum is the whole weight's). Under tensorwise scaling it is the whole weight's amax's,
+//! taken once the weights changed ([`Fsdp::scale_weights`]: the pieces' amaxes, their maximum
+//! over the group). The unit's casts are gathered at one byte an element into
 //! an image of the unit, where the passes read each weight's cast in place of casting it
 //! ([`crate::model::Weight::Cast`]). The rest of the unit (norms, biases, whatever runs in the
 //! model's precision) is gathered in bf16 into a compact buffer: each device packs its pieces'
@@ -15,7 +17,7 @@
 
 use std::ops::Range;
 
-use crate::backend::fp8::Scaling;
+use crate::backend::fp8::{Scaling, slot};
 use crate::backend::{Backend, BufKind, Segment, View};
 use crate::model::{CastWeight, CastWindow, Layout, Pass, Window};
 use crate::parallel::comm::Collectives;
@@ -38,6 +40,9 @@ pub(super) struct Fsdp {
     /// The rest parts of an FP8 unit's gather, each device's padded to the longest
     /// ([`CastUnit::rest_piece`]) before they are unpacked into the loan.
     rest_scratch: View,
+    /// Whether the weights changed since their tensorwise scales were last taken
+    /// ([`Fsdp::scale_weights`]).
+    scales_stale: bool,
     options: FsdpOptions,
     pub(super) segments: Vec<Segment>,
     /// This device's position in the fsdp group.
@@ -321,6 +326,7 @@ impl Fsdp {
             prefetched: None,
             casts,
             rest_scratch,
+            scales_stale: true,
             options,
             segments: Vec::new(),
             me,
@@ -373,6 +379,9 @@ impl Fsdp {
     ) -> (View, Option<View>) {
         // One gather at a time uses the rest's scratch.
         self.settle(comm, be);
+        if self.scales_stale && self.casts[u].is_some() {
+            self.scale_weights(comm, be, group);
+        }
         let (unit, piece, offset) = self.units[u].clone();
         let (buf, image) = self.gathered.take(u);
         let mut gathers = Vec::new();
@@ -384,12 +393,14 @@ impl Fsdp {
                     let part = w.range.start.max(mine.start)..w.range.end.min(mine.end);
                     if !part.is_empty() {
                         let (src, dst) = (part.start - mine.start + offset, part.start - unit.start);
-                        let state = w.state.expect("a state");
+                        let (state, (q, x)) =
+                            (w.state.expect("a state"), (image.at(dst, part.len()), self.params.at(src, part.len())));
+                        // Tensorwise: the whole weight's scale ([`Fsdp::scale_weights`]).
                         be.fp8_quantize(
-                            image.at(dst, part.len()),
-                            self.params.at(src, part.len()),
+                            q,
+                            x,
                             state,
-                            Scaling::Delayed,
+                            if w.scaling == Scaling::Current { Scaling::Again } else { w.scaling },
                             None,
                         );
                     }
@@ -429,6 +440,35 @@ impl Fsdp {
             self.unpack(be, u);
         }
         (buf, image)
+    }
+
+    /// The tensorwise weights' scales from their whole amaxes, once the weights changed (as
+    /// torchao precomputes its float8 all-gather's scales after the optimizer step): each
+    /// device's pieces' amax, the group's maximum, the scale it gives
+    /// ([`crate::backend::fp8::delayed_update`] of a state without history). The same scale a
+    /// cast of the whole weight sets.
+    fn scale_weights<B: Backend>(&mut self, comm: &mut dyn Collectives<B>, be: &mut B, group: &[usize]) {
+        self.scales_stale = false;
+        for (u, c) in self.casts.iter().enumerate() {
+            let Some(c) = c else { continue };
+            let (unit, piece, offset) = &self.units[u];
+            let mine = self.mine(unit, *piece);
+            for w in c.weights.iter().filter(|w| w.scaling == Scaling::Current) {
+                let state = w.state.expect("a state");
+                let part = w.range.start.max(mine.start)..w.range.end.min(mine.end);
+                if !part.is_empty() {
+                    be.fp8_amax(state, self.params.at(part.start - mine.start + offset, part.len()));
+                }
+                comm.all_reduce_max(be, state.view.at(slot::AMAX, 1), group);
+                be.fp8_delayed_update(state.view, state.view.len, 0);
+            }
+        }
+    }
+
+    /// The optimizer (or a checkpoint) changed the weights: their tensorwise scales are taken
+    /// again before the next gather.
+    pub(super) fn weights_changed(&mut self) {
+        self.scales_stale = true;
     }
 
     /// Unpacks FP8 unit `u`'s gathered rest from the scratch into its loan: each device's part,
@@ -594,7 +634,9 @@ mod tests {
     fn cast_weights(l: &Layout, be: &mut Cpu) -> Vec<CastWeight> {
         let projections = l.tensors.iter().filter(|t| t.name.starts_with("transformer.h.") && t.shape.len() == 2);
         let state = State { view: be.alloc(BufKind::Scalars, State::len(0)), format: Fp8Format::E4M3 };
-        projections.map(|t| CastWeight { range: t.offset..t.offset + t.len(), state: Some(state) }).collect()
+        projections
+            .map(|t| CastWeight { range: t.offset..t.offset + t.len(), state: Some(state), scaling: Scaling::Delayed })
+            .collect()
     }
 
     /// What the memory plan counts is what a device allocates, for every arrangement, with

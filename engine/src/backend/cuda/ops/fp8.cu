@@ -282,18 +282,21 @@ extern "C" __global__ void adamw_fp8(float* p, bf16* p16, float* g, float* m, fl
 }
 
 // The delayed recipe's step, one thread an operand: the recorded amax enters the history
-// (newest first), and the scale becomes max / max(history) / 2^margin where that is usable.
+// (newest first), and the scale becomes max / max(history) / 2^margin where that is usable; a
+// state without history takes it from the recorded amax (backend/fp8.rs's delayed_update).
 extern "C" __global__ void fp8_delayed_update(float* states, int operands, int stride, int margin) {
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= operands) return;
     float* s = states + (u64)i * stride;
     int history = stride - FP8_HISTORY;
+    float amax = s[FP8_AMAX];
     if (history > 0) {
         for (int h = history - 1; h > 0; h--) s[FP8_HISTORY + h] = s[FP8_HISTORY + h - 1];
         s[FP8_HISTORY] = s[FP8_AMAX];
     }
     s[FP8_AMAX] = 0.f;
-    float newest = 0.f;
+    // Without history, the amax recorded (FSDP's tensorwise weights: the group's maximum).
+    float newest = history == 0 && amax == amax && amax > 0.f ? amax : 0.f;
     for (int h = 0; h < history; h++) {
         float v = s[FP8_HISTORY + h];
         if (v == v && v > newest) newest = v;

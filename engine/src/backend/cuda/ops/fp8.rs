@@ -60,12 +60,7 @@ pub(crate) fn quantize(
     let n = x.len as u64;
     let record = scaling == Scaling::Delayed && !gpu.fp8_unfused;
     if scaling == Scaling::Current || (scaling == Scaling::Delayed && !record) {
-        let most = super::elementwise::sum_blocks(gpu.dev.info().sm_count as usize);
-        let parts = gpu.scratch(Scratch::SumPartials, most * 8);
-        let blocks = n.div_ceil(256).clamp(1, most as u64) as u32;
-        gpu.launch("fp8_amax_partials", (blocks, 1, 1), 256, 0, &[Arg::P(xp), Arg::U(n), Arg::P(parts)]);
-        let current = Arg::I((scaling == Scaling::Current) as i32);
-        gpu.launch("fp8_amax_finish", (1, 1, 1), 256, 0, &[Arg::P(parts), Arg::I(blocks as i32), Arg::P(sp), current]);
+        amax_pass(gpu, (xp, n), sp, scaling == Scaling::Current);
     }
     let (e5m2, record) = (Arg::I((state.format == Fp8Format::E5M2) as i32), Arg::I(record as i32));
     match transpose {
@@ -83,6 +78,26 @@ pub(crate) fn quantize(
             gpu.launch("fp8_cast_transposed", grid, 256, 0, &args);
         }
     }
+}
+
+/// `Backend::fp8_amax`: the tensorwise cast's amax pass (block partials, then their maximum),
+/// recorded as the delayed recipe records it.
+pub(crate) fn amax(gpu: &mut Cuda, state: State, x: View) {
+    gpu.expect(x, DType::Bf16, "fp8_amax", "x");
+    gpu.expect(state.view, DType::F32, "fp8_amax", "state");
+    let (xp, sp) = (gpu.ptr(x), gpu.out(state.view, "fp8_amax"));
+    amax_pass(gpu, (xp, x.len as u64), sp, false);
+}
+
+/// The amax of the `n` bf16 elements at `xp` into the state at `sp`: block partials, then their
+/// maximum, which sets the scale (`current`, tensorwise) or is recorded.
+fn amax_pass(gpu: &mut Cuda, (xp, n): (u64, u64), sp: u64, current: bool) {
+    let most = super::elementwise::sum_blocks(gpu.dev.info().sm_count as usize);
+    let parts = gpu.scratch(Scratch::SumPartials, most * 8);
+    let blocks = n.div_ceil(256).clamp(1, most as u64) as u32;
+    gpu.launch("fp8_amax_partials", (blocks, 1, 1), 256, 0, &[Arg::P(xp), Arg::U(n), Arg::P(parts)]);
+    let args = [Arg::P(parts), Arg::I(blocks as i32), Arg::P(sp), Arg::I(current as i32)];
+    gpu.launch("fp8_amax_finish", (1, 1, 1), 256, 0, &args);
 }
 
 /// `Backend::fp8_transpose`: `fp8.cu`'s tiles, one launch.
