@@ -156,6 +156,11 @@ fn cast_units(units: &[UnitPiece], size: usize, casts: &[CastWeight]) -> Vec<Opt
         .collect()
 }
 
+/// Where two ranges meet (empty where they do not).
+fn overlap(a: &Range<usize>, b: &Range<usize>) -> Range<usize> {
+    a.start.max(b.start)..a.end.min(b.end)
+}
+
 /// The full-buffer range of device `j`'s piece of a unit.
 fn piece_of(range: &Range<usize>, piece: usize, j: usize) -> Range<usize> {
     (range.start + j * piece).min(range.end)..(range.start + (j + 1) * piece).min(range.end)
@@ -367,6 +372,12 @@ impl Fsdp {
         piece_of(range, piece, self.me)
     }
 
+    /// `part` (a full-buffer range inside this device's piece of unit `u`) in the shard.
+    fn piece_part(&self, u: usize, part: &Range<usize>) -> View {
+        let (unit, piece, offset) = &self.units[u];
+        self.params.at(offset + part.start - self.mine(unit, *piece).start, part.len())
+    }
+
     /// Gathers unit `u`'s parameters into a lent buffer (started only, with `ahead`; an FP8
     /// unit's rest is unpacked when it is waited for, [`Fsdp::settle`]).
     fn gather<B: Backend>(
@@ -390,31 +401,21 @@ impl Fsdp {
                 let mine = self.mine(&unit, piece);
                 // This device's piece of each weight, cast into its place in the image.
                 for w in &c.weights {
-                    let part = w.range.start.max(mine.start)..w.range.end.min(mine.end);
-                    if !part.is_empty() {
-                        let (src, dst) = (part.start - mine.start + offset, part.start - unit.start);
-                        let (state, (q, x)) =
-                            (w.state.expect("a state"), (image.at(dst, part.len()), self.params.at(src, part.len())));
-                        // Tensorwise: the whole weight's scale ([`Fsdp::scale_weights`]).
-                        be.fp8_quantize(
-                            q,
-                            x,
-                            state,
-                            if w.scaling == Scaling::Current { Scaling::Again } else { w.scaling },
-                            None,
-                        );
+                    let part = overlap(&w.range, &mine);
+                    if part.is_empty() {
+                        continue;
                     }
+                    let (q, x) = (image.at(part.start - unit.start, part.len()), self.piece_part(u, &part));
+                    // Tensorwise: the whole weight's scale ([`Fsdp::scale_weights`]).
+                    let scaling = if w.scaling == Scaling::Current { Scaling::Again } else { w.scaling };
+                    be.fp8_quantize(q, x, w.state.expect("a state"), scaling, None);
                 }
                 // The rest of the piece, packed into this device's part of the scratch.
                 let rest = c.rest_piece();
                 let mut at = self.me * rest;
-                for (r, _) in &c.rest {
-                    let part = r.start.max(mine.start)..r.end.min(mine.end);
-                    if !part.is_empty() {
-                        let src = self.params.at(part.start - mine.start + offset, part.len());
-                        be.copy(self.rest_scratch.at(at, part.len()), src);
-                        at += part.len();
-                    }
+                for part in c.rest.iter().map(|(r, _)| overlap(r, &mine)).filter(|p| !p.is_empty()) {
+                    be.copy(self.rest_scratch.at(at, part.len()), self.piece_part(u, &part));
+                    at += part.len();
                 }
                 gathers.push((image.at(self.me * piece, piece), image.at(0, piece * group.len())));
                 if rest > 0 {
@@ -451,13 +452,11 @@ impl Fsdp {
         self.scales_stale = false;
         for (u, c) in self.casts.iter().enumerate() {
             let Some(c) = c else { continue };
-            let (unit, piece, offset) = &self.units[u];
-            let mine = self.mine(unit, *piece);
+            let mine = self.mine(&self.units[u].0, self.units[u].1);
             for w in c.weights.iter().filter(|w| w.scaling == Scaling::Current) {
-                let state = w.state.expect("a state");
-                let part = w.range.start.max(mine.start)..w.range.end.min(mine.end);
+                let (state, part) = (w.state.expect("a state"), overlap(&w.range, &mine));
                 if !part.is_empty() {
-                    be.fp8_amax(state, self.params.at(part.start - mine.start + offset, part.len()));
+                    be.fp8_amax(state, self.piece_part(u, &part));
                 }
                 comm.all_reduce_max(be, state.view.at(slot::AMAX, 1), group);
                 be.fp8_delayed_update(state.view, state.view.len, 0);
