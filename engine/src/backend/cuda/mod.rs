@@ -710,24 +710,26 @@ impl Backend for Cuda {
     }
 
     fn download_message(&mut self, src: View, dst: &mut [f32]) {
-        if self.exact(src).1 != DType::Fp8 {
+        let (ptr, t) = self.exact(src);
+        if t != DType::Fp8 {
             return self.download(src, dst);
         }
         assert_eq!(src.len, dst.len(), "internal error: download length");
         self.sync_check("download");
         let mut bytes = vec![0u8; src.len];
-        self.dev.download(&mut bytes, self.exact(src).0);
+        self.dev.download(&mut bytes, ptr);
         dst.iter_mut().zip(bytes).for_each(|(d, b)| *d = f32::from(b));
     }
 
     fn upload_message(&mut self, dst: View, src: &[f32]) {
-        if self.exact(dst).1 != DType::Fp8 {
+        let (ptr, t) = self.exact(dst);
+        if t != DType::Fp8 {
             return self.upload(dst, src);
         }
         assert_eq!(dst.len, src.len(), "internal error: upload length");
         self.sync_check("upload");
         let bytes: Vec<u8> = src.iter().map(|&x| x as u8).collect();
-        self.dev.upload(self.exact(dst).0, &bytes);
+        self.dev.upload(ptr, &bytes);
     }
 
     fn download_idx(&mut self, src: IdxView, dst: &mut [u32]) {
