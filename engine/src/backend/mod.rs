@@ -411,6 +411,24 @@ impl MoeDispatch {
     }
 }
 
+/// The fixed-size parts of the expert axis's token exchange ([`Backend::moe_pack`]): `members`
+/// parts of `rows` rows each, part `j` holding the rows bound for (or back from) member `j`,
+/// whose experts are `[j·local, (j+1)·local)`. Every exchange moves whole parts, so its shape
+/// never depends on the routing: no count comes back to the host and a CUDA graph can hold it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Parts {
+    /// Members of the expert group.
+    pub members: usize,
+    /// Experts per member.
+    pub local: usize,
+    /// Rows per part: the most one member routes to another's experts.
+    pub rows: usize,
+}
+
+/// A host function in the stream of work ([`Backend::host_call`]): reads the messages of one
+/// view, writes those of another.
+pub type HostFn = std::sync::Arc<dyn Fn(&[f32], &mut [f32]) + Send + Sync>;
+
 /// The weights of all experts of a layer for one projection: expert e's weight is the view
 /// `first` moved `e · stride` elements on (experts are stored back to back, each a block holding
 /// all its projections).
@@ -587,6 +605,19 @@ pub trait Backend {
     /// Writes what [`Backend::download_message`] read (from this device or a peer) into `dst`.
     fn upload_message(&mut self, dst: View, src: &[f32]) {
         self.upload(dst, src)
+    }
+    /// Calls `f` in order with the work issued, on the messages of `reads` (as
+    /// [`Backend::download_message`] reads them), writing what it leaves in its second argument
+    /// (`writes.len` messages) to `writes` (as [`Backend::upload_message`]): where work is
+    /// recorded ([`Backend::begin_section`]) the call is recorded too and made again at each
+    /// replay, so that collectives moving data through the host (the virtual devices') may sit
+    /// inside a recorded section. Here, at once.
+    fn host_call(&mut self, reads: View, writes: View, f: HostFn) {
+        let mut input = vec![0f32; reads.len];
+        self.download_message(reads, &mut input);
+        let mut output = vec![0f32; writes.len];
+        f(&input, &mut output);
+        self.upload_message(writes, &output);
     }
     /// Sets every element of a view.
     fn fill(&mut self, dst: View, value: f32);
@@ -1083,6 +1114,26 @@ pub trait Backend {
         counts: View,
         aux_scale: f32,
     );
+    /// Packs rows grouped by expert (`offsets`, `[E + 1]`, as [`MoeDispatch::offsets`]) into
+    /// `parts`: part `j` of `dst` (`rows` rows of `width`) takes the rows of member `j`'s experts,
+    /// `offsets[j·L] .. offsets[(j+1)·L]`, in order, and zeros after them.
+    ///
+    /// ```text
+    /// src: [ e0 e0 e1 | e2 | e3 e3 e3 ]         offsets [0, 2, 3, 4, 7], L = 2, rows = 4
+    /// dst: [ e0 e0 e1 0 | e2 e3 e3 e3 ]
+    /// ```
+    fn moe_pack(&mut self, dst: View, src: View, offsets: IdxView, parts: Parts, width: usize);
+    /// The inverse of [`Backend::moe_pack`] (its adjoint, rows being moved): the rows of part
+    /// `j` of `src` go back to `offsets[j·L] ..` of `dst`; the parts' zeros go nowhere.
+    fn moe_unpack(&mut self, dst: View, src: View, offsets: IdxView, parts: Parts, width: usize);
+    /// `counts[e] = offsets[e + 1] − offsets[e]` for the `counts.len()` experts: the rows of
+    /// each expert, as numbers, for the exchange that tells each member what it receives.
+    fn moe_counts(&mut self, counts: View, offsets: IdxView);
+    /// The runs of the rows a member received in parts ([`Backend::moe_pack`] on every sender),
+    /// from `counts` (`[members · L]`: what each sender sent each local expert), as the grouped
+    /// expert products read them: sender `s`'s `L + 1` offsets, `runs[s·(L+1) + l] = s·rows +
+    /// Σ_{i<l} counts[s·L + i]`.
+    fn moe_runs(&mut self, runs: IdxView, counts: View, parts: Parts);
     /// Adds a layer's load excess to `dst` (`[E]`): `dst[e] += counts[e] − mean(counts)`, the mean
     /// over the E entries of `counts` (summed in f64 in index order on the CPU). Summed over
     /// micro-batches (and over replicas, which all see the same counts), its sign is that of the

@@ -8,8 +8,8 @@
 use std::time::Instant;
 
 use super::{
-    AdamWStep, AttnNeeds, AttnShape, Backend, BufKind, ExpertWeights, Glu, IdxView, MatMul, MlaShape, MoeDispatch,
-    MuonMomentum, Segment, SeqSplit, View, fp8,
+    AdamWStep, AttnNeeds, AttnShape, Backend, BufKind, ExpertWeights, Glu, HostFn, IdxView, MatMul, MlaShape,
+    MoeDispatch, MuonMomentum, Parts, Segment, SeqSplit, View, fp8,
 };
 
 /// One timed op.
@@ -139,6 +139,9 @@ impl<B: Backend> Backend for Traced<B> {
     }
     fn download_idx(&mut self, src: IdxView, dst: &mut [u32]) {
         self.time("download_idx", |b| b.download_idx(src, dst))
+    }
+    fn host_call(&mut self, reads: View, writes: View, f: HostFn) {
+        self.time("host_call", |b| b.host_call(reads, writes, f))
     }
     fn fill(&mut self, dst: View, value: f32) {
         self.time("fill", |b| b.fill(dst, value))
@@ -506,6 +509,18 @@ impl<B: Backend> Backend for Traced<B> {
         aux_scale: f32,
     ) {
         self.time("moe_route_backward", |b| b.moe_route_backward(drouter, dweight, probs, dispatch, counts, aux_scale))
+    }
+    fn moe_pack(&mut self, dst: View, src: View, offsets: IdxView, parts: Parts, width: usize) {
+        self.time("moe_pack", |b| b.moe_pack(dst, src, offsets, parts, width))
+    }
+    fn moe_unpack(&mut self, dst: View, src: View, offsets: IdxView, parts: Parts, width: usize) {
+        self.time("moe_unpack", |b| b.moe_unpack(dst, src, offsets, parts, width))
+    }
+    fn moe_counts(&mut self, counts: View, offsets: IdxView) {
+        self.time("moe_counts", |b| b.moe_counts(counts, offsets))
+    }
+    fn moe_runs(&mut self, runs: IdxView, counts: View, parts: Parts) {
+        self.time("moe_runs", |b| b.moe_runs(runs, counts, parts))
     }
     fn moe_load_excess(&mut self, dst: View, counts: View) {
         self.time("moe_load_excess", |b| b.moe_load_excess(dst, counts))

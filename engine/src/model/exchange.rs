@@ -4,7 +4,7 @@
 //! passes so that a parallel strategy (`parallel::strategies`) reads the contract it implements
 //! without the model's math around it.
 
-use crate::backend::{Backend, IdxView, View};
+use crate::backend::{Backend, IdxView, Parts, View};
 
 /// A stretch of the flat buffers the passes read or finish as one piece: the unit of the
 /// per-layer collectives (FSDP's gathers and reduce-scatters, data parallelism's buckets).
@@ -81,41 +81,20 @@ pub trait Exchange<B: Backend> {
     fn expert_rank(&self) -> (usize, usize) {
         (0, 1)
     }
-    /// Sends `rows` (rows of `width` elements grouped by expert, `counts[e]` of them for each
-    /// expert `e` of the model, as the routing's gather lays them out) to the members holding
-    /// their experts, and receives into `out` the rows every member sends this one's experts,
-    /// sender by sender, each sender's by local expert. Returns `from[s][l]`: the rows member
-    /// `s` sent this member's `l`-th expert. `tables` are the layer's routing tables (its
-    /// [`MoeDispatch::offsets`](crate::backend::MoeDispatch)), which name the layer of this
-    /// micro-batch: [`Exchange::expert_return`] and [`Exchange::expert_dispatch_again`] with
-    /// the same tables follow this dispatch, whatever other micro-batches dispatch meanwhile
-    /// (a pipeline's in flight). Called only when [`Exchange::expert_rank`] says more than one
-    /// member.
-    fn expert_dispatch(
-        &mut self,
-        be: &mut B,
-        _tables: IdxView,
-        rows: View,
-        counts: &[usize],
-        width: usize,
-        out: View,
-    ) -> Vec<Vec<usize>> {
-        let total: usize = counts.iter().sum();
-        be.copy(out.at(0, total * width), rows.at(0, total * width));
-        vec![counts.to_vec()]
+    /// The expert group's all-to-all in equal parts: `input`'s part `j` (of [`Parts`], packed
+    /// by [`Backend::moe_pack`]) goes to member `j`, and `output`'s part `s` receives what member
+    /// `s` sent this one: the dispatch of packed rows and, backwards, their return. Called only
+    /// when [`Exchange::expert_rank`] says more than one member.
+    fn expert_exchange(&mut self, be: &mut B, input: View, output: View) {
+        be.copy(output, input);
     }
-    /// Sends back `rows`, laid out as the last dispatch with `tables` brought them (the experts'
-    /// outputs, or the gradients of what was dispatched), to the members they came from;
-    /// `out` receives this member's rows where they were when it dispatched them.
-    fn expert_return(&mut self, be: &mut B, _tables: IdxView, rows: View, _width: usize, out: View) {
-        be.copy(out.at(0, rows.len), rows);
-    }
-    /// The last dispatch with `tables` again, with its counts, for `rows` laid out as the dispatched rows
-    /// were (the backward pass: the gradients of the returned rows go out as the rows went);
-    /// returns the rows received.
-    fn expert_dispatch_again(&mut self, be: &mut B, _tables: IdxView, rows: View, width: usize, out: View) -> usize {
-        be.copy(out.at(0, rows.len), rows);
-        rows.len / width
+    /// Writes into `runs` each sender's `L + 1` offsets of the rows it sent this member's
+    /// experts among the received parts ([`Backend::moe_runs`]), from `offsets` (this member's
+    /// rows of each of the model's experts, [`MoeDispatch::offsets`](crate::backend::MoeDispatch)):
+    /// the rows' counts travel between the devices, never through the host.
+    fn expert_runs(&mut self, be: &mut B, offsets: IdxView, parts: Parts, runs: IdxView) {
+        let _ = (be, offsets, parts, runs);
+        unreachable!("internal error: an expert exchange without an expert axis")
     }
 }
 

@@ -6,19 +6,22 @@
 //!
 //! ```text
 //! forward:   xe = gather(ln2)              rows grouped by expert, all E experts
-//!            xr = dispatch(xe)             to the experts' devices: [sender][local expert]
+//!            xr = exchange(pack(xe))       parts of P rows to the experts' devices: [sender][local expert, zeros]
 //!            yr = w2_l · swiglu(w13_l · xr)   each run of rows by its expert l
-//!            ye = return(yr)               back in place, ready for the combine
-//! backward:  dyr = dispatch_again(dye)     the returned rows' gradients go out as the rows went
+//!            ye = unpack(exchange(yr))     back in place, ready for the combine
+//! backward:  dyr = exchange(pack(dye))     the returned rows' gradients go out as the rows went
 //!            dxr = ∂(w2_l · swiglu(w13_l · xr)) / ∂xr · dyr,  dW_l += …   (received rows only)
-//!            dxe = return(dxr)             the dispatched rows' gradients come back
+//!            dxe = unpack(exchange(dxr))   the dispatched rows' gradients come back
 //! ```
 //!
-//! The received rows lie sender by sender, each sender's by local expert; a table of `L + 1`
-//! offsets per sender (into the whole received buffer) lets the grouped expert products of the
-//! single device ([`Backend::moe_expert_matmul`]) run on each sender's rows unchanged: no op of
-//! its own. Moving rows is a permutation, whose adjoint is its inverse, so the backward pass
-//! takes the reverse paths ([`Exchange::expert_dispatch_again`], [`Exchange::expert_return`]).
+//! The received parts lie sender by sender, each sender's rows by local expert, then zeros
+//! ([`crate::parallel::experts`]); a table of `L + 1` offsets per sender (into the whole received
+//! buffer), written on the device from the exchanged counts ([`Exchange::expert_runs`]), lets
+//! the grouped expert products of the single device ([`Backend::moe_expert_matmul`]) run on
+//! each sender's rows unchanged. The elementwise ops and the FP8 casts cover the whole received
+//! buffer, its padding included (as the single device's cover the rows past the kept ones under
+//! a capacity factor): the host never learns how many rows came. Moving rows is a permutation,
+//! whose adjoint is its inverse, so the backward pass takes the reverse paths.
 //!
 //! A device's layout holds its own experts only ([`crate::model::Layout::experts`]): their
 //! weights, gradients and moments are divided by the axis, the rest of the layer is not. Their
@@ -30,7 +33,7 @@ use super::fp8::Expert;
 use super::mlp::expert_weights;
 use super::plan::MlpActs;
 use super::{Exchange, Model, Plan, Window};
-use crate::backend::{Backend, IdxView, MatMul, MoeDispatch};
+use crate::backend::{Backend, IdxView, MatMul, MoeDispatch, Parts};
 
 impl Model {
     /// Layer `i`'s experts on the expert axis, forward: from `ln2` to `ye` (the experts'
@@ -49,14 +52,19 @@ impl Model {
         let MlpActs::Moe { dispatch, xe, gu, h, ye, xr, local_offsets, .. } = &a.mlp else {
             unreachable!("internal error: expert activations planned for a dense layer")
         };
-        let member = ex.expert_rank();
+        let parts = parts(dispatch, ex.expert_rank().1, xr.len / d);
+        let received = xr.len / d;
         be.moe_gather(*xe, a.ln2, *dispatch, d);
-        let counts = self.routed_counts(be, dispatch, member.1);
-        let from = ex.expert_dispatch(be, dispatch.offsets, *xe, &counts, d, *xr);
-        let received = upload_local_offsets(be, *local_offsets, &from);
+        #[cfg(test)]
+        if self.fault_misroute {
+            misroute(be, dispatch, parts);
+        }
+        be.moe_pack(p.parts, *xe, dispatch.offsets, parts, d);
+        ex.expert_exchange(be, p.parts, *xr);
+        ex.expert_runs(be, dispatch.offsets, parts, *local_offsets);
         let (gate_up, down) = expert_weights(w, experts.0, experts.1, d, f);
         let biases = self.expert_biases(w, experts.0, experts.1);
-        let senders = senders(*dispatch, *local_offsets, member.1);
+        let senders = senders(*dispatch, *local_offsets, parts.members);
         let mm = self.expert_matmuls(be, p, i, self.experts_block(w, i), false);
         let x = mm.input(be, Expert::Up, *xr, received * d);
         for s in &senders {
@@ -74,7 +82,8 @@ impl Model {
                 be.moe_expert_bias(p.yr, down, *s, d);
             }
         }
-        ex.expert_return(be, dispatch.offsets, p.yr.at(0, received * d), d, *ye);
+        ex.expert_exchange(be, p.yr.at(0, received * d), p.parts);
+        be.moe_unpack(*ye, p.parts, dispatch.offsets, parts, d);
     }
 
     /// Layer `i`'s experts on the expert axis, backward: from `p.dye` (the gradient of `ye`) to
@@ -93,12 +102,14 @@ impl Model {
         let MlpActs::Moe { dispatch, gu, h, xr, local_offsets, .. } = &a.mlp else {
             unreachable!("internal error: expert activations planned for a dense layer")
         };
-        let member = ex.expert_rank();
-        let received = ex.expert_dispatch_again(be, dispatch.offsets, p.dye, d, p.yr);
+        let parts = parts(dispatch, ex.expert_rank().1, xr.len / d);
+        let received = xr.len / d;
+        be.moe_pack(p.parts, p.dye, dispatch.offsets, parts, d);
+        ex.expert_exchange(be, p.parts, p.yr.at(0, received * d));
         let (gate_up, down) = expert_weights(w, experts.0, experts.1, d, f);
         let (dgate_up, ddown) = expert_weights(g, experts.0, experts.1, d, f);
         let dbiases = self.expert_biases(g, experts.0, experts.1);
-        let senders = senders(*dispatch, *local_offsets, member.1);
+        let senders = senders(*dispatch, *local_offsets, parts.members);
         let mm = self.expert_matmuls(be, p, i, self.experts_block(w, i), true);
         let (dyr, hq) = (mm.grad(be, Expert::Down, p.yr, received * d), mm.input(be, Expert::Down, *h, received * f));
         for s in &senders {
@@ -120,48 +131,32 @@ impl Model {
             mm.matmul(be, Expert::Up, p.yr, dguq, gate_up, *s, MatMul::linear_dx(0, d, 2 * f));
             mm.matmul_dw(be, Expert::Up, dgate_up, dguq, x, *s, (d, 2 * f));
         }
-        ex.expert_return(be, dispatch.offsets, p.yr.at(0, received * d), d, p.dxe);
-    }
-
-    /// Rows the routing sent each expert of the model (from its dispatch offsets: a host
-    /// round trip, which the all-to-all's counts need anyway), on an expert group of `members`.
-    fn routed_counts<B: Backend>(&self, be: &mut B, dispatch: &MoeDispatch, members: usize) -> Vec<usize> {
-        let mut offsets = vec![0u32; dispatch.experts + 1];
-        be.download_idx(dispatch.offsets, &mut offsets);
-        #[allow(unused_mut)]
-        let mut counts: Vec<usize> = offsets.windows(2).map(|o| (o[1] - o[0]) as usize).collect();
-        #[cfg(test)]
-        if self.fault_misroute {
-            // The last row of member 0's last expert goes to member 1's first expert instead.
-            let last = dispatch.experts / members - 1;
-            if counts[last] > 0 {
-                counts[last] -= 1;
-                counts[last + 1] += 1;
-            }
-        }
-        let _ = members;
-        counts
+        ex.expert_exchange(be, p.yr.at(0, received * d), p.parts);
+        be.moe_unpack(p.dxe, p.parts, dispatch.offsets, parts, d);
     }
 }
 
-/// Writes each sender's `L + 1` offsets of its rows of each local expert among the received
-/// rows (`from[s][l]` rows each, sender by sender) into `tables`; returns the rows received.
-fn upload_local_offsets<B: Backend>(be: &mut B, tables: IdxView, from: &[Vec<usize>]) -> usize {
-    let mut offsets = Vec::with_capacity(tables.len);
-    let mut at = 0;
-    for rows in from {
-        offsets.push(at as u32);
-        for &r in rows {
-            at += r;
-            offsets.push(at as u32);
-        }
+/// The exchange's parts for a dispatch over `members` devices receiving `received` rows at most
+/// (the plan's bound, `members` parts of equal size).
+fn parts(dispatch: &MoeDispatch, members: usize, received: usize) -> Parts {
+    Parts { members, local: dispatch.experts / members, rows: received / members }
+}
+
+/// The test hook: the last row of member 0's last expert goes to member 1's first expert
+/// instead (the boundary between their runs moves down a row).
+#[cfg(test)]
+fn misroute<B: Backend>(be: &mut B, dispatch: &MoeDispatch, parts: Parts) {
+    let mut offsets = vec![0u32; dispatch.experts + 1];
+    be.download_idx(dispatch.offsets, &mut offsets);
+    let boundary = parts.local;
+    if offsets[boundary] > offsets[boundary - 1] {
+        offsets[boundary] -= 1;
     }
-    be.upload_idx(tables, &offsets);
-    at
+    be.upload_idx(dispatch.offsets, &offsets);
 }
 
 /// One dispatch per sender for the grouped expert products: its rows of each local expert,
-/// addressed in the whole received buffer (`n · N · k` rows, which the products' views span).
+/// addressed in the whole received buffer (`n · P` rows, which the products' views span).
 fn senders(dispatch: MoeDispatch, tables: IdxView, n: usize) -> Vec<MoeDispatch> {
     let local = dispatch.experts / n;
     (0..n)

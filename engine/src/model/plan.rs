@@ -178,6 +178,9 @@ pub struct Plan {
     /// `[R, D]` on an expert axis: the experts' outputs before they go back, and in the
     /// backward pass the gradients received and sent back (`experts.rs`); empty without.
     pub(super) yr: View,
+    /// `[R, D]` on an expert axis: the rows packed into parts before they leave and unpacked
+    /// when they come back (`experts.rs`); empty without.
+    pub(super) parts: View,
     pub(super) dweight: View,
     pub(super) drouter: View,
     /// `[2 · Dh]` under QK-norm: a layer's q and k norm weight gradients of this micro-batch
@@ -529,6 +532,7 @@ impl Model {
         let dye = scratch(A, moe_only(rows * d), |r| r.dye);
         let dxe = scratch(A, moe_only(rows * d), |r| r.dxe);
         let yr = scratch(A, moe_only(ep_only(received * d)), |r| r.yr);
+        let parts = scratch(A, moe_only(ep_only(received * d)), |r| r.parts);
         let dweight = scratch(S, moe_only(rows), |r| r.dweight);
         let drouter = scratch(A, moe_only(n * experts), |r| r.drouter);
         let dqk_norm = scratch(S, if m.qk_norm() { 2 * m.head_dim } else { 0 }, |r| r.dqk_norm);
@@ -584,6 +588,7 @@ impl Model {
             dye,
             dxe,
             yr,
+            parts,
             dweight,
             drouter,
             dqk_norm,

@@ -6,24 +6,32 @@
 //! **Placement.** Of `E` experts over a group of `n` members, member `j` holds the `L = E / n`
 //! experts `[j·L, (j+1)·L)`, whole.
 //!
-//! **Dispatch.** Rows leave a device grouped by expert, as the routing's gather lays them out
-//! (expert 0's rows, then expert 1's, …), so the rows bound for member `j` are one contiguous
-//! part and one all-to-all moves them all. The rows per expert travel first (a small all-to-all
-//! of `L` counts to each member), so that each member knows where each of its experts' rows lie
-//! in what arrives ([`Received`]):
+//! **Dispatch, in parts of fixed size.** Rows leave a device grouped by expert, as the
+//! routing's gather lays them out (expert 0's rows, then expert 1's, …), so the rows bound for
+//! member `j` are one contiguous run. Each run is packed into a part of `P` rows, zeros after it
+//! ([`Backend::moe_pack`]), `P` being the most one member can route to another's experts: `N·k`
+//! dropless, `L·C` under a capacity factor, whichever is less. One all-to-all moves the parts
+//! ([`Collectives::all_to_all`]); a second, of `L` counts to each member, tells each member
+//! how many rows of each part are its experts' ([`Backend::moe_counts`]), from which the device
+//! writes the runs the grouped products read ([`Backend::moe_runs`]):
 //!
 //! ```text
-//! sent by member s:   [ to 0: experts 0..L | to 1: experts L..2L | … ]
-//! received by j:      [ from 0: j·L, j·L+1, … | from 1: j·L, j·L+1, … | … ]
+//! sent by member s:   [ to 0: experts 0..L, zeros | to 1: experts L..2L, zeros | … ]   n parts of P rows
+//! received by j:      [ from 0: j·L, j·L+1, …, zeros | from 1: j·L, j·L+1, …, zeros | … ]
 //! ```
 //!
-//! **Return.** [`ExpertExchange::give_back`] is the same exchange backwards: each member sends
-//! back, in the order it received them, the rows it computed, and each sender finds its rows
-//! where they were. Moving rows is a permutation, whose adjoint is its inverse, so the backward
-//! pass takes the reverse path: the gradients of the returned rows go out by
-//! [`ExpertExchange::dispatch_again`], and those of the dispatched rows come back by
-//! [`ExpertExchange::give_back`]. Rows are copied, never added: the exchange itself changes no
-//! bits.
+//! Nothing travels through the host: the shapes are the plan's, whatever the routing, so a
+//! step with an expert axis can be recorded as a CUDA graph (where the communicator allows
+//! it), and no count is read back mid-step, dropless or not. The price is the padding: parts
+//! of `P` rows move whether full or not (`n·P` rows a member where the routing fills `N·k`
+//! in all; a capacity factor bounds `P`).
+//!
+//! **Return.** The same exchange backwards: each member sends back, part by part, the rows it
+//! computed where they arrived, and each sender unpacks its rows where they were
+//! ([`Backend::moe_unpack`]). Moving rows is a permutation, whose adjoint is its inverse, so the
+//! backward pass takes the reverse path: the gradients of the returned rows are packed and go
+//! out as the rows did, and those of the dispatched rows come back and are unpacked. Rows are
+//! copied, never added: the exchange itself changes no bits.
 //!
 //! **The rest of the axis.** The expert axis is carved out of the data axis: the other
 //! parameters are replicated (or FSDP-sharded) over the data ranks as without it, and an
@@ -35,8 +43,8 @@
 
 use std::ops::Range;
 
-use super::comm::{Collectives, count_to_f32, f32_to_count};
-use crate::backend::{Backend, BufKind, View};
+use super::comm::Collectives;
+use crate::backend::{Backend, BufKind, IdxView, Parts, View};
 use crate::config::Remat;
 
 /// The all-to-alls of `[tokens · k, d_model]` rows a mixture-of-experts layer makes a
@@ -53,47 +61,9 @@ pub struct ExpertExchange {
     me: usize,
     /// Experts per member.
     local: usize,
-    /// The counts' exchange: what this member sends each member (`L` counts each), then what
-    /// each sends it.
+    /// The counts' exchange: this member's rows of each of the model's experts (`L` for each
+    /// member), then what each member sent this one's experts.
     counts: View,
-}
-
-/// What one dispatch brought to a member: the rows of each of its experts from each member.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Received {
-    /// `from[s][l]`: rows that member `s` sent for this member's `l`-th expert.
-    pub from: Vec<Vec<usize>>,
-    /// Rows this member sent to each member (what comes back to it).
-    pub sent: Vec<usize>,
-}
-
-impl Received {
-    /// Rows received, in all.
-    pub fn rows(&self) -> usize {
-        self.from.iter().flatten().sum()
-    }
-
-    /// Rows received for each local expert, in all.
-    pub fn per_expert(&self) -> Vec<usize> {
-        let experts = self.from.first().map_or(0, Vec::len);
-        (0..experts).map(|l| self.from.iter().map(|f| f[l]).sum()).collect()
-    }
-
-    /// The received rows as `(local expert, rows)` runs, in the order they lie: by sender, then
-    /// by expert (empty runs left out).
-    pub fn runs(&self) -> Vec<(usize, Range<usize>)> {
-        let mut at = 0;
-        let mut runs = Vec::new();
-        for from in &self.from {
-            for (l, &rows) in from.iter().enumerate() {
-                if rows > 0 {
-                    runs.push((l, at..at + rows));
-                }
-                at += rows;
-            }
-        }
-        runs
-    }
 }
 
 impl ExpertExchange {
@@ -104,9 +74,8 @@ impl ExpertExchange {
         let n = group.len();
         assert!(experts.is_multiple_of(n), "internal error: {experts} experts over an expert group of {n}");
         let me = group.iter().position(|&r| r == rank).expect("internal error: a rank outside its expert group");
-        let local = experts / n;
-        let counts = be.alloc(BufKind::Scalars, 2 * n * local);
-        ExpertExchange { group, me, local, counts }
+        let counts = be.alloc(BufKind::Scalars, 2 * experts);
+        ExpertExchange { group, me, local: experts / n, counts }
     }
 
     /// The experts this device holds.
@@ -114,73 +83,35 @@ impl ExpertExchange {
         self.me * self.local..(self.me + 1) * self.local
     }
 
-    /// Sends `rows` (rows of `width` elements grouped by expert: `counts[e]` rows for expert
-    /// `e`, every expert of the model in order) to the members holding their experts, and
-    /// receives into `out` the rows every member sends this one's experts, as the module
-    /// documentation lays them out. `out` holds at least the rows received (dropless: at
-    /// worst, every member's rows).
-    pub fn dispatch<B: Backend>(
+    /// Moves `input`'s part `j` to member `j`; `output`'s part `s` receives member `s`'s part
+    /// for this one: the dispatch of packed rows, and their return.
+    pub fn exchange<B: Backend>(
         &mut self,
         comm: &mut (impl Collectives<B> + ?Sized),
         be: &mut B,
-        rows: View,
-        counts: &[usize],
-        width: usize,
-        out: View,
-    ) -> Received {
-        let (n, l) = (self.group.len(), self.local);
-        assert_eq!(counts.len(), n * l, "internal error: rows for {} experts, {} expected", counts.len(), n * l);
-        let host: Vec<f32> = counts.iter().map(|&c| count_to_f32(c)).collect();
-        be.upload(self.counts.at(0, n * l), &host);
-        let (mine, theirs) = (self.counts.at(0, n * l), self.counts.at(n * l, n * l));
-        let got = comm.all_to_all(be, mine, &vec![l; n], theirs, &self.group);
-        assert!(got.iter().all(|&c| c == l), "internal error: expert counts {got:?}, {l} from each expected");
-        let mut host = vec![0f32; n * l];
-        be.download(theirs, &mut host);
-        let from: Vec<Vec<usize>> = host.chunks(l).map(|c| c.iter().map(|&x| f32_to_count(x)).collect()).collect();
-        let sent: Vec<usize> = counts.chunks(l).map(|c| c.iter().sum()).collect();
-        let elements: Vec<usize> = sent.iter().map(|r| r * width).collect();
-        let recv = comm.all_to_all(be, rows, &elements, out, &self.group);
-        let received = Received { from, sent };
-        let expected: Vec<usize> = received.from.iter().map(|f| f.iter().sum::<usize>() * width).collect();
-        assert_eq!(recv, expected, "internal error: the rows received disagree with the experts' counts");
-        received
+        input: View,
+        output: View,
+    ) {
+        comm.all_to_all(be, input, output, &self.group);
     }
 
-    /// The dispatch's exchange again, with the counts of an earlier one (the backward pass:
-    /// the gradients of the rows [`ExpertExchange::give_back`] returned go out as those rows
-    /// went out).
-    pub fn dispatch_again<B: Backend>(
+    /// Writes into `runs` the runs of the rows this member receives in `parts` (each sender's
+    /// `L + 1` offsets), from `offsets` (the rows of each of the model's experts on this
+    /// member): the counts travel between the devices alone.
+    pub fn runs<B: Backend>(
         &mut self,
         comm: &mut (impl Collectives<B> + ?Sized),
         be: &mut B,
-        rows: View,
-        received: &Received,
-        width: usize,
-        out: View,
+        offsets: IdxView,
+        parts: Parts,
+        runs: IdxView,
     ) {
-        let elements: Vec<usize> = received.sent.iter().map(|r| r * width).collect();
-        let recv = comm.all_to_all(be, rows, &elements, out, &self.group);
-        let expected: Vec<usize> = received.from.iter().map(|f| f.iter().sum::<usize>() * width).collect();
-        assert_eq!(recv, expected, "internal error: the rows received disagree with the dispatch's");
-    }
-
-    /// Sends back rows laid out as `received` arrived (the experts' outputs, or the gradients
-    /// of the dispatched rows) to the members they came from; `out` receives this member's
-    /// rows where they were when dispatched (grouped by expert, every expert in order).
-    pub fn give_back<B: Backend>(
-        &mut self,
-        comm: &mut (impl Collectives<B> + ?Sized),
-        be: &mut B,
-        rows: View,
-        received: &Received,
-        width: usize,
-        out: View,
-    ) {
-        let elements: Vec<usize> = received.from.iter().map(|f| f.iter().sum::<usize>() * width).collect();
-        let back = comm.all_to_all(be, rows, &elements, out, &self.group);
-        let expected: Vec<usize> = received.sent.iter().map(|r| r * width).collect();
-        assert_eq!(back, expected, "internal error: the rows returned disagree with the rows sent");
+        let e = self.group.len() * self.local;
+        assert_eq!((parts.members, parts.local), (self.group.len(), self.local), "internal error: parts {parts:?}");
+        let (mine, theirs) = (self.counts.at(0, e), self.counts.at(e, e));
+        be.moe_counts(mine, offsets);
+        comm.all_to_all(be, mine, theirs, &self.group);
+        be.moe_runs(runs, theirs, parts);
     }
 }
 
@@ -209,55 +140,70 @@ mod tests {
         x.iter().enumerate().map(|(c, v)| v * (expert + 1) as f32 + c as f32).collect()
     }
 
-    /// Every device of 4 dispatches its rows over its expert group (`groups` of 2 or 4),
-    /// applies its experts to what it received, and gives the results back; each finds its own
-    /// rows' results where its rows were, and what it received is what its experts were sent.
+    /// Every device of 4 packs its rows into parts, dispatches them over its expert group
+    /// (`groups` of 2 or 4), applies its experts run by run to what it received, and gives the
+    /// results back; each finds its own rows' results where its rows were, and what it received
+    /// is what its experts were sent, zeros after each sender's rows.
     fn exchange_over(groups: fn(usize) -> Vec<usize>) {
         crate::parallel::comm::tests::on_devices(4, move |rank: usize, comm: &mut Virtual, be: &mut Cpu| {
             let group = groups(rank);
+            let n = group.len();
             let mut ex = ExpertExchange::new(be, group.clone(), rank, EXPERTS);
             let counts: Vec<usize> = (0..EXPERTS).map(|e| routed(rank, e)).collect();
             let rows: Vec<f32> = (0..EXPERTS).flat_map(|e| (0..counts[e]).flat_map(move |i| row(rank, e, i))).collect();
-            let worst = group.len() * 3 * EXPERTS * WIDTH;
-            let (input, received_rows) = (be.alloc(BufKind::Activations, worst), be.alloc(BufKind::Activations, worst));
+            let mut at = vec![0u32];
+            counts.iter().for_each(|&c| at.push(at.last().unwrap() + c as u32));
+            // Parts as large as the most a member can send one member: 3 rows of each expert.
+            let parts = Parts { members: n, local: EXPERTS / n, rows: 3 * EXPERTS / n };
+            let size = n * parts.rows * WIDTH;
+            let offsets = be.alloc_idx(EXPERTS + 1);
+            be.upload_idx(offsets, &at);
+            let [input, packed, received, back] = [0; 4].map(|_| be.alloc(BufKind::Activations, size));
             be.upload(input.at(0, rows.len()), &rows);
-            let received = ex.dispatch(comm, be, input, &counts, WIDTH, received_rows);
-            let mut got = vec![0f32; received.rows() * WIDTH];
-            be.download(received_rows.at(0, got.len()), &mut got);
-            // What arrived: each sender's rows for each of this device's experts, in order.
+            be.moe_pack(packed, input, offsets, parts, WIDTH);
+            ex.exchange(comm, be, packed, received);
+            let runs = be.alloc_idx(n * (parts.local + 1));
+            ex.runs(comm, be, offsets, parts, runs);
+            let mut got = vec![0f32; size];
+            be.download(received, &mut got);
+            let mut table = vec![0u32; runs.len];
+            be.download_idx(runs, &mut table);
+            // What arrived: each sender's rows for each of this device's experts, in order,
+            // then zeros; the runs find each expert's.
             let local = ex.local_experts();
             let mut want = Vec::new();
-            for &s in &group {
-                for e in local.clone() {
-                    want.extend((0..routed(s, e)).flat_map(|i| row(s, e, i)));
+            for (s, &sender) in group.iter().enumerate() {
+                let mut part: Vec<f32> =
+                    local.clone().flat_map(|e| (0..routed(sender, e)).flat_map(move |i| row(sender, e, i))).collect();
+                let mut start = (s * parts.rows) as u32;
+                assert_eq!(table[s * (parts.local + 1)], start, "rank {rank}: sender {sender}'s first run");
+                for (l, e) in local.clone().enumerate() {
+                    start += routed(sender, e) as u32;
+                    assert_eq!(table[s * (parts.local + 1) + l + 1], start, "rank {rank}: sender {sender}, expert {e}");
                 }
+                part.resize(parts.rows * WIDTH, 0.0);
+                want.extend(part);
             }
-            assert_eq!(got, want, "rank {rank}: the rows dispatched to it");
-            assert_eq!(
-                received.per_expert(),
-                local.clone().map(|e| group.iter().map(|&s| routed(s, e)).sum()).collect::<Vec<usize>>()
-            );
+            assert_eq!(got, want, "rank {rank}: the parts dispatched to it");
             // The experts applied, run by run, and the results given back.
-            let mut out = Vec::new();
-            for (l, run) in received.runs() {
-                for r in run {
-                    out.extend(apply(local.start + l, &got[r * WIDTH..(r + 1) * WIDTH]));
+            let mut out = vec![0f32; size];
+            for s in 0..n {
+                for l in 0..parts.local {
+                    let run = table[s * (parts.local + 1) + l] as usize..table[s * (parts.local + 1) + l + 1] as usize;
+                    for r in run {
+                        let y = apply(local.start + l, &got[r * WIDTH..(r + 1) * WIDTH]);
+                        out[r * WIDTH..(r + 1) * WIDTH].copy_from_slice(&y);
+                    }
                 }
             }
-            be.upload(received_rows.at(0, out.len()), &out);
-            let back = be.alloc(BufKind::Activations, worst);
-            ex.give_back(comm, be, received_rows, &received, WIDTH, back);
+            be.upload(received, &out);
+            ex.exchange(comm, be, received, packed);
+            be.moe_unpack(back, packed, offsets, parts, WIDTH);
             let mut results = vec![0f32; rows.len()];
             be.download(back.at(0, rows.len()), &mut results);
             let want: Vec<f32> =
                 (0..EXPERTS).flat_map(|e| (0..counts[e]).flat_map(move |i| apply(e, &row(rank, e, i)))).collect();
             assert_eq!(results, want, "rank {rank}: its rows' results, back where its rows were");
-            // The backward pass's way out: the returned rows' gradients travel as the rows did.
-            be.upload(input.at(0, rows.len()), &rows);
-            ex.dispatch_again(comm, be, input, &received, WIDTH, received_rows);
-            let mut again = vec![0f32; received.rows() * WIDTH];
-            be.download(received_rows.at(0, again.len()), &mut again);
-            assert_eq!(again, got, "rank {rank}: the second dispatch");
         });
     }
 
@@ -265,18 +211,6 @@ mod tests {
     fn rows_reach_their_experts_and_come_back_in_place() {
         exchange_over(|_| vec![0, 1, 2, 3]);
         exchange_over(|rank| if rank < 2 { vec![0, 1] } else { vec![2, 3] });
-    }
-
-    #[test]
-    fn a_group_of_one_keeps_its_rows() {
-        let mut be = Cpu::new();
-        let mut ex = ExpertExchange::new(&mut be, vec![0], 0, 2);
-        let (input, out) = (be.alloc(BufKind::Activations, 6), be.alloc(BufKind::Activations, 6));
-        be.upload(input, &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0]);
-        let received = ex.dispatch(&mut crate::parallel::comm::Solo, &mut be, input, &[1, 2], 2, out);
-        assert_eq!(received, Received { from: vec![vec![1, 2]], sent: vec![3] });
-        assert_eq!(received.runs(), vec![(0, 0..1), (1, 1..3)]);
-        assert_eq!(ex.local_experts(), 0..2);
     }
 
     /// The expert groups that the mesh places: consecutive data ranks within a node, and the

@@ -33,10 +33,10 @@ use cudarc::driver::{result as cu, sys as driver};
 use cudarc::nccl::{result, sys};
 
 use super::COLLECTIVE_FAILED;
-use super::comm::{Collectives, check_all_to_all, check_received, count_to_f32, f32_to_count, starts};
+use super::comm::{Collectives, all_to_all_part};
+use crate::backend::View;
 use crate::backend::cuda::Cuda;
 use crate::backend::traced::Traced;
-use crate::backend::{Backend, BufKind, View};
 
 /// A process's NCCL communicators.
 pub struct Nccl {
@@ -48,9 +48,6 @@ pub struct Nccl {
     side: Option<Side>,
     /// What the watchdog thread watches.
     watched: Arc<Watched>,
-    /// The all-to-all's counts on the device (f32 buffer holding `u32` bits: what this rank
-    /// sends each member, then what each sends it), grown on demand.
-    counts: Option<View>,
 }
 
 /// What the watchdog of one process sees: the communicators, the operations in flight and
@@ -197,7 +194,7 @@ impl Nccl {
             timeout,
         });
         Watchdog::start(rank, watched.clone());
-        Ok(Nccl { rank, world, size, groups: HashMap::new(), side: None, watched, counts: None })
+        Ok(Nccl { rank, world, size, groups: HashMap::new(), side: None, watched })
     }
 
     /// The communicator of `group`: the world's, or one split from it on first use.
@@ -453,61 +450,29 @@ impl Collectives<Cuda> for Nccl {
         }
     }
 
-    fn all_to_all(&mut self, be: &mut Cuda, input: View, send: &[usize], output: View, group: &[usize]) -> Vec<usize> {
-        check_all_to_all(input, send, group);
-        let n = group.len();
+    fn all_to_all(&mut self, be: &mut Cuda, input: View, output: View, group: &[usize]) {
+        let part = all_to_all_part(input, output, group);
         let comm = self.comm(group);
-        let counts = match self.counts {
-            Some(c) if c.len >= 2 * n => c,
-            _ => *self.counts.insert(be.alloc(BufKind::Scalars, 2 * n)),
-        };
-        let host: Vec<f32> = send.iter().map(|&c| count_to_f32(c)).collect();
-        be.upload(counts.at(0, n), &host);
-        // The counts: one element to and from every member (peers are positions in the group's
-        // communicator), in one group call.
-        let (ptr, dtype) = target(be, counts);
-        let stream = self.begin(be);
-        check("group start", result::group_start());
-        for peer in 0..n {
-            // SAFETY: a live device buffer of 2n elements, ordered by events; nothing reads
-            // the received counts before the join below.
-            unsafe {
-                let at = |i: usize| (ptr as *mut f32).add(i) as *mut c_void;
-                check("send", result::send(at(peer), 1, dtype, peer as i32, comm, stream));
-                check("recv", result::recv(at(n + peer), 1, dtype, peer as i32, comm, stream));
-            }
-        }
-        check("group end", result::group_end());
-        self.watch("all-to-all (counts)", group);
-        self.join(be);
-        let mut host = vec![0f32; n];
-        be.download(counts.at(n, n), &mut host);
-        let recv: Vec<usize> = host.into_iter().map(f32_to_count).collect();
-        check_received(&recv, output, self.rank);
-        // The parts, in another group call.
-        let (from, to) = (starts(send), starts(&recv));
         let ((src, t), (dst, u)) = (target(be, input), target(be, output));
         assert!(t == u, "internal error: all-to-all between element types");
         let width = if t == sys::ncclDataType_t::ncclBfloat16 { 2 } else { 4 };
+        // One part to and from every member (peers are positions in the group's communicator),
+        // in one group call: fixed sizes, no count read back.
         let stream = self.begin(be);
         check("group start", result::group_start());
-        for peer in 0..n {
+        for peer in 0..group.len() {
             // SAFETY: parts within the live buffers, as checked above; ordered by events.
             unsafe {
-                let (s, d) = ((src as *mut u8).add(from[peer] * width), (dst as *mut u8).add(to[peer] * width));
-                if send[peer] > 0 {
-                    check("send", result::send(s as *const c_void, send[peer], t, peer as i32, comm, stream));
-                }
-                if recv[peer] > 0 {
-                    check("recv", result::recv(d as *mut c_void, recv[peer], t, peer as i32, comm, stream));
-                }
+                let at = peer * part * width;
+                let (s, d) = ((src as *mut u8).add(at), (dst as *mut u8).add(at));
+                check("send", result::send(s as *const c_void, part, t, peer as i32, comm, stream));
+                check("recv", result::recv(d as *mut c_void, part, t, peer as i32, comm, stream));
             }
         }
         check("group end", result::group_end());
         self.watch("all-to-all", group);
         self.join(be);
         be.written(output);
-        recv
     }
 
     fn wait(&mut self, be: &mut Cuda) {
@@ -559,15 +524,8 @@ impl Collectives<Traced<Cuda>> for Nccl {
         Collectives::<Cuda>::all_gather_start(self, &mut be.inner, input, output, group)
     }
 
-    fn all_to_all(
-        &mut self,
-        be: &mut Traced<Cuda>,
-        input: View,
-        send: &[usize],
-        output: View,
-        group: &[usize],
-    ) -> Vec<usize> {
-        Collectives::<Cuda>::all_to_all(self, &mut be.inner, input, send, output, group)
+    fn all_to_all(&mut self, be: &mut Traced<Cuda>, input: View, output: View, group: &[usize]) {
+        Collectives::<Cuda>::all_to_all(self, &mut be.inner, input, output, group)
     }
 
     fn wait(&mut self, be: &mut Traced<Cuda>) {

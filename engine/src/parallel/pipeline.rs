@@ -25,7 +25,7 @@
 //! `(P − 1) / (M + P − 1)`, when the stages cost the same; the interleaved schedule's passes
 //! are `V` times shorter, and its bubble is `(P − 1) / (V·M + P − 1)` ([`bubble_fraction`]).
 
-use crate::backend::{Backend, IdxView, View};
+use crate::backend::{Backend, IdxView, Parts, View};
 use crate::config::{ModelConfig, PipelineSchedule};
 use crate::model::{Exchange, Model, Pass, Stage, Unit, Window};
 /// One pass of one micro-batch on a stage.
@@ -360,22 +360,11 @@ impl<B: Backend> Exchange<B> for ChunkExchange<'_, B> {
     fn expert_rank(&self) -> (usize, usize) {
         self.inner.expert_rank()
     }
-    fn expert_dispatch(
-        &mut self,
-        be: &mut B,
-        tables: IdxView,
-        rows: View,
-        counts: &[usize],
-        width: usize,
-        out: View,
-    ) -> Vec<Vec<usize>> {
-        self.inner.expert_dispatch(be, tables, rows, counts, width, out)
+    fn expert_exchange(&mut self, be: &mut B, input: View, output: View) {
+        self.inner.expert_exchange(be, input, output)
     }
-    fn expert_return(&mut self, be: &mut B, tables: IdxView, rows: View, width: usize, out: View) {
-        self.inner.expert_return(be, tables, rows, width, out)
-    }
-    fn expert_dispatch_again(&mut self, be: &mut B, tables: IdxView, rows: View, width: usize, out: View) -> usize {
-        self.inner.expert_dispatch_again(be, tables, rows, width, out)
+    fn expert_runs(&mut self, be: &mut B, offsets: IdxView, parts: Parts, runs: IdxView) {
+        self.inner.expert_runs(be, offsets, parts, runs)
     }
 }
 

@@ -42,9 +42,9 @@
 //!   (twice per micro-batch) and the f32 reduce-scatter of their gradient, over fsdp × seq; data,
 //!   the all-reduce of the device's gradient pieces once per step; pipeline, each micro-batch's
 //!   activation and its gradient, once per virtual stage; expert, the all-to-alls of each
-//!   mixture-of-experts layer's `[tokens · top_k, d_model]` bf16 rows per micro-batch (dispatch
-//!   and return, forward and backward; six with full recomputation), `(e − 1)/e` of them
-//!   leaving the device. An expert axis divides the experts' parameters: FSDP gathers and
+//!   mixture-of-experts layer's fixed-size parts of bf16 rows per micro-batch (`e · tokens ·
+//!   top_k` rows dropless, fewer under a capacity factor; dispatch and return, forward and
+//!   backward; six with full recomputation), `(e − 1)/e` of them leaving the device. An expert axis divides the experts' parameters: FSDP gathers and
 //!   reduce-scatters `1/e` of them, and the data axis sums them over its `d/e` replicas.
 
 use std::collections::HashMap;
@@ -482,10 +482,12 @@ fn evaluate(
     let fsdp = micro * ring(f * s) * (dense + experts) * (2.0 * 2.0 + 4.0);
     let data = 2.0 * (ring(d) * dense + ring(d / e) * experts) / (f * s) * 4.0;
     let exchanges = super::experts::all_to_alls_per_layer(remat) as f64;
-    let top_k = m.moe.as_ref().map_or(0, |moe| moe.top_k) as f64;
+    // Each all-to-all moves the device's e fixed-size parts, every row its members could route
+    // one another (`MoeConfig::most_received`: e · N · k dropless, less under a capacity factor).
+    let rows = m.moe.as_ref().map_or(0, |moe| moe.most_received(local_tokens.ceil() as usize, mesh.e)) as f64;
     // Only the layers with experts exchange tokens (`moe.dense_layers` have none).
     let moe_layers = m.moe.as_ref().map_or(0, |moe| moe.moe_layers(m.n_layers)) as f64 / p;
-    let expert = micro * moe_layers * exchanges * ring(e) * local_tokens * top_k * m.d_model as f64 * 2.0;
+    let expert = micro * moe_layers * exchanges * ring(e) * rows * m.d_model as f64 * 2.0;
     let pipeline =
         if mesh.p > 1 { virtual_stages as f64 * micro * 2.0 * local_tokens * m.d_model as f64 * 2.0 } else { 0.0 };
     let link = |dcn: bool| if dcn { hw.dcn_bytes_per_s } else { hw.ici_bytes_per_s };

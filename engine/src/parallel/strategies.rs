@@ -48,10 +48,10 @@ pub use fsdp::{FsdpOptions, FsdpSizes, UnitPiece, fsdp_pieces, fsdp_sizes};
 pub use matrices::{Assembly, HeldMatrix, MatrixScratch};
 
 use super::comm::Collectives;
-use super::experts::{ExpertExchange, Received};
+use super::experts::ExpertExchange;
 use super::mesh::{Axis, Coords, Mesh};
 use super::tensor::{Run, TensorSlice};
-use crate::backend::{Backend, BufKind, IdxView, Segment, View};
+use crate::backend::{Backend, BufKind, IdxView, Parts, Segment, View};
 use crate::checkpoint::sharded::Chunk;
 use crate::model::{CastWeight, Exchange, Pass, Unit, Window};
 use fsdp::Fsdp;
@@ -100,21 +100,13 @@ pub struct Parallel<B: Backend> {
     pub sync: bool,
     /// `[2]` partial squared norms.
     scratch: View,
-    /// The expert axis ([`Parallel::join_experts`]); none without one.
-    experts: Option<Experts>,
+    /// The expert axis's token exchange ([`Parallel::join_experts`]); none without one.
+    experts: Option<ExpertExchange>,
     /// The pieces of the optimizer's buffers that hold selection biases (DeepSeek-V3's
     /// buffers, moved by the balancing step, never by AdamW), each with where its load excess
     /// waits in `excess` between the gradients' norm and the step.
     balance: Vec<(Segment, usize)>,
     excess: View,
-}
-
-/// A device's part on the expert axis: its token exchange, and what each layer's last
-/// dispatch brought (by the layer's routing tables, one per layer of each micro-batch in
-/// flight), which the return and the backward pass's exchanges follow.
-struct Experts {
-    exchange: ExpertExchange,
-    received: std::collections::HashMap<IdxView, Received>,
 }
 
 impl<B: Backend> Parallel<B> {
@@ -249,8 +241,7 @@ impl<B: Backend> Parallel<B> {
     /// over the expert group.
     pub fn join_experts(&mut self, be: &mut B, experts: usize) {
         if self.mesh.expert_size() > 1 {
-            let exchange = ExpertExchange::new(be, self.expert_group.clone(), self.rank, experts);
-            self.experts = Some(Experts { exchange, received: Default::default() });
+            self.experts = Some(ExpertExchange::new(be, self.expert_group.clone(), self.rank, experts));
         }
     }
 
@@ -363,6 +354,12 @@ impl<B: Backend> Parallel<B> {
         if self.pipeline.len() > 1 {
             self.comm.all_reduce_sum(be, buf, &self.pipeline);
         }
+    }
+
+    /// Whether this device's collectives may sit inside a recorded section
+    /// ([`Collectives::captures_sections`]).
+    pub fn captures_sections(&self) -> bool {
+        self.comm.captures_sections()
     }
 
     /// Stages in this device's pipeline.
@@ -599,39 +596,20 @@ impl<B: Backend> Exchange<B> for Parallel<B> {
         match &self.experts {
             None => (0, 1),
             Some(e) => {
-                let (local, members) = (e.exchange.local_experts(), self.mesh.expert_size());
+                let (local, members) = (e.local_experts(), self.mesh.expert_size());
                 (local.start / local.len(), members)
             }
         }
     }
 
-    fn expert_dispatch(
-        &mut self,
-        be: &mut B,
-        tables: IdxView,
-        rows: View,
-        counts: &[usize],
-        width: usize,
-        out: View,
-    ) -> Vec<Vec<usize>> {
-        let e = self.experts.as_mut().expect("internal error: an expert dispatch without an expert axis");
-        let received = e.exchange.dispatch(&mut *self.comm, be, rows, counts, width, out);
-        let from = received.from.clone();
-        e.received.insert(tables, received);
-        from
+    fn expert_exchange(&mut self, be: &mut B, input: View, output: View) {
+        let e = self.experts.as_mut().expect("internal error: an expert exchange without an expert axis");
+        e.exchange(&mut *self.comm, be, input, output);
     }
 
-    fn expert_return(&mut self, be: &mut B, tables: IdxView, rows: View, width: usize, out: View) {
-        let e = self.experts.as_mut().expect("internal error: an expert return without an expert axis");
-        let received = &e.received[&tables];
-        e.exchange.give_back(&mut *self.comm, be, rows, received, width, out);
-    }
-
-    fn expert_dispatch_again(&mut self, be: &mut B, tables: IdxView, rows: View, width: usize, out: View) -> usize {
-        let e = self.experts.as_mut().expect("internal error: an expert dispatch without an expert axis");
-        let received = &e.received[&tables];
-        e.exchange.dispatch_again(&mut *self.comm, be, rows, received, width, out);
-        received.rows()
+    fn expert_runs(&mut self, be: &mut B, offsets: IdxView, parts: Parts, runs: IdxView) {
+        let e = self.experts.as_mut().expect("internal error: an expert exchange without an expert axis");
+        e.runs(&mut *self.comm, be, offsets, parts, runs);
     }
 
     fn pass_begins(&mut self, be: &mut B, pass: Pass) {

@@ -50,7 +50,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 
-use super::comm::{Collectives, check_all_to_all, check_received, count_to_f32, f32_to_count, starts};
+use super::comm::{Collectives, all_to_all_part};
 use super::rendezvous::{self, Job};
 use super::{COLLECTIVE_FAILED, Transient};
 use crate::backend::{Backend, View};
@@ -609,41 +609,26 @@ impl Net {
         all
     }
 
-    /// The all-to-all with variable counts ([`Collectives::all_to_all`]): each member's count
-    /// first (a frame of one element, its bits), then its part (a frame of that many
-    /// elements, which the count lets the receiver check); the parts that came to this rank,
-    /// its own included, in group order, and their counts.
-    fn all_to_all(&self, call: &Call, lane: Lane, data: &[f32], send: &[usize]) -> (Vec<f32>, Vec<usize>) {
+    /// The all-to-all in equal parts ([`Collectives::all_to_all`]): part `i` of `data` to
+    /// member `i`; the parts that came to this rank, its own included, in group order.
+    fn all_to_all(&self, call: &Call, lane: Lane, data: &[f32]) -> Vec<f32> {
         let (others, me) = self.others(call.group);
-        let at = starts(send);
+        let part = data.len() / call.group.len();
         for (i, &peer) in call.group.iter().enumerate() {
             if peer != self.rank {
-                self.send(call, peer, lane, &[count_to_f32(send[i])]);
+                self.send(call, peer, lane, &data[i * part..(i + 1) * part]);
             }
         }
-        let counts = self.recv_all(call, &others, lane, &vec![1; others.len()]);
-        let mut counts = counts.into_iter().map(|c| f32_to_count(c[0]));
-        let recv: Vec<usize> = call
-            .group
-            .iter()
-            .map(|&r| if r == self.rank { send[me] } else { counts.next().expect("a count") })
-            .collect();
-        for (i, &peer) in call.group.iter().enumerate() {
-            if peer != self.rank {
-                self.send(call, peer, lane, &data[at[i]..at[i + 1]]);
-            }
-        }
-        let want: Vec<usize> = (0..call.group.len()).filter(|&i| i != me).map(|i| recv[i]).collect();
-        let mut received = self.recv_all(call, &others, lane, &want).into_iter();
-        let mut all = Vec::with_capacity(recv.iter().sum());
+        let mut received = self.recv_all(call, &others, lane, &vec![part; others.len()]).into_iter();
+        let mut all = Vec::with_capacity(data.len());
         for &member in call.group {
             if member == self.rank {
-                all.extend_from_slice(&data[at[me]..at[me + 1]]);
+                all.extend_from_slice(&data[me * part..(me + 1) * part]);
             } else {
                 all.extend(received.next().expect("a part"));
             }
         }
-        (all, recv)
+        all
     }
 
     /// `Σ_group data`, each element added in group order: a reduce-scatter over nearly equal
@@ -780,16 +765,12 @@ impl<B: Backend> Collectives<B> for Tcp {
         }
     }
 
-    fn all_to_all(&mut self, be: &mut B, input: View, send: &[usize], output: View, group: &[usize]) -> Vec<usize> {
-        check_all_to_all(input, send, group);
-        let data = self.download(be, input.at(0, send.iter().sum()));
-        let (all, recv) = self.net.all_to_all(&Call { op: "all-to-all", group }, Lane::Step, &data, send);
-        check_received(&recv, output, self.net.rank);
-        if !all.is_empty() {
-            be.upload(output.at(0, all.len()), &all);
-        }
+    fn all_to_all(&mut self, be: &mut B, input: View, output: View, group: &[usize]) {
+        all_to_all_part(input, output, group);
+        let data = self.download(be, input);
+        let all = self.net.all_to_all(&Call { op: "all-to-all", group }, Lane::Step, &data);
+        be.upload(output, &all);
         self.staging = data;
-        recv
     }
 
     fn send_recv(&mut self, be: &mut B, sends: &[(View, usize)], recvs: &[(View, usize)]) {
@@ -877,14 +858,11 @@ mod tests {
         comm.all_reduce_sum(be, gathered, &pairs);
         comm.wait(be);
         out.extend([read(be, x), read(be, g), read(be, gathered)]);
-        // All-to-alls of uneven parts (some empty), over the world and over pairs.
+        // All-to-alls over the world (parts of 3) and over pairs (parts of 6).
         for group in [world.clone(), pairs.clone()] {
-            let counts: Vec<usize> = group.iter().map(|&to| (rank + 2 * to) % 4).collect();
-            let (input, output) = (be.alloc(BufKind::Activations, 12), be.alloc(BufKind::Activations, 16));
+            let (input, output) = (be.alloc(BufKind::Activations, 12), be.alloc(BufKind::Activations, 12));
             be.upload(input, &(0..12).map(value).collect::<Vec<_>>());
-            be.fill(output, 0.0);
-            let recv = comm.all_to_all(be, input, &counts, output, &group);
-            out.push(recv.iter().map(|&c| c as f32).collect());
+            comm.all_to_all(be, input, output, &group);
             out.push(read(be, output));
         }
         // A ring of sends and receives, twice.

@@ -316,14 +316,19 @@ pub(super) fn muon(gpu: Cuda, scale: Scale) -> Result<String, String> {
 }
 
 /// The expert axis over two devices: each runs its experts' grouped products on the rows the
-/// other routes to them (per-sender offsets into the received rows), and the two follow one
-/// device training the same global batch, allocating what the memory plan says.
-pub(super) fn expert_axis(gpu: Cuda, scale: Scale) -> Result<String, String> {
-    two_devices(gpu, scale, "tiny-mixtral", &[], &["mesh.ici_data=2", "mesh.ici_expert=2"], "EP 2")
+/// other routes to them (parts of fixed size, per-sender runs written on the device from the
+/// exchanged counts), and the two follow one device training the same global batch, allocating
+/// what the memory plan says; dropless or with a capacity factor, the second step is recorded
+/// as a graph on each device (no count read back mid-step) and replayed.
+pub(super) fn expert_axis(gpu: Cuda, scale: Scale, capacity: Option<&str>) -> Result<String, String> {
+    let sets: Vec<&str> = capacity.into_iter().collect();
+    two_devices(gpu, scale, "tiny-mixtral", &sets, &["mesh.ici_data=2", "mesh.ici_expert=2"], "EP 2")
 }
 
 /// Two emulated devices on `mesh` (threads meeting through the virtual collectives) follow one
 /// device training the same global batch, and each allocates what the mesh's memory plan says.
+/// Each records its second step's micro-batch as a graph, collectives included (the virtual
+/// devices' host calls), and replays it.
 fn two_devices(
     gpu: Cuda,
     scale: Scale,
@@ -353,6 +358,9 @@ fn two_devices(
             return Err(format!("{casts} units gathered as FP8 casts, {want_casts} expected"));
         }
         let losses = (0..steps).map(|_| t.train_step(0.0).loss).collect();
+        if t.backend.recorded_sections() != 1 {
+            return Err(format!("{} sections recorded as graphs, 1 expected", t.backend.recorded_sections()));
+        }
         Ok((losses, t.backend.memory_in_use().0, estimate))
     };
     let runs: Vec<_> = std::thread::scope(|s| {
@@ -375,7 +383,7 @@ fn two_devices(
         detail.push(format!("{memory}, losses {losses:.4?}"));
     }
     let casts = if want_casts > 0 { format!("; {want_casts} layers gathered as FP8 casts") } else { String::new() };
-    Ok(format!("{}; one device: {single:.4?}{casts}", detail.join("; ")))
+    Ok(format!("{}; one device: {single:.4?}{casts}; step 2 recorded as a graph on each device", detail.join("; ")))
 }
 
 /// A few training steps of tiny configuration `name` lower the loss.

@@ -1,12 +1,12 @@
 //! Each op of the CUDA backend against its CPU twin: the same inputs on both, one call, the
 //! outputs compared with the tolerance of their type.
 
-use super::{BF16, F32, Tol, compare, failure};
+use super::{BF16, EXACT, F32, Tol, compare, failure};
 use crate::backend::cpu::Cpu;
 use crate::backend::cuda::Cuda;
 use crate::backend::{
     AdamWStep, AttnNeeds, AttnShape, Backend, BufKind, ExpertWeights, IdxView, MatMul, MoeDispatch, MuonMomentum,
-    Routing, Scoring, Segment, SeqSplit, View, clip_scale,
+    Parts, Routing, Scoring, Segment, SeqSplit, View, clip_scale,
 };
 use crate::config::AttentionImpl;
 use crate::rng;
@@ -135,8 +135,8 @@ pub(super) fn scale(gpu: Cuda, n: usize) -> Result<String, String> {
         be.scale(g.at(1, n - 2), 11.3);
     });
     t.check("bf16", a, BF16)?;
-    t.check("f32", f, Tol { rel_l2: 0.0, max: 0.0 })?;
-    t.check("f32 from element 1 (its ends unscaled)", g, Tol { rel_l2: 0.0, max: 0.0 })?;
+    t.check("f32", f, EXACT)?;
+    t.check("f32 from element 1 (its ends unscaled)", g, EXACT)?;
     t.done()
 }
 
@@ -298,7 +298,7 @@ pub(super) fn fp8(gpu: Cuda, m: usize, n: usize, k: usize) -> Result<String, Str
         ("delayed x cast transposed, after two updates", xtd),
         ("W's pieces' amaxes, scaled without history", pieces),
     ] {
-        t.check(&format!("{what}'s scaling state"), s.view, Tol { rel_l2: 0.0, max: 0.0 })?;
+        t.check(&format!("{what}'s scaling state"), s.view, EXACT)?;
     }
     let (mut whole, mut from_pieces) = (vec![0f32; sw.view.len], vec![0f32; pieces.view.len]);
     t.cpu.download(sw.view, &mut whole);
@@ -742,9 +742,17 @@ pub(super) fn moe(gpu: Cuda, capacity: Option<usize>, renormalize: bool) -> Resu
     );
     let dgu = t.random(ACT, rows * 2 * f, 1.0);
     let (counts, drouter) = (t.random(F32S, e, 10.0), t.alloc(ACT, n * e));
+    // The expert axis's parts: two members of e/2 experts, parts as large as every row.
+    let parts = Parts { members: 2, local: e / 2, rows };
+    let (packed, unpacked, routed) = (t.alloc(ACT, 2 * rows * d), t.alloc(ACT, rows * d), t.alloc(F32S, e));
+    let runs = t.idx(&vec![0; 2 * (e / 2 + 1)]);
     t.both(|be| {
         be.moe_route(probs, router_logits, dispatch);
         be.moe_gather(xe, x, dispatch, d);
+        be.moe_pack(packed, xe, dispatch.offsets, parts, d);
+        be.moe_unpack(unpacked, packed, dispatch.offsets, parts, d);
+        be.moe_counts(routed, dispatch.offsets);
+        be.moe_runs(runs, routed, parts);
         be.moe_expert_matmul(gu, xe, gate_up, dispatch, MatMul::linear(0, d, 2 * f));
         be.swiglu_forward(h, gu, f);
         be.moe_expert_matmul(ye, h, down, dispatch, MatMul::linear(0, f, d));
@@ -773,6 +781,10 @@ pub(super) fn moe(gpu: Cuda, capacity: Option<usize>, renormalize: bool) -> Resu
         }
     }
     t.check("gathered", xe, BF16)?;
+    t.check("packed into parts", packed, EXACT)?;
+    t.check("unpacked", unpacked, EXACT)?;
+    t.check("routed counts", routed, EXACT)?;
+    t.check_idx("runs of the parts", runs)?;
     t.check("gate and up (grouped GEMM)", gu, BF16)?;
     t.check("down (grouped GEMM)", ye, BF16)?;
     t.check("combined", out, BF16)?;
@@ -1272,7 +1284,7 @@ pub(super) fn mla_qkv(gpu: Cuda, s: crate::backend::MlaShape, q_scale: f32) -> R
     });
     t.check("qkv", qkv, BF16)?;
     t.check("dq", dq, BF16)?;
-    t.check("dkv (copied)", dkv, Tol { rel_l2: 0.0, max: 0.0 })?;
+    t.check("dkv (copied)", dkv, EXACT)?;
     t.check("dkpe (summed over heads)", dkpe, BF16)?;
     let (mut g, width, qk) = (vec![0f32; qkv.len], s.qkv_width(), s.qk());
     t.gpu.download(qkv, &mut g);
@@ -1300,8 +1312,8 @@ pub(super) fn heads_narrow_widen(
         be.heads_narrow(out, x, rows, heads, wide, narrow);
         be.heads_widen(widened, back, rows, heads, narrow, wide);
     });
-    t.check("narrowed", out, Tol { rel_l2: 0.0, max: 0.0 })?;
-    t.check("widened", widened, Tol { rel_l2: 0.0, max: 0.0 })?;
+    t.check("narrowed", out, EXACT)?;
+    t.check("widened", widened, EXACT)?;
     t.done()
 }
 

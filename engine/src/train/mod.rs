@@ -263,9 +263,11 @@ impl<B: Backend> Trainer<B> {
     /// Each `grad_accum` round runs this stage's schedule over the pipeline's micro-batches
     /// ([`crate::parallel::pipeline::actions`]): a forward pass receives its input from the
     /// stage before (unless first) and sends its output on (unless last); a backward pass
-    /// receives its output's gradient (unless last) and sends its input's back (unless first). On one device each
-    /// micro-batch's forward and backward pass is one [`Backend::begin_section`]: the same ops
-    /// on the same buffers every time, which the CUDA backend records once as a graph.
+    /// receives its output's gradient (unless last) and sends its input's back (unless first).
+    /// On one device, or on devices whose collectives can be recorded with their work and no
+    /// pipeline, each micro-batch's forward and backward pass is one [`Backend::begin_section`]:
+    /// the same ops on the same buffers every time, which the CUDA backend records once as a
+    /// graph.
     pub fn train_step(&mut self, peak_tflops: f64) -> StepMetrics {
         let start = Instant::now();
         self.refresh_weight_casts();
@@ -284,8 +286,12 @@ impl<B: Backend> Trainer<B> {
         if let Some(maxima) = self.plan.logit_max {
             self.backend.fill(maxima, f32::NEG_INFINITY);
         }
-        // Collectives inside a recorded section would need the communicator captured too.
-        let graphs = c.train.cuda_graphs && self.parallel.mesh.devices() == 1;
+        // Collectives inside a recorded section are recorded with it where the communicator
+        // allows (the virtual devices': host calls in the stream); a pipeline's handoffs lie
+        // between passes, so its stages record none.
+        let graphs = c.train.cuda_graphs
+            && (self.parallel.mesh.devices() == 1
+                || (self.parallel.captures_sections() && self.parallel.stages() == 1));
         let seq_len = c.train.seq_len;
         let grad_scale = weight / tokens / shards as f32;
         let mut busy = std::time::Duration::ZERO;
@@ -339,12 +345,15 @@ impl<B: Backend> Trainer<B> {
                                 "internal error: handoffs of a fused pass"
                             );
                             par.sync = round + 1 == accum && mb + 1 == microbatches;
+                            // The micro-batch that ends the step reduces its gradients over the
+                            // devices: other work, another section.
+                            let section = SECTION_MICRO_BATCH + u32::from(par.sync);
                             let passes = Instant::now();
-                            if be.begin_section(SECTION_MICRO_BATCH) {
+                            if be.begin_section(section) {
                                 chunk.model.forward(be, p, Some(grad_scale), &mut chunk.exchange(par));
                                 chunk.model.backward(be, p, aux_scale, &mut chunk.exchange(par));
                                 be.add(self.plan.scalars.at(LOSS_ACCUM, 1), p.scalars.at(LOSS_SUM, 1));
-                                be.end_section(SECTION_MICRO_BATCH);
+                                be.end_section(section);
                             }
                             busy += passes.elapsed();
                             let router = self.model.router_stats(be, p);
@@ -517,7 +526,8 @@ impl<B: Backend> Trainer<B> {
     }
 }
 
-/// The [`Backend::begin_section`] key of a micro-batch's forward and backward pass.
+/// The [`Backend::begin_section`] key of a micro-batch's forward and backward pass (that of the
+/// step's last micro-batch, whose gradients are reduced over the devices, is the next key).
 pub const SECTION_MICRO_BATCH: u32 = 0;
 
 /// Faults a test injects into the pipeline to show that the parity tests catch them.

@@ -40,7 +40,7 @@ mod gradcheck;
 
 use super::{
     AdamWStep, AttnShape, Backend, BufId, BufKind, ExpertWeights, Glu, IdxView, MatMul, MlaShape, MoeDispatch,
-    MuonMomentum, Segment, SeqSplit, View, fp8,
+    MuonMomentum, Parts, Segment, SeqSplit, View, fp8,
 };
 
 /// Rows handled by one task in row-parallel kernels with cross-row reductions; fixed so that
@@ -777,6 +777,30 @@ impl Backend for Cpu {
             dispatch,
             aux_scale,
         );
+    }
+
+    fn moe_pack(&mut self, dst: View, src: View, offsets: IdxView, parts: Parts, width: usize) {
+        let mut grouped = self.mem.get(src).to_vec();
+        let (dst, []) = self.mem.io(dst, []);
+        moe::parts(&mut grouped, dst, self.idx.get(offsets), parts, width, false);
+    }
+
+    fn moe_unpack(&mut self, dst: View, src: View, offsets: IdxView, parts: Parts, width: usize) {
+        let mut packed = self.mem.get(src).to_vec();
+        let (dst, []) = self.mem.io(dst, []);
+        moe::parts(dst, &mut packed, self.idx.get(offsets), parts, width, true);
+    }
+
+    fn moe_counts(&mut self, counts: View, offsets: IdxView) {
+        let offsets = self.idx.get(offsets).to_vec();
+        let (counts, []) = self.mem.io(counts, []);
+        counts.iter_mut().zip(offsets.windows(2)).for_each(|(c, o)| *c = (o[1] - o[0]) as f32);
+    }
+
+    fn moe_runs(&mut self, runs: IdxView, counts: View, parts: Parts) {
+        let counts = self.mem.get(counts).to_vec();
+        let (runs, []) = self.idx.io(runs, []);
+        moe::runs(runs, &counts, parts);
     }
 
     fn moe_load_excess(&mut self, dst: View, counts: View) {

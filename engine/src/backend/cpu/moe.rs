@@ -23,7 +23,7 @@
 //! counting sort), so every expert's tokens form one contiguous block for its matrix products;
 //! the rows past the kept ones (`offsets[E] ..`) belong to no slot.
 
-use crate::backend::{DROPPED, MoeDispatch};
+use crate::backend::{DROPPED, MoeDispatch, Parts};
 use rayon::prelude::*;
 
 /// The writable routing tables of one dispatch.
@@ -161,4 +161,35 @@ pub fn expert_bias_backward(dbias: &mut [f32], dout: &[f32]) {
         }
         db.iter_mut().zip(acc).for_each(|(d, a)| *d += a as f32);
     });
+}
+
+/// `Backend::moe_pack` (`unpack` false) and `Backend::moe_unpack` (true): part `j` of the
+/// packed rows holds the rows `offsets[j·L] .. offsets[(j+1)·L]` of the grouped ones, then
+/// zeros (packing only).
+pub fn parts(grouped: &mut [f32], packed: &mut [f32], offsets: &[u32], parts: Parts, width: usize, unpack: bool) {
+    for j in 0..parts.members {
+        let (from, to) = (offsets[j * parts.local] as usize, offsets[(j + 1) * parts.local] as usize);
+        assert!(to - from <= parts.rows, "internal error: {} rows for member {j}, parts of {}", to - from, parts.rows);
+        let part = &mut packed[j * parts.rows * width..(j + 1) * parts.rows * width];
+        let rows = &mut grouped[from * width..to * width];
+        if unpack {
+            rows.copy_from_slice(&part[..rows.len()]);
+        } else {
+            part[..rows.len()].copy_from_slice(rows);
+            part[rows.len()..].fill(0.0);
+        }
+    }
+}
+
+/// `Backend::moe_runs`: each sender's `L + 1` offsets of its runs among the received parts.
+pub fn runs(runs: &mut [u32], counts: &[f32], parts: Parts) {
+    let l = parts.local;
+    for s in 0..parts.members {
+        let mut at = s * parts.rows;
+        runs[s * (l + 1)] = at as u32;
+        for i in 0..l {
+            at += counts[s * l + i] as usize;
+            runs[s * (l + 1) + i + 1] = at as u32;
+        }
+    }
 }

@@ -13,7 +13,7 @@ use super::blas::{self, Blas, Gemm};
 use super::cudnn::Cudnn;
 use super::discovery::{self, DeviceInfo};
 use super::ops::MODULES;
-use super::{Device, nvrtc};
+use super::{Device, DeviceFn, nvrtc};
 
 /// A GPU. See the [module documentation](self).
 pub struct Gpu {
@@ -234,6 +234,10 @@ impl Device for Gpu {
 
     fn replay(&mut self, graph: usize) {
         self.graphs[graph].launch().unwrap_or_else(|e| panic!("internal error: CUDA graph launch failed: {e}"));
+    }
+
+    fn host_call(&mut self, f: DeviceFn) {
+        f(self)
     }
 
     fn memory(&self) -> (usize, usize) {

@@ -34,7 +34,7 @@ use sha2::{Digest, Sha256};
 use super::blas::Gemm;
 use super::discovery::DeviceInfo;
 use super::ops::{COMMON, MODULES};
-use super::{DType, Device, nvrtc};
+use super::{DType, Device, DeviceFn, nvrtc};
 use crate::backend::cpu::{Parallelism, sgemm};
 use crate::backend::fp8::Fp8Format;
 
@@ -99,6 +99,7 @@ enum Work {
     Copy { dst: CUdeviceptr, src: CUdeviceptr, bytes: usize },
     Zero { dst: CUdeviceptr, count: usize },
     Gemm(Gemm),
+    Host(DeviceFn),
 }
 
 /// The emulated device. See the [module documentation](self).
@@ -206,6 +207,7 @@ impl Emulator {
             },
             Work::Zero { dst, count } => unsafe { std::ptr::write_bytes(*dst as *mut u32, 0, *count) },
             Work::Gemm(g) => gemm(g),
+            Work::Host(f) => f(self),
         }
     }
 
@@ -293,6 +295,14 @@ impl Device for Emulator {
             self.run(w);
         }
         self.graphs[graph] = list;
+    }
+
+    fn host_call(&mut self, f: DeviceFn) {
+        self.issue(Work::Host(f));
+    }
+
+    fn records_host_calls(&self) -> bool {
+        true
     }
 
     fn memory(&self) -> (usize, usize) {

@@ -33,8 +33,8 @@ use anyhow::{Result, anyhow, bail};
 use cudarc::driver::sys::{self, CUdeviceptr};
 
 use super::{
-    AdamWStep, AttnNeeds, AttnShape, Backend, BufKind, ExpertWeights, Glu, IdxView, MatMul, MlaShape, MoeDispatch,
-    MuonMomentum, Segment, SeqSplit, View, fp8, gib,
+    AdamWStep, AttnNeeds, AttnShape, Backend, BufKind, ExpertWeights, Glu, HostFn, IdxView, MatMul, MlaShape,
+    MoeDispatch, MuonMomentum, Parts, Segment, SeqSplit, View, fp8, gib,
 };
 use crate::config::{AttentionImpl, ModelConfig};
 use blas::Gemm;
@@ -73,6 +73,15 @@ trait Device {
     fn end_capture(&mut self) -> usize;
     /// Issues a recording's work again.
     fn replay(&mut self, graph: usize);
+    /// Calls `f` on the device in order with the work issued: where work is recorded (the
+    /// emulator's graphs) the call is recorded and made again at each replay; on a GPU it is
+    /// made now, after the work issued (a host function cannot touch device memory in a CUDA
+    /// graph, so a GPU section holds none: the backend checks).
+    fn host_call(&mut self, f: DeviceFn);
+    /// Whether [`Device::host_call`] is recorded with the work (may sit inside a section).
+    fn records_host_calls(&self) -> bool {
+        false
+    }
     /// Free and total device memory in bytes.
     fn memory(&self) -> (usize, usize);
     /// The stream all work goes to, for a library that issues work itself (NCCL); none on
@@ -83,6 +92,30 @@ trait Device {
     /// cuDNN on the device's stream, opened the first time it is asked for.
     fn cudnn(&mut self) -> Result<&mut cudnn::Cudnn> {
         bail!("cuDNN runs on a GPU, and this device is the emulator")
+    }
+}
+
+/// A host function on the device ([`Device::host_call`]).
+type DeviceFn = std::sync::Arc<dyn Fn(&mut dyn Device) + Send + Sync>;
+
+/// Messages ([`Backend::download_message`]) from a view's bytes of type `t`: f32 and bf16 as
+/// numbers, an FP8 byte as its code.
+fn decode(t: DType, bytes: &[u8]) -> Vec<f32> {
+    match t {
+        DType::F32 => bytes.chunks_exact(4).map(|b| f32::from_ne_bytes([b[0], b[1], b[2], b[3]])).collect(),
+        DType::Bf16 => {
+            bytes.chunks_exact(2).map(|b| half::bf16::from_bits(u16::from_ne_bytes([b[0], b[1]])).to_f32()).collect()
+        }
+        DType::Fp8 => bytes.iter().map(|&b| f32::from(b)).collect(),
+    }
+}
+
+/// The bytes of type `t` of messages: the inverse of [`decode`] (bf16 rounded to nearest even).
+fn encode(t: DType, messages: &[f32]) -> Vec<u8> {
+    match t {
+        DType::F32 => bytes_of(messages).to_vec(),
+        DType::Bf16 => messages.iter().flat_map(|&x| half::bf16::from_f32(x).to_bits().to_ne_bytes()).collect(),
+        DType::Fp8 => messages.iter().map(|&x| x as u8).collect(),
     }
 }
 
@@ -674,10 +707,7 @@ impl Backend for Cuda {
         let (ptr, t) = self.exact(dst);
         match t {
             DType::F32 => self.dev.upload(ptr, bytes_of(src)),
-            DType::Bf16 => {
-                let host: Vec<u16> = src.iter().map(|&x| half::bf16::from_f32(x).to_bits()).collect();
-                self.dev.upload(ptr, bytes_of(&host))
-            }
+            DType::Bf16 => self.dev.upload(ptr, &encode(t, src)),
             DType::Fp8 => panic!("internal error: FP8 buffers are written by fp8_quantize alone"),
         }
         ops::elementwise::refresh_compute_copy(self, dst);
@@ -697,11 +727,9 @@ impl Backend for Cuda {
         match t {
             DType::F32 => self.dev.download(bytes_of_mut(dst), ptr),
             DType::Bf16 => {
-                let mut host = vec![0u16; dst.len()];
-                self.dev.download(bytes_of_mut(&mut host), ptr);
-                for (d, h) in dst.iter_mut().zip(&host) {
-                    *d = half::bf16::from_bits(*h).to_f32();
-                }
+                let mut bytes = vec![0u8; 2 * dst.len()];
+                self.dev.download(&mut bytes, ptr);
+                dst.copy_from_slice(&decode(t, &bytes));
             }
             DType::Fp8 => {
                 panic!("internal error: FP8 buffers are read back with Cuda::download_fp8, which knows their format")
@@ -718,7 +746,7 @@ impl Backend for Cuda {
         self.sync_check("download");
         let mut bytes = vec![0u8; src.len];
         self.dev.download(&mut bytes, ptr);
-        dst.iter_mut().zip(bytes).for_each(|(d, b)| *d = f32::from(b));
+        dst.copy_from_slice(&decode(t, &bytes));
     }
 
     fn upload_message(&mut self, dst: View, src: &[f32]) {
@@ -728,8 +756,27 @@ impl Backend for Cuda {
         }
         assert_eq!(dst.len, src.len(), "internal error: upload length");
         self.sync_check("upload");
-        let bytes: Vec<u8> = src.iter().map(|&x| x as u8).collect();
-        self.dev.upload(ptr, &bytes);
+        self.dev.upload(ptr, &encode(t, src));
+    }
+
+    fn host_call(&mut self, reads: View, writes: View, f: HostFn) {
+        if !self.dev.records_host_calls() {
+            self.sync_check("a host call");
+        }
+        let ((src, t_in), (dst, t_out)) = (self.exact(reads), self.exact(writes));
+        let (n_in, n_out) = (reads.len, writes.len);
+        self.dev.host_call(std::sync::Arc::new(move |dev: &mut dyn Device| {
+            let mut bytes = vec![0u8; n_in * t_in.size()];
+            if n_in > 0 {
+                dev.download(&mut bytes, src);
+            }
+            let mut output = vec![0f32; n_out];
+            f(&decode(t_in, &bytes), &mut output);
+            if n_out > 0 {
+                dev.upload(dst, &encode(t_out, &output));
+            }
+        }));
+        ops::elementwise::refresh_compute_copy(self, writes);
     }
 
     fn download_idx(&mut self, src: IdxView, dst: &mut [u32]) {
@@ -1181,6 +1228,22 @@ impl Backend for Cuda {
         aux_scale: f32,
     ) {
         ops::moe::route_backward(self, drouter, dweight, probs, d, counts, aux_scale)
+    }
+
+    fn moe_pack(&mut self, dst: View, src: View, offsets: IdxView, parts: Parts, width: usize) {
+        ops::moe::parts(self, src, dst, offsets, parts, width, false)
+    }
+
+    fn moe_unpack(&mut self, dst: View, src: View, offsets: IdxView, parts: Parts, width: usize) {
+        ops::moe::parts(self, dst, src, offsets, parts, width, true)
+    }
+
+    fn moe_counts(&mut self, counts: View, offsets: IdxView) {
+        ops::moe::counts(self, counts, offsets)
+    }
+
+    fn moe_runs(&mut self, runs: IdxView, counts: View, parts: Parts) {
+        ops::moe::runs(self, runs, counts, parts)
     }
 
     fn moe_load_excess(&mut self, dst: View, counts: View) {

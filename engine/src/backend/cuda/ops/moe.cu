@@ -452,3 +452,40 @@ extern "C" __global__ void moe_expert_bias_backward(float* dbias, const bf16* do
         dbias[(u64)e * stride + c] += s;
     }
 }
+
+// The expert axis's fixed-size parts (one block per row of a part, blockIdx.y the part): part j of
+// `packed` holds the rows offsets[j·local] .. offsets[(j+1)·local] of `grouped`, then zeros.
+// pack (unpack = 0) writes the part, zeros included; unpack (1) writes the rows back, nothing else.
+extern "C" __global__ void moe_parts(bf16* grouped, bf16* packed, const u32* offsets, int local, u64 rows, int d,
+                                     int unpack) {
+    u64 j = blockIdx.y, i = blockIdx.x;
+    u32 from = offsets[j * local], count = offsets[(j + 1) * local] - from;
+    bf16* part = packed + (j * rows + i) * d;
+    if (i < count) {
+        bf16* row = grouped + ((u64)from + i) * d;
+        for (int c = threadIdx.x; c < d; c += blockDim.x) {
+            if (unpack) row[c] = part[c];
+            else part[c] = row[c];
+        }
+    } else if (!unpack) {
+        for (int c = threadIdx.x; c < d; c += blockDim.x) part[c] = f2bf(0.f);
+    }
+}
+
+// counts[e] = offsets[e + 1] - offsets[e], as numbers (grid-stride)
+extern "C" __global__ void moe_counts(float* counts, const u32* offsets, int e) {
+    for (int x = blockIdx.x * blockDim.x + threadIdx.x; x < e; x += gridDim.x * blockDim.x)
+        counts[x] = (float)(offsets[x + 1] - offsets[x]);
+}
+
+// The runs of the received parts (a thread per sender): runs[s·(L+1) + l] = s·rows + Σ_{i<l} counts[s·L + i].
+extern "C" __global__ void moe_runs(u32* runs, const float* counts, int senders, int local, u64 rows) {
+    for (int s = blockIdx.x * blockDim.x + threadIdx.x; s < senders; s += gridDim.x * blockDim.x) {
+        u64 at = (u64)s * rows;
+        runs[s * (local + 1)] = (u32)at;
+        for (int l = 0; l < local; l++) {
+            at += (u64)counts[s * local + l];
+            runs[s * (local + 1) + l + 1] = (u32)at;
+        }
+    }
+}

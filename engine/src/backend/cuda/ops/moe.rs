@@ -3,7 +3,7 @@
 
 use super::{Module, aligned16, c_int, row_threads};
 use crate::backend::cuda::{Arg, Cuda, DType};
-use crate::backend::{BufKind, ExpertWeights, MoeDispatch, Scoring, View};
+use crate::backend::{BufKind, ExpertWeights, IdxView, MoeDispatch, Parts, Scoring, View};
 
 /// The kernels of `moe.cu`.
 pub(crate) const MODULE: Module = Module {
@@ -23,6 +23,9 @@ pub(crate) const MODULE: Module = Module {
         "moe_bias_step",
         "moe_expert_bias",
         "moe_expert_bias_backward",
+        "moe_parts",
+        "moe_counts",
+        "moe_runs",
     ],
 };
 
@@ -258,4 +261,56 @@ pub(crate) fn expert_bias_backward(gpu: &mut Cuda, dbias: ExpertWeights, dout: V
     let (db, g, off) = (gpu.out(dbias.first, "moe_expert_bias_backward"), gpu.ptr(dout), gpu.iptr(d.offsets));
     let args = [Arg::P(db), Arg::P(g), Arg::U(dbias.stride as u64), Arg::P(off), Arg::I(c_int(width, "width"))];
     gpu.launch("moe_expert_bias_backward", (width.div_ceil(64) as u32, d.experts as u32, 1), 256, 0, &args);
+}
+
+/// `Backend::moe_pack` and `Backend::moe_unpack`: a block per row of each part.
+pub(crate) fn parts(
+    gpu: &mut Cuda,
+    grouped: View,
+    packed: View,
+    offsets: IdxView,
+    p: Parts,
+    width: usize,
+    unpack: bool,
+) {
+    let op = if unpack { "moe_unpack" } else { "moe_pack" };
+    gpu.expect(grouped, DType::Bf16, op, "grouped rows");
+    gpu.expect(packed, DType::Bf16, op, "parts");
+    assert!(packed.len >= p.members * p.rows * width, "internal error: {op}: parts of {} elements", packed.len);
+    assert!(offsets.len > p.members * p.local, "internal error: {op}: {} offsets", offsets.len);
+    let (g, k) = if unpack { (gpu.out(grouped, op), gpu.ptr(packed)) } else { (gpu.ptr(grouped), gpu.out(packed, op)) };
+    let args = [
+        Arg::P(g),
+        Arg::P(k),
+        Arg::P(gpu.iptr(offsets)),
+        Arg::I(c_int(p.local, "local experts")),
+        Arg::U(p.rows as u64),
+        Arg::I(c_int(width, "d")),
+        Arg::I(unpack as i32),
+    ];
+    let grid = (u32::try_from(p.rows.max(1)).expect("internal error: parts of 2^32 rows"), p.members as u32, 1);
+    gpu.launch("moe_parts", grid, row_threads(width), 0, &args);
+}
+
+/// `Backend::moe_counts`: a thread per expert.
+pub(crate) fn counts(gpu: &mut Cuda, counts: View, offsets: IdxView) {
+    gpu.expect(counts, DType::F32, "moe_counts", "counts");
+    assert!(offsets.len > counts.len, "internal error: moe_counts: {} offsets for {} experts", offsets.len, counts.len);
+    let args = [Arg::P(gpu.out(counts, "moe_counts")), Arg::P(gpu.iptr(offsets)), Arg::I(c_int(counts.len, "experts"))];
+    gpu.launch_1d("moe_counts", counts.len as u64, &args);
+}
+
+/// `Backend::moe_runs`: a thread per sender.
+pub(crate) fn runs(gpu: &mut Cuda, runs: IdxView, counts: View, p: Parts) {
+    gpu.expect(counts, DType::F32, "moe_runs", "counts");
+    assert!(counts.len >= p.members * p.local, "internal error: moe_runs: {} counts", counts.len);
+    assert!(runs.len >= p.members * (p.local + 1), "internal error: moe_runs: {} offsets", runs.len);
+    let args = [
+        Arg::P(gpu.iptr(runs)),
+        Arg::P(gpu.ptr(counts)),
+        Arg::I(c_int(p.members, "members")),
+        Arg::I(c_int(p.local, "local experts")),
+        Arg::U(p.rows as u64),
+    ];
+    gpu.launch_1d("moe_runs", p.members as u64, &args);
 }
