@@ -6,7 +6,7 @@
 //! rendezvous). A thread per connection reads the peer's messages into mailboxes, one per
 //! (peer, lane), so that a send never waits for the receiver to be ready and two ranks sending
 //! to each other never deadlock. Lanes keep apart what runs concurrently: the step's own
-//! collectives, the started ones (run on a worker thread, as [`Virtual`]'s second lane), and the
+//! collectives, the started ones (run on a worker thread while the passes go on), and the
 //! pipeline's point-to-point messages; within a lane, messages between two ranks arrive in order.
 //!
 //! **The same sums as [`Virtual`].** Each element of a sum is `0 + x₀ + x₁ + …` in group order,
