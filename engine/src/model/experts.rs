@@ -52,8 +52,8 @@ impl Model {
         let MlpActs::Moe { dispatch, xe, gu, h, ye, xr, local_offsets, .. } = &a.mlp else {
             unreachable!("internal error: expert activations planned for a dense layer")
         };
-        let parts = parts(dispatch, ex.expert_rank().1, xr.len / d);
         let received = xr.len / d;
+        let parts = parts(dispatch, ex.expert_rank().1, received);
         be.moe_gather(*xe, a.ln2, *dispatch, d);
         #[cfg(test)]
         if self.fault_misroute {
@@ -102,8 +102,8 @@ impl Model {
         let MlpActs::Moe { dispatch, gu, h, xr, local_offsets, .. } = &a.mlp else {
             unreachable!("internal error: expert activations planned for a dense layer")
         };
-        let parts = parts(dispatch, ex.expert_rank().1, xr.len / d);
         let received = xr.len / d;
+        let parts = parts(dispatch, ex.expert_rank().1, received);
         be.moe_pack(p.parts, p.dye, dispatch.offsets, parts, d);
         ex.expert_exchange(be, p.parts, p.yr.at(0, received * d));
         let (gate_up, down) = expert_weights(w, experts.0, experts.1, d, f);

@@ -780,27 +780,29 @@ impl Backend for Cpu {
     }
 
     fn moe_pack(&mut self, dst: View, src: View, offsets: IdxView, parts: Parts, width: usize) {
-        let mut grouped = self.mem.get(src).to_vec();
-        let (dst, []) = self.mem.io(dst, []);
-        moe::parts(&mut grouped, dst, self.idx.get(offsets), parts, width, false);
+        let (packed, [grouped]) = self.mem.io(dst, [src]);
+        for (rows, part) in moe::parts(self.idx.get(offsets), parts, width) {
+            let (kept, zeros) = packed[part].split_at_mut(rows.len());
+            kept.copy_from_slice(&grouped[rows]);
+            zeros.fill(0.0);
+        }
     }
 
     fn moe_unpack(&mut self, dst: View, src: View, offsets: IdxView, parts: Parts, width: usize) {
-        let mut packed = self.mem.get(src).to_vec();
-        let (dst, []) = self.mem.io(dst, []);
-        moe::parts(dst, &mut packed, self.idx.get(offsets), parts, width, true);
+        let (grouped, [packed]) = self.mem.io(dst, [src]);
+        for (rows, part) in moe::parts(self.idx.get(offsets), parts, width) {
+            grouped[rows.clone()].copy_from_slice(&packed[part.start..part.start + rows.len()]);
+        }
     }
 
     fn moe_counts(&mut self, counts: View, offsets: IdxView) {
-        let offsets = self.idx.get(offsets).to_vec();
         let (counts, []) = self.mem.io(counts, []);
-        counts.iter_mut().zip(offsets.windows(2)).for_each(|(c, o)| *c = (o[1] - o[0]) as f32);
+        counts.iter_mut().zip(self.idx.get(offsets).windows(2)).for_each(|(c, o)| *c = (o[1] - o[0]) as f32);
     }
 
     fn moe_runs(&mut self, runs: IdxView, counts: View, parts: Parts) {
-        let counts = self.mem.get(counts).to_vec();
         let (runs, []) = self.idx.io(runs, []);
-        moe::runs(runs, &counts, parts);
+        moe::runs(runs, self.mem.get(counts), parts);
     }
 
     fn moe_load_excess(&mut self, dst: View, counts: View) {

@@ -23,6 +23,8 @@
 //! counting sort), so every expert's tokens form one contiguous block for its matrix products;
 //! the rows past the kept ones (`offsets[E] ..`) belong to no slot.
 
+use std::ops::Range;
+
 use crate::backend::{DROPPED, MoeDispatch, Parts};
 use rayon::prelude::*;
 
@@ -163,22 +165,14 @@ pub fn expert_bias_backward(dbias: &mut [f32], dout: &[f32]) {
     });
 }
 
-/// `Backend::moe_pack` (`unpack` false) and `Backend::moe_unpack` (true): part `j` of the
-/// packed rows holds the rows `offsets[j·L] .. offsets[(j+1)·L]` of the grouped ones, then
-/// zeros (packing only).
-pub fn parts(grouped: &mut [f32], packed: &mut [f32], offsets: &[u32], parts: Parts, width: usize, unpack: bool) {
-    for j in 0..parts.members {
+/// `Backend::moe_pack` and `Backend::moe_unpack`: for each member `j`, the element ranges of
+/// its rows among the grouped ones (`offsets[j·L] .. offsets[(j+1)·L]`) and of its part.
+pub fn parts(offsets: &[u32], parts: Parts, width: usize) -> impl Iterator<Item = (Range<usize>, Range<usize>)> + '_ {
+    (0..parts.members).map(move |j| {
         let (from, to) = (offsets[j * parts.local] as usize, offsets[(j + 1) * parts.local] as usize);
         assert!(to - from <= parts.rows, "internal error: {} rows for member {j}, parts of {}", to - from, parts.rows);
-        let part = &mut packed[j * parts.rows * width..(j + 1) * parts.rows * width];
-        let rows = &mut grouped[from * width..to * width];
-        if unpack {
-            rows.copy_from_slice(&part[..rows.len()]);
-        } else {
-            part[..rows.len()].copy_from_slice(rows);
-            part[rows.len()..].fill(0.0);
-        }
-    }
+        (from * width..to * width, j * parts.rows * width..(j + 1) * parts.rows * width)
+    })
 }
 
 /// `Backend::moe_runs`: each sender's `L + 1` offsets of its runs among the received parts.
